@@ -1,0 +1,1 @@
+"""Command-line front ends. The only code in the project that prints or exits."""
