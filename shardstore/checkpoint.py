@@ -1,0 +1,347 @@
+"""Saving and restoring training state as commits (SPEC.md §Write ordering, §Read ordering).
+
+The common case is two calls::
+
+    commit_id = shardstore.save(store, model, optimizer, step=step)
+    shardstore.restore(store, "main", model, optimizer)
+
+Underneath, a save is: ``capture`` what one slot owns (no copy), ``write_shard`` (objects,
+then a durability barrier, then the shard manifest), ``write_commit`` (the commit manifest,
+whose id is the full root), then the ref moves by compare-and-swap. ``restore`` resolves
+a target, verifies the commit and its shard manifests, and copies only the tensors the
+given model owns (by name, whatever layout wrote them) out of verified objects.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CursorError, StateMismatch, TensorMismatch
+from .manifest import (
+    FORMAT_VERSION,
+    CommitManifest,
+    OptimEntry,
+    OptimizerSpec,
+    RngEntry,
+    ShardManifest,
+    SlotLayout,
+    TensorEntry,
+    decode_config,
+    encode_config,
+)
+from .names import check_ref_name, check_tensor_name
+from .optim import OptimState, ParamOpt, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
+from .rng import capture_rng, restore_rng
+from .roots import learned_root
+from .store import Store
+from .tensors import dtype_name
+from .verify import LoadedCommit, load_commit
+
+__all__ = ["CommitInfo", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]
+
+AUTO: Any = "auto"
+"""Sentinel: take the parent from the ref being moved."""
+
+
+@dataclass
+class CommitInfo:
+    """Everything about a commit that is not a tensor: what job, which step, what model."""
+
+    step: int
+    job: str = "default"
+    schedule: str | None = None
+    profile: str = "fp32"
+    config: Mapping[str, Any] | None = None
+    data_cursor: int | None = None
+    transition: str = "train"
+
+
+@dataclass
+class SlotState:
+    """What one slot contributes to a commit. Tensors are referenced, not copied."""
+
+    tensors: dict[str, torch.Tensor]
+    optim: OptimState = field(default_factory=OptimState)
+    rng: dict[str, bytes] = field(default_factory=dict)
+    births: dict[str, int] | None = None
+
+
+@dataclass
+class Restored:
+    """What ``restore`` did."""
+
+    commit: str
+    step: int
+    data_cursor: int | None
+    config: dict[str, Any] | None
+    tensors: list[str]
+    rng_restored: bool
+
+
+def _named_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    items = model.named_parameters() if isinstance(model, torch.nn.Module) else model.items()
+    out = {}
+    for name, t in items:
+        if t.device.type == "meta":
+            continue  # not owned by this process
+        out[check_tensor_name(name)] = t
+    return out
+
+
+def capture(
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    optimizer: Any = None,
+    *,
+    names: list[str] | None = None,
+    rng: bool = True,
+    group_names: list[str] | None = None,
+    births: dict[str, int] | None = None,
+) -> SlotState:
+    """Reference (not copy) the named parameters and optimizer state one slot owns.
+
+    ``model`` is a module (its non-meta named parameters) or a name → tensor mapping;
+    ``names`` restricts to a subset (to split one process's state into several slots).
+    ``optimizer`` is a torch Adam/AdamW or anything with ``state_export()``.
+    """
+    tensors = _named_tensors(model)
+    if names is not None:
+        missing = sorted(set(names) - set(tensors))
+        if missing:
+            raise StateMismatch(f"names not among the model's parameters: {missing[:5]}")
+        tensors = {n: tensors[n] for n in names}
+    optim = OptimState()
+    if optimizer is not None:
+        if hasattr(optimizer, "state_export"):
+            full = from_export(optimizer)
+        else:
+            full = from_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
+        params = {n: full.params[n] for n in tensors if n in full.params}
+        used = {p.group for p in params.values()}
+        optim = OptimState(full.algorithm, {g: h for g, h in full.groups.items() if g in used}, params)
+    return SlotState(tensors, optim, capture_rng() if rng else {}, births)
+
+
+def _put_all(store: Store, tensors: list[torch.Tensor], threads: int) -> list[str]:
+    if threads <= 1 or len(tensors) <= 1:
+        return [store.put_tensor(t) for t in tensors]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(store.put_tensor, tensors))
+
+
+def _config_id(store: Store, config: Mapping[str, Any] | None) -> str | None:
+    return None if config is None else store.put(encode_config(dict(config)))
+
+
+def write_shard(
+    store: Store, state: SlotState, *, info: CommitInfo, parent: str | None, slot: int, slots: int, threads: int = 2
+) -> str:
+    """Write one slot's objects, then (after a durability barrier) its shard manifest; return its id."""
+    names = sorted(state.tensors)
+    flat: list[torch.Tensor] = []
+    for n in names:
+        flat.append(state.tensors[n])
+        po = state.optim.params.get(n)
+        if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
+            flat += [po.exp_avg, po.exp_avg_sq]
+    ids = iter(_put_all(store, flat, threads))
+    entries = []
+    for n in names:
+        t = state.tensors[n]
+        param_id = next(ids)
+        po: ParamOpt | None = state.optim.params.get(n)
+        optim = None
+        if po is not None:
+            has_moments = po.exp_avg is not None and po.exp_avg_sq is not None
+            m1 = next(ids) if has_moments else None
+            m2 = next(ids) if has_moments else None
+            if has_moments and (tuple(po.exp_avg.shape) != tuple(t.shape) or tuple(po.exp_avg_sq.shape) != tuple(t.shape)):
+                raise TensorMismatch(f"tensor {n!r}: Adam moments have shapes {tuple(po.exp_avg.shape)}, {tuple(po.exp_avg_sq.shape)} but the parameter has {tuple(t.shape)}")
+            if has_moments and po.exp_avg.dtype != po.exp_avg_sq.dtype:
+                raise TensorMismatch(f"tensor {n!r}: Adam moments have different dtypes")
+            birth = info.step - po.age if state.births is None or n not in state.births else state.births[n]
+            if birth < 0 or birth + po.age != info.step:
+                raise CursorError(
+                    f"tensor {n!r}: Adam age {po.age} with birth {birth} does not reach global step {info.step} (SPEC.md §Optimizer state)"
+                )
+            optim = OptimEntry(
+                group=po.group,
+                birth=birth,
+                age=po.age,
+                exp_avg=m1,
+                exp_avg_sq=m2,
+                moment_dtype=dtype_name(po.exp_avg.dtype, n) if has_moments else None,
+            )
+        entries.append(TensorEntry(name=n, dtype=dtype_name(t.dtype, n), shape=tuple(t.shape), param=param_id, optim=optim))
+    rng = tuple(RngEntry(kind=k, object=store.put(v)) for k, v in sorted(state.rng.items()))
+    config_id = _config_id(store, info.config)
+    store.sync()  # objects are durable before any manifest names them
+    groups = tuple(group_spec(g, h) for g, h in sorted(state.optim.groups.items()))
+    shard = ShardManifest(
+        version=FORMAT_VERSION,
+        job=info.job,
+        step=info.step,
+        parent=parent,
+        config=config_id,
+        slot=slot,
+        slots=slots,
+        algorithm=state.optim.algorithm if groups else ("none" if not state.optim.params else state.optim.algorithm),
+        groups=groups,
+        entries=tuple(entries),
+        rng=rng,
+    )
+    sid = store.put_manifest(shard)
+    store.sync()
+    return sid
+
+
+def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None) -> str:
+    """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]); return the commit id."""
+    shards = [store.shard(s) for s in shard_ids]
+    groups: dict[str, Any] = {}
+    entries: list[TensorEntry] = []
+    algorithms = {s.algorithm for s in shards if s.groups}
+    for s in shards:
+        for g in s.groups:
+            if groups.setdefault(g.name, g) != g:
+                raise StateMismatch(f"slots disagree on the hyperparameters of optimizer group {g.name!r}")
+        entries.extend(s.entries)
+    if len(algorithms) > 1:
+        raise StateMismatch(f"slots use different optimizer algorithms: {sorted(algorithms)}")
+    algorithm = algorithms.pop() if algorithms else "none"
+    optimizer = OptimizerSpec(algorithm=algorithm, groups=tuple(groups[k] for k in sorted(groups)))
+    config_id = _config_id(store, info.config)
+    layout = tuple(
+        SlotLayout(slot=i, shard=sid, tensors=tuple(e.name for e in s.entries)) for i, (sid, s) in enumerate(zip(shard_ids, shards))
+    )
+    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries)
+    commit = CommitManifest(
+        version=FORMAT_VERSION,
+        job=info.job,
+        schedule=info.schedule,
+        profile=info.profile,
+        config=config_id,
+        optimizer=optimizer,
+        step=info.step,
+        data_cursor=info.data_cursor,
+        layout=layout,
+        learned_root=root,
+        parent=parent,
+        transition=info.transition,  # type: ignore[arg-type]
+    )
+    cid = store.put_manifest(commit)
+    store.sync()
+    load_commit(store, cid)  # every rule holds before anyone is told the id
+    return cid
+
+
+def save_slots(
+    store: Store, states: list[SlotState], *, info: CommitInfo, ref: str | None = "main", parent: str | None = AUTO, threads: int = 2
+) -> str:
+    """Commit several slots' states from one process and move ``ref`` (None: leave refs alone)."""
+    started = time.time()
+    if ref is not None:
+        check_ref_name(ref)
+    current = store.ref(ref) if ref is not None else None
+    if parent is AUTO:
+        parent = current
+    n = len(states)
+    shard_ids = [write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)]
+    cid = write_commit(store, shard_ids, info=info, parent=parent)
+    if ref is not None:
+        store.set_ref(ref, cid, expected=current)
+    store.write_journal(cid, {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()})
+    return cid
+
+
+def save(
+    store: Store,
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    optimizer: Any = None,
+    *,
+    step: int,
+    ref: str | None = "main",
+    job: str = "default",
+    config: Mapping[str, Any] | None = None,
+    data_cursor: int | None = None,
+    rng: bool = True,
+    parent: str | None = AUTO,
+    transition: str = "train",
+    group_names: list[str] | None = None,
+    threads: int = 2,
+) -> str:
+    """Save a model's parameters (and optimizer, RNG, data cursor) as a one-slot commit; return its id."""
+    info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
+    state = capture(model, optimizer, rng=rng, group_names=group_names)
+    return save_slots(store, [state], info=info, ref=ref, parent=parent, threads=threads)
+
+
+def _read_optim(store: Store, lc: LoadedCommit, names: list[str]) -> OptimState:
+    entries = lc.entries()
+    state = OptimState(lc.commit.optimizer.algorithm, {g.name: hyper_of(g) for g in lc.commit.optimizer.groups})
+    for n in names:
+        o = entries[n].optim
+        if o is None:
+            continue
+        m1 = m2 = None
+        if o.exp_avg is not None and o.exp_avg_sq is not None and o.moment_dtype is not None:
+            m1 = store.get_tensor(o.exp_avg, o.moment_dtype, entries[n].shape, what=f"exp_avg of {n!r}")
+            m2 = store.get_tensor(o.exp_avg_sq, o.moment_dtype, entries[n].shape, what=f"exp_avg_sq of {n!r}")
+        state.params[n] = ParamOpt(o.group, o.age, m1, m2)
+    return state
+
+
+def restore(
+    store: Store,
+    target: str,
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    optimizer: Any = None,
+    *,
+    rng: bool = False,
+    slot: int | None = None,
+    strict: bool = True,
+    group_names: list[str] | None = None,
+) -> Restored:
+    """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
+
+    Only tensors the model owns (non-meta parameters) are read, whatever layout wrote them;
+    every byte read is verified. ``strict``: every owned tensor must be in the commit.
+    ``rng`` restores the RNG states of ``slot`` (default: the only slot of a 1-slot commit).
+    """
+    lc = load_commit(store, target)
+    entries = lc.entries()
+    targets = _named_tensors(model)
+    names = sorted(n for n in targets if n in entries)
+    if strict:
+        missing = sorted(set(targets) - set(entries))
+        if missing:
+            raise StateMismatch(f"commit {lc.id} has no tensors named {missing[:5]} ({len(missing)} missing)")
+    for n in names:
+        e, t = entries[n], targets[n]
+        if dtype_name(t.dtype, n) != e.dtype or tuple(t.shape) != tuple(e.shape):
+            raise TensorMismatch(f"tensor {n!r}: commit {lc.id} holds {e.dtype}{list(e.shape)}, the model has {dtype_name(t.dtype, n)}{list(t.shape)}")
+    state = _read_optim(store, lc, names) if optimizer is not None else None
+    with torch.no_grad():
+        for n in names:
+            e = entries[n]
+            targets[n].copy_(store.get_tensor(e.param, e.dtype, e.shape, what=f"tensor {n!r}"))
+    if optimizer is not None and state is not None:
+        if hasattr(optimizer, "state_import"):
+            into_export(optimizer, state, [n for n in names if n in state.params])
+        else:
+            into_torch(optimizer, {targets[n]: n for n in names}, state, group_names=group_names)
+    restored_rng = False
+    if rng:
+        s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)
+        if s is None or s not in lc.shards:
+            raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore RNG")
+        restore_rng({r.kind: store.get(r.object) for r in lc.shards[s].rng})
+        restored_rng = True
+    config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config))
+    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng)

@@ -1,0 +1,95 @@
+"""The error hierarchy of shardstore: one base class, one subclass per failure mode.
+
+Every error names what was wrong (object id, tensor name, ref, slot) and, where the rule
+comes from the format, the SPEC.md section that states it. The CLI maps these classes to
+exit codes (SPEC.md §Exit codes); library code only raises.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "ShardstoreError",
+    "InvalidName",
+    "StoreConfigError",
+    "StorageError",
+    "ObjectNotFound",
+    "CorruptObject",
+    "ManifestError",
+    "TensorMismatch",
+    "BindingError",
+    "LayoutError",
+    "CursorError",
+    "RefNotFound",
+    "RefConflict",
+    "TargetNotFound",
+    "StateMismatch",
+    "UnsupportedOptimizer",
+    "CommitProtocolError",
+]
+
+
+class ShardstoreError(Exception):
+    """Base class of every error shardstore raises on purpose."""
+
+
+class InvalidName(ShardstoreError, ValueError):
+    """A ref name, tensor name, object id or key that fails validation before touching a path."""
+
+
+class StoreConfigError(ShardstoreError):
+    """The store's config object is missing, malformed, or of a version this reader refuses."""
+
+
+class StorageError(ShardstoreError):
+    """The backend failed to read, write, list or delete (I/O error, permission, server error)."""
+
+
+class ObjectNotFound(ShardstoreError):
+    """An object that something references is absent from the store."""
+
+
+class CorruptObject(ShardstoreError):
+    """An object's bytes do not hash to its id (flipped bytes, truncation, appended bytes)."""
+
+
+class ManifestError(ShardstoreError):
+    """A manifest (or ref, or config) does not decode strictly, is not canonical, or breaks a field rule."""
+
+
+class TensorMismatch(ShardstoreError):
+    """A tensor's dtype, shape or byte size disagrees with its entry or with the target tensor."""
+
+
+class BindingError(ShardstoreError):
+    """A shard manifest belongs to another commit, job, step, slot or model version."""
+
+
+class LayoutError(ShardstoreError):
+    """A layout leaves a tensor unowned, owns it twice, or disagrees with its shard manifests."""
+
+
+class CursorError(ShardstoreError):
+    """An optimizer cursor is inconsistent: Adam age != step - birth, or birth outside [0, step]."""
+
+
+class RefNotFound(ShardstoreError):
+    """A ref name that does not exist in the store."""
+
+
+class RefConflict(ShardstoreError):
+    """A compare-and-swap on a ref lost: the ref did not hold the expected commit id."""
+
+
+class TargetNotFound(ShardstoreError):
+    """A target (ref name, commit id or id prefix) that names no commit, or names several."""
+
+
+class StateMismatch(ShardstoreError):
+    """The model or optimizer being restored into does not match the commit (missing names, groups)."""
+
+
+class UnsupportedOptimizer(ShardstoreError):
+    """An optimizer or optimizer option the canonical form cannot represent (e.g. amsgrad)."""
+
+
+class CommitProtocolError(ShardstoreError):
+    """Slots disagree during the commit protocol (different commit ids, steps, or failed peers)."""

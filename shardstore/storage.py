@@ -1,0 +1,330 @@
+"""The narrow storage protocol the store needs, and its backends (SPEC.md §Storage).
+
+``Storage`` is the whole surface the store uses: read, size, exists, create-only write,
+compare-and-swap, delete, list, modification time, and a durability barrier. Keys are
+'/'-separated relative names built by the store from validated parts and checked again
+here (``check_key``) before they become a path or URL.
+
+Backends:
+- ``LocalStorage``: a directory through ``os`` directly, because fsspec's local filesystem
+  has no fsync, no create-only link and no mmap. Objects are written to ``tmp/``, fsynced,
+  then hard-linked into place (``link`` fails if the name exists, which makes writes
+  create-only and concurrent writers of one object safe); directories are fsynced in
+  ``sync()``. Reads are memory maps (zero-copy).
+- ``FsspecStorage``: any fsspec filesystem (``memory://`` here; S3 builds on it). Create-only
+  and compare-and-swap are serialised by a process-local lock, which is exact for
+  ``memory://`` (a process-local filesystem) and nothing more.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import fsspec
+
+from .errors import InvalidName, ObjectNotFound, RefConflict, StorageError
+from .names import check_key
+
+__all__ = ["Buffer", "Storage", "LocalStorage", "FsspecStorage", "open_storage"]
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Everything the store asks of a backend. Implementations must make ``write_once``
+    create-only and ``swap`` a true compare-and-swap."""
+
+    url: str
+
+    def read(self, key: str) -> Buffer:
+        """The bytes at ``key`` (zero-copy where possible); ObjectNotFound if absent."""
+        ...
+
+    def size(self, key: str) -> int | None:
+        """The byte size at ``key``, or None if absent."""
+        ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def write_once(self, key: str, data: Buffer) -> bool:
+        """Create ``key`` holding ``data`` unless it exists. True if this call wrote it."""
+        ...
+
+    def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
+        """Set ``key`` to ``new`` if it currently holds ``expected`` (None: absent); else RefConflict."""
+        ...
+
+    def delete(self, key: str) -> None: ...
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys under the directory ``prefix`` (recursive), relative to the store root."""
+        ...
+
+    def mtime(self, key: str) -> float | None:
+        """Modification time (seconds since the epoch), or None if absent."""
+        ...
+
+    def sync(self) -> None:
+        """Make every completed ``write_once`` durable before anything references it."""
+        ...
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """A store on a local directory, crash-safe and zero-copy (see module docstring)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        self._dirty: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _io(self, op: str, key: str, e: OSError) -> StorageError:
+        return StorageError(f"{op} {key!r} in store {self.root}: {e.strerror or e}")
+
+    def read(self, key: str) -> Buffer:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{key} is missing from store {self.root}") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise InvalidName(f"{key} in store {self.root} is a symbolic link; refusing to follow it") from None
+            raise self._io("read", key, e) from None
+        try:
+            n = os.fstat(fd).st_size
+            if n == 0:
+                return b""
+            # ACCESS_COPY: a private, writable mapping; writes never reach the file.
+            return memoryview(mmap.mmap(fd, n, access=mmap.ACCESS_COPY))
+        except OSError as e:
+            raise self._io("read", key, e) from None
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int | None:
+        try:
+            return os.lstat(self._path(key)).st_size
+        except FileNotFoundError:
+            return None
+
+    def exists(self, key: str) -> bool:
+        return os.path.lexists(self._path(key))
+
+    def mtime(self, key: str) -> float | None:
+        try:
+            return os.lstat(self._path(key)).st_mtime
+        except FileNotFoundError:
+            return None
+
+    def _write_tmp(self, data: Buffer) -> str:
+        tmpdir = os.path.join(self.root, "tmp")
+        os.makedirs(tmpdir, exist_ok=True)
+        tmp = os.path.join(tmpdir, secrets.token_hex(16))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                n = os.write(fd, view[: 1 << 30])
+                view = view[n:]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def write_once(self, key: str, data: Buffer) -> bool:
+        path = self._path(key)
+        if os.path.lexists(path):
+            return False
+        parent = os.path.dirname(path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            tmp = self._write_tmp(data)
+            try:
+                os.link(tmp, path)
+                written = True
+            except FileExistsError:
+                written = False  # another writer won; same name means same bytes
+            finally:
+                os.unlink(tmp)
+        except OSError as e:
+            raise self._io("write", key, e) from None
+        with self._lock:
+            self._dirty.add(parent)
+            self._dirty.add(os.path.dirname(parent))
+        return written
+
+    def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
+        path = self._path(key)
+        lock = path + ".lock"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise RefConflict(
+                f"{key} is locked by another writer ({lock} exists; remove it only if no writer is running)"
+            ) from None
+        except OSError as e:
+            raise self._io("lock", key, e) from None
+        renamed = False
+        try:
+            try:
+                with open(path, "rb") as f:
+                    current: bytes | None = f.read()
+            except FileNotFoundError:
+                current = None
+            if current != expected:
+                raise RefConflict(f"{key}: expected {_show(expected)}, found {_show(current)}")
+            os.write(fd, new)
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(lock, path)
+            renamed = True
+            _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise self._io("update", key, e) from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if not renamed:
+                try:
+                    os.unlink(lock)
+                except FileNotFoundError:
+                    pass
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise self._io("delete", key, e) from None
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = self._path(prefix)
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            for name in sorted(filenames):
+                yield f"{rel}/{name}"
+
+    def sync(self) -> None:
+        with self._lock:
+            dirty, self._dirty = sorted(self._dirty, key=len, reverse=True), set()
+        for d in dirty:
+            if os.path.isdir(d):
+                _fsync_dir(d)
+
+
+def _show(value: bytes | None) -> str:
+    return "no ref" if value is None else repr(value.decode("ascii", "replace").strip())
+
+
+class FsspecStorage:
+    """A store on any fsspec filesystem (see module docstring for the atomicity caveat)."""
+
+    _locks: dict[str, threading.Lock] = {}
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        self._lock = FsspecStorage._locks.setdefault(url, threading.Lock())
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{check_key(key)}"
+
+    def read(self, key: str) -> Buffer:
+        try:
+            return self.fs.cat_file(self._path(key))
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{key} is missing from store {self.url}") from None
+        except OSError as e:
+            raise StorageError(f"read {key!r} in store {self.url}: {e}") from None
+
+    def size(self, key: str) -> int | None:
+        try:
+            return int(self.fs.size(self._path(key)))
+        except FileNotFoundError:
+            return None
+
+    def exists(self, key: str) -> bool:
+        return bool(self.fs.exists(self._path(key)))
+
+    def mtime(self, key: str) -> float | None:
+        try:
+            return self.fs.modified(self._path(key)).timestamp()
+        except FileNotFoundError:
+            return None
+
+    def write_once(self, key: str, data: Buffer) -> bool:
+        path = self._path(key)
+        with self._lock:
+            if self.fs.exists(path):
+                return False
+            self.fs.pipe_file(path, bytes(data))
+            return True
+
+    def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
+        path = self._path(key)
+        with self._lock:
+            try:
+                current: bytes | None = self.fs.cat_file(path)
+            except FileNotFoundError:
+                current = None
+            if current != expected:
+                raise RefConflict(f"{key}: expected {_show(expected)}, found {_show(current)}")
+            self.fs.pipe_file(path, new)
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = self._path(prefix)
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return
+        skip = len(self.root) + 1
+        for path in sorted(found):
+            path = path if path.startswith("/") == self.root.startswith("/") else "/" + path
+            yield path[skip:]
+
+    def sync(self) -> None:
+        return None
+
+
+def open_storage(url: str, **storage_options: object) -> Storage:
+    """A backend for a store URL: a plain path or ``file://`` is local, anything else fsspec."""
+    if "://" not in url:
+        return LocalStorage(url)
+    if url.startswith("file://"):
+        return LocalStorage(url[len("file://"):])
+    fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    if url.startswith("memory://"):
+        root = "/" + root.lstrip("/")
+    return FsspecStorage(fs, root, url)

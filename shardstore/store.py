@@ -1,0 +1,213 @@
+"""The store: objects named by their BLAKE3 hash, manifests, refs and the journal (SPEC.md §Store layout).
+
+A ``Store`` wraps one ``Storage`` backend and owns the key layout::
+
+    config                      the store config (a StoreConfig manifest)
+    objects/<id[:2]>/<id>       immutable objects; b3sum of the file equals its name
+    refs/<name>                 "<commit id>\\n", moved only by compare-and-swap
+    journal/<commit id>.json    unhashed notes (times, hosts, durations); never trusted
+
+Everything read back is re-hashed before it is used. Names and ids are validated before
+they become keys.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from .errors import CorruptObject, ManifestError, ObjectNotFound, RefNotFound, StoreConfigError, TargetNotFound
+from .manifest import FORMAT_VERSION, CommitManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
+from .names import check_oid, check_oid_prefix, check_ref_name
+from .storage import Buffer, Storage, open_storage
+from .tensors import hash_bytes, tensor_bytes, tensor_from_bytes
+
+__all__ = ["Store", "open_store", "object_key", "ref_key"]
+
+M = TypeVar("M")
+_REF_BYTES = 65
+
+
+def object_key(oid: str) -> str:
+    check_oid(oid)
+    return f"objects/{oid[:2]}/{oid}"
+
+
+def ref_key(name: str) -> str:
+    return f"refs/{check_ref_name(name)}"
+
+
+class Store:
+    """A content-addressed store of training state on one storage backend."""
+
+    def __init__(self, storage: Storage, *, create: bool = True) -> None:
+        self.storage = storage
+        self.url = storage.url
+        self.config = self._open_config(create)
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def _open_config(self, create: bool) -> StoreConfig:
+        try:
+            raw = self.storage.read("config")
+        except ObjectNotFound:
+            if not create:
+                raise StoreConfigError(f"{self.url} is not a shardstore store (no config object)") from None
+            self.storage.write_once("config", encode(StoreConfig(version=FORMAT_VERSION)))
+            self.storage.sync()
+            raw = self.storage.read("config")
+        try:
+            cfg = decode_manifest(raw, StoreConfig, what=f"store config of {self.url}")
+        except ManifestError as e:
+            raise StoreConfigError(str(e)) from None
+        return cfg
+
+    # -- objects -----------------------------------------------------------------------
+
+    def put(self, data: Buffer) -> str:
+        """Store ``data`` as an object and return its id (a no-op if it exists)."""
+        oid = hash_bytes(data)
+        self.storage.write_once(object_key(oid), data)
+        return oid
+
+    def put_with_id(self, oid: str, data: Buffer) -> bool:
+        """Store ``data`` under an id the caller already computed (e.g. while copying). True if written."""
+        return self.storage.write_once(object_key(oid), data)
+
+    def has(self, oid: str) -> bool:
+        return self.storage.exists(object_key(oid))
+
+    def object_size(self, oid: str) -> int | None:
+        return self.storage.size(object_key(oid))
+
+    def get(self, oid: str, *, verify: bool = True) -> Buffer:
+        """The bytes of object ``oid``; CorruptObject unless they hash to ``oid``."""
+        data = self.storage.read(object_key(oid))
+        if verify:
+            got = hash_bytes(data)
+            if got != oid:
+                raise CorruptObject(f"object {oid} is corrupt: its {len(data)} bytes hash to {got} (SPEC.md §Objects)")
+        return data
+
+    def objects(self) -> Iterator[str]:
+        """Every object id present (not only reachable ones)."""
+        for key in self.storage.list("objects"):
+            name = key.rsplit("/", 1)[-1]
+            if len(name) == 64:
+                yield name
+
+    def sync(self) -> None:
+        self.storage.sync()
+
+    # -- tensors -----------------------------------------------------------------------
+
+    def put_tensor(self, t: torch.Tensor) -> str:
+        return self.put(tensor_bytes(t))
+
+    def get_tensor(self, oid: str, dtype: str, shape: tuple[int, ...], *, what: str = "tensor") -> torch.Tensor:
+        """A verified tensor viewing the object's bytes (a memory map on local stores)."""
+        return tensor_from_bytes(self.get(oid), dtype, tuple(shape), f"{what} (object {oid})")
+
+    # -- manifests ---------------------------------------------------------------------
+
+    def put_manifest(self, manifest: ShardManifest | CommitManifest) -> str:
+        return self.put(encode(manifest))
+
+    def get_manifest(self, oid: str, kind: type[M]) -> M:
+        data = self.get(oid)
+        return decode_manifest(data, kind, what=f"object {oid}")
+
+    def get_any_manifest(self, oid: str) -> Any:
+        return decode(self.get(oid), what=f"object {oid}")
+
+    def commit(self, oid: str) -> CommitManifest:
+        return self.get_manifest(oid, CommitManifest)
+
+    def shard(self, oid: str) -> ShardManifest:
+        return self.get_manifest(oid, ShardManifest)
+
+    # -- refs --------------------------------------------------------------------------
+
+    def _ref_raw(self, name: str) -> bytes | None:
+        try:
+            return bytes(self.storage.read(ref_key(name)))
+        except ObjectNotFound:
+            return None
+
+    @staticmethod
+    def _parse_ref(name: str, raw: bytes) -> str:
+        if len(raw) != _REF_BYTES or not raw.endswith(b"\n"):
+            raise ManifestError(f"ref {name!r} is malformed: expected a commit id and a newline, found {len(raw)} bytes")
+        return check_oid(raw[:64].decode("ascii", "replace"), what=f"commit id in ref {name!r}")
+
+    def ref(self, name: str) -> str | None:
+        """The commit id ref ``name`` points at, or None if there is no such ref."""
+        raw = self._ref_raw(name)
+        return None if raw is None else self._parse_ref(name, raw)
+
+    def refs(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for key in self.storage.list("refs"):
+            name = key[len("refs/"):]
+            if name.endswith(".lock"):
+                continue
+            value = self.ref(name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    def set_ref(self, name: str, new: str, *, expected: str | None) -> None:
+        """Move ref ``name`` from ``expected`` (None: must not exist) to ``new``; RefConflict otherwise."""
+        check_oid(new, what="commit id")
+        exp = None if expected is None else (check_oid(expected, what="expected commit id") + "\n").encode()
+        self.storage.swap(ref_key(name), exp, (new + "\n").encode())
+
+    def delete_ref(self, name: str, *, expected: str) -> None:
+        if self.ref(name) != expected:
+            raise RefNotFound(f"ref {name!r} does not point at {expected}")
+        self.storage.delete(ref_key(name))
+
+    def resolve(self, target: str) -> str:
+        """A commit id from a ref name, a full commit id, or a unique id prefix (>= 8 hex digits)."""
+        if not isinstance(target, str) or not target:
+            raise TargetNotFound(f"empty target {target!r}")
+        try:
+            value = self.ref(target)
+        except Exception:
+            value = None
+        if value is not None:
+            return value
+        try:
+            check_oid_prefix(target)
+        except Exception:
+            raise TargetNotFound(f"{target!r} is neither a ref in {self.url} nor a commit id or prefix (>= 8 hex digits)") from None
+        if len(target) == 64:
+            if not self.has(target):
+                raise TargetNotFound(f"commit {target} is not in {self.url}")
+            return target
+        matches = [o for o in self._objects_with_prefix(target)]
+        if not matches:
+            raise TargetNotFound(f"no object id in {self.url} starts with {target!r}")
+        if len(matches) > 1:
+            raise TargetNotFound(f"id prefix {target!r} is ambiguous in {self.url}: {len(matches)} objects match")
+        return matches[0]
+
+    def _objects_with_prefix(self, prefix: str) -> Iterator[str]:
+        for key in self.storage.list(f"objects/{prefix[:2]}"):
+            name = key.rsplit("/", 1)[-1]
+            if name.startswith(prefix):
+                yield name
+
+    # -- journal -----------------------------------------------------------------------
+
+    def write_journal(self, commit: str, record: dict[str, Any]) -> None:
+        """Unhashed notes about a commit (times, hosts); best effort, never read for trust."""
+        self.storage.write_once(f"journal/{check_oid(commit)}.json", json.dumps(record, sort_keys=True).encode())
+
+
+def open_store(url: str, *, create: bool = True, **storage_options: object) -> Store:
+    """Open (and by default create) the store at a path or fsspec URL."""
+    return Store(open_storage(str(url), **storage_options), create=create)

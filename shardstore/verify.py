@@ -1,0 +1,319 @@
+"""Verification: every rule a commit and its shards must satisfy (SPEC.md §Verification).
+
+Rules are written once, as generators of ``Problem`` values, and used two ways:
+``verify`` collects every problem (the CLI's ``verify``), and ``load_commit`` raises the
+first one before any tensor is returned (every load path). A problem carries a typed
+error whose message names the commit, the object and the tensor concerned.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .errors import (
+    BindingError,
+    CorruptObject,
+    CursorError,
+    LayoutError,
+    ManifestError,
+    ObjectNotFound,
+    ShardstoreError,
+    TensorMismatch,
+)
+from .manifest import CommitManifest, ShardManifest, TensorEntry
+from .roots import learned_root
+from .store import Store
+from .tensors import expected_nbytes, hash_bytes
+
+__all__ = ["Problem", "Report", "LoadedCommit", "shard_problems", "commit_problems", "load_commit", "verify"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong, with the typed error that describes it."""
+
+    error: ShardstoreError
+    commit: str | None = None
+    object: str | None = None
+    tensor: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return type(self.error).__name__
+
+    def __str__(self) -> str:
+        return str(self.error)
+
+
+@dataclass
+class Report:
+    """What ``verify`` found: problems, and how much it checked."""
+
+    commits: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    objects_checked: int = 0
+    bytes_hashed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class LoadedCommit:
+    """A commit and its shard manifests, all structurally verified."""
+
+    id: str
+    commit: CommitManifest
+    shards: dict[int, ShardManifest]
+    shard_ids: dict[int, str]
+
+    def entries(self) -> dict[str, TensorEntry]:
+        return {e.name: e for s in self.shards.values() for e in s.entries}
+
+    def owner(self) -> dict[str, int]:
+        return {name: lay.slot for lay in self.commit.layout for name in lay.tensors}
+
+
+def _sorted_unique(names: list[str]) -> bool:
+    return all(a < b for a, b in zip(names, names[1:]))
+
+
+def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None) -> Iterator[Problem]:
+    """Rules a shard manifest must satisfy on its own."""
+
+    def p(err: type[ShardstoreError], msg: str, tensor: str | None = None) -> Problem:
+        where = f"shard manifest {sid}" + (f" of commit {commit_id}" if commit_id else "")
+        t = f", tensor {tensor!r}" if tensor else ""
+        return Problem(err(f"{where}{t}: {msg}"), commit_id, sid, tensor)
+
+    if shard.slot >= shard.slots:
+        yield p(LayoutError, f"slot {shard.slot} is not below slot count {shard.slots}")
+    names = [e.name for e in shard.entries]
+    if not _sorted_unique(names):
+        yield p(ManifestError, "tensor entries are not sorted by name and unique (SPEC.md §Shard manifest)")
+    gnames = [g.name for g in shard.groups]
+    if not _sorted_unique(gnames):
+        yield p(ManifestError, "optimizer groups are not sorted by name and unique")
+    kinds = [r.kind for r in shard.rng]
+    if not _sorted_unique(kinds):
+        yield p(ManifestError, "RNG entries are not sorted by kind and unique")
+    if shard.algorithm == "none" and shard.groups:
+        yield p(ManifestError, "algorithm 'none' with optimizer groups")
+    used: set[str] = set()
+    for e in shard.entries:
+        o = e.optim
+        if o is None:
+            continue
+        used.add(o.group)
+        if shard.algorithm == "none":
+            yield p(ManifestError, "optimizer state under algorithm 'none'", e.name)
+        if o.group not in gnames:
+            yield p(ManifestError, f"group {o.group!r} is not among the shard's groups {gnames}", e.name)
+        if o.birth + o.age != shard.step:
+            yield p(
+                CursorError,
+                f"Adam age {o.age} does not equal global step {shard.step} minus birth {o.birth} (SPEC.md §Optimizer state)",
+                e.name,
+            )
+        has = (o.exp_avg is not None, o.exp_avg_sq is not None)
+        if has[0] != has[1]:
+            yield p(ManifestError, "exactly one Adam moment is present", e.name)
+        if o.age > 0 and not has[0]:
+            yield p(CursorError, f"Adam age {o.age} > 0 but no moments are stored", e.name)
+        if has[0] != (o.moment_dtype is not None):
+            yield p(ManifestError, "moment_dtype must be set exactly when moments are present", e.name)
+    if set(gnames) - used:
+        yield p(ManifestError, f"groups {sorted(set(gnames) - used)} are not used by any tensor entry")
+
+
+def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardManifest], shard_ids: dict[int, str]) -> Iterator[Problem]:
+    """Rules binding a commit to its shard manifests, and the learned-state root."""
+
+    def p(err: type[ShardstoreError], msg: str, obj: str | None = None, tensor: str | None = None) -> Problem:
+        t = f", tensor {tensor!r}" if tensor else ""
+        o = f", shard manifest {obj}" if obj and obj != cid else ""
+        return Problem(err(f"commit {cid}{o}{t}: {msg}"), cid, obj or cid, tensor)
+
+    slots = [lay.slot for lay in commit.layout]
+    if slots != list(range(len(slots))):
+        yield p(LayoutError, f"layout slots {slots} are not exactly 0..{len(slots) - 1} in order (SPEC.md §Commit manifest)")
+    gnames = [g.name for g in commit.optimizer.groups]
+    if not _sorted_unique(gnames):
+        yield p(ManifestError, "optimizer groups are not sorted by name and unique")
+    groups = {g.name: g for g in commit.optimizer.groups}
+    owners: dict[str, int] = {}
+    for lay in commit.layout:
+        if not _sorted_unique(list(lay.tensors)):
+            yield p(ManifestError, f"slot {lay.slot}'s tensor list is not sorted and unique")
+        for name in lay.tensors:
+            if name in owners:
+                yield p(LayoutError, f"owned twice, by slots {owners[name]} and {lay.slot} (SPEC.md §Layout)", tensor=name)
+            else:
+                owners[name] = lay.slot
+    all_entries: list[TensorEntry] = []
+    used_groups: set[str] = set()
+    for lay in commit.layout:
+        sid = lay.shard
+        shard = shards.get(lay.slot)
+        if shard is None:
+            continue  # reported by the caller as a missing object
+        binding = {
+            "job": (shard.job, commit.job),
+            "step": (shard.step, commit.step),
+            "parent": (shard.parent, commit.parent),
+            "config": (shard.config, commit.config),
+            "slot": (shard.slot, lay.slot),
+            "slots": (shard.slots, len(commit.layout)),
+            "algorithm": (shard.algorithm, commit.optimizer.algorithm),
+        }
+        for fieldname, (have, want) in binding.items():
+            if have != want:
+                yield p(BindingError, f"shard's {fieldname} is {have!r} but the commit's is {want!r} (SPEC.md §Binding)", sid)
+        for g in shard.groups:
+            if groups.get(g.name) != g:
+                yield p(BindingError, f"group {g.name!r} differs from the commit's optimizer group of that name", sid)
+            used_groups.add(g.name)
+        names = [e.name for e in shard.entries]
+        if names != list(lay.tensors):
+            missing = sorted(set(lay.tensors) - set(names))
+            extra = sorted(set(names) - set(lay.tensors))
+            yield p(LayoutError, f"layout of slot {lay.slot} and its shard disagree: in layout only {missing[:5]}, in shard only {extra[:5]}", sid)
+        all_entries.extend(shard.entries)
+    if set(groups) - used_groups and len(shards) == len(commit.layout):
+        yield p(ManifestError, f"optimizer groups {sorted(set(groups) - used_groups)} are used by no tensor")
+    if len(shards) == len(commit.layout):
+        root = learned_root(
+            step=commit.step, data_cursor=commit.data_cursor, config=commit.config, optimizer=commit.optimizer, entries=all_entries
+        )
+        if root != commit.learned_root:
+            yield p(ManifestError, f"learned-state root is {commit.learned_root} but the shards give {root} (SPEC.md §Roots)")
+
+
+def _raise_first(problems: Iterable[Problem]) -> None:
+    for prob in problems:
+        raise prob.error
+
+
+def load_commit(store: Store, target: str) -> LoadedCommit:
+    """Resolve ``target``, read and structurally verify the commit and all its shard manifests.
+
+    Raises the first problem found. Reads manifests only (never tensor payloads).
+    """
+    cid = store.resolve(target)
+    commit = store.commit(cid)
+    shards: dict[int, ShardManifest] = {}
+    ids: dict[int, str] = {}
+    for lay in commit.layout:
+        try:
+            shard = store.shard(lay.shard)
+        except ShardstoreError as e:
+            raise type(e)(f"commit {cid}, slot {lay.slot}: {e}") from None
+        _raise_first(shard_problems(shard, lay.shard, cid))
+        shards[lay.slot] = shard
+        ids[lay.slot] = lay.shard
+    _raise_first(commit_problems(commit, cid, shards, ids))
+    return LoadedCommit(cid, commit, shards, ids)
+
+
+def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[tuple[str, int | None, str | None, str]]:
+    """(object id, expected size or None, tensor name, what) for every object the commit references."""
+    if lc.commit.config is not None:
+        yield lc.commit.config, None, None, "model config"
+    for s, shard in sorted(lc.shards.items()):
+        if slot is not None and s != slot:
+            continue
+        for r in shard.rng:
+            yield r.object, None, None, f"RNG state {r.kind} of slot {s}"
+        for e in shard.entries:
+            yield e.param, expected_nbytes(e.dtype, e.shape), e.name, "parameter"
+            o = e.optim
+            if o is not None and o.moment_dtype is not None:
+                n = expected_nbytes(o.moment_dtype, e.shape)
+                if o.exp_avg is not None:
+                    yield o.exp_avg, n, e.name, "exp_avg"
+                if o.exp_avg_sq is not None:
+                    yield o.exp_avg_sq, n, e.name, "exp_avg_sq"
+
+
+def _check_object(store: Store, oid: str, size: int | None, deep: bool) -> tuple[ShardstoreError | None, int]:
+    try:
+        if deep:
+            data = store.get(oid, verify=False)
+            n = len(data)
+            got = hash_bytes(data)
+            del data
+            if got != oid:
+                return CorruptObject(f"its {n} bytes hash to {got}"), n
+        else:
+            have = store.object_size(oid)
+            if have is None:
+                return ObjectNotFound("missing from the store"), 0
+            n = 0
+            if size is not None and have != size:
+                return TensorMismatch(f"holds {have} bytes, entry needs {size}"), 0
+            return None, 0
+        if size is not None and n != size:
+            return TensorMismatch(f"holds {n} bytes, entry needs {size}"), n
+        return None, n
+    except ObjectNotFound:
+        return ObjectNotFound("missing from the store"), 0
+    except ShardstoreError as e:
+        return e, 0
+
+
+def verify(store: Store, targets: Iterable[str] | None = None, *, deep: bool = True, slot: int | None = None, threads: int = 2) -> Report:
+    """Check commits (default: every commit reachable from refs, with their present parents).
+
+    ``deep`` re-hashes every object; otherwise only structure and sizes are checked.
+    ``slot`` limits object checks to one slot's closure. Every problem is reported.
+    """
+    report = Report()
+    todo: list[str] = []
+    if targets is None:
+        for name, cid in sorted(store.refs().items()):
+            todo.append(cid)
+        follow_parents = True
+    else:
+        todo = [store.resolve(t) for t in targets]
+        follow_parents = False
+    seen_commits: set[str] = set()
+    seen_objects: set[str] = set()
+    while todo:
+        cid = todo.pop(0)
+        if cid in seen_commits:
+            continue
+        seen_commits.add(cid)
+        report.commits.append(cid)
+        try:
+            commit = store.commit(cid)
+        except ShardstoreError as e:
+            report.problems.append(Problem(type(e)(f"commit {cid}: {e}"), cid, cid))
+            continue
+        if follow_parents and commit.parent is not None and store.has(commit.parent):
+            todo.append(commit.parent)
+        shards: dict[int, ShardManifest] = {}
+        ids: dict[int, str] = {}
+        for lay in commit.layout:
+            try:
+                shard = store.shard(lay.shard)
+            except ShardstoreError as e:
+                report.problems.append(Problem(type(e)(f"commit {cid}, slot {lay.slot}, shard manifest {lay.shard}: {e}"), cid, lay.shard))
+                continue
+            shards[lay.slot] = shard
+            ids[lay.slot] = lay.shard
+            report.problems.extend(shard_problems(shard, lay.shard, cid))
+        report.problems.extend(commit_problems(commit, cid, shards, ids))
+        lc = LoadedCommit(cid, commit, shards, ids)
+        jobs = [j for j in _object_jobs(lc, slot) if j[0] not in seen_objects]
+        seen_objects.update(j[0] for j in jobs)
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            results = list(pool.map(lambda j: _check_object(store, j[0], j[1], deep), jobs))
+        for (oid, _size, tensor, what), (err, n) in zip(jobs, results):
+            report.objects_checked += 1
+            report.bytes_hashed += n
+            if err is not None:
+                t = f", tensor {tensor!r}" if tensor else ""
+                report.problems.append(Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor))
+    return report
