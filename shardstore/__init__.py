@@ -6,6 +6,7 @@ learned-state root, and its id is the full root. Only refs move, by compare-and-
 SPEC.md at the repository root is the normative description.
 """
 from .checkpoint import AUTO, CommitInfo, Restored, SlotState, capture, restore, save, save_slots, write_commit, write_shard
+from .distributed import agree_on_commit, save_distributed
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode
@@ -44,6 +45,8 @@ __all__ = [
     "save",
     "save_slots",
     "verify",
+    "save_distributed",
+    "agree_on_commit",
     "write_commit",
     "write_shard",
     *_errors_all,

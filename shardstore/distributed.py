@@ -1,0 +1,159 @@
+"""The commit protocol over a ``torch.distributed`` process group (SPEC.md §Commit protocol).
+
+Each rank is one slot. Phases, each closed by a collective so that every rank learns of
+any failure instead of hanging:
+
+1. the coordinator (rank 0) reads the ref's current commit, the parent, and broadcasts it;
+2. every rank writes its objects and shard manifest and all ranks gather the shard ids;
+3. the coordinator writes the commit manifest and broadcasts its id;
+4. every rank reads the commit back, checks that its own slot names its own shard, and
+   acknowledges the commit id; the coordinator checks that all acknowledgements agree;
+5. only then does the coordinator move the ref (compare-and-swap), and says so.
+
+Ids travel as 32-byte tensors (never pickled objects), with one status byte in front.
+``agree_on_commit`` is the recovery counterpart: every rank resolves the target and all
+must name the same commit, or every rank raises.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import AUTO, CommitInfo, capture, write_commit, write_shard
+from .errors import CommitProtocolError
+from .store import Store
+from .verify import load_commit
+
+__all__ = ["save_distributed", "agree_on_commit"]
+
+_OK, _FAIL, _NONE = 1, 2, 3
+
+
+def _device(group: Any) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _pack(status: int, oid: str | None) -> torch.Tensor:
+    raw = bytes([status]) + (bytes.fromhex(oid) if oid else bytes(32))
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _unpack(t: torch.Tensor) -> tuple[int, str | None]:
+    raw = bytes(t.cpu().numpy().tobytes())
+    return raw[0], (raw[1:].hex() if raw[0] == _OK else None)
+
+
+def _gather(group: Any, status: int, oid: str | None) -> list[tuple[int, str | None]]:
+    dev = _device(group)
+    mine = _pack(status, oid).to(dev)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [_unpack(t) for t in out]
+
+
+def _broadcast(group: Any, status: int, oid: str | None) -> tuple[int, str | None]:
+    dev = _device(group)
+    t = _pack(status, oid).to(dev)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return _unpack(t)
+
+
+def _phase(group: Any, name: str, fn: Callable[[], str | None]) -> tuple[list[tuple[int, str | None]], BaseException | None]:
+    err: BaseException | None = None
+    oid = None
+    try:
+        oid = fn()
+        status = _OK if oid else _NONE
+    except Exception as e:  # reported to every rank, then re-raised below
+        err, status = e, _FAIL
+    got = _gather(group, status, oid)
+    failed = [r for r, (s, _) in enumerate(got) if s == _FAIL]
+    if failed:
+        msg = f"commit protocol phase '{name}' failed on rank(s) {failed}; the ref was not moved"
+        raise CommitProtocolError(msg + (f": {err}" if err else "")) from err
+    return got, err
+
+
+def save_distributed(
+    store: Store,
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    optimizer: Any = None,
+    *,
+    info: CommitInfo,
+    group: Any = None,
+    ref: str | None = "main",
+    parent: str | None = AUTO,
+    rng: bool = True,
+    group_names: list[str] | None = None,
+    threads: int = 2,
+) -> str:
+    """Save this rank's slot and take part in one commit; every rank returns the same commit id."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    coordinator = rank == 0
+
+    def read_parent() -> str | None:
+        if parent is not AUTO:
+            return parent
+        return store.ref(ref) if ref is not None else None
+
+    got, _ = _phase(group, "read parent", read_parent if coordinator else (lambda: None))
+    chosen = got[0][1]
+    expected_ref = store.ref(ref) if (coordinator and ref is not None) else None
+
+    state = capture(model, optimizer, rng=rng, group_names=group_names)
+    got, _ = _phase(
+        group, "write shard", lambda: write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
+    )
+    shard_ids = [oid for _, oid in got]
+    my_shard = shard_ids[rank]
+
+    got, _ = _phase(
+        group,
+        "write commit",
+        (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen)) if coordinator else (lambda: None),
+    )
+    cid = got[0][1]
+    assert cid is not None
+
+    def ack() -> str:
+        lc = load_commit(store, cid)
+        if lc.shard_ids.get(rank) != my_shard:
+            raise CommitProtocolError(f"commit {cid} does not name this rank's shard {my_shard} for slot {rank}")
+        return lc.id
+
+    got, _ = _phase(group, "acknowledge", ack)
+    acks = {oid for _, oid in got}
+    if acks != {cid}:
+        raise CommitProtocolError(f"slots acknowledged different commits {sorted(a or '?' for a in acks)}; the ref was not moved")
+
+    def move_ref() -> str:
+        if ref is not None:
+            store.set_ref(ref, cid, expected=expected_ref)
+        return cid
+
+    _phase(group, "move ref", move_ref if coordinator else (lambda: None))
+    return cid
+
+
+def agree_on_commit(store: Store, target: str, *, group: Any = None) -> str:
+    """Resolve ``target`` on every rank; all must name the same commit, else every rank raises."""
+
+    def resolve() -> str:
+        return store.resolve(target)
+
+    try:
+        got, _ = _phase(group, "resolve restore target", resolve)
+    except CommitProtocolError:
+        raise
+    ids = [oid for _, oid in got]
+    if len(set(ids)) != 1:
+        raise CommitProtocolError(f"workers name different commits for {target!r}: {ids}; refusing to restore")
+    return ids[0]  # type: ignore[return-value]
+
+
