@@ -191,7 +191,7 @@ def write_shard(
         config=config_id,
         slot=slot,
         slots=slots,
-        algorithm=state.optim.algorithm if groups else ("none" if not state.optim.params else state.optim.algorithm),
+        algorithm=state.optim.algorithm if groups else "none",
         groups=groups,
         entries=tuple(entries),
         rng=rng,

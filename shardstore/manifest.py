@@ -316,9 +316,19 @@ def decode_config(data: bytes | memoryview, what: str = "model config") -> dict[
         value = msgspec.json.decode(raw, type=dict[str, Any])
     except msgspec.DecodeError as e:
         raise ManifestError(f"{what}: malformed ({e})") from None
-    if _ENCODER.encode(value) != raw:
-        raise ManifestError(f"{what}: not in canonical encoding (SPEC.md §Canonical encoding)")
+    if _has_float(value):
+        raise ManifestError(f"{what}: holds plain JSON reals; reals must be f64 strings (SPEC.md §Canonical encoding)")
     out = _config_from_canonical(value)
     if encode_config(out) != raw:
-        raise ManifestError(f"{what}: holds plain JSON reals; reals must be f64 strings (SPEC.md §Canonical encoding)")
+        raise ManifestError(f"{what}: not in canonical encoding (SPEC.md §Canonical encoding)")
     return out
+
+
+def _has_float(value: Any) -> bool:
+    if isinstance(value, float):
+        return True
+    if isinstance(value, list):
+        return any(_has_float(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_float(v) for v in value.values())
+    return False

@@ -319,11 +319,15 @@ class FsspecStorage:
 
 
 def open_storage(url: str, **storage_options: object) -> Storage:
-    """A backend for a store URL: a plain path or ``file://`` is local, anything else fsspec."""
+    """A backend for a store URL: a plain path or ``file://`` is local, ``s3://`` is S3Storage, anything else fsspec."""
     if "://" not in url:
         return LocalStorage(url)
     if url.startswith("file://"):
         return LocalStorage(url[len("file://"):])
+    if url.startswith(("s3://", "s3a://")):
+        from .s3 import S3Storage  # conditional writes need the raw client, not fsspec's surface
+
+        return S3Storage(url, **storage_options)
     fs, root = fsspec.core.url_to_fs(url, **storage_options)
     if url.startswith("memory://"):
         root = "/" + root.lstrip("/")

@@ -166,8 +166,9 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
             "config": (shard.config, commit.config),
             "slot": (shard.slot, lay.slot),
             "slots": (shard.slots, len(commit.layout)),
-            "algorithm": (shard.algorithm, commit.optimizer.algorithm),
         }
+        if shard.groups and shard.algorithm != commit.optimizer.algorithm:
+            binding["algorithm"] = (shard.algorithm, commit.optimizer.algorithm)
         for fieldname, (have, want) in binding.items():
             if have != want:
                 yield p(BindingError, f"shard's {fieldname} is {have!r} but the commit's is {want!r} (SPEC.md §Binding)", sid)

@@ -1,0 +1,406 @@
+"""Export commits to, and import them from, Hugging Face style safetensors directories.
+
+``export_commit`` writes a commit's weights as ``model.safetensors`` (or
+``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` above
+``max_shard_bytes``) and its model config as ``config.json``; ``with_optimizer`` adds the
+Adam moments as ``optimizer.exp_avg*.safetensors`` / ``optimizer.exp_avg_sq*.safetensors``
+and the cursors and hyperparameters as ``optimizer.json``. Files are written by hand
+(safetensors is an 8-byte little-endian header length, a JSON header, then the data): the
+header is built from the manifests alone, then each tensor's verified object bytes are
+appended one at a time, so peak memory stays near the largest tensor. Tensors in a file
+are ordered by item size, then name, so every tensor is aligned; the header is padded with
+spaces to 8 bytes. Each file is written under a temporary name, read back with
+``safetensors.safe_open`` and only then renamed into place.
+
+``import_directory`` is the reverse: it reads ``config.json`` and one or more safetensors
+files (with or without an index), streams each tensor through ``safe_open``, stores it,
+re-reads the object to verify it, and commits weights only (no optimizer state) with
+transition ``import``, optionally split over slots by contiguous decoder-layer ranges
+(slot 0 also owns every tensor outside ``model.layers.N``: embedding, final norm, head).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from safetensors import safe_open
+
+from .checkpoint import AUTO, CommitInfo, write_commit
+from .errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
+from .manifest import FORMAT_VERSION, ShardManifest, TensorEntry, decode_config, encode_config
+from .names import check_ref_name, check_tensor_name
+from .optim import hyper_of
+from .store import Store
+from .tensors import expected_nbytes
+from .verify import load_commit
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportResult", "Progress", "export_commit", "import_directory", "split_layers"]
+
+#: Hugging Face's default shard size ("5GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+#: Largest config.json / index / header a reader will parse.
+_MAX_JSON_BYTES = 64 * 1024 * 1024
+
+#: Called after each tensor with (tensor name, bytes of that tensor, total bytes of the operation).
+Progress = Callable[[str, int, int], None]
+
+_TO_ST = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+}  # fmt: skip
+_FROM_ST = {v: k for k, v in _TO_ST.items()}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}\.safetensors$")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export_commit`` wrote: file names relative to ``out_dir``."""
+
+    commit: str
+    out_dir: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int
+    sharded: bool
+
+
+@dataclass(frozen=True)
+class _Item:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    oid: str
+
+    @property
+    def nbytes(self) -> int:
+        return expected_nbytes(self.dtype, self.shape)
+
+
+def _natural(name: str) -> list[Any]:
+    """Sort key putting model.layers.2 before model.layers.10."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _header(items: Sequence[_Item]) -> bytes:
+    head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for it in items:
+        head[it.name] = {"dtype": _TO_ST[it.dtype], "shape": list(it.shape), "data_offsets": [offset, offset + it.nbytes]}
+        offset += it.nbytes
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
+def _check_written(path: str, items: Sequence[_Item]) -> None:
+    """Read a written file's header back with safetensors itself."""
+    want = {it.name: (_TO_ST[it.dtype], list(it.shape)) for it in items}
+    with safe_open(path, framework="pt") as f:
+        got = {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in f.keys()}
+    if got != want:
+        raise StorageError(f"{path}: safetensors reads back a different header than was written")
+
+
+def _write_safetensors(store: Store, path: str, items: Sequence[_Item], tick: Callable[[_Item], None]) -> None:
+    items = sorted(items, key=lambda it: (-_itemsize(it.dtype), it.name))  # aligned: big items first
+    header = _header(items)
+    tmp = f"{path}.partial"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            for it in items:
+                data = store.get(it.oid)  # re-hashed on read
+                if len(data) != it.nbytes:
+                    raise TensorMismatch(f"tensor {it.name!r}: object {it.oid} holds {len(data)} bytes, entry needs {it.nbytes}")
+                f.write(data)
+                del data
+                tick(it)
+            f.flush()
+            os.fsync(f.fileno())
+        _check_written(tmp, items)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise StorageError(f"writing {path}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _itemsize(dtype: str) -> int:
+    return expected_nbytes(dtype, (1,))
+
+
+def _plan(prefix: str, items: list[_Item], max_shard_bytes: int) -> dict[str, list[_Item]]:
+    """File name -> tensors, HF style: one file, or numbered shards filled greedily in name order."""
+    shards: list[list[_Item]] = [[]]
+    size = 0
+    for it in sorted(items, key=lambda it: _natural(it.name)):
+        if shards[-1] and size + it.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += it.nbytes
+    if len(shards) == 1:
+        return {f"{prefix}.safetensors": shards[0]}
+    n = len(shards)
+    return {f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors": s for i, s in enumerate(shards)}
+
+
+def export_commit(
+    store: Store,
+    target: str,
+    out_dir: str,
+    *,
+    with_optimizer: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Write commit ``target`` as a Hugging Face style directory (see the module docstring).
+
+    Refuses (StorageError) to replace existing files unless ``overwrite``.
+    """
+    if max_shard_bytes < 1:
+        raise ValueError("max_shard_bytes must be positive")
+    lc = load_commit(store, target)
+    entries = sorted(lc.entries().values(), key=lambda e: e.name)
+    sets = {"model": [_Item(e.name, e.dtype, tuple(e.shape), e.param) for e in entries]}
+    if with_optimizer:
+        for role in ("exp_avg", "exp_avg_sq"):
+            sets[f"optimizer.{role}"] = [
+                _Item(e.name, e.optim.moment_dtype, tuple(e.shape), getattr(e.optim, role))
+                for e in entries
+                if e.optim is not None and e.optim.moment_dtype is not None and getattr(e.optim, role) is not None
+            ]
+    files: dict[str, list[_Item]] = {}
+    docs: dict[str, bytes] = {}
+    for prefix, items in sets.items():
+        plan = _plan(prefix, items, max_shard_bytes)
+        files.update(plan)
+        if len(plan) > 1:
+            weight_map = {it.name: fname for fname, its in plan.items() for it in its}
+            index = {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": dict(sorted(weight_map.items()))}
+            docs[f"{prefix}.safetensors.index.json"] = json.dumps(index, indent=2).encode() + b"\n"
+    if lc.commit.config is not None:
+        config = decode_config(store.get(lc.commit.config), what=f"model config object {lc.commit.config}")
+        docs["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
+    if with_optimizer:
+        docs["optimizer.json"] = _optimizer_doc(lc.commit.step, lc.commit.optimizer, entries)
+    os.makedirs(out_dir, exist_ok=True)
+    names = [*files, *docs]
+    clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
+    if clash and not overwrite:
+        raise StorageError(f"{out_dir} already holds {clash[:3]}; refusing to overwrite")
+    total = sum(it.nbytes for its in files.values() for it in its)
+
+    def tick(it: _Item) -> None:
+        if progress is not None:
+            progress(it.name, it.nbytes, total)
+
+    for fname, items in files.items():
+        _write_safetensors(store, os.path.join(out_dir, fname), items, tick)
+    for fname, raw in docs.items():
+        with open(os.path.join(out_dir, fname), "wb") as f:
+            f.write(raw)
+    return ExportResult(lc.id, out_dir, tuple(names), len(entries), total, len(files) > len(sets))
+
+
+def _optimizer_doc(step: int, optimizer: Any, entries: list[TensorEntry]) -> bytes:
+    doc = {
+        "algorithm": optimizer.algorithm,
+        "step": step,
+        "groups": {g.name: vars(hyper_of(g)) for g in optimizer.groups},
+        "tensors": {
+            e.name: {"group": e.optim.group, "birth": e.optim.birth, "age": e.optim.age} for e in entries if e.optim is not None
+        },
+    }
+    return json.dumps(doc, indent=2).encode() + b"\n"
+
+
+# -- import ------------------------------------------------------------------------------
+
+
+def _read_json(path: str) -> Any:
+    try:
+        size = os.path.getsize(path)
+        if size > _MAX_JSON_BYTES:
+            raise ManifestError(f"{path}: {size} bytes is over the {_MAX_JSON_BYTES}-byte limit")
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        raise ManifestError(f"{path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path}: not readable JSON ({e})") from None
+
+
+def _source_files(src_dir: str) -> list[str]:
+    """The weight files of a HF directory: the index's files, else model*.safetensors, else all but optimizer.*."""
+    index_path = os.path.join(src_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ManifestError(f"{index_path}: no weight_map of tensor name -> file name")
+        names = sorted(set(weight_map.values()))
+    else:
+        listing = sorted(os.listdir(src_dir))
+        names = [n for n in listing if n.startswith("model") and n.endswith(".safetensors")]
+        names = names or [n for n in listing if n.endswith(".safetensors") and not n.startswith("optimizer.")]
+        weight_map = None
+    for n in names:
+        if _FILE_NAME.fullmatch(n) is None:
+            raise InvalidName(f"weight file name {n!r} in {src_dir} is not a plain *.safetensors file name")
+    if not names:
+        raise ManifestError(f"{src_dir} holds no *.safetensors weight files")
+    return names if weight_map is None else [*names, *(f"\0{k}\0{v}" for k, v in weight_map.items())]
+
+
+def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """Tensor name -> (file, dtype, shape) from the files' headers (no data read)."""
+    listed = _source_files(src_dir)
+    files = [n for n in listed if not n.startswith("\0")]
+    weight_map = dict(n[1:].split("\0") for n in listed if n.startswith("\0"))
+    out: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+    for fname in files:
+        with safe_open(os.path.join(src_dir, fname), framework="pt") as f:
+            for name in f.keys():
+                check_tensor_name(name)
+                sl = f.get_slice(name)
+                st = sl.get_dtype()
+                if st not in _FROM_ST:
+                    raise TensorMismatch(f"tensor {name!r} in {fname}: dtype {st} is not supported (SPEC.md §Tensor objects)")
+                if name in out:
+                    raise ManifestError(f"tensor {name!r} is in both {out[name][0]} and {fname}")
+                out[name] = (fname, _FROM_ST[st], tuple(int(d) for d in sl.get_shape()))
+    if weight_map:
+        wrong = sorted(n for n in set(out) | set(weight_map) if weight_map.get(n) != out.get(n, ("",))[0])
+        if wrong:
+            raise ManifestError(f"{src_dir}: the index and the files disagree about {len(wrong)} tensors, e.g. {wrong[:3]}")
+    return out
+
+
+def split_layers(num_layers: int, slots: int) -> list[tuple[int, int]]:
+    """Contiguous half-open layer ranges, as even as possible; earlier slots take the remainder."""
+    if not 1 <= slots <= max(num_layers, 1):
+        raise LayoutError(f"cannot split {num_layers} decoder layers into {slots} non-empty slots")
+    q, r = divmod(num_layers, slots)
+    out, start = [], 0
+    for s in range(slots):
+        n = q + (1 if s < r else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def _check_layout(layout: Sequence[tuple[int, int]], num_layers: int) -> None:
+    expect = 0
+    for s, (a, b) in enumerate(layout):
+        if a != expect or b < a or (b == a and s != 0):
+            raise LayoutError(f"layout {list(layout)}: slot {s}'s range [{a}, {b}) must start at {expect} and be non-empty (slot 0 may be empty)")
+        expect = b
+    if expect != num_layers:
+        raise LayoutError(f"layout {list(layout)} covers layers [0, {expect}) but the model has {num_layers}")
+
+
+def _owners(names: list[str], layout: Sequence[tuple[int, int]]) -> dict[str, int]:
+    out = {}
+    for n in names:
+        m = _LAYER.match(n)
+        i = int(m.group(1)) if m else None
+        out[n] = 0 if i is None else next((s for s, (a, b) in enumerate(layout) if a <= i < b), -1)
+        if out[n] < 0:
+            raise LayoutError(f"tensor {n!r}: layer {i} is outside the layout {list(layout)}")
+    return out
+
+
+def import_directory(
+    store: Store,
+    src_dir: str,
+    *,
+    ref: str | None = "main",
+    slots: int = 1,
+    layout: Sequence[tuple[int, int]] | None = None,
+    job: str = "default",
+    step: int = 0,
+    parent: str | None = AUTO,
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> str:
+    """Commit a Hugging Face style directory's weights (transition ``import``); return the commit id.
+
+    ``layout``: one (start, stop) decoder-layer range per slot; otherwise ``slots`` even
+    ranges. ``parent`` defaults to the commit ``ref`` points at; ``ref`` (None: none) is
+    moved by compare-and-swap. ``verify`` re-reads and re-hashes each stored object.
+    """
+    if ref is not None:
+        check_ref_name(ref)
+    config = _read_json(os.path.join(src_dir, "config.json"))
+    if not isinstance(config, dict):
+        raise ManifestError(f"{src_dir}/config.json is not a JSON object")
+    encode_config(config)  # refuse an unrepresentable config before writing anything
+    tensors = _scan(src_dir)
+    names = sorted(tensors)
+    if layout is None and slots == 1:
+        owner = dict.fromkeys(names, 0)
+        nslots = 1
+    else:
+        num_layers = config.get("num_hidden_layers")
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool):
+            raise ManifestError(f"{src_dir}/config.json has no integer num_hidden_layers to split layers by")
+        layout = list(layout) if layout is not None else split_layers(num_layers, slots)
+        _check_layout(layout, num_layers)
+        owner = _owners(names, layout)
+        nslots = len(layout)
+    current = store.ref(ref) if ref is not None else None
+    parent = current if parent is AUTO else parent
+    info = CommitInfo(step=step, job=job, config=config, transition="import")
+    total = sum(expected_nbytes(d, s) for _, d, s in tensors.values())
+    started = time.time()
+    entries: list[list[TensorEntry]] = [[] for _ in range(nslots)]
+    handles: dict[str, Any] = {}
+    try:
+        for name in names:
+            fname, dtype, shape = tensors[name]
+            if fname not in handles:
+                handles[fname] = safe_open(os.path.join(src_dir, fname), framework="pt")
+            t = handles[fname].get_tensor(name)
+            if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
+                raise TensorMismatch(f"tensor {name!r} in {fname}: read {t.dtype}{list(t.shape)}, header says {dtype}{list(shape)}")
+            oid = store.put_tensor(t)
+            del t
+            if verify:
+                data = store.get(oid)  # re-hash what the store now holds
+                if len(data) != expected_nbytes(dtype, shape):
+                    raise TensorMismatch(f"tensor {name!r}: object {oid} holds {len(data)} bytes")
+                del data
+            entries[owner[name]].append(TensorEntry(name=name, dtype=dtype, shape=shape, param=oid, optim=None))
+            if progress is not None:
+                progress(name, expected_nbytes(dtype, shape), total)
+    finally:
+        handles.clear()
+    config_id = store.put(encode_config(config))
+    store.sync()  # objects are durable before any manifest names them
+    shard_ids = [
+        store.put_manifest(
+            ShardManifest(
+                version=FORMAT_VERSION, job=job, step=step, parent=parent, config=config_id, slot=s, slots=nslots,
+                algorithm="none", groups=(), entries=tuple(entries[s]), rng=(),
+            )
+        )  # fmt: skip
+        for s in range(nslots)
+    ]
+    store.sync()
+    cid = write_commit(store, shard_ids, info=info, parent=parent)
+    if ref is not None:
+        store.set_ref(ref, cid, expected=current)
+    record = {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "source": os.path.abspath(src_dir)}
+    store.write_journal(cid, record)
+    return cid

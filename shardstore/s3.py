@@ -1,0 +1,379 @@
+"""The S3 backend: ``s3://bucket/prefix`` through s3fs's aiobotocore client (SPEC.md §Storage).
+
+``S3Storage`` implements the narrow ``Storage`` protocol on any S3-compatible server. It
+uses s3fs only for what s3fs is good at (credentials, endpoint and session handling, its
+event loop) and talks to the underlying aiobotocore client directly, because the two
+guarantees the store rests on are request conditions s3fs does not expose:
+
+- objects are written create-only: ``PutObject`` (or ``CompleteMultipartUpload`` for large
+  objects) with ``If-None-Match: *``; a 412 means "already there", and since an object's
+  name is the hash of its bytes, that is success without writing;
+- refs move by compare-and-swap: read the ref and its ETag, then ``PutObject`` with
+  ``If-Match: <etag>`` (or ``If-None-Match: *`` for a new ref); a 412 is a RefConflict.
+
+At open, a probe writes a scratch key under ``tmp/`` twice with ``If-None-Match: *`` and
+once with a stale ``If-Match``, and expects 412 the second and third time. A server that
+ignores the conditions (older MinIO, some gateways) still stores objects (head, then put:
+content addressing makes a lost race harmless) but every ref update is refused with a
+StorageError: a compare-and-swap that is not one would silently lose commits.
+
+Retries are ours and bounded: botocore's own retries are off (``total_max_attempts=1``)
+unless the caller configures them, so that a retried conditional write is visible here.
+500/502/503/504, SlowDown, 409 ConditionalRequestConflict and connection errors or
+timeouts are retried with jittered exponential backoff; after the last attempt the
+error is a StorageError naming the key. A ref write whose response was lost and whose
+retry then got 412 is re-read: if the ref holds the new value, the first attempt won.
+
+Concurrency is bounded by one semaphore per backend (``concurrency`` requests in flight,
+from any number of threads: every call runs on s3fs's event loop). Objects larger than
+``part_size`` upload as concurrent multipart parts and download as concurrent ranged GETs.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import fsspec.asyn
+
+from .errors import ObjectNotFound, RefConflict, StorageError
+from .names import check_key
+from .storage import Buffer
+
+__all__ = ["S3Storage", "DEFAULT_PART_SIZE", "DEFAULT_CONCURRENCY", "DEFAULT_ATTEMPTS"]
+
+T = TypeVar("T")
+
+DEFAULT_PART_SIZE = 8 * 1024 * 1024
+DEFAULT_CONCURRENCY = 16
+DEFAULT_ATTEMPTS = 5
+#: Objects at least this large are looked up before upload, to skip sending bytes the store has.
+_HEAD_FIRST_BYTES = 1024 * 1024
+_RETRY_STATUS = frozenset({500, 502, 503, 504})
+_RETRY_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"})
+
+
+class _S3Error(Exception):
+    """A non-retryable error answer from the server (internal; mapped to typed errors by callers)."""
+
+    def __init__(self, status: int, code: str, message: str, retried: bool) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.retried = status, code, retried
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    import aiohttp
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError
+
+    return (BotoConnectionError, HTTPClientError, aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def _show(value: bytes | None) -> str:
+    return "no ref" if value is None else repr(value.decode("ascii", "replace").strip())
+
+
+class S3Storage:
+    """A store under ``s3://bucket/prefix`` with create-only objects and CAS refs (see module docstring).
+
+    ``storage_options`` go to ``s3fs.S3FileSystem`` (``endpoint_url``, ``key``/``secret``,
+    ``client_kwargs``, ``config_kwargs``...; credentials default to botocore's lookup: the
+    environment, profiles, instance roles). ``conditional``: None probes the server, True
+    trusts it without probing, False refuses ref updates.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        conditional: bool | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        attempts: int = DEFAULT_ATTEMPTS,
+        backoff: float = 0.1,
+        **storage_options: Any,
+    ) -> None:
+        import s3fs
+
+        scheme, _, rest = url.partition("://")
+        if scheme not in ("s3", "s3a") or not rest.split("/", 1)[0]:
+            raise StorageError(f"not an S3 store URL: {url!r} (expected s3://bucket/prefix)")
+        if part_size < 5 * 1024 * 1024:
+            raise StorageError(f"part_size {part_size} is below S3's 5 MiB minimum multipart part size")
+        self.url = url.rstrip("/")
+        self.bucket, _, prefix = rest.partition("/")
+        self.prefix = "/".join(check_key(prefix.strip("/")).split("/")) if prefix.strip("/") else ""
+        self.part_size, self.concurrency, self.attempts, self.backoff = part_size, max(1, concurrency), max(1, attempts), backoff
+        options = dict(storage_options)
+        config = dict(options.pop("config_kwargs", None) or {})
+        config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
+        options["config_kwargs"] = config
+        self.fs = s3fs.S3FileSystem(**options)
+        self._sem: asyncio.Semaphore | None = None
+        self._transient = _transient_errors()
+        self.conditional_reason = ""
+        if conditional is None:
+            conditional, self.conditional_reason = self._run(self._probe)
+        self.conditional = conditional
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.url!r}, conditional={self.conditional})"
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        key = check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return fsspec.asyn.sync(self.fs.loop, fn, *args)
+
+    def _fail(self, op: str, key: str, e: _S3Error) -> StorageError:
+        return StorageError(f"{op} {key!r} in store {self.url}: server answered {e}")
+
+    async def _call(self, method: str, key: str, **kwargs: Any) -> Any:
+        """One request with bounded retries of transient failures. ``get_object`` returns (response, body)."""
+        if self._sem is None:  # created on the loop thread, the only thread that touches it
+            self._sem = asyncio.Semaphore(self.concurrency)
+        client = await self.fs.set_session()
+        last: BaseException | None = None
+        for attempt in range(self.attempts):
+            if attempt:
+                await asyncio.sleep(self.backoff * (2 ** (attempt - 1)) * (0.5 + random.random()))
+            try:
+                async with self._sem:
+                    resp = await getattr(client, method)(Bucket=self.bucket, **kwargs)
+                    if method == "get_object":
+                        try:
+                            return resp, await resp["Body"].read()
+                        finally:
+                            resp["Body"].close()
+                    return resp
+            except self._transient as e:
+                last = e
+            except Exception as e:
+                answer = getattr(e, "response", None)
+                if not isinstance(answer, dict):
+                    raise
+                err = answer.get("Error", {})
+                status = int(answer.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+                code = str(err.get("Code", status))
+                if status in _RETRY_STATUS or code in _RETRY_CODES:
+                    last = e
+                    continue
+                raise _S3Error(status, code, str(err.get("Message", "")), attempt > 0) from None
+        raise StorageError(f"{method} {key!r} in store {self.url} failed after {self.attempts} attempts: {last}")
+
+    async def _head(self, key: str) -> dict[str, Any] | None:
+        try:
+            return await self._call("head_object", key, Key=self._full(key))
+        except _S3Error as e:
+            if e.status == 404:
+                return None
+            raise self._fail("stat", key, e) from None
+
+    async def _get_or_none(self, key: str) -> tuple[dict[str, Any], bytes] | None:
+        try:
+            return await self._call("get_object", key, Key=self._full(key))
+        except _S3Error as e:
+            if e.status == 404:
+                return None
+            raise self._fail("read", key, e) from None
+
+    # -- probe -------------------------------------------------------------------------
+
+    async def _probe(self) -> tuple[bool, str]:
+        """Does the server honour If-None-Match / If-Match on PutObject? (ok, reason if not)."""
+        key = f"tmp/probe-{secrets.token_hex(8)}"
+        full = self._full(key)
+        try:
+            try:
+                await self._call("put_object", key, Key=full, Body=b"probe", IfNoneMatch="*")
+            except _S3Error as e:
+                return False, f"a create-only write (If-None-Match: *) was refused: {e}"
+            for what, cond in (("a second create-only write (If-None-Match: *)", {"IfNoneMatch": "*"}),
+                               ("a write with a stale If-Match", {"IfMatch": '"00000000000000000000000000000000"'})):
+                try:
+                    await self._call("put_object", key, Key=full, Body=b"probe-again", **cond)
+                except _S3Error as e:
+                    if e.status == 412:
+                        continue
+                    return False, f"{what} of {key} was answered {e} instead of 412"
+                return False, f"{what} of {key} succeeded instead of failing with 412"
+            return True, ""
+        finally:
+            try:
+                await self._call("delete_object", key, Key=full)
+            except Exception:
+                pass  # a stale probe under tmp/ is harmless; gc removes it
+
+    # -- Storage protocol --------------------------------------------------------------
+
+    def read(self, key: str) -> Buffer:
+        return self._run(self._read, key)
+
+    async def _read(self, key: str) -> Buffer:
+        full = self._full(key)
+        try:
+            resp, first = await self._call("get_object", key, Key=full, Range=f"bytes=0-{self.part_size - 1}")
+        except _S3Error as e:
+            if e.status == 404:
+                raise ObjectNotFound(f"{key} is missing from store {self.url}") from None
+            if e.status == 416:  # a range of an empty object
+                return b""
+            raise self._fail("read", key, e) from None
+        rng = str(resp.get("ContentRange") or "")
+        total = int(rng.rsplit("/", 1)[1]) if "/" in rng else len(first)
+        if total <= len(first):
+            return first
+        buf = bytearray(total)
+        buf[: len(first)] = first
+        etag = resp["ETag"]
+
+        async def part(start: int) -> None:
+            end = min(start + self.part_size, total)
+            try:
+                _, data = await self._call("get_object", key, Key=full, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+            except _S3Error as e:
+                raise self._fail("read", key, e) from None
+            if len(data) != end - start:
+                raise StorageError(f"read {key!r} in store {self.url}: range {start}-{end - 1} returned {len(data)} bytes")
+            buf[start:end] = data
+
+        await _gather(part(s) for s in range(len(first), total, self.part_size))
+        return buf
+
+    def size(self, key: str) -> int | None:
+        head = self._run(self._head, key)
+        return None if head is None else int(head["ContentLength"])
+
+    def exists(self, key: str) -> bool:
+        return self._run(self._head, key) is not None
+
+    def mtime(self, key: str) -> float | None:
+        head = self._run(self._head, key)
+        return None if head is None else float(head["LastModified"].timestamp())
+
+    def write_once(self, key: str, data: Buffer) -> bool:
+        return self._run(self._write_once, key, data)
+
+    async def _write_once(self, key: str, data: Buffer) -> bool:
+        full = self._full(key)
+        view = memoryview(data).cast("B")
+        if (len(view) >= _HEAD_FIRST_BYTES or not self.conditional) and await self._head(key) is not None:
+            return False
+        if len(view) > self.part_size:
+            return await self._multipart(key, view)
+        cond = {"IfNoneMatch": "*"} if self.conditional else {}
+        try:
+            await self._call("put_object", key, Key=full, Body=bytes(view), **cond)
+        except _S3Error as e:
+            if e.status == 412:
+                return False  # already there; same name, same bytes
+            raise self._fail("write", key, e) from None
+        return True
+
+    async def _multipart(self, key: str, view: memoryview) -> bool:
+        full = self._full(key)
+        try:
+            upload = await self._call("create_multipart_upload", key, Key=full)
+        except _S3Error as e:
+            raise self._fail("start multipart upload of", key, e) from None
+        uid = upload["UploadId"]
+        parts_in_memory = asyncio.Semaphore(self.concurrency)  # bounds the copies of part bytes
+
+        async def part(number: int, start: int) -> dict[str, Any]:
+            async with parts_in_memory:
+                body = bytes(view[start : start + self.part_size])
+                r = await self._call("upload_part", key, Key=full, UploadId=uid, PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": r["ETag"]}
+
+        try:
+            parts = await _gather(part(i + 1, s) for i, s in enumerate(range(0, len(view), self.part_size)))
+            cond = {"IfNoneMatch": "*"} if self.conditional else {}
+            await self._call("complete_multipart_upload", key, Key=full, UploadId=uid, MultipartUpload={"Parts": parts}, **cond)
+            return True
+        except _S3Error as e:
+            await self._abort(key, uid)
+            if e.status == 412:
+                return False
+            raise self._fail("multipart upload of", key, e) from None
+        except BaseException:
+            await self._abort(key, uid)
+            raise
+
+    async def _abort(self, key: str, uid: str) -> None:
+        try:
+            await self._call("abort_multipart_upload", key, Key=self._full(key), UploadId=uid)
+        except Exception:
+            pass  # best effort; a bucket lifecycle rule reaps the rest
+
+    def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
+        self._run(self._swap, key, expected, new)
+
+    async def _swap(self, key: str, expected: bytes | None, new: bytes) -> None:
+        if not self.conditional:
+            raise StorageError(
+                f"refusing to update {key} in store {self.url}: the server does not honour conditional writes "
+                f"({self.conditional_reason or 'disabled by the caller'}), so a compare-and-swap cannot be guaranteed"
+            )
+        if expected is None:
+            cond = {"IfNoneMatch": "*"}
+        else:
+            got = await self._get_or_none(key)
+            current = None if got is None else got[1]
+            if got is None or current != expected:
+                raise RefConflict(f"{key}: expected {_show(expected)}, found {_show(current)}")
+            cond = {"IfMatch": got[0]["ETag"]}
+        try:
+            await self._call("put_object", key, Key=self._full(key), Body=bytes(new), **cond)
+        except _S3Error as e:
+            if e.status not in (404, 412):
+                raise self._fail("update", key, e) from None
+            got = await self._get_or_none(key)
+            now = None if got is None else got[1]
+            if e.retried and now == new:
+                return  # our earlier attempt landed; its answer was lost
+            raise RefConflict(f"{key}: compare-and-swap lost in {self.url}: expected {_show(expected)}, found {_show(now)}") from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self._run(self._call, "delete_object", key, Key=self._full(key))
+        except _S3Error as e:
+            if e.status != 404:
+                raise self._fail("delete", key, e) from None
+
+    def list(self, prefix: str) -> Iterator[str]:
+        return iter(self._run(self._list, prefix))
+
+    async def _list(self, prefix: str) -> list[str]:
+        base = self._full(prefix) + "/"
+        skip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+        token: dict[str, str] = {}
+        while True:
+            try:
+                page = await self._call("list_objects_v2", prefix, Prefix=base, **token)
+            except _S3Error as e:
+                raise self._fail("list", prefix, e) from None
+            keys.extend(o["Key"][skip:] for o in page.get("Contents", []))
+            if not page.get("IsTruncated"):
+                return sorted(keys)
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def sync(self) -> None:
+        return None  # a PutObject answered 200 is durable
+
+
+async def _gather(coros: Any) -> list[Any]:
+    """Run coroutines together; on the first failure cancel the rest and re-raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

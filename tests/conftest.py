@@ -1,0 +1,72 @@
+"""Shared fixtures: stores on every local backend, and small models with real AdamW state."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+import shardstore as ss
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def store(tmp_path) -> ss.Store:
+    """A fresh local store in a temporary directory."""
+    return ss.open_store(str(tmp_path / "store"))
+
+
+@pytest.fixture(params=["local", "memory"])
+def any_store(request, tmp_path) -> ss.Store:
+    """A fresh store on each backend available without a server."""
+    if request.param == "local":
+        return ss.open_store(str(tmp_path / "store"))
+    return ss.open_store(f"memory://shardstore-tests/{uuid.uuid4().hex}")
+
+
+class TinyNet(torch.nn.Module):
+    """A few layers with 1-D and 2-D parameters, enough for two optimizer groups."""
+
+    def __init__(self, seed: int = 0, width: int = 8) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.inp = torch.nn.Linear(4, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.mid = torch.nn.Linear(width, width)
+        self.out = torch.nn.Linear(width, 3)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(self.norm(self.inp(x)))))
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.ndim == 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1, "name": "decay"}, {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}],
+        lr=lr,
+    )
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(6, 4, generator=g)
+        y = torch.randint(0, 3, (6,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@pytest.fixture
+def trained():
+    """A TinyNet and its AdamW after three steps."""
+    model = TinyNet()
+    opt = make_optimizer(model)
+    train_steps(model, opt, 3)
+    return model, opt
