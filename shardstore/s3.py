@@ -339,8 +339,11 @@ class S3Storage:
             raise RefConflict(f"{key}: compare-and-swap lost in {self.url}: expected {_show(expected)}, found {_show(now)}") from None
 
     def delete(self, key: str) -> None:
+        self._run(self._delete, key)
+
+    async def _delete(self, key: str) -> None:
         try:
-            self._run(self._call, "delete_object", key, Key=self._full(key))
+            await self._call("delete_object", key, Key=self._full(key))
         except _S3Error as e:
             if e.status != 404:
                 raise self._fail("delete", key, e) from None
