@@ -287,6 +287,7 @@ def verify(store: Store, targets: Iterable[str] | None = None, *, deep: bool = T
             continue
         seen_commits.add(cid)
         report.commits.append(cid)
+        report.objects_checked += 1
         try:
             commit = store.commit(cid)
         except ShardstoreError as e:
@@ -297,6 +298,9 @@ def verify(store: Store, targets: Iterable[str] | None = None, *, deep: bool = T
         shards: dict[int, ShardManifest] = {}
         ids: dict[int, str] = {}
         for lay in commit.layout:
+            if lay.shard not in seen_objects:
+                report.objects_checked += 1
+                seen_objects.add(lay.shard)
             try:
                 shard = store.shard(lay.shard)
             except ShardstoreError as e:
@@ -307,8 +311,11 @@ def verify(store: Store, targets: Iterable[str] | None = None, *, deep: bool = T
             report.problems.extend(shard_problems(shard, lay.shard, cid))
         report.problems.extend(commit_problems(commit, cid, shards, ids))
         lc = LoadedCommit(cid, commit, shards, ids)
-        jobs = [j for j in _object_jobs(lc, slot) if j[0] not in seen_objects]
-        seen_objects.update(j[0] for j in jobs)
+        jobs = []
+        for j in _object_jobs(lc, slot):
+            if j[0] not in seen_objects:
+                seen_objects.add(j[0])
+                jobs.append(j)
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             results = list(pool.map(lambda j: _check_object(store, j[0], j[1], deep), jobs))
         for (oid, _size, tensor, what), (err, n) in zip(jobs, results):
