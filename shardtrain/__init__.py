@@ -1,2 +1,45 @@
 """shardtrain: a compact Llama pipeline trainer on torch.distributed that keeps every
-worker's state in a shardstore and never builds the whole model in one place."""
+worker's state in a shardstore and never builds the whole model in one place.
+
+The numerical core: `model` (a Llama decoder with Hugging Face names), `partition`
+(which slot owns which layers; building a slot's stage), `batch`, `messages` and
+`pipeline` (the ring of activations and gradients), `clipping` (a partition-independent
+global norm), `optim` (shard-local AdamW with per-parameter Adam age), `trainer` (one
+update) and `launch` (torchrun or local worker processes).
+"""
+from shardtrain.batch import Batch, Microbatch, split_microbatches
+from shardtrain.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms
+from shardtrain.errors import (
+    BatchError,
+    ConfigError,
+    LaunchError,
+    MessageError,
+    OptimizerStateError,
+    PartitionError,
+    PeerFailureError,
+    ShardtrainError,
+    WorkerFailedError,
+)
+from shardtrain.launch import WorkerContext, free_port, init_from_env, launch_local, run_worker, shutdown
+from shardtrain.messages import Channel, MessageHeader, check_header
+from shardtrain.model import Llama, LlamaConfig
+from shardtrain.optim import AdamW, GroupConfig, Schedule, default_group, lr_multiplier
+from shardtrain.partition import (
+    Partition,
+    build_stage,
+    canonical_parameter_names,
+    init_parameters_,
+    parameter_inventory,
+)
+from shardtrain.pipeline import Pipeline
+from shardtrain.trainer import StepResult, Trainer
+
+__all__ = [
+    "AdamW", "Batch", "BatchError", "Channel", "ConfigError", "GroupConfig", "LaunchError", "Llama",
+    "LlamaConfig", "MessageError", "MessageHeader", "Microbatch", "OptimizerStateError", "Partition",
+    "PartitionError", "PeerFailureError", "Pipeline", "Schedule", "ShardtrainError", "StepResult", "Trainer",
+    "WorkerContext", "WorkerFailedError", "build_stage", "canonical_parameter_names", "check_header",
+    "clip_coefficient", "default_group", "free_port", "global_grad_norm", "init_from_env", "init_parameters_",
+    "launch_local", "lr_multiplier", "parameter_inventory", "run_worker", "scale_grads_", "shutdown",
+    "split_microbatches", "squared_grad_norms",
+]

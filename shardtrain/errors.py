@@ -1,0 +1,60 @@
+"""Error hierarchy of shardtrain: one base class, one subclass per failure mode.
+
+Every error the trainer raises for bad input or a failed peer is a `ShardtrainError`, so
+callers (the CLI, a test) can catch the family and map each class to an exit code. Asserts
+are kept for internal invariants only.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "ShardtrainError",
+    "ConfigError",
+    "PartitionError",
+    "BatchError",
+    "MessageError",
+    "PeerFailureError",
+    "OptimizerStateError",
+    "LaunchError",
+    "WorkerFailedError",
+]
+
+
+class ShardtrainError(Exception):
+    """Base class of every error shardtrain raises on purpose."""
+
+
+class ConfigError(ShardtrainError, ValueError):
+    """A model or trainer configuration is inconsistent or out of range."""
+
+
+class PartitionError(ShardtrainError, ValueError):
+    """A partition leaves a layer unowned, owns one twice, or is otherwise malformed."""
+
+
+class BatchError(ShardtrainError, ValueError):
+    """A batch has mismatched shapes, out-of-range tokens, or invalid target weights."""
+
+
+class MessageError(ShardtrainError):
+    """A point-to-point message header disagrees with what the receiver expects."""
+
+
+class PeerFailureError(ShardtrainError):
+    """A peer died, hung past the timeout, or its connection broke mid-step."""
+
+
+class OptimizerStateError(ShardtrainError, ValueError):
+    """Optimizer state to import does not fit this optimizer's parameters and groups."""
+
+
+class LaunchError(ShardtrainError):
+    """The launch environment (torchrun variables, ports, backend) is unusable."""
+
+
+class WorkerFailedError(ShardtrainError):
+    """One or more locally launched worker processes failed or did not finish in time."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        lines = [f"rank {rank}: {msg}" for rank, msg in self.failures.items()]
+        super().__init__("worker processes failed:\n" + "\n".join(lines))

@@ -1,0 +1,177 @@
+"""Launch: start the process group under `torchrun`, or start N local workers on 127.0.0.1.
+
+Both paths meet in `run_worker`: it reads the variables `torchrun` sets (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), initialises the default process group
+(Gloo on CPU, NCCL when CUDA is present) with a timeout that bounds every collective and
+wait, runs the worker function, and tears the group down. Under `torchrun` a script calls
+`run_worker(fn, ...)` itself; `launch_local` spawns the N processes, sets those same
+variables for each, and waits for them.
+
+`launch_local` never kills a worker the moment another one fails: survivors are given
+`failure_grace` to notice the failure themselves (the pipeline's timeouts guarantee they
+do) and report their own error, and only then are stragglers terminated. Each worker's
+error (class, message, traceback) comes back through a text file; nothing is pickled
+except the spawn arguments, which is how `multiprocessing` starts a function.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.errors import LaunchError, WorkerFailedError
+
+__all__ = ["WorkerContext", "init_from_env", "shutdown", "run_worker", "launch_local", "free_port"]
+
+T = TypeVar("T")
+_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerContext:
+    """Who this worker is and where its tensors live."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    timeout: timedelta
+
+
+def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str | None = None) -> WorkerContext:
+    """Initialise the default process group from torchrun's environment variables."""
+    missing = [v for v in _ENV_VARS if v not in os.environ]
+    if missing:
+        raise LaunchError(f"missing launch environment variables {missing}; start workers with torchrun "
+                          f"or shardtrain.launch.launch_local")
+    try:
+        rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        int(os.environ["MASTER_PORT"])
+    except ValueError as exc:
+        raise LaunchError(f"launch environment variables must be integers: {exc}") from exc
+    if not (world >= 1 and 0 <= rank < world and local >= 0):
+        raise LaunchError(f"invalid RANK={rank} / WORLD_SIZE={world} / LOCAL_RANK={local}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+    return WorkerContext(rank, world, local, backend, device, timeout)
+
+
+def shutdown() -> None:
+    """Destroy the default process group if there is one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_worker(fn: Callable[..., T], *args: Any, timeout: timedelta = timedelta(seconds=300),
+               backend: str | None = None) -> T:
+    """`fn(ctx, *args)` inside an initialised process group (the torchrun entry)."""
+    ctx = init_from_env(timeout=timeout, backend=backend)
+    result = fn(ctx, *args)
+    # Only a worker that finished tears the group down cleanly; one that raised leaves it to
+    # process exit, since destroying a group whose peer is gone can block.
+    shutdown()
+    return result
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _environ(extra: Mapping[str, str]) -> Iterator[None]:
+    """Temporarily set environment variables in this process (children inherit them)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _child_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, port: int,
+                timeout_s: float, backend: str | None, error_path: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        run_worker(fn, *args, timeout=timedelta(seconds=timeout_s), backend=backend)
+    except BaseException as exc:  # report every failure to the launcher, then exit at once
+        Path(error_path).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        os._exit(1)
+
+
+def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *,
+                 timeout: timedelta = timedelta(seconds=300), join_timeout: float = 900.0,
+                 failure_grace: float | None = None, env: Mapping[str, str] | None = None,
+                 backend: str | None = None) -> None:
+    """Run `fn(ctx, *args)` in `world_size` fresh processes forming one process group.
+
+    `fn` must be importable by module name (it is started with the spawn method). `env`
+    is added to the workers' environment before they import anything (for example
+    `ATEN_CPU_CAPABILITY`). Raises `WorkerFailedError` naming every failed rank.
+    """
+    if world_size < 1:
+        raise LaunchError(f"world_size must be >= 1, got {world_size}")
+    grace = failure_grace if failure_grace is not None else 2 * timeout.total_seconds() + 10
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="shardtrain-launch-") as tmp:
+        errors = [os.path.join(tmp, f"error-{rank}.txt") for rank in range(world_size)]
+        procs = [ctx.Process(target=_child_main, name=f"shardtrain-worker-{rank}",
+                             args=(fn, args, rank, world_size, port, timeout.total_seconds(), backend, errors[rank]))
+                 for rank in range(world_size)]
+        with _environ(dict(env or {})):
+            for p in procs:
+                p.start()
+        deadline = time.monotonic() + join_timeout
+        failures: dict[int, str] = {}
+        try:
+            while any(p.exitcode is None for p in procs):
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                live = [p.sentinel for p in procs if p.exitcode is None]
+                multiprocessing.connection.wait(live, timeout=min(1.0, deadline - now))
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    deadline = min(deadline, time.monotonic() + grace)
+        finally:
+            for rank, p in enumerate(procs):
+                if p.exitcode is None:
+                    p.terminate()
+                    p.join(5)
+                    if p.exitcode is None:
+                        p.kill()
+                        p.join()
+                    failures[rank] = f"terminated: did not finish in time (exit code {p.exitcode})"
+                elif p.exitcode != 0:
+                    path = Path(errors[rank])
+                    failures[rank] = path.read_text().strip() if path.exists() else f"exited with code {p.exitcode}"
+        if failures:
+            raise WorkerFailedError(failures)

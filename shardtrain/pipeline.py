@@ -1,0 +1,165 @@
+"""Pipeline: one slot's share of a forward and backward pass over the whole batch.
+
+Slots are the ranks of the default process group; slot s holds the stage built for it
+(`build_stage`). Activations travel round the ring 0 -> 1 -> ... -> n-1 -> 0: slot 0
+embeds the tokens and runs its layers, each later slot runs its layers, and slot 0
+finally applies the final norm, the output head and the loss. Gradients travel back the
+other way. With one slot the same code runs everything locally and sends nothing.
+
+Schedule (GPipe-like, synchronous): every slot runs the forward of all microbatches in
+order, slot 0 then computes the loss of each microbatch as its last activation arrives
+and sends its gradient back, and every slot then runs the backward of all microbatches in
+order. Sends are asynchronous so the ring cannot deadlock; receives block with a timeout.
+
+Every decoder layer is its own autograd segment: its input is a detached leaf and its
+output's gradient is pushed through it with `backward`. The autograd work per layer is
+therefore the same wherever the layer lives and whatever its neighbours are, which is what
+makes the gradients (and so the whole update) bitwise independent of the partition.
+
+The loss of microbatch k is sum(weight * ce over k) / (total weight of the whole batch);
+the step loss is the sum over microbatches, so microbatching does not change the update.
+"""
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardtrain.batch import Batch, Microbatch, split_microbatches
+from shardtrain.errors import ConfigError
+from shardtrain.messages import ACTIVATION, GRADIENT, Channel, MessageHeader
+from shardtrain.model import Llama, rotary_tables
+from shardtrain.partition import Partition
+
+__all__ = ["Pipeline"]
+
+
+@dataclasses.dataclass
+class _Segments:
+    """What one microbatch's forward left behind on this slot for its backward."""
+
+    first: torch.Tensor  # slot 0: the embedding output (has a graph); else the received activation
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # (input leaf, output) per owned layer, in order
+    last: torch.Tensor  # what this slot hands on (output of its last layer, or `first`)
+
+
+class Pipeline:
+    """Runs slot `slot`'s part of forward and backward; gradients accumulate in the stage."""
+
+    def __init__(self, stage: Llama, partition: Partition, slot: int, *,
+                 timeout: timedelta = timedelta(seconds=300), max_message_elements: int = 1 << 28) -> None:
+        self.stage = stage
+        self.config = stage.config
+        self.partition = partition
+        self.slot = slot
+        self.num_slots = partition.num_slots
+        if stage.layer_range != partition.layers(slot) or stage.has_embedding != (slot == 0) \
+                or stage.has_head != (slot == 0):
+            raise ConfigError(f"stage does not match slot {slot} of the partition")
+        self.device = next(stage.parameters()).device
+        self.channel: Channel | None = None
+        if self.num_slots > 1:
+            if not dist.is_initialized():
+                raise ConfigError(f"a {self.num_slots}-slot pipeline needs an initialised process group")
+            if dist.get_world_size() != self.num_slots or dist.get_rank() != slot:
+                raise ConfigError(f"slot {slot} of {self.num_slots} must run as rank {slot} of a group of "
+                                  f"{self.num_slots}, not rank {dist.get_rank()} of {dist.get_world_size()}")
+            self.channel = Channel(slot, timeout=timeout, max_elements=max_message_elements, device=self.device)
+
+    @property
+    def bytes_sent(self) -> int:
+        return 0 if self.channel is None else self.channel.bytes_sent
+
+    def forward_backward(self, batch: Batch, *, step: int, microbatch_size: int) -> float | None:
+        """Accumulate this slot's gradients for `batch`; return the step loss on slot 0.
+
+        Every slot must be called with the same batch (only slot 0 reads its values; the
+        others derive message shapes from it). Returns None on slots other than 0.
+        """
+        batch.validate(self.config.vocab_size, self.config.max_position_embeddings)
+        mbs = split_microbatches(batch, microbatch_size)
+        total_weight = batch.total_weight().to(self.device)
+        saved: list[_Segments | None] = [self._forward(batch, mb, step) for mb in mbs]
+        loss: float | None = None
+        local_grads: list[torch.Tensor | None] = []
+        if self.slot == 0:
+            loss = 0.0
+            for mb in mbs:  # microbatch order; the step loss is a float64 sum
+                seg = saved[mb.index]
+                assert seg is not None
+                value, grad = self._head(batch, mb, step, seg.last, total_weight)
+                loss += value
+                local_grads.append(grad)
+        for mb in mbs:
+            local = local_grads[mb.index] if self.num_slots == 1 else None
+            grad = local if local is not None else self._recv((self.slot + 1) % self.num_slots, GRADIENT, mb, step)
+            seg = saved[mb.index]
+            assert seg is not None
+            self._backward(seg, grad, mb, step)
+            saved[mb.index] = None  # free the microbatch's graph early
+        if self.channel is not None:
+            self.channel.flush()
+        return loss
+
+    def _header(self, kind: int, mb: Microbatch, step: int) -> MessageHeader:
+        return MessageHeader(kind, step, mb.index, torch.float32, (mb.rows, mb.length, self.config.hidden_size))
+
+    def _recv(self, src: int, kind: int, mb: Microbatch, step: int) -> torch.Tensor:
+        assert self.channel is not None
+        return self.channel.recv(src, self._header(kind, mb, step))
+
+    def _send(self, t: torch.Tensor, dst: int, kind: int, mb: Microbatch, step: int) -> None:
+        assert self.channel is not None
+        self.channel.send(t, dst, self._header(kind, mb, step))
+
+    def _forward(self, batch: Batch, mb: Microbatch, step: int) -> _Segments:
+        if self.slot == 0:
+            first = self.stage.embed(mb.take(batch.tokens).to(self.device))  # (b, t, C)
+        else:
+            first = self._recv(self.slot - 1, ACTIVATION, mb, step)  # (b, t, C)
+        cos, sin = rotary_tables(self.config, mb.length, self.device, first.dtype)  # (t, D) each
+        x, layers = first, []
+        for i in self.stage.layer_range:
+            inp = x.detach().requires_grad_()
+            x = self.stage.layer(i, inp, cos, sin)  # (b, t, C)
+            layers.append((inp, x))
+        if self.num_slots > 1:
+            self._send(x, (self.slot + 1) % self.num_slots, ACTIVATION, mb, step)
+        return _Segments(first, layers, x)
+
+    def _head(self, batch: Batch, mb: Microbatch, step: int, local_last: torch.Tensor,
+              total_weight: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        """Slot 0: final norm, head and weighted loss of one microbatch.
+
+        Sends the gradient of the last activation back to slot n-1, or returns it when
+        this is the only slot.
+        """
+        if self.num_slots > 1:
+            h = self._recv(self.num_slots - 1, ACTIVATION, mb, step)
+        else:
+            h = local_last.detach()
+        h = h.requires_grad_()  # (b, t, C) leaf
+        logits = self.stage.logits(h)  # (b, t, V)
+        targets = mb.take(batch.targets).to(self.device)  # (b, t)
+        weights = mb.take(batch.weights).to(self.device)  # (b, t)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")  # (b*t,)
+        loss = (ce * weights.reshape(-1)).sum() / total_weight
+        loss.backward()
+        assert h.grad is not None
+        if self.num_slots > 1:
+            self._send(h.grad, self.num_slots - 1, GRADIENT, mb, step)
+            return float(loss.detach()), None
+        return float(loss.detach()), h.grad
+
+    def _backward(self, seg: _Segments, grad: torch.Tensor, mb: Microbatch, step: int) -> None:
+        for inp, out in reversed(seg.layers):
+            out.backward(grad)
+            assert inp.grad is not None
+            grad = inp.grad
+        if self.slot == 0:
+            seg.first.backward(grad)  # into the embedding
+        else:
+            self._send(grad, self.slot - 1, GRADIENT, mb, step)

@@ -1,0 +1,120 @@
+"""Shared pieces of the shardtrain tests: a tiny config, synthetic batches, and the worker
+functions the tests start in separate processes (they must be importable by name).
+
+Workers return results through safetensors files in a directory the test chooses:
+parameters under their names, moments under `exp_avg/<name>` and `exp_avg_sq/<name>`,
+and per-step numbers plus the parameter inventory as JSON in the file's metadata.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardtrain.batch import Batch
+from shardtrain.launch import WorkerContext
+from shardtrain.messages import ACTIVATION, Channel, MessageHeader
+from shardtrain.model import LlamaConfig
+from shardtrain.optim import AdamW, GroupConfig, Schedule
+from shardtrain.partition import Partition, build_stage, parameter_inventory
+from shardtrain.pipeline import Pipeline
+from shardtrain.trainer import Trainer
+
+DETERMINISTIC_ENV = {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def tiny_config(*, tied: bool = True, layers: int = 4) -> LlamaConfig:
+    return LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=112, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=64, tie_word_embeddings=tied)
+
+
+def make_batch(config: LlamaConfig, *, seed: int, rows: int = 5, seq_len: int = 24) -> Batch:
+    """Right-padded sequences of unequal lengths with assistant-style non-uniform weights."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.zeros(rows, seq_len, dtype=torch.int64)
+    targets = torch.zeros(rows, seq_len, dtype=torch.int64)
+    weights = torch.zeros(rows, seq_len, dtype=torch.float32)
+    for r in range(rows):
+        length = int(torch.randint(6, seq_len + 1, (1,), generator=g))
+        seq = torch.randint(1, config.vocab_size, (length + 1,), generator=g)
+        tokens[r, :length], targets[r, :length] = seq[:-1], seq[1:]
+        prompt = int(torch.randint(1, length // 2 + 1, (1,), generator=g))  # unweighted "prompt" prefix
+        weights[r, prompt:length] = 0.25 + 1.75 * torch.rand(length - prompt, generator=g)
+    return Batch(tokens, targets, weights)
+
+
+def job_spec(out_dir: str | Path, *, ranges: list[tuple[int, int]], tied: bool = True, steps: int = 4,
+             microbatch_size: int = 2, max_grad_norm: float = 0.5, seed: int = 1234, **extra: Any) -> str:
+    spec = {"out_dir": str(out_dir), "config": tiny_config(tied=tied).to_hf_dict(), "ranges": ranges,
+            "steps": steps, "microbatch_size": microbatch_size, "max_grad_norm": max_grad_norm, "seed": seed,
+            "groups": GROUPS_JSON, "schedule": {"warmup_steps": min(2, steps), "total_steps": steps, "min_ratio": 0.1}}
+    spec.update(extra)
+    return json.dumps(spec)
+
+
+GROUPS_JSON = {"decay": {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1},
+               "no_decay": {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}}
+
+
+def train_worker(ctx: WorkerContext, spec_json: str) -> None:
+    """Train the spec's job as slot `ctx.rank` and write `rank{r}.safetensors`."""
+    spec = json.loads(spec_json)
+    config = LlamaConfig.from_hf_dict(spec["config"])
+    partition = Partition.from_ranges([tuple(r) for r in spec["ranges"]], config.num_hidden_layers)
+    stage = build_stage(config, partition, ctx.rank, seed=spec["seed"], device=ctx.device)
+    inventory = parameter_inventory(stage)
+    pipe = Pipeline(stage, partition, ctx.rank, timeout=ctx.timeout)
+    groups = {k: GroupConfig(**v) for k, v in spec["groups"].items()}
+    opt = AdamW(stage.named_parameters(), groups, schedule=Schedule(**spec["schedule"]))
+    trainer = Trainer(pipe, opt, microbatch_size=spec["microbatch_size"], max_grad_norm=spec["max_grad_norm"])
+    results = []
+    for step in range(spec["steps"]):
+        if spec.get("die_rank") == ctx.rank and spec.get("die_step") == step:
+            if spec.get("die_mode") == "hang":
+                time.sleep(3600)
+            os._exit(3)  # a peer vanishing without a word
+        r = trainer.step(make_batch(config, seed=spec["seed"] + step))
+        results.append([r.loss, r.grad_norm, r.clip_coef, r.lr_multiplier])
+    _, params = opt.state_export()
+    tensors = {name: p.detach().clone() for name, p in stage.named_parameters()}
+    for name, st in params.items():
+        tensors[f"exp_avg/{name}"] = st["exp_avg"].clone()
+        tensors[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].clone()
+    meta = {"results": json.dumps(results), "inventory": json.dumps(inventory),
+            "ages": json.dumps({n: st["age"] for n, st in params.items()}), "bytes_sent": str(pipe.bytes_sent)}
+    save_file(tensors, os.path.join(spec["out_dir"], f"rank{ctx.rank}.safetensors"), metadata=meta)
+
+
+def read_results(out_dir: str | Path, world_size: int) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """Merge every rank's tensors (names are disjoint) and return per-rank metadata."""
+    from safetensors import safe_open
+
+    merged: dict[str, torch.Tensor] = {}
+    metas = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.safetensors")
+        tensors = load_file(path)
+        assert not set(tensors) & set(merged), "two ranks returned the same tensor"
+        merged.update(tensors)
+        with safe_open(path, "pt") as f:
+            metas.append({k: json.loads(v) for k, v in f.metadata().items()})
+    return merged, metas
+
+
+def header_mismatch_worker(ctx: WorkerContext, wrong_field: str) -> None:
+    """Slot 1 sends an activation whose header is wrong in `wrong_field`; slot 0 must refuse it."""
+    channel = Channel(ctx.rank, timeout=ctx.timeout, max_elements=1 << 20)
+    expected = MessageHeader(ACTIVATION, 7, 0, torch.float32, (2, 5, 8))
+    if ctx.rank == 1:
+        bad = {"step": 8, "microbatch": 1, "shape": (2, 6, 8)}[wrong_field]
+        sent = MessageHeader(**{**expected.__dict__, wrong_field: bad})
+        channel.send(torch.zeros(sent.shape), 0, sent)
+        channel.flush()
+    else:
+        channel.recv(1, expected)
