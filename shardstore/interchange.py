@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .checkpoint import AUTO, CommitInfo, write_commit
 from .errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
@@ -89,6 +89,14 @@ def _natural(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
+def _open(path: str) -> Any:
+    """``safe_open`` with its errors as ManifestError naming the file."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ManifestError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 def _header(items: Sequence[_Item]) -> bytes:
     head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -102,7 +110,7 @@ def _header(items: Sequence[_Item]) -> bytes:
 def _check_written(path: str, items: Sequence[_Item]) -> None:
     """Read a written file's header back with safetensors itself."""
     want = {it.name: (_TO_ST[it.dtype], list(it.shape)) for it in items}
-    with safe_open(path, framework="pt") as f:
+    with _open(path) as f:
         got = {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in f.keys()}
     if got != want:
         raise StorageError(f"{path}: safetensors reads back a different header than was written")
@@ -241,9 +249,13 @@ def _read_json(path: str) -> Any:
         raise ManifestError(f"{path}: not readable JSON ({e})") from None
 
 
-def _source_files(src_dir: str) -> list[str]:
-    """The weight files of a HF directory: the index's files, else model*.safetensors, else all but optimizer.*."""
+def _source_files(src_dir: str) -> tuple[list[str], dict[str, str] | None]:
+    """The weight files of a HF directory and its index's weight map (None without an index).
+
+    Without an index: ``model*.safetensors``, else every ``*.safetensors`` but ``optimizer.*``.
+    """
     index_path = os.path.join(src_dir, "model.safetensors.index.json")
+    weight_map: dict[str, str] | None = None
     if os.path.exists(index_path):
         index = _read_json(index_path)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -254,23 +266,20 @@ def _source_files(src_dir: str) -> list[str]:
         listing = sorted(os.listdir(src_dir))
         names = [n for n in listing if n.startswith("model") and n.endswith(".safetensors")]
         names = names or [n for n in listing if n.endswith(".safetensors") and not n.startswith("optimizer.")]
-        weight_map = None
     for n in names:
         if _FILE_NAME.fullmatch(n) is None:
             raise InvalidName(f"weight file name {n!r} in {src_dir} is not a plain *.safetensors file name")
     if not names:
         raise ManifestError(f"{src_dir} holds no *.safetensors weight files")
-    return names if weight_map is None else [*names, *(f"\0{k}\0{v}" for k, v in weight_map.items())]
+    return names, weight_map
 
 
 def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     """Tensor name -> (file, dtype, shape) from the files' headers (no data read)."""
-    listed = _source_files(src_dir)
-    files = [n for n in listed if not n.startswith("\0")]
-    weight_map = dict(n[1:].split("\0") for n in listed if n.startswith("\0"))
+    files, weight_map = _source_files(src_dir)
     out: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for fname in files:
-        with safe_open(os.path.join(src_dir, fname), framework="pt") as f:
+        with _open(os.path.join(src_dir, fname)) as f:
             for name in f.keys():
                 check_tensor_name(name)
                 sl = f.get_slice(name)
@@ -280,7 +289,7 @@ def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
                 if name in out:
                     raise ManifestError(f"tensor {name!r} is in both {out[name][0]} and {fname}")
                 out[name] = (fname, _FROM_ST[st], tuple(int(d) for d in sl.get_shape()))
-    if weight_map:
+    if weight_map is not None:
         wrong = sorted(n for n in set(out) | set(weight_map) if weight_map.get(n) != out.get(n, ("",))[0])
         if wrong:
             raise ManifestError(f"{src_dir}: the index and the files disagree about {len(wrong)} tensors, e.g. {wrong[:3]}")
@@ -370,8 +379,11 @@ def import_directory(
         for name in names:
             fname, dtype, shape = tensors[name]
             if fname not in handles:
-                handles[fname] = safe_open(os.path.join(src_dir, fname), framework="pt")
-            t = handles[fname].get_tensor(name)
+                handles[fname] = _open(os.path.join(src_dir, fname))
+            try:
+                t = handles[fname].get_tensor(name)
+            except SafetensorError as e:
+                raise ManifestError(f"tensor {name!r} in {fname}: unreadable ({e})") from None
             if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
                 raise TensorMismatch(f"tensor {name!r} in {fname}: read {t.dtype}{list(t.shape)}, header says {dtype}{list(shape)}")
             oid = store.put_tensor(t)

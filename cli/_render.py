@@ -1,0 +1,185 @@
+"""Human-readable text for the ``shardstore`` command line.
+
+Every command first builds one JSON-able document (what ``--json`` prints); the functions
+here turn those same documents into text for people, so the two outputs never disagree.
+They return strings; only ``cli.shardstore_cli`` writes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+__all__ = ["jsonable", "human_bytes", "table", "render_verify", "render_diff", "render_log", "render_show", "render_refs"]
+
+
+def jsonable(obj: Any) -> Any:
+    """Plain JSON values from dataclasses, msgspec Structs, tuples and floats (non-finite as strings)."""
+    if isinstance(obj, msgspec.Struct):
+        return jsonable(msgspec.to_builtins(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    return obj
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'; exact below 1 KiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, indent: str = "") -> str:
+    """Left-aligned columns separated by two spaces (numbers right-aligned)."""
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(isinstance(r[i], int) for r in rows) and bool(rows) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        parts = [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)]
+        lines.append(indent + "  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _num(x: Any) -> str:
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+def render_verify(doc: dict[str, Any]) -> str:
+    out = []
+    for i, p in enumerate(doc["problems"], 1):
+        refs = doc["refs_by_commit"].get(p["commit"] or "", [])
+        out.append(f"problem {i}: {p['kind']}")
+        out.append(f"  object: {p['object'] or '-'}")
+        out.append(f"  tensor: {p['tensor'] or '-'}")
+        out.append(f"  commit: {p['commit'] or '-'}" + (f" (ref {', '.join(refs)})" if refs else ""))
+        out.append(f"  detail: {p['message']}")
+    what = "re-hashed" if doc["deep"] else "checked (structure and sizes only)"
+    scope = f", slot {doc['slot']} only" if doc["slot"] is not None else ""
+    summary = (
+        f"{len(doc['commits'])} commit(s), {doc['objects_checked']} object(s) {what}{scope}, "
+        f"{human_bytes(doc['bytes_hashed'])} hashed"
+    )
+    n = len(doc["problems"])
+    out.append(f"ok: {summary}" if n == 0 else f"FAILED: {n} problem(s) in {summary}")
+    return "\n".join(out)
+
+
+def _entry_text(e: dict[str, Any] | None) -> str:
+    if e is None:
+        return "-"
+    text = f"{e['dtype']}{list(e['shape'])}"
+    if e["optim"] is not None:
+        text += f" group {e['optim']['group']} age {e['optim']['age']}"
+    return text
+
+
+def _tensor_lines(t: dict[str, Any]) -> list[str]:
+    b, a = t["before"], t["after"]
+    if t["status"] == "added":
+        return [f"  added    {t['name']}  {_entry_text(a)}  slot {t['slot_after']}"]
+    if t["status"] == "removed":
+        return [f"  removed  {t['name']}  {_entry_text(b)}  slot {t['slot_before']}"]
+    details = []
+    for key in ("dtype", "shape"):
+        if key in t["changes"]:
+            details.append(f"{key} {b[key]} -> {a[key]}")
+    if "param" in t["changes"]:
+        details.append("values")
+    ob, oa = b["optim"] or {}, a["optim"] or {}
+    for key in ("age", "birth", "group", "moment_dtype"):
+        if key in t["changes"]:
+            details.append(f"{'Adam age' if key == 'age' else key} {ob.get(key)} -> {oa.get(key)}")
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in t["changes"]:
+            details.append(key)
+    if "optimizer state" in t["changes"]:
+        details.append("optimizer state " + ("added" if not ob else "removed"))
+    lines = [f"  changed  {t['name']}  " + "; ".join(details)]
+    for role, s in t["stats"].items():
+        lines.append(f"           {role}: max |diff| {_num(s['max_abs_diff'])}, relative L2 change {_num(s['rel_l2'])}")
+    return lines
+
+
+def render_diff(doc: dict[str, Any]) -> str:
+    out = [f"diff {doc['a']} {doc['b']}"]
+    if doc["empty"]:
+        out.append("no differences")
+        return "\n".join(out)
+    ra, rb = doc["learned_roots"]
+    out.append(f"learned-state root: equal ({ra})" if ra == rb else f"learned-state root: differs ({ra} -> {rb})")
+    c = doc["counts"]
+    out.append(f"tensors: {c['changed']} changed, {c['added']} added, {c['removed']} removed, {c['unchanged']} unchanged")
+    for t in doc["tensors"]:
+        out.extend(_tensor_lines(t))
+    sa, sb = doc["slots"]
+    if doc["layout_changed"]:
+        out.append(f"layout: {sa} slot(s) -> {sb} slot(s), {len(doc['moved'])} tensor(s) moved")
+        for m in doc["moved"]:
+            out.append(f"  moved    {m['name']}  slot {m['slot_before']} -> {m['slot_after']}")
+    else:
+        out.append(f"layout: unchanged ({sa} slot(s))")
+    for g in doc["groups"]:
+        if g["before"] is None or g["after"] is None:
+            out.append(f"optimizer group {g['name']}: {'added' if g['before'] is None else 'removed'}")
+            continue
+        changed = [f"{k} {_num(g['before'][k])} -> {_num(g['after'][k])}" for k in g["before"] if g["before"][k] != g["after"].get(k)]
+        out.append(f"optimizer group {g['name']}: " + "; ".join(changed))
+    if doc["fields"]:
+        out.append("fields:")
+        for f in doc["fields"]:
+            out.append(f"  {f['name']}: {_num(f['before']) if f['before'] is not None else '-'} -> {_num(f['after']) if f['after'] is not None else '-'}")
+    return "\n".join(out)
+
+
+def render_log(doc: dict[str, Any]) -> str:
+    rows = [[c["id"], c["step"], c["transition"], c["learned_root"]] for c in doc["commits"]]
+    text = table(["commit", "step", "kind", "learned-state root"], rows)
+    if doc["missing_parent"]:
+        text += f"\n(parent {doc['missing_parent']} is not in the store; history ends here)"
+    return text
+
+
+def render_show(doc: dict[str, Any]) -> str:
+    c = doc["commit"]
+    fields = [
+        ("commit", doc["id"]),
+        ("refs", ", ".join(doc["refs"]) or "-"),
+        ("transition", c["transition"]),
+        ("step", c["step"]),
+        ("parent", c["parent"] or "-"),
+        ("job", c["job"]),
+        ("schedule", c["schedule"] or "-"),
+        ("profile", c["profile"]),
+        ("data cursor", "-" if c["data_cursor"] is None else c["data_cursor"]),
+        ("model config", c["config"] or "-"),
+        ("learned-state root", c["learned_root"]),
+        ("format version", c["version"]),
+        ("optimizer", doc["optimizer"]["algorithm"]),
+    ]
+    width = max(len(k) for k, _ in fields)
+    out = [f"{k.ljust(width)}  {v}" for k, v in fields]
+    for name, h in doc["optimizer"]["groups"].items():
+        out.append(f"{''.ljust(width)}  group {name}: " + ", ".join(f"{k} {_num(v)}" for k, v in h.items()))
+    rows = [[s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"])] for s in doc["layout"]]
+    t = doc["totals"]
+    rows.append(["total", "", t["tensors"], t["elements"], human_bytes(t["bytes"])])
+    out.append("")
+    out.append(table(["slot", "shard manifest", "tensors", "parameters", "bytes"], rows))
+    return "\n".join(out)
+
+
+def render_refs(doc: dict[str, Any]) -> str:
+    return "\n".join(f"{cid}  {name}" for name, cid in doc["refs"].items())
