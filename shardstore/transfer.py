@@ -1,0 +1,171 @@
+"""Copying a commit's closure from one store to another (SPEC.md §Write ordering).
+
+A commit's *closure* is everything a reader needs to restore it: the commit manifest,
+all its shard manifests, the model config object, and the tensor, Adam moment and RNG
+objects of every slot (or, with ``slot=K``, of slot K only: what a replacement host needs
+to restore that one slot). The parent commit is a pointer, not part of the closure.
+
+``copy_commit`` sends only objects the destination lacks, and verifies every byte on
+arrival: what was received is hashed, and written under its id only if it hashes to it
+(and, for tensor payloads, has the byte size its entry needs). Writes follow the store's
+ordering, so an interrupted copy never leaves a ref (or a manifest) naming data the
+destination does not hold: data objects, a durability barrier, shard manifests, a
+barrier, the commit manifest, a barrier, and only then, optionally, a ref moved by
+compare-and-swap. Objects move concurrently on a bounded thread pool (the S3 backend
+bounds its own requests further).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from .errors import CorruptObject, TargetNotFound, TensorMismatch
+from .names import check_ref_name
+from .store import Store
+from .tensors import expected_nbytes, hash_bytes
+from .verify import LoadedCommit, load_commit
+
+__all__ = ["Closure", "CopyResult", "commit_closure", "copy_commit"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+DEFAULT_THREADS = 8
+
+
+@dataclass
+class Closure:
+    """What a commit needs: data objects (id → byte size, None where the format fixes none),
+    its shard manifests (by slot order) and the commit manifest itself."""
+
+    commit: str
+    shards: list[str]
+    data: dict[str, int | None] = field(default_factory=dict)
+
+    def ids(self) -> set[str]:
+        return {self.commit, *self.shards, *self.data}
+
+
+def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
+    """The closure of a loaded commit: every slot's data objects, or only ``slot``'s.
+
+    Shard manifests and the model config are always included: they are small, and a
+    reader verifies the whole commit structure before it restores any slot.
+    """
+    out = Closure(lc.id, [lc.shard_ids[s] for s in sorted(lc.shard_ids)])
+    if lc.commit.config is not None:
+        out.data[lc.commit.config] = None
+    for s, shard in sorted(lc.shards.items()):
+        if shard.config is not None:
+            out.data.setdefault(shard.config, None)
+        if slot is not None and s != slot:
+            continue
+        for r in shard.rng:
+            out.data.setdefault(r.object, None)
+        for e in shard.entries:
+            out.data[e.param] = expected_nbytes(e.dtype, e.shape)
+            o = e.optim
+            if o is not None and o.moment_dtype is not None:
+                for m in (o.exp_avg, o.exp_avg_sq):
+                    if m is not None:
+                        out.data[m] = expected_nbytes(o.moment_dtype, e.shape)
+    return out
+
+
+@dataclass
+class CopyResult:
+    """What ``copy_commit`` did: the commit, and objects (and bytes) sent or already present."""
+
+    commit: str
+    slot: int | None
+    objects_copied: int = 0
+    bytes_copied: int = 0
+    objects_skipped: int = 0
+    bytes_skipped: int = 0
+    ref: str | None = None
+
+    def _add(self, copied: bool, n: int) -> None:
+        if copied:
+            self.objects_copied += 1
+            self.bytes_copied += n
+        else:
+            self.objects_skipped += 1
+            self.bytes_skipped += n
+
+
+def _pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]:
+    items = list(items)
+    if threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    pool = ThreadPoolExecutor(max_workers=threads)
+    try:
+        return list(pool.map(fn, items))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # on the first failure, start nothing new
+
+
+def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) -> tuple[bool, int]:
+    """Copy one object unless ``dst`` has it; verify the bytes received before writing them."""
+    if dst.has(oid):
+        return False, size if size is not None else dst.object_size(oid) or 0
+    data = src.get(oid, verify=False)
+    got = hash_bytes(data)
+    if got != oid:
+        raise CorruptObject(
+            f"{what} object {oid} read from {src.url} is corrupt: its {len(data)} bytes hash to {got}; "
+            f"nothing was written to {dst.url} (SPEC.md §Objects)"
+        )
+    if size is not None and len(data) != size:
+        raise TensorMismatch(f"{what} object {oid} in {src.url} holds {len(data)} bytes, its entry needs {size}")
+    dst.put_with_id(oid, data)
+    return True, len(data)
+
+
+def copy_commit(
+    src: Store,
+    dst: Store,
+    target: str,
+    *,
+    slot: int | None = None,
+    ref: str | None = None,
+    threads: int = DEFAULT_THREADS,
+    progress: Callable[[int], None] | None = None,
+) -> CopyResult:
+    """Copy commit ``target`` (ref, id or id prefix in ``src``) and its closure to ``dst``.
+
+    ``slot``: copy only that slot's data objects (all manifests are still copied).
+    ``ref``: afterwards, move that ref in ``dst`` to the commit (compare-and-swap against
+    the value read just before). ``progress`` is called with the byte size of each object
+    as it is copied or found present.
+    """
+    if ref is not None:
+        check_ref_name(ref)
+    lc = load_commit(src, target)
+    if slot is not None and slot not in lc.shards:
+        raise TargetNotFound(f"commit {lc.id} in {src.url} has slots 0..{len(lc.shards) - 1}; it has no slot {slot}")
+    closure = commit_closure(lc, slot)
+    result = CopyResult(lc.id, slot)
+
+    def batch(jobs: list[tuple[str, int | None, str]]) -> None:
+        def one(job: tuple[str, int | None, str]) -> tuple[bool, int]:
+            done = _copy_object(src, dst, *job)
+            if progress is not None:
+                progress(done[1])
+            return done
+
+        for copied, n in _pool_map(one, jobs, threads):
+            result._add(copied, n)
+        dst.sync()  # everything in this batch is durable before the next batch names it
+
+    batch([(oid, size, "data") for oid, size in sorted(closure.data.items())])
+    batch([(sid, None, "shard manifest") for sid in closure.shards])
+    batch([(closure.commit, None, "commit manifest")])
+    load_commit(dst, lc.id)  # the destination now holds a structurally valid commit
+    if ref is not None:
+        current = dst.ref(ref)
+        if current != lc.id:
+            dst.set_ref(ref, lc.id, expected=current)
+        result.ref = ref
+    return result
