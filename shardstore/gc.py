@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .errors import ShardstoreError
+from .errors import ObjectNotFound, ShardstoreError
 from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, decode
 from .store import Store, object_key
 from .transfer import _pool_map, commit_closure
@@ -64,6 +64,8 @@ def reachable(store: Store) -> tuple[set[str], list[str]]:
         if cid in objects:
             continue
         try:
+            if not store.has(cid):
+                raise ObjectNotFound(f"commit {cid} is missing from {store.url}")
             lc = load_commit(store, cid)
         except ShardstoreError as e:
             raise type(e)(f"gc refused: commit {cid} is reachable but unreadable, so its closure is unknown: {e}") from None

@@ -1,0 +1,174 @@
+"""Garbage collection: nothing reachable and nothing young is ever deleted.
+
+The central test pauses a save between writing its objects and moving the ref (it calls
+``write_shard`` and ``write_commit`` itself): gc with a grace period deletes none of the
+save's objects, and after the ref moves the store verifies clean. Without grace, after a
+ref is deleted, gc removes exactly the objects only that ref's commit introduced, and a
+second run deletes nothing. Also: dry runs, a young manifest protecting an old object it
+deduplicated against, refusing to run when a ref's commit is unreadable, stale tmp files,
+and the same on S3.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any
+
+import pytest
+import torch
+
+import shardstore as ss
+from shardstore import ObjectNotFound
+from shardstore.gc import gc, reachable
+from shardstore.store import object_key
+from shardstore.transfer import commit_closure
+
+try:
+    from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)
+except ImportError:  # pragma: no cover
+    from s3_server import S3Server, s3_server  # type: ignore[no-redef]  # noqa: F401
+
+HOUR = 3600.0
+
+
+def model_and_opt(seed: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def age_everything(store: ss.Store, seconds: float) -> None:
+    """Make every object on a local store look ``seconds`` old."""
+    past = time.time() - seconds
+    for oid in store.objects():
+        os.utime(os.path.join(store.url, object_key(oid)), (past, past), follow_symlinks=False)
+
+
+def test_paused_save_is_safe_then_verifies_clean(tmp_path: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    model, opt = model_and_opt(0)
+    first = ss.save(store, model, opt, step=1, rng=False)
+    age_everything(store, 2 * HOUR)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    # the save, paused after its objects and manifests and before its ref moves
+    info = ss.CommitInfo(step=1)
+    sid = ss.write_shard(store, ss.capture(model, opt, rng=False), info=info, parent=first, slot=0, slots=1)
+    pending = ss.write_commit(store, [sid], info=info, parent=first)
+    in_flight = commit_closure(ss.load_commit(store, pending)).ids()
+    assert not in_flight <= commit_closure(ss.load_commit(store, first)).ids()
+
+    result = gc(store, grace_seconds=HOUR, dry_run=False)
+    assert result.deleted == {}
+    assert all(store.has(o) for o in in_flight)
+    assert set(result.kept_young) == in_flight - commit_closure(ss.load_commit(store, first)).ids()
+
+    store.set_ref("main", pending, expected=first)
+    report = ss.verify(store)
+    assert report.ok, [str(p) for p in report.problems]
+    assert gc(store, grace_seconds=0, dry_run=False).deleted == {}  # `first` is still reachable as the parent
+
+
+def test_without_grace_deletes_exactly_the_unreachable(tmp_path: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    ss.save(store, *model_and_opt(1), step=1, rng=False)
+    before = set(store.objects())
+    ss.save(store, *model_and_opt(2), step=1, rng=False, ref="experiment")
+    introduced = set(store.objects()) - before
+    sizes = {o: store.object_size(o) for o in introduced}
+
+    dry = gc(store, grace_seconds=0, dry_run=True)
+    assert dry.deleted == {} and set(store.objects()) == before | introduced  # nothing reachable yet
+    store.delete_ref("experiment", expected=store.ref("experiment") or "")
+
+    dry = gc(store, grace_seconds=0, dry_run=True)
+    assert dry.deleted == sizes and set(store.objects()) == before | introduced  # a dry run deletes nothing
+    done = gc(store, grace_seconds=0, dry_run=False)
+    assert done.deleted == sizes and done.bytes_freed == sum(sizes.values())
+    assert set(store.objects()) == before
+    assert ss.verify(store).ok
+    again = gc(store, grace_seconds=0, dry_run=False)
+    assert again.deleted == {} and again.kept_young == []
+
+
+def test_grace_keeps_young_garbage_and_deletes_old(tmp_path: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    ss.save(store, *model_and_opt(3), step=1, rng=False)
+    old = store.put(b"old garbage")
+    age_everything(store, 2 * HOUR)
+    young = store.put(b"young garbage")
+    result = gc(store, grace_seconds=HOUR, dry_run=False)
+    assert list(result.deleted) == [old] and result.kept_young == [young]
+    assert store.has(young) and not store.has(old)
+
+
+def test_young_manifest_protects_old_object_it_deduplicated(tmp_path: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    model, opt = model_and_opt(4)
+    orphan = ss.save(store, model, opt, step=1, rng=False, ref="old")
+    store.delete_ref("old", expected=orphan)
+    age_everything(store, 2 * HOUR)  # all of it old and unreachable
+    # a new save of the same state writes no tensor bytes (they exist) and pauses before its ref
+    info = ss.CommitInfo(step=1, job="again")
+    sid = ss.write_shard(store, ss.capture(model, opt, rng=False), info=info, parent=None, slot=0, slots=1)
+    shard = store.shard(sid)
+    needed = {e.param for e in shard.entries}
+    result = gc(store, grace_seconds=HOUR, dry_run=False)
+    assert needed <= set(result.kept_named_by_young) and all(store.has(o) for o in needed)
+    assert orphan in result.deleted  # the old commit manifest itself was garbage
+    cid = ss.write_commit(store, [sid], info=info, parent=None)
+    store.set_ref("main", cid, expected=None)
+    assert ss.verify(store).ok
+
+
+def test_refuses_when_a_ref_names_a_missing_commit(tmp_path: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    ss.save(store, *model_and_opt(5), step=1, rng=False)
+    garbage = store.put(b"garbage")
+    age_everything(store, 2 * HOUR)
+    store.set_ref("broken", "f" * 64, expected=None)
+    with pytest.raises(ObjectNotFound, match="gc refused"):
+        gc(store, grace_seconds=0, dry_run=False)
+    assert store.has(garbage)
+
+
+def test_stale_tmp_files_are_removed(tmp_path: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    tmp = tmp_path / "s" / "tmp"
+    tmp.mkdir(exist_ok=True)
+    (tmp / "stale").write_bytes(b"x")
+    (tmp / "fresh").write_bytes(b"y")
+    past = time.time() - 2 * HOUR
+    os.utime(tmp / "stale", (past, past))
+    result = gc(store, grace_seconds=HOUR, dry_run=False)
+    assert result.tmp_deleted == ["tmp/stale"]
+    assert sorted(p.name for p in tmp.iterdir()) == ["fresh"]
+
+
+def test_reachable_follows_present_parents(tmp_path: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    model, opt = model_and_opt(6)
+    a = ss.save(store, model, opt, step=1, rng=False)
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    b = ss.save(store, model, opt, step=1, rng=False)
+    objects, commits = reachable(store)
+    assert commits == [b, a] and a in objects
+
+
+def test_gc_on_memory_and_s3(s3_server: S3Server) -> None:  # noqa: F811
+    for store in (ss.open_store(f"memory://gc-{uuid.uuid4().hex}"), ss.open_store(s3_server.url(), **s3_server.options)):
+        ss.save(store, *model_and_opt(7), step=1, rng=False)
+        before = set(store.objects())
+        cid = ss.save(store, *model_and_opt(8), step=1, rng=False, ref="tmpref")
+        store.delete_ref("tmpref", expected=cid)
+        assert gc(store, grace_seconds=HOUR, dry_run=False).deleted == {}  # all young
+        result = gc(store, grace_seconds=0, dry_run=False)
+        assert set(store.objects()) == before and cid in result.deleted
+        assert gc(store, grace_seconds=0, dry_run=False).deleted == {}
+        assert ss.verify(store).ok
