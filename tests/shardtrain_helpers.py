@@ -118,3 +118,17 @@ def header_mismatch_worker(ctx: WorkerContext, wrong_field: str) -> None:
         channel.flush()
     else:
         channel.recv(1, expected)
+
+
+def failing_worker(ctx: WorkerContext, rank_to_fail: int) -> None:
+    if ctx.rank == rank_to_fail:
+        raise ValueError(f"boom on rank {ctx.rank}")
+
+
+if __name__ == "__main__":  # the torchrun entry: python -m torch.distributed.run ... shardtrain_helpers.py SPEC
+    import sys
+    from datetime import timedelta
+
+    from shardtrain.launch import run_worker
+
+    run_worker(train_worker, sys.argv[1], timeout=timedelta(seconds=60))

@@ -1,0 +1,65 @@
+"""Launching: torchrun's environment, the local launcher, and failure reporting."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from shardtrain_helpers import DETERMINISTIC_ENV, failing_worker, job_spec, read_results, train_worker
+
+from shardtrain import LaunchError, WorkerFailedError, free_port, init_from_env, launch_local
+
+HELPERS = Path(__file__).with_name("shardtrain_helpers.py")
+
+
+def test_missing_torchrun_variables_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(LaunchError, match=r"missing launch environment variables \['WORLD_SIZE', 'LOCAL_RANK', "
+                                          r"'MASTER_ADDR', 'MASTER_PORT'\]"):
+        init_from_env()
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RANK": "x"}, "must be integers"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "invalid RANK=2 / WORLD_SIZE=2"),
+])
+def test_invalid_torchrun_variables(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str) -> None:
+    base = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in {**base, **env}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(LaunchError, match=message):
+        init_from_env()
+
+
+def test_worker_exceptions_reach_the_caller() -> None:
+    with pytest.raises(WorkerFailedError) as info:
+        launch_local(failing_worker, 2, (1,), timeout=timedelta(seconds=5), join_timeout=60)
+    assert list(info.value.failures) == [1]
+    assert info.value.failures[1].startswith("ValueError: boom on rank 1")
+    with pytest.raises(LaunchError):
+        launch_local(failing_worker, 0)
+
+
+def test_torchrun_path_matches_the_local_launcher(tmp_path: Path) -> None:
+    """Two workers under torchrun train bitwise like one worker under the local launcher."""
+    (tmp_path / "torchrun").mkdir()
+    (tmp_path / "local").mkdir()
+    ranges = [(0, 2), (2, 4)]
+    env = {**os.environ, **DETERMINISTIC_ENV}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HELPERS),
+           job_spec(tmp_path / "torchrun", ranges=ranges, steps=2)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch_local(train_worker, 1, (job_spec(tmp_path / "local", ranges=[(0, 4)], steps=2),),
+                 env=DETERMINISTIC_ENV, timeout=timedelta(seconds=60), join_timeout=120)
+    a, a_meta = read_results(tmp_path / "torchrun", 2)
+    b, b_meta = read_results(tmp_path / "local", 1)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
+    assert a_meta[0]["results"] == b_meta[0]["results"]
