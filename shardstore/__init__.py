@@ -14,6 +14,9 @@ from .roots import learned_root
 from .store import Store, open_store
 from .storage import FsspecStorage, LocalStorage, Storage, open_storage
 from .verify import LoadedCommit, Problem, Report, load_commit, verify
+from .gc import GcResult, gc
+from .s3 import S3Storage
+from .transfer import CopyResult, copy_commit
 
 __version__ = "0.1.0"
 
@@ -49,5 +52,10 @@ __all__ = [
     "agree_on_commit",
     "write_commit",
     "write_shard",
+    "CopyResult",
+    "GcResult",
+    "S3Storage",
+    "copy_commit",
+    "gc",
     *_errors_all,
 ]

@@ -10,7 +10,11 @@ and the same on S3.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from typing import Any
@@ -30,6 +34,7 @@ except ImportError:  # pragma: no cover
     from s3_server import S3Server, s3_server  # type: ignore[no-redef]  # noqa: F401
 
 HOUR = 3600.0
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def model_and_opt(seed: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:
@@ -172,3 +177,58 @@ def test_gc_on_memory_and_s3(s3_server: S3Server) -> None:  # noqa: F811
         assert set(store.objects()) == before and cid in result.deleted
         assert gc(store, grace_seconds=0, dry_run=False).deleted == {}
         assert ss.verify(store).ok
+
+
+def run_cli(argv: list[str]) -> int:
+    import argparse
+
+    from cli.store_commands import register
+
+    parser = argparse.ArgumentParser(prog="shardstore")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_parse_duration() -> None:
+    from cli.store_commands import parse_duration
+
+    assert [parse_duration(x) for x in ("90s", "30m", "1h", "2d", "1h30m", "45", "0s", "1.5h")] == [
+        90, 1800, 3600, 172800, 5400, 45, 0, 5400
+    ]
+    for bad in ("", "1x", "h", "-1h", "1h 30m", "1hh"):
+        with pytest.raises(argparse.ArgumentTypeError, match="invalid duration"):
+            parse_duration(bad)
+
+
+def test_cli_gc_handler(tmp_path: Any, capsys: Any) -> None:
+    path = str(tmp_path / "s")
+    store = ss.open_store(path)
+    ss.save(store, *model_and_opt(9), step=1, rng=False)
+    garbage = store.put(b"garbage")
+    assert run_cli(["gc", path, "--dry-run", "--grace", "0s", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dry_run"] and [d["object"] for d in doc["deleted"]] == [garbage] and store.has(garbage)
+    assert run_cli(["gc", path]) == 0  # default grace 1h: the garbage is young
+    out = capsys.readouterr().out
+    assert "deleted 0 unreachable objects" in out and "younger than 3600s" in out and store.has(garbage)
+    assert run_cli(["gc", path, "--grace", "0"]) == 0
+    assert f"deleted  {garbage}" in capsys.readouterr().out and not store.has(garbage)
+    assert run_cli(["gc", str(tmp_path / "not-a-store")]) == 1
+    assert "StoreConfigError" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        run_cli(["gc", path, "--grace", "soon"])
+    assert e.value.code == 2
+
+
+def test_cli_gc_through_main_cli(tmp_path: Any) -> None:
+    path = str(tmp_path / "s")
+    store = ss.open_store(path)
+    ss.save(store, *model_and_opt(10), step=1, rng=False)
+    garbage = store.put(b"garbage")
+    cmd = [sys.executable, "-m", "cli.shardstore_cli", "gc", path, "--grace", "0s", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert [d["object"] for d in json.loads(done.stdout)["deleted"]] == [garbage] and not store.has(garbage)
+    bad = subprocess.run(cmd[:-3] + ["--grace", "soon"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "invalid duration" in bad.stderr

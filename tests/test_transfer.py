@@ -8,7 +8,11 @@ their id, refs at the destination move by compare-and-swap, bad slots are named.
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -25,6 +29,7 @@ try:
 except ImportError:  # pragma: no cover
     from s3_server import S3Server, s3_server  # type: ignore[no-redef]  # noqa: F401
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOT0 = ["a.bias", "a.weight"]
 SLOT1 = ["b.bias", "b.weight"]
 
@@ -164,3 +169,44 @@ def test_missing_slot_and_target_are_named(tmp_path: Any) -> None:
         copy_commit(src, dst, cid, slot=2)
     with pytest.raises(TargetNotFound, match="nope"):
         copy_commit(src, dst, "nope")
+
+
+def run_cli(argv: list[str]) -> int:
+    """The handlers through a tiny parser of our own (the main CLI is tested through a subprocess)."""
+    import argparse
+
+    from cli.store_commands import register
+
+    parser = argparse.ArgumentParser(prog="shardstore")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_cli_copy_handler(tmp_path: Any, capsys: Any) -> None:
+    model, opt = two_slot_model(6)
+    src = str(tmp_path / "a")
+    cid = save_two_slots(ss.open_store(src), model, opt)
+    dst = str(tmp_path / "b")
+    assert run_cli(["copy", src, dst, "main", "--shard", "1", "--ref", "pulled", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["commit"] == cid and doc["slot"] == 1 and doc["objects_skipped"] == 0 and doc["ref"] == "pulled"
+    assert run_cli(["copy", src, dst, "main", "--shard", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"commit {cid} (slot 1)" in out and "copied   0 objects" in out
+    assert run_cli(["copy", src, dst, "nosuchref"]) == 4
+    assert "TargetNotFound" in capsys.readouterr().err
+    assert run_cli(["copy", str(tmp_path / "nothing"), dst, "main"]) == 1
+    assert run_cli(["copy", src, dst, "main", "--shard", "-1"]) == 2
+
+
+def test_cli_copy_through_main_cli_to_s3(tmp_path: Any, s3_server: S3Server) -> None:  # noqa: F811
+    model, opt = two_slot_model(7)
+    src = str(tmp_path / "a")
+    cid = save_two_slots(ss.open_store(src), model, opt)
+    url = s3_server.url()
+    cmd = [sys.executable, "-m", "cli.shardstore_cli", "copy", src, url, cid[:10], "--ref", "main", "--json"]
+    done = subprocess.run(cmd, env=s3_server.env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["commit"] == cid
+    assert ss.open_store(url, **s3_server.options).ref("main") == cid

@@ -1,0 +1,196 @@
+"""``shardstore copy`` and ``shardstore gc``: moving commits between stores, and reclaiming space.
+
+``register(subparsers)`` adds both subcommands to the main parser (``cli.shardstore_cli``
+calls it when this module exists). Each handler returns the exit code of the documented
+table (SPEC.md §Exit codes): 0 ok, 1 error, 2 usage, 4 target not found. Data goes to
+stdout (human text, or one JSON document with ``--json``), diagnostics to stderr, and a
+byte progress bar (tqdm) to stderr only on a terminal and without ``--quiet``.
+
+Stores are paths or URLs; S3 credentials and endpoint come from the environment
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles...).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from tqdm import tqdm
+
+import shardstore as ss
+from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
+from shardstore.gc import GcResult, gc
+from shardstore.transfer import CopyResult, copy_commit
+
+__all__ = ["register", "parse_duration", "cmd_copy", "cmd_gc"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 4
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration like ``90s``, ``30m``, ``1h``, ``2d``, ``1h30m`` or a plain number of seconds."""
+    t = text.strip()
+    if re.fullmatch(r"\d+(?:\.\d+)?", t):
+        return float(t)
+    if not t or _DURATION.sub("", t):
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: use e.g. 90s, 30m, 1h, 2d or 1h30m")
+    return sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(t))
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``copy`` and ``gc`` subcommands to the main parser's subparsers."""
+    p = subparsers.add_parser(
+        "copy",
+        help="copy a commit and everything it needs to another store",
+        description="Copy commit TARGET from SRC to DST: its manifests and the objects of every slot "
+        "(or of slot K only), sending only objects DST lacks and verifying every byte on arrival.",
+    )
+    p.add_argument("src", metavar="SRC", help="source store path or URL")
+    p.add_argument("dst", metavar="DST", help="destination store path or URL (created if absent)")
+    p.add_argument("target", metavar="TARGET", help="ref name, commit id or unique id prefix in SRC")
+    p.add_argument("--shard", type=int, metavar="K", help="copy only what slot K needs to restore")
+    p.add_argument("--ref", metavar="NAME", help="afterwards move ref NAME in DST to the commit")
+    p.add_argument("--threads", type=int, default=8, metavar="N", help="objects in flight at once (default 8)")
+    _common(p)
+    p.set_defaults(func=cmd_copy, parser=p)
+    g = subparsers.add_parser(
+        "gc",
+        help="delete objects no ref can reach",
+        description="Delete objects not reachable from any ref (commits, present parents, their closures). "
+        "Objects younger than the grace period, and objects a young manifest names, are kept: "
+        "a save in progress is not referenced yet.",
+    )
+    g.add_argument("store", metavar="STORE", help="store path or URL")
+    g.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
+    g.add_argument("--grace", type=parse_duration, default=3600.0, metavar="DURATION", help="keep objects younger than this (default 1h)")
+    _common(g)
+    g.set_defaults(func=cmd_gc, parser=g)
+
+
+def _run(args: argparse.Namespace, body: Callable[[], int]) -> int:
+    try:
+        return body()
+    except (TargetNotFound, RefNotFound) as e:
+        return _fail(args, e, EXIT_NOT_FOUND)
+    except (ShardstoreError, OSError) as e:
+        return _fail(args, e, EXIT_ERROR)
+
+
+def _fail(args: argparse.Namespace, error: BaseException, code: int) -> int:
+    kind = type(error).__name__
+    if getattr(args, "json", False):
+        print(json.dumps({"error": {"kind": kind, "message": str(error), "exit": code}}), file=sys.stderr)
+    else:
+        print(f"shardstore {args.command_name}: error: {kind}: {error}", file=sys.stderr)
+    return code
+
+
+def _usage(args: argparse.Namespace, message: str) -> int:
+    print(f"shardstore {args.command_name}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _bar(args: argparse.Namespace, desc: str) -> tqdm:
+    disable = bool(getattr(args, "quiet", False)) or not sys.stderr.isatty()
+    return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=1.0, disable=disable, file=sys.stderr, leave=False)
+
+
+def cmd_copy(args: argparse.Namespace) -> int:
+    args.command_name = "copy"
+    if args.shard is not None and args.shard < 0:
+        return _usage(args, f"--shard must be a slot number >= 0, got {args.shard}")
+    if args.threads < 1:
+        return _usage(args, f"--threads must be >= 1, got {args.threads}")
+
+    def body() -> int:
+        src = ss.open_store(args.src, create=False)
+        dst = ss.open_store(args.dst, create=True)
+        with _bar(args, "copy") as bar:
+            result = copy_commit(src, dst, args.target, slot=args.shard, ref=args.ref, threads=args.threads, progress=bar.update)
+        _print_copy(args, result)
+        return EXIT_OK
+
+    return _run(args, body)
+
+
+def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
+    doc = {
+        "commit": r.commit,
+        "src": args.src,
+        "dst": args.dst,
+        "slot": r.slot,
+        "ref": r.ref,
+        "objects_copied": r.objects_copied,
+        "bytes_copied": r.bytes_copied,
+        "objects_skipped": r.objects_skipped,
+        "bytes_skipped": r.bytes_skipped,
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return
+    which = "all slots" if r.slot is None else f"slot {r.slot}"
+    print(f"commit {r.commit} ({which}) -> {args.dst}")
+    print(f"  copied   {r.objects_copied} objects, {_human_bytes(r.bytes_copied)}")
+    print(f"  present  {r.objects_skipped} objects, {_human_bytes(r.bytes_skipped)} (not sent)")
+    if r.ref is not None:
+        print(f"  ref {r.ref} -> {r.commit}")
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    args.command_name = "gc"
+
+    def body() -> int:
+        store = ss.open_store(args.store, create=False)
+        result = gc(store, grace_seconds=args.grace, dry_run=args.dry_run)
+        _print_gc(args, result)
+        return EXIT_OK
+
+    return _run(args, body)
+
+
+def _print_gc(args: argparse.Namespace, r: GcResult) -> None:
+    doc = {
+        "store": args.store,
+        "dry_run": r.dry_run,
+        "grace_seconds": r.grace_seconds,
+        "reachable_commits": r.commits,
+        "reachable_objects": r.reachable_objects,
+        "deleted": [{"object": oid, "bytes": n} for oid, n in sorted(r.deleted.items())],
+        "bytes_freed": r.bytes_freed,
+        "kept_young": r.kept_young,
+        "kept_named_by_young": r.kept_named_by_young,
+        "tmp_deleted": r.tmp_deleted,
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return
+    verb = "would delete" if r.dry_run else "deleted"
+    for oid, n in sorted(r.deleted.items()):
+        print(f"{verb}  {oid}  {_human_bytes(n)}")
+    print(f"{len(r.commits)} reachable commits, {r.reachable_objects} reachable objects")
+    print(f"{verb} {len(r.deleted)} unreachable objects, {_human_bytes(r.bytes_freed)}")
+    kept = len(r.kept_young) + len(r.kept_named_by_young)
+    if kept:
+        print(f"kept {kept} unreachable objects: {len(r.kept_young)} younger than {args.grace:g}s, "
+              f"{len(r.kept_named_by_young)} named by a younger manifest (a save in progress?)")
+    if r.tmp_deleted:
+        print(f"{verb} {len(r.tmp_deleted)} stale tmp files")
