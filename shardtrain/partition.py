@@ -78,6 +78,7 @@ class Partition:
 
     def __post_init__(self) -> None:
         _as_int(self.num_layers, "num_layers")
+        object.__setattr__(self, "ranges", tuple(self.ranges))
         if self.num_layers < 1:
             raise PartitionError(f"num_layers must be >= 1, got {self.num_layers}")
         if not self.ranges:

@@ -26,25 +26,26 @@ from shardtrain_helpers import (
 
 from shardtrain import Batch, Partition, build_stage, canonical_parameter_names, launch_local, lr_multiplier
 from shardtrain.errors import BatchError, ConfigError, WorkerFailedError
-from shardtrain.optim import AdamW, GroupConfig, Schedule
+from shardtrain.optim import Schedule
 from shardtrain.pipeline import Pipeline
-from shardtrain.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 
-LAYOUTS = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
+# Keyed by a name; the worker count is the number of ranges. "3e": slot 0 holds no layers.
+LAYOUTS = {1: [(0, 4)], 2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)], "3e": [(0, 0), (0, 3), (3, 4)]}
 STEPS, MAX_NORM, SEED = 4, 0.5, 1234
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[dict[str, torch.Tensor], list[dict[str, Any]]]]:
-    """The same tied job trained by 1, 2 and 3 worker processes over Gloo."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, tuple[dict[str, torch.Tensor], list[dict[str, Any]]]]:
+    """The same tied job trained by 1, 2 and 3 worker processes over Gloo (every layout)."""
     out = {}
-    for n, ranges in LAYOUTS.items():
-        d = tmp_path_factory.mktemp(f"workers{n}")
+    for key, ranges in LAYOUTS.items():
+        n = len(ranges)
+        d = tmp_path_factory.mktemp(f"workers{key}")
         launch_local(train_worker, n, (job_spec(d, ranges=ranges, steps=STEPS, max_grad_norm=MAX_NORM, seed=SEED),),
                      env=DETERMINISTIC_ENV, timeout=timedelta(seconds=60), join_timeout=120)
-        out[n] = read_results(d, n)
+        out[key] = read_results(d, n)
     return out
 
 
@@ -116,8 +117,8 @@ def test_matches_monolithic_reference(runs: dict, n: int) -> None:
 
 def test_worker_counts_are_bitwise_identical(runs: dict) -> None:
     base, base_metas = runs[1]
-    for n in (2, 3):
-        tensors, metas = runs[n]
+    for key in (2, 3, "3e"):
+        tensors, metas = runs[key]
         assert set(tensors) == set(base)
         different = [k for k in base if not torch.equal(tensors[k], base[k])]
         assert not different, different[:5]
@@ -126,8 +127,8 @@ def test_worker_counts_are_bitwise_identical(runs: dict) -> None:
 
 def test_workers_hold_only_what_they_own(runs: dict) -> None:
     config = tiny_config(tied=True)
-    for n, ranges in LAYOUTS.items():
-        _, metas = runs[n]
+    for key, ranges in LAYOUTS.items():
+        _, metas = runs[key]
         partition = Partition.from_ranges(ranges, config.num_hidden_layers)
         full = build_stage(config, Partition.even(4, 1), 0, seed=0)
         numel = {name: p.numel() for name, p in full.named_parameters()}
