@@ -23,7 +23,7 @@ from tqdm import tqdm
 import shardstore as ss
 from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
 from shardstore.gc import GcResult, gc
-from shardstore.transfer import CopyResult, copy_commit
+from shardstore.transfer import DEFAULT_THREADS, CopyResult, copy_commit
 
 __all__ = ["register", "parse_duration", "cmd_copy", "cmd_gc"]
 
@@ -69,7 +69,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("target", metavar="TARGET", help="ref name, commit id or unique id prefix in SRC")
     p.add_argument("--shard", type=int, metavar="K", help="copy only what slot K needs to restore")
     p.add_argument("--ref", metavar="NAME", help="afterwards move ref NAME in DST to the commit")
-    p.add_argument("--threads", type=int, default=8, metavar="N", help="objects in flight at once (default 8)")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N", help=f"objects in flight at once (default {DEFAULT_THREADS})")
     _common(p)
     p.set_defaults(func=cmd_copy, parser=p)
     g = subparsers.add_parser(

@@ -26,7 +26,8 @@ retry then got 412 is re-read: if the ref holds the new value, the first attempt
 
 Concurrency is bounded by one semaphore per backend (``concurrency`` requests in flight,
 from any number of threads: every call runs on s3fs's event loop). Objects larger than
-``part_size`` upload as concurrent multipart parts and download as concurrent ranged GETs.
+``multipart_threshold`` (default 4 parts) upload as concurrent ``part_size`` parts, and
+objects larger than ``part_size`` download as concurrent ranged GETs.
 """
 from __future__ import annotations
 
@@ -49,8 +50,6 @@ T = TypeVar("T")
 DEFAULT_PART_SIZE = 8 * 1024 * 1024
 DEFAULT_CONCURRENCY = 16
 DEFAULT_ATTEMPTS = 5
-#: Objects at least this large are looked up before upload, to skip sending bytes the store has.
-_HEAD_FIRST_BYTES = 1024 * 1024
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _RETRY_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"})
 
@@ -90,6 +89,7 @@ class S3Storage:
         *,
         conditional: bool | None = None,
         part_size: int = DEFAULT_PART_SIZE,
+        multipart_threshold: int | None = None,
         concurrency: int = DEFAULT_CONCURRENCY,
         attempts: int = DEFAULT_ATTEMPTS,
         backoff: float = 0.1,
@@ -105,6 +105,7 @@ class S3Storage:
         self.url = url.rstrip("/")
         self.bucket, _, prefix = rest.partition("/")
         self.prefix = "/".join(check_key(prefix.strip("/")).split("/")) if prefix.strip("/") else ""
+        self.multipart_threshold = 4 * part_size if multipart_threshold is None else max(part_size, multipart_threshold)
         self.part_size, self.concurrency, self.attempts, self.backoff = part_size, max(1, concurrency), max(1, attempts), backoff
         options = dict(storage_options)
         config = dict(options.pop("config_kwargs", None) or {})
@@ -262,9 +263,11 @@ class S3Storage:
     async def _write_once(self, key: str, data: Buffer) -> bool:
         full = self._full(key)
         view = memoryview(data).cast("B")
-        if (len(view) >= _HEAD_FIRST_BYTES or not self.conditional) and await self._head(key) is not None:
+        multipart = len(view) > self.multipart_threshold
+        # A multipart upload can only fail its condition after every part is sent: look first.
+        if (multipart or not self.conditional) and await self._head(key) is not None:
             return False
-        if len(view) > self.part_size:
+        if multipart:
             return await self._multipart(key, view)
         cond = {"IfNoneMatch": "*"} if self.conditional else {}
         try:

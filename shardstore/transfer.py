@@ -27,12 +27,12 @@ from .store import Store
 from .tensors import expected_nbytes, hash_bytes
 from .verify import LoadedCommit, load_commit
 
-__all__ = ["Closure", "CopyResult", "commit_closure", "copy_commit"]
+__all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-DEFAULT_THREADS = 8
+DEFAULT_THREADS = 16
 
 
 @dataclass

@@ -157,7 +157,7 @@ def test_ref_write_whose_answer_was_lost(s3_server: S3Server) -> None:  # noqa: 
 
 
 def test_multipart_upload_and_ranged_read(s3_server: S3Server) -> None:  # noqa: F811
-    storage, proxy = proxied(s3_server, part_size=5 * MiB)
+    storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=5 * MiB)
     store = ss.Store(storage)
     data = torch.randint(0, 256, (11 * MiB + 3,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
     oid = store.put(data)
@@ -172,7 +172,7 @@ def test_multipart_upload_and_ranged_read(s3_server: S3Server) -> None:  # noqa:
 
 
 def test_multipart_race_lost_at_completion_is_already_exists(s3_server: S3Server, monkeypatch: Any) -> None:  # noqa: F811
-    storage, proxy = proxied(s3_server, part_size=5 * MiB)
+    storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=5 * MiB)
     data = b"\x01" * (6 * MiB)
     assert storage.write_once("objects/bb/big", data) is True
 
@@ -186,7 +186,7 @@ def test_multipart_race_lost_at_completion_is_already_exists(s3_server: S3Server
 
 
 def test_failed_multipart_upload_is_aborted(s3_server: S3Server) -> None:  # noqa: F811
-    storage, proxy = proxied(s3_server, part_size=5 * MiB)
+    storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=5 * MiB)
     proxy.faults["upload_part"] = [None, client_error(400, "InvalidRequest", "UploadPart")]
     with pytest.raises(StorageError, match="objects/cc/big"):
         storage.write_once("objects/cc/big", b"\x02" * (11 * MiB))
