@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,10 @@ def train_worker(ctx: WorkerContext, spec_json: str) -> None:
     partition = Partition.from_ranges([tuple(r) for r in spec["ranges"]], config.num_hidden_layers)
     stage = build_stage(config, partition, ctx.rank, seed=spec["seed"], device=ctx.device)
     inventory = parameter_inventory(stage)
-    pipe = Pipeline(stage, partition, ctx.rank, timeout=ctx.timeout)
+    # Messages may get a shorter deadline than the group's rendezvous, which must tolerate
+    # workers that start seconds apart on a loaded machine.
+    message_timeout = timedelta(seconds=spec["message_timeout"]) if "message_timeout" in spec else ctx.timeout
+    pipe = Pipeline(stage, partition, ctx.rank, timeout=message_timeout)
     groups = {k: GroupConfig(**v) for k, v in spec["groups"].items()}
     opt = AdamW(stage.named_parameters(), groups, schedule=Schedule(**spec["schedule"]))
     trainer = Trainer(pipe, opt, microbatch_size=spec["microbatch_size"], max_grad_norm=spec["max_grad_norm"])
@@ -127,7 +131,6 @@ def failing_worker(ctx: WorkerContext, rank_to_fail: int) -> None:
 
 if __name__ == "__main__":  # the torchrun entry: python -m torch.distributed.run ... shardtrain_helpers.py SPEC
     import sys
-    from datetime import timedelta
 
     from shardtrain.launch import run_worker
 

@@ -39,7 +39,7 @@ def test_invalid_torchrun_variables(monkeypatch: pytest.MonkeyPatch, env: dict[s
 
 def test_worker_exceptions_reach_the_caller() -> None:
     with pytest.raises(WorkerFailedError) as info:
-        launch_local(failing_worker, 2, (1,), timeout=timedelta(seconds=5), join_timeout=60)
+        launch_local(failing_worker, 2, (1,), timeout=timedelta(seconds=30), join_timeout=90)
     assert list(info.value.failures) == [1]
     assert info.value.failures[1].startswith("ValueError: boom on rank 1")
     with pytest.raises(LaunchError):
