@@ -193,6 +193,8 @@ class S3Storage:
             try:
                 await self._call("put_object", key, Key=full, Body=b"probe", IfNoneMatch="*")
             except _S3Error as e:
+                if e.code == "NoSuchBucket":
+                    raise StorageError(f"cannot open store {self.url}: bucket {self.bucket!r} does not exist") from None
                 return False, f"a create-only write (If-None-Match: *) was refused: {e}"
             for what, cond in (("a second create-only write (If-None-Match: *)", {"IfNoneMatch": "*"}),
                                ("a write with a stale If-Match", {"IfMatch": '"00000000000000000000000000000000"'})):

@@ -92,6 +92,8 @@ def test_bad_urls_are_refused(s3_server: S3Server) -> None:  # noqa: F811
         S3Storage("s3://", **s3_server.options)
     with pytest.raises(InvalidName):
         S3Storage("s3://bucket/../escape", **s3_server.options)
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
+        ss.open_store("s3://no-such-bucket/x", **s3_server.options)
 
 
 def test_requests_carry_conditions(s3_server: S3Server) -> None:  # noqa: F811
