@@ -414,7 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args: argparse.Namespace | None = None
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # argparse cannot take TARGET ... after an option (bpo-14191): accept them here
+            if not isinstance(getattr(args, "targets", None), list) or any(x.startswith("-") for x in extra):
+                getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+            args.targets.extend(extra)
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
             return EXIT_USAGE

@@ -1,0 +1,172 @@
+"""Tests of shardstore.interchange: Hugging Face round trips, hand-written safetensors, sharding, errors."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import shardstore as ss
+from shardstore.errors import InvalidName, LayoutError, ManifestError, StorageError
+from shardstore.interchange import export_commit, import_directory, split_layers
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(path: Path, *, tied: bool, seed: int = 0, **save: object) -> torch.nn.Module:
+    """A tiny random Llama saved with save_pretrained (offline)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(str(path), **save)
+    return model
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def llama_dir(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, bool]:
+    path = tmp_path_factory.mktemp("llama")
+    return path, tiny_llama(path, tied=request.param), request.param
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    tokens = torch.arange(24).reshape(2, 12) * 5 % 128
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("slots,max_shard", [(1, None), (2, 30_000)])
+def test_round_trip_logits_equal(store, llama_dir, tmp_path, slots, max_shard):
+    src, model, tied = llama_dir
+    cid = import_directory(store, str(src), slots=slots)
+    assert store.ref("main") == cid
+    lc = ss.load_commit(store, cid)
+    assert lc.commit.transition == "import" and lc.commit.optimizer.algorithm == "none"
+    assert all(e.optim is None for e in lc.entries().values())
+    assert ("lm_head.weight" in lc.entries()) == (not tied)
+    assert ss.verify(store).ok
+    out = tmp_path / "out"
+    kw = {} if max_shard is None else {"max_shard_bytes": max_shard}
+    result = export_commit(store, "main", str(out), **kw)
+    assert result.sharded == (max_shard is not None)
+    assert (out / "model.safetensors.index.json").exists() == result.sharded
+    back = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    assert torch.equal(logits(back), logits(model))
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_slots_partition_layers(store, llama_dir):
+    src, _, tied = llama_dir
+    lc = ss.load_commit(store, import_directory(store, str(src), slots=2, ref=None))
+    owner = lc.owner()
+    assert owner["model.embed_tokens.weight"] == owner["model.norm.weight"] == 0
+    assert owner.get("lm_head.weight", 0) == 0
+    assert {owner[n] for n in owner if n.startswith("model.layers.0.")} == {0}
+    assert {owner[n] for n in owner if n.startswith("model.layers.1.")} == {1}
+    explicit = ss.load_commit(store, import_directory(store, str(src), layout=[(0, 0), (0, 2)], ref=None))
+    assert {n for n, s in explicit.owner().items() if s == 0} == {n for n in owner if not n.startswith("model.layers.")}
+    assert explicit.commit.learned_root == lc.commit.learned_root
+
+
+def test_import_is_deterministic_and_moves_ref(store, llama_dir):
+    src, _, _ = llama_dir
+    a = import_directory(store, str(src), ref=None, parent=None)
+    b = import_directory(store, str(src), ref=None, parent=None)
+    assert a == b
+    c = import_directory(store, str(src), ref="imports/x")
+    d = import_directory(store, str(src), ref="imports/x")
+    assert store.commit(d).parent == c and store.ref("imports/x") == d
+
+
+def test_import_sharded_directory_with_index(store, tmp_path):
+    model = tiny_llama(tmp_path / "src", tied=False, seed=1, max_shard_size="40KB")
+    assert (tmp_path / "src" / "model.safetensors.index.json").exists()
+    import_directory(store, str(tmp_path / "src"))
+    export_commit(store, "main", str(tmp_path / "out"))
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert torch.equal(logits(back), logits(model))
+
+
+def test_hand_written_safetensors_match_the_library(store, tmp_path):
+    tensors = {
+        "a.f32": torch.randn(3, 5),
+        "b.bf16": torch.randn(7).to(torch.bfloat16),
+        "c.i64": torch.arange(5),
+        "d.bool": torch.tensor([True, False, True]),
+        "e.empty": torch.zeros(0, 4),
+        "f.f16": torch.randn(2, 2).half(),
+        "g.u8": torch.arange(9, dtype=torch.uint8),
+        "h.f64": torch.randn(3, dtype=torch.float64),
+    }
+    ss.save(store, tensors, step=0, rng=False)
+    export_commit(store, "main", str(tmp_path / "out"))
+    path = tmp_path / "out" / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n % 8 == 0
+    header = json.loads(raw[8 : 8 + n])
+    assert header["__metadata__"] == {"format": "pt"}
+    for name, info in header.items():
+        if name != "__metadata__":
+            assert info["data_offsets"][0] % tensors[name].element_size() == 0  # aligned
+    loaded = load_file(str(path))
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t)
+    assert not (tmp_path / "out" / "config.json").exists()  # the commit has no model config
+
+
+def test_export_with_optimizer(store, trained, tmp_path):
+    model, opt = trained
+    ss.save(store, model, opt, step=3, config={"hidden": 8})
+    result = export_commit(store, "main", str(tmp_path / "out"), with_optimizer=True)
+    assert {"optimizer.exp_avg.safetensors", "optimizer.exp_avg_sq.safetensors", "optimizer.json"} <= set(result.files)
+    with safe_open(str(tmp_path / "out" / "optimizer.exp_avg_sq.safetensors"), framework="pt") as f:
+        for name, p in model.named_parameters():
+            assert torch.equal(f.get_tensor(name), opt.state[p]["exp_avg_sq"])
+    doc = json.loads((tmp_path / "out" / "optimizer.json").read_text())
+    assert doc["algorithm"] == "adamw" and doc["tensors"]["mid.weight"] == {"group": "decay", "birth": 0, "age": 3}
+    assert doc["groups"]["decay"]["weight_decay"] == 0.1
+    with pytest.raises(StorageError, match="refusing to overwrite"):
+        export_commit(store, "main", str(tmp_path / "out"))
+    export_commit(store, "main", str(tmp_path / "out"), overwrite=True)
+
+
+def test_import_errors(store, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    with pytest.raises(ManifestError, match="config.json is missing"):
+        import_directory(store, str(src))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    with pytest.raises(ManifestError, match="no \\*.safetensors"):
+        import_directory(store, str(src))
+    save_file({"model.layers.0.w": torch.zeros(2), "model.layers.1.w": torch.ones(2)}, str(src / "model.safetensors"))
+    with pytest.raises(LayoutError):
+        import_directory(store, str(src), slots=3)
+    with pytest.raises(LayoutError):
+        import_directory(store, str(src), layout=[(0, 1), (2, 2)])
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.layers.0.w": "model.safetensors"}}))
+    with pytest.raises(ManifestError, match="index and the files disagree"):
+        import_directory(store, str(src))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../evil.safetensors"}}))
+    with pytest.raises(InvalidName):
+        import_directory(store, str(src))
+    os.unlink(src / "model.safetensors.index.json")
+    (src / "model-2.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(ManifestError, match="not a readable safetensors file"):
+        import_directory(store, str(src))
+    assert store.refs() == {}
+
+
+def test_split_layers():
+    assert split_layers(5, 2) == [(0, 3), (3, 5)]
+    assert split_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(LayoutError):
+        split_layers(2, 3)
