@@ -330,6 +330,30 @@ def _owners(names: list[str], layout: Sequence[tuple[int, int]]) -> dict[str, in
     return out
 
 
+def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[int, ...], verify: bool) -> str:
+    """Store one tensor of a safetensors file; return its object id.
+
+    The file is opened for this tensor alone: safetensors maps the whole file, and pages
+    touched through a mapping that stays open stay resident, which would make peak memory
+    grow to the model size instead of the largest tensor.
+    """
+    with _open(path) as f:
+        try:
+            t = f.get_tensor(name)
+        except SafetensorError as e:
+            raise ManifestError(f"tensor {name!r} in {path}: unreadable ({e})") from None
+        if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
+            raise TensorMismatch(f"tensor {name!r} in {path}: read {t.dtype}{list(t.shape)}, header says {dtype}{list(shape)}")
+        oid = store.put_tensor(t)
+        del t
+    if verify:
+        data = store.get(oid)  # re-hash what the store now holds
+        if len(data) != expected_nbytes(dtype, shape):
+            raise TensorMismatch(f"tensor {name!r}: object {oid} holds {len(data)} bytes")
+        del data
+    return oid
+
+
 def import_directory(
     store: Store,
     src_dir: str,
@@ -374,30 +398,12 @@ def import_directory(
     total = sum(expected_nbytes(d, s) for _, d, s in tensors.values())
     started = time.time()
     entries: list[list[TensorEntry]] = [[] for _ in range(nslots)]
-    handles: dict[str, Any] = {}
-    try:
-        for name in names:
-            fname, dtype, shape = tensors[name]
-            if fname not in handles:
-                handles[fname] = _open(os.path.join(src_dir, fname))
-            try:
-                t = handles[fname].get_tensor(name)
-            except SafetensorError as e:
-                raise ManifestError(f"tensor {name!r} in {fname}: unreadable ({e})") from None
-            if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
-                raise TensorMismatch(f"tensor {name!r} in {fname}: read {t.dtype}{list(t.shape)}, header says {dtype}{list(shape)}")
-            oid = store.put_tensor(t)
-            del t
-            if verify:
-                data = store.get(oid)  # re-hash what the store now holds
-                if len(data) != expected_nbytes(dtype, shape):
-                    raise TensorMismatch(f"tensor {name!r}: object {oid} holds {len(data)} bytes")
-                del data
-            entries[owner[name]].append(TensorEntry(name=name, dtype=dtype, shape=shape, param=oid, optim=None))
-            if progress is not None:
-                progress(name, expected_nbytes(dtype, shape), total)
-    finally:
-        handles.clear()
+    for name in names:
+        fname, dtype, shape = tensors[name]
+        oid = _import_tensor(store, os.path.join(src_dir, fname), name, dtype, shape, verify)
+        entries[owner[name]].append(TensorEntry(name=name, dtype=dtype, shape=shape, param=oid, optim=None))
+        if progress is not None:
+            progress(name, expected_nbytes(dtype, shape), total)
     config_id = store.put(encode_config(config))
     store.sync()  # objects are durable before any manifest names them
     shard_ids = [
