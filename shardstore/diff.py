@@ -16,6 +16,7 @@ keep both norms so that the mirror of a diff is exact: relative L2 change is
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from .errors import ManifestError
 from .manifest import TensorEntry, decode_config
 from .optim import hyper_of
 from .store import Store
+from .tensors import expected_nbytes
 from .verify import LoadedCommit, load_commit
 
 __all__ = ["TensorStats", "TensorDiff", "Moved", "GroupDiff", "FieldDiff", "CommitDiff", "diff", "ROLES"]
@@ -271,11 +273,26 @@ def _group_diffs(la: LoadedCommit, lb: LoadedCommit) -> list[GroupDiff]:
     return out
 
 
-def diff(store: Store, a: str, b: str, *, stats: bool = False) -> CommitDiff:
+def _stats_bytes(x: TensorEntry, y: TensorEntry) -> int:
+    """Bytes ``_tensor_stats`` will read for this pair (for progress reporting)."""
+    if tuple(x.shape) != tuple(y.shape):
+        return 0
+    total = 0
+    for role in ROLES:
+        rx, ry = _role(x, role), _role(y, role)
+        if rx is not None and ry is not None and rx[0] != ry[0]:
+            total += expected_nbytes(rx[1], x.shape) + expected_nbytes(ry[1], y.shape)
+    return total
+
+
+def diff(
+    store: Store, a: str, b: str, *, stats: bool = False, progress: Callable[[str, int, int], None] | None = None
+) -> CommitDiff:
     """Compare commit ``a`` (before) with commit ``b`` (after); targets as for ``Store.resolve``.
 
     Both commits and their shard manifests are verified structurally first; with
-    ``stats`` the changed payloads are read (and re-hashed) one tensor at a time.
+    ``stats`` the changed payloads are read (and re-hashed) one tensor at a time, and
+    ``progress(tensor name, bytes read, total bytes)`` is called after each tensor.
     """
     la, lb = load_commit(store, a), load_commit(store, b)
     ea, eb = la.entries(), lb.entries()
@@ -297,8 +314,14 @@ def diff(store: Store, a: str, b: str, *, stats: bool = False) -> CommitDiff:
         if not changes:
             unchanged.append(name)
             continue
-        st = _tensor_stats(store, x, y) if stats else {}
-        tensors.append(TensorDiff(name, "changed", x, y, oa[name], ob[name], changes, st))
+        tensors.append(TensorDiff(name, "changed", x, y, oa[name], ob[name], changes))
+    if stats:
+        pairs = [(i, t.before, t.after) for i, t in enumerate(tensors) if t.before is not None and t.after is not None]
+        total = sum(_stats_bytes(x, y) for _, x, y in pairs)
+        for i, x, y in pairs:
+            tensors[i] = replace(tensors[i], stats=_tensor_stats(store, x, y))
+            if progress is not None:
+                progress(x.name, _stats_bytes(x, y), total)
     return CommitDiff(
         la.id,
         lb.id,

@@ -125,7 +125,7 @@ def _build(store: ss.Store, ops: list[str]) -> str:
     lr, cut, step, config, rng = 1e-3, 2, 5, {"layers": 2}, {"torch": b"\x01"}
     for op in ops:
         if op == "value":
-            tensors["w0"] = tensors["w0"] + 1
+            tensors["w0"] = _BASE["w0"] + 1  # ops are idempotent: a set of ops names the state
         elif op == "dtype":
             tensors["w1"] = tensors["w1"].double()
         elif op == "shape":
