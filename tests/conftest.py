@@ -4,12 +4,12 @@ from __future__ import annotations
 import os
 import uuid
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: same kernels in tests and their workers
 
-import shardstore as ss
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import shardstore as ss  # noqa: E402
 
 
 @pytest.fixture

@@ -1,0 +1,107 @@
+"""The commit protocol over a real Gloo process group (two worker processes)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import shardstore as ss
+from conftest import TinyNet, make_optimizer, train_steps
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _owned(model: torch.nn.Module, rank: int) -> list[str]:
+    names = [n for n, _ in model.named_parameters()]
+    return names[:3] if rank == 0 else names[3:]
+
+
+def _worker(rank: int, world: int, port: int, root: str, scenario: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        store = ss.open_store(root)
+        model = TinyNet()
+        opt = make_optimizer(model)
+        train_steps(model, opt, 2)
+        mine = {n: p for n, p in model.named_parameters() if n in _owned(model, rank)}
+        result: dict[str, object] = {}
+        try:
+            if scenario == "save":
+                cid = ss.save_distributed(store, mine, opt, info=ss.CommitInfo(step=2))
+                result["commit"] = cid
+                result["agreed"] = ss.agree_on_commit(store, "main")
+                if rank == 0:  # the same state saved whole by one process, same kernels and threads
+                    result["single"] = ss.save(store, model, opt, step=2, ref=None)
+            elif scenario == "fail":
+                if rank == 1:
+                    mine = {**mine, "bad": torch.zeros(2, dtype=torch.complex64)}
+                ss.save_distributed(store, mine, opt, info=ss.CommitInfo(step=2))
+            elif scenario == "disagree":
+                ss.agree_on_commit(store, "a" if rank == 0 else "b")
+        except ss.ShardstoreError as e:
+            result["error"] = type(e).__name__
+            result["message"] = str(e)
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path, scenario: str) -> tuple[str, list[dict]]:
+    root = str(tmp_path / "store")
+    ss.open_store(root)
+    out = str(tmp_path / "result")
+    mp.start_processes(_worker, args=(2, _free_port(), root, scenario, out), nprocs=2, join=True, start_method="spawn")
+    return root, [json.load(open(f"{out}.{r}")) for r in range(2)]
+
+
+def test_two_ranks_commit_one_id_and_restore_anywhere(tmp_path):
+    root, results = _run(tmp_path, "save")
+    assert results[0]["commit"] == results[1]["commit"] == results[0]["agreed"] == results[1]["agreed"]
+    store = ss.open_store(root)
+    cid = results[0]["commit"]
+    assert store.ref("main") == cid and ss.verify(store).ok
+    assert [len(lay.tensors) for lay in store.commit(cid).layout] == [3, 5]
+    # The same state saved whole by one process has the same learned-state root.
+    single = results[0]["single"]
+    assert single != cid and store.commit(single).learned_root == store.commit(cid).learned_root
+    whole, whole_opt = TinyNet(seed=4), None
+    whole_opt = make_optimizer(whole)
+    ss.restore(store, single, whole, whole_opt)
+    fresh = TinyNet(seed=5)
+    fresh_opt = make_optimizer(fresh)
+    ss.restore(store, cid, fresh, fresh_opt)
+    for (n, p), (_, q) in zip(whole.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, q), n
+        assert torch.equal(whole_opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"]), n
+
+
+def test_a_failing_rank_fails_every_rank_and_the_ref_stays(tmp_path):
+    root, results = _run(tmp_path, "fail")
+    assert [r["error"] for r in results] == ["CommitProtocolError", "CommitProtocolError"]
+    assert all("rank(s) [1]" in r["message"] for r in results)
+    assert ss.open_store(root).ref("main") is None
+
+
+def test_workers_naming_different_commits_refuse_to_restore(tmp_path):
+    root = str(tmp_path / "store")
+    store = ss.open_store(root)
+    store.set_ref("a", ss.save(store, {"w": torch.zeros(1)}, step=0, ref=None), expected=None)
+    store.set_ref("b", ss.save(store, {"w": torch.ones(1)}, step=0, ref=None), expected=None)
+    out = str(tmp_path / "result")
+    mp.start_processes(_worker, args=(2, _free_port(), root, "disagree", out), nprocs=2, join=True, start_method="spawn")
+    results = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    assert [r["error"] for r in results] == ["CommitProtocolError", "CommitProtocolError"]
+    assert "different commits" in results[0]["message"]
