@@ -57,6 +57,9 @@ _TO_ST = {
 }  # fmt: skip
 _FROM_ST = {v: k for k, v in _TO_ST.items()}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPORTED = re.compile(
+    r"^(model|optimizer\.exp_avg|optimizer\.exp_avg_sq)(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$|^(config|optimizer)\.json$"
+)
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}\.safetensors$")
 
 
@@ -204,9 +207,14 @@ def export_commit(
         docs["optimizer.json"] = _optimizer_doc(lc.commit.step, lc.commit.optimizer, entries)
     os.makedirs(out_dir, exist_ok=True)
     names = [*files, *docs]
-    clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
+    # Files of an earlier export that this one would not replace (e.g. more shards) would
+    # make the directory ambiguous: they count as a clash, and go with ``overwrite``.
+    stale = [n for n in os.listdir(out_dir) if _EXPORTED.fullmatch(n) and n not in names]
+    clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))] + stale
     if clash and not overwrite:
-        raise StorageError(f"{out_dir} already holds {clash[:3]}; refusing to overwrite")
+        raise StorageError(f"{out_dir} already holds {sorted(clash)[:3]}; refusing to overwrite")
+    for n in stale:
+        os.unlink(os.path.join(out_dir, n))
     total = sum(it.nbytes for its in files.values() for it in its)
 
     def tick(it: _Item) -> None:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import types
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -263,3 +264,17 @@ def test_store_commands_plugin(monkeypatch, capsys):
     assert shardstore_cli.main(["copy", "x"]) == 7 and seen == ["x"]
     assert shardstore_cli.main(["nosuchcommand"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_commands_on_an_fsspec_url(trained, tmp_path, capsys):
+    """A store given as an fsspec URL (memory:// is per process, so this runs in-process)."""
+    url = f"memory://cli-tests/{uuid.uuid4().hex}"
+    model, opt = trained
+    cid = ss.save(ss.open_store(url), model, opt, step=3, config={"hidden": 8})
+    main = shardstore_cli.main
+    assert main(["verify", url, "--json"]) == 0 and json.loads(capsys.readouterr().out)["commits"] == [cid]
+    assert main(["show", url, "main"]) == 0 and cid in capsys.readouterr().out
+    assert main(["export", url, "main", str(tmp_path / "out"), "--with-optimizer", "--json"]) == 0
+    assert "optimizer.exp_avg.safetensors" in json.loads(capsys.readouterr().out)["files"]
+    assert main(["refs", "memory://cli-tests/nothing-here"]) == 1
+    assert "not a shardstore store" in capsys.readouterr().err

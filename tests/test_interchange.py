@@ -137,6 +137,11 @@ def test_export_with_optimizer(store, trained, tmp_path):
     with pytest.raises(StorageError, match="refusing to overwrite"):
         export_commit(store, "main", str(tmp_path / "out"))
     export_commit(store, "main", str(tmp_path / "out"), overwrite=True)
+    sharded = export_commit(store, "main", str(tmp_path / "out"), max_shard_bytes=200, overwrite=True)
+    left = {n for n in os.listdir(tmp_path / "out") if n.endswith((".safetensors", ".json"))}
+    assert left == set(sharded.files)  # the unsharded files of the earlier export are gone
+    with pytest.raises(StorageError, match="refusing to overwrite"):
+        export_commit(store, "main", str(tmp_path / "out"))
 
 
 def test_import_errors(store, tmp_path):
