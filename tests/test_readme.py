@@ -1,0 +1,41 @@
+"""The README's commands and example run as written."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_library_example_runs(tmp_path):
+    block = re.search(r"## Using shardstore from your trainer\s+```python\n(.*?)```", README, re.S).group(1)
+    code = block.replace("/tmp/readme-store", str(tmp_path / "store"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"commit [0-9a-f]{64} learned-state root [0-9a-f]{64}", out.stdout)
+
+
+def test_readme_quick_start_commands_are_the_real_ones():
+    block = re.search(r"## Quick start.*?```bash\n(.*?)```", README, re.S).group(1)
+    lines = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert lines[0] == 'pip install -c constraints.txt -e ".[dev]"'
+    assert lines[2] == "python -m pytest -q"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert lines[0].replace("pip", "python -m pip install -q", 1).replace("install -q install", "install -q") in ci
+    assert lines[2] in ci
+
+
+def test_readme_main_job_runs_twice_with_equal_commit_ids(tmp_path):
+    block = re.search(r"## Quick start.*?```bash\n(.*?)```", README, re.S).group(1)
+    main_job = block.strip().splitlines()[1].split("#")[0].split()
+    outs = []
+    for i in range(2):
+        cmd = [sys.executable if a == "python" else a for a in main_job]
+        cmd[-1] = str(tmp_path / f"run{i}")
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+        outs.append(re.findall(r"^commit ([0-9a-f]{64})", out.stdout, re.M))
+    assert len(outs[0]) == 2 and outs[0] == outs[1]
