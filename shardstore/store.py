@@ -148,12 +148,14 @@ class Store:
         raw = self._ref_raw(name)
         return None if raw is None else self._parse_ref(name, raw)
 
+    def ref_names(self) -> list[str]:
+        """Every ref name present (lock files of writers in progress excluded), sorted."""
+        return sorted(key[len("refs/"):] for key in self.storage.list("refs") if not key.endswith(".lock"))
+
     def refs(self) -> dict[str, str]:
+        """Every ref and its commit id; ManifestError if a ref does not parse."""
         out: dict[str, str] = {}
-        for key in self.storage.list("refs"):
-            name = key[len("refs/"):]
-            if name.endswith(".lock"):
-                continue
+        for name in self.ref_names():
             value = self.ref(name)
             if value is not None:
                 out[name] = value

@@ -7,7 +7,7 @@ error whose message names the commit, the object and the tensor concerned.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -264,17 +264,33 @@ def _check_object(store: Store, oid: str, size: int | None, deep: bool) -> tuple
         return e, 0
 
 
-def verify(store: Store, targets: Iterable[str] | None = None, *, deep: bool = True, slot: int | None = None, threads: int = 2) -> Report:
+def verify(
+    store: Store,
+    targets: Iterable[str] | None = None,
+    *,
+    deep: bool = True,
+    slot: int | None = None,
+    threads: int = 2,
+    progress: Callable[[int], None] | None = None,
+) -> Report:
     """Check commits (default: every commit reachable from refs, with their present parents).
 
     ``deep`` re-hashes every object; otherwise only structure and sizes are checked.
-    ``slot`` limits object checks to one slot's closure. Every problem is reported.
+    ``slot`` limits object checks to one slot's closure. Every problem is reported,
+    including refs that do not parse. ``progress`` is called with the byte count of each
+    object checked (for progress bars).
     """
     report = Report()
     todo: list[str] = []
     if targets is None:
-        for name, cid in sorted(store.refs().items()):
-            todo.append(cid)
+        for name in store.ref_names():
+            try:
+                cid = store.ref(name)
+            except ShardstoreError as e:
+                report.problems.append(Problem(type(e)(f"ref {name!r}: {e}"), None, None))
+                continue
+            if cid is not None:
+                todo.append(cid)
         follow_parents = True
     else:
         todo = [store.resolve(t) for t in targets]
@@ -321,6 +337,8 @@ def verify(store: Store, targets: Iterable[str] | None = None, *, deep: bool = T
         for (oid, _size, tensor, what), (err, n) in zip(jobs, results):
             report.objects_checked += 1
             report.bytes_hashed += n
+            if progress is not None:
+                progress(n)
             if err is not None:
                 t = f", tensor {tensor!r}" if tensor else ""
                 report.problems.append(Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor))

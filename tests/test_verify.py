@@ -223,3 +223,14 @@ def test_ref_to_missing_commit(committed):
 def test_manifest_bytes_are_what_is_hashed(committed):
     store, cid, *_ = committed
     assert bytes(store.get(cid)) == encode(store.commit(cid))
+
+
+def test_malformed_ref_is_a_problem_not_a_crash(committed):
+    store, cid, *_ = committed
+    with open(os.path.join(store.storage.root, "refs", "broken"), "wb") as f:
+        f.write(b"not a commit id\n")
+    seen = []
+    report = ss.verify(store, progress=seen.append)
+    assert [type(p.error) for p in report.problems] == [ss.ManifestError]
+    assert "broken" in str(report.problems[0])
+    assert report.commits == [cid] and sum(seen) == report.bytes_hashed > 0
