@@ -16,6 +16,9 @@ __all__ = [
     "OptimizerStateError",
     "LaunchError",
     "WorkerFailedError",
+    "JobError",
+    "ResumeError",
+    "RunAborted",
 ]
 
 
@@ -58,3 +61,15 @@ class WorkerFailedError(ShardtrainError):
         self.failures = dict(sorted(failures.items()))
         lines = [f"rank {rank}: {msg}" for rank, msg in self.failures.items()]
         super().__init__("worker processes failed:\n" + "\n".join(lines))
+
+
+class JobError(ShardtrainError, ValueError):
+    """A prepared job file, one of its assets or records is malformed or does not match its hash."""
+
+
+class ResumeError(ShardtrainError):
+    """A commit cannot seed or resume this run: another job, schedule, model, cursor, or a refused ref."""
+
+
+class RunAborted(ShardtrainError):
+    """A run stopped before its last update (a peer was lost); the message names the last committed step."""

@@ -23,7 +23,8 @@ from torch import nn
 
 from shardtrain.errors import ConfigError
 
-__all__ = ["LlamaConfig", "RMSNorm", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer", "Llama", "rotary_tables"]
+__all__ = ["LlamaConfig", "RMSNorm", "KVCache", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer", "Llama",
+           "rotary_tables"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +150,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class KVCache:
+    """One attention layer's keys and values so far, for incremental decoding.
+
+    `past` is the number of cached positions; new positions are appended by `extend`.
+    Keys are stored after rotary embedding, as HF's cache does.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # (B, Hkv, past, D)
+        self.v: torch.Tensor | None = None  # (B, Hkv, past, D)
+
+    @property
+    def past(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
+        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
+        return self.k, self.v
+
+
 class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings."""
 
@@ -163,20 +185,30 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(c, self.n_kv * d, bias=False)
         self.o_proj = nn.Linear(self.n_heads * d, c, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """`cos`/`sin` are the tables of x's positions; with `cache`, x follows the cached positions."""
         b, t, _ = x.shape  # (B, T, C)
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        past = 0
+        if cache is not None:
+            past = cache.past
+            k, v = cache.extend(k, v)  # (B, Hkv, past + T, D)
         if self.n_kv != self.n_heads:
             # Each key/value head serves n_heads // n_kv consecutive query heads (HF's repeat_kv).
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)  # (B, H, T, D)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)  # (B, H, T, D)
         # Causal masking alone handles right padding: a real token never attends to a later
         # (padding) position, so padding cannot change the loss on real tokens.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        else:  # query i sits at position past + i and sees keys 0..past + i
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)  # (T, past + T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, C)
 
 
@@ -203,8 +235,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)  # (B, T, C)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache)  # (B, T, C)
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, C)
 
 
@@ -250,9 +283,10 @@ class Llama(nn.Module):
         """(B, T) token ids -> (B, T, C) hidden states."""
         return self.model.embed_tokens(tokens)
 
-    def layer(self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def layer(self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              cache: KVCache | None = None) -> torch.Tensor:
         """Apply decoder layer `index` (a global index this piece holds) to (B, T, C)."""
-        return self.model.layers[str(index)](h, cos, sin)
+        return self.model.layers[str(index)](h, cos, sin, cache)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(B, T, C) last hidden states -> (B, T, V) logits, through the final norm and head."""

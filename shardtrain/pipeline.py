@@ -22,6 +22,7 @@ the step loss is the sum over microbatches, so microbatching does not change the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -61,6 +62,9 @@ class Pipeline:
             raise ConfigError(f"stage does not match slot {slot} of the partition")
         self.device = next(stage.parameters()).device
         self.channel: Channel | None = None
+        # Called as after_forward(step, microbatch) once this slot has run a microbatch's
+        # forward; the lifecycle's fault injection uses it to lose a worker mid-update.
+        self.after_forward: Callable[[int, int], None] | None = None
         if self.num_slots > 1:
             if not dist.is_initialized():
                 raise ConfigError(f"a {self.num_slots}-slot pipeline needs an initialised process group")
@@ -82,7 +86,11 @@ class Pipeline:
         batch.validate(self.config.vocab_size, self.config.max_position_embeddings)
         mbs = split_microbatches(batch, microbatch_size)
         total_weight = batch.total_weight().to(self.device)
-        saved: list[_Segments | None] = [self._forward(batch, mb, step) for mb in mbs]
+        saved: list[_Segments | None] = []
+        for mb in mbs:
+            saved.append(self._forward(batch, mb, step))
+            if self.after_forward is not None:
+                self.after_forward(step, mb.index)
         loss: float | None = None
         local_grads: list[torch.Tensor | None] = []
         if self.slot == 0:

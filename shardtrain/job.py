@@ -1,0 +1,396 @@
+"""The prepared job: one file that binds, by hash, everything that decides a training run.
+
+`job.json` names the model config, the seed (a fresh initialisation, or an imported
+commit whose weights start the run), every tokenizer asset file, the records file, the
+exact per-step schedule of documents (with the replay documents each step declares) and
+the optimizer recipe. Files beside it are bound by their BLAKE3 hash and size, so the
+job's id, the BLAKE3 of `job.json`'s bytes, changes when any of them changes. Every
+commit a run makes carries the job id and the schedule id; a resume under another job
+is refused before training.
+
+Encoding follows shardstore's manifests: msgspec Structs, compact JSON with sorted keys,
+reals as the 16 hex digits of their IEEE-754 bits (no float text), strict decoding
+(unknown fields refused, sizes bounded before parsing, bytes must re-encode to
+themselves). No pickle anywhere.
+
+`prepare_default` writes the embedded default: the byte-level tokenizer, generated task
+records (two training cohorts, the second replaying declared cohort-A records, and
+held-out sets) and a tiny tied Llama.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import blake3
+import msgspec
+import torch
+from msgspec import Meta
+
+from shardstore.manifest import f64_decode, f64_encode
+from shardtrain.batch import Batch
+from shardtrain.errors import ConfigError, JobError
+from shardtrain.model import LlamaConfig
+from shardtrain.optim import GroupConfig
+from shardtrain.optim import Schedule as LrSchedule
+from shardtrain.tasks import Record, make_records, record_id
+from shardtrain.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, ByteTokenizer, default_assets, load_tokenizer
+
+__all__ = ["JOB_FILE", "RECORDS_FILE", "Job", "PreparedJob", "decode_job", "load_job", "prepare_default", "model_spec",
+           "default_config"]
+
+JOB_FILE = "job.json"
+RECORDS_FILE = "records.json"
+_MAX_JOB_BYTES = 16 << 20
+_MAX_RECORDS_BYTES = 256 << 20
+_VERSION = 1
+
+Hex64 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+F64 = Annotated[str, Meta(pattern=r"^[0-9a-f]{16}$")]
+FileName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]
+Count = Annotated[int, Meta(ge=0, le=2**40)]
+Positive = Annotated[int, Meta(ge=1, le=2**40)]
+
+
+class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Values, strictly decoded: unknown fields are an error, every field is named."""
+
+
+class ModelSpec(_Base):
+    """The Llama config, reals as F64 hex."""
+
+    vocab_size: Positive
+    hidden_size: Positive
+    intermediate_size: Positive
+    num_hidden_layers: Positive
+    num_attention_heads: Positive
+    num_key_value_heads: Positive
+    head_dim: Positive
+    rms_norm_eps: F64
+    rope_theta: F64
+    max_position_embeddings: Positive
+    tie_word_embeddings: bool
+
+
+class SeedSpec(_Base):
+    """Where the weights start: `init` (from `init_seed`) or `import` (commit `commit`, weights only)."""
+
+    kind: Literal["init", "import"]
+    init_seed: Count
+    commit: Hex64 | None
+
+
+class Asset(_Base):
+    """A file beside job.json, bound by BLAKE3 and size."""
+
+    name: FileName
+    blake3: Hex64
+    size: Count
+
+
+class GroupRecipe(_Base):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")]
+    lr: F64
+    beta1: F64
+    beta2: F64
+    eps: F64
+    weight_decay: F64
+
+
+class Recipe(_Base):
+    """The optimizer recipe: AdamW groups, warm-up/cosine schedule, clipping, batch split."""
+
+    algorithm: Literal["adamw"]
+    groups: tuple[GroupRecipe, ...]
+    warmup_steps: Count
+    total_steps: Positive
+    min_ratio: F64
+    max_grad_norm: F64 | None
+    batch_size: Positive
+    microbatch_size: Positive
+
+
+class Step(_Base):
+    """One update's documents (indices into the records file), and which of them are declared replay."""
+
+    cohort: FileName
+    docs: tuple[Count, ...]
+    replay: tuple[Count, ...]
+
+
+class Schedule(_Base, tag="shardtrain-schedule", tag_field="type"):
+    version: int
+    steps: tuple[Step, ...]
+
+
+class Job(_Base, tag="shardtrain-job", tag_field="type"):
+    version: int
+    name: FileName
+    model: ModelSpec
+    seed: SeedSpec
+    tokenizer: tuple[Asset, ...]
+    records: Asset
+    eval_sets: tuple[FileName, ...]
+    schedule: Schedule
+    schedule_id: Hex64
+    recipe: Recipe
+
+
+class RecordFile(_Base, tag="shardtrain-records", tag_field="type"):
+    version: int
+    records: tuple[Record, ...]
+
+
+_ENC = msgspec.json.Encoder(order="sorted")
+
+
+def _hash(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def _decode(data: bytes, kind: type[Any], what: str, limit: int) -> Any:
+    if len(data) > limit:
+        raise JobError(f"{what}: {len(data)} bytes exceeds the {limit}-byte limit")
+    try:
+        obj = msgspec.json.decode(data, type=kind)
+    except msgspec.DecodeError as exc:
+        raise JobError(f"{what}: invalid: {exc}") from None
+    if _ENC.encode(obj) != data:
+        raise JobError(f"{what}: not in canonical encoding (sorted compact JSON, every field present)")
+    if obj.version != _VERSION:
+        raise JobError(f"{what}: version {obj.version} is not supported (expected {_VERSION})")
+    return obj
+
+
+def decode_job(raw: bytes, what: str = "job file") -> Job:
+    """Strictly decode job file bytes (bounded, canonical, known version)."""
+    return _decode(raw, Job, what, _MAX_JOB_BYTES)
+
+
+def model_spec(config: LlamaConfig) -> ModelSpec:
+    return ModelSpec(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                     intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                     num_attention_heads=config.num_attention_heads, num_key_value_heads=config.kv_heads,
+                     head_dim=config.dim_per_head, rms_norm_eps=f64_encode(config.rms_norm_eps),
+                     rope_theta=f64_encode(config.rope_theta), max_position_embeddings=config.max_position_embeddings,
+                     tie_word_embeddings=config.tie_word_embeddings)
+
+
+def _config(spec: ModelSpec) -> LlamaConfig:
+    try:
+        return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                           intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+                           num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+                           head_dim=spec.head_dim, rms_norm_eps=f64_decode(spec.rms_norm_eps),
+                           rope_theta=f64_decode(spec.rope_theta),
+                           max_position_embeddings=spec.max_position_embeddings,
+                           tie_word_embeddings=spec.tie_word_embeddings)
+    except ConfigError as exc:
+        raise JobError(f"job model config: {exc}") from exc
+
+
+@dataclass
+class PreparedJob:
+    """A verified job: its id, decoded file, tokenizer, records, and the batch of every step."""
+
+    id: str
+    job: Job
+    directory: str
+    files: dict[str, bytes]  # every bound file by name, job.json included (what a store can keep)
+    tokenizer: ByteTokenizer
+    records: tuple[Record, ...]
+    config: LlamaConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.config = _config(self.job.model)
+        self._encoded: dict[int, tuple[list[int], list[float]]] = {}
+
+    @property
+    def schedule_id(self) -> str:
+        return self.job.schedule_id
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.job.schedule.steps)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The model config as bound into commits (Hugging Face field names)."""
+        return self.config.to_hf_dict()
+
+    def groups(self) -> dict[str, GroupConfig]:
+        return {g.name: GroupConfig(lr=f64_decode(g.lr), beta1=f64_decode(g.beta1), beta2=f64_decode(g.beta2),
+                                    eps=f64_decode(g.eps), weight_decay=f64_decode(g.weight_decay))
+                for g in self.job.recipe.groups}
+
+    def lr_schedule(self) -> LrSchedule:
+        r = self.job.recipe
+        return LrSchedule(warmup_steps=r.warmup_steps, total_steps=r.total_steps, min_ratio=f64_decode(r.min_ratio))
+
+    def max_grad_norm(self) -> float | None:
+        m = self.job.recipe.max_grad_norm
+        return None if m is None else f64_decode(m)
+
+    def cursor(self, step: int) -> int:
+        """The data cursor after `step` completed updates: documents consumed so far."""
+        return sum(len(s.docs) for s in self.job.schedule.steps[:step])
+
+    def encoded(self, index: int) -> tuple[list[int], list[float]]:
+        if index not in self._encoded:
+            self._encoded[index] = self.tokenizer.encode_chat(self.records[index].as_dicts())
+        return self._encoded[index]
+
+    def batch_of(self, indices: list[int] | tuple[int, ...]) -> Batch:
+        """Documents as one right-padded batch; weights sit on the target (next) token."""
+        seqs = [self.encoded(i) for i in indices]
+        t = max(len(ids) for ids, _ in seqs) - 1
+        tokens = torch.full((len(seqs), t), self.tokenizer.pad_id, dtype=torch.int64)  # (B, T)
+        targets = torch.full((len(seqs), t), self.tokenizer.pad_id, dtype=torch.int64)  # (B, T)
+        weights = torch.zeros(len(seqs), t, dtype=torch.float32)  # (B, T)
+        for r, (ids, w) in enumerate(seqs):
+            n = len(ids) - 1
+            tokens[r, :n] = torch.tensor(ids[:-1])
+            targets[r, :n] = torch.tensor(ids[1:])
+            weights[r, :n] = torch.tensor(w[1:])
+        return Batch(tokens, targets, weights)
+
+    def batch(self, step: int) -> Batch:
+        """The batch of global step `step` (0-based), exactly as the schedule names it."""
+        if not 0 <= step < self.num_steps:
+            raise JobError(f"step {step} is outside the job's schedule of {self.num_steps} steps")
+        return self.batch_of(self.job.schedule.steps[step].docs)
+
+    def eval_set(self, name: str) -> list[int]:
+        """Indices of the records of held-out set `name`."""
+        if name not in self.job.eval_sets:
+            raise JobError(f"job has no held-out set {name!r} (sets: {list(self.job.eval_sets)})")
+        return [i for i, r in enumerate(self.records) if r.split == name]
+
+
+def _read_bound(directory: str, asset: Asset, what: str, limit: int) -> bytes:
+    path = os.path.join(directory, asset.name)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise JobError(f"{what} {asset.name} is missing from {directory}") from None
+    if len(data) != asset.size or _hash(data) != asset.blake3:
+        raise JobError(f"{what} {asset.name} differs from the one the job binds: it has {len(data)} bytes hashing "
+                       f"to {_hash(data)}, the job binds {asset.size} bytes hashing to {asset.blake3}")
+    return data
+
+
+def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer, config: LlamaConfig) -> None:
+    for r in records:
+        if record_id(r.family, r.messages, r.answer) != r.id:
+            raise JobError(f"record {r.id} does not hash to its id")
+    if _hash(_ENC.encode(job.schedule)) != job.schedule_id:
+        raise JobError("schedule_id is not the hash of the schedule")
+    if tok.vocab_size > config.vocab_size:
+        raise JobError(f"the tokenizer has {tok.vocab_size} ids but the model only {config.vocab_size}")
+    seen: set[int] = set()
+    for n, step in enumerate(job.schedule.steps):
+        if len(step.docs) != job.recipe.batch_size:
+            raise JobError(f"schedule step {n} has {len(step.docs)} documents, the recipe's batch size is "
+                           f"{job.recipe.batch_size}")
+        for d in step.docs:
+            if d >= len(records) or records[d].split in job.eval_sets:
+                raise JobError(f"schedule step {n} names document {d}, which is not a training record")
+        for d in step.replay:
+            if d not in step.docs or d not in seen:
+                raise JobError(f"schedule step {n} declares replay of document {d}, which is not in the step or was "
+                               f"not trained in an earlier step")
+        seen.update(step.docs)
+    groups = {g.name for g in job.recipe.groups}
+    if groups != {"decay", "no_decay"}:
+        raise JobError(f"the recipe must define groups 'decay' and 'no_decay', got {sorted(groups)}")
+
+
+def load_job(path: str | os.PathLike[str]) -> PreparedJob:
+    """Read and verify a job file and every file it binds; raise `JobError` on any mismatch."""
+    path = str(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, JOB_FILE)
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_JOB_BYTES + 1)
+    except FileNotFoundError:
+        raise JobError(f"no job file at {path}") from None
+    job = decode_job(raw, f"job file {path}")
+    files = {JOB_FILE: raw}
+    for a in job.tokenizer:
+        files[a.name] = _read_bound(directory, a, "tokenizer asset", 1 << 20)
+    files[job.records.name] = _read_bound(directory, job.records, "records file", _MAX_RECORDS_BYTES)
+    rf: RecordFile = _decode(files[job.records.name], RecordFile, f"records file {job.records.name}", _MAX_RECORDS_BYTES)
+    tok = load_tokenizer(files)
+    prepared = PreparedJob(_hash(raw), job, directory, files, tok, rf.records)
+    _check(job, rf.records, tok, prepared.config)
+    for i in {d for s in job.schedule.steps for d in s.docs}:
+        if len(prepared.encoded(i)[0]) > prepared.config.max_position_embeddings:
+            raise JobError(f"record {i} is longer than max_position_embeddings")
+    return prepared
+
+
+def default_config(vocab_size: int) -> LlamaConfig:
+    """The embedded tiny Llama: 4 layers, 64 wide, grouped-query attention, tied head."""
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=128, tie_word_embeddings=True)
+
+
+def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps_b: int = 8, batch_size: int = 8,
+                    microbatch_size: int = 4, replay_per_step: int = 2, eval_per_set: int = 16, data_seed: int = 0,
+                    init_seed: int = 1234, lr: float = 3e-3, seed_commit: str | None = None,
+                    seed_config: Mapping[str, Any] | None = None, name: str = "default") -> str:
+    """Write the embedded default job into `out_dir`; return the job file's path.
+
+    Cohort A trains `steps_a` updates of new records; cohort B trains `steps_b` updates of
+    new records plus `replay_per_step` declared replays of cohort-A records per update.
+    `seed_commit` (with its model `seed_config`) starts from imported weights instead of
+    a fresh initialisation.
+    """
+    if not 0 <= replay_per_step < batch_size:
+        raise JobError(f"replay_per_step must be in [0, {batch_size})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    assets = default_assets()
+    tok = load_tokenizer(assets)
+    config = LlamaConfig.from_hf_dict(dict(seed_config)) if seed_config is not None else default_config(tok.vocab_size)
+    heldout = {f"test_{c}": make_records(f"test_{c}", eval_per_set, seed=data_seed) for c in ("a", "b")}
+    exclude = {r.id for rs in heldout.values() for r in rs}
+    a = make_records("A", steps_a * batch_size, seed=data_seed, exclude=exclude)
+    exclude |= {r.id for r in a}
+    b = make_records("B", steps_b * (batch_size - replay_per_step), seed=data_seed, exclude=exclude)
+    records = a + b + heldout["test_a"] + heldout["test_b"]
+    steps = [Step(cohort="A", docs=tuple(range(s * batch_size, (s + 1) * batch_size)), replay=()) for s in range(steps_a)]
+    new_b = batch_size - replay_per_step
+    for s in range(steps_b):
+        fresh = [len(a) + s * new_b + i for i in range(new_b)]
+        replay = [(s * replay_per_step + i) * 7 % len(a) for i in range(replay_per_step)] if a else []
+        steps.append(Step(cohort="B", docs=tuple(fresh + replay), replay=tuple(replay)))
+    schedule = Schedule(version=_VERSION, steps=tuple(steps))
+    files = {**assets, RECORDS_FILE: _ENC.encode(RecordFile(version=_VERSION, records=tuple(records)))}
+
+    def asset(n: str) -> Asset:
+        return Asset(name=n, blake3=_hash(files[n]), size=len(files[n]))
+
+    def group(n: str, wd: float) -> GroupRecipe:
+        return GroupRecipe(name=n, lr=f64_encode(lr), beta1=f64_encode(0.9), beta2=f64_encode(0.95),
+                           eps=f64_encode(1e-8), weight_decay=f64_encode(wd))
+
+    total = steps_a + steps_b
+    job = Job(version=_VERSION, name=name, model=model_spec(config),
+              seed=SeedSpec(kind="import" if seed_commit else "init", init_seed=init_seed, commit=seed_commit),
+              tokenizer=(asset(TEMPLATE_FILE), asset(TOKENIZER_FILE)), records=asset(RECORDS_FILE),
+              eval_sets=tuple(sorted(heldout)), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)),
+              recipe=Recipe(algorithm="adamw", groups=(group("decay", 0.1), group("no_decay", 0.0)),
+                            warmup_steps=min(2, total), total_steps=max(1, total), min_ratio=f64_encode(0.1),
+                            max_grad_norm=f64_encode(1.0), batch_size=batch_size, microbatch_size=microbatch_size))
+    files[JOB_FILE] = _ENC.encode(job)
+    for n, data in files.items():
+        (out / n).write_bytes(data)
+    load_job(out / JOB_FILE)  # what was written verifies
+    return str(out / JOB_FILE)

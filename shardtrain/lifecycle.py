@@ -1,0 +1,352 @@
+"""Lifecycle: train a prepared job across worker processes, committing through shardstore.
+
+Each worker is one slot of the pipeline. It builds only its own stage and its own AdamW,
+and starts in one of three ways, decided once for the whole group:
+
+- fresh: every parameter from the job's seed, RNGs seeded per slot, and a step-0 commit
+  (transition ``init``) so the starting point is itself a commit;
+- from an imported commit (transition ``import``, weights only): each worker restores the
+  weights it owns and AdamW starts at the first update;
+- resume from an explicit commit: every worker resolves the target and all must name the
+  same commit (``shardstore.agree_on_commit``); the commit must belong to this job,
+  schedule and model; each worker restores only its slot (weights, Adam moments, ages,
+  RNG) from the store, or from its own copy of the commit (``slot_stores``, e.g. made
+  by ``shardstore.copy_commit(..., slot=K)`` on a replacement host).
+
+Every check runs on every worker before the first update, and a worker that fails one
+makes all of them stop (``_gate``), so a mismatched shard never trains half a group.
+Commits happen between complete updates only, every ``every`` steps and at ``until``,
+with the two-phase protocol of ``shardstore.save_distributed`` and an explicit parent,
+so a replayed run writes byte-identical manifests and so identical commit ids.
+
+When a peer is lost mid-update the survivors' pipeline waits fail within their timeout,
+and each survivor raises ``RunAborted`` naming the last committed step: nothing after it
+reached the store's ref. ``SHARDTRAIN_FAULT=slot=S,step=N,microbatch=M`` makes slot S
+exit abruptly after that microbatch's forward (the fault injection used by the demo and
+the tests).
+"""
+from __future__ import annotations
+
+import os
+import random
+import resource
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import shardstore
+from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
+from shardstore.manifest import decode_config
+from shardtrain.errors import JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
+from shardtrain.job import PreparedJob, load_job
+from shardtrain.launch import WorkerContext, launch_local
+from shardtrain.model import LlamaConfig
+from shardtrain.optim import AdamW
+from shardtrain.partition import Partition, build_stage, parameter_inventory
+from shardtrain.pipeline import Pipeline
+from shardtrain.trainer import Trainer
+
+__all__ = ["DETERMINISTIC_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
+           "check_commit", "open_start", "store_job_files", "gate", "fault_from_env"]
+
+T = TypeVar("T")
+PROFILE = "fp32"
+DETERMINISTIC_ENV = {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+FAULT_ENV = "SHARDTRAIN_FAULT"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One launch of `train`: what to train, where to commit, and from where to start."""
+
+    job: str  # path of job.json
+    store: str  # the run's store: every commit goes here
+    until: int  # train until this many updates are complete
+    every: int | None = None  # commit every `every` steps (and always at `until`)
+    resume: str | None = None  # an explicit commit (id, prefix or ref) to resume from
+    ref: str = "main"  # the ref that follows this run's commits
+    slot_stores: tuple[tuple[int, str], ...] = ()  # (slot, store): restore that slot from its own copy
+    message_timeout: float = 60.0  # seconds a pipeline message may take before the peer counts as lost
+    out_dir: str | None = None  # where each worker writes rank{r}.json
+    progress: Callable[[StepEvent], None] | None = None  # called on the coordinator (must be importable)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One completed update, as the coordinator reports it."""
+
+    step: int  # updates complete after it
+    until: int
+    loss: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+    commit: str | None  # the commit made after this update, if any
+
+
+class CommitRecord(msgspec.Struct, frozen=True):
+    step: int
+    id: str
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    step: int
+    loss: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+
+
+class RunResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one worker did: commits, per-step numbers, peak memory and what it held."""
+
+    rank: int
+    job: str
+    start_step: int
+    start_commit: str | None
+    commits: tuple[CommitRecord, ...]
+    steps: tuple[StepRecord, ...]
+    parameters: int  # elements this worker owned
+    parameter_bytes: int
+    peak_rss_bytes: int
+    seconds: float
+
+
+def fault_from_env() -> tuple[int, int, int] | None:
+    """(slot, step, microbatch) from SHARDTRAIN_FAULT, or None."""
+    raw = os.environ.get(FAULT_ENV)
+    if not raw:
+        return None
+    try:
+        parts = dict(p.split("=", 1) for p in raw.split(","))
+        return int(parts["slot"]), int(parts["step"]), int(parts["microbatch"])
+    except (ValueError, KeyError) as exc:
+        raise JobError(f"{FAULT_ENV}={raw!r}: expected slot=S,step=N,microbatch=M") from exc
+
+
+def gate(what: str, rank: int, world: int, fn: Callable[[], T]) -> T:
+    """Run `fn` on every worker; if it fails on any, every worker raises (collective)."""
+    err: BaseException | None = None
+    out: Any = None
+    try:
+        out = fn()
+    except Exception as exc:  # reported to every worker below, then re-raised here
+        err = exc
+    failed = [rank] if err is not None else []
+    if world > 1:
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(flags, torch.tensor([0 if err is None else 1], dtype=torch.int64))
+        failed = [r for r, f in enumerate(flags) if int(f.item())]
+    if err is not None:
+        raise err
+    if failed:
+        raise ResumeError(f"slot {rank}: slot(s) {failed} could not {what}; nothing was trained "
+                          f"(their own errors name the cause)")
+    return out
+
+
+def commit_config(store: Store, lc: LoadedCommit) -> LlamaConfig | None:
+    if lc.commit.config is None:
+        return None
+    return LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config)))
+
+
+def check_commit(job: PreparedJob, store: Store, lc: LoadedCommit, *, until: int) -> None:
+    """Refuse a start commit that does not belong to this job (before any training)."""
+    c = lc.commit
+    short = lc.id[:12]
+    config = commit_config(store, lc)
+    if config != job.config:
+        raise ResumeError(f"commit {short} holds model config {config} but the job's is {job.config}")
+    if c.transition == "import":
+        return  # weights only: no job, schedule or optimizer state to match
+    if c.job != job.id:
+        raise ResumeError(f"commit {short} was made by job {c.job[:12]}, not by this job {job.id[:12]} "
+                          f"(a different job file, records, schedule or tokenizer asset); refusing to resume")
+    if c.schedule != job.schedule_id:
+        raise ResumeError(f"commit {short} follows schedule {c.schedule}, the job's is {job.schedule_id}")
+    if c.step > until:
+        raise ResumeError(f"commit {short} is at step {c.step}, past --until {until}")
+    if c.data_cursor != job.cursor(c.step):
+        raise ResumeError(f"commit {short} has data cursor {c.data_cursor}, the job's schedule gives "
+                          f"{job.cursor(c.step)} at step {c.step}")
+
+
+def open_start(job: PreparedJob, store: Store, resume: str | None, *, until: int) -> LoadedCommit | None:
+    """The commit a run starts from (None: fresh), verified against the job."""
+    target = resume if resume is not None else job.job.seed.commit
+    if target is None:
+        return None
+    lc = load_commit(store, target)
+    check_commit(job, store, lc, until=until)
+    return lc
+
+
+def check_ref(store: Store, ref: str, start: str | None) -> None:
+    """A run may only move a ref that is absent or points at the commit it starts from."""
+    current = store.ref(ref)
+    if current is not None and current != start:
+        step = store.commit(current).step
+        raise ResumeError(f"ref {ref!r} points at commit {current[:12]} (step {step}), not at this run's start "
+                          f"{start[:12] if start else '(fresh)'}; continuing would move it elsewhere: pass --resume "
+                          f"{ref} or choose another --ref")
+
+
+def store_job_files(job: PreparedJob, store: Store) -> None:
+    """Keep the job file and everything it binds in the store, as objects named by their hash."""
+    for data in job.files.values():
+        store.put(data)
+    store.sync()
+
+
+def _seed_rng(job: PreparedJob, slot: int) -> None:
+    seed = (job.job.seed.init_seed * 1_000_003 + slot) % (2**32)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _tokens(batch: Any) -> int:
+    t = batch.weights.shape[1]
+    pos = torch.arange(1, t + 1).expand_as(batch.weights)
+    return int(torch.where(batch.weights > 0, pos, 0).amax(dim=1).sum())
+
+
+def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
+    """One slot of `train` (started by `launch_local` or under torchrun)."""
+    started = time.monotonic()
+    torch.set_num_threads(1)
+    rank, world = ctx.rank, ctx.world_size
+    job = load_job(spec.job)
+    store = open_store(spec.store)
+    own = open_store(dict(spec.slot_stores).get(rank, spec.store))
+    partition = Partition.even(job.config.num_hidden_layers, world)
+    stage = build_stage(job.config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device)
+    optimizer = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
+    target = spec.resume if spec.resume is not None else job.job.seed.commit
+    cid = shardstore.agree_on_commit(own, target) if target is not None else None
+
+    def restore() -> LoadedCommit | None:
+        lc = open_start(job, own, cid, until=spec.until)
+        if rank == 0:
+            check_ref(store, spec.ref, cid)
+        if lc is None:
+            _seed_rng(job, rank)
+        elif lc.commit.transition == "import":
+            shardstore.restore(own, lc.id, stage)  # weights only; AdamW starts at the first update
+            _seed_rng(job, rank)
+        else:
+            same_layout = len(lc.shards) == world and bool(lc.shards[rank].rng)
+            shardstore.restore(own, lc.id, stage, optimizer, rng=same_layout, slot=rank if same_layout else None)
+            if not same_layout:
+                _seed_rng(job, rank)
+        return lc
+
+    lc = gate("restore the start commit", rank, world, restore)
+    step = 0 if lc is None or lc.commit.transition == "import" else lc.commit.step
+    parent = None if lc is None else lc.id
+    pipe = Pipeline(stage, partition, rank, timeout=timedelta(seconds=spec.message_timeout))
+    fault = fault_from_env()
+    if fault is not None and fault[0] == rank:
+        pipe.after_forward = lambda s, m: os._exit(3) if (s, m) == fault[1:] else None
+    trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size,
+                      max_grad_norm=job.max_grad_norm(), global_step=step)
+    hf = job.hf_config()
+    commits: list[CommitRecord] = []
+    steps: list[StepRecord] = []
+    last = (step, parent)
+
+    def commit(at: int, transition: str) -> str:
+        info = CommitInfo(step=at, job=job.id, schedule=job.schedule_id, profile=PROFILE, config=hf,
+                          data_cursor=job.cursor(at), transition=transition)
+        return shardstore.save_distributed(store, stage, optimizer, info=info, ref=spec.ref, parent=last[1])
+
+    start = (step, parent)
+    try:
+        if lc is None:
+            last = (0, commit(0, "init"))
+            commits.append(CommitRecord(0, last[1]))
+        while step < spec.until:
+            t0 = time.perf_counter()
+            batch = job.batch(step)
+            r = trainer.step(batch)
+            step += 1
+            made = None
+            if step == spec.until or (spec.every and step % spec.every == 0):
+                made = commit(step, "train")
+                last = (step, made)
+                commits.append(CommitRecord(step, made))
+            seconds = time.perf_counter() - t0
+            steps.append(StepRecord(step, r.loss, r.grad_norm, _tokens(batch), seconds))
+            if rank == 0 and spec.progress is not None:
+                spec.progress(StepEvent(step, spec.until, r.loss, r.grad_norm, _tokens(batch), seconds, made))
+    except (ShardtrainError, shardstore.ShardstoreError, RuntimeError) as exc:
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        cause = cause.split(" This is typically caused")[0]  # Gloo's advice is not about this run
+        where = f"commit {last[1]}" if last[1] else "no commit"
+        raise RunAborted(f"slot {rank}: run aborted during step {step} ({type(exc).__name__}: {cause}); the last "
+                         f"committed step is {last[0]} ({where}); later updates were not committed and no ref "
+                         f"names them; resume with --resume {last[1] or '(fresh)'}") from exc
+    if spec.out_dir is not None:
+        inventory = parameter_inventory(stage)
+        result = RunResult(rank=rank, job=job.id, start_step=start[0], start_commit=start[1], commits=tuple(commits),
+                           steps=tuple(steps), parameters=sum(p.numel() for p in stage.parameters()),
+                           parameter_bytes=sum(inventory.values()),
+                           peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                           seconds=time.monotonic() - started)
+        with open(os.path.join(spec.out_dir, f"rank{rank}.json"), "wb") as f:
+            f.write(msgspec.json.encode(result))
+
+
+_REJECTIONS = ("ResumeError", "JobError", "CommitProtocolError", "CorruptObject", "ObjectNotFound", "BindingError",
+               "TensorMismatch", "StateMismatch", "ManifestError", "TargetNotFound", "CursorError", "LayoutError")
+
+
+def _raise_failure(err: WorkerFailedError) -> None:
+    """A lost worker becomes `RunAborted`; a refused start `ResumeError`; anything else stays as is."""
+    firsts = {rank: (msg.splitlines()[0] if msg else "") for rank, msg in err.failures.items()}
+    lines = [f if f.startswith(("RunAborted", *_REJECTIONS)) else f"worker {r}: {f}" for r, f in firsts.items()]
+    if any(f.startswith("RunAborted") for f in firsts.values()):
+        raise RunAborted("\n".join(lines)) from err
+    if all(f.startswith(_REJECTIONS) for f in firsts.values()):
+        raise ResumeError("\n".join(lines)) from err
+    raise err
+
+
+def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[str, str] | None = None,
+          join_timeout: float = 900.0) -> list[RunResult]:
+    """Launch `workers` local processes to run `spec`; return every worker's result.
+
+    Checks what can be checked without tensors first (job files, the start commit's
+    manifests and binding, the ref), so a wrong resume fails before any worker starts.
+    Raises `RunAborted` if a worker is lost, naming the last committed step.
+    """
+    job = load_job(spec.job)
+    if not 0 <= spec.until <= job.num_steps:
+        raise JobError(f"--until {spec.until} is outside the job's schedule of {job.num_steps} steps")
+    if spec.every is not None and spec.every < 1:
+        raise JobError(f"--every must be >= 1, got {spec.every}")
+    store = open_store(spec.store)
+    lc = open_start(job, store, spec.resume, until=spec.until)
+    check_ref(store, spec.ref, None if lc is None else lc.id)
+    store_job_files(job, store)
+    with tempfile.TemporaryDirectory(prefix="shardtrain-run-") as out:
+        run = RunSpec(**{**spec.__dict__, "out_dir": out})
+        try:
+            launch_local(train_worker, workers, (run,), timeout=timedelta(seconds=timeout),
+                         env={**DETERMINISTIC_ENV, **(env or {})}, join_timeout=join_timeout)
+        except WorkerFailedError as exc:
+            _raise_failure(exc)
+        results = []
+        for r in range(workers):
+            with open(os.path.join(out, f"rank{r}.json"), "rb") as f:
+                results.append(msgspec.json.decode(f.read(), type=RunResult))
+    return results
