@@ -223,3 +223,16 @@ def test_unchanged_tensors_are_not_rewritten(store, trained):
     after = set(store.objects())
     # a weights-only commit of the same tensors adds only its two manifests
     assert len(after - before) == 2
+
+
+def test_two_slot_commit_continues_bitwise_in_a_fresh_model(store, trained):
+    """Saved as 2 slots, restored whole into fresh objects: training continues identically."""
+    model, opt = trained
+    names = [n for n, _ in model.named_parameters()]
+    ss.save_slots(store, [ss.capture(model, opt, names=names[::2]), ss.capture(model, opt, names=names[1::2])], info=ss.CommitInfo(step=3))
+    fresh = TinyNet(seed=11)
+    fresh_opt = make_optimizer(fresh, lr=0.3)
+    ss.restore(store, "main", fresh, fresh_opt)
+    train_steps(model, opt, 5, seed=9)
+    train_steps(fresh, fresh_opt, 5, seed=9)
+    _assert_same(model, fresh, opt, fresh_opt)
