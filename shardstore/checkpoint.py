@@ -37,11 +37,11 @@ from .manifest import (
     encode_config,
 )
 from .names import check_ref_name, check_tensor_name
-from .optim import OptimState, ParamOpt, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
+from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
 from .rng import capture_rng, restore_rng
 from .roots import learned_root
 from .store import Store
-from .tensors import dtype_name
+from .tensors import dtype_name, torch_dtype
 from .verify import LoadedCommit, load_commit
 
 __all__ = ["CommitInfo", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]
@@ -128,13 +128,6 @@ def capture(
     return SlotState(tensors, optim, capture_rng() if rng else {}, births)
 
 
-def _put_all(store: Store, tensors: list[torch.Tensor], threads: int) -> list[str]:
-    if threads <= 1 or len(tensors) <= 1:
-        return [store.put_tensor(t) for t in tensors]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(store.put_tensor, tensors))
-
-
 def _config_id(store: Store, config: Mapping[str, Any] | None) -> str | None:
     return None if config is None else store.put(encode_config(dict(config)))
 
@@ -150,7 +143,7 @@ def write_shard(
         po = state.optim.params.get(n)
         if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
             flat += [po.exp_avg, po.exp_avg_sq]
-    ids = iter(_put_all(store, flat, threads))
+    ids = iter(store.put_tensors(flat, threads=threads))  # hashed once, written once, batched fsync
     entries = []
     for n in names:
         t = state.tensors[n]
@@ -282,19 +275,70 @@ def save(
     return save_slots(store, [state], info=info, ref=ref, parent=parent, threads=threads)
 
 
-def _read_optim(store: Store, lc: LoadedCommit, names: list[str]) -> OptimState:
+def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether an existing optimizer state tensor can be overwritten in place by a moment."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.dtype == dtype
+        and tuple(t.shape) == shape
+        and t.is_contiguous()
+        and not t.requires_grad
+    )
+
+
+def _plan_optim(
+    lc: LoadedCommit, names: list[str], optimizer: Any, targets: dict[str, torch.Tensor]
+) -> tuple[OptimState, list[tuple[str, torch.Tensor, str]]]:
+    """Canonical optimizer state whose moments are destination tensors, and the reads that fill them.
+
+    For a torch optimizer, a moment is read into the optimizer's existing state tensor when
+    that has the right dtype, shape and device (restore into an already-built optimizer
+    without allocating); otherwise into a new tensor.
+    """
     entries = lc.entries()
     state = OptimState(lc.commit.optimizer.algorithm, {g.name: hyper_of(g) for g in lc.commit.optimizer.groups})
+    reads: list[tuple[str, torch.Tensor, str]] = []
+    live = getattr(optimizer, "state", None) if not hasattr(optimizer, "state_import") else None
     for n in names:
         o = entries[n].optim
         if o is None:
             continue
         m1 = m2 = None
         if o.exp_avg is not None and o.exp_avg_sq is not None and o.moment_dtype is not None:
-            m1 = store.get_tensor(o.exp_avg, o.moment_dtype, entries[n].shape, what=f"exp_avg of {n!r}")
-            m2 = store.get_tensor(o.exp_avg_sq, o.moment_dtype, entries[n].shape, what=f"exp_avg_sq of {n!r}")
+            shape, dtype = tuple(entries[n].shape), torch_dtype(o.moment_dtype)
+            old = live.get(targets[n], {}) if isinstance(live, Mapping) else {}
+            m1, m2 = (
+                old[k] if _reusable(old.get(k), dtype, shape) else torch.empty(shape, dtype=dtype) for k in ("exp_avg", "exp_avg_sq")
+            )
+            reads += [(o.exp_avg, m1, f"exp_avg of {n!r}"), (o.exp_avg_sq, m2, f"exp_avg_sq of {n!r}")]
         state.params[n] = ParamOpt(o.group, o.age, m1, m2)
-    return state
+    return state, reads
+
+
+def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
+    """``into_torch`` checks and sets groups; the moments already read are then installed without another copy."""
+    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
+    into_torch(optimizer, {t: n for n, t in params.items()}, bare, group_names=group_names)
+    for n, po in state.params.items():
+        if po.exp_avg is None or po.exp_avg_sq is None:
+            continue
+        p = params[n]
+        m1, m2 = (m if m.device == p.device and m.dtype == p.dtype else m.to(device=p.device, dtype=p.dtype) for m in (po.exp_avg, po.exp_avg_sq))
+        optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
+
+
+def _read_all(store: Store, reads: list[tuple[str, torch.Tensor, str]], threads: int) -> None:
+    def one(job: tuple[str, torch.Tensor, str]) -> None:
+        store.read_into(job[0], job[1], what=job[2])
+
+    if threads <= 1 or len(reads) <= 1:
+        for job in reads:
+            one(job)
+        return
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for _ in pool.map(one, reads):
+            pass
 
 
 def restore(
@@ -307,12 +351,17 @@ def restore(
     slot: int | None = None,
     strict: bool = True,
     group_names: list[str] | None = None,
+    threads: int = 2,
 ) -> Restored:
     """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
 
     Only tensors the model owns (non-meta parameters) are read, whatever layout wrote them;
     every byte read is verified. ``strict``: every owned tensor must be in the commit.
     ``rng`` restores the RNG states of ``slot`` (default: the only slot of a 1-slot commit).
+    Bytes are read straight into the parameters and into the optimizer's existing moment
+    tensors (``threads`` objects at a time) and hashed as they land; if a corrupt object
+    raises, tensors read before it hold restored values and it may hold unverified bytes,
+    so a failed restore must be repeated or abandoned, never trained from.
     """
     lc = load_commit(store, target)
     entries = lc.entries()
@@ -326,16 +375,17 @@ def restore(
         e, t = entries[n], targets[n]
         if dtype_name(t.dtype, n) != e.dtype or tuple(t.shape) != tuple(e.shape):
             raise TensorMismatch(f"tensor {n!r}: commit {lc.id} holds {e.dtype}{list(e.shape)}, the model has {dtype_name(t.dtype, n)}{list(t.shape)}")
-    state = _read_optim(store, lc, names) if optimizer is not None else None
-    with torch.no_grad():
-        for n in names:
-            e = entries[n]
-            targets[n].copy_(store.get_tensor(e.param, e.dtype, e.shape, what=f"tensor {n!r}"))
+    reads = [(entries[n].param, targets[n], f"tensor {n!r}") for n in names]
+    state = None
+    if optimizer is not None:
+        state, moment_reads = _plan_optim(lc, names, optimizer, targets)
+        reads += moment_reads
+    _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
     if optimizer is not None and state is not None:
         if hasattr(optimizer, "state_import"):
             into_export(optimizer, state, [n for n in names if n in state.params])
         else:
-            into_torch(optimizer, {targets[n]: n for n in names}, state, group_names=group_names)
+            _install_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
     restored_rng = False
     if rng:
         s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)

@@ -13,7 +13,10 @@ they become keys.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -22,12 +25,15 @@ from .errors import CorruptObject, ManifestError, ObjectNotFound, RefNotFound, S
 from .manifest import FORMAT_VERSION, CommitManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
-from .tensors import hash_bytes, tensor_bytes, tensor_from_bytes
+from .tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
 
 __all__ = ["Store", "open_store", "object_key", "ref_key"]
 
 M = TypeVar("M")
 _REF_BYTES = 65
+#: Tensors at least this large are hashed with BLAKE3's own threads as well (few big tensors
+#: would otherwise leave cores idle at the end of a batch).
+_BIG_TENSOR_BYTES = 64 << 20
 
 
 def object_key(oid: str) -> str:
@@ -110,6 +116,98 @@ class Store:
     def get_tensor(self, oid: str, dtype: str, shape: tuple[int, ...], *, what: str = "tensor") -> torch.Tensor:
         """A verified tensor viewing the object's bytes (a memory map on local stores)."""
         return tensor_from_bytes(self.get(oid), dtype, tuple(shape), f"{what} (object {oid})")
+
+    def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = 2) -> list[str]:
+        """Store each tensor's bytes as an object; return the ids in order.
+
+        Each tensor's bytes are hashed once, from memory; objects already present are not
+        written (unchanged tensors cost no bytes); new ones are written once and never read
+        back. Tensors are processed ``threads`` at a time. A backend with ``begin_write`` /
+        ``end_writes`` (local) gets one batch: all files written with writeback started,
+        then fsynced together and linked into place, the crash ordering of ``put``.
+        """
+        begin = getattr(self.storage, "begin_write", None)
+        end = getattr(self.storage, "end_writes", None)
+        batched = begin is not None and end is not None
+        lock = threading.Lock()
+        claimed: set[str] = set()
+        pending: list[tuple[str, str]] = []
+        share = max(1, threads)
+
+        def one(t: torch.Tensor) -> str:
+            view = tensor_bytes(t)  # no copy for a contiguous CPU tensor
+            oid = hash_bytes(view, threads=share if len(view) >= _BIG_TENSOR_BYTES else 1)
+            key = object_key(oid)
+            if not batched:
+                self.storage.write_once(key, view)
+                return oid
+            with lock:
+                if oid in claimed:  # equal tensors in one batch: one write
+                    return oid
+                claimed.add(oid)
+            tmp = begin(key, view)
+            if tmp is not None:
+                with lock:
+                    pending.append((key, tmp))
+            return oid
+
+        try:
+            if share > 1 and len(tensors) > 1:
+                with ThreadPoolExecutor(max_workers=share) as pool:
+                    ids = list(pool.map(one, tensors))
+            else:
+                ids = [one(t) for t in tensors]
+        except BaseException:
+            for _key, tmp in pending:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            raise
+        if batched and pending:
+            end(pending, threads=share)
+        return ids
+
+    def hash_object(self, oid: str) -> tuple[str, int]:
+        """(BLAKE3 hex digest, size) of the stored bytes of ``oid``, streamed where the backend allows."""
+        key = object_key(oid)
+        stream = getattr(self.storage, "hash_object", None)
+        if stream is not None:
+            got, n = stream(key, new_hasher)
+            return str(got), int(n)
+        data = self.storage.read(key)
+        return hash_bytes(data, threads=1), len(data)
+
+    def read_into(self, oid: str, dest: torch.Tensor, *, what: str = "tensor") -> None:
+        """Fill ``dest`` in place with object ``oid``'s bytes, verifying size and hash.
+
+        On a backend with ``read_into`` the bytes go straight from the file into ``dest``
+        and are hashed chunk by chunk while in cache: one copy, no page faults on a mapping.
+        If this raises CorruptObject, ``dest`` may hold the unverified bytes.
+        """
+        shape = tuple(dest.shape)
+        dtype = dtype_name(dest.dtype, what)
+        direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.numel() > 0 and not (dest.is_conj() or dest.is_neg())
+        stream = getattr(self.storage, "read_into", None)
+        if stream is None or not direct:
+            with torch.no_grad():
+                dest.copy_(self.get_tensor(oid, dtype, shape, what=what))
+            return
+        flat = dest.detach().reshape(-1).view(torch.uint8)
+        out = memoryview(flat.numpy())
+        h = new_hasher()
+        n = stream(object_key(oid), out, h.update)
+        if n != len(out):
+            # wrong size: corrupt or a mismatched entry; let the hashing path name which
+            with torch.no_grad():
+                dest.copy_(self.get_tensor(oid, dtype, shape, what=what))
+            return
+        got = h.hexdigest()
+        if got != oid:
+            raise CorruptObject(f"{what}: object {oid} is corrupt: its {n} bytes hash to {got} (SPEC.md §Objects)")
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        if bump is not None:
+            bump(dest)  # an in-place write like copy_: version-counter users see it
 
     # -- manifests ---------------------------------------------------------------------
 

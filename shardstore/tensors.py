@@ -15,7 +15,7 @@ import torch
 
 from .errors import TensorMismatch
 
-__all__ = ["DTYPES", "dtype_name", "torch_dtype", "expected_nbytes", "tensor_bytes", "tensor_from_bytes", "hash_bytes"]
+__all__ = ["DTYPES", "dtype_name", "torch_dtype", "expected_nbytes", "tensor_bytes", "tensor_from_bytes", "hash_bytes", "new_hasher"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
     raise ImportError("shardstore stores tensors as little-endian bytes and supports little-endian hosts only")
@@ -85,8 +85,18 @@ def tensor_from_bytes(buf: bytes | bytearray | memoryview, dtype: str, shape: tu
     return flat.view(tdtype).reshape(shape)
 
 
-def hash_bytes(data: bytes | bytearray | memoryview) -> str:
-    """BLAKE3 of ``data`` as 64 hex digits, multi-threaded for large buffers."""
+def hash_bytes(data: bytes | bytearray | memoryview, *, threads: int | None = None) -> str:
+    """BLAKE3 of ``data`` as 64 hex digits, multi-threaded for large buffers.
+
+    ``threads``: BLAKE3's own threads (None: all cores above 8 MiB). Callers that already
+    hash several buffers in a thread pool pass 1, so the cores are not oversubscribed.
+    """
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    threads = blake3.blake3.AUTO if len(view) >= _THREADED_HASH_BYTES else 1
-    return blake3.blake3(view, max_threads=threads).hexdigest()
+    if threads is None:
+        threads = blake3.blake3.AUTO if len(view) >= _THREADED_HASH_BYTES else 1
+    return blake3.blake3(view, max_threads=max(1, threads) if threads != blake3.blake3.AUTO else threads).hexdigest()
+
+
+def new_hasher() -> "blake3.blake3":
+    """A fresh single-threaded BLAKE3 hasher, for bytes that arrive in chunks."""
+    return blake3.blake3()

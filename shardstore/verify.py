@@ -24,7 +24,7 @@ from .errors import (
 from .manifest import CommitManifest, ShardManifest, TensorEntry
 from .roots import learned_root
 from .store import Store
-from .tensors import expected_nbytes, hash_bytes
+from .tensors import expected_nbytes
 
 __all__ = ["Problem", "Report", "LoadedCommit", "shard_problems", "commit_problems", "load_commit", "verify"]
 
@@ -241,10 +241,7 @@ def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[tuple[str, int 
 def _check_object(store: Store, oid: str, size: int | None, deep: bool) -> tuple[ShardstoreError | None, int]:
     try:
         if deep:
-            data = store.get(oid, verify=False)
-            n = len(data)
-            got = hash_bytes(data)
-            del data
+            got, n = store.hash_object(oid)  # streamed through a reused buffer: no mmap faults
             if got != oid:
                 return CorruptObject(f"its {n} bytes hash to {got}"), n
         else:
