@@ -1,14 +1,231 @@
-"""`shardtrain` command line (placeholder until the trainer lands)."""
+"""The ``shardtrain`` command line: prepare, train, evaluate, demo.
+
+The only shardtrain code that prints or exits. Results go to stdout (``--json`` for
+scripts); progress and diagnostics to stderr. Training progress is printed by the
+coordinator worker (slot 0) through ``print_step``, which the workers receive by name.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+import shardstore
+from shardstore.manifest import decode_config
+from shardtrain.errors import JobError, ResumeError, RunAborted, ShardtrainError
+
+__all__ = ["EPILOG", "main", "print_step", "print_commit"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ABORTED, EXIT_REFUSED = 0, 1, 2, 3, 4
+
+EPILOG = """\
+exit codes:
+  0  success
+  1  any other error
+  2  usage error (bad arguments)
+  3  a worker was lost and the run aborted (the message names the last committed step)
+  4  refused before training: the job, a tokenizer asset, the records or the start commit
+     do not match (another job, a corrupt or mismatched shard, workers naming different commits)
+"""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardtrain", description="Pipeline trainer on shardstore.")
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+def print_step(event: object) -> None:
+    """Progress line of one update (called on the coordinator worker)."""
+    e = event  # a shardtrain.lifecycle.StepEvent
+    rate = e.tokens / e.seconds if e.seconds > 0 else 0.0  # type: ignore[attr-defined]
+    line = (f"step {e.step:>4}/{e.until}  loss {e.loss:.4f}  grad norm {e.grad_norm:.3f}  "  # type: ignore[attr-defined]
+            f"{rate:,.0f} tok/s")
+    if e.commit:  # type: ignore[attr-defined]
+        line += f"  committed {e.commit[:16]}"  # type: ignore[attr-defined]
+    print(line, file=sys.stderr, flush=True)
+
+
+def print_commit(event: object) -> None:
+    """Progress line only when an update was committed (the demo's quieter progress)."""
+    if getattr(event, "commit", None):
+        print_step(event)
+
+
+def _slot_store(text: str) -> tuple[int, str]:
+    slot, sep, url = text.partition("=")
+    if not sep or not slot.isdigit() or not url:
+        raise argparse.ArgumentTypeError(f"expected SLOT=STORE, got {text!r}")
+    return int(slot), url
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from shardtrain.job import load_job, prepare_default
+
+    config = None
+    if args.seed_commit:
+        store = shardstore.open_store(args.seed_store, create=False)
+        lc = shardstore.load_commit(store, args.seed_commit)
+        if lc.commit.config is None:
+            raise JobError(f"commit {lc.id[:12]} has no model config")
+        config = decode_config(store.get(lc.commit.config))
+        args.seed_commit = lc.id
+    path = prepare_default(args.out, steps_a=args.steps_a, steps_b=args.steps_b, batch_size=args.batch_size,
+                           microbatch_size=args.microbatch_size, data_seed=args.data_seed, init_seed=args.init_seed,
+                           lr=args.lr, seed_commit=args.seed_commit, seed_config=config)
+    job = load_job(path)
+    print(json.dumps({"job": path, "id": job.id, "schedule": job.schedule_id, "steps": job.num_steps})
+          if args.json else f"{path}\njob {job.id}\nschedule {job.schedule_id}\nsteps {job.num_steps}")
+    return EXIT_OK
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from shardtrain.lifecycle import RunSpec, train
+
+    spec = RunSpec(job=args.prepared, store=args.store, until=args.until, every=args.every, resume=args.resume,
+                   ref=args.ref, slot_stores=tuple(args.slot_store or ()), message_timeout=args.timeout,
+                   progress=None if args.quiet else print_step)
+    t = time.monotonic()
+    results = train(spec, args.workers, timeout=args.timeout)
+    r0 = results[0]
+    if args.json:
+        print(msgspec.json.encode(results).decode())
+        return EXIT_OK
+    for c in r0.commits:
+        print(f"step {c.step}: {c.id}")
+    for r in results:
+        print(f"worker {r.rank}: held {r.parameters:,} parameters ({r.parameter_bytes:,} bytes), "
+              f"peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB", file=sys.stderr)
+    print(f"{len(r0.steps)} updates in {time.monotonic() - t:.1f} s; ref {args.ref} -> "
+          f"{r0.commits[-1].id if r0.commits else '(unchanged)'}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _render_report(report: object) -> list[str]:
+    from shardtrain.evaluate import EvalReport
+
+    assert isinstance(report, EvalReport)
+    names = [s.name for s in report.commits[0].losses]
+    lines = ["commit        step  " + "  ".join(f"{n + ' loss':>12}" for n in names) + "  generated correct"]
+    for c in report.commits:
+        losses = "  ".join(f"{s.loss:>12.4f}" for s in c.losses)
+        lines.append(f"{c.commit[:12]}  {c.step:>4}  {losses}  {c.correct:>3}/{len(c.cases)}"
+                     f"  ({c.tokens_per_second:.0f} tok/s)")
+    for cmp in report.comparisons:
+        lines.append(f"{cmp.set}: {cmp.commit[:12]} - {cmp.baseline[:12]} = {cmp.diff:+.4f} nats/token, "
+                     f"one-sided 95% bounds [{cmp.lower:+.4f}, {cmp.upper:+.4f}] (paired bootstrap)")
+    last = report.commits[-1]
+    for case in last.cases[:4]:
+        mark = "ok" if case.correct else "wrong"
+        lines.append(f"  {case.prompt!r} -> {case.generated!r} (expected {case.expected!r}: {mark})")
+    return lines
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from shardtrain.evaluate import EvalSpec, evaluate
+
+    spec = EvalSpec(store=args.store, commits=tuple(args.commit), job=args.prepared, cases_per_set=args.cases,
+                    max_new_tokens=args.max_new_tokens, message_timeout=args.timeout)
+    report = evaluate(spec, args.workers, timeout=args.timeout)
+    if args.json:
+        print(msgspec.json.encode(report).decode())
+    else:
+        print("\n".join(_render_report(report)))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shardtrain.demo import run_demo
+
+    home = args.home or tempfile.mkdtemp(prefix="shardtrain-demo-")
+    print(f"shardtrain demo in {home}", flush=True)
+    result = run_demo(home, say=lambda line: print(line, flush=True), progress=None if args.quiet else print_commit)
+    if result.report is not None:
+        print("\n".join(_render_report(result.report)))
+    t = result.timings
+    print(f"demo finished in {result.seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()) + ")")
+    print(f"store: {result.store} (check it: shardstore verify {result.store})")
+    return EXIT_OK if result.equal and result.verify_ok else EXIT_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardtrain", description="Pipeline trainer on shardstore.", epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+
+    def add(name: str, func: object, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func)
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        p.add_argument("--quiet", action="store_true", help="no progress lines")
+        return p
+
+    p = add("prepare", cmd_prepare, "write a prepared job (the embedded default: tokenizer, generated tasks, tiny Llama)")
+    p.add_argument("--out", required=True, help="directory for job.json and the files it binds")
+    p.add_argument("--steps-a", type=int, default=16, help="updates of cohort A (new records)")
+    p.add_argument("--steps-b", type=int, default=8, help="updates of cohort B (new records + declared replay)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--init-seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed-store", help="store holding --seed-commit")
+    p.add_argument("--seed-commit", help="start from this imported Llama commit (weights only) instead of a fresh init")
+
+    p = add("train", cmd_train, "train a prepared job on local worker processes, committing to a store")
+    p.add_argument("--prepared", required=True, metavar="JOB", help="job.json written by prepare")
+    p.add_argument("--store", required=True, help="store path or URL; every commit goes here")
+    p.add_argument("--until", type=int, required=True, metavar="N", help="train until N updates are complete")
+    p.add_argument("--resume", metavar="COMMIT", help="explicit commit (id, prefix or ref) every worker must agree on")
+    p.add_argument("--every", type=int, metavar="K", help="commit every K updates (and always at N)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--ref", default="main", help="the ref that follows this run (default main)")
+    p.add_argument("--slot-store", type=_slot_store, action="append", metavar="SLOT=STORE",
+                   help="restore that slot from its own copy of the commit (shardstore copy --shard)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent peer counts as lost")
+
+    p = add("evaluate", cmd_evaluate, "held-out loss and greedy generation through the shards")
+    p.add_argument("--store", required=True)
+    p.add_argument("--commit", action="append", required=True,
+                   help="commit to evaluate; repeat to compare later commits with the first (paired bootstrap)")
+    p.add_argument("--prepared", metavar="JOB", help="job.json (default: the job files train kept in the store)")
+    p.add_argument("--workers", type=int, help="default: the first commit's slot count")
+    p.add_argument("--cases", type=int, default=8, help="generations per held-out set")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=60.0)
+
+    p = add("demo", cmd_demo, "the main job: train, lose a worker, recover exactly, continue, evaluate")
+    p.add_argument("--home", help="directory for the job and stores (default: a new temporary directory)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except RunAborted as exc:
+        return _fail(args, exc, EXIT_ABORTED)
+    except (JobError, ResumeError, shardstore.ShardstoreError) as exc:
+        return _fail(args, exc, EXIT_REFUSED)
+    except (ShardtrainError, OSError, ValueError) as exc:
+        return _fail(args, exc, EXIT_ERROR)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(args: argparse.Namespace, error: BaseException, code: int) -> int:
+    if getattr(args, "json", False):
+        print(json.dumps({"error": {"kind": type(error).__name__, "message": str(error), "exit": code}}), file=sys.stderr)
+    else:
+        print(f"shardtrain: error: {type(error).__name__}: {error}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

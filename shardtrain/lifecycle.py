@@ -54,7 +54,7 @@ from shardtrain.partition import Partition, build_stage, parameter_inventory
 from shardtrain.pipeline import Pipeline
 from shardtrain.trainer import Trainer
 
-__all__ = ["DETERMINISTIC_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
+__all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
            "check_commit", "open_start", "store_job_files", "gate", "fault_from_env"]
 
 T = TypeVar("T")
