@@ -1,5 +1,10 @@
 """The ``shardtrain`` command line: prepare, train, evaluate, demo.
 
+``train`` starts its own local workers, or, when started by ``torchrun`` (which sets
+TORCHELASTIC_RUN_ID), runs as one worker of torchrun's group::
+
+    ATEN_CPU_CAPABILITY=default torchrun --nproc-per-node 2 -m cli.shardtrain_cli train --prepared JOB ...
+
 The only shardtrain code that prints or exits. Results go to stdout (``--json`` for
 scripts); progress and diagnostics to stderr. Training progress is printed by the
 coordinator worker (slot 0) through ``print_step``, which the workers receive by name.
@@ -8,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -79,11 +85,20 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardtrain.lifecycle import RunSpec, train
+    from shardtrain.lifecycle import DETERMINISTIC_ENV, RunSpec, train, train_worker
 
     spec = RunSpec(job=args.prepared, store=args.store, until=args.until, every=args.every, resume=args.resume,
                    ref=args.ref, slot_stores=tuple(args.slot_store or ()), message_timeout=args.timeout,
                    progress=None if args.quiet else print_step)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one worker
+        from datetime import timedelta
+
+        from shardtrain.launch import run_worker
+
+        for k, v in DETERMINISTIC_ENV.items():
+            os.environ.setdefault(k, v)  # ATEN_CPU_CAPABILITY is read at torch import: set it for torchrun too
+        run_worker(train_worker, spec, timeout=timedelta(seconds=args.timeout))
+        return EXIT_OK
     t = time.monotonic()
     results = train(spec, args.workers, timeout=args.timeout)
     r0 = results[0]

@@ -6,6 +6,11 @@ The numerical core: `model` (a Llama decoder with Hugging Face names), `partitio
 `pipeline` (the ring of activations and gradients), `clipping` (a partition-independent
 global norm), `optim` (shard-local AdamW with per-parameter Adam age), `trainer` (one
 update) and `launch` (torchrun or local worker processes).
+
+The lifecycle on top: `job` (the prepared job binding tokenizer assets, records, schedule
+and recipe by hash; `tokenizer` and `tasks` are the embedded default's pieces),
+`lifecycle` (train with commits through shardstore, resume, fault handling), `evaluate`
+(held-out loss, greedy generation with a per-stage KV cache, paired bootstrap) and `demo`.
 """
 from shardtrain.batch import Batch, Microbatch, split_microbatches
 from shardtrain.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms
@@ -18,6 +23,9 @@ from shardtrain.errors import (
     PartitionError,
     PeerFailureError,
     ShardtrainError,
+    JobError,
+    ResumeError,
+    RunAborted,
     WorkerFailedError,
 )
 from shardtrain.launch import WorkerContext, free_port, init_from_env, launch_local, run_worker, shutdown
@@ -33,6 +41,9 @@ from shardtrain.partition import (
 )
 from shardtrain.pipeline import Pipeline
 from shardtrain.trainer import StepResult, Trainer
+from shardtrain.job import PreparedJob, load_job, prepare_default
+from shardtrain.lifecycle import RunResult, RunSpec, StepEvent, train
+from shardtrain.evaluate import EvalReport, EvalSpec, evaluate
 
 __all__ = [
     "AdamW", "Batch", "BatchError", "Channel", "ConfigError", "GroupConfig", "LaunchError", "Llama",
@@ -42,4 +53,6 @@ __all__ = [
     "clip_coefficient", "default_group", "free_port", "global_grad_norm", "init_from_env", "init_parameters_",
     "launch_local", "lr_multiplier", "parameter_inventory", "run_worker", "scale_grads_", "shutdown",
     "split_microbatches", "squared_grad_norms",
+    "JobError", "ResumeError", "RunAborted", "PreparedJob", "load_job", "prepare_default", "RunResult", "RunSpec",
+    "StepEvent", "train", "EvalReport", "EvalSpec", "evaluate",
 ]

@@ -278,13 +278,13 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
             t0 = time.perf_counter()
             batch = job.batch(step)
             r = trainer.step(batch)
+            seconds = time.perf_counter() - t0  # the update alone, not the commit after it
             step += 1
             made = None
             if step == spec.until or (spec.every and step % spec.every == 0):
                 made = commit(step, "train")
                 last = (step, made)
                 commits.append(CommitRecord(step, made))
-            seconds = time.perf_counter() - t0
             steps.append(StepRecord(step, r.loss, r.grad_norm, _tokens(batch), seconds))
             if rank == 0 and spec.progress is not None:
                 spec.progress(StepEvent(step, spec.until, r.loss, r.grad_norm, _tokens(batch), seconds, made))

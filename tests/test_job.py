@@ -1,0 +1,104 @@
+"""The prepared job: deterministic preparation, strict decoding, hash binding, assistant-only targets."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shardtrain.errors import JobError
+from shardtrain.job import JOB_FILE, RECORDS_FILE, decode_job, load_job, prepare_default
+from shardtrain.tasks import FAMILIES
+from shardtrain.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, default_assets, load_tokenizer
+
+_ENC = msgspec.json.Encoder(order="sorted")
+
+
+@pytest.fixture(scope="module")
+def job_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return prepare_default(tmp_path_factory.mktemp("job"), steps_a=4, steps_b=2, batch_size=4, replay_per_step=1)
+
+
+def _copy(job_path: str, dst: Path) -> Path:
+    for f in Path(job_path).parent.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst / JOB_FILE
+
+
+def test_preparation_is_deterministic(job_path: str, tmp_path: Path) -> None:
+    again = prepare_default(tmp_path, steps_a=4, steps_b=2, batch_size=4, replay_per_step=1)
+    assert load_job(again).id == load_job(job_path).id
+    for name in (JOB_FILE, RECORDS_FILE, TOKENIZER_FILE, TEMPLATE_FILE):
+        assert (tmp_path / name).read_bytes() == (Path(job_path).parent / name).read_bytes()
+    assert load_job(prepare_default(tmp_path / "b", steps_a=4, steps_b=2, batch_size=4, data_seed=1)).id != load_job(again).id
+
+
+def test_job_binds_every_file_and_the_schedule(job_path: str) -> None:
+    job = load_job(job_path)
+    assert {a.name for a in job.job.tokenizer} == {TOKENIZER_FILE, TEMPLATE_FILE}
+    assert set(job.files) == {JOB_FILE, RECORDS_FILE, TOKENIZER_FILE, TEMPLATE_FILE}
+    steps = job.job.schedule.steps
+    assert [s.cohort for s in steps] == ["A"] * 4 + ["B"] * 2
+    trained_a = {d for s in steps[:4] for d in s.docs}
+    assert all(len(s.replay) == 1 and set(s.replay) <= trained_a for s in steps[4:])
+    assert job.cursor(0) == 0 and job.cursor(6) == 24
+    held = {i for name in job.job.eval_sets for i in job.eval_set(name)}
+    assert held and not held & {d for s in steps for d in s.docs}
+    assert {job.records[i].family for i in held} == set(FAMILIES)
+
+
+@pytest.mark.parametrize("name", [TOKENIZER_FILE, TEMPLATE_FILE, RECORDS_FILE])
+def test_a_changed_bound_file_is_refused(job_path: str, tmp_path: Path, name: str) -> None:
+    path = _copy(job_path, tmp_path)
+    data = (tmp_path / name).read_bytes()
+    (tmp_path / name).write_bytes(data[:-1] + bytes([data[-1] ^ 0x20]))
+    with pytest.raises(JobError, match=f"{name} differs from the one the job binds"):
+        load_job(path)
+    (tmp_path / name).unlink()
+    with pytest.raises(JobError, match=f"{name} is missing"):
+        load_job(path)
+
+
+def test_job_file_is_strictly_decoded(job_path: str, tmp_path: Path) -> None:
+    raw = Path(job_path).read_bytes()
+    with pytest.raises(JobError, match="not in canonical encoding"):
+        decode_job(raw.replace(b'{"eval_sets"', b'{ "eval_sets"', 1))
+    with pytest.raises(JobError, match="unknown field|Object contains unknown field"):
+        decode_job(raw[:-1] + b',"extra":1}')
+    with pytest.raises(JobError, match="exceeds"):
+        decode_job(b" " * (17 << 20))
+    job = decode_job(raw)
+    with pytest.raises(JobError, match="version 2 is not supported"):
+        decode_job(_ENC.encode(msgspec.structs.replace(job, version=2)))
+    # A schedule that declares replay of a record never trained before is refused.
+    bad_step = msgspec.structs.replace(job.schedule.steps[0], replay=(job.schedule.steps[0].docs[0],))
+    schedule = msgspec.structs.replace(job.schedule, steps=(bad_step, *job.schedule.steps[1:]))
+    import blake3
+
+    forged = msgspec.structs.replace(job, schedule=schedule, schedule_id=blake3.blake3(_ENC.encode(schedule)).hexdigest())
+    path = _copy(job_path, tmp_path)
+    path.write_bytes(_ENC.encode(forged))
+    with pytest.raises(JobError, match="declares replay of document .* not trained in an earlier step"):
+        load_job(path)
+
+
+def test_targets_are_assistant_tokens_only() -> None:
+    tok = load_tokenizer(default_assets())
+    messages = [{"role": "user", "content": "sum 1 2"}, {"role": "assistant", "content": "3"}]
+    ids, weights = tok.encode_chat(messages)
+    assert tok.decode(ids) == "<|bos|><|user|>sum 1 2<|end|><|assistant|>3<|end|>"
+    assert tok.decode([i for i, w in zip(ids, weights) if w]) == "3<|end|>"
+    assert ids[:len(tok.encode_prompt(messages[:1]))] == tok.encode_prompt(messages[:1])
+    assert tok.decode(tok.encode("héllo <|end|>")) == "héllo <|end|>"
+
+
+def test_batches_follow_the_schedule(job_path: str) -> None:
+    job = load_job(job_path)
+    batch = job.batch(5)
+    assert batch.tokens.shape[0] == 4
+    ids, w = job.encoded(job.job.schedule.steps[5].docs[0])
+    n = len(ids) - 1
+    assert batch.tokens[0, :n].tolist() == ids[:-1] and batch.targets[0, :n].tolist() == ids[1:]
+    assert batch.weights[0, :n].tolist() == w[1:] and float(batch.weights[0, n:].sum()) == 0.0
+    with pytest.raises(JobError, match="outside the job's schedule"):
+        job.batch(6)
