@@ -28,13 +28,16 @@ def test_readme_quick_start_commands_are_the_real_ones():
     assert lines[2] in ci
 
 
-def test_readme_main_job_runs_twice_with_equal_commit_ids(tmp_path):
+def test_readme_main_job_is_the_demo():
+    """The demo itself runs in tests/test_demo.py; here: the README names it exactly."""
     block = re.search(r"## Quick start.*?```bash\n(.*?)```", README, re.S).group(1)
-    main_job = block.strip().splitlines()[1].split("#")[0].split()
+    assert block.strip().splitlines()[1].split("#")[0].split() == ["shardtrain", "demo", "--home", "/tmp/demo"]
+
+
+def test_quickstart_tour_runs_twice_with_equal_commit_ids(tmp_path):
     outs = []
     for i in range(2):
-        cmd = [sys.executable if a == "python" else a for a in main_job]
-        cmd[-1] = str(tmp_path / f"run{i}")
+        cmd = [sys.executable, "-m", "cli.quickstart", str(tmp_path / f"run{i}")]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert out.returncode == 0, out.stdout + out.stderr
         outs.append(re.findall(r"^commit ([0-9a-f]{64})", out.stdout, re.M))
