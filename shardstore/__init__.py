@@ -5,6 +5,7 @@ tensors, Adam moments and cursors, and RNG; a commit binds the shards, the job a
 learned-state root, and its id is the full root. Only refs move, by compare-and-swap.
 SPEC.md at the repository root is the normative description.
 """
+from .async_save import AsyncSaver
 from .checkpoint import AUTO, CommitInfo, Restored, SlotState, capture, restore, save, save_slots, write_commit, write_shard
 from .distributed import agree_on_commit, save_distributed
 from .errors import *  # noqa: F401,F403
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AUTO",
+    "AsyncSaver",
     "CommitInfo",
     "CommitManifest",
     "FsspecStorage",

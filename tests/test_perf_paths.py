@@ -1,0 +1,237 @@
+"""The fast paths behave like the simple ones: batched puts, streamed restore and verify, async save.
+
+Nothing here times anything (benchmarks/bench_checkpoint.py does); these tests pin what the
+fast paths must keep: the same ids, no bytes for unchanged tensors, the crash ordering of
+batched writes, in-place restore into existing optimizer moments, corruption still caught,
+and an async save that commits exactly what was snapshotted, moves the ref last and never
+loses an error.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import shardstore as ss
+from conftest import TinyNet, make_optimizer, train_steps
+from shardstore.store import object_key
+from shardstore.tensors import hash_bytes, tensor_bytes
+
+
+@pytest.fixture
+def trained() -> tuple[TinyNet, torch.optim.AdamW]:
+    model = TinyNet(seed=0)
+    opt = make_optimizer(model)
+    train_steps(model, opt, 3)
+    return model, opt
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(64, 48, generator=g)
+    return [
+        a,
+        a.t(),  # not contiguous: written as its C-order bytes
+        a.clone(),  # equal to the first: one object, written once
+        torch.randn(3, generator=g).to(torch.bfloat16),
+        torch.zeros(0, 5),
+        torch.arange(10, dtype=torch.int64),
+        torch.randn(300_000, generator=g),  # several write chunks' worth of pages
+    ]
+
+
+def test_put_tensors_gives_the_ids_of_put_tensor(any_store: ss.Store) -> None:
+    ts = _tensors()
+    ids = any_store.put_tensors(ts, threads=2)
+    assert ids == [hash_bytes(tensor_bytes(t)) for t in ts]
+    assert ids[0] == ids[2] and ids[0] != ids[1]
+    any_store.sync()
+    for oid, t in zip(ids, ts):
+        assert bytes(any_store.get(oid)) == bytes(tensor_bytes(t))
+        assert any_store.hash_object(oid) == (oid, t.numel() * t.element_size())
+
+
+def test_batched_put_leaves_no_tmp_files_and_single_thread_agrees(store: ss.Store, tmp_path) -> None:
+    ts = _tensors()
+    other = ss.open_store(str(tmp_path / "other"))
+    assert store.put_tensors(ts, threads=2) == other.put_tensors(ts, threads=1)
+    assert list(store.storage.list("tmp")) == []
+    assert sorted(store.objects()) == sorted(other.objects())
+
+
+def test_objects_are_invisible_until_their_batch_is_durable(store: ss.Store) -> None:
+    data = memoryview(bytearray(os.urandom(1 << 16)))
+    oid = hash_bytes(data)
+    key = object_key(oid)
+    tmp = store.storage.begin_write(key, data)
+    assert tmp is not None and not store.has(oid)  # written, not yet fsynced: no name yet
+    assert store.storage.end_writes([(key, tmp)]) == [True]
+    assert store.has(oid) and store.storage.begin_write(key, data) is None
+    assert not os.path.exists(tmp)
+
+
+def test_a_failed_fsync_publishes_nothing_and_cleans_up(store: ss.Store, monkeypatch) -> None:
+    ts = [torch.randn(1000) for _ in range(4)]
+
+    def broken(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", broken)
+    with pytest.raises(ss.StorageError, match="Input/output error"):
+        store.put_tensors(ts)
+    monkeypatch.undo()
+    assert not any(store.has(hash_bytes(tensor_bytes(t))) for t in ts)
+    assert list(store.storage.list("tmp")) == []
+
+
+def _bytes_written(monkeypatch) -> list[int]:
+    """Spy on write(2): how many bytes shardstore passes to files."""
+    seen: list[int] = []
+    real = os.write
+
+    def spy(fd: int, data) -> int:
+        n = real(fd, data)
+        seen.append(n)
+        return n
+
+    monkeypatch.setattr(os, "write", spy)
+    return seen
+
+
+def test_second_save_of_unchanged_state_writes_no_tensor_bytes(store: ss.Store, trained, monkeypatch) -> None:
+    model, opt = trained
+    big = {"big": torch.nn.Parameter(torch.randn(256, 1024))}  # 1 MiB, frozen
+    ss.save(store, {**dict(model.named_parameters()), **big}, step=3, rng=False)
+    seen = _bytes_written(monkeypatch)
+    ss.save(store, {**dict(model.named_parameters()), **big}, step=3, ref="again", rng=False)
+    monkeypatch.undo()
+    assert sum(seen) < 16 << 10  # manifests and the ref only, no tensor bytes
+    assert store.ref("again") == store.ref("main")
+
+
+def test_restore_reads_into_the_existing_moments_in_place(store: ss.Store, trained) -> None:
+    model, opt = trained
+    cid = ss.save(store, model, opt, step=3)
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want_m = {n: opt.state[p]["exp_avg_sq"].clone() for n, p in model.named_parameters()}
+    ptrs = {n: (p.data_ptr(), opt.state[p]["exp_avg"].data_ptr()) for n, p in model.named_parameters()}
+    train_steps(model, opt, 2)  # moves every value away from the commit
+    ss.restore(store, cid, model, opt)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, want[n]) and torch.equal(opt.state[p]["exp_avg_sq"], want_m[n]), n
+        assert (p.data_ptr(), opt.state[p]["exp_avg"].data_ptr()) == ptrs[n], n  # no reallocation
+        assert float(opt.state[p]["step"]) == 3.0
+
+
+def test_restore_into_a_fresh_optimizer_and_noncontiguous_targets(store: ss.Store, trained) -> None:
+    model, opt = trained
+    cid = ss.save(store, model, opt, step=3)
+    fresh = TinyNet(seed=5)
+    fresh_opt = make_optimizer(fresh)  # no state yet: moments are allocated
+    ss.restore(store, cid, fresh, fresh_opt)
+    for (n, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"]), n
+    w = model.mid.weight.detach()
+    target = {"mid.weight": torch.zeros(w.shape[1], w.shape[0]).t()}  # a transposed view
+    ss.restore(store, cid, target, strict=False)
+    assert torch.equal(target["mid.weight"], w)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_streamed_restore_still_rejects_damaged_objects(store: ss.Store, trained, damage: str) -> None:
+    model, opt = trained
+    cid = ss.save(store, model, opt, step=3)
+    oid = ss.load_commit(store, cid).entries()["mid.weight"].param
+    path = os.path.join(store.storage.root, *object_key(oid).split("/"))
+    raw = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        raw[5] ^= 1
+    else:
+        raw = raw[:-4]
+    os.chmod(path, 0o644)
+    with open(path, "wb") as f:
+        f.write(raw)
+    with pytest.raises(ss.CorruptObject, match=oid):
+        ss.restore(store, cid, TinyNet(seed=1), make_optimizer(TinyNet(seed=1)))
+    report = ss.verify(store, [cid])
+    assert [p.object for p in report.problems] == [oid]
+
+
+# -- async save ----------------------------------------------------------------------------
+
+
+def test_async_save_commits_the_snapshot_not_later_changes(store: ss.Store, trained) -> None:
+    model, opt = trained
+    expected = ss.save(store, model, opt, step=3, ref=None, rng=False)
+    with ss.AsyncSaver(store) as saver:
+        saver.save(model, opt, step=3, rng=False)
+        with torch.no_grad():  # training goes on at once
+            for p in model.parameters():
+                p.add_(1.0)
+        assert saver.wait() == expected
+    assert store.ref("main") == expected
+
+
+def test_async_save_moves_the_ref_only_after_the_writes(store: ss.Store, trained, monkeypatch) -> None:
+    model, opt = trained
+    first = ss.save(store, model, opt, step=3)
+    train_steps(model, opt, 1)
+    gate = threading.Event()
+    real = store.storage.end_writes
+
+    def slow(*a, **k):
+        assert gate.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(store.storage, "end_writes", slow)
+    saver = ss.AsyncSaver(store)
+    saver.save(model, opt, step=4)
+    assert saver.pending and store.ref("main") == first
+    gate.set()
+    cid = saver.close()
+    assert cid is not None and store.ref("main") == cid and store.commit(cid).parent == first
+
+
+def test_async_errors_surface_on_the_next_call_and_once(store: ss.Store, trained, monkeypatch) -> None:
+    model, opt = trained
+
+    def full(*a, **k):
+        raise ss.StorageError("disk full")
+
+    monkeypatch.setattr(store.storage, "end_writes", full)
+    saver = ss.AsyncSaver(store)
+    saver.save(model, opt, step=3)
+    with pytest.raises(ss.StorageError, match="disk full"):
+        saver.save(model, opt, step=3)  # the next call reports the failed one
+    assert store.ref("main") is None
+    monkeypatch.undo()
+    saver.save(model, opt, step=3)
+    assert saver.wait() == store.ref("main")
+    monkeypatch.setattr(store.storage, "end_writes", full)
+    train_steps(model, opt, 1)
+    saver.save(model, opt, step=4)
+    with pytest.raises(ss.StorageError):
+        saver.wait()
+    assert saver.close() is not None  # reported once; the last good commit stays
+
+
+def test_async_staging_is_reused_and_bounded(any_store: ss.Store, trained) -> None:
+    model, opt = trained
+    saver = ss.AsyncSaver(any_store)
+    saver.save(model, opt, step=3, rng=False)
+    saver.wait()
+    arena = saver._arena
+    assert arena is not None
+    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
+    assert state_bytes <= arena.numel() <= state_bytes + 64 * 3 * len(list(model.parameters()))
+    train_steps(model, opt, 1)
+    saver.save(model, opt, step=4, rng=False)
+    assert saver._arena is arena  # the same buffer, not a new one per save
+    cid = saver.close()
+    fresh = TinyNet(seed=3)
+    fresh_opt = make_optimizer(fresh)
+    ss.restore(any_store, cid, fresh, fresh_opt)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p, q)
