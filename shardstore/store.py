@@ -168,15 +168,18 @@ class Store:
             end(pending, threads=share)
         return ids
 
-    def hash_object(self, oid: str) -> tuple[str, int]:
-        """(BLAKE3 hex digest, size) of the stored bytes of ``oid``, streamed where the backend allows."""
+    def hash_object(self, oid: str, *, threads: int = 1) -> tuple[str, int]:
+        """(BLAKE3 hex digest, size) of the stored bytes of ``oid``, streamed where the backend allows.
+
+        ``threads``: BLAKE3's own threads for this one object (1 when objects are hashed in a pool).
+        """
         key = object_key(oid)
         stream = getattr(self.storage, "hash_object", None)
         if stream is not None:
-            got, n = stream(key, new_hasher)
+            got, n = stream(key, lambda: new_hasher(threads))
             return str(got), int(n)
         data = self.storage.read(key)
-        return hash_bytes(data, threads=1), len(data)
+        return hash_bytes(data, threads=threads), len(data)
 
     def read_into(self, oid: str, dest: torch.Tensor, *, what: str = "tensor") -> None:
         """Fill ``dest`` in place with object ``oid``'s bytes, verifying size and hash.

@@ -97,6 +97,6 @@ def hash_bytes(data: bytes | bytearray | memoryview, *, threads: int | None = No
     return blake3.blake3(view, max_threads=max(1, threads) if threads != blake3.blake3.AUTO else threads).hexdigest()
 
 
-def new_hasher() -> "blake3.blake3":
-    """A fresh single-threaded BLAKE3 hasher, for bytes that arrive in chunks."""
-    return blake3.blake3()
+def new_hasher(threads: int = 1) -> "blake3.blake3":
+    """A fresh BLAKE3 hasher (``threads`` of its own), for bytes that arrive in chunks or a file it maps."""
+    return blake3.blake3(max_threads=max(1, threads))
