@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prepared", required=True, metavar="JOB", help="job.json written by prepare")
     p.add_argument("--store", required=True, help="store path or URL; every commit goes here")
     p.add_argument("--until", type=int, required=True, metavar="N", help="train until N updates are complete")
-    p.add_argument("--resume", metavar="COMMIT", help="explicit commit (id, prefix or ref) every worker must agree on")
+    p.add_argument("--resume", metavar="COMMIT", help="explicit commit (id, prefix or ref) every worker must agree on; "
+                   "'auto': the run's --ref if it exists, else the job's start (for torchrun --max-restarts)")
     p.add_argument("--every", type=int, metavar="K", help="commit every K updates (and always at N)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--ref", default="main", help="the ref that follows this run (default main)")

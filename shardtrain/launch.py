@@ -73,7 +73,18 @@ def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str |
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+        else:
+            # Under torchrun the rendezvous store can outlive a failed attempt; a restarted
+            # group that read the previous attempt's Gloo addresses would connect to dead
+            # sockets. Keys under a per-attempt prefix cannot be stale.
+            use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                 is_master=not use_agent and rank == 0, timeout=timeout, multi_tenant=not use_agent)
+            store = dist.PrefixStore(f"shardtrain/attempt_{attempt}", base)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return WorkerContext(rank, world, local, backend, device, timeout)
 
 

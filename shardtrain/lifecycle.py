@@ -61,6 +61,8 @@ T = TypeVar("T")
 PROFILE = "fp32"
 DETERMINISTIC_ENV = {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 FAULT_ENV = "SHARDTRAIN_FAULT"
+AUTO_RESUME = "auto"
+"""``--resume auto``: the run's ref if it exists (a restarted group), else the job's start."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class RunSpec:
     store: str  # the run's store: every commit goes here
     until: int  # train until this many updates are complete
     every: int | None = None  # commit every `every` steps (and always at `until`)
-    resume: str | None = None  # an explicit commit (id, prefix or ref) to resume from
+    resume: str | None = None  # an explicit commit (id, prefix or ref) to resume from, or AUTO_RESUME
     ref: str = "main"  # the ref that follows this run's commits
     slot_stores: tuple[tuple[int, str], ...] = ()  # (slot, store): restore that slot from its own copy
     message_timeout: float = 60.0  # seconds a pipeline message may take before the peer counts as lost
@@ -121,15 +123,30 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def fault_from_env() -> tuple[int, int, int] | None:
-    """(slot, step, microbatch) from SHARDTRAIN_FAULT, or None."""
+    """(slot, step, microbatch) from SHARDTRAIN_FAULT, or None.
+
+    An optional ``attempt=A`` limits the fault to torchrun's restart number A (the
+    TORCHELASTIC_RESTART_COUNT of the group), so a restarted group can get past it.
+    """
     raw = os.environ.get(FAULT_ENV)
     if not raw:
         return None
     try:
         parts = dict(p.split("=", 1) for p in raw.split(","))
+        if "attempt" in parts and int(parts["attempt"]) != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+            return None
         return int(parts["slot"]), int(parts["step"]), int(parts["microbatch"])
     except (ValueError, KeyError) as exc:
-        raise JobError(f"{FAULT_ENV}={raw!r}: expected slot=S,step=N,microbatch=M") from exc
+        raise JobError(f"{FAULT_ENV}={raw!r}: expected slot=S,step=N,microbatch=M[,attempt=A]") from exc
+
+
+def start_target(job: PreparedJob, store: Store, spec: RunSpec) -> str | None:
+    """What a run starts from: ``--resume`` as given, or for ``auto`` the commit the run's ref
+    names (resolved to its id) if the ref exists, else the job's seed (None: fresh)."""
+    if spec.resume == AUTO_RESUME:
+        current = store.ref(spec.ref)
+        return current if current is not None else job.job.seed.commit
+    return spec.resume if spec.resume is not None else job.job.seed.commit
 
 
 def gate(what: str, rank: int, world: int, fn: Callable[[], T]) -> T:
@@ -151,6 +168,16 @@ def gate(what: str, rank: int, world: int, fn: Callable[[], T]) -> T:
         raise ResumeError(f"slot {rank}: slot(s) {failed} could not {what}; nothing was trained "
                           f"(their own errors name the cause)")
     return out
+
+
+def _same_on_all(flag: bool, rank: int, world: int) -> bool:
+    """``flag`` if every worker has the same value; ResumeError otherwise."""
+    if world > 1:
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(flags, torch.tensor([int(flag)], dtype=torch.int64))
+        if len({int(f.item()) for f in flags}) != 1:
+            raise ResumeError(f"slot {rank}: workers disagree on whether the run starts fresh; refusing to start")
+    return flag
 
 
 def commit_config(store: Store, lc: LoadedCommit) -> LlamaConfig | None:
@@ -180,9 +207,8 @@ def check_commit(job: PreparedJob, store: Store, lc: LoadedCommit, *, until: int
                           f"{job.cursor(c.step)} at step {c.step}")
 
 
-def open_start(job: PreparedJob, store: Store, resume: str | None, *, until: int) -> LoadedCommit | None:
+def open_start(job: PreparedJob, store: Store, target: str | None, *, until: int) -> LoadedCommit | None:
     """The commit a run starts from (None: fresh), verified against the job."""
-    target = resume if resume is not None else job.job.seed.commit
     if target is None:
         return None
     lc = load_commit(store, target)
@@ -231,8 +257,11 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     partition = Partition.even(job.config.num_hidden_layers, world)
     stage = build_stage(job.config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device)
     optimizer = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
-    target = spec.resume if spec.resume is not None else job.job.seed.commit
-    cid = shardstore.agree_on_commit(own, target) if target is not None else None
+    # One start for the whole group: every worker resolves it, and all must agree (a fresh
+    # start included), before anything is restored.
+    target = start_target(job, store, spec)
+    fresh = gate("agree on a fresh start", rank, world, lambda: _same_on_all(target is None, rank, world))
+    cid = None if fresh else shardstore.agree_on_commit(own, target)  # type: ignore[arg-type]
 
     def restore() -> LoadedCommit | None:
         lc = open_start(job, own, cid, until=spec.until)
@@ -335,7 +364,7 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
     if spec.every is not None and spec.every < 1:
         raise JobError(f"--every must be >= 1, got {spec.every}")
     store = open_store(spec.store)
-    lc = open_start(job, store, spec.resume, until=spec.until)
+    lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
     check_ref(store, spec.ref, None if lc is None else lc.id)
     store_job_files(job, store)
     with tempfile.TemporaryDirectory(prefix="shardtrain-run-") as out:
