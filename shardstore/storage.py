@@ -94,6 +94,20 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         pass
 
 
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass  # a read-only descriptor: nothing can be lost
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # a leftover tmp file is harmless; gc removes it after its grace period
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -136,7 +150,7 @@ class LocalStorage:
         except OSError as e:
             raise self._io("read", key, e) from None
         finally:
-            os.close(fd)
+            _close_quietly(fd)
 
     def size(self, key: str) -> int | None:
         try:
@@ -198,7 +212,11 @@ class LocalStorage:
             if isinstance(e, OSError):
                 raise self._io("write", key, e) from None
             raise
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError as e:
+            _unlink_quietly(tmp)
+            raise self._io("write", key, e) from None
         return tmp
 
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
@@ -240,10 +258,7 @@ class LocalStorage:
                     self._dirty.add(os.path.dirname(parent))
         finally:
             for _key, tmp in pending:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
+                _unlink_quietly(tmp)
         return written
 
     def _open_read(self, key: str) -> int:
@@ -334,7 +349,10 @@ class LocalStorage:
     def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
         path = self._path(key)
         lock = path + ".lock"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as e:
+            raise self._io("lock", key, e) from None
         try:
             fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -360,15 +378,17 @@ class LocalStorage:
             renamed = True
             _fsync_dir(os.path.dirname(path))
         except OSError as e:
+            if renamed:  # the new value is visible to every reader: say so, a retry would conflict
+                raise StorageError(
+                    f"update {key!r} in store {self.root}: the ref now holds the new value, but fsync of its "
+                    f"directory failed ({e.strerror or e}), so it may not survive a power loss"
+                ) from None
             raise self._io("update", key, e) from None
         finally:
             if fd >= 0:
-                os.close(fd)
+                _close_quietly(fd)
             if not renamed:
-                try:
-                    os.unlink(lock)
-                except FileNotFoundError:
-                    pass
+                _unlink_quietly(lock)
 
     def delete(self, key: str) -> None:
         try:
@@ -380,7 +400,14 @@ class LocalStorage:
 
     def list(self, prefix: str) -> Iterator[str]:
         base = self._path(prefix)
-        for dirpath, dirnames, filenames in os.walk(base):
+
+        def fail(e: OSError) -> None:
+            # os.walk skips a directory it cannot scan unless told otherwise; a ref or object
+            # silently missing from a listing would make gc treat reachable objects as garbage.
+            if not isinstance(e, FileNotFoundError):
+                raise self._io("list", prefix, e) from None
+
+        for dirpath, dirnames, filenames in os.walk(base, onerror=fail):
             dirnames.sort()
             rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             for name in sorted(filenames):
@@ -389,9 +416,14 @@ class LocalStorage:
     def sync(self) -> None:
         with self._lock:
             dirty, self._dirty = sorted(self._dirty, key=len, reverse=True), set()
-        for d in dirty:
-            if os.path.isdir(d):
-                _fsync_dir(d)
+        for i, d in enumerate(dirty):
+            try:
+                if os.path.isdir(d):
+                    _fsync_dir(d)
+            except OSError as e:
+                with self._lock:
+                    self._dirty.update(dirty[i:])  # still not durable: the next sync() retries them
+                raise StorageError(f"sync {d} in store {self.root}: {e.strerror or e}") from None
 
 
 def _show(value: bytes | None) -> str:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import CorruptObject, ManifestError, ObjectNotFound, RefNotFound, StoreConfigError, TargetNotFound
+from .errors import CorruptObject, ManifestError, ObjectNotFound, RefNotFound, StorageError, StoreConfigError, TargetNotFound
 from .manifest import FORMAT_VERSION, CommitManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
@@ -307,8 +307,14 @@ class Store:
     # -- journal -----------------------------------------------------------------------
 
     def write_journal(self, commit: str, record: dict[str, Any]) -> None:
-        """Unhashed notes about a commit (times, hosts); best effort, never read for trust."""
-        self.storage.write_once(f"journal/{check_oid(commit)}.json", json.dumps(record, sort_keys=True).encode())
+        """Unhashed notes about a commit (times, hosts); best effort, never read for trust.
+
+        Written after the ref moved, so a failure here (a full disk, a server error) is
+        ignored: raising would report a commit that is in as a failed save."""
+        try:
+            self.storage.write_once(f"journal/{check_oid(commit)}.json", json.dumps(record, sort_keys=True).encode())
+        except StorageError:
+            pass
 
 
 def open_store(url: str, *, create: bool = True, **storage_options: object) -> Store:
