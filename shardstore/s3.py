@@ -276,9 +276,17 @@ class S3Storage:
             await self._call("put_object", key, Key=full, Body=bytes(view), **cond)
         except _S3Error as e:
             if e.status == 412:
-                return False  # already there; same name, same bytes
+                return await self._confirm_present(key, e)
             raise self._fail("write", key, e) from None
         return True
+
+    async def _confirm_present(self, key: str, e: _S3Error) -> bool:
+        """A create-only write answered 412 ("already there"): believe it only after a HEAD
+        finds the object, since a commit naming an object the server never stored would be
+        acknowledged with a hole in it."""
+        if await self._head(key) is not None:
+            return False  # already there; same name, same bytes
+        raise StorageError(f"write {key!r} in store {self.url}: the server answered {e} but holds no such object")
 
     async def _multipart(self, key: str, view: memoryview) -> bool:
         full = self._full(key)
@@ -303,7 +311,7 @@ class S3Storage:
         except _S3Error as e:
             await self._abort(key, uid)
             if e.status == 412:
-                return False
+                return await self._confirm_present(key, e)
             raise self._fail("multipart upload of", key, e) from None
         except BaseException:
             await self._abort(key, uid)
