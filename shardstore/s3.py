@@ -284,8 +284,12 @@ class S3Storage:
         """A create-only write answered 412 ("already there"): believe it only after a HEAD
         finds the object, since a commit naming an object the server never stored would be
         acknowledged with a hole in it."""
-        if await self._head(key) is not None:
+        try:
+            await self._call("head_object", key, Key=self._full(key))
             return False  # already there; same name, same bytes
+        except _S3Error as head:
+            if head.status != 404:
+                raise self._fail("stat", key, head) from None
         raise StorageError(f"write {key!r} in store {self.url}: the server answered {e} but holds no such object")
 
     async def _multipart(self, key: str, view: memoryview) -> bool:
