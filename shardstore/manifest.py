@@ -233,7 +233,7 @@ def decode(data: bytes | memoryview, what: str = "manifest") -> Manifest:
     raw = _check_bytes(data, what)
     try:
         header = _HEADER.decode(raw)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter for invalid UTF-8 in a string
         raise ManifestError(f"{what}: not a manifest ({e}) (SPEC.md §Canonical encoding)") from None
     decoder = _DECODERS.get(header.type)
     if decoder is None:
@@ -247,7 +247,7 @@ def decode(data: bytes | memoryview, what: str = "manifest") -> Manifest:
         obj = decoder.decode(raw)
     except msgspec.ValidationError as e:
         raise ManifestError(f"{what}: invalid {header.type} manifest: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{what}: malformed {header.type} manifest: {e}") from None
     if encode(obj) != raw:
         raise ManifestError(f"{what}: {header.type} manifest is not in canonical encoding (SPEC.md §Canonical encoding)")
@@ -314,7 +314,7 @@ def decode_config(data: bytes | memoryview, what: str = "model config") -> dict[
     raw = _check_bytes(data, what)
     try:
         value = msgspec.json.decode(raw, type=dict[str, Any])
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{what}: malformed ({e})") from None
     if _has_float(value):
         raise ManifestError(f"{what}: holds plain JSON reals; reals must be f64 strings (SPEC.md §Canonical encoding)")

@@ -203,7 +203,11 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
     Raises the first problem found. Reads manifests only (never tensor payloads).
     """
     cid = store.resolve(target)
-    commit = store.commit(cid)
+    try:
+        commit = store.commit(cid)
+    except ShardstoreError as e:
+        via = f" (named by {target!r})" if target != cid else ""
+        raise type(e)(f"commit {cid}{via}: {e}") from None
     shards: dict[int, ShardManifest] = {}
     ids: dict[int, str] = {}
     for lay in commit.layout:
@@ -285,6 +289,7 @@ def verify(
     """
     report = Report()
     todo: list[str] = []
+    named_by: dict[str, list[str]] = {}  # commit id -> the refs naming it, for messages
     if targets is None:
         for name in store.ref_names():
             try:
@@ -294,6 +299,7 @@ def verify(
                 continue
             if cid is not None:
                 todo.append(cid)
+                named_by.setdefault(cid, []).append(name)
         follow_parents = True
     else:
         todo = [store.resolve(t) for t in targets]
@@ -310,7 +316,8 @@ def verify(
         try:
             commit = store.commit(cid)
         except ShardstoreError as e:
-            report.problems.append(Problem(type(e)(f"commit {cid}: {e}"), cid, cid))
+            refs = "".join(f", named by ref {r!r}" for r in named_by.get(cid, []))
+            report.problems.append(Problem(type(e)(f"commit {cid}{refs}: {e}"), cid, cid))
             continue
         if follow_parents and commit.parent is not None and store.has(commit.parent):
             todo.append(commit.parent)
