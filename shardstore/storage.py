@@ -126,7 +126,23 @@ class LocalStorage:
         self._lock = threading.Lock()
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *check_key(key).split("/"))
+        """The file path of ``key``; InvalidName if a directory on the way (``objects/ab``,
+        ``refs``, ...) is a symbolic link, which could lead outside the store (SPEC.md §Threat
+        model). The last component is opened with O_NOFOLLOW or lstat-ed by each caller."""
+        parts = check_key(key).split("/")
+        path = self.root
+        for seg in parts[:-1]:
+            path = os.path.join(path, seg)
+            if os.path.islink(path):
+                raise InvalidName(f"{key}: {path} in store {self.root} is a symbolic link; refusing to follow it")
+        return os.path.join(path, parts[-1])
+
+    def _dir(self, key: str) -> str:
+        """``_path`` for a directory the store itself walks or writes into (``tmp``, a listing's root)."""
+        path = self._path(key)
+        if os.path.islink(path):
+            raise InvalidName(f"{path} in store {self.root} is a symbolic link; refusing to follow it")
+        return path
 
     def _io(self, op: str, key: str, e: OSError) -> StorageError:
         return StorageError(f"{op} {key!r} in store {self.root}: {e.strerror or e}")
@@ -168,7 +184,7 @@ class LocalStorage:
             return None
 
     def _write_tmp(self, data: Buffer) -> str:
-        tmpdir = os.path.join(self.root, "tmp")
+        tmpdir = self._dir("tmp")
         os.makedirs(tmpdir, exist_ok=True)
         tmp = os.path.join(tmpdir, secrets.token_hex(16))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -191,7 +207,7 @@ class LocalStorage:
         path = self._path(key)
         if os.path.lexists(path):
             return None
-        tmpdir = os.path.join(self.root, "tmp")
+        tmpdir = self._dir("tmp")
         tmp = os.path.join(tmpdir, secrets.token_hex(16))
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -364,9 +380,8 @@ class LocalStorage:
         renamed = False
         try:
             try:
-                with open(path, "rb") as f:
-                    current: bytes | None = f.read()
-            except FileNotFoundError:
+                current: bytes | None = bytes(self.read(key))  # O_NOFOLLOW: a planted link is refused
+            except ObjectNotFound:
                 current = None
             if current != expected:
                 raise RefConflict(f"{key}: expected {_show(expected)}, found {_show(current)}")
@@ -399,7 +414,7 @@ class LocalStorage:
             raise self._io("delete", key, e) from None
 
     def list(self, prefix: str) -> Iterator[str]:
-        base = self._path(prefix)
+        base = self._dir(prefix)
 
         def fail(e: OSError) -> None:
             # os.walk skips a directory it cannot scan unless told otherwise; a ref or object
