@@ -14,9 +14,13 @@ The order is: list the objects, then read the refs and walk them. Objects writte
 the listing are not candidates; refs moved before the walk are seen by it. gc is
 conservative: a ref that names a missing commit, or a present commit or shard manifest
 that does not decode, stops it before anything is deleted, because its reachability
-cannot be known. Residual race (needs a lock or a touch-on-dedup to close): a save that
-deduplicates against an old unreachable object and has not yet written its shard
-manifest when gc lists the store.
+cannot be known. A save that finds an old unreachable object already present (content
+addressing skips the write) refreshes its mtime on the local backend, so gc sees it as
+young; gc also re-reads each object's mtime just before deleting it. Residual race: a
+save that finds the object present in the instant between that last look and the delete
+(a lock would be needed to close it), and on backends whose objects cannot be refreshed
+cheaply (S3, memory), any save that deduplicates against an old unreachable object before
+its shard manifest is written — run gc there with a grace period longer than any save.
 
 Stale ``tmp/`` files (a local store's interrupted writes, an S3 store's probe keys) older
 than the grace period are removed too. Running gc twice in a row deletes nothing the
@@ -135,7 +139,20 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8) -
             del old[oid]
     result.deleted = old
     if not dry_run:
-        _pool_map(lambda oid: store.storage.delete(object_key(oid)), sorted(old), threads)
+
+        def delete(oid: str) -> bool:
+            # Look again just before deleting: a save that found this object present since the
+            # listing has refreshed its mtime (local backend) and is about to name it.
+            key = object_key(oid)
+            mtime = store.storage.mtime(key)
+            if grace_seconds > 0 and (mtime is None or time.time() - mtime < grace_seconds):
+                return False
+            store.storage.delete(key)
+            return True
+
+        done = _pool_map(delete, sorted(old), threads)
+        result.deleted = {oid: old[oid] for oid, gone in zip(sorted(old), done) if gone}
+        result.kept_young += [oid for oid, gone in zip(sorted(old), done) if not gone]
     result.tmp_deleted = _clean_tmp(store, now, grace_seconds, dry_run)
     return result
 

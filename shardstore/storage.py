@@ -108,6 +108,16 @@ def _unlink_quietly(path: str) -> None:
         pass  # a leftover tmp file is harmless; gc removes it after its grace period
 
 
+def _freshen(path: str) -> None:
+    """A write found ``path`` already there (content addressing: the same bytes). Make it young
+    again, so gc's grace period protects it for the save that is about to name it, exactly as
+    if that save had written it (git does the same: freshen on a duplicate write)."""
+    try:
+        os.utime(path, follow_symlinks=False)
+    except OSError:
+        pass  # gone or read-only: the save's later read-back or verify reports a missing object
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -206,6 +216,7 @@ class LocalStorage:
         or visible. Returns the tmp path to hand to ``end_writes``, or None if ``key`` exists."""
         path = self._path(key)
         if os.path.lexists(path):
+            _freshen(path)
             return None
         tmpdir = self._dir("tmp")
         tmp = os.path.join(tmpdir, secrets.token_hex(16))
@@ -265,6 +276,7 @@ class LocalStorage:
                     os.link(tmp, path)
                     written.append(True)
                 except FileExistsError:
+                    _freshen(path)
                     written.append(False)  # another writer won; same name means same bytes
                 except OSError as e:
                     raise self._io("write", key, e) from None
@@ -343,6 +355,7 @@ class LocalStorage:
     def write_once(self, key: str, data: Buffer) -> bool:
         path = self._path(key)
         if os.path.lexists(path):
+            _freshen(path)
             return False
         parent = os.path.dirname(path)
         try:
@@ -352,6 +365,7 @@ class LocalStorage:
                 os.link(tmp, path)
                 written = True
             except FileExistsError:
+                _freshen(path)
                 written = False  # another writer won; same name means same bytes
             finally:
                 os.unlink(tmp)
