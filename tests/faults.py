@@ -154,6 +154,7 @@ class FaultyOs:
         self._fsync = fsync
         self.at, self.err, self.sticky, self.only = at, err, sticky, only
         self.calls: list[str] = []
+        self.walked: list[str] = []  # directories scanned by walk, in order
         self._lock = threading.Lock()
         self.path = real.path
 
@@ -188,6 +189,7 @@ class FaultyOs:
         ``os.walk`` does when ``scandir`` fails there (``onerror`` is called, or the directory
         is silently skipped)."""
         for entry in self._real.walk(top, topdown=topdown, followlinks=followlinks):
+            self.walked.append(entry[0])
             try:
                 self._point("scandir")
             except OSError as e:

@@ -121,8 +121,8 @@ def test_failed_directory_scan_is_an_error_not_an_empty_listing(plan: dict[str, 
     cid = ss.save_slots(store, plan["states"][0], info=plan["infos"][0], ref="runs/exp", threads=1)
     scans = FaultyOs(only=("scandir",))
     monkeypatch.setattr(storage_mod, "os", scans)
-    list(store.storage.list("refs"))
-    at = scans.calls.index("scandir", 1)  # refs/, then refs/runs/
+    gc(store, grace_seconds=0, dry_run=True)
+    at = [w.endswith(os.path.join("refs", "runs")) for w in scans.walked].index(True)
     monkeypatch.setattr(storage_mod, "os", FaultyOs(at=at, err=errno.EACCES, only=("scandir",)))
     with pytest.raises(ss.StorageError, match="refs"):
         gc(store, grace_seconds=0, dry_run=False)
