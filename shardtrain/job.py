@@ -156,7 +156,7 @@ def _decode(data: bytes, kind: type[Any], what: str, limit: int) -> Any:
         raise JobError(f"{what}: {len(data)} bytes exceeds the {limit}-byte limit")
     try:
         obj = msgspec.json.decode(data, type=kind)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec raises the latter for bad UTF-8 in a string
         raise JobError(f"{what}: invalid: {exc}") from None
     if _ENC.encode(obj) != data:
         raise JobError(f"{what}: not in canonical encoding (sorted compact JSON, every field present)")

@@ -239,8 +239,6 @@ def test_job_file_arbitrary_bytes(raw: bytes) -> None:
     _typed(decode_job, raw, (err,))
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeDecodeError, reason="shardtrain/job.py _decode catches only msgspec.DecodeError; "
-                   "msgspec raises UnicodeDecodeError for invalid UTF-8 inside a string (reported; not this suite's file to fix)")
 def test_job_file_invalid_utf8_is_a_typed_error() -> None:
     """msgspec raises UnicodeDecodeError (not DecodeError) for invalid UTF-8 inside a string."""
     decode_job, err = _job_decoder()
