@@ -100,7 +100,11 @@ def run_worker(fn: Callable[..., T], *args: Any, timeout: timedelta = timedelta(
     ctx = init_from_env(timeout=timeout, backend=backend)
     result = fn(ctx, *args)
     # Only a worker that finished tears the group down cleanly; one that raised leaves it to
-    # process exit, since destroying a group whose peer is gone can block.
+    # process exit, since destroying a group whose peer is gone can block. The barrier keeps
+    # one worker from tearing down Gloo pairs a peer is still draining (seen as
+    # "terminate called without an active exception" at exit on a loaded machine).
+    if ctx.world_size > 1:
+        dist.barrier()
     shutdown()
     return result
 
