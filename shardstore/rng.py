@@ -75,5 +75,5 @@ def restore_rng(states: dict[str, bytes | memoryview]) -> None:
                     torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8), int(kind[5:]))
             else:
                 raise ManifestError(f"unknown RNG kind {kind!r}")
-        except (msgspec.DecodeError, ValueError, TypeError, RuntimeError) as e:
+        except (msgspec.DecodeError, ValueError, TypeError, RuntimeError, OverflowError) as e:  # OverflowError: a key past uint32
             raise ManifestError(f"RNG state {kind!r} is malformed: {e}") from None

@@ -115,7 +115,7 @@ GROUP = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 JOB = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")
 LABEL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:+-]{0,127}$")
 F64 = re.compile(r"^[0-9a-f]{16}$")
-DTYPES = {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"}
+DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 
 
 def _int(v: Any, lo: int, hi: int) -> bool:
@@ -270,3 +270,14 @@ def test_huge_claimed_shape_is_refused_by_size(tmp_path: Any) -> None:
         ss.restore(store, bad, {"w": torch.zeros(4)})
     with pytest.raises(ss.ShardstoreError):
         ss.copy_commit(store, ss.open_store(str(tmp_path / "d")), bad)
+
+
+def test_numpy_rng_key_past_uint32_is_a_manifest_error() -> None:
+    """Regression (found by the fuzzer): a key value or position too large for numpy raised an
+    untyped OverflowError out of restore_rng."""
+    raw = capture_rng()["numpy"].replace(b'"pos":624', b'"pos":99999999999999999999')
+    with pytest.raises(ss.ManifestError):
+        restore_rng({"numpy": raw})
+    raw = capture_rng()["numpy"].replace(b'"key":[', b'"key":[99999999999999999999,', 1)
+    with pytest.raises(ss.ManifestError):
+        restore_rng({"numpy": raw})
