@@ -13,7 +13,8 @@ from .errors import __all__ as _errors_all
 from .manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode
 from .roots import learned_root
 from .store import Store, open_store
-from .storage import FsspecStorage, LocalStorage, Storage, open_storage
+from .local import LocalStorage
+from .storage import FsspecStorage, Storage, open_storage
 from .verify import LoadedCommit, Problem, Report, load_commit, verify
 from .gc import GcResult, gc
 from .s3 import S3Storage

@@ -6,7 +6,7 @@ Four tools, each small enough to read in one sitting:
   exists, write_once, swap, sync, delete, list, mtime), labels what each write carries
   (tensor/RNG/config object, shard manifest, commit manifest, ref, journal) and calls a
   hook *before* call k. ``kill_at(k)`` is the hook that SIGKILLs the process: crash points.
-- ``FaultyOs``: a stand-in for the ``os`` module inside ``shardstore.storage`` that numbers
+- ``FaultyOs``: a stand-in for the ``os`` module inside ``shardstore.local`` that numbers
   every system call the local backend makes (open, write, fsync, link, replace, unlink,
   makedirs, fstat, readv, scandir...) and, at call k, raises an ``OSError`` with a chosen
   errno or kills the process: SQLite-style I/O-error and crash injection one level below
@@ -143,7 +143,7 @@ _SPACE = ("open:w", "write", "fsync", "link", "makedirs", "replace", "utime")
 
 
 class FaultyOs:
-    """Replaces ``shardstore.storage.os``: numbers calls of ``SYSCALLS``; at call ``at`` either
+    """Replaces ``shardstore.local.os``: numbers calls of ``SYSCALLS``; at call ``at`` either
     raises ``OSError(err)`` (and, with ``sticky``, at every later call too, as a full disk
     does) or kills the process (``err == KILL``). ``os.path``, ``os.walk`` and the rest pass
     through, except that ``walk`` honours the same fault for the directory scan at ``at``."""

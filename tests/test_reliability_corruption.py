@@ -30,7 +30,6 @@ import torch
 
 import shardstore as ss
 from shardstore.interchange import export_commit
-from conftest import TinyNet, make_optimizer, train_steps
 from faults import fast_dir
 
 SLOW = bool(os.environ.get("SHARDSTORE_SLOW"))

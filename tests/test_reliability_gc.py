@@ -22,7 +22,7 @@ import torch
 
 import shardstore as ss
 from shardstore.gc import gc
-from shardstore.storage import LocalStorage
+from shardstore.local import LocalStorage
 from shardstore.store import object_key
 from faults import OpLog, kill_at
 

@@ -21,7 +21,7 @@ import torch
 from botocore.exceptions import ClientError, ReadTimeoutError
 
 import shardstore as ss
-import shardstore.storage as storage_mod
+import shardstore.local as storage_mod
 from shardstore.gc import gc
 from shardstore.s3 import S3Storage
 from conftest import TinyNet, make_optimizer, train_steps

@@ -17,7 +17,6 @@ import os
 import pickle
 from typing import Any
 
-import pytest
 import torch
 
 import shardstore as ss

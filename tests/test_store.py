@@ -12,7 +12,7 @@ import blake3
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
 
 import shardstore as ss
 from shardstore.store import object_key
@@ -180,7 +180,13 @@ class StoreMachine(RuleBasedStateMachine):
         import torch
 
         tensors = {"w": torch.tensor(values, dtype=torch.float32) / 4, "b": torch.tensor([float(step)])}
-        cid = ss.save(self.store, tensors, step=step, ref=None, rng=False, parent=None)
+        try:
+            cid = ss.save(self.store, tensors, step=step, ref=None, rng=False, parent=None)
+        except ss.CorruptObject as e:
+            # The same commit was saved before and its object was corrupted since: the
+            # write is a no-op and the save's closing check refuses to hand out the id.
+            assert any(oid in str(e) for oid in self.corrupt), e
+            return multiple()
         self.commits[cid] = {k: v.tolist() for k, v in tensors.items()}
         if cid not in self.corrupt:
             self.objects[cid] = bytes(self.store.get(cid))

@@ -6,7 +6,6 @@ import os
 import random
 
 import pytest
-import torch
 
 import shardstore as ss
 from shardstore.manifest import encode
