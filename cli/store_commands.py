@@ -25,6 +25,8 @@ from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
 from shardstore.gc import GcResult, gc
 from shardstore.transfer import DEFAULT_THREADS, CopyResult, copy_commit
 
+from cli._render import human_bytes
+
 __all__ = ["register", "parse_duration", "cmd_copy", "cmd_gc"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 4
@@ -40,15 +42,6 @@ def parse_duration(text: str) -> float:
     if not t or _DURATION.sub("", t):
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}: use e.g. 90s, 30m, 1h, 2d or 1h30m")
     return sum(float(n) * _UNITS[u] for n, u in _DURATION.findall(t))
-
-
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -149,8 +142,8 @@ def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
         return
     which = "all slots" if r.slot is None else f"slot {r.slot}"
     print(f"commit {r.commit} ({which}) -> {args.dst}")
-    print(f"  copied   {r.objects_copied} objects, {_human_bytes(r.bytes_copied)}")
-    print(f"  present  {r.objects_skipped} objects, {_human_bytes(r.bytes_skipped)} (not sent)")
+    print(f"  copied   {r.objects_copied} objects, {human_bytes(r.bytes_copied)}")
+    print(f"  present  {r.objects_skipped} objects, {human_bytes(r.bytes_skipped)} (not sent)")
     if r.ref is not None:
         print(f"  ref {r.ref} -> {r.commit}")
 
@@ -185,9 +178,9 @@ def _print_gc(args: argparse.Namespace, r: GcResult) -> None:
         return
     verb = "would delete" if r.dry_run else "deleted"
     for oid, n in sorted(r.deleted.items()):
-        print(f"{verb}  {oid}  {_human_bytes(n)}")
+        print(f"{verb}  {oid}  {human_bytes(n)}")
     print(f"{len(r.commits)} reachable commits, {r.reachable_objects} reachable objects")
-    print(f"{verb} {len(r.deleted)} unreachable objects, {_human_bytes(r.bytes_freed)}")
+    print(f"{verb} {len(r.deleted)} unreachable objects, {human_bytes(r.bytes_freed)}")
     kept = len(r.kept_young) + len(r.kept_named_by_young)
     if kept:
         print(f"kept {kept} unreachable objects: {len(r.kept_young)} younger than {args.grace:g}s, "
