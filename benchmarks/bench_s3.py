@@ -7,7 +7,8 @@ local store, then measures, on the same bytes and in the same run:
 - shardstore upload: ``copy_commit(local, s3)`` (create-only conditional puts, multipart
   above the part size, every object re-hashed before it is written);
 - plain s3fs put: ``S3FileSystem.put`` of the local store's object files, recursively;
-- shardstore download: ``copy_commit(s3, fresh local)`` (ranged GETs, hash on arrival);
+- shardstore download: ``copy_commit(s3, fresh local)`` (concurrent ranged GETs, hashed in
+  order as the ranges stream in);
 - plain s3fs get: ``S3FileSystem.get`` of the same keys to a fresh directory.
 
 Each cell is the best of ``--repeat`` runs, each into a fresh prefix or directory.

@@ -27,13 +27,19 @@ retry then got 412 is re-read: if the ref holds the new value, the first attempt
 Concurrency is bounded by one semaphore per backend (``concurrency`` requests in flight,
 from any number of threads: every call runs on s3fs's event loop). Objects larger than
 ``multipart_threshold`` (default 4 parts) upload as concurrent ``part_size`` parts, and
-objects larger than ``part_size`` download as concurrent ranged GETs.
+objects larger than ``part_size`` download as concurrent ranged GETs (``concurrency`` ranges
+ahead of the one being handled). Downloads are hashed as they stream: ranges are hashed
+in order as they arrive, so verifying a download costs no second pass; ``read_into``
+lands the ranges straight in the caller's buffer (a tensor on restore) and
+``hash_object`` (deep verify) holds at most ``concurrency`` ranges of an object at once.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import secrets
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -215,9 +221,56 @@ class S3Storage:
     # -- Storage protocol --------------------------------------------------------------
 
     def read(self, key: str) -> Buffer:
-        return self._run(self._read, key)
+        return self._run(self._read, key, None)
 
-    async def _read(self, key: str) -> Buffer:
+    def read_hashed(self, key: str, hasher: Callable[[], Any]) -> tuple[Buffer, str]:
+        """The bytes at ``key`` and their digest, hashed range by range as the ranges arrive
+        (in order, off the event loop) rather than in a second pass over the whole object."""
+        h = hasher()
+        data = self._run(self._read, key, h.update)
+        return data, h.hexdigest()
+
+    def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
+        """(hex digest, size) of the object at ``key``, streamed: at most ``concurrency`` ranges
+        are held at once, never the whole object."""
+        h = hasher()
+        total = self._run(self._stream, key, None, h.update)
+        return h.hexdigest(), total
+
+    def read_into(self, key: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int:
+        """Download the object at ``key`` straight into ``out`` when its size is exactly
+        ``len(out)``, calling ``consume`` on each range in order as it lands. Returns the
+        object's size; when that differs from ``len(out)`` only the first range is fetched."""
+        return self._run(self._stream, key, out, consume)
+
+    async def _read(self, key: str, consume: Callable[[memoryview], None] | None) -> Buffer:
+        buf: bytearray | None = None
+
+        def sized(total: int) -> memoryview:
+            nonlocal buf
+            buf = bytearray(total)
+            return memoryview(buf)
+
+        await self._stream(key, sized, consume)
+        assert buf is not None
+        return buf
+
+    async def _stream(
+        self,
+        key: str,
+        out: memoryview | Callable[[int], memoryview] | None,
+        consume: Callable[[memoryview], None] | None,
+    ) -> int:
+        """GET ``key`` as ``part_size`` ranges, at most ``concurrency`` in flight, handled in order.
+
+        ``out``: where the bytes go: a buffer (left untouched past the first range unless
+        the object has exactly its size), a function of the object's size returning one,
+        or None (ranges are only passed to ``consume``). ``consume`` runs on each range in
+        order, in a worker thread so that hashing never stalls the event loop. Ranges after
+        the first carry ``If-Match`` on the first one's ETag: a concurrent overwrite of the
+        key (only a ref can be overwritten) fails the read instead of mixing versions.
+        Returns the object's size.
+        """
         full = self._full(key)
         try:
             resp, first = await self._call("get_object", key, Key=full, Range=f"bytes=0-{self.part_size - 1}")
@@ -225,17 +278,18 @@ class S3Storage:
             if e.status == 404:
                 raise ObjectNotFound(f"{key} is missing from store {self.url}") from None
             if e.status == 416:  # a range of an empty object
-                return b""
-            raise self._fail("read", key, e) from None
+                resp, first = {}, b""
+            else:
+                raise self._fail("read", key, e) from None
         rng = str(resp.get("ContentRange") or "")
         total = int(rng.rsplit("/", 1)[1]) if "/" in rng else len(first)
-        if total <= len(first):
-            return first
-        buf = bytearray(total)
-        buf[: len(first)] = first
-        etag = resp["ETag"]
+        if callable(out):
+            out = out(total)
+        elif out is not None and len(out) != total:
+            return total
+        etag = resp.get("ETag")
 
-        async def part(start: int) -> None:
+        async def part(start: int) -> bytes:
             end = min(start + self.part_size, total)
             try:
                 _, data = await self._call("get_object", key, Key=full, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
@@ -243,10 +297,35 @@ class S3Storage:
                 raise self._fail("read", key, e) from None
             if len(data) != end - start:
                 raise StorageError(f"read {key!r} in store {self.url}: range {start}-{end - 1} returned {len(data)} bytes")
-            buf[start:end] = data
+            return data
 
-        await _gather(part(s) for s in range(len(first), total, self.part_size))
-        return buf
+        async def land(start: int, data: bytes) -> None:
+            view = memoryview(data)
+            if out is not None:
+                out[start : start + len(data)] = view
+                view = out[start : start + len(data)]
+            if consume is not None and len(view):
+                await asyncio.to_thread(consume, view)
+
+        starts = iter(range(len(first), total, self.part_size))
+        ahead: deque[tuple[int, asyncio.Future[bytes]]] = deque()
+        try:
+            for start in itertools.islice(starts, self.concurrency):
+                ahead.append((start, asyncio.ensure_future(part(start))))
+            await land(0, first)
+            while ahead:
+                start, fut = ahead.popleft()
+                data = await fut
+                nxt = next(starts, None)
+                if nxt is not None:
+                    ahead.append((nxt, asyncio.ensure_future(part(nxt))))
+                await land(start, data)
+        finally:
+            for _, fut in ahead:
+                fut.cancel()
+            if ahead:
+                await asyncio.gather(*(f for _, f in ahead), return_exceptions=True)
+        return total
 
     def size(self, key: str) -> int | None:
         head = self._run(self._head, key)

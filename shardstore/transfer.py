@@ -24,7 +24,7 @@ from typing import TypeVar
 from .errors import CorruptObject, TargetNotFound, TensorMismatch
 from .names import check_ref_name
 from .store import Store
-from .tensors import expected_nbytes, hash_bytes
+from .tensors import expected_nbytes
 from .verify import LoadedCommit, load_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
@@ -110,8 +110,7 @@ def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) 
     """Copy one object unless ``dst`` has it; verify the bytes received before writing them."""
     if dst.has(oid):
         return False, size if size is not None else dst.object_size(oid) or 0
-    data = src.get(oid, verify=False)
-    got = hash_bytes(data)
+    data, got = src.read_hashed(oid)  # hashed as it arrives where the backend streams
     if got != oid:
         raise CorruptObject(
             f"{what} object {oid} read from {src.url} is corrupt: its {len(data)} bytes hash to {got}; "

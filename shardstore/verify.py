@@ -242,16 +242,34 @@ def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[tuple[str, int 
                     yield o.exp_avg_sq, n, e.name, "exp_avg_sq"
 
 
-#: Objects at least this large are also split across BLAKE3's own threads, so a commit of a
-#: few big tensors does not leave a core idle while the last one is hashed.
-_BIG_OBJECT_BYTES = 64 << 20
+def _check_objects(store: Store, jobs: list[tuple[str, int | None, str | None, str]], deep: bool, threads: int) -> list[tuple[ShardstoreError | None, int]]:
+    """``_check_object`` for each job, in the jobs' order, ``threads`` objects at a time.
+
+    The largest objects start first, so that the pool does not end on one big object while
+    the other threads idle. Each object is hashed by one thread, unless there are fewer
+    objects than threads: then each gets its share of BLAKE3's own threads.
+    """
+    threads = max(1, threads)
+    each = max(1, threads // len(jobs)) if jobs else 1
+    order = sorted(range(len(jobs)), key=lambda i: -(jobs[i][1] or 0))
+    results: list[tuple[ShardstoreError | None, int]] = [(None, 0)] * len(jobs)
+
+    def one(i: int) -> None:
+        results[i] = _check_object(store, jobs[i][0], jobs[i][1], deep, each)
+
+    if threads == 1 or len(jobs) <= 1:
+        for i in order:
+            one(i)
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(one, order))
+    return results
 
 
 def _check_object(store: Store, oid: str, size: int | None, deep: bool, threads: int = 1) -> tuple[ShardstoreError | None, int]:
     try:
         if deep:
-            big = size is not None and size >= _BIG_OBJECT_BYTES
-            got, n = store.hash_object(oid, threads=threads if big else 1)  # streamed, never a full copy
+            got, n = store.hash_object(oid, threads=threads)  # streamed, never a full copy
             if got != oid:
                 return CorruptObject(f"its {n} bytes hash to {got}"), n
         else:
@@ -342,8 +360,7 @@ def verify(
             if j[0] not in seen_objects:
                 seen_objects.add(j[0])
                 jobs.append(j)
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            results = list(pool.map(lambda j: _check_object(store, j[0], j[1], deep, threads), jobs))
+        results = _check_objects(store, jobs, deep, threads)
         for (oid, _size, tensor, what), (err, n) in zip(jobs, results):
             report.objects_checked += 1
             report.bytes_hashed += n

@@ -224,3 +224,61 @@ def test_commit_saved_verified_and_restored_on_s3(s3_server: S3Server) -> None: 
         assert torch.equal(p, q), n
         assert torch.equal(opt.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])
     assert store.ref("main") == cid
+
+
+def test_downloads_hash_ranges_in_order_as_they_stream(s3_server: S3Server) -> None:  # noqa: F811
+    storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=64 * MiB, concurrency=2)
+    store = ss.Store(storage)
+    data = torch.randint(0, 256, (23 * MiB + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)).numpy().tobytes()
+    oid = store.put(data)
+    key = f"objects/{oid[:2]}/{oid}"
+
+    def gets() -> list[int]:  # start offsets of the ranged GETs issued so far
+        return [int(kw["Range"].split("=")[1].split("-")[0]) for n, kw in proxy.calls if n == "get_object"]
+
+    seen = bytearray()
+    gets_at_hash: list[int] = []  # how many GETs had been issued when each range was consumed
+
+    def consume(view: memoryview) -> None:
+        gets_at_hash.append(len(gets()))
+        seen.extend(view)
+
+    proxy.calls.clear()
+    out = bytearray(len(data))
+    assert storage.read_into(key, memoryview(out), consume) == len(data)
+    assert bytes(out) == data and bytes(seen) == data  # every range consumed once, in order
+    assert sorted(gets()) == list(range(0, len(data), 5 * MiB)) and gets()[0] == 0
+    # streaming, not hash-after-download: the first range is hashed before the last is requested
+    assert gets_at_hash[0] < len(gets()) == 5
+    assert proxy.max_in_flight <= 2
+
+    assert storage.hash_object(key, ss.tensors.new_hasher) == (oid, len(data))
+    assert storage.read_hashed(key, ss.tensors.new_hasher)[1] == oid
+    proxy.calls.clear()
+    short = bytearray(10)
+    assert storage.read_into(key, memoryview(short), consume) == len(data)  # wrong size: first range only
+    assert len(gets()) == 1 and short == bytearray(10)
+
+
+def test_a_corrupt_object_on_s3_is_caught_by_every_streamed_read(s3_server: S3Server, tmp_path: Any) -> None:  # noqa: F811
+    from shardstore.transfer import copy_commit
+
+    storage, _ = proxied(s3_server, part_size=5 * MiB, multipart_threshold=64 * MiB)
+    store = ss.Store(storage)
+    model = torch.nn.Linear(1024, 1536, bias=False)  # a 6 MiB weight: two ranges
+    cid = ss.save(store, model, step=1, rng=False)
+    oid = store.shard(store.commit(cid).layout[0].shard).entries[0].param
+    key = f"objects/{oid[:2]}/{oid}"
+    bad = bytearray(bytes(store.get(oid)))
+    bad[-1] ^= 1  # in the second range
+    make_client(s3_server).put_object(Bucket=storage.bucket, Key=f"{storage.prefix}/{key}", Body=bytes(bad))
+    with pytest.raises(ss.CorruptObject, match=oid):
+        store.get(oid)
+    with pytest.raises(ss.CorruptObject, match=oid):
+        ss.restore(store, cid, torch.nn.Linear(1024, 1536, bias=False))
+    report = ss.verify(store, [cid])
+    assert not report.ok and oid in str(report.problems[0])
+    local = ss.open_store(str(tmp_path / "local"))
+    with pytest.raises(ss.CorruptObject, match="nothing was written"):
+        copy_commit(store, local, cid)
+    assert not local.has(oid)
