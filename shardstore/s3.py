@@ -56,6 +56,8 @@ T = TypeVar("T")
 DEFAULT_PART_SIZE = 8 * 1024 * 1024
 DEFAULT_CONCURRENCY = 16
 DEFAULT_ATTEMPTS = 5
+#: Ranges at least this large are consumed (hashed) in a worker thread, off the event loop.
+_OFFLOAD_BYTES = 1 << 20
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _RETRY_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"})
 
@@ -304,8 +306,10 @@ class S3Storage:
             if out is not None:
                 out[start : start + len(data)] = view
                 view = out[start : start + len(data)]
-            if consume is not None and len(view):
+            if consume is not None and len(view) >= _OFFLOAD_BYTES:
                 await asyncio.to_thread(consume, view)
+            elif consume is not None and len(view):
+                consume(view)  # a manifest or a small tensor: a thread hop would cost more
 
         starts = iter(range(len(first), total, self.part_size))
         ahead: deque[tuple[int, asyncio.Future[bytes]]] = deque()
