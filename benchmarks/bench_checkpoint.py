@@ -563,16 +563,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="many,few")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir beside the repository)")
     ap.add_argument("--results", default=None, help="write the tables into this RESULTS.md")
+    ap.add_argument("--warm", action="store_true", help="never drop the page cache, even as root (smoke runs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    DROP = can_drop()
+    DROP = not args.warm and can_drop()
     work = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir or os.path.dirname(ROOT))
     lines = [
         f"`python benchmarks/bench_checkpoint.py --scale {args.scale} --reps {args.reps} --shapes {args.shapes}`",
         "",
         versions() + ".",
         "",
-        "Page cache before each restore: " + ("dropped (`echo 3 > /proc/sys/vm/drop_caches`, as root)." if DROP else "NOT dropped (not root): restores read warm pages."),
+        "Page cache before each restore: " + ("dropped (`echo 3 > /proc/sys/vm/drop_caches`, as root)." if DROP else ("NOT dropped (--warm)" if args.warm else "NOT dropped (not root)") + ": restores read warm pages."),
         "Ratios are shardstore's speed over the row's (above 1: shardstore faster, or blocks less); medians of "
         f"{args.reps} interleaved runs, min–max in brackets.",
         "",

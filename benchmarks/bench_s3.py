@@ -113,6 +113,13 @@ def main() -> None:
 
         down_ss = best(args.repeat, ss_download)
         down_fs = best(args.repeat, fs_get)
+
+        # not timed: the round trip is whole (every object re-hashed from a fresh local copy)
+        back = ss.open_store(os.path.join(work, "check"))
+        copy_commit(remote, back, cid, ref="main")
+        report = ss.verify(back, [cid])
+        if not report.ok or report.bytes_hashed < nbytes - 65536:
+            raise SystemExit(f"round trip through S3 failed verification: {report.problems[:3]}")
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,44 @@
+"""The benchmark scripts still run and still check what they measure (tiny sizes; nothing is timed here).
+
+`bench_checkpoint.py` restores every method's output and compares it with the saved state
+(a mismatch exits non-zero), so a smoke run is also an end-to-end check of the paths it
+compares; `bench_s3.py` verifies its round trip against a moto server it starts itself.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_checkpoint_benchmark_smoke(tmp_path) -> None:
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n")
+    done = _run(["benchmarks/bench_checkpoint.py", "--scale", "0.002", "--reps", "1", "--warm",
+                 "--dir", str(tmp_path), "--results", str(results)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    assert "<!-- bench_checkpoint:begin -->" in text and "<!-- bench_checkpoint:end -->" in text
+    assert "Page cache before each restore: NOT dropped (--warm)" in text
+    for shape in ("many", "few"):
+        section = text.split(f"**targets** — {shape}")[1].split("\n\n")[1]
+        rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| target")]
+        names = [r.split("|")[1].strip() for r in rows]
+        for want in ("save ≥ 1.5× dcp.save default", "restore ≥ 1.5× dcp.load", "verify ≥ 0.8× BLAKE3 max_threads=2",
+                     "async blocking ≤ 1.5× memcpy (time)", "second save writes 0 tensor bytes"):
+            assert want in names, (shape, names)
+        zero = next(r for r in rows if "second save writes 0 tensor bytes" in r)
+        assert zero.rstrip().endswith("| yes |"), zero  # write-once holds at any size
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-ckpt-")]  # scratch removed
+
+
+def test_s3_benchmark_smoke() -> None:
+    done = _run(["benchmarks/bench_s3.py", "--mib", "4", "--repeat", "1"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "upload" in done.stdout and "download" in done.stdout
