@@ -31,7 +31,7 @@ objects larger than ``part_size`` download as concurrent ranged GETs (``concurre
 ahead of the one being handled). Downloads are hashed as they stream: ranges are hashed
 in order as they arrive, so verifying a download costs no second pass; ``read_into``
 lands the ranges straight in the caller's buffer (a tensor on restore) and
-``hash_object`` (deep verify) holds at most ``concurrency`` ranges of an object at once.
+``hash_object`` (deep verify) holds at most ``concurrency`` + 1 ranges of an object at once.
 """
 from __future__ import annotations
 
@@ -233,8 +233,8 @@ class S3Storage:
         return data, h.hexdigest()
 
     def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
-        """(hex digest, size) of the object at ``key``, streamed: at most ``concurrency`` ranges
-        are held at once, never the whole object."""
+        """(hex digest, size) of the object at ``key``, streamed: at most ``concurrency`` + 1
+        ranges are held at once, never the whole object."""
         h = hasher()
         total = self._run(self._stream, key, None, h.update)
         return h.hexdigest(), total
@@ -265,13 +265,15 @@ class S3Storage:
     ) -> int:
         """GET ``key`` as ``part_size`` ranges, at most ``concurrency`` in flight, handled in order.
 
-        ``out``: where the bytes go: a buffer (left untouched past the first range unless
-        the object has exactly its size), a function of the object's size returning one,
-        or None (ranges are only passed to ``consume``). ``consume`` runs on each range in
-        order, in a worker thread so that hashing never stalls the event loop. Ranges after
-        the first carry ``If-Match`` on the first one's ETag: a concurrent overwrite of the
-        key (only a ref can be overwritten) fails the read instead of mixing versions.
-        Returns the object's size.
+        ``out``: where the bytes go: a buffer (left untouched unless the object has exactly
+        its size), a function of the object's size returning one, or None (ranges are only
+        passed to ``consume``). Each range is copied into ``out`` as soon as it arrives;
+        ``consume`` runs on each range in order, ranges of ``_OFFLOAD_BYTES`` and more in a
+        worker thread so that hashing never stalls the event loop. With no ``out``, at most
+        ``concurrency`` ranges wait while one is consumed. Ranges after the first carry
+        ``If-Match`` on the first one's ETag (when the server sent one): a concurrent
+        overwrite of the key (only a ref can be overwritten) fails the read instead of
+        mixing versions. Returns the object's size.
         """
         full = self._full(key)
         try:
@@ -284,51 +286,65 @@ class S3Storage:
             else:
                 raise self._fail("read", key, e) from None
         rng = str(resp.get("ContentRange") or "")
-        total = int(rng.rsplit("/", 1)[1]) if "/" in rng else len(first)
+        status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if "/" in rng:
+            total = int(rng.rsplit("/", 1)[1])
+        elif status == 206:  # partial content that does not say of what: never guess the size
+            raise StorageError(f"read {key!r} in store {self.url}: a ranged GET answered 206 without a Content-Range")
+        else:
+            total = len(first)  # the server sent the whole object (it ignored the range)
         if callable(out):
             out = out(total)
         elif out is not None and len(out) != total:
             return total
-        etag = resp.get("ETag")
+        dest = out
+        conditions = {"IfMatch": resp["ETag"]} if resp.get("ETag") else {}
+        del resp
 
-        async def part(start: int) -> bytes:
+        async def part(start: int) -> memoryview:
             end = min(start + self.part_size, total)
             try:
-                _, data = await self._call("get_object", key, Key=full, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+                _, data = await self._call("get_object", key, Key=full, Range=f"bytes={start}-{end - 1}", **conditions)
             except _S3Error as e:
                 raise self._fail("read", key, e) from None
             if len(data) != end - start:
                 raise StorageError(f"read {key!r} in store {self.url}: range {start}-{end - 1} returned {len(data)} bytes")
-            return data
+            if dest is None:
+                return memoryview(data)
+            dest[start:end] = data  # landed now; only the in-order hashing waits
+            return dest[start:end]
 
-        async def land(start: int, data: bytes) -> None:
-            view = memoryview(data)
-            if out is not None:
-                out[start : start + len(data)] = view
-                view = out[start : start + len(data)]
+        async def land(view: memoryview) -> None:
             if consume is not None and len(view) >= _OFFLOAD_BYTES:
                 await asyncio.to_thread(consume, view)
             elif consume is not None and len(view):
                 consume(view)  # a manifest or a small tensor: a thread hop would cost more
 
         starts = iter(range(len(first), total, self.part_size))
-        ahead: deque[tuple[int, asyncio.Future[bytes]]] = deque()
+        ahead: deque[asyncio.Future[memoryview]] = deque()
         try:
             for start in itertools.islice(starts, self.concurrency):
-                ahead.append((start, asyncio.ensure_future(part(start))))
-            await land(0, first)
+                ahead.append(asyncio.ensure_future(part(start)))
+            if dest is not None:
+                dest[: len(first)] = first
+                head = dest[: len(first)]
+            else:
+                head = memoryview(first)
+            del first
+            await land(head)
+            del head
             while ahead:
-                start, fut = ahead.popleft()
-                data = await fut
+                view = await ahead.popleft()
                 nxt = next(starts, None)
                 if nxt is not None:
-                    ahead.append((nxt, asyncio.ensure_future(part(nxt))))
-                await land(start, data)
+                    ahead.append(asyncio.ensure_future(part(nxt)))
+                await land(view)
+                del view
         finally:
-            for _, fut in ahead:
+            for fut in ahead:
                 fut.cancel()
             if ahead:
-                await asyncio.gather(*(f for _, f in ahead), return_exceptions=True)
+                await asyncio.gather(*ahead, return_exceptions=True)
         return total
 
     def size(self, key: str) -> int | None:

@@ -5,6 +5,15 @@ compare-and-swap, delete, list, modification time, and a durability barrier. Key
 '/'-separated relative names built by the store from validated parts and checked again
 here (``check_key``) before they become a path or URL.
 
+Optional fast paths a backend may also offer; the store uses each one when present and
+falls back to ``read`` plus hashing otherwise (the results are the same):
+- ``read_into(key, out, consume) -> size``: fill ``out`` only if the object has exactly
+  ``len(out)`` bytes, calling ``consume`` on each chunk in order as it lands;
+- ``hash_object(key, hasher, *, threads) -> (hex digest, size)``: stream the object through
+  ``hasher()`` (which runs ``threads`` threads of its own) without holding it whole;
+- ``read_hashed(key, hasher) -> (bytes, hex digest)``: read and hash in one pass;
+- ``begin_write`` / ``end_writes``: batched create-only writes with one durability barrier.
+
 Backends:
 - ``LocalStorage`` (``shardstore.local``): a directory, crash-safe and zero-copy.
 - ``S3Storage`` (``shardstore.s3``): conditional writes through s3fs's client.

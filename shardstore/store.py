@@ -200,7 +200,8 @@ class Store:
 
         On a backend with ``read_into`` the bytes go straight from the file into ``dest``
         and are hashed chunk by chunk while in cache: one copy, no page faults on a mapping.
-        If this raises CorruptObject, ``dest`` may hold the unverified bytes.
+        If this raises (CorruptObject, or a StorageError part way through), ``dest`` may hold
+        unverified bytes.
         """
         shape = tuple(dest.shape)
         dtype = dtype_name(dest.dtype, what)

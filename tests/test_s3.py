@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -233,31 +234,84 @@ def test_downloads_hash_ranges_in_order_as_they_stream(s3_server: S3Server) -> N
     oid = store.put(data)
     key = f"objects/{oid[:2]}/{oid}"
 
-    def gets() -> list[int]:  # start offsets of the ranged GETs issued so far
+    def gets() -> list[int]:  # start offsets of the ranged GETs sent so far
         return [int(kw["Range"].split("=")[1].split("-")[0]) for n, kw in proxy.calls if n == "get_object"]
 
+    asked: list[str] = []  # every range requested, including those still queued for the semaphore
+    real_call = storage._call
+
+    async def counting_call(method: str, k: str, **kw: Any) -> Any:
+        if method == "get_object":
+            asked.append(kw["Range"])
+        return await real_call(method, k, **kw)
+
+    storage._call = counting_call  # type: ignore[method-assign]
     seen = bytearray()
-    gets_at_hash: list[int] = []  # how many GETs had been issued when each range was consumed
+    gets_at_hash: list[int] = []  # how many ranges had been requested when each range was consumed
+    hashed_on: set[int] = set()
 
     def consume(view: memoryview) -> None:
-        gets_at_hash.append(len(gets()))
+        gets_at_hash.append(len(asked))
+        hashed_on.add(threading.get_ident())
         seen.extend(view)
 
+    async def loop_thread() -> int:
+        return threading.get_ident()
+
     proxy.calls.clear()
+    asked.clear()
     out = bytearray(len(data))
     assert storage.read_into(key, memoryview(out), consume) == len(data)
     assert bytes(out) == data and bytes(seen) == data  # every range consumed once, in order
     assert sorted(gets()) == list(range(0, len(data), 5 * MiB)) and gets()[0] == 0
-    # streaming, not hash-after-download: the first range is hashed before the last is requested
-    assert gets_at_hash[0] < len(gets()) == 5
+    # streaming, not hash-after-download: the first range is hashed when the first GET and
+    # at most `concurrency` look-ahead GETs have been requested, long before the last
+    assert gets_at_hash[0] <= 1 + 2 < len(asked) == 5
     assert proxy.max_in_flight <= 2
+    assert storage._run(loop_thread) not in hashed_on  # 5 MiB ranges are hashed off the event loop
+    later = [kw for n, kw in proxy.calls if n == "get_object"][1:]
+    assert later and all(kw.get("IfMatch") for kw in later)  # one version of the object, or an error
 
     assert storage.hash_object(key, ss.tensors.new_hasher) == (oid, len(data))
     assert storage.read_hashed(key, ss.tensors.new_hasher)[1] == oid
     proxy.calls.clear()
+    seen.clear()
     short = bytearray(10)
     assert storage.read_into(key, memoryview(short), consume) == len(data)  # wrong size: first range only
-    assert len(gets()) == 1 and short == bytearray(10)
+    assert len(gets()) == 1 and short == bytearray(10) and not seen
+
+
+def test_odd_range_answers(s3_server: S3Server) -> None:  # noqa: F811
+    """A server without ETags is read without If-Match; a 206 without Content-Range is refused."""
+    storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=64 * MiB)
+    data = bytes(range(256)) * (44 * 1024)  # 11 MiB: three ranges
+    oid = ss.Store(storage).put(data)
+    key = f"objects/{oid[:2]}/{oid}"
+    real = proxy.real
+
+    class Answers:
+        drop: tuple[str, ...] = ()
+
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(real, name)
+
+            async def call(**kw: Any) -> Any:
+                resp = await method(**kw)
+                if name == "get_object":
+                    for field in Answers.drop:
+                        resp.pop(field, None)
+                return resp
+
+            return call
+
+    proxy.real = Answers()
+    Answers.drop = ("ETag",)
+    proxy.calls.clear()
+    assert storage.read_hashed(key, ss.tensors.new_hasher) == (data, oid)
+    assert not [kw for n, kw in proxy.calls if n == "get_object" and "IfMatch" in kw]
+    Answers.drop = ("ContentRange",)
+    with pytest.raises(StorageError, match="206 without a Content-Range"):
+        storage.read(key)
 
 
 def test_a_corrupt_object_on_s3_is_caught_by_every_streamed_read(s3_server: S3Server, tmp_path: Any) -> None:  # noqa: F811
