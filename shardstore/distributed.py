@@ -30,6 +30,8 @@ from .verify import load_commit
 __all__ = ["save_distributed", "agree_on_commit"]
 
 _OK, _FAIL, _NONE = 1, 2, 3
+#: The phases of ``save_distributed``; before "move ref" completes nobody has moved the ref.
+_COMMIT_PHASES = ("read parent", "write shard", "write commit", "acknowledge", "move ref")
 
 
 def _device(group: Any) -> torch.device:
@@ -72,7 +74,18 @@ def _phase(group: Any, name: str, fn: Callable[[], str | None]) -> tuple[list[tu
         status = _OK if oid else _NONE
     except Exception as e:  # reported to every rank, then re-raised below
         err, status = e, _FAIL
-    got = _gather(group, status, oid)
+    try:
+        got = _gather(group, status, oid)
+    except Exception as e:  # a peer died or the group timed out: the collective itself failed
+        if name == "move ref" and status == _OK and oid is not None:
+            where = f"; commit {oid} was complete (and the ref, if any, moved) before the group was lost"
+        elif name == "move ref":
+            where = "; the ref may or may not have moved: read it to know"
+        elif name in _COMMIT_PHASES:
+            where = "; the ref was not moved"
+        else:
+            where = ""
+        raise CommitProtocolError(f"commit protocol phase '{name}': lost the process group ({type(e).__name__}: {e}){where}") from e
     failed = [r for r, (s, _) in enumerate(got) if s == _FAIL]
     if failed:
         msg = f"commit protocol phase '{name}' failed on rank(s) {failed}; the ref was not moved"
