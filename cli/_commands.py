@@ -230,7 +230,8 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 def cmd_refs(args: argparse.Namespace) -> int:
     store = _open(args.store)
-    _emit(args, {"refs": dict(sorted(store.refs().items()))}, render_refs)
+    pins = {name: list(ids) for name, ids in sorted(store.pins().items())}
+    _emit(args, {"refs": dict(sorted(store.refs().items())), "pins": pins}, render_refs)
     return EXIT_OK
 
 

@@ -182,4 +182,6 @@ def render_show(doc: dict[str, Any]) -> str:
 
 
 def render_refs(doc: dict[str, Any]) -> str:
-    return "\n".join(f"{cid}  {name}" for name, cid in doc["refs"].items())
+    lines = [f"{cid}  {name}" for name, cid in doc["refs"].items()]
+    lines += [f"pin {name}: {len(ids)} objects kept by gc" for name, ids in doc.get("pins", {}).items()]
+    return "\n".join(lines)

@@ -6,7 +6,7 @@ digits), ``--json`` on every command for scripts, data on stdout, diagnostics an
 progress bars (tqdm, only on a terminal, never with ``--quiet``) on stderr, and a
 documented exit-code table (SPEC.md §Exit codes). Each subcommand's handler is
 ``args.func(args) -> int``; ``cli.store_commands.register(subparsers)``, when that module
-exists, adds more subcommands (copy, gc) the same way.
+exists, adds more subcommands (copy, gc, unpin) the same way.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_plugins(sub: Any) -> None:
-    """Let ``cli/store_commands.py`` (copy, gc), when present, add its subcommands."""
+    """Let ``cli/store_commands.py`` (copy, gc, unpin), when present, add its subcommands."""
     try:
         store_commands = importlib.import_module("cli.store_commands")
     except ModuleNotFoundError as e:

@@ -50,7 +50,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    """Add the ``copy`` and ``gc`` subcommands to the main parser's subparsers."""
+    """Add the ``copy``, ``gc`` and ``unpin`` subcommands to the main parser's subparsers."""
     p = subparsers.add_parser(
         "copy",
         help="copy a commit and everything it needs to another store",
@@ -68,15 +68,25 @@ def register(subparsers: Any) -> None:
     g = subparsers.add_parser(
         "gc",
         help="delete objects no ref can reach",
-        description="Delete objects not reachable from any ref (commits, present parents, their closures). "
-        "Objects younger than the grace period, and objects a young manifest names, are kept: "
-        "a save in progress is not referenced yet.",
+        description="Delete objects not reachable from any ref (commits, present parents, their closures) "
+        "and named by no pin. Objects younger than the grace period, and objects a young manifest names, "
+        "are kept: a save in progress is not referenced yet.",
     )
     g.add_argument("store", metavar="STORE", help="store path or URL")
     g.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     g.add_argument("--grace", type=parse_duration, default=3600.0, metavar="DURATION", help="keep objects younger than this (default 1h)")
     _common(g)
     g.set_defaults(func=cmd_gc, parser=g)
+    u = subparsers.add_parser(
+        "unpin",
+        help="remove a pin, so that gc may collect the objects it kept",
+        description="Remove pin NAME (for example jobs/<job id>, which shardtrain writes). The objects "
+        "stay until gc finds nothing else naming them. `shardstore refs` lists the pins.",
+    )
+    u.add_argument("store", metavar="STORE", help="store path or URL")
+    u.add_argument("name", metavar="NAME", help="pin name")
+    _common(u)
+    u.set_defaults(func=cmd_unpin, parser=u)
 
 
 def _run(args: argparse.Namespace, body: Callable[[], int]) -> int:
@@ -160,6 +170,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return _run(args, body)
 
 
+def cmd_unpin(args: argparse.Namespace) -> int:
+    args.command_name = "unpin"
+
+    def body() -> int:
+        store = ss.open_store(args.store, create=False)
+        held = store.pinned(args.name)
+        store.unpin(args.name)
+        if args.json:
+            print(json.dumps({"unpinned": args.name, "objects": len(held or ())}))
+        else:
+            print(f"unpinned {args.name} ({len(held or ())} objects; gc may now collect them)")
+        return EXIT_OK
+
+    return _run(args, body)
+
+
 def _print_gc(args: argparse.Namespace, r: GcResult) -> None:
     doc = {
         "store": args.store,
@@ -167,6 +193,7 @@ def _print_gc(args: argparse.Namespace, r: GcResult) -> None:
         "grace_seconds": r.grace_seconds,
         "reachable_commits": r.commits,
         "reachable_objects": r.reachable_objects,
+        "pinned_objects": r.pinned_objects,
         "deleted": [{"object": oid, "bytes": n} for oid, n in sorted(r.deleted.items())],
         "bytes_freed": r.bytes_freed,
         "kept_young": r.kept_young,
@@ -179,7 +206,7 @@ def _print_gc(args: argparse.Namespace, r: GcResult) -> None:
     verb = "would delete" if r.dry_run else "deleted"
     for oid, n in sorted(r.deleted.items()):
         print(f"{verb}  {oid}  {human_bytes(n)}")
-    print(f"{len(r.commits)} reachable commits, {r.reachable_objects} reachable objects")
+    print(f"{len(r.commits)} reachable commits, {r.reachable_objects} reachable objects ({r.pinned_objects} pinned)")
     print(f"{verb} {len(r.deleted)} unreachable objects, {human_bytes(r.bytes_freed)}")
     kept = len(r.kept_young) + len(r.kept_named_by_young)
     if kept:

@@ -2,7 +2,8 @@
 
 *Reachable* objects: every commit a ref names, its parents that are present (recursively),
 and each of those commits' closures (shard manifests, model config, tensor, moment and RNG
-objects). Anything else is garbage, with two exceptions that protect saves in progress,
+objects), plus every object a pin names (the object only: a pin is not followed). Anything
+else is garbage, with two exceptions that protect saves in progress,
 whose objects are written before any ref names them:
 
 - an object younger than the grace period (its ``Storage.mtime``) is never deleted;
@@ -12,8 +13,8 @@ whose objects are written before any ref names them:
 
 The order is: list the objects, then read the refs and walk them. Objects written after
 the listing are not candidates; refs moved before the walk are seen by it. gc is
-conservative: a ref that names a missing commit, or a present commit or shard manifest
-that does not decode, stops it before anything is deleted, because its reachability
+conservative: a ref that names a missing commit, a pin that does not parse, or a present
+commit or shard manifest that does not decode, stops it before anything is deleted, because its reachability
 cannot be known. A save that finds an old unreachable object already present (content
 addressing skips the write) refreshes its mtime on the local backend, so gc sees it as
 young; gc also re-reads each object's mtime just before deleting it. Residual race: a
@@ -37,7 +38,7 @@ from .store import Store, object_key
 from .transfer import _pool_map, commit_closure
 from .verify import load_commit
 
-__all__ = ["GcResult", "reachable", "gc"]
+__all__ = ["GcResult", "reachable", "pinned_objects", "gc"]
 
 
 @dataclass
@@ -48,6 +49,7 @@ class GcResult:
     grace_seconds: float
     commits: list[str] = field(default_factory=list)
     reachable_objects: int = 0
+    pinned_objects: int = 0
     deleted: dict[str, int] = field(default_factory=dict)
     kept_young: list[str] = field(default_factory=list)
     kept_named_by_young: list[str] = field(default_factory=list)
@@ -58,8 +60,20 @@ class GcResult:
         return sum(self.deleted.values())
 
 
-def reachable(store: Store) -> tuple[set[str], list[str]]:
-    """(every object id reachable from a ref, the reachable commit ids in walk order)."""
+def pinned_objects(store: Store) -> set[str]:
+    """Every object id a pin names; refuses (typed) if a pin does not parse."""
+    try:
+        return {oid for ids in store.pins().values() for oid in ids}
+    except ShardstoreError as e:
+        raise type(e)(f"gc refused: a pin is unreadable, so what it keeps is unknown: {e}") from None
+
+
+def reachable(store: Store, pinned: set[str] | None = None) -> tuple[set[str], list[str]]:
+    """(every object id reachable from a ref or named by a pin, the reachable commit ids in walk order).
+
+    ``pinned``: the pinned ids if already read (else the pins are read here)."""
+    if pinned is None:
+        pinned = pinned_objects(store)
     objects: set[str] = set()
     commits: list[str] = []
     todo = sorted(set(store.refs().values()))
@@ -78,7 +92,7 @@ def reachable(store: Store) -> tuple[set[str], list[str]]:
         parent = lc.commit.parent
         if parent is not None and parent not in objects and store.has(parent):
             todo.append(parent)
-    return objects, commits
+    return objects | pinned, commits
 
 
 def _named_by_manifest(store: Store, oid: str) -> set[str]:
@@ -113,8 +127,9 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8) -
         raise ValueError(f"grace_seconds must be >= 0, not {grace_seconds}")
     now = time.time()
     listed = sorted(store.objects())
-    keep, commits = reachable(store)
-    result = GcResult(dry_run, grace_seconds, commits, len(keep))
+    pinned = pinned_objects(store)
+    keep, commits = reachable(store, pinned)
+    result = GcResult(dry_run, grace_seconds, commits, len(keep), len(pinned))
     garbage = [oid for oid in listed if oid not in keep]
 
     def age(oid: str) -> tuple[str, float | None, int | None]:

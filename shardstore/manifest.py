@@ -34,6 +34,7 @@ __all__ = [
     "F64",
     "Base",
     "StoreConfig",
+    "PinManifest",
     "GroupSpec",
     "OptimEntry",
     "TensorEntry",
@@ -198,7 +199,15 @@ class LearnedState(Base, tag="learned", tag_field="type"):
     tensors: tuple[TensorEntry, ...]
 
 
-Manifest = Union[StoreConfig, ShardManifest, CommitManifest]
+class PinManifest(Base, tag="pin", tag_field="type"):
+    """The value of a pin (``pins/<name>``): objects that gc keeps although no commit names
+    them (SPEC.md §Pins). Ids sorted, no repeats; the objects themselves, nothing they name."""
+
+    version: int
+    objects: Annotated[tuple[Oid, ...], Meta(max_length=MAX_ENTRIES)]
+
+
+Manifest = Union[StoreConfig, ShardManifest, CommitManifest, PinManifest]
 
 
 class _Header(msgspec.Struct):
@@ -214,6 +223,7 @@ _DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     "store": msgspec.json.Decoder(StoreConfig),
     "shard": msgspec.json.Decoder(ShardManifest),
     "commit": msgspec.json.Decoder(CommitManifest),
+    "pin": msgspec.json.Decoder(PinManifest),
 }
 
 

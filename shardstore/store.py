@@ -5,6 +5,7 @@ A ``Store`` wraps one ``Storage`` backend and owns the key layout::
     config                      the store config (a StoreConfig manifest)
     objects/<id[:2]>/<id>       immutable objects; b3sum of the file equals its name
     refs/<name>                 "<commit id>\\n", moved only by compare-and-swap
+    pins/<name>                 a PinManifest: objects gc keeps though no commit names them
     journal/<commit id>.json    unhashed notes (times, hosts, durations); never trusted
 
 Everything read back is re-hashed before it is used. Names and ids are validated before
@@ -22,12 +23,12 @@ from typing import Any, TypeVar
 import torch
 
 from .errors import CorruptObject, ManifestError, ObjectNotFound, RefNotFound, StorageError, StoreConfigError, TargetNotFound
-from .manifest import FORMAT_VERSION, CommitManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
+from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
 from .tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
 
-__all__ = ["Store", "open_store", "object_key", "ref_key"]
+__all__ = ["Store", "open_store", "object_key", "ref_key", "pin_key"]
 
 M = TypeVar("M")
 _REF_BYTES = 65
@@ -43,6 +44,11 @@ def object_key(oid: str) -> str:
 
 def ref_key(name: str) -> str:
     return f"refs/{check_ref_name(name)}"
+
+
+def pin_key(name: str) -> str:
+    """Pins are named like refs (SPEC.md §Names)."""
+    return f"pins/{check_ref_name(name)}"
 
 
 class Store:
@@ -247,11 +253,19 @@ class Store:
 
     # -- refs --------------------------------------------------------------------------
 
-    def _ref_raw(self, name: str) -> bytes | None:
+    def _read_or_none(self, key: str) -> bytes | None:
+        """The bytes at a ref or pin key, or None if it is absent."""
         try:
-            return bytes(self.storage.read(ref_key(name)))
+            return bytes(self.storage.read(key))
         except ObjectNotFound:
             return None
+
+    def _names_under(self, prefix: str) -> list[str]:
+        """Ref or pin names under ``prefix`` (lock files of writers in progress excluded), sorted."""
+        return sorted(key[len(prefix) + 1:] for key in self.storage.list(prefix) if not key.endswith(".lock"))
+
+    def _ref_raw(self, name: str) -> bytes | None:
+        return self._read_or_none(ref_key(name))
 
     @staticmethod
     def _parse_ref(name: str, raw: bytes) -> str:
@@ -266,7 +280,7 @@ class Store:
 
     def ref_names(self) -> list[str]:
         """Every ref name present (lock files of writers in progress excluded), sorted."""
-        return sorted(key[len("refs/"):] for key in self.storage.list("refs") if not key.endswith(".lock"))
+        return self._names_under("refs")
 
     def refs(self) -> dict[str, str]:
         """Every ref and its commit id; ManifestError if a ref does not parse."""
@@ -318,6 +332,58 @@ class Store:
             name = key.rsplit("/", 1)[-1]
             if name.startswith(prefix):
                 yield name
+
+    # -- pins --------------------------------------------------------------------------
+
+    def _pin_raw(self, name: str) -> bytes | None:
+        return self._read_or_none(pin_key(name))
+
+    @staticmethod
+    def _parse_pin(name: str, raw: bytes) -> tuple[str, ...]:
+        pin = decode_manifest(raw, PinManifest, what=f"pin {name!r}")
+        if list(pin.objects) != sorted(set(pin.objects)):
+            raise ManifestError(f"pin {name!r}: object ids must be sorted and distinct (SPEC.md §Pins)")
+        return pin.objects
+
+    def pin(self, name: str, objects: Sequence[str]) -> None:
+        """Set pin ``name`` to exactly ``objects`` (ids of objects gc must keep; SPEC.md §Pins).
+
+        Compare-and-swap against the value read just before: a concurrent change of the
+        same pin raises RefConflict and changes nothing.
+        """
+        ids = sorted({check_oid(o, what=f"object id in pin {name!r}") for o in objects})
+        if len(ids) > MAX_ENTRIES:
+            raise ManifestError(f"pin {name!r}: {len(ids)} objects exceed the limit of {MAX_ENTRIES} (SPEC.md §Pins)")
+        new = encode(PinManifest(version=FORMAT_VERSION, objects=tuple(ids)))
+        if len(new) > MAX_MANIFEST_BYTES:  # cannot happen below MAX_ENTRIES ids; kept next to the rule it guards
+            raise ManifestError(f"pin {name!r}: {len(new)} bytes exceed the manifest limit (SPEC.md §Limits)")
+        current = self._pin_raw(name)
+        self.storage.swap(pin_key(name), current, new)
+
+    def unpin(self, name: str) -> None:
+        """Remove pin ``name`` (its objects become collectable unless something else names them).
+
+        Like deleting a ref, this reads then deletes: it is not a compare-and-swap."""
+        if self._pin_raw(name) is None:
+            raise RefNotFound(f"no pin {name!r} in {self.url}")
+        self.storage.delete(pin_key(name))
+
+    def pin_names(self) -> list[str]:
+        return self._names_under("pins")
+
+    def pinned(self, name: str) -> tuple[str, ...] | None:
+        """The object ids pin ``name`` holds, or None if there is no such pin."""
+        raw = self._pin_raw(name)
+        return None if raw is None else self._parse_pin(name, raw)
+
+    def pins(self) -> dict[str, tuple[str, ...]]:
+        """Every pin and its object ids; ManifestError if a pin does not parse."""
+        out: dict[str, tuple[str, ...]] = {}
+        for name in self.pin_names():
+            value = self.pinned(name)
+            if value is not None:
+                out[name] = value
+        return out
 
     # -- journal -----------------------------------------------------------------------
 

@@ -289,6 +289,30 @@ def _check_object(store: Store, oid: str, size: int | None, deep: bool, threads:
         return e, 0
 
 
+def _check_pins(
+    store: Store, report: Report, deep: bool, threads: int, seen: set[str], progress: Callable[[int], None] | None
+) -> None:
+    """Every pin parses and every object it names is present (and, deep, hashes to its id)."""
+    jobs: list[tuple[str, int | None, str | None, str]] = []
+    for name in store.pin_names():
+        try:
+            ids = store.pinned(name) or ()
+        except ShardstoreError as e:
+            report.problems.append(Problem(type(e)(f"pin {name!r}: {e}"), None, None))
+            continue
+        for oid in ids:
+            if oid not in seen:
+                seen.add(oid)
+                jobs.append((oid, None, None, f"object pinned by {name!r}"))
+    for (oid, _size, _tensor, what), (err, n) in zip(jobs, _check_objects(store, jobs, deep, threads)):
+        report.objects_checked += 1
+        report.bytes_hashed += n
+        if progress is not None:
+            progress(n)
+        if err is not None:
+            report.problems.append(Problem(type(err)(f"{what}: object {oid}: {err}"), None, oid))
+
+
 def verify(
     store: Store,
     targets: Iterable[str] | None = None,
@@ -298,12 +322,13 @@ def verify(
     threads: int = 2,
     progress: Callable[[int], None] | None = None,
 ) -> Report:
-    """Check commits (default: every commit reachable from refs, with their present parents).
+    """Check commits (default: every commit reachable from refs, with their present parents,
+    and every pinned object).
 
     ``deep`` re-hashes every object; otherwise only structure and sizes are checked.
     ``slot`` limits object checks to one slot's closure. Every problem is reported,
-    including refs that do not parse. ``progress`` is called with the byte count of each
-    object checked (for progress bars).
+    including refs and pins that do not parse. ``progress`` is called with the byte count
+    of each object checked (for progress bars).
     """
     report = Report()
     todo: list[str] = []
@@ -369,4 +394,6 @@ def verify(
             if err is not None:
                 t = f", tensor {tensor!r}" if tensor else ""
                 report.problems.append(Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor))
+    if targets is None:  # after the commits, so that their own checks of shared objects run first
+        _check_pins(store, report, deep, threads, seen_objects, progress)
     return report

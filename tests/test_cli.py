@@ -205,7 +205,7 @@ def test_inspection_commands(base, capsys):
     assert cat["kind"] == "ShardManifest" and cat["value"]["slot"] == 1 and cat["id"] == info["shard1"]
     assert json.loads(out("cat", s, "main"))["type"] == "commit"
     assert out("refs", s) == f"{info['head']}  main\n"
-    assert json.loads(out("refs", s, "--json")) == {"refs": {"main": info["head"]}}
+    assert json.loads(out("refs", s, "--json")) == {"refs": {"main": info["head"]}, "pins": {}}
     assert out("diff", s, "main", "main").strip().endswith("no differences")
     assert "layout: 1 slot(s) -> 2 slot(s)" in out("diff", s, info["first"], "main", "--stats")
     assert [c["id"] for c in json.loads(out("log", s, "-n", "1", "--json"))["commits"]] == [info["head"]]
@@ -278,3 +278,21 @@ def test_commands_on_an_fsspec_url(trained, tmp_path, capsys):
     assert "optimizer.exp_avg.safetensors" in json.loads(capsys.readouterr().out)["files"]
     assert main(["refs", "memory://cli-tests/nothing-here"]) == 1
     assert "not a shardstore store" in capsys.readouterr().err
+
+
+def test_pins_listed_and_removed_through_the_cli(tmp_path, capsys):
+    store_path = str(tmp_path / "s")
+    store = ss.open_store(store_path)
+    cid = ss.save(store, {"w": torch.ones(2)}, step=0, rng=False)
+    job = store.put(b"a job file")
+    store.pin("jobs/j1", [job])
+    assert shardstore_cli.main(["refs", store_path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"refs": {"main": cid}, "pins": {"jobs/j1": [job]}}
+    assert shardstore_cli.main(["refs", store_path]) == 0 and "pin jobs/j1: 1 objects kept by gc" in capsys.readouterr().out
+    assert shardstore_cli.main(["gc", store_path, "--grace", "0s", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pinned_objects"] == 1 and store.has(job)
+    assert shardstore_cli.main(["unpin", store_path, "jobs/j1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"unpinned": "jobs/j1", "objects": 1}
+    assert shardstore_cli.main(["unpin", store_path, "jobs/j1"]) == 4  # no such pin: not found
+    assert "no pin 'jobs/j1'" in capsys.readouterr().err
+    assert shardstore_cli.main(["gc", store_path, "--grace", "0s"]) == 0 and not store.has(job)

@@ -233,3 +233,77 @@ def test_cli_gc_through_main_cli(tmp_path: Any) -> None:
     assert [d["object"] for d in json.loads(done.stdout)["deleted"]] == [garbage] and not store.has(garbage)
     bad = subprocess.run(cmd[:-3] + ["--grace", "soon"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "invalid duration" in bad.stderr
+
+
+@pytest.mark.parametrize("url", ["local", "memory"])
+def test_pins_keep_objects_no_commit_names(tmp_path: Any, url: str) -> None:
+    store = ss.open_store(str(tmp_path / "s") if url == "local" else f"memory://pins-{uuid.uuid4().hex}")
+    kept, other, loose = store.put(b"job file"), store.put(b"tokenizer"), store.put(b"unpinned")
+    assert store.pin_names() == [] and store.pins() == {}
+    store.pin("jobs/abc", [other, kept, kept])  # any order, repeats collapse
+    assert store.pinned("jobs/abc") == tuple(sorted({kept, other}))
+    assert store.pinned("nope") is None
+    cid = ss.save(store, {"w": torch.ones(3)}, step=0, rng=False)
+    result = gc(store, grace_seconds=0, dry_run=False)
+    assert set(result.deleted) == {loose} and result.pinned_objects == 2
+    assert store.has(kept) and store.has(other) and store.ref("main") == cid
+    report = ss.verify(store)
+    assert report.ok and report.objects_checked >= 2
+    # a pinned object that went missing or rotted is reported by name
+    store.storage.delete(object_key(other))
+    problems = ss.verify(store).problems
+    assert [p.kind for p in problems] == ["ObjectNotFound"] and "pinned by 'jobs/abc'" in str(problems[0])
+    store.unpin("jobs/abc")
+    assert gc(store, grace_seconds=0, dry_run=False).deleted.keys() == {kept}
+    with pytest.raises(ss.RefNotFound):
+        store.unpin("jobs/abc")
+
+
+def test_pins_refuse_bad_names_ids_and_content(tmp_path: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    oid = store.put(b"x")
+    with pytest.raises(ss.InvalidName):
+        store.pin("../escape", [oid])
+    with pytest.raises(ss.InvalidName):
+        store.pin("jobs/x", ["not-an-id"])
+    store.pin("jobs/x", [oid])
+    # hand-written pins that break the encoding rules: unsorted, repeated, not canonical
+    bad = {
+        "unsorted": {"objects": ["f" * 64, "0" * 64], "type": "pin", "version": 1},
+        "repeated": {"objects": ["0" * 64, "0" * 64], "type": "pin", "version": 1},
+        "version": {"objects": [], "type": "pin", "version": 2},
+    }
+    for name, doc in bad.items():
+        path = tmp_path / "s" / "pins" / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode())
+        with pytest.raises(ss.ManifestError, match=name if name != "version" else "version"):
+            store.pinned(name)
+        with pytest.raises(ss.ManifestError, match="gc refused: a pin is unreadable"):
+            gc(store, grace_seconds=0, dry_run=True)
+        report = ss.verify(store)
+        assert not report.ok and any(f"pin {name!r}" in str(p) for p in report.problems)
+        path.unlink()
+    assert store.has(oid)  # no refused gc deleted anything
+    assert gc(store, grace_seconds=0, dry_run=False).deleted == {}
+
+
+def test_a_pin_never_hides_a_commit_problem_and_never_exceeds_the_limits(tmp_path: Any, monkeypatch: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    cid = ss.save(store, {"w": torch.ones(3)}, step=0, rng=False)
+    param = store.shard(store.commit(cid).layout[0].shard).entries[0].param
+    store.pin("keep", [param])
+    path = os.path.join(store.storage.root, object_key(param))
+    os.chmod(path, 0o644)
+    with open(path, "wb") as f:
+        f.write(b"short")
+    for deep in (False, True):  # the commit's own check of the object runs and names the commit
+        problems = ss.verify(store, deep=deep).problems
+        assert any(p.commit == cid and p.object == param for p in problems), (deep, problems)
+    import shardstore.store as store_mod
+
+    monkeypatch.setattr(store_mod, "MAX_ENTRIES", 2)
+    ids = [store.put(bytes([i])) for i in range(3)]
+    with pytest.raises(ss.ManifestError, match="exceed the limit"):
+        store.pin("big", ids)
+    assert store.pinned("big") is None  # nothing unreadable was written

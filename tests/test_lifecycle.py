@@ -226,3 +226,42 @@ def test_start_from_an_imported_llama_commit(tmp_path: Path) -> None:
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.targets, reduction="none")
         expected = float((ce * batch.weights).sum() / batch.weights.sum())
     assert results[0].steps[0].loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_job_is_pinned_and_survives_gc(run: SimpleNamespace, tmp_path: Path) -> None:
+    """`train` pins the job file and every asset it binds; gc keeps them, so `evaluate`
+    can rebuild the job from the store alone (and after unpinning, gc removes them)."""
+    import shutil
+
+    from shardstore.gc import gc
+    from shardtrain.evaluate import job_from_store
+
+    job = load_job(run.job)
+    bound = {job.id, job.job.records.blake3, *(a.blake3 for a in job.job.tokenizer)}
+    assert set(run.store.pinned(f"jobs/{job.id}") or ()) == bound
+    copy = tmp_path / "store"
+    shutil.copytree(run.home / "store", copy)
+    store = open_store(str(copy))
+    result = gc(store, grace_seconds=0, dry_run=False)
+    assert result.pinned_objects == len(bound) and not bound & set(result.deleted)
+    rebuilt = job_from_store(store, job.id, str(tmp_path))
+    assert rebuilt.id == job.id
+    assert shardstore.verify(store).ok
+    store.unpin(f"jobs/{job.id}")
+    gone = gc(store, grace_seconds=0, dry_run=False)
+    assert bound <= set(gone.deleted)
+    with pytest.raises(JobError, match="pass --prepared"):
+        job_from_store(store, job.id, str(tmp_path / "again"))
+
+
+def test_two_runs_of_one_job_pin_it_concurrently(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardtrain.lifecycle import store_job_files
+
+    job = load_job(_job(tmp_path / "job"))
+    for i in range(20):
+        store = open_store(str(tmp_path / f"store{i}"))
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda _: store_job_files(job, store), range(2)))  # neither raises
+        assert store.pinned(f"jobs/{job.id}") is not None and job.id in store.pinned(f"jobs/{job.id}")
