@@ -62,6 +62,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("target", metavar="TARGET", help="ref name, commit id or unique id prefix in SRC")
     p.add_argument("--shard", type=int, metavar="K", help="copy only what slot K needs to restore")
     p.add_argument("--ref", metavar="NAME", help="afterwards move ref NAME in DST to the commit")
+    p.add_argument("--pin", action="append", default=[], metavar="NAME",
+                   help="also copy pin NAME and the objects it keeps (repeatable; e.g. a run's jobs/<job id>)")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N", help=f"objects in flight at once (default {DEFAULT_THREADS})")
     _common(p)
     p.set_defaults(func=cmd_copy, parser=p)
@@ -128,7 +130,8 @@ def cmd_copy(args: argparse.Namespace) -> int:
         src = ss.open_store(args.src, create=False)
         dst = ss.open_store(args.dst, create=True)
         with _bar(args, "copy") as bar:
-            result = copy_commit(src, dst, args.target, slot=args.shard, ref=args.ref, threads=args.threads, progress=bar.update)
+            result = copy_commit(src, dst, args.target, slot=args.shard, ref=args.ref, pins=args.pin, threads=args.threads,
+                                 progress=bar.update)
         _print_copy(args, result)
         return EXIT_OK
 
@@ -146,6 +149,7 @@ def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
         "bytes_copied": r.bytes_copied,
         "objects_skipped": r.objects_skipped,
         "bytes_skipped": r.bytes_skipped,
+        "pins": r.pins,
     }
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -156,6 +160,8 @@ def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
     print(f"  present  {r.objects_skipped} objects, {human_bytes(r.bytes_skipped)} (not sent)")
     if r.ref is not None:
         print(f"  ref {r.ref} -> {r.commit}")
+    for name in r.pins:
+        print(f"  pin {name}")
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

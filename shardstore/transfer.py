@@ -16,7 +16,7 @@ bounds its own requests further).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -85,6 +85,7 @@ class CopyResult:
     objects_skipped: int = 0
     bytes_skipped: int = 0
     ref: str | None = None
+    pins: list[str] = field(default_factory=list)
 
     def _add(self, copied: bool, n: int) -> None:
         if copied:
@@ -129,6 +130,7 @@ def copy_commit(
     *,
     slot: int | None = None,
     ref: str | None = None,
+    pins: Sequence[str] = (),
     threads: int = DEFAULT_THREADS,
     progress: Callable[[int], None] | None = None,
 ) -> CopyResult:
@@ -136,14 +138,22 @@ def copy_commit(
 
     ``slot``: copy only that slot's data objects (all manifests are still copied).
     ``ref``: afterwards, move that ref in ``dst`` to the commit (compare-and-swap against
-    the value read just before). ``progress`` is called with the byte size of each object
-    as it is copied or found present.
+    the value read just before). ``pins``: also copy these pins of ``src`` and the objects
+    they name (e.g. shardtrain's ``jobs/<job id>``); each is set in ``dst``, last, to the
+    union of what it held there and in ``src``. ``progress`` is called with the byte size
+    of each object as it is copied or found present.
     """
     if ref is not None:
         check_ref_name(ref)
     lc = load_commit(src, target)
     if slot is not None and slot not in lc.shards:
         raise TargetNotFound(f"commit {lc.id} in {src.url} has slots 0..{len(lc.shards) - 1}; it has no slot {slot}")
+    pinned: dict[str, tuple[str, ...]] = {}
+    for name in pins:
+        ids = src.pinned(name)
+        if ids is None:
+            raise TargetNotFound(f"no pin {name!r} in {src.url}")
+        pinned[name] = ids
     closure = commit_closure(lc, slot)
     result = CopyResult(lc.id, slot)
 
@@ -158,7 +168,8 @@ def copy_commit(
             result._add(copied, n)
         dst.sync()  # everything in this batch is durable before the next batch names it
 
-    batch([(oid, size, "data") for oid, size in sorted(closure.data.items())])
+    extra = sorted({oid for ids in pinned.values() for oid in ids} - set(closure.data))
+    batch([(oid, size, "data") for oid, size in sorted(closure.data.items())] + [(oid, None, "pinned") for oid in extra])
     batch([(sid, None, "shard manifest") for sid in closure.shards])
     batch([(closure.commit, None, "commit manifest")])
     load_commit(dst, lc.id)  # the destination now holds a structurally valid commit
@@ -167,4 +178,7 @@ def copy_commit(
         if current != lc.id:
             dst.set_ref(ref, lc.id, expected=current)
         result.ref = ref
+    for name, ids in pinned.items():  # the objects are durable at the destination: name them
+        dst.pin(name, sorted(set(ids) | set(dst.pinned(name) or ())))
+        result.pins.append(name)
     return result

@@ -186,7 +186,7 @@ def job_from_store(store: Store, job_id: str, directory: str) -> PreparedJob:
         raw = bytes(store.get(job_id))
     except shardstore.ObjectNotFound:
         raise JobError(f"job {job_id[:12]}'s files are not in {store.url} (the commit was copied here without "
-                       f"them, or gc removed them after the pin jobs/<job id> was dropped); pass --prepared JOB") from None
+                       f"--pin jobs/{job_id}, or gc removed them after that pin was dropped); pass --prepared JOB") from None
     path = os.path.join(directory, JOB_FILE)
     with open(path, "wb") as f:
         f.write(raw)

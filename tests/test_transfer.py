@@ -210,3 +210,26 @@ def test_cli_copy_through_main_cli_to_s3(tmp_path: Any, s3_server: S3Server) -> 
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["commit"] == cid
     assert ss.open_store(url, **s3_server.options).ref("main") == cid
+
+
+def test_pins_travel_with_a_commit_when_asked(tmp_path: Any, capsys: Any) -> None:
+    model, opt = two_slot_model(7)
+    src = ss.open_store(str(tmp_path / "a"))
+    cid = save_two_slots(src, model, opt)
+    job, asset = src.put(b"job file"), src.put(b"tokenizer asset")
+    src.pin("jobs/j", [job, asset])
+    dst = ss.open_store(str(tmp_path / "b"))
+    plain = copy_commit(src, dst, "main")
+    assert dst.pin_names() == [] and not dst.has(job) and plain.pins == []  # not unless asked
+    other = dst.put(b"already pinned here")
+    dst.pin("jobs/j", [other])
+    result = copy_commit(src, dst, "main", pins=["jobs/j"], ref="main")
+    assert result.pins == ["jobs/j"] and result.objects_copied == 2  # only the two pinned objects were missing
+    assert dst.pinned("jobs/j") == tuple(sorted({job, asset, other}))  # merged with what dst held
+    assert ss.verify(dst).ok and dst.ref("main") == cid
+    with pytest.raises(TargetNotFound, match="no pin 'jobs/nope'"):
+        copy_commit(src, dst, "main", pins=["jobs/nope"])
+    fresh = str(tmp_path / "c")
+    assert run_cli(["copy", str(tmp_path / "a"), fresh, "main", "--pin", "jobs/j", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pins"] == ["jobs/j"]
+    assert ss.open_store(fresh).pinned("jobs/j") == tuple(sorted({job, asset}))
