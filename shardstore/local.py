@@ -126,20 +126,22 @@ class LocalStorage:
         finally:
             _close_quietly(fd)
 
-    def size(self, key: str) -> int | None:
+    def _lstat(self, key: str) -> os.stat_result | None:
         try:
-            return os.lstat(self._path(key)).st_size
+            return os.lstat(self._path(key))
         except FileNotFoundError:
             return None
+
+    def size(self, key: str) -> int | None:
+        st = self._lstat(key)
+        return None if st is None else st.st_size
 
     def exists(self, key: str) -> bool:
         return os.path.lexists(self._path(key))
 
     def mtime(self, key: str) -> float | None:
-        try:
-            return os.lstat(self._path(key)).st_mtime
-        except FileNotFoundError:
-            return None
+        st = self._lstat(key)
+        return None if st is None else st.st_mtime
 
     def _write_tmp(self, data: Buffer) -> str:
         tmpdir = self._dir("tmp")
