@@ -43,7 +43,11 @@ def _device(group: Any) -> torch.device:
 
 def _pack(status: int, oid: str | None) -> torch.Tensor:
     raw = bytes([status]) + (bytes.fromhex(oid) if oid else bytes(32))
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    # A tensor that owns its memory: one made with `torch.frombuffer` keeps a Python object
+    # alive, and the backend's worker thread that drops the last reference after the
+    # collective must then take the GIL, which aborts the process if that happens while the
+    # interpreter is shutting down ("terminate called without an active exception").
+    return torch.tensor(list(raw), dtype=torch.uint8)
 
 
 def _unpack(t: torch.Tensor) -> tuple[int, str | None]:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -138,11 +140,22 @@ def _child_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_
                 timeout_s: float, backend: str | None, error_path: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A worker killed by a signal (an abort in native code, a segfault) leaves no Python
+    # error to report; this prints every thread's Python stack to its stderr first.
+    faulthandler.enable(all_threads=True)
     try:
         run_worker(fn, *args, timeout=timedelta(seconds=timeout_s), backend=backend)
     except BaseException as exc:  # report every failure to the launcher, then exit at once
         Path(error_path).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         os._exit(1)
+
+
+def _describe_exit(code: int) -> str:
+    """'exited with code 3', or for a worker a signal ended 'killed by SIGABRT (exit code -6)'."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name} (exit code {code})"
+    return f"exited with code {code}"
 
 
 def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *,
@@ -190,6 +203,6 @@ def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] 
                     failures[rank] = f"terminated: did not finish in time (exit code {p.exitcode})"
                 elif p.exitcode != 0:
                     path = Path(errors[rank])
-                    failures[rank] = path.read_text().strip() if path.exists() else f"exited with code {p.exitcode}"
+                    failures[rank] = path.read_text().strip() if path.exists() else _describe_exit(p.exitcode)
         if failures:
             raise WorkerFailedError(failures)

@@ -129,6 +129,12 @@ def failing_worker(ctx: WorkerContext, rank_to_fail: int) -> None:
         raise ValueError(f"boom on rank {ctx.rank}")
 
 
+def aborting_worker(ctx: WorkerContext, rank_to_abort: int) -> None:
+    """Die the way native code does when it calls std::terminate: SIGABRT, no Python error."""
+    if ctx.rank == rank_to_abort:
+        os.abort()
+
+
 if __name__ == "__main__":  # the torchrun entry: python -m torch.distributed.run ... shardtrain_helpers.py SPEC
     import sys
 

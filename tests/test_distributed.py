@@ -119,3 +119,17 @@ def test_workers_naming_different_commits_refuse_to_restore(tmp_path):
     results = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert [r["error"] for r in results] == ["CommitProtocolError", "CommitProtocolError"]
     assert "different commits" in results[0]["message"]
+
+
+def test_protocol_buffers_own_their_memory():
+    """The protocol's collective buffers must not keep a Python object alive: a Gloo thread
+    releasing one at interpreter exit aborts the process (tests/stress_teardown.py shows it).
+    A `torch.frombuffer` tensor's storage is the kind that cannot be resized."""
+    from shardstore.distributed import _FAIL, _OK, _pack, _unpack
+
+    oid = "ab" * 32
+    t = _pack(_OK, oid)
+    assert t.dtype == torch.uint8 and t.untyped_storage().resizable()
+    assert _unpack(t) == (_OK, oid)
+    assert _pack(_FAIL, None).untyped_storage().resizable()
+    assert _unpack(_pack(_FAIL, None)) == (_FAIL, None)

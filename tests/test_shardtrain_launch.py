@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardtrain_helpers import DETERMINISTIC_ENV, failing_worker, job_spec, read_results, train_worker
+from shardtrain_helpers import DETERMINISTIC_ENV, aborting_worker, failing_worker, job_spec, read_results, train_worker
 
 from shardtrain import LaunchError, WorkerFailedError, free_port, init_from_env, launch_local
 
@@ -44,6 +44,15 @@ def test_worker_exceptions_reach_the_caller() -> None:
     assert info.value.failures[1].startswith("ValueError: boom on rank 1")
     with pytest.raises(LaunchError):
         launch_local(failing_worker, 0)
+
+
+def test_a_worker_killed_by_a_signal_is_named_with_its_python_stack(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(WorkerFailedError) as info:
+        launch_local(aborting_worker, 2, (1,), timeout=timedelta(seconds=10), join_timeout=90, failure_grace=15)
+    assert info.value.failures[1] == "killed by SIGABRT (exit code -6)"
+    assert 0 not in info.value.failures  # the survivor finished its own work and was not blamed
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "in aborting_worker" in err
 
 
 def test_torchrun_path_matches_the_local_launcher(tmp_path: Path) -> None:

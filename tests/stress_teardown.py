@@ -1,0 +1,92 @@
+"""Stress: start and tear down many two-rank Gloo groups, each training a little and
+committing with `save_distributed`; count workers that die at exit.
+
+Not collected by pytest (it runs for many minutes). It reproduces a rare abort at
+interpreter exit ("terminate called without an active exception", exit code -6, no Python
+frame) seen in CI: a collective's buffer made with `torch.frombuffer` keeps a Python object
+alive, and when a Gloo worker thread drops the last reference while the interpreter is
+shutting down, taking the GIL ends that thread with a forced unwind, and the C++ runtime
+aborts. `--buffers frombuffer` puts that old buffer back; `--buffers owned` (the default)
+runs the shipped code.
+
+    python tests/stress_teardown.py --rounds 1000 --buffers frombuffer
+    python tests/stress_teardown.py --rounds 1000 --buffers owned
+
+Workers are forked from this process (torch already imported) to keep a round short;
+each exits through normal interpreter shutdown, as a spawned worker does.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import faulthandler
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+
+import shardstore as ss
+import shardstore.distributed as sd
+from shardtrain.launch import WorkerContext, free_port, run_worker
+
+
+def _frombuffer_pack(status: int, oid: str | None) -> torch.Tensor:
+    raw = bytes([status]) + (bytes.fromhex(oid) if oid else bytes(32))
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _worker(ctx: WorkerContext, root: str) -> None:
+    torch.manual_seed(ctx.rank)
+    store = ss.open_store(root)
+    lin = torch.nn.Linear(32, 32)
+    opt = torch.optim.AdamW(lin.parameters())
+    for step in range(3):
+        lin(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        mine = {f"w{ctx.rank}": lin.weight.detach(), f"b{ctx.rank}": lin.bias.detach()}
+        ss.save_distributed(store, mine, None, info=ss.CommitInfo(step=step))
+
+
+def _round(root: str) -> list[int]:
+    port = free_port()
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            faulthandler.enable()
+            os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            try:
+                run_worker(_worker, root, timeout=timedelta(seconds=60))
+            except BaseException as exc:  # a real error, not the abort this counts
+                print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                os._exit(1)
+            sys.exit(0)  # through interpreter shutdown, where the abort happened
+        pids.append(pid)
+    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--buffers", choices=("owned", "frombuffer"), default="owned")
+    args = parser.parse_args()
+    if args.buffers == "frombuffer":
+        sd._pack = _frombuffer_pack
+    codes: collections.Counter[int] = collections.Counter()
+    with tempfile.TemporaryDirectory(prefix="stress-teardown-") as tmp:
+        for i in range(args.rounds):
+            for rank, code in enumerate(_round(os.path.join(tmp, str(i)))):
+                codes[code] += 1
+                if code != 0:
+                    print(f"round {i}: rank {rank} exit code {code}", flush=True)
+            if (i + 1) % 50 == 0:
+                print(f"{i + 1} rounds: exit codes {dict(codes)}", flush=True)
+    print(f"{args.rounds} rounds, buffers {args.buffers}: exit codes {dict(codes)}")
+
+
+if __name__ == "__main__":
+    main()
