@@ -11,7 +11,9 @@ variables for each, and waits for them.
 `failure_grace` to notice the failure themselves (the pipeline's timeouts guarantee they
 do) and report their own error, and only then are stragglers terminated. Each worker's
 error (class, message, traceback) comes back through a text file; nothing is pickled
-except the spawn arguments, which is how `multiprocessing` starts a function.
+except the spawn arguments, which is how `multiprocessing` starts a function. A worker
+that a signal kills (native code calling abort) is reported with the signal's name and
+whether its function had already returned, and prints every thread's Python stack.
 """
 from __future__ import annotations
 
@@ -148,14 +150,18 @@ def _child_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_
     except BaseException as exc:  # report every failure to the launcher, then exit at once
         Path(error_path).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         os._exit(1)
+    # Whatever kills the process from here on (interpreter shutdown) came after its work.
+    Path(error_path + ".finished").touch()
 
 
-def _describe_exit(code: int) -> str:
-    """'exited with code 3', or for a worker a signal ended 'killed by SIGABRT (exit code -6)'."""
+def _describe_exit(code: int, finished: bool = False) -> str:
+    """'exited with code 3', 'killed by SIGABRT (exit code -6)', and for a worker whose
+    function had returned, 'finished its work, then ... at exit'."""
+    how = f"exited with code {code}"
     if code < 0:
         with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name} (exit code {code})"
-    return f"exited with code {code}"
+            how = f"killed by {signal.Signals(-code).name} (exit code {code})"
+    return f"finished its work, then {how} at exit" if finished else how
 
 
 def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *,
@@ -203,6 +209,7 @@ def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] 
                     failures[rank] = f"terminated: did not finish in time (exit code {p.exitcode})"
                 elif p.exitcode != 0:
                     path = Path(errors[rank])
-                    failures[rank] = path.read_text().strip() if path.exists() else _describe_exit(p.exitcode)
+                    failures[rank] = (path.read_text().strip() if path.exists() else
+                                      _describe_exit(p.exitcode, os.path.exists(errors[rank] + ".finished")))
         if failures:
             raise WorkerFailedError(failures)

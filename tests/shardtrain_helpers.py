@@ -7,6 +7,7 @@ and per-step numbers plus the parameter inventory as JSON in the file's metadata
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -129,10 +130,14 @@ def failing_worker(ctx: WorkerContext, rank_to_fail: int) -> None:
         raise ValueError(f"boom on rank {ctx.rank}")
 
 
-def aborting_worker(ctx: WorkerContext, rank_to_abort: int) -> None:
-    """Die the way native code does when it calls std::terminate: SIGABRT, no Python error."""
+def aborting_worker(ctx: WorkerContext, rank_to_abort: int, at_exit: bool = False) -> None:
+    """Die the way native code does when it calls std::terminate: SIGABRT, no Python error;
+    with `at_exit`, only during interpreter shutdown, after the function has returned."""
     if ctx.rank == rank_to_abort:
-        os.abort()
+        if at_exit:
+            atexit.register(os.abort)
+        else:
+            os.abort()
 
 
 if __name__ == "__main__":  # the torchrun entry: python -m torch.distributed.run ... shardtrain_helpers.py SPEC

@@ -46,13 +46,16 @@ def test_worker_exceptions_reach_the_caller() -> None:
         launch_local(failing_worker, 0)
 
 
-def test_a_worker_killed_by_a_signal_is_named_with_its_python_stack(capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_worker_killed_by_a_signal_is_named_with_its_python_stack_and_when(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(WorkerFailedError) as info:
         launch_local(aborting_worker, 2, (1,), timeout=timedelta(seconds=10), join_timeout=90, failure_grace=15)
     assert info.value.failures[1] == "killed by SIGABRT (exit code -6)"
     assert 0 not in info.value.failures  # the survivor finished its own work and was not blamed
     err = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in err and "in aborting_worker" in err
+    with pytest.raises(WorkerFailedError) as info:
+        launch_local(aborting_worker, 2, (0, True), timeout=timedelta(seconds=10), join_timeout=90)
+    assert info.value.failures == {0: "finished its work, then killed by SIGABRT (exit code -6) at exit"}
 
 
 def test_torchrun_path_matches_the_local_launcher(tmp_path: Path) -> None:
