@@ -7,9 +7,9 @@ and per-step numbers plus the parameter inventory as JSON in the file's metadata
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -130,14 +130,25 @@ def failing_worker(ctx: WorkerContext, rank_to_fail: int) -> None:
         raise ValueError(f"boom on rank {ctx.rank}")
 
 
-def aborting_worker(ctx: WorkerContext, rank_to_abort: int, at_exit: bool = False) -> None:
+def aborting_worker(ctx: WorkerContext, rank_to_abort: int, in_teardown: bool = False) -> None:
     """Die the way native code does when it calls std::terminate: SIGABRT, no Python error;
-    with `at_exit`, only during interpreter shutdown, after the function has returned."""
+    with `in_teardown`, only when the group is torn down, after this function returned."""
     if ctx.rank == rank_to_abort:
-        if at_exit:
-            atexit.register(os.abort)
+        if in_teardown:
+            import shardtrain.launch
+
+            shardtrain.launch.shutdown = os.abort  # this worker process only
         else:
             os.abort()
+
+
+def lingering_thread_worker(ctx: WorkerContext, out_dir: str) -> None:
+    """Return while a non-daemon thread still has a file to write."""
+    def late() -> None:
+        time.sleep(0.5)
+        Path(out_dir, f"late-{ctx.rank}.txt").write_text("written after the function returned")
+
+    threading.Thread(target=late).start()
 
 
 if __name__ == "__main__":  # the torchrun entry: python -m torch.distributed.run ... shardtrain_helpers.py SPEC

@@ -1,19 +1,19 @@
 """Stress: start and tear down many two-rank Gloo groups, each training a little and
-committing with `save_distributed`; count workers that die at exit.
+committing with `save_distributed`; count workers that die on the way out.
 
-Not collected by pytest (it runs for many minutes). It reproduces a rare abort at
-interpreter exit ("terminate called without an active exception", exit code -6, no Python
-frame) seen in CI: a collective's buffer made with `torch.frombuffer` keeps a Python object
-alive, and when a Gloo worker thread drops the last reference while the interpreter is
-shutting down, taking the GIL ends that thread with a forced unwind, and the C++ runtime
-aborts. `--buffers frombuffer` puts that old buffer back; `--buffers owned` (the default)
-runs the shipped code.
+Not collected by pytest (it runs for many minutes). It reproduces a rare abort of a
+worker that had finished its work, seen once in CI: "terminate called without an active
+exception", exit code -6, and no Python frame on the main thread, i.e. during interpreter
+shutdown after the group was destroyed. `--exit shutdown` leaves each worker through
+normal interpreter shutdown, as a spawned process did before; `--exit launcher` (the
+default) runs the local launcher's own worker entry, which skips interpreter shutdown once
+the work is done. `--buffers frombuffer` puts back the commit protocol's old
+`torch.frombuffer` buffers (first suspected; they were not the only cause).
 
-    python tests/stress_teardown.py --rounds 1000 --buffers frombuffer
-    python tests/stress_teardown.py --rounds 1000 --buffers owned
+    python tests/stress_teardown.py --rounds 600 --exit shutdown
+    python tests/stress_teardown.py --rounds 600 --exit launcher
 
-Workers are forked from this process (torch already imported) to keep a round short;
-each exits through normal interpreter shutdown, as a spawned worker does.
+Workers are forked from this process (torch already imported) to keep a round short.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 
 import shardstore as ss
 import shardstore.distributed as sd
-from shardtrain.launch import WorkerContext, free_port, run_worker
+from shardtrain.launch import WorkerContext, _child_main, free_port, run_worker
 
 
 def _frombuffer_pack(status: int, oid: str | None) -> torch.Tensor:
@@ -50,12 +50,15 @@ def _worker(ctx: WorkerContext, root: str) -> None:
         ss.save_distributed(store, mine, None, info=ss.CommitInfo(step=step))
 
 
-def _round(root: str) -> list[int]:
+def _round(root: str, exit_path: str) -> list[int]:
     port = free_port()
     pids = []
     for rank in range(2):
         pid = os.fork()
         if pid == 0:
+            if exit_path == "launcher":  # the launcher's worker entry, exit included
+                _child_main(_worker, (root,), rank, 2, port, 60.0, None, os.path.join(root, f"error-{rank}"))
+                os._exit(2)  # not reached: the entry always exits
             faulthandler.enable()
             os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -72,6 +75,7 @@ def _round(root: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--exit", choices=("launcher", "shutdown"), default="launcher")
     parser.add_argument("--buffers", choices=("owned", "frombuffer"), default="owned")
     args = parser.parse_args()
     if args.buffers == "frombuffer":
@@ -79,13 +83,17 @@ def main() -> None:
     codes: collections.Counter[int] = collections.Counter()
     with tempfile.TemporaryDirectory(prefix="stress-teardown-") as tmp:
         for i in range(args.rounds):
-            for rank, code in enumerate(_round(os.path.join(tmp, str(i)))):
+            root = os.path.join(tmp, str(i))
+            os.makedirs(root)
+            for rank, code in enumerate(_round(root, args.exit)):
                 codes[code] += 1
                 if code != 0:
-                    print(f"round {i}: rank {rank} exit code {code}", flush=True)
+                    error = os.path.join(root, f"error-{rank}")
+                    why = open(error).readline().strip() if os.path.exists(error) else "no Python error"
+                    print(f"round {i}: rank {rank} exit code {code}: {why}", flush=True)
             if (i + 1) % 50 == 0:
                 print(f"{i + 1} rounds: exit codes {dict(codes)}", flush=True)
-    print(f"{args.rounds} rounds, buffers {args.buffers}: exit codes {dict(codes)}")
+    print(f"{args.rounds} rounds, exit {args.exit}, buffers {args.buffers}: exit codes {dict(codes)}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardtrain_helpers import DETERMINISTIC_ENV, aborting_worker, failing_worker, job_spec, read_results, train_worker
+from shardtrain_helpers import (DETERMINISTIC_ENV, aborting_worker, failing_worker, job_spec, lingering_thread_worker,
+                                read_results, train_worker)
 
 from shardtrain import LaunchError, WorkerFailedError, free_port, init_from_env, launch_local
 
@@ -55,7 +56,13 @@ def test_a_worker_killed_by_a_signal_is_named_with_its_python_stack_and_when(cap
     assert "Fatal Python error: Aborted" in err and "in aborting_worker" in err
     with pytest.raises(WorkerFailedError) as info:
         launch_local(aborting_worker, 2, (0, True), timeout=timedelta(seconds=10), join_timeout=90)
-    assert info.value.failures == {0: "finished its work, then killed by SIGABRT (exit code -6) at exit"}
+    assert info.value.failures == {0: "finished its work, then killed by SIGABRT (exit code -6) while shutting down"}
+
+
+def test_a_worker_waits_for_threads_it_left_running(tmp_path: Path) -> None:
+    """Workers skip interpreter shutdown when they finish, but not the threads they started."""
+    launch_local(lingering_thread_worker, 2, (str(tmp_path),), timeout=timedelta(seconds=30), join_timeout=90)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["late-0.txt", "late-1.txt"]
 
 
 def test_torchrun_path_matches_the_local_launcher(tmp_path: Path) -> None:
