@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -79,6 +80,12 @@ def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str |
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        # Importing torch._dynamo while a group exists (torch 2.13 does it lazily, e.g. when
+        # a torch optimizer is built) leaves a reference that keeps the group alive after
+        # destroy_process_group: its Gloo threads then run into interpreter shutdown, and
+        # one that takes the GIL there aborts the process ("terminate called without an
+        # active exception"). Imported before the group, it holds none.
+        importlib.import_module("torch._dynamo")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is None:
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
@@ -107,8 +114,7 @@ def run_worker(fn: Callable[..., T], *args: Any, timeout: timedelta = timedelta(
     result = fn(ctx, *args)
     # Only a worker that finished tears the group down cleanly; one that raised leaves it to
     # process exit, since destroying a group whose peer is gone can block. The barrier keeps
-    # one worker from tearing down Gloo pairs a peer is still draining (seen as
-    # "terminate called without an active exception" at exit on a loaded machine).
+    # one worker from tearing down Gloo pairs a peer is still using.
     if ctx.world_size > 1:
         try:
             dist.barrier()
@@ -161,9 +167,9 @@ def _child_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_
         os._exit(1)
     # Leave as a forked multiprocessing child does, without interpreter shutdown: the work is
     # done, its files are closed and the group is destroyed. Shutdown would only tear down
-    # native objects, and with torch 2.13 + Gloo that aborted a finished worker about once
-    # in 500 groups ("terminate called without an active exception", no Python frame;
-    # tests/stress_teardown.py). Threads the function left running are still waited for.
+    # native objects; while a stray reference kept the group alive (see init_from_env) it
+    # aborted a finished worker about once in 400 groups (tests/stress_teardown.py), and
+    # nothing needs it here. Threads the function left running are still waited for.
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()

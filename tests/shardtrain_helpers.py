@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from shardtrain.batch import Batch
@@ -149,6 +150,22 @@ def lingering_thread_worker(ctx: WorkerContext, out_dir: str) -> None:
         Path(out_dir, f"late-{ctx.rank}.txt").write_text("written after the function returned")
 
     threading.Thread(target=late).start()
+
+
+def optimizer_worker(ctx: WorkerContext) -> None:
+    """Build a torch optimizer once the group exists; in torch 2.13 that imports torch._dynamo."""
+    lin = torch.nn.Linear(4, 4)
+    torch.optim.AdamW(lin.parameters()).step()
+    dist.barrier()
+
+
+def threads_left_after_run_worker() -> list[str]:
+    """Run `optimizer_worker` under `run_worker` (RANK etc. from the environment) and
+    return the names of the threads still alive after its teardown."""
+    from shardtrain.launch import run_worker
+
+    run_worker(optimizer_worker, timeout=timedelta(seconds=60))
+    return sorted(Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task"))
 
 
 if __name__ == "__main__":  # the torchrun entry: python -m torch.distributed.run ... shardtrain_helpers.py SPEC

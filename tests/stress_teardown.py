@@ -3,17 +3,25 @@ committing with `save_distributed`; count workers that die on the way out.
 
 Not collected by pytest (it runs for many minutes). It reproduces a rare abort of a
 worker that had finished its work, seen once in CI: "terminate called without an active
-exception", exit code -6, and no Python frame on the main thread, i.e. during interpreter
-shutdown after the group was destroyed. `--exit shutdown` leaves each worker through
-normal interpreter shutdown, as a spawned process did before; `--exit launcher` (the
-default) runs the local launcher's own worker entry, which skips interpreter shutdown once
-the work is done. `--buffers frombuffer` puts back the commit protocol's old
-`torch.frombuffer` buffers (first suspected; they were not the only cause).
+exception", exit code -6, no Python frame. A core dump showed the cause: the main thread
+in interpreter shutdown while a Gloo worker thread, destroying a finished all_gather, took
+the GIL to release a tensor's Python object. The group's threads were still alive after
+destroy_process_group because torch._dynamo, imported lazily once the group existed (a
+torch optimizer does it), holds a reference to the group.
 
+    --exit old        init without importing torch._dynamo first, normal interpreter
+                      shutdown: the code before the fix
+    --exit shutdown   shardtrain.launch.run_worker (imports torch._dynamo before the
+                      group), normal interpreter shutdown: the torchrun path
+    --exit launcher   the local launcher's worker entry, which also skips interpreter
+                      shutdown once the work is done (the default)
+
+    python tests/stress_teardown.py --rounds 600 --exit old
     python tests/stress_teardown.py --rounds 600 --exit shutdown
-    python tests/stress_teardown.py --rounds 600 --exit launcher
 
-Workers are forked from this process (torch already imported) to keep a round short.
+`--buffers frombuffer` puts back the commit protocol's old `torch.frombuffer` buffers,
+first suspected; they were not the cause. Workers are forked from this process, which
+must not import torch._dynamo itself, so each worker imports it as a real one does.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import tempfile
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 import shardstore as ss
 import shardstore.distributed as sd
@@ -63,7 +72,13 @@ def _round(root: str, exit_path: str) -> list[int]:
             os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             try:
-                run_worker(_worker, root, timeout=timedelta(seconds=60))
+                if exit_path == "old":
+                    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+                    _worker(WorkerContext(rank, 2, rank, "gloo", torch.device("cpu"), timedelta(seconds=60)), root)
+                    dist.barrier()
+                    dist.destroy_process_group()
+                else:
+                    run_worker(_worker, root, timeout=timedelta(seconds=60))
             except BaseException as exc:  # a real error, not the abort this counts
                 print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 os._exit(1)
@@ -75,7 +90,7 @@ def _round(root: str, exit_path: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=300)
-    parser.add_argument("--exit", choices=("launcher", "shutdown"), default="launcher")
+    parser.add_argument("--exit", choices=("launcher", "shutdown", "old"), default="launcher")
     parser.add_argument("--buffers", choices=("owned", "frombuffer"), default="owned")
     args = parser.parse_args()
     if args.buffers == "frombuffer":

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch._dynamo  # noqa: F401  before any group: see shardtrain.launch.init_from_env
 import torch.multiprocessing as mp
 
 import shardstore as ss

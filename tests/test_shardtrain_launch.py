@@ -1,6 +1,7 @@
 """Launching: torchrun's environment, the local launcher, and failure reporting."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,6 +64,26 @@ def test_a_worker_waits_for_threads_it_left_running(tmp_path: Path) -> None:
     """Workers skip interpreter shutdown when they finish, but not the threads they started."""
     launch_local(lingering_thread_worker, 2, (str(tmp_path),), timeout=timedelta(seconds=30), join_timeout=90)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["late-0.txt", "late-1.txt"]
+
+
+def test_run_worker_teardown_leaves_no_group_threads(tmp_path: Path) -> None:
+    """After `run_worker` returns, the group's native threads are gone, even when the worker
+    imported torch._dynamo after the group existed (a torch optimizer does). Left running,
+    a Gloo thread can need the GIL during interpreter shutdown, which aborts the process
+    ("terminate called without an active exception"); the CI failure this guards against."""
+    port = str(free_port())
+    code = ("import json, shardtrain_helpers as h; "
+            "print(json.dumps(h.threads_left_after_run_worker()))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=HELPERS.parent, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONPATH": str(HELPERS.parent)})
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        left = json.loads(out.strip().splitlines()[-1])
+        assert not {"pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv"} & set(left), left
 
 
 def test_torchrun_path_matches_the_local_launcher(tmp_path: Path) -> None:
