@@ -20,14 +20,16 @@ torch optimizer does it), holds a reference to the group.
     python tests/stress_teardown.py --rounds 600 --exit shutdown
 
 `--buffers frombuffer` puts back the commit protocol's old `torch.frombuffer` buffers,
-first suspected; they were not the cause. Workers are forked from this process, which
-must not import torch._dynamo itself, so each worker imports it as a real one does.
+first suspected; they were not the cause. Workers are forked from this process; for the
+fixed paths it imports torch._dynamo once up front (as init_from_env would in each
+worker), for `old` it does not, so each worker imports it late as the old code did.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import faulthandler
+import importlib
 import os
 import sys
 import tempfile
@@ -93,6 +95,8 @@ def main() -> None:
     parser.add_argument("--exit", choices=("launcher", "shutdown", "old"), default="launcher")
     parser.add_argument("--buffers", choices=("owned", "frombuffer"), default="owned")
     args = parser.parse_args()
+    if args.exit != "old":  # what init_from_env does first; done once here, not per forked worker
+        importlib.import_module("torch._dynamo")
     if args.buffers == "frombuffer":
         sd._pack = _frombuffer_pack
     codes: collections.Counter[int] = collections.Counter()
