@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from datetime import timedelta
 
 import torch
@@ -57,21 +56,7 @@ def _worker(rank: int, world: int, port: int, root: str, scenario: str, out: str
             json.dump(result, f)
         dist.barrier()
     finally:
-        _teardown(rank, world, out)
-
-
-def _teardown(rank: int, world: int, out: str) -> None:
-    """Destroy the group with rank 0, which hosts the TCP store, going last: when rank 0
-    tore down first, rank 1 aborted about once in a few hundred runs ("terminate called
-    without an active exception")."""
-    if rank != 0:
         dist.destroy_process_group()
-        open(f"{out}.down.{rank}", "w").close()
-        return
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(os.path.exists(f"{out}.down.{r}") for r in range(1, world)):
-        time.sleep(0.01)
-    dist.destroy_process_group()
 
 
 def _run(tmp_path, scenario: str) -> tuple[str, list[dict]]:
