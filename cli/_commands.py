@@ -1,8 +1,8 @@
-"""The handlers of the ``shardstore`` subcommands (see ``cli.shardstore_cli`` for the parser).
+"""The handlers of the ``shardstore`` subcommands (see ``shardstore_cli.shardstore_cli`` for the parser).
 
 Each handler is ``cmd_<name>(args) -> int``: it builds one JSON-able document from the
-library's results, prints it (``--json``) or its text rendering (``cli._render``) on stdout,
-and returns an exit code of the table in ``cli.shardstore_cli.EPILOG``. Errors propagate as
+library's results, prints it (``--json``) or its text rendering (``shardstore_cli._render``) on stdout,
+and returns an exit code of the table in ``shardstore_cli.shardstore_cli.EPILOG``. Errors propagate as
 shardstore's typed errors; ``main`` maps them to exit codes.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every command first builds one JSON-able document (what ``--json`` prints); the functions
 here turn those same documents into text for people, so the two outputs never disagree.
-They return strings; only ``cli.shardstore_cli`` writes them.
+They return strings; only ``shardstore_cli.shardstore_cli`` writes them.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A two-minute tour of the library: train a small model, save it as two slots, commit,
 restore into a fresh model, verify, train more, commit again, and diff the two commits.
 
-Run: ``python -m cli.quickstart DIR``. Everything is local; nothing is downloaded.
+Run: ``python -m shardstore_cli.quickstart DIR``. Everything is local; nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import shardstore
-from cli.shardstore_cli import main as shardstore_cli
+from .shardstore_cli import main as shardstore_cli
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, gen: torch.Generator) -> None:
@@ -26,7 +26,7 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, gen: 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m cli.quickstart DIR", file=sys.stderr)
+        print("usage: python -m shardstore_cli.quickstart DIR", file=sys.stderr)
         return 2
     random.seed(0)  # every RNG the commit records is seeded: same run, same commit ids
     np.random.seed(0)

@@ -5,7 +5,7 @@ fsspec URL, targets given as a ref name, a full commit id or a unique id prefix 
 digits), ``--json`` on every command for scripts, data on stdout, diagnostics and
 progress bars (tqdm, only on a terminal, never with ``--quiet``) on stderr, and a
 documented exit-code table (SPEC.md §Exit codes). Each subcommand's handler is
-``args.func(args) -> int``; ``cli.store_commands.register(subparsers)``, when that module
+``args.func(args) -> int``; ``shardstore_cli.store_commands.register(subparsers)``, when that module
 exists, adds more subcommands (copy, gc, unpin) the same way.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser, with every subcommand (and those of ``cli.store_commands`` if present)."""
+    """The argument parser, with every subcommand (and those of ``shardstore_cli.store_commands`` if present)."""
     common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars or notes on stderr")
@@ -123,9 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _register_plugins(sub: Any) -> None:
     """Let ``cli/store_commands.py`` (copy, gc, unpin), when present, add its subcommands."""
     try:
-        store_commands = importlib.import_module("cli.store_commands")
+        store_commands = importlib.import_module(f"{__package__}.store_commands")
     except ModuleNotFoundError as e:
-        if e.name != "cli.store_commands":
+        if e.name != f"{__package__}.store_commands":
             raise  # the module exists but is broken: say so
         return
     store_commands.register(sub)

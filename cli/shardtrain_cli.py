@@ -3,7 +3,7 @@
 ``train`` starts its own local workers, or, when started by ``torchrun`` (which sets
 TORCHELASTIC_RUN_ID), runs as one worker of torchrun's group::
 
-    ATEN_CPU_CAPABILITY=default torchrun --nproc-per-node 2 -m cli.shardtrain_cli train --prepared JOB ...
+    ATEN_CPU_CAPABILITY=default torchrun --nproc-per-node 2 -m shardstore_cli.shardtrain_cli train --prepared JOB ...
 
 The only shardtrain code that prints or exits. Results go to stdout (``--json`` for
 scripts); progress and diagnostics to stderr. Training progress is printed by the

@@ -1,6 +1,6 @@
 """``shardstore copy`` and ``shardstore gc``: moving commits between stores, and reclaiming space.
 
-``register(subparsers)`` adds both subcommands to the main parser (``cli.shardstore_cli``
+``register(subparsers)`` adds both subcommands to the main parser (``shardstore_cli.shardstore_cli``
 calls it when this module exists). Each handler returns the exit code of the documented
 table (SPEC.md §Exit codes): 0 ok, 1 error, 2 usage, 4 target not found. Data goes to
 stdout (human text, or one JSON document with ``--json``), diagnostics to stderr, and a
@@ -25,7 +25,7 @@ from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
 from shardstore.gc import GcResult, gc
 from shardstore.transfer import DEFAULT_THREADS, CopyResult, copy_commit
 
-from cli._render import human_bytes
+from ._render import human_bytes
 
 __all__ = ["register", "parse_duration", "cmd_copy", "cmd_gc"]
 

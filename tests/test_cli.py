@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import shardstore as ss
-from cli import shardstore_cli
+from shardstore_cli import shardstore_cli
 
 from conftest import TinyNet, make_optimizer, train_steps
 
@@ -30,7 +30,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.shardstore_cli", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "shardstore_cli.shardstore_cli", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
 
 
 def run_all(cmds: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess[str]]:
@@ -260,7 +260,7 @@ def test_store_commands_plugin(monkeypatch, capsys):
         p.add_argument("src")
         p.set_defaults(func=lambda args: seen.append(args.src) or 7)
 
-    monkeypatch.setitem(sys.modules, "cli.store_commands", types.SimpleNamespace(register=register))
+    monkeypatch.setitem(sys.modules, "shardstore_cli.store_commands", types.SimpleNamespace(register=register))
     assert shardstore_cli.main(["copy", "x"]) == 7 and seen == ["x"]
     assert shardstore_cli.main(["nosuchcommand"]) == 2
     assert "invalid choice" in capsys.readouterr().err

@@ -14,7 +14,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_path: Path) -> None:
     start = time.monotonic()
-    proc = _cli("-m", "cli.shardtrain_cli", "demo", "--home", str(tmp_path / "home"), timeout=180)
+    proc = _cli("-m", "shardstore_cli.shardtrain_cli", "demo", "--home", str(tmp_path / "home"), timeout=180)
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -29,23 +29,23 @@ def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_
     assert "committed" in proc.stderr  # the coordinator's progress lines
     assert elapsed < 180, elapsed
     store = tmp_path / "home" / "store"
-    verify = _cli("-m", "cli.shardstore_cli", "verify", str(store))
+    verify = _cli("-m", "shardstore_cli.shardstore_cli", "verify", str(store))
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
 def test_cli_refuses_before_training(tmp_path: Path) -> None:
-    prep = _cli("-m", "cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"), "--steps-a", "2", "--steps-b",
+    prep = _cli("-m", "shardstore_cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"), "--steps-a", "2", "--steps-b",
                 "1", "--json")
     assert prep.returncode == 0, prep.stderr
     job = json.loads(prep.stdout)
     assert job["steps"] == 3 and len(job["id"]) == 64
-    bad = _cli("-m", "cli.shardtrain_cli", "train", "--prepared", job["job"], "--store", str(tmp_path / "s"),
+    bad = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job["job"], "--store", str(tmp_path / "s"),
                "--until", "9")
     assert bad.returncode == 4 and "JobError: --until 9 is outside the job's schedule of 3 steps" in bad.stderr
-    missing = _cli("-m", "cli.shardtrain_cli", "train", "--prepared", job["job"], "--store", str(tmp_path / "s"),
+    missing = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job["job"], "--store", str(tmp_path / "s"),
                    "--until", "2", "--resume", "0123456789abcdef")
     assert missing.returncode == 4 and "TargetNotFound" in missing.stderr
-    usage = _cli("-m", "cli.shardtrain_cli", "train", "--store", "x")
+    usage = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--store", "x")
     assert usage.returncode == 2
 
 
@@ -55,15 +55,15 @@ def test_torchrun_workers_commit_what_the_local_launcher_commits(tmp_path: Path)
     from shardtrain.launch import free_port
 
     job = str(tmp_path / "job" / "job.json")
-    assert _cli("-m", "cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"), "--steps-a", "2", "--steps-b",
+    assert _cli("-m", "shardstore_cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"), "--steps-a", "2", "--steps-b",
                 "1").returncode == 0
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "-m", "cli.shardtrain_cli", "train", "--prepared", job,
+           "127.0.0.1", "--master-port", str(free_port()), "-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job,
            "--store", str(tmp_path / "torchrun"), "--until", "3", "--every", "2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    local = _cli("-m", "cli.shardtrain_cli", "train", "--prepared", job, "--store", str(tmp_path / "local"),
+    local = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job, "--store", str(tmp_path / "local"),
                  "--until", "3", "--every", "2", timeout=120)
     assert local.returncode == 0, local.stderr[-3000:]
     import shardstore

@@ -183,7 +183,7 @@ def test_gc_on_memory_and_s3(s3_server: S3Server) -> None:  # noqa: F811
 def run_cli(argv: list[str]) -> int:
     import argparse
 
-    from cli.store_commands import register
+    from shardstore_cli.store_commands import register
 
     parser = argparse.ArgumentParser(prog="shardstore")
     register(parser.add_subparsers(dest="command"))
@@ -192,7 +192,7 @@ def run_cli(argv: list[str]) -> int:
 
 
 def test_parse_duration() -> None:
-    from cli.store_commands import parse_duration
+    from shardstore_cli.store_commands import parse_duration
 
     assert [parse_duration(x) for x in ("90s", "30m", "1h", "2d", "1h30m", "45", "0s", "1.5h")] == [
         90, 1800, 3600, 172800, 5400, 45, 0, 5400
@@ -227,7 +227,7 @@ def test_cli_gc_through_main_cli(tmp_path: Any) -> None:
     store = ss.open_store(path)
     ss.save(store, *model_and_opt(10), step=1, rng=False)
     garbage = store.put(b"garbage")
-    cmd = [sys.executable, "-m", "cli.shardstore_cli", "gc", path, "--grace", "0s", "--json"]
+    cmd = [sys.executable, "-m", "shardstore_cli.shardstore_cli", "gc", path, "--grace", "0s", "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert [d["object"] for d in json.loads(done.stdout)["deleted"]] == [garbage] and not store.has(garbage)

@@ -37,7 +37,7 @@ def test_readme_main_job_is_the_demo():
 def test_quickstart_tour_runs_twice_with_equal_commit_ids(tmp_path):
     outs = []
     for i in range(2):
-        cmd = [sys.executable, "-m", "cli.quickstart", str(tmp_path / f"run{i}")]
+        cmd = [sys.executable, "-m", "shardstore_cli.quickstart", str(tmp_path / f"run{i}")]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert out.returncode == 0, out.stdout + out.stderr
         outs.append(re.findall(r"^commit ([0-9a-f]{64})", out.stdout, re.M))

@@ -175,7 +175,7 @@ def run_cli(argv: list[str]) -> int:
     """The handlers through a tiny parser of our own (the main CLI is tested through a subprocess)."""
     import argparse
 
-    from cli.store_commands import register
+    from shardstore_cli.store_commands import register
 
     parser = argparse.ArgumentParser(prog="shardstore")
     register(parser.add_subparsers(dest="command"))
@@ -205,7 +205,7 @@ def test_cli_copy_through_main_cli_to_s3(tmp_path: Any, s3_server: S3Server) -> 
     src = str(tmp_path / "a")
     cid = save_two_slots(ss.open_store(src), model, opt)
     url = s3_server.url()
-    cmd = [sys.executable, "-m", "cli.shardstore_cli", "copy", src, url, cid[:10], "--ref", "main", "--json"]
+    cmd = [sys.executable, "-m", "shardstore_cli.shardstore_cli", "copy", src, url, cid[:10], "--ref", "main", "--json"]
     done = subprocess.run(cmd, env=s3_server.env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["commit"] == cid
