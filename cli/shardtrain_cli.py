@@ -48,6 +48,9 @@ def print_step(event: object) -> None:
             f"{rate:,.0f} tok/s")
     if e.commit:  # type: ignore[attr-defined]
         line += f"  committed {e.commit[:16]}"  # type: ignore[attr-defined]
+        at = getattr(e, "commit_step", None)
+        if at is not None and at != e.step:  # type: ignore[attr-defined]
+            line += f" (step {at})"
     print(line, file=sys.stderr, flush=True)
 
 
@@ -89,7 +92,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     spec = RunSpec(job=args.prepared, store=args.store, until=args.until, every=args.every, resume=args.resume,
                    ref=args.ref, slot_stores=tuple(args.slot_store or ()), message_timeout=args.timeout,
-                   progress=None if args.quiet else print_step)
+                   progress=None if args.quiet else print_step, schedule=args.schedule,
+                   async_commits=not args.sync_commits)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one worker
         from datetime import timedelta
 
@@ -199,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slot-store", type=_slot_store, action="append", metavar="SLOT=STORE",
                    help="restore that slot from its own copy of the commit (shardstore copy --shard)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent peer counts as lost")
+    p.add_argument("--schedule", choices=("overlapped", "synchronous"), default="overlapped",
+                   help="pipeline microbatch schedule (same commits either way; default overlapped)")
+    p.add_argument("--sync-commits", action="store_true",
+                   help="wait for each commit in the step loop instead of writing it in the background")
 
     p = add("evaluate", cmd_evaluate, "held-out loss and greedy generation through the shards")
     p.add_argument("--store", required=True)

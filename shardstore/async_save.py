@@ -21,19 +21,30 @@ commit id or raises the last error. An error is raised once, by whichever of ``s
 ``wait`` or ``close`` comes first; it is never dropped silently (a saver collected with an
 unreported error warns).
 
+Over a process group, ``save_distributed`` does the same for one slot of a
+``torch.distributed`` commit (SPEC.md §15): the snapshot is taken on the calling thread,
+and the whole protocol (objects, shard manifest, the coordinator's commit manifest, every
+slot's acknowledgement, the ref move) runs in the background thread. Its collectives must
+not share a process group with anything the training loop sends or gathers meanwhile:
+two threads issuing operations on one group can do so in different orders on different
+ranks, and then they match the wrong peers' messages. Give the saver a group of its own,
+made on every rank at the same point (``torch.distributed.new_group(backend="gloo")``);
+every rank must call ``save_distributed`` for the same commits in the same order.
+
 Memory bound: the arena holds one copy of the slot's tensors (parameters and both Adam
 moments), at 64-byte-aligned offsets; RNG states are small bytes. Nothing else is copied.
 """
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from .checkpoint import AUTO, CommitInfo, SlotState, capture, save_slots
+from .distributed import commit_distributed
 from .optim import OptimState, ParamOpt
 from .store import Store
 
@@ -146,6 +157,31 @@ class AsyncSaver:
         info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
         snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
         self._future = self._pool.submit(save_slots, self.store, [snap], info=info, ref=ref, parent=parent, threads=self.threads)
+
+    def save_distributed(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        optimizer: Any = None,
+        *,
+        info: CommitInfo,
+        group: Any,
+        ref: str | None = "main",
+        parent: str | None = AUTO,
+        rng: bool = True,
+        group_names: list[str] | None = None,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> None:
+        """Snapshot this rank's slot now and take part in the commit from the background thread.
+
+        As ``shardstore.save_distributed``, but ``group`` is required and must be used by
+        nothing else while a save is in flight (see the module docstring). Returns once the
+        snapshot is taken; ``wait`` returns the commit id every rank agreed on, or raises the
+        protocol's error (the ref is then unmoved unless the error says otherwise).
+        """
+        self._collect()
+        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
+        self._future = self._pool.submit(commit_distributed, self.store, snap, info=info, group=group, ref=ref,
+                                         parent=parent, threads=self.threads, on_phase=on_phase)
 
     @property
     def pending(self) -> bool:

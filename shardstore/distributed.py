@@ -13,6 +13,10 @@ any failure instead of hanging:
 Ids travel as 32-byte tensors (never pickled objects), with one status byte in front.
 ``agree_on_commit`` is the recovery counterpart: every rank resolves the target and all
 must name the same commit, or every rank raises.
+
+``commit_distributed`` runs the same protocol from a ``SlotState`` captured earlier (for
+example a staged copy that ``AsyncSaver.save_distributed`` commits from a background
+thread while training goes on: see async_save.py for the process group it must use).
 """
 from __future__ import annotations
 
@@ -22,12 +26,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint import AUTO, CommitInfo, capture, write_commit, write_shard
+from .checkpoint import AUTO, CommitInfo, SlotState, capture, write_commit, write_shard
 from .errors import CommitProtocolError
 from .store import Store
 from .verify import load_commit
 
-__all__ = ["save_distributed", "agree_on_commit"]
+__all__ = ["save_distributed", "commit_distributed", "agree_on_commit"]
 
 _OK, _FAIL, _NONE = 1, 2, 3
 #: The phases of ``save_distributed``; before "move ref" completes nobody has moved the ref.
@@ -111,6 +115,27 @@ def save_distributed(
     threads: int = 2,
 ) -> str:
     """Save this rank's slot and take part in one commit; every rank returns the same commit id."""
+    state = capture(model, optimizer, rng=rng, group_names=group_names)
+    return commit_distributed(store, state, info=info, group=group, ref=ref, parent=parent, threads=threads)
+
+
+def commit_distributed(
+    store: Store,
+    state: SlotState,
+    *,
+    info: CommitInfo,
+    group: Any = None,
+    ref: str | None = "main",
+    parent: str | None = AUTO,
+    threads: int = 2,
+    on_phase: Callable[[str], None] | None = None,
+) -> str:
+    """Take part in one commit with this rank's captured ``state``; every rank returns the same id.
+
+    ``on_phase(name)``, if given, is called on this rank as each phase begins (names as in
+    SPEC.md §15: read parent, write shard, write commit, acknowledge, move ref), for
+    progress reports and fault injection; an exception it raises fails that phase.
+    """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coordinator = rank == 0
 
@@ -119,13 +144,21 @@ def save_distributed(
             return parent
         return store.ref(ref) if ref is not None else None
 
-    got, _ = _phase(group, "read parent", read_parent if coordinator else (lambda: None))
+    def begin(name: str, fn: Callable[[], str | None]) -> Callable[[], str | None]:
+        def run() -> str | None:
+            if on_phase is not None:
+                on_phase(name)
+            return fn()
+
+        return run
+
+    got, _ = _phase(group, "read parent", begin("read parent", read_parent if coordinator else (lambda: None)))
     chosen = got[0][1]
     expected_ref = store.ref(ref) if (coordinator and ref is not None) else None
 
-    state = capture(model, optimizer, rng=rng, group_names=group_names)
     got, _ = _phase(
-        group, "write shard", lambda: write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
+        group, "write shard",
+        begin("write shard", lambda: write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)),
     )
     shard_ids = [oid for _, oid in got]
     my_shard = shard_ids[rank]
@@ -133,7 +166,8 @@ def save_distributed(
     got, _ = _phase(
         group,
         "write commit",
-        (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen)) if coordinator else (lambda: None),
+        begin("write commit",
+              (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen)) if coordinator else (lambda: None)),
     )
     cid = got[0][1]
     assert cid is not None
@@ -144,7 +178,7 @@ def save_distributed(
             raise CommitProtocolError(f"commit {cid} does not name this rank's shard {my_shard} for slot {rank}")
         return lc.id
 
-    got, _ = _phase(group, "acknowledge", ack)
+    got, _ = _phase(group, "acknowledge", begin("acknowledge", ack))
     acks = {oid for _, oid in got}
     if acks != {cid}:
         raise CommitProtocolError(f"slots acknowledged different commits {sorted(a or '?' for a in acks)}; the ref was not moved")
@@ -154,7 +188,7 @@ def save_distributed(
             store.set_ref(ref, cid, expected=expected_ref)
         return cid
 
-    _phase(group, "move ref", move_ref if coordinator else (lambda: None))
+    _phase(group, "move ref", begin("move ref", move_ref if coordinator else (lambda: None)))
     return cid
 
 

@@ -17,13 +17,16 @@ Every check runs on every worker before the first update, and a worker that fail
 makes all of them stop (``_gate``), so a mismatched shard never trains half a group.
 Commits happen between complete updates only, every ``every`` steps and at ``until``,
 with the two-phase protocol of ``shardstore.save_distributed`` and an explicit parent,
-so a replayed run writes byte-identical manifests and so identical commit ids.
+so a replayed run writes byte-identical manifests and so identical commit ids. By
+default a commit is written in the background from a staged copy while training goes on
+(``shardtrain.committer``); ``async_commits=False`` makes the step loop wait for it.
 
 When a peer is lost mid-update the survivors' pipeline waits fail within their timeout,
 and each survivor raises ``RunAborted`` naming the last committed step: nothing after it
 reached the store's ref. ``SHARDTRAIN_FAULT=slot=S,step=N,microbatch=M`` makes slot S
-exit abruptly after that microbatch's forward (the fault injection used by the demo and
-the tests).
+exit abruptly after that microbatch's forward, once any commit it has in flight has
+landed (the fault injection used by the demo and the tests; ``SHARDTRAIN_COMMIT_FAULT``
+in ``shardtrain.committer`` loses a worker while a commit is being written).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ import torch.distributed as dist
 import shardstore
 from shardstore import CommitInfo, LoadedCommit, RefConflict, Store, load_commit, open_store
 from shardstore.manifest import decode_config
+from shardtrain.committer import Committer
 from shardtrain.errors import JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
 from shardtrain.job import PreparedJob, load_job
 from shardtrain.launch import WorkerContext, launch_local
@@ -52,6 +56,7 @@ from shardtrain.model import LlamaConfig
 from shardtrain.optim import AdamW
 from shardtrain.partition import Partition, build_stage, parameter_inventory
 from shardtrain.pipeline import Pipeline
+from shardtrain.schedule import build as build_schedule
 from shardtrain.trainer import Trainer
 
 __all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
@@ -79,6 +84,8 @@ class RunSpec:
     message_timeout: float = 60.0  # seconds a pipeline message may take before the peer counts as lost
     out_dir: str | None = None  # where each worker writes rank{r}.json
     progress: Callable[[StepEvent], None] | None = None  # called on the coordinator (must be importable)
+    schedule: str = "overlapped"  # the pipeline schedule (shardtrain.schedule); not bound: results are identical
+    async_commits: bool = True  # write commits in the background from a staged copy (shardtrain.committer)
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,8 @@ class StepEvent:
     grad_norm: float
     tokens: int
     seconds: float
-    commit: str | None  # the commit made after this update, if any
+    commit: str | None  # a commit that became durable (acknowledged, ref moved) by the end of this update
+    commit_step: int | None = None  # the step that commit holds (earlier than `step` for a background commit)
 
 
 class CommitRecord(msgspec.Struct, frozen=True):
@@ -297,44 +305,51 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     lc = gate("restore the start commit", rank, world, restore)
     step = 0 if lc is None or lc.commit.transition == "import" else lc.commit.step
     parent = None if lc is None else lc.id
-    pipe = Pipeline(stage, partition, rank, timeout=timedelta(seconds=spec.message_timeout))
+    pipe = Pipeline(stage, partition, rank, timeout=timedelta(seconds=spec.message_timeout), schedule=spec.schedule)
+    committer = Committer(store, stage, optimizer, rank=rank, ref=spec.ref, last=(step, parent),
+                          asynchronous=spec.async_commits, timeout=timedelta(seconds=spec.message_timeout))
     fault = fault_from_env()
     if fault is not None and fault[0] == rank:
-        pipe.after_forward = lambda s, m: os._exit(3) if (s, m) == fault[1:] else None
+        pipe.after_forward = lambda s, m: (committer.settle(), os._exit(3)) if (s, m) == fault[1:] else None
     trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size,
                       max_grad_norm=job.max_grad_norm(), global_step=step)
     hf = job.hf_config()
     commits: list[CommitRecord] = []
     steps: list[StepRecord] = []
-    last = (step, parent)
 
-    def commit(at: int, transition: str) -> str:
+    def commit(at: int, transition: str) -> None:
         info = CommitInfo(step=at, job=job.id, schedule=job.schedule_id, profile=PROFILE, config=hf,
                           data_cursor=job.cursor(at), transition=transition)
-        return shardstore.save_distributed(store, stage, optimizer, info=info, ref=spec.ref, parent=last[1])
+        committer.commit(info)
+
+    def landed(wait: bool = False) -> tuple[int, str] | None:
+        new = committer.drain() if wait else committer.landed()
+        commits.extend(CommitRecord(at, cid) for at, cid in new)
+        return new[-1] if new else None
 
     start = (step, parent)
     try:
         if lc is None:
-            last = (0, commit(0, "init"))
-            commits.append(CommitRecord(0, last[1]))
+            commit(0, "init")
         while step < spec.until:
             t0 = time.perf_counter()
             batch = job.batch(step)
             r = trainer.step(batch)
             seconds = time.perf_counter() - t0  # the update alone, not the commit after it
             step += 1
-            made = None
             if step == spec.until or (spec.every and step % spec.every == 0):
-                made = commit(step, "train")
-                last = (step, made)
-                commits.append(CommitRecord(step, made))
+                commit(step, "train")
+            made = landed(wait=step == spec.until)
             steps.append(StepRecord(step, r.loss, r.grad_norm, _tokens(batch), seconds))
             if rank == 0 and spec.progress is not None:
-                spec.progress(StepEvent(step, spec.until, r.loss, r.grad_norm, _tokens(batch), seconds, made))
+                spec.progress(StepEvent(step, spec.until, r.loss, r.grad_norm, _tokens(batch), seconds,
+                                        made[1] if made else None, made[0] if made else None))
+        landed(wait=True)  # a run with nothing to train still lands its init commit
+        committer.close()
     except (ShardtrainError, shardstore.ShardstoreError, RuntimeError) as exc:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         cause = cause.split(" This is typically caused")[0]  # Gloo's advice is not about this run
+        last = committer.settle()  # a commit in flight has landed or failed (its error is not the cause)
         where = f"commit {last[1]}" if last[1] else "no commit"
         raise RunAborted(f"slot {rank}: run aborted during step {step} ({type(exc).__name__}: {cause}); the last "
                          f"committed step is {last[0]} ({where}); later updates were not committed and no ref "
@@ -378,6 +393,7 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
         raise JobError(f"--until {spec.until} is outside the job's schedule of {job.num_steps} steps")
     if spec.every is not None and spec.every < 1:
         raise JobError(f"--every must be >= 1, got {spec.every}")
+    build_schedule(spec.schedule, 1, 1)  # an unknown schedule is refused before any worker starts
     store = open_store(spec.store)
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
     check_ref(store, spec.ref, None if lc is None else lc.id)

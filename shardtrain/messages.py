@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from shardtrain.errors import MessageError, PeerFailureError
 
-__all__ = ["ACTIVATION", "GRADIENT", "MessageHeader", "check_header", "Channel"]
+__all__ = ["ACTIVATION", "GRADIENT", "MessageHeader", "check_header", "Channel", "PostedRecv"]
 
 MAGIC = 0x53485452414E  # "SHTRAN"
 VERSION = 1
@@ -98,6 +98,17 @@ def check_header(got: MessageHeader, expected: MessageHeader, *, src: int) -> No
                                f"got {field} {g!r} ({got.describe()})")
 
 
+@dataclasses.dataclass
+class PostedRecv:
+    """A receive posted ahead of need (`Channel.post`): header and payload buffers and their waits."""
+
+    src: int
+    expected: MessageHeader
+    raw: torch.Tensor  # (HEADER_LEN,) int64
+    payload: torch.Tensor  # the expected shape and dtype
+    works: tuple[dist.Work, dist.Work]
+
+
 class Channel:
     """One slot's message endpoint; slots are ranks of the default process group."""
 
@@ -141,6 +152,51 @@ class Channel:
         self._wait_recv(payload, src, expected)
         self.bytes_received += raw.numel() * raw.element_size() + payload.numel() * payload.element_size()
         return payload
+
+    def post(self, src: int, expected: MessageHeader) -> PostedRecv:
+        """Post the receive of the next message from `src` now, so that it can land while this
+        slot computes (Gloo moves a message only once both sides have posted it); `wait`
+        checks its header and returns its payload. Posted receives from one `src` with one
+        kind match that peer's sends in the order they were posted."""
+        if math.prod(expected.shape) > self.max_elements:
+            raise MessageError(f"slot {self.rank}: expected {expected.describe()} of shape {expected.shape} "
+                               f"exceeds the bound of {self.max_elements} elements")
+        raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        payload = torch.empty(expected.shape, dtype=expected.dtype, device=self.device)
+        try:
+            works = (dist.irecv(raw, src, tag=expected.kind), dist.irecv(payload, src, tag=expected.kind))
+        except RuntimeError as exc:
+            raise self._peer_error("receiving", "from", src, expected, exc) from exc
+        return PostedRecv(src, expected, raw, payload, works)
+
+    def wait(self, posted: PostedRecv) -> torch.Tensor:
+        """The payload of a posted receive, once its header has arrived and matched."""
+        src, expected = posted.src, posted.expected
+        for i, work in enumerate(posted.works):
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as exc:
+                raise self._peer_error("receiving", "from", src, expected, exc) from exc
+            if i == 0:  # the header is checked before the payload is waited for or used
+                check_header(MessageHeader.decode(posted.raw, max_elements=self.max_elements), expected, src=src)
+        self.bytes_received += posted.raw.numel() * posted.raw.element_size() + \
+            posted.payload.numel() * posted.payload.element_size()
+        return posted.payload
+
+    def settle(self, dst: int, kind: int, microbatch: int) -> None:
+        """Complete and release the sends of (`dst`, `kind`, `microbatch`), which the caller
+        knows were received (a reply that depends on them has arrived)."""
+        keep = []
+        for entry in self._pending:
+            work, header, to = entry[0], entry[1], entry[2]
+            if to == dst and header.kind == kind and header.microbatch == microbatch:
+                try:
+                    work.wait(self.timeout)
+                except RuntimeError as exc:
+                    raise self._peer_error("sending", "to", dst, header, exc) from exc
+            else:
+                keep.append(entry)
+        self._pending = keep
 
     def flush(self) -> None:
         """Wait until every started send has completed."""

@@ -6,10 +6,20 @@ embeds the tokens and runs its layers, each later slot runs its layers, and slot
 finally applies the final norm, the output head and the loss. Gradients travel back the
 other way. With one slot the same code runs everything locally and sends nothing.
 
-Schedule (GPipe-like, synchronous): every slot runs the forward of all microbatches in
-order, slot 0 then computes the loss of each microbatch as its last activation arrives
-and sends its gradient back, and every slot then runs the backward of all microbatches in
-order. Sends are asynchronous so the ring cannot deadlock; receives block with a timeout.
+Schedule: the order of each slot's actions (forward, head on slot 0, backward of each
+microbatch) comes from `shardtrain.schedule`: ``overlapped`` (the default: stages work on
+different microbatches at once, at most n + 2 microbatches' forward graphs held per slot)
+or ``synchronous`` (every forward, then every head, then every backward). Both give
+bitwise identical gradients, losses and so commits (the schedule module says why). Sends
+are asynchronous so the ring cannot deadlock; the receives of the next few actions are
+posted ahead (`Channel.post`) so that a message moves while its receiver computes, and
+each wait has a timeout.
+
+What a slot holds during a step: the forward graphs of the microbatches in flight (the
+schedule's bound), the posted receive buffers of the next `PREFETCH` actions, each
+microbatch's gradient message (b, t, C) until the step ends (Gloo reports a send done
+only when waited for), and on slot 0 with a tied embedding the (b, t, C) gradients of
+embedding backwards deferred until the last head has run.
 
 Every decoder layer is its own autograd segment: its input is a detached leaf and its
 output's gradient is pushed through it with `backward`. The autograd work per layer is
@@ -31,11 +41,15 @@ import torch.nn.functional as F
 
 from shardtrain.batch import Batch, Microbatch, split_microbatches
 from shardtrain.errors import ConfigError
-from shardtrain.messages import ACTIVATION, GRADIENT, Channel, MessageHeader
+from shardtrain.messages import ACTIVATION, GRADIENT, Channel, MessageHeader, PostedRecv
 from shardtrain.model import Llama, rotary_tables
 from shardtrain.partition import Partition
+from shardtrain.schedule import BACKWARD, FORWARD, HEAD, Action, build
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "PREFETCH"]
+
+PREFETCH = 3
+"""How many actions ahead a slot posts its receives."""
 
 
 @dataclasses.dataclass
@@ -51,7 +65,10 @@ class Pipeline:
     """Runs slot `slot`'s part of forward and backward; gradients accumulate in the stage."""
 
     def __init__(self, stage: Llama, partition: Partition, slot: int, *,
-                 timeout: timedelta = timedelta(seconds=300), max_message_elements: int = 1 << 28) -> None:
+                 timeout: timedelta = timedelta(seconds=300), max_message_elements: int = 1 << 28,
+                 schedule: str = "overlapped") -> None:
+        build(schedule, partition.num_slots, 1)  # refuse an unknown schedule now, not at the first step
+        self.schedule = schedule
         self.stage = stage
         self.config = stage.config
         self.partition = partition
@@ -62,6 +79,7 @@ class Pipeline:
             raise ConfigError(f"stage does not match slot {slot} of the partition")
         self.device = next(stage.parameters()).device
         self.channel: Channel | None = None
+        self._posted: dict[tuple[int, int, int], PostedRecv] = {}  # (src, kind, microbatch) -> posted receive
         # Called as after_forward(step, microbatch) once this slot has run a microbatch's
         # forward; the lifecycle's fault injection uses it to lose a worker mid-update.
         self.after_forward: Callable[[int, int], None] | None = None
@@ -86,38 +104,82 @@ class Pipeline:
         batch.validate(self.config.vocab_size, self.config.max_position_embeddings)
         mbs = split_microbatches(batch, microbatch_size)
         total_weight = batch.total_weight().to(self.device)
-        saved: list[_Segments | None] = []
-        for mb in mbs:
-            saved.append(self._forward(batch, mb, step))
-            if self.after_forward is not None:
-                self.after_forward(step, mb.index)
-        loss: float | None = None
-        local_grads: list[torch.Tensor | None] = []
-        if self.slot == 0:
-            loss = 0.0
-            for mb in mbs:  # microbatch order; the step loss is a float64 sum
-                seg = saved[mb.index]
-                assert seg is not None
-                value, grad = self._head(batch, mb, step, seg.last, total_weight)
-                loss += value
-                local_grads.append(grad)
-        for mb in mbs:
-            local = local_grads[mb.index] if self.num_slots == 1 else None
-            grad = local if local is not None else self._recv((self.slot + 1) % self.num_slots, GRADIENT, mb, step)
-            seg = saved[mb.index]
-            assert seg is not None
-            self._backward(seg, grad, mb, step)
-            saved[mb.index] = None  # free the microbatch's graph early
+        plan = build(self.schedule, self.num_slots, len(mbs))[self.slot]
+        saved: dict[int, _Segments] = {}
+        values: dict[int, float] = {}  # slot 0: each microbatch's loss
+        local_grads: dict[int, torch.Tensor] = {}  # one slot: the head's gradient, handed over locally
+        # A tied embedding also receives the head's gradient: its embedding backwards wait
+        # until every head has run, as in the synchronous order (see shardtrain.schedule).
+        tied = self.slot == 0 and self.config.tie_word_embeddings
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._posted = {}
+        for i, action in enumerate(plan):
+            self._prefetch(plan[i:i + PREFETCH], mbs, step)
+            mb = mbs[action.microbatch]
+            if action.kind == FORWARD:
+                saved[mb.index] = self._forward(batch, mb, step)
+                if self.after_forward is not None:
+                    self.after_forward(step, mb.index)
+            elif action.kind == HEAD:
+                values[mb.index], grad = self._head(batch, mb, step, saved[mb.index].last, total_weight)
+                if grad is not None:
+                    local_grads[mb.index] = grad
+                if len(values) == len(mbs):
+                    for first, g in deferred:
+                        first.backward(g)  # into the embedding, in microbatch order
+                    deferred = []
+            else:
+                seg = saved.pop(mb.index)  # the microbatch's graph is freed with its backward
+                nxt = (self.slot + 1) % self.num_slots
+                grad = local_grads.pop(mb.index) if self.num_slots == 1 else self._recv(nxt, GRADIENT, mb, step)
+                if self.channel is not None:  # the gradient's sender has received our activation
+                    self.channel.settle(nxt, ACTIVATION, mb.index)
+                first_grad = self._backward(seg, grad, mb, step)
+                if first_grad is not None:
+                    if tied and len(values) < len(mbs):
+                        deferred.append((seg.first, first_grad))
+                    else:
+                        seg.first.backward(first_grad)  # into the embedding
+        assert not saved and not deferred and not self._posted
         if self.channel is not None:
             self.channel.flush()
+        if self.slot != 0:
+            return None
+        loss = 0.0
+        for k in range(len(mbs)):  # microbatch order; the step loss is a float64 sum
+            loss += values[k]
         return loss
+
+    def _needs(self, action: Action) -> tuple[int, int] | None:
+        """(source slot, message kind) of the message `action` waits for on this slot, if any."""
+        if self.num_slots == 1:
+            return None
+        if action.kind == FORWARD:
+            return None if self.slot == 0 else (self.slot - 1, ACTIVATION)
+        if action.kind == HEAD:
+            return (self.num_slots - 1, ACTIVATION)
+        return ((self.slot + 1) % self.num_slots, GRADIENT)
+
+    def _prefetch(self, actions: tuple[Action, ...], mbs: list[Microbatch], step: int) -> None:
+        assert self.channel is not None or self.num_slots == 1
+        for action in actions:
+            need = self._needs(action)
+            if need is None or (need[0], need[1], action.microbatch) in self._posted:
+                continue
+            src, kind = need
+            mb = mbs[action.microbatch]
+            assert self.channel is not None
+            self._posted[(src, kind, mb.index)] = self.channel.post(src, self._header(kind, mb, step))
 
     def _header(self, kind: int, mb: Microbatch, step: int) -> MessageHeader:
         return MessageHeader(kind, step, mb.index, torch.float32, (mb.rows, mb.length, self.config.hidden_size))
 
     def _recv(self, src: int, kind: int, mb: Microbatch, step: int) -> torch.Tensor:
         assert self.channel is not None
-        return self.channel.recv(src, self._header(kind, mb, step))
+        posted = self._posted.pop((src, kind, mb.index), None)
+        if posted is None:
+            return self.channel.recv(src, self._header(kind, mb, step))
+        return self.channel.wait(posted)
 
     def _send(self, t: torch.Tensor, dst: int, kind: int, mb: Microbatch, step: int) -> None:
         assert self.channel is not None
@@ -162,12 +224,14 @@ class Pipeline:
             return float(loss.detach()), None
         return float(loss.detach()), h.grad
 
-    def _backward(self, seg: _Segments, grad: torch.Tensor, mb: Microbatch, step: int) -> None:
+    def _backward(self, seg: _Segments, grad: torch.Tensor, mb: Microbatch, step: int) -> torch.Tensor | None:
+        """Backward through this slot's layers; send the input gradient on, or on slot 0
+        return the gradient of the embedding output (the caller applies it)."""
         for inp, out in reversed(seg.layers):
             out.backward(grad)
             assert inp.grad is not None
             grad = inp.grad
         if self.slot == 0:
-            seg.first.backward(grad)  # into the embedding
-        else:
-            self._send(grad, self.slot - 1, GRADIENT, mb, step)
+            return grad
+        self._send(grad, self.slot - 1, GRADIENT, mb, step)
+        return None

@@ -1,0 +1,144 @@
+"""Committer: a run's commits, made synchronously or in the background while training goes on.
+
+Synchronous (``asynchronous=False``): `commit` runs the whole protocol of
+``shardstore.save_distributed`` before it returns; the step loop waits for the objects,
+the shard manifests, every slot's acknowledgement and the ref move.
+
+Asynchronous (the default): `commit` copies this slot's state (weights, both Adam
+moments, RNG states) into one staging arena that ``shardstore.AsyncSaver`` reuses for
+every commit, and returns; a background thread then writes the objects and the shard
+manifest, takes part in the commit manifest, the acknowledgement and the ref move, exactly
+as the synchronous protocol does. So:
+
+- the ref moves only when every slot's write is durable and acknowledged, as before; a
+  commit is recorded (`landed`, the run's result, the progress line) only then;
+- at most one commit is in flight per slot: the next `commit` first waits for the
+  previous one, whose id is the next commit's parent, so the chain of commits and their
+  ids are those of a synchronous run;
+- the protocol's collectives run on a process group of their own, made on every rank
+  when the committer is built, so the background thread's all-gathers never interleave
+  with the pipeline's messages and the trainer's collectives on the default group (two
+  threads on one group could issue their operations in different orders on different
+  ranks and match the wrong messages);
+- a worker lost while a commit is in flight makes the survivors' protocol fail
+  (``CommitProtocolError`` within the group's timeout): the ref stays on the previous
+  commit; `settle` reports which commit is the last durable one for the abort message.
+
+``SHARDTRAIN_COMMIT_FAULT=slot=S,step=N,phase=P`` makes slot S exit abruptly from the
+background thread as phase P (``write shard``, ``write commit``, ``acknowledge``, ``move
+ref``; SPEC.md §15) of the commit at step N begins (the tests' fault injection).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import shardstore
+from shardstore import CommitInfo, Store
+from shardtrain.errors import JobError
+
+__all__ = ["COMMIT_FAULT_ENV", "Committer", "commit_fault_from_env"]
+
+COMMIT_FAULT_ENV = "SHARDTRAIN_COMMIT_FAULT"
+_PHASES = ("read parent", "write shard", "write commit", "acknowledge", "move ref")
+
+
+def commit_fault_from_env() -> tuple[int, int, str] | None:
+    """(slot, step, phase) from SHARDTRAIN_COMMIT_FAULT, or None."""
+    raw = os.environ.get(COMMIT_FAULT_ENV)
+    if not raw:
+        return None
+    try:
+        parts = dict(p.split("=", 1) for p in raw.split(","))
+        fault = int(parts["slot"]), int(parts["step"]), parts["phase"]
+    except (ValueError, KeyError) as exc:
+        raise JobError(f"{COMMIT_FAULT_ENV}={raw!r}: expected slot=S,step=N,phase=P") from exc
+    if fault[2] not in _PHASES:
+        raise JobError(f"{COMMIT_FAULT_ENV}={raw!r}: phase must be one of {', '.join(_PHASES)}")
+    return fault
+
+
+class Committer:
+    """Makes one slot's share of a run's commits; `last` is the last durable (step, commit id)."""
+
+    def __init__(self, store: Store, stage: torch.nn.Module, optimizer: Any, *, rank: int,
+                 ref: str, last: tuple[int, str | None], asynchronous: bool = True,
+                 timeout: timedelta = timedelta(seconds=60)) -> None:
+        self.store, self.stage, self.optimizer, self.ref = store, stage, optimizer, ref
+        self.rank = rank
+        self.last = last
+        self.asynchronous = asynchronous
+        self.group: Any = None
+        if asynchronous:
+            if not dist.is_initialized():
+                raise JobError("asynchronous commits need an initialised process group")
+            # Collective over the default group: every rank builds its committer at the same point.
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.saver = shardstore.AsyncSaver(store) if asynchronous else None
+        self._in_flight: int | None = None  # the step of the commit being written, if any
+        self._landed: list[tuple[int, str]] = []
+        fault = commit_fault_from_env()
+        self._fault = fault if fault is not None and fault[0] == rank else None
+
+    def commit(self, info: CommitInfo) -> None:
+        """Commit this slot's current state as `info` (collective: every slot, same commits)."""
+        if self.saver is None:
+            cid = shardstore.save_distributed(self.store, self.stage, self.optimizer, info=info, ref=self.ref,
+                                              parent=self.last[1])
+            self._land(info.step, cid)
+            return
+        self._collect()  # at most one in flight: the previous commit lands first and is the parent
+        fault = self._fault
+
+        def on_phase(name: str, at: int = info.step) -> None:
+            if fault is not None and (fault[1], fault[2]) == (at, name):
+                os._exit(3)  # a worker lost while its commit is being written
+
+        self.saver.save_distributed(self.stage, self.optimizer, info=info, group=self.group, ref=self.ref,
+                                    parent=self.last[1], on_phase=on_phase)
+        self._in_flight = info.step
+
+    def landed(self) -> list[tuple[int, str]]:
+        """The commits that became durable since the last call, as (step, commit id); never blocks."""
+        if self.saver is not None and self._in_flight is not None and not self.saver.pending:
+            self._collect()
+        out, self._landed = self._landed, []
+        return out
+
+    def drain(self) -> list[tuple[int, str]]:
+        """Wait for the commit in flight; return what landed since the last call (raises its error)."""
+        self._collect()
+        return self.landed()
+
+    def settle(self) -> tuple[int, str | None]:
+        """After a failure: wait for the commit in flight, ignore its error, return the last durable commit."""
+        try:
+            self._collect()
+        except Exception:  # the in-flight commit failed: the ref was not moved, `last` stands
+            self._in_flight = None
+        return self.last
+
+    def close(self) -> None:
+        """Drain, then stop the background thread and free the staging arena."""
+        try:
+            self._collect()
+        finally:
+            if self.saver is not None:
+                self.saver.close()
+
+    def _collect(self) -> None:
+        if self.saver is None or self._in_flight is None:
+            return
+        at, self._in_flight = self._in_flight, None
+        cid = self.saver.wait()
+        assert cid is not None
+        self._land(at, cid)
+
+    def _land(self, at: int, cid: str) -> None:
+        self.last = (at, cid)
+        self._landed.append((at, cid))
+
