@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from datetime import timedelta
 
 import torch
@@ -120,6 +121,7 @@ class Channel:
         self.device = torch.device(device)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.wait_seconds = 0.0  # time spent blocked in receives (how well a schedule overlaps)
         # Sends are asynchronous so the ring cannot deadlock; their buffers must stay alive
         # until `flush` waits for them.
         self._pending: list[tuple[dist.Work, MessageHeader, int, torch.Tensor, torch.Tensor]] = []
@@ -173,10 +175,13 @@ class Channel:
         """The payload of a posted receive, once its header has arrived and matched."""
         src, expected = posted.src, posted.expected
         for i, work in enumerate(posted.works):
+            t0 = time.perf_counter()
             try:
                 work.wait(self.timeout)
             except RuntimeError as exc:
                 raise self._peer_error("receiving", "from", src, expected, exc) from exc
+            finally:
+                self.wait_seconds += time.perf_counter() - t0
             if i == 0:  # the header is checked before the payload is waited for or used
                 check_header(MessageHeader.decode(posted.raw, max_elements=self.max_elements), expected, src=src)
         self.bytes_received += posted.raw.numel() * posted.raw.element_size() + \
@@ -208,10 +213,13 @@ class Channel:
                 raise self._peer_error("sending", "to", dst, header, exc) from exc
 
     def _wait_recv(self, buf: torch.Tensor, src: int, expected: MessageHeader) -> None:
+        t0 = time.perf_counter()
         try:
             dist.irecv(buf, src, tag=expected.kind).wait(self.timeout)
         except RuntimeError as exc:
             raise self._peer_error("receiving", "from", src, expected, exc) from exc
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
 
     def _peer_error(self, verb: str, prep: str, peer: int, header: MessageHeader,
                     exc: BaseException) -> PeerFailureError:

@@ -95,6 +95,11 @@ class Pipeline:
     def bytes_sent(self) -> int:
         return 0 if self.channel is None else self.channel.bytes_sent
 
+    @property
+    def wait_seconds(self) -> float:
+        """Time this slot has spent blocked waiting for messages (0 with one slot)."""
+        return 0.0 if self.channel is None else self.channel.wait_seconds
+
     def forward_backward(self, batch: Batch, *, step: int, microbatch_size: int) -> float | None:
         """Accumulate this slot's gradients for `batch`; return the step loss on slot 0.
 
