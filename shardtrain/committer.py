@@ -80,6 +80,7 @@ class Committer:
             self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.saver = shardstore.AsyncSaver(store) if asynchronous else None
         self._in_flight: int | None = None  # the step of the commit being written, if any
+        self._failed: int | None = None  # the step of a commit whose protocol raised, until `settle`
         self._landed: list[tuple[int, str]] = []
         fault = commit_fault_from_env()
         self._fault = fault if fault is not None and fault[0] == rank else None
@@ -87,8 +88,12 @@ class Committer:
     def commit(self, info: CommitInfo) -> None:
         """Commit this slot's current state as `info` (collective: every slot, same commits)."""
         if self.saver is None:
-            cid = shardstore.save_distributed(self.store, self.stage, self.optimizer, info=info, ref=self.ref,
-                                              parent=self.last[1])
+            try:
+                cid = shardstore.save_distributed(self.store, self.stage, self.optimizer, info=info, ref=self.ref,
+                                                  parent=self.last[1])
+            except BaseException:
+                self._failed = info.step  # `settle` reads the ref to learn whether it landed anyway
+                raise
             self._land(info.step, cid)
             return
         self._collect()  # at most one in flight: the previous commit lands first and is the parent
@@ -115,11 +120,27 @@ class Committer:
         return self.landed()
 
     def settle(self) -> tuple[int, str | None]:
-        """After a failure: wait for the commit in flight, ignore its error, return the last durable commit."""
+        """After a failure: wait for the commit in flight and return the last durable commit.
+
+        A commit whose protocol failed may still have moved the ref: the coordinator moves
+        it before the last phase's barrier, which a peer lost just then makes fail. So the
+        ref is read: if it names a commit of the in-flight step whose parent is the last
+        durable one, that commit landed.
+        """
         try:
             self._collect()
-        except Exception:  # the in-flight commit failed: the ref was not moved, `last` stands
-            self._in_flight = None
+        except Exception:  # the in-flight commit failed; its error is not the run's cause
+            pass
+        at, self._failed = self._failed, None
+        if at is not None:
+            try:
+                cid = self.store.ref(self.ref)
+                if cid is not None and cid != self.last[1]:
+                    c = self.store.commit(cid)
+                    if c.step == at and c.parent == self.last[1]:
+                        self._land(at, cid)
+            except Exception:  # the store cannot say: report the last commit known durable
+                pass
         return self.last
 
     def close(self) -> None:
@@ -134,7 +155,11 @@ class Committer:
         if self.saver is None or self._in_flight is None:
             return
         at, self._in_flight = self._in_flight, None
-        cid = self.saver.wait()
+        try:
+            cid = self.saver.wait()
+        except BaseException:
+            self._failed = at
+            raise
         assert cid is not None
         self._land(at, cid)
 
