@@ -7,13 +7,16 @@ Three parts, each one table of ratios against peers measured in the same run:
   and 3 local workers (Gloo on 127.0.0.1, one thread each), with the ``synchronous`` and
   the ``overlapped`` schedule. One launch per worker count runs both schedules step by
   step in turn (A B A B ...), and the launches go round twice (1 2 3 1 2 3); medians of the
-  slowest worker's step time, with min-max. The point-to-point bytes per step are counted.
+  slowest worker's step time, with min-max. Also per step: the share of its step the most
+  blocked worker spent waiting in receives, the CPU time of the busiest worker (on a machine
+  shared with other work, wall-clock speedups understate what the schedule allows; the
+  1-minute load average is printed), and the point-to-point bytes.
 - ``stall``: 2 workers train and commit every other step, alternately with synchronous
   commits (``save_distributed`` in the step loop) and background commits
   (``shardtrain.committer``: one staging copy, the protocol in a background thread); the
   stall is the time the step loop is blocked in the commit call. Each is paired with a
   memcpy of the slot's state (weights and both Adam moments) into an already-touched
-  buffer, measured right after it. The first background commit (which allocates the
+  buffer, measured right before it. The first background commit (which allocates the
   staging arena) is reported apart. The update time of a step overlapping a background
   write is reported next to that of a quiet step (the write competes for the cores).
 - ``generate``: greedy generation in one process through ``shardtrain.evaluate.Ring``,
@@ -72,17 +75,20 @@ def throughput_worker(ctx: WorkerContext, out_dir: str, steps: int, warmup: int)
     times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     sent: dict[str, list[int]] = {s: [] for s in SCHEDULES}
     waits: dict[str, list[float]] = {s: [] for s in SCHEDULES}
+    cpu: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     for i in range(2 * (warmup + steps)):
         name = SCHEDULES[i % 2]  # A B A B ...
         pipe.schedule = name
         before, waited = pipe.bytes_sent, pipe.wait_seconds
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trainer.step(make_batch(i))
         if i >= 2 * warmup:
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             sent[name].append(pipe.bytes_sent - before)
             waits[name].append(pipe.wait_seconds - waited)
-    Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps({"times": times, "sent": sent, "waits": waits}))
+    Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps({"times": times, "sent": sent, "waits": waits,
+                                                                 "cpu": cpu}))
 
 
 def _state_bytes(stage: torch.nn.Module, opt: AdamW) -> list[torch.Tensor]:
@@ -129,6 +135,7 @@ def stall_worker(ctx: WorkerContext, out_dir: str, store_url: str, commits: int)
     for i in range(2 * commits + 1):
         kind = "async" if i % 2 == 0 else "sync"  # A B A B ...; the first async one allocates the arena
         info = CommitInfo(step=step, job="bench", config=CONFIG.to_hf_dict())
+        peer = memcpy()  # the paired peer, right before the commit (same machine load)
         t0 = time.perf_counter()
         (background if kind == "async" else inline).commit(info)
         dt = time.perf_counter() - t0
@@ -140,7 +147,7 @@ def stall_worker(ctx: WorkerContext, out_dir: str, store_url: str, commits: int)
             rec["async first"].append(dt)
             continue
         rec[kind].append(dt)
-        rec[f"{kind} memcpy"].append(memcpy())
+        rec[f"{kind} memcpy"].append(peer)
     background.close()
     nbytes = sum(t.numel() * t.element_size() for t in _state_bytes(stage, opt))
     Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps({"rec": rec, "bytes": nbytes}))
@@ -153,6 +160,7 @@ def _med(xs: list[float]) -> str:
 def part_throughput(steps: int, warmup: int) -> None:
     runs: dict[tuple[int, str], list[float]] = {}
     blocked: dict[tuple[int, str], list[float]] = {}
+    cpu: dict[tuple[int, str], list[float]] = {}
     p2p: dict[tuple[int, str], int] = {}
     load = [os.getloadavg()[0]]
     for _round in range(2):
@@ -166,6 +174,7 @@ def part_throughput(steps: int, warmup: int) -> None:
                 # The share of its step the most-blocked worker spent waiting for messages.
                 blocked.setdefault((n, name), []).extend(
                     max(r["waits"][name][i] / r["times"][name][i] for r in ranks) for i in range(steps))
+                cpu.setdefault((n, name), []).extend(max(r["cpu"][name][i] for r in ranks) for i in range(steps))
                 p2p[(n, name)] = int(statistics.median(sum(r["sent"][name][i] for r in ranks) for i in range(steps)))
             load.append(os.getloadavg()[0])
     tokens = ROWS * SEQ
@@ -175,18 +184,21 @@ def part_throughput(steps: int, warmup: int) -> None:
           f"(2 launches x {steps}) after {warmup} warm-up each; torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"1-minute load average {min(load):.1f}-{max(load):.1f} during the part")
     print(f"{'workers':>7s} {'schedule':12s} {'step ms':>9s} {'min-max':>15s} {'tokens/s':>9s} {'vs 1 worker':>11s} "
-          f"{'vs synchronous':>14s} {'blocked in recv':>15s} {'p2p bytes/step':>15s}")
+          f"{'vs synchronous':>14s} {'blocked in recv':>15s} {'busiest cpu ms':>14s} {'p2p bytes/step':>15s}")
     for n in (1, 2, 3):
         for name in SCHEDULES:
             rate = tokens / statistics.median(runs[(n, name)])
             sync_rate = tokens / statistics.median(runs[(n, "synchronous")])
             share = statistics.median(blocked[(n, name)])
             print(f"{n:7d} {name:12s} {_med(runs[(n, name)])} {rate:9.0f} {rate / base:11.2f} {rate / sync_rate:14.2f} "
-                  f"{share:14.0%} {p2p[(n, name)]:15,d}")
+                  f"{share:15.0%} {statistics.median(cpu[(n, name)]) * 1e3:14.0f} {p2p[(n, name)]:15,d}")
     two = tokens / statistics.median(runs[(2, "overlapped")])
     one = tokens / statistics.median(runs[(1, "overlapped")])
     print(f"goal: 2 workers (overlapped) >= 1.5x the tokens/s of 1 worker: {two / one:.2f}x -> "
           f"{'met' if two / one >= 1.5 else 'NOT met'}")
+    split = statistics.median(cpu[(1, "overlapped")]) / statistics.median(cpu[(2, "overlapped")])
+    print(f"CPU time of the busiest of 2 workers per step vs 1 worker's: {split:.2f}x less (the speedup a machine "
+          f"with a free core per worker would allow, less the time blocked in receives)")
 
 
 def part_stall(commits: int) -> None:
@@ -252,7 +264,7 @@ def main() -> None:
     parser.add_argument("--part", default="throughput,stall,generate")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per schedule and launch (throughput)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--commits", type=int, default=4, help="commits of each kind (stall)")
+    parser.add_argument("--commits", type=int, default=6, help="commits of each kind (stall)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per method (generate)")
     args = parser.parse_args()
     parts = args.part.split(",")

@@ -1,6 +1,6 @@
 """Pipeline schedules: every schedule is complete, ordered and deadlock-free; the overlapped
 one holds a bounded number of microbatches; and both give bitwise identical results, in one
-process and as commit ids of 3-worker runs with a partial microbatch."""
+process and as commit ids of 2- and 3-worker runs with a partial microbatch."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -68,14 +68,15 @@ def test_one_process_schedules_are_bitwise_identical(tied: bool) -> None:
     assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
 
 
-def test_three_workers_commit_identical_ids_with_either_schedule(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_commit_identical_ids_with_either_schedule(tmp_path: Path, workers: int) -> None:
     """Several steps, a partial last microbatch (5 rows in microbatches of 2), a commit every
     step; the synchronous run also commits synchronously, the overlapped one in the background."""
     job = prepare_default(tmp_path / "job", steps_a=3, steps_b=1, batch_size=5, microbatch_size=2, eval_per_set=2)
     ids = {}
     for name, background in (("synchronous", False), ("overlapped", True)):
         results = train(RunSpec(job=job, store=str(tmp_path / name), until=3, every=1, schedule=name,
-                                async_commits=background), 3, timeout=60)
+                                async_commits=background), workers, timeout=60)
         ids[name] = [(c.step, c.id) for c in results[0].commits]
         assert all([(c.step, c.id) for c in r.commits] == ids[name] for r in results)
     assert [s for s, _ in ids["synchronous"]] == [0, 1, 2, 3]
