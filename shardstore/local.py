@@ -143,6 +143,13 @@ class LocalStorage:
         st = self._lstat(key)
         return None if st is None else st.st_mtime
 
+    def touch(self, key: str) -> int | None:
+        """Refresh the object's mtime (never through a symbolic link), then return its size.
+        A refresh the file system refuses (read-only, not ours) is ignored as in ``write_once``."""
+        _freshen(self._path(key))
+        st = self._lstat(key)
+        return None if st is None else st.st_size
+
     def _write_tmp(self, data: Buffer) -> str:
         tmpdir = self._dir("tmp")
         os.makedirs(tmpdir, exist_ok=True)

@@ -58,6 +58,8 @@ DEFAULT_CONCURRENCY = 16
 DEFAULT_ATTEMPTS = 5
 #: Ranges at least this large are consumed (hashed) in a worker thread, off the event loop.
 _OFFLOAD_BYTES = 1 << 20
+#: CopyObject's limit; larger objects cannot be refreshed by copying them onto themselves.
+_MAX_COPY_BYTES = 5 * 1024**3
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _RETRY_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"})
 
@@ -358,6 +360,31 @@ class S3Storage:
         head = self._run(self._head, key)
         return None if head is None else float(head["LastModified"].timestamp())
 
+    def touch(self, key: str) -> int | None:
+        return self._run(self._touch, key)
+
+    async def _touch(self, key: str) -> int | None:
+        head = await self._head(key)
+        if head is None:
+            return None
+        size = int(head["ContentLength"])
+        return size if await self._refresh(key, size) else None
+
+    async def _refresh(self, key: str, size: int) -> bool:
+        """Make ``LastModified`` now by copying the object onto itself (server side, no bytes
+        move here); False if it vanished meanwhile. CopyObject stops at 5 GiB: a larger object
+        keeps its time (SPEC.md §19a states the residual race)."""
+        if size > _MAX_COPY_BYTES:
+            return True
+        source = {"Bucket": self.bucket, "Key": self._full(key)}
+        try:
+            await self._call("copy_object", key, Key=self._full(key), CopySource=source, MetadataDirective="REPLACE")
+        except _S3Error as e:
+            if e.status == 404:
+                return False
+            raise self._fail("refresh", key, e) from None
+        return True
+
     def write_once(self, key: str, data: Buffer) -> bool:
         return self._run(self._write_once, key, data)
 
@@ -366,7 +393,7 @@ class S3Storage:
         view = memoryview(data).cast("B")
         multipart = len(view) > self.multipart_threshold
         # A multipart upload can only fail its condition after every part is sent: look first.
-        if (multipart or not self.conditional) and await self._head(key) is not None:
+        if (multipart or not self.conditional) and await self._touch(key) is not None:
             return False
         if multipart:
             return await self._multipart(key, view)
@@ -382,14 +409,16 @@ class S3Storage:
     async def _confirm_present(self, key: str, e: _S3Error) -> bool:
         """A create-only write answered 412 ("already there"): believe it only after a HEAD
         finds the object, since a commit naming an object the server never stored would be
-        acknowledged with a hole in it."""
+        acknowledged with a hole in it; then refresh it, as every writer relying on a present
+        object does (SPEC.md §19a)."""
         try:
-            await self._call("head_object", key, Key=self._full(key))
-            return False  # already there; same name, same bytes
-        except _S3Error as head:
-            if head.status != 404:
-                raise self._fail("stat", key, head) from None
-        raise StorageError(f"write {key!r} in store {self.url}: the server answered {e} but holds no such object")
+            head = await self._call("head_object", key, Key=self._full(key))
+        except _S3Error as h:
+            if h.status != 404:
+                raise self._fail("stat", key, h) from None
+            raise StorageError(f"write {key!r} in store {self.url}: the server answered {e} but holds no such object") from None
+        await self._refresh(key, int(head["ContentLength"]))
+        return False  # already there; same name, same bytes
 
     async def _multipart(self, key: str, view: memoryview) -> bool:
         full = self._full(key)

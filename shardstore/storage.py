@@ -24,6 +24,7 @@ Backends:
 from __future__ import annotations
 
 import threading
+from datetime import datetime, timezone
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
@@ -70,6 +71,14 @@ class Storage(Protocol):
 
     def mtime(self, key: str) -> float | None:
         """Modification time (seconds since the epoch), or None if absent."""
+        ...
+
+    def touch(self, key: str) -> int | None:
+        """Make the object at ``key`` young again (its ``mtime`` becomes now) and return its
+        byte size, or None if it is absent. Every writer that relies on an object already
+        present calls this first, so that gc's grace period protects it exactly as if the
+        writer had written it (SPEC.md §19a); ``write_once`` does the same when it finds
+        ``key`` present."""
         ...
 
     def sync(self) -> None:
@@ -120,8 +129,21 @@ class FsspecStorage:
         except FileNotFoundError:
             return None
 
+    def touch(self, key: str) -> int | None:
+        path = self._path(key)
+        with self._lock:
+            entry = getattr(self.fs, "store", {}).get(path)  # memory://: its file records carry the time
+            if entry is not None and hasattr(entry, "modified"):
+                entry.modified = datetime.now(tz=timezone.utc)
+            try:
+                return int(self.fs.size(path))
+            except FileNotFoundError:
+                return None
+
     def write_once(self, key: str, data: Buffer) -> bool:
         path = self._path(key)
+        if self.touch(key) is not None:
+            return False
         with self._lock:
             if self.fs.exists(path):
                 return False

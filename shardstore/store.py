@@ -89,6 +89,17 @@ class Store:
         """Store ``data`` under an id the caller already computed (e.g. while copying). True if written."""
         return self.storage.write_once(object_key(oid), data)
 
+    def ensure(self, oid: str) -> int | None:
+        """The size of object ``oid`` if present (None if absent), made young again first.
+
+        The one way a writer relies on an object it did not write (copy finding it at the
+        destination, a save or import deduplicating against it): the refresh makes gc's
+        grace period protect it until a manifest names it (SPEC.md §19a). Backends without
+        ``touch`` (test wrappers) fall back to ``size``."""
+        key = object_key(oid)
+        touch = getattr(self.storage, "touch", None)
+        return touch(key) if touch is not None else self.storage.size(key)
+
     def has(self, oid: str) -> bool:
         return self.storage.exists(object_key(oid))
 

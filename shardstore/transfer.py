@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from .errors import CorruptObject, TargetNotFound, TensorMismatch
 from .names import check_ref_name
-from .store import Store
+from .store import Store, object_key
 from .tensors import expected_nbytes
 from .verify import LoadedCommit, load_commit
 
@@ -108,9 +108,17 @@ def _pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]
 
 
 def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) -> tuple[bool, int]:
-    """Copy one object unless ``dst`` has it; verify the bytes received before writing them."""
-    if dst.has(oid):
-        return False, size if size is not None else dst.object_size(oid) or 0
+    """Copy one object unless ``dst`` has it whole; verify the bytes received before writing them.
+
+    An object already at ``dst`` is refreshed (``Store.ensure``: gc then treats it as just
+    written) and its size checked against its entry (or, where the format fixes none, against
+    the source's): a torn or truncated object there is replaced by the verified source bytes
+    instead of being trusted (SPEC.md §19a)."""
+    have = dst.ensure(oid)
+    if have is not None:
+        want = size if size is not None else src.object_size(oid)
+        if want is None or have == want:
+            return False, have
     data, got = src.read_hashed(oid)  # hashed as it arrives where the backend streams
     if got != oid:
         raise CorruptObject(
@@ -119,7 +127,10 @@ def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) 
         )
     if size is not None and len(data) != size:
         raise TensorMismatch(f"{what} object {oid} in {src.url} holds {len(data)} bytes, its entry needs {size}")
-    dst.put_with_id(oid, data)
+    if have is not None:  # present with the wrong size: it cannot hash to its id; replace it
+        dst.storage.delete(object_key(oid))
+    if not dst.put_with_id(oid, data) and dst.object_size(oid) != len(data):
+        raise CorruptObject(f"{what} object {oid} in {dst.url} has the wrong size and could not be replaced (SPEC.md §19a)")
     return True, len(data)
 
 
