@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
 
-from .errors import CorruptObject, ManifestError, ObjectNotFound, RefNotFound, StorageError, StoreConfigError, TargetNotFound
+from .errors import CorruptObject, ManifestError, ObjectNotFound, RefConflict, RefNotFound, StorageError, StoreConfigError, TargetNotFound
 from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
@@ -356,20 +358,44 @@ class Store:
             raise ManifestError(f"pin {name!r}: object ids must be sorted and distinct (SPEC.md §Pins)")
         return pin.objects
 
-    def pin(self, name: str, objects: Sequence[str]) -> None:
-        """Set pin ``name`` to exactly ``objects`` (ids of objects gc must keep; SPEC.md §Pins).
-
-        Compare-and-swap against the value read just before: a concurrent change of the
-        same pin raises RefConflict and changes nothing.
-        """
+    def _pin_bytes(self, name: str, objects: Sequence[str]) -> bytes:
         ids = sorted({check_oid(o, what=f"object id in pin {name!r}") for o in objects})
         if len(ids) > MAX_ENTRIES:
             raise ManifestError(f"pin {name!r}: {len(ids)} objects exceed the limit of {MAX_ENTRIES} (SPEC.md §Pins)")
         new = encode(PinManifest(version=FORMAT_VERSION, objects=tuple(ids)))
         if len(new) > MAX_MANIFEST_BYTES:  # cannot happen below MAX_ENTRIES ids; kept next to the rule it guards
             raise ManifestError(f"pin {name!r}: {len(new)} bytes exceed the manifest limit (SPEC.md §Limits)")
-        current = self._pin_raw(name)
-        self.storage.swap(pin_key(name), current, new)
+        return new
+
+    def pin(self, name: str, objects: Sequence[str], *, expected: Sequence[str] | None) -> None:
+        """Set pin ``name`` to exactly ``objects`` (ids of objects gc must keep; SPEC.md §Pins)
+        if it holds exactly ``expected`` now (None: there must be no such pin).
+
+        A compare-and-swap, like ``set_ref``: a read-modify-write passes the value it read,
+        so that a concurrent change of the same pin raises RefConflict and changes nothing
+        instead of being overwritten (``add_to_pin`` does the whole loop)."""
+        new = self._pin_bytes(name, objects)
+        exp = None if expected is None else self._pin_bytes(name, expected)
+        self.storage.swap(pin_key(name), exp, new)
+
+    def add_to_pin(self, name: str, objects: Sequence[str], *, attempts: int = 20) -> tuple[str, ...]:
+        """Make pin ``name`` hold ``objects`` as well as what it holds now (created if absent);
+        return its new value. Read, union, compare-and-swap, again on a conflict (another
+        writer changed the pin in between, or holds its lock) up to ``attempts`` times."""
+        want = {check_oid(o, what=f"object id in pin {name!r}") for o in objects}
+        for attempt in range(attempts):
+            current = self.pinned(name)
+            if current is not None and want <= set(current):
+                return current
+            union = tuple(sorted(want | set(current or ())))
+            try:
+                self.pin(name, union, expected=current)
+                return union
+            except RefConflict:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.005 * (attempt + 1) * (0.5 + random.random()))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def unpin(self, name: str) -> None:
         """Remove pin ``name`` (its objects become collectable unless something else names them).

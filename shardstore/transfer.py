@@ -190,6 +190,6 @@ def copy_commit(
             dst.set_ref(ref, lc.id, expected=current)
         result.ref = ref
     for name, ids in pinned.items():  # the objects are durable at the destination: name them
-        dst.pin(name, sorted(set(ids) | set(dst.pinned(name) or ())))
+        dst.add_to_pin(name, ids)  # compare-and-swap: a concurrent writer's objects are kept
         result.pins.append(name)
     return result
