@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import fsspec.asyn
 
-from .errors import ObjectNotFound, RefConflict, StorageError
+from .errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from .names import check_key
 from .storage import Buffer
 
@@ -224,14 +224,15 @@ class S3Storage:
 
     # -- Storage protocol --------------------------------------------------------------
 
-    def read(self, key: str) -> Buffer:
-        return self._run(self._read, key, None)
+    def read(self, key: str, limit: int | None = None) -> Buffer:
+        return self._run(self._read, key, None, limit)
 
-    def read_hashed(self, key: str, hasher: Callable[[], Any]) -> tuple[Buffer, str]:
+    def read_hashed(self, key: str, hasher: Callable[[], Any], limit: int | None = None) -> tuple[Buffer, str]:
         """The bytes at ``key`` and their digest, hashed range by range as the ranges arrive
-        (in order, off the event loop) rather than in a second pass over the whole object."""
+        (in order, off the event loop) rather than in a second pass over the whole object.
+        ``limit``: ObjectTooLarge if the server reports more bytes, before allocating them."""
         h = hasher()
-        data = self._run(self._read, key, h.update)
+        data = self._run(self._read, key, h.update, limit)
         return data, h.hexdigest()
 
     def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
@@ -247,11 +248,13 @@ class S3Storage:
         object's size; when that differs from ``len(out)`` only the first range is fetched."""
         return self._run(self._stream, key, out, consume)
 
-    async def _read(self, key: str, consume: Callable[[memoryview], None] | None) -> Buffer:
+    async def _read(self, key: str, consume: Callable[[memoryview], None] | None, limit: int | None = None) -> Buffer:
         buf: bytearray | None = None
 
         def sized(total: int) -> memoryview:
             nonlocal buf
+            if limit is not None and total > limit:
+                raise ObjectTooLarge(f"{key} in store {self.url} is {total} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
             buf = bytearray(total)
             return memoryview(buf)
 

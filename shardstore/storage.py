@@ -11,7 +11,8 @@ falls back to ``read`` plus hashing otherwise (the results are the same):
   ``len(out)`` bytes, calling ``consume`` on each chunk in order as it lands;
 - ``hash_object(key, hasher, *, threads) -> (hex digest, size)``: stream the object through
   ``hasher()`` (which runs ``threads`` threads of its own) without holding it whole;
-- ``read_hashed(key, hasher) -> (bytes, hex digest)``: read and hash in one pass;
+- ``read_hashed(key, hasher, limit=None) -> (bytes, hex digest)``: read and hash in one pass,
+  refusing (ObjectTooLarge) an object over ``limit`` bytes before allocating it;
 - ``begin_write`` / ``end_writes``: batched create-only writes with one durability barrier.
 
 Backends:

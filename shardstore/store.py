@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import CorruptObject, ManifestError, ObjectNotFound, RefConflict, RefNotFound, StorageError, StoreConfigError, TargetNotFound
+from .errors import CorruptObject, ManifestError, ObjectNotFound, ObjectTooLarge, RefConflict, RefNotFound, StorageError, StoreConfigError, TargetNotFound
 from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
@@ -108,26 +108,41 @@ class Store:
     def object_size(self, oid: str) -> int | None:
         return self.storage.size(object_key(oid))
 
-    def get(self, oid: str, *, verify: bool = True) -> Buffer:
-        """The bytes of object ``oid``; CorruptObject unless they hash to ``oid``."""
+    def get(self, oid: str, *, verify: bool = True, limit: int | None = None) -> Buffer:
+        """The bytes of object ``oid``; CorruptObject unless they hash to ``oid``.
+
+        ``limit``: ObjectTooLarge for an object over ``limit`` bytes, before it is read (every
+        reader of a manifest, config or RNG state passes its limit; SPEC.md §Limits)."""
         if not verify:
+            if limit is not None:
+                self._check_size(oid, limit)
             return self.storage.read(object_key(oid))
-        data, got = self.read_hashed(oid)
+        data, got = self.read_hashed(oid, limit=limit)
         if got != oid:
             raise CorruptObject(f"object {oid} is corrupt: its {len(data)} bytes hash to {got} (SPEC.md §Objects)")
         return data
 
-    def read_hashed(self, oid: str) -> tuple[Buffer, str]:
+    def _check_size(self, oid: str, limit: int) -> None:
+        n = self.storage.size(object_key(oid))
+        if n is None:
+            raise ObjectNotFound(f"object {oid} is missing from store {self.url}")
+        if n > limit:
+            raise ObjectTooLarge(f"object {oid} is {n} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
+
+    def read_hashed(self, oid: str, *, limit: int | None = None) -> tuple[Buffer, str]:
         """The stored bytes of ``oid`` and the BLAKE3 digest they really have (unchecked).
 
-        A backend with ``read_hashed`` (S3) hashes while the bytes stream in; otherwise
-        the bytes are read (mapped, locally) and then hashed.
+        A backend with ``read_hashed`` (local, S3) hashes while the bytes stream in, into
+        memory of their own, and refuses an object over ``limit`` before allocating it;
+        otherwise the size is checked, then the bytes are read and hashed.
         """
         key = object_key(oid)
         stream = getattr(self.storage, "read_hashed", None)
         if stream is not None:
-            data, got = stream(key, new_hasher)
+            data, got = stream(key, new_hasher) if limit is None else stream(key, new_hasher, limit)
             return data, str(got)
+        if limit is not None:
+            self._check_size(oid, limit)
         data = self.storage.read(key)
         return data, hash_bytes(data)
 
@@ -252,11 +267,11 @@ class Store:
         return self.put(encode(manifest))
 
     def get_manifest(self, oid: str, kind: type[M]) -> M:
-        data = self.get(oid)
+        data = self.get(oid, limit=MAX_MANIFEST_BYTES)
         return decode_manifest(data, kind, what=f"object {oid}")
 
     def get_any_manifest(self, oid: str) -> Any:
-        return decode(self.get(oid), what=f"object {oid}")
+        return decode(self.get(oid, limit=MAX_MANIFEST_BYTES), what=f"object {oid}")
 
     def commit(self, oid: str) -> CommitManifest:
         return self.get_manifest(oid, CommitManifest)
