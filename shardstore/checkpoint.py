@@ -26,6 +26,7 @@ import torch
 from .errors import CursorError, StateMismatch, TensorMismatch
 from .manifest import (
     FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
     CommitManifest,
     OptimEntry,
     OptimizerSpec,
@@ -38,7 +39,7 @@ from .manifest import (
 )
 from .names import check_ref_name, check_tensor_name
 from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
-from .rng import capture_rng, restore_rng
+from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
 from .store import Store
 from .tensors import dtype_name, torch_dtype
@@ -377,6 +378,16 @@ def restore(
         e, t = entries[n], targets[n]
         if dtype_name(t.dtype, n) != e.dtype or tuple(t.shape) != tuple(e.shape):
             raise TensorMismatch(f"tensor {n!r}: commit {lc.id} holds {e.dtype}{list(e.shape)}, the model has {dtype_name(t.dtype, n)}{list(t.shape)}")
+    # Everything this restore needs besides tensor bytes is read and validated first, so that
+    # a bad config or RNG object is refused before a byte lands in the caller's tensors (§16).
+    config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
+    rng_states = None
+    if rng:
+        s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)
+        if s is None or s not in lc.shards:
+            raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore RNG")
+        rng_states = {r.kind: store.get(r.object, limit=MAX_RNG_BYTES) for r in lc.shards[s].rng}
+        check_rng(rng_states)
     reads = [(entries[n].param, targets[n], f"tensor {n!r}") for n in names]
     state = None
     if optimizer is not None:
@@ -388,12 +399,7 @@ def restore(
             into_export(optimizer, state, [n for n in names if n in state.params])
         else:
             _install_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
-    restored_rng = False
-    if rng:
-        s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)
-        if s is None or s not in lc.shards:
-            raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore RNG")
-        restore_rng({r.kind: store.get(r.object) for r in lc.shards[s].rng})
-        restored_rng = True
-    config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config))
+    if rng_states is not None:
+        restore_rng(rng_states)
+    restored_rng = rng_states is not None
     return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng)

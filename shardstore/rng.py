@@ -15,10 +15,10 @@ import torch
 
 from .errors import ManifestError
 
-__all__ = ["capture_rng", "check_rng", "restore_rng"]
+__all__ = ["MAX_RNG_BYTES", "capture_rng", "check_rng", "restore_rng"]
 
 _ENC = msgspec.json.Encoder(order="sorted")
-_MAX_RNG_BYTES = 1 << 20
+MAX_RNG_BYTES = 1 << 20
 
 
 class _PyState(msgspec.Struct, forbid_unknown_fields=True):
@@ -77,8 +77,8 @@ def check_rng(states: dict[str, bytes | memoryview]) -> None:
     any: each is decoded into a fresh generator of its kind. Load paths call this before they
     write a byte into a caller's tensors (SPEC.md §16); verify calls it on every RNG object."""
     for kind, raw in states.items():
-        if len(raw) > _MAX_RNG_BYTES:
-            raise ManifestError(f"RNG state {kind!r} is {len(raw)} bytes, over the {_MAX_RNG_BYTES}-byte limit (SPEC.md §Limits)")
+        if len(raw) > MAX_RNG_BYTES:
+            raise ManifestError(f"RNG state {kind!r} is {len(raw)} bytes, over the {MAX_RNG_BYTES}-byte limit (SPEC.md §Limits)")
         try:
             _apply(kind, bytes(raw), random.Random(), np.random.RandomState(), torch.Generator() if not kind.startswith("cuda:") else None)
         except (msgspec.DecodeError, ValueError, TypeError, RuntimeError, OverflowError, UnicodeDecodeError) as e:
