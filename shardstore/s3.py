@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import re
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -58,6 +59,7 @@ DEFAULT_CONCURRENCY = 16
 DEFAULT_ATTEMPTS = 5
 #: Ranges at least this large are consumed (hashed) in a worker thread, off the event loop.
 _OFFLOAD_BYTES = 1 << 20
+_BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
 #: CopyObject's limit; larger objects cannot be refreshed by copying them onto themselves.
 _MAX_COPY_BYTES = 5 * 1024**3
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
@@ -114,6 +116,8 @@ class S3Storage:
             raise StorageError(f"part_size {part_size} is below S3's 5 MiB minimum multipart part size")
         self.url = url.rstrip("/")
         self.bucket, _, prefix = rest.partition("/")
+        if _BUCKET.fullmatch(self.bucket) is None:  # botocore's own rule, checked before any request
+            raise StorageError(f"not an S3 store URL: {url!r}: {self.bucket!r} is not a valid bucket name")
         self.prefix = "/".join(check_key(prefix.strip("/")).split("/")) if prefix.strip("/") else ""
         self.multipart_threshold = 4 * part_size if multipart_threshold is None else max(part_size, multipart_threshold)
         self.part_size, self.concurrency, self.attempts, self.backoff = part_size, max(1, concurrency), max(1, attempts), backoff
@@ -124,6 +128,9 @@ class S3Storage:
         self.fs = s3fs.S3FileSystem(**options)
         self._sem: asyncio.Semaphore | None = None
         self._transient = _transient_errors()
+        from botocore.exceptions import BotoCoreError
+
+        self._client_side: type[BaseException] = BotoCoreError
         self.conditional_reason = ""
         if conditional is None:
             conditional, self.conditional_reason = self._run(self._probe)
@@ -167,6 +174,9 @@ class S3Storage:
             except Exception as e:
                 answer = getattr(e, "response", None)
                 if not isinstance(answer, dict):
+                    if isinstance(e, self._client_side):  # no credentials, an invalid bucket name...
+                        text = " ".join(str(e).split())  # one line: botocore's messages span several
+                        raise StorageError(f"{method} {key!r} in store {self.url}: {type(e).__name__}: {text}") from None
                     raise
                 err = answer.get("Error", {})
                 status = int(answer.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)

@@ -192,10 +192,15 @@ def open_storage(url: str, **storage_options: object) -> Storage:
     if url.startswith("file://"):
         return LocalStorage(url[len("file://"):])
     if url.startswith(("s3://", "s3a://")):
-        from .s3 import S3Storage  # conditional writes need the raw client, not fsspec's surface
-
+        try:
+            from .s3 import S3Storage  # conditional writes need the raw client, not fsspec's surface
+        except ImportError as e:
+            raise StorageError(f"cannot open store {url!r}: S3 support needs s3fs ({e})") from None
         return S3Storage(url, **storage_options)
-    fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    except (ValueError, ImportError, TypeError, OSError) as e:  # unknown protocol, its package not installed, bad options
+        raise StorageError(f"cannot open store {url!r}: {e}") from None
     if url.startswith("memory://"):
         root = "/" + root.lstrip("/")
     return FsspecStorage(fs, root, url)

@@ -24,8 +24,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import CorruptObject, ManifestError, ObjectNotFound, ObjectTooLarge, RefConflict, RefNotFound, StorageError, StoreConfigError, TargetNotFound
+from .errors import CorruptObject, ManifestError, ObjectNotFound, ObjectTooLarge, RefConflict, RefNotFound, ShardstoreError, StorageError, StoreConfigError, TargetNotFound
 from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
+from .errors import InvalidName
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
 from .tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
@@ -336,9 +337,9 @@ class Store:
             raise TargetNotFound(f"empty target {target!r}")
         try:
             value = self.ref(target)
-        except Exception:
-            value = None
-        if value is not None:
+        except InvalidName:
+            value = None  # not a ref name at all: maybe an id prefix
+        if value is not None:  # a ref that exists but does not parse raised ManifestError above
             return value
         try:
             check_oid_prefix(target)
@@ -440,13 +441,14 @@ class Store:
     # -- journal -----------------------------------------------------------------------
 
     def write_journal(self, commit: str, record: dict[str, Any]) -> None:
-        """Unhashed notes about a commit (times, hosts); best effort, never read for trust.
+        """Unhashed notes about a commit (times, hosts); advisory, never read for trust.
 
-        Written after the ref moved, so a failure here (a full disk, a server error) is
-        ignored: raising would report a commit that is in as a failed save."""
+        Written after the ref moved, so no failure here (a full disk, a server error, a
+        ``journal`` that is a symbolic link, an unencodable note) is raised: raising would
+        report a commit that is in as a failed save (SPEC.md §Journal)."""
         try:
             self.storage.write_once(f"journal/{check_oid(commit)}.json", json.dumps(record, sort_keys=True).encode())
-        except StorageError:
+        except (ShardstoreError, OSError, ValueError, TypeError):
             pass
 
 

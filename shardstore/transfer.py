@@ -16,12 +16,13 @@ bounds its own requests further).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .errors import CorruptObject, TargetNotFound, TensorMismatch
+from .errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from .names import check_ref_name
 from .store import Store, object_key
 from .tensors import expected_nbytes
@@ -134,6 +135,28 @@ def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) 
     return True, len(data)
 
 
+def _move_ref(dst: Store, ref: str, cid: str, attempts: int = 40) -> None:
+    """Move ``ref`` to ``cid`` by compare-and-swap against the value read just before.
+
+    Losing to an identical copy (the ref now holds ``cid``) is success; losing to another
+    writer's lock while the value is unchanged is retried; a ref moved elsewhere meanwhile
+    is a RefConflict, as for any compare-and-swap."""
+    current = dst.ref(ref)
+    for attempt in range(attempts):
+        if current == cid:
+            return
+        try:
+            dst.set_ref(ref, cid, expected=current)
+            return
+        except RefConflict:
+            now = dst.ref(ref)
+            if now == cid:
+                return  # an identical copy won the race: the ref holds exactly what this one wanted
+            if now != current or attempt == attempts - 1:
+                raise
+            time.sleep(0.005 * (attempt + 1))  # the same value under another writer's lock: wait for it
+
+
 def copy_commit(
     src: Store,
     dst: Store,
@@ -185,9 +208,7 @@ def copy_commit(
     batch([(closure.commit, None, "commit manifest")])
     load_commit(dst, lc.id)  # the destination now holds a structurally valid commit
     if ref is not None:
-        current = dst.ref(ref)
-        if current != lc.id:
-            dst.set_ref(ref, lc.id, expected=current)
+        _move_ref(dst, ref, lc.id)
         result.ref = ref
     for name, ids in pinned.items():  # the objects are durable at the destination: name them
         dst.add_to_pin(name, ids)  # compare-and-swap: a concurrent writer's objects are kept
