@@ -340,6 +340,7 @@ def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer, config: Ll
         raise JobError("schedule_id is not the hash of the schedule")
     if tok.vocab_size > config.vocab_size:
         raise JobError(f"the tokenizer has {tok.vocab_size} ids but the model only {config.vocab_size}")
+    check_roles(job.sets, records, {d for s in job.schedule.steps for d in s.docs})
     held = {d for s in job.sets for d in s.docs if s.kind == "task" or s.role == FINAL}
     exposed = set(job.exposed)
     if any(d >= len(records) for d in exposed):
@@ -357,7 +358,6 @@ def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer, config: Ll
                 raise JobError(f"schedule step {n} declares replay of document {d}, which is not in the step or was "
                                f"not trained in an earlier step (nor declared exposed)")
         seen.update(step.docs)
-    check_roles(job.sets, records, {d for s in job.schedule.steps for d in s.docs})
     cohorts = {s.cohort for s in job.schedule.steps}
     for ref in job.recipe.distill.references:
         if ref.cohort not in cohorts or (ref.source == "endpoint") != (ref.of is not None) \
