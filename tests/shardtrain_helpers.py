@@ -126,6 +126,18 @@ def header_mismatch_worker(ctx: WorkerContext, wrong_field: str) -> None:
         channel.recv(1, expected)
 
 
+def posted_header_mismatch_worker(ctx: WorkerContext) -> None:
+    """As `header_mismatch_worker` (wrong step), but slot 0 posted its receive ahead (`Channel.post`)."""
+    channel = Channel(ctx.rank, timeout=ctx.timeout, max_elements=1 << 20)
+    expected = MessageHeader(ACTIVATION, 7, 0, torch.float32, (2, 5, 8))
+    if ctx.rank == 1:
+        sent = MessageHeader(**{**expected.__dict__, "step": 8})
+        channel.send(torch.zeros(sent.shape), 0, sent)
+        channel.flush()
+    else:
+        channel.wait(channel.post(1, expected))
+
+
 def failing_worker(ctx: WorkerContext, rank_to_fail: int) -> None:
     if ctx.rank == rank_to_fail:
         raise ValueError(f"boom on rank {ctx.rank}")
