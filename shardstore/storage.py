@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 
 import fsspec
 
-from .errors import ObjectNotFound, RefConflict, StorageError
+from .errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from .names import check_key
 
 __all__ = ["Buffer", "Storage", "FsspecStorage", "open_storage", "show_ref_value"]
@@ -47,7 +47,8 @@ class Storage(Protocol):
     url: str
 
     def read(self, key: str) -> Buffer:
-        """The bytes at ``key`` (zero-copy where possible); ObjectNotFound if absent."""
+        """The bytes at ``key``; ObjectNotFound if absent. Backends may take ``limit=`` too:
+        ObjectTooLarge past it, before allocating (the store passes it when accepted)."""
         ...
 
     def size(self, key: str) -> int | None:
@@ -107,7 +108,11 @@ class FsspecStorage:
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
-    def read(self, key: str) -> Buffer:
+    def read(self, key: str, limit: int | None = None) -> Buffer:
+        if limit is not None:
+            n = self.size(key)
+            if n is not None and n > limit:
+                raise ObjectTooLarge(f"{key} in store {self.url} is {n} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
         try:
             return self.fs.cat_file(self._path(key))
         except FileNotFoundError:

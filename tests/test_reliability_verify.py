@@ -188,16 +188,28 @@ def test_a_bad_model_config_is_found_by_verify_and_refused_before_restore_writes
     _untouched_restore(store, bad, ss.ManifestError)
 
 
-@pytest.mark.parametrize("rng", [b"\0" * (2 << 20), b"not a torch state"], ids=["2MiB", "junk"])
-def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(base: Any, rng: bytes) -> None:
+@pytest.mark.parametrize("kind, rng", [("torch", b"\0" * (2 << 20)), ("python", b"not a python state"), ("numpy", b'{"bit_generator":"MT19937"}')],
+                         ids=["torch-2MiB", "python-junk", "numpy-junk"])
+def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(base: Any, kind: str, rng: bytes) -> None:
     store, cid = base
     oid = store.put(rng)
     sh = _shard(store, cid)
-    entries = tuple(msgspec.structs.replace(r, object=oid) if r.kind == "torch" else r for r in sh.rng)
+    entries = tuple(msgspec.structs.replace(r, object=oid) if r.kind == kind else r for r in sh.rng)
     bad = _forge(store, [msgspec.structs.replace(sh, rng=entries)])
     report = ss.verify(store, [bad])
     assert [p.object for p in report.problems] == [oid], [str(p) for p in report.problems]
     assert issubclass(type(report.problems[0].error), ss.ManifestError)
+    _untouched_restore(store, bad, ss.ManifestError, rng=True)
+
+
+def test_a_torch_rng_state_torch_cannot_set_is_refused_before_restore_writes(base: Any) -> None:
+    """verify checks a raw torch state's size limit only (what torch accepts depends on its
+    build); restore checks that torch can set it, before writing a tensor."""
+    store, cid = base
+    oid = store.put(b"sixteen bytes!!!")
+    sh = _shard(store, cid)
+    bad = _forge(store, [msgspec.structs.replace(sh, rng=tuple(msgspec.structs.replace(r, object=oid) if r.kind == "torch" else r for r in sh.rng))])
+    assert ss.verify(store, [bad]).ok
     _untouched_restore(store, bad, ss.ManifestError, rng=True)
 
 
