@@ -45,6 +45,7 @@ import torch.distributed as dist
 import shardstore
 from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
 from shardstore.manifest import decode_config
+from shardtrain.distill import Distiller, reference_steps
 from shardtrain.errors import JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
 from shardtrain.job import PreparedJob, load_job
 from shardtrain.launch import WorkerContext, launch_local
@@ -291,6 +292,8 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     fault = fault_from_env()
     if fault is not None and fault[0] == rank:
         pipe.after_forward = lambda s, m: os._exit(3) if (s, m) == fault[1:] else None
+    distiller = Distiller(job, store, slot=rank, num_slots=world, device=ctx.device, timeout=spec.message_timeout)
+    must_commit = reference_steps(job, step, spec.until)  # endpoints a later cohort of this run distils toward
     trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size,
                       max_grad_norm=job.max_grad_norm(), global_step=step)
     hf = job.hf_config()
@@ -311,11 +314,12 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         while step < spec.until:
             t0 = time.perf_counter()
             batch = job.batch(step)
+            pipe.distill = distiller.targets(step, batch, last[1])  # the frozen reference's pass, if replay
             r = trainer.step(batch)
             seconds = time.perf_counter() - t0  # the update alone, not the commit after it
             step += 1
             made = None
-            if step == spec.until or (spec.every and step % spec.every == 0):
+            if step == spec.until or (spec.every and step % spec.every == 0) or step in must_commit:
                 made = commit(step, "train")
                 last = (step, made)
                 commits.append(CommitRecord(step, made))
