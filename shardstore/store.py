@@ -25,9 +25,19 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import CorruptObject, ManifestError, ObjectNotFound, ObjectTooLarge, RefConflict, RefNotFound, ShardstoreError, StorageError, StoreConfigError, TargetNotFound
+from .errors import (
+    CorruptObject,
+    InvalidName,
+    ManifestError,
+    ObjectNotFound,
+    ObjectTooLarge,
+    RefConflict,
+    RefNotFound,
+    ShardstoreError,
+    StoreConfigError,
+    TargetNotFound,
+)
 from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
-from .errors import InvalidName
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
 from .tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes

@@ -24,7 +24,7 @@ from shardstore.local import LocalStorage
 import msgspec
 
 from faults import OpLog
-from shardstore.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, SlotLayout, encode
+from shardstore.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, SlotLayout
 from shardstore.roots import learned_root
 from shardstore.store import object_key
 from shardstore.tensors import hash_bytes, new_hasher, tensor_bytes
