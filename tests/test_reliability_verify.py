@@ -251,3 +251,21 @@ def test_a_repeated_shard_manifest_is_refused_before_reading(base: Any) -> None:
     with pytest.raises(ss.LayoutError):
         gc(counted, grace_seconds=3600, dry_run=True)
     assert sum(1 for op, key, _ in log.log if key.endswith(sid)) == 0
+
+
+def test_an_optimizer_that_does_not_match_is_refused_before_restore_writes(tmp_path: Any) -> None:
+    """Group names are checked (on a stand-in of the optimizer) before any tensor is read;
+    before the fix the parameters were overwritten, then StateMismatch was raised."""
+    store = ss.open_store(str(tmp_path / "s"))
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([{"params": [w], "name": "decay"}])
+    w.grad = torch.ones(4)
+    opt.step()
+    cid = ss.save(store, {"w": w}, opt, step=1, rng=False)
+    dest = torch.nn.Parameter(torch.full((4,), 7.0))
+    other = torch.optim.AdamW([{"params": [dest], "name": "other", "lr": torch.tensor(0.5)}])
+    with pytest.raises(ss.StateMismatch, match="other"):
+        ss.restore(store, cid, {"w": dest}, other)
+    assert bool((dest == 7.0).all()) and float(other.param_groups[0]["lr"]) == 0.5 and not other.state
+    ss.restore(store, cid, {"w": dest}, torch.optim.AdamW([{"params": [dest], "name": "decay"}]))
+    assert torch.equal(dest, w)
