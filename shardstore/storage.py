@@ -16,7 +16,7 @@ falls back to ``read`` plus hashing otherwise (the results are the same):
 - ``begin_write`` / ``end_writes``: batched create-only writes with one durability barrier.
 
 Backends:
-- ``LocalStorage`` (``shardstore.local``): a directory, crash-safe and zero-copy.
+- ``LocalStorage`` (``shardstore.local``): a directory, crash-safe; restores read straight into tensors.
 - ``S3Storage`` (``shardstore.s3``): conditional writes through s3fs's client.
 - ``FsspecStorage``: any fsspec filesystem (``memory://`` here; S3 builds on it). Create-only
   and compare-and-swap are serialised by a process-local lock, which is exact for

@@ -182,7 +182,7 @@ class Store:
         return self.put(tensor_bytes(t))
 
     def get_tensor(self, oid: str, dtype: str, shape: tuple[int, ...], *, what: str = "tensor") -> torch.Tensor:
-        """A verified tensor viewing the object's bytes (a memory map on local stores)."""
+        """A verified tensor viewing the object's bytes (read into memory of its own, then hashed)."""
         return tensor_from_bytes(self.get(oid), dtype, tuple(shape), f"{what} (object {oid})")
 
     def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = 2) -> list[str]:
