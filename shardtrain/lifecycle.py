@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 import shardstore
-from shardstore import CommitInfo, LoadedCommit, RefConflict, Store, load_commit, open_store
+from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
 from shardstore.manifest import decode_config
 from shardtrain.distill import Distiller, reference_steps
 from shardtrain.errors import JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
@@ -236,17 +236,7 @@ def store_job_files(job: PreparedJob, store: Store) -> None:
     pinned as ``jobs/<job id>`` so that gc keeps them for ``evaluate`` (SPEC.md §Pins)."""
     ids = [store.put(data) for data in job.files.values()]
     store.sync()  # durable before the pin names them
-    name, want = f"jobs/{job.id}", tuple(sorted(set(ids)))
-    for attempt in range(_PIN_ATTEMPTS):
-        if store.pinned(name) == want:
-            return
-        try:
-            store.pin(name, ids)
-            return
-        except RefConflict:  # another run of the same job is pinning it: wait, then look again
-            if attempt == _PIN_ATTEMPTS - 1:
-                raise  # still locked: a writer that crashed left its lock (the error names it)
-            time.sleep(0.02 * (attempt + 1))
+    store.add_to_pin(f"jobs/{job.id}", ids, attempts=_PIN_ATTEMPTS)  # CAS: another run's additions are kept
 
 
 def _seed_rng(job: PreparedJob, slot: int) -> None:
