@@ -1,0 +1,95 @@
+"""Regroup 2 -> 3 -> 2 workers: repartition commits keep the learned state and add no tensor objects,
+and training on the new layout reproduces the uninterrupted run's learned-state roots bitwise."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from shardstore import load_commit
+from shardstore.manifest import decode_config
+from shardtrain.errors import PartitionError, ResumeError, TransitionError
+from shardtrain.lifecycle import RunSpec, train
+from shardtrain.model import LlamaConfig
+from shardtrain.regroup import layout_partition, parse_partition, regroup, rng_seed
+
+
+def _root(run: SimpleNamespace, cid: str) -> str:
+    return run.store.commit(cid).learned_root
+
+
+def _tensor_objects(run: SimpleNamespace) -> set[str]:
+    out = set()
+    for cid in [*run.u.values(), *run.w.values(), *run.n.values()]:
+        for e in load_commit(run.store, cid).entries().values():
+            out.add(e.param)
+            if e.optim is not None:
+                out |= {m for m in (e.optim.exp_avg, e.optim.exp_avg_sq) if m}
+    return out
+
+
+def test_repartition_commits_keep_the_learned_state_root_and_write_no_tensor_objects(adaptive_run: SimpleNamespace) -> None:
+    run = adaptive_run
+    tensors = _tensor_objects(run)
+    for made, (before, after), slots in ((run.to3, run.files[0:2], 3), (run.to2, run.files[2:4], 2)):
+        c = run.store.commit(made.commit)
+        parent = run.store.commit(made.parent)
+        assert c.transition == "repartition" and c.parent == made.parent and c.step == parent.step
+        assert c.learned_root == parent.learned_root == made.learned_root
+        assert c.config == parent.config and c.data_cursor == parent.data_cursor
+        assert len(c.layout) == slots
+        added = after - before
+        assert added == set(made.new_objects)
+        assert not added & tensors  # no parameter or Adam moment object was written
+        manifests = {lay.shard for lay in c.layout} | {made.commit}
+        rng = {r.object for slot, s in load_commit(run.store, made.commit).shards.items() if slot >= len(parent.layout)
+               for r in s.rng}
+        assert added <= manifests | rng and manifests <= added | before
+        print(f"repartition {len(parent.layout)} -> {slots}: {len(before)} object files before, {len(after)} after "
+              f"({len(added)} new: {len(manifests)} manifests, {len(added - manifests)} RNG objects, 0 tensor objects)")
+    # Slots the parent had keep its RNG objects; the new slot's are derived from (parent, slot).
+    lc3, lc1 = load_commit(run.store, run.to3.commit), load_commit(run.store, run.to3.parent)
+    assert [r.object for r in lc3.shards[1].rng] == [r.object for r in lc1.shards[1].rng]
+    assert {r.kind for r in lc3.shards[2].rng} == {"python", "numpy", "torch"}
+    assert rng_seed(run.to3.parent, 2) != rng_seed(run.to3.parent, 1)
+
+
+def test_training_on_3_then_2_workers_gives_the_uninterrupted_learned_state_roots(adaptive_run: SimpleNamespace) -> None:
+    run = adaptive_run
+    assert sorted(run.w) == [2, 3] and sorted(run.n) == [4]
+    for step in (2, 3):
+        assert _root(run, run.w[step]) == _root(run, run.u[step]), step
+    assert _root(run, run.n[4]) == _root(run, run.u[4])
+    assert run.store.commit(run.w[2]).parent == run.to3.commit and len(run.store.commit(run.w[2]).layout) == 3
+    assert run.store.commit(run.n[4]).parent == run.to2.commit
+    losses = {r.step: r.loss for r in run.straight[0].steps}
+    assert [r.loss for r in run.wide[0].steps] == [losses[2], losses[3]]
+    # Each worker held only its slot, and the journal has estimate beside actual for the run's last commit.
+    held = [r.parameters for r in run.wide]
+    assert len(set(held)) > 1 and all(r.estimate_bytes > 0 and r.used_bytes > 0 for r in run.wide)
+    record = json.loads((run.home / "store" / "journal" / f"{run.w[3]}.json").read_bytes())
+    assert [w["slot"] for w in record["workers"]] == [0, 1, 2]
+    assert [w["parameters"] for w in record["workers"]] == held
+    assert all(w["estimate"] == r.estimate_bytes and w["peak"] >= w["used"] > 0 for w, r in zip(record["workers"], run.wide))
+
+
+def test_layout_partition_reads_the_commit_layout_and_regroup_takes_an_explicit_partition(adaptive_run: SimpleNamespace) -> None:
+    run = adaptive_run
+    lc = load_commit(run.store, run.to3.commit)
+    config = LlamaConfig.from_hf_dict(decode_config(run.store.get(lc.commit.config)))
+    assert layout_partition(config, lc).ranges == (range(0, 2), range(2, 3), range(3, 4))
+    uneven = regroup(run.store, run.u[1], parse_partition("0:1,1:4", 4))
+    assert run.store.commit(uneven.commit).learned_root == _root(run, run.u[1])
+    assert layout_partition(config, load_commit(run.store, uneven.commit)).ranges == (range(0, 1), range(1, 4))
+    with pytest.raises(PartitionError):
+        parse_partition("0:2,3:4", 4)
+    with pytest.raises(TransitionError, match="not at"):
+        regroup(run.store, run.u[1], workers=3, ref="main")  # main names step 6, not step 1
+
+
+def test_a_group_of_another_size_refuses_a_commit_laid_out_for_two(adaptive_run: SimpleNamespace) -> None:
+    run = adaptive_run
+    host = str(run.home / "host")
+    with pytest.raises(ResumeError, match="run shardtrain regroup first"):
+        train(RunSpec(job=run.job, store=run.url, until=5, resume=run.u[4], ref="x", slot_stores=((1, host),)), 3)
