@@ -93,3 +93,40 @@ def test_a_group_of_another_size_refuses_a_commit_laid_out_for_two(adaptive_run:
     host = str(run.home / "host")
     with pytest.raises(ResumeError, match="run shardtrain regroup first"):
         train(RunSpec(job=run.job, store=run.url, until=5, resume=run.u[4], ref="x", slot_stores=((1, host),)), 3)
+
+
+def test_cli_regroup_grow_and_plan(adaptive_run: SimpleNamespace, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardstore_cli.shardtrain_cli import main
+
+    run = adaptive_run
+    assert main(["regroup", "--store", run.url, "--commit", run.u[2], "--workers", "3", "--json"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["learned_root"] == made["parent_learned_root"] == _root(run, run.u[2])
+    assert made["partition"] == [[0, 2], [2, 3], [3, 4]]
+    assert main(["plan", "--prepared", run.job, "--workers", "2", "--memory", "1GiB,3GiB", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert len(planned["slots"]) == 2 and planned["max_utilisation"] == max(s["utilisation"] for s in planned["slots"])
+    assert main(["regroup", "--store", run.url, "--commit", run.u[2], "--plan", "--prepared", run.job,
+                 "--memory", "1GiB,3GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "(equal to the parent's)" in out and "layers " + ",".join(f"{a}:{b}" for a, b in planned["partition"]) in out
+    assert main(["grow", "--store", run.url, "--commit", run.u[2], "--append", "2", "--workers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "identity check of layers 4..5: every new block maps its input to itself bitwise" in out
+    assert "layout 3 workers, layers 0:2,2:4,4:6" in out
+    assert main(["regroup", "--store", run.url, "--commit", run.u[2], "--partition", "0:1,2:4"]) == 1
+    assert "PartitionError" in capsys.readouterr().err
+    assert main(["grow", "--store", run.url, "--commit", run.u[2], "--append", "1", "--copy-from", "7"]) == 4
+
+
+def test_shardstore_log_shows_the_transitions(adaptive_run: SimpleNamespace, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardstore_cli.shardstore_cli import main
+
+    run = adaptive_run
+    assert main(["log", run.url, run.g3[0].commits[-1].id, "--json"]) == 0
+    kinds = [c["transition"] for c in json.loads(capsys.readouterr().out)["commits"]]
+    # newest first: two trained steps on 3 workers, the repartition train wrote, the grow, then the 2-worker run
+    assert kinds[:4] == ["train", "train", "repartition", "grow"] and kinds[-1] == "init"
+    assert main(["log", run.url, run.n[4]]) == 0
+    out = capsys.readouterr().out
+    assert out.count("repartition") == 2
