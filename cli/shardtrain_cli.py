@@ -162,7 +162,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t = result.timings
     print(f"demo finished in {result.seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()) + ")")
     print(f"store: {result.store} (check it: shardstore verify {result.store})")
-    return EXIT_OK if result.equal and result.verify_ok else EXIT_ERROR
+    return EXIT_OK if result.equal and result.verify_ok and result.adaptive_ok else EXIT_ERROR
 
 
 def _memory_model(args: argparse.Namespace, config: object = None) -> object:

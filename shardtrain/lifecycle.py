@@ -13,6 +13,14 @@ and starts in one of three ways, decided once for the whole group:
   RNG) from the store, or from its own copy of the commit (``slot_stores``, e.g. made
   by ``shardstore.copy_commit(..., slot=K)`` on a replacement host).
 
+Each worker builds its stage from the start commit's layout and model config (a grown
+commit has more layers than its job); a commit laid out for another worker count is
+refused by the workers, while `train` (the local launcher) first writes its repartition
+commit (`regroup`) and resumes from that. Before allocating its stage every worker checks
+the planner's estimate of its slot against the memory it really has free (`admission`),
+and at the end the estimate, the actual peak and the parameters each held go to the
+journal of the run's last commit.
+
 Every check runs on every worker before the first update, and a worker that fails one
 makes all of them stop (``_gate``), so a mismatched shard never trains half a group.
 Commits happen between complete updates only, every ``every`` steps and at ``until``,

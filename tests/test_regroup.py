@@ -2,10 +2,12 @@
 and training on the new layout reproduces the uninterrupted run's learned-state roots bitwise."""
 from __future__ import annotations
 
+import hashlib
 import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from shardstore import load_commit
 from shardstore.manifest import decode_config
@@ -52,7 +54,12 @@ def test_repartition_commits_keep_the_learned_state_root_and_write_no_tensor_obj
     lc3, lc1 = load_commit(run.store, run.to3.commit), load_commit(run.store, run.to3.parent)
     assert [r.object for r in lc3.shards[1].rng] == [r.object for r in lc1.shards[1].rng]
     assert {r.kind for r in lc3.shards[2].rng} == {"python", "numpy", "torch"}
-    assert rng_seed(run.to3.parent, 2) != rng_seed(run.to3.parent, 1)
+    # SPEC.md §15a: s = BLAKE2b-64("shardtrain-rng-v1:<parent>:<slot>") little-endian mod 2**32, torch's state after manual_seed(s).
+    digest = hashlib.blake2b(f"shardtrain-rng-v1:{run.to3.parent}:2".encode(), digest_size=8).digest()
+    seed = int.from_bytes(digest, "little") % 2**32
+    assert rng_seed(run.to3.parent, 2) == seed != rng_seed(run.to3.parent, 1)
+    torch_obj = {r.kind: r.object for r in lc3.shards[2].rng}["torch"]
+    assert bytes(run.store.get(torch_obj)) == torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
 
 
 def test_training_on_3_then_2_workers_gives_the_uninterrupted_learned_state_roots(adaptive_run: SimpleNamespace) -> None:
@@ -82,6 +89,7 @@ def test_layout_partition_reads_the_commit_layout_and_regroup_takes_an_explicit_
     uneven = regroup(run.store, run.u[1], parse_partition("0:1,1:4", 4))
     assert run.store.commit(uneven.commit).learned_root == _root(run, run.u[1])
     assert layout_partition(config, load_commit(run.store, uneven.commit)).ranges == (range(0, 1), range(1, 4))
+    assert regroup(run.store, run.u[1], workers=3).commit == run.to3.commit  # deterministic, RNG of slot 2 included
     with pytest.raises(PartitionError):
         parse_partition("0:2,3:4", 4)
     with pytest.raises(TransitionError, match="not at"):
