@@ -70,6 +70,7 @@ def test_torchrun_workers_commit_what_the_local_launcher_commits(tmp_path: Path)
     local = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job, "--store", str(tmp_path / "local"),
                  "--until", "3", "--every", "2", timeout=120)
     assert local.returncode == 0, local.stderr[-3000:]
+    assert local.stderr.count("estimated peak") == 2 and "MiB above admission" in local.stderr  # estimate beside actual
     import shardstore
 
     refs = [shardstore.open_store(str(tmp_path / d)).refs() for d in ("torchrun", "local")]

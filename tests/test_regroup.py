@@ -138,3 +138,17 @@ def test_shardstore_log_shows_the_transitions(adaptive_run: SimpleNamespace, cap
     assert main(["log", run.url, run.n[4]]) == 0
     out = capsys.readouterr().out
     assert out.count("repartition") == 2
+
+
+def test_workers_refuse_a_commit_laid_out_for_another_count(adaptive_run: SimpleNamespace) -> None:
+    """What each worker checks (under torchrun nobody regroups for it): the layout must have its group's size."""
+    from shardtrain.job import load_job
+    from shardtrain.lifecycle import start_layout
+
+    run = adaptive_run
+    job = load_job(run.job)
+    with pytest.raises(ResumeError, match=r"laid out for 2 workers, this group has 3; write a repartition commit first"):
+        start_layout(job, run.store, run.u[4], 3)
+    config, partition = start_layout(job, run.store, run.grown.commit, 2)
+    assert config.num_hidden_layers == 5 and partition.ranges == (range(0, 3), range(3, 5))
+    assert start_layout(job, run.store, run.to3.commit, 3)[1].num_slots == 3
