@@ -35,7 +35,6 @@ the tests).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import resource
@@ -63,7 +62,7 @@ from shardtrain.optim import AdamW
 from shardtrain.partition import Partition, build_stage, parameter_inventory
 from shardtrain.pipeline import Pipeline
 from shardtrain.planner import for_job
-from shardtrain.regroup import layout_partition, regroup
+from shardtrain.regroup import grown_from, regroup, start_layout
 from shardtrain.trainer import Trainer
 
 __all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
@@ -200,33 +199,12 @@ def commit_config(store: Store, lc: LoadedCommit) -> LlamaConfig | None:
     return LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config)))
 
 
-def _grown(base: LlamaConfig, config: LlamaConfig | None) -> bool:
-    """Whether `config` is `base` with more layers: a grown model (SPEC.md §Transitions, grow)."""
-    return config is not None and config.num_hidden_layers > base.num_hidden_layers and \
-        dataclasses.replace(config, num_hidden_layers=base.num_hidden_layers) == base
-
-
-def start_layout(job: PreparedJob, store: Store, cid: str | None, world: int) -> tuple[LlamaConfig, Partition]:
-    """The model config and partition a worker builds its stage from: the start commit's
-    (its layout, its config, grown or not), or the job's split evenly for a fresh or
-    imported start. A group never resumes a commit laid out for another worker count."""
-    lc = None if cid is None else load_commit(store, cid)
-    if lc is None or lc.commit.transition == "import":
-        return job.config, Partition.even(job.config.num_hidden_layers, world)
-    if len(lc.shards) != world:
-        raise ResumeError(f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, this group has {world}; "
-                          f"write a repartition commit first (shardtrain regroup --commit {lc.id[:12]} --workers "
-                          f"{world}; shardtrain train without torchrun does this itself)")
-    config = commit_config(store, lc) or job.config
-    return config, layout_partition(config, lc)
-
-
 def check_commit(job: PreparedJob, store: Store, lc: LoadedCommit, *, until: int) -> None:
     """Refuse a start commit that does not belong to this job (before any training)."""
     c = lc.commit
     short = lc.id[:12]
     config = commit_config(store, lc)
-    if config != job.config and not _grown(job.config, config):
+    if config != job.config and not grown_from(job.config, config):
         raise ResumeError(f"commit {short} holds model config {config} but the job's is {job.config}")
     if c.transition == "import":
         return  # weights only: no job, schedule or optimizer state to match
@@ -411,16 +389,6 @@ def _raise_failure(err: WorkerFailedError) -> None:
     raise err
 
 
-def _regroup_first(spec: RunSpec, store: Store, lc: LoadedCommit, workers: int) -> tuple[RunSpec, LoadedCommit]:
-    """Resuming on another worker count: write the repartition commit (SPEC.md §Transitions),
-    move the run's ref onto it if the ref named the start, and resume from it."""
-    if spec.slot_stores:
-        raise ResumeError(f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, not {workers}, and slots are "
-                          f"restored from their own stores: run shardtrain regroup first, then copy --shard its slots")
-    made = regroup(store, lc.id, workers=workers, ref=spec.ref if store.ref(spec.ref) == lc.id else None)
-    return RunSpec(**{**spec.__dict__, "resume": made.commit}), load_commit(store, made.commit)
-
-
 def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[str, str] | None = None,
           join_timeout: float = 900.0) -> list[RunResult]:
     """Launch `workers` local processes to run `spec`; return every worker's result.
@@ -438,7 +406,11 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
     check_ref(store, spec.ref, None if lc is None else lc.id)
     if lc is not None and lc.commit.transition != "import" and len(lc.shards) != workers:
-        spec, lc = _regroup_first(spec, store, lc, workers)
+        if spec.slot_stores:
+            raise ResumeError(f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, not {workers}, and slots "
+                              f"are restored from their own stores: run shardtrain regroup first, then copy --shard")
+        made = regroup(store, lc.id, workers=workers, ref=spec.ref if store.ref(spec.ref) == lc.id else None)
+        spec, lc = RunSpec(**{**spec.__dict__, "resume": made.commit}), load_commit(store, made.commit)
     store_job_files(job, store)
     with tempfile.TemporaryDirectory(prefix="shardtrain-run-") as out:
         run = RunSpec(**{**spec.__dict__, "out_dir": out})

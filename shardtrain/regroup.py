@@ -15,8 +15,9 @@ with `rng_seed(C, k)` (a BLAKE2b hash of C's id and k), captured without disturb
 calling process's own generators. Under the dropout-free profile no update draws from
 them; they are there so every slot of every commit can be restored the same way.
 
-`layout_partition` reads a commit's layout back as a `Partition` (the lifecycle builds
-each worker's stage from it), and `write_layout` is the step `grow` shares.
+`layout_partition` reads a commit's layout back as a `Partition`, and `start_layout` is
+what the lifecycle builds each worker's stage from; `write_layout` is the step `grow`
+shares.
 """
 from __future__ import annotations
 
@@ -35,12 +36,13 @@ import torch
 from shardstore import CommitInfo, LoadedCommit, Store, TensorEntry, load_commit, write_commit, write_shard_entries
 from shardstore.manifest import decode_config
 from shardstore.rng import capture_rng, restore_rng
-from shardtrain.errors import PartitionError, TransitionError
+from shardtrain.errors import PartitionError, ResumeError, TransitionError
+from shardtrain.job import PreparedJob
 from shardtrain.model import LlamaConfig
 from shardtrain.partition import Partition
 
 __all__ = ["TransitionResult", "regroup", "layout_partition", "commit_config", "rng_seed", "derived_rng", "write_layout",
-           "move_ref", "parse_partition"]
+           "move_ref", "parse_partition", "grown_from", "start_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,27 @@ def layout_partition(config: LlamaConfig, lc: LoadedCommit) -> Partition:
     except PartitionError as exc:
         raise TransitionError(f"commit {lc.id[:12]}: layout is not a layer partition: {exc}") from exc
     return partition
+
+
+def grown_from(base: LlamaConfig, config: LlamaConfig | None) -> bool:
+    """Whether `config` is `base` with more layers: a grown model (SPEC.md §15a)."""
+    return config is not None and config.num_hidden_layers > base.num_hidden_layers and \
+        dataclasses.replace(config, num_hidden_layers=base.num_hidden_layers) == base
+
+
+def start_layout(job: PreparedJob, store: Store, cid: str | None, world: int) -> tuple[LlamaConfig, Partition]:
+    """The model config and partition a worker builds its stage from: the start commit's
+    (its layout, its config, grown or not), or the job's split evenly for a fresh or
+    imported start. A group never resumes a commit laid out for another worker count."""
+    lc = None if cid is None else load_commit(store, cid)
+    if lc is None or lc.commit.transition == "import":
+        return job.config, Partition.even(job.config.num_hidden_layers, world)
+    if len(lc.shards) != world:
+        raise ResumeError(f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, this group has {world}; "
+                          f"write a repartition commit first (shardtrain regroup --commit {lc.id[:12]} --workers "
+                          f"{world}; shardtrain train without torchrun does this itself)")
+    config, _ = commit_config(store, lc)
+    return config, layout_partition(config, lc)
 
 
 def rng_seed(parent: str, slot: int) -> int:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +18,7 @@ from shardstore.diff import diff
 from shardtrain.errors import TransitionError
 from shardtrain.grow import ZEROED_SUFFIXES, grow, identity_check
 from shardtrain.job import load_job
+from shardtrain.launch import WorkerContext, launch_local
 from shardtrain.lifecycle import DETERMINISTIC_ENV
 from shardtrain.optim import AdamW
 from shardtrain.partition import Partition, build_stage
@@ -101,16 +100,17 @@ def reference_grown(job_path: str, url: str, parent: str, out: str) -> None:
     save_file(tensors, out, metadata={"losses": json.dumps(losses)})
 
 
+def _reference_worker(ctx: WorkerContext, job_path: str, url: str, parent: str, out: str) -> None:
+    reference_grown(job_path, url, parent, out)
+
+
 def test_sharded_grown_training_matches_a_single_process_reference(adaptive_run: SimpleNamespace) -> None:
     run = adaptive_run
     out = str(run.home / "reference.safetensors")
     # Its own process, under the workers' numerical profile (DETERMINISTIC_ENV pins the CPU
     # kernels at torch's import; this test process may use others).
-    code = f"from test_grow import reference_grown; reference_grown({run.job!r}, {run.url!r}, {run.u[4]!r}, {out!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **DETERMINISTIC_ENV,
-                          "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])},
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch_local(_reference_worker, 1, (run.job, run.url, run.u[4], out), env=DETERMINISTIC_ENV,
+                 timeout=timedelta(seconds=60), join_timeout=120)
     with safe_open(out, "pt") as f:
         ref_losses = json.loads(f.metadata()["losses"])
     saved = load_file(out)

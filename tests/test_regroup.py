@@ -143,7 +143,7 @@ def test_shardstore_log_shows_the_transitions(adaptive_run: SimpleNamespace, cap
 def test_workers_refuse_a_commit_laid_out_for_another_count(adaptive_run: SimpleNamespace) -> None:
     """What each worker checks (under torchrun nobody regroups for it): the layout must have its group's size."""
     from shardtrain.job import load_job
-    from shardtrain.lifecycle import start_layout
+    from shardtrain.regroup import start_layout
 
     run = adaptive_run
     job = load_job(run.job)
