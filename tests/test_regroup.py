@@ -69,15 +69,22 @@ def test_training_on_3_then_2_workers_gives_the_uninterrupted_learned_state_root
         assert _root(run, run.w[step]) == _root(run, run.u[step]), step
     assert _root(run, run.n[4]) == _root(run, run.u[4])
     assert run.store.commit(run.w[2]).parent == run.to3.commit and len(run.store.commit(run.w[2]).layout) == 3
+    # The new slot's host received only slot 2's data objects (and every manifest), and trained from them.
+    lc = load_commit(run.store, run.to3.commit)
+    slot2 = {e.param for e in lc.shards[2].entries} | {m for e in lc.shards[2].entries if e.optim
+                                                       for m in (e.optim.exp_avg, e.optim.exp_avg_sq) if m}
+    others = {e.param for s in (0, 1) for e in lc.shards[s].entries}
+    held = set(run.host.objects())
+    assert slot2 <= held and not (others - slot2) & held
     assert run.store.commit(run.n[4]).parent == run.to2.commit
     losses = {r.step: r.loss for r in run.straight[0].steps}
     assert [r.loss for r in run.wide[0].steps] == [losses[2], losses[3]]
     # Each worker held only its slot, and the journal has estimate beside actual for the run's last commit.
-    held = [r.parameters for r in run.wide]
-    assert len(set(held)) > 1 and all(r.estimate_bytes > 0 and r.used_bytes > 0 for r in run.wide)
+    held_params = [r.parameters for r in run.wide]
+    assert len(set(held_params)) > 1 and all(r.estimate_bytes > 0 and r.used_bytes > 0 for r in run.wide)
     record = json.loads((run.home / "store" / "journal" / f"{run.w[3]}.json").read_bytes())
     assert [w["slot"] for w in record["workers"]] == [0, 1, 2]
-    assert [w["parameters"] for w in record["workers"]] == held
+    assert [w["parameters"] for w in record["workers"]] == held_params
     assert all(w["estimate"] == r.estimate_bytes and w["peak"] >= w["used"] > 0 for w, r in zip(record["workers"], run.wide))
 
 
