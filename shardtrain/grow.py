@@ -57,6 +57,12 @@ def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None
     if grown.to_hf_dict() != {**config.to_hf_dict(), "num_hidden_layers": layers + append}:
         raise TransitionError("the grown config differs from the commit's in more than the layer count")
     entries = dict(lc.entries())
+    missing = [f"model.layers.{source}.{x}" for x in LAYER_PARAMETER_SUFFIXES if f"model.layers.{source}.{x}" not in entries]
+    if missing:
+        raise TransitionError(f"commit {lc.id[:12]} has no tensor {missing[0]!r}: not a shardtrain Llama layout")
+    taken = [n for n in entries if n.startswith(tuple(f"model.layers.{j}." for j in range(layers, layers + append)))]
+    if taken:
+        raise TransitionError(f"commit {lc.id[:12]} already has tensor {taken[0]!r} beyond its {layers} layers")
     step = lc.commit.step
     zero_ids: dict[tuple[str, tuple[int, ...]], str] = {}
     for j in range(layers, layers + append):
