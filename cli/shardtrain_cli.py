@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="COMMIT", help="explicit commit (id, prefix or ref) every worker must agree on; "
                    "'auto': the run's --ref if it exists, else the job's start (for torchrun --max-restarts)")
     p.add_argument("--every", type=int, metavar="K", help="commit every K updates (and always at N)")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="local workers (default 2); resuming a commit laid out for "
+                   "another count first writes its repartition commit (SPEC.md §15a)")
     p.add_argument("--ref", default="main", help="the ref that follows this run (default main)")
     p.add_argument("--slot-store", type=_slot_store, action="append", metavar="SLOT=STORE",
                    help="restore that slot from its own copy of the commit (shardstore copy --shard)")
