@@ -21,6 +21,8 @@ __all__ = [
     "RunAborted",
     "TransitionError",
     "AdmissionError",
+    "RoleError",
+    "DistillError",
 ]
 
 
@@ -83,3 +85,11 @@ class TransitionError(ShardtrainError, ValueError):
 
 class AdmissionError(ShardtrainError):
     """A worker's estimated peak memory exceeds the memory it really has free; it refused before allocating."""
+
+
+class RoleError(ShardtrainError):
+    """Final sets were asked for without a matching selection, or a selection came after finals were opened."""
+
+
+class DistillError(ShardtrainError):
+    """The frozen reference a cohort names cannot be found, restored or matched to the student's batch."""

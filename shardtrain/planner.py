@@ -135,11 +135,14 @@ class MemoryModel:
         return tuple(self.estimate(s, partition.layers(s)) for s in range(partition.num_slots))
 
 
-def for_job(job: PreparedJob, config: LlamaConfig | None = None, *, reference: bool = False,
+def for_job(job: PreparedJob, config: LlamaConfig | None = None, *, reference: bool | None = None,
             reserve: int = DEFAULT_RESERVE) -> MemoryModel:
     """The memory model of `job` (its longest scheduled sequence and its batch split), for
-    `config` (default the job's; a grown commit's config has more layers)."""
+    `config` (default the job's; a grown commit's config has more layers). `reference`
+    defaults to whether any cohort of the job distils toward a frozen reference."""
     recipe = job.job.recipe
+    if reference is None:
+        reference = any(job.reference_of(c) is not None for c in {s.cohort for s in job.job.schedule.steps})
     docs = {d for step in job.job.schedule.steps for d in step.docs}
     seq_len = max((len(job.encoded(d)[0]) - 1 for d in docs), default=1)
     return MemoryModel(config or job.config, seq_len=max(1, seq_len), microbatch_size=recipe.microbatch_size,
