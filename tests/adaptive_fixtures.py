@@ -30,7 +30,9 @@ def object_files(root: Path) -> set[str]:
 @pytest.fixture(scope="session")
 def adaptive_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     home = tmp_path_factory.mktemp("adaptive")
-    job = prepare_default(home / "job", steps_a=4, steps_b=2, batch_size=4, microbatch_size=2, eval_per_set=2)
+    # No declared replay, so no distillation term: the grow test's single-process reference is cross-entropy only.
+    job = prepare_default(home / "job", steps_a=4, steps_b=2, batch_size=4, microbatch_size=2, eval_per_set=2,
+                          replay_per_step=0)
     url = str(home / "store")
     store = open_store(url)
 
@@ -55,6 +57,14 @@ def adaptive_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     grown = grow(store, u[4], 1)
     g2 = run(2, 6, "grown2", grown.commit)
     g3 = run(3, 6, "grown3", grown.commit)  # a 2-slot commit on 3 workers: train writes the repartition commit
-    return SimpleNamespace(home=home, job=job, url=url, store=store, straight=straight, u=u, to3=to3, host=host,
+    # The default recipe distils on declared replay (cohort B toward the end of cohort A): regroup
+    # the end of cohort A onto 3 workers and train cohort B there, beside 2 workers uninterrupted.
+    djob = prepare_default(home / "djob", steps_a=4, steps_b=2, batch_size=4, microbatch_size=2, eval_per_set=2)
+    durl = str(home / "dstore")
+    dstraight = train(RunSpec(job=djob, store=durl, until=6, every=1), 2, timeout=TIMEOUT)
+    d4 = next(c.id for c in dstraight[0].commits if c.step == 4)
+    dwide = train(RunSpec(job=djob, store=durl, until=6, every=1, resume=d4, ref="wide"), 3, timeout=TIMEOUT)
+    return SimpleNamespace(dstore=open_store(durl), dstraight=dstraight, dwide=dwide,
+home=home, job=job, url=url, store=store, straight=straight, u=u, to3=to3, host=host,
                            copied=copied, wide=wide, w=w,
                            to2=to2, narrow=narrow, n=n, files=files, grown=grown, g2=g2, g3=g3)

@@ -94,7 +94,7 @@ opt = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
 trainer = Trainer(Pipeline(stage, part, 0), opt, microbatch_size=job.job.recipe.microbatch_size)
 for s in range(job.num_steps):
     trainer.step(job.batch(s))
-est = for_job(job).estimate(0, range(job.config.num_hidden_layers))
+est = for_job(job, reference=False).estimate(0, range(job.config.num_hidden_layers))  # no reference is built here
 print(json.dumps({"increase": rss() - base, "estimate": est.total, "modelled": est.modelled}))
 """
 

@@ -159,3 +159,15 @@ def test_workers_refuse_a_commit_laid_out_for_another_count(adaptive_run: Simple
     config, partition = start_layout(job, run.store, run.grown.commit, 2)
     assert config.num_hidden_layers == 5 and partition.ranges == (range(0, 3), range(3, 5))
     assert start_layout(job, run.store, run.to3.commit, 3)[1].num_slots == 3
+
+
+def test_regrouped_distillation_gives_the_uninterrupted_roots(adaptive_run: SimpleNamespace) -> None:
+    """Cohort B distils toward the end of cohort A; on 3 workers from a repartition commit of that
+    end (written by train), the frozen reference is split 3 ways too, and the roots still match."""
+    run = adaptive_run
+    straight = {c.step: run.dstore.commit(c.id).learned_root for c in run.dstraight[0].commits}
+    wide = {c.step: run.dstore.commit(c.id).learned_root for c in run.dwide[0].commits}
+    assert sorted(wide) == [5, 6] and all(wide[s] == straight[s] for s in wide)
+    first = run.dstore.commit(run.dwide[0].commits[0].id)
+    assert run.dstore.commit(first.parent).transition == "repartition" and len(first.layout) == 3
+    assert [r.loss for r in run.dwide[0].steps] == [r.loss for r in run.dstraight[0].steps if r.step > 4]
