@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_
     assert "ref 'recovery' is absent: no uncommitted update reached a ref" in out
     assert "shardstore verify" in out and ": ok (" in out
     wide = [line for line in out.splitlines() if line.strip().startswith("learned-state root")]
-    assert len(wide) == 1 and " EQUALS step 16's " in wide[0] and ", 0 tensor objects written" in wide[0]
+    assert len(wide) == 1 and re.search(r" EQUALS step \d+'s ", wide[0]) and ", 0 tensor objects written" in wide[0]
     assert wide[0].split()[2] == wide[0].split()[6].rstrip(";")  # the repartition commit's root and step 16's, printed in full
     assert "identity check: new layer 4 maps its input to itself bitwise: yes" in out
     assert "one-sided 95% bounds" in out and "generated correct" in out
