@@ -33,6 +33,7 @@ from .manifest import (
     Label,
     Transition,
     CommitManifest,
+    GroupSpec,
     OptimEntry,
     OptimizerSpec,
     RngEntry,
@@ -40,6 +41,7 @@ from .manifest import (
     SlotLayout,
     TensorEntry,
     decode_config,
+    encode,
     encode_config,
 )
 from .names import check_oid, check_ref_name, check_tensor_name
@@ -47,10 +49,10 @@ from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, 
 from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
 from .store import Store
-from .tensors import dtype_name, torch_dtype
-from .verify import LoadedCommit, load_commit
+from .tensors import dtype_name, hash_bytes, torch_dtype
+from .verify import LoadedCommit, load_commit, shard_problems
 
-__all__ = ["CommitInfo", "check_info", "check_parent", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]
+__all__ = ["CommitInfo", "check_info", "check_parent", "SlotState", "Restored", "capture", "write_shard", "write_shard_entries", "write_commit", "save_slots", "save", "restore", "AUTO"]
 
 AUTO: Any = "auto"
 """Sentinel: take the parent from the ref being moved."""
@@ -235,6 +237,53 @@ def write_shard(
         entries=tuple(entries),
         rng=rng,
     )
+    sid = store.put_manifest(shard)
+    store.sync()
+    return sid
+
+
+def write_shard_entries(
+    store: Store,
+    entries: list[TensorEntry],
+    *,
+    groups: list[GroupSpec],
+    algorithm: str,
+    rng: Mapping[str, str],
+    info: CommitInfo,
+    parent: str | None,
+    slot: int,
+    slots: int,
+) -> str:
+    """Write a shard manifest naming objects already in the store; return its id.
+
+    For transitions that move or keep tensors without touching their bytes (a new layout
+    naming the same objects, SPEC.md §15a): ``entries`` are taken as they are
+    (sorted by name here), ``rng`` maps an RNG kind to an existing object id. Every named
+    object must already be present (checked by existence; no payload byte is read), and
+    the manifest must pass the shard rules before it is written.
+    """
+    check_info(info)
+    named = [e.param for e in entries] + [m for e in entries if e.optim for m in (e.optim.exp_avg, e.optim.exp_avg_sq) if m]
+    named += list(rng.values())
+    missing = sorted({oid for oid in named if not store.has(oid)})
+    if missing:
+        raise ObjectNotFound(f"slot {slot}: {len(missing)} object(s) named by the new shard manifest are not in the store, "
+                             f"first {missing[0]}")
+    shard = ShardManifest(
+        version=FORMAT_VERSION,
+        job=info.job,
+        step=info.step,
+        parent=parent,
+        config=_config_id(store, info.config),
+        slot=slot,
+        slots=slots,
+        algorithm=algorithm if groups else "none",  # type: ignore[arg-type]
+        groups=tuple(sorted(groups, key=lambda g: g.name)),
+        entries=tuple(sorted(entries, key=lambda e: e.name)),
+        rng=tuple(RngEntry(kind=k, object=v) for k, v in sorted(rng.items())),
+    )
+    for problem in shard_problems(shard, hash_bytes(encode(shard))):  # a reader's rules, before it is written
+        raise problem.error
     sid = store.put_manifest(shard)
     store.sync()
     return sid
