@@ -156,6 +156,10 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     for line in family_table(report.commits, {seed: "seed", reference: f"step {steps_a}",
                                               final: f"step {steps_a + steps_b}"}):
         say(f"      {line}")
+    dev_loss = [next(x.loss for x in e.losses if x.name == "dev_task") for e in report.commits]
+    say(f"      development task loss (nats per assistant token): {' -> '.join(f'{v:.3f}' for v in dev_loss)} "
+        f"(seed, step {steps_a}, step {steps_a + steps_b}); {max(e.correct for e in report.commits)} of "
+        f"{len(report.commits[-1].cases)} answers right at best (README, \"What the demo learns\")")
     thresholds = thresholds_of(job)
     gates = []
     for cand in (reference, final):
