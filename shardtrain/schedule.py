@@ -127,6 +127,7 @@ def overlapped(num_slots: int, num_microbatches: int) -> Plan:
             if best is None or (span, limit, rank) < best[:3]:
                 best = (span, limit, rank, plan)
     assert best is not None
+    check(best[3], m)  # complete, ordered and deadlock-free (computed once per size: cached)
     return best[3]
 
 
