@@ -3,13 +3,15 @@ worker's state in a shardstore and never builds the whole model in one place.
 
 The numerical core: `model` (a Llama decoder with Hugging Face names), `partition`
 (which slot owns which layers; building a slot's stage), `batch`, `messages` and
-`pipeline` (the ring of activations and gradients), `clipping` (a partition-independent
+`pipeline` (the ring of activations and gradients), `schedule` (the order of each
+slot's microbatch actions: overlapped or synchronous, bitwise alike), `clipping` (a partition-independent
 global norm), `optim` (shard-local AdamW with per-parameter Adam age), `trainer` (one
 update) and `launch` (torchrun or local worker processes).
 
 The lifecycle on top: `job` (the prepared job binding tokenizer assets, records, schedule
 and recipe by hash; `tokenizer` and `tasks` are the embedded default's pieces),
-`lifecycle` (train with commits through shardstore, resume, fault handling), `evaluate`
+`lifecycle` (train with commits through shardstore, resume, fault handling), `committer`
+(a run's commits, written in the background from a staged copy), `evaluate`
 (held-out loss, greedy generation with a per-stage KV cache, paired bootstrap) and `demo`.
 
 The experiment's pieces: `recipe` (the job's recipe), `loss` (CE plus KL on declared
