@@ -13,27 +13,20 @@ given model owns (by name, whatever layout wrote them) out of verified objects.
 """
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import torch
 
-from .errors import CursorError, ManifestError, ObjectNotFound, StateMismatch, TargetNotFound, TensorMismatch
+from .errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
 from .manifest import (
     FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
-    Count,
-    JobId,
-    Label,
-    Transition,
     CommitManifest,
     GroupSpec,
     OptimEntry,
@@ -46,7 +39,8 @@ from .manifest import (
     encode,
     encode_config,
 )
-from .names import check_oid, check_ref_name, check_tensor_name
+from .names import check_ref_name, check_tensor_name
+from .preflight import check_info, check_parent, probe_torch
 from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
 from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
@@ -71,45 +65,6 @@ class CommitInfo:
     config: Mapping[str, Any] | None = None
     data_cursor: int | None = None
     transition: str = "train"
-
-
-class _InfoRules(msgspec.Struct, forbid_unknown_fields=True):
-    """The manifest field rules (SPEC.md §8.3) of CommitInfo's fields, to check them before any write."""
-
-    job: JobId
-    step: Count
-    data_cursor: Count | None
-    schedule: Label | None
-    profile: Label
-    transition: Transition
-
-
-def check_info(info: CommitInfo) -> None:
-    """ManifestError naming the field if ``info`` could never be written as a commit (a job id
-    that is not a name, a negative or huge step, an unrepresentable config...). Every writer
-    calls this before its first object, so a refused save or import leaves nothing behind."""
-    doc = {k: getattr(info, k) for k in ("job", "step", "data_cursor", "schedule", "profile", "transition")}
-    try:
-        msgspec.convert(doc, _InfoRules, strict=True)
-    except msgspec.ValidationError as e:
-        raise ManifestError(f"commit info: {e} (SPEC.md §Commit manifest)") from None
-    if info.config is not None:
-        encode_config(dict(info.config))
-
-
-def check_parent(store: Store, parent: str | None) -> None:
-    """Refuse a parent that is not a commit of ``store`` (TargetNotFound if absent, ManifestError
-    if the object is something else): ``log`` and gc follow parents, so a commit must never
-    name a tensor, a shard manifest or nothing as its parent."""
-    if parent is None:
-        return
-    check_oid(parent, what="parent commit id")
-    try:
-        store.commit(parent)
-    except ObjectNotFound:
-        raise TargetNotFound(f"parent commit {parent} is not in {store.url}") from None
-    except ManifestError as e:
-        raise ManifestError(f"parent {parent} is not a commit: {e}") from None
 
 
 @dataclass
@@ -428,17 +383,6 @@ def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: Optim
         optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
 
 
-def _probe_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
-    """Run ``_install_torch``'s checks (algorithm, groups, every tensor's state and group) on a
-    stand-in sharing nothing mutable with ``optimizer``, so that a mismatch is raised before a
-    byte is read into the caller's tensors (SPEC.md §19b)."""
-    probe = copy.copy(optimizer)
-    probe.param_groups = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups]
-    probe.state = defaultdict(dict)
-    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
-    into_torch(probe, {t: n for n, t in params.items()}, bare, group_names=group_names)
-
-
 def _read_all(store: Store, reads: list[tuple[str, torch.Tensor, str]], threads: int) -> None:
     def one(job: tuple[str, torch.Tensor, str]) -> None:
         store.read_into(job[0], job[1], what=job[2])
@@ -504,7 +448,7 @@ def restore(
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
         reads += moment_reads
         if not hasattr(optimizer, "state_import"):
-            _probe_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
+            probe_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
     _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
     if optimizer is not None and state is not None:
         if hasattr(optimizer, "state_import"):
