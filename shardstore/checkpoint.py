@@ -13,9 +13,11 @@ given model owns (by name, whatever layout wrote them) out of verified objects.
 """
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import time
+from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -426,6 +428,17 @@ def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: Optim
         optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
 
 
+def _probe_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
+    """Run ``_install_torch``'s checks (algorithm, groups, every tensor's state and group) on a
+    stand-in sharing nothing mutable with ``optimizer``, so that a mismatch is raised before a
+    byte is read into the caller's tensors (SPEC.md §19b)."""
+    probe = copy.copy(optimizer)
+    probe.param_groups = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups]
+    probe.state = defaultdict(dict)
+    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
+    into_torch(probe, {t: n for n, t in params.items()}, bare, group_names=group_names)
+
+
 def _read_all(store: Store, reads: list[tuple[str, torch.Tensor, str]], threads: int) -> None:
     def one(job: tuple[str, torch.Tensor, str]) -> None:
         store.read_into(job[0], job[1], what=job[2])
@@ -490,6 +503,8 @@ def restore(
     if optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
         reads += moment_reads
+        if not hasattr(optimizer, "state_import"):
+            _probe_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
     _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
     if optimizer is not None and state is not None:
         if hasattr(optimizer, "state_import"):
