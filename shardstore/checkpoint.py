@@ -27,17 +27,22 @@ from .errors import CursorError, StateMismatch, TensorMismatch
 from .manifest import (
     FORMAT_VERSION,
     CommitManifest,
+    ExtraEntry,
     OptimEntry,
     OptimizerSpec,
     RngEntry,
     ShardManifest,
     SlotLayout,
     TensorEntry,
+    TorchOptimizer,
     decode_config,
     encode_config,
 )
-from .names import check_ref_name, check_tensor_name
+from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
+from .module_state import named_state
+from .names import check_ref_name
 from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
+from .torch_optim import capture_torch, is_adam_form, param_state, plan_torch_restore, torch_union, use_torch_form
 from .rng import capture_rng, restore_rng
 from .roots import learned_root
 from .store import Store
@@ -71,6 +76,8 @@ class SlotState:
     optim: OptimState = field(default_factory=OptimState)
     rng: dict[str, bytes] = field(default_factory=dict)
     births: dict[str, int] | None = None
+    buffers: set[str] = field(default_factory=set)  # which tensors are persistent buffers
+    extra: dict[str, CapturedExtra] = field(default_factory=dict)  # this slot's own extras
 
 
 @dataclass
@@ -83,16 +90,12 @@ class Restored:
     config: dict[str, Any] | None
     tensors: list[str]
     rng_restored: bool
+    extras: list[str] = field(default_factory=list)  # commit-wide extras loaded
+    slot_extras: list[str] = field(default_factory=list)  # the slot's own extras loaded
 
 
 def _named_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    items = model.named_parameters() if isinstance(model, torch.nn.Module) else model.items()
-    out = {}
-    for name, t in items:
-        if t.device.type == "meta":
-            continue  # not owned by this process
-        out[check_tensor_name(name)] = t
-    return out
+    return named_state(model)[0]  # owned parameters and persistent buffers (SPEC.md §Buffers)
 
 
 def capture(
@@ -103,14 +106,17 @@ def capture(
     rng: bool = True,
     group_names: list[str] | None = None,
     births: dict[str, int] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> SlotState:
-    """Reference (not copy) the named parameters and optimizer state one slot owns.
+    """Reference (not copy) the named parameters, buffers and optimizer state one slot owns.
 
-    ``model`` is a module (its non-meta named parameters) or a name → tensor mapping;
-    ``names`` restricts to a subset (to split one process's state into several slots).
-    ``optimizer`` is a torch Adam/AdamW or anything with ``state_export()``.
+    ``model`` is a module (its non-meta named parameters and persistent buffers) or a name →
+    tensor mapping; ``names`` restricts to a subset (to split one process's state into
+    several slots). ``optimizer`` is any torch optimizer whose state is tensors and numbers,
+    or anything with ``state_export()``. ``extra``: this slot's own stateful objects (a data
+    loader's position on this rank), taken now (SPEC.md §Extras).
     """
-    tensors = _named_tensors(model)
+    tensors, buffers = named_state(model)
     if names is not None:
         missing = sorted(set(names) - set(tensors))
         if missing:
@@ -120,12 +126,21 @@ def capture(
     if optimizer is not None:
         if hasattr(optimizer, "state_export"):
             full = from_export(optimizer)
+        elif isinstance(optimizer, torch.optim.Optimizer) and not is_adam_form(optimizer):
+            cls, hgroups, tparams = capture_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
+            full = OptimState("torch", {}, {n: ParamOpt(tp.group, 0, None, None, tp) for n, tp in tparams.items()}, cls, hgroups)
         else:
             full = from_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
         params = {n: full.params[n] for n in tensors if n in full.params}
         used = {p.group for p in params.values()}
-        optim = OptimState(full.algorithm, {g: h for g, h in full.groups.items() if g in used}, params)
-    return SlotState(tensors, optim, capture_rng() if rng else {}, births)
+        optim = OptimState(
+            full.algorithm,
+            {g: h for g, h in full.groups.items() if g in used},
+            params,
+            full.class_name,
+            {g: h for g, h in full.torch_groups.items() if g in used},
+        )
+    return SlotState(tensors, optim, capture_rng() if rng else {}, births, buffers & set(tensors), capture_extras(extra))
 
 
 def _config_id(store: Store, config: Mapping[str, Any] | None) -> str | None:
@@ -143,6 +158,8 @@ def write_shard(
         po = state.optim.params.get(n)
         if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
             flat += [po.exp_avg, po.exp_avg_sq]
+        if po is not None and po.torch_state is not None:
+            flat += [t for _, t in sorted(po.torch_state.tensors.items())]  # the same path as parameters
     ids = iter(store.put_tensors(flat, threads=threads))  # hashed once, written once, batched fsync
     entries = []
     for n in names:
@@ -150,7 +167,8 @@ def write_shard(
         param_id = next(ids)
         po: ParamOpt | None = state.optim.params.get(n)
         optim = None
-        if po is not None:
+        torch_state = param_state(po.torch_state, ids) if po is not None and po.torch_state is not None else None
+        if po is not None and torch_state is None:
             has_moments = po.exp_avg is not None and po.exp_avg_sq is not None
             m1 = next(ids) if has_moments else None
             m2 = next(ids) if has_moments else None
@@ -171,11 +189,18 @@ def write_shard(
                 exp_avg_sq=m2,
                 moment_dtype=dtype_name(po.exp_avg.dtype, n) if has_moments else None,
             )
-        entries.append(TensorEntry(name=n, dtype=dtype_name(t.dtype, n), shape=tuple(t.shape), param=param_id, optim=optim))
+        kind = "buffer" if n in state.buffers else "param"
+        entries.append(
+            TensorEntry(name=n, dtype=dtype_name(t.dtype, n), shape=tuple(t.shape), param=param_id, optim=optim, kind=kind, state=torch_state)
+        )
     rng = tuple(RngEntry(kind=k, object=store.put(v)) for k, v in sorted(state.rng.items()))
+    extras = write_extras(store, state.extra, threads=threads)
     config_id = _config_id(store, info.config)
     store.sync()  # objects are durable before any manifest names them
     groups = tuple(group_spec(g, h) for g, h in sorted(state.optim.groups.items()))
+    torch_opt = None
+    if state.optim.torch_groups and state.optim.class_name is not None:
+        torch_opt = TorchOptimizer(class_name=state.optim.class_name, groups=tuple(h for _, h in sorted(state.optim.torch_groups.items())))
     shard = ShardManifest(
         version=FORMAT_VERSION,
         job=info.job,
@@ -184,22 +209,29 @@ def write_shard(
         config=config_id,
         slot=slot,
         slots=slots,
-        algorithm=state.optim.algorithm if groups else "none",
+        algorithm=state.optim.algorithm if groups or torch_opt else "none",
         groups=groups,
         entries=tuple(entries),
         rng=rng,
+        torch_optimizer=torch_opt,
+        extras=extras,
     )
     sid = store.put_manifest(shard)
     store.sync()
     return sid
 
 
-def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None) -> str:
-    """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]); return the commit id."""
+def write_commit(
+    store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()
+) -> str:
+    """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]); return the commit id.
+
+    ``extras``: the commit-wide extras, their objects already written and durable (``write_extras``).
+    """
     shards = [store.shard(s) for s in shard_ids]
     groups: dict[str, Any] = {}
     entries: list[TensorEntry] = []
-    algorithms = {s.algorithm for s in shards if s.groups}
+    algorithms = {s.algorithm for s in shards if s.groups or s.torch_optimizer is not None}
     for s in shards:
         for g in s.groups:
             if groups.setdefault(g.name, g) != g:
@@ -208,12 +240,13 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
     if len(algorithms) > 1:
         raise StateMismatch(f"slots use different optimizer algorithms: {sorted(algorithms)}")
     algorithm = algorithms.pop() if algorithms else "none"
-    optimizer = OptimizerSpec(algorithm=algorithm, groups=tuple(groups[k] for k in sorted(groups)))
+    optimizer = OptimizerSpec(algorithm=algorithm, groups=tuple(groups[k] for k in sorted(groups)), torch_optimizer=torch_union(shards))
     config_id = _config_id(store, info.config)
     layout = tuple(
         SlotLayout(slot=i, shard=sid, tensors=tuple(e.name for e in s.entries)) for i, (sid, s) in enumerate(zip(shard_ids, shards))
     )
-    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries)
+    extras = tuple(sorted(extras, key=lambda x: x.key))
+    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries, extras=extras)
     commit = CommitManifest(
         version=FORMAT_VERSION,
         job=info.job,
@@ -227,6 +260,7 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
         learned_root=root,
         parent=parent,
         transition=info.transition,  # type: ignore[arg-type]
+        extras=extras,
     )
     cid = store.put_manifest(commit)
     store.sync()
@@ -235,9 +269,19 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
 
 
 def save_slots(
-    store: Store, states: list[SlotState], *, info: CommitInfo, ref: str | None = "main", parent: str | None = AUTO, threads: int = 2
+    store: Store,
+    states: list[SlotState],
+    *,
+    info: CommitInfo,
+    ref: str | None = "main",
+    parent: str | None = AUTO,
+    threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Commit several slots' states from one process and move ``ref`` (None: leave refs alone)."""
+    """Commit several slots' states from one process and move ``ref`` (None: leave refs alone).
+
+    ``extra``: commit-wide stateful objects (schedulers, scalers; SPEC.md §Extras).
+    """
     started = time.time()
     if ref is not None:
         check_ref_name(ref)
@@ -245,8 +289,9 @@ def save_slots(
     if parent is AUTO:
         parent = current
     n = len(states)
+    extras = write_extras(store, capture_extras(extra), threads=threads)  # made durable by write_shard's barrier
     shard_ids = [write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)]
-    cid = write_commit(store, shard_ids, info=info, parent=parent)
+    cid = write_commit(store, shard_ids, info=info, parent=parent, extras=extras)
     if ref is not None:
         store.set_ref(ref, cid, expected=current)
     store.write_journal(cid, {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()})
@@ -268,11 +313,17 @@ def save(
     transition: str = "train",
     group_names: list[str] | None = None,
     threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
+    slot_extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Save a model's parameters (and optimizer, RNG, data cursor) as a one-slot commit; return its id."""
+    """Save a model's parameters and buffers (and optimizer, RNG, data cursor) as a one-slot commit; return its id.
+
+    ``extra``: commit-wide stateful objects (``state_dict()``/``load_state_dict()``: schedulers,
+    scalers, ...); ``slot_extra``: the slot's own (SPEC.md §Extras).
+    """
     info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
-    state = capture(model, optimizer, rng=rng, group_names=group_names)
-    return save_slots(store, [state], info=info, ref=ref, parent=parent, threads=threads)
+    state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
+    return save_slots(store, [state], info=info, ref=ref, parent=parent, threads=threads, extra=extra)
 
 
 def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
@@ -352,6 +403,8 @@ def restore(
     strict: bool = True,
     group_names: list[str] | None = None,
     threads: int = 8,
+    extra: Mapping[str, Any] | None = None,
+    slot_extra: Mapping[str, Any] | None = None,
 ) -> Restored:
     """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
 
@@ -379,21 +432,37 @@ def restore(
             raise TensorMismatch(f"tensor {n!r}: commit {lc.id} holds {e.dtype}{list(e.shape)}, the model has {dtype_name(t.dtype, n)}{list(t.shape)}")
     reads = [(entries[n].param, targets[n], f"tensor {n!r}") for n in names]
     state = None
-    if optimizer is not None:
+    torch_plan = None
+    if optimizer is not None and use_torch_form(lc.id, lc.commit.optimizer, optimizer):
+        spec = lc.commit.optimizer
+        torch_plan = plan_torch_restore(spec.torch_optimizer, spec.algorithm, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id)
+        reads += torch_plan.reads
+    elif optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
         reads += moment_reads
+    extras_plan = plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}")
+    slot_plan = plan_extras_restore(store, lc.shards[_slot(lc, slot, "slot_extra")].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {slot}")
+    reads += extras_plan.reads + slot_plan.reads
     _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
-    if optimizer is not None and state is not None:
+    if torch_plan is not None:
+        torch_plan.install()
+    elif optimizer is not None and state is not None:
         if hasattr(optimizer, "state_import"):
             into_export(optimizer, state, [n for n in names if n in state.params])
         else:
             _install_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
     restored_rng = False
     if rng:
-        s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)
-        if s is None or s not in lc.shards:
-            raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore RNG")
-        restore_rng({r.kind: store.get(r.object) for r in lc.shards[s].rng})
+        restore_rng({r.kind: store.get(r.object) for r in lc.shards[_slot(lc, slot, "RNG")].rng})
         restored_rng = True
+    loaded, slot_loaded = extras_plan.install(), slot_plan.install()
     config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config))
-    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng)
+    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, loaded, slot_loaded)
+
+
+def _slot(lc: LoadedCommit, slot: int | None, what: str) -> int:
+    """The slot whose RNG or own extras to restore: ``slot``, or the only slot of a 1-slot commit."""
+    s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)
+    if s is None or s not in lc.shards:
+        raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore {what}")
+    return s

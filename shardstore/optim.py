@@ -5,6 +5,7 @@ hyperparameters as numbers (not torch's ``param_groups`` dicts), and per-paramet
 keyed by tensor name — group, Adam age (updates received) and both moments. Adapters:
 
 - ``torch.optim.Adam`` / ``torch.optim.AdamW`` (``from_torch`` / ``into_torch``);
+- every other torch optimizer through ``torch_optim`` (the *torch form*, algorithm ``torch``);
 - any optimizer exposing ``state_export()`` / ``state_import(groups, params)`` with plain
   dicts (shardtrain's shard-local AdamW does), via ``from_export`` / ``into_export``.
 """
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import StateMismatch, UnsupportedOptimizer
-from .manifest import GroupSpec, f64_decode, f64_encode
+from .manifest import GroupSpec, HyperGroup, f64_decode, f64_encode
 from .names import check_group_name
+
+if TYPE_CHECKING:
+    from .torch_optim import TorchParam
 
 __all__ = ["Hyper", "ParamOpt", "OptimState", "from_torch", "into_torch", "from_export", "into_export", "group_spec", "hyper_of"]
 
@@ -42,6 +46,7 @@ class ParamOpt:
     age: int
     exp_avg: torch.Tensor | None
     exp_avg_sq: torch.Tensor | None
+    torch_state: TorchParam | None = None  # the torch form's state (algorithm "torch"); then age is unused
 
 
 @dataclass
@@ -51,6 +56,8 @@ class OptimState:
     algorithm: str = "none"
     groups: dict[str, Hyper] = field(default_factory=dict)
     params: dict[str, ParamOpt] = field(default_factory=dict)
+    class_name: str | None = None  # the torch form: the optimizer's class and its groups
+    torch_groups: dict[str, HyperGroup] = field(default_factory=dict)
 
 
 def group_spec(name: str, h: Hyper) -> GroupSpec:
@@ -75,7 +82,7 @@ def _algorithm(optimizer: torch.optim.Optimizer) -> str:
         decoupled = any(g.get("decoupled_weight_decay", False) for g in optimizer.param_groups)
         return "adamw" if decoupled else "adam"
     raise UnsupportedOptimizer(
-        f"{type(optimizer).__name__} has no canonical form; use torch.optim.Adam/AdamW or an optimizer "
+        f"{type(optimizer).__name__} has no canonical form; use a torch.optim.Optimizer or an optimizer "
         "with state_export()/state_import() (SPEC.md §Optimizer state)"
     )
 

@@ -21,10 +21,12 @@ from .errors import (
     ShardstoreError,
     TensorMismatch,
 )
+from .extras import extra_objects, extras_rules
 from .manifest import CommitManifest, ShardManifest, TensorEntry
 from .roots import learned_root
 from .store import Store
 from .tensors import expected_nbytes
+from .torch_optim import shard_rules, state_objects
 
 __all__ = ["Problem", "Report", "LoadedCommit", "shard_problems", "commit_problems", "load_commit", "verify"]
 
@@ -126,6 +128,10 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
             yield p(ManifestError, "moment_dtype must be set exactly when moments are present", e.name)
     if set(gnames) - used:
         yield p(ManifestError, f"groups {sorted(set(gnames) - used)} are not used by any tensor entry")
+    for err, msg, tensor in shard_rules(shard):  # buffers and the torch form (SPEC.md §Buffers, §Optimizer state)
+        yield p(err, msg, tensor)
+    for msg in extras_rules(shard.extras):
+        yield p(ManifestError, msg)
 
 
 def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardManifest], shard_ids: dict[int, str]) -> Iterator[Problem]:
@@ -143,6 +149,14 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
     if not _sorted_unique(gnames):
         yield p(ManifestError, "optimizer groups are not sorted by name and unique")
     groups = {g.name: g for g in commit.optimizer.groups}
+    spec = commit.optimizer.torch_optimizer
+    tgroups = {g.name: g for g in spec.groups} if spec is not None else {}
+    if (commit.optimizer.algorithm == "torch") != (spec is not None) or (spec is not None and commit.optimizer.groups):
+        yield p(ManifestError, "torch_optimizer must be present exactly under algorithm 'torch', without Adam groups")
+    if spec is not None and [g.name for g in spec.groups] != sorted(tgroups):
+        yield p(ManifestError, "torch optimizer groups are not sorted by name and unique")
+    for msg in extras_rules(commit.extras):
+        yield p(ManifestError, msg)
     owners: dict[str, int] = {}
     for lay in commit.layout:
         if not _sorted_unique(list(lay.tensors)):
@@ -167,7 +181,7 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
             "slot": (shard.slot, lay.slot),
             "slots": (shard.slots, len(commit.layout)),
         }
-        if shard.groups and shard.algorithm != commit.optimizer.algorithm:
+        if (shard.groups or shard.torch_optimizer is not None) and shard.algorithm != commit.optimizer.algorithm:
             binding["algorithm"] = (shard.algorithm, commit.optimizer.algorithm)
         for fieldname, (have, want) in binding.items():
             if have != want:
@@ -176,17 +190,30 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
             if groups.get(g.name) != g:
                 yield p(BindingError, f"group {g.name!r} differs from the commit's optimizer group of that name", sid)
             used_groups.add(g.name)
+        if shard.torch_optimizer is not None:
+            if spec is None or shard.torch_optimizer.class_name != spec.class_name:
+                have, want = shard.torch_optimizer.class_name, spec.class_name if spec else None
+                yield p(BindingError, f"shard's optimizer class is {have!r} but the commit's is {want!r} (SPEC.md §Binding)", sid)
+            for g in shard.torch_optimizer.groups:
+                if tgroups.get(g.name) != g:
+                    yield p(BindingError, f"group {g.name!r} differs from the commit's torch optimizer group of that name", sid)
+                used_groups.add(g.name)
         names = [e.name for e in shard.entries]
         if names != list(lay.tensors):
             missing = sorted(set(lay.tensors) - set(names))
             extra = sorted(set(names) - set(lay.tensors))
             yield p(LayoutError, f"layout of slot {lay.slot} and its shard disagree: in layout only {missing[:5]}, in shard only {extra[:5]}", sid)
         all_entries.extend(shard.entries)
-    if set(groups) - used_groups and len(shards) == len(commit.layout):
-        yield p(ManifestError, f"optimizer groups {sorted(set(groups) - used_groups)} are used by no tensor")
+    if (set(groups) | set(tgroups)) - used_groups and len(shards) == len(commit.layout):
+        yield p(ManifestError, f"optimizer groups {sorted((set(groups) | set(tgroups)) - used_groups)} are used by no tensor")
     if len(shards) == len(commit.layout):
         root = learned_root(
-            step=commit.step, data_cursor=commit.data_cursor, config=commit.config, optimizer=commit.optimizer, entries=all_entries
+            step=commit.step,
+            data_cursor=commit.data_cursor,
+            config=commit.config,
+            optimizer=commit.optimizer,
+            entries=all_entries,
+            extras=commit.extras,
         )
         if root != commit.learned_root:
             yield p(ManifestError, f"learned-state root is {commit.learned_root} but the shards give {root} (SPEC.md §Roots)")
@@ -226,11 +253,15 @@ def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[tuple[str, int 
     """(object id, expected size or None, tensor name, what) for every object the commit references."""
     if lc.commit.config is not None:
         yield lc.commit.config, None, None, "model config"
+    for oid, size, what in extra_objects(lc.commit.extras, ""):
+        yield oid, size, None, what
     for s, shard in sorted(lc.shards.items()):
         if slot is not None and s != slot:
             continue
         for r in shard.rng:
             yield r.object, None, None, f"RNG state {r.kind} of slot {s}"
+        for oid, size, what in extra_objects(shard.extras, f" of slot {s}"):
+            yield oid, size, None, what
         for e in shard.entries:
             yield e.param, expected_nbytes(e.dtype, e.shape), e.name, "parameter"
             o = e.optim
@@ -240,6 +271,8 @@ def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[tuple[str, int 
                     yield o.exp_avg, n, e.name, "exp_avg"
                 if o.exp_avg_sq is not None:
                     yield o.exp_avg_sq, n, e.name, "exp_avg_sq"
+            for oid, size, what in state_objects(e):
+                yield oid, size, e.name, what
 
 
 def _check_objects(store: Store, jobs: list[tuple[str, int | None, str | None, str]], deep: bool, threads: int) -> list[tuple[ShardstoreError | None, int]]:
