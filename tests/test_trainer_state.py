@@ -1,0 +1,272 @@
+"""A whole trainer's state (issue 13): buffers, any torch optimizer, schedulers, scalers, user objects.
+
+Each round trip trains a tiny BatchNorm model a few steps, saves, keeps training, then
+rebuilds everything fresh, restores and trains the same steps: losses, parameters,
+buffers, optimizer state and every extra's state must match bitwise.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import torch
+
+import shardstore as ss
+from shardstore.store import object_key
+
+
+class Counter:
+    """A user's own stateful object with nested dict/list state and a tensor inside."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.history: list[Any] = []
+        self.best = torch.zeros(2)
+
+    def update(self, loss: float) -> None:
+        self.seen += 1
+        self.history.append({"step": self.seen, "loss": loss, "flags": [True, None, "ok"]})
+        self.best = torch.minimum(self.best, torch.tensor([loss, -loss]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen, "history": self.history, "nested": {"best": self.best, "depth": [[1, 2.5], {"x": -0.0}]}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.seen, self.history, self.best = sd["seen"], sd["history"], sd["nested"]["best"].clone()
+
+
+class Warmup:
+    """A callable lr_lambda object: its __dict__ is in LambdaLR's state_dict (a plain function is not)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, epoch: int) -> float:
+        return min(1.0, (epoch + 1) / self.n)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+
+
+def _sched(kind: str, opt: torch.optim.Optimizer) -> Any:
+    S = torch.optim.lr_scheduler
+    if kind == "cosine":
+        return S.CosineAnnealingLR(opt, T_max=7)
+    if kind == "onecycle":
+        return S.OneCycleLR(opt, max_lr=0.05, total_steps=10)
+    if kind == "sequential":
+        return S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.5, total_iters=2), S.ExponentialLR(opt, gamma=0.9)], milestones=[2])
+    return S.LambdaLR(opt, Warmup(4))
+
+
+CASES = {
+    "batchnorm-adamw-cosine": (lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), "cosine"),
+    "sgd-nesterov-onecycle": (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True), "onecycle"),
+    "adam-amsgrad-sequential": (lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True), "sequential"),
+    "adagrad-lambda": (lambda p: torch.optim.Adagrad(p, lr=0.05), "lambda"),
+    "rmsprop-centered-cosine": (lambda p: torch.optim.RMSprop(p, lr=0.01, centered=True, momentum=0.5), "cosine"),
+}
+
+
+def _build(case: str) -> tuple[torch.nn.Module, Any, Any, Any, Counter]:
+    make_opt, kind = CASES[case]
+    model = _model()
+    opt = make_opt(model.parameters())
+    return model, opt, _sched(kind, opt), torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2), Counter()
+
+
+def _train(parts: tuple, batches: list[torch.Tensor]) -> list[float]:
+    model, opt, sched, scaler, counter = parts
+    losses = []
+    for x in batches:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        counter.update(loss.item())
+        losses.append(loss.item())
+    return losses
+
+
+def _assert_same_state(a: tuple, b: tuple) -> None:
+    for (n, x), (_, y) in zip(a[0].state_dict().items(), b[0].state_dict().items()):
+        assert torch.equal(x, y), n
+    sa, sb = a[1].state_dict(), b[1].state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for i in sa["state"]:
+        assert sa["state"][i].keys() == sb["state"][i].keys()
+        for k, v in sa["state"][i].items():
+            assert torch.equal(v, sb["state"][i][k]) and v.dtype == sb["state"][i][k].dtype, (i, k)
+    assert a[2].state_dict() == b[2].state_dict()
+    assert a[3].state_dict() == b[3].state_dict()
+    assert a[4].seen == b[4].seen and a[4].history == b[4].history and torch.equal(a[4].best, b[4].best)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_round_trip_continues_bitwise(case):
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 4, generator=g) for _ in range(5)]
+    run = _build(case)
+    _train(run, batches[:3])
+    extra = {"scheduler": run[2], "scaler": run[3], "counter": run[4]}
+    cid = ss.save(store, run[0], run[1], step=3, extra=extra)
+    after = _train(run, batches[3:])
+
+    fresh = _build(case)
+    _train(fresh, batches[:1])  # a fresh run that has moved on: restore must overwrite all of it
+    info = ss.restore(store, cid, fresh[0], fresh[1], extra={"scheduler": fresh[2], "scaler": fresh[3], "counter": fresh[4]})
+    assert info.extras == ["counter", "scaler", "scheduler"]
+    assert _train(fresh, batches[3:]) == after
+    _assert_same_state(run, fresh)
+    assert ss.verify(store).ok
+
+
+def test_buffers_are_restored_bitwise():
+    """Failed before issue 13: running statistics came back at their initial values, silently."""
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    model.register_buffer("scratch", torch.ones(3), persistent=False)
+    model.train()
+    for _ in range(3):
+        model(torch.randn(8, 4))  # forward passes move the running statistics
+    cid = ss.save(store, model, step=0)
+    fresh = _model()
+    ss.restore(store, cid, fresh)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(fresh[1], name), getattr(model[1], name)), name
+    assert int(fresh[1].num_batches_tracked) == 3
+    entries = ss.load_commit(store, cid).entries()
+    assert {n for n, e in entries.items() if e.kind == "buffer"} == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    assert "scratch" not in entries  # not in state_dict(), so not saved
+
+
+def test_buffers_enter_the_learned_state_root():
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    a = ss.save(store, model, step=0, rng=False)
+    model(torch.randn(8, 4))  # only buffers change
+    b = ss.save(store, model, step=0, rng=False, parent=a)
+    assert store.commit(a).learned_root != store.commit(b).learned_root
+
+
+def test_state_dict_entry_that_is_neither_parameter_nor_buffer_is_refused():
+    class WithExtraState(torch.nn.Linear):
+        def get_extra_state(self) -> Any:
+            return {"calibrated": True}
+
+        def set_extra_state(self, state: Any) -> None:
+            pass
+
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = torch.nn.Sequential(WithExtraState(2, 2))
+    with pytest.raises(ss.UnsupportedState, match=r"'0\._extra_state'"):
+        ss.save(store, model, step=0)
+    assert store.refs() == {}
+
+
+def test_tied_weights_are_saved_once():
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    cid = ss.save(store, model, step=0)
+    assert sorted(ss.load_commit(store, cid).entries()) == ["0.weight"]
+
+
+@pytest.mark.parametrize(
+    "bad, path",
+    [
+        ({"fn": len}, r"\$\.fn"),
+        ({"deep": [{"obj": Counter()}]}, r"\$\.deep\[0\]\.obj"),
+        ({"gen": (i for i in range(2))}, r"\$\.gen"),
+        ({1: "int key"}, r"key 1"),
+    ],
+)
+def test_extras_that_pickle_would_need_are_refused_by_key_path(bad, path):
+    class Holder:
+        def state_dict(self) -> dict:
+            return bad
+
+        def load_state_dict(self, sd: dict) -> None:
+            pass
+
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    with pytest.raises(ss.UnsupportedState, match=r"extra 'holder'.*" + path):
+        ss.save(store, _model(), step=0, extra={"holder": Holder()})
+    assert store.refs() == {}
+
+
+def test_sgd_state_into_adamw_is_refused_before_anything_is_written():
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    cid = ss.save(store, model, opt, step=1)
+    other = _model()
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(ss.StateMismatch, match=r"torch\.optim\.sgd\.SGD state but the optimizer is torch\.optim\.adamw\.AdamW"):
+        ss.restore(store, cid, other, torch.optim.AdamW(other.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(before, other.parameters()))  # nothing written
+    with pytest.raises(ss.StateMismatch, match="adamw optimizer state but the optimizer is torch.optim.sgd.SGD"):
+        adam_cid = ss.save(store, other, torch.optim.AdamW(other.parameters()), step=0, parent=None, ref=None)
+        ss.restore(store, adam_cid, model, opt)
+
+
+def test_optimizer_state_that_is_not_tensors_or_numbers_is_refused_by_key():
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model[0].weight]["history"] = [1, 2]
+    with pytest.raises(ss.UnsupportedOptimizer, match=r"tensor '0\.weight', key 'history'"):
+        ss.save(store, model, opt, step=0)
+
+
+def test_slot_extras_async_saver_and_copy_of_one_slot():
+    """A per-slot extra, a snapshot that later changes, and a slot-0 closure copied alone."""
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.01)
+    loader, counter = Counter(), Counter()
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    loader.update(1.0)
+    with ss.AsyncSaver(store) as saver:
+        saver.save(model, opt, step=1, extra={"counter": counter}, slot_extra={"loader": loader})
+        loader.update(2.0)  # after the snapshot: not in the commit
+        with torch.no_grad():
+            next(iter(opt.state.values()))["square_avg"].add_(1.0)
+    cid = store.ref("main")
+    dst = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    ss.copy_commit(store, dst, cid, slot=0)
+    fresh, fresh_loader, fresh_counter = _model(), Counter(), Counter()
+    fresh_opt = torch.optim.RMSprop(fresh.parameters(), lr=0.01)
+    info = ss.restore(dst, cid, fresh, fresh_opt, extra={"counter": fresh_counter}, slot_extra={"loader": fresh_loader})
+    assert info.slot_extras == ["loader"] and fresh_loader.seen == 1 and fresh_loader.history[0]["loss"] == 1.0
+    w = model[0].weight
+    assert not torch.equal(fresh_opt.state[fresh[0].weight]["square_avg"], opt.state[w]["square_avg"])
+    assert torch.equal(fresh_opt.state[fresh[0].weight]["square_avg"] + 1.0, opt.state[w]["square_avg"])
+    assert ss.verify(dst).ok
+    with pytest.raises(ss.StateMismatch, match="no extra 'scheduler'"):
+        ss.restore(dst, cid, fresh, extra={"scheduler": Counter()})
+
+
+def test_verify_and_gc_see_the_new_objects():
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    run = _build("sgd-nesterov-onecycle")
+    _train(run, [torch.randn(8, 4)])
+    cid = ss.save(store, run[0], run[1], step=1, extra={"counter": run[4]})
+    lc = ss.load_commit(store, cid)
+    doc, tensor = lc.commit.extras[0].state, lc.commit.extras[0].tensors[0].object
+    momentum = lc.entries()["0.weight"].state.tensors[0].object
+    assert ss.gc(store, grace_seconds=0, dry_run=True).deleted == {}  # everything is reachable
+    for oid in (doc, tensor, momentum):
+        store.storage.delete(object_key(oid))
+    report = ss.verify(store)
+    missing = {p.object for p in report.problems if p.kind == "ObjectNotFound"}
+    assert {doc, tensor, momentum} <= missing, report.problems
