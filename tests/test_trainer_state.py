@@ -270,3 +270,49 @@ def test_verify_and_gc_see_the_new_objects():
     report = ss.verify(store)
     missing = {p.object for p in report.problems if p.kind == "ObjectNotFound"}
     assert {doc, tensor, momentum} <= missing, report.problems
+
+
+def test_cli_show_and_diff_report_buffers_optimizer_class_and_extras(tmp_path, capsys):
+    from shardstore_cli import shardstore_cli
+
+    path = str(tmp_path / "store")
+    store = ss.open_store(path)
+    run = _build("adagrad-lambda")
+    _train(run, [torch.randn(8, 4)])
+    a = ss.save(store, run[0], run[1], step=1, extra={"scheduler": run[2]}, slot_extra={"counter": run[4]})
+    _train(run, [torch.randn(8, 4)])
+    b = ss.save(store, run[0], run[1], step=2, extra={"scheduler": run[2]}, slot_extra={"counter": run[4]})
+    capsys.readouterr()
+    assert shardstore_cli.main(["show", path, b]) == 0
+    out = capsys.readouterr().out
+    assert "torch (torch.optim.adagrad.Adagrad)" in out and "per-parameter state: step, sum" in out
+    assert "1.running_mean float32[6] slot 0" in out and "scheduler (commit-wide): " in out and "counter (slot 0): " in out
+    assert shardstore_cli.main(["diff", path, a, b]) == 0
+    out = capsys.readouterr().out
+    assert "changed  1.running_var  values" in out and "state step 1 -> 2; state sum" in out
+    assert "extra.scheduler.last_epoch: 1 -> 2" in out and "slot_extra.0.counter.seen: 1 -> 2" in out
+    assert shardstore_cli.main(["show", path, b, "--json"]) == 0
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert doc["optimizer"]["class"] == "torch.optim.adagrad.Adagrad" and [x["key"] for x in doc["extras"]] == ["scheduler", "counter"]
+
+
+def test_export_with_optimizer_keeps_torch_state_and_extras(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from shardstore.interchange import export_commit
+
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    run = _build("sgd-nesterov-onecycle")
+    _train(run, [torch.randn(8, 4)])
+    ss.save(store, run[0], run[1], step=1, extra={"counter": run[4]})
+    out = tmp_path / "out"
+    export_commit(store, "main", str(out), with_optimizer=True)
+    model = load_file(str(out / "model.safetensors"))
+    assert torch.equal(model["1.running_mean"], run[0][1].running_mean)  # buffers are model tensors
+    momentum = load_file(str(out / "optimizer.state.momentum_buffer.safetensors"))
+    assert torch.equal(momentum["0.weight"], run[1].state[run[0][0].weight]["momentum_buffer"])
+    assert torch.equal(load_file(str(out / "extras.safetensors"))["counter.0"], run[4].best)
+    doc = json.loads((out / "optimizer.json").read_text())
+    assert doc["class"] == "torch.optim.sgd.SGD" and doc["extras"]["counter"]["seen"] == 1
