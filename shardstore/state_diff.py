@@ -17,7 +17,7 @@ from .errors import ShardstoreError
 from .extras import read_extra_state
 from .manifest import ExtraEntry, ParamState, TorchOptimizer
 from .store import Store
-from .torch_optim import _unhyper, _unscalar
+from .torch_optim import _unhyper
 
 __all__ = ["state_changes", "hyper_groups", "extras_changes", "extra_state_view"]
 

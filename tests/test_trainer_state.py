@@ -316,3 +316,40 @@ def test_export_with_optimizer_keeps_torch_state_and_extras(tmp_path):
     assert torch.equal(load_file(str(out / "extras.safetensors"))["counter.0"], run[4].best)
     doc = json.loads((out / "optimizer.json").read_text())
     assert doc["class"] == "torch.optim.sgd.SGD" and doc["extras"]["counter"]["seen"] == 1
+
+
+def test_forged_manifests_and_state_documents_are_refused():
+    import msgspec
+
+    from shardstore.manifest import ExtraEntry
+    from shardstore.verify import shard_problems
+
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    cid = ss.save(store, model, opt, step=1)
+    lc = ss.load_commit(store, cid)
+    shard = lc.shards[0]
+    entries = list(shard.entries)
+    i = next(k for k, e in enumerate(entries) if e.kind == "buffer")
+    j = next(k for k, e in enumerate(entries) if e.state is not None)
+    forged = {
+        "a buffer has optimizer state": {i: msgspec.structs.replace(entries[i], state=entries[j].state)},
+        "not among the shard's torch optimizer groups": {j: msgspec.structs.replace(entries[j], state=msgspec.structs.replace(entries[j].state, group="other"))},
+    }
+    for message, change in forged.items():
+        bad = msgspec.structs.replace(shard, entries=tuple(change.get(k, e) for k, e in enumerate(entries)))
+        assert any(message in str(p) and p.kind == "ManifestError" for p in shard_problems(bad, "x" * 64)), message
+    bad = msgspec.structs.replace(shard, torch_optimizer=None)
+    assert any("torch_optimizer must be present" in str(p) for p in shard_problems(bad, "x" * 64))
+    # A state document that hashes correctly but is not canonical (a plain JSON real) is refused on restore.
+    sid = lc.shard_ids[0]
+    planted = ExtraEntry(key="sched", state=store.put(b'{"lr":0.5}'), tensors=())
+    forged_cid = ss.write_commit(store, [sid], info=ss.CommitInfo(step=1), parent=None, extras=(planted,))
+    target = _model()
+    before = [t.clone() for t in target.state_dict().values()]
+    with pytest.raises(ss.ManifestError, match="plain JSON real"):
+        ss.restore(store, forged_cid, target, extra={"sched": Counter()})
+    assert all(torch.equal(a, b) for a, b in zip(before, target.state_dict().values()))  # refused before writing
