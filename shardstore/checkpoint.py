@@ -2,8 +2,12 @@
 
 The common case is two calls::
 
-    commit_id = shardstore.save(store, model, optimizer, step=step)
-    shardstore.restore(store, "main", model, optimizer)
+    commit_id = shardstore.save(store, model, optimizer, step=step, extra={"scheduler": sched})
+    shardstore.restore(store, "main", model, optimizer, extra={"scheduler": sched})
+
+A module's parameters and persistent buffers are saved (``module_state``); the optimizer
+is Adam/AdamW's canonical form (``optim``) or any other torch optimizer's torch form
+(``torch_optim``); extras are any objects with ``state_dict()`` (``extras``).
 
 Underneath, a save is: ``capture`` what one slot owns (no copy), ``write_shard`` (objects,
 then a durability barrier, then the shard manifest), ``write_commit`` (the commit manifest,
@@ -408,8 +412,11 @@ def restore(
 ) -> Restored:
     """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
 
-    Only tensors the model owns (non-meta parameters) are read, whatever layout wrote them;
-    every byte read is verified. ``strict``: every owned tensor must be in the commit.
+    Only tensors the model owns (non-meta parameters and persistent buffers) are read,
+    whatever layout wrote them; every byte read is verified. ``strict``: every owned tensor
+    must be in the commit. ``extra`` / ``slot_extra``: objects to ``load_state_dict`` the
+    commit-wide extras / the slot's own extras into, by key (SPEC.md §Extras). The optimizer
+    and every requested extra are checked against the commit before anything is written.
     ``rng`` restores the RNG states of ``slot`` (default: the only slot of a 1-slot commit).
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;

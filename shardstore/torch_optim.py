@@ -226,10 +226,10 @@ def plan_torch_restore(
     index = 0
     for gname, g in zip(_group_names(optimizer, group_names), optimizer.param_groups):
         h = groups.get(gname)
-        if h is None:
+        if h is None and g["params"]:
             raise StateMismatch(f"optimizer group {gname!r} is not in commit {commit_id} (groups: {sorted(groups)})")
-        saved = {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}
-        saved.update({k: _unhyper(v, g.get(k)) for k, v in h.hyper.items()})
+        saved = {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}  # an empty group saves no hyperparameters
+        saved.update({k: _unhyper(v, g.get(k)) for k, v in (h.hyper.items() if h is not None else ())})
         saved["params"] = list(range(index, index + len(g["params"])))
         saved_groups.append(saved)
         for p in g["params"]:

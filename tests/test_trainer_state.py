@@ -353,3 +353,21 @@ def test_forged_manifests_and_state_documents_are_refused():
     with pytest.raises(ss.ManifestError, match="plain JSON real"):
         ss.restore(store, forged_cid, target, extra={"sched": Counter()})
     assert all(torch.equal(a, b) for a, b in zip(before, target.state_dict().values()))  # refused before writing
+
+
+def test_lambda_lr_with_a_plain_function_keeps_no_state_for_it():
+    """torch's LambdaLR.state_dict() holds None for a plain function: the restoring program supplies it."""
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
+    opt.step()
+    sched.step()
+    ss.save(store, model, opt, step=1, extra={"scheduler": sched})
+    doc = ss.load_commit(store, "main").commit.extras[0]
+    assert b'"lr_lambdas":[null]' in bytes(store.get(doc.state))
+    opt2 = torch.optim.SGD(_model().parameters(), lr=0.1)
+    fn = lambda e: 0.5**e  # noqa: E731
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, fn)
+    ss.restore(store, "main", _model(), extra={"scheduler": sched2})
+    assert sched2.lr_lambdas == [fn] and sched2.last_epoch == 1
