@@ -248,6 +248,7 @@ def test_slot_extras_async_saver_and_copy_of_one_slot():
     fresh_opt = torch.optim.RMSprop(fresh.parameters(), lr=0.01)
     info = ss.restore(dst, cid, fresh, fresh_opt, extra={"counter": fresh_counter}, slot_extra={"loader": fresh_loader})
     assert info.slot_extras == ["loader"] and fresh_loader.seen == 1 and fresh_loader.history[0]["loss"] == 1.0
+    assert torch.equal(fresh[1].running_var, model[1].running_var)  # buffers travel through the arena too
     w = model[0].weight
     assert not torch.equal(fresh_opt.state[fresh[0].weight]["square_avg"], opt.state[w]["square_avg"])
     assert torch.equal(fresh_opt.state[fresh[0].weight]["square_avg"] + 1.0, opt.state[w]["square_avg"])
@@ -371,3 +372,22 @@ def test_lambda_lr_with_a_plain_function_keeps_no_state_for_it():
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, fn)
     ss.restore(store, "main", _model(), extra={"scheduler": sched2})
     assert sched2.lr_lambdas == [fn] and sched2.last_epoch == 1
+
+
+def test_one_learned_root_for_any_split_and_any_slot_extras():
+    """Buffers, the torch form and commit-wide extras are in the learned-state root; the split and slot extras are not."""
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    run = _build("rmsprop-centered-cosine")
+    _train(run, [torch.randn(8, 4)])
+    model, opt = run[0], run[1]
+    names = sorted(n for n, _ in model.state_dict().items())
+    info = ss.CommitInfo(step=1)
+    extra = {"scheduler": run[2], "counter": run[4]}
+    one = ss.save_slots(store, [ss.capture(model, opt, rng=False)], info=info, ref=None, extra=extra)
+    halves = [ss.capture(model, opt, names=names[:4], rng=False, extra={"loader": Counter()}), ss.capture(model, opt, names=names[4:], rng=False)]
+    two = ss.save_slots(store, halves, info=info, ref=None, extra=extra)
+    roots = {store.commit(c).learned_root for c in (one, two)}
+    assert one != two and len(roots) == 1
+    run[4].update(0.5)  # only a commit-wide extra changes: the learned-state root changes
+    three = ss.save_slots(store, [ss.capture(model, opt, rng=False)], info=info, ref=None, extra=extra)
+    assert store.commit(three).learned_root not in roots
