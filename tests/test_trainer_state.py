@@ -292,6 +292,9 @@ def test_cli_show_and_diff_report_buffers_optimizer_class_and_extras(tmp_path, c
     out = capsys.readouterr().out
     assert "changed  1.running_var  values" in out and "state step 1 -> 2; state sum" in out
     assert "extra.scheduler.last_epoch: 1 -> 2" in out and "slot_extra.0.counter.seen: 1 -> 2" in out
+    from shardstore.diff import diff
+
+    assert diff(store, b, a) == diff(store, a, b).mirrored()
     assert shardstore_cli.main(["show", path, b, "--json"]) == 0
     doc = __import__("json").loads(capsys.readouterr().out)
     assert doc["optimizer"]["class"] == "torch.optim.adagrad.Adagrad" and [x["key"] for x in doc["extras"]] == ["scheduler", "counter"]
@@ -391,3 +394,15 @@ def test_one_learned_root_for_any_split_and_any_slot_extras():
     run[4].update(0.5)  # only a commit-wide extra changes: the learned-state root changes
     three = ss.save_slots(store, [ss.capture(model, opt, rng=False)], info=info, ref=None, extra=extra)
     assert store.commit(three).learned_root not in roots
+
+
+def test_optional_fields_have_one_spelling_and_unknown_fields_stay_refused():
+    from shardstore.manifest import decode
+
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    raw = bytes(store.get(ss.save(store, {"w": torch.ones(2)}, step=0)))
+    assert b'"extras"' not in raw and decode(raw)
+    for spelled in (b'{"extras":[],', b'{"surprise":1,'):
+        forged = raw.replace(b'{"config"', spelled + b'"config"', 1)
+        with pytest.raises(ss.ManifestError, match="canonical encoding|unknown field"):
+            decode(forged)
