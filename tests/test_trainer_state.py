@@ -406,3 +406,15 @@ def test_optional_fields_have_one_spelling_and_unknown_fields_stay_refused():
         forged = raw.replace(b'{"config"', spelled + b'"config"', 1)
         with pytest.raises(ss.ManifestError, match="canonical encoding|unknown field"):
             decode(forged)
+
+
+def test_buffers_on_the_meta_device_are_not_owned():
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    model(torch.randn(8, 4))
+    cid = ss.save(store, model, step=0)
+    part = _model()
+    part[1] = torch.nn.BatchNorm1d(6, device="meta")  # another process owns the norm: params and buffers
+    info = ss.restore(store, cid, part)
+    assert info.tensors == ["0.bias", "0.weight", "3.bias", "3.weight"] and part[1].running_mean.is_meta
+    assert sorted(ss.load_commit(store, ss.save(store, part, step=0, ref=None)).entries()) == info.tensors
