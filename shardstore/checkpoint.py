@@ -46,11 +46,11 @@ from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_ex
 from .module_state import named_state
 from .names import check_ref_name
 from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
-from .torch_optim import capture_torch, is_adam_form, param_state, plan_torch_restore, torch_union, use_torch_form
 from .rng import capture_rng, restore_rng
 from .roots import learned_root
 from .store import Store
 from .tensors import dtype_name, torch_dtype
+from .torch_optim import capture_torch, is_adam_form, param_state, plan_torch_restore, torch_union, use_torch_form
 from .verify import LoadedCommit, load_commit
 
 __all__ = ["CommitInfo", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -34,6 +34,9 @@ from .errors import ManifestError, StateMismatch, UnsupportedState
 from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, f64_decode, f64_encode
 from .names import check_group_name
 from .tensors import dtype_name, expected_nbytes, torch_dtype
+
+if TYPE_CHECKING:
+    from .store import Store
 
 __all__ = ["CapturedExtra", "capture_extras", "write_extras", "extra_objects", "read_extra_state", "ExtrasRestore", "plan_extras_restore", "extras_rules"]
 
@@ -123,7 +126,7 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
     return out
 
 
-def write_extras(store: Any, captured: Mapping[str, CapturedExtra], *, threads: int = 2) -> tuple[ExtraEntry, ...]:
+def write_extras(store: Store, captured: Mapping[str, CapturedExtra], *, threads: int = 2) -> tuple[ExtraEntry, ...]:
     """Write each extra's tensors and document (no barrier: the caller's comes before any manifest)."""
     entries = []
     for key, c in sorted(captured.items()):
@@ -203,7 +206,7 @@ class ExtrasRestore:
         return [p[0] for p in self.pending]
 
 
-def plan_extras_restore(store: Any, entries: Iterable[ExtraEntry], objects: Mapping[str, Any] | None, where: str) -> ExtrasRestore:
+def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Mapping[str, Any] | None, where: str) -> ExtrasRestore:
     """Check that every requested extra is stored and decodes, and plan its tensor reads; raise before any write."""
     have = {x.key: x for x in entries}
     reads: list[tuple[str, torch.Tensor, str]] = []

@@ -45,6 +45,7 @@ from .manifest import (
     f64_encode,
 )
 from .names import check_group_name
+from .optim import _group_names  # one group-naming rule for both forms
 from .tensors import dtype_name, expected_nbytes, torch_dtype
 
 __all__ = ["REAL_PREFIX", "class_name", "is_adam_form", "capture_torch", "TorchRestore", "plan_torch_restore", "state_objects", "torch_union", "use_torch_form", "shard_rules"]
@@ -52,12 +53,17 @@ __all__ = ["REAL_PREFIX", "class_name", "is_adam_form", "capture_torch", "TorchR
 REAL_PREFIX = "f64:"
 _SKIP_GROUP_KEYS = ("params", "param_names")
 _STATE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # manifest.StateKey
+_LABEL = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:+-]{0,127}")  # manifest.Label
 _INT_RANGE = (-(2**63), 2**64 - 1)  # what the canonical JSON encoder writes as an integer
 
 
 def class_name(optimizer: Any) -> str:
+    """``module.qualname`` of the optimizer's class; refused if it is not a label (a class defined in a function)."""
     cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if _LABEL.fullmatch(name) is None:
+        raise UnsupportedOptimizer(f"optimizer class {name!r} is not a label (SPEC.md §Names); define it at module level")
+    return name
 
 
 def is_adam_form(optimizer: Any) -> bool:
@@ -100,12 +106,6 @@ def _unhyper(value: Any, live: Any) -> Any:
         seq = [_unscalar(v) for v in value]
         return list(seq) if isinstance(live, list) else tuple(seq)
     return _unscalar(value)
-
-
-def _group_names(optimizer: Any, group_names: list[str] | None) -> list[str]:
-    from .optim import _group_names as names  # one naming rule for both forms
-
-    return names(optimizer, group_names)
 
 
 def _state_scalar(key: str, value: Any, where: str) -> StateScalar:

@@ -418,3 +418,14 @@ def test_buffers_on_the_meta_device_are_not_owned():
     info = ss.restore(store, cid, part)
     assert info.tensors == ["0.bias", "0.weight", "3.bias", "3.weight"] and part[1].running_mean.is_meta
     assert sorted(ss.load_commit(store, ss.save(store, part, step=0, ref=None)).entries()) == info.tensors
+
+
+def test_an_optimizer_class_defined_in_a_function_is_refused_before_writing():
+    class LocalSGD(torch.optim.SGD):
+        pass
+
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    with pytest.raises(ss.UnsupportedOptimizer, match="LocalSGD' is not a label"):
+        ss.save(store, model, LocalSGD(model.parameters(), lr=0.1), step=0)
+    assert list(store.objects()) == []
