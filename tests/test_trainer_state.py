@@ -429,3 +429,33 @@ def test_an_optimizer_class_defined_in_a_function_is_refused_before_writing():
     with pytest.raises(ss.UnsupportedOptimizer, match="LocalSGD' is not a label"):
         ss.save(store, model, LocalSGD(model.parameters(), lr=0.1), step=0)
     assert list(store.objects()) == []
+
+
+def test_state_documents_round_trip_and_have_one_spelling():
+    """Any storable state comes back equal, and key insertion order never changes the document (Hypothesis)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from shardstore.extras import capture_extras, read_extra_state
+
+    scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8).filter(lambda s: not s.startswith(("f64:", "tensor:")))
+    values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3), max_leaves=12)
+
+    class Holder:
+        def __init__(self, sd: dict) -> None:
+            self.sd = sd
+
+        def state_dict(self) -> dict:
+            return self.sd
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.dictionaries(st.text(max_size=4), values, max_size=4))
+    def check(sd: dict) -> None:
+        sd = {**sd, "t": torch.arange(3, dtype=torch.int16)}
+        doc = capture_extras({"x": Holder(sd)})["x"]
+        back = read_extra_state(doc.document, doc.tensors, "test")
+        assert torch.equal(back.pop("t"), sd["t"]) and back == {k: v for k, v in sd.items() if k != "t"}
+        reversed_sd = dict(reversed(list(sd.items())))
+        assert capture_extras({"x": Holder(reversed_sd)})["x"].document == doc.document
+
+    check()
