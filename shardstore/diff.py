@@ -27,7 +27,7 @@ import torch
 from .errors import ManifestError
 from .manifest import TensorEntry, decode_config
 from .optim import hyper_of
-from .state_diff import extras_changes, hyper_groups, state_changes
+from .state_diff import extras_changes, hyper_groups, state_changes, state_pairs
 from .store import Store
 from .tensors import expected_nbytes
 from .verify import LoadedCommit, load_commit
@@ -231,6 +231,11 @@ def _tensor_stats(store: Store, x: TensorEntry, y: TensorEntry) -> dict[str, Ten
         ty = store.get_tensor(ry[0], ry[1], y.shape, what=f"{role} of tensor {y.name!r}")
         out[role] = _pair_stats(tx, ty)
         del tx, ty
+    for key, (a, b) in state_pairs(x.state, y.state).items():  # the torch form's state tensors
+        tx = store.get_tensor(a.object, a.dtype, a.shape, what=f"optimizer state {a.key!r} of tensor {x.name!r}")
+        ty = store.get_tensor(b.object, b.dtype, b.shape, what=f"optimizer state {b.key!r} of tensor {y.name!r}")
+        out[f"state {key}"] = _pair_stats(tx, ty)
+        del tx, ty
     return out
 
 
@@ -299,7 +304,7 @@ def _stats_bytes(x: TensorEntry, y: TensorEntry) -> int:
         rx, ry = _role(x, role), _role(y, role)
         if rx is not None and ry is not None and rx[0] != ry[0]:
             total += expected_nbytes(rx[1], x.shape) + expected_nbytes(ry[1], y.shape)
-    return total
+    return total + sum(2 * expected_nbytes(a.dtype, a.shape) for a, _ in state_pairs(x.state, y.state).values())
 
 
 def diff(

@@ -2,7 +2,7 @@
 
 - per tensor entry: ``kind`` (parameter or buffer) is compared by ``diff`` itself; here, the
   torch form's per-parameter state, key by key (``state momentum_buffer``, ``state step``),
-  and its group (``state group``);
+  and its group (``state group``); with ``--stats``, each changed state tensor's statistics;
 - per optimizer group of the torch form: every hyperparameter, decoded to Python values;
 - per extra (commit-wide ``extra.<key>``, a slot's own ``slot_extra.<slot>.<key>``): added or
   removed (the state document's id), or each top-level field of its state that differs
@@ -15,11 +15,11 @@ from typing import Any
 
 from .errors import ShardstoreError
 from .extras import read_extra_state
-from .manifest import ExtraEntry, ParamState, TorchOptimizer
+from .manifest import ExtraEntry, ParamState, StateTensor, TorchOptimizer
 from .store import Store
 from .torch_optim import _unhyper
 
-__all__ = ["state_changes", "hyper_groups", "extras_changes", "extra_state_view"]
+__all__ = ["state_changes", "state_pairs", "hyper_groups", "extras_changes", "extra_state_view"]
 
 _MISSING = object()
 
@@ -37,6 +37,18 @@ def state_changes(a: ParamState | None, b: ParamState | None) -> list[str]:
         if ta.get(key) != tb.get(key) or sa.get(key) != sb.get(key):
             out.append(f"state {key}")
     return out
+
+
+def state_pairs(a: ParamState | None, b: ParamState | None) -> dict[str, tuple[StateTensor, StateTensor]]:
+    """State tensors in both states, with the same dtype and shape and different objects (for ``--stats``)."""
+    if a is None or b is None:
+        return {}
+    tb = {t.key: t for t in b.tensors}
+    return {
+        t.key: (t, tb[t.key])
+        for t in a.tensors
+        if t.key in tb and (t.dtype, t.shape) == (tb[t.key].dtype, tb[t.key].shape) and t.object != tb[t.key].object
+    }
 
 
 def hyper_groups(spec: TorchOptimizer | None) -> dict[str, dict[str, Any]]:

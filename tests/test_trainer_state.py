@@ -295,6 +295,8 @@ def test_cli_show_and_diff_report_buffers_optimizer_class_and_extras(tmp_path, c
     from shardstore.diff import diff
 
     assert diff(store, b, a) == diff(store, a, b).mirrored()
+    stats = {t.name: t.stats for t in diff(store, a, b, stats=True).tensors}
+    assert stats["0.weight"]["state sum"].diff_l2 > 0 and stats["1.running_mean"]["param"].diff_l2 > 0
     assert shardstore_cli.main(["show", path, b, "--json"]) == 0
     doc = __import__("json").loads(capsys.readouterr().out)
     assert doc["optimizer"]["class"] == "torch.optim.adagrad.Adagrad" and [x["key"] for x in doc["extras"]] == ["scheduler", "counter"]
