@@ -5,9 +5,8 @@ The common case is two calls::
     commit_id = shardstore.save(store, model, optimizer, step=step, extra={"scheduler": sched})
     shardstore.restore(store, "main", model, optimizer, extra={"scheduler": sched})
 
-A module's parameters and persistent buffers are saved (``module_state``); the optimizer
-is Adam/AdamW's canonical form (``optim``) or any other torch optimizer's torch form
-(``torch_optim``); extras are any objects with ``state_dict()`` (``extras``).
+Parameters and persistent buffers (``module_state``), Adam/AdamW (``optim``) or any torch
+optimizer (``torch_optim``), and extras: objects with ``state_dict()`` (``extras``).
 
 Underneath, a save is: ``capture`` what one slot owns (no copy), ``write_shard`` (objects,
 then a durability barrier, then the shard manifest), ``write_commit`` (the commit manifest,
@@ -22,14 +21,20 @@ import socket
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 import torch
 
-from .errors import CursorError, StateMismatch, TensorMismatch
+from .errors import CursorError, ManifestError, ObjectNotFound, StateMismatch, TargetNotFound, TensorMismatch
 from .manifest import (
     FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    Count,
+    JobId,
+    Label,
+    Transition,
     CommitManifest,
     ExtraEntry,
     OptimEntry,
@@ -38,22 +43,21 @@ from .manifest import (
     ShardManifest,
     SlotLayout,
     TensorEntry,
-    TorchOptimizer,
     decode_config,
     encode_config,
 )
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
 from .module_state import named_state
-from .names import check_ref_name
+from .names import check_oid, check_ref_name
 from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
-from .rng import capture_rng, restore_rng
+from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
 from .store import Store
 from .tensors import dtype_name, torch_dtype
-from .torch_optim import capture_torch, is_adam_form, param_state, plan_torch_restore, torch_union, use_torch_form
+from .torch_optim import capture_torch, is_adam_form, param_state, plan_torch_restore, torch_spec, torch_union, use_torch_form
 from .verify import LoadedCommit, load_commit
 
-__all__ = ["CommitInfo", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]
+__all__ = ["CommitInfo", "check_info", "check_parent", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]
 
 AUTO: Any = "auto"
 """Sentinel: take the parent from the ref being moved."""
@@ -70,6 +74,45 @@ class CommitInfo:
     config: Mapping[str, Any] | None = None
     data_cursor: int | None = None
     transition: str = "train"
+
+
+class _InfoRules(msgspec.Struct, forbid_unknown_fields=True):
+    """The manifest field rules (SPEC.md §8.3) of CommitInfo's fields, to check them before any write."""
+
+    job: JobId
+    step: Count
+    data_cursor: Count | None
+    schedule: Label | None
+    profile: Label
+    transition: Transition
+
+
+def check_info(info: CommitInfo) -> None:
+    """ManifestError naming the field if ``info`` could never be written as a commit (a job id
+    that is not a name, a negative or huge step, an unrepresentable config...). Every writer
+    calls this before its first object, so a refused save or import leaves nothing behind."""
+    doc = {k: getattr(info, k) for k in ("job", "step", "data_cursor", "schedule", "profile", "transition")}
+    try:
+        msgspec.convert(doc, _InfoRules, strict=True)
+    except msgspec.ValidationError as e:
+        raise ManifestError(f"commit info: {e} (SPEC.md §Commit manifest)") from None
+    if info.config is not None:
+        encode_config(dict(info.config))
+
+
+def check_parent(store: Store, parent: str | None) -> None:
+    """Refuse a parent that is not a commit of ``store`` (TargetNotFound if absent, ManifestError
+    if the object is something else): ``log`` and gc follow parents, so a commit must never
+    name a tensor, a shard manifest or nothing as its parent."""
+    if parent is None:
+        return
+    check_oid(parent, what="parent commit id")
+    try:
+        store.commit(parent)
+    except ObjectNotFound:
+        raise TargetNotFound(f"parent commit {parent} is not in {store.url}") from None
+    except ManifestError as e:
+        raise ManifestError(f"parent {parent} is not a commit: {e}") from None
 
 
 @dataclass
@@ -114,11 +157,10 @@ def capture(
 ) -> SlotState:
     """Reference (not copy) the named parameters, buffers and optimizer state one slot owns.
 
-    ``model`` is a module (its non-meta named parameters and persistent buffers) or a name →
-    tensor mapping; ``names`` restricts to a subset (to split one process's state into
-    several slots). ``optimizer`` is any torch optimizer whose state is tensors and numbers,
-    or anything with ``state_export()``. ``extra``: this slot's own stateful objects (a data
-    loader's position on this rank), taken now (SPEC.md §Extras).
+    ``model`` is a module (its non-meta parameters and persistent buffers) or a name → tensor
+    mapping; ``names`` restricts to a subset (to split one process's state into several
+    slots). ``optimizer``: any torch optimizer whose state is tensors and numbers, or
+    anything with ``state_export()``. ``extra``: this slot's own extras (SPEC.md §Extras).
     """
     tensors, buffers = named_state(model)
     if names is not None:
@@ -131,19 +173,13 @@ def capture(
         if hasattr(optimizer, "state_export"):
             full = from_export(optimizer)
         elif isinstance(optimizer, torch.optim.Optimizer) and not is_adam_form(optimizer):
-            cls, hgroups, tparams = capture_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
-            full = OptimState("torch", {}, {n: ParamOpt(tp.group, 0, None, None, tp) for n, tp in tparams.items()}, cls, hgroups)
+            full = capture_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
         else:
             full = from_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
         params = {n: full.params[n] for n in tensors if n in full.params}
         used = {p.group for p in params.values()}
-        optim = OptimState(
-            full.algorithm,
-            {g: h for g, h in full.groups.items() if g in used},
-            params,
-            full.class_name,
-            {g: h for g, h in full.torch_groups.items() if g in used},
-        )
+        groups, torch_groups = ({g: h for g, h in d.items() if g in used} for d in (full.groups, full.torch_groups))
+        optim = replace(full, groups=groups, params=params, torch_groups=torch_groups)
     return SlotState(tensors, optim, capture_rng() if rng else {}, births, buffers & set(tensors), capture_extras(extra))
 
 
@@ -155,6 +191,7 @@ def write_shard(
     store: Store, state: SlotState, *, info: CommitInfo, parent: str | None, slot: int, slots: int, threads: int = 2
 ) -> str:
     """Write one slot's objects, then (after a durability barrier) its shard manifest; return its id."""
+    check_info(info)
     names = sorted(state.tensors)
     flat: list[torch.Tensor] = []
     for n in names:
@@ -194,17 +231,13 @@ def write_shard(
                 moment_dtype=dtype_name(po.exp_avg.dtype, n) if has_moments else None,
             )
         kind = "buffer" if n in state.buffers else "param"
-        entries.append(
-            TensorEntry(name=n, dtype=dtype_name(t.dtype, n), shape=tuple(t.shape), param=param_id, optim=optim, kind=kind, state=torch_state)
-        )
+        entries.append(TensorEntry(name=n, dtype=dtype_name(t.dtype, n), shape=tuple(t.shape), param=param_id, optim=optim, kind=kind, state=torch_state))
     rng = tuple(RngEntry(kind=k, object=store.put(v)) for k, v in sorted(state.rng.items()))
     extras = write_extras(store, state.extra, threads=threads)
     config_id = _config_id(store, info.config)
     store.sync()  # objects are durable before any manifest names them
     groups = tuple(group_spec(g, h) for g, h in sorted(state.optim.groups.items()))
-    torch_opt = None
-    if state.optim.torch_groups and state.optim.class_name is not None:
-        torch_opt = TorchOptimizer(class_name=state.optim.class_name, groups=tuple(h for _, h in sorted(state.optim.torch_groups.items())))
+    torch_opt = torch_spec(state.optim)
     shard = ShardManifest(
         version=FORMAT_VERSION,
         job=info.job,
@@ -225,13 +258,9 @@ def write_shard(
     return sid
 
 
-def write_commit(
-    store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()
-) -> str:
-    """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]); return the commit id.
-
-    ``extras``: the commit-wide extras, their objects already written and durable (``write_extras``).
-    """
+def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()) -> str:
+    """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]) and ``extras`` (written, durable); return its id."""
+    check_parent(store, parent)
     shards = [store.shard(s) for s in shard_ids]
     groups: dict[str, Any] = {}
     entries: list[TensorEntry] = []
@@ -273,25 +302,18 @@ def write_commit(
 
 
 def save_slots(
-    store: Store,
-    states: list[SlotState],
-    *,
-    info: CommitInfo,
-    ref: str | None = "main",
-    parent: str | None = AUTO,
-    threads: int = 2,
+    store: Store, states: list[SlotState], *, info: CommitInfo, ref: str | None = "main", parent: str | None = AUTO, threads: int = 2,
     extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Commit several slots' states from one process and move ``ref`` (None: leave refs alone).
-
-    ``extra``: commit-wide stateful objects (schedulers, scalers; SPEC.md §Extras).
-    """
+    """Commit several slots' states (and commit-wide ``extra``) from one process and move ``ref`` (None: leave refs alone)."""
     started = time.time()
     if ref is not None:
         check_ref_name(ref)
+    check_info(info)
     current = store.ref(ref) if ref is not None else None
     if parent is AUTO:
         parent = current
+    check_parent(store, parent)  # before any object is written
     n = len(states)
     extras = write_extras(store, capture_extras(extra), threads=threads)  # made durable by write_shard's barrier
     shard_ids = [write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)]
@@ -322,8 +344,7 @@ def save(
 ) -> str:
     """Save a model's parameters and buffers (and optimizer, RNG, data cursor) as a one-slot commit; return its id.
 
-    ``extra``: commit-wide stateful objects (``state_dict()``/``load_state_dict()``: schedulers,
-    scalers, ...); ``slot_extra``: the slot's own (SPEC.md §Extras).
+    ``extra``: commit-wide objects with ``state_dict()`` (schedulers, scalers); ``slot_extra``: the slot's own.
     """
     info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
     state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
@@ -414,9 +435,8 @@ def restore(
 
     Only tensors the model owns (non-meta parameters and persistent buffers) are read,
     whatever layout wrote them; every byte read is verified. ``strict``: every owned tensor
-    must be in the commit. ``extra`` / ``slot_extra``: objects to ``load_state_dict`` the
-    commit-wide extras / the slot's own extras into, by key (SPEC.md §Extras). The optimizer
-    and every requested extra are checked against the commit before anything is written.
+    must be in the commit. ``extra`` / ``slot_extra``: objects to load the commit-wide / the
+    slot's own extras into, by key, each checked (like the optimizer) before any write.
     ``rng`` restores the RNG states of ``slot`` (default: the only slot of a 1-slot commit).
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;
@@ -437,12 +457,19 @@ def restore(
         e, t = entries[n], targets[n]
         if dtype_name(t.dtype, n) != e.dtype or tuple(t.shape) != tuple(e.shape):
             raise TensorMismatch(f"tensor {n!r}: commit {lc.id} holds {e.dtype}{list(e.shape)}, the model has {dtype_name(t.dtype, n)}{list(t.shape)}")
+    # Everything this restore needs besides tensor bytes is read and validated first, so that
+    # a bad config or RNG object is refused before a byte lands in the caller's tensors (§16).
+    config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
+    rng_states = None
+    if rng:
+        s = _slot(lc, slot, "RNG")
+        rng_states = {r.kind: store.get(r.object, limit=MAX_RNG_BYTES) for r in lc.shards[s].rng}
+        check_rng(rng_states)
     reads = [(entries[n].param, targets[n], f"tensor {n!r}") for n in names]
     state = None
     torch_plan = None
     if optimizer is not None and use_torch_form(lc.id, lc.commit.optimizer, optimizer):
-        spec = lc.commit.optimizer
-        torch_plan = plan_torch_restore(spec.torch_optimizer, spec.algorithm, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id)
+        torch_plan = plan_torch_restore(lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id)
         reads += torch_plan.reads
     elif optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
@@ -458,18 +485,15 @@ def restore(
             into_export(optimizer, state, [n for n in names if n in state.params])
         else:
             _install_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
-    restored_rng = False
-    if rng:
-        restore_rng({r.kind: store.get(r.object) for r in lc.shards[_slot(lc, slot, "RNG")].rng})
-        restored_rng = True
+    if rng_states is not None:
+        restore_rng(rng_states)
+    restored_rng = rng_states is not None
     loaded, slot_loaded = extras_plan.install(), slot_plan.install()
-    config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config))
     return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, loaded, slot_loaded)
 
 
 def _slot(lc: LoadedCommit, slot: int | None, what: str) -> int:
     """The slot whose RNG or own extras to restore: ``slot``, or the only slot of a 1-slot commit."""
-    s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)
-    if s is None or s not in lc.shards:
+    if slot is None and len(lc.shards) != 1 or slot is not None and slot not in lc.shards:
         raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore {what}")
-    return s
+    return 0 if slot is None else slot

@@ -139,12 +139,12 @@ def write_extras(store: Store, captured: Mapping[str, CapturedExtra], *, threads
     return tuple(entries)
 
 
-def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[str, int | None, str]]:
-    """(object id, byte size or None, what) of every object the extras name (verify, copy, gc)."""
+def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[str, int | None, str, str | None]]:
+    """(object id, byte size or None, what, verify's content rule) of every object the extras name (verify, copy, gc)."""
     for x in extras:
-        yield x.state, None, f"state document of extra {x.key!r}{where}"
+        yield x.state, None, f"state document of extra {x.key!r}{where}", f"extra:{len(x.tensors)}"
         for t in x.tensors:
-            yield t.object, expected_nbytes(t.dtype, t.shape), f"tensor {t.key} of extra {x.key!r}{where}"
+            yield t.object, expected_nbytes(t.dtype, t.shape), f"tensor {t.key} of extra {x.key!r}{where}", None
 
 
 def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what: str) -> Any:
@@ -218,7 +218,7 @@ def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Ma
         if not callable(getattr(obj, "load_state_dict", None)):
             raise UnsupportedState(f"extra {key!r}: a {type(obj).__name__} has no load_state_dict()")
         what = f"state document {x.state} of extra {key!r} in {where}"
-        raw = bytes(store.get(x.state))  # re-hashed
+        raw = bytes(store.get(x.state, limit=MAX_MANIFEST_BYTES))  # re-hashed, bounded
         tensors = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype)) for t in x.tensors]
         read_extra_state(raw, [torch.empty(0)] * len(tensors), what)  # decodes before anything is written
         reads += [(t.object, dest, f"tensor {t.key} of extra {key!r}") for t, dest in zip(x.tensors, tensors)]

@@ -78,7 +78,11 @@ def reachable(store: Store, pinned: set[str] | None = None) -> tuple[set[str], l
         pinned = pinned_objects(store)
     objects: set[str] = set()
     commits: list[str] = []
-    todo = sorted(set(store.refs().values()))
+    try:
+        heads = store.refs()
+    except ShardstoreError as e:
+        raise type(e)(f"gc refused, nothing deleted: {e}; what it keeps is unknown (refs in {store.url}: {store.ref_names()})") from None
+    todo = sorted(set(heads.values()))
     while todo:
         cid = todo.pop(0)
         if cid in objects:
@@ -115,7 +119,7 @@ def _named_by_manifest(store: Store, oid: str) -> set[str]:
     if isinstance(manifest, (CommitManifest, ShardManifest)) and manifest.config is not None:
         names.add(manifest.config)
     if isinstance(manifest, (CommitManifest, ShardManifest)):
-        names |= {oid for oid, _, _ in extra_objects(manifest.extras, "")}
+        names |= {x[0] for x in extra_objects(manifest.extras, "")}
     if isinstance(manifest, ShardManifest):
         names |= {r.object for r in manifest.rng}
         for e in manifest.entries:

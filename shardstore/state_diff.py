@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ShardstoreError
 from .extras import read_extra_state
-from .manifest import ExtraEntry, ParamState, StateTensor, TorchOptimizer
+from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, ParamState, StateTensor, TorchOptimizer
 from .store import Store
 from .torch_optim import _unhyper
 
@@ -61,7 +61,7 @@ def hyper_groups(spec: TorchOptimizer | None) -> dict[str, dict[str, Any]]:
 def extra_state_view(store: Store, x: ExtraEntry) -> dict[str, Any]:
     """An extra's state for people: decoded, each tensor shown as ``tensor <dtype>[shape] <object id>``."""
     marks = [f"tensor {t.dtype}{list(t.shape)} {t.object}" for t in x.tensors]
-    return read_extra_state(store.get(x.state), marks, f"state document {x.state} of extra {x.key!r}")  # type: ignore[arg-type]
+    return read_extra_state(store.get(x.state, limit=MAX_MANIFEST_BYTES), marks, f"state document {x.state} of extra {x.key!r}")  # type: ignore[arg-type]
 
 
 def extras_changes(store: Store, prefix: str, xa: tuple[ExtraEntry, ...], xb: tuple[ExtraEntry, ...]) -> list[tuple[str, Any, Any]]:

@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
-from .errors import ManifestError, StateMismatch, UnsupportedOptimizer
+from .errors import BindingError, ManifestError, ShardstoreError, StateMismatch, UnsupportedOptimizer
+from .extras import extras_rules
 from .manifest import (
+    CommitManifest,
     HyperGroup,
     OptimizerSpec,
     ParamState,
@@ -45,10 +47,10 @@ from .manifest import (
     f64_encode,
 )
 from .names import check_group_name
-from .optim import _group_names  # one group-naming rule for both forms
+from .optim import OptimState, ParamOpt, _group_names  # one group-naming rule for both forms
 from .tensors import dtype_name, expected_nbytes, torch_dtype
 
-__all__ = ["REAL_PREFIX", "class_name", "is_adam_form", "capture_torch", "TorchRestore", "plan_torch_restore", "state_objects", "torch_union", "use_torch_form", "shard_rules"]
+__all__ = ["REAL_PREFIX", "class_name", "is_adam_form", "capture_torch", "TorchRestore", "plan_torch_restore", "state_objects", "torch_spec", "torch_union", "use_torch_form", "shard_rules", "commit_rules"]
 
 REAL_PREFIX = "f64:"
 _SKIP_GROUP_KEYS = ("params", "param_names")
@@ -128,10 +130,8 @@ class TorchParam:
     scalars: dict[str, StateScalar] = field(default_factory=dict)
 
 
-def capture_torch(
-    optimizer: Any, param_names: Mapping[torch.Tensor, str], *, group_names: list[str] | None = None
-) -> tuple[str, dict[str, HyperGroup], dict[str, TorchParam]]:
-    """(class name, groups by name, per-parameter state by tensor name) of any torch optimizer.
+def capture_torch(optimizer: Any, param_names: Mapping[torch.Tensor, str], *, group_names: list[str] | None = None) -> OptimState:
+    """Any torch optimizer in the torch form: class, groups by name, per-parameter state by tensor name.
 
     State tensors are referenced, not copied. Parameters not in ``param_names`` are skipped.
     """
@@ -162,7 +162,14 @@ def capture_torch(
                 else:
                     tp.scalars[key] = _state_scalar(key, v, where)
             params[name] = tp
-    return cls, groups, params
+    return OptimState("torch", {}, {n: ParamOpt(tp.group, 0, None, None, tp) for n, tp in params.items()}, cls, groups)
+
+
+def torch_spec(state: OptimState) -> TorchOptimizer | None:
+    """The shard manifest's torch optimizer of a slot's captured state (None if not the torch form)."""
+    if not state.torch_groups or state.class_name is None:
+        return None
+    return TorchOptimizer(class_name=state.class_name, groups=tuple(h for _, h in sorted(state.torch_groups.items())))
 
 
 def _key(k: Any, where: str) -> str:
@@ -204,8 +211,7 @@ class TorchRestore:
 
 
 def plan_torch_restore(
-    spec: TorchOptimizer | None,
-    algorithm: str,
+    optimizer_spec: OptimizerSpec,
     entries: Mapping[str, TensorEntry],
     optimizer: Any,
     targets: Mapping[str, torch.Tensor],
@@ -213,9 +219,9 @@ def plan_torch_restore(
     commit_id: str,
 ) -> TorchRestore:
     """Check that the commit's torch-form state fits ``optimizer`` and plan its reads; raise before any write."""
-    live = class_name(optimizer)
+    live, spec = class_name(optimizer), optimizer_spec.torch_optimizer
     if spec is None:
-        raise StateMismatch(f"commit {commit_id} holds {algorithm} optimizer state but the optimizer is {live}")
+        raise StateMismatch(f"commit {commit_id} holds {optimizer_spec.algorithm} optimizer state but the optimizer is {live}")
     if spec.class_name != live:
         raise StateMismatch(f"commit {commit_id} holds {spec.class_name} state but the optimizer is {live}; refusing to install it")
     groups = {g.name: g for g in spec.groups}
@@ -316,3 +322,30 @@ def shard_rules(shard: ShardManifest) -> Iterator[tuple[type[ManifestError], str
                 yield ManifestError, f"optimizer state {x.key!r}: a {x.dtype} 0-d tensor must hold a {kind}, not {have}", e.name
     if set(gnames) - used:
         yield ManifestError, f"torch optimizer groups {sorted(set(gnames) - used)} are not used by any tensor entry", None
+
+
+def commit_rules(commit: CommitManifest, shards: Mapping[int, ShardManifest]) -> Iterator[tuple[type[ShardstoreError], str, str | None]]:
+    """Rules of the torch form and extras binding a commit to its shards: (error, message, shard manifest id)."""
+    spec = commit.optimizer.torch_optimizer
+    tgroups = {g.name: g for g in spec.groups} if spec is not None else {}
+    if (commit.optimizer.algorithm == "torch") != (spec is not None) or (spec is not None and commit.optimizer.groups):
+        yield ManifestError, "torch_optimizer must be present exactly under algorithm 'torch', without Adam groups", None
+    if spec is not None and [g.name for g in spec.groups] != sorted(tgroups):
+        yield ManifestError, "torch optimizer groups are not sorted by name and unique", None
+    for msg in extras_rules(commit.extras):
+        yield ManifestError, msg, None
+    used: set[str] = set()
+    sids = {lay.slot: lay.shard for lay in commit.layout}
+    for slot, shard in sorted(shards.items()):
+        t = shard.torch_optimizer
+        if t is None:
+            continue
+        if spec is None or t.class_name != spec.class_name:
+            want = spec.class_name if spec else None
+            yield BindingError, f"shard's optimizer class is {t.class_name!r} but the commit's is {want!r} (SPEC.md §Binding)", sids.get(slot)
+        for g in t.groups:
+            if tgroups.get(g.name) != g:
+                yield BindingError, f"group {g.name!r} differs from the commit's torch optimizer group of that name", sids.get(slot)
+            used.add(g.name)
+    if set(tgroups) - used and len(shards) == len(commit.layout):
+        yield ManifestError, f"torch optimizer groups {sorted(set(tgroups) - used)} are used by no tensor", None

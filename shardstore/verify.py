@@ -18,15 +18,17 @@ from .errors import (
     LayoutError,
     ManifestError,
     ObjectNotFound,
+    ObjectTooLarge,
     ShardstoreError,
     TensorMismatch,
 )
-from .extras import extra_objects, extras_rules
-from .manifest import CommitManifest, ShardManifest, TensorEntry
+from .extras import extra_objects, extras_rules, read_extra_state
+from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, TensorEntry, decode_config
+from .rng import MAX_RNG_BYTES, check_rng
 from .roots import learned_root
 from .store import Store
 from .tensors import expected_nbytes
-from .torch_optim import shard_rules, state_objects
+from .torch_optim import commit_rules, shard_rules, state_objects
 
 __all__ = ["Problem", "Report", "LoadedCommit", "shard_problems", "commit_problems", "load_commit", "verify"]
 
@@ -149,14 +151,8 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
     if not _sorted_unique(gnames):
         yield p(ManifestError, "optimizer groups are not sorted by name and unique")
     groups = {g.name: g for g in commit.optimizer.groups}
-    spec = commit.optimizer.torch_optimizer
-    tgroups = {g.name: g for g in spec.groups} if spec is not None else {}
-    if (commit.optimizer.algorithm == "torch") != (spec is not None) or (spec is not None and commit.optimizer.groups):
-        yield p(ManifestError, "torch_optimizer must be present exactly under algorithm 'torch', without Adam groups")
-    if spec is not None and [g.name for g in spec.groups] != sorted(tgroups):
-        yield p(ManifestError, "torch optimizer groups are not sorted by name and unique")
-    for msg in extras_rules(commit.extras):
-        yield p(ManifestError, msg)
+    for err, msg, obj in commit_rules(commit, shards):  # the torch form and extras (SPEC.md §9a, §9c)
+        yield p(err, msg, obj)
     owners: dict[str, int] = {}
     for lay in commit.layout:
         if not _sorted_unique(list(lay.tensors)):
@@ -190,33 +186,55 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
             if groups.get(g.name) != g:
                 yield p(BindingError, f"group {g.name!r} differs from the commit's optimizer group of that name", sid)
             used_groups.add(g.name)
-        if shard.torch_optimizer is not None:
-            if spec is None or shard.torch_optimizer.class_name != spec.class_name:
-                have, want = shard.torch_optimizer.class_name, spec.class_name if spec else None
-                yield p(BindingError, f"shard's optimizer class is {have!r} but the commit's is {want!r} (SPEC.md §Binding)", sid)
-            for g in shard.torch_optimizer.groups:
-                if tgroups.get(g.name) != g:
-                    yield p(BindingError, f"group {g.name!r} differs from the commit's torch optimizer group of that name", sid)
-                used_groups.add(g.name)
         names = [e.name for e in shard.entries]
         if names != list(lay.tensors):
             missing = sorted(set(lay.tensors) - set(names))
             extra = sorted(set(names) - set(lay.tensors))
             yield p(LayoutError, f"layout of slot {lay.slot} and its shard disagree: in layout only {missing[:5]}, in shard only {extra[:5]}", sid)
         all_entries.extend(shard.entries)
-    if (set(groups) | set(tgroups)) - used_groups and len(shards) == len(commit.layout):
-        yield p(ManifestError, f"optimizer groups {sorted((set(groups) | set(tgroups)) - used_groups)} are used by no tensor")
+    if set(groups) - used_groups and len(shards) == len(commit.layout):
+        yield p(ManifestError, f"optimizer groups {sorted(set(groups) - used_groups)} are used by no tensor")
+    yield from _sizes_agree(cid, all_entries)
     if len(shards) == len(commit.layout):
-        root = learned_root(
-            step=commit.step,
-            data_cursor=commit.data_cursor,
-            config=commit.config,
-            optimizer=commit.optimizer,
-            entries=all_entries,
-            extras=commit.extras,
-        )
+        c = commit
+        root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=all_entries, extras=c.extras)
         if root != commit.learned_root:
             yield p(ManifestError, f"learned-state root is {commit.learned_root} but the shards give {root} (SPEC.md §Roots)")
+
+
+def repeated_shards(commit: CommitManifest, cid: str) -> Iterator[Problem]:
+    """A shard manifest binds one slot (its ``slot`` field), so a layout naming one shard
+    manifest in several slots can never verify: refused before any shard manifest is read."""
+    seen: dict[str, int] = {}
+    for lay in commit.layout:
+        if lay.shard in seen:
+            yield Problem(
+                LayoutError(f"commit {cid}: slots {seen[lay.shard]} and {lay.slot} name the same shard manifest {lay.shard} (SPEC.md §Layout)"),
+                cid, lay.shard,
+            )  # fmt: skip
+            return
+        seen[lay.shard] = lay.slot
+
+
+def _sizes_agree(cid: str, entries: Iterable[TensorEntry]) -> Iterator[Problem]:
+    """Every entry naming one object implies the same byte size (the object has one size)."""
+    sizes: dict[str, tuple[int, str]] = {}
+    for e in entries:
+        named = [(e.param, expected_nbytes(e.dtype, e.shape))]
+        o = e.optim
+        if o is not None and o.moment_dtype is not None:
+            n = expected_nbytes(o.moment_dtype, e.shape)
+            named += [(m, n) for m in (o.exp_avg, o.exp_avg_sq) if m is not None]
+        for oid, n in named:
+            first = sizes.setdefault(oid, (n, e.name))
+            if first[0] != n:
+                yield Problem(
+                    TensorMismatch(
+                        f"commit {cid}, tensor {e.name!r}: object {oid} is named with {n} bytes here and with {first[0]} bytes "
+                        f"by tensor {first[1]!r}; an object has one size (SPEC.md §Verification)"
+                    ),
+                    cid, oid, e.name,
+                )  # fmt: skip
 
 
 def _raise_first(problems: Iterable[Problem]) -> None:
@@ -235,6 +253,7 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
     except ShardstoreError as e:
         via = f" (named by {target!r})" if target != cid else ""
         raise type(e)(f"commit {cid}{via}: {e}") from None
+    _raise_first(repeated_shards(commit, cid))
     shards: dict[int, ShardManifest] = {}
     ids: dict[int, str] = {}
     for lay in commit.layout:
@@ -249,33 +268,41 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
     return LoadedCommit(cid, commit, shards, ids)
 
 
-def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[tuple[str, int | None, str | None, str]]:
-    """(object id, expected size or None, tensor name, what) for every object the commit references."""
+#: (object id, expected size or None, tensor name, what, content rule: None, "config", "rng:<kind>" or "extra:<tensors>")
+Job = tuple[str, int | None, str | None, str, str | None]
+
+
+def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
+    """One job for every object the commit references (an object named twice: two jobs)."""
     if lc.commit.config is not None:
-        yield lc.commit.config, None, None, "model config"
-    for oid, size, what in extra_objects(lc.commit.extras, ""):
-        yield oid, size, None, what
+        yield lc.commit.config, None, None, "model config", "config"
+    for oid, size, what, rule in extra_objects(lc.commit.extras, ""):
+        yield oid, size, None, what, rule
     for s, shard in sorted(lc.shards.items()):
         if slot is not None and s != slot:
             continue
         for r in shard.rng:
-            yield r.object, None, None, f"RNG state {r.kind} of slot {s}"
-        for oid, size, what in extra_objects(shard.extras, f" of slot {s}"):
-            yield oid, size, None, what
+            yield r.object, None, None, f"RNG state {r.kind} of slot {s}", f"rng:{r.kind}"
+        for oid, size, what, rule in extra_objects(shard.extras, f" of slot {s}"):
+            yield oid, size, None, what, rule
         for e in shard.entries:
-            yield e.param, expected_nbytes(e.dtype, e.shape), e.name, "parameter"
+            yield e.param, expected_nbytes(e.dtype, e.shape), e.name, "parameter", None
             o = e.optim
             if o is not None and o.moment_dtype is not None:
                 n = expected_nbytes(o.moment_dtype, e.shape)
                 if o.exp_avg is not None:
-                    yield o.exp_avg, n, e.name, "exp_avg"
+                    yield o.exp_avg, n, e.name, "exp_avg", None
                 if o.exp_avg_sq is not None:
-                    yield o.exp_avg_sq, n, e.name, "exp_avg_sq"
+                    yield o.exp_avg_sq, n, e.name, "exp_avg_sq", None
             for oid, size, what in state_objects(e):
-                yield oid, size, e.name, what
+                yield oid, size, e.name, what, None
 
 
-def _check_objects(store: Store, jobs: list[tuple[str, int | None, str | None, str]], deep: bool, threads: int) -> list[tuple[ShardstoreError | None, int]]:
+#: What checking one object found: (error or None, its actual size or None, bytes hashed).
+Checked = tuple[ShardstoreError | None, int | None, int]
+
+
+def _check_objects(store: Store, jobs: list[Job], deep: bool, threads: int) -> list[Checked]:
     """``_check_object`` for each job, in the jobs' order, ``threads`` objects at a time.
 
     The largest objects start first, so that the pool does not end on one big object while
@@ -285,10 +312,10 @@ def _check_objects(store: Store, jobs: list[tuple[str, int | None, str | None, s
     threads = max(1, threads)
     each = max(1, threads // len(jobs)) if jobs else 1
     order = sorted(range(len(jobs)), key=lambda i: -(jobs[i][1] or 0))
-    results: list[tuple[ShardstoreError | None, int]] = [(None, 0)] * len(jobs)
+    results: list[Checked] = [(None, None, 0)] * len(jobs)
 
     def one(i: int) -> None:
-        results[i] = _check_object(store, jobs[i][0], jobs[i][1], deep, each)
+        results[i] = _check_object(store, jobs[i][0], deep, each)
 
     if threads == 1 or len(jobs) <= 1:
         for i in order:
@@ -299,34 +326,48 @@ def _check_objects(store: Store, jobs: list[tuple[str, int | None, str | None, s
     return results
 
 
-def _check_object(store: Store, oid: str, size: int | None, deep: bool, threads: int = 1) -> tuple[ShardstoreError | None, int]:
+def _check_object(store: Store, oid: str, deep: bool, threads: int = 1) -> Checked:
+    """Presence and (deep) hash of one object, and its actual size; the size rules of the
+    entries naming it are checked by the caller, every entry against the same object."""
     try:
         if deep:
             got, n = store.hash_object(oid, threads=threads)  # streamed, never a full copy
             if got != oid:
-                return CorruptObject(f"its {n} bytes hash to {got}"), n
-        else:
-            have = store.object_size(oid)
-            if have is None:
-                return ObjectNotFound("missing from the store"), 0
-            n = 0
-            if size is not None and have != size:
-                return TensorMismatch(f"holds {have} bytes, entry needs {size}"), 0
-            return None, 0
-        if size is not None and n != size:
-            return TensorMismatch(f"holds {n} bytes, entry needs {size}"), n
-        return None, n
+                return CorruptObject(f"its {n} bytes hash to {got}"), n, n
+            return None, n, n
+        have = store.object_size(oid)
+        if have is None:
+            return ObjectNotFound("missing from the store"), None, 0
+        return None, have, 0
     except ObjectNotFound:
-        return ObjectNotFound("missing from the store"), 0
+        return ObjectNotFound("missing from the store"), None, 0
     except ShardstoreError as e:
-        return e, 0
+        return e, None, 0
+
+
+def _content_problem(store: Store, oid: str, rule: str, have: int | None) -> ShardstoreError | None:
+    """Decode a model config or RNG object as its load path will (bounded first): what a
+    restore would refuse, verify reports (SPEC.md §17)."""
+    limit = MAX_RNG_BYTES if rule.startswith("rng:") else MAX_MANIFEST_BYTES
+    if have is not None and have > limit:
+        return ObjectTooLarge(f"{have} bytes, over the {limit}-byte limit of its kind (SPEC.md §Limits)")
+    try:
+        if rule == "config":
+            decode_config(store.get(oid, limit=MAX_MANIFEST_BYTES), what="model config")
+        elif rule.startswith("extra:"):  # a state document, with placeholders for its tensors (SPEC.md §Extras)
+            read_extra_state(store.get(oid, limit=MAX_MANIFEST_BYTES), [None] * int(rule[6:]), "state document")  # type: ignore[list-item]
+        else:
+            check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)})
+    except ShardstoreError as e:
+        return e
+    return None
 
 
 def _check_pins(
-    store: Store, report: Report, deep: bool, threads: int, seen: set[str], progress: Callable[[int], None] | None
+    store: Store, report: Report, deep: bool, threads: int, seen: dict[str, Checked], progress: Callable[[int], None] | None
 ) -> None:
     """Every pin parses and every object it names is present (and, deep, hashes to its id)."""
-    jobs: list[tuple[str, int | None, str | None, str]] = []
+    jobs: list[Job] = []
     for name in store.pin_names():
         try:
             ids = store.pinned(name) or ()
@@ -335,9 +376,9 @@ def _check_pins(
             continue
         for oid in ids:
             if oid not in seen:
-                seen.add(oid)
-                jobs.append((oid, None, None, f"object pinned by {name!r}"))
-    for (oid, _size, _tensor, what), (err, n) in zip(jobs, _check_objects(store, jobs, deep, threads)):
+                seen[oid] = (None, None, 0)
+                jobs.append((oid, None, None, f"object pinned by {name!r}", None))
+    for (oid, _size, _tensor, what, _rule), (err, _have, n) in zip(jobs, _check_objects(store, jobs, deep, threads)):
         report.objects_checked += 1
         report.bytes_hashed += n
         if progress is not None:
@@ -381,7 +422,9 @@ def verify(
         todo = [store.resolve(t) for t in targets]
         follow_parents = False
     seen_commits: set[str] = set()
-    seen_objects: set[str] = set()
+    seen_objects: set[str] = set()  # shard manifests counted
+    checked: dict[str, Checked] = {}  # object id -> what checking it found (each object read once)
+    contents: set[tuple[str, str]] = set()  # (object id, content rule) already decoded
     while todo:
         cid = todo.pop(0)
         if cid in seen_commits:
@@ -397,6 +440,10 @@ def verify(
             continue
         if follow_parents and commit.parent is not None and store.has(commit.parent):
             todo.append(commit.parent)
+        repeated = list(repeated_shards(commit, cid))
+        if repeated:
+            report.problems.extend(repeated)
+            continue
         shards: dict[int, ShardManifest] = {}
         ids: dict[int, str] = {}
         for lay in commit.layout:
@@ -413,20 +460,32 @@ def verify(
             report.problems.extend(shard_problems(shard, lay.shard, cid))
         report.problems.extend(commit_problems(commit, cid, shards, ids))
         lc = LoadedCommit(cid, commit, shards, ids)
-        jobs = []
-        for j in _object_jobs(lc, slot):
-            if j[0] not in seen_objects:
-                seen_objects.add(j[0])
-                jobs.append(j)
-        results = _check_objects(store, jobs, deep, threads)
-        for (oid, _size, tensor, what), (err, n) in zip(jobs, results):
+        jobs = list(_object_jobs(lc, slot))
+        fresh: dict[str, Job] = {}
+        for j in jobs:
+            if j[0] not in checked and j[0] not in fresh:
+                fresh[j[0]] = j
+        for oid, result in zip(fresh, _check_objects(store, list(fresh.values()), deep, threads)):
+            checked[oid] = result
             report.objects_checked += 1
-            report.bytes_hashed += n
+            report.bytes_hashed += result[2]
             if progress is not None:
-                progress(n)
+                progress(result[2])
+        for oid, size, tensor, what, rule in jobs:
+            # an object's own problem once, where it is first seen; every entry's rules always
+            own, have, _ = checked[oid]
+            if own is not None:
+                err: ShardstoreError | None = own if fresh.pop(oid, None) is not None else None
+            elif size is not None and have != size:
+                err = TensorMismatch(f"holds {have} bytes, entry needs {size}")
+            elif rule is not None and (oid, rule) not in contents:
+                contents.add((oid, rule))
+                err = _content_problem(store, oid, rule, have)
+            else:
+                err = None
             if err is not None:
                 t = f", tensor {tensor!r}" if tensor else ""
                 report.problems.append(Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor))
     if targets is None:  # after the commits, so that their own checks of shared objects run first
-        _check_pins(store, report, deep, threads, seen_objects, progress)
+        _check_pins(store, report, deep, threads, checked, progress)
     return report

@@ -359,6 +359,8 @@ def test_forged_manifests_and_state_documents_are_refused():
     with pytest.raises(ss.ManifestError, match="plain JSON real"):
         ss.restore(store, forged_cid, target, extra={"sched": Counter()})
     assert all(torch.equal(a, b) for a, b in zip(before, target.state_dict().values()))  # refused before writing
+    problems = ss.verify(store, [forged_cid]).problems
+    assert any(p.kind == "ManifestError" and "plain JSON real" in str(p) and p.object == planted.state for p in problems), problems
 
 
 def test_lambda_lr_with_a_plain_function_keeps_no_state_for_it():
