@@ -141,10 +141,6 @@ class Restored:
     slot_extras: list[str] = field(default_factory=list)  # the slot's own extras loaded
 
 
-def _named_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return named_state(model)[0]  # owned parameters and persistent buffers (SPEC.md §Buffers)
-
-
 def capture(
     model: torch.nn.Module | Mapping[str, torch.Tensor],
     optimizer: Any = None,
@@ -447,7 +443,7 @@ def restore(
     """
     lc = load_commit(store, target)
     entries = lc.entries()
-    targets = _named_tensors(model)
+    targets = named_state(model)[0]  # owned parameters and persistent buffers (SPEC.md §Buffers)
     names = sorted(n for n in targets if n in entries)
     if strict:
         missing = sorted(set(targets) - set(entries))
@@ -475,7 +471,8 @@ def restore(
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
         reads += moment_reads
     extras_plan = plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}")
-    slot_plan = plan_extras_restore(store, lc.shards[_slot(lc, slot, "slot_extra")].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {slot}")
+    own = _slot(lc, slot, "slot_extra") if slot_extra else 0
+    slot_plan = plan_extras_restore(store, lc.shards[own].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {own}")
     reads += extras_plan.reads + slot_plan.reads
     _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
     if torch_plan is not None:
