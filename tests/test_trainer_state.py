@@ -68,6 +68,8 @@ CASES = {
     "adam-amsgrad-sequential": (lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True), "sequential"),
     "adagrad-lambda": (lambda p: torch.optim.Adagrad(p, lr=0.05), "lambda"),
     "rmsprop-centered-cosine": (lambda p: torch.optim.RMSprop(p, lr=0.01, centered=True, momentum=0.5), "cosine"),
+    # Adafactor: state tensors of other shapes than the parameter (row and column factors), eps a tuple holding None
+    "adafactor-sequential": (lambda p: torch.optim.Adafactor(p, lr=0.01), "sequential"),
 }
 
 
