@@ -133,12 +133,11 @@ def save_distributed(
     chosen = got[0][1]
     expected_ref = store.ref(ref) if (coordinator and ref is not None) else None
 
-    state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
-    wide = capture_extras(extra)
     mine: list[tuple[ExtraEntry, ...]] = []
 
-    def shard() -> str:
-        mine.append(write_extras(store, wide, threads=threads))  # made durable by write_shard's barrier
+    def shard() -> str:  # capture inside the phase: a state one rank cannot store fails every rank, naming it
+        state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
+        mine.append(write_extras(store, capture_extras(extra), threads=threads))  # made durable by write_shard's barrier
         return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
 
     got, _ = _phase(group, "write shard", shard)

@@ -39,6 +39,11 @@ class Position:
         self.pos = sd["pos"]
 
 
+class _Unstorable:
+    def state_dict(self) -> dict:
+        return {"fn": len}
+
+
 def _save_trainer_state(store: ss.Store, model: torch.nn.Module, mine: dict, rank: int, result: dict) -> None:
     """Issue 13 on the distributed path: SGD's torch form, commit-wide and per-slot extras, and a rank
     whose commit-wide extras differ from rank 0's refused by every rank."""
@@ -53,6 +58,11 @@ def _save_trainer_state(store: ss.Store, model: torch.nn.Module, mine: dict, ran
         ss.save_distributed(store, mine, sgd, info=info, ref="trainer", extra={"sched": Position(7 + rank)})
     except ss.CommitProtocolError as e:
         result["differ"] = str(e)
+    bad = {"loader": _Unstorable()} if rank == 1 else {"loader": Position(rank)}
+    try:
+        ss.save_distributed(store, mine, sgd, info=info, ref="trainer", slot_extra=bad)
+    except ss.CommitProtocolError as e:
+        result["unstorable"] = str(e)
 
 
 def _worker(rank: int, world: int, port: int, root: str, scenario: str, out: str) -> None:
@@ -124,6 +134,8 @@ def _check_trainer_state(store: ss.Store, results: list[dict]) -> None:
     assert results[1]["trainer"] == trainer and store.ref("trainer") == trainer  # the refused save moved nothing
     assert all("phase 'acknowledge' failed on rank(s) [1]" in r["differ"] for r in results)
     assert "rank 1's commit-wide extras ['sched'] differ from rank 0's" in results[1]["differ"]
+    assert all("phase 'write shard' failed on rank(s) [1]" in r["unstorable"] for r in results)  # nobody hangs
+    assert "extra 'loader' at $.fn" in results[1]["unstorable"]
     lc = ss.load_commit(store, trainer)
     assert lc.commit.optimizer.torch_optimizer.class_name == "torch.optim.sgd.SGD"
     assert [x.key for x in lc.commit.extras] == ["sched"] and all(lc.shards[s].extras[0].key == "loader" for s in (0, 1))
