@@ -37,6 +37,7 @@ from .manifest import (
     Transition,
     CommitManifest,
     ExtraEntry,
+    GroupSpec,
     OptimEntry,
     OptimizerSpec,
     RngEntry,
@@ -44,20 +45,21 @@ from .manifest import (
     SlotLayout,
     TensorEntry,
     decode_config,
+    encode,
     encode_config,
 )
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
 from .module_state import named_state
 from .names import check_oid, check_ref_name
-from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
+from .optim import OptimState, ParamOpt, _install_torch, _plan_optim, from_export, from_torch, group_spec, into_export
 from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
 from .store import Store
-from .tensors import dtype_name, torch_dtype
-from .torch_optim import capture_torch, is_adam_form, param_state, plan_torch_restore, torch_spec, torch_union, use_torch_form
-from .verify import LoadedCommit, load_commit
+from .tensors import dtype_name, hash_bytes, torch_dtype
+from .torch_optim import capture_torch, is_adam_form, param_state, plan_torch_restore, state_objects, torch_spec, torch_union, use_torch_form
+from .verify import LoadedCommit, load_commit, shard_problems
 
-__all__ = ["CommitInfo", "check_info", "check_parent", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]
+__all__ = ["CommitInfo", "check_info", "check_parent", "SlotState", "Restored", "capture", "write_shard", "write_shard_entries", "write_commit", "save_slots", "save", "restore", "AUTO"]
 
 AUTO: Any = "auto"
 """Sentinel: take the parent from the ref being moved."""
@@ -254,6 +256,54 @@ def write_shard(
     return sid
 
 
+def write_shard_entries(
+    store: Store,
+    entries: list[TensorEntry],
+    *,
+    groups: list[GroupSpec],
+    algorithm: str,
+    rng: Mapping[str, str],
+    info: CommitInfo,
+    parent: str | None,
+    slot: int,
+    slots: int,
+) -> str:
+    """Write a shard manifest naming objects already in the store; return its id.
+
+    For transitions that move or keep tensors without touching their bytes (a new layout
+    naming the same objects, SPEC.md §15a): ``entries`` are taken as they are
+    (sorted by name here), ``rng`` maps an RNG kind to an existing object id. Every named
+    object must already be present (checked by existence; no payload byte is read), and
+    the manifest must pass the shard rules before it is written.
+    """
+    check_info(info)
+    named = [e.param for e in entries] + [m for e in entries if e.optim for m in (e.optim.exp_avg, e.optim.exp_avg_sq) if m]
+    named += [oid for e in entries for oid, _, _ in state_objects(e)]
+    named += list(rng.values())
+    missing = sorted({oid for oid in named if not store.has(oid)})
+    if missing:
+        raise ObjectNotFound(f"slot {slot}: {len(missing)} object(s) named by the new shard manifest are not in the store, "
+                             f"first {missing[0]}")
+    shard = ShardManifest(
+        version=FORMAT_VERSION,
+        job=info.job,
+        step=info.step,
+        parent=parent,
+        config=_config_id(store, info.config),
+        slot=slot,
+        slots=slots,
+        algorithm=algorithm if groups else "none",  # type: ignore[arg-type]
+        groups=tuple(sorted(groups, key=lambda g: g.name)),
+        entries=tuple(sorted(entries, key=lambda e: e.name)),
+        rng=tuple(RngEntry(kind=k, object=v) for k, v in sorted(rng.items())),
+    )
+    for problem in shard_problems(shard, hash_bytes(encode(shard))):  # a reader's rules, before it is written
+        raise problem.error
+    sid = store.put_manifest(shard)
+    store.sync()
+    return sid
+
+
 def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()) -> str:
     """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]) and ``extras`` (written, durable); return its id."""
     check_parent(store, parent)
@@ -345,59 +395,6 @@ def save(
     info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
     state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
     return save_slots(store, [state], info=info, ref=ref, parent=parent, threads=threads, extra=extra)
-
-
-def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
-    """Whether an existing optimizer state tensor can be overwritten in place by a moment."""
-    return (
-        isinstance(t, torch.Tensor)
-        and t.device.type == "cpu"
-        and t.dtype == dtype
-        and tuple(t.shape) == shape
-        and t.is_contiguous()
-        and not t.requires_grad
-    )
-
-
-def _plan_optim(
-    lc: LoadedCommit, names: list[str], optimizer: Any, targets: dict[str, torch.Tensor]
-) -> tuple[OptimState, list[tuple[str, torch.Tensor, str]]]:
-    """Canonical optimizer state whose moments are destination tensors, and the reads that fill them.
-
-    For a torch optimizer, a moment is read into the optimizer's existing state tensor when
-    that has the right dtype, shape and device (restore into an already-built optimizer
-    without allocating); otherwise into a new tensor.
-    """
-    entries = lc.entries()
-    state = OptimState(lc.commit.optimizer.algorithm, {g.name: hyper_of(g) for g in lc.commit.optimizer.groups})
-    reads: list[tuple[str, torch.Tensor, str]] = []
-    live = getattr(optimizer, "state", None) if not hasattr(optimizer, "state_import") else None
-    for n in names:
-        o = entries[n].optim
-        if o is None:
-            continue
-        m1 = m2 = None
-        if o.exp_avg is not None and o.exp_avg_sq is not None and o.moment_dtype is not None:
-            shape, dtype = tuple(entries[n].shape), torch_dtype(o.moment_dtype)
-            old = live.get(targets[n], {}) if isinstance(live, Mapping) else {}
-            m1, m2 = (
-                old[k] if _reusable(old.get(k), dtype, shape) else torch.empty(shape, dtype=dtype) for k in ("exp_avg", "exp_avg_sq")
-            )
-            reads += [(o.exp_avg, m1, f"exp_avg of {n!r}"), (o.exp_avg_sq, m2, f"exp_avg_sq of {n!r}")]
-        state.params[n] = ParamOpt(o.group, o.age, m1, m2)
-    return state, reads
-
-
-def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
-    """``into_torch`` checks and sets groups; the moments already read are then installed without another copy."""
-    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
-    into_torch(optimizer, {t: n for n, t in params.items()}, bare, group_names=group_names)
-    for n, po in state.params.items():
-        if po.exp_avg is None or po.exp_avg_sq is None:
-            continue
-        p = params[n]
-        m1, m2 = (m if m.device == p.device and m.dtype == p.dtype else m.to(device=p.device, dtype=p.dtype) for m in (po.exp_avg, po.exp_avg_sq))
-        optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
 
 
 def _read_all(store: Store, reads: list[tuple[str, torch.Tensor, str]], threads: int) -> None:

@@ -164,10 +164,14 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8) -
     result.deleted = old
     if not dry_run:
 
+        stale = getattr(store.storage, "delete_stale", None)
+
         def delete(oid: str) -> bool:
-            # Look again just before deleting: a save that found this object present since the
-            # listing has refreshed its mtime (local backend) and is about to name it.
+            # Look again as it is deleted: a writer that found this object present since the
+            # listing has refreshed its mtime (Store.ensure / write_once) and is about to name it.
             key = object_key(oid)
+            if grace_seconds > 0 and stale is not None:  # local: rename away, then look (no window)
+                return bool(stale(key, time.time() - grace_seconds))
             mtime = store.storage.mtime(key)
             if grace_seconds > 0 and (mtime is None or time.time() - mtime < grace_seconds):
                 return False

@@ -34,11 +34,11 @@ from shardtrain.errors import DistillError
 from shardtrain.job import PreparedJob
 from shardtrain.loss import DistillTargets
 from shardtrain.messages import REFERENCE
-from shardtrain.model import LlamaConfig
+from shardtrain.model import Llama, LlamaConfig
 from shardtrain.partition import Partition, build_stage
 from shardtrain.ring import Ring
 
-__all__ = ["find_reference", "Reference", "Distiller", "reference_steps"]
+__all__ = ["find_reference", "Reference", "Distiller", "reference_steps", "reference_bytes"]
 
 
 def find_reference(store: Store, job: PreparedJob, cohort: str, head: str | None) -> str | None:
@@ -72,6 +72,15 @@ def reference_steps(job: PreparedJob, start: int, until: int) -> set[int]:
         if ref is not None and ref.source == "endpoint" and start < job.cohort_end(ref.of or "") <= until:
             out.add(job.cohort_end(ref.of or ""))
     return out
+
+
+def reference_bytes(config: LlamaConfig, num_slots: int, slot: int) -> int:
+    """Bytes of FP32 weights slot `slot` holds for a frozen reference of `config` (no
+    gradients, no moments), without allocating them: what a capacity planner adds per slot."""
+    partition = Partition.even(config.num_hidden_layers, num_slots)
+    with torch.device("meta"):
+        stage = Llama(config, layers=partition.layers(slot), embedding=slot == 0, head=slot == 0)
+    return sum(p.numel() for p in stage.parameters()) * 4
 
 
 class Reference:

@@ -100,7 +100,7 @@ def write_gate_report(store: Store, report: GateReport) -> str:
     """Store the report as an object, pinned as ``gates/<job id>/<report id>``; return its id."""
     oid = store.put(_ENC.encode(report))
     store.sync()
-    store.pin(f"gates/{report.job}/{oid}", [oid])
+    store.add_to_pin(f"gates/{report.job}/{oid}", [oid])
     return oid
 
 
