@@ -51,7 +51,7 @@ from .manifest import (
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
 from .module_state import named_state
 from .names import check_oid, check_ref_name
-from .optim import OptimState, ParamOpt, _install_torch, _plan_optim, from_export, from_torch, group_spec, into_export
+from .optim import OptimState, ParamOpt, _install_torch, _plan_optim, _probe_torch, from_export, from_torch, group_spec, into_export
 from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
 from .store import Store
@@ -467,6 +467,8 @@ def restore(
     elif optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
         reads += moment_reads
+        if not hasattr(optimizer, "state_import"):
+            _probe_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
     extras_plan = plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}")
     own = _slot(lc, slot, "slot_extra") if slot_extra else 0
     slot_plan = plan_extras_restore(store, lc.shards[own].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {own}")

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from .errors import ManifestError
-from .manifest import TensorEntry, decode_config
+from .manifest import MAX_MANIFEST_BYTES, TensorEntry, decode_config
 from .optim import hyper_of
 from .state_diff import extras_changes, hyper_groups, state_changes, state_pairs
 from .store import Store
@@ -242,7 +242,7 @@ def _tensor_stats(store: Store, x: TensorEntry, y: TensorEntry) -> dict[str, Ten
 def _config(store: Store, oid: str | None) -> dict[str, Any] | None:
     if oid is None:
         return None
-    return decode_config(store.get(oid), what=f"model config object {oid}")
+    return decode_config(store.get(oid, limit=MAX_MANIFEST_BYTES), what=f"model config object {oid}")
 
 
 def _field_diffs(store: Store, la: LoadedCommit, lb: LoadedCommit) -> list[FieldDiff]:

@@ -107,7 +107,7 @@ def _named_by_manifest(store: Store, oid: str) -> set[str]:
     if size is None or size > MAX_MANIFEST_BYTES:
         return set()
     try:
-        manifest = decode(store.get(oid), what=f"object {oid}")
+        manifest = decode(store.get(oid, limit=MAX_MANIFEST_BYTES), what=f"object {oid}")
     except ShardstoreError:
         return set()  # tensor bytes, or not a manifest: names nothing
     names: set[str] = set()

@@ -40,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 from .bounded import check_json_nesting, read_regular_file
 from .checkpoint import AUTO, CommitInfo, check_info, check_parent, write_commit
 from .errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
-from .manifest import FORMAT_VERSION, ShardManifest, TensorEntry, decode_config, encode_config
+from .manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, ShardManifest, TensorEntry, decode_config, encode_config
 from .names import check_ref_name, check_tensor_name
 from .optim import hyper_of
 from .state_diff import extra_state_view, hyper_groups
@@ -240,7 +240,7 @@ def export_commit(
             index = {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": dict(sorted(weight_map.items()))}
             docs[f"{prefix}.safetensors.index.json"] = json.dumps(index, indent=2).encode() + b"\n"
     if lc.commit.config is not None:
-        config = decode_config(store.get(lc.commit.config), what=f"model config object {lc.commit.config}")
+        config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES), what=f"model config object {lc.commit.config}")
         docs["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
     if with_optimizer:
         docs["optimizer.json"] = _optimizer_doc(lc.commit.step, lc.commit.optimizer, entries, _extras_doc(store, lc))

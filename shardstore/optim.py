@@ -11,6 +11,8 @@ keyed by tensor name — group, Adam age (updates received) and both moments. Ad
 """
 from __future__ import annotations
 
+import copy
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -260,3 +262,14 @@ def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: Optim
         p = params[n]
         m1, m2 = (m if m.device == p.device and m.dtype == p.dtype else m.to(device=p.device, dtype=p.dtype) for m in (po.exp_avg, po.exp_avg_sq))
         optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
+
+
+def _probe_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
+    """Run ``_install_torch``'s checks (algorithm, groups, every tensor's state and group) on a
+    stand-in sharing nothing mutable with ``optimizer``, so that a mismatch is raised before a
+    byte is read into the caller's tensors (SPEC.md §19b)."""
+    probe = copy.copy(optimizer)
+    probe.param_groups = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups]
+    probe.state = defaultdict(dict)
+    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
+    into_torch(probe, {t: n for n, t in params.items()}, bare, group_names=group_names)

@@ -357,7 +357,7 @@ def _content_problem(store: Store, oid: str, rule: str, have: int | None) -> Sha
         elif rule.startswith("extra:"):  # a state document, with placeholders for its tensors (SPEC.md §Extras)
             read_extra_state(store.get(oid, limit=MAX_MANIFEST_BYTES), [None] * int(rule[6:]), "state document")  # type: ignore[list-item]
         else:
-            check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)})
+            check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)}, raw_kinds=False)
     except ShardstoreError as e:
         return e
     return None

@@ -132,6 +132,12 @@ def test_cli_regroup_grow_and_plan(adaptive_run: SimpleNamespace, capsys: pytest
     assert main(["regroup", "--store", run.url, "--commit", run.u[2], "--partition", "0:1,2:4"]) == 1
     assert "PartitionError" in capsys.readouterr().err
     assert main(["grow", "--store", run.url, "--commit", run.u[2], "--append", "1", "--copy-from", "7"]) == 4
+    assert main(["train", "--prepared", run.job, "--store", run.url, "--until", "5", "--resume", run.u[4],
+                 "--workers", "3", "--ref", "cli3", "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert f"commit {run.u[4][:12]} was laid out for 2 workers: wrote repartition commit" in out.err
+    assert out.out.startswith("step 5: ") and run.store.commit(out.out.split()[2]).learned_root == _root(run, run.u[5])
+    assert out.err.count("estimated peak") == 3
 
 
 def test_shardstore_log_shows_the_transitions(adaptive_run: SimpleNamespace, capsys: pytest.CaptureFixture[str]) -> None:
