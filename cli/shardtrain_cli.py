@@ -109,6 +109,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.json:
         print(msgspec.json.encode(results).decode())
         return EXIT_OK
+    if r0.start_commit is not None and args.resume not in (None, "auto"):
+        store = shardstore.open_store(args.store)
+        start = store.commit(r0.start_commit)
+        if start.transition == "repartition" and start.parent == store.resolve(args.resume):  # train wrote it
+            print(f"commit {start.parent[:12]} was laid out for {len(store.commit(start.parent).layout)} workers: wrote "
+                  f"repartition commit {r0.start_commit} for {args.workers} and resumed from it", file=sys.stderr)
     for c in r0.commits:
         print(f"step {c.step}: {c.id}")
     for r in results:

@@ -5,29 +5,26 @@ writes" and "validate before write").
   model config) against the manifest rules, so that a save or import that could never be
   committed is refused before it writes an object (not after, naming an internal shard
   manifest id);
-- ``check_parent``: the parent a commit will name is a commit of the store;
-- ``probe_torch``: a torch optimizer matches the commit's optimizer state, checked on a
-  stand-in that shares nothing mutable with it, before a restore reads any tensor.
+- ``check_parent``: the parent a commit will name is a commit of the store.
+
+(A restore's check of a torch optimizer against the commit, before any read, is
+``optim._probe_torch``.)
 """
 from __future__ import annotations
 
-import copy
-from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from .errors import ManifestError, ObjectNotFound, TargetNotFound
 from .manifest import Count, JobId, Label, Transition, encode_config
 from .names import check_oid
-from .optim import OptimState, ParamOpt, into_torch
 
 if TYPE_CHECKING:
     from .checkpoint import CommitInfo
     from .store import Store
 
-__all__ = ["check_info", "check_parent", "probe_torch"]
+__all__ = ["check_info", "check_parent"]
 
 
 class _InfoRules(msgspec.Struct, forbid_unknown_fields=True):
@@ -67,15 +64,3 @@ def check_parent(store: Store, parent: str | None) -> None:
         raise TargetNotFound(f"parent commit {parent} is not in {store.url}") from None
     except ManifestError as e:
         raise ManifestError(f"parent {parent} is not a commit: {e}") from None
-
-
-def probe_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
-    """Run ``into_torch``'s checks (algorithm, groups, every tensor's state and group) on a
-    stand-in sharing nothing mutable with ``optimizer`` (its own param group dicts, lr tensors
-    cloned, its own state), so that a mismatch is raised before a restore reads a byte into
-    the caller's tensors."""
-    probe = copy.copy(optimizer)
-    probe.param_groups = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups]
-    probe.state = defaultdict(dict)
-    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
-    into_torch(probe, {t: n for n, t in params.items()}, bare, group_names=group_names)
