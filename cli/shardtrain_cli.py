@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import msgspec
 
 import shardstore
-from shardstore.manifest import decode_config
+from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RoleError, RunAborted, ShardtrainError, TransitionError
 
 __all__ = ["EPILOG", "main", "print_step", "print_commit"]
@@ -77,7 +77,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         lc = shardstore.load_commit(store, args.seed_commit)
         if lc.commit.config is None:
             raise JobError(f"commit {lc.id[:12]} has no model config")
-        config = decode_config(store.get(lc.commit.config))
+        config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
         args.seed_commit = lc.id
     path = prepare_default(args.out, steps_a=args.steps_a, steps_b=args.steps_b, batch_size=args.batch_size,
                            microbatch_size=args.microbatch_size, data_seed=args.data_seed, init_seed=args.init_seed,

@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from .checkpoint import AUTO, CommitInfo, capture, write_commit, write_shard
 from .errors import CommitProtocolError
+from .extras import capture_extras, write_extras
+from .manifest import ExtraEntry
 from .store import Store
 from .verify import load_commit
 
@@ -109,8 +111,16 @@ def save_distributed(
     rng: bool = True,
     group_names: list[str] | None = None,
     threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
+    slot_extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Save this rank's slot and take part in one commit; every rank returns the same commit id."""
+    """Save this rank's slot and take part in one commit; every rank returns the same commit id.
+
+    ``slot_extra``: this rank's own stateful objects (its data loader), in its shard manifest.
+    ``extra``: commit-wide ones (a scheduler, a scaler): rank 0's are committed, and every
+    rank that passes ``extra`` must pass the same state, checked when it acknowledges the
+    commit (so a rank's extras are never dropped silently; SPEC.md §Extras).
+    """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coordinator = rank == 0
 
@@ -123,17 +133,21 @@ def save_distributed(
     chosen = got[0][1]
     expected_ref = store.ref(ref) if (coordinator and ref is not None) else None
 
-    state = capture(model, optimizer, rng=rng, group_names=group_names)
-    got, _ = _phase(
-        group, "write shard", lambda: write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
-    )
+    mine: list[tuple[ExtraEntry, ...]] = []
+
+    def shard() -> str:  # capture inside the phase: a state one rank cannot store fails every rank, naming it
+        state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
+        mine.append(write_extras(store, capture_extras(extra), threads=threads))  # made durable by write_shard's barrier
+        return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
+
+    got, _ = _phase(group, "write shard", shard)
     shard_ids = [oid for _, oid in got]
     my_shard = shard_ids[rank]
 
     got, _ = _phase(
         group,
         "write commit",
-        (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen)) if coordinator else (lambda: None),
+        (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0])) if coordinator else (lambda: None),
     )
     cid = got[0][1]
     assert cid is not None
@@ -142,6 +156,9 @@ def save_distributed(
         lc = load_commit(store, cid)
         if lc.shard_ids.get(rank) != my_shard:
             raise CommitProtocolError(f"commit {cid} does not name this rank's shard {my_shard} for slot {rank}")
+        if extra is not None and lc.commit.extras != mine[0]:
+            have, want = [x.key for x in mine[0]], [x.key for x in lc.commit.extras]
+            raise CommitProtocolError(f"rank {rank}'s commit-wide extras {have} differ from rank 0's {want} in commit {cid}")
         return lc.id
 
     got, _ = _phase(group, "acknowledge", ack)

@@ -77,7 +77,7 @@ def _fsync_dir(path: str) -> None:
 
 
 class LocalStorage:
-    """A store on a local directory, crash-safe and zero-copy (see module docstring)."""
+    """A store on a local directory, crash-safe, reading only bytes it hashed (see module docstring)."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)

@@ -104,6 +104,10 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     ref_commits = run("uninterrupted", until=steps_a, ref="main")
     reference, resume_from = ref_commits[steps_a], ref_commits[resume_step]
     say(f"      step {steps_a}: {reference}")
+    kl_coef, temp = job.kl()
+    say(f"      loss: CE on new records + {kl_coef:g} * T^2 * KL(reference || student) at T={temp:g} on "
+        f"{sum(len(s.replay) for s in job.job.schedule.steps[:steps_a])} declared conversation replays, the "
+        f"reference being the seed commit {ref_commits[0][:12]} (restored per slot, no new objects)")
 
     say(f"[2/7] fresh group restores step {resume_step} ({resume_from[:12]}); worker 1 is killed during step "
         f"{crash_step}, after microbatch 0's forward and before the optimizer update")
@@ -138,7 +142,7 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
 
     say(f"[5/7] cohort B: steps {steps_a}-{steps_a + steps_b}, new records plus declared replay (ref main)")
     final = run("cohort B", until=steps_a + steps_b, resume="main", ref="main")[steps_a + steps_b]
-    say(f"      step {steps_a + steps_b}: {final}")
+    say(f"      step {steps_a + steps_b}: {final}; its replays distilled toward the cohort-A endpoint {reference[:12]}")
 
     adaptive_ok = _adaptive(store, reference, final, workers, say, timings)
 
@@ -152,6 +156,10 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     for line in family_table(report.commits, {seed: "seed", reference: f"step {steps_a}",
                                               final: f"step {steps_a + steps_b}"}):
         say(f"      {line}")
+    dev_loss = [next(x.loss for x in e.losses if x.name == "dev_task") for e in report.commits]
+    say(f"      development task loss (nats per assistant token): {' -> '.join(f'{v:.3f}' for v in dev_loss)} "
+        f"(seed, step {steps_a}, step {steps_a + steps_b}); {max(e.correct for e in report.commits)} of "
+        f"{len(report.commits[-1].cases)} answers right at best (README, \"What the demo learns\")")
     thresholds = thresholds_of(job)
     gates = []
     for cand in (reference, final):

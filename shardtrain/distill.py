@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import shardstore
 from shardstore import Store, load_commit
-from shardstore.manifest import decode_config
+from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain.batch import Batch
 from shardtrain.errors import DistillError
 from shardtrain.job import PreparedJob
@@ -91,7 +91,7 @@ class Reference:
         lc = load_commit(store, commit)
         if lc.commit.config is None:
             raise DistillError(f"reference commit {commit[:12]} has no model config")
-        config = LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config)))
+        config = LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES)))
         partition = Partition.even(config.num_hidden_layers, num_slots)
         self.commit = lc.id
         self.stage = build_stage(config, partition, slot, seed=0, device=device)

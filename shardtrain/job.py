@@ -315,9 +315,9 @@ def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer, config: Ll
         if ref.cohort not in cohorts or (ref.source == "endpoint") != (ref.of is not None) \
                 or (ref.of is not None and (ref.of not in cohorts or ref.of == ref.cohort)):
             raise JobError(f"the recipe's reference for cohort {ref.cohort!r} names no earlier cohort of the schedule")
-    if any(s.replay for s in job.schedule.steps if job.recipe.distill.references and
-           not any(r.cohort == s.cohort for r in job.recipe.distill.references)):
-        raise JobError("a cohort declares replay records but the recipe names no reference for it")
+    for s in job.schedule.steps:
+        if s.replay and not any(r.cohort == s.cohort for r in job.recipe.distill.references):
+            raise JobError(f"cohort {s.cohort!r} declares replay records but the recipe names no reference for it")
     groups = {g.name for g in job.recipe.groups}
     if groups != {"decay", "no_decay"}:
         raise JobError(f"the recipe must define groups 'decay' and 'no_decay', got {sorted(groups)}")

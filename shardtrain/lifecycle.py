@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 import shardstore
 from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
-from shardstore.manifest import decode_config
+from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain import admission
 from shardtrain.distill import Distiller, reference_steps
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
@@ -197,7 +197,7 @@ def _same_on_all(flag: bool, rank: int, world: int) -> bool:
 def commit_config(store: Store, lc: LoadedCommit) -> LlamaConfig | None:
     if lc.commit.config is None:
         return None
-    return LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config)))
+    return LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES)))
 
 
 def check_commit(job: PreparedJob, store: Store, lc: LoadedCommit, *, until: int) -> None:

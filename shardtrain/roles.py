@@ -156,4 +156,8 @@ def open_finals(store: Store, job: str, candidate: str) -> Selection:
     ids = store.pinned(_selection_pin(job))
     if not finals_opened(store, job):
         store.add_to_pin(_opened_pin(job), list(ids or ()))
+        # A `select` racing with this opening may have replaced the selection in between:
+        # the opening holds only if the selection it recorded is still the current one.
+        if store.pinned(_selection_pin(job)) != ids or set(store.pinned(_opened_pin(job)) or ()) != set(ids or ()):
+            raise RoleError(f"job {job[:12]}'s selection changed while its final sets were being opened")
     return sel
