@@ -31,21 +31,25 @@ ranks, and then they match the wrong peers' messages. Give the saver a group of 
 made on every rank at the same point (``torch.distributed.new_group(backend="gloo")``);
 every rank must call ``save_distributed`` for the same commits in the same order.
 
-Memory bound: the arena holds one copy of the slot's tensors (parameters and both Adam
-moments), at 64-byte-aligned offsets; RNG states are small bytes. Nothing else is copied.
+Memory bound: the arena holds one copy of the slot's tensors (parameters, buffers, both
+Adam moments or any other optimizer's state tensors), at 64-byte-aligned offsets; RNG
+states and extras' documents are small bytes, and extras' tensors (a scaler's, a
+loader's: small) are cloned. Nothing else is copied.
 """
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .checkpoint import AUTO, CommitInfo, SlotState, capture, save_slots
 from .distributed import commit_distributed
-from .optim import OptimState, ParamOpt
+from .extras import CapturedExtra, capture_extras
+from .optim import ParamOpt
 from .store import Store
 
 __all__ = ["AsyncSaver"]
@@ -55,6 +59,11 @@ _ALIGN = 64
 
 def _round(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _copy_extras(extra: dict[str, CapturedExtra]) -> dict[str, CapturedExtra]:
+    """Extras' documents are already bytes; their tensors (small: a scaler's, a loader's) are cloned."""
+    return {k: CapturedExtra(c.key, c.document, [t.detach().to("cpu", copy=True) for t in c.tensors]) for k, c in extra.items()}
 
 
 class AsyncSaver:
@@ -91,6 +100,8 @@ class AsyncSaver:
             po = state.optim.params.get(n)
             if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
                 flat += [po.exp_avg, po.exp_avg_sq]
+            if po is not None and po.torch_state is not None:
+                flat += [t for _, t in sorted(po.torch_state.tensors.items())]
         sizes = [t.numel() * t.element_size() for t in flat]
         pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in flat)
         arena = self._reserve(sum(_round(s) for s in sizes), pin)
@@ -111,13 +122,19 @@ class AsyncSaver:
         for n in names:
             tensors[n] = next(it)
             po = state.optim.params.get(n)
+            torch_state = None
+            if po is not None and po.torch_state is not None:
+                tp = po.torch_state
+                torch_state = replace(tp, tensors={k: t for k, t in sorted(tp.tensors.items())}, scalars=dict(tp.scalars))
             if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
                 params[n] = ParamOpt(po.group, po.age, next(it), next(it))
             elif po is not None:
-                params[n] = ParamOpt(po.group, po.age, None, None)
-        optim = OptimState(state.optim.algorithm, dict(state.optim.groups), params)
+                params[n] = ParamOpt(po.group, po.age, None, None, torch_state)
+            if torch_state is not None:
+                torch_state.tensors = {k: next(it) for k in torch_state.tensors}
+        optim = replace(state.optim, groups=dict(state.optim.groups), params=params, torch_groups=dict(state.optim.torch_groups))
         births = None if state.births is None else dict(state.births)
-        return SlotState(tensors, optim, dict(state.rng), births)
+        return SlotState(tensors, optim, dict(state.rng), births, set(state.buffers), _copy_extras(state.extra))
 
     # -- the public surface ----------------------------------------------------------------
 
@@ -147,16 +164,21 @@ class AsyncSaver:
         parent: str | None = AUTO,
         transition: str = "train",
         group_names: list[str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        slot_extra: Mapping[str, Any] | None = None,
     ) -> None:
-        """Snapshot ``model`` (and optimizer, RNG) now and commit it in the background.
+        """Snapshot ``model`` (and optimizer, RNG, extras) now and commit it in the background.
 
         Same arguments as ``shardstore.save``. Returns once the snapshot is taken; the
         state may then change freely. Raises the previous save's error, if any.
         """
         self._collect()
         info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
-        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
-        self._future = self._pool.submit(save_slots, self.store, [snap], info=info, ref=ref, parent=parent, threads=self.threads)
+        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra))
+        wide = _copy_extras(capture_extras(extra))
+        self._future = self._pool.submit(
+            save_slots, self.store, [snap], info=info, ref=ref, parent=parent, threads=self.threads, extra=wide
+        )
 
     def save_distributed(
         self,
@@ -169,6 +191,8 @@ class AsyncSaver:
         parent: str | None = AUTO,
         rng: bool = True,
         group_names: list[str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        slot_extra: Mapping[str, Any] | None = None,
         on_phase: Callable[[str], None] | None = None,
     ) -> None:
         """Snapshot this rank's slot now and take part in the commit from the background thread.
@@ -179,9 +203,10 @@ class AsyncSaver:
         protocol's error (the ref is then unmoved unless the error says otherwise).
         """
         self._collect()
-        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
+        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra))
+        wide = None if extra is None else _copy_extras(capture_extras(extra))
         self._future = self._pool.submit(commit_distributed, self.store, snap, info=info, group=group, ref=ref,
-                                         parent=parent, threads=self.threads, on_phase=on_phase)
+                                         parent=parent, threads=self.threads, extra=wide, on_phase=on_phase)
 
     @property
     def pending(self) -> bool:

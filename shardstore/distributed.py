@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from .checkpoint import AUTO, CommitInfo, SlotState, capture, write_commit, write_shard
 from .errors import CommitProtocolError
+from .extras import capture_extras, write_extras
+from .manifest import ExtraEntry
 from .store import Store
 from .verify import load_commit
 
@@ -113,10 +115,18 @@ def save_distributed(
     rng: bool = True,
     group_names: list[str] | None = None,
     threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
+    slot_extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Save this rank's slot and take part in one commit; every rank returns the same commit id."""
-    state = capture(model, optimizer, rng=rng, group_names=group_names)
-    return commit_distributed(store, state, info=info, group=group, ref=ref, parent=parent, threads=threads)
+    """Save this rank's slot and take part in one commit; every rank returns the same commit id.
+
+    ``slot_extra``: this rank's own stateful objects (its data loader), in its shard manifest.
+    ``extra``: commit-wide ones (a scheduler, a scaler): rank 0's are committed, and every
+    rank that passes ``extra`` must pass the same state, checked when it acknowledges the
+    commit (so a rank's extras are never dropped silently; SPEC.md §Extras).
+    """
+    return _protocol(store, lambda: capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra),
+                     info=info, group=group, ref=ref, parent=parent, threads=threads, extra=extra, on_phase=None)
 
 
 def commit_distributed(
@@ -128,14 +138,32 @@ def commit_distributed(
     ref: str | None = "main",
     parent: str | None = AUTO,
     threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> str:
     """Take part in one commit with this rank's captured ``state``; every rank returns the same id.
 
+    ``extra`` as for ``save_distributed`` (objects or already captured extras).
     ``on_phase(name)``, if given, is called on this rank as each phase begins (names as in
     SPEC.md §15: read parent, write shard, write commit, acknowledge, move ref), for
     progress reports and fault injection; an exception it raises fails that phase.
     """
+    return _protocol(store, lambda: state, info=info, group=group, ref=ref, parent=parent, threads=threads,
+                     extra=extra, on_phase=on_phase)
+
+
+def _protocol(
+    store: Store,
+    take_state: Callable[[], SlotState],
+    *,
+    info: CommitInfo,
+    group: Any,
+    ref: str | None,
+    parent: str | None,
+    threads: int,
+    extra: Mapping[str, Any] | None,
+    on_phase: Callable[[str], None] | None,
+) -> str:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coordinator = rank == 0
 
@@ -156,18 +184,22 @@ def commit_distributed(
     chosen = got[0][1]
     expected_ref = store.ref(ref) if (coordinator and ref is not None) else None
 
-    got, _ = _phase(
-        group, "write shard",
-        begin("write shard", lambda: write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)),
-    )
+    mine: list[tuple[ExtraEntry, ...]] = []
+
+    def shard() -> str:  # capture inside the phase: a state one rank cannot store fails every rank, naming it
+        state = take_state()
+        mine.append(write_extras(store, capture_extras(extra), threads=threads))  # made durable by write_shard's barrier
+        return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
+
+    got, _ = _phase(group, "write shard", begin("write shard", shard))
     shard_ids = [oid for _, oid in got]
     my_shard = shard_ids[rank]
 
     got, _ = _phase(
         group,
         "write commit",
-        begin("write commit",
-              (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen)) if coordinator else (lambda: None)),
+        begin("write commit", (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0]))
+              if coordinator else (lambda: None)),
     )
     cid = got[0][1]
     assert cid is not None
@@ -176,6 +208,9 @@ def commit_distributed(
         lc = load_commit(store, cid)
         if lc.shard_ids.get(rank) != my_shard:
             raise CommitProtocolError(f"commit {cid} does not name this rank's shard {my_shard} for slot {rank}")
+        if extra is not None and lc.commit.extras != mine[0]:
+            have, want = [x.key for x in mine[0]], [x.key for x in lc.commit.extras]
+            raise CommitProtocolError(f"rank {rank}'s commit-wide extras {have} differ from rank 0's {want} in commit {cid}")
         return lc.id
 
     got, _ = _phase(group, "acknowledge", begin("acknowledge", ack))

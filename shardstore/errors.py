@@ -24,6 +24,7 @@ __all__ = [
     "TargetNotFound",
     "StateMismatch",
     "UnsupportedOptimizer",
+    "UnsupportedState",
     "CommitProtocolError",
 ]
 
@@ -94,6 +95,10 @@ class StateMismatch(ShardstoreError):
 
 class UnsupportedOptimizer(ShardstoreError):
     """An optimizer or optimizer option the canonical form cannot represent (e.g. amsgrad)."""
+
+
+class UnsupportedState(ShardstoreError):
+    """A value to save that the format cannot hold without pickle (a function, a custom object), named by its key path."""
 
 
 class CommitProtocolError(ShardstoreError):

@@ -33,8 +33,10 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import ObjectNotFound, ShardstoreError
+from .extras import extra_objects
 from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, decode
 from .store import Store, object_key
+from .torch_optim import state_objects
 from .transfer import _pool_map, commit_closure
 from .verify import load_commit
 
@@ -116,12 +118,15 @@ def _named_by_manifest(store: Store, oid: str) -> set[str]:
                 names |= _named_by_manifest(store, sid)
     if isinstance(manifest, (CommitManifest, ShardManifest)) and manifest.config is not None:
         names.add(manifest.config)
+    if isinstance(manifest, (CommitManifest, ShardManifest)):
+        names |= {x[0] for x in extra_objects(manifest.extras, "")}
     if isinstance(manifest, ShardManifest):
         names |= {r.object for r in manifest.rng}
         for e in manifest.entries:
             names.add(e.param)
             if e.optim is not None:
                 names |= {m for m in (e.optim.exp_avg, e.optim.exp_avg_sq) if m is not None}
+            names |= {oid for oid, _, _ in state_objects(e)}
     return names
 
 

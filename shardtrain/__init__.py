@@ -13,6 +13,8 @@ and recipe by hash; `tokenizer` and `tasks` are the embedded default's pieces),
 `lifecycle` (train with commits through shardstore, resume, fault handling), `committer`
 (a run's commits, written in the background from a staged copy), `evaluate`
 (held-out loss, greedy generation with a per-stage KV cache, paired bootstrap) and `demo`.
+Adaptive shards: `regroup` (repartition commits), `grow` (identity blocks), `planner`
+(per-slot memory estimate, exact assignment) and `admission` (each worker's check).
 
 The experiment's pieces: `recipe` (the job's recipe), `loss` (CE plus KL on declared
 replay rows), `ring` (forward-only passes round the ring), `distill` (the frozen
@@ -51,6 +53,10 @@ from shardtrain.trainer import StepResult, Trainer
 from shardtrain.job import PreparedJob, load_job, prepare_default
 from shardtrain.lifecycle import RunResult, RunSpec, StepEvent, train
 from shardtrain.evaluate import EvalReport, EvalSpec, evaluate
+from shardtrain.regroup import TransitionResult  # regroup() and grow() stay in their modules: same names
+from shardtrain.grow import identity_check
+from shardtrain.planner import MemoryModel, Plan, SlotEstimate, plan
+from shardtrain.errors import AdmissionError, TransitionError
 
 __all__ = [
     "AdamW", "Batch", "BatchError", "Channel", "ConfigError", "GroupConfig", "LaunchError", "Llama",
@@ -62,4 +68,6 @@ __all__ = [
     "split_microbatches", "squared_grad_norms",
     "JobError", "ResumeError", "RunAborted", "PreparedJob", "load_job", "prepare_default", "RunResult", "RunSpec",
     "StepEvent", "train", "EvalReport", "EvalSpec", "evaluate",
+    "TransitionResult", "identity_check", "MemoryModel", "Plan", "SlotEstimate", "plan",
+    "AdmissionError", "TransitionError",
 ]
