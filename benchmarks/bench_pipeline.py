@@ -10,7 +10,8 @@ Three parts, each one table of ratios against peers measured in the same run:
   slowest worker's step time, with min-max. Also per step: the share of its step the most
   blocked worker spent waiting in receives, the CPU time of the busiest worker (on a machine
   shared with other work, wall-clock speedups understate what the schedule allows; the
-  1-minute load average is printed), and the point-to-point bytes.
+  1-minute load average is printed), the cores the workers really got (their CPU seconds
+  per second of step), and the point-to-point bytes.
 - ``stall``: 2 workers train and commit every other step, alternately with synchronous
   commits (``save_distributed`` in the step loop) and background commits
   (``shardtrain.committer``: one staging copy, the protocol in a background thread); the
@@ -161,6 +162,7 @@ def part_throughput(steps: int, warmup: int) -> None:
     runs: dict[tuple[int, str], list[float]] = {}
     blocked: dict[tuple[int, str], list[float]] = {}
     cpu: dict[tuple[int, str], list[float]] = {}
+    cores: dict[tuple[int, str], list[float]] = {}
     p2p: dict[tuple[int, str], int] = {}
     load = [os.getloadavg()[0]]
     for _round in range(2):
@@ -175,6 +177,9 @@ def part_throughput(steps: int, warmup: int) -> None:
                 blocked.setdefault((n, name), []).extend(
                     max(r["waits"][name][i] / r["times"][name][i] for r in ranks) for i in range(steps))
                 cpu.setdefault((n, name), []).extend(max(r["cpu"][name][i] for r in ranks) for i in range(steps))
+                # CPU seconds all workers got per second of the step: the cores this run really had.
+                cores.setdefault((n, name), []).extend(
+                    sum(r["cpu"][name][i] for r in ranks) / step_times[i] for i in range(steps))
                 p2p[(n, name)] = int(statistics.median(sum(r["sent"][name][i] for r in ranks) for i in range(steps)))
             load.append(os.getloadavg()[0])
     tokens = ROWS * SEQ
@@ -184,14 +189,16 @@ def part_throughput(steps: int, warmup: int) -> None:
           f"(2 launches x {steps}) after {warmup} warm-up each; torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"1-minute load average {min(load):.1f}-{max(load):.1f} during the part")
     print(f"{'workers':>7s} {'schedule':12s} {'step ms':>9s} {'min-max':>15s} {'tokens/s':>9s} {'vs 1 worker':>11s} "
-          f"{'vs synchronous':>14s} {'blocked in recv':>15s} {'busiest cpu ms':>14s} {'p2p bytes/step':>15s}")
+          f"{'vs synchronous':>14s} {'blocked in recv':>15s} {'busiest cpu ms':>14s} {'cores used':>10s} "
+          f"{'p2p bytes/step':>15s}")
     for n in (1, 2, 3):
         for name in SCHEDULES:
             rate = tokens / statistics.median(runs[(n, name)])
             sync_rate = tokens / statistics.median(runs[(n, "synchronous")])
             share = statistics.median(blocked[(n, name)])
             print(f"{n:7d} {name:12s} {_med(runs[(n, name)])} {rate:9.0f} {rate / base:11.2f} {rate / sync_rate:14.2f} "
-                  f"{share:15.0%} {statistics.median(cpu[(n, name)]) * 1e3:14.0f} {p2p[(n, name)]:15,d}")
+                  f"{share:15.0%} {statistics.median(cpu[(n, name)]) * 1e3:14.0f} "
+                  f"{statistics.median(cores[(n, name)]):10.2f} {p2p[(n, name)]:15,d}")
     two = tokens / statistics.median(runs[(2, "overlapped")])
     one = tokens / statistics.median(runs[(1, "overlapped")])
     print(f"goal: 2 workers (overlapped) >= 1.5x the tokens/s of 1 worker: {two / one:.2f}x -> "
