@@ -25,17 +25,20 @@ import torch
 
 from .errors import CursorError, StateMismatch, TensorMismatch
 from .manifest import (
-    FORMAT_VERSION,
     CommitManifest,
     OptimEntry,
     OptimizerSpec,
+    Payload,
     RngEntry,
     ShardManifest,
     SlotLayout,
     TensorEntry,
     decode_config,
     encode_config,
+    shard_version,
 )
+from .dtensor import is_dtensor, local_region, same_split
+from .grid import put_payloads, read_jobs
 from .names import check_ref_name, check_tensor_name
 from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
 from .rng import capture_rng, restore_rng
@@ -83,6 +86,8 @@ class Restored:
     config: dict[str, Any] | None
     tensors: list[str]
     rng_restored: bool
+    bytes_read: int = 0
+    """Tensor bytes read (and verified): whole blocks overlapping this process's slices."""
 
 
 def _named_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -143,7 +148,7 @@ def write_shard(
         po = state.optim.params.get(n)
         if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
             flat += [po.exp_avg, po.exp_avg_sq]
-    ids = iter(store.put_tensors(flat, threads=threads))  # hashed once, written once, batched fsync
+    ids = iter(put_payloads(store, flat, threads=threads))  # canonical blocks, hashed once, written once, batched fsync
     entries = []
     for n in names:
         t = state.tensors[n]
@@ -177,7 +182,7 @@ def write_shard(
     store.sync()  # objects are durable before any manifest names them
     groups = tuple(group_spec(g, h) for g, h in sorted(state.optim.groups.items()))
     shard = ShardManifest(
-        version=FORMAT_VERSION,
+        version=shard_version(entries),
         job=info.job,
         step=info.step,
         parent=parent,
@@ -215,7 +220,7 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
     )
     root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries)
     commit = CommitManifest(
-        version=FORMAT_VERSION,
+        version=max(s.version for s in shards),
         job=info.job,
         schedule=info.schedule,
         profile=info.profile,
@@ -275,8 +280,9 @@ def save(
     return save_slots(store, [state], info=info, ref=ref, parent=parent, threads=threads)
 
 
-def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
-    """Whether an existing optimizer state tensor can be overwritten in place by a moment."""
+def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...], param: torch.Tensor | None = None) -> bool:
+    """Whether an existing optimizer state tensor can be overwritten in place by a moment
+    (a DTensor only if it is split exactly like its parameter)."""
     return (
         isinstance(t, torch.Tensor)
         and t.device.type == "cpu"
@@ -284,7 +290,14 @@ def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         and tuple(t.shape) == shape
         and t.is_contiguous()
         and not t.requires_grad
+        and is_dtensor(t) == is_dtensor(param)
+        and (not is_dtensor(t) or same_split(t, param))
     )
+
+
+def _empty_like(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new moment tensor: a DTensor split like ``param`` if it is one."""
+    return torch.empty_like(param, dtype=dtype) if is_dtensor(param) else torch.empty(shape, dtype=dtype)
 
 
 def _plan_optim(
@@ -298,7 +311,7 @@ def _plan_optim(
     """
     entries = lc.entries()
     state = OptimState(lc.commit.optimizer.algorithm, {g.name: hyper_of(g) for g in lc.commit.optimizer.groups})
-    reads: list[tuple[str, torch.Tensor, str]] = []
+    reads: list[tuple[Payload, str, torch.Tensor, str]] = []
     live = getattr(optimizer, "state", None) if not hasattr(optimizer, "state_import") else None
     for n in names:
         o = entries[n].optim
@@ -309,9 +322,11 @@ def _plan_optim(
             shape, dtype = tuple(entries[n].shape), torch_dtype(o.moment_dtype)
             old = live.get(targets[n], {}) if isinstance(live, Mapping) else {}
             m1, m2 = (
-                old[k] if _reusable(old.get(k), dtype, shape) else torch.empty(shape, dtype=dtype) for k in ("exp_avg", "exp_avg_sq")
+                old[k] if _reusable(old.get(k), dtype, shape, targets[n]) else _empty_like(targets[n], dtype, shape)
+                for k in ("exp_avg", "exp_avg_sq")
             )
-            reads += [(o.exp_avg, m1, f"exp_avg of {n!r}"), (o.exp_avg_sq, m2, f"exp_avg_sq of {n!r}")]
+            md = o.moment_dtype
+            reads += [(o.exp_avg, md, m1, f"exp_avg of {n!r}"), (o.exp_avg_sq, md, m2, f"exp_avg_sq of {n!r}")]
         state.params[n] = ParamOpt(o.group, o.age, m1, m2)
     return state, reads
 
@@ -328,17 +343,16 @@ def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: Optim
         optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
 
 
-def _read_all(store: Store, reads: list[tuple[str, torch.Tensor, str]], threads: int) -> None:
-    def one(job: tuple[str, torch.Tensor, str]) -> None:
-        store.read_into(job[0], job[1], what=job[2])
-
-    if threads <= 1 or len(reads) <= 1:
-        for job in reads:
-            one(job)
-        return
+def _read_all(store: Store, reads: list[tuple[Payload, str, torch.Tensor, str]], threads: int) -> int:
+    """Fill each destination (its local slice, for a DTensor) from the blocks it overlaps; bytes read."""
+    jobs = []
+    for payload, dtype, dest, what in reads:
+        local, origin = local_region(dest, what)
+        jobs += read_jobs(store, payload, dtype, tuple(dest.shape), local, origin, what)
+    if threads <= 1 or len(jobs) <= 1:
+        return sum(job() for job in jobs)
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for _ in pool.map(one, reads):
-            pass
+        return sum(pool.map(lambda job: job(), jobs))
 
 
 def restore(
@@ -377,12 +391,12 @@ def restore(
         e, t = entries[n], targets[n]
         if dtype_name(t.dtype, n) != e.dtype or tuple(t.shape) != tuple(e.shape):
             raise TensorMismatch(f"tensor {n!r}: commit {lc.id} holds {e.dtype}{list(e.shape)}, the model has {dtype_name(t.dtype, n)}{list(t.shape)}")
-    reads = [(entries[n].param, targets[n], f"tensor {n!r}") for n in names]
+    reads = [(entries[n].param, entries[n].dtype, targets[n], f"tensor {n!r}") for n in names]
     state = None
     if optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
         reads += moment_reads
-    _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
+    nread = _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
     if optimizer is not None and state is not None:
         if hasattr(optimizer, "state_import"):
             into_export(optimizer, state, [n for n in names if n in state.params])
@@ -396,4 +410,4 @@ def restore(
         restore_rng({r.kind: store.get(r.object) for r in lc.shards[s].rng})
         restored_rng = True
     config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config))
-    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng)
+    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, nread)

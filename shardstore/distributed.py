@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import AUTO, CommitInfo, capture, write_commit, write_shard
+from .dtensor import write_dtensors
 from .errors import CommitProtocolError
 from .store import Store
 from .verify import load_commit
@@ -125,7 +126,11 @@ def save_distributed(
 
     state = capture(model, optimizer, rng=rng, group_names=group_names)
     got, _ = _phase(
-        group, "write shard", lambda: write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
+        group,
+        "write shard",
+        lambda: write_shard(
+            store, write_dtensors(store, state, group=group, threads=threads), info=info, parent=chosen, slot=rank, slots=world, threads=threads
+        ),
     )
     shard_ids = [oid for _, oid in got]
     my_shard = shard_ids[rank]

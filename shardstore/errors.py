@@ -15,6 +15,7 @@ __all__ = [
     "CorruptObject",
     "ManifestError",
     "TensorMismatch",
+    "GridError",
     "BindingError",
     "LayoutError",
     "CursorError",
@@ -57,6 +58,10 @@ class ManifestError(ShardstoreError):
 
 class TensorMismatch(ShardstoreError):
     """A tensor's dtype, shape or byte size disagrees with its entry or with the target tensor."""
+
+
+class GridError(ManifestError):
+    """A chunked payload's blocks are not its tensor's canonical grid (gaps, overlaps, wrong blocks)."""
 
 
 class BindingError(ShardstoreError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .manifest import FORMAT_VERSION, LearnedState, OptimizerSpec, TensorEntry, encode
+from .manifest import LearnedState, OptimizerSpec, TensorEntry, encode, shard_version
 from .tensors import hash_bytes
 
 __all__ = ["learned_state", "learned_root"]
@@ -23,8 +23,9 @@ __all__ = ["learned_state", "learned_root"]
 def learned_state(
     *, step: int, data_cursor: int | None, config: str | None, optimizer: OptimizerSpec, entries: Iterable[TensorEntry]
 ) -> LearnedState:
+    entries = list(entries)
     return LearnedState(
-        version=FORMAT_VERSION,
+        version=shard_version(entries),  # 2 iff a payload is chunked (SPEC.md §Versioning)
         step=step,
         data_cursor=data_cursor,
         config=config,

@@ -24,7 +24,8 @@ from typing import TypeVar
 from .errors import CorruptObject, TargetNotFound, TensorMismatch
 from .names import check_ref_name
 from .store import Store
-from .tensors import expected_nbytes
+from .grid import payload_blocks
+from .manifest import tensor_payloads
 from .verify import LoadedCommit, load_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
@@ -65,12 +66,9 @@ def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
         for r in shard.rng:
             out.data.setdefault(r.object, None)
         for e in shard.entries:
-            out.data[e.param] = expected_nbytes(e.dtype, e.shape)
-            o = e.optim
-            if o is not None and o.moment_dtype is not None:
-                for m in (o.exp_avg, o.exp_avg_sq):
-                    if m is not None:
-                        out.data[m] = expected_nbytes(o.moment_dtype, e.shape)
+            for _role, payload, dtype in tensor_payloads(e):
+                for oid, _box, n in payload_blocks(payload, dtype, e.shape):
+                    out.data[oid] = n
     return out
 
 

@@ -15,16 +15,17 @@ from .errors import (
     BindingError,
     CorruptObject,
     CursorError,
+    GridError,
     LayoutError,
     ManifestError,
     ObjectNotFound,
     ShardstoreError,
     TensorMismatch,
 )
-from .manifest import CommitManifest, ShardManifest, TensorEntry
+from .grid import grid_problems, payload_blocks
+from .manifest import CommitManifest, ShardManifest, TensorEntry, tensor_payloads
 from .roots import learned_root
 from .store import Store
-from .tensors import expected_nbytes
 
 __all__ = ["Problem", "Report", "LoadedCommit", "shard_problems", "commit_problems", "load_commit", "verify"]
 
@@ -124,6 +125,10 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
             yield p(CursorError, f"Adam age {o.age} > 0 but no moments are stored", e.name)
         if has[0] != (o.moment_dtype is not None):
             yield p(ManifestError, "moment_dtype must be set exactly when moments are present", e.name)
+    for e in shard.entries:
+        for role, payload, dtype in tensor_payloads(e):
+            for msg in grid_problems(payload, dtype, e.shape):
+                yield p(GridError, f"{role} payload: {msg} (SPEC.md §Chunked payloads)", e.name)
     if set(gnames) - used:
         yield p(ManifestError, f"groups {sorted(set(gnames) - used)} are not used by any tensor entry")
 
@@ -136,6 +141,9 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
         o = f", shard manifest {obj}" if obj and obj != cid else ""
         return Problem(err(f"commit {cid}{o}{t}: {msg}"), cid, obj or cid, tensor)
 
+    versions = {s.version for s in shards.values()}
+    if len(shards) == len(commit.layout) and versions and commit.version != max(versions):
+        yield p(ManifestError, f"commit has version {commit.version} but its shard manifests need version {max(versions)} (SPEC.md §Versioning)")
     slots = [lay.slot for lay in commit.layout]
     if slots != list(range(len(slots))):
         yield p(LayoutError, f"layout slots {slots} are not exactly 0..{len(slots) - 1} in order (SPEC.md §Commit manifest)")
@@ -232,14 +240,11 @@ def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[tuple[str, int 
         for r in shard.rng:
             yield r.object, None, None, f"RNG state {r.kind} of slot {s}"
         for e in shard.entries:
-            yield e.param, expected_nbytes(e.dtype, e.shape), e.name, "parameter"
-            o = e.optim
-            if o is not None and o.moment_dtype is not None:
-                n = expected_nbytes(o.moment_dtype, e.shape)
-                if o.exp_avg is not None:
-                    yield o.exp_avg, n, e.name, "exp_avg"
-                if o.exp_avg_sq is not None:
-                    yield o.exp_avg_sq, n, e.name, "exp_avg_sq"
+            for role, payload, dtype in tensor_payloads(e):
+                blocks = payload_blocks(payload, dtype, e.shape)
+                what = "parameter" if role == "param" else role
+                for i, (oid, _box, n) in enumerate(blocks):
+                    yield oid, n, e.name, (what if len(blocks) == 1 else f"{what} block {i}")
 
 
 def _check_objects(store: Store, jobs: list[tuple[str, int | None, str | None, str]], deep: bool, threads: int) -> list[tuple[ShardstoreError | None, int]]:

@@ -1,0 +1,286 @@
+"""DTensor capture and restore: sharded tensors written as canonical blocks, never gathered
+(SPEC.md §Chunked payloads, §Block exchange).
+
+FSDP2 (``fully_shard``) keeps a dim-0 slice of every parameter and Adam moment on each
+rank; tensor parallelism splits on dim 0 or dim 1; a ``Replicate`` placement holds the
+whole tensor on several ranks. The canonical grid (``grid.py``) does not care: a block is
+a block whoever holds its bytes. Saving is a collective over the save's process group:
+
+1. every rank describes the DTensors it holds (name, role, dtype, global shape, the box
+   of its local slice) and all ranks exchange the descriptions (msgspec JSON in uint8
+   tensors; nothing is pickled);
+2. from the union, every rank computes the same plan: the distinct slices must tile each
+   tensor exactly; each block is owned by one rank of the slice holding most of it
+   (replicas of a slice take turns, so a replicated tensor is written once, split among
+   its replicas); every other slice the block overlaps sends its piece to the owner,
+   point to point, from one of its replicas, so each byte crosses the network once;
+3. blocks are processed in batches of at most ``BATCH_BYTES``: the owner hashes and
+   writes each block (a block inside its own slice is a view of it, no copy), so a rank
+   holds its slice plus at most one batch of blocks;
+4. the block ids are all-reduced, and each tensor's entry (its whole payload) goes into
+   the shard manifest of one slot, chosen by a hash of the name.
+
+Restore needs no collective: a rank reads the blocks its local slice overlaps
+(``grid.read_jobs``), each verified whole.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from .errors import StateMismatch, TensorMismatch
+from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
+from .optim import OptimState, ParamOpt
+from .tensors import dtype_name, expected_nbytes, torch_dtype
+
+__all__ = ["BATCH_BYTES", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
+
+#: Most bytes of blocks one batch of the exchange assembles (a rank holds at most this much
+#: beyond its own slice while saving).
+BATCH_BYTES = 16 * BLOCK_BYTES
+
+
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def local_region(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(local tensor, global index of its first element): a DTensor's slice, or a plain tensor whole."""
+    if not is_dtensor(t):
+        return t, (0,) * t.dim()
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:  # type: ignore[attr-defined]
+        if type(p) not in (Shard, Replicate):
+            raise TensorMismatch(
+                f"{what}: DTensor placement {p} is not supported (Shard and Replicate are; a Partial holds "
+                "unreduced values, a strided shard is not one box) (SPEC.md §Block exchange)"
+            )
+    # The local tensor itself, not ``to_local()``'s autograd view (which refuses in-place writes).
+    local = getattr(t, "_local_tensor", None)
+    local = (local if local is not None else t.to_local()).detach()  # type: ignore[attr-defined]
+    shape, origin = compute_local_shape_and_global_offset(tuple(t.shape), t.device_mesh, t.placements)  # type: ignore[attr-defined]
+    if tuple(local.shape) != tuple(shape):
+        raise TensorMismatch(f"{what}: DTensor's local tensor has shape {list(local.shape)}, its placements give {list(shape)}")
+    return local, tuple(int(o) for o in origin)
+
+
+def same_split(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether two DTensors live on the same mesh with the same placements."""
+    return b is not None and a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements)  # type: ignore[attr-defined]
+
+
+def entry_slot(name: str, slots: int) -> int:
+    """The slot whose shard manifest records a sharded tensor's entry (a hash of its name)."""
+    return zlib.crc32(name.encode()) % slots
+
+
+class _Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One DTensor as one rank holds it (the description exchanged in step 1)."""
+
+    name: str
+    role: str
+    dtype: str
+    shape: tuple[int, ...]
+    origin: tuple[int, ...]
+    local: tuple[int, ...]
+
+
+_ITEMS = msgspec.json.Decoder(list[_Item])
+
+
+def slice_regions(name: str, dtype: str, shape: tuple[int, ...], held: dict[Box, list[int]]) -> list[tuple[Box, list[int]]]:
+    """The distinct slices of one tensor (sorted) and the ranks holding each; TensorMismatch unless they tile it."""
+    regions = sorted(held.items())
+    for box, _ in regions:
+        if len(box[0]) != len(shape) or any(s < 0 or s + n > d for s, n, d in zip(box[0], box[1], shape)):
+            raise TensorMismatch(f"tensor {name!r}: a slice at {list(box[0])} of extent {list(box[1])} lies outside {list(shape)}")
+    for i, (a, _) in enumerate(regions):
+        for b, _ in regions[i + 1:]:
+            if math.prod(a[1]) and math.prod(b[1]) and intersect(a, b) is not None:
+                raise TensorMismatch(f"tensor {name!r}: slices at {list(a[0])} and {list(b[0])} overlap but are not replicas")
+    covered = sum(math.prod(b[1]) for b, _ in regions)
+    if covered != math.prod(shape):
+        raise TensorMismatch(f"tensor {name!r}: its slices cover {covered} of {math.prod(shape)} elements")
+    return regions
+
+
+def plan_blocks(key: str, dtype: str, shape: tuple[int, ...], regions: list[tuple[Box, list[int]]]) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
+    """For each canonical block: (box, owner rank, [(source rank, piece box)] of the pieces others send).
+
+    The owner is a rank of the slice holding most of the block (ties: the first slice);
+    each slice's replicas take turns by block index, so replicated bytes are split among them.
+    """
+    turn = zlib.crc32(key.encode())
+    out = []
+    for bi, box in enumerate(grid(dtype, shape)):
+        pieces = [(ri, c) for ri, (reg, _) in enumerate(regions) if (c := intersect(box, reg)) is not None]
+        if not pieces:  # an empty tensor: one empty block, written by a holder of the first slice
+            ranks = regions[0][1]
+            out.append((box, ranks[(turn + bi) % len(ranks)], []))
+            continue
+        best = max(pieces, key=lambda p: (math.prod(p[1][1]), -p[0]))[0]
+        pick = {ri: regions[ri][1][(turn + bi) % len(regions[ri][1])] for ri, _ in pieces}
+        out.append((box, pick[best], [(pick[ri], c) for ri, c in pieces if ri != best]))
+    return out
+
+
+def _all_gather_bytes(raw: bytes, group: Any) -> list[bytes]:
+    world = dist.get_world_size(group)
+    n = torch.tensor([len(raw)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    top = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(max(top, 1), dtype=torch.uint8)
+    if raw:
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(t[: int(s.item())].numpy().tobytes()) for t, s in zip(out, sizes)]
+
+
+def _items_of(state: Any) -> list[tuple[str, str, torch.Tensor]]:
+    items = [(n, "param", t) for n, t in state.tensors.items() if is_dtensor(t)]
+    for n, po in state.optim.params.items():
+        for role in ("exp_avg", "exp_avg_sq"):
+            m = getattr(po, role)
+            if m is not None and is_dtensor(m):
+                items.append((n, role, m))
+    return sorted(items, key=lambda x: (x[0], x[1]))
+
+
+def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 2) -> Any:
+    """Write every DTensor of ``state`` (a SlotState) as canonical blocks, collectively over ``group``.
+
+    Returns the SlotState this rank's shard manifest records: plain tensors as they were,
+    DTensors whose entry this slot holds replaced by their ``StoredPayload``, the rest
+    dropped (another slot records them). Every rank of the group must call this.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    locals_: dict[tuple[str, str], tuple[torch.Tensor, tuple[int, ...]]] = {}
+    desc = []
+    try:
+        for n, role, t in _items_of(state):
+            local, origin = local_region(t, f"{role} of tensor {n!r}")
+            locals_[(n, role)] = (local, origin)
+            desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), origin, tuple(local.shape)))
+        raw = b"\x00" + msgspec.json.encode(desc)
+    except TensorMismatch as e:  # still take part in the exchange, so every rank raises, none waits
+        raw = b"\x01" + str(e).encode()
+    gathered = _all_gather_bytes(raw, group)
+    failed = [(r, g[1:].decode(errors="replace")) for r, g in enumerate(gathered) if g[:1] != b"\x00"]
+    if failed:
+        raise TensorMismatch(f"rank {failed[0][0]}: {failed[0][1]}")
+    peers = [_ITEMS.decode(g[1:]) for g in gathered]
+    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}
+    for r, items in enumerate(peers):
+        for it in items:
+            dtype, shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
+            if (dtype, shape) != (it.dtype, it.shape):
+                raise StateMismatch(f"{it.role} of tensor {it.name!r}: ranks disagree on dtype/shape ({dtype}{list(shape)} vs {it.dtype}{list(it.shape)})")
+            held.setdefault((it.origin, it.local), []).append(r)
+    g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    plans = []
+    for (n, role), (dtype, shape, held) in sorted(union.items()):
+        regions = slice_regions(n, dtype, shape, held)
+        for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
+            plans.append(((n, role), bi, box, owner, sends, dtype))
+    ids = _exchange(store, plans, locals_, rank, g, group, threads)
+    blocks: dict[tuple[str, str], list[str]] = {}
+    for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
+        blocks.setdefault(key, []).append(oid)
+    payload = {key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()}
+    return _restate(state, payload, rank, world)
+
+
+def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: Any, threads: int) -> list[str]:
+    """Run the plan batch by batch; return every block's id (all ranks get all ids)."""
+    ids: list[bytes | None] = [None] * len(plans)
+    i = 0
+    while i < len(plans):
+        j, size = i, 0
+        while j < len(plans) and (j == i or size + _nbytes(plans[j]) <= BATCH_BYTES):
+            size += _nbytes(plans[j])
+            j += 1
+        owned: list[tuple[int, torch.Tensor]] = []
+        recvs: list[tuple[Box, torch.Tensor, torch.Tensor, tuple[int, ...]]] = []
+        works, keep = [], []
+        tag = 0
+        for k in range(i, j):
+            key, _bi, box, owner, sends, dtype = plans[k]
+            local = locals_.get(key)
+            if owner == rank:
+                assert local is not None
+                lt, origin = local
+                inner = intersect(box, (origin, tuple(lt.shape))) if math.prod(box[1]) else None
+                view = lt[box_slices(box, origin)] if inner == box else None
+                if view is not None and view.is_contiguous():
+                    buf = view
+                else:
+                    buf = torch.empty(box[1], dtype=torch_dtype(dtype))
+                    if inner is not None:
+                        buf[box_slices(inner, box[0])] = lt[box_slices(inner, origin)]
+                for src, piece in sends:
+                    tmp = torch.empty(piece[1], dtype=buf.dtype)
+                    works.append(dist.irecv(tmp, src=g(src), group=group, tag=tag))
+                    recvs.append((piece, tmp, buf, box[0]))
+                    tag += 1
+                owned.append((k, buf))
+            else:
+                for src, piece in sends:
+                    if src == rank:
+                        lt, origin = locals_[key]
+                        out = lt[box_slices(piece, origin)].contiguous()
+                        keep.append(out)
+                        works.append(dist.isend(out, dst=g(owner), group=group, tag=tag))
+                    tag += 1
+        for w in works:
+            w.wait()
+        for piece, tmp, buf, start in recvs:
+            buf[box_slices(piece, start)] = tmp
+        written = store.put_tensors([b.detach().reshape(-1) for _, b in owned], threads=threads) if owned else []
+        for (k, _), oid in zip(owned, written):
+            ids[k] = bytes.fromhex(oid)
+        i = j
+    table = torch.zeros((len(plans), 32), dtype=torch.uint8)
+    for k, raw in enumerate(ids):
+        if raw is not None:
+            table[k] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)  # one owner per row, zeros elsewhere
+    return [bytes(row.numpy().tobytes()).hex() for row in table]
+
+
+def _nbytes(plan: tuple) -> int:
+    return expected_nbytes(plan[5], plan[2][1])
+
+
+def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], rank: int, world: int) -> Any:
+    """The SlotState this slot records: DTensor entries it holds replaced by their payloads."""
+    tensors = {}
+    for n, t in state.tensors.items():
+        if not is_dtensor(t):
+            tensors[n] = t
+        elif entry_slot(n, world) == rank:
+            tensors[n] = payload[(n, "param")]
+    params = {}
+    for n, po in state.optim.params.items():
+        if n not in tensors:
+            continue
+        m1 = payload.get((n, "exp_avg"), po.exp_avg) if po.exp_avg is not None and is_dtensor(po.exp_avg) else po.exp_avg
+        m2 = payload.get((n, "exp_avg_sq"), po.exp_avg_sq) if po.exp_avg_sq is not None and is_dtensor(po.exp_avg_sq) else po.exp_avg_sq
+        params[n] = ParamOpt(po.group, po.age, m1, m2)  # type: ignore[arg-type]
+    used = {p.group for p in params.values()}
+    optim = OptimState(state.optim.algorithm, {k: h for k, h in state.optim.groups.items() if k in used}, params)
+    births = None if state.births is None else {n: b for n, b in state.births.items() if n in tensors}
+    return replace(state, tensors=tensors, optim=optim, births=births)
