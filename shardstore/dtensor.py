@@ -116,23 +116,30 @@ def slice_regions(name: str, dtype: str, shape: tuple[int, ...], held: dict[Box,
     return regions
 
 
-def plan_blocks(key: str, dtype: str, shape: tuple[int, ...], regions: list[tuple[Box, list[int]]]) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
+def plan_blocks(
+    key: str, dtype: str, shape: tuple[int, ...], regions: list[tuple[Box, list[int]]], *, block_bytes: int = BLOCK_BYTES
+) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
     """For each canonical block: (box, owner rank, [(source rank, piece box)] of the pieces others send).
 
     The owner is a rank of the slice holding most of the block (ties: the first slice);
     each slice's replicas take turns by block index, so replicated bytes are split among them.
     """
     turn = zlib.crc32(key.encode())
+    used = [0] * len(regions)  # how many blocks or pieces each slice has given so far
+
+    def pick(ri: int) -> int:
+        ranks = regions[ri][1]
+        used[ri] += 1
+        return ranks[(turn + used[ri] - 1) % len(ranks)]
+
     out = []
-    for bi, box in enumerate(grid(dtype, shape)):
+    for box in grid(dtype, shape, block_bytes=block_bytes):
         pieces = [(ri, c) for ri, (reg, _) in enumerate(regions) if (c := intersect(box, reg)) is not None]
         if not pieces:  # an empty tensor: one empty block, written by a holder of the first slice
-            ranks = regions[0][1]
-            out.append((box, ranks[(turn + bi) % len(ranks)], []))
+            out.append((box, pick(0), []))
             continue
         best = max(pieces, key=lambda p: (math.prod(p[1][1]), -p[0]))[0]
-        pick = {ri: regions[ri][1][(turn + bi) % len(regions[ri][1])] for ri, _ in pieces}
-        out.append((box, pick[best], [(pick[ri], c) for ri, c in pieces if ri != best]))
+        out.append((box, pick(best), [(pick(ri), c) for ri, c in pieces if ri != best]))
     return out
 
 

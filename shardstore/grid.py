@@ -166,9 +166,9 @@ def check_payload(payload: Payload, dtype: str, shape: Sequence[int], what: str)
         raise GridError(f"{what}: {msg} (SPEC.md §Chunked payloads)")
 
 
-def make_payload(dtype: str, shape: Sequence[int], ids: Sequence[str]) -> Payload:
+def make_payload(dtype: str, shape: Sequence[int], ids: Sequence[str], *, block_bytes: int = BLOCK_BYTES) -> Payload:
     """The payload naming ``ids``, the objects of the canonical blocks in order."""
-    canon = grid(dtype, shape)
+    canon = grid(dtype, shape, block_bytes=block_bytes)
     if len(ids) != len(canon):
         raise GridError(f"{len(ids)} block ids for a grid of {len(canon)} blocks")
     if len(canon) == 1:
