@@ -1,14 +1,16 @@
 """DTensor state over real Gloo process groups: FSDP2 and tensor parallelism, saved without
 gathering and restored into any split (SPEC.md §Chunked payloads, §Block exchange).
 
-Two spawned groups serve every check (they are the expensive part):
+One spawned group of 3 processes serves every check (starting processes is the expensive
+part):
 
-- 2 ranks: FSDP2 trains 3 AdamW steps and saves (``c2``); the same ranks keep training
+- ranks 0 and 1, as a group of their own: FSDP2 trains 3 AdamW steps and saves (``c2``); the same ranks keep training
   (``uninterrupted``), and a fresh FSDP2 model restored from ``c2`` trains the same steps
   (``resumed2``); ``c2`` is restored into tensor parallelism splitting on dim 0 and on
   dim 1 and saved again (``tp0``, ``tp1``), and into a plain model per rank saved as two
   pipeline slots (``pp``);
-- 3 ranks: FSDP2 (10 rows over 3: 4, 4, 2) restores ``c2`` and the 1-process save of
+- rank 2: the same state restored into a plain model and saved whole by one process;
+- all 3 ranks: FSDP2 (10 rows over 3: 4, 4, 2) restores ``c2`` and the 1-process save of
   the same state, saves again (``c3``, into a store that already holds every block) and
   trains on (``resumed3``).
 
@@ -87,20 +89,20 @@ def _info(step: int) -> ss.CommitInfo:
     return ss.CommitInfo(step=step, job="dtensor-test")
 
 
-def _two(rank: int, world: int, store: ss.Store, mesh) -> dict:
+def _two(rank: int, store: ss.Store, mesh, group) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     out: dict = {}
     m = _fsdp(mesh)
     opt = _opt(m)
     _train(m, opt, 3, seed=1)
-    c2 = ss.save_distributed(store, m, opt, info=_info(3), rng=False, ref="main")
+    c2 = ss.save_distributed(store, m, opt, info=_info(3), rng=False, ref="main", group=group)
     plain, popt = Net(), None
     popt = _opt(plain)
     ss.restore(store, c2, plain, popt)
     out["saved_equals_plain_restore"] = _equal_to_plain(m, opt, plain, popt)
     _train(m, opt, 2, seed=7)
-    out["uninterrupted"] = ss.save_distributed(store, m, opt, info=_info(5), rng=False, ref=None, parent=c2)
+    out["uninterrupted"] = ss.save_distributed(store, m, opt, info=_info(5), rng=False, ref=None, parent=c2, group=group)
 
     m2 = _fsdp(mesh)
     opt2 = _opt(m2)
@@ -108,7 +110,7 @@ def _two(rank: int, world: int, store: ss.Store, mesh) -> dict:
     out["bytes_read"] = r.bytes_read
     out["share"] = sum(p.to_local().numel() * 4 * 3 for p in m2.parameters())  # param + 2 moments, fp32
     _train(m2, opt2, 2, seed=7)
-    out["resumed2"] = ss.save_distributed(store, m2, opt2, info=_info(5), rng=False, ref=None, parent=c2)
+    out["resumed2"] = ss.save_distributed(store, m2, opt2, info=_info(5), rng=False, ref=None, parent=c2, group=group)
 
     for key, plan in (
         ("tp0", {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}),  # fc1.weight Shard(0); fc2.bias Replicate
@@ -119,15 +121,15 @@ def _two(rank: int, world: int, store: ss.Store, mesh) -> dict:
         ss.restore(store, c2, tp, topt)
         out[f"{key}_placements"] = str(tp.fc1.weight.placements)
         out[f"{key}_equals_plain"] = _equal_to_plain(tp, topt, plain, popt)
-        out[key] = ss.save_distributed(store, tp, topt, info=_info(3), rng=False, ref=None, parent=None)
+        out[key] = ss.save_distributed(store, tp, topt, info=_info(3), rng=False, ref=None, parent=None, group=group)
 
     mine = {n: p for n, p in plain.named_parameters() if n.startswith("fc1" if rank == 0 else "fc2")}
-    out["pp"] = ss.save_distributed(store, mine, popt, info=_info(3), rng=False, ref=None, parent=None)
+    out["pp"] = ss.save_distributed(store, mine, popt, info=_info(3), rng=False, ref=None, parent=None, group=group)
     out["c2"] = c2
     return out
 
 
-def _three(rank: int, world: int, store: ss.Store, mesh) -> dict:
+def _three(rank: int, store: ss.Store, mesh) -> dict:
     out: dict = {}
     c2, c1 = store.ref("main"), store.ref("single")
     plain = Net()
@@ -155,16 +157,27 @@ def _three(rank: int, world: int, store: ss.Store, mesh) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """One spawned group of 3 does everything: ranks 0 and 1 first form a 2-rank group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
         store = ss.open_store(root)
-        result = (_two if world == 2 else _three)(rank, world, store, mesh)
-        with open(f"{out}.{world}.{rank}", "w") as f:
+        pair = dist.new_group([0, 1])
+        result: dict = {}
+        if rank < 2:
+            result["two"] = _two(rank, store, DeviceMesh.from_group(pair, "cpu"), pair)
+        dist.barrier()
+        if rank == 2:  # meanwhile nothing; now the same state saved whole by one process
+            plain = Net()
+            popt = _opt(plain)
+            ss.restore(store, "main", plain, popt)
+            result["single"] = ss.save(store, plain, popt, step=3, job="dtensor-test", rng=False, ref="single", parent=None)
+        dist.barrier()
+        result["three"] = _three(rank, store, init_device_mesh("cpu", (world,)))
+        with open(f"{out}.{rank}", "w") as f:
             json.dump(result, f)
         dist.barrier()
     finally:
@@ -177,24 +190,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(world: int, root: str, out: str) -> list[dict]:
-    mp.start_processes(_worker, args=(world, _free_port(), root, out), nprocs=world, join=True, start_method="spawn")
-    return [json.load(open(f"{out}.{world}.{r}")) for r in range(world)]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dtensor")
     root, out = str(tmp / "store"), str(tmp / "result")
     store = ss.open_store(root)
-    two = _spawn(2, root, out)
-    # the same state saved whole by one process
-    plain = Net()
-    popt = _opt(plain)
-    ss.restore(store, "main", plain, popt)
-    single = ss.save(store, plain, popt, step=3, job="dtensor-test", rng=False, ref="single", parent=None)
-    three = _spawn(3, root, out)
-    return store, two, three, single
+    mp.start_processes(_worker, args=(3, _free_port(), root, out), nprocs=3, join=True, start_method="spawn")
+    results = [json.load(open(f"{out}.{r}")) for r in range(3)]
+    return store, [r["two"] for r in results[:2]], [r["three"] for r in results], results[2]["single"]
 
 
 def _tensor_objects(store: ss.Store, cid: str) -> set[str]:
