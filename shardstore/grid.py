@@ -196,6 +196,8 @@ def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload],
     All blocks go to ``store.put_tensors`` in one batch (hashed once, written once, one
     durability barrier); ``StoredPayload`` inputs pass through unchanged.
     """
+    from .dtensor import is_dtensor  # dtensor builds on this module
+    from .errors import TensorMismatch
     from .tensors import dtype_name
 
     views: list[torch.Tensor] = []
@@ -204,6 +206,11 @@ def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload],
         if isinstance(t, StoredPayload):
             spans.append(None)
             continue
+        if is_dtensor(t):
+            raise TensorMismatch(
+                f"a DTensor of shape {list(t.shape)} holds only this process's slice: save it with "
+                "save_distributed over its process group (SPEC.md §Block exchange)"
+            )
         blocks = _block_views(t, dtype_name(t.dtype))
         spans.append((len(views), len(blocks)))
         views += blocks
