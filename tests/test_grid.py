@@ -305,3 +305,44 @@ def test_version_1_commits_stay_version_1(chunked):
     c = big_store.commit(big)
     with pytest.raises(ss.ManifestError, match="version 1 must be version 2"):
         ss.manifest.decode(ss.encode(msgspec.structs.replace(big_store.shard(c.layout[0].shard), version=1)))
+
+
+def test_tools_understand_chunked_payloads(chunked, tmp_path):
+    """diff --stats, export (block by block), import (same blocks back), copy, show and verify."""
+    from safetensors.torch import load_file
+
+    from shardstore.diff import diff
+    from shardstore.interchange import export_commit, import_directory
+    from shardstore_cli.shardstore_cli import main
+
+    _, _, m, opt = chunked
+    store = ss.open_store(str(tmp_path / "s"))
+    a = ss.save(store, m, opt, step=1, rng=False, config={"num_hidden_layers": 1})
+    kept = m.weight.detach().clone()
+    with torch.no_grad():
+        m.weight[9, :5] += 1.0  # only the second block (rows 8-9) of the weight changes
+    try:
+        b = ss.save(store, m, opt, step=1, rng=False, config={"num_hidden_layers": 1})
+        changed = m.weight.detach().clone()
+    finally:
+        with torch.no_grad():
+            m.weight.copy_(kept)  # the module-scoped fixture stays as it was
+    d = diff(store, a, b, stats=True)
+    (w,) = d.tensors
+    assert w.name == "weight" and w.after.param[0] == w.before.param[0] and w.after.param[1] != w.before.param[1]
+    assert abs(w.stats["param"].max_abs_diff - 1.0) < 1e-6  # fp32 rounding of w + 1
+    out = tmp_path / "export"
+    export_commit(store, b, str(out), with_optimizer=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert torch.equal(tensors["weight"], changed)
+    assert torch.equal(load_file(str(out / "optimizer.exp_avg.safetensors"))["weight"], opt.state[m.weight]["exp_avg"])
+    back = import_directory(store, str(out), ref=None)
+    assert ss.load_commit(store, back).entries()["weight"].param == ss.load_commit(store, b).entries()["weight"].param
+    dst = ss.open_store(str(tmp_path / "copy"))
+    ss.copy_commit(store, dst, b)
+    assert ss.verify(dst).ok
+    fresh = torch.nn.Linear(131072, 10)
+    ss.restore(dst, b, fresh)
+    assert torch.equal(fresh.weight, changed)
+    assert main(["verify", str(tmp_path / "s")]) == 0
+    assert main(["show", str(tmp_path / "s"), b, "--json"]) == 0
