@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from .checkpoint import AUTO, CommitInfo, SlotState, capture, save_slots
+from .dtensor import is_dtensor
+from .errors import TensorMismatch
 from .optim import OptimState, ParamOpt
 from .store import Store
 
@@ -80,6 +82,8 @@ class AsyncSaver:
             po = state.optim.params.get(n)
             if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
                 flat += [po.exp_avg, po.exp_avg_sq]
+        if any(is_dtensor(t) for t in flat):  # its background thread cannot take part in collectives
+            raise TensorMismatch("AsyncSaver saves one process's plain tensors; save DTensor state with save_distributed (SPEC.md §Block exchange)")
         sizes = [t.numel() * t.element_size() for t in flat]
         pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in flat)
         arena = self._reserve(sum(_round(s) for s in sizes), pin)
