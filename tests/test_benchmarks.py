@@ -42,3 +42,14 @@ def test_s3_benchmark_smoke() -> None:
     done = _run(["benchmarks/bench_s3.py", "--mib", "4", "--repeat", "1"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "upload" in done.stdout and "download" in done.stdout
+
+
+def test_dtensor_benchmark_smoke(tmp_path) -> None:
+    """Two Gloo processes save and restore one FSDP2 tensor both ways; a restore that differs exits non-zero."""
+    results = tmp_path / "RESULTS.md"
+    done = _run(["benchmarks/bench_dtensor.py", "--mib", "16", "--reps", "1", "--warm", "--dir", str(tmp_path), "--results", str(results)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    assert "<!-- bench_dtensor:begin -->" in text and "| dcp.save |" in text and "| shardstore.restore (verifies every block) |" in text
+    assert "24.0 / 24.0 MiB, 24.0 / 24.0 MiB" in text  # each rank reads exactly its share (2 whole blocks x 3)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-dtensor-")]  # scratch removed
