@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from shardtrain import forkserver
 from shardtrain.errors import LaunchError, WorkerFailedError
 
 __all__ = ["WorkerContext", "init_from_env", "shutdown", "run_worker", "launch_local", "free_port"]
@@ -147,7 +148,9 @@ def _environ(extra: Mapping[str, str]) -> Iterator[None]:
 
 
 def _child_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, port: int,
-                timeout_s: float, backend: str | None, error_path: str) -> None:
+                timeout_s: float, backend: str | None, error_path: str, env: Mapping[str, str],
+                streams: forkserver.StdStreams | None) -> None:
+    forkserver.adopt(env, streams)  # what a spawned worker would have inherited
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # A worker killed by a signal (an abort in native code, a segfault) leaves no Python
@@ -195,19 +198,24 @@ def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] 
                  backend: str | None = None) -> None:
     """Run `fn(ctx, *args)` in `world_size` fresh processes forming one process group.
 
-    `fn` must be importable by module name (it is started with the spawn method). `env`
-    is added to the workers' environment before they import anything (for example
-    `ATEN_CPU_CAPABILITY`). Raises `WorkerFailedError` naming every failed rank.
+    `fn` must be importable by module name (it is pickled by reference). Workers are forked
+    from a server that imported torch once (`shardtrain.forkserver`) when that gives them
+    exactly what a spawned worker would get, else spawned. `env` is added to the workers'
+    environment as if before they imported anything (for example `ATEN_CPU_CAPABILITY`).
+    Raises `WorkerFailedError` naming every failed rank.
     """
     if world_size < 1:
         raise LaunchError(f"world_size must be >= 1, got {world_size}")
     grace = failure_grace if failure_grace is not None else 2 * timeout.total_seconds() + 10
-    ctx = multiprocessing.get_context("spawn")
+    ctx = forkserver.context(env)
+    child_env = forkserver.child_environment(env)
+    streams = forkserver.StdStreams()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="shardtrain-launch-") as tmp:
         errors = [os.path.join(tmp, f"error-{rank}.txt") for rank in range(world_size)]
         procs = [ctx.Process(target=_child_main, name=f"shardtrain-worker-{rank}",
-                             args=(fn, args, rank, world_size, port, timeout.total_seconds(), backend, errors[rank]))
+                             args=(fn, args, rank, world_size, port, timeout.total_seconds(), backend, errors[rank],
+                                   child_env, streams))
                  for rank in range(world_size)]
         with _environ(dict(env or {})):
             for p in procs:

@@ -152,6 +152,13 @@ def lingering_thread_worker(ctx: WorkerContext, out_dir: str) -> None:
     threading.Thread(target=late).start()
 
 
+def environment_worker(ctx: WorkerContext, out_dir: str, names: list[str]) -> None:
+    """Write what this worker sees: the named variables and its rank; say hello on stdout."""
+    seen = {"env": {n: os.environ.get(n) for n in names}, "rank": os.environ.get("RANK")}
+    print(f"worker {ctx.rank} says hello on stdout", flush=True)
+    Path(out_dir, f"env-{ctx.rank}.json").write_text(json.dumps(seen))
+
+
 def optimizer_worker(ctx: WorkerContext) -> None:
     """Build a torch optimizer once the group exists; in torch 2.13 that imports torch._dynamo."""
     lin = torch.nn.Linear(4, 4)

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 import shardstore as ss
 import shardstore.distributed as protocol
-from conftest import TinyNet, make_optimizer, train_steps
+from conftest import START_METHOD, TinyNet, make_optimizer, train_steps
 from faults import OpLog, die, kill_at
 from shardstore.local import LocalStorage
 
@@ -105,7 +105,7 @@ def _run(root: str, plan: dict[str, Any], out: str) -> list[dict[str, Any] | Non
     for r in range(2):
         if os.path.exists(f"{out}.{r}"):
             os.unlink(f"{out}.{r}")
-    ctx = mp.start_processes(_worker, args=(_free_port(), root, plan, out), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(_worker, args=(_free_port(), root, plan, out), nprocs=2, join=False, start_method=START_METHOD)
     deadline = time.monotonic() + GROUP_TIMEOUT_S + 60
     for p in ctx.processes:
         p.join(max(1.0, deadline - time.monotonic()))

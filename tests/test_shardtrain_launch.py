@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardtrain_helpers import (DETERMINISTIC_ENV, aborting_worker, failing_worker, job_spec, lingering_thread_worker,
+from shardtrain_helpers import (DETERMINISTIC_ENV, aborting_worker, environment_worker, failing_worker, job_spec, lingering_thread_worker,
                                 read_results, train_worker)
 
 from shardtrain import LaunchError, WorkerFailedError, free_port, init_from_env, launch_local
@@ -41,7 +41,7 @@ def test_invalid_torchrun_variables(monkeypatch: pytest.MonkeyPatch, env: dict[s
 
 def test_worker_exceptions_reach_the_caller() -> None:
     with pytest.raises(WorkerFailedError) as info:
-        launch_local(failing_worker, 2, (1,), timeout=timedelta(seconds=30), join_timeout=90)
+        launch_local(failing_worker, 2, (1,), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=30), join_timeout=90)
     assert list(info.value.failures) == [1]
     assert info.value.failures[1].startswith("ValueError: boom on rank 1")
     with pytest.raises(LaunchError):
@@ -50,19 +50,19 @@ def test_worker_exceptions_reach_the_caller() -> None:
 
 def test_a_worker_killed_by_a_signal_is_named_with_its_python_stack_and_when(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(WorkerFailedError) as info:
-        launch_local(aborting_worker, 2, (1,), timeout=timedelta(seconds=10), join_timeout=90, failure_grace=15)
+        launch_local(aborting_worker, 2, (1,), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=10), join_timeout=90, failure_grace=15)
     assert info.value.failures[1] == "killed by SIGABRT (exit code -6)"
     assert 0 not in info.value.failures  # the survivor finished its own work and was not blamed
     err = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in err and "in aborting_worker" in err
     with pytest.raises(WorkerFailedError) as info:
-        launch_local(aborting_worker, 2, (0, True), timeout=timedelta(seconds=10), join_timeout=90)
+        launch_local(aborting_worker, 2, (0, True), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=10), join_timeout=90)
     assert info.value.failures == {0: "finished its work, then killed by SIGABRT (exit code -6) while shutting down"}
 
 
 def test_a_worker_waits_for_threads_it_left_running(tmp_path: Path) -> None:
     """Workers skip interpreter shutdown when they finish, but not the threads they started."""
-    launch_local(lingering_thread_worker, 2, (str(tmp_path),), timeout=timedelta(seconds=30), join_timeout=90)
+    launch_local(lingering_thread_worker, 2, (str(tmp_path),), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=30), join_timeout=90)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["late-0.txt", "late-1.txt"]
 
 
@@ -103,3 +103,29 @@ def test_torchrun_path_matches_the_local_launcher(tmp_path: Path) -> None:
     b, b_meta = read_results(tmp_path / "local", 1)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
     assert a_meta[0]["results"] == b_meta[0]["results"]
+
+
+def test_forked_workers_see_what_spawned_workers_would(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capfd: pytest.CaptureFixture[str]) -> None:
+    """Workers forked from the server get the launcher's environment as it is *now* (not the
+    server's), the launch's extra variables, and the launcher's current stdout; a launch
+    whose import-time variables differ from the server's is spawned instead."""
+    from shardtrain import forkserver
+    if not forkserver.start(DETERMINISTIC_ENV):
+        pytest.skip("no forkserver here")
+    assert forkserver.context(DETERMINISTIC_ENV).get_start_method() == "forkserver"
+    assert forkserver.context({**DETERMINISTIC_ENV, "OMP_NUM_THREADS": "2"}).get_start_method() == "spawn"
+    assert forkserver.context({**DETERMINISTIC_ENV, "ATEN_CPU_CAPABILITY": "avx2"}).get_start_method() == "spawn"
+    monkeypatch.setenv("SHARDTRAIN_TEST_SET_AFTER_THE_SERVER", "parent")
+    monkeypatch.delenv("SHARDTRAIN_TEST_REMOVED", raising=False)
+    names = ["SHARDTRAIN_TEST_SET_AFTER_THE_SERVER", "SHARDTRAIN_TEST_EXTRA", "SHARDTRAIN_TEST_REMOVED",
+             "ATEN_CPU_CAPABILITY"]
+    launch_local(environment_worker, 2, (str(tmp_path), names),
+                 env={**DETERMINISTIC_ENV, "SHARDTRAIN_TEST_EXTRA": "launch"}, timeout=timedelta(seconds=30), join_timeout=90)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"env-{rank}.json").read_text())
+        assert seen == {"rank": str(rank), "env": {"SHARDTRAIN_TEST_SET_AFTER_THE_SERVER": "parent",
+                                                   "SHARDTRAIN_TEST_EXTRA": "launch", "SHARDTRAIN_TEST_REMOVED": None,
+                                                   "ATEN_CPU_CAPABILITY": "default"}}, seen
+    out = capfd.readouterr().out
+    assert "worker 0 says hello on stdout" in out and "worker 1 says hello on stdout" in out

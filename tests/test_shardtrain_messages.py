@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardtrain_helpers import header_mismatch_worker
+from shardtrain_helpers import DETERMINISTIC_ENV, header_mismatch_worker
 
 from shardtrain import MessageError, MessageHeader, WorkerFailedError, check_header, launch_local
 from shardtrain.messages import ACTIVATION, GRADIENT, HEADER_LEN, MAGIC
@@ -76,7 +76,7 @@ def test_decoding_random_headers_never_crashes(fields: list[int], with_magic: bo
 
 def test_receiver_refuses_a_mismatched_header_from_a_peer() -> None:
     with pytest.raises(WorkerFailedError) as info:
-        launch_local(header_mismatch_worker, 2, ("microbatch",), timeout=timedelta(seconds=30), join_timeout=90)
+        launch_local(header_mismatch_worker, 2, ("microbatch",), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=30), join_timeout=90)
     assert info.value.failures[0].startswith(
         "MessageError: message from slot 1: expected activation of step 7 microbatch 0 with microbatch 0, "
         "got microbatch 1")
