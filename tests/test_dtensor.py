@@ -156,6 +156,24 @@ def _three(rank: int, store: ss.Store, mesh) -> dict:
     return out
 
 
+def _readme_example(root: str) -> str:
+    """README's "From torch.distributed.checkpoint to shardstore" block, run on this group's 3 ranks.
+
+    Its ``init_process_group``/``destroy_process_group`` lines are dropped: the group exists.
+    """
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"## From torch.distributed.checkpoint to shardstore.*?```python\n(.*?)```", readme, re.S).group(1)
+    for line in ('dist.init_process_group("gloo")\n', "dist.destroy_process_group()\n"):
+        assert line in code
+        code = code.replace(line, "")
+    ns: dict = {}
+    exec(compile(code.replace("/tmp/fsdp-store", root), "README.md", "exec"), ns)  # noqa: S102 - our own README
+    return ns["commit"]
+
+
 def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     """One spawned group of 3 does everything: ranks 0 and 1 first form a 2-rank group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -177,6 +195,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
             result["single"] = ss.save(store, plain, popt, step=3, job="dtensor-test", rng=False, ref="single", parent=None)
         dist.barrier()
         result["three"] = _three(rank, store, init_device_mesh("cpu", (world,)))
+        result["readme"] = _readme_example(f"{root}-readme")
         with open(f"{out}.{rank}", "w") as f:
             json.dump(result, f)
         dist.barrier()
@@ -197,7 +216,16 @@ def runs(tmp_path_factory):
     store = ss.open_store(root)
     mp.start_processes(_worker, args=(3, _free_port(), root, out), nprocs=3, join=True, start_method="spawn")
     results = [json.load(open(f"{out}.{r}")) for r in range(3)]
-    return store, [r["two"] for r in results[:2]], [r["three"] for r in results], results[2]["single"]
+    readme = ([r["readme"] for r in results], root + "-readme")
+    return store, [r["two"] for r in results[:2]], [r["three"] for r in results], results[2]["single"], readme
+
+
+def test_readme_fsdp2_example_runs(runs):
+    commits, root = runs[4]
+    assert len(set(commits)) == 1
+    store = ss.open_store(root, create=False)
+    assert store.ref("main") == commits[0] and ss.verify(store).ok
+    assert len(ss.load_commit(store, commits[0]).entries()["0.weight"].param) == 2  # 4096 x 512 float32: 2 blocks
 
 
 def _tensor_objects(store: ss.Store, cid: str) -> set[str]:
@@ -206,7 +234,7 @@ def _tensor_objects(store: ss.Store, cid: str) -> set[str]:
 
 
 def test_fsdp2_save_is_the_trained_state_and_continues_bitwise(runs):
-    store, two, _, _ = runs
+    store, two, _, _, _ = runs
     assert all(r["saved_equals_plain_restore"] for r in two)
     assert two[0]["c2"] == two[1]["c2"] == store.ref("main")
     # 2 -> 2: a fresh FSDP2 model restored from the commit trains to the very same state
@@ -218,20 +246,20 @@ def test_fsdp2_save_is_the_trained_state_and_continues_bitwise(runs):
 
 
 def test_fsdp2_on_three_ranks_and_a_plain_model_restore_it_bitwise(runs):
-    _, _, three, _ = runs
+    _, _, three, _, _ = runs
     assert [r["local_rows"] for r in three] == [4, 4, 2]  # uneven: 10 rows over 3 ranks
     assert all(r["restored_equals_plain"] for r in three)
     assert all(r["from_single_equals_plain"] for r in three)  # and the other way round
 
 
 def test_tensor_parallel_on_dim_0_and_dim_1_restores_bitwise(runs):
-    _, two, _, _ = runs
+    _, two, _, _, _ = runs
     assert two[0]["tp0_placements"] == "(Shard(dim=0),)" and two[0]["tp1_placements"] == "(Shard(dim=1),)"
     assert all(r["tp0_equals_plain"] and r["tp1_equals_plain"] for r in two)
 
 
 def test_one_learned_state_root_and_one_set_of_objects_for_every_split(runs):
-    store, two, three, single = runs
+    store, two, three, single, _ = runs
     commits = {
         "1 process": single,
         "FSDP2 x2": two[0]["c2"],
@@ -253,14 +281,14 @@ def test_one_learned_state_root_and_one_set_of_objects_for_every_split(runs):
 
 
 def test_second_save_from_three_ranks_writes_no_tensor_bytes(runs):
-    store, _, three, _ = runs
+    store, _, three, _, _ = runs
     c3 = three[0]["c3"]
     lc = ss.load_commit(store, c3)
     assert set(three[0]["new_objects"]) <= {c3, *lc.shard_ids.values()}
 
 
 def test_restore_reads_about_each_ranks_share(runs):
-    _, two, three, _ = runs
+    _, two, three, _, _ = runs
     whole = 3 * 4 * sum(p.numel() for p in Net().parameters())
     for r in two + three:
         # whole blocks that overlap the slice: at most the share plus two cut blocks per tensor
@@ -270,9 +298,13 @@ def test_restore_reads_about_each_ranks_share(runs):
 
 
 def test_two_to_three_continuation_matches_within_tolerance(runs):
-    store, two, three, _ = runs
+    store, two, three, _, _ = runs
     a, b = Net(), Net()
     ss.restore(store, two[0]["uninterrupted"], a)
     ss.restore(store, three[0]["resumed3"], b)
+    bitwise = True
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-9, msg=n)
+        bitwise &= torch.equal(p, q)
+    # FSDP2 on 3 ranks reduce-scatters gradients in another order than on 2: not always bitwise
+    print("2 -> 3 continuation bitwise equal to the uninterrupted 2-rank run:", bitwise)
