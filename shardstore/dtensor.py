@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -39,11 +39,30 @@ from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, 
 from .optim import OptimState, ParamOpt
 from .tensors import dtype_name, expected_nbytes, torch_dtype
 
-__all__ = ["BATCH_BYTES", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
+__all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
 
 #: Most bytes of blocks one batch of the exchange assembles (a rank holds at most this much
 #: beyond its own slice while saving).
 BATCH_BYTES = 16 * BLOCK_BYTES
+
+
+@dataclass
+class ExchangeStats:
+    """What this process did in its latest block exchange (a diagnostic; SPEC.md §Block exchange)."""
+
+    blocks_written: int = 0  # blocks this rank owned: hashed and written
+    bytes_hashed: int = 0
+    bytes_sent: int = 0  # pieces sent to other ranks' blocks
+    bytes_received: int = 0
+    peak_staged: int = 0  # most bytes of buffers held at once beyond this rank's own slices
+
+
+_LAST = ExchangeStats()
+
+
+def last_exchange() -> ExchangeStats:
+    """Counts of this process's most recent ``write_dtensors`` (for tests and benchmarks)."""
+    return _LAST
 
 
 def is_dtensor(t: Any) -> bool:
@@ -121,7 +140,7 @@ def plan_blocks(
 ) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
     """For each canonical block: (box, owner rank, [(source rank, piece box)] of the pieces others send).
 
-    The owner is a rank of the slice holding most of the block (ties: the first slice);
+    The owner is a rank of the slice holding most of the block (ties: a hash of the key picks);
     each slice's replicas take turns by block index, so replicated bytes are split among them.
     """
     turn = zlib.crc32(key.encode())
@@ -138,7 +157,9 @@ def plan_blocks(
         if not pieces:  # an empty tensor: one empty block, written by a holder of the first slice
             out.append((box, pick(0), []))
             continue
-        best = max(pieces, key=lambda p: (math.prod(p[1][1]), -p[0]))[0]
+        most = max(math.prod(c[1]) for _, c in pieces)
+        tied = [ri for ri, c in pieces if math.prod(c[1]) == most]
+        best = tied[turn % len(tied)]  # ties (a small tensor split evenly) spread over the slices
         out.append((box, pick(best), [(pick(ri), c) for ri, c in pieces if ri != best]))
     return out
 
@@ -213,6 +234,8 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
 
 def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: Any, threads: int) -> list[str]:
     """Run the plan batch by batch; return every block's id (all ranks get all ids)."""
+    global _LAST
+    stats = _LAST = ExchangeStats()
     ids: list[bytes | None] = [None] * len(plans)
     i = 0
     while i < len(plans):
@@ -223,6 +246,7 @@ def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: 
         owned: list[tuple[int, torch.Tensor]] = []
         recvs: list[tuple[Box, torch.Tensor, torch.Tensor, tuple[int, ...]]] = []
         works, keep = [], []
+        staged = 0  # bytes of buffers this batch allocates
         tag = 0
         for k in range(i, j):
             key, _bi, box, owner, sends, dtype = plans[k]
@@ -236,10 +260,13 @@ def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: 
                     buf = view
                 else:
                     buf = torch.empty(box[1], dtype=torch_dtype(dtype))
+                    staged += buf.numel() * buf.element_size()
                     if inner is not None:
                         buf[box_slices(inner, box[0])] = lt[box_slices(inner, origin)]
                 for src, piece in sends:
                     tmp = torch.empty(piece[1], dtype=buf.dtype)
+                    staged += tmp.numel() * tmp.element_size()
+                    stats.bytes_received += tmp.numel() * tmp.element_size()
                     works.append(dist.irecv(tmp, src=g(src), group=group, tag=tag))
                     recvs.append((piece, tmp, buf, box[0]))
                     tag += 1
@@ -250,6 +277,8 @@ def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: 
                         lt, origin = locals_[key]
                         out = lt[box_slices(piece, origin)].contiguous()
                         keep.append(out)
+                        staged += out.numel() * out.element_size()
+                        stats.bytes_sent += out.numel() * out.element_size()
                         works.append(dist.isend(out, dst=g(owner), group=group, tag=tag))
                     tag += 1
         for w in works:
@@ -259,6 +288,9 @@ def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: 
         written = store.put_tensors([b.detach().reshape(-1) for _, b in owned], threads=threads) if owned else []
         for (k, _), oid in zip(owned, written):
             ids[k] = bytes.fromhex(oid)
+        stats.blocks_written += len(owned)
+        stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in owned)
+        stats.peak_staged = max(stats.peak_staged, staged)
         i = j
     table = torch.zeros((len(plans), 32), dtype=torch.uint8)
     for k, raw in enumerate(ids):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shardstore as ss
+from shardstore.dtensor import BATCH_BYTES, last_exchange
 from shardstore.grid import payload_blocks
 from shardstore.manifest import tensor_payloads
 
@@ -97,6 +98,7 @@ def _two(rank: int, store: ss.Store, mesh, group) -> dict:
     opt = _opt(m)
     _train(m, opt, 3, seed=1)
     c2 = ss.save_distributed(store, m, opt, info=_info(3), rng=False, ref="main", group=group)
+    out["exchange"] = vars(last_exchange()).copy()
     plain, popt = Net(), None
     popt = _opt(plain)
     ss.restore(store, c2, plain, popt)
@@ -285,6 +287,19 @@ def test_second_save_from_three_ranks_writes_no_tensor_bytes(runs):
     c3 = three[0]["c3"]
     lc = ss.load_commit(store, c3)
     assert set(three[0]["new_objects"]) <= {c3, *lc.shard_ids.values()}
+
+
+def test_save_moves_only_cut_pieces_and_stages_at_most_one_batch(runs):
+    _, two, _, _, _ = runs
+    ex = [r["exchange"] for r in two]
+    # 10 rows over 2 ranks (5, 5); block 0 is rows 0-7: rank 1 sends rows 5-7 of fc1.weight and
+    # of both moments (3 x 3 rows x 512 KiB); the small tensors' halves go to whichever rank owns them
+    row = WIDE * 4
+    assert ex[1]["bytes_sent"] >= 3 * 3 * row and sum(e["bytes_received"] for e in ex) == sum(e["bytes_sent"] for e in ex)
+    assert ex[0]["bytes_sent"] + ex[1]["bytes_sent"] < 3 * 3 * row + 3 * 4096  # no byte travels twice
+    assert sum(e["bytes_hashed"] for e in ex) == 3 * 4 * sum(p.numel() for p in Net().parameters())  # each block once
+    assert all(e["peak_staged"] <= BATCH_BYTES for e in ex)
+    print("exchange per rank:", ex)
 
 
 def test_restore_reads_about_each_ranks_share(runs):
