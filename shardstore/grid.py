@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import GridError
-from .manifest import Block, Payload, is_chunked
+from .manifest import MAX_BLOCKS, Block, Payload, is_chunked
 from .tensors import DTYPES, expected_nbytes
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "Box",
     "StoredPayload",
     "grid",
+    "block_count",
     "intersect",
     "box_slices",
     "payload_blocks",
@@ -67,14 +68,31 @@ class StoredPayload:
     shape: tuple[int, ...]
 
 
-def grid(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> list[Box]:
-    """The canonical blocks of a ``dtype`` tensor of ``shape``, in C order of their starts."""
-    shape = tuple(int(d) for d in shape)
+def _split(dtype: str, shape: tuple[int, ...], block_bytes: int) -> tuple[int, int, int]:
+    """(k, r, number of blocks) of the grid (SPEC.md §5a), computed without listing the blocks."""
     item = DTYPES[dtype].itemsize
     if math.prod(shape) * item <= block_bytes:
-        return [((0,) * len(shape), shape)]
+        return -1, 0, 1
     k = next(k for k in range(len(shape)) if item * math.prod(shape[k + 1:]) <= block_bytes)
     r = min(shape[k], block_bytes // (item * math.prod(shape[k + 1:])))
+    return k, r, math.prod(shape[:k]) * -(-shape[k] // r)
+
+
+def block_count(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> int:
+    """How many blocks the canonical grid has (cheap for any shape, even a forged one)."""
+    return _split(dtype, tuple(int(d) for d in shape), block_bytes)[2]
+
+
+def grid(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> list[Box]:
+    """The canonical blocks of a ``dtype`` tensor of ``shape``, in C order of their starts.
+
+    GridError if there would be more than ``MAX_BLOCKS`` (checked before listing any)."""
+    shape = tuple(int(d) for d in shape)
+    k, r, count = _split(dtype, shape, block_bytes)
+    if count > MAX_BLOCKS:
+        raise GridError(f"a {dtype}{list(shape)} tensor would have {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)")
+    if k < 0:
+        return [((0,) * len(shape), shape)]
     out: list[Box] = []
     for outer in _indices(shape[:k]):
         for j in range(0, shape[k], r):
@@ -127,8 +145,11 @@ def overlapping(payload: Payload, dtype: str, shape: Sequence[int], region: Box)
 def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[str]:
     """What is wrong with a payload's blocks for a ``dtype`` tensor of ``shape`` (empty: nothing)."""
     shape = tuple(shape)
-    canon = grid(dtype, shape)
     nbytes = expected_nbytes(dtype, shape)
+    count = block_count(dtype, shape)
+    if count > MAX_BLOCKS:  # a forged shape: refused before anything is listed or allocated
+        return [f"its {nbytes} bytes would need {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)"]
+    canon = grid(dtype, shape)
     if not is_chunked(payload):
         if len(canon) > 1:
             return [f"its {nbytes} bytes exceed the {BLOCK_BYTES}-byte block bound, so its payload must be {len(canon)} blocks, not one object"]
@@ -136,6 +157,8 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[st
     blocks = list(payload)  # type: ignore[arg-type]
     if len(canon) == 1:
         return [f"it fits one block ({nbytes} bytes <= {BLOCK_BYTES}) but its payload lists {len(blocks)} blocks"]
+    if len(blocks) == len(canon) and all(tuple(b.start) == c[0] and tuple(b.shape) == c[1] for b, c in zip(blocks, canon)):
+        return []  # the canonical grid; what follows only says how a payload differs from it
     for i, b in enumerate(blocks):
         if len(b.start) != len(shape) or len(b.shape) != len(shape):
             return [f"block {i} (object {b.object}) has {len(b.start)}/{len(b.shape)} dims for a {len(shape)}-d tensor"]
