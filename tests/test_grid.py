@@ -108,25 +108,28 @@ def _chunks(n: int, k: int) -> list[tuple[int, int]]:
 
 @st.composite
 def split_cases(draw):
+    """A shape, a dtype, a small block bound, and a mesh: 1 or 2 split dims (FSDP x TP), with replicas."""
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
     dtype = draw(st.sampled_from(DTYPES))
     bound = draw(st.sampled_from([8, 16, 24, 64, 1000]))  # small block bounds, so small tensors have many blocks
-    dim = draw(st.integers(0, ndim - 1))
-    k = draw(st.integers(1, 4))
+    dims = draw(st.lists(st.integers(0, ndim - 1), min_size=1, max_size=min(2, ndim), unique=True))
+    splits = [(d, draw(st.integers(1, 4))) for d in dims]
     replicas = draw(st.integers(1, 2))
-    return dtype, shape, bound, dim, k, replicas
+    return dtype, shape, bound, splits, replicas
 
 
-def _regions(shape, dim, k, replicas) -> dict:
+def _regions(shape, splits, replicas) -> dict:
+    """The slices of a mesh splitting ``shape`` on each (dim, ranks) of ``splits`` like torch.chunk."""
     held: dict = {}
     rank = 0
-    for start, length in _chunks(shape[dim], k):
-        if length == 0:
+    for parts in itertools.product(*(_chunks(shape[d], k) for d, k in splits)):
+        if any(length == 0 for _, length in parts):
             continue
-        origin = tuple(start if d == dim else 0 for d in range(len(shape)))
-        extent = tuple(length if d == dim else n for d, n in enumerate(shape))
-        held[(origin, extent)] = list(range(rank, rank + replicas))
+        origin, extent = [0] * len(shape), list(shape)
+        for (d, _), (start, length) in zip(splits, parts):
+            origin[d], extent[d] = start, length
+        held[(tuple(origin), tuple(extent))] = list(range(rank, rank + replicas))
         rank += replicas
     return held
 
@@ -134,10 +137,10 @@ def _regions(shape, dim, k, replicas) -> dict:
 @settings(max_examples=150, deadline=None)
 @given(split_cases())
 def test_blocks_from_any_split_equal_blocks_written_whole(case):
-    dtype, shape, bound, dim, k, replicas = case
+    dtype, shape, bound, splits, replicas = case
     tdtype = ss.tensors.torch_dtype(dtype)
     whole = (torch.arange(math.prod(shape)) % 251).to(tdtype).reshape(shape)
-    regions = slice_regions("t", dtype, shape, _regions(shape, dim, k, replicas))
+    regions = slice_regions("t", dtype, shape, _regions(shape, splits, replicas))
     holder = {r: box for box, ranks in regions for r in ranks}
     local = {r: whole[box_slices(box, (0,) * len(shape))] for r, box in holder.items()}
     plan = plan_blocks("t\0param", dtype, shape, regions, block_bytes=bound)
@@ -180,16 +183,14 @@ class _CountingStore:
 @settings(max_examples=100, deadline=None)
 @given(split_cases(), st.data())
 def test_restore_into_any_split_reads_exactly_the_overlapping_blocks(case, data):
-    dtype, shape, bound, dim, k, _ = case
+    dtype, shape, bound, splits, _ = case
     tdtype = ss.tensors.torch_dtype(dtype)
     whole = (torch.arange(math.prod(shape)) % 253).to(tdtype).reshape(shape)
     store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
     boxes = grid(dtype, shape, block_bytes=bound)
     ids = [store.put_tensor(whole[box_slices(b, (0,) * len(shape))].contiguous()) for b in boxes]
     payload = make_payload(dtype, shape, ids, block_bytes=bound)
-    start, length = data.draw(st.sampled_from([c for c in _chunks(shape[dim], k) if c[1] > 0]))
-    origin = tuple(start if d == dim else 0 for d in range(len(shape)))
-    extent = tuple(length if d == dim else n for d, n in enumerate(shape))
+    origin, extent = data.draw(st.sampled_from(sorted(_regions(shape, splits, 1))))
     dest = torch.zeros(extent, dtype=tdtype)
     counting = _CountingStore(store)
     nread = sum(job() for job in read_jobs(counting, payload, dtype, shape, dest, origin, "t"))
