@@ -370,7 +370,8 @@ def restore(
     """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
 
     Only tensors the model owns (non-meta parameters) are read, whatever layout wrote them;
-    every byte read is verified. ``strict``: every owned tensor must be in the commit.
+    every byte read is verified. DTensor parameters and moments (FSDP2, tensor parallelism,
+    any mesh) are filled in their local slices, from the blocks those overlap (SPEC.md §5a). ``strict``: every owned tensor must be in the commit.
     ``rng`` restores the RNG states of ``slot`` (default: the only slot of a 1-slot commit).
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;

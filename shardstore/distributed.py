@@ -111,7 +111,11 @@ def save_distributed(
     group_names: list[str] | None = None,
     threads: int = 2,
 ) -> str:
-    """Save this rank's slot and take part in one commit; every rank returns the same commit id."""
+    """Save this rank's slot and take part in one commit; every rank returns the same commit id.
+
+    DTensor parameters and moments (FSDP2, tensor parallelism) are written as canonical
+    blocks by the block exchange (``dtensor.write_dtensors``, SPEC.md §Block exchange):
+    never gathered, each block hashed and written by one rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coordinator = rank == 0
 
