@@ -173,11 +173,11 @@ def render_show(doc: dict[str, Any]) -> str:
     out = [f"{k.ljust(width)}  {v}" for k, v in fields]
     for name, h in doc["optimizer"]["groups"].items():
         out.append(f"{''.ljust(width)}  group {name}: " + ", ".join(f"{k} {_num(v)}" for k, v in h.items()))
-    rows = [[s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"])] for s in doc["layout"]]
+    rows = [[s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"]), s["objects"]] for s in doc["layout"]]
     t = doc["totals"]
-    rows.append(["total", "", t["tensors"], t["elements"], human_bytes(t["bytes"])])
+    rows.append(["total", "", t["tensors"], t["elements"], human_bytes(t["bytes"]), t["objects"]])
     out.append("")
-    out.append(table(["slot", "shard manifest", "tensors", "parameters", "bytes"], rows))
+    out.append(table(["slot", "shard manifest", "tensors", "parameters", "bytes", "tensor objects"], rows))
     return "\n".join(out)
 
 

@@ -308,7 +308,7 @@ def test_version_1_commits_stay_version_1(chunked):
         ss.manifest.decode(ss.encode(msgspec.structs.replace(big_store.shard(c.layout[0].shard), version=1)))
 
 
-def test_tools_understand_chunked_payloads(chunked, tmp_path):
+def test_tools_understand_chunked_payloads(chunked, tmp_path, capsys):
     """diff --stats, export (block by block), import (same blocks back), copy, show and verify."""
     from safetensors.torch import load_file
 
@@ -346,4 +346,7 @@ def test_tools_understand_chunked_payloads(chunked, tmp_path):
     ss.restore(dst, b, fresh)
     assert torch.equal(fresh.weight, changed)
     assert main(["verify", str(tmp_path / "s")]) == 0
+    capsys.readouterr()
     assert main(["show", str(tmp_path / "s"), b, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["commit"]["version"] == 2 and shown["totals"]["objects"] == 3 * 3  # weight: 2 blocks x 3, bias: 1 x 3
