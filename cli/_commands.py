@@ -19,7 +19,10 @@ from tqdm import tqdm
 
 import shardstore as ss
 from shardstore.errors import ManifestError, ObjectNotFound, TargetNotFound
-from shardstore.manifest import decode_config
+from shardstore.bounded import check_json_nesting
+from shardstore.checkpoint import check_info
+from shardstore.names import check_ref_name
+from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardstore.tensors import expected_nbytes
 
 from ._render import jsonable, render_diff, render_log, render_refs, render_show, render_verify
@@ -97,10 +100,21 @@ def _refs_by_commit(store: ss.Store) -> dict[str, list[str]]:
 # -- commands --------------------------------------------------------------------------
 
 
+def _check_slot(store: ss.Store, targets: list[str], slot: int) -> None:
+    """``--shard K`` names a slot of every commit asked for (or every ref's commit), as ``copy --shard`` requires."""
+    heads = [store.resolve(t) for t in targets] if targets else sorted(set(store.refs().values()))
+    for cid in heads:
+        n = len(store.commit(cid).layout)
+        if slot >= n:
+            raise TargetNotFound(f"commit {cid} in {store.url} has slots 0..{n - 1}; it has no slot {slot}")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     if args.shard is not None and args.shard < 0:
         raise UsageError(f"--shard must be a slot number >= 0, got {args.shard}", args.parser)
     store = _open(args.store)
+    if args.shard is not None:
+        _check_slot(store, args.targets, args.shard)
     with _bar(args, "verify") as bar:
         report = ss.verify(store, args.targets or None, deep=not args.quick, slot=args.shard, progress=bar.update)
     problems = [
@@ -154,6 +168,8 @@ def _default_target(store: ss.Store, parser: argparse.ArgumentParser) -> str:
 
 
 def cmd_log(args: argparse.Namespace) -> int:
+    if args.max_count is not None and args.max_count < 0:
+        raise UsageError(f"-n/--max-count must be >= 0, got {args.max_count}", args.parser)
     store = _open(args.store)
     cid: str | None = store.resolve(args.target or _default_target(store, args.parser))
     commits: list[dict[str, Any]] = []
@@ -161,9 +177,10 @@ def cmd_log(args: argparse.Namespace) -> int:
     while cid is not None and (args.max_count is None or len(commits) < args.max_count):
         try:
             c = store.commit(cid)
-        except ObjectNotFound:
-            if not commits:
-                raise TargetNotFound(f"commit {cid} is not in {store.url}") from None
+        except ObjectNotFound as e:
+            if not commits:  # the target resolved (a ref names it) but the commit is gone: a broken store, as in show
+                via = f" (named by {args.target!r})" if args.target and args.target != cid else ""
+                raise ObjectNotFound(f"commit {cid}{via}: {e}") from None
             missing = cid
             break
         commits.append({"id": cid, "step": c.step, "transition": c.transition, "learned_root": c.learned_root, "parent": c.parent})
@@ -210,8 +227,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_cat(args: argparse.Namespace) -> int:
     store = _open(args.store)
     oid = store.resolve(args.id)
+    size = store.object_size(oid)
+    if size is None:
+        raise TargetNotFound(f"object {oid} is not in {store.url}")
+    if size > MAX_MANIFEST_BYTES:  # a tensor: nothing cat decodes is this large; never read it whole
+        raise ManifestError(f"object {oid} ({size} bytes) is over the {MAX_MANIFEST_BYTES}-byte manifest limit: not a manifest, a model config or JSON (a tensor?)")
     try:
-        data = bytes(store.get(oid))
+        data = store.get(oid, limit=MAX_MANIFEST_BYTES)
     except ObjectNotFound:
         raise TargetNotFound(f"object {oid} is not in {store.url}") from None
     kind: str
@@ -223,8 +245,9 @@ def cmd_cat(args: argparse.Namespace) -> int:
             value, kind = decode_config(data), "model config"
         except ManifestError:
             try:
-                value, kind = json.loads(data), "json"
-            except ValueError:
+                check_json_nesting(data, 64, f"object {oid}")
+                value, kind = json.loads(bytes(data)), "json"
+            except (ValueError, ManifestError):
                 raise ManifestError(f"object {oid} ({len(data)} bytes) is not a manifest, a model config or JSON (a tensor or RNG state?)") from None
     if args.json:
         print(json.dumps({"id": oid, "kind": kind, "value": jsonable(value)}, indent=2))
@@ -235,9 +258,32 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 def cmd_refs(args: argparse.Namespace) -> int:
     store = _open(args.store)
-    pins = {name: list(ids) for name, ids in sorted(store.pins().items())}
-    _emit(args, {"refs": dict(sorted(store.refs().items())), "pins": pins}, render_refs)
-    return EXIT_OK
+    refs: dict[str, str] = {}
+    pins: dict[str, list[str]] = {}
+    broken: list[str] = []
+    for name in store.ref_names():
+        try:
+            cid = store.ref(name)
+        except ss.ShardstoreError as e:
+            broken.append(f"ref {name!r}: {type(e).__name__}: {e}")
+            continue
+        if cid is not None:
+            refs[name] = cid
+    for name in store.pin_names():
+        try:
+            ids = store.pinned(name)
+        except ss.ShardstoreError as e:
+            broken.append(f"pin {name!r}: {type(e).__name__}: {e}")
+            continue
+        if ids is not None:
+            pins[name] = list(ids)
+    doc: dict[str, Any] = {"refs": refs, "pins": pins}
+    if broken:
+        doc["broken"] = broken
+    _emit(args, doc, render_refs)
+    for line in broken:  # the others are listed above; the store is still damaged: exit 1
+        print(f"shardstore refs: error: {line}", file=sys.stderr)
+    return EXIT_ERROR if broken else EXIT_OK
 
 
 _SIZE = re.compile(r"^(\d+)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)
@@ -288,6 +334,11 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     if args.slots is not None and args.slots < 1:
         raise UsageError(f"--slots must be >= 1, got {args.slots}", args.parser)
+    try:  # every argument is checked before the store is opened or anything is written
+        check_ref_name(args.ref)
+        check_info(ss.CommitInfo(step=args.step, job=args.job, transition="import"))
+    except ss.ShardstoreError as e:
+        raise UsageError(str(e), args.parser) from None
     store = _open(args.store, create=True)
     with _bar(args, "import") as bar:
         cid = import_directory(

@@ -1,4 +1,4 @@
-"""The ``shardtrain`` command line: prepare, train, evaluate, demo.
+"""The ``shardtrain`` command line: prepare, train, evaluate, select, gate, demo.
 
 ``train`` starts its own local workers, or, when started by ``torchrun`` (which sets
 TORCHELASTIC_RUN_ID), runs as one worker of torchrun's group::
@@ -23,11 +23,11 @@ import msgspec
 
 import shardstore
 from shardstore.manifest import decode_config
-from shardtrain.errors import JobError, ResumeError, RunAborted, ShardtrainError
+from shardtrain.errors import JobError, ResumeError, RoleError, RunAborted, ShardtrainError
 
 __all__ = ["EPILOG", "main", "print_step", "print_commit"]
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ABORTED, EXIT_REFUSED = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ABORTED, EXIT_REFUSED, EXIT_GATE_FAILED = 0, 1, 2, 3, 4, 5
 
 EPILOG = """\
 exit codes:
@@ -36,7 +36,9 @@ exit codes:
   2  usage error (bad arguments)
   3  a worker was lost and the run aborted (the message names the last committed step)
   4  refused before training: the job, a tokenizer asset, the records or the start commit
-     do not match (another job, a corrupt or mismatched shard, workers naming different commits)
+     do not match (another job, a corrupt or mismatched shard, workers naming different commits);
+     evaluate --final without a matching selection record; a second selection after finals were opened
+  5  gate: at least one gate failed (the table and the stored report say which)
 """
 
 
@@ -139,13 +141,47 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from shardtrain.evaluate import EvalSpec, evaluate
 
     spec = EvalSpec(store=args.store, commits=tuple(args.commit), job=args.prepared, cases_per_set=args.cases,
-                    max_new_tokens=args.max_new_tokens, message_timeout=args.timeout)
+                    max_new_tokens=args.max_new_tokens, message_timeout=args.timeout,
+                    role="final" if args.final else "development")
     report = evaluate(spec, args.workers, timeout=args.timeout)
     if args.json:
         print(msgspec.json.encode(report).decode())
     else:
         print("\n".join(_render_report(report)))
     return EXIT_OK
+
+
+def cmd_select(args: argparse.Namespace) -> int:
+    from shardtrain.roles import select
+
+    store = shardstore.open_store(args.store, create=False)
+    lc = shardstore.load_commit(store, args.commit)
+    oid = select(store, lc.commit.job, lc.id)
+    print(json.dumps({"selection": oid, "job": lc.commit.job, "commit": lc.id}) if args.json else
+          f"selection {oid}: job {lc.commit.job} -> commit {lc.id} (pinned as selections/{lc.commit.job})")
+    return EXIT_OK
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from shardtrain.evaluate import EvalSpec, evaluate, job_from_store
+    from shardtrain.gates import gate_report, render_gates, thresholds_of, write_gate_report
+
+    store = shardstore.open_store(args.store, create=False)
+    baseline, candidate = shardstore.load_commit(store, args.baseline), shardstore.load_commit(store, args.candidate)
+    with tempfile.TemporaryDirectory(prefix="shardtrain-gate-job-") as tmp:
+        thresholds = thresholds_of(job_from_store(store, candidate.commit.job, tmp))  # fixed by the recipe
+    spec = EvalSpec(store=args.store, commits=(baseline.id, candidate.id), cases_per_set=args.cases,
+                    max_new_tokens=args.max_new_tokens, message_timeout=args.timeout,
+                    role="final" if args.final else "development")
+    report = evaluate(spec, args.workers, timeout=args.timeout)
+    gates = gate_report(report, thresholds, baseline=baseline.id, candidate=candidate.id)
+    oid = write_gate_report(store, gates)
+    if args.json:
+        print(json.dumps({"report": oid, "gates": msgspec.to_builtins(gates)}))
+    else:
+        print("\n".join(render_gates(gates, report.commits[0], report.commits[1])))
+        print(f"report {oid} (pinned as gates/{gates.job}/{oid})")
+    return EXIT_OK if gates.passed else EXIT_GATE_FAILED
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -209,6 +245,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", type=int, default=8, help="generations per held-out set")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--final", action="store_true", help="the final sets (needs `select` of the last --commit); "
+                   "default: the development sets")
+
+    p = add("select", cmd_select, "select a candidate commit: the record that opens the job's final sets")
+    p.add_argument("--store", required=True)
+    p.add_argument("--commit", required=True, help="the candidate (id, prefix or ref)")
+
+    p = add("gate", cmd_gate, "the experiment's gates (gain, retention, generation) of a candidate against a baseline")
+    p.add_argument("--store", required=True)
+    p.add_argument("--baseline", required=True)
+    p.add_argument("--candidate", required=True)
+    p.add_argument("--final", action="store_true", help="gate on the final sets (needs `select` of the candidate)")
+    p.add_argument("--workers", type=int, help="default: the baseline's slot count")
+    p.add_argument("--cases", type=int, default=64, help="generations per task set")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=60.0)
 
     p = add("demo", cmd_demo, "the main job: train, lose a worker, recover exactly, continue, evaluate")
     p.add_argument("--home", help="directory for the job and stores (default: a new temporary directory)")
@@ -228,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except RunAborted as exc:
         return _fail(args, exc, EXIT_ABORTED)
-    except (JobError, ResumeError, shardstore.ShardstoreError) as exc:
+    except (JobError, ResumeError, RoleError, shardstore.ShardstoreError) as exc:
         return _fail(args, exc, EXIT_REFUSED)
     except (ShardtrainError, OSError, ValueError) as exc:
         return _fail(args, exc, EXIT_ERROR)

@@ -167,6 +167,10 @@ def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
 def cmd_gc(args: argparse.Namespace) -> int:
     args.command_name = "gc"
 
+    if args.grace == 0 and not args.dry_run and not args.quiet:
+        print("shardstore gc: warning: --grace 0 can delete the objects of a save in progress (written, not yet "
+              "named by a ref); use it only when no writer is running on this store", file=sys.stderr)
+
     def body() -> int:
         store = ss.open_store(args.store, create=False)
         result = gc(store, grace_seconds=args.grace, dry_run=args.dry_run)

@@ -21,10 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
-from .errors import CursorError, StateMismatch, TensorMismatch
+from .errors import CursorError, ManifestError, ObjectNotFound, StateMismatch, TargetNotFound, TensorMismatch
 from .manifest import (
+    MAX_MANIFEST_BYTES,
+    Count,
+    JobId,
+    Label,
+    Transition,
     CommitManifest,
     OptimEntry,
     OptimizerSpec,
@@ -39,15 +45,15 @@ from .manifest import (
 )
 from .dtensor import is_dtensor, local_region, same_split
 from .grid import put_payloads, read_jobs
-from .names import check_ref_name, check_tensor_name
+from .names import check_oid, check_ref_name, check_tensor_name
 from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
-from .rng import capture_rng, restore_rng
+from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
 from .store import Store
 from .tensors import dtype_name, torch_dtype
 from .verify import LoadedCommit, load_commit
 
-__all__ = ["CommitInfo", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]
+__all__ = ["CommitInfo", "check_info", "check_parent", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]
 
 AUTO: Any = "auto"
 """Sentinel: take the parent from the ref being moved."""
@@ -64,6 +70,45 @@ class CommitInfo:
     config: Mapping[str, Any] | None = None
     data_cursor: int | None = None
     transition: str = "train"
+
+
+class _InfoRules(msgspec.Struct, forbid_unknown_fields=True):
+    """The manifest field rules (SPEC.md §8.3) of CommitInfo's fields, to check them before any write."""
+
+    job: JobId
+    step: Count
+    data_cursor: Count | None
+    schedule: Label | None
+    profile: Label
+    transition: Transition
+
+
+def check_info(info: CommitInfo) -> None:
+    """ManifestError naming the field if ``info`` could never be written as a commit (a job id
+    that is not a name, a negative or huge step, an unrepresentable config...). Every writer
+    calls this before its first object, so a refused save or import leaves nothing behind."""
+    doc = {k: getattr(info, k) for k in ("job", "step", "data_cursor", "schedule", "profile", "transition")}
+    try:
+        msgspec.convert(doc, _InfoRules, strict=True)
+    except msgspec.ValidationError as e:
+        raise ManifestError(f"commit info: {e} (SPEC.md §Commit manifest)") from None
+    if info.config is not None:
+        encode_config(dict(info.config))
+
+
+def check_parent(store: Store, parent: str | None) -> None:
+    """Refuse a parent that is not a commit of ``store`` (TargetNotFound if absent, ManifestError
+    if the object is something else): ``log`` and gc follow parents, so a commit must never
+    name a tensor, a shard manifest or nothing as its parent."""
+    if parent is None:
+        return
+    check_oid(parent, what="parent commit id")
+    try:
+        store.commit(parent)
+    except ObjectNotFound:
+        raise TargetNotFound(f"parent commit {parent} is not in {store.url}") from None
+    except ManifestError as e:
+        raise ManifestError(f"parent {parent} is not a commit: {e}") from None
 
 
 @dataclass
@@ -141,6 +186,7 @@ def write_shard(
     store: Store, state: SlotState, *, info: CommitInfo, parent: str | None, slot: int, slots: int, threads: int = 2
 ) -> str:
     """Write one slot's objects, then (after a durability barrier) its shard manifest; return its id."""
+    check_info(info)
     names = sorted(state.tensors)
     flat: list[torch.Tensor] = []
     for n in names:
@@ -201,6 +247,7 @@ def write_shard(
 
 def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None) -> str:
     """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]); return the commit id."""
+    check_parent(store, parent)
     shards = [store.shard(s) for s in shard_ids]
     groups: dict[str, Any] = {}
     entries: list[TensorEntry] = []
@@ -246,9 +293,11 @@ def save_slots(
     started = time.time()
     if ref is not None:
         check_ref_name(ref)
+    check_info(info)
     current = store.ref(ref) if ref is not None else None
     if parent is AUTO:
         parent = current
+    check_parent(store, parent)  # before any object is written
     n = len(states)
     shard_ids = [write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)]
     cid = write_commit(store, shard_ids, info=info, parent=parent)
@@ -392,6 +441,16 @@ def restore(
         e, t = entries[n], targets[n]
         if dtype_name(t.dtype, n) != e.dtype or tuple(t.shape) != tuple(e.shape):
             raise TensorMismatch(f"tensor {n!r}: commit {lc.id} holds {e.dtype}{list(e.shape)}, the model has {dtype_name(t.dtype, n)}{list(t.shape)}")
+    # Everything this restore needs besides tensor bytes is read and validated first, so that
+    # a bad config or RNG object is refused before a byte lands in the caller's tensors (§16).
+    config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
+    rng_states = None
+    if rng:
+        s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)
+        if s is None or s not in lc.shards:
+            raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore RNG")
+        rng_states = {r.kind: store.get(r.object, limit=MAX_RNG_BYTES) for r in lc.shards[s].rng}
+        check_rng(rng_states)
     reads = [(entries[n].param, entries[n].dtype, targets[n], f"tensor {n!r}") for n in names]
     state = None
     if optimizer is not None:
@@ -403,12 +462,7 @@ def restore(
             into_export(optimizer, state, [n for n in names if n in state.params])
         else:
             _install_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
-    restored_rng = False
-    if rng:
-        s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)
-        if s is None or s not in lc.shards:
-            raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore RNG")
-        restore_rng({r.kind: store.get(r.object) for r in lc.shards[s].rng})
-        restored_rng = True
-    config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config))
+    if rng_states is not None:
+        restore_rng(rng_states)
+    restored_rng = rng_states is not None
     return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, nread)

@@ -14,6 +14,7 @@ __all__ = [
     "ObjectNotFound",
     "CorruptObject",
     "ManifestError",
+    "ObjectTooLarge",
     "TensorMismatch",
     "GridError",
     "BindingError",
@@ -54,6 +55,10 @@ class CorruptObject(ShardstoreError):
 
 class ManifestError(ShardstoreError):
     """A manifest (or ref, or config) does not decode strictly, is not canonical, or breaks a field rule."""
+
+
+class ObjectTooLarge(ManifestError):
+    """An object is larger than its reader's limit (manifest, config, RNG state); refused before it is read."""
 
 
 class TensorMismatch(ShardstoreError):

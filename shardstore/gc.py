@@ -77,7 +77,11 @@ def reachable(store: Store, pinned: set[str] | None = None) -> tuple[set[str], l
         pinned = pinned_objects(store)
     objects: set[str] = set()
     commits: list[str] = []
-    todo = sorted(set(store.refs().values()))
+    try:
+        heads = store.refs()
+    except ShardstoreError as e:
+        raise type(e)(f"gc refused, nothing deleted: {e}; what it keeps is unknown (refs in {store.url}: {store.ref_names()})") from None
+    todo = sorted(set(heads.values()))
     while todo:
         cid = todo.pop(0)
         if cid in objects:

@@ -9,7 +9,8 @@ and the cursors and hyperparameters as ``optimizer.json``. Files are written by 
 header is built from the manifests alone, then each tensor's verified object bytes are
 appended one at a time, so peak memory stays near the largest tensor. Tensors in a file
 are ordered by item size, then name, so every tensor is aligned; the header is padded with
-spaces to 8 bytes. Each file is written under a temporary name, read back with
+spaces to 8 bytes. Each file is written under a new temporary name (created exclusively, so a
+planted link is never followed), read back with
 ``safetensors.safe_open`` and only then renamed into place.
 
 ``import_directory`` is the reverse: it reads ``config.json`` and one or more safetensors
@@ -25,6 +26,7 @@ import os
 import re
 import socket
 import struct
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +34,8 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from .checkpoint import AUTO, CommitInfo, write_commit
+from .bounded import check_json_nesting, read_regular_file
+from .checkpoint import AUTO, CommitInfo, check_info, check_parent, write_commit
 from .errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
 from .grid import payload_blocks, put_payloads
 from .manifest import Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
@@ -46,8 +49,9 @@ __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportResult", "Progress", "export_commit
 
 #: Hugging Face's default shard size ("5GB").
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-#: Largest config.json / index / header a reader will parse.
+#: Largest config.json / index / header a reader will parse, and its deepest nesting.
 _MAX_JSON_BYTES = 64 * 1024 * 1024
+_MAX_JSON_DEPTH = 64
 
 #: Called after each tensor with (tensor name, bytes of that tensor, total bytes of the operation).
 Progress = Callable[[str, int, int], None]
@@ -120,12 +124,40 @@ def _check_written(path: str, items: Sequence[_Item]) -> None:
         raise StorageError(f"{path}: safetensors reads back a different header than was written")
 
 
+def _temporary(path: str) -> tuple[int, str]:
+    """A new file beside ``path``, created exclusively under a random name (O_EXCL never
+    follows a planted link; a name that exists is skipped), for writing and renaming over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".partial")
+    mask = os.umask(0)
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)  # what open() would have given the file (mkstemp makes it 0600)
+    return fd, tmp
+
+
+def _write_file(path: str, raw: bytes) -> None:
+    """Write ``raw`` to ``path`` through an exclusive temporary renamed over it (a link at
+    ``path`` is replaced, never followed)."""
+    fd, tmp = _temporary(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise StorageError(f"writing {path}: {e.strerror or e}") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
 def _write_safetensors(store: Store, path: str, items: Sequence[_Item], tick: Callable[[_Item], None]) -> None:
     items = sorted(items, key=lambda it: (-_itemsize(it.dtype), it.name))  # aligned: big items first
     header = _header(items)
-    tmp = f"{path}.partial"
     try:
-        with open(tmp, "wb") as f:
+        fd, tmp = _temporary(path)
+    except OSError as e:
+        raise StorageError(f"writing {path}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             for it in items:
@@ -144,7 +176,7 @@ def _write_safetensors(store: Store, path: str, items: Sequence[_Item], tick: Ca
     except OSError as e:
         raise StorageError(f"writing {path}: {e.strerror or e}") from None
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
 
 
@@ -227,8 +259,7 @@ def export_commit(
     for fname, items in files.items():
         _write_safetensors(store, os.path.join(out_dir, fname), items, tick)
     for fname, raw in docs.items():
-        with open(os.path.join(out_dir, fname), "wb") as f:
-            f.write(raw)
+        _write_file(os.path.join(out_dir, fname), raw)
     return ExportResult(lc.id, out_dir, tuple(names), len(entries), total, len(files) > len(sets))
 
 
@@ -248,15 +279,13 @@ def _optimizer_doc(step: int, optimizer: Any, entries: list[TensorEntry]) -> byt
 
 
 def _read_json(path: str) -> Any:
+    """A user's JSON file, bounded: a regular file (never a device or FIFO) of at most
+    ``_MAX_JSON_BYTES``, nested at most ``_MAX_JSON_DEPTH`` deep, checked before parsing."""
+    raw = read_regular_file(path, _MAX_JSON_BYTES)
+    check_json_nesting(raw, _MAX_JSON_DEPTH, path)
     try:
-        size = os.path.getsize(path)
-        if size > _MAX_JSON_BYTES:
-            raise ManifestError(f"{path}: {size} bytes is over the {_MAX_JSON_BYTES}-byte limit")
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except FileNotFoundError:
-        raise ManifestError(f"{path} is missing") from None
-    except (OSError, ValueError) as e:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise ManifestError(f"{path}: not readable JSON ({e})") from None
 
 
@@ -387,6 +416,7 @@ def import_directory(
     """
     if ref is not None:
         check_ref_name(ref)
+    check_info(CommitInfo(step=step, job=job, transition="import"))  # arguments first, before any write
     config = _read_json(os.path.join(src_dir, "config.json"))
     if not isinstance(config, dict):
         raise ManifestError(f"{src_dir}/config.json is not a JSON object")
@@ -406,6 +436,7 @@ def import_directory(
         nslots = len(layout)
     current = store.ref(ref) if ref is not None else None
     parent = current if parent is AUTO else parent
+    check_parent(store, parent)
     info = CommitInfo(step=step, job=job, config=config, transition="import")
     total = sum(expected_nbytes(d, s) for _, d, s in tensors.values())
     started = time.time()

@@ -7,7 +7,9 @@ name exists, which makes writes create-only and concurrent writers of one object
 directories are fsynced in ``sync()``. A write that finds its object present refreshes the
 object's modification time, so gc's grace period protects objects a save in progress
 deduplicated against. Refs move by an exclusive lock file renamed over the ref. No path
-component under the root may be a symbolic link. Reads are memory maps (zero-copy).
+component under the root may be a symbolic link. Reads land in memory of their own, hashed
+chunk by chunk as they arrive (never a live mapping that a rewrite or truncation of the file
+could change or fault after hashing); restores read straight into the destination tensors.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .errors import InvalidName, ObjectNotFound, RefConflict, StorageError
+from .errors import InvalidName, ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from .names import check_key
 from .storage import Buffer, show_ref_value
 
@@ -105,22 +107,36 @@ class LocalStorage:
     def _io(self, op: str, key: str, e: OSError) -> StorageError:
         return StorageError(f"{op} {key!r} in store {self.root}: {e.strerror or e}")
 
-    def read(self, key: str) -> Buffer:
-        path = self._path(key)
+    def read(self, key: str, limit: int | None = None) -> Buffer:
+        return self._read(key, limit, None)
+
+    def read_hashed(self, key: str, hasher: Callable[[], Any], limit: int | None = None) -> tuple[Buffer, str]:
+        """The bytes at ``key`` and their digest, each chunk hashed right after it lands."""
+        h = hasher()
+        data = self._read(key, limit, h.update)
+        return data, h.hexdigest()
+
+    def _read(self, key: str, limit: int | None, consume: Callable[[memoryview], None] | None) -> bytearray:
+        """Read ``key`` into memory of its own (never a live mapping of the file: the bytes
+        handed out are exactly the bytes that were hashed, whatever happens to the file
+        afterwards). ObjectTooLarge above ``limit``, before allocating; a file that shrinks
+        while being read is a StorageError, never a SIGBUS."""
+        fd = self._open_read(key)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            raise ObjectNotFound(f"{key} is missing from store {self.root}") from None
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise InvalidName(f"{key} in store {self.root} is a symbolic link; refusing to follow it") from None
-            raise self._io("read", key, e) from None
-        try:
-            n = os.fstat(fd).st_size
-            if n == 0:
-                return b""
-            # ACCESS_COPY: a private, writable mapping; writes never reach the file.
-            return memoryview(mmap.mmap(fd, n, access=mmap.ACCESS_COPY))
+            size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise ObjectTooLarge(f"{key} in store {self.root} is {size} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
+            buf = bytearray(size)
+            view = memoryview(buf)
+            off = 0
+            while off < size:
+                n = os.readv(fd, [view[off : off + _READ_CHUNK]])
+                if n == 0:
+                    raise StorageError(f"read {key!r} in store {self.root}: the file shrank from {size} to {off} bytes while being read")
+                if consume is not None:
+                    consume(view[off : off + n])
+                off += n
+            return buf
         except OSError as e:
             raise self._io("read", key, e) from None
         finally:
@@ -142,6 +158,13 @@ class LocalStorage:
     def mtime(self, key: str) -> float | None:
         st = self._lstat(key)
         return None if st is None else st.st_mtime
+
+    def touch(self, key: str) -> int | None:
+        """Refresh the object's mtime (never through a symbolic link), then return its size.
+        A refresh the file system refuses (read-only, not ours) is ignored as in ``write_once``."""
+        _freshen(self._path(key))
+        st = self._lstat(key)
+        return None if st is None else st.st_size
 
     def _write_tmp(self, data: Buffer) -> str:
         tmpdir = self._dir("tmp")

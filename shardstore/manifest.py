@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from .bounded import check_json_nesting
 from .errors import ManifestError
 from .names import GROUP_NAME_PATTERN, JOB_ID_PATTERN, OID_PATTERN, TENSOR_NAME_PATTERN
 
@@ -377,12 +378,16 @@ def encode_config(config: dict[str, Any]) -> bytes:
     """Canonical bytes of a model config: sorted compact JSON, reals as ``"f64:<16 hex>"`` strings."""
     if not isinstance(config, dict):
         raise ManifestError("model config must be a dict")
-    return _ENCODER.encode(_config_to_canonical(config, "$"))
+    try:
+        return _ENCODER.encode(_config_to_canonical(config, "$"))
+    except UnicodeEncodeError as e:  # a lone surrogate in a key or string: not representable as UTF-8
+        raise ManifestError(f"model config: a string is not valid Unicode text ({e.reason} at {e.start})") from None
 
 
 def decode_config(data: bytes | memoryview, what: str = "model config") -> dict[str, Any]:
     """Strict inverse of :func:`encode_config` (bounded, canonical, no floats)."""
     raw = _check_bytes(data, what)
+    check_json_nesting(raw, _MAX_CONFIG_DEPTH + 1, what)  # before any recursive parser or walker sees it
     try:
         value = msgspec.json.decode(raw, type=dict[str, Any])
     except (msgspec.DecodeError, UnicodeDecodeError) as e:

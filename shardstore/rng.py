@@ -15,10 +15,10 @@ import torch
 
 from .errors import ManifestError
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["MAX_RNG_BYTES", "capture_rng", "check_rng", "restore_rng"]
 
 _ENC = msgspec.json.Encoder(order="sorted")
-_MAX_RNG_BYTES = 1 << 20
+MAX_RNG_BYTES = 1 << 20
 
 
 class _PyState(msgspec.Struct, forbid_unknown_fields=True):
@@ -54,26 +54,41 @@ def _np_state() -> dict[str, Any]:
     return {"bit_generator": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss).hex()}
 
 
-def restore_rng(states: dict[str, bytes | memoryview]) -> None:
-    """Set the process's RNGs from ``capture_rng`` output; ManifestError on malformed bytes."""
+def _apply(kind: str, raw: bytes, py: Any, npr: Any, gen: Any) -> None:
+    """Set ``kind``'s state from ``raw`` on the given generators (None for CUDA: the process's)."""
+    if kind == "python":
+        p = msgspec.json.decode(raw, type=_PyState)
+        py.setstate((p.version, tuple(p.state), None if p.gauss is None else float.fromhex(p.gauss)))
+    elif kind == "numpy":
+        n = msgspec.json.decode(raw, type=_NpState)
+        key = np.array(n.key, dtype=np.uint32)
+        npr.set_state((n.bit_generator, key, n.pos, n.has_gauss, float.fromhex(n.gauss)))
+    elif kind == "torch":
+        gen.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    elif kind.startswith("cuda:"):
+        if gen is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8), int(kind[5:]))
+    else:
+        raise ManifestError(f"unknown RNG kind {kind!r}")
+
+
+def check_rng(states: dict[str, bytes | memoryview]) -> None:
+    """Refuse (ManifestError) RNG states that ``restore_rng`` could not set, without setting
+    any: each is decoded into a fresh generator of its kind. Load paths call this before they
+    write a byte into a caller's tensors (SPEC.md §16); verify calls it on every RNG object."""
     for kind, raw in states.items():
-        raw = bytes(raw)
-        if len(raw) > _MAX_RNG_BYTES:
-            raise ManifestError(f"RNG state {kind!r} is {len(raw)} bytes, over the {_MAX_RNG_BYTES}-byte limit")
+        if len(raw) > MAX_RNG_BYTES:
+            raise ManifestError(f"RNG state {kind!r} is {len(raw)} bytes, over the {MAX_RNG_BYTES}-byte limit (SPEC.md §Limits)")
         try:
-            if kind == "python":
-                p = msgspec.json.decode(raw, type=_PyState)
-                random.setstate((p.version, tuple(p.state), None if p.gauss is None else float.fromhex(p.gauss)))
-            elif kind == "numpy":
-                n = msgspec.json.decode(raw, type=_NpState)
-                key = np.array(n.key, dtype=np.uint32)
-                np.random.set_state((n.bit_generator, key, n.pos, n.has_gauss, float.fromhex(n.gauss)))
-            elif kind == "torch":
-                torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-            elif kind.startswith("cuda:"):
-                if torch.cuda.is_available():
-                    torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8), int(kind[5:]))
-            else:
-                raise ManifestError(f"unknown RNG kind {kind!r}")
-        except (msgspec.DecodeError, ValueError, TypeError, RuntimeError, OverflowError) as e:  # OverflowError: a key past uint32
-            raise ManifestError(f"RNG state {kind!r} is malformed: {e}") from None
+            _apply(kind, bytes(raw), random.Random(), np.random.RandomState(), torch.Generator() if not kind.startswith("cuda:") else None)
+        except (msgspec.DecodeError, ValueError, TypeError, RuntimeError, OverflowError, UnicodeDecodeError) as e:
+            raise ManifestError(f"RNG state {kind!r} is malformed: {e}") from None  # OverflowError: a key past uint32
+
+
+def restore_rng(states: dict[str, bytes | memoryview]) -> None:
+    """Set the process's RNGs from ``capture_rng`` output; ManifestError on malformed bytes,
+    before any generator is changed."""
+    check_rng(states)
+    default = torch.default_generator
+    for kind, raw in states.items():
+        _apply(kind, bytes(raw), random, np.random, default)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import re
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -45,7 +46,7 @@ from typing import Any, TypeVar
 
 import fsspec.asyn
 
-from .errors import ObjectNotFound, RefConflict, StorageError
+from .errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from .names import check_key
 from .storage import Buffer
 
@@ -58,6 +59,9 @@ DEFAULT_CONCURRENCY = 16
 DEFAULT_ATTEMPTS = 5
 #: Ranges at least this large are consumed (hashed) in a worker thread, off the event loop.
 _OFFLOAD_BYTES = 1 << 20
+_BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
+#: CopyObject's limit; larger objects cannot be refreshed by copying them onto themselves.
+_MAX_COPY_BYTES = 5 * 1024**3
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _RETRY_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"})
 
@@ -112,6 +116,8 @@ class S3Storage:
             raise StorageError(f"part_size {part_size} is below S3's 5 MiB minimum multipart part size")
         self.url = url.rstrip("/")
         self.bucket, _, prefix = rest.partition("/")
+        if _BUCKET.fullmatch(self.bucket) is None:  # botocore's own rule, checked before any request
+            raise StorageError(f"not an S3 store URL: {url!r}: {self.bucket!r} is not a valid bucket name")
         self.prefix = "/".join(check_key(prefix.strip("/")).split("/")) if prefix.strip("/") else ""
         self.multipart_threshold = 4 * part_size if multipart_threshold is None else max(part_size, multipart_threshold)
         self.part_size, self.concurrency, self.attempts, self.backoff = part_size, max(1, concurrency), max(1, attempts), backoff
@@ -122,6 +128,9 @@ class S3Storage:
         self.fs = s3fs.S3FileSystem(**options)
         self._sem: asyncio.Semaphore | None = None
         self._transient = _transient_errors()
+        from botocore.exceptions import BotoCoreError
+
+        self._client_side: type[BaseException] = BotoCoreError
         self.conditional_reason = ""
         if conditional is None:
             conditional, self.conditional_reason = self._run(self._probe)
@@ -165,6 +174,9 @@ class S3Storage:
             except Exception as e:
                 answer = getattr(e, "response", None)
                 if not isinstance(answer, dict):
+                    if isinstance(e, self._client_side):  # no credentials, an invalid bucket name...
+                        text = " ".join(str(e).split())  # one line: botocore's messages span several
+                        raise StorageError(f"{method} {key!r} in store {self.url}: {type(e).__name__}: {text}") from None
                     raise
                 err = answer.get("Error", {})
                 status = int(answer.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
@@ -222,14 +234,15 @@ class S3Storage:
 
     # -- Storage protocol --------------------------------------------------------------
 
-    def read(self, key: str) -> Buffer:
-        return self._run(self._read, key, None)
+    def read(self, key: str, limit: int | None = None) -> Buffer:
+        return self._run(self._read, key, None, limit)
 
-    def read_hashed(self, key: str, hasher: Callable[[], Any]) -> tuple[Buffer, str]:
+    def read_hashed(self, key: str, hasher: Callable[[], Any], limit: int | None = None) -> tuple[Buffer, str]:
         """The bytes at ``key`` and their digest, hashed range by range as the ranges arrive
-        (in order, off the event loop) rather than in a second pass over the whole object."""
+        (in order, off the event loop) rather than in a second pass over the whole object.
+        ``limit``: ObjectTooLarge if the server reports more bytes, before allocating them."""
         h = hasher()
-        data = self._run(self._read, key, h.update)
+        data = self._run(self._read, key, h.update, limit)
         return data, h.hexdigest()
 
     def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
@@ -245,11 +258,13 @@ class S3Storage:
         object's size; when that differs from ``len(out)`` only the first range is fetched."""
         return self._run(self._stream, key, out, consume)
 
-    async def _read(self, key: str, consume: Callable[[memoryview], None] | None) -> Buffer:
+    async def _read(self, key: str, consume: Callable[[memoryview], None] | None, limit: int | None = None) -> Buffer:
         buf: bytearray | None = None
 
         def sized(total: int) -> memoryview:
             nonlocal buf
+            if limit is not None and total > limit:
+                raise ObjectTooLarge(f"{key} in store {self.url} is {total} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
             buf = bytearray(total)
             return memoryview(buf)
 
@@ -358,6 +373,31 @@ class S3Storage:
         head = self._run(self._head, key)
         return None if head is None else float(head["LastModified"].timestamp())
 
+    def touch(self, key: str) -> int | None:
+        return self._run(self._touch, key)
+
+    async def _touch(self, key: str) -> int | None:
+        head = await self._head(key)
+        if head is None:
+            return None
+        size = int(head["ContentLength"])
+        return size if await self._refresh(key, size) else None
+
+    async def _refresh(self, key: str, size: int) -> bool:
+        """Make ``LastModified`` now by copying the object onto itself (server side, no bytes
+        move here); False if it vanished meanwhile. CopyObject stops at 5 GiB: a larger object
+        keeps its time (SPEC.md §19a states the residual race)."""
+        if size > _MAX_COPY_BYTES:
+            return True
+        source = {"Bucket": self.bucket, "Key": self._full(key)}
+        try:
+            await self._call("copy_object", key, Key=self._full(key), CopySource=source, MetadataDirective="REPLACE")
+        except _S3Error as e:
+            if e.status == 404:
+                return False
+            raise self._fail("refresh", key, e) from None
+        return True
+
     def write_once(self, key: str, data: Buffer) -> bool:
         return self._run(self._write_once, key, data)
 
@@ -366,7 +406,7 @@ class S3Storage:
         view = memoryview(data).cast("B")
         multipart = len(view) > self.multipart_threshold
         # A multipart upload can only fail its condition after every part is sent: look first.
-        if (multipart or not self.conditional) and await self._head(key) is not None:
+        if (multipart or not self.conditional) and await self._touch(key) is not None:
             return False
         if multipart:
             return await self._multipart(key, view)
@@ -382,14 +422,16 @@ class S3Storage:
     async def _confirm_present(self, key: str, e: _S3Error) -> bool:
         """A create-only write answered 412 ("already there"): believe it only after a HEAD
         finds the object, since a commit naming an object the server never stored would be
-        acknowledged with a hole in it."""
+        acknowledged with a hole in it; then refresh it, as every writer relying on a present
+        object does (SPEC.md §19a)."""
         try:
-            await self._call("head_object", key, Key=self._full(key))
-            return False  # already there; same name, same bytes
-        except _S3Error as head:
-            if head.status != 404:
-                raise self._fail("stat", key, head) from None
-        raise StorageError(f"write {key!r} in store {self.url}: the server answered {e} but holds no such object")
+            head = await self._call("head_object", key, Key=self._full(key))
+        except _S3Error as h:
+            if h.status != 404:
+                raise self._fail("stat", key, h) from None
+            raise StorageError(f"write {key!r} in store {self.url}: the server answered {e} but holds no such object") from None
+        await self._refresh(key, int(head["ContentLength"]))
+        return False  # already there; same name, same bytes
 
     async def _multipart(self, key: str, view: memoryview) -> bool:
         full = self._full(key)

@@ -11,7 +11,8 @@ falls back to ``read`` plus hashing otherwise (the results are the same):
   ``len(out)`` bytes, calling ``consume`` on each chunk in order as it lands;
 - ``hash_object(key, hasher, *, threads) -> (hex digest, size)``: stream the object through
   ``hasher()`` (which runs ``threads`` threads of its own) without holding it whole;
-- ``read_hashed(key, hasher) -> (bytes, hex digest)``: read and hash in one pass;
+- ``read_hashed(key, hasher, limit=None) -> (bytes, hex digest)``: read and hash in one pass,
+  refusing (ObjectTooLarge) an object over ``limit`` bytes before allocating it;
 - ``begin_write`` / ``end_writes``: batched create-only writes with one durability barrier.
 
 Backends:
@@ -24,6 +25,7 @@ Backends:
 from __future__ import annotations
 
 import threading
+from datetime import datetime, timezone
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
@@ -70,6 +72,14 @@ class Storage(Protocol):
 
     def mtime(self, key: str) -> float | None:
         """Modification time (seconds since the epoch), or None if absent."""
+        ...
+
+    def touch(self, key: str) -> int | None:
+        """Make the object at ``key`` young again (its ``mtime`` becomes now) and return its
+        byte size, or None if it is absent. Every writer that relies on an object already
+        present calls this first, so that gc's grace period protects it exactly as if the
+        writer had written it (SPEC.md §19a); ``write_once`` does the same when it finds
+        ``key`` present."""
         ...
 
     def sync(self) -> None:
@@ -120,8 +130,21 @@ class FsspecStorage:
         except FileNotFoundError:
             return None
 
+    def touch(self, key: str) -> int | None:
+        path = self._path(key)
+        with self._lock:
+            entry = getattr(self.fs, "store", {}).get(path)  # memory://: its file records carry the time
+            if entry is not None and hasattr(entry, "modified"):
+                entry.modified = datetime.now(tz=timezone.utc)
+            try:
+                return int(self.fs.size(path))
+            except FileNotFoundError:
+                return None
+
     def write_once(self, key: str, data: Buffer) -> bool:
         path = self._path(key)
+        if self.touch(key) is not None:
+            return False
         with self._lock:
             if self.fs.exists(path):
                 return False
@@ -169,10 +192,15 @@ def open_storage(url: str, **storage_options: object) -> Storage:
     if url.startswith("file://"):
         return LocalStorage(url[len("file://"):])
     if url.startswith(("s3://", "s3a://")):
-        from .s3 import S3Storage  # conditional writes need the raw client, not fsspec's surface
-
+        try:
+            from .s3 import S3Storage  # conditional writes need the raw client, not fsspec's surface
+        except ImportError as e:
+            raise StorageError(f"cannot open store {url!r}: S3 support needs s3fs ({e})") from None
         return S3Storage(url, **storage_options)
-    fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    except (ValueError, ImportError, TypeError, OSError) as e:  # unknown protocol, its package not installed, bad options
+        raise StorageError(f"cannot open store {url!r}: {e}") from None
     if url.startswith("memory://"):
         root = "/" + root.lstrip("/")
     return FsspecStorage(fs, root, url)

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
 
-from .errors import CorruptObject, ManifestError, ObjectNotFound, RefNotFound, StorageError, StoreConfigError, TargetNotFound
+from .errors import CorruptObject, ManifestError, ObjectNotFound, ObjectTooLarge, RefConflict, RefNotFound, ShardstoreError, StorageError, StoreConfigError, TargetNotFound
 from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
+from .errors import InvalidName
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
 from .tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
@@ -89,32 +92,58 @@ class Store:
         """Store ``data`` under an id the caller already computed (e.g. while copying). True if written."""
         return self.storage.write_once(object_key(oid), data)
 
+    def ensure(self, oid: str) -> int | None:
+        """The size of object ``oid`` if present (None if absent), made young again first.
+
+        The one way a writer relies on an object it did not write (copy finding it at the
+        destination, a save or import deduplicating against it): the refresh makes gc's
+        grace period protect it until a manifest names it (SPEC.md §19a). Backends without
+        ``touch`` (test wrappers) fall back to ``size``."""
+        key = object_key(oid)
+        touch = getattr(self.storage, "touch", None)
+        return touch(key) if touch is not None else self.storage.size(key)
+
     def has(self, oid: str) -> bool:
         return self.storage.exists(object_key(oid))
 
     def object_size(self, oid: str) -> int | None:
         return self.storage.size(object_key(oid))
 
-    def get(self, oid: str, *, verify: bool = True) -> Buffer:
-        """The bytes of object ``oid``; CorruptObject unless they hash to ``oid``."""
+    def get(self, oid: str, *, verify: bool = True, limit: int | None = None) -> Buffer:
+        """The bytes of object ``oid``; CorruptObject unless they hash to ``oid``.
+
+        ``limit``: ObjectTooLarge for an object over ``limit`` bytes, before it is read (every
+        reader of a manifest, config or RNG state passes its limit; SPEC.md §Limits)."""
         if not verify:
+            if limit is not None:
+                self._check_size(oid, limit)
             return self.storage.read(object_key(oid))
-        data, got = self.read_hashed(oid)
+        data, got = self.read_hashed(oid, limit=limit)
         if got != oid:
             raise CorruptObject(f"object {oid} is corrupt: its {len(data)} bytes hash to {got} (SPEC.md §Objects)")
         return data
 
-    def read_hashed(self, oid: str) -> tuple[Buffer, str]:
+    def _check_size(self, oid: str, limit: int) -> None:
+        n = self.storage.size(object_key(oid))
+        if n is None:
+            raise ObjectNotFound(f"object {oid} is missing from store {self.url}")
+        if n > limit:
+            raise ObjectTooLarge(f"object {oid} is {n} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
+
+    def read_hashed(self, oid: str, *, limit: int | None = None) -> tuple[Buffer, str]:
         """The stored bytes of ``oid`` and the BLAKE3 digest they really have (unchecked).
 
-        A backend with ``read_hashed`` (S3) hashes while the bytes stream in; otherwise
-        the bytes are read (mapped, locally) and then hashed.
+        A backend with ``read_hashed`` (local, S3) hashes while the bytes stream in, into
+        memory of their own, and refuses an object over ``limit`` before allocating it;
+        otherwise the size is checked, then the bytes are read and hashed.
         """
         key = object_key(oid)
         stream = getattr(self.storage, "read_hashed", None)
         if stream is not None:
-            data, got = stream(key, new_hasher)
+            data, got = stream(key, new_hasher) if limit is None else stream(key, new_hasher, limit)
             return data, str(got)
+        if limit is not None:
+            self._check_size(oid, limit)
         data = self.storage.read(key)
         return data, hash_bytes(data)
 
@@ -239,11 +268,11 @@ class Store:
         return self.put(encode(manifest))
 
     def get_manifest(self, oid: str, kind: type[M]) -> M:
-        data = self.get(oid)
+        data = self.get(oid, limit=MAX_MANIFEST_BYTES)
         return decode_manifest(data, kind, what=f"object {oid}")
 
     def get_any_manifest(self, oid: str) -> Any:
-        return decode(self.get(oid), what=f"object {oid}")
+        return decode(self.get(oid, limit=MAX_MANIFEST_BYTES), what=f"object {oid}")
 
     def commit(self, oid: str) -> CommitManifest:
         return self.get_manifest(oid, CommitManifest)
@@ -308,9 +337,9 @@ class Store:
             raise TargetNotFound(f"empty target {target!r}")
         try:
             value = self.ref(target)
-        except Exception:
-            value = None
-        if value is not None:
+        except InvalidName:
+            value = None  # not a ref name at all: maybe an id prefix
+        if value is not None:  # a ref that exists but does not parse raised ManifestError above
             return value
         try:
             check_oid_prefix(target)
@@ -345,20 +374,44 @@ class Store:
             raise ManifestError(f"pin {name!r}: object ids must be sorted and distinct (SPEC.md §Pins)")
         return pin.objects
 
-    def pin(self, name: str, objects: Sequence[str]) -> None:
-        """Set pin ``name`` to exactly ``objects`` (ids of objects gc must keep; SPEC.md §Pins).
-
-        Compare-and-swap against the value read just before: a concurrent change of the
-        same pin raises RefConflict and changes nothing.
-        """
+    def _pin_bytes(self, name: str, objects: Sequence[str]) -> bytes:
         ids = sorted({check_oid(o, what=f"object id in pin {name!r}") for o in objects})
         if len(ids) > MAX_ENTRIES:
             raise ManifestError(f"pin {name!r}: {len(ids)} objects exceed the limit of {MAX_ENTRIES} (SPEC.md §Pins)")
         new = encode(PinManifest(version=FORMAT_VERSION, objects=tuple(ids)))
         if len(new) > MAX_MANIFEST_BYTES:  # cannot happen below MAX_ENTRIES ids; kept next to the rule it guards
             raise ManifestError(f"pin {name!r}: {len(new)} bytes exceed the manifest limit (SPEC.md §Limits)")
-        current = self._pin_raw(name)
-        self.storage.swap(pin_key(name), current, new)
+        return new
+
+    def pin(self, name: str, objects: Sequence[str], *, expected: Sequence[str] | None) -> None:
+        """Set pin ``name`` to exactly ``objects`` (ids of objects gc must keep; SPEC.md §Pins)
+        if it holds exactly ``expected`` now (None: there must be no such pin).
+
+        A compare-and-swap, like ``set_ref``: a read-modify-write passes the value it read,
+        so that a concurrent change of the same pin raises RefConflict and changes nothing
+        instead of being overwritten (``add_to_pin`` does the whole loop)."""
+        new = self._pin_bytes(name, objects)
+        exp = None if expected is None else self._pin_bytes(name, expected)
+        self.storage.swap(pin_key(name), exp, new)
+
+    def add_to_pin(self, name: str, objects: Sequence[str], *, attempts: int = 20) -> tuple[str, ...]:
+        """Make pin ``name`` hold ``objects`` as well as what it holds now (created if absent);
+        return its new value. Read, union, compare-and-swap, again on a conflict (another
+        writer changed the pin in between, or holds its lock) up to ``attempts`` times."""
+        want = {check_oid(o, what=f"object id in pin {name!r}") for o in objects}
+        for attempt in range(attempts):
+            current = self.pinned(name)
+            if current is not None and want <= set(current):
+                return current
+            union = tuple(sorted(want | set(current or ())))
+            try:
+                self.pin(name, union, expected=current)
+                return union
+            except RefConflict:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.005 * (attempt + 1) * (0.5 + random.random()))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def unpin(self, name: str) -> None:
         """Remove pin ``name`` (its objects become collectable unless something else names them).
@@ -388,13 +441,14 @@ class Store:
     # -- journal -----------------------------------------------------------------------
 
     def write_journal(self, commit: str, record: dict[str, Any]) -> None:
-        """Unhashed notes about a commit (times, hosts); best effort, never read for trust.
+        """Unhashed notes about a commit (times, hosts); advisory, never read for trust.
 
-        Written after the ref moved, so a failure here (a full disk, a server error) is
-        ignored: raising would report a commit that is in as a failed save."""
+        Written after the ref moved, so no failure here (a full disk, a server error, a
+        ``journal`` that is a symbolic link, an unencodable note) is raised: raising would
+        report a commit that is in as a failed save (SPEC.md §Journal)."""
         try:
             self.storage.write_once(f"journal/{check_oid(commit)}.json", json.dumps(record, sort_keys=True).encode())
-        except StorageError:
+        except (ShardstoreError, OSError, ValueError, TypeError):
             pass
 
 

@@ -16,16 +16,17 @@ bounds its own requests further).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .errors import CorruptObject, TargetNotFound, TensorMismatch
+from .errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from .names import check_ref_name
-from .store import Store
 from .grid import payload_blocks
 from .manifest import tensor_payloads
+from .store import Store, object_key
 from .verify import LoadedCommit, load_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
@@ -106,9 +107,17 @@ def _pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]
 
 
 def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) -> tuple[bool, int]:
-    """Copy one object unless ``dst`` has it; verify the bytes received before writing them."""
-    if dst.has(oid):
-        return False, size if size is not None else dst.object_size(oid) or 0
+    """Copy one object unless ``dst`` has it whole; verify the bytes received before writing them.
+
+    An object already at ``dst`` is refreshed (``Store.ensure``: gc then treats it as just
+    written) and its size checked against its entry (or, where the format fixes none, against
+    the source's): a torn or truncated object there is replaced by the verified source bytes
+    instead of being trusted (SPEC.md §19a)."""
+    have = dst.ensure(oid)
+    if have is not None:
+        want = size if size is not None else src.object_size(oid)
+        if want is None or have == want:
+            return False, have
     data, got = src.read_hashed(oid)  # hashed as it arrives where the backend streams
     if got != oid:
         raise CorruptObject(
@@ -117,8 +126,33 @@ def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) 
         )
     if size is not None and len(data) != size:
         raise TensorMismatch(f"{what} object {oid} in {src.url} holds {len(data)} bytes, its entry needs {size}")
-    dst.put_with_id(oid, data)
+    if have is not None:  # present with the wrong size: it cannot hash to its id; replace it
+        dst.storage.delete(object_key(oid))
+    if not dst.put_with_id(oid, data) and dst.object_size(oid) != len(data):
+        raise CorruptObject(f"{what} object {oid} in {dst.url} has the wrong size and could not be replaced (SPEC.md §19a)")
     return True, len(data)
+
+
+def _move_ref(dst: Store, ref: str, cid: str, attempts: int = 40) -> None:
+    """Move ``ref`` to ``cid`` by compare-and-swap against the value read just before.
+
+    Losing to an identical copy (the ref now holds ``cid``) is success; losing to another
+    writer's lock while the value is unchanged is retried; a ref moved elsewhere meanwhile
+    is a RefConflict, as for any compare-and-swap."""
+    current = dst.ref(ref)
+    for attempt in range(attempts):
+        if current == cid:
+            return
+        try:
+            dst.set_ref(ref, cid, expected=current)
+            return
+        except RefConflict:
+            now = dst.ref(ref)
+            if now == cid:
+                return  # an identical copy won the race: the ref holds exactly what this one wanted
+            if now != current or attempt == attempts - 1:
+                raise
+            time.sleep(0.005 * (attempt + 1))  # the same value under another writer's lock: wait for it
 
 
 def copy_commit(
@@ -172,11 +206,9 @@ def copy_commit(
     batch([(closure.commit, None, "commit manifest")])
     load_commit(dst, lc.id)  # the destination now holds a structurally valid commit
     if ref is not None:
-        current = dst.ref(ref)
-        if current != lc.id:
-            dst.set_ref(ref, lc.id, expected=current)
+        _move_ref(dst, ref, lc.id)
         result.ref = ref
     for name, ids in pinned.items():  # the objects are durable at the destination: name them
-        dst.pin(name, sorted(set(ids) | set(dst.pinned(name) or ())))
+        dst.add_to_pin(name, ids)  # compare-and-swap: a concurrent writer's objects are kept
         result.pins.append(name)
     return result

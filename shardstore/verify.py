@@ -19,11 +19,13 @@ from .errors import (
     LayoutError,
     ManifestError,
     ObjectNotFound,
+    ObjectTooLarge,
     ShardstoreError,
     TensorMismatch,
 )
 from .grid import grid_problems, payload_blocks
-from .manifest import CommitManifest, ShardManifest, TensorEntry, tensor_payloads
+from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, TensorEntry, decode_config, tensor_payloads
+from .rng import MAX_RNG_BYTES, check_rng
 from .roots import learned_root
 from .store import Store
 
@@ -192,12 +194,44 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
         all_entries.extend(shard.entries)
     if set(groups) - used_groups and len(shards) == len(commit.layout):
         yield p(ManifestError, f"optimizer groups {sorted(set(groups) - used_groups)} are used by no tensor")
+    yield from _sizes_agree(cid, all_entries)
     if len(shards) == len(commit.layout):
         root = learned_root(
             step=commit.step, data_cursor=commit.data_cursor, config=commit.config, optimizer=commit.optimizer, entries=all_entries
         )
         if root != commit.learned_root:
             yield p(ManifestError, f"learned-state root is {commit.learned_root} but the shards give {root} (SPEC.md §Roots)")
+
+
+def repeated_shards(commit: CommitManifest, cid: str) -> Iterator[Problem]:
+    """A shard manifest binds one slot (its ``slot`` field), so a layout naming one shard
+    manifest in several slots can never verify: refused before any shard manifest is read."""
+    seen: dict[str, int] = {}
+    for lay in commit.layout:
+        if lay.shard in seen:
+            yield Problem(
+                LayoutError(f"commit {cid}: slots {seen[lay.shard]} and {lay.slot} name the same shard manifest {lay.shard} (SPEC.md §Layout)"),
+                cid, lay.shard,
+            )  # fmt: skip
+            return
+        seen[lay.shard] = lay.slot
+
+
+def _sizes_agree(cid: str, entries: Iterable[TensorEntry]) -> Iterator[Problem]:
+    """Every entry naming one object implies the same byte size (the object has one size)."""
+    sizes: dict[str, tuple[int, str]] = {}
+    for e in entries:
+        named = [(oid, n) for _, p, d in tensor_payloads(e) for oid, _box, n in payload_blocks(p, d, e.shape)]  # blocks too
+        for oid, n in named:
+            first = sizes.setdefault(oid, (n, e.name))
+            if first[0] != n:
+                yield Problem(
+                    TensorMismatch(
+                        f"commit {cid}, tensor {e.name!r}: object {oid} is named with {n} bytes here and with {first[0]} bytes "
+                        f"by tensor {first[1]!r}; an object has one size (SPEC.md §Verification)"
+                    ),
+                    cid, oid, e.name,
+                )  # fmt: skip
 
 
 def _raise_first(problems: Iterable[Problem]) -> None:
@@ -216,6 +250,7 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
     except ShardstoreError as e:
         via = f" (named by {target!r})" if target != cid else ""
         raise type(e)(f"commit {cid}{via}: {e}") from None
+    _raise_first(repeated_shards(commit, cid))
     shards: dict[int, ShardManifest] = {}
     ids: dict[int, str] = {}
     for lay in commit.layout:
@@ -230,24 +265,32 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
     return LoadedCommit(cid, commit, shards, ids)
 
 
-def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[tuple[str, int | None, str | None, str]]:
-    """(object id, expected size or None, tensor name, what) for every object the commit references."""
+#: (object id, expected size or None, tensor name, what, content rule: None, "config" or "rng:<kind>")
+Job = tuple[str, int | None, str | None, str, str | None]
+
+
+def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
+    """One job for every object the commit references (an object named twice: two jobs)."""
     if lc.commit.config is not None:
-        yield lc.commit.config, None, None, "model config"
+        yield lc.commit.config, None, None, "model config", "config"
     for s, shard in sorted(lc.shards.items()):
         if slot is not None and s != slot:
             continue
         for r in shard.rng:
-            yield r.object, None, None, f"RNG state {r.kind} of slot {s}"
+            yield r.object, None, None, f"RNG state {r.kind} of slot {s}", f"rng:{r.kind}"
         for e in shard.entries:
             for role, payload, dtype in tensor_payloads(e):
                 blocks = payload_blocks(payload, dtype, e.shape)
                 what = "parameter" if role == "param" else role
                 for i, (oid, _box, n) in enumerate(blocks):
-                    yield oid, n, e.name, (what if len(blocks) == 1 else f"{what} block {i}")
+                    yield oid, n, e.name, (what if len(blocks) == 1 else f"{what} block {i}"), None
 
 
-def _check_objects(store: Store, jobs: list[tuple[str, int | None, str | None, str]], deep: bool, threads: int) -> list[tuple[ShardstoreError | None, int]]:
+#: What checking one object found: (error or None, its actual size or None, bytes hashed).
+Checked = tuple[ShardstoreError | None, int | None, int]
+
+
+def _check_objects(store: Store, jobs: list[Job], deep: bool, threads: int) -> list[Checked]:
     """``_check_object`` for each job, in the jobs' order, ``threads`` objects at a time.
 
     The largest objects start first, so that the pool does not end on one big object while
@@ -257,10 +300,10 @@ def _check_objects(store: Store, jobs: list[tuple[str, int | None, str | None, s
     threads = max(1, threads)
     each = max(1, threads // len(jobs)) if jobs else 1
     order = sorted(range(len(jobs)), key=lambda i: -(jobs[i][1] or 0))
-    results: list[tuple[ShardstoreError | None, int]] = [(None, 0)] * len(jobs)
+    results: list[Checked] = [(None, None, 0)] * len(jobs)
 
     def one(i: int) -> None:
-        results[i] = _check_object(store, jobs[i][0], jobs[i][1], deep, each)
+        results[i] = _check_object(store, jobs[i][0], deep, each)
 
     if threads == 1 or len(jobs) <= 1:
         for i in order:
@@ -271,34 +314,46 @@ def _check_objects(store: Store, jobs: list[tuple[str, int | None, str | None, s
     return results
 
 
-def _check_object(store: Store, oid: str, size: int | None, deep: bool, threads: int = 1) -> tuple[ShardstoreError | None, int]:
+def _check_object(store: Store, oid: str, deep: bool, threads: int = 1) -> Checked:
+    """Presence and (deep) hash of one object, and its actual size; the size rules of the
+    entries naming it are checked by the caller, every entry against the same object."""
     try:
         if deep:
             got, n = store.hash_object(oid, threads=threads)  # streamed, never a full copy
             if got != oid:
-                return CorruptObject(f"its {n} bytes hash to {got}"), n
-        else:
-            have = store.object_size(oid)
-            if have is None:
-                return ObjectNotFound("missing from the store"), 0
-            n = 0
-            if size is not None and have != size:
-                return TensorMismatch(f"holds {have} bytes, entry needs {size}"), 0
-            return None, 0
-        if size is not None and n != size:
-            return TensorMismatch(f"holds {n} bytes, entry needs {size}"), n
-        return None, n
+                return CorruptObject(f"its {n} bytes hash to {got}"), n, n
+            return None, n, n
+        have = store.object_size(oid)
+        if have is None:
+            return ObjectNotFound("missing from the store"), None, 0
+        return None, have, 0
     except ObjectNotFound:
-        return ObjectNotFound("missing from the store"), 0
+        return ObjectNotFound("missing from the store"), None, 0
     except ShardstoreError as e:
-        return e, 0
+        return e, None, 0
+
+
+def _content_problem(store: Store, oid: str, rule: str, have: int | None) -> ShardstoreError | None:
+    """Decode a model config or RNG object as its load path will (bounded first): what a
+    restore would refuse, verify reports (SPEC.md §17)."""
+    limit = MAX_MANIFEST_BYTES if rule == "config" else MAX_RNG_BYTES
+    if have is not None and have > limit:
+        return ObjectTooLarge(f"{have} bytes, over the {limit}-byte limit of its kind (SPEC.md §Limits)")
+    try:
+        if rule == "config":
+            decode_config(store.get(oid, limit=MAX_MANIFEST_BYTES), what="model config")
+        else:
+            check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)})
+    except ShardstoreError as e:
+        return e
+    return None
 
 
 def _check_pins(
-    store: Store, report: Report, deep: bool, threads: int, seen: set[str], progress: Callable[[int], None] | None
+    store: Store, report: Report, deep: bool, threads: int, seen: dict[str, Checked], progress: Callable[[int], None] | None
 ) -> None:
     """Every pin parses and every object it names is present (and, deep, hashes to its id)."""
-    jobs: list[tuple[str, int | None, str | None, str]] = []
+    jobs: list[Job] = []
     for name in store.pin_names():
         try:
             ids = store.pinned(name) or ()
@@ -307,9 +362,9 @@ def _check_pins(
             continue
         for oid in ids:
             if oid not in seen:
-                seen.add(oid)
-                jobs.append((oid, None, None, f"object pinned by {name!r}"))
-    for (oid, _size, _tensor, what), (err, n) in zip(jobs, _check_objects(store, jobs, deep, threads)):
+                seen[oid] = (None, None, 0)
+                jobs.append((oid, None, None, f"object pinned by {name!r}", None))
+    for (oid, _size, _tensor, what, _rule), (err, _have, n) in zip(jobs, _check_objects(store, jobs, deep, threads)):
         report.objects_checked += 1
         report.bytes_hashed += n
         if progress is not None:
@@ -353,7 +408,9 @@ def verify(
         todo = [store.resolve(t) for t in targets]
         follow_parents = False
     seen_commits: set[str] = set()
-    seen_objects: set[str] = set()
+    seen_objects: set[str] = set()  # shard manifests counted
+    checked: dict[str, Checked] = {}  # object id -> what checking it found (each object read once)
+    contents: set[tuple[str, str]] = set()  # (object id, content rule) already decoded
     while todo:
         cid = todo.pop(0)
         if cid in seen_commits:
@@ -369,6 +426,10 @@ def verify(
             continue
         if follow_parents and commit.parent is not None and store.has(commit.parent):
             todo.append(commit.parent)
+        repeated = list(repeated_shards(commit, cid))
+        if repeated:
+            report.problems.extend(repeated)
+            continue
         shards: dict[int, ShardManifest] = {}
         ids: dict[int, str] = {}
         for lay in commit.layout:
@@ -385,20 +446,32 @@ def verify(
             report.problems.extend(shard_problems(shard, lay.shard, cid))
         report.problems.extend(commit_problems(commit, cid, shards, ids))
         lc = LoadedCommit(cid, commit, shards, ids)
-        jobs = []
-        for j in _object_jobs(lc, slot):
-            if j[0] not in seen_objects:
-                seen_objects.add(j[0])
-                jobs.append(j)
-        results = _check_objects(store, jobs, deep, threads)
-        for (oid, _size, tensor, what), (err, n) in zip(jobs, results):
+        jobs = list(_object_jobs(lc, slot))
+        fresh: dict[str, Job] = {}
+        for j in jobs:
+            if j[0] not in checked and j[0] not in fresh:
+                fresh[j[0]] = j
+        for oid, result in zip(fresh, _check_objects(store, list(fresh.values()), deep, threads)):
+            checked[oid] = result
             report.objects_checked += 1
-            report.bytes_hashed += n
+            report.bytes_hashed += result[2]
             if progress is not None:
-                progress(n)
+                progress(result[2])
+        for oid, size, tensor, what, rule in jobs:
+            # an object's own problem once, where it is first seen; every entry's rules always
+            own, have, _ = checked[oid]
+            if own is not None:
+                err: ShardstoreError | None = own if fresh.pop(oid, None) is not None else None
+            elif size is not None and have != size:
+                err = TensorMismatch(f"holds {have} bytes, entry needs {size}")
+            elif rule is not None and (oid, rule) not in contents:
+                contents.add((oid, rule))
+                err = _content_problem(store, oid, rule, have)
+            else:
+                err = None
             if err is not None:
                 t = f", tensor {tensor!r}" if tensor else ""
                 report.problems.append(Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor))
     if targets is None:  # after the commits, so that their own checks of shared objects run first
-        _check_pins(store, report, deep, threads, seen_objects, progress)
+        _check_pins(store, report, deep, threads, checked, progress)
     return report

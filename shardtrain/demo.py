@@ -13,8 +13,15 @@
    end of cohort A on ref `recovery`, and the recovered commit id is compared with the
    uninterrupted one;
 5. cohort B (new records plus declared replay of cohort A) continues `main`;
-6. the seed, the end of cohort A and the end of cohort B are evaluated through the shards,
-   and the store is verified.
+6. the seed, the end of cohort A and the end of cohort B are evaluated through the shards
+   on the development sets (per-family generated answers, losses) and the development
+   gates of both endpoints against the seed are reported and stored;
+7. the cohort-B endpoint (fixed in advance, not picked by the gates) is selected, which
+   opens the final sets; they are evaluated and gated the same way, and the store is
+   verified.
+
+Cohort A distils toward the seed on its conversation replay, cohort B toward the
+committed end of cohort A (the recipe's references; `shardtrain.distill`).
 
 It reports through `say` (one line at a time); the CLI prints.
 """
@@ -28,8 +35,10 @@ from dataclasses import dataclass, field
 import shardstore
 from shardstore.transfer import commit_closure
 from shardtrain.errors import RunAborted
-from shardtrain.evaluate import EvalReport, EvalSpec, evaluate
+from shardtrain.evaluate import CommitEval, EvalReport, EvalSpec, evaluate
+from shardtrain.gates import GateReport, gate_report, render_gates, thresholds_of, write_gate_report
 from shardtrain.job import load_job, prepare_default
+from shardtrain.roles import FINAL, select
 from shardtrain.lifecycle import FAULT_ENV, RunSpec, StepEvent, train
 
 __all__ = ["DemoResult", "run_demo"]
@@ -44,6 +53,8 @@ class DemoResult:
     final: str  # the end of cohort B
     verify_ok: bool
     report: EvalReport | None = None
+    final_report: EvalReport | None = None
+    gates: list[GateReport] = field(default_factory=list)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -53,8 +64,8 @@ class DemoResult:
 
 
 def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepEvent], None] | None = None,
-             steps_a: int = 16, steps_b: int = 8, every: int = 4, crash_step: int | None = None,
-             workers: int = 2, timeout: float = 60.0) -> DemoResult:
+             steps_a: int = 32, steps_b: int = 12, every: int = 8, crash_step: int | None = None,
+             workers: int = 2, timeout: float = 60.0, batch_size: int = 16, microbatch_size: int = 8) -> DemoResult:
     started = time.monotonic()
     timings: dict[str, float] = {}
     os.makedirs(home, exist_ok=True)
@@ -67,7 +78,8 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
         raise ValueError(f"the crash step {crash_step} must lie between the resume step {resume_step} and {steps_a}")
 
     t = time.monotonic()
-    job_path = prepare_default(os.path.join(home, "job"), steps_a=steps_a, steps_b=steps_b)
+    job_path = prepare_default(os.path.join(home, "job"), steps_a=steps_a, steps_b=steps_b, batch_size=batch_size,
+                               microbatch_size=microbatch_size)
     job = load_job(job_path)
     say(f"prepared job {job.id[:12]}: {len(job.records)} records, {job.num_steps} steps "
         f"(cohort A {steps_a}, cohort B {steps_b} with declared replay), schedule {job.schedule_id[:12]}, "
@@ -82,12 +94,12 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
         timings[name] = time.monotonic() - t
         return {c.step: c.id for c in results[0].commits}
 
-    say(f"[1/6] uninterrupted run: steps 0-{steps_a} on {workers} workers, committing every {every} (ref main)")
+    say(f"[1/7] uninterrupted run: steps 0-{steps_a} on {workers} workers, committing every {every} (ref main)")
     ref_commits = run("uninterrupted", until=steps_a, ref="main")
     reference, resume_from = ref_commits[steps_a], ref_commits[resume_step]
     say(f"      step {steps_a}: {reference}")
 
-    say(f"[2/6] fresh group restores step {resume_step} ({resume_from[:12]}); worker 1 is killed during step "
+    say(f"[2/7] fresh group restores step {resume_step} ({resume_from[:12]}); worker 1 is killed during step "
         f"{crash_step}, after microbatch 0's forward and before the optimizer update")
     t = time.monotonic()
     try:
@@ -102,14 +114,14 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     say(f"      group stopped {timings['crash']:.1f} s after launch; ref 'recovery' is "
         f"{store.ref('recovery') or 'absent'}: no uncommitted update reached a ref")
 
-    say("[3/6] replacement host fetches only slot 1 of the common commit into its own store")
+    say("[3/7] replacement host fetches only slot 1 of the common commit into its own store")
     host = shardstore.open_store(os.path.join(home, "host2-store"))
     copied = shardstore.copy_commit(store, host, resume_from, slot=1)
     total = sum(store.object_size(o) or 0 for o in commit_closure(shardstore.load_commit(store, resume_from)).data)
     say(f"      copied {copied.objects_copied} objects, {copied.bytes_copied} bytes (the whole commit's data: "
         f"{total} bytes)")
 
-    say(f"[4/6] survivor + replacement restore step {resume_step} and replay to step {steps_a} (ref recovery)")
+    say(f"[4/7] survivor + replacement restore step {resume_step} and replay to step {steps_a} (ref recovery)")
     rec_commits = run("recovery", until=steps_a, resume=resume_from, ref="recovery",
                       slot_stores=((1, host.url),))
     recovered = rec_commits[steps_a]
@@ -118,17 +130,58 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     if recovered == reference:
         say("      (identical weights, Adam moments and ages, data cursor, RNG states, parent and job binding)")
 
-    say(f"[5/6] cohort B: steps {steps_a}-{steps_a + steps_b}, new records plus declared replay (ref main)")
+    say(f"[5/7] cohort B: steps {steps_a}-{steps_a + steps_b}, new records plus declared replay (ref main)")
     final = run("cohort B", until=steps_a + steps_b, resume="main", ref="main")[steps_a + steps_b]
     say(f"      step {steps_a + steps_b}: {final}")
 
-    say(f"[6/6] evaluation through the shards ({workers} workers): seed, step {steps_a}, step {steps_a + steps_b}")
+    seed = ref_commits[0]
+    say(f"[6/7] development sets through the shards ({workers} workers): seed, step {steps_a}, step {steps_a + steps_b}")
     t = time.monotonic()
-    report = evaluate(EvalSpec(store=store_url, commits=(ref_commits[0], reference, final), max_new_tokens=16),
-                      workers, timeout=timeout)
+    cases = len(job.eval_set("dev_task"))
+    report = evaluate(EvalSpec(store=store_url, commits=(seed, reference, final), max_new_tokens=16,
+                               cases_per_set=cases), workers, timeout=timeout)
     timings["evaluate"] = time.monotonic() - t
+    for line in family_table(report.commits, {seed: "seed", reference: f"step {steps_a}",
+                                              final: f"step {steps_a + steps_b}"}):
+        say(f"      {line}")
+    thresholds = thresholds_of(job)
+    gates = []
+    for cand in (reference, final):
+        g = gate_report(report, thresholds, baseline=seed, candidate=cand)
+        oid = write_gate_report(store, g)
+        gates.append(g)
+        for line in render_gates(g, report.commits[0], next(c for c in report.commits if c.commit == cand)):
+            say(f"      {line}")
+        say(f"      report {oid[:16]} stored (pinned under gates/)")
+
+    say(f"[7/7] select step {steps_a + steps_b} (the endpoint fixed before training), open the final sets")
+    t = time.monotonic()
+    sel = select(store, job.id, final)
+    say(f"      selection {sel[:16]}: job {job.id[:12]} -> commit {final[:12]}")
+    final_report = evaluate(EvalSpec(store=store_url, commits=(seed, final), max_new_tokens=16, cases_per_set=cases,
+                                     role=FINAL), workers, timeout=timeout)
+    timings["final"] = time.monotonic() - t
+    for line in family_table(final_report.commits, {seed: "seed", final: f"step {steps_a + steps_b}"}):
+        say(f"      {line}")
+    g = gate_report(final_report, thresholds, baseline=seed, candidate=final)
+    oid = write_gate_report(store, g)
+    gates.append(g)
+    for line in render_gates(g, final_report.commits[0], final_report.commits[1]):
+        say(f"      {line}")
+    say(f"      report {oid[:16]} stored (pinned under gates/)")
     verified = shardstore.verify(store)
     say(f"shardstore verify {store_url}: {'ok' if verified.ok else 'PROBLEMS'} ({len(verified.commits)} commits, "
         f"{verified.objects_checked} objects, {verified.bytes_hashed} bytes re-hashed)")
-    return DemoResult(home, store_url, reference, recovered, final, verified.ok, report,
+    return DemoResult(home, store_url, reference, recovered, final, verified.ok, report, final_report, gates,
                       time.monotonic() - started, timings)
+
+
+def family_table(commits: tuple[CommitEval, ...], labels: dict[str, str]) -> list[str]:
+    """Generated answers right per task family, one row per commit."""
+    families = sorted({c.family for e in commits for c in e.cases})
+    lines = ["correct answers  " + "  ".join(f"{f:>7}" for f in families) + "    total"]
+    for e in commits:
+        counts = e.family_counts()
+        cells = "  ".join(f"{counts.get(f, (0, 0))[0]:>3}/{counts.get(f, (0, 0))[1]:<3}" for f in families)
+        lines.append(f"{labels.get(e.commit, e.commit[:12]):<15}  {cells}  {e.correct:>3}/{len(e.cases)}")
+    return lines

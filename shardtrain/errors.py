@@ -19,6 +19,8 @@ __all__ = [
     "JobError",
     "ResumeError",
     "RunAborted",
+    "RoleError",
+    "DistillError",
 ]
 
 
@@ -73,3 +75,11 @@ class ResumeError(ShardtrainError):
 
 class RunAborted(ShardtrainError):
     """A run stopped before its last update (a peer was lost); the message names the last committed step."""
+
+
+class RoleError(ShardtrainError):
+    """Final sets were asked for without a matching selection, or a selection came after finals were opened."""
+
+
+class DistillError(ShardtrainError):
+    """The frozen reference a cohort names cannot be found, restored or matched to the student's batch."""

@@ -33,9 +33,9 @@ from shardtrain.errors import JobError, ResumeError, WorkerFailedError
 from shardtrain.job import JOB_FILE, PreparedJob, decode_job, load_job
 from shardtrain.launch import WorkerContext, launch_local
 from shardtrain.lifecycle import DETERMINISTIC_ENV, commit_config, gate
-from shardtrain.messages import ACTIVATION, Channel, MessageHeader
-from shardtrain.model import KVCache, Llama, rotary_tables
 from shardtrain.partition import Partition, build_stage
+from shardtrain.ring import Ring
+from shardtrain.roles import DEVELOPMENT, FINAL, open_finals
 
 __all__ = ["EvalSpec", "SetLoss", "Case", "CommitEval", "Comparison", "EvalReport", "Ring", "evaluate",
            "evaluate_worker", "job_from_store", "paired_bootstrap"]
@@ -51,6 +51,7 @@ class EvalSpec:
     batch_size: int = 8
     message_timeout: float = 60.0
     out_dir: str | None = None
+    role: str = DEVELOPMENT  # which held-out sets: development, or final (needs a selection; shardtrain.roles)
 
 
 class SetLoss(msgspec.Struct, frozen=True):
@@ -59,6 +60,7 @@ class SetLoss(msgspec.Struct, frozen=True):
     tokens: float
     doc_loss: tuple[float, ...]  # per document: sum of token losses
     doc_weight: tuple[float, ...]  # per document: sum of target weights
+    kind: str = "task"  # the set's kind: task or retention
 
 
 class Case(msgspec.Struct, frozen=True):
@@ -82,6 +84,14 @@ class CommitEval(msgspec.Struct, frozen=True):
     def correct(self) -> int:
         return sum(c.correct for c in self.cases)
 
+    def family_counts(self) -> dict[str, tuple[int, int]]:
+        """Per task family: (correct, generated)."""
+        out: dict[str, tuple[int, int]] = {}
+        for c in self.cases:
+            right, n = out.get(c.family, (0, 0))
+            out[c.family] = (right + c.correct, n + 1)
+        return out
+
 
 class Comparison(msgspec.Struct, frozen=True):
     set: str
@@ -94,6 +104,7 @@ class Comparison(msgspec.Struct, frozen=True):
 
 class EvalReport(msgspec.Struct, frozen=True):
     job: str
+    role: str
     workers: int
     commits: tuple[CommitEval, ...]
     comparisons: tuple[Comparison, ...]
@@ -110,74 +121,6 @@ def paired_bootstrap(base: SetLoss, new: SetLoss, *, resamples: int = 2000, seed
     diffs = (nl[idx].sum(axis=1) - bl[idx].sum(axis=1)) / w  # (R,)
     diff = float((nl.sum() - bl.sum()) / bw.sum())
     return diff, float(np.quantile(diffs, 0.05)), float(np.quantile(diffs, 0.95))
-
-
-class Ring:
-    """Forward passes of one slot's stage round the ring, with optional per-layer KV caches."""
-
-    def __init__(self, stage: Llama, partition: Partition, slot: int, *, timeout: float) -> None:
-        self.stage, self.config, self.slot, self.n = stage, stage.config, slot, partition.num_slots
-        self.channel = Channel(slot, timeout=timedelta(seconds=timeout), max_elements=1 << 26) if self.n > 1 else None
-        self.calls = 0
-
-    def _header(self, b: int, t: int) -> MessageHeader:
-        return MessageHeader(ACTIVATION, self.calls, 0, torch.float32, (b, t, self.config.hidden_size))
-
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, caches: dict[int, KVCache] | None = None) -> torch.Tensor | None:
-        """(B, T) token ids (every slot knows them) -> (B, T, V) logits on slot 0, None elsewhere."""
-        b, t = tokens.shape
-        past = 0 if caches is None else next(iter(caches.values())).past if caches else 0
-        header = self._header(b, t)
-        self.calls += 1
-        if self.slot == 0:
-            h = self.stage.embed(tokens)  # (B, T, C)
-        else:
-            assert self.channel is not None
-            h = self.channel.recv(self.slot - 1, header)  # (B, T, C)
-        cos, sin = rotary_tables(self.config, past + t, h.device, h.dtype)
-        cos, sin = cos[past:], sin[past:]  # (T, D) each: this call's positions
-        for i in self.stage.layer_range:
-            h = self.stage.layer(i, h, cos, sin, None if caches is None else caches.setdefault(i, KVCache()))
-        if self.channel is not None:
-            self.channel.send(h, (self.slot + 1) % self.n, header)
-            if self.slot == 0:
-                h = self.channel.recv(self.n - 1, header)
-            self.channel.flush()
-        return self.stage.logits(h) if self.slot == 0 else None  # (B, T, V)
-
-    def _share(self, token: int) -> int:
-        if self.n == 1:
-            return token
-        t = torch.tensor([token], dtype=torch.int64)
-        dist.broadcast(t, src=0)
-        return int(t.item())
-
-    def generate(self, prompt: list[int], *, max_new_tokens: int, stop: set[int]) -> list[int]:
-        """Greedy tokens after `prompt`, up to a stop token (included) or `max_new_tokens`."""
-        caches: dict[int, KVCache] = {}
-        logits = self.forward(torch.tensor([prompt]), caches)
-        out: list[int] = []
-        while True:
-            token = self._share(int(logits[0, -1].argmax()) if logits is not None else -1)
-            out.append(token)
-            if token in stop or len(out) >= max_new_tokens or len(prompt) + len(out) >= self.config.max_position_embeddings:
-                return out
-            logits = self.forward(torch.tensor([[token]]), caches)
-
-    def losses(self, job: PreparedJob, indices: list[int], batch_size: int) -> tuple[list[float], list[float]]:
-        """Per document: (sum of weighted token losses, sum of weights); only slot 0's are real."""
-        doc_loss: list[float] = []
-        doc_weight: list[float] = []
-        for start in range(0, len(indices), batch_size):
-            batch = job.batch_of(indices[start:start + batch_size])
-            logits = self.forward(batch.tokens)
-            if logits is None:
-                continue
-            ce = F.cross_entropy(logits.transpose(1, 2), batch.targets, reduction="none")  # (B, T)
-            doc_loss += (ce.double() * batch.weights.double()).sum(dim=1).tolist()
-            doc_weight += batch.weights.double().sum(dim=1).tolist()
-        return doc_loss, doc_weight
 
 
 def job_from_store(store: Store, job_id: str, directory: str) -> PreparedJob:
@@ -229,14 +172,18 @@ def evaluate_worker(ctx: WorkerContext, spec: EvalSpec) -> EvalReport:
 
         step = gate(f"restore commit {cid[:12]}", rank, world, restore)
         losses = []
-        for name in job.job.eval_sets:
-            dl, dw = ring.losses(job, job.eval_set(name), spec.batch_size)
+        sets = job.eval_sets(spec.role)
+        for es in sets:
+            dl, dw = ring.losses(job, list(es.docs), spec.batch_size)
             if rank == 0:  # the head, and so the losses, live on slot 0
-                losses.append(SetLoss(name, sum(dl) / sum(dw), sum(dw), tuple(dl), tuple(dw)))
+                losses.append(SetLoss(es.name, sum(dl) / sum(dw), sum(dw), tuple(dl), tuple(dw), es.kind))
         cases, generated, t0 = [], 0, time.perf_counter()
         tok = job.tokenizer
-        for name in job.job.eval_sets:
-            for i in job.eval_set(name)[:spec.cases_per_set]:
+        for es in sets:
+            if es.kind != "task":
+                continue  # generation is checked on task answers only
+            name = es.name
+            for i in es.docs[:spec.cases_per_set]:
                 rec = job.records[i]
                 prompt = tok.encode_prompt(rec.as_dicts()[:-1])
                 out = ring.generate(prompt, max_new_tokens=spec.max_new_tokens, stop={tok.end_id, tok.eos_id})
@@ -251,7 +198,7 @@ def evaluate_worker(ctx: WorkerContext, spec: EvalSpec) -> EvalReport:
         for base_set, new_set in zip(results[0].losses, other.losses):
             d, lo, hi = paired_bootstrap(base_set, new_set)
             comparisons.append(Comparison(base_set.name, results[0].commit, other.commit, d, lo, hi))
-    report = EvalReport(job.id, world, tuple(results), tuple(comparisons))
+    report = EvalReport(job.id, spec.role, world, tuple(results), tuple(comparisons))
     if spec.out_dir is not None:
         with open(os.path.join(spec.out_dir, f"eval-rank{rank}.json"), "wb") as f:
             f.write(msgspec.json.encode(report))
@@ -268,6 +215,11 @@ def evaluate(spec: EvalSpec, workers: int | None = None, *, timeout: float = 60.
     if not spec.commits:
         raise JobError("no commit to evaluate")
     n = workers if workers is not None else len(load_commit(store, spec.commits[0]).commit.layout)
+    if spec.role not in (DEVELOPMENT, FINAL):
+        raise JobError(f"unknown evaluation role {spec.role!r} (development or final)")
+    if spec.role == FINAL:  # the candidate is the last commit; checked (and recorded) before any final record is read
+        candidate = load_commit(store, spec.commits[-1])
+        open_finals(store, candidate.commit.job, candidate.id)
     if in_process:
         if n != 1:
             raise JobError("in_process evaluation runs one worker")

@@ -36,7 +36,8 @@ from shardtrain.errors import ConfigError, JobError
 from shardtrain.model import LlamaConfig
 from shardtrain.optim import GroupConfig
 from shardtrain.optim import Schedule as LrSchedule
-from shardtrain.tasks import Record, make_records, record_id
+from shardtrain.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
+from shardtrain.tasks import FAMILIES, Record, make_conversations, make_records, record_id
 from shardtrain.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, ByteTokenizer, default_assets, load_tokenizer
 
 __all__ = ["JOB_FILE", "RECORDS_FILE", "Job", "PreparedJob", "decode_job", "load_job", "prepare_default", "model_spec",
@@ -100,8 +101,33 @@ class GroupRecipe(_Base):
     weight_decay: F64
 
 
+class CohortReference(_Base):
+    """The frozen reference of one cohort: the job's seed, or the committed endpoint of cohort `of`."""
+
+    cohort: FileName
+    source: Literal["seed", "endpoint"]
+    of: FileName | None
+
+
+class Distillation(_Base):
+    """KL(reference || student) at `temperature` on declared replay records, times `kl_coef` (shardtrain.loss)."""
+
+    kl_coef: F64
+    temperature: F64
+    references: tuple[CohortReference, ...]
+
+
+class GateRecipe(_Base):
+    """The experiment's gates (shardtrain.gates), fixed before training."""
+
+    gain_bound: F64  # the new-task upper bound must lie below this (nats per assistant token)
+    retention_bound: F64  # the retention upper bound must be at most this
+    resamples: Positive  # paired-bootstrap resamples
+    seed: Count  # paired-bootstrap seed
+
+
 class Recipe(_Base):
-    """The optimizer recipe: AdamW groups, warm-up/cosine schedule, clipping, batch split."""
+    """The recipe: AdamW groups, warm-up/cosine schedule, clipping, batch split, distillation, gates."""
 
     algorithm: Literal["adamw"]
     groups: tuple[GroupRecipe, ...]
@@ -111,6 +137,8 @@ class Recipe(_Base):
     max_grad_norm: F64 | None
     batch_size: Positive
     microbatch_size: Positive
+    distill: Distillation
+    gates: GateRecipe
 
 
 class Step(_Base):
@@ -133,7 +161,8 @@ class Job(_Base, tag="shardtrain-job", tag_field="type"):
     seed: SeedSpec
     tokenizer: tuple[Asset, ...]
     records: Asset
-    eval_sets: tuple[FileName, ...]
+    exposed: tuple[Count, ...]  # records the seed was trained on before this job: replayable from step 0
+    sets: tuple[EvalSet, ...]  # held-out sets with their roles (shardtrain.roles)
     schedule: Schedule
     schedule_id: Hex64
     recipe: Recipe
@@ -262,11 +291,32 @@ class PreparedJob:
             raise JobError(f"step {step} is outside the job's schedule of {self.num_steps} steps")
         return self.batch_of(self.job.schedule.steps[step].docs)
 
+    def eval_sets(self, role: str = DEVELOPMENT) -> tuple[EvalSet, ...]:
+        """The held-out sets of `role` (development or final), in the job's order."""
+        return tuple(s for s in self.job.sets if s.role == role)
+
     def eval_set(self, name: str) -> list[int]:
         """Indices of the records of held-out set `name`."""
-        if name not in self.job.eval_sets:
-            raise JobError(f"job has no held-out set {name!r} (sets: {list(self.job.eval_sets)})")
-        return [i for i, r in enumerate(self.records) if r.split == name]
+        for s in self.job.sets:
+            if s.name == name:
+                return list(s.docs)
+        raise JobError(f"job has no held-out set {name!r} (sets: {[s.name for s in self.job.sets]})")
+
+    def kl(self) -> tuple[float, float]:
+        """(coefficient, temperature) of the KL term."""
+        d = self.job.recipe.distill
+        return f64_decode(d.kl_coef), f64_decode(d.temperature)
+
+    def reference_of(self, cohort: str) -> CohortReference | None:
+        """The frozen reference the recipe names for `cohort` (None: no reference)."""
+        return next((r for r in self.job.recipe.distill.references if r.cohort == cohort), None)
+
+    def cohort_end(self, cohort: str) -> int:
+        """Updates complete at the end of `cohort` (its last step, 1-based)."""
+        ends = [n + 1 for n, s in enumerate(self.job.schedule.steps) if s.cohort == cohort]
+        if not ends:
+            raise JobError(f"the schedule has no cohort {cohort!r}")
+        return ends[-1]
 
 
 def _read_bound(directory: str, asset: Asset, what: str, limit: int) -> bytes:
@@ -290,19 +340,32 @@ def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer, config: Ll
         raise JobError("schedule_id is not the hash of the schedule")
     if tok.vocab_size > config.vocab_size:
         raise JobError(f"the tokenizer has {tok.vocab_size} ids but the model only {config.vocab_size}")
-    seen: set[int] = set()
+    check_roles(job.sets, records, {d for s in job.schedule.steps for d in s.docs})
+    held = {d for s in job.sets for d in s.docs if s.kind == "task" or s.role == FINAL}
+    exposed = set(job.exposed)
+    if any(d >= len(records) for d in exposed):
+        raise JobError("the job declares exposure of a record outside the records file")
+    seen: set[int] = set(exposed)
     for n, step in enumerate(job.schedule.steps):
         if len(step.docs) != job.recipe.batch_size:
             raise JobError(f"schedule step {n} has {len(step.docs)} documents, the recipe's batch size is "
                            f"{job.recipe.batch_size}")
         for d in step.docs:
-            if d >= len(records) or records[d].split in job.eval_sets:
+            if d >= len(records) or d in held:
                 raise JobError(f"schedule step {n} names document {d}, which is not a training record")
         for d in step.replay:
             if d not in step.docs or d not in seen:
                 raise JobError(f"schedule step {n} declares replay of document {d}, which is not in the step or was "
-                               f"not trained in an earlier step")
+                               f"not trained in an earlier step (nor declared exposed)")
         seen.update(step.docs)
+    cohorts = {s.cohort for s in job.schedule.steps}
+    for ref in job.recipe.distill.references:
+        if ref.cohort not in cohorts or (ref.source == "endpoint") != (ref.of is not None) \
+                or (ref.of is not None and (ref.of not in cohorts or ref.of == ref.cohort)):
+            raise JobError(f"the recipe's reference for cohort {ref.cohort!r} names no earlier cohort of the schedule")
+    if any(s.replay for s in job.schedule.steps if job.recipe.distill.references and
+           not any(r.cohort == s.cohort for r in job.recipe.distill.references)):
+        raise JobError("a cohort declares replay records but the recipe names no reference for it")
     groups = {g.name for g in job.recipe.groups}
     if groups != {"decay", "no_decay"}:
         raise JobError(f"the recipe must define groups 'decay' and 'no_decay', got {sorted(groups)}")
@@ -341,14 +404,40 @@ def default_config(vocab_size: int) -> LlamaConfig:
                        max_position_embeddings=128, tie_word_embeddings=True)
 
 
+def _step_docs(steps: int, batch_size: int, replay: int, first: int, pool: list[int], cohort: str,
+               offset: int = 0) -> list[Step]:
+    """`steps` updates of `batch_size - replay` new records from index `first`, plus `replay`
+    declared replays drawn in a fixed stride from `pool`."""
+    new = batch_size - replay
+    out = []
+    for s in range(steps):
+        fresh = [first + s * new + i for i in range(new)]
+        again = [pool[((offset + s) * replay + i) * 7 % len(pool)] for i in range(replay)] if pool else []
+        out.append(Step(cohort=cohort, docs=tuple(fresh + again), replay=tuple(again)))
+    return out
+
+
+#: The embedded default's task mix (families repeat to weight them; see README "What the demo learns").
+DEFAULT_MIX = FAMILIES
+
+
 def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps_b: int = 8, batch_size: int = 8,
-                    microbatch_size: int = 4, replay_per_step: int = 2, eval_per_set: int = 16, data_seed: int = 0,
+                    microbatch_size: int = 4, replay_per_step: int = 2, eval_per_set: int = 64, data_seed: int = 0,
                     init_seed: int = 1234, lr: float = 3e-3, seed_commit: str | None = None,
-                    seed_config: Mapping[str, Any] | None = None, name: str = "default") -> str:
+                    seed_config: Mapping[str, Any] | None = None, name: str = "default",
+                    mix: tuple[str, ...] = DEFAULT_MIX, kl_coef: float = 0.5, temperature: float = 1.0,
+                    gain_bound: float = -0.001, retention_bound: float = 0.02, resamples: int = 2000,
+                    retention_per_set: int = 16) -> str:
     """Write the embedded default job into `out_dir`; return the job file's path.
 
-    Cohort A trains `steps_a` updates of new records; cohort B trains `steps_b` updates of
-    new records plus `replay_per_step` declared replays of cohort-A records per update.
+    Cohort A trains `steps_a` updates of new task records (cycling through `mix`) plus
+    `replay_per_step` declared replays of conversation records the seed counts as already
+    trained (``exposed``), distilled toward the seed. Cohort B trains `steps_b` updates of
+    new task records plus `replay_per_step` declared replays, alternately cohort-A task
+    records and those conversations, distilled toward the committed end of cohort A.
+    Held-out sets: development and final task sets of `eval_per_set` records, a
+    development retention set of exposed conversations and a final retention set of
+    conversations from another generator range, disjoint from every trained record.
     `seed_commit` (with its model `seed_config`) starts from imported weights instead of
     a fresh initialisation.
     """
@@ -359,18 +448,32 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
     assets = default_assets()
     tok = load_tokenizer(assets)
     config = LlamaConfig.from_hf_dict(dict(seed_config)) if seed_config is not None else default_config(tok.vocab_size)
-    heldout = {f"test_{c}": make_records(f"test_{c}", eval_per_set, seed=data_seed) for c in ("a", "b")}
-    exclude = {r.id for rs in heldout.values() for r in rs}
-    a = make_records("A", steps_a * batch_size, seed=data_seed, exclude=exclude)
+    new = batch_size - replay_per_step
+    held = {n: make_records(n, eval_per_set, seed=data_seed) for n in ("dev_task", "final_task")}
+    exclude = {r.id for rs in held.values() for r in rs}
+    a = make_records("A", steps_a * new, seed=data_seed, exclude=exclude, mix=mix)
     exclude |= {r.id for r in a}
-    b = make_records("B", steps_b * (batch_size - replay_per_step), seed=data_seed, exclude=exclude)
-    records = a + b + heldout["test_a"] + heldout["test_b"]
-    steps = [Step(cohort="A", docs=tuple(range(s * batch_size, (s + 1) * batch_size)), replay=()) for s in range(steps_a)]
-    new_b = batch_size - replay_per_step
-    for s in range(steps_b):
-        fresh = [len(a) + s * new_b + i for i in range(new_b)]
-        replay = [(s * replay_per_step + i) * 7 % len(a) for i in range(replay_per_step)] if a else []
-        steps.append(Step(cohort="B", docs=tuple(fresh + replay), replay=tuple(replay)))
+    b = make_records("B", steps_b * new, seed=data_seed, exclude=exclude, mix=mix)
+    n_chat = max(steps_a * replay_per_step, retention_per_set) if replay_per_step else 0
+    prior = make_conversations("prior", n_chat, seed=data_seed)
+    final_chat = make_conversations("final_chat", retention_per_set, seed=data_seed + 1,
+                                    exclude={r.id for r in prior})
+    records = a + b + prior + held["dev_task"] + held["final_task"] + final_chat
+    base_prior, base_dev = len(a) + len(b), len(a) + len(b) + len(prior)
+    prior_idx = list(range(base_prior, base_prior + len(prior)))
+    steps = _step_docs(steps_a, batch_size, replay_per_step, 0, prior_idx, "A")
+    pool_b = [x for pair in zip(range(len(a)), prior_idx) for x in pair] if prior_idx else []
+    steps += _step_docs(steps_b, batch_size, replay_per_step, len(a), pool_b, "B")
+
+    def role_set(name_: str, role: str, kind: str, docs: list[int]) -> EvalSet:
+        return EvalSet(name=name_, role=role, kind=kind, docs=tuple(docs), digest=set_digest(records, docs))  # type: ignore[arg-type]
+
+    sets = [role_set("dev_task", DEVELOPMENT, "task", list(range(base_dev, base_dev + eval_per_set)))]
+    if prior_idx:
+        sets.append(role_set("dev_retention", DEVELOPMENT, "retention", prior_idx[:retention_per_set]))
+    sets.append(role_set("final_task", FINAL, "task", list(range(base_dev + eval_per_set, base_dev + 2 * eval_per_set))))
+    sets.append(role_set("final_retention", FINAL, "retention",
+                         list(range(base_dev + 2 * eval_per_set, base_dev + 2 * eval_per_set + len(final_chat)))))
     schedule = Schedule(version=_VERSION, steps=tuple(steps))
     files = {**assets, RECORDS_FILE: _ENC.encode(RecordFile(version=_VERSION, records=tuple(records)))}
 
@@ -381,14 +484,25 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
         return GroupRecipe(name=n, lr=f64_encode(lr), beta1=f64_encode(0.9), beta2=f64_encode(0.95),
                            eps=f64_encode(1e-8), weight_decay=f64_encode(wd))
 
+    refs = []
+    if steps_a:
+        refs.append(CohortReference(cohort="A", source="seed", of=None))
+    if steps_b:
+        refs.append(CohortReference(cohort="B", source="endpoint", of="A") if steps_a else
+                    CohortReference(cohort="B", source="seed", of=None))
     total = steps_a + steps_b
     job = Job(version=_VERSION, name=name, model=model_spec(config),
               seed=SeedSpec(kind="import" if seed_commit else "init", init_seed=init_seed, commit=seed_commit),
               tokenizer=(asset(TEMPLATE_FILE), asset(TOKENIZER_FILE)), records=asset(RECORDS_FILE),
-              eval_sets=tuple(sorted(heldout)), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)),
+              exposed=tuple(prior_idx), sets=tuple(sets), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)),
               recipe=Recipe(algorithm="adamw", groups=(group("decay", 0.1), group("no_decay", 0.0)),
                             warmup_steps=min(2, total), total_steps=max(1, total), min_ratio=f64_encode(0.1),
-                            max_grad_norm=f64_encode(1.0), batch_size=batch_size, microbatch_size=microbatch_size))
+                            max_grad_norm=f64_encode(1.0), batch_size=batch_size, microbatch_size=microbatch_size,
+                            distill=Distillation(kl_coef=f64_encode(kl_coef), temperature=f64_encode(temperature),
+                                                 references=tuple(refs)),
+                            gates=GateRecipe(gain_bound=f64_encode(gain_bound),
+                                             retention_bound=f64_encode(retention_bound), resamples=resamples,
+                                             seed=0)))
     files[JOB_FILE] = _ENC.encode(job)
     for n, data in files.items():
         (out / n).write_bytes(data)

@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 
 import shardstore
-from shardstore import CommitInfo, LoadedCommit, RefConflict, Store, load_commit, open_store
+from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
 from shardstore.manifest import decode_config
+from shardtrain.distill import Distiller, reference_steps
 from shardtrain.errors import JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
 from shardtrain.job import PreparedJob, load_job
 from shardtrain.launch import WorkerContext, launch_local
@@ -235,17 +236,7 @@ def store_job_files(job: PreparedJob, store: Store) -> None:
     pinned as ``jobs/<job id>`` so that gc keeps them for ``evaluate`` (SPEC.md §Pins)."""
     ids = [store.put(data) for data in job.files.values()]
     store.sync()  # durable before the pin names them
-    name, want = f"jobs/{job.id}", tuple(sorted(set(ids)))
-    for attempt in range(_PIN_ATTEMPTS):
-        if store.pinned(name) == want:
-            return
-        try:
-            store.pin(name, ids)
-            return
-        except RefConflict:  # another run of the same job is pinning it: wait, then look again
-            if attempt == _PIN_ATTEMPTS - 1:
-                raise  # still locked: a writer that crashed left its lock (the error names it)
-            time.sleep(0.02 * (attempt + 1))
+    store.add_to_pin(f"jobs/{job.id}", ids, attempts=_PIN_ATTEMPTS)  # CAS: another run's additions are kept
 
 
 def _seed_rng(job: PreparedJob, slot: int) -> None:
@@ -301,6 +292,8 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     fault = fault_from_env()
     if fault is not None and fault[0] == rank:
         pipe.after_forward = lambda s, m: os._exit(3) if (s, m) == fault[1:] else None
+    distiller = Distiller(job, store, slot=rank, num_slots=world, device=ctx.device, timeout=spec.message_timeout)
+    must_commit = reference_steps(job, step, spec.until)  # endpoints a later cohort of this run distils toward
     trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size,
                       max_grad_norm=job.max_grad_norm(), global_step=step)
     hf = job.hf_config()
@@ -321,11 +314,12 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         while step < spec.until:
             t0 = time.perf_counter()
             batch = job.batch(step)
+            pipe.distill = distiller.targets(step, batch, last[1])  # the frozen reference's pass, if replay
             r = trainer.step(batch)
             seconds = time.perf_counter() - t0  # the update alone, not the commit after it
             step += 1
             made = None
-            if step == spec.until or (spec.every and step % spec.every == 0):
+            if step == spec.until or (spec.every and step % spec.every == 0) or step in must_commit:
                 made = commit(step, "train")
                 last = (step, made)
                 commits.append(CommitRecord(step, made))

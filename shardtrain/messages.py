@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from shardtrain.errors import MessageError, PeerFailureError
 
-__all__ = ["ACTIVATION", "GRADIENT", "MessageHeader", "check_header", "Channel"]
+__all__ = ["ACTIVATION", "GRADIENT", "REFERENCE", "MessageHeader", "check_header", "Channel"]
 
 MAGIC = 0x53485452414E  # "SHTRAN"
 VERSION = 1
@@ -33,7 +33,8 @@ HEADER_LEN = 12
 MAX_NDIM = 4
 ACTIVATION = 1
 GRADIENT = 2
-_KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient"}
+REFERENCE = 3  # activations of the frozen reference's forward-only pass (shardtrain.distill)
+_KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient", REFERENCE: "reference activation"}
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 

@@ -16,7 +16,8 @@ output's gradient is pushed through it with `backward`. The autograd work per la
 therefore the same wherever the layer lives and whatever its neighbours are, which is what
 makes the gradients (and so the whole update) bitwise independent of the partition.
 
-The loss of microbatch k is sum(weight * ce over k) / (total weight of the whole batch);
+The loss of microbatch k (`shardtrain.loss.microbatch_loss`: cross-entropy, plus KL toward a
+frozen reference on declared replay rows) is divided by the total weight of the whole batch;
 the step loss is the sum over microbatches, so microbatching does not change the update.
 """
 from __future__ import annotations
@@ -27,10 +28,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shardtrain.batch import Batch, Microbatch, split_microbatches
 from shardtrain.errors import ConfigError
+from shardtrain.loss import DistillTargets, microbatch_loss
 from shardtrain.messages import ACTIVATION, GRADIENT, Channel, MessageHeader
 from shardtrain.model import Llama, rotary_tables
 from shardtrain.partition import Partition
@@ -65,6 +66,9 @@ class Pipeline:
         # Called as after_forward(step, microbatch) once this slot has run a microbatch's
         # forward; the lifecycle's fault injection uses it to lose a worker mid-update.
         self.after_forward: Callable[[int, int], None] | None = None
+        # Slot 0 only: the next batch's declared replay rows and reference log-probs
+        # (shardtrain.distill sets it before each step; None: cross-entropy only).
+        self.distill: DistillTargets | None = None
         if self.num_slots > 1:
             if not dist.is_initialized():
                 raise ConfigError(f"a {self.num_slots}-slot pipeline needs an initialised process group")
@@ -153,8 +157,7 @@ class Pipeline:
         logits = self.stage.logits(h)  # (b, t, V)
         targets = mb.take(batch.targets).to(self.device)  # (b, t)
         weights = mb.take(batch.weights).to(self.device)  # (b, t)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")  # (b*t,)
-        loss = (ce * weights.reshape(-1)).sum() / total_weight
+        loss = microbatch_loss(logits, targets, weights, total_weight, rows=(mb.start, mb.stop), distill=self.distill)
         loss.backward()
         assert h.grad is not None
         if self.num_slots > 1:

@@ -13,9 +13,11 @@ import random
 import blake3
 import msgspec
 
-__all__ = ["FAMILIES", "Message", "Record", "make_record", "make_records", "record_id"]
+__all__ = ["FAMILIES", "CONVERSATION", "Message", "Record", "make_record", "make_records", "make_conversations",
+           "record_id"]
 
 FAMILIES = ("lookup", "filter", "total", "sort")
+CONVERSATION = "chat"  # conversation-like records: the replay (and retention) data, not a task family
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -70,19 +72,57 @@ def _task(family: str, rng: random.Random) -> tuple[str, str]:
     raise ValueError(f"unknown task family {family!r}")
 
 
+_NAMES = ("ada", "bo", "cy", "dee", "eli", "fay", "gus", "hal", "ivy", "jo", "kai", "lu", "max", "nia", "oz", "pia")
+_THINGS = ("the garden", "my code", "the trip", "dinner", "the report", "music", "the weather", "a book")
+
+
+def _conversation(rng: random.Random) -> tuple[str, str]:
+    name, thing, n = rng.choice(_NAMES), rng.choice(_THINGS), rng.randint(2, 30)
+    kind = rng.randrange(4)
+    if kind == 0:
+        return f"hi, I am {name} and I am {n}", f"hello {name}, nice to meet you"
+    if kind == 1:
+        return f"can you help me with {thing} for {n} minutes?", f"sure, tell me more about {thing}"
+    if kind == 2:
+        return f"thanks for the help with {thing}, {name} says hi", f"you are welcome, say hi to {name}"
+    return f"what do you think of {thing} after {n} days?", f"I like {thing}"
+
+
+def make_conversations(split: str, count: int, *, seed: int, exclude: set[str] | None = None) -> list[Record]:
+    """`count` distinct conversation-like records (family `CONVERSATION`); ids in `exclude` are redrawn."""
+    rng = random.Random(f"shardtrain-chat-v1:{seed}:{split}")
+    seen = set(exclude or ())
+    out: list[Record] = []
+    for _ in range(count * 50):
+        if len(out) == count:
+            break
+        prompt, answer = _conversation(rng)
+        messages = (Message("user", prompt), Message("assistant", answer))
+        r = Record(id=record_id(CONVERSATION, messages, answer), family=CONVERSATION, split=split, messages=messages,
+                   answer=answer)
+        if r.id not in seen:
+            seen.add(r.id)
+            out.append(r)
+    if len(out) < count:
+        raise ValueError(f"only {len(out)} distinct conversations could be drawn for split {split!r}, not {count}")
+    return out
+
+
 def make_record(family: str, rng: random.Random, split: str) -> Record:
     prompt, answer = _task(family, rng)
     messages = (Message("user", prompt), Message("assistant", answer))
     return Record(id=record_id(family, messages, answer), family=family, split=split, messages=messages, answer=answer)
 
 
-def make_records(split: str, count: int, *, seed: int, exclude: set[str] | None = None) -> list[Record]:
-    """`count` records cycling through the families; ids in `exclude` (and repeats) are redrawn."""
+def make_records(split: str, count: int, *, seed: int, exclude: set[str] | None = None,
+                 mix: tuple[str, ...] = FAMILIES) -> list[Record]:
+    """`count` records cycling through `mix` (families, repeats weight them); ids in `exclude`
+    (and repeats) are redrawn."""
     rng = random.Random(f"shardtrain-tasks-v1:{seed}:{split}")
     seen = set(exclude or ())
     out: list[Record] = []
     while len(out) < count:
-        r = make_record(FAMILIES[len(out) % len(FAMILIES)], rng, split)
+        r = make_record(mix[len(out) % len(mix)], rng, split)
         if r.id in seen:
             continue
         seen.add(r.id)

@@ -285,7 +285,7 @@ def test_pins_listed_and_removed_through_the_cli(tmp_path, capsys):
     store = ss.open_store(store_path)
     cid = ss.save(store, {"w": torch.ones(2)}, step=0, rng=False)
     job = store.put(b"a job file")
-    store.pin("jobs/j1", [job])
+    store.pin("jobs/j1", [job], expected=None)
     assert shardstore_cli.main(["refs", store_path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"refs": {"main": cid}, "pins": {"jobs/j1": [job]}}
     assert shardstore_cli.main(["refs", store_path]) == 0 and "pin jobs/j1: 1 objects kept by gc" in capsys.readouterr().out

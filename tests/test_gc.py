@@ -240,7 +240,7 @@ def test_pins_keep_objects_no_commit_names(tmp_path: Any, url: str) -> None:
     store = ss.open_store(str(tmp_path / "s") if url == "local" else f"memory://pins-{uuid.uuid4().hex}")
     kept, other, loose = store.put(b"job file"), store.put(b"tokenizer"), store.put(b"unpinned")
     assert store.pin_names() == [] and store.pins() == {}
-    store.pin("jobs/abc", [other, kept, kept])  # any order, repeats collapse
+    store.pin("jobs/abc", [other, kept, kept], expected=None)  # any order, repeats collapse
     assert store.pinned("jobs/abc") == tuple(sorted({kept, other}))
     assert store.pinned("nope") is None
     cid = ss.save(store, {"w": torch.ones(3)}, step=0, rng=False)
@@ -263,10 +263,10 @@ def test_pins_refuse_bad_names_ids_and_content(tmp_path: Any) -> None:
     store = ss.open_store(str(tmp_path / "s"))
     oid = store.put(b"x")
     with pytest.raises(ss.InvalidName):
-        store.pin("../escape", [oid])
+        store.pin("../escape", [oid], expected=None)
     with pytest.raises(ss.InvalidName):
-        store.pin("jobs/x", ["not-an-id"])
-    store.pin("jobs/x", [oid])
+        store.pin("jobs/x", ["not-an-id"], expected=None)
+    store.pin("jobs/x", [oid], expected=None)
     # hand-written pins that break the encoding rules: unsorted, repeated, not canonical
     bad = {
         "unsorted": {"objects": ["f" * 64, "0" * 64], "type": "pin", "version": 1},
@@ -292,7 +292,7 @@ def test_a_pin_never_hides_a_commit_problem_and_never_exceeds_the_limits(tmp_pat
     store = ss.open_store(str(tmp_path / "s"))
     cid = ss.save(store, {"w": torch.ones(3)}, step=0, rng=False)
     param = store.shard(store.commit(cid).layout[0].shard).entries[0].param
-    store.pin("keep", [param])
+    store.pin("keep", [param], expected=None)
     path = os.path.join(store.storage.root, object_key(param))
     os.chmod(path, 0o644)
     with open(path, "wb") as f:
@@ -305,5 +305,5 @@ def test_a_pin_never_hides_a_commit_problem_and_never_exceeds_the_limits(tmp_pat
     monkeypatch.setattr(store_mod, "MAX_ENTRIES", 2)
     ids = [store.put(bytes([i])) for i in range(3)]
     with pytest.raises(ss.ManifestError, match="exceed the limit"):
-        store.pin("big", ids)
+        store.pin("big", ids, expected=None)
     assert store.pinned("big") is None  # nothing unreadable was written

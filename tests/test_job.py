@@ -40,11 +40,18 @@ def test_job_binds_every_file_and_the_schedule(job_path: str) -> None:
     steps = job.job.schedule.steps
     assert [s.cohort for s in steps] == ["A"] * 4 + ["B"] * 2
     trained_a = {d for s in steps[:4] for d in s.docs}
-    assert all(len(s.replay) == 1 and set(s.replay) <= trained_a for s in steps[4:])
+    exposed = set(job.job.exposed)  # conversations the seed counts as trained: cohort A replays them
+    assert all(len(s.replay) == 1 and set(s.replay) <= exposed for s in steps[:4])
+    assert all(len(s.replay) == 1 and set(s.replay) <= trained_a | exposed for s in steps[4:])
+    replayed_b = {job.records[d].family for s in steps[4:] for d in s.replay}
+    assert "chat" in replayed_b and replayed_b - {"chat"}  # cohort B replays conversations and cohort-A tasks
     assert job.cursor(0) == 0 and job.cursor(6) == 24
-    held = {i for name in job.job.eval_sets for i in job.eval_set(name)}
+    held = {i for s in job.job.sets if s.kind == "task" or s.role == "final" for i in job.eval_set(s.name)}
     assert held and not held & {d for s in steps for d in s.docs}
-    assert {job.records[i].family for i in held} == set(FAMILIES)
+    assert {job.records[i].family for i in job.eval_set("dev_task")} == set(FAMILIES)
+    assert [(s.name, s.role, s.kind) for s in job.job.sets] == [
+        ("dev_task", "development", "task"), ("dev_retention", "development", "retention"),
+        ("final_task", "final", "task"), ("final_retention", "final", "retention")]
 
 
 @pytest.mark.parametrize("name", [TOKENIZER_FILE, TEMPLATE_FILE, RECORDS_FILE])
@@ -62,7 +69,7 @@ def test_a_changed_bound_file_is_refused(job_path: str, tmp_path: Path, name: st
 def test_job_file_is_strictly_decoded(job_path: str, tmp_path: Path) -> None:
     raw = Path(job_path).read_bytes()
     with pytest.raises(JobError, match="not in canonical encoding"):
-        decode_job(raw.replace(b'{"eval_sets"', b'{ "eval_sets"', 1))
+        decode_job(raw.replace(b'{"exposed"', b'{ "exposed"', 1))
     with pytest.raises(JobError, match="unknown field|Object contains unknown field"):
         decode_job(raw[:-1] + b',"extra":1}')
     with pytest.raises(JobError, match="exceeds"):

@@ -118,3 +118,89 @@ def test_gc_killed_before_every_delete(tmp_path: Any) -> None:
         s.set_ref("main", pending, expected=kept)
         assert ss.verify(s).ok
         shutil.rmtree(root)
+
+
+# -- issue 12, item 1: a copy relying on objects already at the destination -----------------
+
+
+def _copy_fixture(tmp_path: Any, junk: int = 0) -> tuple[ss.Store, ss.Store, str, str]:
+    """A source commit, and a destination that already holds its whole closure, unreachable
+    and two hours old (an earlier copy whose ref was dropped), plus ``junk`` old garbage objects."""
+    src = ss.open_store(str(tmp_path / "src"))
+    cid = ss.save(src, _state(5), step=0, rng=False)
+    root = str(tmp_path / "dst")
+    dst = ss.open_store(root)
+    ss.copy_commit(src, dst, cid, ref="old")
+    dst.delete_ref("old", expected=cid)
+    _junk(root, junk)
+    _age(dst, 2 * HOUR)
+    return src, dst, root, cid
+
+
+def _junk(root: str, n: int) -> None:
+    """``n`` small garbage objects, written straight into the layout (no fsync: only their count matters)."""
+    from shardstore.tensors import hash_bytes
+
+    for i in range(n):
+        data = b"junk %d" % i
+        path = os.path.join(root, object_key(hash_bytes(data)))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def test_copy_refreshes_objects_it_finds_present(tmp_path: Any) -> None:
+    """gc plans its deletes, then a copy finds the whole closure present and moves a ref,
+    then gc deletes: the copy's refresh must make gc's last look see young objects."""
+    src, dst, root, cid = _copy_fixture(tmp_path)
+    garbage = len(list(dst.objects()))
+    mtimes = [0]
+
+    def hook(n: int, op: str, key: str) -> None:
+        if op == "mtime":
+            if mtimes[0] == garbage:  # the first look of the delete phase: the plan is made
+                r = ss.copy_commit(src, ss.open_store(root, create=False), cid, ref="main", threads=1)
+                assert r.objects_copied == 0  # everything was found present
+            mtimes[0] += 1
+
+    gc(ss.Store(OpLog(LocalStorage(root), hook), create=False), grace_seconds=HOUR, dry_run=False, threads=1)
+    assert mtimes[0] > garbage, "the delete phase was never reached"
+    after = ss.open_store(root, create=False)
+    assert after.ref("main") == cid
+    report = ss.verify(after)
+    assert report.ok, [str(p) for p in report.problems]
+
+
+def test_copy_and_gc_in_two_processes(tmp_path: Any) -> None:
+    """The same race without hooks: a forked gc and a forked copy start together, round after
+    round, each round at a different offset; whenever the copy moved the ref, the
+    destination must hold the commit's whole closure."""
+    import random
+
+    src, dst, root, cid = _copy_fixture(tmp_path, junk=400)
+    closure = ss.transfer.commit_closure(ss.load_commit(src, cid)).ids()
+    rng = random.Random(12)
+    for rnd in range(8):
+        delay = rng.uniform(0.0, 0.04)
+        pids = []
+        for who in ("gc", "copy"):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the children
+                try:
+                    if who == "gc":
+                        gc(ss.open_store(root, create=False), grace_seconds=HOUR, dry_run=False, threads=1)
+                    else:
+                        time.sleep(delay)
+                        ss.copy_commit(src, ss.open_store(root, create=False), cid, ref="main", threads=1)
+                    os._exit(0)
+                except BaseException:
+                    os._exit(3)
+            pids.append(pid)
+        assert [os.WEXITSTATUS(os.waitpid(p, 0)[1]) for p in pids] == [0, 0]
+        if dst.ref("main") == cid:
+            missing = sorted(o for o in closure if not dst.has(o))
+            assert not missing, (rnd, delay, missing)
+            dst.delete_ref("main", expected=cid)
+        ss.copy_commit(src, dst, cid)  # restore the closure for the next round (unreachable again)
+        _junk(root, 400)
+        _age(dst, 2 * HOUR)

@@ -129,3 +129,62 @@ def test_two_trainers_share_a_store(tmp_path: Any) -> None:
             got = {n: torch.zeros_like(t) for n, t in _state(me, step).items()}
             ss.restore(store, cid, got)
             assert all(torch.equal(got[n], t) for n, t in _state(me, step).items())
+
+
+# -- issue 12, item 2: pins are read-modify-written by compare-and-swap ----------------------
+
+
+def _fake_ids(n: int, salt: str) -> list[str]:
+    from shardstore.tensors import hash_bytes
+
+    return [hash_bytes(f"{salt} {i}".encode()) for i in range(n)]
+
+
+def test_pin_cas_refuses_a_stale_expected_value(tmp_path: Any) -> None:
+    """``Store.pin(expected=...)`` is a real compare-and-swap: a value changed since it was
+    read is not overwritten (before the fix, pin compared against a second read)."""
+    store = ss.open_store(str(tmp_path / "s"))
+    a, b, c = _fake_ids(3, "pin")
+    store.pin("jobs/j", [a], expected=None)
+    seen = store.pinned("jobs/j")
+    store.add_to_pin("jobs/j", [b])  # another writer, in between
+    import pytest
+
+    with pytest.raises(ss.RefConflict):
+        store.pin("jobs/j", [*seen, c], expected=seen)
+    assert store.pinned("jobs/j") == tuple(sorted([a, b]))
+    with pytest.raises(ss.RefConflict):
+        store.pin("jobs/j", [c], expected=None)  # "absent" is a value too
+
+
+def test_concurrent_copy_pin_loses_no_update(tmp_path: Any) -> None:
+    """K processes each ``copy_commit(..., pins=["jobs/j"])`` from their own source into one
+    destination whose pin is large (so that a read-modify-write takes a while), all at once,
+    round after round: the destination's pin ends holding every object any copy pinned."""
+    k, rounds = 4, 2
+    dst_root = str(tmp_path / "dst")
+    dst = ss.open_store(dst_root)
+    dst.pin("jobs/j", _fake_ids(20_000, "held"), expected=None)
+    sources = []
+    for i in range(k):
+        src = ss.open_store(str(tmp_path / f"src{i}"))
+        cid = ss.save(src, _state(i, 0), step=0, rng=False)
+        sources.append((src, cid))
+    barrier = mp.get_context("fork").Barrier(k)
+    wanted: set[str] = set()
+    for rnd in range(rounds):
+        mine = []
+        for i, (src, _cid) in enumerate(sources):
+            oid = src.put(f"job file of source {i}, round {rnd}".encode())
+            src.add_to_pin("jobs/j", [oid])
+            mine.append(oid)
+        wanted |= set(mine)
+
+        def body(i: int) -> None:
+            src, cid = sources[i]
+            barrier.wait()
+            ss.copy_commit(src, ss.open_store(dst_root, create=False), cid, pins=["jobs/j"], threads=1)
+
+        assert [os.WEXITSTATUS(s) for s in _children(k, body)] == [0] * k
+        lost = wanted - set(dst.pinned("jobs/j") or ())
+        assert not lost, (rnd, sorted(lost))

@@ -21,7 +21,7 @@ from botocore.exceptions import ClientError, ReadTimeoutError
 import shardstore as ss
 from shardstore import InvalidName, RefConflict, StorageError
 from shardstore.s3 import S3Storage
-from shardstore.tensors import hash_bytes
+from shardstore.tensors import hash_bytes, new_hasher
 
 try:
     from tests.s3_server import S3Server, make_client, s3_server  # noqa: F401  (fixture)
@@ -336,3 +336,17 @@ def test_a_corrupt_object_on_s3_is_caught_by_every_streamed_read(s3_server: S3Se
     with pytest.raises(ss.CorruptObject, match="nothing was written"):
         copy_commit(store, local, cid)
     assert not local.has(oid)
+
+
+def test_reads_with_a_limit_refuse_before_allocating(s3_server: S3Server) -> None:  # noqa: F811
+    """Issue 12, item 9: a blob under a manifest's key larger than the manifest limit is
+    refused from the size the first range reports, before the object is allocated or its
+    other ranges are requested (before the fix the whole object was read first)."""
+    storage, proxy = proxied(s3_server, part_size=5 * MiB)
+    big = b"\x03" * (11 * MiB)
+    oid = hash_bytes(big)
+    storage.write_once(f"objects/{oid[:2]}/{oid}", big)
+    proxy.calls.clear()
+    with pytest.raises(ss.ObjectTooLarge, match="over this reader's limit"):
+        storage.read_hashed(f"objects/{oid[:2]}/{oid}", new_hasher, 1 * MiB)
+    assert [n for n, _ in proxy.calls] == ["get_object"]

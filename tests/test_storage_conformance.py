@@ -79,6 +79,19 @@ class StorageConformance:
         m = store.storage.mtime(object_key(oid))
         assert m is not None and abs(time.time() - m) < 120
 
+    def test_ensure_refreshes_a_present_object(self, store: Store) -> None:
+        """``Store.ensure`` (every writer relying on a present object) makes it young again
+        and gives its size; the same for a duplicate ``put`` (issue 12, item 1)."""
+        oid = store.put(b"kept by a later writer")
+        assert store.ensure(FAKE) is None
+        pause = 1.05 if type(store.storage).__name__ == "S3Storage" else 0.02  # S3's LastModified: whole seconds
+        for refresh in (lambda: store.ensure(oid), lambda: store.put(b"kept by a later writer")):
+            first = store.storage.mtime(object_key(oid))
+            time.sleep(pause)
+            refresh()
+            assert store.storage.mtime(object_key(oid)) > first
+        assert store.ensure(oid) == len(b"kept by a later writer")
+
     def test_listing(self, store: Store) -> None:
         ids = sorted(store.put(f"object {i}".encode()) for i in range(5))
         assert sorted(store.objects()) == ids

@@ -217,12 +217,12 @@ def test_pins_travel_with_a_commit_when_asked(tmp_path: Any, capsys: Any) -> Non
     src = ss.open_store(str(tmp_path / "a"))
     cid = save_two_slots(src, model, opt)
     job, asset = src.put(b"job file"), src.put(b"tokenizer asset")
-    src.pin("jobs/j", [job, asset])
+    src.pin("jobs/j", [job, asset], expected=None)
     dst = ss.open_store(str(tmp_path / "b"))
     plain = copy_commit(src, dst, "main")
     assert dst.pin_names() == [] and not dst.has(job) and plain.pins == []  # not unless asked
     other = dst.put(b"already pinned here")
-    dst.pin("jobs/j", [other])
+    dst.pin("jobs/j", [other], expected=None)
     result = copy_commit(src, dst, "main", pins=["jobs/j"], ref="main")
     assert result.pins == ["jobs/j"] and result.objects_copied == 2  # only the two pinned objects were missing
     assert dst.pinned("jobs/j") == tuple(sorted({job, asset, other}))  # merged with what dst held

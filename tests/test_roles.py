@@ -1,0 +1,111 @@
+"""Evaluation roles: finals need a selection, a second selection is refused once they opened,
+and a final set that overlaps trained records is refused when the job is prepared."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+import shardstore
+from shardstore_cli.shardtrain_cli import main
+from shardtrain.errors import JobError, RoleError
+from shardtrain.evaluate import EvalSpec, evaluate
+from shardtrain.job import JOB_FILE, load_job, prepare_default
+from shardtrain.lifecycle import store_job_files
+from shardtrain.partition import Partition, build_stage
+from shardtrain.roles import DEVELOPMENT, FINAL, finals_opened, select, selection, set_digest
+
+_ENC = msgspec.json.Encoder(order="sorted")
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> SimpleNamespace:
+    """A job's files and two commits of it in a store (saved in this process: no training needed)."""
+    job = load_job(prepare_default(tmp_path / "job", steps_a=2, steps_b=1, batch_size=4, replay_per_step=1,
+                                   eval_per_set=4, retention_per_set=2))
+    store = shardstore.open_store(str(tmp_path / "store"))
+    store_job_files(job, store)
+    commits = []
+    for step, seed in ((0, 1), (1, 2)):
+        model = build_stage(job.config, Partition.even(job.config.num_hidden_layers, 1), 0, seed=seed)
+        commits.append(shardstore.save(store, model, step=step, job=job.id, config=job.hf_config(), rng=False,
+                                       transition="init" if step == 0 else "train"))
+    return SimpleNamespace(job=job, store=store, commits=commits, url=str(tmp_path / "store"))
+
+
+def _eval(run: SimpleNamespace, role: str):  # type: ignore[no-untyped-def]
+    spec = EvalSpec(store=run.url, commits=tuple(run.commits), cases_per_set=1, max_new_tokens=2, role=role)
+    return evaluate(spec, 1, in_process=True)
+
+
+def test_development_by_default_and_finals_only_after_selection(run: SimpleNamespace) -> None:
+    dev = _eval(run, DEVELOPMENT)
+    assert dev.role == DEVELOPMENT and {s.name for s in dev.commits[0].losses} == {"dev_task", "dev_retention"}
+    with pytest.raises(RoleError, match="has no selection record"):
+        _eval(run, FINAL)
+    assert main(["evaluate", "--store", run.url, "--commit", run.commits[0], "--commit", run.commits[1], "--final",
+                 "--workers", "1"]) == 4
+    select(run.store, run.job.id, run.commits[0])
+    with pytest.raises(RoleError, match="not .*final sets open only for the selected commit"):
+        _eval(run, FINAL)  # the candidate scored (the last commit) is not the selected one
+    assert not finals_opened(run.store, run.job.id)
+    assert main(["select", "--store", run.url, "--commit", run.commits[1]]) == 0  # not opened yet: may change
+    sel = selection(run.store, run.job.id)
+    assert sel is not None and sel.commit == run.commits[1] and sel.job == run.job.id
+    final = _eval(run, FINAL)
+    assert final.role == FINAL and {s.name for s in final.commits[0].losses} == {"final_task", "final_retention"}
+    assert finals_opened(run.store, run.job.id)
+    with pytest.raises(RoleError, match="already opened .* a second selection is refused"):
+        select(run.store, run.job.id, run.commits[0])
+    assert main(["select", "--store", run.url, "--commit", run.commits[0]]) == 4
+    assert selection(run.store, run.job.id) == sel
+    # The selection object is pinned, so gc keeps it.
+    assert set(run.store.pinned(f"selections/{run.job.id}") or ()) <= set(run.store.objects())
+    shardstore.gc(run.store, grace_seconds=0, dry_run=False)
+    assert selection(run.store, run.job.id) == sel and finals_opened(run.store, run.job.id)
+
+
+def _forge(run: SimpleNamespace, tmp_path: Path, name: str, docs: tuple[int, ...]) -> Path:
+    job = run.job.job
+    records = run.job.records
+    sets = tuple(msgspec.structs.replace(s, docs=docs, digest=set_digest(records, docs)) if s.name == name else s
+                 for s in job.sets)
+    d = tmp_path / f"forged-{len(list(tmp_path.iterdir()))}"
+    d.mkdir()
+    for f in Path(run.job.directory).iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / JOB_FILE).write_bytes(_ENC.encode(msgspec.structs.replace(job, sets=sets)))
+    return d / JOB_FILE
+
+
+def test_a_final_set_overlapping_trained_records_is_refused(run: SimpleNamespace, tmp_path: Path) -> None:
+    steps = run.job.job.schedule.steps
+    new_a, replayed = steps[0].docs[0], steps[0].replay[0]  # a new record of cohort A, a replayed conversation
+    assert replayed not in steps[0].docs[:-1]
+    for name, docs in (("final_retention", (new_a,)), ("final_retention", (replayed,)), ("final_task", (new_a,))):
+        with pytest.raises(JobError, match=f"final .* set '{name}' overlaps the training and replay records"):
+            load_job(_forge(run, tmp_path, name, docs))
+    # A set whose records do not hash to its bound digest is refused too.
+    job = run.job.job
+    bad = tuple(msgspec.structs.replace(s, digest="0" * 64) if s.role == FINAL else s for s in job.sets)
+    d = tmp_path / "digest"
+    d.mkdir()
+    for f in Path(run.job.directory).iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    (d / JOB_FILE).write_bytes(_ENC.encode(msgspec.structs.replace(job, sets=bad)))
+    with pytest.raises(JobError, match="do not hash to the digest the job binds"):
+        load_job(d / JOB_FILE)
+
+
+def test_development_retention_may_be_exposed_replay_but_final_sets_never_are(run: SimpleNamespace) -> None:
+    job = run.job
+    trained = {d for s in job.job.schedule.steps for d in s.docs}
+    sets = {s.name: s for s in job.job.sets}
+    assert set(sets["dev_retention"].docs) <= set(job.job.exposed)  # the replayed conversations: development only
+    for name in ("final_task", "final_retention", "dev_task"):
+        assert not set(sets[name].docs) & trained
+    final_prompts = {job.records[d].messages[0].content for n in ("final_task", "final_retention")
+                     for d in sets[n].docs}
+    assert not final_prompts & {job.records[d].messages[0].content for d in trained}
