@@ -155,6 +155,30 @@ def _three(rank: int, store: ss.Store, mesh) -> dict:
         out["new_objects"] = sorted(set(store.objects()) - before)
     _train(m3, opt3, 2, seed=7)
     out["resumed3"] = ss.save_distributed(store, m3, opt3, info=_info(5), rng=False, ref=None, parent=c2)
+    out["errors"] = _refusals(rank, store, m3, mesh)
+    return out
+
+
+def _refusals(rank: int, store: ss.Store, model, mesh) -> list[str]:
+    """Typed refusals: a Partial placement on one rank fails the save on every rank (the ref
+    stays); a DTensor handed to the one-process save and to AsyncSaver."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    out = []
+    before = store.ref("main")
+    mine = dict(model.named_parameters())
+    if rank == 1:
+        mine["partial"] = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()], run_check=False)
+    try:
+        ss.save_distributed(store, mine, None, info=_info(3), rng=False)
+    except ss.CommitProtocolError as e:
+        out.append(f"CommitProtocolError: {e}")
+    out.append(f"ref unmoved: {store.ref('main') == before}")
+    for save in (lambda: ss.save(store, model, step=3, rng=False, ref=None), lambda: ss.AsyncSaver(store).save(model, step=3, rng=False, ref=None)):
+        try:
+            save()
+        except ss.TensorMismatch as e:
+            out.append(f"TensorMismatch: {e}")
     return out
 
 
@@ -310,6 +334,16 @@ def test_restore_reads_about_each_ranks_share(runs):
         assert r["share"] <= r["bytes_read"] <= r["share"] + 3 * 2 * (4 << 20)
     assert sum(r["bytes_read"] for r in three) < 2 * whole
     print("restore bytes read per rank / share:", [(r["bytes_read"], r["share"]) for r in two + three])
+
+
+def test_unsupported_or_misplaced_dtensors_are_refused_by_type(runs):
+    _, _, three, _, _ = runs
+    for r in three:
+        protocol, unmoved, one_process, async_saver = r["errors"]
+        assert protocol.startswith("CommitProtocolError") and "rank(s) [0, 1, 2]" in protocol and "Partial" in protocol
+        assert unmoved == "ref unmoved: True"
+        assert one_process.startswith("TensorMismatch") and "save_distributed" in one_process
+        assert async_saver.startswith("TensorMismatch") and "save_distributed" in async_saver
 
 
 def test_two_to_three_continuation_matches_within_tolerance(runs):
