@@ -22,13 +22,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint import AUTO, CommitInfo, capture, write_commit, write_shard
+from .checkpoint import AUTO, CommitInfo, SlotState, capture, write_commit, write_shard
 from .dtensor import write_dtensors
 from .errors import CommitProtocolError
 from .store import Store
 from .verify import load_commit
 
-__all__ = ["save_distributed", "agree_on_commit"]
+__all__ = ["save_distributed", "commit_state", "agree_on_commit"]
 
 _OK, _FAIL, _NONE = 1, 2, 3
 #: The phases of ``save_distributed``; before "move ref" completes nobody has moved the ref.
@@ -116,6 +116,14 @@ def save_distributed(
     DTensor parameters and moments (FSDP2, tensor parallelism) are written as canonical
     blocks by the block exchange (``dtensor.write_dtensors``, SPEC.md §Block exchange):
     never gathered, each block hashed and written by one rank."""
+    state = capture(model, optimizer, rng=rng, group_names=group_names)
+    return commit_state(store, state, info=info, group=group, ref=ref, parent=parent, threads=threads)
+
+
+def commit_state(
+    store: Store, state: SlotState, *, info: CommitInfo, group: Any = None, ref: str | None = "main", parent: str | None = AUTO, threads: int = 2
+) -> str:
+    """``save_distributed`` of an already captured slot state (e.g. AsyncSaver's snapshot)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coordinator = rank == 0
 
@@ -128,7 +136,6 @@ def save_distributed(
     chosen = got[0][1]
     expected_ref = store.ref(ref) if (coordinator and ref is not None) else None
 
-    state = capture(model, optimizer, rng=rng, group_names=group_names)
     got, _ = _phase(
         group,
         "write shard",

@@ -4,7 +4,8 @@ gathering and restored into any split (SPEC.md §Chunked payloads, §Block excha
 One spawned group of 3 processes serves every check (starting processes is the expensive
 part):
 
-- ranks 0 and 1, as a group of their own: FSDP2 trains 3 AdamW steps and saves (``c2``); the same ranks keep training
+- ranks 0 and 1, as a group of their own: FSDP2 trains 3 AdamW steps and saves (``c2``, and
+  again through ``AsyncSaver.save_distributed`` while training goes on); the same ranks keep training
   (``uninterrupted``), and a fresh FSDP2 model restored from ``c2`` trains the same steps
   (``resumed2``); ``c2`` is restored into tensor parallelism splitting on dim 0 and on
   dim 1 and saved again (``tp0``, ``tp1``), and into a plain model per rank saved as two
@@ -90,7 +91,7 @@ def _info(step: int) -> ss.CommitInfo:
     return ss.CommitInfo(step=step, job="dtensor-test")
 
 
-def _two(rank: int, store: ss.Store, mesh, group) -> dict:
+def _two(rank: int, store: ss.Store, mesh, group, async_group) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     out: dict = {}
@@ -99,11 +100,14 @@ def _two(rank: int, store: ss.Store, mesh, group) -> dict:
     _train(m, opt, 3, seed=1)
     c2 = ss.save_distributed(store, m, opt, info=_info(3), rng=False, ref="main", group=group)
     out["exchange"] = vars(last_exchange()).copy()
+    saver = ss.AsyncSaver(store)  # the same state, snapshot now, saved while training goes on
+    saver.save_distributed(m, opt, info=_info(3), group=async_group, rng=False, ref=None, parent=None)
     plain, popt = Net(), None
     popt = _opt(plain)
     ss.restore(store, c2, plain, popt)
     out["saved_equals_plain_restore"] = _equal_to_plain(m, opt, plain, popt)
     _train(m, opt, 2, seed=7)
+    out["async"] = saver.close()
     out["uninterrupted"] = ss.save_distributed(store, m, opt, info=_info(5), rng=False, ref=None, parent=c2, group=group)
 
     m2 = _fsdp(mesh)
@@ -210,9 +214,10 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
 
         store = ss.open_store(root)
         pair = dist.new_group([0, 1])
+        async_pair = dist.new_group([0, 1])  # the background save's own group (AsyncSaver.save_distributed)
         result: dict = {}
         if rank < 2:
-            result["two"] = _two(rank, store, DeviceMesh.from_group(pair, "cpu"), pair)
+            result["two"] = _two(rank, store, DeviceMesh.from_group(pair, "cpu"), pair, async_pair)
         dist.barrier()
         if rank == 2:  # meanwhile nothing; now the same state saved whole by one process
             plain = Net()
@@ -263,6 +268,8 @@ def test_fsdp2_save_is_the_trained_state_and_continues_bitwise(runs):
     store, two, _, _, _ = runs
     assert all(r["saved_equals_plain_restore"] for r in two)
     assert two[0]["c2"] == two[1]["c2"] == store.ref("main")
+    # AsyncSaver.save_distributed: snapshot, training went on, the background commit is the same one
+    assert two[0]["async"] == two[1]["async"] == two[0]["c2"]
     # 2 -> 2: a fresh FSDP2 model restored from the commit trains to the very same state
     # (equal commit ids: every tensor byte, Adam age and group equal).
     assert two[0]["resumed2"] == two[0]["uninterrupted"] == two[1]["resumed2"]
