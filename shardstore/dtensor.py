@@ -100,9 +100,10 @@ def same_split(a: torch.Tensor, b: torch.Tensor | None) -> bool:
     return b is not None and a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements)  # type: ignore[attr-defined]
 
 
-def entry_slot(name: str, slots: int) -> int:
-    """The slot whose shard manifest records a sharded tensor's entry (a hash of its name)."""
-    return zlib.crc32(name.encode()) % slots
+def entry_slot(name: str, holders: list[int]) -> int:
+    """The slot whose shard manifest records a sharded tensor's entry: one of the ranks
+    holding part of it (sorted), picked by a hash of its name."""
+    return holders[zlib.crc32(name.encode()) % len(holders)]
 
 
 class _Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -195,7 +196,7 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
     DTensors whose entry this slot holds replaced by their ``StoredPayload``, the rest
     dropped (another slot records them). Every rank of the group must call this.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     locals_: dict[tuple[str, str], tuple[torch.Tensor, tuple[int, ...]]] = {}
     desc = []
     try:
@@ -229,7 +230,8 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
     for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
         blocks.setdefault(key, []).append(oid)
     payload = {key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()}
-    return _restate(state, payload, rank, world)
+    mine = {n for (n, role), (_, _, held) in union.items() if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank}
+    return _restate(state, payload, mine)
 
 
 def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: Any, threads: int) -> list[str]:
@@ -304,13 +306,13 @@ def _nbytes(plan: tuple) -> int:
     return expected_nbytes(plan[5], plan[2][1])
 
 
-def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], rank: int, world: int) -> Any:
-    """The SlotState this slot records: DTensor entries it holds replaced by their payloads."""
+def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: set[str]) -> Any:
+    """The SlotState this slot records: the DTensor entries it records (``mine``) replaced by their payloads."""
     tensors = {}
     for n, t in state.tensors.items():
         if not is_dtensor(t):
             tensors[n] = t
-        elif entry_slot(n, world) == rank:
+        elif n in mine:
             tensors[n] = payload[(n, "param")]
     params = {}
     for n, po in state.optim.params.items():

@@ -135,7 +135,9 @@ def _two(rank: int, store: ss.Store, mesh, group, async_group) -> dict:
     return out
 
 
-def _three(rank: int, store: ss.Store, mesh) -> dict:
+def _three(rank: int, store: ss.Store, mesh, pair) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+
     out: dict = {}
     c2, c1 = store.ref("main"), store.ref("single")
     plain = Net()
@@ -160,6 +162,14 @@ def _three(rank: int, store: ss.Store, mesh) -> dict:
     _train(m3, opt3, 2, seed=7)
     out["resumed3"] = ss.save_distributed(store, m3, opt3, info=_info(5), rng=False, ref=None, parent=c2)
     out["errors"] = _refusals(rank, store, m3, mesh)
+    # FSDP2 on a sub-mesh (ranks 0 and 1) inside a 3-rank save, as a pipeline stage would be:
+    # each entry must be recorded by a rank that holds the tensor, never by rank 2.
+    sub, sopt = {}, None
+    if rank < 2:
+        sub = _fsdp(DeviceMesh.from_group(pair, "cpu"))
+        sopt = _opt(sub)
+        ss.restore(store, c2, sub, sopt)
+    out["submesh"] = ss.save_distributed(store, sub, sopt, info=_info(3), rng=False, ref=None, parent=None)
     return out
 
 
@@ -225,7 +235,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
             ss.restore(store, "main", plain, popt)
             result["single"] = ss.save(store, plain, popt, step=3, job="dtensor-test", rng=False, ref="single", parent=None)
         dist.barrier()
-        result["three"] = _three(rank, store, init_device_mesh("cpu", (world,)))
+        result["three"] = _three(rank, store, init_device_mesh("cpu", (world,)), pair)
         result["readme"] = _readme_example(f"{root}-readme")
         with open(f"{out}.{rank}", "w") as f:
             json.dump(result, f)
@@ -300,11 +310,13 @@ def test_one_learned_state_root_and_one_set_of_objects_for_every_split(runs):
         "TP dim 0": two[0]["tp0"],
         "TP dim 1": two[0]["tp1"],
         "2 pipeline slots": two[0]["pp"],
+        "FSDP2 on ranks 0-1 of a 3-rank save": three[0]["submesh"],
     }
     roots = {k: store.commit(c).learned_root for k, c in commits.items()}
     assert len(set(roots.values())) == 1, roots
-    # The full root binds the layout: each tensor's entry sits in slot hash(name) mod slots,
-    # whatever the split, so FSDP2 and both TP splits on 2 ranks write the very same commit.
+    # The full root binds the layout: each tensor's entry sits in the slot a hash of its name
+    # picks among the ranks holding it, whatever the split, so FSDP2 and both TP splits on
+    # 2 ranks write the very same commit.
     assert commits["FSDP2 x2"] == commits["TP dim 0"] == commits["TP dim 1"]
     assert len({commits[k] for k in ("1 process", "FSDP2 x2", "FSDP2 x3 (uneven)", "2 pipeline slots")}) == 4
     objects = {k: _tensor_objects(store, c) for k, c in commits.items()}
