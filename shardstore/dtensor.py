@@ -18,7 +18,7 @@ a block whoever holds its bytes. Saving is a collective over the save's process 
    writes each block (a block inside its own slice is a view of it, no copy), so a rank
    holds its slice plus at most one batch of blocks;
 4. the block ids are all-reduced, and each tensor's entry (its whole payload) goes into
-   the shard manifest of one slot, chosen by a hash of the name.
+   the shard manifest of one rank holding part of it, chosen by a hash of the name.
 
 Restore needs no collective: a rank reads the blocks its local slice overlaps
 (``grid.read_jobs``), each verified whole.
