@@ -225,6 +225,8 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
         regions = slice_regions(n, dtype, shape, held)
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
             plans.append(((n, role), bi, box, owner, sends, dtype))
+    if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
+        return state
     ids = _exchange(store, plans, locals_, rank, g, group, threads)
     blocks: dict[tuple[str, str], list[str]] = {}
     for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
