@@ -1,4 +1,4 @@
-"""The ``shardtrain`` command line: prepare, train, evaluate, select, gate, demo.
+"""The ``shardtrain`` command line: prepare, train, evaluate, select, gate, regroup, grow, plan, demo.
 
 ``train`` starts its own local workers, or, when started by ``torchrun`` (which sets
 TORCHELASTIC_RUN_ID), runs as one worker of torchrun's group::
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import msgspec
 
 import shardstore
-from shardstore.manifest import decode_config
-from shardtrain.errors import JobError, ResumeError, RoleError, RunAborted, ShardtrainError
+from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
+from shardtrain.errors import AdmissionError, JobError, ResumeError, RoleError, RunAborted, ShardtrainError, TransitionError
 
 __all__ = ["EPILOG", "main", "print_step", "print_commit"]
 
@@ -37,7 +37,9 @@ exit codes:
   3  a worker was lost and the run aborted (the message names the last committed step)
   4  refused before training: the job, a tokenizer asset, the records or the start commit
      do not match (another job, a corrupt or mismatched shard, workers naming different commits);
-     evaluate --final without a matching selection record; a second selection after finals were opened
+     evaluate --final without a matching selection record; a second selection after finals were opened;
+     a worker's estimated memory exceeds what it has free (AdmissionError); a regroup/grow
+     cannot be made from that commit (TransitionError)
   5  gate: at least one gate failed (the table and the stored report say which)
 """
 
@@ -75,7 +77,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         lc = shardstore.load_commit(store, args.seed_commit)
         if lc.commit.config is None:
             raise JobError(f"commit {lc.id[:12]} has no model config")
-        config = decode_config(store.get(lc.commit.config))
+        config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
         args.seed_commit = lc.id
     path = prepare_default(args.out, steps_a=args.steps_a, steps_b=args.steps_b, batch_size=args.batch_size,
                            microbatch_size=args.microbatch_size, data_seed=args.data_seed, init_seed=args.init_seed,
@@ -107,11 +109,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.json:
         print(msgspec.json.encode(results).decode())
         return EXIT_OK
+    if r0.start_commit is not None and args.resume not in (None, "auto"):
+        store = shardstore.open_store(args.store)
+        start = store.commit(r0.start_commit)
+        if start.transition == "repartition" and start.parent == store.resolve(args.resume):  # train wrote it
+            print(f"commit {start.parent[:12]} was laid out for {len(store.commit(start.parent).layout)} workers: wrote "
+                  f"repartition commit {r0.start_commit} for {args.workers} and resumed from it", file=sys.stderr)
     for c in r0.commits:
         print(f"step {c.step}: {c.id}")
     for r in results:
         print(f"worker {r.rank}: held {r.parameters:,} parameters ({r.parameter_bytes:,} bytes), "
-              f"peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB", file=sys.stderr)
+              f"estimated peak {r.estimate_bytes / 2**20:.1f} MiB, actual {r.used_bytes / 2**20:.1f} MiB above "
+              f"admission (peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB)", file=sys.stderr)
     print(f"{len(r0.steps)} updates in {time.monotonic() - t:.1f} s; ref {args.ref} -> "
           f"{r0.commits[-1].id if r0.commits else '(unchanged)'}", file=sys.stderr)
     return EXIT_OK
@@ -195,7 +204,124 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t = result.timings
     print(f"demo finished in {result.seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()) + ")")
     print(f"store: {result.store} (check it: shardstore verify {result.store})")
-    return EXIT_OK if result.equal and result.verify_ok else EXIT_ERROR
+    return EXIT_OK if result.equal and result.verify_ok and result.adaptive_ok else EXIT_ERROR
+
+
+def _memory_model(args: argparse.Namespace, config: object = None) -> object:
+    from shardtrain.job import load_job
+    from shardtrain.planner import for_job
+
+    if not args.prepared:
+        raise JobError("--plan needs --prepared JOB (its sequence length and batch split)")
+    return for_job(load_job(args.prepared), config, reference=True if getattr(args, "reference", False) else None)  # type: ignore[arg-type]
+
+
+def _capacities(args: argparse.Namespace, workers: int) -> list[int]:
+    from shardtrain.planner import parse_bytes
+
+    if not args.memory:
+        raise JobError("--plan needs --memory SIZE[,SIZE...] (one per worker, or one for all)")
+    caps = [parse_bytes(m) for m in args.memory.split(",")]
+    if len(caps) == 1:
+        caps *= workers
+    if len(caps) != workers:
+        raise JobError(f"--memory names {len(caps)} capacities for {workers} workers")
+    return caps
+
+
+def _layout(args: argparse.Namespace, config: object, workers: int | None) -> object:
+    """The partition for a regroup or grow: --partition, --plan, or None (even)."""
+    from shardtrain.partition import Partition
+    from shardtrain.planner import plan
+    from shardtrain.regroup import parse_partition
+
+    if args.partition:
+        return parse_partition(args.partition, config.num_hidden_layers)  # type: ignore[attr-defined]
+    if args.plan:
+        n = workers or (len(args.memory.split(",")) if args.memory else None)
+        if not n:
+            raise JobError("--plan needs --workers N")
+        return plan(_memory_model(args, config), _capacities(args, n)).partition  # type: ignore[arg-type]
+    return Partition.even(config.num_hidden_layers, workers) if workers else None  # type: ignore[attr-defined]
+
+
+def _transition_lines(kind: str, made: object) -> list[str]:
+    m = made  # a shardtrain.regroup.TransitionResult
+    ranges = ",".join(f"{r.start}:{r.stop}" for r in m.partition.ranges)  # type: ignore[attr-defined]
+    return [f"{kind} commit {m.commit}",  # type: ignore[attr-defined]
+            f"parent {m.parent} (step {m.step})",  # type: ignore[attr-defined]
+            f"layout {m.partition.num_slots} workers, layers {ranges}",  # type: ignore[attr-defined]
+            f"learned-state root {m.learned_root}"  # type: ignore[attr-defined]
+            + (" (equal to the parent's)" if m.learned_root == m.parent_learned_root else ""),  # type: ignore[attr-defined]
+            f"{len(m.new_objects)} new objects"]  # type: ignore[attr-defined]
+
+
+def cmd_regroup(args: argparse.Namespace) -> int:
+    from shardtrain.regroup import commit_config, regroup
+
+    store = shardstore.open_store(args.store, create=False)
+    lc = shardstore.load_commit(store, args.commit)
+    config, _ = commit_config(store, lc)
+    made = regroup(store, lc.id, _layout(args, config, args.workers), workers=args.workers, ref=args.ref)  # type: ignore[arg-type]
+    print(json.dumps(_transition_json(made)) if args.json else "\n".join(_transition_lines("repartition", made)))
+    return EXIT_OK
+
+
+def _transition_json(made: object) -> dict[str, object]:
+    m = made
+    return {"commit": m.commit, "parent": m.parent, "step": m.step, "learned_root": m.learned_root,  # type: ignore[attr-defined]
+            "parent_learned_root": m.parent_learned_root,  # type: ignore[attr-defined]
+            "partition": [[r.start, r.stop] for r in m.partition.ranges], "new_objects": len(m.new_objects)}  # type: ignore[attr-defined]
+
+
+def cmd_grow(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from shardtrain.grow import grow, identity_check
+    from shardtrain.regroup import commit_config
+
+    store = shardstore.open_store(args.store, create=False)
+    lc = shardstore.load_commit(store, args.commit)
+    config, _ = commit_config(store, lc)
+    grown = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + max(1, args.append))
+    made = grow(store, lc.id, args.append, copy_from=args.copy_from, partition=_layout(args, grown, args.workers),  # type: ignore[arg-type]
+                ref=args.ref)
+    new = range(config.num_hidden_layers, config.num_hidden_layers + args.append)
+    ok = identity_check(store, made.commit, new)
+    if args.json:
+        print(json.dumps({**_transition_json(made), "identity": ok}))
+    else:
+        print("\n".join(_transition_lines("grow", made)))
+        print(f"identity check of layers {new.start}..{new.stop - 1}: {'every new block maps its input to itself bitwise' if ok else 'FAILED'}")
+    return EXIT_OK if ok else EXIT_ERROR
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardtrain.planner import plan
+    from shardtrain.regroup import commit_config
+
+    config = None
+    if args.commit:
+        if not args.store:
+            raise JobError("--commit needs --store")
+        store = shardstore.open_store(args.store, create=False)
+        config, _ = commit_config(store, shardstore.load_commit(store, args.commit))
+    chosen = plan(_memory_model(args, config), _capacities(args, args.workers))  # type: ignore[arg-type]
+    rows = [{"slot": e.slot, "layers": list(e.layers), "parameters": e.parameters, "estimate": e.total,
+             "weights": e.weights, "grads": e.grads, "moments": e.moments, "reference": e.reference,
+             "activations": e.activations, "reserve": e.reserve, "capacity": c, "utilisation": u}
+            for e, c, u in zip(chosen.estimates, chosen.capacities, chosen.utilisations())]
+    if args.json:
+        print(json.dumps({"partition": [[r.start, r.stop] for r in chosen.partition.ranges], "slots": rows,
+                          "max_utilisation": chosen.max_utilisation}))
+        return EXIT_OK
+    print("slot  layers   parameters      estimate      capacity  utilisation")
+    for r in rows:
+        print(f"{r['slot']:>4}  {r['layers'][0]:>2}:{r['layers'][1]:<3}  {r['parameters']:>11,}  {r['estimate'] / 2**20:>9.1f} MiB"
+              f"  {r['capacity'] / 2**20:>9.0f} MiB  {r['utilisation']:>10.1%}")
+    ranges = ",".join(f"{r.start}:{r.stop}" for r in chosen.partition.ranges)
+    print(f"--partition {ranges}  (highest utilisation {chosen.max_utilisation:.1%})")
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="COMMIT", help="explicit commit (id, prefix or ref) every worker must agree on; "
                    "'auto': the run's --ref if it exists, else the job's start (for torchrun --max-restarts)")
     p.add_argument("--every", type=int, metavar="K", help="commit every K updates (and always at N)")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="local workers (default 2); resuming a commit laid out for "
+                   "another count first writes its repartition commit (SPEC.md §15a)")
     p.add_argument("--ref", default="main", help="the ref that follows this run (default main)")
     p.add_argument("--slot-store", type=_slot_store, action="append", metavar="SLOT=STORE",
                    help="restore that slot from its own copy of the commit (shardstore copy --shard)")
@@ -262,6 +389,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=60.0)
 
+    def layout_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--partition", metavar="A:B,B:C,...", help="layer ranges per slot, e.g. 0:3,3:5,5:8")
+        p.add_argument("--plan", action="store_true", help="choose the partition with the capacity planner")
+        p.add_argument("--prepared", metavar="JOB", help="job.json (for --plan: sequence length, batch split)")
+        p.add_argument("--memory", metavar="SIZE[,SIZE...]", help="for --plan: each worker's memory, e.g. 24GiB,16GiB")
+        p.add_argument("--reference", action="store_true", help="for --plan: count a frozen reference model's share (default: if the job distils)")
+        p.add_argument("--ref", help="move this ref from the commit to the new commit")
+
+    p = add("regroup", cmd_regroup, "write a repartition commit: the same learned state on another worker layout")
+    p.add_argument("--store", required=True)
+    p.add_argument("--commit", required=True)
+    p.add_argument("--workers", type=int, help="worker count (an even split unless --partition or --plan)")
+    layout_options(p)
+
+    p = add("grow", cmd_grow, "write a grow commit: append identity blocks copied from one layer")
+    p.add_argument("--store", required=True)
+    p.add_argument("--commit", required=True)
+    p.add_argument("--append", type=int, required=True, metavar="K", help="blocks to append after the last")
+    p.add_argument("--copy-from", type=int, metavar="L", help="layer whose internal weights the new blocks copy (default the last)")
+    p.add_argument("--workers", type=int, help="worker count of the grown layout (default the commit's)")
+    layout_options(p)
+
+    p = add("plan", cmd_plan, "estimate each worker's peak memory and choose the layer assignment")
+    p.add_argument("--prepared", required=True, metavar="JOB")
+    p.add_argument("--store", help="store holding --commit")
+    p.add_argument("--commit", help="plan for this commit's model (e.g. a grown one) instead of the job's")
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--memory", required=True, metavar="SIZE[,SIZE...]")
+    p.add_argument("--reference", action="store_true",
+                   help="count a frozen reference model's share (default: whether the job distils)")
+
     p = add("demo", cmd_demo, "the main job: train, lose a worker, recover exactly, continue, evaluate")
     p.add_argument("--home", help="directory for the job and stores (default: a new temporary directory)")
     return parser
@@ -280,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except RunAborted as exc:
         return _fail(args, exc, EXIT_ABORTED)
-    except (JobError, ResumeError, RoleError, shardstore.ShardstoreError) as exc:
+    except (JobError, ResumeError, RoleError, AdmissionError, TransitionError, shardstore.ShardstoreError) as exc:
         return _fail(args, exc, EXIT_REFUSED)
     except (ShardtrainError, OSError, ValueError) as exc:
         return _fail(args, exc, EXIT_ERROR)

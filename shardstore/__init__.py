@@ -6,7 +6,7 @@ learned-state root, and its id is the full root. Only refs move, by compare-and-
 SPEC.md at the repository root is the normative description.
 """
 from .async_save import AsyncSaver
-from .checkpoint import AUTO, CommitInfo, Restored, SlotState, capture, restore, save, save_slots, write_commit, write_shard
+from .checkpoint import AUTO, CommitInfo, Restored, SlotState, capture, restore, save, save_slots, write_commit, write_shard, write_shard_entries
 from .distributed import agree_on_commit, save_distributed
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
@@ -55,6 +55,7 @@ __all__ = [
     "agree_on_commit",
     "write_commit",
     "write_shard",
+    "write_shard_entries",
     "CopyResult",
     "GcResult",
     "S3Storage",

@@ -13,9 +13,11 @@ given model owns (by name, whatever layout wrote them) out of verified objects.
 """
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import time
+from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from .manifest import (
     Label,
     Transition,
     CommitManifest,
+    GroupSpec,
     OptimEntry,
     OptimizerSpec,
     Payload,
@@ -40,20 +43,22 @@ from .manifest import (
     SlotLayout,
     TensorEntry,
     decode_config,
+    encode,
     encode_config,
     shard_version,
+    tensor_payloads,
 )
 from .dtensor import is_dtensor, local_region, same_split
-from .grid import put_payloads, read_jobs
+from .grid import payload_blocks, put_payloads, read_jobs
 from .names import check_oid, check_ref_name, check_tensor_name
 from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
 from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
 from .store import Store
-from .tensors import dtype_name, torch_dtype
-from .verify import LoadedCommit, load_commit
+from .tensors import dtype_name, hash_bytes, torch_dtype
+from .verify import LoadedCommit, load_commit, shard_problems
 
-__all__ = ["CommitInfo", "check_info", "check_parent", "SlotState", "Restored", "capture", "write_shard", "write_commit", "save_slots", "save", "restore", "AUTO"]
+__all__ = ["CommitInfo", "check_info", "check_parent", "SlotState", "Restored", "capture", "write_shard", "write_shard_entries", "write_commit", "save_slots", "save", "restore", "AUTO"]
 
 AUTO: Any = "auto"
 """Sentinel: take the parent from the ref being moved."""
@@ -245,6 +250,54 @@ def write_shard(
     return sid
 
 
+def write_shard_entries(
+    store: Store,
+    entries: list[TensorEntry],
+    *,
+    groups: list[GroupSpec],
+    algorithm: str,
+    rng: Mapping[str, str],
+    info: CommitInfo,
+    parent: str | None,
+    slot: int,
+    slots: int,
+) -> str:
+    """Write a shard manifest naming objects already in the store; return its id.
+
+    For transitions that move or keep tensors without touching their bytes (a new layout
+    naming the same objects, SPEC.md §15a): ``entries`` are taken as they are
+    (sorted by name here), ``rng`` maps an RNG kind to an existing object id. Every named
+    object must already be present (checked by existence; no payload byte is read), and
+    the manifest must pass the shard rules before it is written.
+    """
+    check_info(info)
+    # every object a payload names: one id, or each block of a chunked payload (SPEC.md §5a)
+    named = [oid for e in entries for _, p, d in tensor_payloads(e) for oid, _box, _n in payload_blocks(p, d, e.shape)]
+    named += list(rng.values())
+    missing = sorted({oid for oid in named if not store.has(oid)})
+    if missing:
+        raise ObjectNotFound(f"slot {slot}: {len(missing)} object(s) named by the new shard manifest are not in the store, "
+                             f"first {missing[0]}")
+    shard = ShardManifest(
+        version=shard_version(entries),
+        job=info.job,
+        step=info.step,
+        parent=parent,
+        config=_config_id(store, info.config),
+        slot=slot,
+        slots=slots,
+        algorithm=algorithm if groups else "none",  # type: ignore[arg-type]
+        groups=tuple(sorted(groups, key=lambda g: g.name)),
+        entries=tuple(sorted(entries, key=lambda e: e.name)),
+        rng=tuple(RngEntry(kind=k, object=v) for k, v in sorted(rng.items())),
+    )
+    for problem in shard_problems(shard, hash_bytes(encode(shard))):  # a reader's rules, before it is written
+        raise problem.error
+    sid = store.put_manifest(shard)
+    store.sync()
+    return sid
+
+
 def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None) -> str:
     """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]); return the commit id."""
     check_parent(store, parent)
@@ -392,6 +445,17 @@ def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: Optim
         optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
 
 
+def _probe_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
+    """Run ``_install_torch``'s checks (algorithm, groups, every tensor's state and group) on a
+    stand-in sharing nothing mutable with ``optimizer``, so that a mismatch is raised before a
+    byte is read into the caller's tensors (SPEC.md §19b)."""
+    probe = copy.copy(optimizer)
+    probe.param_groups = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups]
+    probe.state = defaultdict(dict)
+    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
+    into_torch(probe, {t: n for n, t in params.items()}, bare, group_names=group_names)
+
+
 def _read_all(store: Store, reads: list[tuple[Payload, str, torch.Tensor, str]], threads: int) -> int:
     """Fill each destination (its local slice, for a DTensor) from the blocks it overlaps; bytes read."""
     jobs = []
@@ -456,6 +520,8 @@ def restore(
     if optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
         reads += moment_reads
+        if not hasattr(optimizer, "state_import"):
+            _probe_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
     nread = _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
     if optimizer is not None and state is not None:
         if hasattr(optimizer, "state_import"):

@@ -24,7 +24,7 @@ import torch
 
 from .errors import ManifestError
 from .grid import read_whole
-from .manifest import Payload, TensorEntry, decode_config
+from .manifest import MAX_MANIFEST_BYTES, Payload, TensorEntry, decode_config
 from .optim import hyper_of
 from .store import Store
 from .tensors import expected_nbytes
@@ -234,7 +234,7 @@ def _tensor_stats(store: Store, x: TensorEntry, y: TensorEntry) -> dict[str, Ten
 def _config(store: Store, oid: str | None) -> dict[str, Any] | None:
     if oid is None:
         return None
-    return decode_config(store.get(oid), what=f"model config object {oid}")
+    return decode_config(store.get(oid, limit=MAX_MANIFEST_BYTES), what=f"model config object {oid}")
 
 
 def _field_diffs(store: Store, la: LoadedCommit, lb: LoadedCommit) -> list[FieldDiff]:

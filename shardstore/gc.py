@@ -106,7 +106,7 @@ def _named_by_manifest(store: Store, oid: str) -> set[str]:
     if size is None or size > MAX_MANIFEST_BYTES:
         return set()
     try:
-        manifest = decode(store.get(oid), what=f"object {oid}")
+        manifest = decode(store.get(oid, limit=MAX_MANIFEST_BYTES), what=f"object {oid}")
     except ShardstoreError:
         return set()  # tensor bytes, or not a manifest: names nothing
     names: set[str] = set()
@@ -159,10 +159,14 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8) -
     result.deleted = old
     if not dry_run:
 
+        stale = getattr(store.storage, "delete_stale", None)
+
         def delete(oid: str) -> bool:
-            # Look again just before deleting: a save that found this object present since the
-            # listing has refreshed its mtime (local backend) and is about to name it.
+            # Look again as it is deleted: a writer that found this object present since the
+            # listing has refreshed its mtime (Store.ensure / write_once) and is about to name it.
             key = object_key(oid)
+            if grace_seconds > 0 and stale is not None:  # local: rename away, then look (no window)
+                return bool(stale(key, time.time() - grace_seconds))
             mtime = store.storage.mtime(key)
             if grace_seconds > 0 and (mtime is None or time.time() - mtime < grace_seconds):
                 return False

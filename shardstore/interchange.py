@@ -38,7 +38,7 @@ from .bounded import check_json_nesting, read_regular_file
 from .checkpoint import AUTO, CommitInfo, check_info, check_parent, write_commit
 from .errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
 from .grid import payload_blocks, put_payloads
-from .manifest import Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
+from .manifest import MAX_MANIFEST_BYTES, Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
 from .names import check_ref_name, check_tensor_name
 from .optim import hyper_of
 from .store import Store
@@ -236,7 +236,7 @@ def export_commit(
             index = {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": dict(sorted(weight_map.items()))}
             docs[f"{prefix}.safetensors.index.json"] = json.dumps(index, indent=2).encode() + b"\n"
     if lc.commit.config is not None:
-        config = decode_config(store.get(lc.commit.config), what=f"model config object {lc.commit.config}")
+        config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES), what=f"model config object {lc.commit.config}")
         docs["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
     if with_optimizer:
         docs["optimizer.json"] = _optimizer_doc(lc.commit.step, lc.commit.optimizer, entries)

@@ -77,7 +77,7 @@ def _fsync_dir(path: str) -> None:
 
 
 class LocalStorage:
-    """A store on a local directory, crash-safe and zero-copy (see module docstring)."""
+    """A store on a local directory, crash-safe, reading only bytes it hashed (see module docstring)."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -396,6 +396,40 @@ class LocalStorage:
                 _close_quietly(fd)
             if not renamed:
                 _unlink_quietly(lock)
+
+    def delete_stale(self, key: str, cutoff: float) -> bool:
+        """Delete the object at ``key`` only if its mtime is not after ``cutoff``; True if deleted.
+
+        gc's delete without a window: the file is first renamed away (atomic), so a writer's
+        refresh (``touch``) either lands before the rename — then the time read from the
+        renamed file is young and it is linked back into place — or finds the name gone and
+        the writer writes the object again. (Plain stat-then-unlink would lose an object
+        refreshed in between.) A gc killed between the rename and the link-back leaves the
+        object under ``tmp/``: lost to a writer that refreshed it in that instant only."""
+        path = self._path(key)
+        tmpdir = self._dir("tmp")
+        doomed = os.path.join(tmpdir, f"gc-{secrets.token_hex(8)}")
+        try:
+            os.makedirs(tmpdir, exist_ok=True)
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise self._io("delete", key, e) from None
+        try:
+            if os.lstat(doomed).st_mtime > cutoff:  # refreshed before it was taken: put it back
+                try:
+                    os.link(doomed, path)
+                except FileExistsError:
+                    pass  # written again meanwhile: same name, same bytes
+                return False
+            return True
+        except OSError as e:
+            raise self._io("delete", key, e) from None
+        finally:
+            _unlink_quietly(doomed)
+            with self._lock:
+                self._dirty.add(os.path.dirname(path))
 
     def delete(self, key: str) -> None:
         try:

@@ -72,13 +72,17 @@ def _apply(kind: str, raw: bytes, py: Any, npr: Any, gen: Any) -> None:
         raise ManifestError(f"unknown RNG kind {kind!r}")
 
 
-def check_rng(states: dict[str, bytes | memoryview]) -> None:
+def check_rng(states: dict[str, bytes | memoryview], *, raw_kinds: bool = True) -> None:
     """Refuse (ManifestError) RNG states that ``restore_rng`` could not set, without setting
     any: each is decoded into a fresh generator of its kind. Load paths call this before they
-    write a byte into a caller's tensors (SPEC.md §16); verify calls it on every RNG object."""
+    write a byte into a caller's tensors (SPEC.md §16); verify calls it on every RNG object
+    with ``raw_kinds=False``: the size limit and the Python and NumPy encodings (§10) only,
+    since what torch accepts as a raw generator state depends on the torch build."""
     for kind, raw in states.items():
         if len(raw) > MAX_RNG_BYTES:
             raise ManifestError(f"RNG state {kind!r} is {len(raw)} bytes, over the {MAX_RNG_BYTES}-byte limit (SPEC.md §Limits)")
+        if not raw_kinds and (kind == "torch" or kind.startswith("cuda:")):
+            continue
         try:
             _apply(kind, bytes(raw), random.Random(), np.random.RandomState(), torch.Generator() if not kind.startswith("cuda:") else None)
         except (msgspec.DecodeError, ValueError, TypeError, RuntimeError, OverflowError, UnicodeDecodeError) as e:

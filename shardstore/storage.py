@@ -16,7 +16,7 @@ falls back to ``read`` plus hashing otherwise (the results are the same):
 - ``begin_write`` / ``end_writes``: batched create-only writes with one durability barrier.
 
 Backends:
-- ``LocalStorage`` (``shardstore.local``): a directory, crash-safe and zero-copy.
+- ``LocalStorage`` (``shardstore.local``): a directory, crash-safe; restores read straight into tensors.
 - ``S3Storage`` (``shardstore.s3``): conditional writes through s3fs's client.
 - ``FsspecStorage``: any fsspec filesystem (``memory://`` here; S3 builds on it). Create-only
   and compare-and-swap are serialised by a process-local lock, which is exact for
@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 
 import fsspec
 
-from .errors import ObjectNotFound, RefConflict, StorageError
+from .errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from .names import check_key
 
 __all__ = ["Buffer", "Storage", "FsspecStorage", "open_storage", "show_ref_value"]
@@ -47,7 +47,8 @@ class Storage(Protocol):
     url: str
 
     def read(self, key: str) -> Buffer:
-        """The bytes at ``key`` (zero-copy where possible); ObjectNotFound if absent."""
+        """The bytes at ``key``; ObjectNotFound if absent. Backends may take ``limit=`` too:
+        ObjectTooLarge past it, before allocating (the store passes it when accepted)."""
         ...
 
     def size(self, key: str) -> int | None:
@@ -107,7 +108,11 @@ class FsspecStorage:
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
-    def read(self, key: str) -> Buffer:
+    def read(self, key: str, limit: int | None = None) -> Buffer:
+        if limit is not None:
+            n = self.size(key)
+            if n is not None and n > limit:
+                raise ObjectTooLarge(f"{key} in store {self.url} is {n} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
         try:
             return self.fs.cat_file(self._path(key))
         except FileNotFoundError:

@@ -13,6 +13,7 @@ they become keys.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -24,9 +25,19 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import CorruptObject, ManifestError, ObjectNotFound, ObjectTooLarge, RefConflict, RefNotFound, ShardstoreError, StorageError, StoreConfigError, TargetNotFound
+from .errors import (
+    CorruptObject,
+    InvalidName,
+    ManifestError,
+    ObjectNotFound,
+    ObjectTooLarge,
+    RefConflict,
+    RefNotFound,
+    ShardstoreError,
+    StoreConfigError,
+    TargetNotFound,
+)
 from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
-from .errors import InvalidName
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
 from .tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
@@ -60,6 +71,10 @@ class Store:
     def __init__(self, storage: Storage, *, create: bool = True) -> None:
         self.storage = storage
         self.url = storage.url
+        try:
+            self._read_takes_limit = "limit" in inspect.signature(storage.read).parameters
+        except (TypeError, ValueError):
+            self._read_takes_limit = False
         self.config = self._open_config(create)
 
     def __repr__(self) -> str:
@@ -67,13 +82,17 @@ class Store:
 
     def _open_config(self, create: bool) -> StoreConfig:
         try:
-            raw = self.storage.read("config")
-        except ObjectNotFound:
+            raw = self._read_or_none("config", limit=4096)  # a store config is a few dozen bytes
+        except ObjectTooLarge as e:
+            raise StoreConfigError(str(e)) from None
+        if raw is None:
             if not create:
-                raise StoreConfigError(f"{self.url} is not a shardstore store (no config object)") from None
+                raise StoreConfigError(f"{self.url} is not a shardstore store (no config object)")
             self.storage.write_once("config", encode(StoreConfig(version=FORMAT_VERSION)))
             self.storage.sync()
-            raw = self.storage.read("config")
+            raw = self._read_or_none("config", limit=4096)
+            if raw is None:
+                raise StoreConfigError(f"{self.url}: the store config just written cannot be read back")
         try:
             cfg = decode_manifest(raw, StoreConfig, what=f"store config of {self.url}")
         except ManifestError as e:
@@ -163,7 +182,7 @@ class Store:
         return self.put(tensor_bytes(t))
 
     def get_tensor(self, oid: str, dtype: str, shape: tuple[int, ...], *, what: str = "tensor") -> torch.Tensor:
-        """A verified tensor viewing the object's bytes (a memory map on local stores)."""
+        """A verified tensor viewing the object's bytes (read into memory of its own, then hashed)."""
         return tensor_from_bytes(self.get(oid), dtype, tuple(shape), f"{what} (object {oid})")
 
     def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = 2) -> list[str]:
@@ -282,19 +301,25 @@ class Store:
 
     # -- refs --------------------------------------------------------------------------
 
-    def _read_or_none(self, key: str) -> bytes | None:
-        """The bytes at a ref or pin key, or None if it is absent."""
+    def _read_or_none(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
+        """The bytes at a ref or pin key, or None if it is absent; ObjectTooLarge past ``limit``,
+        before allocating where the backend's ``read`` takes a limit (local, S3, fsspec)."""
         try:
-            return bytes(self.storage.read(key))
+            if self._read_takes_limit:
+                return bytes(self.storage.read(key, limit=limit))  # type: ignore[call-arg]
+            data = bytes(self.storage.read(key))
         except ObjectNotFound:
             return None
+        if len(data) > limit:
+            raise ObjectTooLarge(f"{key} in {self.url} is {len(data)} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
+        return data
 
     def _names_under(self, prefix: str) -> list[str]:
         """Ref or pin names under ``prefix`` (lock files of writers in progress excluded), sorted."""
         return sorted(key[len(prefix) + 1:] for key in self.storage.list(prefix) if not key.endswith(".lock"))
 
     def _ref_raw(self, name: str) -> bytes | None:
-        return self._read_or_none(ref_key(name))
+        return self._read_or_none(ref_key(name), limit=4096)  # a ref is 65 bytes; anything near this is malformed
 
     @staticmethod
     def _parse_ref(name: str, raw: bytes) -> str:

@@ -343,7 +343,7 @@ def _content_problem(store: Store, oid: str, rule: str, have: int | None) -> Sha
         if rule == "config":
             decode_config(store.get(oid, limit=MAX_MANIFEST_BYTES), what="model config")
         else:
-            check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)})
+            check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)}, raw_kinds=False)
     except ShardstoreError as e:
         return e
     return None

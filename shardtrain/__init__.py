@@ -11,6 +11,11 @@ The lifecycle on top: `job` (the prepared job binding tokenizer assets, records,
 and recipe by hash; `tokenizer` and `tasks` are the embedded default's pieces),
 `lifecycle` (train with commits through shardstore, resume, fault handling), `evaluate`
 (held-out loss, greedy generation with a per-stage KV cache, paired bootstrap) and `demo`.
+
+The experiment's pieces: `recipe` (the job's recipe), `loss` (CE plus KL on declared
+replay rows), `ring` (forward-only passes round the ring), `distill` (the frozen
+reference, sharded like the student), `roles` (development and final sets, the selection
+record) and `gates` (gain, retention and generation gates).
 """
 from shardtrain.batch import Batch, Microbatch, split_microbatches
 from shardtrain.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms

@@ -12,7 +12,10 @@
    own store); the survivor and the replacement restore the common commit, replay to the
    end of cohort A on ref `recovery`, and the recovered commit id is compared with the
    uninterrupted one;
-5. cohort B (new records plus declared replay of cohort A) continues `main`;
+5. cohort B (new records plus declared replay of cohort A) continues `main`; the end of
+   cohort A is regrouped onto one more worker (a repartition commit with the same
+   learned-state root, no tensor object written) and the end of cohort B grown by one
+   identity block (checked bitwise), neither trained further;
 6. the seed, the end of cohort A and the end of cohort B are evaluated through the shards
    on the development sets (per-family generated answers, losses) and the development
    gates of both endpoints against the seed are reported and stored;
@@ -37,7 +40,9 @@ from shardstore.transfer import commit_closure
 from shardtrain.errors import RunAborted
 from shardtrain.evaluate import CommitEval, EvalReport, EvalSpec, evaluate
 from shardtrain.gates import GateReport, gate_report, render_gates, thresholds_of, write_gate_report
+from shardtrain.grow import grow, identity_check
 from shardtrain.job import load_job, prepare_default
+from shardtrain.regroup import regroup
 from shardtrain.roles import FINAL, select
 from shardtrain.lifecycle import FAULT_ENV, RunSpec, StepEvent, train
 
@@ -57,6 +62,7 @@ class DemoResult:
     gates: list[GateReport] = field(default_factory=list)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    adaptive_ok: bool = True  # the repartition kept the learned-state root and the grown blocks are the identity
 
     @property
     def equal(self) -> bool:
@@ -98,6 +104,10 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     ref_commits = run("uninterrupted", until=steps_a, ref="main")
     reference, resume_from = ref_commits[steps_a], ref_commits[resume_step]
     say(f"      step {steps_a}: {reference}")
+    kl_coef, temp = job.kl()
+    say(f"      loss: CE on new records + {kl_coef:g} * T^2 * KL(reference || student) at T={temp:g} on "
+        f"{sum(len(s.replay) for s in job.job.schedule.steps[:steps_a])} declared conversation replays, the "
+        f"reference being the seed commit {ref_commits[0][:12]} (restored per slot, no new objects)")
 
     say(f"[2/7] fresh group restores step {resume_step} ({resume_from[:12]}); worker 1 is killed during step "
         f"{crash_step}, after microbatch 0's forward and before the optimizer update")
@@ -132,7 +142,9 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
 
     say(f"[5/7] cohort B: steps {steps_a}-{steps_a + steps_b}, new records plus declared replay (ref main)")
     final = run("cohort B", until=steps_a + steps_b, resume="main", ref="main")[steps_a + steps_b]
-    say(f"      step {steps_a + steps_b}: {final}")
+    say(f"      step {steps_a + steps_b}: {final}; its replays distilled toward the cohort-A endpoint {reference[:12]}")
+
+    adaptive_ok = _adaptive(store, reference, final, workers, say, timings)
 
     seed = ref_commits[0]
     say(f"[6/7] development sets through the shards ({workers} workers): seed, step {steps_a}, step {steps_a + steps_b}")
@@ -144,6 +156,10 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     for line in family_table(report.commits, {seed: "seed", reference: f"step {steps_a}",
                                               final: f"step {steps_a + steps_b}"}):
         say(f"      {line}")
+    dev_loss = [next(x.loss for x in e.losses if x.name == "dev_task") for e in report.commits]
+    say(f"      development task loss (nats per assistant token): {' -> '.join(f'{v:.3f}' for v in dev_loss)} "
+        f"(seed, step {steps_a}, step {steps_a + steps_b}); {max(e.correct for e in report.commits)} of "
+        f"{len(report.commits[-1].cases)} answers right at best (README, \"What the demo learns\")")
     thresholds = thresholds_of(job)
     gates = []
     for cand in (reference, final):
@@ -173,7 +189,32 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     say(f"shardstore verify {store_url}: {'ok' if verified.ok else 'PROBLEMS'} ({len(verified.commits)} commits, "
         f"{verified.objects_checked} objects, {verified.bytes_hashed} bytes re-hashed)")
     return DemoResult(home, store_url, reference, recovered, final, verified.ok, report, final_report, gates,
-                      time.monotonic() - started, timings)
+                      time.monotonic() - started, timings, adaptive_ok)
+
+
+def _adaptive(store: shardstore.Store, reference: str, final: str, workers: int, say: Callable[[str], None],
+              timings: dict[str, float]) -> bool:
+    """Adaptive shards at no training cost: regroup the end of cohort A onto one more worker
+    (ref ``wide``), and grow the end of cohort B by one identity block (ref ``grown``)."""
+    t = time.monotonic()
+    before = set(store.objects())
+    made = regroup(store, reference, workers=workers + 1, ref="wide")
+    tensors = {e.param for e in shardstore.load_commit(store, reference).entries().values()}
+    same = made.learned_root == made.parent_learned_root
+    say(f"[5a] regroup step {made.step} onto {workers + 1} workers (ref wide): repartition commit {made.commit[:16]}, "
+        f"layers {','.join(f'{r.start}:{r.stop}' for r in made.partition.ranges)}")
+    say(f"      learned-state root {made.learned_root} {'EQUALS' if same else 'DIFFERS FROM'} step {made.step}'s "
+        f"{made.parent_learned_root}; {len(set(store.objects()) - before)} new objects (shard manifests, commit, "
+        f"the new slot's RNG), {len(set(made.new_objects) & tensors)} tensor objects written")
+    grown = grow(store, final, 1, ref="grown")
+    layers = grown.partition.num_layers
+    ok = identity_check(store, grown.commit, range(layers - 1, layers))
+    say(f"[5b] grow step {grown.step} by one block copied from layer {layers - 2} (ref grown): grow commit "
+        f"{grown.commit[:16]}, {layers} layers on {grown.partition.num_slots} workers")
+    say(f"      identity check: new layer {layers - 1} maps its input to itself bitwise: {'yes' if ok else 'NO'}; "
+        f"its new parameters are born at step {grown.step} with Adam age 0")
+    timings["adaptive"] = time.monotonic() - t
+    return same and ok
 
 
 def family_table(commits: tuple[CommitEval, ...], labels: dict[str, str]) -> list[str]:

@@ -28,17 +28,17 @@ import torch.nn.functional as F
 
 import shardstore
 from shardstore import Store, load_commit
-from shardstore.manifest import decode_config
+from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain.batch import Batch
 from shardtrain.errors import DistillError
 from shardtrain.job import PreparedJob
 from shardtrain.loss import DistillTargets
 from shardtrain.messages import REFERENCE
-from shardtrain.model import LlamaConfig
+from shardtrain.model import Llama, LlamaConfig
 from shardtrain.partition import Partition, build_stage
 from shardtrain.ring import Ring
 
-__all__ = ["find_reference", "Reference", "Distiller", "reference_steps"]
+__all__ = ["find_reference", "Reference", "Distiller", "reference_steps", "reference_bytes"]
 
 
 def find_reference(store: Store, job: PreparedJob, cohort: str, head: str | None) -> str | None:
@@ -74,6 +74,15 @@ def reference_steps(job: PreparedJob, start: int, until: int) -> set[int]:
     return out
 
 
+def reference_bytes(config: LlamaConfig, num_slots: int, slot: int) -> int:
+    """Bytes of FP32 weights slot `slot` holds for a frozen reference of `config` (no
+    gradients, no moments), without allocating them: what a capacity planner adds per slot."""
+    partition = Partition.even(config.num_hidden_layers, num_slots)
+    with torch.device("meta"):
+        stage = Llama(config, layers=partition.layers(slot), embedding=slot == 0, head=slot == 0)
+    return sum(p.numel() for p in stage.parameters()) * 4
+
+
 class Reference:
     """One slot's share of a frozen reference commit, run forward-only round the ring."""
 
@@ -82,7 +91,7 @@ class Reference:
         lc = load_commit(store, commit)
         if lc.commit.config is None:
             raise DistillError(f"reference commit {commit[:12]} has no model config")
-        config = LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config)))
+        config = LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES)))
         partition = Partition.even(config.num_hidden_layers, num_slots)
         self.commit = lc.id
         self.stage = build_stage(config, partition, slot, seed=0, device=device)

@@ -19,6 +19,8 @@ __all__ = [
     "JobError",
     "ResumeError",
     "RunAborted",
+    "TransitionError",
+    "AdmissionError",
     "RoleError",
     "DistillError",
 ]
@@ -75,6 +77,14 @@ class ResumeError(ShardtrainError):
 
 class RunAborted(ShardtrainError):
     """A run stopped before its last update (a peer was lost); the message names the last committed step."""
+
+
+class TransitionError(ShardtrainError, ValueError):
+    """A repartition or grow transition cannot be made from this commit with these arguments."""
+
+
+class AdmissionError(ShardtrainError):
+    """A worker's estimated peak memory exceeds the memory it really has free; it refused before allocating."""
 
 
 class RoleError(ShardtrainError):

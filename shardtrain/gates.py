@@ -51,7 +51,7 @@ def thresholds_of(job: PreparedJob) -> Thresholds:
 
 class GateRow(msgspec.Struct, frozen=True):
     gate: str  # gain, retention or generation
-    set: str  # the held-out set (generation: "all task sets")
+    set: str  # the held-out set (generation: "N answers", over every task set)
     value: float  # gain/retention: candidate - baseline nats per token; generation: candidate - baseline correct
     bound: float  # gain/retention: the upper one-sided 95% bound; generation: = value
     threshold: float
@@ -91,7 +91,7 @@ def gate_report(report: EvalReport, thresholds: Thresholds, *, baseline: str, ca
             rows.append(GateRow("retention", b.name, diff, upper, thresholds.retention_bound,
                                 upper <= thresholds.retention_bound))
     gained = float(cand.correct - base.correct)
-    rows.append(GateRow("generation", "all task sets", gained, gained, 0.0, gained >= 0))
+    rows.append(GateRow("generation", f"{len(cand.cases)} answers", gained, gained, 0.0, gained >= 0))
     return GateReport(_VERSION, report.job, report.role, base.commit, cand.commit, thresholds.resamples,
                       thresholds.seed, tuple(rows), all(r.passed for r in rows))
 
@@ -100,7 +100,7 @@ def write_gate_report(store: Store, report: GateReport) -> str:
     """Store the report as an object, pinned as ``gates/<job id>/<report id>``; return its id."""
     oid = store.put(_ENC.encode(report))
     store.sync()
-    store.pin(f"gates/{report.job}/{oid}", [oid])
+    store.add_to_pin(f"gates/{report.job}/{oid}", [oid])
     return oid
 
 

@@ -36,6 +36,7 @@ from shardtrain.errors import ConfigError, JobError
 from shardtrain.model import LlamaConfig
 from shardtrain.optim import GroupConfig
 from shardtrain.optim import Schedule as LrSchedule
+from shardtrain.recipe import CohortReference, Distillation, GateRecipe, GroupRecipe, Recipe
 from shardtrain.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
 from shardtrain.tasks import FAMILIES, Record, make_conversations, make_records, record_id
 from shardtrain.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, ByteTokenizer, default_assets, load_tokenizer
@@ -90,55 +91,6 @@ class Asset(_Base):
     name: FileName
     blake3: Hex64
     size: Count
-
-
-class GroupRecipe(_Base):
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")]
-    lr: F64
-    beta1: F64
-    beta2: F64
-    eps: F64
-    weight_decay: F64
-
-
-class CohortReference(_Base):
-    """The frozen reference of one cohort: the job's seed, or the committed endpoint of cohort `of`."""
-
-    cohort: FileName
-    source: Literal["seed", "endpoint"]
-    of: FileName | None
-
-
-class Distillation(_Base):
-    """KL(reference || student) at `temperature` on declared replay records, times `kl_coef` (shardtrain.loss)."""
-
-    kl_coef: F64
-    temperature: F64
-    references: tuple[CohortReference, ...]
-
-
-class GateRecipe(_Base):
-    """The experiment's gates (shardtrain.gates), fixed before training."""
-
-    gain_bound: F64  # the new-task upper bound must lie below this (nats per assistant token)
-    retention_bound: F64  # the retention upper bound must be at most this
-    resamples: Positive  # paired-bootstrap resamples
-    seed: Count  # paired-bootstrap seed
-
-
-class Recipe(_Base):
-    """The recipe: AdamW groups, warm-up/cosine schedule, clipping, batch split, distillation, gates."""
-
-    algorithm: Literal["adamw"]
-    groups: tuple[GroupRecipe, ...]
-    warmup_steps: Count
-    total_steps: Positive
-    min_ratio: F64
-    max_grad_norm: F64 | None
-    batch_size: Positive
-    microbatch_size: Positive
-    distill: Distillation
-    gates: GateRecipe
 
 
 class Step(_Base):
@@ -363,9 +315,9 @@ def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer, config: Ll
         if ref.cohort not in cohorts or (ref.source == "endpoint") != (ref.of is not None) \
                 or (ref.of is not None and (ref.of not in cohorts or ref.of == ref.cohort)):
             raise JobError(f"the recipe's reference for cohort {ref.cohort!r} names no earlier cohort of the schedule")
-    if any(s.replay for s in job.schedule.steps if job.recipe.distill.references and
-           not any(r.cohort == s.cohort for r in job.recipe.distill.references)):
-        raise JobError("a cohort declares replay records but the recipe names no reference for it")
+    for s in job.schedule.steps:
+        if s.replay and not any(r.cohort == s.cohort for r in job.recipe.distill.references):
+            raise JobError(f"cohort {s.cohort!r} declares replay records but the recipe names no reference for it")
     groups = {g.name for g in job.recipe.groups}
     if groups != {"decay", "no_decay"}:
         raise JobError(f"the recipe must define groups 'decay' and 'no_decay', got {sorted(groups)}")

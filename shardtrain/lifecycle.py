@@ -13,6 +13,14 @@ and starts in one of three ways, decided once for the whole group:
   RNG) from the store, or from its own copy of the commit (``slot_stores``, e.g. made
   by ``shardstore.copy_commit(..., slot=K)`` on a replacement host).
 
+Each worker builds its stage from the start commit's layout and model config (a grown
+commit has more layers than its job); a commit laid out for another worker count is
+refused by the workers, while `train` (the local launcher) first writes its repartition
+commit (`regroup`) and resumes from that. Before allocating its stage every worker checks
+the planner's estimate of its slot against the memory it really has free (`admission`),
+and at the end the estimate, the actual peak and the parameters each held go to the
+journal of the run's last commit.
+
 Every check runs on every worker before the first update, and a worker that fails one
 makes all of them stop (``_gate``), so a mismatched shard never trains half a group.
 Commits happen between complete updates only, every ``every`` steps and at ``until``,
@@ -44,15 +52,18 @@ import torch.distributed as dist
 
 import shardstore
 from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
-from shardstore.manifest import decode_config
+from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
+from shardtrain import admission
 from shardtrain.distill import Distiller, reference_steps
-from shardtrain.errors import JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
+from shardtrain.errors import AdmissionError, JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
 from shardtrain.job import PreparedJob, load_job
 from shardtrain.launch import WorkerContext, launch_local
 from shardtrain.model import LlamaConfig
 from shardtrain.optim import AdamW
 from shardtrain.partition import Partition, build_stage, parameter_inventory
 from shardtrain.pipeline import Pipeline
+from shardtrain.planner import for_job
+from shardtrain.regroup import grown_from, regroup, start_layout
 from shardtrain.trainer import Trainer
 
 __all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
@@ -121,6 +132,8 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     parameter_bytes: int
     peak_rss_bytes: int
     seconds: float
+    estimate_bytes: int = 0  # the planner's estimate of this slot's peak (admission checked it)
+    used_bytes: int = 0  # the actual peak above the memory in use at admission (CPU: RSS; CUDA: allocated)
 
 
 def fault_from_env() -> tuple[int, int, int] | None:
@@ -184,7 +197,7 @@ def _same_on_all(flag: bool, rank: int, world: int) -> bool:
 def commit_config(store: Store, lc: LoadedCommit) -> LlamaConfig | None:
     if lc.commit.config is None:
         return None
-    return LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config)))
+    return LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES)))
 
 
 def check_commit(job: PreparedJob, store: Store, lc: LoadedCommit, *, until: int) -> None:
@@ -192,7 +205,7 @@ def check_commit(job: PreparedJob, store: Store, lc: LoadedCommit, *, until: int
     c = lc.commit
     short = lc.id[:12]
     config = commit_config(store, lc)
-    if config != job.config:
+    if config != job.config and not grown_from(job.config, config):
         raise ResumeError(f"commit {short} holds model config {config} but the job's is {job.config}")
     if c.transition == "import":
         return  # weights only: no job, schedule or optimizer state to match
@@ -260,14 +273,16 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     job = load_job(spec.job)
     store = open_store(spec.store)
     own = open_store(dict(spec.slot_stores).get(rank, spec.store))
-    partition = Partition.even(job.config.num_hidden_layers, world)
-    stage = build_stage(job.config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device)
-    optimizer = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
     # One start for the whole group: every worker resolves it, and all must agree (a fresh
     # start included), before anything is restored.
     target = start_target(job, store, spec)
     fresh = gate("agree on a fresh start", rank, world, lambda: _same_on_all(target is None, rank, world))
     cid = None if fresh else shardstore.agree_on_commit(own, target)  # type: ignore[arg-type]
+    config, partition = gate("read the start commit's layout", rank, world, lambda: start_layout(job, own, cid, world))
+    estimate = for_job(job, config).estimate(rank, partition.layers(rank))
+    free, baseline = gate("admit its slot", rank, world, lambda: admission.admit(rank, estimate, ctx.device))
+    stage = build_stage(config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device)
+    optimizer = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
 
     def restore() -> LoadedCommit | None:
         lc = open_start(job, own, cid, until=spec.until)
@@ -296,7 +311,7 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     must_commit = reference_steps(job, step, spec.until)  # endpoints a later cohort of this run distils toward
     trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size,
                       max_grad_norm=job.max_grad_norm(), global_step=step)
-    hf = job.hf_config()
+    hf = config.to_hf_dict()
     commits: list[CommitRecord] = []
     steps: list[StepRecord] = []
     last = (step, parent)
@@ -333,19 +348,26 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         raise RunAborted(f"slot {rank}: run aborted during step {step} ({type(exc).__name__}: {cause}); the last "
                          f"committed step is {last[0]} ({where}); later updates were not committed and no ref "
                          f"names them; resume with --resume {last[1] or '(fresh)'}") from exc
+    inventory = parameter_inventory(stage)
+    usage = admission.Usage(slot=rank, estimate=estimate.total, free=free, baseline=baseline,
+                            peak=admission.peak_bytes(ctx.device), parameters=sum(p.numel() for p in stage.parameters()),
+                            parameter_bytes=sum(inventory.values()))
+    usages = admission.gather_usage(usage, rank, world)
+    if rank == 0 and commits:
+        store.write_journal(commits[-1].id, admission.journal_record(usages))
     if spec.out_dir is not None:
-        inventory = parameter_inventory(stage)
         result = RunResult(rank=rank, job=job.id, start_step=start[0], start_commit=start[1], commits=tuple(commits),
-                           steps=tuple(steps), parameters=sum(p.numel() for p in stage.parameters()),
-                           parameter_bytes=sum(inventory.values()),
+                           steps=tuple(steps), parameters=usage.parameters, parameter_bytes=usage.parameter_bytes,
                            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                           seconds=time.monotonic() - started)
+                           seconds=time.monotonic() - started, estimate_bytes=estimate.total,
+                           used_bytes=usage.used)
         with open(os.path.join(spec.out_dir, f"rank{rank}.json"), "wb") as f:
             f.write(msgspec.json.encode(result))
 
 
 _REJECTIONS = ("ResumeError", "JobError", "CommitProtocolError", "CorruptObject", "ObjectNotFound", "BindingError",
-               "TensorMismatch", "StateMismatch", "ManifestError", "TargetNotFound", "CursorError", "LayoutError")
+               "TensorMismatch", "StateMismatch", "ManifestError", "TargetNotFound", "CursorError", "LayoutError",
+               "AdmissionError", "TransitionError")
 
 
 def _raise_failure(err: WorkerFailedError) -> None:
@@ -354,6 +376,8 @@ def _raise_failure(err: WorkerFailedError) -> None:
     lines = [f if f.startswith(("RunAborted", *_REJECTIONS)) else f"worker {r}: {f}" for r, f in firsts.items()]
     if any(f.startswith("RunAborted") for f in firsts.values()):
         raise RunAborted("\n".join(lines)) from err
+    if any(f.startswith("AdmissionError") for f in firsts.values()):
+        raise AdmissionError("\n".join(lines)) from err
     if all(f.startswith(_REJECTIONS) for f in firsts.values()):
         raise ResumeError("\n".join(lines)) from err
     raise err
@@ -375,6 +399,12 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
     store = open_store(spec.store)
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
     check_ref(store, spec.ref, None if lc is None else lc.id)
+    if lc is not None and lc.commit.transition != "import" and len(lc.shards) != workers:
+        if spec.slot_stores:
+            raise ResumeError(f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, not {workers}, and slots "
+                              f"are restored from their own stores: run shardtrain regroup first, then copy --shard")
+        made = regroup(store, lc.id, workers=workers, ref=spec.ref if store.ref(spec.ref) == lc.id else None)
+        spec, lc = RunSpec(**{**spec.__dict__, "resume": made.commit}), load_commit(store, made.commit)
     store_job_files(job, store)
     with tempfile.TemporaryDirectory(prefix="shardtrain-run-") as out:
         run = RunSpec(**{**spec.__dict__, "out_dir": out})

@@ -27,7 +27,9 @@ class Ring:
 
     def __init__(self, stage: Llama, partition: Partition, slot: int, *, timeout: float, kind: int = ACTIVATION) -> None:
         self.stage, self.config, self.slot, self.n = stage, stage.config, slot, partition.num_slots
-        self.channel = Channel(slot, timeout=timedelta(seconds=timeout), max_elements=1 << 26) if self.n > 1 else None
+        device = next(stage.parameters()).device
+        self.channel = Channel(slot, timeout=timedelta(seconds=timeout), max_elements=1 << 26,
+                               device=device) if self.n > 1 else None
         self.calls = 0
         self.kind = kind  # the message kind (and so the tag) of this ring's activations
 

@@ -140,7 +140,7 @@ def select(store: Store, job: str, commit: str) -> str:
                         f"{current.commit[:12] if current else '?'}; a second selection is refused")
     oid = store.put(_ENC.encode(Selection(version=_VERSION, job=job, commit=commit)))
     store.sync()
-    store.pin(_selection_pin(job), [oid])
+    store.pin(_selection_pin(job), [oid], expected=store.pinned(_selection_pin(job)))  # compare-and-swap
     return oid
 
 
@@ -155,5 +155,9 @@ def open_finals(store: Store, job: str, candidate: str) -> Selection:
                         f"for the selected commit")
     ids = store.pinned(_selection_pin(job))
     if not finals_opened(store, job):
-        store.pin(_opened_pin(job), list(ids or ()))
+        store.add_to_pin(_opened_pin(job), list(ids or ()))
+        # A `select` racing with this opening may have replaced the selection in between:
+        # the opening holds only if the selection it recorded is still the current one.
+        if store.pinned(_selection_pin(job)) != ids or set(store.pinned(_opened_pin(job)) or ()) != set(ids or ()):
+            raise RoleError(f"job {job[:12]}'s selection changed while its final sets were being opened")
     return sel

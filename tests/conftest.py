@@ -78,3 +78,6 @@ def trained():
     opt = make_optimizer(model)
     train_steps(model, opt, 3)
     return model, opt
+
+
+from adaptive_fixtures import adaptive_run  # noqa: E402,F401  (session-scoped: shared by test_regroup and test_grow)

@@ -236,3 +236,35 @@ def test_two_slot_commit_continues_bitwise_in_a_fresh_model(store, trained):
     train_steps(model, opt, 5, seed=9)
     train_steps(fresh, fresh_opt, 5, seed=9)
     _assert_same(model, fresh, opt, fresh_opt)
+
+
+def test_write_shard_entries_relays_existing_objects_without_reading_them(store, trained):
+    """A new layout of a commit's entries (SPEC.md §15a): same learned-state root; missing objects
+    and entries that break the shard rules are refused before a manifest is written."""
+    import msgspec
+
+    from shardstore.manifest import OptimEntry
+
+    model, opt = trained
+    cid = ss.save(store, model, opt, step=3, ref=None)
+    lc = ss.load_commit(store, cid)
+    entries = sorted(lc.entries().values(), key=lambda e: e.name)
+    info = ss.CommitInfo(step=3, transition="repartition")
+    groups = list(lc.commit.optimizer.groups)
+    halves = [entries[: len(entries) // 2], entries[len(entries) // 2:]]
+    used = [[g for g in groups if any(e.optim and e.optim.group == g.name for e in half)] for half in halves]
+    before = set(store.objects())
+    shards = [ss.write_shard_entries(store, half, groups=used[i], algorithm=lc.commit.optimizer.algorithm, rng={},
+                                     info=info, parent=cid, slot=i, slots=2) for i, half in enumerate(halves)]
+    new = ss.write_commit(store, shards, info=info, parent=cid)
+    assert store.commit(new).learned_root == lc.commit.learned_root
+    assert set(store.objects()) - before == {*shards, new}  # manifests only: no payload was written
+    ghost = msgspec.structs.replace(entries[0], param="ab" * 32)
+    with pytest.raises(ss.ObjectNotFound, match="not in the store"):
+        ss.write_shard_entries(store, [ghost], groups=[], algorithm="none", rng={}, info=info, parent=cid, slot=0, slots=1)
+    trained_entry = next(e for e in entries if e.optim is not None)
+    skewed = msgspec.structs.replace(trained_entry, optim=msgspec.structs.replace(trained_entry.optim, birth=1))
+    assert isinstance(skewed.optim, OptimEntry)
+    with pytest.raises(ss.CursorError, match="Adam age"):
+        ss.write_shard_entries(store, [skewed], groups=[g for g in groups if g.name == skewed.optim.group],
+                               algorithm=lc.commit.optimizer.algorithm, rng={}, info=info, parent=cid, slot=0, slots=1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +26,10 @@ def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_
     assert "the last committed step is 16" in out and "worker 1: exited with code 3" in out
     assert "ref 'recovery' is absent: no uncommitted update reached a ref" in out
     assert "shardstore verify" in out and ": ok (" in out
+    wide = [line for line in out.splitlines() if line.strip().startswith("learned-state root")]
+    assert len(wide) == 1 and re.search(r" EQUALS step \d+'s ", wide[0]) and ", 0 tensor objects written" in wide[0]
+    assert wide[0].split()[2] == wide[0].split()[6].rstrip(";")  # the repartition commit's root and step 16's, printed in full
+    assert "identity check: new layer 4 maps its input to itself bitwise: yes" in out
     assert "one-sided 95% bounds" in out and "generated correct" in out
     assert "committed" in proc.stderr  # the coordinator's progress lines
     assert elapsed < 180, elapsed
@@ -127,6 +132,7 @@ def test_torchrun_workers_commit_what_the_local_launcher_commits(tmp_path: Path)
     local = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job, "--store", str(tmp_path / "local"),
                  "--until", "3", "--every", "2", timeout=120)
     assert local.returncode == 0, local.stderr[-3000:]
+    assert local.stderr.count("estimated peak") == 2 and "MiB above admission" in local.stderr  # estimate beside actual
     import shardstore
 
     refs = [shardstore.open_store(str(tmp_path / d)).refs() for d in ("torchrun", "local")]

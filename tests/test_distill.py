@@ -21,7 +21,7 @@ from shardtrain_helpers import DETERMINISTIC_ENV, GROUPS_JSON, make_batch, read_
 
 import shardstore
 from shardtrain import Partition, build_stage, canonical_parameter_names, launch_local, lr_multiplier
-from shardtrain.distill import Reference
+from shardtrain.distill import Reference, reference_bytes
 from shardtrain.loss import DistillTargets, microbatch_loss
 from shardtrain.optim import Schedule
 
@@ -145,6 +145,8 @@ def test_sharded_ce_plus_kl_matches_one_process(runs: dict, oracle: Any, n: int)
     full = sum(p.numel() for p in build_stage(tiny_config(), Partition.even(4, 1), 0, seed=0).parameters())
     assert all(m["reference_params"] < full for m in metas)
     assert sum(m["reference_params"] for m in metas) == full
+    # ...and what each held is what a planner is told, computed without allocating anything.
+    assert [m["reference_params"] * 4 for m in metas] == [reference_bytes(tiny_config(), n, s) for s in range(n)]
 
 
 def test_microbatching_and_replay_placement_do_not_change_the_loss() -> None:

@@ -109,3 +109,19 @@ def test_batches_follow_the_schedule(job_path: str) -> None:
     assert batch.weights[0, :n].tolist() == w[1:] and float(batch.weights[0, n:].sum()) == 0.0
     with pytest.raises(JobError, match="outside the job's schedule"):
         job.batch(6)
+
+
+def test_the_recipe_names_a_reference_for_every_cohort_that_replays(job_path: str, tmp_path: Path) -> None:
+    job = load_job(job_path)
+    assert [(r.cohort, r.source, r.of) for r in job.job.recipe.distill.references] == [("A", "seed", None),
+                                                                                      ("B", "endpoint", "A")]
+    assert job.kl() == (0.5, 1.0) and job.cohort_end("A") == 4
+    for refs, message in (((), "cohort 'A' declares replay records but the recipe names no reference"),
+                          ((msgspec.structs.replace(job.job.recipe.distill.references[0], cohort="B", source="endpoint",
+                                                    of="B"),), "reference for cohort 'B' names no earlier cohort")):
+        recipe = msgspec.structs.replace(job.job.recipe, distill=msgspec.structs.replace(job.job.recipe.distill,
+                                                                                           references=refs))
+        path = _copy(job_path, tmp_path)
+        path.write_bytes(_ENC.encode(msgspec.structs.replace(job.job, recipe=recipe)))
+        with pytest.raises(JobError, match=message):
+            load_job(path)

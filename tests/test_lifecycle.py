@@ -271,3 +271,18 @@ def test_two_runs_of_one_job_pin_it_concurrently(tmp_path: Path) -> None:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda _: store_job_files(job, store), range(2)))  # neither raises
         assert store.pinned(f"jobs/{job.id}") is not None and job.id in store.pinned(f"jobs/{job.id}")
+
+
+def test_each_cohort_finds_its_reference_on_the_run_s_chain(run: SimpleNamespace) -> None:
+    """Cohort A distils toward the step-0 seed commit, cohort B toward the committed end of A."""
+    from shardtrain.distill import find_reference, reference_steps
+
+    job = load_job(run.job)
+    assert find_reference(run.store, job, "A", run.commits[8]) == run.commits[0]
+    assert find_reference(run.store, job, "A", run.commits[4]) == run.commits[0]
+    assert find_reference(run.store, job, "B", run.commits[8]) == run.commits[8]  # the end of cohort A is step 8
+    from shardtrain.errors import DistillError
+
+    with pytest.raises(DistillError, match="cohort B's reference, cohort A's endpoint .step 8., is not on the chain"):
+        find_reference(run.store, job, "B", run.commits[4])
+    assert reference_steps(job, 0, 12) == {8} and reference_steps(job, 8, 12) == set()

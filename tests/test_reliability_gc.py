@@ -177,11 +177,11 @@ def test_copy_and_gc_in_two_processes(tmp_path: Any) -> None:
     destination must hold the commit's whole closure."""
     import random
 
-    src, dst, root, cid = _copy_fixture(tmp_path, junk=400)
+    src, dst, root, cid = _copy_fixture(tmp_path, junk=200)
     closure = ss.transfer.commit_closure(ss.load_commit(src, cid)).ids()
     rng = random.Random(12)
-    for rnd in range(8):
-        delay = rng.uniform(0.0, 0.04)
+    for rnd in range(6):
+        delay = rng.uniform(0.0, 0.03)
         pids = []
         for who in ("gc", "copy"):
             pid = os.fork()
@@ -202,5 +202,21 @@ def test_copy_and_gc_in_two_processes(tmp_path: Any) -> None:
             assert not missing, (rnd, delay, missing)
             dst.delete_ref("main", expected=cid)
         ss.copy_commit(src, dst, cid)  # restore the closure for the next round (unreachable again)
-        _junk(root, 400)
+        _junk(root, 200)
         _age(dst, 2 * HOUR)
+
+
+def test_local_delete_stale_keeps_an_object_refreshed_before_it_is_taken(tmp_path: Any) -> None:
+    """gc's local delete renames the object away before it looks at its time, so a refresh
+    can never fall between the look and the delete (the window the two-process race hit)."""
+    store = ss.open_store(str(tmp_path / "s"))
+    old, young = store.put(b"old garbage"), store.put(b"refreshed by a writer")
+    _age(store, 2 * HOUR)
+    store.ensure(young)
+    storage = store.storage
+    assert isinstance(storage, LocalStorage)
+    cutoff = time.time() - HOUR
+    assert storage.delete_stale(object_key(old), cutoff) is True and not store.has(old)
+    assert storage.delete_stale(object_key(young), cutoff) is False and store.get(young) == b"refreshed by a writer"
+    assert storage.delete_stale(object_key(old), cutoff) is False  # already gone
+    assert list(storage.list("tmp")) == []

@@ -159,12 +159,12 @@ def test_pin_cas_refuses_a_stale_expected_value(tmp_path: Any) -> None:
 
 def test_concurrent_copy_pin_loses_no_update(tmp_path: Any) -> None:
     """K processes each ``copy_commit(..., pins=["jobs/j"])`` from their own source into one
-    destination whose pin is large (so that a read-modify-write takes a while), all at once,
+    destination whose pin is large (10,000 ids, so that a read-modify-write takes a while), all at once,
     round after round: the destination's pin ends holding every object any copy pinned."""
     k, rounds = 4, 2
     dst_root = str(tmp_path / "dst")
     dst = ss.open_store(dst_root)
-    dst.pin("jobs/j", _fake_ids(20_000, "held"), expected=None)
+    dst.pin("jobs/j", _fake_ids(10_000, "held"), expected=None)
     sources = []
     for i in range(k):
         src = ss.open_store(str(tmp_path / f"src{i}"))

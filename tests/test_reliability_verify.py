@@ -24,7 +24,7 @@ from shardstore.local import LocalStorage
 import msgspec
 
 from faults import OpLog
-from shardstore.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, SlotLayout, encode
+from shardstore.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, SlotLayout
 from shardstore.roots import learned_root
 from shardstore.store import object_key
 from shardstore.tensors import hash_bytes, new_hasher, tensor_bytes
@@ -188,16 +188,28 @@ def test_a_bad_model_config_is_found_by_verify_and_refused_before_restore_writes
     _untouched_restore(store, bad, ss.ManifestError)
 
 
-@pytest.mark.parametrize("rng", [b"\0" * (2 << 20), b"not a torch state"], ids=["2MiB", "junk"])
-def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(base: Any, rng: bytes) -> None:
+@pytest.mark.parametrize("kind, rng", [("torch", b"\0" * (2 << 20)), ("python", b"not a python state"), ("numpy", b'{"bit_generator":"MT19937"}')],
+                         ids=["torch-2MiB", "python-junk", "numpy-junk"])
+def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(base: Any, kind: str, rng: bytes) -> None:
     store, cid = base
     oid = store.put(rng)
     sh = _shard(store, cid)
-    entries = tuple(msgspec.structs.replace(r, object=oid) if r.kind == "torch" else r for r in sh.rng)
+    entries = tuple(msgspec.structs.replace(r, object=oid) if r.kind == kind else r for r in sh.rng)
     bad = _forge(store, [msgspec.structs.replace(sh, rng=entries)])
     report = ss.verify(store, [bad])
     assert [p.object for p in report.problems] == [oid], [str(p) for p in report.problems]
     assert issubclass(type(report.problems[0].error), ss.ManifestError)
+    _untouched_restore(store, bad, ss.ManifestError, rng=True)
+
+
+def test_a_torch_rng_state_torch_cannot_set_is_refused_before_restore_writes(base: Any) -> None:
+    """verify checks a raw torch state's size limit only (what torch accepts depends on its
+    build); restore checks that torch can set it, before writing a tensor."""
+    store, cid = base
+    oid = store.put(b"sixteen bytes!!!")
+    sh = _shard(store, cid)
+    bad = _forge(store, [msgspec.structs.replace(sh, rng=tuple(msgspec.structs.replace(r, object=oid) if r.kind == "torch" else r for r in sh.rng))])
+    assert ss.verify(store, [bad]).ok
     _untouched_restore(store, bad, ss.ManifestError, rng=True)
 
 
@@ -239,3 +251,21 @@ def test_a_repeated_shard_manifest_is_refused_before_reading(base: Any) -> None:
     with pytest.raises(ss.LayoutError):
         gc(counted, grace_seconds=3600, dry_run=True)
     assert sum(1 for op, key, _ in log.log if key.endswith(sid)) == 0
+
+
+def test_an_optimizer_that_does_not_match_is_refused_before_restore_writes(tmp_path: Any) -> None:
+    """Group names are checked (on a stand-in of the optimizer) before any tensor is read;
+    before the fix the parameters were overwritten, then StateMismatch was raised."""
+    store = ss.open_store(str(tmp_path / "s"))
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([{"params": [w], "name": "decay"}])
+    w.grad = torch.ones(4)
+    opt.step()
+    cid = ss.save(store, {"w": w}, opt, step=1, rng=False)
+    dest = torch.nn.Parameter(torch.full((4,), 7.0))
+    other = torch.optim.AdamW([{"params": [dest], "name": "other", "lr": torch.tensor(0.5)}])
+    with pytest.raises(ss.StateMismatch, match="other"):
+        ss.restore(store, cid, {"w": dest}, other)
+    assert bool((dest == 7.0).all()) and float(other.param_groups[0]["lr"]) == 0.5 and not other.state
+    ss.restore(store, cid, {"w": dest}, torch.optim.AdamW([{"params": [dest], "name": "decay"}]))
+    assert torch.equal(dest, w)

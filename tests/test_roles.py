@@ -109,3 +109,26 @@ def test_development_retention_may_be_exposed_replay_but_final_sets_never_are(ru
     final_prompts = {job.records[d].messages[0].content for n in ("final_task", "final_retention")
                      for d in sets[n].docs}
     assert not final_prompts & {job.records[d].messages[0].content for d in trained}
+
+
+def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace) -> None:
+    from shardtrain.gates import gate_report, thresholds_of
+
+    base, cand = run.commits
+    expected = gate_report(_eval(run, DEVELOPMENT), thresholds_of(run.job), baseline=base, candidate=cand)
+    code = main(["gate", "--store", run.url, "--baseline", base, "--candidate", cand, "--workers", "1", "--cases", "1",
+                 "--max-new-tokens", "2"])
+    assert code == (0 if expected.passed else 5)
+    reports = [n for n in run.store.pin_names() if n.startswith(f"gates/{run.job.id}/")]
+    assert len(reports) == 1
+    from shardtrain.gates import GateReport
+
+    stored = msgspec.json.decode(bytes(run.store.get(reports[0].split("/")[-1])), type=GateReport)
+    # The same figures as the in-process evaluation (up to the kernels this process picked),
+    # and the thresholds of the job's recipe.
+    assert (stored.job, stored.baseline, stored.candidate, stored.passed) == (run.job.id, base, cand, expected.passed)
+    for got, want in zip(stored.rows, expected.rows, strict=True):
+        assert (got.gate, got.set, got.threshold, got.passed) == (want.gate, want.set, want.threshold, want.passed)
+        assert got.bound == pytest.approx(want.bound, rel=1e-5, abs=1e-7)
+    assert [r.threshold for r in stored.rows] == [-0.001, 0.02, 0.0]
+    assert main(["gate", "--store", run.url, "--baseline", base, "--candidate", cand, "--final", "--workers", "1"]) == 4

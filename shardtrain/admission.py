@@ -1,0 +1,133 @@
+"""Admission: each worker checks its slot's estimate against memory it really has free.
+
+Advertised capacity is not proof of available memory, so before a worker allocates its
+stage it compares the planner's estimate of its slot (`planner.SlotEstimate.total`) with
+what is free on its device *now*: on CUDA, the free bytes `torch.cuda.mem_get_info`
+reports; on the CPU, the host's available memory (``MemAvailable`` in /proc/meminfo,
+which counts reclaimable page cache; the free page count where there is no /proc). A
+worker whose estimate exceeds that refuses with `AdmissionError` naming its slot, the
+estimate and the free bytes; the lifecycle runs the check on every worker through its
+collective gate, so one refusal stops the whole group before anything is allocated or
+committed. ``SHARDTRAIN_FREE_MEMORY`` overrides the free figure for tests: a byte count
+for every slot, or ``slot=bytes,...`` for some.
+
+After training, each worker's actual peak (CUDA: `torch.cuda.max_memory_allocated`;
+CPU: the peak resident set size, and its increase over the resident size at admission,
+which is what the estimate predicts) and the parameters it held are gathered and written
+to the store's journal for the run's last commit (unhashed, SPEC.md §Journal).
+"""
+from __future__ import annotations
+
+import os
+import resource
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from shardtrain.errors import AdmissionError, JobError
+from shardtrain.planner import SlotEstimate
+
+__all__ = ["FREE_MEMORY_ENV", "Usage", "free_memory", "admit", "peak_bytes", "gather_usage", "journal_record"]
+
+FREE_MEMORY_ENV = "SHARDTRAIN_FREE_MEMORY"
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's estimate beside what it really used."""
+
+    slot: int
+    estimate: int  # bytes, the planner's estimate of this slot's peak
+    free: int  # bytes free on the device at admission
+    baseline: int  # resident bytes (CPU) or allocated bytes (CUDA) at admission
+    peak: int  # peak resident bytes (CPU) or peak allocated bytes (CUDA)
+    parameters: int  # elements this worker held
+    parameter_bytes: int
+
+    @property
+    def used(self) -> int:
+        """The peak above the baseline: what the estimate predicts."""
+        return self.peak - self.baseline
+
+
+def _override(slot: int) -> int | None:
+    raw = os.environ.get(FREE_MEMORY_ENV)
+    if not raw:
+        return None
+    try:
+        if "=" not in raw:
+            return int(raw)
+        parts = {int(k): int(v) for k, v in (p.split("=", 1) for p in raw.split(","))}
+    except ValueError:
+        raise JobError(f"{FREE_MEMORY_ENV}={raw!r}: expected BYTES or SLOT=BYTES[,SLOT=BYTES...]") from None
+    return parts.get(slot)
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).decode("ascii", "replace").splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def free_memory(device: torch.device, slot: int = 0) -> int:
+    """Bytes free for this worker now (or the test override for `slot`)."""
+    override = _override(slot)
+    if override is not None:
+        return override
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return _host_available()
+
+
+def _current(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read(4096).split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return peak_bytes(device)
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on CUDA; the process's peak resident set size on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def admit(slot: int, estimate: SlotEstimate, device: torch.device) -> tuple[int, int]:
+    """(free bytes, baseline bytes) if `estimate` fits what is free; AdmissionError otherwise."""
+    free = free_memory(device, slot)
+    if estimate.total > free:
+        raise AdmissionError(
+            f"slot {slot}: estimated peak {estimate.total:,} bytes (weights {estimate.weights:,}, grads "
+            f"{estimate.grads:,}, Adam moments {estimate.moments:,}, reference {estimate.reference:,}, activations "
+            f"{estimate.activations:,}, reserve {estimate.reserve:,}) exceeds the {free:,} bytes free on {device}; "
+            f"refused before allocating (layers {estimate.layers[0]}:{estimate.layers[1]}; plan another partition "
+            f"with shardtrain plan, or use more workers)")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return free, _current(device)
+
+
+def gather_usage(mine: Usage, rank: int, world: int) -> list[Usage]:
+    """Every worker's `Usage`, in slot order (a collective when world > 1)."""
+    fields = ("slot", "estimate", "free", "baseline", "peak", "parameters", "parameter_bytes")
+    row = torch.tensor([getattr(mine, f) for f in fields], dtype=torch.int64)
+    if world == 1:
+        return [mine]
+    rows = [torch.zeros_like(row) for _ in range(world)]
+    dist.all_gather(rows, row)
+    return [Usage(**dict(zip(fields, (int(v) for v in r.tolist())))) for r in rows]
+
+
+def journal_record(usages: list[Usage]) -> dict[str, Any]:
+    """The journal entry of a run's workers: estimate, free, baseline, peak and parameters per slot."""
+    return {"workers": [{**msgspec.to_builtins(u), "used": u.used} for u in usages]}
