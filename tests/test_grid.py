@@ -350,3 +350,23 @@ def test_tools_understand_chunked_payloads(chunked, tmp_path, capsys):
     assert main(["show", str(tmp_path / "s"), b, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["commit"]["version"] == 2 and shown["totals"]["objects"] == 3 * 3  # weight: 2 blocks x 3, bias: 1 x 3
+
+
+def test_metadata_only_repartition_of_a_chunked_commit_writes_no_tensor_bytes(chunked):
+    from shardstore.checkpoint import write_shard_entries
+
+    store, cid, _, _ = chunked
+    lc = ss.load_commit(store, cid)
+    entries = sorted(lc.entries().values(), key=lambda e: e.name)
+    before = set(store.objects())
+    info = ss.CommitInfo(step=lc.commit.step, job=lc.commit.job, transition="repartition")
+    groups = list(lc.commit.optimizer.groups)
+    sids = [
+        write_shard_entries(store, [e], groups=[g for g in groups if g.name == e.optim.group], algorithm=lc.commit.optimizer.algorithm,
+                            rng={}, info=info, parent=cid, slot=i, slots=2)
+        for i, e in enumerate(entries)
+    ]  # fmt: skip
+    new = ss.write_commit(store, sids, info=info, parent=cid)
+    assert store.commit(new).learned_root == lc.commit.learned_root and store.commit(new).version == 2
+    assert set(store.objects()) - before == {new, *sids}  # manifests only
+    assert ss.verify(store, [new]).ok
