@@ -404,7 +404,7 @@ def _empty_like(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...])
 
 def _plan_optim(
     lc: LoadedCommit, names: list[str], optimizer: Any, targets: dict[str, torch.Tensor]
-) -> tuple[OptimState, list[tuple[str, torch.Tensor, str]]]:
+) -> tuple[OptimState, list[tuple[Payload, str, torch.Tensor, str]]]:
     """Canonical optimizer state whose moments are destination tensors, and the reads that fill them.
 
     For a torch optimizer, a moment is read into the optimizer's existing state tensor when
