@@ -193,6 +193,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     from shardstore.grid import payload_blocks
     from shardstore.manifest import tensor_payloads
     from shardstore.optim import hyper_of
+    from shardstore.state_diff import extra_state_view, hyper_groups
+    from shardstore.torch_optim import state_objects
 
     store = _open(args.store)
     lc = ss.load_commit(store, args.target)
@@ -206,17 +208,30 @@ def cmd_show(args: argparse.Namespace) -> int:
             nbytes += n
             if e.optim is not None and e.optim.moment_dtype is not None and e.optim.exp_avg is not None:
                 nbytes += 2 * expected_nbytes(e.optim.moment_dtype, e.shape)
+            nbytes += sum(size for _, size, _ in state_objects(e))
             objects += sum(len(payload_blocks(p, d, e.shape)) for _, p, d in tensor_payloads(e))  # blocks of chunked payloads
+            objects += sum(1 for _ in state_objects(e))
         layout.append(
             {"slot": lay.slot, "shard": lay.shard, "tensors": len(shard.entries), "elements": elements, "bytes": nbytes, "objects": objects}
         )
     totals = {k: sum(s[k] for s in layout) for k in ("tensors", "elements", "bytes", "objects")}
-    optimizer = {"algorithm": lc.commit.optimizer.algorithm, "groups": {g.name: vars(hyper_of(g)) for g in lc.commit.optimizer.groups}}
+    spec = lc.commit.optimizer
+    optimizer = {
+        "algorithm": spec.algorithm,
+        "class": spec.torch_optimizer.class_name if spec.torch_optimizer else None,
+        "groups": {g.name: vars(hyper_of(g)) for g in spec.groups} | hyper_groups(spec.torch_optimizer),
+        "state_keys": sorted({t.key for e in lc.entries().values() if e.state for t in (*e.state.tensors, *e.state.scalars)}),
+    }
+    buffers = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "slot": lc.owner()[e.name]} for e in sorted(lc.entries().values(), key=lambda e: e.name) if e.kind == "buffer"]
+    extras = [{"key": x.key, "slot": None, "state": extra_state_view(store, x)} for x in lc.commit.extras]
+    extras += [{"key": x.key, "slot": s, "state": extra_state_view(store, x)} for s, sh in sorted(lc.shards.items()) for x in sh.extras]
     doc = {
         "id": lc.id,
         "refs": _refs_by_commit(store).get(lc.id, []),
         "commit": lc.commit,
         "optimizer": optimizer,
+        "buffers": buffers,
+        "extras": extras,
         "layout": layout,
         "totals": totals,
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,6 +87,16 @@ def _entry_text(e: dict[str, Any] | None) -> str:
     return text
 
 
+def _scalars(e: dict[str, Any]) -> dict[str, Any]:
+    """A torch-form entry's scalar state, decoded for display."""
+    st = e.get("state") or {}
+    out = {}
+    for x in st.get("scalars", []):
+        v = x.get("value")
+        out[x["key"]] = struct.unpack(">d", bytes.fromhex(v[4:]))[0] if isinstance(v, str) and v.startswith("f64:") else v
+    return out
+
+
 def _tensor_lines(t: dict[str, Any]) -> list[str]:
     b, a = t["before"], t["after"]
     if t["status"] == "added":
@@ -106,7 +117,15 @@ def _tensor_lines(t: dict[str, Any]) -> list[str]:
         if key in t["changes"]:
             details.append(key)
     if "optimizer state" in t["changes"]:
-        details.append("optimizer state " + ("added" if not ob else "removed"))
+        had = bool(ob) or b.get("state") is not None
+        details.append("optimizer state " + ("removed" if had else "added"))
+    if "kind" in t["changes"]:
+        details.append(f"kind {b.get('kind', 'param')} -> {a.get('kind', 'param')}")
+    sb, sa = _scalars(b), _scalars(a)
+    for change in t["changes"]:
+        if change.startswith("state "):
+            key = change[len("state "):]
+            details.append(f"{change} {_num(sb[key])} -> {_num(sa[key])}" if key in sb and key in sa else change)
     lines = [f"  changed  {t['name']}  " + "; ".join(details)]
     for role, s in t["stats"].items():
         lines.append(f"           {role}: max |diff| {_num(s['max_abs_diff'])}, relative L2 change {_num(s['rel_l2'])}")
@@ -167,12 +186,21 @@ def render_show(doc: dict[str, Any]) -> str:
         ("model config", c["config"] or "-"),
         ("learned-state root", c["learned_root"]),
         ("format version", c["version"]),
-        ("optimizer", doc["optimizer"]["algorithm"]),
+        ("optimizer", doc["optimizer"]["algorithm"] + (f" ({doc['optimizer']['class']})" if doc["optimizer"].get("class") else "")),
     ]
     width = max(len(k) for k, _ in fields)
     out = [f"{k.ljust(width)}  {v}" for k, v in fields]
     for name, h in doc["optimizer"]["groups"].items():
         out.append(f"{''.ljust(width)}  group {name}: " + ", ".join(f"{k} {_num(v)}" for k, v in h.items()))
+    if doc["optimizer"].get("state_keys"):
+        out.append(f"{''.ljust(width)}  per-parameter state: {', '.join(doc['optimizer']['state_keys'])}")
+    bufs = doc.get("buffers", [])
+    out.append(f"{'buffers'.ljust(width)}  {len(bufs)}" + "".join(f"\n{''.ljust(width)}  {b['name']} {b['dtype']}{b['shape']} slot {b['slot']}" for b in bufs))
+    xs = doc.get("extras", [])
+    out.append(f"{'extras'.ljust(width)}  {len(xs) or '-'}")
+    for x in xs:
+        where = "commit-wide" if x["slot"] is None else f"slot {x['slot']}"
+        out.append(f"{''.ljust(width)}  {x['key']} ({where}): " + ", ".join(f"{k} {_num(v)}" for k, v in x["state"].items()))
     rows = [[s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"]), s["objects"]] for s in doc["layout"]]
     t = doc["totals"]
     rows.append(["total", "", t["tensors"], t["elements"], human_bytes(t["bytes"]), t["objects"]])

@@ -27,14 +27,17 @@ commit id or raises the last error. An error is raised once, by whichever of ``s
 ``wait`` or ``close`` comes first; it is never dropped silently (a saver collected with an
 unreported error warns).
 
-Memory bound: the arena holds one copy of the slot's tensors (parameters and both Adam
-moments), at 64-byte-aligned offsets; RNG states are small bytes. Nothing else is copied.
+Memory bound: the arena holds one copy of the slot's tensors (parameters, buffers, both
+Adam moments or any other optimizer's state tensors), at 64-byte-aligned offsets; RNG
+states and extras' documents are small bytes, and extras' tensors (a scaler's, a
+loader's: small) are cloned. Nothing else is copied.
 """
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,7 +46,8 @@ from .checkpoint import AUTO, CommitInfo, SlotState, capture, save_slots
 from .distributed import commit_state
 from .dtensor import is_dtensor, local_region
 from .errors import StateMismatch, TensorMismatch
-from .optim import OptimState, ParamOpt
+from .extras import CapturedExtra, capture_extras
+from .optim import ParamOpt
 from .store import Store
 
 __all__ = ["AsyncSaver"]
@@ -60,6 +64,11 @@ def _rewrap(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _round(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _copy_extras(extra: dict[str, CapturedExtra]) -> dict[str, CapturedExtra]:
+    """Extras' documents are already bytes; their tensors (small: a scaler's, a loader's) are cloned."""
+    return {k: CapturedExtra(c.key, c.document, [t.detach().to("cpu", copy=True) for t in c.tensors]) for k, c in extra.items()}
 
 
 class AsyncSaver:
@@ -96,6 +105,8 @@ class AsyncSaver:
             po = state.optim.params.get(n)
             if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
                 flat += [po.exp_avg, po.exp_avg_sq]
+            if po is not None and po.torch_state is not None:
+                flat += [t for _, t in sorted(po.torch_state.tensors.items())]
         # A DTensor is staged as its local slice and re-wrapped with the same mesh and placements.
         dts = [t if is_dtensor(t) else None for t in flat]
         flat = [local_region(t)[0] if d is not None else t for t, d in zip(flat, dts)]
@@ -120,13 +131,19 @@ class AsyncSaver:
         for n in names:
             tensors[n] = next(it)
             po = state.optim.params.get(n)
+            torch_state = None
+            if po is not None and po.torch_state is not None:
+                tp = po.torch_state
+                torch_state = replace(tp, tensors={k: t for k, t in sorted(tp.tensors.items())}, scalars=dict(tp.scalars))
             if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
                 params[n] = ParamOpt(po.group, po.age, next(it), next(it))
             elif po is not None:
-                params[n] = ParamOpt(po.group, po.age, None, None)
-        optim = OptimState(state.optim.algorithm, dict(state.optim.groups), params)
+                params[n] = ParamOpt(po.group, po.age, None, None, torch_state)
+            if torch_state is not None:
+                torch_state.tensors = {k: next(it) for k in torch_state.tensors}
+        optim = replace(state.optim, groups=dict(state.optim.groups), params=params, torch_groups=dict(state.optim.torch_groups))
         births = None if state.births is None else dict(state.births)
-        return SlotState(tensors, optim, dict(state.rng), births)
+        return SlotState(tensors, optim, dict(state.rng), births, set(state.buffers), _copy_extras(state.extra))
 
     # -- the public surface ----------------------------------------------------------------
 
@@ -156,19 +173,24 @@ class AsyncSaver:
         parent: str | None = AUTO,
         transition: str = "train",
         group_names: list[str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        slot_extra: Mapping[str, Any] | None = None,
     ) -> None:
-        """Snapshot ``model`` (and optimizer, RNG) now and commit it in the background.
+        """Snapshot ``model`` (and optimizer, RNG, extras) now and commit it in the background.
 
         Same arguments as ``shardstore.save``. Returns once the snapshot is taken; the
         state may then change freely. Raises the previous save's error, if any.
         """
         self._collect()
         info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
-        state = capture(model, optimizer, rng=rng, group_names=group_names)
+        state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
         if any(is_dtensor(t) for t in state.tensors.values()):
             raise TensorMismatch("AsyncSaver.save saves one process's plain tensors; save DTensor state with save_distributed (SPEC.md §Block exchange)")
         snap = self._snapshot(state)
-        self._future = self._pool.submit(save_slots, self.store, [snap], info=info, ref=ref, parent=parent, threads=self.threads)
+        wide = _copy_extras(capture_extras(extra))
+        self._future = self._pool.submit(
+            save_slots, self.store, [snap], info=info, ref=ref, parent=parent, threads=self.threads, extra=wide
+        )
 
     def save_distributed(
         self,
@@ -188,12 +210,15 @@ class AsyncSaver:
         ``group`` MUST be a process group used by nothing else while the save runs (e.g.
         ``dist.new_group(backend="gloo")``, made once): the background thread's collectives
         would otherwise interleave with training's. ``wait`` returns the commit id.
+        Stateful extras are not taken here (pass them to ``shardstore.save_distributed``).
         """
         if group is None:
             raise StateMismatch("AsyncSaver.save_distributed needs a process group of its own (dist.new_group), not the default group")
         self._collect()
         snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
-        self._future = self._pool.submit(commit_state, self.store, snap, info=info, group=group, ref=ref, parent=parent, threads=self.threads)
+        self._future = self._pool.submit(
+            commit_state, self.store, lambda: snap, info=info, group=group, ref=ref, parent=parent, threads=self.threads
+        )
 
     @property
     def pending(self) -> bool:

@@ -2,8 +2,11 @@
 
 The common case is two calls::
 
-    commit_id = shardstore.save(store, model, optimizer, step=step)
-    shardstore.restore(store, "main", model, optimizer)
+    commit_id = shardstore.save(store, model, optimizer, step=step, extra={"scheduler": sched})
+    shardstore.restore(store, "main", model, optimizer, extra={"scheduler": sched})
+
+Parameters and persistent buffers (``module_state``), Adam/AdamW (``optim``) or any torch
+optimizer (``torch_optim``), and extras: objects with ``state_dict()`` (``extras``).
 
 Underneath, a save is: ``capture`` what one slot owns (no copy), ``write_shard`` (objects,
 then a durability barrier, then the shard manifest), ``write_commit`` (the commit manifest,
@@ -13,14 +16,12 @@ given model owns (by name, whatever layout wrote them) out of verified objects.
 """
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -34,6 +35,7 @@ from .manifest import (
     Label,
     Transition,
     CommitManifest,
+    ExtraEntry,
     GroupSpec,
     OptimEntry,
     OptimizerSpec,
@@ -48,14 +50,17 @@ from .manifest import (
     shard_version,
     tensor_payloads,
 )
-from .dtensor import is_dtensor, local_region, same_split
-from .grid import payload_blocks, put_payloads, read_jobs
-from .names import check_oid, check_ref_name, check_tensor_name
-from .optim import OptimState, ParamOpt, _scalar_step, from_export, from_torch, group_spec, hyper_of, into_export, into_torch
+from .dtensor import local_region
+from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
+from .grid import Whole, payload_blocks, put_payloads, read_jobs
+from .module_state import named_state
+from .names import check_oid, check_ref_name
+from .optim import OptimState, ParamOpt, _install_torch, _plan_optim, _probe_torch, from_export, from_torch, group_spec, into_export
 from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
 from .store import Store
 from .tensors import dtype_name, hash_bytes, torch_dtype
+from .torch_optim import capture_torch, is_adam_form, param_state, plan_torch_restore, state_objects, torch_spec, torch_union, use_torch_form
 from .verify import LoadedCommit, load_commit, shard_problems
 
 __all__ = ["CommitInfo", "check_info", "check_parent", "SlotState", "Restored", "capture", "write_shard", "write_shard_entries", "write_commit", "save_slots", "save", "restore", "AUTO"]
@@ -124,6 +129,8 @@ class SlotState:
     optim: OptimState = field(default_factory=OptimState)
     rng: dict[str, bytes] = field(default_factory=dict)
     births: dict[str, int] | None = None
+    buffers: set[str] = field(default_factory=set)  # which tensors are persistent buffers
+    extra: dict[str, CapturedExtra] = field(default_factory=dict)  # this slot's own extras
 
 
 @dataclass
@@ -136,18 +143,10 @@ class Restored:
     config: dict[str, Any] | None
     tensors: list[str]
     rng_restored: bool
+    extras: list[str] = field(default_factory=list)  # commit-wide extras loaded
+    slot_extras: list[str] = field(default_factory=list)  # the slot's own extras loaded
     bytes_read: int = 0
-    """Tensor bytes read (and verified): whole blocks overlapping this process's slices."""
-
-
-def _named_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    items = model.named_parameters() if isinstance(model, torch.nn.Module) else model.items()
-    out = {}
-    for name, t in items:
-        if t.device.type == "meta":
-            continue  # not owned by this process
-        out[check_tensor_name(name)] = t
-    return out
+    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5a)."""
 
 
 def capture(
@@ -158,14 +157,16 @@ def capture(
     rng: bool = True,
     group_names: list[str] | None = None,
     births: dict[str, int] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> SlotState:
-    """Reference (not copy) the named parameters and optimizer state one slot owns.
+    """Reference (not copy) the named parameters, buffers and optimizer state one slot owns.
 
-    ``model`` is a module (its non-meta named parameters) or a name → tensor mapping;
-    ``names`` restricts to a subset (to split one process's state into several slots).
-    ``optimizer`` is a torch Adam/AdamW or anything with ``state_export()``.
+    ``model`` is a module (its non-meta parameters and persistent buffers) or a name → tensor
+    mapping; ``names`` restricts to a subset (to split one process's state into several
+    slots). ``optimizer``: any torch optimizer whose state is tensors and numbers, or
+    anything with ``state_export()``. ``extra``: this slot's own extras (SPEC.md §Extras).
     """
-    tensors = _named_tensors(model)
+    tensors, buffers = named_state(model)
     if names is not None:
         missing = sorted(set(names) - set(tensors))
         if missing:
@@ -175,12 +176,15 @@ def capture(
     if optimizer is not None:
         if hasattr(optimizer, "state_export"):
             full = from_export(optimizer)
+        elif isinstance(optimizer, torch.optim.Optimizer) and not is_adam_form(optimizer):
+            full = capture_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
         else:
             full = from_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
         params = {n: full.params[n] for n in tensors if n in full.params}
         used = {p.group for p in params.values()}
-        optim = OptimState(full.algorithm, {g: h for g, h in full.groups.items() if g in used}, params)
-    return SlotState(tensors, optim, capture_rng() if rng else {}, births)
+        groups, torch_groups = ({g: h for g, h in d.items() if g in used} for d in (full.groups, full.torch_groups))
+        optim = replace(full, groups=groups, params=params, torch_groups=torch_groups)
+    return SlotState(tensors, optim, capture_rng() if rng else {}, births, buffers & set(tensors), capture_extras(extra))
 
 
 def _config_id(store: Store, config: Mapping[str, Any] | None) -> str | None:
@@ -199,6 +203,8 @@ def write_shard(
         po = state.optim.params.get(n)
         if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
             flat += [po.exp_avg, po.exp_avg_sq]
+        if po is not None and po.torch_state is not None:
+            flat += [Whole(t) for _, t in sorted(po.torch_state.tensors.items())]  # one object each (StateTensor.object)
     ids = iter(put_payloads(store, flat, threads=threads))  # canonical blocks, hashed once, written once, batched fsync
     entries = []
     for n in names:
@@ -206,7 +212,8 @@ def write_shard(
         param_id = next(ids)
         po: ParamOpt | None = state.optim.params.get(n)
         optim = None
-        if po is not None:
+        torch_state = param_state(po.torch_state, ids) if po is not None and po.torch_state is not None else None
+        if po is not None and torch_state is None:
             has_moments = po.exp_avg is not None and po.exp_avg_sq is not None
             m1 = next(ids) if has_moments else None
             m2 = next(ids) if has_moments else None
@@ -227,11 +234,14 @@ def write_shard(
                 exp_avg_sq=m2,
                 moment_dtype=dtype_name(po.exp_avg.dtype, n) if has_moments else None,
             )
-        entries.append(TensorEntry(name=n, dtype=dtype_name(t.dtype, n), shape=tuple(t.shape), param=param_id, optim=optim))
+        kind = "buffer" if n in state.buffers else "param"
+        entries.append(TensorEntry(name=n, dtype=dtype_name(t.dtype, n), shape=tuple(t.shape), param=param_id, optim=optim, kind=kind, state=torch_state))
     rng = tuple(RngEntry(kind=k, object=store.put(v)) for k, v in sorted(state.rng.items()))
+    extras = write_extras(store, state.extra, threads=threads)
     config_id = _config_id(store, info.config)
     store.sync()  # objects are durable before any manifest names them
     groups = tuple(group_spec(g, h) for g, h in sorted(state.optim.groups.items()))
+    torch_opt = torch_spec(state.optim)
     shard = ShardManifest(
         version=shard_version(entries),
         job=info.job,
@@ -240,10 +250,12 @@ def write_shard(
         config=config_id,
         slot=slot,
         slots=slots,
-        algorithm=state.optim.algorithm if groups else "none",
+        algorithm=state.optim.algorithm if groups or torch_opt else "none",
         groups=groups,
         entries=tuple(entries),
         rng=rng,
+        torch_optimizer=torch_opt,
+        extras=extras,
     )
     sid = store.put_manifest(shard)
     store.sync()
@@ -273,6 +285,7 @@ def write_shard_entries(
     check_info(info)
     # every object a payload names: one id, or each block of a chunked payload (SPEC.md §5a)
     named = [oid for e in entries for _, p, d in tensor_payloads(e) for oid, _box, _n in payload_blocks(p, d, e.shape)]
+    named += [oid for e in entries for oid, _, _ in state_objects(e)]
     named += list(rng.values())
     missing = sorted({oid for oid in named if not store.has(oid)})
     if missing:
@@ -298,13 +311,13 @@ def write_shard_entries(
     return sid
 
 
-def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None) -> str:
-    """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]); return the commit id."""
+def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()) -> str:
+    """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]) and ``extras`` (written, durable); return its id."""
     check_parent(store, parent)
     shards = [store.shard(s) for s in shard_ids]
     groups: dict[str, Any] = {}
     entries: list[TensorEntry] = []
-    algorithms = {s.algorithm for s in shards if s.groups}
+    algorithms = {s.algorithm for s in shards if s.groups or s.torch_optimizer is not None}
     for s in shards:
         for g in s.groups:
             if groups.setdefault(g.name, g) != g:
@@ -313,12 +326,13 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
     if len(algorithms) > 1:
         raise StateMismatch(f"slots use different optimizer algorithms: {sorted(algorithms)}")
     algorithm = algorithms.pop() if algorithms else "none"
-    optimizer = OptimizerSpec(algorithm=algorithm, groups=tuple(groups[k] for k in sorted(groups)))
+    optimizer = OptimizerSpec(algorithm=algorithm, groups=tuple(groups[k] for k in sorted(groups)), torch_optimizer=torch_union(shards))
     config_id = _config_id(store, info.config)
     layout = tuple(
         SlotLayout(slot=i, shard=sid, tensors=tuple(e.name for e in s.entries)) for i, (sid, s) in enumerate(zip(shard_ids, shards))
     )
-    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries)
+    extras = tuple(sorted(extras, key=lambda x: x.key))
+    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries, extras=extras)
     commit = CommitManifest(
         version=max(s.version for s in shards),
         job=info.job,
@@ -332,6 +346,7 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
         learned_root=root,
         parent=parent,
         transition=info.transition,  # type: ignore[arg-type]
+        extras=extras,
     )
     cid = store.put_manifest(commit)
     store.sync()
@@ -340,9 +355,10 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
 
 
 def save_slots(
-    store: Store, states: list[SlotState], *, info: CommitInfo, ref: str | None = "main", parent: str | None = AUTO, threads: int = 2
+    store: Store, states: list[SlotState], *, info: CommitInfo, ref: str | None = "main", parent: str | None = AUTO, threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Commit several slots' states from one process and move ``ref`` (None: leave refs alone)."""
+    """Commit several slots' states (and commit-wide ``extra``) from one process and move ``ref`` (None: leave refs alone)."""
     started = time.time()
     if ref is not None:
         check_ref_name(ref)
@@ -352,8 +368,9 @@ def save_slots(
         parent = current
     check_parent(store, parent)  # before any object is written
     n = len(states)
+    extras = write_extras(store, capture_extras(extra), threads=threads)  # made durable by write_shard's barrier
     shard_ids = [write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)]
-    cid = write_commit(store, shard_ids, info=info, parent=parent)
+    cid = write_commit(store, shard_ids, info=info, parent=parent, extras=extras)
     if ref is not None:
         store.set_ref(ref, cid, expected=current)
     store.write_journal(cid, {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()})
@@ -375,93 +392,25 @@ def save(
     transition: str = "train",
     group_names: list[str] | None = None,
     threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
+    slot_extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """Save a model's parameters (and optimizer, RNG, data cursor) as a one-slot commit; return its id."""
-    info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
-    state = capture(model, optimizer, rng=rng, group_names=group_names)
-    return save_slots(store, [state], info=info, ref=ref, parent=parent, threads=threads)
+    """Save a model's parameters and buffers (and optimizer, RNG, data cursor) as a one-slot commit; return its id.
 
-
-def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...], param: torch.Tensor | None = None) -> bool:
-    """Whether an existing optimizer state tensor can be overwritten in place by a moment
-    (a DTensor only if it is split exactly like its parameter)."""
-    return (
-        isinstance(t, torch.Tensor)
-        and t.device.type == "cpu"
-        and t.dtype == dtype
-        and tuple(t.shape) == shape
-        and t.is_contiguous()
-        and not t.requires_grad
-        and is_dtensor(t) == is_dtensor(param)
-        and (not is_dtensor(t) or same_split(t, param))
-    )
-
-
-def _empty_like(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new moment tensor: a DTensor split like ``param`` if it is one."""
-    return torch.empty_like(param, dtype=dtype) if is_dtensor(param) else torch.empty(shape, dtype=dtype)
-
-
-def _plan_optim(
-    lc: LoadedCommit, names: list[str], optimizer: Any, targets: dict[str, torch.Tensor]
-) -> tuple[OptimState, list[tuple[Payload, str, torch.Tensor, str]]]:
-    """Canonical optimizer state whose moments are destination tensors, and the reads that fill them.
-
-    For a torch optimizer, a moment is read into the optimizer's existing state tensor when
-    that has the right dtype, shape and device (restore into an already-built optimizer
-    without allocating); otherwise into a new tensor.
+    ``extra``: commit-wide objects with ``state_dict()`` (schedulers, scalers); ``slot_extra``: the slot's own.
     """
-    entries = lc.entries()
-    state = OptimState(lc.commit.optimizer.algorithm, {g.name: hyper_of(g) for g in lc.commit.optimizer.groups})
-    reads: list[tuple[Payload, str, torch.Tensor, str]] = []
-    live = getattr(optimizer, "state", None) if not hasattr(optimizer, "state_import") else None
-    for n in names:
-        o = entries[n].optim
-        if o is None:
-            continue
-        m1 = m2 = None
-        if o.exp_avg is not None and o.exp_avg_sq is not None and o.moment_dtype is not None:
-            shape, dtype = tuple(entries[n].shape), torch_dtype(o.moment_dtype)
-            old = live.get(targets[n], {}) if isinstance(live, Mapping) else {}
-            m1, m2 = (
-                old[k] if _reusable(old.get(k), dtype, shape, targets[n]) else _empty_like(targets[n], dtype, shape)
-                for k in ("exp_avg", "exp_avg_sq")
-            )
-            md = o.moment_dtype
-            reads += [(o.exp_avg, md, m1, f"exp_avg of {n!r}"), (o.exp_avg_sq, md, m2, f"exp_avg_sq of {n!r}")]
-        state.params[n] = ParamOpt(o.group, o.age, m1, m2)
-    return state, reads
+    info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
+    state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
+    return save_slots(store, [state], info=info, ref=ref, parent=parent, threads=threads, extra=extra)
 
 
-def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
-    """``into_torch`` checks and sets groups; the moments already read are then installed without another copy."""
-    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
-    into_torch(optimizer, {t: n for n, t in params.items()}, bare, group_names=group_names)
-    for n, po in state.params.items():
-        if po.exp_avg is None or po.exp_avg_sq is None:
-            continue
-        p = params[n]
-        m1, m2 = (m if m.device == p.device and m.dtype == p.dtype else m.to(device=p.device, dtype=p.dtype) for m in (po.exp_avg, po.exp_avg_sq))
-        optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
-
-
-def _probe_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
-    """Run ``_install_torch``'s checks (algorithm, groups, every tensor's state and group) on a
-    stand-in sharing nothing mutable with ``optimizer``, so that a mismatch is raised before a
-    byte is read into the caller's tensors (SPEC.md §19b)."""
-    probe = copy.copy(optimizer)
-    probe.param_groups = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups]
-    probe.state = defaultdict(dict)
-    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
-    into_torch(probe, {t: n for n, t in params.items()}, bare, group_names=group_names)
-
-
-def _read_all(store: Store, reads: list[tuple[Payload, str, torch.Tensor, str]], threads: int) -> int:
-    """Fill each destination (its local slice, for a DTensor) from the blocks it overlaps; bytes read."""
+def _read_all(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], threads: int) -> int:
+    """Fill each destination (its local slice, for a DTensor) from the blocks its payload has
+    there (a single object: all of it); return the bytes read. Every block is verified."""
     jobs = []
-    for payload, dtype, dest, what in reads:
+    for payload, dest, what in reads:
         local, origin = local_region(dest, what)
-        jobs += read_jobs(store, payload, dtype, tuple(dest.shape), local, origin, what)
+        jobs += read_jobs(store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), local, origin, what)
     if threads <= 1 or len(jobs) <= 1:
         return sum(job() for job in jobs)
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -479,12 +428,17 @@ def restore(
     strict: bool = True,
     group_names: list[str] | None = None,
     threads: int = 8,
+    extra: Mapping[str, Any] | None = None,
+    slot_extra: Mapping[str, Any] | None = None,
 ) -> Restored:
     """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
 
-    Only tensors the model owns (non-meta parameters) are read, whatever layout wrote them;
-    every byte read is verified. DTensor parameters and moments (FSDP2, tensor parallelism,
-    any mesh) are filled in their local slices, from the blocks those overlap (SPEC.md §5a). ``strict``: every owned tensor must be in the commit.
+    Only tensors the model owns (non-meta parameters and persistent buffers) are read,
+    whatever layout wrote them; every byte read is verified. DTensor parameters and moments
+    (FSDP2, tensor parallelism, any mesh) are filled in their local slices, from the blocks
+    those overlap (SPEC.md §5a). ``strict``: every owned tensor
+    must be in the commit. ``extra`` / ``slot_extra``: objects to load the commit-wide / the
+    slot's own extras into, by key, each checked (like the optimizer) before any write.
     ``rng`` restores the RNG states of ``slot`` (default: the only slot of a 1-slot commit).
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;
@@ -495,7 +449,7 @@ def restore(
     """
     lc = load_commit(store, target)
     entries = lc.entries()
-    targets = _named_tensors(model)
+    targets = named_state(model)[0]  # owned parameters and persistent buffers (SPEC.md §Buffers)
     names = sorted(n for n in targets if n in entries)
     if strict:
         missing = sorted(set(targets) - set(entries))
@@ -510,20 +464,28 @@ def restore(
     config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
     rng_states = None
     if rng:
-        s = slot if slot is not None else (0 if len(lc.shards) == 1 else None)
-        if s is None or s not in lc.shards:
-            raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore RNG")
+        s = _slot(lc, slot, "RNG")
         rng_states = {r.kind: store.get(r.object, limit=MAX_RNG_BYTES) for r in lc.shards[s].rng}
         check_rng(rng_states)
-    reads = [(entries[n].param, entries[n].dtype, targets[n], f"tensor {n!r}") for n in names]
+    reads = [(entries[n].param, targets[n], f"tensor {n!r}") for n in names]
     state = None
-    if optimizer is not None:
+    torch_plan = None
+    if optimizer is not None and use_torch_form(lc.id, lc.commit.optimizer, optimizer):
+        torch_plan = plan_torch_restore(lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id)
+        reads += torch_plan.reads
+    elif optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
         reads += moment_reads
         if not hasattr(optimizer, "state_import"):
             _probe_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
+    extras_plan = plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}")
+    own = _slot(lc, slot, "slot_extra") if slot_extra else 0
+    slot_plan = plan_extras_restore(store, lc.shards[own].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {own}")
+    reads += extras_plan.reads + slot_plan.reads
     nread = _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
-    if optimizer is not None and state is not None:
+    if torch_plan is not None:
+        torch_plan.install()
+    elif optimizer is not None and state is not None:
         if hasattr(optimizer, "state_import"):
             into_export(optimizer, state, [n for n in names if n in state.params])
         else:
@@ -531,4 +493,12 @@ def restore(
     if rng_states is not None:
         restore_rng(rng_states)
     restored_rng = rng_states is not None
-    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, nread)
+    loaded, slot_loaded = extras_plan.install(), slot_plan.install()
+    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, loaded, slot_loaded, nread)
+
+
+def _slot(lc: LoadedCommit, slot: int | None, what: str) -> int:
+    """The slot whose RNG or own extras to restore: ``slot``, or the only slot of a 1-slot commit."""
+    if slot is None and len(lc.shards) != 1 or slot is not None and slot not in lc.shards:
+        raise StateMismatch(f"commit {lc.id} has {len(lc.shards)} slots; pass slot= to restore {what}")
+    return 0 if slot is None else slot

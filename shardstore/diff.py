@@ -1,5 +1,7 @@
 """Differences between two commits (SPEC.md §Diff).
 
+Buffers, the state of any torch optimizer and extras are compared by ``state_diff``.
+
 ``diff(store, a, b)`` compares two structurally verified commits and returns a
 ``CommitDiff``: per tensor added, removed or changed (dtype, shape, payload, moments,
 Adam cursor, group), tensors whose owning slot moved, optimizer group changes, whether
@@ -26,6 +28,7 @@ from .errors import ManifestError
 from .grid import read_whole
 from .manifest import MAX_MANIFEST_BYTES, Payload, TensorEntry, decode_config
 from .optim import hyper_of
+from .state_diff import extras_changes, hyper_groups, state_changes, state_pairs
 from .store import Store
 from .tensors import expected_nbytes
 from .verify import LoadedCommit, load_commit
@@ -179,7 +182,8 @@ def _age(e: TensorEntry | None) -> int | None:
 
 
 def _entry_changes(x: TensorEntry, y: TensorEntry) -> tuple[str, ...]:
-    out = [k for k in ("dtype", "shape", "param") if getattr(x, k) != getattr(y, k)]
+    out = [k for k in ("dtype", "shape", "param", "kind") if getattr(x, k) != getattr(y, k)]
+    out += state_changes(x.state, y.state)
     ox, oy = x.optim, y.optim
     if (ox is None) != (oy is None):
         out.append("optimizer state")
@@ -228,6 +232,11 @@ def _tensor_stats(store: Store, x: TensorEntry, y: TensorEntry) -> dict[str, Ten
         ty = read_whole(store, ry[0], ry[1], y.shape, what=f"{role} of tensor {y.name!r}")
         out[role] = _pair_stats(tx, ty)
         del tx, ty
+    for key, (a, b) in state_pairs(x.state, y.state).items():  # the torch form's state tensors
+        tx = store.get_tensor(a.object, a.dtype, a.shape, what=f"optimizer state {a.key!r} of tensor {x.name!r}")
+        ty = store.get_tensor(b.object, b.dtype, b.shape, what=f"optimizer state {b.key!r} of tensor {y.name!r}")
+        out[f"state {key}"] = _pair_stats(tx, ty)
+        del tx, ty
     return out
 
 
@@ -254,6 +263,15 @@ def _field_diffs(store: Store, la: LoadedCommit, lb: LoadedCommit) -> list[Field
         for key in sorted(set(xa) | set(xb)):
             if xa.get(key, _MISSING) != xb.get(key, _MISSING):
                 out.append(FieldDiff(f"config.{key}", xa.get(key), xb.get(key)))
+    if ca.optimizer.torch_optimizer != cb.optimizer.torch_optimizer:
+        na, nb = (c.optimizer.torch_optimizer.class_name if c.optimizer.torch_optimizer else None for c in (ca, cb))
+        if na != nb:
+            out.append(FieldDiff("optimizer.class", na, nb))
+    out += [FieldDiff(*d) for d in extras_changes(store, "extra", ca.extras, cb.extras)]
+    for s in sorted(set(la.shards) | set(lb.shards)):
+        xa = la.shards[s].extras if s in la.shards else ()
+        xb = lb.shards[s].extras if s in lb.shards else ()
+        out += [FieldDiff(*d) for d in extras_changes(store, f"slot_extra.{s}", xa, xb)]
     ra = {(s, r.kind): r.object for s, sh in la.shards.items() for r in sh.rng}
     rb = {(s, r.kind): r.object for s, sh in lb.shards.items() for r in sh.rng}
     for s, kind in sorted(set(ra) | set(rb)):
@@ -271,6 +289,10 @@ def _group_diffs(la: LoadedCommit, lb: LoadedCommit) -> list[GroupDiff]:
         x, y = ga.get(name), gb.get(name)
         if x != y:
             out.append(GroupDiff(name, None if x is None else vars(hyper_of(x)), None if y is None else vars(hyper_of(y))))
+    ta, tb = (hyper_groups(c.commit.optimizer.torch_optimizer) for c in (la, lb))
+    for name in sorted(set(ta) | set(tb)):
+        if ta.get(name) != tb.get(name):
+            out.append(GroupDiff(name, ta.get(name), tb.get(name)))
     return out
 
 
@@ -283,7 +305,7 @@ def _stats_bytes(x: TensorEntry, y: TensorEntry) -> int:
         rx, ry = _role(x, role), _role(y, role)
         if rx is not None and ry is not None and rx[0] != ry[0]:
             total += expected_nbytes(rx[1], x.shape) + expected_nbytes(ry[1], y.shape)
-    return total
+    return total + sum(2 * expected_nbytes(a.dtype, a.shape) for a, _ in state_pairs(x.state, y.state).values())
 
 
 def diff(

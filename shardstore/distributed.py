@@ -25,6 +25,8 @@ import torch.distributed as dist
 from .checkpoint import AUTO, CommitInfo, SlotState, capture, write_commit, write_shard
 from .dtensor import write_dtensors
 from .errors import CommitProtocolError
+from .extras import capture_extras, write_extras
+from .manifest import ExtraEntry
 from .store import Store
 from .verify import load_commit
 
@@ -110,20 +112,40 @@ def save_distributed(
     rng: bool = True,
     group_names: list[str] | None = None,
     threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
+    slot_extra: Mapping[str, Any] | None = None,
 ) -> str:
     """Save this rank's slot and take part in one commit; every rank returns the same commit id.
 
+    ``slot_extra``: this rank's own stateful objects (its data loader), in its shard manifest.
+    ``extra``: commit-wide ones (a scheduler, a scaler): rank 0's are committed, and every
+    rank that passes ``extra`` must pass the same state, checked when it acknowledges the
+    commit (so a rank's extras are never dropped silently; SPEC.md §Extras).
+
     DTensor parameters and moments (FSDP2, tensor parallelism) are written as canonical
     blocks by the block exchange (``dtensor.write_dtensors``, SPEC.md §Block exchange):
-    never gathered, each block hashed and written by one rank."""
-    state = capture(model, optimizer, rng=rng, group_names=group_names)
-    return commit_state(store, state, info=info, group=group, ref=ref, parent=parent, threads=threads)
+    never gathered, each block hashed and written by one rank.
+    """
+    return commit_state(
+        store,
+        lambda: capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra),
+        info=info, group=group, ref=ref, parent=parent, threads=threads, extra=extra,
+    )  # fmt: skip
 
 
 def commit_state(
-    store: Store, state: SlotState, *, info: CommitInfo, group: Any = None, ref: str | None = "main", parent: str | None = AUTO, threads: int = 2
+    store: Store,
+    state_fn: Callable[[], SlotState],
+    *,
+    info: CommitInfo,
+    group: Any = None,
+    ref: str | None = "main",
+    parent: str | None = AUTO,
+    threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """``save_distributed`` of an already captured slot state (e.g. AsyncSaver's snapshot)."""
+    """``save_distributed`` of the slot state ``state_fn()`` returns (called inside the
+    commit protocol; AsyncSaver passes its snapshot)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coordinator = rank == 0
 
@@ -136,20 +158,25 @@ def commit_state(
     chosen = got[0][1]
     expected_ref = store.ref(ref) if (coordinator and ref is not None) else None
 
-    got, _ = _phase(
-        group,
-        "write shard",
-        lambda: write_shard(
-            store, write_dtensors(store, state, group=group, threads=threads), info=info, parent=chosen, slot=rank, slots=world, threads=threads
-        ),
-    )
+    mine: list[tuple[ExtraEntry, ...]] = []
+
+    def shard() -> str:  # capture inside the phase: a state one rank cannot store fails every rank, naming it
+        try:
+            state, failure = state_fn(), None
+        except Exception as e:  # noqa: BLE001 - still joins the block exchange below, then re-raised
+            state, failure = None, e
+        state = write_dtensors(store, state, group=group, threads=threads, failure=failure)  # a collective
+        mine.append(write_extras(store, capture_extras(extra), threads=threads))  # made durable by write_shard's barrier
+        return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
+
+    got, _ = _phase(group, "write shard", shard)
     shard_ids = [oid for _, oid in got]
     my_shard = shard_ids[rank]
 
     got, _ = _phase(
         group,
         "write commit",
-        (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen)) if coordinator else (lambda: None),
+        (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0])) if coordinator else (lambda: None),
     )
     cid = got[0][1]
     assert cid is not None
@@ -158,6 +185,9 @@ def commit_state(
         lc = load_commit(store, cid)
         if lc.shard_ids.get(rank) != my_shard:
             raise CommitProtocolError(f"commit {cid} does not name this rank's shard {my_shard} for slot {rank}")
+        if extra is not None and lc.commit.extras != mine[0]:
+            have, want = [x.key for x in mine[0]], [x.key for x in lc.commit.extras]
+            raise CommitProtocolError(f"rank {rank}'s commit-wide extras {have} differ from rank 0's {want} in commit {cid}")
         return lc.id
 
     got, _ = _phase(group, "acknowledge", ack)

@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from .errors import StateMismatch, TensorMismatch
 from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
-from .optim import OptimState, ParamOpt
 from .tensors import dtype_name, expected_nbytes, torch_dtype
 
 __all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
@@ -189,28 +188,35 @@ def _items_of(state: Any) -> list[tuple[str, str, torch.Tensor]]:
     return sorted(items, key=lambda x: (x[0], x[1]))
 
 
-def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 2) -> Any:
+def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 2, failure: BaseException | None = None) -> Any:
     """Write every DTensor of ``state`` (a SlotState) as canonical blocks, collectively over ``group``.
 
     Returns the SlotState this rank's shard manifest records: plain tensors as they were,
     DTensors whose entry this slot holds replaced by their ``StoredPayload``, the rest
-    dropped (another slot records them). Every rank of the group must call this.
+    dropped (another slot records them). Every rank of the group must call this; one that
+    could not capture its state passes ``failure`` (and ``state=None``): it still takes
+    part in the description exchange and raises it; the others then skip the exchange (the
+    commit protocol fails naming that rank), so none waits.
     """
     rank = dist.get_rank(group)
     locals_: dict[tuple[str, str], tuple[torch.Tensor, tuple[int, ...]]] = {}
     desc = []
     try:
+        if failure is not None:
+            raise failure
         for n, role, t in _items_of(state):
             local, origin = local_region(t, f"{role} of tensor {n!r}")
             locals_[(n, role)] = (local, origin)
             desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), origin, tuple(local.shape)))
         raw = b"\x00" + msgspec.json.encode(desc)
-    except TensorMismatch as e:  # still take part in the exchange, so every rank raises, none waits
-        raw = b"\x01" + str(e).encode()
+    except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
+        failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
     gathered = _all_gather_bytes(raw, group)
     failed = [(r, g[1:].decode(errors="replace")) for r, g in enumerate(gathered) if g[:1] != b"\x00"]
-    if failed:
-        raise TensorMismatch(f"rank {failed[0][0]}: {failed[0][1]}")
+    if failure is not None:
+        raise failure
+    if failed:  # a peer's failure fails the commit (the protocol phase names that rank); no exchange
+        return _restate(state, {}, set())
     peers = [_ITEMS.decode(g[1:]) for g in gathered]
     union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}
     for r, items in enumerate(peers):
@@ -322,8 +328,8 @@ def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: se
             continue
         m1 = payload.get((n, "exp_avg"), po.exp_avg) if po.exp_avg is not None and is_dtensor(po.exp_avg) else po.exp_avg
         m2 = payload.get((n, "exp_avg_sq"), po.exp_avg_sq) if po.exp_avg_sq is not None and is_dtensor(po.exp_avg_sq) else po.exp_avg_sq
-        params[n] = ParamOpt(po.group, po.age, m1, m2)  # type: ignore[arg-type]
+        params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2)
     used = {p.group for p in params.values()}
-    optim = OptimState(state.optim.algorithm, {k: h for k, h in state.optim.groups.items() if k in used}, params)
+    optim = replace(state.optim, groups={k: h for k, h in state.optim.groups.items() if k in used}, params=params)
     births = None if state.births is None else {n: b for n, b in state.births.items() if n in tensors}
     return replace(state, tensors=tensors, optim=optim, births=births)

@@ -25,6 +25,7 @@ __all__ = [
     "TargetNotFound",
     "StateMismatch",
     "UnsupportedOptimizer",
+    "UnsupportedState",
     "CommitProtocolError",
 ]
 
@@ -99,6 +100,10 @@ class StateMismatch(ShardstoreError):
 
 class UnsupportedOptimizer(ShardstoreError):
     """An optimizer or optimizer option the canonical form cannot represent (e.g. amsgrad)."""
+
+
+class UnsupportedState(ShardstoreError):
+    """A value to save that the format cannot hold without pickle (a function, a custom object), named by its key path."""
 
 
 class CommitProtocolError(ShardstoreError):

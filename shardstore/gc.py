@@ -33,9 +33,11 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import ObjectNotFound, ShardstoreError
+from .extras import extra_objects
 from .grid import payload_blocks
 from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, decode, tensor_payloads
 from .store import Store, object_key
+from .torch_optim import state_objects
 from .transfer import _pool_map, commit_closure
 from .verify import load_commit
 
@@ -117,11 +119,14 @@ def _named_by_manifest(store: Store, oid: str) -> set[str]:
                 names |= _named_by_manifest(store, sid)
     if isinstance(manifest, (CommitManifest, ShardManifest)) and manifest.config is not None:
         names.add(manifest.config)
+    if isinstance(manifest, (CommitManifest, ShardManifest)):
+        names |= {x[0] for x in extra_objects(manifest.extras, "")}
     if isinstance(manifest, ShardManifest):
         names |= {r.object for r in manifest.rng}
         for e in manifest.entries:
             for _role, payload, dtype in tensor_payloads(e):
                 names |= {oid for oid, _box, _n in payload_blocks(payload, dtype, e.shape)}
+            names |= {oid for oid, _, _ in state_objects(e)}
     return names
 
 

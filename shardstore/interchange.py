@@ -2,9 +2,12 @@
 
 ``export_commit`` writes a commit's weights as ``model.safetensors`` (or
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` above
-``max_shard_bytes``) and its model config as ``config.json``; ``with_optimizer`` adds the
-Adam moments as ``optimizer.exp_avg*.safetensors`` / ``optimizer.exp_avg_sq*.safetensors``
-and the cursors and hyperparameters as ``optimizer.json``. Files are written by hand
+``max_shard_bytes``) and its model config as ``config.json``; buffers are tensors of the
+model files, as in Hugging Face checkpoints. ``with_optimizer`` adds the Adam moments as
+``optimizer.exp_avg*.safetensors`` / ``optimizer.exp_avg_sq*.safetensors`` (any other torch
+optimizer's state tensors as ``optimizer.state.<key>*.safetensors``), the extras' tensors
+as ``extras.safetensors``, and the cursors, hyperparameters, optimizer class, state
+scalars and extras' states as ``optimizer.json``. Files are written by hand
 (safetensors is an 8-byte little-endian header length, a JSON header, then the data): the
 header is built from the manifests alone, then each tensor's verified object bytes are
 appended one at a time, so peak memory stays near the largest tensor. Tensors in a file
@@ -41,6 +44,8 @@ from .grid import payload_blocks, put_payloads
 from .manifest import MAX_MANIFEST_BYTES, Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
 from .names import check_ref_name, check_tensor_name
 from .optim import hyper_of
+from .state_diff import extra_state_view, hyper_groups
+from .torch_optim import _unscalar
 from .store import Store
 from .tensors import expected_nbytes
 from .verify import load_commit
@@ -63,7 +68,8 @@ _TO_ST = {
 _FROM_ST = {v: k for k, v in _TO_ST.items()}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPORTED = re.compile(
-    r"^(model|optimizer\.exp_avg|optimizer\.exp_avg_sq)(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$|^(config|optimizer)\.json$"
+    r"^(model|optimizer\.exp_avg|optimizer\.exp_avg_sq|optimizer\.state\.[A-Za-z0-9_][A-Za-z0-9_.-]*|extras)(-\d{5}-of-\d{5})?"
+    r"\.safetensors(\.index\.json)?$|^(config|optimizer)\.json$"
 )
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}\.safetensors$")
 
@@ -220,12 +226,13 @@ def export_commit(
     entries = sorted(lc.entries().values(), key=lambda e: e.name)
     sets = {"model": [_Item(e.name, e.dtype, tuple(e.shape), e.param) for e in entries]}
     if with_optimizer:
-        for role in ("exp_avg", "exp_avg_sq"):
+        for role in ("exp_avg", "exp_avg_sq") if lc.commit.optimizer.algorithm != "torch" else ():
             sets[f"optimizer.{role}"] = [
                 _Item(e.name, e.optim.moment_dtype, tuple(e.shape), getattr(e.optim, role))
                 for e in entries
                 if e.optim is not None and e.optim.moment_dtype is not None and getattr(e.optim, role) is not None
             ]
+        sets.update(_state_sets(lc, entries))
     files: dict[str, list[_Item]] = {}
     docs: dict[str, bytes] = {}
     for prefix, items in sets.items():
@@ -239,7 +246,7 @@ def export_commit(
         config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES), what=f"model config object {lc.commit.config}")
         docs["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
     if with_optimizer:
-        docs["optimizer.json"] = _optimizer_doc(lc.commit.step, lc.commit.optimizer, entries)
+        docs["optimizer.json"] = _optimizer_doc(lc.commit.step, lc.commit.optimizer, entries, _extras_doc(store, lc))
     os.makedirs(out_dir, exist_ok=True)
     names = [*files, *docs]
     # Files of an earlier export that this one would not replace (e.g. more shards) would
@@ -263,15 +270,38 @@ def export_commit(
     return ExportResult(lc.id, out_dir, tuple(names), len(entries), total, len(files) > len(sets))
 
 
-def _optimizer_doc(step: int, optimizer: Any, entries: list[TensorEntry]) -> bytes:
+def _state_sets(lc: Any, entries: list[TensorEntry]) -> dict[str, list[_Item]]:
+    """The torch form's state tensors (``optimizer.state.<key>``) and the extras' tensors (``extras``: ``<extra>.<i>``)."""
+    out: dict[str, list[_Item]] = {}
+    for e in entries:
+        for t in e.state.tensors if e.state is not None else ():
+            out.setdefault(f"optimizer.state.{t.key}", []).append(_Item(e.name, t.dtype, tuple(t.shape), t.object))
+    xs = [*((x.key, x) for x in lc.commit.extras), *((f"slot{s}.{x.key}", x) for s, sh in sorted(lc.shards.items()) for x in sh.extras)]
+    extras = [_Item(f"{name}.{t.key}", t.dtype, tuple(t.shape), t.object) for name, x in xs for t in x.tensors]
+    return out | ({"extras": extras} if extras else {})
+
+
+def _extras_doc(store: Store, lc: Any) -> dict[str, Any]:
+    xs = [*((x.key, x) for x in lc.commit.extras), *((f"slot{s}.{x.key}", x) for s, sh in sorted(lc.shards.items()) for x in sh.extras)]
+    return {name: extra_state_view(store, x) for name, x in xs}
+
+
+def _optimizer_doc(step: int, optimizer: Any, entries: list[TensorEntry], extras: dict[str, Any]) -> bytes:
     doc = {
         "algorithm": optimizer.algorithm,
         "step": step,
-        "groups": {g.name: vars(hyper_of(g)) for g in optimizer.groups},
+        "groups": {g.name: vars(hyper_of(g)) for g in optimizer.groups} | hyper_groups(optimizer.torch_optimizer),
         "tensors": {
             e.name: {"group": e.optim.group, "birth": e.optim.birth, "age": e.optim.age} for e in entries if e.optim is not None
         },
     }
+    if optimizer.torch_optimizer is not None:
+        doc["class"] = optimizer.torch_optimizer.class_name
+        doc["tensors"] = {
+            e.name: {"group": e.state.group, "scalars": {x.key: _unscalar(x.value) for x in e.state.scalars}} for e in entries if e.state is not None
+        }
+    if extras:
+        doc["extras"] = extras  # each tensor is named "tensor <dtype>[shape] <id>" here and "<extra>.<i>" in extras.safetensors
     return json.dumps(doc, indent=2).encode() + b"\n"
 
 

@@ -47,6 +47,12 @@ __all__ = [
     "GroupSpec",
     "OptimEntry",
     "TensorEntry",
+    "StateTensor",
+    "StateScalar",
+    "ParamState",
+    "HyperGroup",
+    "TorchOptimizer",
+    "ExtraEntry",
     "RngEntry",
     "ShardManifest",
     "SlotLayout",
@@ -92,7 +98,14 @@ Count = Annotated[int, Meta(ge=0, le=2**62)]
 Dim = Annotated[int, Meta(ge=0, le=MAX_DIM)]
 DType = Literal["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 Transition = Literal["init", "train", "repartition", "grow", "import"]
-Algorithm = Literal["adamw", "adam", "none"]
+Algorithm = Literal["adamw", "adam", "none", "torch"]
+TensorKind = Literal["param", "buffer"]
+#: Keys of optimizer state, of hyperparameters and of extras (SPEC.md §Optimizer state, any torch optimizer; §Extras).
+StateKey = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")]
+#: A real number where a value may also be an integer, a boolean or a string: ``"f64:" + F64``.
+Real = Annotated[str, Meta(pattern=r"^f64:[0-9a-f]{16}$")]
+HyperScalar = Union[bool, int, str, None]  # a str starting "f64:" is a real (SPEC.md §Canonical encoding)
+HyperValue = Union[bool, int, str, None, tuple[HyperScalar, ...]]
 RngKind = Annotated[str, Meta(pattern=r"^(python|numpy|torch|cuda:[0-9]{1,4})$")]
 
 
@@ -158,14 +171,67 @@ class OptimEntry(Base):
     moment_dtype: DType | None
 
 
-class TensorEntry(Base):
-    """One named tensor: dtype, shape, payload object id, and its optimizer state if trained."""
+class StateTensor(Base):
+    """One tensor of a parameter's optimizer state (or of an extra): key, dtype, shape, payload object id."""
+
+    key: StateKey
+    dtype: DType
+    shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
+    object: Oid
+
+
+class StateScalar(Base, omit_defaults=True):
+    """One number of a parameter's optimizer state; ``dtype`` is set when it was a 0-d tensor."""
+
+    key: StateKey
+    value: Union[bool, int, Real, None] = None
+    dtype: DType | None = None
+
+
+class ParamState(Base):
+    """A parameter's state under any torch optimizer (algorithm ``torch``): group, tensors, numbers."""
+
+    group: GroupName
+    tensors: Annotated[tuple[StateTensor, ...], Meta(max_length=256)]
+    scalars: Annotated[tuple[StateScalar, ...], Meta(max_length=256)]
+
+
+class TensorEntry(Base, omit_defaults=True):
+    """One named tensor: dtype, shape, payload object id, and its optimizer state if trained.
+
+    ``kind`` and ``state`` are omitted from the encoding at their defaults (a parameter;
+    no state of a non-Adam optimizer), so entries written before they existed keep their ids.
+    """
 
     name: TensorName
     dtype: DType
     shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
     param: Payload
     optim: OptimEntry | None
+    kind: TensorKind = "param"
+    state: ParamState | None = None
+
+
+class HyperGroup(Base):
+    """One named param group of any torch optimizer: every hyperparameter but ``params``, canonical."""
+
+    name: GroupName
+    hyper: Annotated[dict[StateKey, HyperValue], Meta(max_length=256)]
+
+
+class TorchOptimizer(Base):
+    """Any torch optimizer (algorithm ``torch``): its class and named param groups."""
+
+    class_name: Label
+    groups: Annotated[tuple[HyperGroup, ...], Meta(max_length=4096)]
+
+
+class ExtraEntry(Base):
+    """A stateful object's state (SPEC.md §Extras): canonical JSON object, and the tensors it names."""
+
+    key: StateKey
+    state: Oid
+    tensors: Annotated[tuple[StateTensor, ...], Meta(max_length=MAX_ENTRIES)]
 
 
 class RngEntry(Base):
@@ -175,8 +241,11 @@ class RngEntry(Base):
     object: Oid
 
 
-class ShardManifest(Base, tag="shard", tag_field="type"):
-    """One slot's tensors, optimizer groups and RNG, bound to its job, step, parent and layout size."""
+class ShardManifest(Base, tag="shard", tag_field="type", omit_defaults=True):
+    """One slot's tensors, optimizer groups and RNG, bound to its job, step, parent and layout size.
+
+    ``torch_optimizer`` and ``extras`` are omitted from the encoding when unused.
+    """
 
     version: int
     job: JobId
@@ -189,6 +258,8 @@ class ShardManifest(Base, tag="shard", tag_field="type"):
     groups: Annotated[tuple[GroupSpec, ...], Meta(max_length=4096)]
     entries: Annotated[tuple[TensorEntry, ...], Meta(max_length=MAX_ENTRIES)]
     rng: Annotated[tuple[RngEntry, ...], Meta(max_length=64)]
+    torch_optimizer: TorchOptimizer | None = None
+    extras: Annotated[tuple[ExtraEntry, ...], Meta(max_length=4096)] = ()
 
 
 class SlotLayout(Base):
@@ -199,15 +270,23 @@ class SlotLayout(Base):
     tensors: Annotated[tuple[TensorName, ...], Meta(max_length=MAX_ENTRIES)]
 
 
-class OptimizerSpec(Base):
-    """The optimizer in canonical form: algorithm and named groups (not torch's param_group dicts)."""
+class OptimizerSpec(Base, omit_defaults=True):
+    """The optimizer in canonical form: algorithm and named groups (not torch's param_group dicts).
+
+    Algorithm ``torch`` (any other torch optimizer) has no Adam ``groups`` and names its
+    class and groups in ``torch_optimizer``, omitted from the encoding otherwise.
+    """
 
     algorithm: Algorithm
     groups: Annotated[tuple[GroupSpec, ...], Meta(max_length=4096)]
+    torch_optimizer: TorchOptimizer | None = None
 
 
-class CommitManifest(Base, tag="commit", tag_field="type"):
-    """A commit: everything that names one checkpoint. Its object id is the full root."""
+class CommitManifest(Base, tag="commit", tag_field="type", omit_defaults=True):
+    """A commit: everything that names one checkpoint. Its object id is the full root.
+
+    ``extras`` (commit-wide stateful objects) is omitted from the encoding when empty.
+    """
 
     version: int
     job: JobId
@@ -221,9 +300,10 @@ class CommitManifest(Base, tag="commit", tag_field="type"):
     learned_root: Oid
     parent: Oid | None
     transition: Transition
+    extras: Annotated[tuple[ExtraEntry, ...], Meta(max_length=4096)] = ()
 
 
-class LearnedState(Base, tag="learned", tag_field="type"):
+class LearnedState(Base, tag="learned", tag_field="type", omit_defaults=True):
     """The document whose hash is the learned-state root (never stored; SPEC.md §Roots)."""
 
     version: int
@@ -232,6 +312,7 @@ class LearnedState(Base, tag="learned", tag_field="type"):
     config: Oid | None
     optimizer: OptimizerSpec
     tensors: tuple[TensorEntry, ...]
+    extras: tuple[ExtraEntry, ...] = ()
 
 
 class PinManifest(Base, tag="pin", tag_field="type"):

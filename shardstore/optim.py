@@ -5,20 +5,28 @@ hyperparameters as numbers (not torch's ``param_groups`` dicts), and per-paramet
 keyed by tensor name — group, Adam age (updates received) and both moments. Adapters:
 
 - ``torch.optim.Adam`` / ``torch.optim.AdamW`` (``from_torch`` / ``into_torch``);
+- every other torch optimizer through ``torch_optim`` (the *torch form*, algorithm ``torch``);
 - any optimizer exposing ``state_export()`` / ``state_import(groups, params)`` with plain
   dicts (shardtrain's shard-local AdamW does), via ``from_export`` / ``into_export``.
 """
 from __future__ import annotations
 
+import copy
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import StateMismatch, UnsupportedOptimizer
-from .manifest import GroupSpec, f64_decode, f64_encode
+from .manifest import GroupSpec, HyperGroup, Payload, f64_decode, f64_encode
 from .names import check_group_name
+from .tensors import torch_dtype
+
+if TYPE_CHECKING:
+    from .torch_optim import TorchParam
+    from .verify import LoadedCommit
 
 __all__ = ["Hyper", "ParamOpt", "OptimState", "from_torch", "into_torch", "from_export", "into_export", "group_spec", "hyper_of"]
 
@@ -42,6 +50,7 @@ class ParamOpt:
     age: int
     exp_avg: torch.Tensor | None
     exp_avg_sq: torch.Tensor | None
+    torch_state: TorchParam | None = None  # the torch form's state (algorithm "torch"); then age is unused
 
 
 @dataclass
@@ -51,6 +60,8 @@ class OptimState:
     algorithm: str = "none"
     groups: dict[str, Hyper] = field(default_factory=dict)
     params: dict[str, ParamOpt] = field(default_factory=dict)
+    class_name: str | None = None  # the torch form: the optimizer's class and its groups
+    torch_groups: dict[str, HyperGroup] = field(default_factory=dict)
 
 
 def group_spec(name: str, h: Hyper) -> GroupSpec:
@@ -75,7 +86,7 @@ def _algorithm(optimizer: torch.optim.Optimizer) -> str:
         decoupled = any(g.get("decoupled_weight_decay", False) for g in optimizer.param_groups)
         return "adamw" if decoupled else "adam"
     raise UnsupportedOptimizer(
-        f"{type(optimizer).__name__} has no canonical form; use torch.optim.Adam/AdamW or an optimizer "
+        f"{type(optimizer).__name__} has no canonical form; use a torch.optim.Optimizer or an optimizer "
         "with state_export()/state_import() (SPEC.md §Optimizer state)"
     )
 
@@ -195,3 +206,83 @@ def into_export(importer: Any, state: OptimState, names: list[str]) -> None:
             raise StateMismatch(f"tensor {n!r} has no optimizer state in the commit")
         params[n] = {"group": po.group, "age": po.age, "exp_avg": po.exp_avg, "exp_avg_sq": po.exp_avg_sq}
     importer.state_import(groups, params)
+
+
+# -- restoring Adam/AdamW's canonical form (called by checkpoint.restore) ----------------------
+
+
+def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...], param: torch.Tensor | None = None) -> bool:
+    """Whether an existing optimizer state tensor can be overwritten in place by a moment
+    (a DTensor only if it is split exactly like its parameter)."""
+    from .dtensor import is_dtensor, same_split
+
+    return (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.dtype == dtype
+        and tuple(t.shape) == shape
+        and t.is_contiguous()
+        and not t.requires_grad
+        and is_dtensor(t) == is_dtensor(param)
+        and (not is_dtensor(t) or same_split(t, param))
+    )
+
+
+def _empty_like(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new moment tensor: a DTensor split like ``param`` if it is one (FSDP2, TP)."""
+    from .dtensor import is_dtensor
+
+    return torch.empty_like(param, dtype=dtype) if is_dtensor(param) else torch.empty(shape, dtype=dtype)
+
+
+def _plan_optim(
+    lc: LoadedCommit, names: list[str], optimizer: Any, targets: dict[str, torch.Tensor]
+) -> tuple[OptimState, list[tuple[Payload, torch.Tensor, str]]]:
+    """Canonical optimizer state whose moments are destination tensors, and the reads that fill them.
+
+    For a torch optimizer, a moment is read into the optimizer's existing state tensor when
+    that has the right dtype, shape and device (restore into an already-built optimizer
+    without allocating); otherwise into a new tensor.
+    """
+    entries = lc.entries()
+    state = OptimState(lc.commit.optimizer.algorithm, {g.name: hyper_of(g) for g in lc.commit.optimizer.groups})
+    reads: list[tuple[Payload, torch.Tensor, str]] = []
+    live = getattr(optimizer, "state", None) if not hasattr(optimizer, "state_import") else None
+    for n in names:
+        o = entries[n].optim
+        if o is None:
+            continue
+        m1 = m2 = None
+        if o.exp_avg is not None and o.exp_avg_sq is not None and o.moment_dtype is not None:
+            shape, dtype = tuple(entries[n].shape), torch_dtype(o.moment_dtype)
+            old = live.get(targets[n], {}) if isinstance(live, Mapping) else {}
+            m1, m2 = (
+                old[k] if _reusable(old.get(k), dtype, shape, targets[n]) else _empty_like(targets[n], dtype, shape)
+                for k in ("exp_avg", "exp_avg_sq")
+            )
+            reads += [(o.exp_avg, m1, f"exp_avg of {n!r}"), (o.exp_avg_sq, m2, f"exp_avg_sq of {n!r}")]  # payloads: an id or blocks
+        state.params[n] = ParamOpt(o.group, o.age, m1, m2)
+    return state, reads
+
+
+def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
+    """``into_torch`` checks and sets groups; the moments already read are then installed without another copy."""
+    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
+    into_torch(optimizer, {t: n for n, t in params.items()}, bare, group_names=group_names)
+    for n, po in state.params.items():
+        if po.exp_avg is None or po.exp_avg_sq is None:
+            continue
+        p = params[n]
+        m1, m2 = (m if m.device == p.device and m.dtype == p.dtype else m.to(device=p.device, dtype=p.dtype) for m in (po.exp_avg, po.exp_avg_sq))
+        optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
+
+
+def _probe_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
+    """Run ``_install_torch``'s checks (algorithm, groups, every tensor's state and group) on a
+    stand-in sharing nothing mutable with ``optimizer``, so that a mismatch is raised before a
+    byte is read into the caller's tensors (SPEC.md §19b)."""
+    probe = copy.copy(optimizer)
+    probe.param_groups = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups]
+    probe.state = defaultdict(dict)
+    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
+    into_torch(probe, {t: n for n, t in params.items()}, bare, group_names=group_names)

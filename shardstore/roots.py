@@ -3,9 +3,11 @@
 The learned-state root is the BLAKE3 hash of the canonical encoding of a ``LearnedState``
 document: the global step and data cursor, the model config id, the optimizer (algorithm
 and named groups with their hyperparameters) and every tensor entry sorted by name
-(name, dtype, shape, payload id, group, Adam birth and age, moment ids). Tensor bytes
+(name, dtype, shape, payload id, group, Adam birth and age, moment ids; a buffer's kind;
+the per-parameter state of any other torch optimizer) and the commit-wide extras
+(schedulers, scalers: SPEC.md §Extras). Tensor bytes
 enter through their object ids, which are hashes of those bytes. Nothing about the layout,
-the slots or RNG enters it, so the same learned state split any number of ways has one
+the slots, RNG or per-slot extras enters it, so the same learned state split any number of ways has one
 learned-state root.
 
 The full root is the commit id: the object id of the commit manifest's canonical bytes.
@@ -14,14 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .manifest import LearnedState, OptimizerSpec, TensorEntry, encode, shard_version
+from .manifest import ExtraEntry, LearnedState, OptimizerSpec, TensorEntry, encode, shard_version
 from .tensors import hash_bytes
 
 __all__ = ["learned_state", "learned_root"]
 
 
 def learned_state(
-    *, step: int, data_cursor: int | None, config: str | None, optimizer: OptimizerSpec, entries: Iterable[TensorEntry]
+    *,
+    step: int,
+    data_cursor: int | None,
+    config: str | None,
+    optimizer: OptimizerSpec,
+    entries: Iterable[TensorEntry],
+    extras: Iterable[ExtraEntry] = (),
 ) -> LearnedState:
     entries = list(entries)
     return LearnedState(
@@ -31,12 +39,19 @@ def learned_state(
         config=config,
         optimizer=optimizer,
         tensors=tuple(sorted(entries, key=lambda e: e.name)),
+        extras=tuple(sorted(extras, key=lambda x: x.key)),
     )
 
 
 def learned_root(
-    *, step: int, data_cursor: int | None, config: str | None, optimizer: OptimizerSpec, entries: Iterable[TensorEntry]
+    *,
+    step: int,
+    data_cursor: int | None,
+    config: str | None,
+    optimizer: OptimizerSpec,
+    entries: Iterable[TensorEntry],
+    extras: Iterable[ExtraEntry] = (),
 ) -> str:
     """The learned-state root of the given values (see module docstring)."""
-    doc = learned_state(step=step, data_cursor=data_cursor, config=config, optimizer=optimizer, entries=entries)
+    doc = learned_state(step=step, data_cursor=data_cursor, config=config, optimizer=optimizer, entries=entries, extras=extras)
     return hash_bytes(encode(doc))

@@ -1,8 +1,8 @@
 """Copying a commit's closure from one store to another (SPEC.md §Write ordering).
 
 A commit's *closure* is everything a reader needs to restore it: the commit manifest,
-all its shard manifests, the model config object, and the tensor, Adam moment and RNG
-objects of every slot (or, with ``slot=K``, of slot K only: what a replacement host needs
+all its shard manifests, the model config object, the commit-wide extras' objects, and the
+tensor (parameters and buffers), optimizer state and RNG objects and own extras of every slot (or, with ``slot=K``, of slot K only: what a replacement host needs
 to restore that one slot). The parent commit is a pointer, not part of the closure.
 
 ``copy_commit`` sends only objects the destination lacks, and verifies every byte on
@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
+from .extras import extra_objects
 from .names import check_ref_name
 from .grid import payload_blocks
 from .manifest import tensor_payloads
 from .store import Store, object_key
+from .torch_optim import state_objects
 from .verify import LoadedCommit, load_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
@@ -59,6 +61,8 @@ def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
     out = Closure(lc.id, [lc.shard_ids[s] for s in sorted(lc.shard_ids)])
     if lc.commit.config is not None:
         out.data[lc.commit.config] = None
+    for oid, size, *_ in extra_objects(lc.commit.extras, ""):  # commit-wide extras: every slot restores them
+        out.data[oid] = size
     for s, shard in sorted(lc.shards.items()):
         if shard.config is not None:
             out.data.setdefault(shard.config, None)
@@ -66,10 +70,14 @@ def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
             continue
         for r in shard.rng:
             out.data.setdefault(r.object, None)
+        for oid, size, *_ in extra_objects(shard.extras, ""):
+            out.data[oid] = size
         for e in shard.entries:
             for _role, payload, dtype in tensor_payloads(e):
                 for oid, _box, n in payload_blocks(payload, dtype, e.shape):
                     out.data[oid] = n
+            for oid, size, _ in state_objects(e):
+                out.data[oid] = size
     return out
 
 

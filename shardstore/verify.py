@@ -23,11 +23,13 @@ from .errors import (
     ShardstoreError,
     TensorMismatch,
 )
+from .extras import extra_objects, extras_rules, read_extra_state
 from .grid import grid_problems, payload_blocks
 from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, TensorEntry, decode_config, tensor_payloads
 from .rng import MAX_RNG_BYTES, check_rng
 from .roots import learned_root
 from .store import Store
+from .torch_optim import commit_rules, shard_rules, state_objects
 
 __all__ = ["Problem", "Report", "LoadedCommit", "shard_problems", "commit_problems", "load_commit", "verify"]
 
@@ -133,6 +135,10 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
                 yield p(GridError, f"{role} payload: {msg} (SPEC.md §Chunked payloads)", e.name)
     if set(gnames) - used:
         yield p(ManifestError, f"groups {sorted(set(gnames) - used)} are not used by any tensor entry")
+    for err, msg, tensor in shard_rules(shard):  # buffers and the torch form (SPEC.md §Buffers, §Optimizer state)
+        yield p(err, msg, tensor)
+    for msg in extras_rules(shard.extras):
+        yield p(ManifestError, msg)
 
 
 def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardManifest], shard_ids: dict[int, str]) -> Iterator[Problem]:
@@ -153,6 +159,8 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
     if not _sorted_unique(gnames):
         yield p(ManifestError, "optimizer groups are not sorted by name and unique")
     groups = {g.name: g for g in commit.optimizer.groups}
+    for err, msg, obj in commit_rules(commit, shards):  # the torch form and extras (SPEC.md §9a, §9c)
+        yield p(err, msg, obj)
     owners: dict[str, int] = {}
     for lay in commit.layout:
         if not _sorted_unique(list(lay.tensors)):
@@ -177,7 +185,7 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
             "slot": (shard.slot, lay.slot),
             "slots": (shard.slots, len(commit.layout)),
         }
-        if shard.groups and shard.algorithm != commit.optimizer.algorithm:
+        if (shard.groups or shard.torch_optimizer is not None) and shard.algorithm != commit.optimizer.algorithm:
             binding["algorithm"] = (shard.algorithm, commit.optimizer.algorithm)
         for fieldname, (have, want) in binding.items():
             if have != want:
@@ -196,9 +204,8 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
         yield p(ManifestError, f"optimizer groups {sorted(set(groups) - used_groups)} are used by no tensor")
     yield from _sizes_agree(cid, all_entries)
     if len(shards) == len(commit.layout):
-        root = learned_root(
-            step=commit.step, data_cursor=commit.data_cursor, config=commit.config, optimizer=commit.optimizer, entries=all_entries
-        )
+        c = commit
+        root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=all_entries, extras=c.extras)
         if root != commit.learned_root:
             yield p(ManifestError, f"learned-state root is {commit.learned_root} but the shards give {root} (SPEC.md §Roots)")
 
@@ -265,7 +272,7 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
     return LoadedCommit(cid, commit, shards, ids)
 
 
-#: (object id, expected size or None, tensor name, what, content rule: None, "config" or "rng:<kind>")
+#: (object id, expected size or None, tensor name, what, content rule: None, "config", "rng:<kind>" or "extra:<tensors>")
 Job = tuple[str, int | None, str | None, str, str | None]
 
 
@@ -273,17 +280,23 @@ def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
     """One job for every object the commit references (an object named twice: two jobs)."""
     if lc.commit.config is not None:
         yield lc.commit.config, None, None, "model config", "config"
+    for oid, size, what, rule in extra_objects(lc.commit.extras, ""):
+        yield oid, size, None, what, rule
     for s, shard in sorted(lc.shards.items()):
         if slot is not None and s != slot:
             continue
         for r in shard.rng:
             yield r.object, None, None, f"RNG state {r.kind} of slot {s}", f"rng:{r.kind}"
+        for oid, size, what, rule in extra_objects(shard.extras, f" of slot {s}"):
+            yield oid, size, None, what, rule
         for e in shard.entries:
             for role, payload, dtype in tensor_payloads(e):
                 blocks = payload_blocks(payload, dtype, e.shape)
                 what = "parameter" if role == "param" else role
                 for i, (oid, _box, n) in enumerate(blocks):
                     yield oid, n, e.name, (what if len(blocks) == 1 else f"{what} block {i}"), None
+            for oid, size, what in state_objects(e):
+                yield oid, size, e.name, what, None
 
 
 #: What checking one object found: (error or None, its actual size or None, bytes hashed).
@@ -336,12 +349,14 @@ def _check_object(store: Store, oid: str, deep: bool, threads: int = 1) -> Check
 def _content_problem(store: Store, oid: str, rule: str, have: int | None) -> ShardstoreError | None:
     """Decode a model config or RNG object as its load path will (bounded first): what a
     restore would refuse, verify reports (SPEC.md §17)."""
-    limit = MAX_MANIFEST_BYTES if rule == "config" else MAX_RNG_BYTES
+    limit = MAX_RNG_BYTES if rule.startswith("rng:") else MAX_MANIFEST_BYTES
     if have is not None and have > limit:
         return ObjectTooLarge(f"{have} bytes, over the {limit}-byte limit of its kind (SPEC.md §Limits)")
     try:
         if rule == "config":
             decode_config(store.get(oid, limit=MAX_MANIFEST_BYTES), what="model config")
+        elif rule.startswith("extra:"):  # a state document, with placeholders for its tensors (SPEC.md §Extras)
+            read_extra_state(store.get(oid, limit=MAX_MANIFEST_BYTES), [None] * int(rule[6:]), "state document")  # type: ignore[list-item]
         else:
             check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)}, raw_kinds=False)
     except ShardstoreError as e:

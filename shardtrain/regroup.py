@@ -136,6 +136,9 @@ def write_layout(store: Store, lc: LoadedCommit, entries: Mapping[str, TensorEnt
         missing, extra = sorted(owned - set(entries)), sorted(set(entries) - owned)
         raise TransitionError(f"commit {lc.id[:12]}: the new layout does not cover exactly the commit's tensors: "
                               f"no entry for {missing[:5]}, no owner for {extra[:5]}")
+    own_extras = {s: [x.key for x in sh.extras] for s, sh in lc.shards.items() if sh.extras}
+    if own_extras:  # a slot's own extras describe the old layout: there is no slot of the new one to give them to
+        raise TransitionError(f"commit {lc.id[:12]}: slots hold their own extras {own_extras}; a new layout cannot carry them")
     info = CommitInfo(step=c.step, job=c.job, schedule=c.schedule, profile=c.profile, config=dict(raw_config),
                       data_cursor=c.data_cursor, transition=transition)
     groups = {g.name: g for g in c.optimizer.groups}
@@ -149,7 +152,7 @@ def write_layout(store: Store, lc: LoadedCommit, entries: Mapping[str, TensorEnt
             rng = {kind: store.put(data) for kind, data in derived_rng(lc.id, slot).items()}
         shard_ids.append(write_shard_entries(store, mine, groups=[groups[g] for g in used], algorithm=c.optimizer.algorithm,
                                              rng=rng, info=info, parent=lc.id, slot=slot, slots=partition.num_slots))
-    return write_commit(store, shard_ids, info=info, parent=lc.id)
+    return write_commit(store, shard_ids, info=info, parent=lc.id, extras=c.extras)  # commit-wide extras are layout-free
 
 
 def move_ref(store: Store, ref: str | None, old: str, new: str) -> None:

@@ -188,11 +188,14 @@ def test_late_parameter_keeps_its_own_clock(store):
     assert entries["inp.weight"].optim.age == 3 and entries["inp.weight"].optim.birth == 0
 
 
-def test_amsgrad_is_refused(store):
+def test_amsgrad_goes_to_the_torch_form(store):
+    """Refused before issue 13; now held as any torch optimizer (tests/test_trainer_state.py restores it)."""
     model = TinyNet()
     opt = torch.optim.Adam(model.parameters(), amsgrad=True)
-    with pytest.raises(ss.UnsupportedOptimizer, match="amsgrad"):
-        ss.save(store, model, opt, step=0)
+    cid = ss.save(store, model, opt, step=0)
+    spec = store.commit(cid).optimizer
+    assert spec.algorithm == "torch" and spec.torch_optimizer.class_name == "torch.optim.adam.Adam"
+    assert spec.torch_optimizer.groups[0].hyper["amsgrad"] is True
 
 
 def test_adam_and_adamw_are_distinguished(store, trained):

@@ -179,3 +179,9 @@ def test_the_seed_reference_adds_no_objects(reference_store: tuple[str, str]) ->
     model = build_stage(tiny_config(), Partition.even(4, 1), 0, seed=REF_SEED)
     assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in ref.stage.named_parameters())
 
+
+
+def test_two_and_three_workers_agree_bitwise(runs: dict) -> None:
+    (t2, m2), (t3, m3) = runs[2], runs[3]
+    assert m2[0]["results"] == m3[0]["results"]  # loss, norm and clip factor to the last bit
+    assert set(t2) == set(t3) and all(torch.equal(t2[k], t3[k]) for k in t2)

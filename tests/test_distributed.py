@@ -26,6 +26,45 @@ def _owned(model: torch.nn.Module, rank: int) -> list[str]:
     return names[:3] if rank == 0 else names[3:]
 
 
+class Position:
+    """A stateful object (issue 13): commit-wide (a schedule) or one rank's own (a loader position)."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "lr": [0.5 * self.pos]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+class _Unstorable:
+    def state_dict(self) -> dict:
+        return {"fn": len}
+
+
+def _save_trainer_state(store: ss.Store, model: torch.nn.Module, mine: dict, rank: int, result: dict) -> None:
+    """Issue 13 on the distributed path: SGD's torch form, commit-wide and per-slot extras, and a rank
+    whose commit-wide extras differ from rank 0's refused by every rank."""
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4, generator=torch.Generator().manual_seed(0))).sum().backward()
+    sgd.step()
+    info = ss.CommitInfo(step=3)
+    result["trainer"] = ss.save_distributed(
+        store, mine, sgd, info=info, ref="trainer", extra={"sched": Position(7)}, slot_extra={"loader": Position(rank)}
+    )
+    try:
+        ss.save_distributed(store, mine, sgd, info=info, ref="trainer", extra={"sched": Position(7 + rank)})
+    except ss.CommitProtocolError as e:
+        result["differ"] = str(e)
+    bad = {"loader": _Unstorable()} if rank == 1 else {"loader": Position(rank)}
+    try:
+        ss.save_distributed(store, mine, sgd, info=info, ref="trainer", slot_extra=bad)
+    except ss.CommitProtocolError as e:
+        result["unstorable"] = str(e)
+
+
 def _worker(rank: int, world: int, port: int, root: str, scenario: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
@@ -43,6 +82,7 @@ def _worker(rank: int, world: int, port: int, root: str, scenario: str, out: str
                 result["agreed"] = ss.agree_on_commit(store, "main")
                 if rank == 0:  # the same state saved whole by one process, same kernels and threads
                     result["single"] = ss.save(store, model, opt, step=2, ref=None)
+                _save_trainer_state(store, model, mine, rank, result)
             elif scenario == "fail":
                 if rank == 1:
                     mine = {**mine, "bad": torch.zeros(2, dtype=torch.complex64)}
@@ -77,6 +117,7 @@ def test_two_ranks_commit_one_id_and_restore_anywhere(tmp_path):
     # The same state saved whole by one process has the same learned-state root.
     single = results[0]["single"]
     assert single != cid and store.commit(single).learned_root == store.commit(cid).learned_root
+    _check_trainer_state(store, results)
     whole, whole_opt = TinyNet(seed=4), None
     whole_opt = make_optimizer(whole)
     ss.restore(store, single, whole, whole_opt)
@@ -86,6 +127,23 @@ def test_two_ranks_commit_one_id_and_restore_anywhere(tmp_path):
     for (n, p), (_, q) in zip(whole.named_parameters(), fresh.named_parameters()):
         assert torch.equal(p, q), n
         assert torch.equal(whole_opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"]), n
+
+
+def _check_trainer_state(store: ss.Store, results: list[dict]) -> None:
+    trainer = results[0]["trainer"]
+    assert results[1]["trainer"] == trainer and store.ref("trainer") == trainer  # the refused save moved nothing
+    assert all("phase 'acknowledge' failed on rank(s) [1]" in r["differ"] for r in results)
+    assert "rank 1's commit-wide extras ['sched'] differ from rank 0's" in results[1]["differ"]
+    assert all("phase 'write shard' failed on rank(s) [1]" in r["unstorable"] for r in results)  # nobody hangs
+    assert "extra 'loader' at $.fn" in results[1]["unstorable"]
+    lc = ss.load_commit(store, trainer)
+    assert lc.commit.optimizer.torch_optimizer.class_name == "torch.optim.sgd.SGD"
+    assert [x.key for x in lc.commit.extras] == ["sched"] and all(lc.shards[s].extras[0].key == "loader" for s in (0, 1))
+    model = TinyNet(seed=9)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched, loader = Position(0), Position(-1)
+    ss.restore(store, trainer, model, sgd, extra={"sched": sched}, slot_extra={"loader": loader}, slot=1)
+    assert sched.pos == 7 and loader.pos == 1 and len(sgd.state) == len(list(model.parameters()))
 
 
 def test_a_failing_rank_fails_every_rank_and_the_ref_stays(tmp_path):

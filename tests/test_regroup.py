@@ -177,3 +177,32 @@ def test_regrouped_distillation_gives_the_uninterrupted_roots(adaptive_run: Simp
     first = run.dstore.commit(run.dwide[0].commits[0].id)
     assert run.dstore.commit(first.parent).transition == "repartition" and len(first.layout) == 3
     assert [r.loss for r in run.dwide[0].steps] == [r.loss for r in run.dstraight[0].steps if r.step > 4]
+
+
+def test_repartition_keeps_commit_wide_extras_and_refuses_a_slots_own(adaptive_run: SimpleNamespace) -> None:
+    """Issue 13: a scheduler's state (commit-wide) is layout-free and travels; a slot's own extras cannot."""
+    import msgspec
+
+    from shardstore import CommitInfo, write_commit
+    from shardstore.extras import capture_extras, write_extras
+
+    class Sched:
+        def state_dict(self) -> dict:
+            return {"last_epoch": 5, "base_lrs": [0.01]}
+
+    store, lc = adaptive_run.store, load_commit(adaptive_run.store, adaptive_run.to3.parent)
+    c = lc.commit
+    info = CommitInfo(step=c.step, job=c.job, schedule=c.schedule, profile=c.profile, data_cursor=c.data_cursor, transition=c.transition,
+                      config=decode_config(store.get(c.config)))
+    extras = write_extras(store, capture_extras({"scheduler": Sched()}))
+    store.sync()
+    ids = [lc.shard_ids[s] for s in sorted(lc.shard_ids)]
+    with_extras = write_commit(store, ids, info=info, parent=c.parent, extras=extras)
+    made = regroup(store, with_extras, workers=3)
+    new = store.commit(made.commit)
+    assert new.extras == extras and new.learned_root == store.commit(with_extras).learned_root != c.learned_root
+    own = store.put_manifest(msgspec.structs.replace(lc.shards[1], extras=extras))
+    store.sync()
+    with_own = write_commit(store, [ids[0], own], info=info, parent=c.parent)
+    with pytest.raises(TransitionError, match=r"slots hold their own extras \{1: \['scheduler'\]\}"):
+        regroup(store, with_own, workers=3)

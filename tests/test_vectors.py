@@ -92,3 +92,94 @@ def test_vector_bytes_independently():
     doc = json.dumps(learned, sort_keys=True, separators=(",", ":")).encode()
     assert blake3.blake3(doc).hexdigest() == LEARNED_ROOT
     assert blake3.blake3(json.dumps(commit, sort_keys=True, separators=(",", ":")).encode()).hexdigest() == COMMIT
+
+
+# -- issue 13: the torch form with a buffer, and commit-wide extras (SPEC.md §Test vectors) --------
+
+SGD_COMMIT = "1bbbef1464d38f48b43e79fd725201bcf740f1086b6a1046bc5826e70d846e41"
+SGD_LEARNED_ROOT = "02b2db54d70e99bf74b20e87b81fba0cfcd3b3da0d0666b66b7d2e318293df42"
+SGD_SHARD = "f9100881c5f2cac0fa7e2cbdc9ba4471862c8a50f0c230382c2dd57430b2b77e"
+EXTRAS_COMMIT = "1dfe0178487d00fe6b2caaa6ccb6637dfc3b699b6adb2c8004d280a18056148f"
+EXTRAS_LEARNED_ROOT = "aa804599eb4ebc0fc007040af03e41368a22d1356565dcb226a526d157eb64cc"
+EXTRAS_DOCUMENT = "da8b263743ad4f47791413ba333ed2feb9af3788f9adce8c8e906b5465d9e49c"
+
+
+def _learned_doc(store, commit: dict) -> bytes:
+    entries = []
+    for lay in commit["layout"]:
+        entries += json.loads(bytes(store.get(lay["shard"])))["entries"]
+    learned = {
+        "type": "learned", "version": 1, "step": commit["step"], "data_cursor": commit["data_cursor"],
+        "config": commit["config"], "optimizer": commit["optimizer"], "tensors": sorted(entries, key=lambda e: e["name"]),
+    }  # fmt: skip
+    if "extras" in commit:
+        learned["extras"] = commit["extras"]
+    return json.dumps(learned, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _f64(x: float) -> str:
+    import struct
+
+    return "f64:" + struct.pack(">d", x).hex()
+
+
+def test_sgd_momentum_vector_independently():
+    """The torch form's bytes, spelled out by hand from SPEC.md §8.2 and §9 and hashed with json + blake3."""
+    import struct
+
+    from vectors import sgd_vector_state
+
+    store = ss.open_store(f"memory://vectors-{uuid.uuid4().hex}")
+    states, info = sgd_vector_state()
+    cid = ss.save_slots(store, states, info=info, ref=None, parent=None)
+    assert cid == SGD_COMMIT
+    w = struct.pack("<6f", 0, 0.25, 0.5, 0.75, 1.0, 1.25)
+    momentum = struct.pack("<6f", *(x / 8 for x in (0, 0.25, 0.5, 0.75, 1.0, 1.25)))
+    mean = struct.pack("<2f", 0.5, 1.0)
+    h = lambda b: blake3.blake3(b).hexdigest()  # noqa: E731
+    shard = {
+        "algorithm": "torch", "config": None, "groups": [], "job": "vector-job", "parent": None, "rng": [],
+        "slot": 0, "slots": 1, "step": 2, "type": "shard", "version": 1,
+        "entries": [
+            {"dtype": "float32", "name": "layer.weight", "optim": None, "param": h(w), "shape": [2, 3],
+             "state": {"group": "g0", "scalars": [], "tensors": [{"dtype": "float32", "key": "momentum_buffer", "object": h(momentum), "shape": [2, 3]}]}},
+            {"dtype": "float32", "kind": "buffer", "name": "norm.running_mean", "optim": None, "param": h(mean), "shape": [2]},
+        ],
+        "torch_optimizer": {"class_name": "torch.optim.sgd.SGD", "groups": [{"name": "g0", "hyper": {
+            "dampening": 0, "foreach": None, "lr": _f64(0.1), "maximize": False, "momentum": _f64(0.9), "nesterov": True, "weight_decay": 0}}]},
+    }  # fmt: skip
+    shard_bytes = json.dumps(shard, sort_keys=True, separators=(",", ":")).encode()
+    assert bytes(store.get(SGD_SHARD)) == shard_bytes and h(shard_bytes) == SGD_SHARD
+    commit = json.loads(bytes(store.get(cid)))
+    assert commit["optimizer"] == {"algorithm": "torch", "groups": [], "torch_optimizer": shard["torch_optimizer"]}
+    assert "extras" not in commit
+    assert h(_learned_doc(store, commit)) == SGD_LEARNED_ROOT == commit["learned_root"]
+    assert h(json.dumps(commit, sort_keys=True, separators=(",", ":")).encode()) == SGD_COMMIT
+
+
+def test_extras_vector_independently():
+    """Commit-wide extras enter the commit and the learned-state root, and leave the shard manifest alone."""
+    import struct
+
+    from vectors import FixedScheduler
+
+    store, one_slot = _commit(slots=1)
+    states, info = vector_state()
+    merged = ss.SlotState(
+        {**states[0].tensors, **states[1].tensors},
+        ss.optim.OptimState("adamw", {**states[0].optim.groups, **states[1].optim.groups}, {**states[0].optim.params, **states[1].optim.params}),
+        {},
+    )
+    cid = ss.save_slots(store, [merged], info=info, ref=None, parent=None, extra={"scheduler": FixedScheduler()})
+    assert cid == EXTRAS_COMMIT
+    commit = json.loads(bytes(store.get(cid)))
+    assert commit["layout"] == json.loads(bytes(store.get(one_slot)))["layout"]  # the same shard manifest
+    best = struct.pack("<2f", 1.5, -2.0)
+    doc = json.dumps({"base_lrs": [_f64(0.001)], "best": "tensor:0", "last_epoch": 2}, sort_keys=True, separators=(",", ":")).encode()
+    assert blake3.blake3(doc).hexdigest() == EXTRAS_DOCUMENT and bytes(store.get(EXTRAS_DOCUMENT)) == doc
+    assert commit["extras"] == [
+        {"key": "scheduler", "state": EXTRAS_DOCUMENT, "tensors": [{"dtype": "float32", "key": "0", "object": blake3.blake3(best).hexdigest(), "shape": [2]}]}
+    ]
+    root = blake3.blake3(_learned_doc(store, commit)).hexdigest()
+    assert root == EXTRAS_LEARNED_ROOT == commit["learned_root"] != LEARNED_ROOT
+    assert blake3.blake3(json.dumps(commit, sort_keys=True, separators=(",", ":")).encode()).hexdigest() == EXTRAS_COMMIT
