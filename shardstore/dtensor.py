@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .errors import StateMismatch, TensorMismatch
 from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
-from .tensors import dtype_name, expected_nbytes, torch_dtype
+from .tensors import dtype_name, expected_nbytes, new_hasher, tensor_bytes, torch_dtype
 
 __all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
 
@@ -117,6 +117,7 @@ class _Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 _ITEMS = msgspec.json.Decoder(list[_Item])
+_FINGERPRINTS = msgspec.json.Decoder(dict[str, str])
 
 
 def slice_regions(name: str, dtype: str, shape: tuple[int, ...], held: dict[Box, list[int]]) -> list[tuple[Box, list[int]]]:
@@ -208,6 +209,9 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
             local, origin = local_region(t, f"{role} of tensor {n!r}")
             locals_[(n, role)] = (local, origin)
             desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), origin, tuple(local.shape)))
+        for n, t in sorted(state.tensors.items()):  # plain tensors too: a replicated one (FSDP2's buffers) is written once
+            if not is_dtensor(t):
+                desc.append(_Item(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), (), ()))
         raw = b"\x00" + msgspec.json.encode(desc)
     except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
         failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
@@ -219,8 +223,12 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
         return _restate(state, {}, set())
     peers = [_ITEMS.decode(g[1:]) for g in gathered]
     union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}
+    plain: dict[str, list[int]] = {}
     for r, items in enumerate(peers):
         for it in items:
+            if it.role == "plain":
+                plain.setdefault(it.name, []).append(r)
+                continue
             dtype, shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
             if (dtype, shape) != (it.dtype, it.shape):
                 raise StateMismatch(f"{it.role} of tensor {it.name!r}: ranks disagree on dtype/shape ({dtype}{list(shape)} vs {it.dtype}{list(it.shape)})")
@@ -231,15 +239,52 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
         regions = slice_regions(n, dtype, shape, held)
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
             plans.append(((n, role), bi, box, owner, sends, dtype))
+    drop = _replicated_plain(state, {n: rs for n, rs in plain.items() if len(rs) > 1}, rank, group)
     if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
-        return state
+        return _restate(state, {}, set(), drop) if drop else state
     ids = _exchange(store, plans, locals_, rank, g, group, threads)
     blocks: dict[tuple[str, str], list[str]] = {}
     for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
         blocks.setdefault(key, []).append(oid)
     payload = {key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()}
     mine = {n for (n, role), (_, _, held) in union.items() if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank}
-    return _restate(state, payload, mine)
+    return _restate(state, payload, mine, drop)
+
+
+def _fingerprint(state: Any, name: str) -> str:
+    """BLAKE3 over a plain tensor's bytes, dtype and shape and its optimizer state (group, age, state tensors)."""
+    h = new_hasher()
+    parts = [state.tensors[name]]
+    po = state.optim.params.get(name)
+    if po is not None:
+        h.update(f"{po.group}:{po.age}".encode())
+        parts += [m for m in (po.exp_avg, po.exp_avg_sq) if m is not None]
+        if getattr(po, "torch_state", None) is not None:
+            parts += [t for _, t in sorted(po.torch_state.tensors.items())]
+    for t in parts:
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def _replicated_plain(state: Any, replicated: dict[str, list[int]], rank: int, group: Any) -> set[str]:
+    """Plain tensors several ranks hold (FSDP2 leaves buffers whole on every rank): they
+    must be equal everywhere (values and optimizer state, compared by hash), else
+    TensorMismatch on every rank; one holder records each. Returns the names this rank drops."""
+    if not replicated:
+        return set()
+    mine = {n: _fingerprint(state, n) for n, rs in replicated.items() if rank in rs}
+    got = [_FINGERPRINTS.decode(raw) for raw in _all_gather_bytes(msgspec.json.encode(mine), group)]
+    drop = set()
+    for n, rs in sorted(replicated.items()):
+        if len({got[r].get(n) for r in rs}) != 1:
+            raise TensorMismatch(
+                f"tensor {n!r}: ranks {rs} hold it as a plain (not DTensor) tensor with different values or optimizer "
+                "state; a tensor several ranks hold whole must be equal on all of them (SPEC.md §Block exchange)"
+            )
+        if entry_slot(n, rs) != rank:
+            drop.add(n)
+    return drop
 
 
 def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: Any, threads: int) -> list[str]:
@@ -314,12 +359,14 @@ def _nbytes(plan: tuple) -> int:
     return expected_nbytes(plan[5], plan[2][1])
 
 
-def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: set[str]) -> Any:
-    """The SlotState this slot records: the DTensor entries it records (``mine``) replaced by their payloads."""
+def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: set[str], drop: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
+    """The SlotState this slot records: the DTensor entries it records (``mine``) replaced by
+    their payloads; plain tensors as they are, but for replicated ones another rank records (``drop``)."""
     tensors = {}
     for n, t in state.tensors.items():
         if not is_dtensor(t):
-            tensors[n] = t
+            if n not in drop:
+                tensors[n] = t
         elif n in mine:
             tensors[n] = payload[(n, "param")]
     params = {}

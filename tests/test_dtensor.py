@@ -162,6 +162,7 @@ def _three(rank: int, store: ss.Store, mesh, pair) -> dict:
     _train(m3, opt3, 2, seed=7)
     out["resumed3"] = ss.save_distributed(store, m3, opt3, info=_info(5), rng=False, ref=None, parent=c2)
     out["errors"] = _refusals(rank, store, m3, mesh)
+    out["buffers"] = _buffers(rank, store, mesh)
     # FSDP2 on a sub-mesh (ranks 0 and 1) inside a 3-rank save, as a pipeline stage would be:
     # each entry must be recorded by a rank that holds the tensor, never by rank 2.
     sub, sopt = {}, None
@@ -170,6 +171,27 @@ def _three(rank: int, store: ss.Store, mesh, pair) -> dict:
         sopt = _opt(sub)
         ss.restore(store, c2, sub, sopt)
     out["submesh"] = ss.save_distributed(store, sub, sopt, info=_info(3), rng=False, ref=None, parent=None)
+    return out
+
+
+def _buffers(rank: int, store: ss.Store, mesh) -> list[str]:
+    """FSDP2 leaves buffers (BatchNorm's running stats) whole on every rank: equal ones are
+    written once; ones that differ between ranks are refused, naming the tensor."""
+    from torch.distributed.fsdp import fully_shard
+
+    bn = torch.nn.Sequential(torch.nn.Linear(8, 10), torch.nn.BatchNorm1d(10))
+    fully_shard(bn, mesh=mesh)
+    bopt = _opt(bn)
+    bn(torch.randn(4, 8, generator=torch.Generator().manual_seed(3))).sum().backward()  # the same batch on every rank
+    bopt.step()
+    out = [ss.save_distributed(store, bn, bopt, info=_info(1), rng=False, ref=None, parent=None)]
+    if rank == 2:
+        with torch.no_grad():
+            bn[1].running_mean.add_(1.0)
+    try:
+        ss.save_distributed(store, bn, bopt, info=_info(1), rng=False, ref=None, parent=None)
+    except ss.CommitProtocolError as e:
+        out.append(str(e))
     return out
 
 
@@ -364,6 +386,21 @@ def test_unsupported_or_misplaced_dtensors_are_refused_by_type(runs):
         assert unmoved == "ref unmoved: True"
         assert one_process.startswith("TensorMismatch") and "save_distributed" in one_process
         assert async_saver.startswith("TensorMismatch") and "save_distributed" in async_saver
+
+
+def test_fsdp2_buffers_are_written_once_and_must_agree(runs):
+    store, _, three, _, _ = runs
+    commits = {r["buffers"][0] for r in three}
+    (cid,) = commits
+    lc = ss.load_commit(store, cid)
+    assert {n: e.kind for n, e in lc.entries().items() if e.kind == "buffer"} == {
+        "1.running_mean": "buffer", "1.running_var": "buffer", "1.num_batches_tracked": "buffer"}
+    assert sorted(n for lay in lc.commit.layout for n in lay.tensors) == sorted(lc.entries())  # each once
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 10), torch.nn.BatchNorm1d(10))
+    ss.restore(store, cid, plain)
+    assert int(plain[1].num_batches_tracked) == 1
+    for r in three:
+        assert "'1.running_mean'" in r["buffers"][1] and "different values" in r["buffers"][1]
 
 
 def test_two_to_three_continuation_matches_within_tolerance(runs):
