@@ -24,16 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import msgspec
 import torch
 
-from .errors import CursorError, ManifestError, ObjectNotFound, StateMismatch, TargetNotFound, TensorMismatch
+from .errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
 from .manifest import (
     MAX_MANIFEST_BYTES,
-    Count,
-    JobId,
-    Label,
-    Transition,
     CommitManifest,
     ExtraEntry,
     GroupSpec,
@@ -54,7 +49,8 @@ from .dtensor import local_region
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
 from .grid import Whole, payload_blocks, put_payloads, read_jobs
 from .module_state import named_state
-from .names import check_oid, check_ref_name
+from .names import check_ref_name
+from .preflight import check_info, check_parent
 from .optim import OptimState, ParamOpt, _install_torch, _plan_optim, _probe_torch, from_export, from_torch, group_spec, into_export
 from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
@@ -80,45 +76,6 @@ class CommitInfo:
     config: Mapping[str, Any] | None = None
     data_cursor: int | None = None
     transition: str = "train"
-
-
-class _InfoRules(msgspec.Struct, forbid_unknown_fields=True):
-    """The manifest field rules (SPEC.md §8.3) of CommitInfo's fields, to check them before any write."""
-
-    job: JobId
-    step: Count
-    data_cursor: Count | None
-    schedule: Label | None
-    profile: Label
-    transition: Transition
-
-
-def check_info(info: CommitInfo) -> None:
-    """ManifestError naming the field if ``info`` could never be written as a commit (a job id
-    that is not a name, a negative or huge step, an unrepresentable config...). Every writer
-    calls this before its first object, so a refused save or import leaves nothing behind."""
-    doc = {k: getattr(info, k) for k in ("job", "step", "data_cursor", "schedule", "profile", "transition")}
-    try:
-        msgspec.convert(doc, _InfoRules, strict=True)
-    except msgspec.ValidationError as e:
-        raise ManifestError(f"commit info: {e} (SPEC.md §Commit manifest)") from None
-    if info.config is not None:
-        encode_config(dict(info.config))
-
-
-def check_parent(store: Store, parent: str | None) -> None:
-    """Refuse a parent that is not a commit of ``store`` (TargetNotFound if absent, ManifestError
-    if the object is something else): ``log`` and gc follow parents, so a commit must never
-    name a tensor, a shard manifest or nothing as its parent."""
-    if parent is None:
-        return
-    check_oid(parent, what="parent commit id")
-    try:
-        store.commit(parent)
-    except ObjectNotFound:
-        raise TargetNotFound(f"parent commit {parent} is not in {store.url}") from None
-    except ManifestError as e:
-        raise ManifestError(f"parent {parent} is not a commit: {e}") from None
 
 
 @dataclass

@@ -16,6 +16,7 @@ bounds its own requests further).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -114,7 +115,34 @@ def _pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]
         pool.shutdown(wait=True, cancel_futures=True)  # on the first failure, start nothing new
 
 
-def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) -> tuple[bool, int]:
+#: Bytes of objects held in memory at once by a copy's threads (beyond one object larger than this).
+_IN_FLIGHT_BYTES = 1 << 30
+
+
+class _ByteBudget:
+    """Admits readers while the bytes they hold stay under a limit (one larger reader alone):
+    copy reads each object whole into memory of its own, so threads × object size would
+    otherwise be the peak."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.used > 0 and self.used + n > self.limit:
+                self._cond.wait()
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+def _copy_object(
+    src: Store, dst: Store, oid: str, size: int | None, what: str, budget: _ByteBudget | None = None
+) -> tuple[bool, int]:
     """Copy one object unless ``dst`` has it whole; verify the bytes received before writing them.
 
     An object already at ``dst`` is refreshed (``Store.ensure``: gc then treats it as just
@@ -126,6 +154,17 @@ def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) 
         want = size if size is not None else src.object_size(oid)
         if want is None or have == want:
             return False, have
+    need = size or 0  # objects whose size the format fixes; the others are manifest-sized or pinned files
+    if budget is not None:
+        budget.acquire(need)
+    try:
+        return _fetch_and_put(src, dst, oid, size, what, have)
+    finally:
+        if budget is not None:
+            budget.release(need)
+
+
+def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str, have: int | None) -> tuple[bool, int]:
     data, got = src.read_hashed(oid)  # hashed as it arrives where the backend streams
     if got != oid:
         raise CorruptObject(
@@ -197,9 +236,11 @@ def copy_commit(
     closure = commit_closure(lc, slot)
     result = CopyResult(lc.id, slot)
 
+    budget = _ByteBudget(_IN_FLIGHT_BYTES)
+
     def batch(jobs: list[tuple[str, int | None, str]]) -> None:
         def one(job: tuple[str, int | None, str]) -> tuple[bool, int]:
-            done = _copy_object(src, dst, *job)
+            done = _copy_object(src, dst, *job, budget=budget)
             if progress is not None:
                 progress(done[1])
             return done

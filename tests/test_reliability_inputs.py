@@ -130,3 +130,15 @@ def test_cat_of_a_big_tensor_object_is_refused_without_reading_it(tmp_path: Any,
     code, err = _main(capsys, "cat", store.url, oid)
     assert code == 1 and "manifest limit" in err, err
     assert not [k for k in reads if k.startswith("objects/")]
+
+
+def test_s3_without_credentials_is_a_one_line_error(capsys: Any, monkeypatch: Any) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-role lookup, nothing leaves the machine
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    code, err = _main(capsys, "refs", "s3://bucket/x")
+    assert code == 1 and err.startswith("shardstore: error: StorageError:") and err.count("\n") == 1, err
+    assert "credentials" in err
