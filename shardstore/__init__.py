@@ -7,7 +7,7 @@ SPEC.md at the repository root is the normative description.
 """
 from .async_save import AsyncSaver
 from .checkpoint import AUTO, CommitInfo, Restored, SlotState, capture, restore, save, save_slots, write_commit, write_shard, write_shard_entries
-from .distributed import agree_on_commit, commit_distributed, save_distributed
+from .distributed import agree_on_commit, save_distributed
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode
@@ -52,7 +52,6 @@ __all__ = [
     "save_slots",
     "verify",
     "save_distributed",
-    "commit_distributed",
     "agree_on_commit",
     "write_commit",
     "write_shard",

@@ -15,21 +15,17 @@ The background thread then does exactly what ``save`` does, from the snapshot: h
 write the objects, make them durable, write the shard manifest and the commit, and only
 then move the ref by compare-and-swap. A crash at any point leaves the ref where it was.
 
+In a process group, ``saver.save_distributed(model, optimizer, info=..., group=g)`` does the
+same for ``save_distributed``: DTensors (FSDP2, tensor parallelism) are staged as their
+local slices and the block exchange and commit protocol run in the background, over a
+group ``g`` of the saver's own (``dist.new_group()``, made once), never the group training
+uses, so that the two threads' collectives cannot interleave.
+
 One save is in flight at a time: ``save`` first waits for the previous one (its arena is
 about to be overwritten), and raises its error if it failed. ``wait`` returns the last
 commit id or raises the last error. An error is raised once, by whichever of ``save``,
 ``wait`` or ``close`` comes first; it is never dropped silently (a saver collected with an
 unreported error warns).
-
-Over a process group, ``save_distributed`` does the same for one slot of a
-``torch.distributed`` commit (SPEC.md §15): the snapshot is taken on the calling thread,
-and the whole protocol (objects, shard manifest, the coordinator's commit manifest, every
-slot's acknowledgement, the ref move) runs in the background thread. Its collectives must
-not share a process group with anything the training loop sends or gathers meanwhile:
-two threads issuing operations on one group can do so in different orders on different
-ranks, and then they match the wrong peers' messages. Give the saver a group of its own,
-made on every rank at the same point (``torch.distributed.new_group(backend="gloo")``);
-every rank must call ``save_distributed`` for the same commits in the same order.
 
 Memory bound: the arena holds one copy of the slot's tensors (parameters, buffers, both
 Adam moments or any other optimizer's state tensors), at 64-byte-aligned offsets; RNG
@@ -47,7 +43,9 @@ from typing import Any
 import torch
 
 from .checkpoint import AUTO, CommitInfo, SlotState, capture, save_slots
-from .distributed import commit_distributed
+from .distributed import commit_state
+from .dtensor import is_dtensor, local_region
+from .errors import StateMismatch, TensorMismatch
 from .extras import CapturedExtra, capture_extras
 from .optim import ParamOpt
 from .store import Store
@@ -55,6 +53,13 @@ from .store import Store
 __all__ = ["AsyncSaver"]
 
 _ALIGN = 64
+
+
+def _rewrap(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A DTensor split like ``like`` whose local slice is ``local`` (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())  # type: ignore[attr-defined]
 
 
 def _round(n: int) -> int:
@@ -102,6 +107,9 @@ class AsyncSaver:
                 flat += [po.exp_avg, po.exp_avg_sq]
             if po is not None and po.torch_state is not None:
                 flat += [t for _, t in sorted(po.torch_state.tensors.items())]
+        # A DTensor is staged as its local slice and re-wrapped with the same mesh and placements.
+        dts = [t if is_dtensor(t) else None for t in flat]
+        flat = [local_region(t)[0] if d is not None else t for t, d in zip(flat, dts)]
         sizes = [t.numel() * t.element_size() for t in flat]
         pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in flat)
         arena = self._reserve(sum(_round(s) for s in sizes), pin)
@@ -116,6 +124,7 @@ class AsyncSaver:
                 off += _round(size)
         if pin:
             torch.cuda.synchronize()
+        staged = [_rewrap(x, d) if d is not None else x for x, d in zip(staged, dts)]
         it = iter(staged)
         tensors: dict[str, torch.Tensor] = {}
         params: dict[str, ParamOpt] = {}
@@ -174,7 +183,10 @@ class AsyncSaver:
         """
         self._collect()
         info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
-        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra))
+        state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
+        if any(is_dtensor(t) for t in state.tensors.values()):
+            raise TensorMismatch("AsyncSaver.save saves one process's plain tensors; save DTensor state with save_distributed (SPEC.md §Block exchange)")
+        snap = self._snapshot(state)
         wide = _copy_extras(capture_extras(extra))
         self._future = self._pool.submit(
             save_slots, self.store, [snap], info=info, ref=ref, parent=parent, threads=self.threads, extra=wide
@@ -191,22 +203,26 @@ class AsyncSaver:
         parent: str | None = AUTO,
         rng: bool = True,
         group_names: list[str] | None = None,
-        extra: Mapping[str, Any] | None = None,
-        slot_extra: Mapping[str, Any] | None = None,
         on_phase: Callable[[str], None] | None = None,
     ) -> None:
-        """Snapshot this rank's slot now and take part in the commit from the background thread.
+        """Snapshot this rank's state now (DTensors as their local slices) and run
+        ``save_distributed`` on it in the background; every rank of ``group`` must call this.
 
-        As ``shardstore.save_distributed``, but ``group`` is required and must be used by
-        nothing else while a save is in flight (see the module docstring). Returns once the
-        snapshot is taken; ``wait`` returns the commit id every rank agreed on, or raises the
-        protocol's error (the ref is then unmoved unless the error says otherwise).
+        ``group`` MUST be a process group used by nothing else while the save runs (e.g.
+        ``dist.new_group(backend="gloo")``, made once): the background thread's collectives
+        would otherwise interleave with training's. ``wait`` returns the commit id.
+        Stateful extras are not taken here (pass them to ``shardstore.save_distributed``).
+        ``on_phase`` is called in the background thread as each protocol phase begins
+        (``commit_state``).
         """
+        if group is None:
+            raise StateMismatch("AsyncSaver.save_distributed needs a process group of its own (dist.new_group), not the default group")
         self._collect()
-        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra))
-        wide = None if extra is None else _copy_extras(capture_extras(extra))
-        self._future = self._pool.submit(commit_distributed, self.store, snap, info=info, group=group, ref=ref,
-                                         parent=parent, threads=self.threads, extra=wide, on_phase=on_phase)
+        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
+        self._future = self._pool.submit(
+            commit_state, self.store, lambda: snap, info=info, group=group, ref=ref, parent=parent, threads=self.threads,
+            on_phase=on_phase,
+        )
 
     @property
     def pending(self) -> bool:

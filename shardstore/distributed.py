@@ -13,10 +13,6 @@ any failure instead of hanging:
 Ids travel as 32-byte tensors (never pickled objects), with one status byte in front.
 ``agree_on_commit`` is the recovery counterpart: every rank resolves the target and all
 must name the same commit, or every rank raises.
-
-``commit_distributed`` runs the same protocol from a ``SlotState`` captured earlier (for
-example a staged copy that ``AsyncSaver.save_distributed`` commits from a background
-thread while training goes on: see async_save.py for the process group it must use).
 """
 from __future__ import annotations
 
@@ -27,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import AUTO, CommitInfo, SlotState, capture, write_commit, write_shard
+from .dtensor import write_dtensors
 from .errors import CommitProtocolError
 from .extras import capture_extras, write_extras
 from .manifest import ExtraEntry
 from .store import Store
 from .verify import load_commit
 
-__all__ = ["save_distributed", "commit_distributed", "agree_on_commit"]
+__all__ = ["save_distributed", "commit_state", "agree_on_commit"]
 
 _OK, _FAIL, _NONE = 1, 2, 3
 #: The phases of ``save_distributed``; before "move ref" completes nobody has moved the ref.
@@ -124,14 +121,21 @@ def save_distributed(
     ``extra``: commit-wide ones (a scheduler, a scaler): rank 0's are committed, and every
     rank that passes ``extra`` must pass the same state, checked when it acknowledges the
     commit (so a rank's extras are never dropped silently; SPEC.md §Extras).
+
+    DTensor parameters and moments (FSDP2, tensor parallelism) are written as canonical
+    blocks by the block exchange (``dtensor.write_dtensors``, SPEC.md §Block exchange):
+    never gathered, each block hashed and written by one rank.
     """
-    return _protocol(store, lambda: capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra),
-                     info=info, group=group, ref=ref, parent=parent, threads=threads, extra=extra, on_phase=None)
+    return commit_state(
+        store,
+        lambda: capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra),
+        info=info, group=group, ref=ref, parent=parent, threads=threads, extra=extra,
+    )  # fmt: skip
 
 
-def commit_distributed(
+def commit_state(
     store: Store,
-    state: SlotState,
+    state_fn: Callable[[], SlotState],
     *,
     info: CommitInfo,
     group: Any = None,
@@ -141,29 +145,13 @@ def commit_distributed(
     extra: Mapping[str, Any] | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> str:
-    """Take part in one commit with this rank's captured ``state``; every rank returns the same id.
+    """``save_distributed`` of the slot state ``state_fn()`` returns (called inside the
+    commit protocol; AsyncSaver passes its snapshot).
 
-    ``extra`` as for ``save_distributed`` (objects or already captured extras).
-    ``on_phase(name)``, if given, is called on this rank as each phase begins (names as in
-    SPEC.md §15: read parent, write shard, write commit, acknowledge, move ref), for
-    progress reports and fault injection; an exception it raises fails that phase.
+    ``on_phase(name)``, if given, is called on this rank as each phase begins (read parent,
+    write shard, write commit, acknowledge, move ref; SPEC.md §15), for progress reports
+    and fault injection; an exception it raises fails that phase on every rank.
     """
-    return _protocol(store, lambda: state, info=info, group=group, ref=ref, parent=parent, threads=threads,
-                     extra=extra, on_phase=on_phase)
-
-
-def _protocol(
-    store: Store,
-    take_state: Callable[[], SlotState],
-    *,
-    info: CommitInfo,
-    group: Any,
-    ref: str | None,
-    parent: str | None,
-    threads: int,
-    extra: Mapping[str, Any] | None,
-    on_phase: Callable[[str], None] | None,
-) -> str:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coordinator = rank == 0
 
@@ -187,7 +175,11 @@ def _protocol(
     mine: list[tuple[ExtraEntry, ...]] = []
 
     def shard() -> str:  # capture inside the phase: a state one rank cannot store fails every rank, naming it
-        state = take_state()
+        try:
+            state, failure = state_fn(), None
+        except Exception as e:  # noqa: BLE001 - still joins the block exchange below, then re-raised
+            state, failure = None, e
+        state = write_dtensors(store, state, group=group, threads=threads, failure=failure)  # a collective
         mine.append(write_extras(store, capture_extras(extra), threads=threads))  # made durable by write_shard's barrier
         return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
 

@@ -26,8 +26,9 @@ from typing import TypeVar
 from .errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from .extras import extra_objects
 from .names import check_ref_name
+from .grid import payload_blocks
+from .manifest import tensor_payloads
 from .store import Store, object_key
-from .tensors import expected_nbytes
 from .torch_optim import state_objects
 from .verify import LoadedCommit, load_commit
 
@@ -73,14 +74,11 @@ def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
         for oid, size, *_ in extra_objects(shard.extras, ""):
             out.data[oid] = size
         for e in shard.entries:
-            out.data[e.param] = expected_nbytes(e.dtype, e.shape)
+            for _role, payload, dtype in tensor_payloads(e):
+                for oid, _box, n in payload_blocks(payload, dtype, e.shape):
+                    out.data[oid] = n
             for oid, size, _ in state_objects(e):
                 out.data[oid] = size
-            o = e.optim
-            if o is not None and o.moment_dtype is not None:
-                for m in (o.exp_avg, o.exp_avg_sq):
-                    if m is not None:
-                        out.data[m] = expected_nbytes(o.moment_dtype, e.shape)
     return out
 
 
