@@ -95,10 +95,34 @@ def _current(device: torch.device) -> int:
         return peak_bytes(device)
 
 
+def _reset_peak(device: torch.device) -> None:
+    """Start the peak afresh at the current size (Linux: `clear_refs` 5 resets `VmHWM`)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "wb") as f:
+            f.write(b"5")
+    except OSError:
+        pass  # not Linux (or not allowed): the lifetime peak is reported, an over-estimate
+
+
 def peak_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on CUDA; the process's peak resident set size on the CPU."""
+    """Peak allocated bytes on CUDA; the process's peak resident set size on the CPU.
+
+    On Linux the peak is the address space's high-water mark (`VmHWM`), which admission
+    resets when it measures the baseline, so that a spike before admission (importing,
+    loading the job) is not taken for the slot's own peak; `ru_maxrss` cannot be reset.
+    """
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f.read(1 << 16).splitlines():
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, IndexError, ValueError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -114,6 +138,7 @@ def admit(slot: int, estimate: SlotEstimate, device: torch.device) -> tuple[int,
             f"with shardtrain plan, or use more workers)")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    _reset_peak(device)  # the peak recorded later is this worker's own, from here on
     return free, _current(device)
 
 

@@ -90,6 +90,8 @@ from shardtrain.admission import peak_bytes
 from shardtrain.admission import _current as resident
 cpu = torch.device("cpu")
 base = resident(cpu)  # torch imported, job loaded: what a worker has resident when admission measures it
+from shardtrain.admission import _reset_peak
+_reset_peak(cpu)  # as admission does: a spike before this point is not the slot's
 part = Partition.even(job.config.num_hidden_layers, 1)
 stage = build_stage(job.config, part, 0, seed=1)
 opt = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
