@@ -49,7 +49,7 @@ from .manifest import (
     encode_config,
 )
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
-from .module_state import named_state
+from .module_state import check_held, named_state
 from .names import check_oid, check_ref_name
 from .optim import OptimState, ParamOpt, _install_torch, _plan_optim, _probe_torch, from_export, from_torch, group_spec, into_export
 from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
@@ -161,6 +161,8 @@ def capture(
     anything with ``state_export()``. ``extra``: this slot's own extras (SPEC.md §Extras).
     """
     tensors, buffers = named_state(model)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        check_held(optimizer, tensors)
     if names is not None:
         missing = sorted(set(names) - set(tensors))
         if missing:
