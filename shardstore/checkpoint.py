@@ -161,7 +161,7 @@ def capture(
     anything with ``state_export()``. ``extra``: this slot's own extras (SPEC.md §Extras).
     """
     tensors, buffers = named_state(model)
-    if isinstance(optimizer, torch.optim.Optimizer):
+    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, torch.nn.Module):  # a mapping names what the slot owns
         check_held(optimizer, tensors)
     if names is not None:
         missing = sorted(set(names) - set(tensors))

@@ -55,8 +55,9 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
 
 
 def check_held(optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]) -> None:
-    """An optimizer's owned (non-meta) parameter that the model does not name would be dropped with
-    its state: refused instead (SPEC.md §Buffers)."""
+    """A module's optimizer holding a non-meta parameter the module does not hold: that parameter and
+    its state would be dropped, so it is refused (SPEC.md §Buffers). A name → tensor mapping is a
+    slot's declared share (other slots' parameters are skipped by design) and is not checked."""
     held = {id(t) for t in tensors.values()}
     for i, g in enumerate(optimizer.param_groups):
         for j, p in enumerate(g["params"]):
