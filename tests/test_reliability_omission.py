@@ -80,3 +80,24 @@ def test_a_selection_racing_with_the_opening_of_finals_is_refused():
     assert roles.selection(store, job).commit == a
     with pytest.raises(RoleError):
         roles.open_finals(store, job, b)
+
+
+@pytest.mark.parametrize("tensor", [torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,)), torch.empty(2, device="meta")], ids=["sparse", "meta"])
+def test_a_tensor_without_dense_bytes_is_refused_typed(tensor):
+    # A sparse or meta tensor in an extra (or a model mapping) raised torch's RuntimeError /
+    # NotImplementedError from deep inside the write.
+    store = _store()
+    with pytest.raises(ss.TensorMismatch, match="dense"):
+        ss.save(store, torch.nn.Linear(1, 1), None, step=0, extra={"x": _Fixed({"t": tensor})})
+    if tensor.device.type != "meta":  # a meta entry of a mapping is 'not owned' and skipped by design
+        with pytest.raises(ss.TensorMismatch, match="dense"):
+            ss.save(store, {"w": tensor}, None, step=0)
+    assert store.ref("main") is None
+
+
+class _Fixed:
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
