@@ -138,7 +138,12 @@ def select(store: Store, job: str, commit: str) -> str:
         current = selection(store, job)
         raise RoleError(f"job {job[:12]}'s final sets were already opened for commit "
                         f"{current.commit[:12] if current else '?'}; a second selection is refused")
-    oid = store.put(_ENC.encode(Selection(version=_VERSION, job=job, commit=commit)))
+    raw = _ENC.encode(Selection(version=_VERSION, job=job, commit=commit))
+    try:  # what `selection` will read back, checked before it is written and pinned
+        msgspec.json.decode(raw, type=Selection)
+    except msgspec.ValidationError as exc:
+        raise RoleError(f"not a selection of a job id and a commit id (64 hex digits each): {exc}") from None
+    oid = store.put(raw)
     store.sync()
     previous = store.pinned(_selection_pin(job))
     store.pin(_selection_pin(job), [oid], expected=previous)  # compare-and-swap

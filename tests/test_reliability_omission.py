@@ -101,3 +101,14 @@ class _Fixed:
 
     def state_dict(self) -> dict:
         return self.state
+
+
+def test_select_refuses_ids_it_could_not_read_back():
+    # select('job-1', ...) wrote and pinned a record that selection() then refused as malformed.
+    from shardtrain import roles
+    from shardtrain.errors import RoleError
+
+    store = _store()
+    with pytest.raises(RoleError, match="64 hex"):
+        roles.select(store, "job-1", "a" * 64)
+    assert roles.selection(store, "job-1") is None and not store.pin_names()
