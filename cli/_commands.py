@@ -190,6 +190,8 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from shardstore.grid import payload_blocks
+    from shardstore.manifest import tensor_payloads
     from shardstore.optim import hyper_of
     from shardstore.state_diff import extra_state_view, hyper_groups
     from shardstore.torch_optim import state_objects
@@ -199,7 +201,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     layout = []
     for lay in lc.commit.layout:
         shard = lc.shards[lay.slot]
-        nbytes = elements = 0
+        nbytes = elements = objects = 0
         for e in shard.entries:
             n = expected_nbytes(e.dtype, e.shape)
             elements += n // expected_nbytes(e.dtype, (1,))
@@ -207,8 +209,12 @@ def cmd_show(args: argparse.Namespace) -> int:
             if e.optim is not None and e.optim.moment_dtype is not None and e.optim.exp_avg is not None:
                 nbytes += 2 * expected_nbytes(e.optim.moment_dtype, e.shape)
             nbytes += sum(size for _, size, _ in state_objects(e))
-        layout.append({"slot": lay.slot, "shard": lay.shard, "tensors": len(shard.entries), "elements": elements, "bytes": nbytes})
-    totals = {k: sum(s[k] for s in layout) for k in ("tensors", "elements", "bytes")}
+            objects += sum(len(payload_blocks(p, d, e.shape)) for _, p, d in tensor_payloads(e))  # blocks of chunked payloads
+            objects += sum(1 for _ in state_objects(e))
+        layout.append(
+            {"slot": lay.slot, "shard": lay.shard, "tensors": len(shard.entries), "elements": elements, "bytes": nbytes, "objects": objects}
+        )
+    totals = {k: sum(s[k] for s in layout) for k in ("tensors", "elements", "bytes", "objects")}
     spec = lc.commit.optimizer
     optimizer = {
         "algorithm": spec.algorithm,

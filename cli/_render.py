@@ -201,11 +201,11 @@ def render_show(doc: dict[str, Any]) -> str:
     for x in xs:
         where = "commit-wide" if x["slot"] is None else f"slot {x['slot']}"
         out.append(f"{''.ljust(width)}  {x['key']} ({where}): " + ", ".join(f"{k} {_num(v)}" for k, v in x["state"].items()))
-    rows = [[s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"])] for s in doc["layout"]]
+    rows = [[s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"]), s["objects"]] for s in doc["layout"]]
     t = doc["totals"]
-    rows.append(["total", "", t["tensors"], t["elements"], human_bytes(t["bytes"])])
+    rows.append(["total", "", t["tensors"], t["elements"], human_bytes(t["bytes"]), t["objects"]])
     out.append("")
-    out.append(table(["slot", "shard manifest", "tensors", "parameters", "bytes"], rows))
+    out.append(table(["slot", "shard manifest", "tensors", "parameters", "bytes", "tensor objects"], rows))
     return "\n".join(out)
 
 

@@ -321,6 +321,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"  {r['capacity'] / 2**20:>9.0f} MiB  {r['utilisation']:>10.1%}")
     ranges = ",".join(f"{r.start}:{r.stop}" for r in chosen.partition.ranges)
     print(f"--partition {ranges}  (highest utilisation {chosen.max_utilisation:.1%})")
+    if chosen.max_utilisation > 1:
+        print("shardtrain: warning: no contiguous assignment fits these capacities (workers would refuse at "
+              "admission): add workers or memory", file=sys.stderr)
     return EXIT_OK
 
 

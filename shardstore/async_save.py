@@ -15,6 +15,12 @@ The background thread then does exactly what ``save`` does, from the snapshot: h
 write the objects, make them durable, write the shard manifest and the commit, and only
 then move the ref by compare-and-swap. A crash at any point leaves the ref where it was.
 
+In a process group, ``saver.save_distributed(model, optimizer, info=..., group=g)`` does the
+same for ``save_distributed``: DTensors (FSDP2, tensor parallelism) are staged as their
+local slices and the block exchange and commit protocol run in the background, over a
+group ``g`` of the saver's own (``dist.new_group()``, made once), never the group training
+uses, so that the two threads' collectives cannot interleave.
+
 One save is in flight at a time: ``save`` first waits for the previous one (its arena is
 about to be overwritten), and raises its error if it failed. ``wait`` returns the last
 commit id or raises the last error. An error is raised once, by whichever of ``save``,
@@ -37,6 +43,9 @@ from typing import Any
 import torch
 
 from .checkpoint import AUTO, CommitInfo, SlotState, capture, save_slots
+from .distributed import commit_state
+from .dtensor import is_dtensor, local_region
+from .errors import StateMismatch, TensorMismatch
 from .extras import CapturedExtra, capture_extras
 from .optim import ParamOpt
 from .store import Store
@@ -44,6 +53,13 @@ from .store import Store
 __all__ = ["AsyncSaver"]
 
 _ALIGN = 64
+
+
+def _rewrap(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A DTensor split like ``like`` whose local slice is ``local`` (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())  # type: ignore[attr-defined]
 
 
 def _round(n: int) -> int:
@@ -91,6 +107,9 @@ class AsyncSaver:
                 flat += [po.exp_avg, po.exp_avg_sq]
             if po is not None and po.torch_state is not None:
                 flat += [t for _, t in sorted(po.torch_state.tensors.items())]
+        # A DTensor is staged as its local slice and re-wrapped with the same mesh and placements.
+        dts = [t if is_dtensor(t) else None for t in flat]
+        flat = [local_region(t)[0] if d is not None else t for t, d in zip(flat, dts)]
         sizes = [t.numel() * t.element_size() for t in flat]
         pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in flat)
         arena = self._reserve(sum(_round(s) for s in sizes), pin)
@@ -105,6 +124,7 @@ class AsyncSaver:
                 off += _round(size)
         if pin:
             torch.cuda.synchronize()
+        staged = [_rewrap(x, d) if d is not None else x for x, d in zip(staged, dts)]
         it = iter(staged)
         tensors: dict[str, torch.Tensor] = {}
         params: dict[str, ParamOpt] = {}
@@ -163,10 +183,41 @@ class AsyncSaver:
         """
         self._collect()
         info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
-        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra))
+        state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
+        if any(is_dtensor(t) for t in state.tensors.values()):
+            raise TensorMismatch("AsyncSaver.save saves one process's plain tensors; save DTensor state with save_distributed (SPEC.md §Block exchange)")
+        snap = self._snapshot(state)
         wide = _copy_extras(capture_extras(extra))
         self._future = self._pool.submit(
             save_slots, self.store, [snap], info=info, ref=ref, parent=parent, threads=self.threads, extra=wide
+        )
+
+    def save_distributed(
+        self,
+        model: torch.nn.Module | Mapping[str, torch.Tensor],
+        optimizer: Any = None,
+        *,
+        info: CommitInfo,
+        group: Any,
+        ref: str | None = "main",
+        parent: str | None = AUTO,
+        rng: bool = True,
+        group_names: list[str] | None = None,
+    ) -> None:
+        """Snapshot this rank's state now (DTensors as their local slices) and run
+        ``save_distributed`` on it in the background; every rank of ``group`` must call this.
+
+        ``group`` MUST be a process group used by nothing else while the save runs (e.g.
+        ``dist.new_group(backend="gloo")``, made once): the background thread's collectives
+        would otherwise interleave with training's. ``wait`` returns the commit id.
+        Stateful extras are not taken here (pass them to ``shardstore.save_distributed``).
+        """
+        if group is None:
+            raise StateMismatch("AsyncSaver.save_distributed needs a process group of its own (dist.new_group), not the default group")
+        self._collect()
+        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
+        self._future = self._pool.submit(
+            commit_state, self.store, lambda: snap, info=info, group=group, ref=ref, parent=parent, threads=self.threads
         )
 
     @property

@@ -24,22 +24,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import msgspec
 import torch
 
-from .errors import CursorError, ManifestError, ObjectNotFound, StateMismatch, TargetNotFound, TensorMismatch
+from .errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
 from .manifest import (
-    FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
-    Count,
-    JobId,
-    Label,
-    Transition,
     CommitManifest,
     ExtraEntry,
     GroupSpec,
     OptimEntry,
     OptimizerSpec,
+    Payload,
     RngEntry,
     ShardManifest,
     SlotLayout,
@@ -47,10 +42,15 @@ from .manifest import (
     decode_config,
     encode,
     encode_config,
+    shard_version,
+    tensor_payloads,
 )
+from .dtensor import local_region
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
+from .grid import Whole, payload_blocks, put_payloads, read_jobs
 from .module_state import check_held, named_state
-from .names import check_oid, check_ref_name
+from .names import check_ref_name
+from .preflight import check_info, check_parent
 from .optim import OptimState, ParamOpt, _install_torch, _plan_optim, _probe_torch, from_export, from_torch, group_spec, into_export
 from .rng import MAX_RNG_BYTES, capture_rng, check_rng, restore_rng
 from .roots import learned_root
@@ -78,45 +78,6 @@ class CommitInfo:
     transition: str = "train"
 
 
-class _InfoRules(msgspec.Struct, forbid_unknown_fields=True):
-    """The manifest field rules (SPEC.md §8.3) of CommitInfo's fields, to check them before any write."""
-
-    job: JobId
-    step: Count
-    data_cursor: Count | None
-    schedule: Label | None
-    profile: Label
-    transition: Transition
-
-
-def check_info(info: CommitInfo) -> None:
-    """ManifestError naming the field if ``info`` could never be written as a commit (a job id
-    that is not a name, a negative or huge step, an unrepresentable config...). Every writer
-    calls this before its first object, so a refused save or import leaves nothing behind."""
-    doc = {k: getattr(info, k) for k in ("job", "step", "data_cursor", "schedule", "profile", "transition")}
-    try:
-        msgspec.convert(doc, _InfoRules, strict=True)
-    except msgspec.ValidationError as e:
-        raise ManifestError(f"commit info: {e} (SPEC.md §Commit manifest)") from None
-    if info.config is not None:
-        encode_config(dict(info.config))
-
-
-def check_parent(store: Store, parent: str | None) -> None:
-    """Refuse a parent that is not a commit of ``store`` (TargetNotFound if absent, ManifestError
-    if the object is something else): ``log`` and gc follow parents, so a commit must never
-    name a tensor, a shard manifest or nothing as its parent."""
-    if parent is None:
-        return
-    check_oid(parent, what="parent commit id")
-    try:
-        store.commit(parent)
-    except ObjectNotFound:
-        raise TargetNotFound(f"parent commit {parent} is not in {store.url}") from None
-    except ManifestError as e:
-        raise ManifestError(f"parent {parent} is not a commit: {e}") from None
-
-
 @dataclass
 class SlotState:
     """What one slot contributes to a commit. Tensors are referenced, not copied."""
@@ -141,6 +102,8 @@ class Restored:
     rng_restored: bool
     extras: list[str] = field(default_factory=list)  # commit-wide extras loaded
     slot_extras: list[str] = field(default_factory=list)  # the slot's own extras loaded
+    bytes_read: int = 0
+    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5a)."""
 
 
 def capture(
@@ -200,8 +163,8 @@ def write_shard(
         if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
             flat += [po.exp_avg, po.exp_avg_sq]
         if po is not None and po.torch_state is not None:
-            flat += [t for _, t in sorted(po.torch_state.tensors.items())]  # the same path as parameters
-    ids = iter(store.put_tensors(flat, threads=threads))  # hashed once, written once, batched fsync
+            flat += [Whole(t) for _, t in sorted(po.torch_state.tensors.items())]  # one object each (StateTensor.object)
+    ids = iter(put_payloads(store, flat, threads=threads))  # canonical blocks, hashed once, written once, batched fsync
     entries = []
     for n in names:
         t = state.tensors[n]
@@ -239,7 +202,7 @@ def write_shard(
     groups = tuple(group_spec(g, h) for g, h in sorted(state.optim.groups.items()))
     torch_opt = torch_spec(state.optim)
     shard = ShardManifest(
-        version=FORMAT_VERSION,
+        version=shard_version(entries),
         job=info.job,
         step=info.step,
         parent=parent,
@@ -279,7 +242,8 @@ def write_shard_entries(
     the manifest must pass the shard rules before it is written.
     """
     check_info(info)
-    named = [e.param for e in entries] + [m for e in entries if e.optim for m in (e.optim.exp_avg, e.optim.exp_avg_sq) if m]
+    # every object a payload names: one id, or each block of a chunked payload (SPEC.md §5a)
+    named = [oid for e in entries for _, p, d in tensor_payloads(e) for oid, _box, _n in payload_blocks(p, d, e.shape)]
     named += [oid for e in entries for oid, _, _ in state_objects(e)]
     named += list(rng.values())
     missing = sorted({oid for oid in named if not store.has(oid)})
@@ -287,7 +251,7 @@ def write_shard_entries(
         raise ObjectNotFound(f"slot {slot}: {len(missing)} object(s) named by the new shard manifest are not in the store, "
                              f"first {missing[0]}")
     shard = ShardManifest(
-        version=FORMAT_VERSION,
+        version=shard_version(entries),
         job=info.job,
         step=info.step,
         parent=parent,
@@ -329,7 +293,7 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
     extras = tuple(sorted(extras, key=lambda x: x.key))
     root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries, extras=extras)
     commit = CommitManifest(
-        version=FORMAT_VERSION,
+        version=max(s.version for s in shards),
         job=info.job,
         schedule=info.schedule,
         profile=info.profile,
@@ -399,17 +363,17 @@ def save(
     return save_slots(store, [state], info=info, ref=ref, parent=parent, threads=threads, extra=extra)
 
 
-def _read_all(store: Store, reads: list[tuple[str, torch.Tensor, str]], threads: int) -> None:
-    def one(job: tuple[str, torch.Tensor, str]) -> None:
-        store.read_into(job[0], job[1], what=job[2])
-
-    if threads <= 1 or len(reads) <= 1:
-        for job in reads:
-            one(job)
-        return
+def _read_all(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], threads: int) -> int:
+    """Fill each destination (its local slice, for a DTensor) from the blocks its payload has
+    there (a single object: all of it); return the bytes read. Every block is verified."""
+    jobs = []
+    for payload, dest, what in reads:
+        local, origin = local_region(dest, what)
+        jobs += read_jobs(store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), local, origin, what)
+    if threads <= 1 or len(jobs) <= 1:
+        return sum(job() for job in jobs)
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for _ in pool.map(one, reads):
-            pass
+        return sum(pool.map(lambda job: job(), jobs))
 
 
 def restore(
@@ -429,7 +393,9 @@ def restore(
     """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
 
     Only tensors the model owns (non-meta parameters and persistent buffers) are read,
-    whatever layout wrote them; every byte read is verified. ``strict``: every owned tensor
+    whatever layout wrote them; every byte read is verified. DTensor parameters and moments
+    (FSDP2, tensor parallelism, any mesh) are filled in their local slices, from the blocks
+    those overlap (SPEC.md §5a). ``strict``: every owned tensor
     must be in the commit. ``extra`` / ``slot_extra``: objects to load the commit-wide / the
     slot's own extras into, by key, each checked (like the optimizer) before any write.
     ``rng`` restores the RNG states of ``slot`` (default: the only slot of a 1-slot commit).
@@ -475,7 +441,7 @@ def restore(
     own = _slot(lc, slot, "slot_extra") if slot_extra else 0
     slot_plan = plan_extras_restore(store, lc.shards[own].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {own}")
     reads += extras_plan.reads + slot_plan.reads
-    _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
+    nread = _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
     if torch_plan is not None:
         torch_plan.install()
     elif optimizer is not None and state is not None:
@@ -487,7 +453,7 @@ def restore(
         restore_rng(rng_states)
     restored_rng = rng_states is not None
     loaded, slot_loaded = extras_plan.install(), slot_plan.install()
-    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, loaded, slot_loaded)
+    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, loaded, slot_loaded, nread)
 
 
 def _slot(lc: LoadedCommit, slot: int | None, what: str) -> int:

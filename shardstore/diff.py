@@ -25,7 +25,8 @@ from typing import Any, Literal
 import torch
 
 from .errors import ManifestError
-from .manifest import MAX_MANIFEST_BYTES, TensorEntry, decode_config
+from .grid import read_whole
+from .manifest import MAX_MANIFEST_BYTES, Payload, TensorEntry, decode_config
 from .optim import hyper_of
 from .state_diff import extras_changes, hyper_groups, state_changes, state_pairs
 from .store import Store
@@ -191,8 +192,8 @@ def _entry_changes(x: TensorEntry, y: TensorEntry) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _role(e: TensorEntry, role: str) -> tuple[str, str] | None:
-    """(object id, dtype) of one payload of an entry, or None if absent."""
+def _role(e: TensorEntry, role: str) -> tuple[Payload, str] | None:
+    """(payload, dtype) of one payload of an entry, or None if absent."""
     if role == "param":
         return e.param, e.dtype
     o = e.optim
@@ -227,8 +228,8 @@ def _tensor_stats(store: Store, x: TensorEntry, y: TensorEntry) -> dict[str, Ten
         rx, ry = _role(x, role), _role(y, role)
         if rx is None or ry is None or rx[0] == ry[0]:
             continue
-        tx = store.get_tensor(rx[0], rx[1], x.shape, what=f"{role} of tensor {x.name!r}")
-        ty = store.get_tensor(ry[0], ry[1], y.shape, what=f"{role} of tensor {y.name!r}")
+        tx = read_whole(store, rx[0], rx[1], x.shape, what=f"{role} of tensor {x.name!r}")
+        ty = read_whole(store, ry[0], ry[1], y.shape, what=f"{role} of tensor {y.name!r}")
         out[role] = _pair_stats(tx, ty)
         del tx, ty
     for key, (a, b) in state_pairs(x.state, y.state).items():  # the torch form's state tensors

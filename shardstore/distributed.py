@@ -22,14 +22,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint import AUTO, CommitInfo, capture, write_commit, write_shard
+from .checkpoint import AUTO, CommitInfo, SlotState, capture, write_commit, write_shard
+from .dtensor import write_dtensors
 from .errors import CommitProtocolError
 from .extras import capture_extras, write_extras
 from .manifest import ExtraEntry
 from .store import Store
 from .verify import load_commit
 
-__all__ = ["save_distributed", "agree_on_commit"]
+__all__ = ["save_distributed", "commit_state", "agree_on_commit"]
 
 _OK, _FAIL, _NONE = 1, 2, 3
 #: The phases of ``save_distributed``; before "move ref" completes nobody has moved the ref.
@@ -120,7 +121,31 @@ def save_distributed(
     ``extra``: commit-wide ones (a scheduler, a scaler): rank 0's are committed, and every
     rank that passes ``extra`` must pass the same state, checked when it acknowledges the
     commit (so a rank's extras are never dropped silently; SPEC.md §Extras).
+
+    DTensor parameters and moments (FSDP2, tensor parallelism) are written as canonical
+    blocks by the block exchange (``dtensor.write_dtensors``, SPEC.md §Block exchange):
+    never gathered, each block hashed and written by one rank.
     """
+    return commit_state(
+        store,
+        lambda: capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra),
+        info=info, group=group, ref=ref, parent=parent, threads=threads, extra=extra,
+    )  # fmt: skip
+
+
+def commit_state(
+    store: Store,
+    state_fn: Callable[[], SlotState],
+    *,
+    info: CommitInfo,
+    group: Any = None,
+    ref: str | None = "main",
+    parent: str | None = AUTO,
+    threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """``save_distributed`` of the slot state ``state_fn()`` returns (called inside the
+    commit protocol; AsyncSaver passes its snapshot)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coordinator = rank == 0
 
@@ -136,7 +161,11 @@ def save_distributed(
     mine: list[tuple[ExtraEntry, ...]] = []
 
     def shard() -> str:  # capture inside the phase: a state one rank cannot store fails every rank, naming it
-        state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
+        try:
+            state, failure = state_fn(), None
+        except Exception as e:  # noqa: BLE001 - still joins the block exchange below, then re-raised
+            state, failure = None, e
+        state = write_dtensors(store, state, group=group, threads=threads, failure=failure)  # a collective
         mine.append(write_extras(store, capture_extras(extra), threads=threads))  # made durable by write_shard's barrier
         return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
 

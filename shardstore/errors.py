@@ -16,6 +16,7 @@ __all__ = [
     "ManifestError",
     "ObjectTooLarge",
     "TensorMismatch",
+    "GridError",
     "BindingError",
     "LayoutError",
     "CursorError",
@@ -63,6 +64,10 @@ class ObjectTooLarge(ManifestError):
 
 class TensorMismatch(ShardstoreError):
     """A tensor's dtype, shape or byte size disagrees with its entry or with the target tensor."""
+
+
+class GridError(ManifestError):
+    """A chunked payload's blocks are not its tensor's canonical grid (gaps, overlaps, wrong blocks)."""
 
 
 class BindingError(ShardstoreError):

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from .errors import ObjectNotFound, ShardstoreError
 from .extras import extra_objects
-from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, decode
+from .grid import payload_blocks
+from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, decode, tensor_payloads
 from .store import Store, object_key
 from .torch_optim import state_objects
 from .transfer import _pool_map, commit_closure
@@ -123,9 +124,8 @@ def _named_by_manifest(store: Store, oid: str) -> set[str]:
     if isinstance(manifest, ShardManifest):
         names |= {r.object for r in manifest.rng}
         for e in manifest.entries:
-            names.add(e.param)
-            if e.optim is not None:
-                names |= {m for m in (e.optim.exp_avg, e.optim.exp_avg_sq) if m is not None}
+            for _role, payload, dtype in tensor_payloads(e):
+                names |= {oid for oid, _box, _n in payload_blocks(payload, dtype, e.shape)}
             names |= {oid for oid, _, _ in state_objects(e)}
     return names
 

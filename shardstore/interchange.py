@@ -40,7 +40,8 @@ from safetensors import SafetensorError, safe_open
 from .bounded import check_json_nesting, read_regular_file
 from .checkpoint import AUTO, CommitInfo, check_info, check_parent, write_commit
 from .errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
-from .manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, ShardManifest, TensorEntry, decode_config, encode_config
+from .grid import payload_blocks, put_payloads
+from .manifest import MAX_MANIFEST_BYTES, Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
 from .names import check_ref_name, check_tensor_name
 from .optim import hyper_of
 from .state_diff import extra_state_view, hyper_groups
@@ -90,7 +91,7 @@ class _Item:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    oid: str
+    oid: Payload  # one object, or the blocks of a chunked payload (streamed in order)
 
     @property
     def nbytes(self) -> int:
@@ -166,11 +167,13 @@ def _write_safetensors(store: Store, path: str, items: Sequence[_Item], tick: Ca
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             for it in items:
-                data = store.get(it.oid)  # re-hashed on read
-                if len(data) != it.nbytes:
-                    raise TensorMismatch(f"tensor {it.name!r}: object {it.oid} holds {len(data)} bytes, entry needs {it.nbytes}")
-                f.write(data)
-                del data
+                # a chunked payload's blocks are consecutive byte ranges: streamed one block at a time
+                for oid, _box, nbytes in payload_blocks(it.oid, it.dtype, it.shape):
+                    data = store.get(oid)  # re-hashed on read
+                    if len(data) != nbytes:
+                        raise TensorMismatch(f"tensor {it.name!r}: object {oid} holds {len(data)} bytes, entry needs {nbytes}")
+                    f.write(data)
+                    del data
                 tick(it)
             f.flush()
             os.fsync(f.fileno())
@@ -401,8 +404,8 @@ def _owners(names: list[str], layout: Sequence[tuple[int, int]]) -> dict[str, in
     return out
 
 
-def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[int, ...], verify: bool) -> str:
-    """Store one tensor of a safetensors file; return its object id.
+def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[int, ...], verify: bool) -> Payload:
+    """Store one tensor of a safetensors file as its canonical blocks; return its payload.
 
     The file is opened for this tensor alone: safetensors maps the whole file, and pages
     touched through a mapping that stays open stay resident, which would make peak memory
@@ -415,14 +418,15 @@ def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[
             raise ManifestError(f"tensor {name!r} in {path}: unreadable ({e})") from None
         if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
             raise TensorMismatch(f"tensor {name!r} in {path}: read {t.dtype}{list(t.shape)}, header says {dtype}{list(shape)}")
-        oid = store.put_tensor(t)
+        payload = put_payloads(store, [t])[0]
         del t
     if verify:
-        data = store.get(oid)  # re-hash what the store now holds
-        if len(data) != expected_nbytes(dtype, shape):
-            raise TensorMismatch(f"tensor {name!r}: object {oid} holds {len(data)} bytes")
-        del data
-    return oid
+        for oid, _box, nbytes in payload_blocks(payload, dtype, shape):
+            data = store.get(oid)  # re-hash what the store now holds
+            if len(data) != nbytes:
+                raise TensorMismatch(f"tensor {name!r}: object {oid} holds {len(data)} bytes")
+            del data
+    return payload
 
 
 def import_directory(
@@ -482,7 +486,7 @@ def import_directory(
     shard_ids = [
         store.put_manifest(
             ShardManifest(
-                version=FORMAT_VERSION, job=job, step=step, parent=parent, config=config_id, slot=s, slots=nslots,
+                version=shard_version(entries[s]), job=job, step=step, parent=parent, config=config_id, slot=s, slots=nslots,
                 algorithm="none", groups=(), entries=tuple(entries[s]), rng=(),
             )
         )  # fmt: skip

@@ -31,8 +31,16 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "DTYPE_NAMES",
     "TRANSITIONS",
+    "CHUNKED_VERSION",
+    "SUPPORTED_VERSIONS",
+    "MAX_BLOCKS",
     "Oid",
     "F64",
+    "Block",
+    "Payload",
+    "is_chunked",
+    "tensor_payloads",
+    "shard_version",
     "Base",
     "StoreConfig",
     "PinManifest",
@@ -61,7 +69,15 @@ __all__ = [
     "decode_config",
 ]
 
+#: The base format version: the store config, pins, and every shard manifest, commit and
+#: learned-state document without a chunked payload. A manifest carries the lowest version
+#: that can express it (SPEC.md §Versioning): ``CHUNKED_VERSION`` only where a tensor payload
+#: is chunked (SPEC.md §Chunked payloads), so single-block state encodes exactly as before.
 FORMAT_VERSION = 1
+CHUNKED_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+#: Most blocks one chunked payload may list (4 TiB of 4 MiB blocks); checked by the decoder.
+MAX_BLOCKS = 1 << 20
 #: Largest manifest (shard, commit, config) a reader will parse; checked before decoding.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_ENTRIES = 1_000_000
@@ -126,14 +142,32 @@ class GroupSpec(Base):
     weight_decay: F64
 
 
+class Block(Base):
+    """One block of a chunked payload: where it starts in the tensor, its extent, its object."""
+
+    start: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
+    shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
+    object: Oid
+
+
+#: A tensor payload: one object id (format 1 and small tensors), or the blocks of the
+#: tensor's canonical grid in C order of their starts (format 2; SPEC.md §Chunked payloads).
+#: Every tensor a manifest names (parameters, moments, and any kind added later) is a Payload.
+Payload = Union[Oid, Annotated[tuple[Block, ...], Meta(min_length=2, max_length=MAX_BLOCKS)]]
+
+
+def is_chunked(payload: "Payload | None") -> bool:
+    return payload is not None and not isinstance(payload, str)
+
+
 class OptimEntry(Base):
     """A parameter's optimizer state: group, Adam cursor (birth, age) and both moments."""
 
     group: GroupName
     birth: Count
     age: Count
-    exp_avg: Oid | None
-    exp_avg_sq: Oid | None
+    exp_avg: Payload | None
+    exp_avg_sq: Payload | None
     moment_dtype: DType | None
 
 
@@ -172,7 +206,7 @@ class TensorEntry(Base, omit_defaults=True):
     name: TensorName
     dtype: DType
     shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
-    param: Oid
+    param: Payload
     optim: OptimEntry | None
     kind: TensorKind = "param"
     state: ParamState | None = None
@@ -292,6 +326,27 @@ class PinManifest(Base, tag="pin", tag_field="type"):
 Manifest = Union[StoreConfig, ShardManifest, CommitManifest, PinManifest]
 
 
+def tensor_payloads(e: TensorEntry) -> list[tuple[str, Payload, str]]:
+    """(role, payload, dtype) of every tensor payload an entry names, parameter first.
+
+    The one place that knows which fields of a tensor entry hold payloads: verify, gc,
+    copy and the version rule go through it, so a new kind of tensor is one line here.
+    """
+    out: list[tuple[str, Payload, str]] = [("param", e.param, e.dtype)]
+    o = e.optim
+    if o is not None and o.moment_dtype is not None:
+        for role in ("exp_avg", "exp_avg_sq"):
+            m = getattr(o, role)
+            if m is not None:
+                out.append((role, m, o.moment_dtype))
+    return out
+
+
+def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]") -> int:
+    """The lowest format version that can express these entries: 2 iff a payload is chunked."""
+    return CHUNKED_VERSION if any(is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e)) else FORMAT_VERSION
+
+
 class _Header(msgspec.Struct):
     """Lenient first pass: just enough to refuse unknown types and versions with a clear message."""
 
@@ -330,10 +385,11 @@ def decode(data: bytes | memoryview, what: str = "manifest") -> Manifest:
     decoder = _DECODERS.get(header.type)
     if decoder is None:
         raise ManifestError(f"{what}: unknown manifest type {header.type!r}")
-    if header.version != FORMAT_VERSION:
+    allowed = SUPPORTED_VERSIONS if header.type in ("shard", "commit") else (1,)
+    if header.version not in allowed:
         raise ManifestError(
             f"{what}: {header.type} format version {header.version} is not supported by this reader "
-            f"(supports {FORMAT_VERSION}; SPEC.md §Versioning)"
+            f"(supports {', '.join(map(str, allowed))}; SPEC.md §Versioning)"
         )
     try:
         obj = decoder.decode(raw)
@@ -343,6 +399,11 @@ def decode(data: bytes | memoryview, what: str = "manifest") -> Manifest:
         raise ManifestError(f"{what}: malformed {header.type} manifest: {e}") from None
     if encode(obj) != raw:
         raise ManifestError(f"{what}: {header.type} manifest is not in canonical encoding (SPEC.md §Canonical encoding)")
+    if isinstance(obj, ShardManifest) and obj.version != shard_version(obj.entries):
+        raise ManifestError(
+            f"{what}: shard manifest of version {obj.version} must be version {shard_version(obj.entries)}: "
+            "version 2 exactly when a tensor payload is chunked (SPEC.md §Versioning)"
+        )
     return obj
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import StateMismatch, UnsupportedOptimizer
-from .manifest import GroupSpec, HyperGroup, f64_decode, f64_encode
+from .manifest import GroupSpec, HyperGroup, Payload, f64_decode, f64_encode
 from .names import check_group_name
 from .tensors import torch_dtype
 
@@ -211,8 +211,11 @@ def into_export(importer: Any, state: OptimState, names: list[str]) -> None:
 # -- restoring Adam/AdamW's canonical form (called by checkpoint.restore) ----------------------
 
 
-def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
-    """Whether an existing optimizer state tensor can be overwritten in place by a moment."""
+def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...], param: torch.Tensor | None = None) -> bool:
+    """Whether an existing optimizer state tensor can be overwritten in place by a moment
+    (a DTensor only if it is split exactly like its parameter)."""
+    from .dtensor import is_dtensor, same_split
+
     return (
         isinstance(t, torch.Tensor)
         and t.device.type == "cpu"
@@ -220,12 +223,21 @@ def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         and tuple(t.shape) == shape
         and t.is_contiguous()
         and not t.requires_grad
+        and is_dtensor(t) == is_dtensor(param)
+        and (not is_dtensor(t) or same_split(t, param))
     )
+
+
+def _empty_like(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new moment tensor: a DTensor split like ``param`` if it is one (FSDP2, TP)."""
+    from .dtensor import is_dtensor
+
+    return torch.empty_like(param, dtype=dtype) if is_dtensor(param) else torch.empty(shape, dtype=dtype)
 
 
 def _plan_optim(
     lc: LoadedCommit, names: list[str], optimizer: Any, targets: dict[str, torch.Tensor]
-) -> tuple[OptimState, list[tuple[str, torch.Tensor, str]]]:
+) -> tuple[OptimState, list[tuple[Payload, torch.Tensor, str]]]:
     """Canonical optimizer state whose moments are destination tensors, and the reads that fill them.
 
     For a torch optimizer, a moment is read into the optimizer's existing state tensor when
@@ -234,7 +246,7 @@ def _plan_optim(
     """
     entries = lc.entries()
     state = OptimState(lc.commit.optimizer.algorithm, {g.name: hyper_of(g) for g in lc.commit.optimizer.groups})
-    reads: list[tuple[str, torch.Tensor, str]] = []
+    reads: list[tuple[Payload, torch.Tensor, str]] = []
     live = getattr(optimizer, "state", None) if not hasattr(optimizer, "state_import") else None
     for n in names:
         o = entries[n].optim
@@ -245,9 +257,10 @@ def _plan_optim(
             shape, dtype = tuple(entries[n].shape), torch_dtype(o.moment_dtype)
             old = live.get(targets[n], {}) if isinstance(live, Mapping) else {}
             m1, m2 = (
-                old[k] if _reusable(old.get(k), dtype, shape) else torch.empty(shape, dtype=dtype) for k in ("exp_avg", "exp_avg_sq")
+                old[k] if _reusable(old.get(k), dtype, shape, targets[n]) else _empty_like(targets[n], dtype, shape)
+                for k in ("exp_avg", "exp_avg_sq")
             )
-            reads += [(o.exp_avg, m1, f"exp_avg of {n!r}"), (o.exp_avg_sq, m2, f"exp_avg_sq of {n!r}")]
+            reads += [(o.exp_avg, m1, f"exp_avg of {n!r}"), (o.exp_avg_sq, m2, f"exp_avg_sq of {n!r}")]  # payloads: an id or blocks
         state.params[n] = ParamOpt(o.group, o.age, m1, m2)
     return state, reads
 

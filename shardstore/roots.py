@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .manifest import FORMAT_VERSION, ExtraEntry, LearnedState, OptimizerSpec, TensorEntry, encode
+from .manifest import ExtraEntry, LearnedState, OptimizerSpec, TensorEntry, encode, shard_version
 from .tensors import hash_bytes
 
 __all__ = ["learned_state", "learned_root"]
@@ -31,8 +31,9 @@ def learned_state(
     entries: Iterable[TensorEntry],
     extras: Iterable[ExtraEntry] = (),
 ) -> LearnedState:
+    entries = list(entries)
     return LearnedState(
-        version=FORMAT_VERSION,
+        version=shard_version(entries),  # 2 iff a payload is chunked (SPEC.md §Versioning)
         step=step,
         data_cursor=data_cursor,
         config=config,

@@ -48,6 +48,8 @@ import fsspec.asyn
 
 from .errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from .names import check_key
+from .s3_requests import S3Error as _S3Error
+from .s3_requests import multipart_upload, transient_errors
 from .storage import Buffer
 
 __all__ = ["S3Storage", "DEFAULT_PART_SIZE", "DEFAULT_CONCURRENCY", "DEFAULT_ATTEMPTS"]
@@ -64,22 +66,6 @@ _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
 _MAX_COPY_BYTES = 5 * 1024**3
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _RETRY_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"})
-
-
-class _S3Error(Exception):
-    """A non-retryable error answer from the server (internal; mapped to typed errors by callers)."""
-
-    def __init__(self, status: int, code: str, message: str, retried: bool) -> None:
-        super().__init__(f"{status} {code}: {message}")
-        self.status, self.code, self.retried = status, code, retried
-
-
-def _transient_errors() -> tuple[type[BaseException], ...]:
-    import aiohttp
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import HTTPClientError
-
-    return (BotoConnectionError, HTTPClientError, aiohttp.ClientError, asyncio.TimeoutError)
 
 
 def _show(value: bytes | None) -> str:
@@ -127,7 +113,7 @@ class S3Storage:
         options["config_kwargs"] = config
         self.fs = s3fs.S3FileSystem(**options)
         self._sem: asyncio.Semaphore | None = None
-        self._transient = _transient_errors()
+        self._transient = transient_errors()
         from botocore.exceptions import BotoCoreError
 
         self._client_side: type[BaseException] = BotoCoreError
@@ -434,33 +420,7 @@ class S3Storage:
         return False  # already there; same name, same bytes
 
     async def _multipart(self, key: str, view: memoryview) -> bool:
-        full = self._full(key)
-        try:
-            upload = await self._call("create_multipart_upload", key, Key=full)
-        except _S3Error as e:
-            raise self._fail("start multipart upload of", key, e) from None
-        uid = upload["UploadId"]
-        parts_in_memory = asyncio.Semaphore(self.concurrency)  # bounds the copies of part bytes
-
-        async def part(number: int, start: int) -> dict[str, Any]:
-            async with parts_in_memory:
-                body = bytes(view[start : start + self.part_size])
-                r = await self._call("upload_part", key, Key=full, UploadId=uid, PartNumber=number, Body=body)
-            return {"PartNumber": number, "ETag": r["ETag"]}
-
-        try:
-            parts = await _gather(part(i + 1, s) for i, s in enumerate(range(0, len(view), self.part_size)))
-            cond = {"IfNoneMatch": "*"} if self.conditional else {}
-            await self._call("complete_multipart_upload", key, Key=full, UploadId=uid, MultipartUpload={"Parts": parts}, **cond)
-            return True
-        except _S3Error as e:
-            await self._abort(key, uid)
-            if e.status == 412:
-                return await self._confirm_present(key, e)
-            raise self._fail("multipart upload of", key, e) from None
-        except BaseException:
-            await self._abort(key, uid)
-            raise
+        return await multipart_upload(self, key, view)
 
     async def _abort(self, key: str, uid: str) -> None:
         try:
@@ -526,15 +486,3 @@ class S3Storage:
 
     def sync(self) -> None:
         return None  # a PutObject answered 200 is durable
-
-
-async def _gather(coros: Any) -> list[Any]:
-    """Run coroutines together; on the first failure cancel the rest and re-raise it."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise

@@ -16,6 +16,7 @@ bounds its own requests further).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,9 @@ from typing import TypeVar
 from .errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from .extras import extra_objects
 from .names import check_ref_name
+from .grid import payload_blocks
+from .manifest import tensor_payloads
 from .store import Store, object_key
-from .tensors import expected_nbytes
 from .torch_optim import state_objects
 from .verify import LoadedCommit, load_commit
 
@@ -72,14 +74,11 @@ def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
         for oid, size, *_ in extra_objects(shard.extras, ""):
             out.data[oid] = size
         for e in shard.entries:
-            out.data[e.param] = expected_nbytes(e.dtype, e.shape)
+            for _role, payload, dtype in tensor_payloads(e):
+                for oid, _box, n in payload_blocks(payload, dtype, e.shape):
+                    out.data[oid] = n
             for oid, size, _ in state_objects(e):
                 out.data[oid] = size
-            o = e.optim
-            if o is not None and o.moment_dtype is not None:
-                for m in (o.exp_avg, o.exp_avg_sq):
-                    if m is not None:
-                        out.data[m] = expected_nbytes(o.moment_dtype, e.shape)
     return out
 
 
@@ -116,7 +115,34 @@ def _pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]
         pool.shutdown(wait=True, cancel_futures=True)  # on the first failure, start nothing new
 
 
-def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) -> tuple[bool, int]:
+#: Bytes of objects held in memory at once by a copy's threads (beyond one object larger than this).
+_IN_FLIGHT_BYTES = 1 << 30
+
+
+class _ByteBudget:
+    """Admits readers while the bytes they hold stay under a limit (one larger reader alone):
+    copy reads each object whole into memory of its own, so threads × object size would
+    otherwise be the peak."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.used > 0 and self.used + n > self.limit:
+                self._cond.wait()
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+def _copy_object(
+    src: Store, dst: Store, oid: str, size: int | None, what: str, budget: _ByteBudget | None = None
+) -> tuple[bool, int]:
     """Copy one object unless ``dst`` has it whole; verify the bytes received before writing them.
 
     An object already at ``dst`` is refreshed (``Store.ensure``: gc then treats it as just
@@ -128,6 +154,17 @@ def _copy_object(src: Store, dst: Store, oid: str, size: int | None, what: str) 
         want = size if size is not None else src.object_size(oid)
         if want is None or have == want:
             return False, have
+    need = size or 0  # objects whose size the format fixes; the others are manifest-sized or pinned files
+    if budget is not None:
+        budget.acquire(need)
+    try:
+        return _fetch_and_put(src, dst, oid, size, what, have)
+    finally:
+        if budget is not None:
+            budget.release(need)
+
+
+def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str, have: int | None) -> tuple[bool, int]:
     data, got = src.read_hashed(oid)  # hashed as it arrives where the backend streams
     if got != oid:
         raise CorruptObject(
@@ -199,9 +236,11 @@ def copy_commit(
     closure = commit_closure(lc, slot)
     result = CopyResult(lc.id, slot)
 
+    budget = _ByteBudget(_IN_FLIGHT_BYTES)
+
     def batch(jobs: list[tuple[str, int | None, str]]) -> None:
         def one(job: tuple[str, int | None, str]) -> tuple[bool, int]:
-            done = _copy_object(src, dst, *job)
+            done = _copy_object(src, dst, *job, budget=budget)
             if progress is not None:
                 progress(done[1])
             return done

@@ -15,6 +15,7 @@ from .errors import (
     BindingError,
     CorruptObject,
     CursorError,
+    GridError,
     LayoutError,
     ManifestError,
     ObjectNotFound,
@@ -23,11 +24,11 @@ from .errors import (
     TensorMismatch,
 )
 from .extras import extra_objects, extras_rules, read_extra_state
-from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, TensorEntry, decode_config
+from .grid import grid_problems, payload_blocks
+from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, TensorEntry, decode_config, tensor_payloads
 from .rng import MAX_RNG_BYTES, check_rng
 from .roots import learned_root
 from .store import Store
-from .tensors import expected_nbytes
 from .torch_optim import commit_rules, shard_rules, state_objects
 
 __all__ = ["Problem", "Report", "LoadedCommit", "shard_problems", "commit_problems", "load_commit", "verify"]
@@ -128,6 +129,10 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
             yield p(CursorError, f"Adam age {o.age} > 0 but no moments are stored", e.name)
         if has[0] != (o.moment_dtype is not None):
             yield p(ManifestError, "moment_dtype must be set exactly when moments are present", e.name)
+    for e in shard.entries:
+        for role, payload, dtype in tensor_payloads(e):
+            for msg in grid_problems(payload, dtype, e.shape):
+                yield p(GridError, f"{role} payload: {msg} (SPEC.md §Chunked payloads)", e.name)
     if set(gnames) - used:
         yield p(ManifestError, f"groups {sorted(set(gnames) - used)} are not used by any tensor entry")
     for err, msg, tensor in shard_rules(shard):  # buffers and the torch form (SPEC.md §Buffers, §Optimizer state)
@@ -144,6 +149,9 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
         o = f", shard manifest {obj}" if obj and obj != cid else ""
         return Problem(err(f"commit {cid}{o}{t}: {msg}"), cid, obj or cid, tensor)
 
+    versions = {s.version for s in shards.values()}
+    if len(shards) == len(commit.layout) and versions and commit.version != max(versions):
+        yield p(ManifestError, f"commit has version {commit.version} but its shard manifests need version {max(versions)} (SPEC.md §Versioning)")
     slots = [lay.slot for lay in commit.layout]
     if slots != list(range(len(slots))):
         yield p(LayoutError, f"layout slots {slots} are not exactly 0..{len(slots) - 1} in order (SPEC.md §Commit manifest)")
@@ -220,11 +228,7 @@ def _sizes_agree(cid: str, entries: Iterable[TensorEntry]) -> Iterator[Problem]:
     """Every entry naming one object implies the same byte size (the object has one size)."""
     sizes: dict[str, tuple[int, str]] = {}
     for e in entries:
-        named = [(e.param, expected_nbytes(e.dtype, e.shape))]
-        o = e.optim
-        if o is not None and o.moment_dtype is not None:
-            n = expected_nbytes(o.moment_dtype, e.shape)
-            named += [(m, n) for m in (o.exp_avg, o.exp_avg_sq) if m is not None]
+        named = [(oid, n) for _, p, d in tensor_payloads(e) for oid, _box, n in payload_blocks(p, d, e.shape)]  # blocks too
         for oid, n in named:
             first = sizes.setdefault(oid, (n, e.name))
             if first[0] != n:
@@ -286,14 +290,11 @@ def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
         for oid, size, what, rule in extra_objects(shard.extras, f" of slot {s}"):
             yield oid, size, None, what, rule
         for e in shard.entries:
-            yield e.param, expected_nbytes(e.dtype, e.shape), e.name, "parameter", None
-            o = e.optim
-            if o is not None and o.moment_dtype is not None:
-                n = expected_nbytes(o.moment_dtype, e.shape)
-                if o.exp_avg is not None:
-                    yield o.exp_avg, n, e.name, "exp_avg", None
-                if o.exp_avg_sq is not None:
-                    yield o.exp_avg_sq, n, e.name, "exp_avg_sq", None
+            for role, payload, dtype in tensor_payloads(e):
+                blocks = payload_blocks(payload, dtype, e.shape)
+                what = "parameter" if role == "param" else role
+                for i, (oid, _box, n) in enumerate(blocks):
+                    yield oid, n, e.name, (what if len(blocks) == 1 else f"{what} block {i}"), None
             for oid, size, what in state_objects(e):
                 yield oid, size, e.name, what, None
 

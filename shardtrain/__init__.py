@@ -11,6 +11,8 @@ The lifecycle on top: `job` (the prepared job binding tokenizer assets, records,
 and recipe by hash; `tokenizer` and `tasks` are the embedded default's pieces),
 `lifecycle` (train with commits through shardstore, resume, fault handling), `evaluate`
 (held-out loss, greedy generation with a per-stage KV cache, paired bootstrap) and `demo`.
+Adaptive shards: `regroup` (repartition commits), `grow` (identity blocks), `planner`
+(per-slot memory estimate, exact assignment) and `admission` (each worker's check).
 
 The experiment's pieces: `recipe` (the job's recipe), `loss` (CE plus KL on declared
 replay rows), `ring` (forward-only passes round the ring), `distill` (the frozen
@@ -49,6 +51,10 @@ from shardtrain.trainer import StepResult, Trainer
 from shardtrain.job import PreparedJob, load_job, prepare_default
 from shardtrain.lifecycle import RunResult, RunSpec, StepEvent, train
 from shardtrain.evaluate import EvalReport, EvalSpec, evaluate
+from shardtrain.regroup import TransitionResult  # regroup() and grow() stay in their modules: same names
+from shardtrain.grow import identity_check
+from shardtrain.planner import MemoryModel, Plan, SlotEstimate, plan
+from shardtrain.errors import AdmissionError, TransitionError
 
 __all__ = [
     "AdamW", "Batch", "BatchError", "Channel", "ConfigError", "GroupConfig", "LaunchError", "Llama",
@@ -60,4 +66,6 @@ __all__ = [
     "split_microbatches", "squared_grad_norms",
     "JobError", "ResumeError", "RunAborted", "PreparedJob", "load_job", "prepare_default", "RunResult", "RunSpec",
     "StepEvent", "train", "EvalReport", "EvalSpec", "evaluate",
+    "TransitionResult", "identity_check", "MemoryModel", "Plan", "SlotEstimate", "plan",
+    "AdmissionError", "TransitionError",
 ]

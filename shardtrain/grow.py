@@ -27,7 +27,8 @@ import time
 import torch
 
 from shardstore import Store, TensorEntry, load_commit
-from shardstore.manifest import OptimEntry
+from shardstore.grid import put_payloads, read_whole
+from shardstore.manifest import OptimEntry, Payload
 from shardstore.tensors import torch_dtype
 from shardtrain.errors import TransitionError
 from shardtrain.model import LlamaDecoderLayer, rotary_tables
@@ -64,7 +65,7 @@ def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None
     if taken:
         raise TransitionError(f"commit {lc.id[:12]} already has tensor {taken[0]!r} beyond its {layers} layers")
     step = lc.commit.step
-    zero_ids: dict[tuple[str, tuple[int, ...]], str] = {}
+    zero_ids: dict[tuple[str, tuple[int, ...]], Payload] = {}
     for j in range(layers, layers + append):
         for suffix in LAYER_PARAMETER_SUFFIXES:
             src = entries[f"model.layers.{source}.{suffix}"]
@@ -73,7 +74,7 @@ def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None
                 key = (src.dtype, tuple(src.shape))
                 if key not in zero_ids:
                     zeros = torch.zeros(src.shape, dtype=torch_dtype(src.dtype))
-                    zero_ids[key] = store.put_tensor(zeros)
+                    zero_ids[key] = put_payloads(store, [zeros])[0]  # canonical blocks if over 4 MiB
                 param = zero_ids[key]
             optim = None
             if src.optim is not None:  # trained: a new Adam clock in the source's group
@@ -105,7 +106,7 @@ def identity_check(store: Store, commit: str, layers: range, *, tokens: int = 16
         block = LlamaDecoderLayer(config)
         for name, p in block.named_parameters():
             e = entries[f"model.layers.{j}.{name}"]
-            p.copy_(store.get_tensor(e.param, e.dtype, tuple(e.shape), what=f"tensor {e.name!r}"))
+            p.copy_(read_whole(store, e.param, e.dtype, tuple(e.shape), what=f"tensor {e.name!r}"))
         if not torch.equal(block(h, cos, sin), h):
             return False
     return True

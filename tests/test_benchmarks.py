@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,3 +44,19 @@ def test_s3_benchmark_smoke() -> None:
     done = _run(["benchmarks/bench_s3.py", "--mib", "4", "--repeat", "1"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "upload" in done.stdout and "download" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("SHARDSTORE_SLOW"), reason="two more spawned processes (~10-17 s); SHARDSTORE_SLOW=1 runs it")
+def test_dtensor_benchmark_smoke(tmp_path) -> None:
+    """Two Gloo processes save and restore one FSDP2 tensor both ways; a restore that differs exits non-zero.
+
+    Behind the slow marker: tests/test_dtensor.py already runs these code paths, and the
+    suite's time budget is shared."""
+    results = tmp_path / "RESULTS.md"
+    done = _run(["benchmarks/bench_dtensor.py", "--mib", "16", "--reps", "1", "--warm", "--dir", str(tmp_path), "--results", str(results)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    assert "<!-- bench_dtensor:begin -->" in text and "| dcp.save |" in text and "| shardstore.restore (verifies every block) |" in text
+    assert "24.0 / 24.0 MiB, 24.0 / 24.0 MiB" in text  # each rank reads exactly its share (2 whole blocks x 3)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-dtensor-")]  # scratch removed

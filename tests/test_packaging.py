@@ -14,8 +14,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_wheel_top_level_names(tmp_path):
     src = tmp_path / "src"
-    # Build from a copy so that the checkout gains no build/ or egg-info directories.
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".hypothesis"))
+    # Build from a copy of what the build reads, so that the checkout gains no build/ or
+    # egg-info directories (and a virtualenv inside the checkout is not copied).
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    for package in ("shardstore", "shardtrain", "cli"):
+        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0 and "No module named" in proc.stderr:

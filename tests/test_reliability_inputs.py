@@ -117,8 +117,9 @@ def test_bad_store_urls_are_one_line_errors(capsys: Any, url: str) -> None:
 def test_cat_of_a_big_tensor_object_is_refused_without_reading_it(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
     store = ss.open_store(str(tmp_path / "store"))
     big = torch.zeros((64 << 20) // 4 + 1)  # one element past the manifest limit
-    cid = ss.save(store, {"big": big}, step=0, rng=False)
-    oid = ss.load_commit(store, cid).entries()["big"].param
+    # one object of that size (a saved tensor this big is 4 MiB blocks, SPEC.md §5a)
+    oid = store.put_tensor(big)
+    store.sync()
     reads: list[str] = []
     real = LocalStorage._read
 
@@ -130,3 +131,15 @@ def test_cat_of_a_big_tensor_object_is_refused_without_reading_it(tmp_path: Any,
     code, err = _main(capsys, "cat", store.url, oid)
     assert code == 1 and "manifest limit" in err, err
     assert not [k for k in reads if k.startswith("objects/")]
+
+
+def test_s3_without_credentials_is_a_one_line_error(capsys: Any, monkeypatch: Any) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-role lookup, nothing leaves the machine
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    code, err = _main(capsys, "refs", "s3://bucket/x")
+    assert code == 1 and err.startswith("shardstore: error: StorageError:") and err.count("\n") == 1, err
+    assert "credentials" in err

@@ -319,12 +319,21 @@ def test_a_corrupt_object_on_s3_is_caught_by_every_streamed_read(s3_server: S3Se
 
     storage, _ = proxied(s3_server, part_size=5 * MiB, multipart_threshold=64 * MiB)
     store = ss.Store(storage)
-    model = torch.nn.Linear(1024, 1536, bias=False)  # a 6 MiB weight: two ranges
+    # A 6 MiB object downloads as two ranges; a flipped byte in the second is caught.
+    six = store.put(bytes(range(256)) * (6 * MiB // 256))
+    bad6 = bytearray(bytes(store.get(six)))
+    bad6[-1] ^= 1  # in the second range
+    make_client(s3_server).put_object(Bucket=storage.bucket, Key=f"{storage.prefix}/objects/{six[:2]}/{six}", Body=bytes(bad6))
+    with pytest.raises(ss.CorruptObject, match=six):
+        store.get(six)
+    # A saved 6 MiB weight is two blocks (4 MiB + 2 MiB, SPEC.md §5a): a corrupt block is
+    # caught by restore, verify and copy.
+    model = torch.nn.Linear(1024, 1536, bias=False)
     cid = ss.save(store, model, step=1, rng=False)
-    oid = store.shard(store.commit(cid).layout[0].shard).entries[0].param
+    oid = store.shard(store.commit(cid).layout[0].shard).entries[0].param[0].object
     key = f"objects/{oid[:2]}/{oid}"
     bad = bytearray(bytes(store.get(oid)))
-    bad[-1] ^= 1  # in the second range
+    bad[-1] ^= 1
     make_client(s3_server).put_object(Bucket=storage.bucket, Key=f"{storage.prefix}/{key}", Body=bytes(bad))
     with pytest.raises(ss.CorruptObject, match=oid):
         store.get(oid)

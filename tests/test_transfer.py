@@ -233,3 +233,33 @@ def test_pins_travel_with_a_commit_when_asked(tmp_path: Any, capsys: Any) -> Non
     assert run_cli(["copy", str(tmp_path / "a"), fresh, "main", "--pin", "jobs/j", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["pins"] == ["jobs/j"]
     assert ss.open_store(fresh).pinned("jobs/j") == tuple(sorted({job, asset}))
+
+
+def test_copy_bounds_the_bytes_its_threads_hold() -> None:
+    """Copy reads each object into memory of its own (issue 12, item 6), so its threads are
+    admitted by bytes: under the limit together, one larger object alone."""
+    import threading
+    import time
+
+    from shardstore.transfer import _ByteBudget
+
+    budget = _ByteBudget(100)
+    held, peak, lock = [0], [0], threading.Lock()
+
+    def reader(n: int) -> None:
+        budget.acquire(n)
+        with lock:
+            held[0] += n
+            peak[0] = max(peak[0], held[0])
+        time.sleep(0.01)
+        with lock:
+            held[0] -= n
+        budget.release(n)
+
+    threads = [threading.Thread(target=reader, args=(n,)) for n in [60, 60, 30, 30, 250, 10, 90]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert peak[0] <= 250 and budget.used == 0
+    assert not any(t.is_alive() for t in threads)

@@ -1,0 +1,382 @@
+"""DTensor capture and restore: sharded tensors written as canonical blocks, never gathered
+(SPEC.md §Chunked payloads, §Block exchange).
+
+FSDP2 (``fully_shard``) keeps a dim-0 slice of every parameter and Adam moment on each
+rank; tensor parallelism splits on dim 0 or dim 1; a ``Replicate`` placement holds the
+whole tensor on several ranks. The canonical grid (``grid.py``) does not care: a block is
+a block whoever holds its bytes. Saving is a collective over the save's process group:
+
+1. every rank describes the DTensors it holds (name, role, dtype, global shape, the box
+   of its local slice) and all ranks exchange the descriptions (msgspec JSON in uint8
+   tensors; nothing is pickled);
+2. from the union, every rank computes the same plan: the distinct slices must tile each
+   tensor exactly; each block is owned by one rank of the slice holding most of it
+   (replicas of a slice take turns, so a replicated tensor is written once, split among
+   its replicas); every other slice the block overlaps sends its piece to the owner,
+   point to point, from one of its replicas, so each byte crosses the network once;
+3. blocks are processed in batches of at most ``BATCH_BYTES``: the owner hashes and
+   writes each block (a block inside its own slice is a view of it, no copy), so a rank
+   holds its slice plus at most one batch of blocks;
+4. the block ids are all-reduced, and each tensor's entry (its whole payload) goes into
+   the shard manifest of one rank holding part of it, chosen by a hash of the name.
+
+Restore needs no collective: a rank reads the blocks its local slice overlaps
+(``grid.read_jobs``), each verified whole.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from .errors import StateMismatch, TensorMismatch
+from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
+from .tensors import dtype_name, expected_nbytes, new_hasher, tensor_bytes, torch_dtype
+
+__all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
+
+#: Most bytes of blocks one batch of the exchange assembles (a rank holds at most this much
+#: beyond its own slice while saving).
+BATCH_BYTES = 16 * BLOCK_BYTES
+
+
+@dataclass
+class ExchangeStats:
+    """What this process did in its latest block exchange (a diagnostic; SPEC.md §Block exchange)."""
+
+    blocks_written: int = 0  # blocks this rank owned: hashed and written
+    bytes_hashed: int = 0
+    bytes_sent: int = 0  # pieces sent to other ranks' blocks
+    bytes_received: int = 0
+    peak_staged: int = 0  # most bytes of buffers held at once beyond this rank's own slices
+
+
+_LAST = ExchangeStats()
+
+
+def last_exchange() -> ExchangeStats:
+    """Counts of this process's most recent ``write_dtensors`` (for tests and benchmarks)."""
+    return _LAST
+
+
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def local_region(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(local tensor, global index of its first element): a DTensor's slice, or a plain tensor whole."""
+    if not is_dtensor(t):
+        return t, (0,) * t.dim()
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:  # type: ignore[attr-defined]
+        if type(p) not in (Shard, Replicate):
+            raise TensorMismatch(
+                f"{what}: DTensor placement {p} is not supported (Shard and Replicate are; a Partial holds "
+                "unreduced values, a strided shard is not one box) (SPEC.md §Block exchange)"
+            )
+    # The local tensor itself, not ``to_local()``'s autograd view (which refuses in-place writes).
+    local = getattr(t, "_local_tensor", None)
+    local = (local if local is not None else t.to_local()).detach()  # type: ignore[attr-defined]
+    shape, origin = compute_local_shape_and_global_offset(tuple(t.shape), t.device_mesh, t.placements)  # type: ignore[attr-defined]
+    if tuple(local.shape) != tuple(shape):
+        raise TensorMismatch(f"{what}: DTensor's local tensor has shape {list(local.shape)}, its placements give {list(shape)}")
+    return local, tuple(int(o) for o in origin)
+
+
+def same_split(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether two DTensors live on the same mesh with the same placements."""
+    return b is not None and a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements)  # type: ignore[attr-defined]
+
+
+def entry_slot(name: str, holders: list[int]) -> int:
+    """The slot whose shard manifest records a sharded tensor's entry: one of the ranks
+    holding part of it (sorted), picked by a hash of its name."""
+    return holders[zlib.crc32(name.encode()) % len(holders)]
+
+
+class _Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One DTensor as one rank holds it (the description exchanged in step 1)."""
+
+    name: str
+    role: str
+    dtype: str
+    shape: tuple[int, ...]
+    origin: tuple[int, ...]
+    local: tuple[int, ...]
+
+
+_ITEMS = msgspec.json.Decoder(list[_Item])
+_FINGERPRINTS = msgspec.json.Decoder(dict[str, str])
+
+
+def slice_regions(name: str, dtype: str, shape: tuple[int, ...], held: dict[Box, list[int]]) -> list[tuple[Box, list[int]]]:
+    """The distinct slices of one tensor (sorted) and the ranks holding each; TensorMismatch unless they tile it."""
+    regions = sorted(held.items())
+    for box, _ in regions:
+        if len(box[0]) != len(shape) or any(s < 0 or s + n > d for s, n, d in zip(box[0], box[1], shape)):
+            raise TensorMismatch(f"tensor {name!r}: a slice at {list(box[0])} of extent {list(box[1])} lies outside {list(shape)}")
+    for i, (a, _) in enumerate(regions):
+        for b, _ in regions[i + 1:]:
+            if math.prod(a[1]) and math.prod(b[1]) and intersect(a, b) is not None:
+                raise TensorMismatch(f"tensor {name!r}: slices at {list(a[0])} and {list(b[0])} overlap but are not replicas")
+    covered = sum(math.prod(b[1]) for b, _ in regions)
+    if covered != math.prod(shape):
+        raise TensorMismatch(f"tensor {name!r}: its slices cover {covered} of {math.prod(shape)} elements")
+    return regions
+
+
+def plan_blocks(
+    key: str, dtype: str, shape: tuple[int, ...], regions: list[tuple[Box, list[int]]], *, block_bytes: int = BLOCK_BYTES
+) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
+    """For each canonical block: (box, owner rank, [(source rank, piece box)] of the pieces others send).
+
+    The owner is a rank of the slice holding most of the block (ties: a hash of the key picks);
+    each slice's replicas take turns by block index, so replicated bytes are split among them.
+    """
+    turn = zlib.crc32(key.encode())
+    used = [0] * len(regions)  # how many blocks or pieces each slice has given so far
+
+    def pick(ri: int) -> int:
+        ranks = regions[ri][1]
+        used[ri] += 1
+        return ranks[(turn + used[ri] - 1) % len(ranks)]
+
+    out = []
+    for box in grid(dtype, shape, block_bytes=block_bytes):
+        pieces = [(ri, c) for ri, (reg, _) in enumerate(regions) if (c := intersect(box, reg)) is not None]
+        if not pieces:  # an empty tensor: one empty block, written by a holder of the first slice
+            out.append((box, pick(0), []))
+            continue
+        most = max(math.prod(c[1]) for _, c in pieces)
+        tied = [ri for ri, c in pieces if math.prod(c[1]) == most]
+        best = tied[turn % len(tied)]  # ties (a small tensor split evenly) spread over the slices
+        out.append((box, pick(best), [(pick(ri), c) for ri, c in pieces if ri != best]))
+    return out
+
+
+def _all_gather_bytes(raw: bytes, group: Any) -> list[bytes]:
+    world = dist.get_world_size(group)
+    n = torch.tensor([len(raw)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    top = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(max(top, 1), dtype=torch.uint8)
+    if raw:
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(t[: int(s.item())].numpy().tobytes()) for t, s in zip(out, sizes)]
+
+
+def _items_of(state: Any) -> list[tuple[str, str, torch.Tensor]]:
+    items = [(n, "param", t) for n, t in state.tensors.items() if is_dtensor(t)]
+    for n, po in state.optim.params.items():
+        for role in ("exp_avg", "exp_avg_sq"):
+            m = getattr(po, role)
+            if m is not None and is_dtensor(m):
+                items.append((n, role, m))
+    return sorted(items, key=lambda x: (x[0], x[1]))
+
+
+def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 2, failure: BaseException | None = None) -> Any:
+    """Write every DTensor of ``state`` (a SlotState) as canonical blocks, collectively over ``group``.
+
+    Returns the SlotState this rank's shard manifest records: plain tensors as they were,
+    DTensors whose entry this slot holds replaced by their ``StoredPayload``, the rest
+    dropped (another slot records them). Every rank of the group must call this; one that
+    could not capture its state passes ``failure`` (and ``state=None``): it still takes
+    part in the description exchange and raises it; the others then skip the exchange (the
+    commit protocol fails naming that rank), so none waits.
+    """
+    rank = dist.get_rank(group)
+    locals_: dict[tuple[str, str], tuple[torch.Tensor, tuple[int, ...]]] = {}
+    desc = []
+    try:
+        if failure is not None:
+            raise failure
+        for n, role, t in _items_of(state):
+            local, origin = local_region(t, f"{role} of tensor {n!r}")
+            locals_[(n, role)] = (local, origin)
+            desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), origin, tuple(local.shape)))
+        for n, t in sorted(state.tensors.items()):  # plain tensors too: a replicated one (FSDP2's buffers) is written once
+            if not is_dtensor(t):
+                desc.append(_Item(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), (), ()))
+        raw = b"\x00" + msgspec.json.encode(desc)
+    except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
+        failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
+    gathered = _all_gather_bytes(raw, group)
+    failed = [(r, g[1:].decode(errors="replace")) for r, g in enumerate(gathered) if g[:1] != b"\x00"]
+    if failure is not None:
+        raise failure
+    if failed:  # a peer's failure fails the commit (the protocol phase names that rank); no exchange
+        return _restate(state, {}, set())
+    peers = [_ITEMS.decode(g[1:]) for g in gathered]
+    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}
+    plain: dict[str, list[int]] = {}
+    for r, items in enumerate(peers):
+        for it in items:
+            if it.role == "plain":
+                plain.setdefault(it.name, []).append(r)
+                continue
+            dtype, shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
+            if (dtype, shape) != (it.dtype, it.shape):
+                raise StateMismatch(f"{it.role} of tensor {it.name!r}: ranks disagree on dtype/shape ({dtype}{list(shape)} vs {it.dtype}{list(it.shape)})")
+            held.setdefault((it.origin, it.local), []).append(r)
+    g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    plans = []
+    for (n, role), (dtype, shape, held) in sorted(union.items()):
+        regions = slice_regions(n, dtype, shape, held)
+        for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
+            plans.append(((n, role), bi, box, owner, sends, dtype))
+    drop = _replicated_plain(state, {n: rs for n, rs in plain.items() if len(rs) > 1}, rank, group)
+    if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
+        return _restate(state, {}, set(), drop) if drop else state
+    ids = _exchange(store, plans, locals_, rank, g, group, threads)
+    blocks: dict[tuple[str, str], list[str]] = {}
+    for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
+        blocks.setdefault(key, []).append(oid)
+    payload = {key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()}
+    mine = {n for (n, role), (_, _, held) in union.items() if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank}
+    return _restate(state, payload, mine, drop)
+
+
+def _fingerprint(state: Any, name: str) -> str:
+    """BLAKE3 over a plain tensor's bytes, dtype and shape and its optimizer state (group, age, state tensors)."""
+    h = new_hasher()
+    parts = [state.tensors[name]]
+    po = state.optim.params.get(name)
+    if po is not None:
+        h.update(f"{po.group}:{po.age}".encode())
+        parts += [m for m in (po.exp_avg, po.exp_avg_sq) if m is not None]
+        if getattr(po, "torch_state", None) is not None:
+            parts += [t for _, t in sorted(po.torch_state.tensors.items())]
+    for t in parts:
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def _replicated_plain(state: Any, replicated: dict[str, list[int]], rank: int, group: Any) -> set[str]:
+    """Plain tensors several ranks hold (FSDP2 leaves buffers whole on every rank): they
+    must be equal everywhere (values and optimizer state, compared by hash), else
+    TensorMismatch on every rank; one holder records each. Returns the names this rank drops."""
+    if not replicated:
+        return set()
+    mine = {n: _fingerprint(state, n) for n, rs in replicated.items() if rank in rs}
+    got = [_FINGERPRINTS.decode(raw) for raw in _all_gather_bytes(msgspec.json.encode(mine), group)]
+    drop = set()
+    for n, rs in sorted(replicated.items()):
+        if len({got[r].get(n) for r in rs}) != 1:
+            raise TensorMismatch(
+                f"tensor {n!r}: ranks {rs} hold it as a plain (not DTensor) tensor with different values or optimizer "
+                "state; a tensor several ranks hold whole must be equal on all of them (SPEC.md §Block exchange)"
+            )
+        if entry_slot(n, rs) != rank:
+            drop.add(n)
+    return drop
+
+
+def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: Any, threads: int) -> list[str]:
+    """Run the plan batch by batch; return every block's id (all ranks get all ids)."""
+    global _LAST
+    stats = _LAST = ExchangeStats()
+    ids: list[bytes | None] = [None] * len(plans)
+    i = 0
+    while i < len(plans):
+        j, size = i, 0
+        while j < len(plans) and (j == i or size + _nbytes(plans[j]) <= BATCH_BYTES):
+            size += _nbytes(plans[j])
+            j += 1
+        owned: list[tuple[int, torch.Tensor]] = []
+        recvs: list[tuple[Box, torch.Tensor, torch.Tensor, tuple[int, ...]]] = []
+        works, keep = [], []
+        staged = 0  # bytes of buffers this batch allocates
+        tag = 0
+        for k in range(i, j):
+            key, _bi, box, owner, sends, dtype = plans[k]
+            local = locals_.get(key)
+            if owner == rank:
+                assert local is not None
+                lt, origin = local
+                inner = intersect(box, (origin, tuple(lt.shape))) if math.prod(box[1]) else None
+                view = lt[box_slices(box, origin)] if inner == box else None
+                if view is not None and view.is_contiguous():
+                    buf = view
+                else:
+                    buf = torch.empty(box[1], dtype=torch_dtype(dtype))
+                    staged += buf.numel() * buf.element_size()
+                    if inner is not None:
+                        buf[box_slices(inner, box[0])] = lt[box_slices(inner, origin)]
+                for src, piece in sends:
+                    tmp = torch.empty(piece[1], dtype=buf.dtype)
+                    staged += tmp.numel() * tmp.element_size()
+                    stats.bytes_received += tmp.numel() * tmp.element_size()
+                    works.append(dist.irecv(tmp, src=g(src), group=group, tag=tag))
+                    recvs.append((piece, tmp, buf, box[0]))
+                    tag += 1
+                owned.append((k, buf))
+            else:
+                for src, piece in sends:
+                    if src == rank:
+                        lt, origin = locals_[key]
+                        out = lt[box_slices(piece, origin)].contiguous()
+                        keep.append(out)
+                        staged += out.numel() * out.element_size()
+                        stats.bytes_sent += out.numel() * out.element_size()
+                        works.append(dist.isend(out, dst=g(owner), group=group, tag=tag))
+                    tag += 1
+        for w in works:
+            w.wait()
+        for piece, tmp, buf, start in recvs:
+            buf[box_slices(piece, start)] = tmp
+        written = store.put_tensors([b.detach().reshape(-1) for _, b in owned], threads=threads) if owned else []
+        for (k, _), oid in zip(owned, written):
+            ids[k] = bytes.fromhex(oid)
+        stats.blocks_written += len(owned)
+        stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in owned)
+        stats.peak_staged = max(stats.peak_staged, staged)
+        i = j
+    table = torch.zeros((len(plans), 32), dtype=torch.uint8)
+    for k, raw in enumerate(ids):
+        if raw is not None:
+            table[k] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)  # one owner per row, zeros elsewhere
+    return [bytes(row.numpy().tobytes()).hex() for row in table]
+
+
+def _nbytes(plan: tuple) -> int:
+    return expected_nbytes(plan[5], plan[2][1])
+
+
+def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: set[str], drop: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
+    """The SlotState this slot records: the DTensor entries it records (``mine``) replaced by
+    their payloads; plain tensors as they are, but for replicated ones another rank records (``drop``)."""
+    tensors = {}
+    for n, t in state.tensors.items():
+        if not is_dtensor(t):
+            if n not in drop:
+                tensors[n] = t
+        elif n in mine:
+            tensors[n] = payload[(n, "param")]
+    params = {}
+    for n, po in state.optim.params.items():
+        if n not in tensors:
+            continue
+        m1 = payload.get((n, "exp_avg"), po.exp_avg) if po.exp_avg is not None and is_dtensor(po.exp_avg) else po.exp_avg
+        m2 = payload.get((n, "exp_avg_sq"), po.exp_avg_sq) if po.exp_avg_sq is not None and is_dtensor(po.exp_avg_sq) else po.exp_avg_sq
+        params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2)
+    used = {p.group for p in params.values()}
+    optim = replace(state.optim, groups={k: h for k, h in state.optim.groups.items() if k in used}, params=params)
+    births = None if state.births is None else {n: b for n, b in state.births.items() if n in tensors}
+    return replace(state, tensors=tensors, optim=optim, births=births)

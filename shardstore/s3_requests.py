@@ -1,0 +1,77 @@
+"""Request-level pieces of the S3 backend (``shardstore.s3``): the server's error answers, which
+failures are transient, and the concurrent multipart upload (SPEC.md §19).
+
+Kept apart from ``S3Storage`` so that the backend module holds the storage protocol and
+its read path; everything here works through the backend's own ``_call`` (bounded
+concurrency and retries) and is internal.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .s3 import S3Storage
+
+__all__ = ["S3Error", "transient_errors", "gather", "multipart_upload"]
+
+
+class S3Error(Exception):
+    """A non-retryable error answer from the server (internal; mapped to typed errors by callers)."""
+
+    def __init__(self, status: int, code: str, message: str, retried: bool) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.retried = status, code, retried
+
+
+def transient_errors() -> tuple[type[BaseException], ...]:
+    """Connection-level failures worth retrying (the server never answered)."""
+    import aiohttp
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError
+
+    return (BotoConnectionError, HTTPClientError, aiohttp.ClientError, asyncio.TimeoutError)
+
+
+async def gather(coros: Any) -> list[Any]:
+    """Run coroutines together; on the first failure cancel the rest and re-raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def multipart_upload(storage: S3Storage, key: str, view: memoryview) -> bool:
+    """Upload ``view`` as concurrent ``part_size`` parts, completed with ``If-None-Match: *``
+    when the server honours it; aborted on any failure. True if this call wrote the object."""
+    full = storage._full(key)
+    try:
+        upload = await storage._call("create_multipart_upload", key, Key=full)
+    except S3Error as e:
+        raise storage._fail("start multipart upload of", key, e) from None
+    uid = upload["UploadId"]
+    parts_in_memory = asyncio.Semaphore(storage.concurrency)  # bounds the copies of part bytes
+
+    async def part(number: int, start: int) -> dict[str, Any]:
+        async with parts_in_memory:
+            body = bytes(view[start : start + storage.part_size])
+            r = await storage._call("upload_part", key, Key=full, UploadId=uid, PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": r["ETag"]}
+
+    try:
+        parts = await gather(part(i + 1, s) for i, s in enumerate(range(0, len(view), storage.part_size)))
+        cond = {"IfNoneMatch": "*"} if storage.conditional else {}
+        await storage._call("complete_multipart_upload", key, Key=full, UploadId=uid, MultipartUpload={"Parts": parts}, **cond)
+        return True
+    except S3Error as e:
+        await storage._abort(key, uid)
+        if e.status == 412:
+            return await storage._confirm_present(key, e)
+        raise storage._fail("multipart upload of", key, e) from None
+    except BaseException:
+        await storage._abort(key, uid)
+        raise

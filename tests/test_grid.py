@@ -1,0 +1,372 @@
+"""The canonical block grid and chunked payloads (SPEC.md §Chunked payloads, §Block exchange).
+
+Pure tests, no processes: the grid's vectors, a chunked commit's pinned ids recomputed from
+SPEC.md with ``json`` and ``blake3`` only, a Hypothesis property that blocks assembled from
+any split equal the blocks of the whole tensor and that a restore into any split reads
+exactly the blocks it overlaps, and the typed errors for damaged or forged payloads.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import uuid
+from array import array
+
+import blake3
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardstore as ss
+from shardstore.dtensor import plan_blocks, slice_regions
+from shardstore.grid import BLOCK_BYTES, box_slices, grid, intersect, make_payload, overlapping, read_jobs
+from shardstore.manifest import Block
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "dtype, shape, boxes",
+    [
+        ("float32", (2, 3), [((0, 0), (2, 3))]),  # small: one block, the whole tensor
+        ("float32", (), [((), ())]),
+        ("int64", (0, 7), [((0, 0), (0, 7))]),  # empty: one (empty) block
+        ("float32", (1 << 20,), [((0,), (1 << 20,))]),  # exactly the bound: one block
+        ("float32", (10, 131072), [((0, 0), (8, 131072)), ((8, 0), (2, 131072))]),  # bands of 8 rows
+        ("bfloat16", (3, 1 << 21), [((0, 0), (1, 1 << 21)), ((1, 0), (1, 1 << 21)), ((2, 0), (1, 1 << 21))]),
+        # one row exceeds the bound: one row at a time, cut along the last dim
+        ("float32", (2, 1100000), [((0, 0), (1, 1048576)), ((0, 1048576), (1, 51424)), ((1, 0), (1, 1048576)), ((1, 1048576), (1, 51424))]),
+        ("float64", (2, 3, 300000), [((i, j, 0), (1, 1, 300000)) for i in range(2) for j in range(3)]),  # cut along dim 1
+    ],
+)
+def test_grid_vectors(dtype, shape, boxes):
+    assert BLOCK_BYTES == 4 * MiB
+    assert grid(dtype, shape) == boxes
+
+
+# A chunked commit pinned by id (SPEC.md §Test vectors): float32 [3, 524288], element i = i.
+
+
+def _chunked_state() -> tuple[torch.Tensor, ss.CommitInfo]:
+    return torch.arange(3 * 524288, dtype=torch.float32).reshape(3, 524288), ss.CommitInfo(step=0, job="vector-job", transition="init")
+
+
+def _independent_ids(n_rows: int = 3, cols: int = 524288) -> tuple[list[str], str, str]:
+    """Block ids, shard manifest bytes and learned root from SPEC.md's rules, without shardstore."""
+    raw = array("f", range(n_rows * cols)).tobytes()
+    row = cols * 4
+    per = (4 * MiB) // row  # rows per block
+    starts = list(range(0, n_rows, per))
+    ids = [blake3.blake3(raw[s * row:min(s + per, n_rows) * row]).hexdigest() for s in starts]
+    blocks = [{"object": oid, "shape": [min(per, n_rows - s), cols], "start": [s, 0]} for s, oid in zip(starts, ids)]
+    entry = {"dtype": "float32", "name": "w", "optim": None, "param": blocks, "shape": [n_rows, cols]}
+    enc = lambda d: json.dumps(d, sort_keys=True, separators=(",", ":")).encode()  # noqa: E731
+    shard = {"algorithm": "none", "config": None, "entries": [entry], "groups": [], "job": "vector-job", "parent": None,
+             "rng": [], "slot": 0, "slots": 1, "step": 0, "type": "shard", "version": 2}
+    learned = {"config": None, "data_cursor": None, "optimizer": {"algorithm": "none", "groups": []}, "step": 0,
+               "tensors": [entry], "type": "learned", "version": 2}
+    return ids, blake3.blake3(enc(shard)).hexdigest(), blake3.blake3(enc(learned)).hexdigest()
+
+
+def test_chunked_vectors_match_an_independent_encoder():
+    store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
+    w, info = _chunked_state()
+    cid = ss.save_slots(store, [ss.SlotState({"w": w})], info=info, ref=None, parent=None)
+    lc = ss.load_commit(store, cid)
+    e = lc.entries()["w"]
+    ids, shard_id, root = _independent_ids()
+    assert [b.object for b in e.param] == ids
+    assert [(b.start, b.shape) for b in e.param] == [((0, 0), (2, 524288)), ((2, 0), (1, 524288))]
+    assert lc.shard_ids[0] == shard_id
+    assert lc.commit.learned_root == root
+    assert lc.commit.version == 2 and lc.shards[0].version == 2
+    assert (ids, shard_id, root, cid) == CHUNKED_VECTORS
+    assert ss.verify(store).ok
+
+
+CHUNKED_VECTORS = (
+    ["376340a03365bddb93ff1cac75c539a9741fcb30ffb28646efbe48b213defcd3", "a1908d9f1d0da682bd5e9fbd6178c8b7ed5e2abc608c77532321545a08dca5ad"],
+    "3063682d113132e8e6e11f8d7382e853010cb0e8919f9d742bda0457f21fc1c3",  # shard manifest
+    "87487da2a3effa47abfb07096475c38002236244ce7345bf9bad31c401de7302",  # learned-state root
+    "cbabe2bd0f6aa625b333a66e19094dedb9e3870c1945edd17215c0864e5b83ac",  # full root
+)
+
+
+# -- the property: any split, the same blocks; a restore reads exactly what it overlaps -------------
+
+DTYPES = ["float32", "bfloat16", "int64", "uint8"]
+
+
+def _chunks(n: int, k: int) -> list[tuple[int, int]]:
+    """torch.chunk's split of n indices into k ranks (some may be empty): (start, length)."""
+    step = -(-n // k) if n else 0
+    return [(min(i * step, n), max(0, min(step, n - i * step))) for i in range(k)]
+
+
+@st.composite
+def split_cases(draw):
+    """A shape, a dtype, a small block bound, and a mesh: 1 or 2 split dims (FSDP x TP), with replicas."""
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
+    dtype = draw(st.sampled_from(DTYPES))
+    bound = draw(st.sampled_from([8, 16, 24, 64, 1000]))  # small block bounds, so small tensors have many blocks
+    dims = draw(st.lists(st.integers(0, ndim - 1), min_size=1, max_size=min(2, ndim), unique=True))
+    splits = [(d, draw(st.integers(1, 4))) for d in dims]
+    replicas = draw(st.integers(1, 2))
+    return dtype, shape, bound, splits, replicas
+
+
+def _regions(shape, splits, replicas) -> dict:
+    """The slices of a mesh splitting ``shape`` on each (dim, ranks) of ``splits`` like torch.chunk."""
+    held: dict = {}
+    rank = 0
+    for parts in itertools.product(*(_chunks(shape[d], k) for d, k in splits)):
+        if any(length == 0 for _, length in parts):
+            continue
+        origin, extent = [0] * len(shape), list(shape)
+        for (d, _), (start, length) in zip(splits, parts):
+            origin[d], extent[d] = start, length
+        held[(tuple(origin), tuple(extent))] = list(range(rank, rank + replicas))
+        rank += replicas
+    return held
+
+
+@settings(max_examples=150, deadline=None)
+@given(split_cases())
+def test_blocks_from_any_split_equal_blocks_written_whole(case):
+    dtype, shape, bound, splits, replicas = case
+    tdtype = ss.tensors.torch_dtype(dtype)
+    whole = (torch.arange(math.prod(shape)) % 251).to(tdtype).reshape(shape)
+    regions = slice_regions("t", dtype, shape, _regions(shape, splits, replicas))
+    holder = {r: box for box, ranks in regions for r in ranks}
+    local = {r: whole[box_slices(box, (0,) * len(shape))] for r, box in holder.items()}
+    plan = plan_blocks("t\0param", dtype, shape, regions, block_bytes=bound)
+    assert [box for box, _, _ in plan] == grid(dtype, shape, block_bytes=bound)
+    for box, owner, sends in plan:
+        buf = torch.full(box[1], 7, dtype=tdtype)
+        filled = torch.zeros(box[1], dtype=torch.int32)
+        mine = intersect(box, holder[owner])
+        parts = ([(owner, mine)] if mine else []) + sends
+        for src, piece in parts:  # every piece comes from a rank that holds it
+            assert intersect(piece, holder[src]) == piece
+            buf[box_slices(piece, box[0])] = local[src][box_slices(piece, holder[src][0])]
+            filled[box_slices(piece, box[0])] += 1
+        assert bool((filled == 1).all()), "each element of a block arrives exactly once"
+        assert torch.equal(buf, whole[box_slices(box, (0,) * len(shape))])
+    # replicas of a slice take turns: one that gives two or more blocks or pieces uses two replicas
+    turns: dict = {}
+    for _, owner, sends in plan:
+        for r in [owner] + [src for src, _ in sends]:
+            turns.setdefault(holder[r], []).append(r)
+    for ranks in turns.values():
+        assert len(set(ranks)) == min(len(ranks), replicas)
+
+
+class _CountingStore:
+    """A store that records which objects are read."""
+
+    def __init__(self, store: ss.Store) -> None:
+        self.store, self.read = store, []
+
+    def read_into(self, oid, dest, *, what):
+        self.read.append(oid)
+        self.store.read_into(oid, dest, what=what)
+
+    def get_tensor(self, oid, dtype, shape, *, what):
+        self.read.append(oid)
+        return self.store.get_tensor(oid, dtype, shape, what=what)
+
+
+@settings(max_examples=100, deadline=None)
+@given(split_cases(), st.data())
+def test_restore_into_any_split_reads_exactly_the_overlapping_blocks(case, data):
+    dtype, shape, bound, splits, _ = case
+    tdtype = ss.tensors.torch_dtype(dtype)
+    whole = (torch.arange(math.prod(shape)) % 253).to(tdtype).reshape(shape)
+    store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
+    boxes = grid(dtype, shape, block_bytes=bound)
+    ids = [store.put_tensor(whole[box_slices(b, (0,) * len(shape))].contiguous()) for b in boxes]
+    payload = make_payload(dtype, shape, ids, block_bytes=bound)
+    origin, extent = data.draw(st.sampled_from(sorted(_regions(shape, splits, 1))))
+    dest = torch.zeros(extent, dtype=tdtype)
+    counting = _CountingStore(store)
+    nread = sum(job() for job in read_jobs(counting, payload, dtype, shape, dest, origin, "t"))
+    # brute force: the blocks holding at least one element of the region
+    want = set()
+    for idx in itertools.product(*(range(o, o + n) for o, n in zip(origin, extent))):
+        want |= {i for i, (s, e) in enumerate(boxes) if all(a <= x < a + b for x, a, b in zip(idx, s, e))}
+    got = [ids.index(oid) for oid in counting.read]
+    assert sorted(got) == sorted(want) and len(got) == len(set(got))
+    assert overlapping(payload, dtype, shape, (origin, extent)) == sorted(want) if len(boxes) > 1 else True
+    assert nread == sum(math.prod(boxes[i][1]) for i in want) * tdtype.itemsize
+    assert torch.equal(dest, whole[box_slices((origin, extent), (0,) * len(shape))])
+
+
+# -- damaged and forged payloads --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chunked():
+    """A commit with one chunked parameter and chunked Adam moments (10 x 131072 float32: 2 blocks each)."""
+    store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
+    m = torch.nn.Linear(131072, 10)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m(torch.randn(2, 131072)).sum().backward()
+    opt.step()
+    cid = ss.save(store, m, opt, step=1, rng=False)
+    return store, cid, m, opt
+
+
+def _forge(store: ss.Store, cid: str, blocks) -> str:
+    c = store.commit(cid)
+    lay = c.layout[0]
+    shard = store.shard(lay.shard)
+    entries = tuple(msgspec.structs.replace(e, param=blocks(e.param)) if e.name == "weight" else e for e in shard.entries)
+    sid = store.put_manifest(msgspec.structs.replace(shard, entries=entries))
+    return store.put_manifest(msgspec.structs.replace(c, layout=(msgspec.structs.replace(lay, shard=sid),)))
+
+
+def _b(start, shape, oid):
+    return Block(start=start, shape=shape, object=oid)
+
+
+@pytest.mark.parametrize(
+    "forge, message",
+    [
+        (lambda p: (_b((0, 0), (8, 131072), p[0].object), _b((8, 0), (1, 131072), p[1].object)), "do not tile"),
+        (lambda p: (_b((0, 0), (8, 131072), p[0].object), _b((7, 0), (3, 131072), p[1].object)), "blocks 0 and 1 .* overlap"),
+        (lambda p: (_b((0, 0), (5, 131072), p[0].object), _b((5, 0), (5, 131072), p[1].object)), "canonical grid's block 0"),
+        (lambda p: (_b((0, 0), (8, 131072), p[0].object), _b((8, 0), (3, 131072), p[1].object)), "block 1 .* lies outside"),
+        (lambda p: p[0].object, "must be 2 blocks, not one object"),
+        (lambda p: (*p, _b((0, 0), (1, 1), p[0].object)), "overlap"),
+    ],
+)
+def test_forged_grids_are_refused_naming_tensor_and_block(chunked, forge, message):
+    store, cid, m, opt = chunked
+    bad = _forge(store, cid, forge)
+    with pytest.raises(ss.GridError, match=message) as e:
+        ss.load_commit(store, bad)
+    assert "'weight'" in str(e.value) and "param payload" in str(e.value)
+    with pytest.raises(ss.GridError):
+        ss.restore(store, bad, torch.nn.Linear(131072, 10))
+    report = ss.verify(store, [bad], deep=False)
+    assert any(p.kind == "GridError" and p.tensor == "weight" for p in report.problems)
+
+
+def test_a_small_tensor_listed_as_blocks_is_refused(chunked):
+    store, cid, _, _ = chunked
+    c = store.commit(cid)
+    shard = store.shard(c.layout[0].shard)
+    bias = next(e for e in shard.entries if e.name == "bias")
+    forged = (_b((0,), (5,), bias.param), _b((5,), (5,), bias.param))
+    entries = tuple(msgspec.structs.replace(e, param=forged) if e.name == "bias" else e for e in shard.entries)
+    sid = store.put_manifest(msgspec.structs.replace(shard, entries=entries))
+    bad = store.put_manifest(msgspec.structs.replace(c, layout=(msgspec.structs.replace(c.layout[0], shard=sid),)))
+    with pytest.raises(ss.GridError, match="'bias'.*fits one block"):
+        ss.load_commit(store, bad)
+
+
+def test_corrupt_or_missing_block_is_refused_naming_tensor_and_block(chunked, tmp_path):
+    _, _, m, opt = chunked
+    store = ss.open_store(str(tmp_path / "s"))
+    cid = ss.save(store, m, opt, step=1, rng=False)
+    e = ss.load_commit(store, cid).entries()["weight"]
+    victim = e.optim.exp_avg[1].object
+    path = tmp_path / "s" / "objects" / victim[:2] / victim
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    fresh, fopt = torch.nn.Linear(131072, 10), None
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    with pytest.raises(ss.CorruptObject, match=r"exp_avg of 'weight'.*block 1.*" + victim):
+        ss.restore(store, cid, fresh, fopt, threads=1)
+    report = ss.verify(store)
+    assert [(p.kind, p.tensor, p.object) for p in report.problems] == [("CorruptObject", "weight", victim)]
+    assert "exp_avg block 1" in str(report.problems[0])
+    path.unlink()
+    report = ss.verify(store)
+    assert [(p.kind, p.tensor, p.object) for p in report.problems] == [("ObjectNotFound", "weight", victim)]
+    with pytest.raises(ss.ObjectNotFound):
+        ss.restore(store, cid, fresh, fopt, threads=1)
+    # the parameter itself, restored without the optimizer, needs neither moment block
+    assert ss.restore(store, cid, fresh).tensors == ["bias", "weight"]
+    assert torch.equal(fresh.weight, m.weight)
+
+
+def test_version_1_commits_stay_version_1(chunked):
+    store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
+    cid = ss.save(store, torch.nn.Linear(4, 3), step=0, rng=False)
+    lc = ss.load_commit(store, cid)
+    assert lc.commit.version == 1 and lc.shards[0].version == 1
+    big_store, big, _, _ = chunked
+    c = big_store.commit(big)
+    with pytest.raises(ss.ManifestError, match="version 1 must be version 2"):
+        ss.manifest.decode(ss.encode(msgspec.structs.replace(big_store.shard(c.layout[0].shard), version=1)))
+
+
+def test_tools_understand_chunked_payloads(chunked, tmp_path, capsys):
+    """diff --stats, export (block by block), import (same blocks back), copy, show and verify."""
+    from safetensors.torch import load_file
+
+    from shardstore.diff import diff
+    from shardstore.interchange import export_commit, import_directory
+    from shardstore_cli.shardstore_cli import main
+
+    _, _, m, opt = chunked
+    store = ss.open_store(str(tmp_path / "s"))
+    a = ss.save(store, m, opt, step=1, rng=False, config={"num_hidden_layers": 1})
+    kept = m.weight.detach().clone()
+    with torch.no_grad():
+        m.weight[9, :5] += 1.0  # only the second block (rows 8-9) of the weight changes
+    try:
+        b = ss.save(store, m, opt, step=1, rng=False, config={"num_hidden_layers": 1})
+        changed = m.weight.detach().clone()
+    finally:
+        with torch.no_grad():
+            m.weight.copy_(kept)  # the module-scoped fixture stays as it was
+    d = diff(store, a, b, stats=True)
+    (w,) = d.tensors
+    assert w.name == "weight" and w.after.param[0] == w.before.param[0] and w.after.param[1] != w.before.param[1]
+    assert abs(w.stats["param"].max_abs_diff - 1.0) < 1e-6  # fp32 rounding of w + 1
+    out = tmp_path / "export"
+    export_commit(store, b, str(out), with_optimizer=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert torch.equal(tensors["weight"], changed)
+    assert torch.equal(load_file(str(out / "optimizer.exp_avg.safetensors"))["weight"], opt.state[m.weight]["exp_avg"])
+    back = import_directory(store, str(out), ref=None)
+    assert ss.load_commit(store, back).entries()["weight"].param == ss.load_commit(store, b).entries()["weight"].param
+    dst = ss.open_store(str(tmp_path / "copy"))
+    ss.copy_commit(store, dst, b)
+    assert ss.verify(dst).ok
+    fresh = torch.nn.Linear(131072, 10)
+    ss.restore(dst, b, fresh)
+    assert torch.equal(fresh.weight, changed)
+    assert main(["verify", str(tmp_path / "s")]) == 0
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "s"), b, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["commit"]["version"] == 2 and shown["totals"]["objects"] == 3 * 3  # weight: 2 blocks x 3, bias: 1 x 3
+
+
+def test_metadata_only_repartition_of_a_chunked_commit_writes_no_tensor_bytes(chunked):
+    from shardstore.checkpoint import write_shard_entries
+
+    store, cid, _, _ = chunked
+    lc = ss.load_commit(store, cid)
+    entries = sorted(lc.entries().values(), key=lambda e: e.name)
+    before = set(store.objects())
+    info = ss.CommitInfo(step=lc.commit.step, job=lc.commit.job, transition="repartition")
+    groups = list(lc.commit.optimizer.groups)
+    sids = [
+        write_shard_entries(store, [e], groups=[g for g in groups if g.name == e.optim.group], algorithm=lc.commit.optimizer.algorithm,
+                            rng={}, info=info, parent=cid, slot=i, slots=2)
+        for i, e in enumerate(entries)
+    ]  # fmt: skip
+    new = ss.write_commit(store, sids, info=info, parent=cid)
+    assert store.commit(new).learned_root == lc.commit.learned_root and store.commit(new).version == 2
+    assert set(store.objects()) - before == {new, *sids}  # manifests only
+    assert ss.verify(store, [new]).ok
