@@ -48,7 +48,7 @@ from .manifest import (
 from .dtensor import local_region
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
 from .grid import Whole, payload_blocks, put_payloads, read_jobs
-from .module_state import named_state
+from .module_state import check_held, named_state
 from .names import check_ref_name
 from .preflight import check_info, check_parent
 from .optim import OptimState, ParamOpt, _install_torch, _plan_optim, _probe_torch, from_export, from_torch, group_spec, into_export
@@ -124,6 +124,8 @@ def capture(
     anything with ``state_export()``. ``extra``: this slot's own extras (SPEC.md §Extras).
     """
     tensors, buffers = named_state(model)
+    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, torch.nn.Module):  # a mapping names what the slot owns
+        check_held(optimizer, tensors)
     if names is not None:
         missing = sorted(set(names) - set(tensors))
         if missing:

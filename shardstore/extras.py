@@ -33,7 +33,7 @@ import torch
 from .errors import ManifestError, StateMismatch, UnsupportedState
 from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, f64_decode, f64_encode
 from .names import check_group_name
-from .tensors import dtype_name, expected_nbytes, torch_dtype
+from .tensors import check_storable, dtype_name, expected_nbytes, torch_dtype
 
 if TYPE_CHECKING:
     from .store import Store
@@ -73,7 +73,7 @@ def _encode_value(value: Any, path: str, tensors: list[torch.Tensor], depth: int
             raise UnsupportedState(f"{where}: string {value[:24]!r} starts with a reserved prefix ({_REAL!r}, {_TENSOR!r})")
         return value
     if isinstance(value, torch.Tensor):
-        dtype_name(value.dtype, where)
+        check_storable(value, where)
         tensors.append(value)
         return f"{_TENSOR}{len(tensors) - 1}"
     if isinstance(value, (list, tuple)):

@@ -271,19 +271,23 @@ def export_commit(
 
 
 def _state_sets(lc: Any, entries: list[TensorEntry]) -> dict[str, list[_Item]]:
-    """The torch form's state tensors (``optimizer.state.<key>``) and the extras' tensors (``extras``: ``<extra>.<i>``)."""
+    """The torch form's state tensors (``optimizer.state.<key>``) and the extras' tensors (``extras``: ``<extra>.<i>``, a slot's own ``slot<s>/<extra>.<i>``)."""
     out: dict[str, list[_Item]] = {}
     for e in entries:
         for t in e.state.tensors if e.state is not None else ():
             out.setdefault(f"optimizer.state.{t.key}", []).append(_Item(e.name, t.dtype, tuple(t.shape), t.object))
-    xs = [*((x.key, x) for x in lc.commit.extras), *((f"slot{s}.{x.key}", x) for s, sh in sorted(lc.shards.items()) for x in sh.extras)]
-    extras = [_Item(f"{name}.{t.key}", t.dtype, tuple(t.shape), t.object) for name, x in xs for t in x.tensors]
+    extras = [_Item(f"{name}.{t.key}", t.dtype, tuple(t.shape), t.object) for name, x in _named_extras(lc) for t in x.tensors]
     return out | ({"extras": extras} if extras else {})
 
 
+def _named_extras(lc: Any) -> list[tuple[str, Any]]:
+    """Every extra by its export name: a commit-wide one by its key, slot s's own as ``slot<s>/<key>``
+    (``/`` is never in a key, so the two kinds cannot share a name; ``slot0.x`` is a valid key)."""
+    return [*((x.key, x) for x in lc.commit.extras), *((f"slot{s}/{x.key}", x) for s, sh in sorted(lc.shards.items()) for x in sh.extras)]
+
+
 def _extras_doc(store: Store, lc: Any) -> dict[str, Any]:
-    xs = [*((x.key, x) for x in lc.commit.extras), *((f"slot{s}.{x.key}", x) for s, sh in sorted(lc.shards.items()) for x in sh.extras)]
-    return {name: extra_state_view(store, x) for name, x in xs}
+    return {name: extra_state_view(store, x) for name, x in _named_extras(lc)}
 
 
 def _optimizer_doc(step: int, optimizer: Any, entries: list[TensorEntry], extras: dict[str, Any]) -> bytes:

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 
 import torch
 
-from .errors import UnsupportedState
+from .errors import StateMismatch, UnsupportedState
 from .names import check_tensor_name
 
-__all__ = ["named_state"]
+__all__ = ["named_state", "check_held"]
 
 
 def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -52,3 +52,15 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
             "shardstore saves parameters and buffers only, and refuses rather than drop it (SPEC.md §Buffers)"
         )
     return out, kinds
+
+
+def check_held(optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]) -> None:
+    """A module's optimizer holding a non-meta parameter the module does not hold: that parameter and
+    its state would be dropped, so it is refused (SPEC.md §Buffers). A name → tensor mapping is a
+    slot's declared share (other slots' parameters are skipped by design) and is not checked."""
+    held = {id(t) for t in tensors.values()}
+    for i, g in enumerate(optimizer.param_groups):
+        for j, p in enumerate(g["params"]):
+            if id(p) not in held and p.device.type != "meta":
+                raise StateMismatch(f"optimizer param group {i}, parameter {j} ({list(p.shape)}) is not among the model's "
+                                    "parameters and buffers; its value and state would not be saved (name it in the model)")

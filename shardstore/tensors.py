@@ -45,6 +45,15 @@ def dtype_name(dtype: torch.dtype, what: str = "tensor") -> str:
         raise TensorMismatch(f"{what}: dtype {dtype} is not in the allow-list {sorted(DTYPES)} (SPEC.md §Tensor objects)") from None
 
 
+def check_storable(t: torch.Tensor, what: str = "tensor") -> str:
+    """``dtype_name`` of a tensor that has bytes to store: strided (dense) and not on ``meta``;
+    TensorMismatch naming it for a sparse, quantized or nested tensor or one with no data."""
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+        kind = "a meta" if t.device.type == "meta" else f"a {t.layout}" + (" quantized" if t.is_quantized else "") + (" nested" if t.is_nested else "")
+        raise TensorMismatch(f"{what}: {kind} tensor has no dense bytes to store; only dense tensors are stored (SPEC.md §Tensor objects)")
+    return dtype_name(t.dtype, what)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
@@ -58,6 +67,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
     The view keeps the (possibly new, contiguous) tensor alive through numpy's base.
     """
+    check_storable(t)
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -48,7 +48,7 @@ from .manifest import (
 )
 from .names import check_group_name
 from .optim import OptimState, ParamOpt, _group_names  # one group-naming rule for both forms
-from .tensors import dtype_name, expected_nbytes, torch_dtype
+from .tensors import check_storable, dtype_name, expected_nbytes, torch_dtype
 
 __all__ = ["REAL_PREFIX", "class_name", "is_adam_form", "capture_torch", "TorchRestore", "plan_torch_restore", "state_objects", "torch_spec", "torch_union", "use_torch_form", "shard_rules", "commit_rules"]
 
@@ -157,7 +157,7 @@ def capture_torch(optimizer: Any, param_names: Mapping[torch.Tensor, str], *, gr
                 where = f"optimizer state of tensor {name!r}, key {k!r}"
                 key = _key(k, where)
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    dtype_name(v.dtype, where)
+                    check_storable(v, where)
                     tp.tensors[key] = v
                 else:
                     tp.scalars[key] = _state_scalar(key, v, where)

@@ -138,9 +138,18 @@ def select(store: Store, job: str, commit: str) -> str:
         current = selection(store, job)
         raise RoleError(f"job {job[:12]}'s final sets were already opened for commit "
                         f"{current.commit[:12] if current else '?'}; a second selection is refused")
-    oid = store.put(_ENC.encode(Selection(version=_VERSION, job=job, commit=commit)))
+    raw = _ENC.encode(Selection(version=_VERSION, job=job, commit=commit))
+    try:  # what `selection` will read back, checked before it is written and pinned
+        msgspec.json.decode(raw, type=Selection)
+    except msgspec.ValidationError as exc:
+        raise RoleError(f"not a selection of a job id and a commit id (64 hex digits each): {exc}") from None
+    oid = store.put(raw)
     store.sync()
-    store.pin(_selection_pin(job), [oid], expected=store.pinned(_selection_pin(job)))  # compare-and-swap
+    previous = store.pinned(_selection_pin(job))
+    store.pin(_selection_pin(job), [oid], expected=previous)  # compare-and-swap
+    if finals_opened(store, job):  # an opening completed between the check above and the swap: undo it
+        store.pin(_selection_pin(job), list(previous or ()), expected=[oid])
+        raise RoleError(f"job {job[:12]}'s final sets were opened while this selection was being written; it is refused")
     return oid
 
 
@@ -154,7 +163,10 @@ def open_finals(store: Store, job: str, candidate: str) -> Selection:
         raise RoleError(f"job {job[:12]} selected commit {sel.commit[:12]}, not {candidate[:12]}; final sets open only "
                         f"for the selected commit")
     ids = store.pinned(_selection_pin(job))
-    if not finals_opened(store, job):
+    opened = store.pinned(_opened_pin(job))
+    if opened is not None and set(opened) != set(ids or ()):
+        raise RoleError(f"job {job[:12]}'s final sets were opened for another selection record than the current one")
+    if opened is None:
         store.add_to_pin(_opened_pin(job), list(ids or ()))
         # A `select` racing with this opening may have replaced the selection in between:
         # the opening holds only if the selection it recorded is still the current one.

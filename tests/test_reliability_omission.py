@@ -1,0 +1,114 @@
+"""Review findings: state a save accepted but a later path dropped, and a race in the selection record."""
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import torch
+
+import shardstore as ss
+from shardstore.interchange import export_commit
+
+
+class _Box:
+    def __init__(self, v: int, with_tensor: bool) -> None:
+        self.v, self.with_tensor = v, with_tensor
+
+    def state_dict(self) -> dict:
+        return {"v": self.v, **({"t": torch.full((2,), float(self.v))} if self.with_tensor else {})}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.v = s["v"]
+
+
+def _store() -> ss.Store:
+    return ss.open_store(f"memory://review/{uuid.uuid4().hex}")
+
+
+@pytest.mark.parametrize("with_tensor", [False, True])
+def test_export_keeps_a_slot_extra_and_a_commit_extra_whose_names_look_alike(tmp_path, with_tensor):
+    # A commit-wide extra 'slot0.s' and slot 0's own extra 's' were both exported as 'slot0.s':
+    # optimizer.json silently kept one, extras.safetensors failed to read back.
+    store = _store()
+    cid = ss.save(store, torch.nn.Linear(2, 2), None, step=1,
+                  extra={"slot0.s": _Box(1, with_tensor)}, slot_extra={"s": _Box(2, with_tensor)})
+    export_commit(store, cid, str(tmp_path), with_optimizer=True)
+    extras = json.loads((tmp_path / "optimizer.json").read_text())["extras"]
+    assert len(extras) == 2 and sorted(x["v"] for x in extras.values()) == [1, 2]
+    if with_tensor:
+        from safetensors.torch import load_file
+
+        assert len(load_file(str(tmp_path / "extras.safetensors"))) == 2
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.AdamW(ps, lr=0.1)])
+def test_optimizer_state_of_a_tensor_the_model_does_not_hold_is_refused_not_dropped(make):
+    # An optimizer over the model's parameters and one more tensor: save committed without that
+    # tensor or its state (exit 0), and restore into the same setup then failed.
+    model, scale = torch.nn.Linear(2, 2), torch.nn.Parameter(torch.ones(2))
+    opt = make([*model.parameters(), scale])
+    (model(torch.ones(1, 2)) * scale).sum().backward()
+    opt.step()
+    store = _store()
+    with pytest.raises(ss.StateMismatch, match="not among the model"):
+        ss.save(store, model, opt, step=1)
+    assert store.ref("main") is None
+    ss.save(store, {**dict(model.named_parameters()), "scale": scale}, opt, step=1)  # named: stored
+    assert "scale" in ss.load_commit(store, "main").entries()
+
+
+def test_a_selection_racing_with_the_opening_of_finals_is_refused():
+    # select checked 'finals opened?' before replacing the selection; an opening that completed
+    # in between left the finals opened for commit A and the selection naming commit B.
+    from shardtrain import roles
+    from shardtrain.errors import RoleError
+
+    store, job = _store(), "c" * 64
+    a, b = "a" * 64, "b" * 64
+    roles.select(store, job, a)
+    real_pin = store.pin
+
+    def pin_after_an_opening(name, objects, *, expected):
+        store.pin = real_pin
+        roles.open_finals(store, job, a)  # completes between select's check and its pin
+        real_pin(name, objects, expected=expected)
+
+    store.pin = pin_after_an_opening
+    with pytest.raises(RoleError):
+        roles.select(store, job, b)
+    assert roles.selection(store, job).commit == a
+    with pytest.raises(RoleError):
+        roles.open_finals(store, job, b)
+
+
+@pytest.mark.parametrize("tensor", [torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,)), torch.empty(2, device="meta")], ids=["sparse", "meta"])
+def test_a_tensor_without_dense_bytes_is_refused_typed(tensor):
+    # A sparse or meta tensor in an extra (or a model mapping) raised torch's RuntimeError /
+    # NotImplementedError from deep inside the write.
+    store = _store()
+    with pytest.raises(ss.TensorMismatch, match="dense"):
+        ss.save(store, torch.nn.Linear(1, 1), None, step=0, extra={"x": _Fixed({"t": tensor})})
+    if tensor.device.type != "meta":  # a meta entry of a mapping is 'not owned' and skipped by design
+        with pytest.raises(ss.TensorMismatch, match="dense"):
+            ss.save(store, {"w": tensor}, None, step=0)
+    assert store.ref("main") is None
+
+
+class _Fixed:
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def test_select_refuses_ids_it_could_not_read_back():
+    # select('job-1', ...) wrote and pinned a record that selection() then refused as malformed.
+    from shardtrain import roles
+    from shardtrain.errors import RoleError
+
+    store = _store()
+    with pytest.raises(RoleError, match="64 hex"):
+        roles.select(store, "job-1", "a" * 64)
+    assert roles.selection(store, "job-1") is None and not store.pin_names()
