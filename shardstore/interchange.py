@@ -24,6 +24,7 @@ transition ``import``, optionally split over slots by contiguous decoder-layer r
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,9 +32,9 @@ import socket
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from safetensors import SafetensorError, safe_open
 
@@ -130,60 +131,56 @@ def _check_written(path: str, items: Sequence[_Item]) -> None:
         raise StorageError(f"{path}: safetensors reads back a different header than was written")
 
 
-def _temporary(path: str) -> tuple[int, str]:
-    """A new file beside ``path``, created exclusively under a random name (O_EXCL never
-    follows a planted link; a name that exists is skipped), for writing and renaming over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".partial")
-    mask = os.umask(0)
-    os.umask(mask)
-    os.fchmod(fd, 0o666 & ~mask)  # what open() would have given the file (mkstemp makes it 0600)
-    return fd, tmp
+@contextlib.contextmanager
+def _replacing(path: str) -> Iterator[tuple[BinaryIO, str]]:
+    """Write a new file that replaces ``path`` when the block ends without error.
 
-
-def _write_file(path: str, raw: bytes) -> None:
-    """Write ``raw`` to ``path`` through an exclusive temporary renamed over it (a link at
-    ``path`` is replaced, never followed)."""
-    fd, tmp = _temporary(path)
+    The file is created beside ``path`` exclusively under a random name (O_EXCL never follows
+    a planted link; a name that exists is skipped), synced, then renamed over ``path`` (a link
+    at ``path`` is replaced, never followed). Yields the open file and its temporary name;
+    on any error the temporary is removed and ``path`` is untouched.
+    """
+    tmp = ""
     try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".partial")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # what open() would have given the file (mkstemp makes it 0600)
         with os.fdopen(fd, "wb") as f:
-            f.write(raw)
+            yield f, tmp
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         raise StorageError(f"writing {path}: {e.strerror or e}") from None
     finally:
-        if os.path.lexists(tmp):
+        if tmp and os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+def _write_file(path: str, raw: bytes) -> None:
+    """Write ``raw`` to ``path`` (see ``_replacing``)."""
+    with _replacing(path) as (f, _tmp):
+        f.write(raw)
 
 
 def _write_safetensors(store: Store, path: str, items: Sequence[_Item], tick: Callable[[_Item], None]) -> None:
     items = sorted(items, key=lambda it: (-_itemsize(it.dtype), it.name))  # aligned: big items first
     header = _header(items)
-    try:
-        fd, tmp = _temporary(path)
-    except OSError as e:
-        raise StorageError(f"writing {path}: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
-            for it in items:
-                # a chunked payload's blocks are consecutive byte ranges: streamed one block at a time
-                for oid, _box, nbytes in payload_blocks(it.oid, it.dtype, it.shape):
-                    data = store.get(oid)  # re-hashed on read
-                    if len(data) != nbytes:
-                        raise TensorMismatch(f"tensor {it.name!r}: object {oid} holds {len(data)} bytes, entry needs {nbytes}")
-                    f.write(data)
-                    del data
-                tick(it)
-            f.flush()
-            os.fsync(f.fileno())
+    with _replacing(path) as (f, tmp):
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for it in items:
+            # a chunked payload's blocks are consecutive byte ranges: streamed one block at a time
+            for oid, _box, nbytes in payload_blocks(it.oid, it.dtype, it.shape):
+                data = store.get(oid)  # re-hashed on read
+                if len(data) != nbytes:
+                    raise TensorMismatch(f"tensor {it.name!r}: object {oid} holds {len(data)} bytes, entry needs {nbytes}")
+                f.write(data)
+                del data
+            tick(it)
+        f.flush()
         _check_written(tmp, items)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise StorageError(f"writing {path}: {e.strerror or e}") from None
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
 
 
 def _itemsize(dtype: str) -> int:
