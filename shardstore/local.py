@@ -31,6 +31,7 @@ _CHUNK = 8 << 20
 #: Bytes per readv(2) on the streaming read paths: small enough that a chunk is still in the
 #: core's cache when it is hashed (1 MiB measured 1.2-1.5x faster than 8 MiB on 2 cores).
 _READ_CHUNK = 1 << 20
+_PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
 
@@ -299,24 +300,23 @@ class LocalStorage:
         """(hex digest, size) of the object at ``key``; ``hasher()`` makes a fresh hash object
         running ``threads`` threads of its own.
 
-        The file is opened here (never through a symbolic link). A one-thread hasher reads
-        it through a reused, page-aligned per-thread buffer, chunk by chunk while the chunk
-        is in the core's cache; a multi-threaded BLAKE3 hasher maps the file itself through
-        ``/proc/self/fd`` so that its threads can split it. Measured warm on 2 cores: the
-        buffered path matches hashing the same bytes from memory whether the page cache
-        was filled by writes or by reads, where mapping runs 1.35x slower after reads; a
-        mapping is the faster path only for one object hashed by two threads.
+        The file is opened here (never through a symbolic link) and read through a reused,
+        page-aligned per-thread buffer, never mapped: a file mapped while another process
+        truncates it kills the reader with SIGBUS, where a read just returns fewer bytes (and
+        the hash then names the damage). A one-thread hasher takes the file chunk by chunk
+        while each chunk is in the core's cache; a multi-threaded BLAKE3 hasher takes larger
+        chunks, so that its threads have enough to split. Since format version 2 an object
+        larger than one grid block (4 MiB) is rare (version-1 stores, imports of old data).
         """
         h = hasher()
         fd = self._open_read(key)
         try:
-            proc = f"/proc/self/fd/{fd}"
-            if threads > 1 and hasattr(h, "update_mmap") and os.path.exists(proc):
-                h.update_mmap(proc)
-                return h.hexdigest(), os.fstat(fd).st_size
-            buf = getattr(_tls, "buf", None)
+            chunk = _PARALLEL_CHUNK if threads > 1 else _READ_CHUNK
+            attr = "pbuf" if threads > 1 else "buf"
+            buf = getattr(_tls, attr, None)
             if buf is None:
-                buf = _tls.buf = memoryview(mmap.mmap(-1, _READ_CHUNK))  # page-aligned, reused by this thread
+                buf = memoryview(mmap.mmap(-1, chunk))  # anonymous, page-aligned, reused by this thread
+                setattr(_tls, attr, buf)
             size = 0
             while True:
                 n = os.readv(fd, [buf])
