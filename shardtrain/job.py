@@ -36,7 +36,7 @@ from shardtrain.errors import ConfigError, JobError
 from shardtrain.model import LlamaConfig
 from shardtrain.optim import GroupConfig
 from shardtrain.optim import Schedule as LrSchedule
-from shardtrain.recipe import CohortReference, Distillation, GateRecipe, GroupRecipe, Recipe
+from shardtrain.recipe import F64, CohortReference, Count, Distillation, FileName, GateRecipe, GroupRecipe, Positive, Recipe, _Base
 from shardtrain.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
 from shardtrain.tasks import FAMILIES, Record, make_conversations, make_records, record_id
 from shardtrain.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, ByteTokenizer, default_assets, load_tokenizer
@@ -51,16 +51,6 @@ _MAX_RECORDS_BYTES = 256 << 20
 _VERSION = 1
 
 Hex64 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
-F64 = Annotated[str, Meta(pattern=r"^[0-9a-f]{16}$")]
-FileName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]
-Count = Annotated[int, Meta(ge=0, le=2**40)]
-Positive = Annotated[int, Meta(ge=1, le=2**40)]
-
-
-class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Values, strictly decoded: unknown fields are an error, every field is named."""
-
-
 class ModelSpec(_Base):
     """The Llama config, reals as F64 hex."""
 
