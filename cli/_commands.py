@@ -271,27 +271,25 @@ def cmd_cat(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _readable(kind: str, names: Any, read: Any, broken: list[str]) -> dict[str, Any]:
+    """name -> value for every name whose value reads; a line in ``broken`` for each that does not."""
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            value = read(name)
+        except ss.ShardstoreError as e:
+            broken.append(f"{kind} {name!r}: {type(e).__name__}: {e}")
+            continue
+        if value is not None:
+            out[name] = value
+    return out
+
+
 def cmd_refs(args: argparse.Namespace) -> int:
     store = _open(args.store)
-    refs: dict[str, str] = {}
-    pins: dict[str, list[str]] = {}
     broken: list[str] = []
-    for name in store.ref_names():
-        try:
-            cid = store.ref(name)
-        except ss.ShardstoreError as e:
-            broken.append(f"ref {name!r}: {type(e).__name__}: {e}")
-            continue
-        if cid is not None:
-            refs[name] = cid
-    for name in store.pin_names():
-        try:
-            ids = store.pinned(name)
-        except ss.ShardstoreError as e:
-            broken.append(f"pin {name!r}: {type(e).__name__}: {e}")
-            continue
-        if ids is not None:
-            pins[name] = list(ids)
+    refs: dict[str, str] = _readable("ref", store.ref_names(), store.ref, broken)
+    pins: dict[str, list[str]] = {n: list(ids) for n, ids in _readable("pin", store.pin_names(), store.pinned, broken).items()}
     doc: dict[str, Any] = {"refs": refs, "pins": pins}
     if broken:
         doc["broken"] = broken
