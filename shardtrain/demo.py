@@ -69,16 +69,22 @@ class DemoResult:
         return self.reference == self.recovered
 
 
+#: The demo's cohort sizes and commit interval (README, "What the demo learns").
+STEPS_A, STEPS_B, EVERY, BATCH_SIZE, MICROBATCH_SIZE = 32, 12, 8, 16, 8
+
+
 def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepEvent], None] | None = None,
-             steps_a: int = 32, steps_b: int = 12, every: int = 8, crash_step: int | None = None,
-             workers: int = 2, timeout: float = 60.0, batch_size: int = 16, microbatch_size: int = 8) -> DemoResult:
+             steps_a: int = STEPS_A, steps_b: int = STEPS_B, every: int = EVERY, crash_step: int | None = None,
+             workers: int = 2, timeout: float = 60.0, batch_size: int = BATCH_SIZE,
+             microbatch_size: int = MICROBATCH_SIZE) -> DemoResult:
     started = time.monotonic()
     timings: dict[str, float] = {}
     os.makedirs(home, exist_ok=True)
     store_url = os.path.join(home, "store")
     if os.path.exists(store_url):
         raise FileExistsError(f"{store_url} already exists; give the demo a fresh --home")
-    resume_step = (steps_a // 2) // every * every
+    # The group is lost in the last commit interval of cohort A, so the replay is one interval.
+    resume_step = (steps_a - 1) // every * every
     crash_step = resume_step + every // 2 if crash_step is None else crash_step
     if not resume_step < crash_step < steps_a:
         raise ValueError(f"the crash step {crash_step} must lie between the resume step {resume_step} and {steps_a}")
@@ -158,8 +164,12 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
         say(f"      {line}")
     dev_loss = [next(x.loss for x in e.losses if x.name == "dev_task") for e in report.commits]
     say(f"      development task loss (nats per assistant token): {' -> '.join(f'{v:.3f}' for v in dev_loss)} "
-        f"(seed, step {steps_a}, step {steps_a + steps_b}); {max(e.correct for e in report.commits)} of "
-        f"{len(report.commits[-1].cases)} answers right at best (README, \"What the demo learns\")")
+        f"(seed, step {steps_a}, step {steps_a + steps_b})")
+    counts = report.commits[1].family_counts()
+    best = max(sorted(counts), key=lambda f: counts[f][0])
+    say(f"      best family after cohort A: {best} {counts[best][0]}/{counts[best][1]} generated answers right "
+        f"(seed {report.commits[0].family_counts().get(best, (0, 0))[0]}/{counts[best][1]}; README, "
+        f"\"What the demo learns\")")
     thresholds = thresholds_of(job)
     gates = []
     for cand in (reference, final):
