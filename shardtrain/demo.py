@@ -70,7 +70,7 @@ class DemoResult:
 
 
 #: The demo's cohort sizes and commit interval (README, "What the demo learns").
-STEPS_A, STEPS_B, EVERY, BATCH_SIZE, MICROBATCH_SIZE = 32, 12, 8, 16, 8
+STEPS_A, STEPS_B, EVERY, BATCH_SIZE, MICROBATCH_SIZE = 600, 12, 50, 32, 8
 
 
 def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepEvent], None] | None = None,
@@ -230,7 +230,7 @@ def _adaptive(store: shardstore.Store, reference: str, final: str, workers: int,
 def family_table(commits: tuple[CommitEval, ...], labels: dict[str, str]) -> list[str]:
     """Generated answers right per task family, one row per commit."""
     families = sorted({c.family for e in commits for c in e.cases})
-    lines = ["correct answers  " + "  ".join(f"{f:>7}" for f in families) + "    total"]
+    lines = ["correct answers  " + "  ".join(f"{f:>7}" for f in families) + "      all"]
     for e in commits:
         counts = e.family_counts()
         cells = "  ".join(f"{counts.get(f, (0, 0))[0]:>3}/{counts.get(f, (0, 0))[1]:<3}" for f in families)
