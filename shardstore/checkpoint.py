@@ -47,7 +47,7 @@ from .manifest import (
 )
 from .dtensor import local_region
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
-from .grid import Whole, payload_blocks, put_payloads, read_jobs
+from .grid import payload_blocks, put_payloads, read_jobs
 from .module_state import check_held, named_state
 from .names import check_ref_name
 from .preflight import check_info, check_parent
@@ -163,7 +163,7 @@ def write_shard(
         if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
             flat += [po.exp_avg, po.exp_avg_sq]
         if po is not None and po.torch_state is not None:
-            flat += [Whole(t) for _, t in sorted(po.torch_state.tensors.items())]  # one object each (StateTensor.object)
+            flat += [t for _, t in sorted(po.torch_state.tensors.items())]  # payloads like parameters' (format 3, SPEC.md §5a)
     ids = iter(put_payloads(store, flat, threads=threads))  # canonical blocks, hashed once, written once, batched fsync
     entries = []
     for n in names:

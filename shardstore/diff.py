@@ -233,8 +233,8 @@ def _tensor_stats(store: Store, x: TensorEntry, y: TensorEntry) -> dict[str, Ten
         out[role] = _pair_stats(tx, ty)
         del tx, ty
     for key, (a, b) in state_pairs(x.state, y.state).items():  # the torch form's state tensors
-        tx = store.get_tensor(a.object, a.dtype, a.shape, what=f"optimizer state {a.key!r} of tensor {x.name!r}")
-        ty = store.get_tensor(b.object, b.dtype, b.shape, what=f"optimizer state {b.key!r} of tensor {y.name!r}")
+        tx = read_whole(store, a.object, a.dtype, a.shape, what=f"optimizer state {a.key!r} of tensor {x.name!r}")  # blocks too (format 3)
+        ty = read_whole(store, b.object, b.dtype, b.shape, what=f"optimizer state {b.key!r} of tensor {y.name!r}")
         out[f"state {key}"] = _pair_stats(tx, ty)
         del tx, ty
     return out

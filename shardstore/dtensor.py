@@ -186,6 +186,10 @@ def _items_of(state: Any) -> list[tuple[str, str, torch.Tensor]]:
             m = getattr(po, role)
             if m is not None and is_dtensor(m):
                 items.append((n, role, m))
+        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9a), by key
+        for k, m in sorted(ts.tensors.items()) if ts is not None else ():
+            if is_dtensor(m):
+                items.append((n, f"state:{k}", m))
     return sorted(items, key=lambda x: (x[0], x[1]))
 
 
@@ -375,8 +379,16 @@ def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: se
             continue
         m1 = payload.get((n, "exp_avg"), po.exp_avg) if po.exp_avg is not None and is_dtensor(po.exp_avg) else po.exp_avg
         m2 = payload.get((n, "exp_avg_sq"), po.exp_avg_sq) if po.exp_avg_sq is not None and is_dtensor(po.exp_avg_sq) else po.exp_avg_sq
-        params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2)
+        ts = po.torch_state
+        if ts is not None and any(is_dtensor(m) for m in ts.tensors.values()):
+            ts = replace(ts, tensors={k: payload.get((n, f"state:{k}"), m) if is_dtensor(m) else m for k, m in ts.tensors.items()})
+        params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2, torch_state=ts)
     used = {p.group for p in params.values()}
-    optim = replace(state.optim, groups={k: h for k, h in state.optim.groups.items() if k in used}, params=params)
+    optim = replace(
+        state.optim,
+        groups={k: h for k, h in state.optim.groups.items() if k in used},
+        torch_groups={k: h for k, h in state.optim.torch_groups.items() if k in used},
+        params=params,
+    )
     births = None if state.births is None else {n: b for n, b in state.births.items() if n in tensors}
     return replace(state, tensors=tensors, optim=optim, births=births)

@@ -32,6 +32,7 @@ __all__ = [
     "DTYPE_NAMES",
     "TRANSITIONS",
     "CHUNKED_VERSION",
+    "STATE_CHUNKED_VERSION",
     "SUPPORTED_VERSIONS",
     "MAX_BLOCKS",
     "Oid",
@@ -40,6 +41,7 @@ __all__ = [
     "Payload",
     "is_chunked",
     "tensor_payloads",
+    "state_payloads",
     "shard_version",
     "Base",
     "StoreConfig",
@@ -75,7 +77,11 @@ __all__ = [
 #: is chunked (SPEC.md §Chunked payloads), so single-block state encodes exactly as before.
 FORMAT_VERSION = 1
 CHUNKED_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+#: Shard manifests, commits and learned-state documents where a torch-form optimizer state
+#: tensor is chunked (SPEC.md §Chunked payloads, state tensors): in versions 1 and 2 a state
+#: tensor is one object whatever its size, so chunking them changed ids and needed a version.
+STATE_CHUNKED_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 #: Most blocks one chunked payload may list (4 TiB of 4 MiB blocks); checked by the decoder.
 MAX_BLOCKS = 1 << 20
 #: Largest manifest (shard, commit, config) a reader will parse; checked before decoding.
@@ -172,12 +178,15 @@ class OptimEntry(Base):
 
 
 class StateTensor(Base):
-    """One tensor of a parameter's optimizer state (or of an extra): key, dtype, shape, payload object id."""
+    """One tensor of a parameter's optimizer state (or of an extra): key, dtype, shape, payload.
+
+    ``object`` is one object id, or (format 3, torch-form state only) the blocks of the
+    tensor's canonical grid; an extra's tensor is always one object (SPEC.md §Chunked payloads)."""
 
     key: StateKey
     dtype: DType
     shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
-    object: Oid
+    object: Payload
 
 
 class StateScalar(Base, omit_defaults=True):
@@ -342,8 +351,16 @@ def tensor_payloads(e: TensorEntry) -> list[tuple[str, Payload, str]]:
     return out
 
 
+def state_payloads(e: TensorEntry) -> list[tuple[str, Payload, str, tuple[int, ...]]]:
+    """(state key, payload, dtype, shape) of every torch-form state tensor of an entry, in key order."""
+    return [] if e.state is None else [(t.key, t.object, t.dtype, tuple(t.shape)) for t in e.state.tensors]
+
+
 def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]") -> int:
-    """The lowest format version that can express these entries: 2 iff a payload is chunked."""
+    """The lowest format version that can express these entries: 3 iff a torch-form state
+    tensor is chunked, else 2 iff a payload is chunked, else 1."""
+    if any(is_chunked(p) for e in entries for _, p, _, _ in state_payloads(e)):
+        return STATE_CHUNKED_VERSION
     return CHUNKED_VERSION if any(is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e)) else FORMAT_VERSION
 
 
@@ -402,7 +419,7 @@ def decode(data: bytes | memoryview, what: str = "manifest") -> Manifest:
     if isinstance(obj, ShardManifest) and obj.version != shard_version(obj.entries):
         raise ManifestError(
             f"{what}: shard manifest of version {obj.version} must be version {shard_version(obj.entries)}: "
-            "version 2 exactly when a tensor payload is chunked (SPEC.md §Versioning)"
+            "version 3 exactly when a torch-form state tensor is chunked, else 2 exactly when a tensor payload is (SPEC.md §Versioning)"
         )
     return obj
 

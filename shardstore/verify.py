@@ -29,7 +29,7 @@ from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, TensorE
 from .rng import MAX_RNG_BYTES, check_rng
 from .roots import learned_root
 from .store import Store
-from .torch_optim import commit_rules, shard_rules, state_objects
+from .torch_optim import commit_rules, shard_rules, state_objects, state_problems
 
 __all__ = ["Problem", "Report", "LoadedCommit", "shard_problems", "commit_problems", "load_commit", "verify"]
 
@@ -133,6 +133,8 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
         for role, payload, dtype in tensor_payloads(e):
             for msg in grid_problems(payload, dtype, e.shape):
                 yield p(GridError, f"{role} payload: {msg} (SPEC.md §Chunked payloads)", e.name)
+        for msg in state_problems(e, shard.version):
+            yield p(GridError, f"{msg} (SPEC.md §Chunked payloads)", e.name)
     if set(gnames) - used:
         yield p(ManifestError, f"groups {sorted(set(gnames) - used)} are not used by any tensor entry")
     for err, msg, tensor in shard_rules(shard):  # buffers and the torch form (SPEC.md §Buffers, §Optimizer state)

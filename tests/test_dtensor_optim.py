@@ -1,0 +1,224 @@
+"""Any torch optimizer's DTensor state over real Gloo groups: SGD with momentum and Adagrad
+under FSDP2, saved without gathering and restored into any split (SPEC.md §9a, §5a, §15b).
+
+One group of 3 processes serves every check:
+
+- ranks 0 and 1 (a group of their own): FSDP2 trains 2 steps with SGD(momentum) and with
+  Adagrad, saves each (``sgd2``, ``ada2``; SGD again through ``AsyncSaver``), and checks the
+  commit against a plain model restored from it;
+- rank 2: restores each commit into a plain model and saves it whole (``sgd1``, ``ada1``);
+- all 3 ranks: FSDP2 (10 rows over 3: 4, 4, 2) restores the 2-rank and the 1-process
+  commits, compares them with the plain model, saves again (``sgd3``), and takes one more
+  optimizer step on the restored DTensor state.
+
+``fc1.weight`` is 10 x 131072 float32 (5 MiB), so its momentum buffer and Adagrad's ``sum``
+are chunked (two blocks of 8 and 2 rows) and every split cuts a block.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pytest
+
+import shardstore as ss
+from conftest import START_METHOD
+
+WIDE = 131072
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc1 = torch.nn.Linear(WIDE, 10)
+        self.fc2 = torch.nn.Linear(10, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "ada": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
+}
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, WIDE, generator=g)
+        y = torch.randint(0, 4, (4,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _fsdp(mesh) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    m = Net()
+    fully_shard(m.fc1, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _equal_to_plain(model, opt, plain, popt) -> bool:
+    """Every parameter and every state value (tensors gathered) bitwise equal to a plain model's;
+    the state tensors of the sharded model are DTensors split like their parameter."""
+    ok = True
+    for p, q in zip(model.parameters(), plain.parameters()):
+        ok &= torch.equal(_full(p), q)
+        a, b = opt.state[p], popt.state[q]
+        ok &= sorted(a) == sorted(b) and len(a) > 0
+        for k in a:
+            if a[k].dim() > 0:
+                ok &= type(a[k]) is type(p) and torch.equal(_full(a[k]), b[k])
+            else:
+                ok &= torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype
+    return bool(ok)
+
+
+def _info(step: int) -> ss.CommitInfo:
+    return ss.CommitInfo(step=step, job="dtensor-optim")
+
+
+def _two(store: ss.Store, mesh, group, async_group) -> dict:
+    out: dict = {}
+    for key, make in OPTIMIZERS.items():
+        m = _fsdp(mesh)
+        opt = make(m.parameters())
+        _train(m, opt, 2, seed=1)
+        cid = ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref=key, group=group)
+        plain = Net()
+        popt = make(plain.parameters())
+        ss.restore(store, cid, plain, popt)
+        out[f"{key}_saved_equals_plain"] = _equal_to_plain(m, opt, plain, popt)
+        if key == "sgd":
+            saver = ss.AsyncSaver(store)
+            saver.save_distributed(m, opt, info=_info(2), group=async_group, rng=False, ref=None, parent=None)
+            _train(m, opt, 1, seed=5)  # training goes on while the background save runs
+            out["async"] = saver.close()
+        out[key] = cid
+    return out
+
+
+def _three(rank: int, store: ss.Store, mesh) -> dict:
+    out: dict = {}
+    for key, make in OPTIMIZERS.items():
+        plain = Net()
+        popt = make(plain.parameters())
+        ss.restore(store, key, plain, popt)
+        for src in (key, f"{key}1"):  # the 2-rank commit, then the one a single process wrote
+            m3 = _fsdp(mesh)
+            opt3 = make(m3.parameters())
+            ss.restore(store, src, m3, opt3)
+            out[f"{src}_into_fsdp3_equals_plain"] = _equal_to_plain(m3, opt3, plain, popt)
+        out[f"{key}3"] = ss.save_distributed(store, m3, opt3, info=_info(2), rng=False, ref=None, parent=None)
+        out[f"{key}_local_rows"] = opt3.state[m3.fc1.weight][next(k for k in opt3.state[m3.fc1.weight] if k != "step")].to_local().shape[0]
+        _train(m3, opt3, 1, seed=9)  # the restored DTensor state steps like the plain model's
+        _train(plain, popt, 1, seed=9)
+        out[f"{key}_step_after_restore_close"] = all(
+            torch.allclose(_full(p), q, rtol=1e-5, atol=1e-7) for p, q in zip(m3.parameters(), plain.parameters())
+        )
+    return out
+
+
+def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        store = ss.open_store(root)
+        pair = dist.new_group([0, 1])
+        async_pair = dist.new_group([0, 1])
+        result: dict = {}
+        if rank < 2:
+            result["two"] = _two(store, DeviceMesh.from_group(pair, "cpu"), pair, async_pair)
+        dist.barrier()
+        if rank == 2:  # the same states saved whole by one process
+            for key, make in OPTIMIZERS.items():
+                plain = Net()
+                popt = make(plain.parameters())
+                ss.restore(store, key, plain, popt)
+                result[f"{key}1"] = ss.save(store, plain, popt, step=2, job="dtensor-optim", rng=False, ref=f"{key}1", parent=None)
+        dist.barrier()
+        result["three"] = _three(rank, store, init_device_mesh("cpu", (world,)))
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dtensor-optim")
+    root, out = str(tmp / "store"), str(tmp / "result")
+    store = ss.open_store(root)
+    mp.start_processes(_worker, args=(3, _free_port(), root, out), nprocs=3, join=True, start_method=START_METHOD)
+    results = [json.load(open(f"{out}.{r}")) for r in range(3)]
+    return store, [r["two"] for r in results[:2]], [r["three"] for r in results], results[2]
+
+
+def _objects(store: ss.Store, cid: str) -> set[str]:
+    from shardstore.grid import payload_blocks
+    from shardstore.manifest import tensor_payloads
+    from shardstore.torch_optim import state_objects
+
+    lc = ss.load_commit(store, cid)
+    es = lc.entries().values()
+    return {o for e in es for _, p, d in tensor_payloads(e) for o, _, _ in payload_blocks(p, d, e.shape)} | {
+        o for e in es for o, _, _ in state_objects(e)}
+
+
+def test_fsdp2_sgd_and_adagrad_state_saved_and_restored_bitwise_in_every_direction(runs):
+    store, two, three, single = runs
+    assert two[0]["sgd"] == two[1]["sgd"] and two[0]["async"] == two[0]["sgd"]  # AsyncSaver: the same commit
+    assert all(r[f"{k}_saved_equals_plain"] for r in two for k in OPTIMIZERS)  # FSDP2 x2 -> 1 process
+    for r in three:
+        for key in OPTIMIZERS:
+            assert r[f"{key}_into_fsdp3_equals_plain"], key  # FSDP2 x2 -> FSDP2 x3
+            assert r[f"{key}1_into_fsdp3_equals_plain"], key  # 1 process -> FSDP2 x3
+            assert r[f"{key}_step_after_restore_close"], key
+    assert [r["sgd_local_rows"] for r in three] == [4, 4, 2]
+    for key, state_key in (("sgd", "momentum_buffer"), ("ada", "sum")):
+        lc = ss.load_commit(store, two[0][key])
+        st = {t.key: t for t in lc.entries()["fc1.weight"].state.tensors}
+        assert lc.commit.version == 3 and len(st[state_key].object) == 2  # 5 MiB: chunked, two blocks
+        if key == "ada":
+            assert [s.key for s in lc.entries()["fc1.weight"].state.scalars] == ["step"]  # a 0-d tensor, as it was
+    assert ss.verify(store).ok
+
+
+def test_one_learned_state_root_and_one_set_of_objects_whoever_saved_it(runs):
+    store, two, three, single = runs
+    for key in OPTIMIZERS:
+        commits = {"FSDP2 x2": two[0][key], "1 process": single[f"{key}1"], "FSDP2 x3": three[0][f"{key}3"]}
+        assert len({three[r][f"{key}3"] for r in range(3)}) == 1
+        roots = {k: store.commit(c).learned_root for k, c in commits.items()}
+        assert len(set(roots.values())) == 1, roots
+        objects = {k: _objects(store, c) for k, c in commits.items()}
+        assert all(o == objects["1 process"] for o in objects.values())
+        assert len(objects["1 process"]) == 2 * (2 + 3)  # fc1.weight 2 blocks + 3 small, for the param and its one state tensor
