@@ -1,0 +1,174 @@
+"""Chunked torch-form optimizer state (format 3) and large extras/buffers (SPEC.md §5a, §9a-§9c).
+
+Pure tests, no processes: the format-3 vector recomputed from SPEC.md with ``json``,
+``array`` and ``blake3`` only; a version-2 store whose large state tensor is one object
+stays readable; forged payloads are refused naming tensor and state key; a large extra's
+tensor is stored whole and a large buffer chunked, each restored bitwise.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from array import array
+
+import blake3
+import msgspec
+import pytest
+import torch
+
+import shardstore as ss
+from shardstore.manifest import HyperGroup, ParamState, ShardManifest, StateTensor, TensorEntry, encode
+from shardstore.optim import OptimState, ParamOpt
+from shardstore.torch_optim import TorchParam
+
+MiB = 1 << 20
+ROWS, COLS = 3, 524288  # float32 rows of 2 MiB: blocks of rows 0-1 and row 2
+HYPER = {"dampening": 0, "foreach": None, "lr": "f64:3fb999999999999a", "maximize": False, "momentum": "f64:3feccccccccccccd",
+         "nesterov": True, "weight_decay": 0}  # fmt: skip
+
+
+def _state() -> tuple[ss.SlotState, ss.CommitInfo]:
+    """``w`` (float32 [3, 524288], element i = i) with SGD state ``momentum_buffer`` = w / 8 (exact)."""
+    w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    optim = OptimState("torch", {}, {"w": ParamOpt("g0", 0, None, None, TorchParam("g0", {"momentum_buffer": w / 8}, {}))},
+                       "torch.optim.sgd.SGD", {"g0": HyperGroup(name="g0", hyper=HYPER)})  # fmt: skip
+    return ss.SlotState({"w": w}, optim), ss.CommitInfo(step=0, job="vector-job", transition="init")
+
+
+def _blocks(values: array) -> list[dict]:
+    raw, row = values.tobytes(), COLS * 4
+    per = (4 * MiB) // row
+    return [{"object": blake3.blake3(raw[s * row:min(s + per, ROWS) * row]).hexdigest(), "shape": [min(per, ROWS - s), COLS], "start": [s, 0]}
+            for s in range(0, ROWS, per)]  # fmt: skip
+
+
+def _independent() -> tuple[str, str]:
+    """Shard manifest id and learned-state root of ``_state`` from SPEC.md's rules, without shardstore."""
+    w = _blocks(array("f", range(ROWS * COLS)))
+    m = _blocks(array("f", (i / 8 for i in range(ROWS * COLS))))
+    entry = {"dtype": "float32", "name": "w", "optim": None, "param": w, "shape": [ROWS, COLS],
+             "state": {"group": "g0", "scalars": [], "tensors": [{"dtype": "float32", "key": "momentum_buffer", "object": m, "shape": [ROWS, COLS]}]}}  # fmt: skip
+    torch_optimizer = {"class_name": "torch.optim.sgd.SGD", "groups": [{"hyper": HYPER, "name": "g0"}]}
+    enc = lambda d: json.dumps(d, sort_keys=True, separators=(",", ":")).encode()  # noqa: E731
+    shard = {"algorithm": "torch", "config": None, "entries": [entry], "groups": [], "job": "vector-job", "parent": None,
+             "rng": [], "slot": 0, "slots": 1, "step": 0, "torch_optimizer": torch_optimizer, "type": "shard", "version": 3}  # fmt: skip
+    learned = {"config": None, "data_cursor": None, "step": 0, "tensors": [entry], "type": "learned", "version": 3,
+               "optimizer": {"algorithm": "torch", "groups": [], "torch_optimizer": torch_optimizer}}  # fmt: skip
+    return blake3.blake3(enc(shard)).hexdigest(), blake3.blake3(enc(learned)).hexdigest()
+
+
+STATE_VECTORS = (
+    "7d56a1b28f0dfa6ae9fe06b748af6a0b655a813337a3498696a15a96fa15724d",  # shard manifest (version 3)
+    "14696d4b117ba7a50dbc4a0186cffd5580416c27e4b8db6d79fb70f4f1fdf1f1",  # learned-state root (version 3)
+    "346cef81caea1db8fc543da808d361ba925a91536f2ea5674555a8c9a7f3b08a",  # full root
+)
+
+
+def _saved(store: ss.Store) -> str:
+    state, info = _state()
+    return ss.save_slots(store, [state], info=info, ref=None, parent=None)
+
+
+def test_chunked_state_vector_matches_an_independent_encoder():
+    store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
+    cid = _saved(store)
+    lc = ss.load_commit(store, cid)
+    (st,) = lc.entries()["w"].state.tensors
+    assert [(b.start, b.shape) for b in st.object] == [((0, 0), (2, COLS)), ((2, 0), (1, COLS))]
+    shard_id, root = _independent()
+    assert lc.commit.version == 3 and lc.shards[0].version == 3
+    assert (lc.shard_ids[0], lc.commit.learned_root) == (shard_id, root)
+    assert (shard_id, root, cid) == STATE_VECTORS
+    assert ss.verify(store).ok
+
+
+def _legacy_v2(store: ss.Store) -> tuple[str, torch.Tensor]:
+    """A commit as format 2 wrote it: the parameter chunked, its large state tensor one object."""
+    state, info = _state()
+    m = state.optim.params["w"].torch_state.tensors["momentum_buffer"]
+    cid = _saved(store)
+    lc = ss.load_commit(store, cid)
+    (e,) = lc.shards[0].entries
+    (oid,) = store.put_tensors([m])
+    st = msgspec.structs.replace(e.state.tensors[0], object=oid)
+    old = msgspec.structs.replace(lc.shards[0], version=2, entries=(msgspec.structs.replace(e, state=msgspec.structs.replace(e.state, tensors=(st,))),))
+    store.sync()
+    sid = store.put_manifest(old)
+    return ss.write_commit(store, [sid], info=info, parent=None), m
+
+
+def test_a_version_2_store_with_a_large_state_tensor_in_one_object_stays_readable():
+    store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
+    cid, momentum = _legacy_v2(store)
+    lc = ss.load_commit(store, cid)
+    assert lc.commit.version == 2 and isinstance(lc.entries()["w"].state.tensors[0].object, str)
+    assert ss.verify(store, [cid]).ok
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(ROWS, COLS))
+    opt = torch.optim.SGD([model.w], lr=0.1, momentum=0.9, nesterov=True)
+    ss.restore(store, cid, model, opt)
+    assert torch.equal(opt.state[model.w]["momentum_buffer"], momentum)
+
+
+def _forge(store: ss.Store, cid: str, version: int, payload) -> str:
+    lc = ss.load_commit(store, cid)
+    (e,) = lc.shards[0].entries
+    st = msgspec.structs.replace(e.state.tensors[0], object=payload)
+    bad = msgspec.structs.replace(lc.shards[0], version=version, entries=(msgspec.structs.replace(e, state=msgspec.structs.replace(e.state, tensors=(st,))),))
+    sid = store.put_manifest(bad)
+    c = store.commit(cid)
+    return store.put_manifest(msgspec.structs.replace(c, version=version, layout=(msgspec.structs.replace(c.layout[0], shard=sid),)))
+
+
+def test_forged_state_payloads_are_refused_naming_tensor_and_state_key():
+    store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
+    cid = _saved(store)
+    blocks = ss.load_commit(store, cid).entries()["w"].state.tensors[0].object
+    # a large state tensor as one object is format 2's spelling, never format 3's
+    with pytest.raises(ss.ManifestError, match="version 3 must be version 2"):
+        ss.load_commit(store, _forge(store, cid, 3, blocks[0].object))
+    overlapping = (blocks[0], msgspec.structs.replace(blocks[1], start=(1, 0)))
+    with pytest.raises(ss.GridError, match=r"'w'.*optimizer state 'momentum_buffer' payload: blocks 0 and 1 .*overlap"):
+        ss.load_commit(store, _forge(store, cid, 3, overlapping))
+    with pytest.raises(ss.ManifestError, match="must be version 3"):
+        ss.manifest.decode(encode(msgspec.structs.replace(store.shard(ss.load_commit(store, cid).shard_ids[0]), version=2)))
+    missing = blocks[1].object
+    store.storage.delete(f"objects/{missing[:2]}/{missing}")
+    report = ss.verify(store, [cid])
+    assert [(p.kind, p.tensor, p.object) for p in report.problems] == [("ObjectNotFound", "w", missing)]
+    assert "optimizer state 'momentum_buffer' block 1" in str(report.problems[0])
+
+
+class Holder:
+    """An extra whose state is one tensor bigger than a block."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t = sd["t"]
+
+
+def test_a_large_extra_tensor_is_one_object_and_a_large_buffer_is_chunked():
+    store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
+    model = torch.nn.Linear(4, 2)
+    model.register_buffer("table", torch.arange(3 * COLS, dtype=torch.float32).reshape(3, COLS))  # 6 MiB
+    big = torch.arange(2 * COLS * 3, dtype=torch.float32)  # 12 MiB
+    cid = ss.save(store, model, step=0, rng=False, extra={"holder": Holder(big)})
+    lc = ss.load_commit(store, cid)
+    assert lc.entries()["table"].kind == "buffer" and len(lc.entries()["table"].param) == 2
+    (x,) = lc.commit.extras
+    assert isinstance(x.tensors[0].object, str) and lc.commit.version == 2  # extras' tensors are one object; no format 3
+    back, holder = torch.nn.Linear(4, 2), Holder(torch.empty(0))
+    back.register_buffer("table", torch.zeros(3, COLS))
+    ss.restore(store, cid, back, extra={"holder": holder})
+    assert torch.equal(back.table, model.table) and torch.equal(holder.t, big)
+    # an extra's tensor listed as blocks is refused: that form is the torch form's state only
+    c = store.commit(cid)
+    forged = (msgspec.structs.replace(x.tensors[0], object=lc.entries()["table"].param),)
+    bad = store.put_manifest(msgspec.structs.replace(c, extras=(msgspec.structs.replace(x, tensors=forged),)))
+    with pytest.raises(ss.ManifestError, match="extra 'holder': tensor 0 has a chunked payload"):
+        ss.load_commit(store, bad)
