@@ -39,6 +39,8 @@ class Net(torch.nn.Module):
         g = torch.Generator().manual_seed(0)
         self.fc1 = torch.nn.Linear(WIDE, 10)
         self.fc2 = torch.nn.Linear(10, 4)
+        # a persistent buffer larger than one block: FSDP2 leaves it whole on every rank
+        self.register_buffer("table", torch.arange(10 * WIDE, dtype=torch.float32).reshape(10, WIDE))
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
@@ -113,7 +115,19 @@ def _two(store: ss.Store, mesh, group, async_group) -> dict:
             _train(m, opt, 1, seed=5)  # training goes on while the background save runs
             out["async"] = saver.close()
         out[key] = cid
+    try:  # a DTensor inside an extra's state: this rank's slice is not the extra's tensor
+        ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref=None, group=group, extra={"h": Holder(m.fc1.weight)})
+    except ss.CommitProtocolError as e:
+        out["dtensor_extra"] = str(e)
     return out
+
+
+class Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict:
+        return {"t": self.t}
 
 
 def _three(rank: int, store: ss.Store, mesh) -> dict:
@@ -221,4 +235,12 @@ def test_one_learned_state_root_and_one_set_of_objects_whoever_saved_it(runs):
         assert len(set(roots.values())) == 1, roots
         objects = {k: _objects(store, c) for k, c in commits.items()}
         assert all(o == objects["1 process"] for o in objects.values())
-        assert len(objects["1 process"]) == 2 * (2 + 3)  # fc1.weight 2 blocks + 3 small, for the param and its one state tensor
+        # fc1.weight 2 blocks + 3 small, for the param and its one state tensor; the 5 MiB buffer's 2 blocks
+        assert len(objects["1 process"]) == 2 * (2 + 3) + 2
+        assert ss.load_commit(store, commits["FSDP2 x2"]).entries()["table"].kind == "buffer"
+
+
+def test_a_dtensor_inside_an_extra_is_refused_naming_it(runs):
+    _, two, _, _ = runs
+    for r in two:
+        assert "extra 'h' at $.t" in r["dtensor_extra"] and "DTensor" in r["dtensor_extra"]
