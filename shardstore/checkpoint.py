@@ -37,6 +37,7 @@ from .manifest import (
     Payload,
     RngEntry,
     ShardManifest,
+    Slice,
     SlotLayout,
     TensorEntry,
     decode_config,
@@ -88,6 +89,7 @@ class SlotState:
     births: dict[str, int] | None = None
     buffers: set[str] = field(default_factory=set)  # which tensors are persistent buffers
     extra: dict[str, CapturedExtra] = field(default_factory=dict)  # this slot's own extras
+    slices: tuple[Slice, ...] = ()  # the boxes of sharded tensors this slot held (SPEC.md §Slices; set by the block exchange)
 
 
 @dataclass
@@ -202,7 +204,7 @@ def write_shard(
     groups = tuple(group_spec(g, h) for g, h in sorted(state.optim.groups.items()))
     torch_opt = torch_spec(state.optim)
     shard = ShardManifest(
-        version=shard_version(entries),
+        version=shard_version(entries, state.slices),
         job=info.job,
         step=info.step,
         parent=parent,
@@ -215,6 +217,7 @@ def write_shard(
         rng=rng,
         torch_optimizer=torch_opt,
         extras=extras,
+        slices=state.slices,
     )
     sid = store.put_manifest(shard)
     store.sync()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .errors import StateMismatch, TensorMismatch
 from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
+from .slices import make_slices
 from .tensors import dtype_name, expected_nbytes, new_hasher, tensor_bytes, torch_dtype
 
 __all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
@@ -243,16 +244,22 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
         regions = slice_regions(n, dtype, shape, held)
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
             plans.append(((n, role), bi, box, owner, sends, dtype))
-    drop = _replicated_plain(state, {n: rs for n, rs in plain.items() if len(rs) > 1}, rank, group)
+    replicated = {n: rs for n, rs in plain.items() if len(rs) > 1}
+    drop = _replicated_plain(state, replicated, rank, group)
+    # what this slot held of tensors another slot may record (SPEC.md §Slices): its DTensor
+    # parameters' local boxes, and the whole box of each plain tensor several ranks hold
+    boxes = [(n, (origin, tuple(lt.shape))) for (n, role), (lt, origin) in locals_.items() if role == "param"]
+    boxes += [(n, ((0,) * state.tensors[n].dim(), tuple(state.tensors[n].shape))) for n, rs in replicated.items() if rank in rs]
+    slices = make_slices(boxes)
     if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
-        return _restate(state, {}, set(), drop) if drop else state
+        return replace(_restate(state, {}, set(), drop), slices=slices) if drop else replace(state, slices=slices)
     ids = _exchange(store, plans, locals_, rank, g, group, threads)
     blocks: dict[tuple[str, str], list[str]] = {}
     for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
         blocks.setdefault(key, []).append(oid)
     payload = {key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()}
     mine = {n for (n, role), (_, _, held) in union.items() if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank}
-    return _restate(state, payload, mine, drop)
+    return replace(_restate(state, payload, mine, drop), slices=slices)
 
 
 def _fingerprint(state: Any, name: str) -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import GridError
+from .errors import GridError, ObjectNotFound
 from .manifest import MAX_BLOCKS, Block, Payload, is_chunked
 from .tensors import DTYPES, expected_nbytes
 
@@ -272,10 +272,13 @@ def read_jobs(
 def _job(store: object, oid: str, box: Box, common: Box, n: int, dtype: str, local: torch.Tensor, origin: tuple[int, ...], what: str) -> Callable[[], int]:
     def run() -> int:
         dest = local[box_slices(common, origin)]
-        if common == box and dest.is_contiguous():
-            store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
-            return n
-        buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
+        try:
+            if common == box and dest.is_contiguous():
+                store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
+                return n
+            buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
+        except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
+            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({e}) (SPEC.md §Slices)") from None
         with torch.no_grad():
             dest.copy_(buf[box_slices(common, box[0])])
         return n

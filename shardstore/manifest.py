@@ -56,6 +56,7 @@ __all__ = [
     "TorchOptimizer",
     "ExtraEntry",
     "RngEntry",
+    "Slice",
     "ShardManifest",
     "SlotLayout",
     "OptimizerSpec",
@@ -80,6 +81,7 @@ CHUNKED_VERSION = 2
 #: Shard manifests, commits and learned-state documents where a torch-form optimizer state
 #: tensor is chunked (SPEC.md §Chunked payloads, state tensors): in versions 1 and 2 a state
 #: tensor is one object whatever its size, so chunking them changed ids and needed a version.
+#: Shard manifests recording slices (SPEC.md §Slices) too: recording them changed DTensor saves' ids.
 STATE_CHUNKED_VERSION = 3
 SUPPORTED_VERSIONS = (1, 2, 3)
 #: Most blocks one chunked payload may list (4 TiB of 4 MiB blocks); checked by the decoder.
@@ -243,6 +245,14 @@ class ExtraEntry(Base):
     tensors: Annotated[tuple[StateTensor, ...], Meta(max_length=MAX_ENTRIES)]
 
 
+class Slice(Base):
+    """The box of a sharded tensor one slot held when it saved (SPEC.md §Slices): layout, not learned state."""
+
+    name: TensorName
+    start: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
+    shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
+
+
 class RngEntry(Base):
     """One RNG state object of a slot (Python, NumPy, torch CPU, or a CUDA device)."""
 
@@ -253,7 +263,7 @@ class RngEntry(Base):
 class ShardManifest(Base, tag="shard", tag_field="type", omit_defaults=True):
     """One slot's tensors, optimizer groups and RNG, bound to its job, step, parent and layout size.
 
-    ``torch_optimizer`` and ``extras`` are omitted from the encoding when unused.
+    ``torch_optimizer``, ``extras`` and ``slices`` (format 3) are omitted from the encoding when unused.
     """
 
     version: int
@@ -269,6 +279,7 @@ class ShardManifest(Base, tag="shard", tag_field="type", omit_defaults=True):
     rng: Annotated[tuple[RngEntry, ...], Meta(max_length=64)]
     torch_optimizer: TorchOptimizer | None = None
     extras: Annotated[tuple[ExtraEntry, ...], Meta(max_length=4096)] = ()
+    slices: Annotated[tuple[Slice, ...], Meta(max_length=MAX_ENTRIES)] = ()
 
 
 class SlotLayout(Base):
@@ -356,10 +367,11 @@ def state_payloads(e: TensorEntry) -> list[tuple[str, Payload, str, tuple[int, .
     return [] if e.state is None else [(t.key, t.object, t.dtype, tuple(t.shape)) for t in e.state.tensors]
 
 
-def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]") -> int:
-    """The lowest format version that can express these entries: 3 iff a torch-form state
-    tensor is chunked, else 2 iff a payload is chunked, else 1."""
-    if any(is_chunked(p) for e in entries for _, p, _, _ in state_payloads(e)):
+def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices: "tuple[Slice, ...]" = ()) -> int:
+    """The lowest format version that can express these entries (and a shard manifest's
+    slices): 3 iff a torch-form state tensor is chunked or slices are recorded, else 2 iff a
+    payload is chunked, else 1. The learned-state document passes entries only."""
+    if slices or any(is_chunked(p) for e in entries for _, p, _, _ in state_payloads(e)):
         return STATE_CHUNKED_VERSION
     return CHUNKED_VERSION if any(is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e)) else FORMAT_VERSION
 
@@ -416,10 +428,11 @@ def decode(data: bytes | memoryview, what: str = "manifest") -> Manifest:
         raise ManifestError(f"{what}: malformed {header.type} manifest: {e}") from None
     if encode(obj) != raw:
         raise ManifestError(f"{what}: {header.type} manifest is not in canonical encoding (SPEC.md §Canonical encoding)")
-    if isinstance(obj, ShardManifest) and obj.version != shard_version(obj.entries):
+    if isinstance(obj, ShardManifest) and obj.version != shard_version(obj.entries, obj.slices):
         raise ManifestError(
-            f"{what}: shard manifest of version {obj.version} must be version {shard_version(obj.entries)}: "
-            "version 3 exactly when a torch-form state tensor is chunked, else 2 exactly when a tensor payload is (SPEC.md §Versioning)"
+            f"{what}: shard manifest of version {obj.version} must be version {shard_version(obj.entries, obj.slices)}: "
+            "version 3 exactly when a torch-form state tensor is chunked or slices are recorded, else 2 exactly when a "
+            "tensor payload is chunked (SPEC.md §Versioning)"
         )
     return obj
 

@@ -7,12 +7,13 @@ One group of 3 processes serves every check:
   Adagrad, saves each (``sgd2``, ``ada2``; SGD again through ``AsyncSaver``), and checks the
   commit against a plain model restored from it;
 - rank 2: restores each commit into a plain model and saves it whole (``sgd1``, ``ada1``);
-- all 3 ranks: FSDP2 (10 rows over 3: 4, 4, 2) restores the 2-rank and the 1-process
+- all 3 ranks: FSDP2 (20 rows over 3: 7, 7, 6) restores the 2-rank and the 1-process
   commits, compares them with the plain model, saves again (``sgd3``), and takes one more
   optimizer step on the restored DTensor state.
 
-``fc1.weight`` is 10 x 131072 float32 (5 MiB), so its momentum buffer and Adagrad's ``sum``
-are chunked (two blocks of 8 and 2 rows) and every split cuts a block.
+``fc1.weight`` is 20 x 131072 float32 (10 MiB), so its momentum buffer and Adagrad's ``sum``
+are chunked (blocks of 8, 8 and 4 rows) and every split cuts a block. The SGD commit is also
+copied with ``copy_commit(slot=1)`` (``copy --shard 1``) and restored from that partial copy.
 """
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ import shardstore as ss
 from conftest import START_METHOD
 
 WIDE = 131072
+ROWS = 20  # fc1.weight: 20 x 512 KiB rows, blocks of rows 0-7, 8-15, 16-19
 
 
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.fc1 = torch.nn.Linear(WIDE, 10)
-        self.fc2 = torch.nn.Linear(10, 4)
+        self.fc1 = torch.nn.Linear(WIDE, ROWS)
+        self.fc2 = torch.nn.Linear(ROWS, 4)
         # a persistent buffer larger than one block: FSDP2 leaves it whole on every rank
         self.register_buffer("table", torch.arange(10 * WIDE, dtype=torch.float32).reshape(10, WIDE))
         with torch.no_grad():
@@ -110,6 +112,7 @@ def _two(store: ss.Store, mesh, group, async_group) -> dict:
         ss.restore(store, cid, plain, popt)
         out[f"{key}_saved_equals_plain"] = _equal_to_plain(m, opt, plain, popt)
         if key == "sgd":
+            out["partial"] = _partial_copy(store, cid, mesh, group)
             saver = ss.AsyncSaver(store)
             saver.save_distributed(m, opt, info=_info(2), group=async_group, rng=False, ref=None, parent=None)
             _train(m, opt, 1, seed=5)  # training goes on while the background save runs
@@ -119,6 +122,32 @@ def _two(store: ss.Store, mesh, group, async_group) -> dict:
         ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref=None, group=group, extra={"h": Holder(m.fc1.weight)})
     except ss.CommitProtocolError as e:
         out["dtensor_extra"] = str(e)
+    return out
+
+
+def _partial_copy(store: ss.Store, cid: str, mesh, group) -> dict:
+    """``copy --shard 1`` of the 2-rank SGD commit into an empty store; both ranks restore from it."""
+    out: dict = {}
+    url = store.url + "-slot1"
+    if dist.get_rank(group) == 0:
+        r = ss.copy_commit(store, ss.open_store(url), cid, slot=1, ref="sgd")
+        out["copied"] = (r.objects_copied, r.bytes_copied)
+    dist.barrier(group=group)
+    partial = ss.open_store(url, create=False)
+    full = _fsdp(mesh)
+    fopt = OPTIMIZERS["sgd"](full.parameters())
+    ss.restore(store, cid, full, fopt)
+    mine = _fsdp(mesh)
+    mopt = OPTIMIZERS["sgd"](mine.parameters())
+    try:
+        ss.restore(partial, cid, mine, mopt)
+        out["restored"] = all(
+            torch.equal(p.to_local(), q.to_local()) and torch.equal(mopt.state[p]["momentum_buffer"].to_local(), fopt.state[q]["momentum_buffer"].to_local())
+            for p, q in zip(mine.parameters(), full.parameters())
+        ) and torch.equal(mine.table, full.table)
+    except ss.ObjectNotFound as e:
+        out["refused"] = str(e)
+    dist.barrier(group=group)
     return out
 
 
@@ -216,11 +245,11 @@ def test_fsdp2_sgd_and_adagrad_state_saved_and_restored_bitwise_in_every_directi
             assert r[f"{key}_into_fsdp3_equals_plain"], key  # FSDP2 x2 -> FSDP2 x3
             assert r[f"{key}1_into_fsdp3_equals_plain"], key  # 1 process -> FSDP2 x3
             assert r[f"{key}_step_after_restore_close"], key
-    assert [r["sgd_local_rows"] for r in three] == [4, 4, 2]
+    assert [r["sgd_local_rows"] for r in three] == [7, 7, 6]
     for key, state_key in (("sgd", "momentum_buffer"), ("ada", "sum")):
         lc = ss.load_commit(store, two[0][key])
         st = {t.key: t for t in lc.entries()["fc1.weight"].state.tensors}
-        assert lc.commit.version == 3 and len(st[state_key].object) == 2  # 5 MiB: chunked, two blocks
+        assert lc.commit.version == 3 and len(st[state_key].object) == 3  # 10 MiB: chunked, three blocks
         if key == "ada":
             assert [s.key for s in lc.entries()["fc1.weight"].state.scalars] == ["step"]  # a 0-d tensor, as it was
     assert ss.verify(store).ok
@@ -235,8 +264,8 @@ def test_one_learned_state_root_and_one_set_of_objects_whoever_saved_it(runs):
         assert len(set(roots.values())) == 1, roots
         objects = {k: _objects(store, c) for k, c in commits.items()}
         assert all(o == objects["1 process"] for o in objects.values())
-        # fc1.weight 2 blocks + 3 small, for the param and its one state tensor; the 5 MiB buffer's 2 blocks
-        assert len(objects["1 process"]) == 2 * (2 + 3) + 2
+        # fc1.weight 3 blocks + 3 small, for the param and its one state tensor; the 5 MiB buffer's 2 blocks
+        assert len(objects["1 process"]) == 2 * (3 + 3) + 2
         assert ss.load_commit(store, commits["FSDP2 x2"]).entries()["table"].kind == "buffer"
 
 
@@ -244,3 +273,38 @@ def test_a_dtensor_inside_an_extra_is_refused_naming_it(runs):
     _, two, _, _ = runs
     for r in two:
         assert "extra 'h' at $.t" in r["dtensor_extra"] and "DTensor" in r["dtensor_extra"]
+
+
+def _slot1_objects() -> tuple[int, int]:
+    """What slot 1 of the 2-rank SGD commit needs, worked out by hand (SPEC.md §Slices): FSDP2
+    gives rank 1 rows ceil(d/2)..d of every parameter; a 4 MiB block holds 8 rows of fc1.weight."""
+    row = WIDE * 4
+    blocks = [(lo, min(lo + 8, ROWS)) for lo in range(0, ROWS, 8)]
+    mine = [(lo, hi) for lo, hi in blocks if hi > -(-ROWS // 2)]  # blocks reaching into rows 10-19
+    small = [ROWS * 4, 4 * ROWS * 4, 4 * 4]  # fc1.bias, fc2.weight, fc2.bias: one object each
+    param = len(mine) + len(small), sum(hi - lo for lo, hi in mine) * row + sum(small)
+    table = 2, 10 * row  # the buffer every rank holds whole: both its blocks
+    return 2 * param[0] + table[0], 2 * param[1] + table[1]  # the parameter and its momentum
+
+
+def test_copy_shard_k_copies_only_the_blocks_slot_k_held_and_restores_only_its_slice(runs):
+    from shardstore.gc import gc
+
+    store, two, _, _ = runs
+    n, nbytes = _slot1_objects()
+    copied, copied_bytes = two[0]["partial"]["copied"]
+    assert n == 12 and copied == n + 2 + 1  # data objects, 2 shard manifests, the commit
+    assert copied_bytes - nbytes < 64 * 1024  # the rest is the three manifests
+    assert two[1]["partial"]["restored"]  # rank 1's slice, bitwise from the partial copy
+    refused = two[0]["partial"]["refused"]  # rank 0's needs block 0, which only rank 0 held
+    assert "'fc1.weight'" in refused and "block 0" in refused and "not in the store" in refused
+    partial = ss.open_store(store.url + "-slot1", create=False)
+    cid = two[0]["sgd"]
+    assert ss.verify(partial, [cid], slot=1).ok  # what slot 1 needs is all there
+    report = ss.verify(partial, [cid])  # the whole commit is not: exactly slot 0's own blocks are missing
+    lc = ss.load_commit(partial, cid)
+    w = lc.entries()["fc1.weight"]
+    absent = {w.param[0].object, w.state.tensors[0].object[0].object}
+    assert {(p.kind, p.tensor) for p in report.problems} == {("ObjectNotFound", "fc1.weight")}
+    assert {p.object for p in report.problems} == absent
+    assert gc(partial, grace_seconds=0, dry_run=True).deleted == {}  # nothing there is garbage
