@@ -172,3 +172,63 @@ def test_a_large_extra_tensor_is_one_object_and_a_large_buffer_is_chunked():
     bad = store.put_manifest(msgspec.structs.replace(c, extras=(msgspec.structs.replace(x, tensors=forged),)))
     with pytest.raises(ss.ManifestError, match="extra 'holder': tensor 0 has a chunked payload"):
         ss.load_commit(store, bad)
+
+
+# -- slices (format 3, SPEC.md §15d): the chunked vector's w held by two slots, rows 0-1 and row 2 ---------
+
+
+def test_slices_vector_matches_an_independent_encoder():
+    from shardstore.slices import make_slices
+
+    store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
+    w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    info = ss.CommitInfo(step=0, job="vector-job", transition="init")
+    states = [ss.SlotState({"w": w}, slices=make_slices([("w", ((0, 0), (2, COLS)))])),
+              ss.SlotState({}, slices=make_slices([("w", ((2, 0), (1, COLS)))]))]  # fmt: skip
+    cid = ss.save_slots(store, states, info=info, ref=None, parent=None)
+    lc = ss.load_commit(store, cid)
+    enc = lambda d: json.dumps(d, sort_keys=True, separators=(",", ":")).encode()  # noqa: E731
+    entry = {"dtype": "float32", "name": "w", "optim": None, "param": _blocks(array("f", range(ROWS * COLS))), "shape": [ROWS, COLS]}
+    base = {"algorithm": "none", "config": None, "groups": [], "job": "vector-job", "parent": None, "rng": [], "slots": 2,
+            "step": 0, "type": "shard", "version": 3}  # fmt: skip
+    s0 = base | {"slot": 0, "entries": [entry], "slices": [{"name": "w", "shape": [2, COLS], "start": [0, 0]}]}
+    s1 = base | {"slot": 1, "entries": [], "slices": [{"name": "w", "shape": [1, COLS], "start": [2, 0]}]}
+    assert [bytes(store.get(lc.shard_ids[i])) for i in (0, 1)] == [enc(s0), enc(s1)]
+    assert lc.commit.version == 3
+    # the layout is not learned state: the learned-state root is the one-slot chunked vector's (tests/test_grid.py)
+    assert lc.commit.learned_root == "87487da2a3effa47abfb07096475c38002236244ce7345bf9bad31c401de7302"
+    assert (lc.shard_ids[0], lc.shard_ids[1], cid) == SLICES_VECTORS
+    assert ss.verify(store).ok
+    # slot 1's selection: the block its row overlaps, not the entry slot 0 records
+    from shardstore.transfer import commit_closure
+
+    assert set(commit_closure(lc, 1).data) == {lc.entries()["w"].param[1].object}
+    assert set(commit_closure(lc, 0).data) == {lc.entries()["w"].param[0].object}
+
+
+SLICES_VECTORS = (
+    "8e1a730304f79b4e6f4348184128d95eeb9efbb4dd11198230d35eb11e466aec",  # shard manifest, slot 0
+    "4a8863ebe7794af2ef9c6b2f9d55f0092fcd028d1bd383f13bb5f36d55b87ab5",  # shard manifest, slot 1
+    "3619a549d4809ab6789dfde2ec70c3fbb81169b85b84beb862ff27275b0b13c6",  # full root
+)
+
+
+@pytest.mark.parametrize(
+    "forge, message",
+    [
+        (lambda s0, s1: (s0, ()), "cover 1048576 of its 1572864 elements"),  # slot 1's row unheld
+        (lambda s0, s1: (s0, (msgspec.structs.replace(s1[0], start=(1, 0)),)), "overlap but are not the same box"),
+        (lambda s0, s1: (s0, (msgspec.structs.replace(s1[0], name="v"),)), "which the commit does not hold"),
+        (lambda s0, s1: (s0, (msgspec.structs.replace(s1[0], shape=(2, COLS)),)), "lies outside shape"),
+    ],
+)
+def test_forged_slices_are_refused_naming_tensor_and_slot(forge, message):
+    from shardstore.slices import make_slices
+
+    store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
+    w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    info = ss.CommitInfo(step=0, job="vector-job", transition="init")
+    s0, s1 = make_slices([("w", ((0, 0), (2, COLS)))]), make_slices([("w", ((2, 0), (1, COLS)))])
+    a, b = forge(s0, s1)
+    with pytest.raises(ss.LayoutError, match=message):
+        ss.save_slots(store, [ss.SlotState({"w": w}, slices=a), ss.SlotState({}, slices=b)], info=info, ref=None, parent=None)
