@@ -308,3 +308,17 @@ def test_copy_shard_k_copies_only_the_blocks_slot_k_held_and_restores_only_its_s
     assert {(p.kind, p.tensor) for p in report.problems} == {("ObjectNotFound", "fc1.weight")}
     assert {p.object for p in report.problems} == absent
     assert gc(partial, grace_seconds=0, dry_run=True).deleted == {}  # nothing there is garbage
+
+
+def test_cli_copy_and_verify_shard_k_select_the_same_blocks(runs, tmp_path, capsys):
+    from shardstore_cli.shardstore_cli import main
+
+    store, two, _, _ = runs
+    cid, dst = two[0]["sgd"], str(tmp_path / "cli-slot1")
+    assert main(["copy", store.url, dst, cid, "--shard", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["objects_copied"] == two[0]["partial"]["copied"][0]
+    assert set(ss.open_store(dst, create=False).objects()) == set(ss.open_store(store.url + "-slot1", create=False).objects())
+    assert main(["verify", dst, cid, "--shard", "1"]) == 0
+    assert main(["verify", dst, cid]) == 3  # slot 0's own blocks are absent, and said so
+    cap = capsys.readouterr()
+    assert "ObjectNotFound" in cap.out + cap.err and "fc1.weight" in cap.out + cap.err
