@@ -232,3 +232,21 @@ def test_forged_slices_are_refused_naming_tensor_and_slot(forge, message):
     a, b = forge(s0, s1)
     with pytest.raises(ss.LayoutError, match=message):
         ss.save_slots(store, [ss.SlotState({"w": w}, slices=a), ss.SlotState({}, slices=b)], info=info, ref=None, parent=None)
+
+
+def test_export_and_diff_read_chunked_state_block_by_block(tmp_path):
+    from safetensors.torch import load_file
+
+    from shardstore.diff import diff
+    from shardstore.interchange import export_commit
+
+    store = ss.open_store(str(tmp_path / "s"))
+    state, info = _state()
+    a = ss.save_slots(store, [state], info=info, ref=None, parent=None)
+    m = state.optim.params["w"].torch_state.tensors["momentum_buffer"]
+    m[2, :3] += 1.0  # only block 1 (row 2) of the momentum changes
+    b = ss.save_slots(store, [state], info=info, ref=None, parent=None)
+    export_commit(store, b, str(tmp_path / "out"), with_optimizer=True)
+    assert torch.equal(load_file(str(tmp_path / "out" / "optimizer.state.momentum_buffer.safetensors"))["w"], m)
+    (w,) = diff(store, a, b, stats=True).tensors
+    assert w.stats["state momentum_buffer"].max_abs_diff == 1.0
