@@ -296,7 +296,8 @@ def test_copy_shard_k_copies_only_the_blocks_slot_k_held_and_restores_only_its_s
     assert n == 12 and copied == n + 2 + 1  # data objects, 2 shard manifests, the commit
     assert copied_bytes - nbytes < 64 * 1024  # the rest is the three manifests
     assert two[1]["partial"]["restored"]  # rank 1's slice, bitwise from the partial copy
-    refused = two[0]["partial"]["refused"]  # rank 0's needs block 0, which only rank 0 held
+    refused = two[0]["partial"]["refused"]  # rank 0 needs block 0, which only rank 0 held
+    print("restore of slot 0 from the slot-1 copy:", refused)
     assert "'fc1.weight'" in refused and "block 0" in refused and "not in the store" in refused
     partial = ss.open_store(store.url + "-slot1", create=False)
     cid = two[0]["sgd"]
