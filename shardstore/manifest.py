@@ -23,9 +23,9 @@ import msgspec
 from msgspec import Meta
 
 from .bounded import check_json_nesting
-from .payloads import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, is_chunked, shard_version, state_payloads, tensor_payloads
 from .errors import ManifestError
 from .names import GROUP_NAME_PATTERN, JOB_ID_PATTERN, OID_PATTERN, TENSOR_NAME_PATTERN
+from .payloads import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, is_chunked, shard_version, state_payloads, tensor_payloads
 
 __all__ = [
     "FORMAT_VERSION",
