@@ -250,3 +250,36 @@ def test_export_and_diff_read_chunked_state_block_by_block(tmp_path):
     assert torch.equal(load_file(str(tmp_path / "out" / "optimizer.state.momentum_buffer.safetensors"))["w"], m)
     (w,) = diff(store, a, b, stats=True).tensors
     assert w.stats["state momentum_buffer"].max_abs_diff == 1.0
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        [[(0, 2)], [(2, 2)], [(4, 1)]],  # dim 0 over 3 slots (uneven): rows 0-1, 2-3, 4
+        [[(0, 5, 0, 1 << 20)], [(0, 5, 1 << 20, 1 << 20)]],  # dim 1 over 2: every block is cut
+        [[(0, 3)], [(0, 3)], [(3, 2)], [(3, 2)]],  # dim 0 over 2, each slice on 2 replicas
+    ],
+    ids=["dim0x3", "dim1x2", "dim0x2-replicated"],
+)
+def test_slot_k_selection_is_exactly_the_blocks_its_slices_overlap(split):
+    """uint8 [5, 2 MiB]: 2 rows per 4 MiB block, blocks of rows 0-1, 2-3, 4. Slot k's selection
+    (``copy --shard k``) is computed by hand from the rows and columns its slices cover."""
+    from shardstore.slices import make_slices
+    from shardstore.transfer import commit_closure
+
+    cols = 2 << 20
+    t = torch.randint(0, 256, (5, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+    def box(b):
+        r0, nr, c0, nc = b if len(b) == 4 else (*b, 0, cols)
+        return (r0, c0), (nr, nc)
+
+    states = [ss.SlotState({"t": t} if k == 0 else {}, slices=make_slices([("t", box(b)) for b in boxes])) for k, boxes in enumerate(split)]
+    store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
+    lc = ss.load_commit(store, ss.save_slots(store, states, info=ss.CommitInfo(step=0, job="j", transition="init"), ref=None, parent=None))
+    blocks = lc.entries()["t"].param
+    for k, boxes in enumerate(split):
+        rows = {r for b in boxes for r in range(box(b)[0][0], box(b)[0][0] + box(b)[1][0])}
+        want = {blocks[i].object for i, (lo, hi) in enumerate([(0, 2), (2, 4), (4, 5)]) if rows & set(range(lo, hi))}
+        assert set(commit_closure(lc, k).data) == want, k
+        assert ss.verify(store, [lc.id], slot=k).ok
