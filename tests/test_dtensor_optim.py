@@ -4,8 +4,9 @@ under FSDP2, saved without gathering and restored into any split (SPEC.md §9a, 
 One group of 3 processes serves every check:
 
 - ranks 0 and 1 (a group of their own): FSDP2 trains 2 steps with SGD(momentum) and with
-  Adagrad, saves each (``sgd2``, ``ada2``; SGD again through ``AsyncSaver``), and checks the
-  commit against a plain model restored from it;
+  Adagrad, saves each (``sgd2``, ``ada2``; SGD again through ``AsyncSaver`` while training goes
+  on), checks the commit against a plain model restored from it, and (SGD) resumes from it
+  bitwise;
 - rank 2: restores each commit into a plain model and saves it whole (``sgd1``, ``ada1``);
 - all 3 ranks: FSDP2 (20 rows over 3: 7, 7, 6) restores the 2-rank and the 1-process
   commits, compares them with the plain model, saves again (``sgd3``), and takes one more
@@ -117,6 +118,14 @@ def _two(store: ss.Store, mesh, group, async_group) -> dict:
             saver.save_distributed(m, opt, info=_info(2), group=async_group, rng=False, ref=None, parent=None)
             _train(m, opt, 1, seed=5)  # training goes on while the background save runs
             out["async"] = saver.close()
+            resumed = _fsdp(mesh)  # 2 -> 2: restored, it trains the same step to the same bits
+            ropt = make(resumed.parameters())
+            ss.restore(store, cid, resumed, ropt)
+            _train(resumed, ropt, 1, seed=5)
+            out["resumed_bitwise"] = all(
+                torch.equal(p.to_local(), q.to_local()) and torch.equal(ropt.state[p]["momentum_buffer"].to_local(), opt.state[q]["momentum_buffer"].to_local())
+                for p, q in zip(resumed.parameters(), m.parameters())
+            )
         out[key] = cid
     try:  # a DTensor inside an extra's state: this rank's slice is not the extra's tensor
         ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref=None, group=group, extra={"h": Holder(m.fc1.weight)})
@@ -239,6 +248,7 @@ def _objects(store: ss.Store, cid: str) -> set[str]:
 def test_fsdp2_sgd_and_adagrad_state_saved_and_restored_bitwise_in_every_direction(runs):
     store, two, three, single = runs
     assert two[0]["sgd"] == two[1]["sgd"] and two[0]["async"] == two[0]["sgd"]  # AsyncSaver: the same commit
+    assert all(r["resumed_bitwise"] for r in two)  # FSDP2 x2 -> x2 continues bitwise
     assert all(r[f"{k}_saved_equals_plain"] for r in two for k in OPTIMIZERS)  # FSDP2 x2 -> 1 process
     for r in three:
         for key in OPTIMIZERS:
