@@ -278,7 +278,20 @@ def _field_diffs(store: Store, la: LoadedCommit, lb: LoadedCommit) -> list[Field
         va, vb = ra.get((s, kind)), rb.get((s, kind))
         if va != vb:
             out.append(FieldDiff(f"rng.{s}.{kind}", va, vb))
+    sa, sb = _slices(la), _slices(lb)  # what each slot held of sharded tensors (SPEC.md §15d): layout, not learned state
+    for key in sorted(set(sa) | set(sb)):
+        if sa.get(key) != sb.get(key):
+            out.append(FieldDiff(f"slices.{key[0]}.{key[1]}", sa.get(key), sb.get(key)))
     return out
+
+
+def _slices(lc: LoadedCommit) -> dict[tuple[int, str], str]:
+    """(slot, tensor) → its recorded boxes as index ranges, ``[0:5, 0:131072]``."""
+    out: dict[tuple[int, str], list[str]] = {}
+    for s, shard in lc.shards.items():
+        for x in shard.slices:
+            out.setdefault((s, x.name), []).append("[" + ", ".join(f"{a}:{a + n}" for a, n in zip(x.start, x.shape)) + "]")
+    return {k: " ".join(v) for k, v in out.items()}
 
 
 def _group_diffs(la: LoadedCommit, lb: LoadedCommit) -> list[GroupDiff]:

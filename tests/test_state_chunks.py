@@ -283,3 +283,24 @@ def test_slot_k_selection_is_exactly_the_blocks_its_slices_overlap(split):
         want = {blocks[i].object for i, (lo, hi) in enumerate([(0, 2), (2, 4), (4, 5)]) if rows & set(range(lo, hi))}
         assert set(commit_closure(lc, k).data) == want, k
         assert ss.verify(store, [lc.id], slot=k).ok
+
+
+def test_diff_reports_slices_between_two_splits_of_one_learned_state():
+    from shardstore.diff import diff
+    from shardstore.slices import make_slices
+
+    store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
+    w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    info = ss.CommitInfo(step=0, job="vector-job", transition="init")
+
+    def split(rows: int) -> str:
+        states = [ss.SlotState({"w": w}, slices=make_slices([("w", ((0, 0), (rows, COLS)))])),
+                  ss.SlotState({}, slices=make_slices([("w", ((rows, 0), (ROWS - rows, COLS)))]))]  # fmt: skip
+        return ss.save_slots(store, states, info=info, ref=None, parent=None)
+
+    a, b = split(2), split(1)
+    d = diff(store, a, b)
+    assert a != b and d.learned_root_equal and not d.tensors and not d.empty
+    assert {(f.name, f.before, f.after) for f in d.fields} == {
+        ("slices.0.w", "[0:2, 0:524288]", "[0:1, 0:524288]"), ("slices.1.w", "[2:3, 0:524288]", "[1:3, 0:524288]")}
+    assert not diff(store, a, a).fields
