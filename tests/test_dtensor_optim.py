@@ -6,7 +6,7 @@ One group of 3 processes serves every check:
 - ranks 0 and 1 (a group of their own): FSDP2 trains 2 steps with SGD(momentum) and with
   Adagrad, saves each (``sgd2``, ``ada2``; SGD again through ``AsyncSaver`` while training goes
   on), checks the commit against a plain model restored from it, and (SGD) resumes from it
-  bitwise;
+  bitwise, restores it into tensor parallelism on dim 1 and saves that;
 - rank 2: restores each commit into a plain model and saves it whole (``sgd1``, ``ada1``);
 - all 3 ranks: FSDP2 (20 rows over 3: 7, 7, 6) restores the 2-rank and the 1-process
   commits, compares them with the plain model, saves again (``sgd3``), and takes one more
@@ -114,6 +114,14 @@ def _two(store: ss.Store, mesh, group, async_group) -> dict:
         out[f"{key}_saved_equals_plain"] = _equal_to_plain(m, opt, plain, popt)
         if key == "sgd":
             out["partial"] = _partial_copy(store, cid, mesh, group)
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            tp = parallelize_module(Net(), mesh, {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()})  # fc1.weight Shard(1)
+            topt = make(tp.parameters())
+            ss.restore(store, cid, tp, topt)
+            out["tp1_placements"] = str(tp.fc1.weight.placements)
+            out["tp1_equals_plain"] = _equal_to_plain(tp, topt, plain, popt)
+            out["sgd_tp1"] = ss.save_distributed(store, tp, topt, info=_info(2), rng=False, ref=None, parent=None, group=group)
             saver = ss.AsyncSaver(store)
             saver.save_distributed(m, opt, info=_info(2), group=async_group, rng=False, ref=None, parent=None)
             _train(m, opt, 1, seed=5)  # training goes on while the background save runs
@@ -249,6 +257,7 @@ def test_fsdp2_sgd_and_adagrad_state_saved_and_restored_bitwise_in_every_directi
     store, two, three, single = runs
     assert two[0]["sgd"] == two[1]["sgd"] and two[0]["async"] == two[0]["sgd"]  # AsyncSaver: the same commit
     assert all(r["resumed_bitwise"] for r in two)  # FSDP2 x2 -> x2 continues bitwise
+    assert two[0]["tp1_placements"] == "(Shard(dim=1),)" and all(r["tp1_equals_plain"] for r in two)  # FSDP2 -> TP dim 1
     assert all(r[f"{k}_saved_equals_plain"] for r in two for k in OPTIMIZERS)  # FSDP2 x2 -> 1 process
     for r in three:
         for key in OPTIMIZERS:
@@ -269,6 +278,8 @@ def test_one_learned_state_root_and_one_set_of_objects_whoever_saved_it(runs):
     store, two, three, single = runs
     for key in OPTIMIZERS:
         commits = {"FSDP2 x2": two[0][key], "1 process": single[f"{key}1"], "FSDP2 x3": three[0][f"{key}3"]}
+        if key == "sgd":
+            commits["TP dim 1"] = two[0]["sgd_tp1"]
         assert len({three[r][f"{key}3"] for r in range(3)}) == 1
         roots = {k: store.commit(c).learned_root for k, c in commits.items()}
         assert len(set(roots.values())) == 1, roots
