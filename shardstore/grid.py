@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import GridError, ObjectNotFound
+from .errors import CorruptObject, GridError, ObjectNotFound
 from .manifest import MAX_BLOCKS, Block, Payload, is_chunked
 from .tensors import DTYPES, expected_nbytes
 
@@ -279,6 +279,10 @@ def _job(store: object, oid: str, box: Box, common: Box, n: int, dtype: str, loc
             buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
         except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
             raise ObjectNotFound(f"{what}: object {oid} is not in the store ({e}) (SPEC.md §Slices)") from None
+        except CorruptObject as e:  # the backends without a streaming read name only the object
+            if what in str(e):
+                raise
+            raise CorruptObject(f"{what}: {e}") from None
         with torch.no_grad():
             dest.copy_(buf[box_slices(common, box[0])])
         return n

@@ -132,8 +132,19 @@ def test_forged_state_payloads_are_refused_naming_tensor_and_state_key():
         ss.load_commit(store, _forge(store, cid, 3, overlapping))
     with pytest.raises(ss.ManifestError, match="must be version 3"):
         ss.manifest.decode(encode(msgspec.structs.replace(store.shard(ss.load_commit(store, cid).shard_ids[0]), version=2)))
-    missing = blocks[1].object
-    store.storage.delete(f"objects/{missing[:2]}/{missing}")
+    victim = blocks[1].object
+    key = f"objects/{victim[:2]}/{victim}"
+    data = bytearray(store.storage.read(key))
+    data[7] ^= 1
+    store.storage.delete(key)
+    store.storage.write_once(key, bytes(data))  # a flipped bit in block 1 of the momentum
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(ROWS, COLS))
+    opt = torch.optim.SGD([model.w], lr=0.1, momentum=0.9, nesterov=True)
+    with pytest.raises(ss.CorruptObject, match=r"optimizer state 'momentum_buffer' of 'w', block 1.*" + victim):
+        ss.restore(store, cid, model, opt, threads=1)
+    missing = victim
+    store.storage.delete(key)
     report = ss.verify(store, [cid])
     assert [(p.kind, p.tensor, p.object) for p in report.problems] == [("ObjectNotFound", "w", missing)]
     assert "optimizer state 'momentum_buffer' block 1" in str(report.problems[0])
