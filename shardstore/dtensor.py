@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .errors import StateMismatch, TensorMismatch
 from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
+from .placement import local_parts
 from .tensors import dtype_name, expected_nbytes, new_hasher, tensor_bytes, torch_dtype
 
 __all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
@@ -72,26 +73,11 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def local_region(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, tuple[int, ...]]:
-    """(local tensor, global index of its first element): a DTensor's slice, or a plain tensor whole."""
-    if not is_dtensor(t):
-        return t, (0,) * t.dim()
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    for p in t.placements:  # type: ignore[attr-defined]
-        if type(p) not in (Shard, Replicate):
-            raise TensorMismatch(
-                f"{what}: DTensor placement {p} is not supported (Shard and Replicate are; a Partial holds "
-                "unreduced values, a strided shard is not one box) (SPEC.md §Block exchange)"
-            )
-    # The local tensor itself, not ``to_local()``'s autograd view (which refuses in-place writes).
-    local = getattr(t, "_local_tensor", None)
-    local = (local if local is not None else t.to_local()).detach()  # type: ignore[attr-defined]
-    shape, origin = compute_local_shape_and_global_offset(tuple(t.shape), t.device_mesh, t.placements)  # type: ignore[attr-defined]
-    if tuple(local.shape) != tuple(shape):
-        raise TensorMismatch(f"{what}: DTensor's local tensor has shape {list(local.shape)}, its placements give {list(shape)}")
-    return local, tuple(int(o) for o in origin)
+def local_region(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]:
+    """(local tensor, its parts as (global box, virtual origin)): ``local[box_slices(piece, origin)]``
+    selects any piece of a part's box from the local tensor (``placement.local_parts``)."""
+    local, parts = local_parts(t, what)
+    return local, [(box, tuple(s - lo for s, lo in zip(box[0], lo_start))) for box, lo_start in parts]
 
 
 def same_split(a: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -112,8 +98,7 @@ class _Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     dtype: str
     shape: tuple[int, ...]
-    origin: tuple[int, ...]
-    local: tuple[int, ...]
+    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (start, extent) of each part of its local tensor
 
 
 _ITEMS = msgspec.json.Decoder(list[_Item])
@@ -139,10 +124,11 @@ def slice_regions(name: str, dtype: str, shape: tuple[int, ...], held: dict[Box,
 def plan_blocks(
     key: str, dtype: str, shape: tuple[int, ...], regions: list[tuple[Box, list[int]]], *, block_bytes: int = BLOCK_BYTES
 ) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
-    """For each canonical block: (box, owner rank, [(source rank, piece box)] of the pieces others send).
+    """For each canonical block: (box, owner rank, [(source rank, piece box)] of its other pieces).
 
     The owner is a rank of the slice holding most of the block (ties: a hash of the key picks);
     each slice's replicas take turns by block index, so replicated bytes are split among them.
+    A piece whose source is the owner (it holds that slice too) is copied, not sent.
     """
     turn = zlib.crc32(key.encode())
     used = [0] * len(regions)  # how many blocks or pieces each slice has given so far
@@ -161,7 +147,10 @@ def plan_blocks(
         most = max(math.prod(c[1]) for _, c in pieces)
         tied = [ri for ri, c in pieces if math.prod(c[1]) == most]
         best = tied[turn % len(tied)]  # ties (a small tensor split evenly) spread over the slices
-        out.append((box, pick(best), [(pick(ri), c) for ri, c in pieces if ri != best]))
+        owner = pick(best)
+        # A piece of another slice the owner holds too (a strided layout: a rank's local
+        # tensor is several slices) is copied by the owner itself; the rest are sent.
+        out.append((box, owner, [(owner if owner in regions[ri][1] else pick(ri), c) for ri, c in pieces if ri != best]))
     return out
 
 
@@ -200,18 +189,18 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
     commit protocol fails naming that rank), so none waits.
     """
     rank = dist.get_rank(group)
-    locals_: dict[tuple[str, str], tuple[torch.Tensor, tuple[int, ...]]] = {}
+    locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]] = {}
     desc = []
     try:
         if failure is not None:
             raise failure
         for n, role, t in _items_of(state):
-            local, origin = local_region(t, f"{role} of tensor {n!r}")
-            locals_[(n, role)] = (local, origin)
-            desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), origin, tuple(local.shape)))
+            local, parts = local_region(t, f"{role} of tensor {n!r}")
+            locals_[(n, role)] = (local, parts)
+            desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), tuple(box for box, _ in parts)))
         for n, t in sorted(state.tensors.items()):  # plain tensors too: a replicated one (FSDP2's buffers) is written once
             if not is_dtensor(t):
-                desc.append(_Item(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), (), ()))
+                desc.append(_Item(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), ()))
         raw = b"\x00" + msgspec.json.encode(desc)
     except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
         failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
@@ -232,7 +221,8 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
             dtype, shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
             if (dtype, shape) != (it.dtype, it.shape):
                 raise StateMismatch(f"{it.role} of tensor {it.name!r}: ranks disagree on dtype/shape ({dtype}{list(shape)} vs {it.dtype}{list(it.shape)})")
-            held.setdefault((it.origin, it.local), []).append(r)
+            for box in it.boxes:
+                held.setdefault(box, []).append(r)
     g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     plans = []
     for (n, role), (dtype, shape, held) in sorted(union.items()):
@@ -299,47 +289,51 @@ def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: 
             size += _nbytes(plans[j])
             j += 1
         owned: list[tuple[int, torch.Tensor]] = []
-        recvs: list[tuple[Box, torch.Tensor, torch.Tensor, tuple[int, ...]]] = []
+        recvs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (place in a block, the buffer its piece arrives in)
         works, keep = [], []
         staged = 0  # bytes of buffers this batch allocates
-        tag = 0
+        tag = 0  # the same count on every rank: every rank walks the same plans and sends in order
         for k in range(i, j):
             key, _bi, box, owner, sends, dtype = plans[k]
-            local = locals_.get(key)
             if owner == rank:
-                assert local is not None
-                lt, origin = local
-                inner = intersect(box, (origin, tuple(lt.shape))) if math.prod(box[1]) else None
-                view = lt[box_slices(box, origin)] if inner == box else None
-                if view is not None and view.is_contiguous():
-                    buf = view
-                else:
-                    buf = torch.empty(box[1], dtype=torch_dtype(dtype))
-                    staged += buf.numel() * buf.element_size()
-                    if inner is not None:
-                        buf[box_slices(inner, box[0])] = lt[box_slices(inner, origin)]
+                buf, copied = _assemble(box, locals_[key], torch_dtype(dtype))
+                staged += copied
+                arriving = 0
                 for src, piece in sends:
-                    tmp = torch.empty(piece[1], dtype=buf.dtype)
-                    staged += tmp.numel() * tmp.element_size()
-                    stats.bytes_received += tmp.numel() * tmp.element_size()
-                    works.append(dist.irecv(tmp, src=g(src), group=group, tag=tag))
-                    recvs.append((piece, tmp, buf, box[0]))
                     tag += 1
+                    if src == rank:  # a slice the owner holds too: _assemble copied it
+                        continue
+                    n = math.prod(piece[1]) * buf.element_size()
+                    arriving += math.prod(piece[1])
+                    dest = buf[box_slices(piece, box[0])]
+                    if dest.is_contiguous():  # row bands: straight into the block
+                        works.append(dist.irecv(dest, src=g(src), group=group, tag=tag - 1))
+                    else:  # a column strip: into a buffer, then copied into place
+                        tmp = torch.empty(piece[1], dtype=buf.dtype)
+                        staged += n
+                        works.append(dist.irecv(tmp, src=g(src), group=group, tag=tag - 1))
+                        recvs.append((dest, tmp))
+                    stats.bytes_received += n
+                assert _copied_elements(box, locals_[key][1]) + arriving == math.prod(box[1]), f"block {box} of {key} is not covered exactly"
                 owned.append((k, buf))
             else:
                 for src, piece in sends:
-                    if src == rank:
-                        lt, origin = locals_[key]
-                        out = lt[box_slices(piece, origin)].contiguous()
-                        keep.append(out)
-                        staged += out.numel() * out.element_size()
-                        stats.bytes_sent += out.numel() * out.element_size()
-                        works.append(dist.isend(out, dst=g(owner), group=group, tag=tag))
                     tag += 1
+                    if src != rank:
+                        continue
+                    lt, parts = locals_[key]
+                    view = lt[box_slices(piece, _origin_of(parts, piece))]
+                    out = view.contiguous()
+                    n = out.numel() * out.element_size()
+                    if out.data_ptr() != view.data_ptr():
+                        staged += n
+                    keep.append(out)
+                    stats.bytes_sent += n
+                    works.append(dist.isend(out, dst=g(owner), group=group, tag=tag - 1))
         for w in works:
             w.wait()
-        for piece, tmp, buf, start in recvs:
-            buf[box_slices(piece, start)] = tmp
+        for dest, tmp in recvs:
+            dest.copy_(tmp)
         written = store.put_tensors([b.detach().reshape(-1) for _, b in owned], threads=threads) if owned else []
         for (k, _), oid in zip(owned, written):
             ids[k] = bytes.fromhex(oid)
@@ -353,6 +347,41 @@ def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: 
             table[k] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)  # one owner per row, zeros elsewhere
     return [bytes(row.numpy().tobytes()).hex() for row in table]
+
+
+def _own_pieces(box: Box, parts: list[tuple[Box, tuple[int, ...]]]) -> list[tuple[Box, tuple[int, ...]]]:
+    """(common box, virtual origin) of each of this rank's parts that overlaps ``box``."""
+    if not math.prod(box[1]):
+        return []
+    return [(c, vo) for part, vo in parts if (c := intersect(box, part)) is not None]
+
+
+def _copied_elements(box: Box, parts: list[tuple[Box, tuple[int, ...]]]) -> int:
+    return sum(math.prod(c[1]) for c, _ in _own_pieces(box, parts))
+
+
+def _assemble(box: Box, local: tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(the block as far as this rank holds it, bytes allocated for it): a view of the local
+    tensor if the block lies in one part and is contiguous there, else a new buffer holding
+    the pieces of every part that overlaps it (the rest arrives from other ranks)."""
+    lt, parts = local
+    own = _own_pieces(box, parts)
+    if len(own) == 1 and own[0][0] == box:
+        view = lt[box_slices(box, own[0][1])]
+        if view.is_contiguous():
+            return view, 0
+    buf = torch.empty(box[1], dtype=dtype)
+    for common, vo in own:
+        buf[box_slices(common, box[0])] = lt[box_slices(common, vo)]
+    return buf, buf.numel() * buf.element_size()
+
+
+def _origin_of(parts: list[tuple[Box, tuple[int, ...]]], piece: Box) -> tuple[int, ...]:
+    """The virtual origin of the part holding ``piece`` (the plan only asks a rank for what it holds)."""
+    for part, vo in parts:
+        if intersect(piece, part) == piece:
+            return vo
+    raise AssertionError(f"piece {piece} is in none of this rank's parts")
 
 
 def _nbytes(plan: tuple) -> int:
