@@ -1,33 +1,35 @@
 """DTensor capture and restore: sharded tensors written as canonical blocks, never gathered
-(SPEC.md §Chunked payloads, §Block exchange).
+(SPEC.md §Chunked payloads, §Block exchange, §Slices on the grid).
 
 FSDP2 (``fully_shard``) keeps a dim-0 slice of every parameter and Adam moment on each
-rank; tensor parallelism splits on dim 0 or dim 1; a ``Replicate`` placement holds the
-whole tensor on several ranks. The canonical grid (``grid.py``) does not care: a block is
-a block whoever holds its bytes. Saving is a collective over the save's process group:
+rank; tensor parallelism splits on dim 0 or dim 1; FSDP2 on top of tensor parallelism
+(a 2-D mesh) gives strided shards; a ``Replicate`` placement holds the whole tensor on
+several ranks. The canonical grid (``grid.py``) does not care: a block is a block
+whoever holds its bytes. Saving is a collective over the save's process group:
 
-1. every rank describes the DTensors it holds (name, role, dtype, global shape, the box
-   of its local slice) and all ranks exchange the descriptions (msgspec JSON in uint8
-   tensors; nothing is pickled);
+1. every rank describes the DTensors it holds (name, role, dtype, global shape, the boxes
+   of the global tensor its local tensor holds: one for Shard/Replicate layouts, maybe
+   several for strided ones, ``placement.py``) and all ranks exchange the descriptions
+   (msgspec JSON in uint8 tensors; nothing is pickled);
 2. from the union, every rank computes the same plan: the distinct slices must tile each
    tensor exactly; each block is owned by one rank of the slice holding most of it
    (replicas of a slice take turns, so a replicated tensor is written once, split among
    its replicas); every other slice the block overlaps sends its piece to the owner,
    point to point, from one of its replicas, so each byte crosses the network once;
-3. blocks are processed in batches of at most ``BATCH_BYTES``: the owner hashes and
-   writes each block (a block inside its own slice is a view of it, no copy), so a rank
-   holds its slice plus at most one batch of blocks;
+3. ``exchange.py`` carries the plan out in batches of at most ``BATCH_BYTES``: the owner
+   hashes and writes each block (a block inside its own slice is a view of it, no copy),
+   staging the rest in one reused arena;
 4. the block ids are all-reduced, and each tensor's entry (its whole payload) goes into
    the shard manifest of one rank holding part of it, chosen by a hash of the name.
 
-Restore needs no collective: a rank reads the blocks its local slice overlaps
-(``grid.read_jobs``), each verified whole.
+Restore needs no collective: a rank reads the blocks its local tensor's parts overlap
+(``grid.read_parts``), each verified whole and read once.
 """
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -35,34 +37,12 @@ import torch
 import torch.distributed as dist
 
 from .errors import StateMismatch, TensorMismatch
-from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
+from .exchange import BATCH_BYTES, ExchangeStats, last_exchange, run_plan
+from .grid import BLOCK_BYTES, Box, StoredPayload, grid, intersect, make_payload
 from .placement import local_parts
-from .tensors import dtype_name, expected_nbytes, new_hasher, tensor_bytes, torch_dtype
+from .tensors import dtype_name, new_hasher, tensor_bytes, torch_dtype
 
 __all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
-
-#: Most bytes of blocks one batch of the exchange assembles (a rank holds at most this much
-#: beyond its own slice while saving).
-BATCH_BYTES = 16 * BLOCK_BYTES
-
-
-@dataclass
-class ExchangeStats:
-    """What this process did in its latest block exchange (a diagnostic; SPEC.md §Block exchange)."""
-
-    blocks_written: int = 0  # blocks this rank owned: hashed and written
-    bytes_hashed: int = 0
-    bytes_sent: int = 0  # pieces sent to other ranks' blocks
-    bytes_received: int = 0
-    peak_staged: int = 0  # most bytes of buffers held at once beyond this rank's own slices
-
-
-_LAST = ExchangeStats()
-
-
-def last_exchange() -> ExchangeStats:
-    """Counts of this process's most recent ``write_dtensors`` (for tests and benchmarks)."""
-    return _LAST
 
 
 def is_dtensor(t: Any) -> bool:
@@ -139,14 +119,16 @@ def plan_blocks(
         return ranks[(turn + used[ri] - 1) % len(ranks)]
 
     out = []
-    for box in grid(dtype, shape, block_bytes=block_bytes):
+    for bi, box in enumerate(grid(dtype, shape, block_bytes=block_bytes)):
         pieces = [(ri, c) for ri, (reg, _) in enumerate(regions) if (c := intersect(box, reg)) is not None]
         if not pieces:  # an empty tensor: one empty block, written by a holder of the first slice
             out.append((box, pick(0), []))
             continue
         most = max(math.prod(c[1]) for _, c in pieces)
         tied = [ri for ri, c in pieces if math.prod(c[1]) == most]
-        best = tied[turn % len(tied)]  # ties (a small tensor split evenly) spread over the slices
+        # Ties (a small tensor split evenly; every block of a column split) rotate over the
+        # tied slices block by block, so a column split's blocks are owned by all its ranks.
+        best = tied[(turn + bi) % len(tied)]
         owner = pick(best)
         # A piece of another slice the owner holds too (a strided layout: a rank's local
         # tensor is several slices) is copied by the owner itself; the rest are sent.
@@ -232,7 +214,7 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
     drop = _replicated_plain(state, {n: rs for n, rs in plain.items() if len(rs) > 1}, rank, group)
     if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
         return _restate(state, {}, set(), drop) if drop else state
-    ids = _exchange(store, plans, locals_, rank, g, group, threads)
+    ids = run_plan(store, plans, locals_, rank, g, group, threads)
     blocks: dict[tuple[str, str], list[str]] = {}
     for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
         blocks.setdefault(key, []).append(oid)
@@ -275,117 +257,6 @@ def _replicated_plain(state: Any, replicated: dict[str, list[int]], rank: int, g
         if entry_slot(n, rs) != rank:
             drop.add(n)
     return drop
-
-
-def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: Any, threads: int) -> list[str]:
-    """Run the plan batch by batch; return every block's id (all ranks get all ids)."""
-    global _LAST
-    stats = _LAST = ExchangeStats()
-    ids: list[bytes | None] = [None] * len(plans)
-    i = 0
-    while i < len(plans):
-        j, size = i, 0
-        while j < len(plans) and (j == i or size + _nbytes(plans[j]) <= BATCH_BYTES):
-            size += _nbytes(plans[j])
-            j += 1
-        owned: list[tuple[int, torch.Tensor]] = []
-        recvs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (place in a block, the buffer its piece arrives in)
-        works, keep = [], []
-        staged = 0  # bytes of buffers this batch allocates
-        tag = 0  # the same count on every rank: every rank walks the same plans and sends in order
-        for k in range(i, j):
-            key, _bi, box, owner, sends, dtype = plans[k]
-            if owner == rank:
-                buf, copied = _assemble(box, locals_[key], torch_dtype(dtype))
-                staged += copied
-                arriving = 0
-                for src, piece in sends:
-                    tag += 1
-                    if src == rank:  # a slice the owner holds too: _assemble copied it
-                        continue
-                    n = math.prod(piece[1]) * buf.element_size()
-                    arriving += math.prod(piece[1])
-                    dest = buf[box_slices(piece, box[0])]
-                    if dest.is_contiguous():  # row bands: straight into the block
-                        works.append(dist.irecv(dest, src=g(src), group=group, tag=tag - 1))
-                    else:  # a column strip: into a buffer, then copied into place
-                        tmp = torch.empty(piece[1], dtype=buf.dtype)
-                        staged += n
-                        works.append(dist.irecv(tmp, src=g(src), group=group, tag=tag - 1))
-                        recvs.append((dest, tmp))
-                    stats.bytes_received += n
-                assert _copied_elements(box, locals_[key][1]) + arriving == math.prod(box[1]), f"block {box} of {key} is not covered exactly"
-                owned.append((k, buf))
-            else:
-                for src, piece in sends:
-                    tag += 1
-                    if src != rank:
-                        continue
-                    lt, parts = locals_[key]
-                    view = lt[box_slices(piece, _origin_of(parts, piece))]
-                    out = view.contiguous()
-                    n = out.numel() * out.element_size()
-                    if out.data_ptr() != view.data_ptr():
-                        staged += n
-                    keep.append(out)
-                    stats.bytes_sent += n
-                    works.append(dist.isend(out, dst=g(owner), group=group, tag=tag - 1))
-        for w in works:
-            w.wait()
-        for dest, tmp in recvs:
-            dest.copy_(tmp)
-        written = store.put_tensors([b.detach().reshape(-1) for _, b in owned], threads=threads) if owned else []
-        for (k, _), oid in zip(owned, written):
-            ids[k] = bytes.fromhex(oid)
-        stats.blocks_written += len(owned)
-        stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in owned)
-        stats.peak_staged = max(stats.peak_staged, staged)
-        i = j
-    table = torch.zeros((len(plans), 32), dtype=torch.uint8)
-    for k, raw in enumerate(ids):
-        if raw is not None:
-            table[k] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)  # one owner per row, zeros elsewhere
-    return [bytes(row.numpy().tobytes()).hex() for row in table]
-
-
-def _own_pieces(box: Box, parts: list[tuple[Box, tuple[int, ...]]]) -> list[tuple[Box, tuple[int, ...]]]:
-    """(common box, virtual origin) of each of this rank's parts that overlaps ``box``."""
-    if not math.prod(box[1]):
-        return []
-    return [(c, vo) for part, vo in parts if (c := intersect(box, part)) is not None]
-
-
-def _copied_elements(box: Box, parts: list[tuple[Box, tuple[int, ...]]]) -> int:
-    return sum(math.prod(c[1]) for c, _ in _own_pieces(box, parts))
-
-
-def _assemble(box: Box, local: tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """(the block as far as this rank holds it, bytes allocated for it): a view of the local
-    tensor if the block lies in one part and is contiguous there, else a new buffer holding
-    the pieces of every part that overlaps it (the rest arrives from other ranks)."""
-    lt, parts = local
-    own = _own_pieces(box, parts)
-    if len(own) == 1 and own[0][0] == box:
-        view = lt[box_slices(box, own[0][1])]
-        if view.is_contiguous():
-            return view, 0
-    buf = torch.empty(box[1], dtype=dtype)
-    for common, vo in own:
-        buf[box_slices(common, box[0])] = lt[box_slices(common, vo)]
-    return buf, buf.numel() * buf.element_size()
-
-
-def _origin_of(parts: list[tuple[Box, tuple[int, ...]]], piece: Box) -> tuple[int, ...]:
-    """The virtual origin of the part holding ``piece`` (the plan only asks a rank for what it holds)."""
-    for part, vo in parts:
-        if intersect(piece, part) == piece:
-            return vo
-    raise AssertionError(f"piece {piece} is in none of this rank's parts")
-
-
-def _nbytes(plan: tuple) -> int:
-    return expected_nbytes(plan[5], plan[2][1])
 
 
 def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: set[str], drop: set[str] = frozenset()) -> Any:  # type: ignore[assignment]

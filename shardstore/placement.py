@@ -57,15 +57,16 @@ def _kind(p: Any) -> str:
     return "other"
 
 
-def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any], what: str = "tensor") -> list[torch.Tensor]:
+def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any], what: str = "tensor") -> list[range | torch.Tensor]:
     """For each dim of a ``shape`` tensor, the global index of each index of the local tensor
-    that mesh ``coordinate`` holds under ``placements`` (int64 tensors, one per dim).
+    that mesh ``coordinate`` holds under ``placements`` (a ``range`` for a dim no placement
+    splits, else an integer tensor: only split dims cost memory, 4 bytes an index).
 
     Placements apply left to right, each to the indices the previous ones left (DTensor's
     convention, which ``_StridedShard`` exists to keep). TensorMismatch, naming ``what``,
     for a placement that is not Shard, _StridedShard or Replicate.
     """
-    idx = [torch.arange(int(d)) for d in shape]
+    idx: list[range | torch.Tensor] = [range(int(d)) for d in shape]
     if len(placements) != len(mesh_shape) or len(coordinate) != len(mesh_shape):
         raise TensorMismatch(f"{what}: {len(placements)} placements for a {len(mesh_shape)}-d mesh (SPEC.md §Slices on the grid)")
     for mesh_dim, p in enumerate(placements):
@@ -81,25 +82,30 @@ def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Seq
         d = int(p.dim)
         if not 0 <= d < len(shape):
             raise TensorMismatch(f"{what}: placement {p} splits dim {d} of a {len(shape)}-d tensor")
-        probe = idx[d].reshape([1] * d + [-1])  # the indices so far, laid along dim d
+        ix = idx[d]
+        if isinstance(ix, range):
+            ix = torch.arange(ix.start, ix.stop, dtype=torch.int32 if ix.stop < 2**31 else torch.int64)
+        probe = ix.reshape([1] * d + [-1])  # the indices so far, laid along dim d
         pieces, _ = p._split_tensor(probe, int(mesh_shape[mesh_dim]), with_padding=False, contiguous=False)
         c = int(coordinate[mesh_dim])
-        idx[d] = pieces[c].reshape(-1) if c < len(pieces) else idx[d][:0]
+        idx[d] = pieces[c].reshape(-1) if c < len(pieces) else ix[:0]
     return idx
 
 
-def index_runs(ix: torch.Tensor) -> list[tuple[int, int, int]]:
+def index_runs(ix: range | torch.Tensor) -> list[tuple[int, int, int]]:
     """(global start, local start, length) of each run of consecutive global indices in ``ix``."""
-    n = int(ix.numel())
+    n = len(ix) if isinstance(ix, range) else int(ix.numel())
     if n == 0:
         return []
+    if isinstance(ix, range):
+        return [(ix.start, 0, n)]
     breaks = (torch.nonzero(ix[1:] - ix[:-1] != 1).reshape(-1) + 1).tolist()
     starts = [0, *breaks]
     stops = [*breaks, n]
     return [(int(ix[a]), a, b - a) for a, b in zip(starts, stops)]
 
 
-def parts_of(indices: Sequence[torch.Tensor], what: str = "tensor") -> list[Part]:
+def parts_of(indices: Sequence[range | torch.Tensor], what: str = "tensor") -> list[Part]:
     """The parts of a local tensor whose dim-``k`` index ``i`` stands for global index ``indices[k][i]``:
     one per combination of runs, in C order of their local starts. An empty local tensor has none."""
     runs = [index_runs(ix) for ix in indices]
@@ -145,12 +151,12 @@ def local_parts(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, li
     local = (local if local is not None else t.to_local()).detach()  # type: ignore[attr-defined]
     indices = dim_indices(shape, tuple(mesh.shape), coordinate, placements, what)
     want, origin = compute_local_shape_and_global_offset(shape, mesh, placements)
-    got = tuple(int(ix.numel()) for ix in indices)
+    got = tuple(len(ix) if isinstance(ix, range) else int(ix.numel()) for ix in indices)
     if tuple(local.shape) != got or tuple(want) != got:
         raise TensorMismatch(f"{what}: DTensor's local tensor has shape {list(local.shape)}; its placements {placements} give {list(got)} (torch says {list(want)})")
     if math.prod(got) == 0:
         return local, [((tuple(int(o) for o in origin), got), (0,) * len(got))]
-    first = tuple(int(ix[0]) for ix in indices)
+    first = tuple(int(ix[0]) for ix in indices)  # a range or a tensor: its first index
     if first != tuple(int(o) for o in origin):
         raise TensorMismatch(f"{what}: placements {placements} put this rank's first element at {list(first)}, torch says {list(origin)}")
     return local, parts_of(indices, what)
