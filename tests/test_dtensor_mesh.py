@@ -6,7 +6,8 @@ the expensive part:
 
 - the model is made tensor parallel on ``tp`` (``fc1`` colwise: its weight ``Shard(0)``; ``fc2``
   rowwise) and then FSDP2-sharded on ``dp``, so ``fc1``'s tensors are
-  ``(_StridedShard(0, sf=2), Shard(0))``; 2 AdamW steps, then ``save_distributed``;
+  ``(_StridedShard(0, sf=2), Shard(0))``; 2 AdamW steps, then ``save_distributed`` (and
+  ``AsyncSaver.save_distributed``: the same commit);
 - that commit is restored into the same 2-D mesh (saving again gives the same commit), into
   FSDP2 on ranks 0-1 (a 1-D mesh) and into a plain model on every rank, each bitwise; the
   learned-state root equals that of the plain model saved by one process;
@@ -105,7 +106,7 @@ def _info(step: int) -> ss.CommitInfo:
     return ss.CommitInfo(step=step, job="mesh-test")
 
 
-def _model_checks(rank: int, store: ss.Store, mesh, pair) -> dict:
+def _model_checks(rank: int, store: ss.Store, mesh, pair, async_group) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -116,6 +117,9 @@ def _model_checks(rank: int, store: ss.Store, mesh, pair) -> dict:
     out["placements"] = {n: str(p.placements) for n, p in m.named_parameters()}
     c = ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref="main", parent=None)
     out["c2d"] = c
+    saver = ss.AsyncSaver(store)  # the same state, snapshot (local tensors re-wrapped), saved in the background
+    saver.save_distributed(m, opt, info=_info(2), group=async_group, rng=False, ref=None, parent=None)
+    out["async"] = saver.close()
     plain = Net()
     popt = _opt(plain)
     ss.restore(store, c, plain, popt)
@@ -219,7 +223,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
         pair = dist.new_group([0, 1])
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         result = {"memory": _memory_check(rank, store, init_device_mesh("cpu", (world,)))}  # first: a fresh heap
-        result["model"] = _model_checks(rank, store, mesh, pair)
+        result["model"] = _model_checks(rank, store, mesh, pair, dist.new_group(list(range(world))))
         result["strided"] = _strided_checks(rank, store, mesh)
         with open(f"{out}.{rank}", "w") as f:
             json.dump(result, f)
@@ -249,6 +253,7 @@ def test_fsdp2_on_tensor_parallel_restores_into_any_mesh_bitwise(runs):
     assert model[0]["placements"]["fc1.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert model[0]["placements"]["fc2.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert len({m["c2d"] for m in model}) == 1
+    assert all(m["async"] == m["c2d"] for m in model)  # AsyncSaver.save_distributed: the same commit
     assert all(m["plain_equal"] for m in model)  # (c) a plain model on every rank
     assert all(m["same_mesh_equal"] for m in model)  # (a) the same 2-D mesh, local tensor by local tensor
     assert all(m["same_mesh_resave"] == m["c2d"] for m in model)  # ... and saving it again is the same commit
