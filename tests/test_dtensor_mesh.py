@@ -166,6 +166,12 @@ def _strided_checks(rank: int, store: ss.Store, mesh) -> dict:
     out["bytes_read"] = r.bytes_read
     if rank == 0:
         out["single"] = ss.save(store, full, step=0, job="mesh-test", rng=False, ref=None, parent=None)
+    bad = {"rows": DTensor.from_local(torch.zeros(10, WIDE), mesh, (Partial(), Replicate()), run_check=False), "cols": torch.zeros(4, 8)}
+    try:  # a Partial destination: refused before any byte is read into either tensor
+        ss.restore(store, c, bad)
+    except ss.TensorMismatch as e:
+        out["partial_restore"] = str(e)
+    out["partial_untouched"] = bool((bad["rows"].to_local() == 0).all()) and bool((bad["cols"] == 0).all())
     partial = {"summed": DTensor.from_local(torch.ones(4, 4), mesh, (Partial(), Replicate()), run_check=False)}
     try:
         ss.save_distributed(store, partial, None, info=_info(0), rng=False, ref=None, parent=None)
@@ -278,11 +284,13 @@ def test_local_tensors_of_several_boxes_are_saved_and_restored(runs):
     assert [s["bytes_read"] for s in strided] == [(8 if rank % 2 == 0 else 10) * WIDE * 4 + 4 * 8 * 4 for rank in range(4)]
 
 
-def test_partial_placement_is_refused_naming_the_tensor(runs):
+def test_partial_placement_is_refused_at_save_and_restore_naming_the_tensor(runs):
     _, results = runs
     for r in results:
         msg = r["strided"]["partial"]
         assert "'summed'" in msg and "Partial" in msg and "not saved state" in msg
+        assert "'rows'" in r["strided"]["partial_restore"] and "Partial" in r["strided"]["partial_restore"]
+        assert r["strided"]["partial_untouched"]
 
 
 def test_peak_memory_during_save_is_the_slice_plus_the_blocks_in_flight(runs):
