@@ -59,8 +59,9 @@ def _kind(p: Any) -> str:
 
 def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any], what: str = "tensor") -> list[range | torch.Tensor]:
     """For each dim of a ``shape`` tensor, the global index of each index of the local tensor
-    that mesh ``coordinate`` holds under ``placements`` (a ``range`` for a dim no placement
-    splits, else an integer tensor: only split dims cost memory, 4 bytes an index).
+    that mesh ``coordinate`` holds under ``placements``: a ``range`` while only ``Shard``
+    splits the dim (``Shard.local_shard_size_and_offset``, DTensor's chunk arithmetic), else
+    an integer tensor (``_split_tensor`` of the indices: only strided dims cost memory).
 
     Placements apply left to right, each to the indices the previous ones left (DTensor's
     convention, which ``_StridedShard`` exists to keep). TensorMismatch, naming ``what``,
@@ -83,11 +84,16 @@ def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Seq
         if not 0 <= d < len(shape):
             raise TensorMismatch(f"{what}: placement {p} splits dim {d} of a {len(shape)}-d tensor")
         ix = idx[d]
+        c = int(coordinate[mesh_dim])
+        chunk = getattr(p, "local_shard_size_and_offset", None) if kind == "shard" else None
+        if isinstance(ix, range) and chunk is not None:  # DTensor's own torch.chunk arithmetic: a range stays a range
+            size, off = chunk(len(ix), int(mesh_shape[mesh_dim]), c)
+            idx[d] = ix[int(off) : int(off) + int(size)]
+            continue
         if isinstance(ix, range):
             ix = torch.arange(ix.start, ix.stop, dtype=torch.int32 if ix.stop < 2**31 else torch.int64)
         probe = ix.reshape([1] * d + [-1])  # the indices so far, laid along dim d
         pieces, _ = p._split_tensor(probe, int(mesh_shape[mesh_dim]), with_padding=False, contiguous=False)
-        c = int(coordinate[mesh_dim])
         idx[d] = pieces[c].reshape(-1) if c < len(pieces) else ix[:0]
     return idx
 
