@@ -46,9 +46,9 @@ from .manifest import (
     shard_version,
     tensor_payloads,
 )
-from .dtensor import local_region
+from .placement import part_views
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
-from .grid import payload_blocks, put_payloads, read_jobs
+from .grid import payload_blocks, put_payloads, read_parts
 from .module_state import check_held, named_state
 from .names import check_ref_name
 from .preflight import check_info, check_parent
@@ -89,7 +89,7 @@ class SlotState:
     births: dict[str, int] | None = None
     buffers: set[str] = field(default_factory=set)  # which tensors are persistent buffers
     extra: dict[str, CapturedExtra] = field(default_factory=dict)  # this slot's own extras
-    slices: tuple[Slice, ...] = ()  # the boxes of sharded tensors this slot held (SPEC.md §Slices; set by the block exchange)
+    slices: tuple[Slice, ...] = ()  # the boxes of sharded tensors this slot held (SPEC.md §Slices held; set by the block exchange)
 
 
 @dataclass
@@ -370,9 +370,8 @@ def _read_all(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], thre
     """Fill each destination (its local slice, for a DTensor) from the blocks its payload has
     there (a single object: all of it); return the bytes read. Every block is verified."""
     jobs = []
-    for payload, dest, what in reads:
-        local, origin = local_region(dest, what)
-        jobs += read_jobs(store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), local, origin, what)
+    for payload, dest, what in reads:  # a DTensor's local tensor may be several boxes (SPEC.md §Slices on the grid)
+        jobs += read_parts(store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), part_views(dest, what), what)
     if threads <= 1 or len(jobs) <= 1:
         return sum(job() for job in jobs)
     with ThreadPoolExecutor(max_workers=threads) as pool:

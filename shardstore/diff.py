@@ -278,7 +278,7 @@ def _field_diffs(store: Store, la: LoadedCommit, lb: LoadedCommit) -> list[Field
         va, vb = ra.get((s, kind)), rb.get((s, kind))
         if va != vb:
             out.append(FieldDiff(f"rng.{s}.{kind}", va, vb))
-    sa, sb = _slices(la), _slices(lb)  # what each slot held of sharded tensors (SPEC.md §15d): layout, not learned state
+    sa, sb = _slices(la), _slices(lb)  # what each slot held of sharded tensors (SPEC.md §15e): layout, not learned state
     for key in sorted(set(sa) | set(sb)):
         if sa.get(key) != sb.get(key):
             out.append(FieldDiff(f"slices.{key[0]}.{key[1]}", sa.get(key), sb.get(key)))

@@ -48,6 +48,7 @@ __all__ = [
     "make_payload",
     "put_payloads",
     "read_jobs",
+    "read_parts",
     "read_whole",
 ]
 
@@ -251,40 +252,55 @@ def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload],
 def read_jobs(
     store: object, payload: Payload, dtype: str, shape: Sequence[int], local: torch.Tensor, origin: Sequence[int], what: str
 ) -> list[Callable[[], int]]:
-    """Jobs that fill ``local`` (the box of the tensor starting at ``origin``) from the blocks it overlaps.
+    """Jobs that fill ``local`` (the box of the tensor starting at ``origin``) from the blocks it overlaps."""
+    return read_parts(store, payload, dtype, shape, [(local, tuple(origin))], what)
 
-    Each job reads one whole block, verified against its id, and returns the bytes it
-    read. A block that lies wholly inside ``local`` and is contiguous there is read
-    straight into it; any other is read into a buffer of its own size and the common box
-    copied. A block is never read in part: its id covers all its bytes.
+
+def read_parts(
+    store: object, payload: Payload, dtype: str, shape: Sequence[int], parts: Sequence[tuple[torch.Tensor, Sequence[int]]], what: str
+) -> list[Callable[[], int]]:
+    """Jobs that fill each ``(view, origin)`` of ``parts`` (disjoint boxes of the tensor, each
+    starting at ``origin``: a DTensor's local tensor, SPEC.md §Slices on the grid) from the
+    blocks they overlap.
+
+    Each job reads one whole block, once however many parts it overlaps, verified against
+    its id, and returns the bytes it read. A block that lies wholly inside one part and is
+    contiguous there is read straight into it; any other is read into a buffer of its own
+    size and each common box copied. A block is never read in part: its id covers all its bytes.
     """
-    region: Box = (tuple(origin), tuple(local.shape))
+    regions = [(view, (tuple(o), tuple(view.shape))) for view, o in parts]
     jobs: list[Callable[[], int]] = []
     for i, (oid, box, n) in enumerate(payload_blocks(payload, dtype, shape)):
-        common = intersect(box, region) if math.prod(box[1]) > 0 else (box if box == region else None)
-        if common is None:
-            continue
-        label = what if not is_chunked(payload) else f"{what}, block {i}"
-        jobs.append(_job(store, oid, box, common, n, dtype, local, region[0], label))
+        hits = []
+        for view, region in regions:
+            common = intersect(box, region) if math.prod(box[1]) > 0 else (box if box == region else None)
+            if common is not None:
+                hits.append((view, region[0], common))
+        if hits:
+            label = what if not is_chunked(payload) else f"{what}, block {i}"
+            jobs.append(_job(store, oid, box, hits, n, dtype, label))
     return jobs
 
 
-def _job(store: object, oid: str, box: Box, common: Box, n: int, dtype: str, local: torch.Tensor, origin: tuple[int, ...], what: str) -> Callable[[], int]:
+def _job(store: object, oid: str, box: Box, hits: list[tuple[torch.Tensor, tuple[int, ...], Box]], n: int, dtype: str, what: str) -> Callable[[], int]:
     def run() -> int:
-        dest = local[box_slices(common, origin)]
         try:
-            if common == box and dest.is_contiguous():
-                store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
-                return n
+            if len(hits) == 1:
+                local, origin, common = hits[0]
+                dest = local[box_slices(common, origin)]
+                if common == box and dest.is_contiguous():
+                    store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
+                    return n
             buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
         except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
-            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({e}) (SPEC.md §Slices)") from None
+            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({e}) (SPEC.md §Slices held)") from None
         except CorruptObject as e:  # the backends without a streaming read name only the object
             if what in str(e):
                 raise
             raise CorruptObject(f"{what}: {e}") from None
         with torch.no_grad():
-            dest.copy_(buf[box_slices(common, box[0])])
+            for local, origin, common in hits:
+                local[box_slices(common, origin)].copy_(buf[box_slices(common, box[0])])
         return n
 
     return run

@@ -233,7 +233,7 @@ class ExtraEntry(Base):
 
 
 class Slice(Base):
-    """The box of a sharded tensor one slot held when it saved (SPEC.md §Slices): layout, not learned state."""
+    """The box of a sharded tensor one slot held when it saved (SPEC.md §Slices held): layout, not learned state."""
 
     name: TensorName
     start: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]

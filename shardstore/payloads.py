@@ -24,7 +24,7 @@ CHUNKED_VERSION = 2
 #: Shard manifests, commits and learned-state documents where a torch-form optimizer state
 #: tensor is chunked (SPEC.md §Chunked payloads, state tensors): in versions 1 and 2 a state
 #: tensor is one object whatever its size, so chunking them changed ids and needed a version.
-#: Shard manifests recording slices (SPEC.md §Slices) too: recording them changed DTensor saves' ids.
+#: Shard manifests recording slices (SPEC.md §Slices held) too: recording them changed DTensor saves' ids.
 STATE_CHUNKED_VERSION = 3
 
 

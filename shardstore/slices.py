@@ -1,5 +1,5 @@
 """Which part of each sharded tensor each slot held when it saved, and what slot K needs
-(SPEC.md §Slices).
+(SPEC.md §Slices held).
 
 A tensor that several ranks hold in parts (a DTensor: FSDP2, tensor parallelism) or whole
 (a plain tensor every rank holds, such as FSDP2's buffers) is recorded once, by one slot,
@@ -44,7 +44,7 @@ def shard_slice_problems(shard: ShardManifest) -> Iterator[str]:
     """Rules of one shard manifest's slices on their own."""
     keys = [_key(x) for x in shard.slices]
     if any(a >= b for a, b in zip(keys, keys[1:])):
-        yield "slices are not sorted by (name, start, shape) and unique (SPEC.md §Slices)"
+        yield "slices are not sorted by (name, start, shape) and unique (SPEC.md §Slices held)"
     for x in shard.slices:
         if len(x.start) != len(x.shape) or 0 in x.shape:
             yield f"slice of tensor {x.name!r} at {list(x.start)} of extent {list(x.shape)} is not a non-empty box"
@@ -60,7 +60,7 @@ def commit_slice_problems(shards: Mapping[int, ShardManifest], entries: Mapping[
         for x in shard.slices:
             e = entries.get(x.name)
             if e is None:
-                yield f"slot {slot} has a slice of tensor {x.name!r}, which the commit does not hold (SPEC.md §Slices)", x.name, slot
+                yield f"slot {slot} has a slice of tensor {x.name!r}, which the commit does not hold (SPEC.md §Slices held)", x.name, slot
                 continue
             box = (tuple(x.start), tuple(x.shape))
             if len(box[0]) != len(e.shape) or any(s + n > d for s, n, d in zip(box[0], box[1], e.shape)):
@@ -73,11 +73,11 @@ def commit_slice_problems(shards: Mapping[int, ShardManifest], entries: Mapping[
         if clash is not None:
             a, b = clash
             yield (f"slices at {list(a[0])} (slots {boxes[a]}) and {list(b[0])} (slots {boxes[b]}) overlap but are not the same box "
-                   "(SPEC.md §Slices)"), name, boxes[b][0]  # fmt: skip
+                   "(SPEC.md §Slices held)"), name, boxes[b][0]  # fmt: skip
             continue
         covered = sum(math.prod(b[1]) for b, _ in regions)
         if covered != math.prod(entries[name].shape):
-            yield f"the slots' slices cover {covered} of its {math.prod(entries[name].shape)} elements (SPEC.md §Slices)", name, regions[0][1][0]
+            yield f"the slots' slices cover {covered} of its {math.prod(entries[name].shape)} elements (SPEC.md §Slices held)", name, regions[0][1][0]
 
 
 def slot_needs(shards: Mapping[int, ShardManifest], slot: int) -> dict[str, list[Box] | None]:

@@ -63,7 +63,7 @@ def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
         out.data[lc.commit.config] = None
     for oid, size, *_ in extra_objects(lc.commit.extras, ""):  # commit-wide extras: every slot restores them
         out.data[oid] = size
-    needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices)
+    needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices held)
     for s, shard in sorted(lc.shards.items()):
         if shard.config is not None:
             out.data.setdefault(shard.config, None)

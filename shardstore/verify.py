@@ -289,7 +289,7 @@ def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
         yield lc.commit.config, None, None, "model config", "config"
     for oid, size, what, rule in extra_objects(lc.commit.extras, ""):
         yield oid, size, None, what, rule
-    needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices)
+    needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices held)
     for s, shard in sorted(lc.shards.items()):
         if slot is None or s == slot:
             for r in shard.rng:

@@ -297,7 +297,7 @@ def test_a_dtensor_inside_an_extra_is_refused_naming_it(runs):
 
 
 def _slot1_objects() -> tuple[int, int]:
-    """What slot 1 of the 2-rank SGD commit needs, worked out by hand (SPEC.md §Slices): FSDP2
+    """What slot 1 of the 2-rank SGD commit needs, worked out by hand (SPEC.md §Slices held): FSDP2
     gives rank 1 rows ceil(d/2)..d of every parameter; a 4 MiB block holds 8 rows of fc1.weight."""
     row = WIDE * 4
     blocks = [(lo, min(lo + 8, ROWS)) for lo in range(0, ROWS, 8)]

@@ -185,7 +185,7 @@ def test_a_large_extra_tensor_is_one_object_and_a_large_buffer_is_chunked():
         ss.load_commit(store, bad)
 
 
-# -- slices (format 3, SPEC.md §15d): the chunked vector's w held by two slots, rows 0-1 and row 2 ---------
+# -- slices (format 3, SPEC.md §15e): the chunked vector's w held by two slots, rows 0-1 and row 2 ---------
 
 
 def test_slices_vector_matches_an_independent_encoder():
