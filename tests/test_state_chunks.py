@@ -269,8 +269,9 @@ def test_export_and_diff_read_chunked_state_block_by_block(tmp_path):
         [[(0, 2)], [(2, 2)], [(4, 1)]],  # dim 0 over 3 slots (uneven): rows 0-1, 2-3, 4
         [[(0, 5, 0, 1 << 20)], [(0, 5, 1 << 20, 1 << 20)]],  # dim 1 over 2: every block is cut
         [[(0, 3)], [(0, 3)], [(3, 2)], [(3, 2)]],  # dim 0 over 2, each slice on 2 replicas
+        [[(0, 1), (3, 1)], [(1, 2), (4, 1)]],  # strided (SPEC.md §15d parts): slot 0 rows 0 and 3, slot 1 rows 1-2 and 4
     ],
-    ids=["dim0x3", "dim1x2", "dim0x2-replicated"],
+    ids=["dim0x3", "dim1x2", "dim0x2-replicated", "strided-parts"],
 )
 def test_slot_k_selection_is_exactly_the_blocks_its_slices_overlap(split):
     """uint8 [5, 2 MiB]: 2 rows per 4 MiB block, blocks of rows 0-1, 2-3, 4. Slot k's selection
