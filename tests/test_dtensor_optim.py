@@ -314,6 +314,7 @@ def test_copy_shard_k_copies_only_the_blocks_slot_k_held_and_restores_only_its_s
     store, two, _, _ = runs
     n, nbytes = _slot1_objects()
     copied, copied_bytes = two[0]["partial"]["copied"]
+    print(f"copy --shard 1: {copied} objects, {copied_bytes} bytes (slot 1's data by hand: {n} objects, {nbytes} bytes)")
     assert n == 12 and copied == n + 2 + 1  # data objects, 2 shard manifests, the commit
     assert copied_bytes - nbytes < 64 * 1024  # the rest is the three manifests
     assert two[1]["partial"]["restored"]  # rank 1's slice, bitwise from the partial copy
