@@ -107,7 +107,8 @@ def plan_blocks(
 ) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
     """For each canonical block: (box, owner rank, [(source rank, piece box)] of its other pieces).
 
-    The owner is a rank of the slice holding most of the block (ties: a hash of the key picks);
+    The owner is a rank of the slice holding most of the block (ties: the tied slices take
+    turns by block index, starting at a hash of the key);
     each slice's replicas take turns by block index, so replicated bytes are split among them.
     A piece whose source is the owner (it holds that slice too) is copied, not sent.
     """

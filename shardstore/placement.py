@@ -7,11 +7,12 @@ split_factor=f)`` (what FSDP2 puts on top of tensor parallelism when both split 
 placements ``(_StridedShard(0, sf=tp), Shard(0))`` for a colwise-parallel weight) cuts each
 of ``f`` pieces of dim ``d`` and concatenates the rank's cut of every piece. Applied left to
 right over the mesh dims, they give, for every tensor dim, the list of global indices the
-local tensor's indices stand for. Those lists are DTensor's own: each placement's
-``_split_tensor`` (the function ``distribute_tensor`` splits tensors with, and that torch's
-own offsets for strided shards come from) is applied to a tensor of indices. The result is
-checked against ``compute_local_shape_and_global_offset`` (what DCP uses) and the local
-tensor's shape.
+local tensor's indices stand for. Those lists are DTensor's own: ``Shard``'s chunk
+arithmetic (``Shard.local_shard_size_and_offset``) while a list is still a range, else the
+placement's ``_split_tensor`` (the function ``distribute_tensor`` splits tensors with, and
+that torch's own offsets for strided shards come from) applied to a tensor of indices. The
+result is checked against ``compute_local_shape_and_global_offset`` (what DCP uses) and
+the local tensor's shape.
 
 The local tensor's elements are then the product of those lists. Cutting each list into
 runs of consecutive indices cuts the local tensor into **parts**, each a box of the global

@@ -130,6 +130,9 @@ def _model_checks(rank: int, store: ss.Store, mesh, pair, async_group) -> dict:
     out["same_mesh_equal"] = _same_locals(m, opt, again, aopt)
     out["same_mesh_bytes_read"] = r.bytes_read
     out["same_mesh_resave"] = ss.save_distributed(store, again, aopt, info=_info(2), rng=False, ref=None, parent=None)
+    _train(m, opt, 1)
+    _train(again, aopt, 1)
+    out["same_mesh_continues"] = _same_locals(m, opt, again, aopt)  # one more step: still bitwise equal
     if rank < 2:  # (b) FSDP2 on a 1-D mesh of ranks 0 and 1
         f = Net()
         fully_shard(f.fc1, mesh=DeviceMesh.from_group(pair, "cpu"))
@@ -147,7 +150,7 @@ def _model_checks(rank: int, store: ss.Store, mesh, pair, async_group) -> dict:
 def _strided_checks(rank: int, store: ss.Store, mesh) -> dict:
     """DTensors whose local tensor is several boxes (``distribute_tensor`` makes them: DTensor's
     own split), saved, and restored into themselves and into plain tensors."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     g = torch.Generator().manual_seed(5)
@@ -177,6 +180,16 @@ def _strided_checks(rank: int, store: ss.Store, mesh) -> dict:
         ss.save_distributed(store, partial, None, info=_info(0), rng=False, ref=None, parent=None)
     except ss.CommitProtocolError as e:
         out["partial"] = str(e)
+    # Shard(0) twice, applied tp first (a shard order that is not the placements' own):
+    # the placements alone would give the wrong rows, so it is refused.
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
+
+    t = distribute_tensor(torch.zeros(8, 4), mesh, (Shard(0), Shard(0)), src_data_rank=None)
+    spec = DTensorSpec(mesh, (Shard(0), Shard(0)), tensor_meta=t._spec.tensor_meta, shard_order=(ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),))
+    try:
+        ss.save_distributed(store, {"reordered": DTensor(t._local_tensor, spec, requires_grad=False)}, None, info=_info(0), rng=False, ref=None, parent=None)
+    except ss.CommitProtocolError as e:
+        out["order"] = str(e)
     return out
 
 
@@ -263,6 +276,7 @@ def test_fsdp2_on_tensor_parallel_restores_into_any_mesh_bitwise(runs):
     assert all(m["plain_equal"] for m in model)  # (c) a plain model on every rank
     assert all(m["same_mesh_equal"] for m in model)  # (a) the same 2-D mesh, local tensor by local tensor
     assert all(m["same_mesh_resave"] == m["c2d"] for m in model)  # ... and saving it again is the same commit
+    assert all(m["same_mesh_continues"] for m in model)  # ... and a step from it matches one from the original
     assert model[0]["fsdp2_equal"] and model[1]["fsdp2_equal"]  # (b) FSDP2 on a 1-D mesh of 2 ranks
     roots = {k: store.commit(model[0][k]).learned_root for k in ("c2d", "fsdp2", "single")}
     assert len(set(roots.values())) == 1, roots
@@ -291,6 +305,7 @@ def test_partial_placement_is_refused_at_save_and_restore_naming_the_tensor(runs
         assert "'summed'" in msg and "Partial" in msg and "not saved state" in msg
         assert "'rows'" in r["strided"]["partial_restore"] and "Partial" in r["strided"]["partial_restore"]
         assert r["strided"]["partial_untouched"]
+        assert "'reordered'" in r["strided"]["order"] and "not its placements' left-to-right order" in r["strided"]["order"]
 
 
 def test_peak_memory_during_save_is_the_slice_plus_the_blocks_in_flight(runs):
