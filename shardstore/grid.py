@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import GridError
+from .errors import CorruptObject, GridError, ObjectNotFound
 from .manifest import MAX_BLOCKS, Block, Payload, is_chunked
 from .tensors import DTYPES, expected_nbytes
 
@@ -37,7 +37,6 @@ __all__ = [
     "BLOCK_BYTES",
     "Box",
     "StoredPayload",
-    "Whole",
     "grid",
     "block_count",
     "intersect",
@@ -49,6 +48,7 @@ __all__ = [
     "make_payload",
     "put_payloads",
     "read_jobs",
+    "read_parts",
     "read_whole",
 ]
 
@@ -82,14 +82,6 @@ def _split(dtype: str, shape: tuple[int, ...], block_bytes: int) -> tuple[int, i
 def block_count(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> int:
     """How many blocks the canonical grid has (cheap for any shape, even a forged one)."""
     return _split(dtype, tuple(int(d) for d in shape), block_bytes)[2]
-
-
-@dataclass(frozen=True)
-class Whole:
-    """A tensor ``put_payloads`` stores as one object whatever its size: the tensors of a
-    non-Adam optimizer's state (``StateTensor.object`` is one object id, SPEC.md §Optimizer state)."""
-
-    tensor: torch.Tensor
 
 
 def grid(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> list[Box]:
@@ -223,7 +215,7 @@ def _block_views(t: torch.Tensor, dtype: str) -> list[torch.Tensor]:
     return out
 
 
-def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload | Whole], *, threads: int = 2) -> list[Payload]:
+def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2) -> list[Payload]:
     """Store each whole tensor as its canonical blocks; return one payload per input, in order.
 
     All blocks go to ``store.put_tensors`` in one batch (hashed once, written once, one
@@ -239,23 +231,19 @@ def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload |
         if isinstance(t, StoredPayload):
             spans.append(None)
             continue
-        whole = isinstance(t, Whole)
-        t = t.tensor if whole else t
         if is_dtensor(t):
             raise TensorMismatch(
                 f"a DTensor of shape {list(t.shape)} holds only this process's slice: save_distributed writes "
-                "DTensor parameters and Adam moments over its process group; other DTensor state is not supported (SPEC.md §Block exchange)"
+                "DTensor parameters and optimizer state over its process group (SPEC.md §Block exchange)"
             )
-        blocks = [t] if whole else _block_views(t, dtype_name(t.dtype))
-        spans.append((len(views), -1 if whole else len(blocks)))
+        blocks = _block_views(t, dtype_name(t.dtype))
+        spans.append((len(views), len(blocks)))
         views += blocks
     ids = store.put_tensors(views, threads=threads) if views else []  # type: ignore[attr-defined]
     out: list[Payload] = []
     for t, span in zip(tensors, spans):
         if span is None:
             out.append(t.payload)  # type: ignore[union-attr]
-        elif span[1] < 0:
-            out.append(ids[span[0]])
         else:
             out.append(make_payload(dtype_name(t.dtype), tuple(t.shape), ids[span[0]:span[0] + span[1]]))  # type: ignore[union-attr]
     return out
@@ -264,33 +252,55 @@ def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload |
 def read_jobs(
     store: object, payload: Payload, dtype: str, shape: Sequence[int], local: torch.Tensor, origin: Sequence[int], what: str
 ) -> list[Callable[[], int]]:
-    """Jobs that fill ``local`` (the box of the tensor starting at ``origin``) from the blocks it overlaps.
+    """Jobs that fill ``local`` (the box of the tensor starting at ``origin``) from the blocks it overlaps."""
+    return read_parts(store, payload, dtype, shape, [(local, tuple(origin))], what)
 
-    Each job reads one whole block, verified against its id, and returns the bytes it
-    read. A block that lies wholly inside ``local`` and is contiguous there is read
-    straight into it; any other is read into a buffer of its own size and the common box
-    copied. A block is never read in part: its id covers all its bytes.
+
+def read_parts(
+    store: object, payload: Payload, dtype: str, shape: Sequence[int], parts: Sequence[tuple[torch.Tensor, Sequence[int]]], what: str
+) -> list[Callable[[], int]]:
+    """Jobs that fill each ``(view, origin)`` of ``parts`` (disjoint boxes of the tensor, each
+    starting at ``origin``: a DTensor's local tensor, SPEC.md §Slices on the grid) from the
+    blocks they overlap.
+
+    Each job reads one whole block, once however many parts it overlaps, verified against
+    its id, and returns the bytes it read. A block that lies wholly inside one part and is
+    contiguous there is read straight into it; any other is read into a buffer of its own
+    size and each common box copied. A block is never read in part: its id covers all its bytes.
     """
-    region: Box = (tuple(origin), tuple(local.shape))
+    regions = [(view, (tuple(o), tuple(view.shape))) for view, o in parts]
     jobs: list[Callable[[], int]] = []
     for i, (oid, box, n) in enumerate(payload_blocks(payload, dtype, shape)):
-        common = intersect(box, region) if math.prod(box[1]) > 0 else (box if box == region else None)
-        if common is None:
-            continue
-        label = what if not is_chunked(payload) else f"{what}, block {i}"
-        jobs.append(_job(store, oid, box, common, n, dtype, local, region[0], label))
+        hits = []
+        for view, region in regions:
+            common = intersect(box, region) if math.prod(box[1]) > 0 else (box if box == region else None)
+            if common is not None:
+                hits.append((view, region[0], common))
+        if hits:
+            label = what if not is_chunked(payload) else f"{what}, block {i}"
+            jobs.append(_job(store, oid, box, hits, n, dtype, label))
     return jobs
 
 
-def _job(store: object, oid: str, box: Box, common: Box, n: int, dtype: str, local: torch.Tensor, origin: tuple[int, ...], what: str) -> Callable[[], int]:
+def _job(store: object, oid: str, box: Box, hits: list[tuple[torch.Tensor, tuple[int, ...], Box]], n: int, dtype: str, what: str) -> Callable[[], int]:
     def run() -> int:
-        dest = local[box_slices(common, origin)]
-        if common == box and dest.is_contiguous():
-            store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
-            return n
-        buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
+        try:
+            if len(hits) == 1:
+                local, origin, common = hits[0]
+                dest = local[box_slices(common, origin)]
+                if common == box and dest.is_contiguous():
+                    store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
+                    return n
+            buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
+        except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
+            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({e}) (SPEC.md §Slices held)") from None
+        except CorruptObject as e:  # the backends without a streaming read name only the object
+            if what in str(e):
+                raise
+            raise CorruptObject(f"{what}: {e}") from None
         with torch.no_grad():
-            dest.copy_(buf[box_slices(common, box[0])])
+            for local, origin, common in hits:
+                local[box_slices(common, origin)].copy_(buf[box_slices(common, box[0])])
         return n
 
     return run
