@@ -5,9 +5,10 @@
 1. prepare the default job (byte-level tokenizer, generated tasks, tiny Llama);
 2. the uninterrupted reference: cohort A from a fresh start, committing every `every`
    steps on ref `main`;
-3. a fresh group restores the mid-cohort commit and worker 1 is killed during a later
-   update, after a microbatch's forward and before the optimizer step; the survivor
-   aborts naming the last committed step, and no ref names the lost work;
+3. a fresh group restores the last commit before the end of cohort A (one commit interval
+   early, so the replay is short) and worker 1 is killed during a later update, after a
+   microbatch's forward and before the optimizer step; the survivor aborts naming the
+   last committed step, and no ref names the lost work;
 4. a replacement host receives only slot 1's objects (`copy_commit(..., slot=1)` into its
    own store); the survivor and the replacement restore the common commit, replay to the
    end of cohort A on ref `recovery`, and the recovered commit id is compared with the
@@ -24,7 +25,9 @@
    verified.
 
 Cohort A distils toward the seed on its conversation replay, cohort B toward the
-committed end of cohort A (the recipe's references; `shardtrain.distill`).
+committed end of cohort A (the recipe's references; `shardtrain.distill`). The sizes below
+(`STEPS_A` ...) with `prepare_default`'s recipe are chosen so that cohort A learns the filter
+family in generation within the demo's budget (README, "What the demo learns").
 
 It reports through `say` (one line at a time); the CLI prints.
 """
