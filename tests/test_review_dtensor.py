@@ -108,6 +108,20 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
             result["disagreeing_replicas"] = sorted(set(back["rep"].tolist()))
         except ss.ShardstoreError as e:
             result["disagreeing_replicas"] = f"{type(e).__name__}: {e}"
+        # two tensors of one name, each a DTensor on a 1-rank mesh of its own (ranks 0 and 1)
+        alone = [dist.new_group([0]), dist.new_group([1])]
+        named = {}
+        if rank < 2:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            named = {"x": distribute_tensor(torch.full((4,), float(rank)), DeviceMesh.from_group(alone[rank], "cpu"), [Shard(0)])}
+        try:
+            cid = ss.save_distributed(store, named, info=info, rng=False, ref=None, parent=None)
+            back = {"x": torch.empty(4)}
+            ss.restore(store, cid, back)
+            result["same_name_two_meshes"] = sorted(set(back["x"].tolist()))
+        except ss.ShardstoreError as e:
+            result["same_name_two_meshes"] = f"{type(e).__name__}: {e}"
         # one rank's storage fails while it writes its blocks: every rank fails at once, naming it
         failing = ss.open_store(root)
         if rank == 1:
@@ -173,12 +187,15 @@ def test_a_storage_failure_on_one_rank_fails_every_rank_naming_it(group_run):
     assert "no space left on rank 1's disk" in results[1]["failing_store"]
 
 
-@pytest.mark.xfail(strict=True, reason="design decision, reported: SPEC §15b compares replicated plain tensors, not Replicate DTensors")
-def test_replicate_dtensors_that_disagree_are_refused(group_run):
-    """Each rank's Replicate DTensor holds its own values; the blocks are written by the
-    replicas in turn, so the commit holds a tensor no rank held (values [0.0, 1.0] today)."""
+@pytest.mark.xfail(strict=True, reason="design decision, reported: SPEC §15b compares replicated plain tensors, not DTensor replicas")
+def test_dtensor_replicas_that_disagree_are_refused(group_run):
+    """Each rank's Replicate DTensor holds its own values: the blocks are written by the
+    replicas in turn, so the commit holds a tensor no rank held (values [0.0, 1.0] today).
+    Two DTensors of one name on two 1-rank meshes (values 0 and 1) are taken as replicas:
+    rank 1's is dropped ([0.0] today). A plain tensor in either case is refused."""
     _, results = group_run
-    assert all(str(r["disagreeing_replicas"]).startswith("CommitProtocolError") for r in results), results[0]["disagreeing_replicas"]
+    for key in ("disagreeing_replicas", "same_name_two_meshes"):
+        assert all(str(r[key]).startswith("CommitProtocolError") for r in results), (key, results[0][key])
 
 
 # -- forged and damaged chunked payloads (one process) ---------------------------------------
