@@ -40,6 +40,7 @@ from .errors import StateMismatch, TensorMismatch
 from .exchange import BATCH_BYTES, ExchangeStats, last_exchange, run_plan
 from .grid import BLOCK_BYTES, Box, StoredPayload, grid, intersect, make_payload
 from .placement import local_parts
+from .slices import make_slices
 from .tensors import dtype_name, new_hasher, tensor_bytes, torch_dtype
 
 __all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
@@ -158,6 +159,10 @@ def _items_of(state: Any) -> list[tuple[str, str, torch.Tensor]]:
             m = getattr(po, role)
             if m is not None and is_dtensor(m):
                 items.append((n, role, m))
+        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9a), by key
+        for k, m in sorted(ts.tensors.items()) if ts is not None else ():
+            if is_dtensor(m):
+                items.append((n, f"state:{k}", m))
     return sorted(items, key=lambda x: (x[0], x[1]))
 
 
@@ -212,9 +217,15 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
         regions = slice_regions(n, dtype, shape, held)
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
             plans.append(((n, role), bi, box, owner, sends, dtype))
-    drop = _replicated_plain(state, {n: rs for n, rs in plain.items() if len(rs) > 1}, rank, group)
+    replicated = {n: rs for n, rs in plain.items() if len(rs) > 1}
+    drop = _replicated_plain(state, replicated, rank, group)
+    # what this slot held of tensors another slot may record (SPEC.md §Slices held): the boxes of
+    # its DTensor parameters' local parts, and the whole box of each plain tensor several ranks hold
+    boxes = [(n, box) for (n, role), (_lt, parts) in locals_.items() if role == "param" for box, _ in parts]
+    boxes += [(n, ((0,) * state.tensors[n].dim(), tuple(state.tensors[n].shape))) for n, rs in replicated.items() if rank in rs]
+    slices = make_slices(boxes)
     if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
-        return _restate(state, {}, set(), drop) if drop else state
+        return replace(_restate(state, {}, set(), drop), slices=slices) if drop else replace(state, slices=slices)
     ids = run_plan(store, plans, locals_, rank, g, group, threads)
     if ids is None:  # another rank failed staging or writing its blocks: the commit protocol names it
         return _restate(state, {}, set())
@@ -223,7 +234,7 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
         blocks.setdefault(key, []).append(oid)
     payload = {key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()}
     mine = {n for (n, role), (_, _, held) in union.items() if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank}
-    return _restate(state, payload, mine, drop)
+    return replace(_restate(state, payload, mine, drop), slices=slices)
 
 
 def _fingerprint(state: Any, name: str) -> str:
@@ -278,8 +289,16 @@ def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: se
             continue
         m1 = payload.get((n, "exp_avg"), po.exp_avg) if po.exp_avg is not None and is_dtensor(po.exp_avg) else po.exp_avg
         m2 = payload.get((n, "exp_avg_sq"), po.exp_avg_sq) if po.exp_avg_sq is not None and is_dtensor(po.exp_avg_sq) else po.exp_avg_sq
-        params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2)
+        ts = po.torch_state
+        if ts is not None and any(is_dtensor(m) for m in ts.tensors.values()):
+            ts = replace(ts, tensors={k: payload.get((n, f"state:{k}"), m) if is_dtensor(m) else m for k, m in ts.tensors.items()})
+        params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2, torch_state=ts)
     used = {p.group for p in params.values()}
-    optim = replace(state.optim, groups={k: h for k, h in state.optim.groups.items() if k in used}, params=params)
+    optim = replace(
+        state.optim,
+        groups={k: h for k, h in state.optim.groups.items() if k in used},
+        torch_groups={k: h for k, h in state.optim.torch_groups.items() if k in used},
+        params=params,
+    )
     births = None if state.births is None else {n: b for n, b in state.births.items() if n in tensors}
     return replace(state, tensors=tensors, optim=optim, births=births)

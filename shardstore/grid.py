@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import GridError
+from .errors import CorruptObject, GridError, ObjectNotFound
 from .manifest import MAX_BLOCKS, Block, Payload, is_chunked
 from .tensors import DTYPES, expected_nbytes
 
@@ -37,7 +37,6 @@ __all__ = [
     "BLOCK_BYTES",
     "Box",
     "StoredPayload",
-    "Whole",
     "grid",
     "block_count",
     "intersect",
@@ -83,14 +82,6 @@ def _split(dtype: str, shape: tuple[int, ...], block_bytes: int) -> tuple[int, i
 def block_count(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> int:
     """How many blocks the canonical grid has (cheap for any shape, even a forged one)."""
     return _split(dtype, tuple(int(d) for d in shape), block_bytes)[2]
-
-
-@dataclass(frozen=True)
-class Whole:
-    """A tensor ``put_payloads`` stores as one object whatever its size: the tensors of a
-    non-Adam optimizer's state (``StateTensor.object`` is one object id, SPEC.md §Optimizer state)."""
-
-    tensor: torch.Tensor
 
 
 def grid(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> list[Box]:
@@ -226,7 +217,7 @@ def _block_views(t: torch.Tensor, dtype: str) -> list[torch.Tensor]:
     return out
 
 
-def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload | Whole], *, threads: int = 2) -> list[Payload]:
+def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2) -> list[Payload]:
     """Store each whole tensor as its canonical blocks; return one payload per input, in order.
 
     All blocks go to ``store.put_tensors`` in one batch (hashed once, written once, one
@@ -242,23 +233,19 @@ def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload |
         if isinstance(t, StoredPayload):
             spans.append(None)
             continue
-        whole = isinstance(t, Whole)
-        t = t.tensor if whole else t
         if is_dtensor(t):
             raise TensorMismatch(
                 f"a DTensor of shape {list(t.shape)} holds only this process's slice: save_distributed writes "
-                "DTensor parameters and Adam moments over its process group; other DTensor state is not supported (SPEC.md §Block exchange)"
+                "DTensor parameters and optimizer state over its process group (SPEC.md §Block exchange)"
             )
-        blocks = [t] if whole else _block_views(t, dtype_name(t.dtype))
-        spans.append((len(views), -1 if whole else len(blocks)))
+        blocks = _block_views(t, dtype_name(t.dtype))
+        spans.append((len(views), len(blocks)))
         views += blocks
     ids = store.put_tensors(views, threads=threads) if views else []  # type: ignore[attr-defined]
     out: list[Payload] = []
     for t, span in zip(tensors, spans):
         if span is None:
             out.append(t.payload)  # type: ignore[union-attr]
-        elif span[1] < 0:
-            out.append(ids[span[0]])
         else:
             out.append(make_payload(dtype_name(t.dtype), tuple(t.shape), ids[span[0]:span[0] + span[1]]))  # type: ignore[union-attr]
     return out
@@ -299,13 +286,20 @@ def read_parts(
 
 def _job(store: object, oid: str, box: Box, hits: list[tuple[torch.Tensor, tuple[int, ...], Box]], n: int, dtype: str, what: str) -> Callable[[], int]:
     def run() -> int:
-        if len(hits) == 1:
-            local, origin, common = hits[0]
-            dest = local[box_slices(common, origin)]
-            if common == box and dest.is_contiguous():
-                store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
-                return n
-        buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
+        try:
+            if len(hits) == 1:
+                local, origin, common = hits[0]
+                dest = local[box_slices(common, origin)]
+                if common == box and dest.is_contiguous():
+                    store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
+                    return n
+            buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
+        except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
+            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({e}) (SPEC.md §Slices held)") from None
+        except CorruptObject as e:  # the backends without a streaming read name only the object
+            if what in str(e):
+                raise
+            raise CorruptObject(f"{what}: {e}") from None
         with torch.no_grad():
             for local, origin, common in hits:
                 local[box_slices(common, origin)].copy_(buf[box_slices(common, box[0])])

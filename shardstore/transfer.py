@@ -3,7 +3,8 @@
 A commit's *closure* is everything a reader needs to restore it: the commit manifest,
 all its shard manifests, the model config object, the commit-wide extras' objects, and the
 tensor (parameters and buffers), optimizer state and RNG objects and own extras of every slot (or, with ``slot=K``, of slot K only: what a replacement host needs
-to restore that one slot). The parent commit is a pointer, not part of the closure.
+to restore that one slot; of a tensor slot K held a slice of, only the blocks that slice
+overlaps, ``slices.slot_needs``). The parent commit is a pointer, not part of the closure.
 
 ``copy_commit`` sends only objects the destination lacks, and verifies every byte on
 arrival: what was received is hashed, and written under its id only if it hashes to it
@@ -26,10 +27,8 @@ from typing import TypeVar
 from .errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from .extras import extra_objects
 from .names import check_ref_name
-from .grid import payload_blocks
-from .manifest import tensor_payloads
+from .slices import entry_objects, slot_needs
 from .store import Store, object_key
-from .torch_optim import state_objects
 from .verify import LoadedCommit, load_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
@@ -64,21 +63,20 @@ def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
         out.data[lc.commit.config] = None
     for oid, size, *_ in extra_objects(lc.commit.extras, ""):  # commit-wide extras: every slot restores them
         out.data[oid] = size
+    needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices held)
     for s, shard in sorted(lc.shards.items()):
         if shard.config is not None:
             out.data.setdefault(shard.config, None)
-        if slot is not None and s != slot:
-            continue
-        for r in shard.rng:
-            out.data.setdefault(r.object, None)
-        for oid, size, *_ in extra_objects(shard.extras, ""):
-            out.data[oid] = size
-        for e in shard.entries:
-            for _role, payload, dtype in tensor_payloads(e):
-                for oid, _box, n in payload_blocks(payload, dtype, e.shape):
-                    out.data[oid] = n
-            for oid, size, _ in state_objects(e):
+        if slot is None or s == slot:
+            for r in shard.rng:
+                out.data.setdefault(r.object, None)
+            for oid, size, *_ in extra_objects(shard.extras, ""):
                 out.data[oid] = size
+        for e in shard.entries:
+            if needs is not None and e.name not in needs:
+                continue
+            for oid, n, _what in entry_objects(e, needs[e.name] if needs is not None else None):
+                out.data[oid] = n
     return out
 
 
