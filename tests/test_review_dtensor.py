@@ -5,7 +5,10 @@ naming tensor and block, bounded before anything is allocated, on restore and in
 One spawned group of 3 Gloo processes saves a state of awkward DTensors (a rank holding zero
 rows, an empty tensor, exactly one block and one block plus one element, bool/int64/bfloat16/
 float16, a column split, local tensors that are non-contiguous or start at a storage offset)
-and restores it into other splits; the single-process checks forge and damage stores.
+and restores it into other splits, bitwise, with the plain save's learned-state root; one
+rank's storage then fails mid-exchange (every rank must fail at once, naming it); and two
+replica cases that are stored today as a mix (a strict xfail: a design decision, reported).
+The single-process checks forge shapes and damage block files (restore, export, the CLI).
 """
 from __future__ import annotations
 
