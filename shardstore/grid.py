@@ -295,7 +295,7 @@ def _job(store: object, oid: str, box: Box, hits: list[tuple[torch.Tensor, tuple
                     return n
             buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
         except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
-            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({e}) (SPEC.md §Slices held)") from None
+            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({str(e).removeprefix(what + ': ')}) (SPEC.md §Slices held)") from None
         except CorruptObject as e:  # the backends without a streaming read name only the object
             if what in str(e):
                 raise
