@@ -166,7 +166,7 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[st
         if len(b.start) != len(shape) or len(b.shape) != len(shape):
             return [f"block {i} (object {b.object}) has {len(b.start)}/{len(b.shape)} dims for a {len(shape)}-d tensor"]
         if any(n == 0 or s + n > d for s, n, d in zip(b.start, b.shape, shape)):
-            return [f"block {i} (object {b.object}) at {list(b.start)} of extent {list(b.shape)} lies outside shape {list(shape)}"]
+            return [f"block {i} (object {b.object}) at {list(b.start)} of extent {list(b.shape)} is empty or lies outside shape {list(shape)}"]
     order = sorted(range(len(blocks)), key=lambda i: tuple(blocks[i].start))
     pairs = zip(order, order[1:]) if len(blocks) > 512 else ((i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks)))
     for i, j in pairs:
