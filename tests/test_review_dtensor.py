@@ -137,6 +137,22 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
             result["failing_store"] = "saved"
         except ss.ShardstoreError as e:
             result["failing_store"] = f"{type(e).__name__}: {e}"
+        # ... and one that cannot stage a batch (before any piece is posted)
+        import shardstore.exchange as sex
+
+        real = sex._Arena.reset
+        if rank == 2:
+            def no_memory(self, nbytes):
+                raise MemoryError("injected: rank 2 cannot stage")
+
+            sex._Arena.reset = no_memory
+        try:
+            ss.save_distributed(store, state, info=info, rng=False, ref=None, parent=None)
+            result["failing_stage"] = "saved"
+        except ss.ShardstoreError as e:
+            result["failing_stage"] = f"{type(e).__name__}: {e}"
+        finally:
+            sex._Arena.reset = real
         dist.barrier()
     except BaseException as e:  # noqa: BLE001 - reported to the test, never a hang
         result["error"] = f"{type(e).__name__}: {e}"
@@ -181,13 +197,17 @@ def test_edge_splits_dtypes_and_local_layouts_round_trip_bitwise(group_run):
 
 
 def test_a_storage_failure_on_one_rank_fails_every_rank_naming_it(group_run):
-    """Before, a rank whose put_tensors failed left the exchange while the others waited for
+    """A rank that cannot write its blocks, or cannot stage a batch, fails every rank at once,
+    naming it. Before, a rank whose put_tensors failed left the exchange while the others waited for
     its pieces and ids until the group timed out (60 s here, 30 min by default), and every
     rank then reported a lost process group, not the full disk."""
     _, results = group_run
     for r in results:
         assert r["failing_store"].startswith("CommitProtocolError") and "rank(s) [1]" in r["failing_store"], r["failing_store"]
     assert "no space left on rank 1's disk" in results[1]["failing_store"]
+    for r in results:
+        assert r["failing_stage"].startswith("CommitProtocolError") and "rank(s) [2]" in r["failing_stage"], r["failing_stage"]
+    assert "rank 2 cannot stage" in results[2]["failing_stage"]
 
 
 @pytest.mark.xfail(strict=True, reason="design decision, reported: SPEC §15b compares replicated plain tensors, not DTensor replicas")
