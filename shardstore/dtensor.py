@@ -227,6 +227,8 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
     if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
         return replace(_restate(state, {}, set(), drop), slices=slices) if drop else replace(state, slices=slices)
     ids = run_plan(store, plans, locals_, rank, g, group, threads)
+    if ids is None:  # another rank failed staging or writing its blocks: the commit protocol names it
+        return _restate(state, {}, set())
     blocks: dict[tuple[str, str], list[str]] = {}
     for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
         blocks.setdefault(key, []).append(oid)

@@ -118,9 +118,22 @@ def _origin_of(parts: list[tuple[Box, tuple[int, ...]]], piece: Box) -> tuple[in
     raise AssertionError(f"piece {piece} is in none of this rank's parts")
 
 
-def run_plan(store: Any, plans: list, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int) -> list[str]:
+def _any_failed(error: BaseException | None, group: Any) -> bool:
+    """Whether any rank of ``group`` failed (one int all-reduced); this rank's ``error`` is raised."""
+    flag = torch.tensor([int(error is not None)], dtype=torch.int32)
+    dist.all_reduce(flag, group=group)
+    if error is not None:
+        raise error
+    return bool(flag.item())
+
+
+def run_plan(store: Any, plans: list, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int) -> list[str] | None:
     """Carry out ``plans`` ((key, block index, box, owner, sends, dtype) each, in the same
-    order on every rank); return every block's id (all ranks get all ids)."""
+    order on every rank); return every block's id (all ranks get all ids).
+
+    A rank whose staging or writing fails (a full disk, a storage error) still tells the
+    others, after the batch, and raises; they return None (the commit protocol then fails
+    on every rank naming it) instead of waiting for its pieces until the group times out."""
     global _LAST
     stats = _LAST = ExchangeStats()
     arena = _Arena()
@@ -131,7 +144,10 @@ def run_plan(store: Any, plans: list, locals_: dict[Any, Local], rank: int, g: A
         while j < len(plans) and (j == i or size + expected_nbytes(plans[j][5], plans[j][2][1]) <= BATCH_BYTES):
             size += expected_nbytes(plans[j][5], plans[j][2][1])
             j += 1
-        for k, oid in _batch(store, plans[i:j], i, locals_, rank, g, group, threads, stats, arena):
+        written = _batch(store, plans[i:j], i, locals_, rank, g, group, threads, stats, arena)
+        if written is None:
+            return None
+        for k, oid in written:
             ids[k] = bytes.fromhex(oid)
         i = j
     stats.arena_bytes = arena.size
@@ -144,10 +160,26 @@ def run_plan(store: Any, plans: list, locals_: dict[Any, Local], rank: int, g: A
     return [bytes(row.numpy().tobytes()).hex() for row in table]
 
 
-def _batch(store: Any, batch: list, first: int, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena) -> list[tuple[int, str]]:
+def _batch(store: Any, batch: list, first: int, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena) -> list[tuple[int, str]] | None:
     """One batch: what to stage worked out, the arena sized, pieces sent and received, this
-    rank's blocks hashed and written; returns (plan index, id) of the blocks it owns."""
-    # 1. This rank's part of the batch, and the bytes it stages (nothing allocated yet).
+    rank's blocks hashed and written; returns (plan index, id) of the blocks it owns, or
+    None if another rank failed (staging, before any piece is posted, or writing its blocks)."""
+    error: BaseException | None = None
+    try:
+        owned, sending, need = _stage(batch, first, locals_, rank, arena)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it before a piece is posted
+        error = e
+    if _any_failed(error, group):
+        return None
+    try:
+        written = _exchange(store, owned, sending, need, g, group, threads, stats, arena)
+    except Exception as e:  # noqa: BLE001 - a full disk, a storage error: every rank learns of it
+        error = e
+    return None if _any_failed(error, group) else written
+
+
+def _stage(batch: list, first: int, locals_: dict[Any, Local], rank: int, arena: _Arena) -> tuple[list, list, int]:
+    """1. This rank's part of the batch and the bytes it stages; the arena sized (no piece posted)."""
     owned: list[tuple[int, Box, torch.dtype, Local, torch.Tensor | None, list[tuple[int, int, Box]]]] = []
     sending: list[tuple[int, int, torch.Tensor]] = []  # (tag, destination, view of the local tensor)
     need = 0
@@ -185,8 +217,12 @@ def _batch(store: Any, batch: list, first: int, locals_: dict[Any, Local], rank:
                 if not view.is_contiguous():
                     need += _round(view.numel() * item)
                 sending.append((tag - 1, owner, view))
-    # 2. Buffers carved from the arena; sends and receives posted.
     arena.reset(need)
+    return owned, sending, need
+
+
+def _exchange(store: Any, owned: list, sending: list, need: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena) -> list[tuple[int, str]]:
+    """2. Buffers carved from the arena, sends and receives posted; 3. the blocks hashed and written."""
     works, blocks, strips = [], [], []
     for k, box, dtype, (lt, parts), view, arriving in owned:
         buf = view

@@ -150,21 +150,23 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[st
     count = block_count(dtype, shape)
     if count > MAX_BLOCKS:  # a forged shape: refused before anything is listed or allocated
         return [f"its {nbytes} bytes would need {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)"]
-    canon = grid(dtype, shape)
     if not is_chunked(payload):
-        if len(canon) > 1:
-            return [f"its {nbytes} bytes exceed the {BLOCK_BYTES}-byte block bound, so its payload must be {len(canon)} blocks, not one object"]
+        if count > 1:
+            return [f"its {nbytes} bytes exceed the {BLOCK_BYTES}-byte block bound, so its payload must be {count} blocks, not one object"]
         return []
     blocks = list(payload)  # type: ignore[arg-type]
-    if len(canon) == 1:
+    if count == 1:
         return [f"it fits one block ({nbytes} bytes <= {BLOCK_BYTES}) but its payload lists {len(blocks)} blocks"]
-    if len(blocks) == len(canon) and all(tuple(b.start) == c[0] and tuple(b.shape) == c[1] for b, c in zip(blocks, canon)):
+    # The grid is listed only when the payload lists as many blocks: a forged shape's count
+    # (up to MAX_BLOCKS) must not make a one-line entry cost a million boxes (SPEC.md §Limits).
+    canon = grid(dtype, shape) if len(blocks) == count else []
+    if canon and all(tuple(b.start) == c[0] and tuple(b.shape) == c[1] for b, c in zip(blocks, canon)):
         return []  # the canonical grid; what follows only says how a payload differs from it
     for i, b in enumerate(blocks):
         if len(b.start) != len(shape) or len(b.shape) != len(shape):
             return [f"block {i} (object {b.object}) has {len(b.start)}/{len(b.shape)} dims for a {len(shape)}-d tensor"]
         if any(n == 0 or s + n > d for s, n, d in zip(b.start, b.shape, shape)):
-            return [f"block {i} (object {b.object}) at {list(b.start)} of extent {list(b.shape)} lies outside shape {list(shape)}"]
+            return [f"block {i} (object {b.object}) at {list(b.start)} of extent {list(b.shape)} is empty or lies outside shape {list(shape)}"]
     order = sorted(range(len(blocks)), key=lambda i: tuple(blocks[i].start))
     pairs = zip(order, order[1:]) if len(blocks) > 512 else ((i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks)))
     for i, j in pairs:
@@ -174,8 +176,8 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[st
     covered = sum(math.prod(b.shape) for b in blocks)
     if covered != math.prod(shape):
         return [f"its {len(blocks)} blocks cover {covered} of {math.prod(shape)} elements: they do not tile shape {list(shape)}"]
-    if len(blocks) != len(canon):
-        return [f"its payload lists {len(blocks)} blocks; the canonical grid has {len(canon)}"]
+    if len(blocks) != count:
+        return [f"its payload lists {len(blocks)} blocks; the canonical grid has {count}"]
     for i, (b, (start, extent)) in enumerate(zip(blocks, canon)):
         if tuple(b.start) != start or tuple(b.shape) != extent:
             return [
@@ -293,7 +295,7 @@ def _job(store: object, oid: str, box: Box, hits: list[tuple[torch.Tensor, tuple
                     return n
             buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
         except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
-            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({e}) (SPEC.md §Slices held)") from None
+            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({str(e).removeprefix(what + ': ')}) (SPEC.md §Slices held)") from None
         except CorruptObject as e:  # the backends without a streaming read name only the object
             if what in str(e):
                 raise
