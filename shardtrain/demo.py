@@ -73,7 +73,7 @@ class DemoResult:
 
 
 #: The demo's cohort sizes and commit interval (README, "What the demo learns").
-STEPS_A, STEPS_B, EVERY, BATCH_SIZE, MICROBATCH_SIZE = 800, 12, 50, 32, 8
+STEPS_A, STEPS_B, EVERY, BATCH_SIZE, MICROBATCH_SIZE = 700, 12, 50, 32, 8
 
 
 def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepEvent], None] | None = None,
