@@ -7,7 +7,7 @@ rows, an empty tensor, exactly one block and one block plus one element, bool/in
 float16, a column split, local tensors that are non-contiguous or start at a storage offset)
 and restores it into other splits, bitwise, with the plain save's learned-state root; one
 rank's storage then fails mid-exchange (every rank must fail at once, naming it); and two
-replica cases that are stored today as a mix (a strict xfail: a design decision, reported).
+replica cases that were stored as a mix and are now refused.
 The single-process checks forge shapes and damage block files (restore, export, the CLI).
 """
 from __future__ import annotations
@@ -210,15 +210,17 @@ def test_a_storage_failure_on_one_rank_fails_every_rank_naming_it(group_run):
     assert "rank 2 cannot stage" in results[2]["failing_stage"]
 
 
-@pytest.mark.xfail(strict=True, reason="design decision, reported: SPEC §15b compares replicated plain tensors, not DTensor replicas")
 def test_dtensor_replicas_that_disagree_are_refused(group_run):
-    """Each rank's Replicate DTensor holds its own values: the blocks are written by the
-    replicas in turn, so the commit holds a tensor no rank held (values [0.0, 1.0] today).
-    Two DTensors of one name on two 1-rank meshes (values 0 and 1) are taken as replicas:
-    rank 1's is dropped ([0.0] today). A plain tensor in either case is refused."""
+    """Each rank's Replicate DTensor holds its own values: the blocks were written by the
+    replicas in turn, so the commit held a tensor no rank held (values [0.0, 1.0] before).
+    Two DTensors of one name on two 1-rank meshes (values 0 and 1) were taken as replicas
+    and rank 1's dropped ([0.0] before). Now each holder hashes its copy of a shared slice
+    and the save is refused on every rank, as a disagreeing plain tensor is."""
     _, results = group_run
-    for key in ("disagreeing_replicas", "same_name_two_meshes"):
-        assert all(str(r[key]).startswith("CommitProtocolError") for r in results), (key, results[0][key])
+    for key, name in (("disagreeing_replicas", "'rep'"), ("same_name_two_meshes", "'x'")):
+        for r in results:
+            assert str(r[key]).startswith("CommitProtocolError"), (key, r[key])
+        assert any(f"tensor {name}" in str(r[key]) and "different values" in str(r[key]) for r in results), (key, results)
 
 
 # -- forged and damaged chunked payloads (one process) ---------------------------------------
