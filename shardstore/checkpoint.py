@@ -432,7 +432,7 @@ def restore(
     state = None
     torch_plan = None
     if optimizer is not None and use_torch_form(lc.id, lc.commit.optimizer, optimizer):
-        torch_plan = plan_torch_restore(lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id)
+        torch_plan = plan_torch_restore(store, lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id)
         reads += torch_plan.reads
     elif optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .errors import StateMismatch, TensorMismatch
 from .exchange import BATCH_BYTES, ExchangeStats, last_exchange, run_plan
-from .grid import BLOCK_BYTES, Box, StoredPayload, grid, intersect, make_payload
+from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
 from .placement import local_parts
 from .slices import make_slices
 from .tensors import dtype_name, new_hasher, tensor_bytes, torch_dtype
@@ -217,6 +217,7 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
         regions = slice_regions(n, dtype, shape, held)
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
             plans.append(((n, role), bi, box, owner, sends, dtype))
+    _replicas_agree(locals_, union, rank, group)
     replicated = {n: rs for n, rs in plain.items() if len(rs) > 1}
     drop = _replicated_plain(state, replicated, rank, group)
     # what this slot held of tensors another slot may record (SPEC.md §Slices held): the boxes of
@@ -251,6 +252,35 @@ def _fingerprint(state: Any, name: str) -> str:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(tensor_bytes(t))
     return h.hexdigest()
+
+
+def _replicas_agree(locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]],
+                    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]], rank: int, group: Any) -> None:
+    """A box of a DTensor that several ranks hold (a ``Replicate`` placement, or one name on
+    several meshes) is written once, split among its holders: they must hold the same bytes,
+    else the commit would hold a tensor no rank held. Each holder hashes its copy; on a
+    disagreement every rank raises TensorMismatch naming tensor, box and ranks (SPEC.md §Block
+    exchange). Boxes held by one rank (FSDP2, tensor parallelism) cost nothing here."""
+    shared = {(key, box): rs for key, (_d, _s, held) in union.items() for box, rs in held.items() if len(rs) > 1}
+    if not shared:  # the same answer on every rank: the union is
+        return
+    mine = {}
+    for (key, box), rs in shared.items():
+        if rank in rs:
+            local, parts = locals_[key]
+            origin = next(o for b, o in parts if b == box)
+            h = new_hasher()
+            h.update(tensor_bytes(local[box_slices(box, origin)].contiguous()))
+            mine[f"{key[0]}\0{key[1]}\0{box}"] = h.hexdigest()
+    got = [_FINGERPRINTS.decode(raw) for raw in _all_gather_bytes(msgspec.json.encode(mine), group)]
+    for ((n, role), box), rs in sorted(shared.items()):
+        label = f"{n}\0{role}\0{box}"
+        if len({got[r].get(label) for r in rs}) != 1:
+            raise TensorMismatch(
+                f"{role} of tensor {n!r}: ranks {rs} hold its slice at {list(box[0])} of extent {list(box[1])} with "
+                "different values; replicas of a slice (a Replicate placement, or one name on several meshes) must be "
+                "equal, since the slice is written once (SPEC.md §Block exchange)"
+            )
 
 
 def _replicated_plain(state: Any, replicated: dict[str, list[int]], rank: int, group: Any) -> set[str]:

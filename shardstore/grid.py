@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CorruptObject, GridError, ObjectNotFound
+from .errors import CorruptObject, GridError, ObjectNotFound, TensorMismatch
 from .manifest import MAX_BLOCKS, Block, Payload, is_chunked
 from .tensors import DTYPES, expected_nbytes
 
@@ -45,6 +45,7 @@ __all__ = [
     "overlapping",
     "grid_problems",
     "check_payload",
+    "check_stored",
     "make_payload",
     "put_payloads",
     "read_jobs",
@@ -193,6 +194,23 @@ def check_payload(payload: Payload, dtype: str, shape: Sequence[int], what: str)
         raise GridError(f"{what}: {msg} (SPEC.md §Chunked payloads)")
 
 
+def check_stored(store: object, payload: Payload, dtype: str, shape: Sequence[int], what: str) -> None:
+    """Before a tensor of a manifest's ``dtype`` and ``shape`` is allocated: every object of its
+    payload is in the store with the byte size its block implies (elements x itemsize), so no
+    allocation is driven by an unchecked shape (SPEC.md §Limits); one size query per object.
+    ObjectNotFound or TensorMismatch naming ``what`` (tensor and role) and the block."""
+    blocks = payload_blocks(payload, dtype, shape)
+    for i, (oid, box, n) in enumerate(blocks):
+        label = what if len(blocks) == 1 else f"{what}, block {i}"
+        have = store.object_size(oid)  # type: ignore[attr-defined]
+        if have is None:
+            raise ObjectNotFound(f"{label}: object {oid} is not in the store")
+        if have != n:
+            raise TensorMismatch(
+                f"{label}: object {oid} holds {have} bytes, but {dtype}{list(box[1])} needs {n}; refused before allocating (SPEC.md §Limits)"
+            )
+
+
 def make_payload(dtype: str, shape: Sequence[int], ids: Sequence[str], *, block_bytes: int = BLOCK_BYTES) -> Payload:
     """The payload naming ``ids``, the objects of the canonical blocks in order."""
     canon = grid(dtype, shape, block_bytes=block_bytes)
@@ -224,7 +242,6 @@ def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload],
     durability barrier); ``StoredPayload`` inputs pass through unchanged.
     """
     from .dtensor import is_dtensor  # dtensor builds on this module
-    from .errors import TensorMismatch
     from .tensors import dtype_name
 
     views: list[torch.Tensor] = []
@@ -313,6 +330,7 @@ def read_whole(store: object, payload: Payload, dtype: str, shape: Sequence[int]
     shape = tuple(shape)
     if not is_chunked(payload):
         return store.get_tensor(payload, dtype, shape, what=what)  # type: ignore[attr-defined]
+    check_stored(store, payload, dtype, shape, what)  # the blocks' sizes bound the allocation
     out = torch.empty(shape, dtype=DTYPES[dtype])
     for job in read_jobs(store, payload, dtype, shape, out, (0,) * len(shape), what):
         job()

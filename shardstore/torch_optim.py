@@ -33,7 +33,7 @@ import torch
 
 from .errors import BindingError, ManifestError, ShardstoreError, StateMismatch, UnsupportedOptimizer
 from .extras import extras_rules
-from .grid import grid_problems, payload_blocks
+from .grid import check_stored, grid_problems, payload_blocks
 from .manifest import (
     STATE_CHUNKED_VERSION,
     CommitManifest,
@@ -220,14 +220,18 @@ def _scalar_value(s: StateScalar) -> Any:
     return v if s.dtype is None else torch.tensor(v, dtype=torch_dtype(s.dtype))
 
 
-def _state_dest(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _state_dest(store: object, param: torch.Tensor, t: StateTensor, what: str) -> torch.Tensor:
     """A new state tensor to read into: for a DTensor parameter (FSDP2, TP) a state tensor of
     its shape is a DTensor split like it (what torch's optimizers create for it, so a restore
-    reads only the blocks this rank's slice overlaps); anything else a plain CPU tensor."""
+    reads only the blocks this rank's slice overlaps); anything else a plain CPU tensor, of a
+    shape only the manifest gives, so allocated only once the objects it names are known to
+    hold that many bytes (SPEC.md §Limits)."""
     from .dtensor import is_dtensor
 
+    dtype, shape = torch_dtype(t.dtype), tuple(t.shape)
     if is_dtensor(param) and tuple(param.shape) == shape:
-        return torch.empty_like(param, dtype=dtype)
+        return torch.empty_like(param, dtype=dtype)  # sized by the caller's own parameter
+    check_stored(store, t.object, t.dtype, shape, what)
     return torch.empty(shape, dtype=dtype)
 
 
@@ -244,6 +248,7 @@ class TorchRestore:
 
 
 def plan_torch_restore(
+    store: object,
     optimizer_spec: OptimizerSpec,
     entries: Mapping[str, TensorEntry],
     optimizer: Any,
@@ -282,9 +287,9 @@ def plan_torch_restore(
                 raise StateMismatch(f"tensor {name!r} is in group {e.state.group!r} in commit {commit_id} but in {gname!r} here")
             st: dict[str, Any] = {s.key: _scalar_value(s) for s in e.state.scalars}
             for t in e.state.tensors:
-                dest = _state_dest(p, torch_dtype(t.dtype), tuple(t.shape))
-                reads.append((t.object, dest, f"optimizer state {t.key!r} of {name!r}"))
-                st[t.key] = dest
+                what = f"optimizer state {t.key!r} of {name!r}"
+                st[t.key] = dest = _state_dest(store, p, t, what)
+                reads.append((t.object, dest, what))
             if st:
                 state[index] = st
             index += 1

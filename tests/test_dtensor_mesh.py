@@ -21,21 +21,15 @@ the expensive part:
 from __future__ import annotations
 
 import ctypes
-import json
-import os
-import socket
-from datetime import timedelta
 
 import torch
-import torch._dynamo  # noqa: F401  before any group: see shardtrain.launch.init_from_env
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import pytest
 
 import shardstore as ss
 import shardstore.dtensor as sdt
 import shardstore.exchange as sex
-from conftest import START_METHOD
+from gloo_group import run_group
 from shardstore.grid import BLOCK_BYTES
 
 WIDE = 131072  # fc1.weight: 10 x 131072 float32 = 5 MiB, blocks of rows 0-7 and 8-9
@@ -231,39 +225,25 @@ def _memory_check(rank: int, store: ss.Store, world_mesh) -> list[dict]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _body(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        store = ss.open_store(root)
-        pair = dist.new_group([0, 1])
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        result = {"memory": _memory_check(rank, store, init_device_mesh("cpu", (world,)))}  # first: a fresh heap
-        result["model"] = _model_checks(rank, store, mesh, pair, dist.new_group(list(range(world))))
-        result["strided"] = _strided_checks(rank, store, mesh)
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    store = ss.open_store(root)
+    pair = dist.new_group([0, 1])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    result = {"memory": _memory_check(rank, store, init_device_mesh("cpu", (world,)))}  # first: a fresh heap
+    result["model"] = _model_checks(rank, store, mesh, pair, dist.new_group(list(range(world))))
+    result["strided"] = _strided_checks(rank, store, mesh)
+    return result
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mesh")
-    root, out = str(tmp / "store"), str(tmp / "result")
+    root = str(tmp / "store")
     store = ss.open_store(root)
-    mp.start_processes(_worker, args=(4, _free_port(), root, out), nprocs=4, join=True, start_method=START_METHOD)
-    return store, [json.load(open(f"{out}.{r}")) for r in range(4)]
+    return store, run_group(_body, 4, tmp, root)
 
 
 def test_fsdp2_on_tensor_parallel_restores_into_any_mesh_bitwise(runs):

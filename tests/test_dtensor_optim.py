@@ -19,18 +19,14 @@ copied with ``copy_commit(slot=1)`` (``copy --shard 1``) and restored from that 
 from __future__ import annotations
 
 import json
-import os
-import socket
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pytest
 
 import shardstore as ss
-from conftest import START_METHOD
+from gloo_group import run_group
 
 WIDE = 131072
 ROWS = 20  # fc1.weight: 20 x 512 KiB rows, blocks of rows 0-7, 8-15, 16-19
@@ -197,48 +193,34 @@ def _three(rank: int, store: ss.Store, mesh) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+def _body(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        store = ss.open_store(root)
-        pair = dist.new_group([0, 1])
-        async_pair = dist.new_group([0, 1])
-        result: dict = {}
-        if rank < 2:
-            result["two"] = _two(store, DeviceMesh.from_group(pair, "cpu"), pair, async_pair)
-        dist.barrier()
-        if rank == 2:  # the same states saved whole by one process
-            for key, make in OPTIMIZERS.items():
-                plain = Net()
-                popt = make(plain.parameters())
-                ss.restore(store, key, plain, popt)
-                result[f"{key}1"] = ss.save(store, plain, popt, step=2, job="dtensor-optim", rng=False, ref=f"{key}1", parent=None)
-        dist.barrier()
-        result["three"] = _three(rank, store, init_device_mesh("cpu", (world,)))
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    store = ss.open_store(root)
+    pair = dist.new_group([0, 1])
+    async_pair = dist.new_group([0, 1])
+    result: dict = {}
+    if rank < 2:
+        result["two"] = _two(store, DeviceMesh.from_group(pair, "cpu"), pair, async_pair)
+    dist.barrier()
+    if rank == 2:  # the same states saved whole by one process
+        for key, make in OPTIMIZERS.items():
+            plain = Net()
+            popt = make(plain.parameters())
+            ss.restore(store, key, plain, popt)
+            result[f"{key}1"] = ss.save(store, plain, popt, step=2, job="dtensor-optim", rng=False, ref=f"{key}1", parent=None)
+    dist.barrier()
+    result["three"] = _three(rank, store, init_device_mesh("cpu", (world,)))
+    return result
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dtensor-optim")
-    root, out = str(tmp / "store"), str(tmp / "result")
+    root = str(tmp / "store")
     store = ss.open_store(root)
-    mp.start_processes(_worker, args=(3, _free_port(), root, out), nprocs=3, join=True, start_method=START_METHOD)
-    results = [json.load(open(f"{out}.{r}")) for r in range(3)]
+    results = run_group(_body, 3, tmp, root)
     return store, [r["two"] for r in results[:2]], [r["three"] for r in results], results[2]
 
 

@@ -7,29 +7,23 @@ rows, an empty tensor, exactly one block and one block plus one element, bool/in
 float16, a column split, local tensors that are non-contiguous or start at a storage offset)
 and restores it into other splits, bitwise, with the plain save's learned-state root; one
 rank's storage then fails mid-exchange (every rank must fail at once, naming it); and two
-replica cases that are stored today as a mix (a strict xfail: a design decision, reported).
+replica cases that were stored as a mix and are now refused.
 The single-process checks forge shapes and damage block files (restore, export, the CLI).
 """
 from __future__ import annotations
 
-import json
-import os
-import socket
 import subprocess
 import sys
 import uuid
-from datetime import timedelta
 
 import msgspec
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  before any group: see shardtrain.launch.init_from_env
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import shardstore as ss
 import shardstore.grid as sgrid
-from conftest import START_METHOD
+from gloo_group import run_group
 from shardstore.interchange import export_commit
 from shardstore.manifest import shard_version
 
@@ -70,112 +64,96 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+def _body(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     result: dict = {}
+    store = ss.open_store(root)
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full()
+    state = _dtensors(mesh, full)
+    info = ss.CommitInfo(step=0, job="review")
+    result["commit"] = ss.save_distributed(store, state, info=info, rng=False, ref=None, parent=None)
+    if rank == 0:  # the plain save of the same state, under the workers' own kernels (randn's draws differ by CPU path)
+        result["whole"] = ss.save(store, full, step=0, job="review", rng=False, ref=None, parent=None)
+    result["again"] = ss.save_distributed(store, state, info=info, rng=False, ref=None, parent=None)
+    # restored into another split (dim 1 where it was dim 0, and back) and into plain tensors
+    other = {n: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0 if n == "cols" else (1 if t.dim() > 1 else 0))]) for n, t in full.items()}
+    ss.restore(store, result["commit"], other)
+    result["other_split_equal"] = {n: _bits(other[n].full_tensor()) == _bits(full[n]) for n in full}
+    result["other_split"] = ss.save_distributed(store, other, info=info, rng=False, ref=None, parent=None)
+    plain = {n: torch.zeros_like(t) for n, t in full.items()}
+    ss.restore(store, result["commit"], plain)
+    result["plain_equal"] = {n: _bits(plain[n]) == _bits(full[n]) for n in full}
+    # the same non-contiguous / offset local tensors as destinations
+    fresh = _dtensors(mesh, {n: torch.zeros_like(t) for n, t in full.items()})
+    ss.restore(store, result["commit"], fresh)
+    result["self_equal"] = {n: _bits(fresh[n].full_tensor()) == _bits(full[n]) for n in full}
+    # replicas that disagree: each rank's "replicated" tensor holds its own values
+    rep = {"rep": distribute_tensor(torch.zeros(1048577), mesh, [Replicate()])}
+    with torch.no_grad():
+        rep["rep"].to_local().fill_(float(rank))
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        cid = ss.save_distributed(store, rep, info=info, rng=False, ref=None, parent=None)
+        back = {"rep": torch.empty(1048577)}
+        ss.restore(store, cid, back)
+        result["disagreeing_replicas"] = sorted(set(back["rep"].tolist()))
+    except ss.ShardstoreError as e:
+        result["disagreeing_replicas"] = f"{type(e).__name__}: {e}"
+    # two tensors of one name, each a DTensor on a 1-rank mesh of its own (ranks 0 and 1)
+    alone = [dist.new_group([0]), dist.new_group([1])]
+    named = {}
+    if rank < 2:
+        from torch.distributed.device_mesh import DeviceMesh
 
-        store = ss.open_store(root)
-        mesh = init_device_mesh("cpu", (world,))
-        full = _full()
-        state = _dtensors(mesh, full)
-        info = ss.CommitInfo(step=0, job="review")
-        result["commit"] = ss.save_distributed(store, state, info=info, rng=False, ref=None, parent=None)
-        if rank == 0:  # the plain save of the same state, under the workers' own kernels (randn's draws differ by CPU path)
-            result["whole"] = ss.save(store, full, step=0, job="review", rng=False, ref=None, parent=None)
-        result["again"] = ss.save_distributed(store, state, info=info, rng=False, ref=None, parent=None)
-        # restored into another split (dim 1 where it was dim 0, and back) and into plain tensors
-        other = {n: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0 if n == "cols" else (1 if t.dim() > 1 else 0))]) for n, t in full.items()}
-        ss.restore(store, result["commit"], other)
-        result["other_split_equal"] = {n: _bits(other[n].full_tensor()) == _bits(full[n]) for n in full}
-        result["other_split"] = ss.save_distributed(store, other, info=info, rng=False, ref=None, parent=None)
-        plain = {n: torch.zeros_like(t) for n, t in full.items()}
-        ss.restore(store, result["commit"], plain)
-        result["plain_equal"] = {n: _bits(plain[n]) == _bits(full[n]) for n in full}
-        # the same non-contiguous / offset local tensors as destinations
-        fresh = _dtensors(mesh, {n: torch.zeros_like(t) for n, t in full.items()})
-        ss.restore(store, result["commit"], fresh)
-        result["self_equal"] = {n: _bits(fresh[n].full_tensor()) == _bits(full[n]) for n in full}
-        # replicas that disagree: each rank's "replicated" tensor holds its own values
-        rep = {"rep": distribute_tensor(torch.zeros(1048577), mesh, [Replicate()])}
-        with torch.no_grad():
-            rep["rep"].to_local().fill_(float(rank))
-        try:
-            cid = ss.save_distributed(store, rep, info=info, rng=False, ref=None, parent=None)
-            back = {"rep": torch.empty(1048577)}
-            ss.restore(store, cid, back)
-            result["disagreeing_replicas"] = sorted(set(back["rep"].tolist()))
-        except ss.ShardstoreError as e:
-            result["disagreeing_replicas"] = f"{type(e).__name__}: {e}"
-        # two tensors of one name, each a DTensor on a 1-rank mesh of its own (ranks 0 and 1)
-        alone = [dist.new_group([0]), dist.new_group([1])]
-        named = {}
-        if rank < 2:
-            from torch.distributed.device_mesh import DeviceMesh
+        named = {"x": distribute_tensor(torch.full((4,), float(rank)), DeviceMesh.from_group(alone[rank], "cpu"), [Shard(0)])}
+    try:
+        cid = ss.save_distributed(store, named, info=info, rng=False, ref=None, parent=None)
+        back = {"x": torch.empty(4)}
+        ss.restore(store, cid, back)
+        result["same_name_two_meshes"] = sorted(set(back["x"].tolist()))
+    except ss.ShardstoreError as e:
+        result["same_name_two_meshes"] = f"{type(e).__name__}: {e}"
+    # one rank's storage fails while it writes its blocks: every rank fails at once, naming it
+    failing = ss.open_store(root)
+    if rank == 1:
+        def full_disk(tensors, threads=2):
+            raise ss.StorageError("injected: no space left on rank 1's disk")
 
-            named = {"x": distribute_tensor(torch.full((4,), float(rank)), DeviceMesh.from_group(alone[rank], "cpu"), [Shard(0)])}
-        try:
-            cid = ss.save_distributed(store, named, info=info, rng=False, ref=None, parent=None)
-            back = {"x": torch.empty(4)}
-            ss.restore(store, cid, back)
-            result["same_name_two_meshes"] = sorted(set(back["x"].tolist()))
-        except ss.ShardstoreError as e:
-            result["same_name_two_meshes"] = f"{type(e).__name__}: {e}"
-        # one rank's storage fails while it writes its blocks: every rank fails at once, naming it
-        failing = ss.open_store(root)
-        if rank == 1:
-            def full_disk(tensors, threads=2):
-                raise ss.StorageError("injected: no space left on rank 1's disk")
+        failing.put_tensors = full_disk
+    try:
+        ss.save_distributed(failing, state, info=info, rng=False, ref=None, parent=None)
+        result["failing_store"] = "saved"
+    except ss.ShardstoreError as e:
+        result["failing_store"] = f"{type(e).__name__}: {e}"
+    # ... and one that cannot stage a batch (before any piece is posted)
+    import shardstore.exchange as sex
 
-            failing.put_tensors = full_disk
-        try:
-            ss.save_distributed(failing, state, info=info, rng=False, ref=None, parent=None)
-            result["failing_store"] = "saved"
-        except ss.ShardstoreError as e:
-            result["failing_store"] = f"{type(e).__name__}: {e}"
-        # ... and one that cannot stage a batch (before any piece is posted)
-        import shardstore.exchange as sex
+    real = sex._Arena.reset
+    if rank == 2:
+        def no_memory(self, nbytes):
+            raise MemoryError("injected: rank 2 cannot stage")
 
-        real = sex._Arena.reset
-        if rank == 2:
-            def no_memory(self, nbytes):
-                raise MemoryError("injected: rank 2 cannot stage")
-
-            sex._Arena.reset = no_memory
-        try:
-            ss.save_distributed(store, state, info=info, rng=False, ref=None, parent=None)
-            result["failing_stage"] = "saved"
-        except ss.ShardstoreError as e:
-            result["failing_stage"] = f"{type(e).__name__}: {e}"
-        finally:
-            sex._Arena.reset = real
-        dist.barrier()
-    except BaseException as e:  # noqa: BLE001 - reported to the test, never a hang
-        result["error"] = f"{type(e).__name__}: {e}"
-        raise
+        sex._Arena.reset = no_memory
+    try:
+        ss.save_distributed(store, state, info=info, rng=False, ref=None, parent=None)
+        result["failing_stage"] = "saved"
+    except ss.ShardstoreError as e:
+        result["failing_stage"] = f"{type(e).__name__}: {e}"
     finally:
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(result, f)
-        dist.destroy_process_group()
+        sex._Arena.reset = real
+    dist.barrier()
+    return result
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def group_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("review")
-    root, out = str(tmp / "store"), str(tmp / "result")
+    root = str(tmp / "store")
     store = ss.open_store(root)
-    mp.start_processes(_worker, args=(3, _free_port(), root, out), nprocs=3, join=True, start_method=START_METHOD)
-    return store, [json.load(open(f"{out}.{r}")) for r in range(3)]
+    return store, run_group(_body, 3, tmp, root, timeout_s=60)
 
 
 def test_edge_splits_dtypes_and_local_layouts_round_trip_bitwise(group_run):
@@ -210,15 +188,17 @@ def test_a_storage_failure_on_one_rank_fails_every_rank_naming_it(group_run):
     assert "rank 2 cannot stage" in results[2]["failing_stage"]
 
 
-@pytest.mark.xfail(strict=True, reason="design decision, reported: SPEC §15b compares replicated plain tensors, not DTensor replicas")
 def test_dtensor_replicas_that_disagree_are_refused(group_run):
-    """Each rank's Replicate DTensor holds its own values: the blocks are written by the
-    replicas in turn, so the commit holds a tensor no rank held (values [0.0, 1.0] today).
-    Two DTensors of one name on two 1-rank meshes (values 0 and 1) are taken as replicas:
-    rank 1's is dropped ([0.0] today). A plain tensor in either case is refused."""
+    """Each rank's Replicate DTensor holds its own values: the blocks were written by the
+    replicas in turn, so the commit held a tensor no rank held (values [0.0, 1.0] before).
+    Two DTensors of one name on two 1-rank meshes (values 0 and 1) were taken as replicas
+    and rank 1's dropped ([0.0] before). Now each holder hashes its copy of a shared slice
+    and the save is refused on every rank, as a disagreeing plain tensor is."""
     _, results = group_run
-    for key in ("disagreeing_replicas", "same_name_two_meshes"):
-        assert all(str(r[key]).startswith("CommitProtocolError") for r in results), (key, results[0][key])
+    for key, name in (("disagreeing_replicas", "'rep'"), ("same_name_two_meshes", "'x'")):
+        for r in results:
+            assert str(r[key]).startswith("CommitProtocolError"), (key, r[key])
+        assert any(f"tensor {name}" in str(r[key]) and "different values" in str(r[key]) for r in results), (key, results)
 
 
 # -- forged and damaged chunked payloads (one process) ---------------------------------------
