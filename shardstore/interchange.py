@@ -174,8 +174,9 @@ def _write_safetensors(store: Store, path: str, items: Sequence[_Item], tick: Ca
             for i, (oid, _box, nbytes) in enumerate(blocks := payload_blocks(it.oid, it.dtype, it.shape)):  # consecutive byte ranges
                 try:
                     data = store.get(oid, limit=nbytes)  # re-hashed on read; bounded by the entry's size first
-                except (CorruptObject, ObjectNotFound, ObjectTooLarge) as e:
-                    raise type(e)(f"tensor {it.name!r}{f', block {i}' if len(blocks) > 1 else ''} ({path}): {e}") from None
+                except (CorruptObject, ObjectNotFound, ObjectTooLarge) as e:  # too large: appended bytes, corrupt
+                    kind = CorruptObject if isinstance(e, ObjectTooLarge) else type(e)
+                    raise kind(f"tensor {it.name!r}{f', block {i}' if len(blocks) > 1 else ''} ({path}): {e}") from None
                 if len(data) != nbytes:
                     raise TensorMismatch(f"tensor {it.name!r}: object {oid} holds {len(data)} bytes, entry needs {nbytes}")
                 f.write(data)

@@ -184,10 +184,13 @@ class Store:
     def get_tensor(self, oid: str, dtype: str, shape: tuple[int, ...], *, what: str = "tensor") -> torch.Tensor:
         """A verified tensor viewing the object's bytes (read into memory of its own, then hashed).
 
-        An object larger than ``dtype`` x ``shape`` is refused (ObjectTooLarge) before it is read (SPEC.md §Limits)."""
+        An object larger than ``dtype`` x ``shape`` is corrupt (appended bytes: CorruptObject, as
+        verify says) and refused before it is read, so a grown file is never read whole (SPEC.md §Limits)."""
         try:
             data = self.get(oid, limit=expected_nbytes(dtype, tuple(shape)))
-        except (CorruptObject, ObjectNotFound, ObjectTooLarge) as e:  # name the tensor (and block) it was read for
+        except ObjectTooLarge as e:
+            raise CorruptObject(f"{what}: {e}: longer than its dtype and shape, refused unread") from None
+        except (CorruptObject, ObjectNotFound) as e:  # name the tensor (and block) it was read for
             raise type(e)(f"{what}: {e}") from None
         return tensor_from_bytes(data, dtype, tuple(shape), f"{what} (object {oid})")
 
