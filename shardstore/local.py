@@ -32,6 +32,14 @@ _CHUNK = 8 << 20
 #: core's cache when it is hashed (1 MiB measured 1.2-1.5x faster than 8 MiB on 2 cores).
 _READ_CHUNK = 1 << 20
 _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
+#: The first read of every file asks for one page. Linux (6.x) fills the first readahead
+#: window of a file with order-0 (4 KiB) folios whatever the request size, and raises the
+#: folio order by 2 for each window after it, as a sequential reader reaches it: a first read
+#: of 1 MiB leaves half of a 4 MiB object in 4 KiB folios. Measured cold on 2 cores, 256
+#: files of 4 MiB, 8 threads: a 4 KiB first read then 1 MiB reads filled the cache 2x faster
+#: with less than half the CPU (0.42 s, 0.14 s CPU, against 0.81 s, 0.32 s), and copying the
+#: same bytes out of the page cache later (deep verify) took 0.04 s CPU per GiB against 0.11.
+_FIRST_READ = 4096
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
 
@@ -43,6 +51,24 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         pass
+
+
+def _read_exact(fd: int, out: memoryview, consume: Callable[[memoryview], None] | None) -> int:
+    """Fill ``out`` from ``fd``'s offset, one page first (``_FIRST_READ``), then ``_READ_CHUNK``
+    at a time, calling ``consume`` on each piece right after it lands; return the bytes read
+    (fewer than ``len(out)`` only if the file ended first)."""
+    size = len(out)
+    off = 0
+    step = _FIRST_READ
+    while off < size:
+        n = os.readv(fd, [out[off : off + step]])
+        if n == 0:
+            return off
+        if consume is not None:
+            consume(out[off : off + n])
+        off += n
+        step = _READ_CHUNK
+    return off
 
 
 def _close_quietly(fd: int) -> None:
@@ -128,15 +154,9 @@ class LocalStorage:
             if limit is not None and size > limit:
                 raise ObjectTooLarge(f"{key} in store {self.root} is {size} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
             buf = bytearray(size)
-            view = memoryview(buf)
-            off = 0
-            while off < size:
-                n = os.readv(fd, [view[off : off + _READ_CHUNK]])
-                if n == 0:
-                    raise StorageError(f"read {key!r} in store {self.root}: the file shrank from {size} to {off} bytes while being read")
-                if consume is not None:
-                    consume(view[off : off + n])
-                off += n
+            got = _read_exact(fd, memoryview(buf), consume)
+            if got != size:
+                raise StorageError(f"read {key!r} in store {self.root}: the file shrank from {size} to {got} bytes while being read")
             return buf
         except OSError as e:
             raise self._io("read", key, e) from None
@@ -282,15 +302,7 @@ class LocalStorage:
             size = os.fstat(fd).st_size
             if size != len(out):
                 return size
-            off = 0
-            while off < size:
-                n = os.readv(fd, [out[off : off + _READ_CHUNK]])
-                if n == 0:
-                    return off  # truncated under us
-                if consume is not None:
-                    consume(out[off : off + n])
-                off += n
-            return size
+            return _read_exact(fd, out, consume)  # fewer bytes: truncated under us
         except OSError as e:
             raise self._io("read", key, e) from None
         finally:
@@ -318,12 +330,14 @@ class LocalStorage:
                 buf = memoryview(mmap.mmap(-1, chunk))  # anonymous, page-aligned, reused by this thread
                 setattr(_tls, attr, buf)
             size = 0
+            step = buf[:_FIRST_READ]
             while True:
-                n = os.readv(fd, [buf])
+                n = os.readv(fd, [step])
                 if n == 0:
                     break
                 h.update(buf[:n])
                 size += n
+                step = buf
         except OSError as e:
             raise self._io("read", key, e) from None
         finally:
