@@ -368,29 +368,50 @@ class LocalStorage:
             self._dirty.add(os.path.dirname(parent))
         return written
 
-    def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
-        path = self._path(key)
+    def _take_lock(self, key: str, path: str) -> tuple[str, int]:
+        """Create ``path``'s exclusive lock file (every ref writer takes it); RefConflict if held."""
         lock = path + ".lock"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
         except OSError as e:
             raise self._io("lock", key, e) from None
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            return lock, os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             raise RefConflict(
                 f"{key} is locked by another writer ({lock} exists; remove it only if no writer is running)"
             ) from None
         except OSError as e:
             raise self._io("lock", key, e) from None
+
+    def _check_current(self, key: str, expected: bytes | None) -> None:
+        try:
+            current: bytes | None = bytes(self.read(key))  # O_NOFOLLOW: a planted link is refused
+        except ObjectNotFound:
+            current = None
+        if current != expected:
+            raise RefConflict(f"{key}: expected {show_ref_value(expected)}, found {show_ref_value(current)}")
+
+    def delete_if(self, key: str, expected: bytes) -> None:
+        """Under the ref's lock, so that no ``swap`` lands between the comparison and the unlink."""
+        path = self._path(key)
+        lock, fd = self._take_lock(key, path)
+        try:
+            self._check_current(key, expected)
+            os.unlink(path)
+            _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise self._io("delete", key, e) from None
+        finally:
+            _close_quietly(fd)
+            _unlink_quietly(lock)
+
+    def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
+        path = self._path(key)
+        lock, fd = self._take_lock(key, path)
         renamed = False
         try:
-            try:
-                current: bytes | None = bytes(self.read(key))  # O_NOFOLLOW: a planted link is refused
-            except ObjectNotFound:
-                current = None
-            if current != expected:
-                raise RefConflict(f"{key}: expected {show_ref_value(expected)}, found {show_ref_value(current)}")
+            self._check_current(key, expected)
             os.write(fd, new)
             os.fsync(fd)
             os.close(fd)

@@ -9,10 +9,12 @@ guarantees the store rests on are request conditions s3fs does not expose:
   objects) with ``If-None-Match: *``; a 412 means "already there", and since an object's
   name is the hash of its bytes, that is success without writing;
 - refs move by compare-and-swap: read the ref and its ETag, then ``PutObject`` with
-  ``If-Match: <etag>`` (or ``If-None-Match: *`` for a new ref); a 412 is a RefConflict.
+  ``If-Match: <etag>`` (or ``If-None-Match: *`` for a new ref); a 412 is a RefConflict;
+  refs and pins are deleted the same way (``DeleteObject`` with ``If-Match: <etag>``).
 
 At open, a probe writes a scratch key under ``tmp/`` twice with ``If-None-Match: *`` and
-once with a stale ``If-Match``, and expects 412 the second and third time. A server that
+once with a stale ``If-Match``, and deletes it once with a stale ``If-Match``, and expects
+412 the second, third and fourth time (a ref or pin is deleted with ``If-Match``). A server that
 ignores the conditions (older MinIO, some gateways) still stores objects (head, then put:
 content addressing makes a lost race harmless) but every ref update is refused with a
 StorageError: a compare-and-swap that is not one would silently lose commits.
@@ -39,7 +41,6 @@ import asyncio
 import itertools
 import random
 import re
-import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -49,7 +50,7 @@ import fsspec.asyn
 from .errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from .names import check_key
 from .s3_requests import S3Error as _S3Error
-from .s3_requests import multipart_upload, transient_errors
+from .s3_requests import multipart_upload, probe_conditions, transient_errors
 from .storage import Buffer
 
 __all__ = ["S3Storage", "DEFAULT_PART_SIZE", "DEFAULT_CONCURRENCY", "DEFAULT_ATTEMPTS"]
@@ -119,7 +120,7 @@ class S3Storage:
         self._client_side: type[BaseException] = BotoCoreError
         self.conditional_reason = ""
         if conditional is None:
-            conditional, self.conditional_reason = self._run(self._probe)
+            conditional, self.conditional_reason = self._run(probe_conditions, self)
         self.conditional = conditional
 
     def __repr__(self) -> str:
@@ -188,35 +189,6 @@ class S3Storage:
             if e.status == 404:
                 return None
             raise self._fail("read", key, e) from None
-
-    # -- probe -------------------------------------------------------------------------
-
-    async def _probe(self) -> tuple[bool, str]:
-        """Does the server honour If-None-Match / If-Match on PutObject? (ok, reason if not)."""
-        key = f"tmp/probe-{secrets.token_hex(8)}"
-        full = self._full(key)
-        try:
-            try:
-                await self._call("put_object", key, Key=full, Body=b"probe", IfNoneMatch="*")
-            except _S3Error as e:
-                if e.code == "NoSuchBucket":
-                    raise StorageError(f"cannot open store {self.url}: bucket {self.bucket!r} does not exist") from None
-                return False, f"a create-only write (If-None-Match: *) was refused: {e}"
-            for what, cond in (("a second create-only write (If-None-Match: *)", {"IfNoneMatch": "*"}),
-                               ("a write with a stale If-Match", {"IfMatch": '"00000000000000000000000000000000"'})):
-                try:
-                    await self._call("put_object", key, Key=full, Body=b"probe-again", **cond)
-                except _S3Error as e:
-                    if e.status == 412:
-                        continue
-                    return False, f"{what} of {key} was answered {e} instead of 412"
-                return False, f"{what} of {key} succeeded instead of failing with 412"
-            return True, ""
-        finally:
-            try:
-                await self._call("delete_object", key, Key=full)
-            except Exception:
-                pass  # a stale probe under tmp/ is harmless; gc removes it
 
     # -- Storage protocol --------------------------------------------------------------
 
@@ -458,6 +430,27 @@ class S3Storage:
 
     def delete(self, key: str) -> None:
         self._run(self._delete, key)
+
+    def delete_if(self, key: str, expected: bytes) -> None:
+        self._run(self._delete_if, key, expected)
+
+    async def _delete_if(self, key: str, expected: bytes) -> None:
+        """Read the value and its ETag, then ``DeleteObject`` with ``If-Match: <etag>``."""
+        if not self.conditional:
+            raise StorageError(f"refusing to delete {key} in store {self.url}: the server does not honour conditional "
+                               f"requests ({self.conditional_reason or 'disabled by the caller'})")
+        got = await self._get_or_none(key)
+        current = None if got is None else got[1]
+        if got is None or current != expected:
+            raise RefConflict(f"{key}: expected {_show(expected)}, found {_show(current)}")
+        try:
+            await self._call("delete_object", key, Key=self._full(key), IfMatch=got[0]["ETag"])
+        except _S3Error as e:
+            if e.status not in (404, 412):
+                raise self._fail("delete", key, e) from None
+            if e.retried and e.status == 404:
+                return  # our earlier attempt landed; its answer was lost
+            raise RefConflict(f"{key}: conditional delete lost in {self.url}: it changed since it was read") from None
 
     async def _delete(self, key: str) -> None:
         try:

@@ -1,5 +1,6 @@
 """Request-level pieces of the S3 backend (``shardstore.s3``): the server's error answers, which
-failures are transient, and the concurrent multipart upload (SPEC.md §19).
+failures are transient, the probe of the server's request conditions and the concurrent
+multipart upload (SPEC.md §19).
 
 Kept apart from ``S3Storage`` so that the backend module holds the storage protocol and
 its read path; everything here works through the backend's own ``_call`` (bounded
@@ -8,12 +9,15 @@ concurrency and retries) and is internal.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import TYPE_CHECKING, Any
+
+from .errors import StorageError
 
 if TYPE_CHECKING:
     from .s3 import S3Storage
 
-__all__ = ["S3Error", "transient_errors", "gather", "multipart_upload"]
+__all__ = ["S3Error", "transient_errors", "gather", "multipart_upload", "probe_conditions"]
 
 
 class S3Error(Exception):
@@ -75,3 +79,36 @@ async def multipart_upload(storage: S3Storage, key: str, view: memoryview) -> bo
     except BaseException:
         await storage._abort(key, uid)
         raise
+
+
+async def probe_conditions(storage: S3Storage) -> tuple[bool, str]:
+    """Does the server honour If-None-Match / If-Match on PutObject and If-Match on
+    DeleteObject? (ok, reason if not; S3Storage's module docstring says why each matters)."""
+    key = f"tmp/probe-{secrets.token_hex(8)}"
+    full = storage._full(key)
+    try:
+        try:
+            await storage._call("put_object", key, Key=full, Body=b"probe", IfNoneMatch="*")
+        except S3Error as e:
+            if e.code == "NoSuchBucket":
+                raise StorageError(f"cannot open store {storage.url}: bucket {storage.bucket!r} does not exist") from None
+            return False, f"a create-only write (If-None-Match: *) was refused: {e}"
+        stale = '"00000000000000000000000000000000"'
+        for what, method, cond in (
+            ("a second create-only write (If-None-Match: *)", "put_object", {"Body": b"again", "IfNoneMatch": "*"}),
+            ("a write with a stale If-Match", "put_object", {"Body": b"again", "IfMatch": stale}),
+            ("a delete with a stale If-Match", "delete_object", {"IfMatch": stale}),
+        ):
+            try:
+                await storage._call(method, key, Key=full, **cond)
+            except S3Error as e:
+                if e.status == 412:
+                    continue
+                return False, f"{what} of {key} was answered {e} instead of 412"
+            return False, f"{what} of {key} succeeded instead of failing with 412"
+        return True, ""
+    finally:
+        try:
+            await storage._call("delete_object", key, Key=full)
+        except Exception:
+            pass  # a stale probe under tmp/ is harmless; gc removes it

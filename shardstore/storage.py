@@ -67,6 +67,12 @@ class Storage(Protocol):
 
     def delete(self, key: str) -> None: ...
 
+    def delete_if(self, key: str, expected: bytes) -> None:
+        """Delete ``key`` if it currently holds exactly ``expected``; else RefConflict (absent
+        included). The delete of a ref or pin: a plain look-then-delete would remove a value
+        another writer swapped in between (SPEC.md §Refs)."""
+        ...
+
     def list(self, prefix: str) -> Iterator[str]:
         """Keys under the directory ``prefix`` (recursive), relative to the store root."""
         ...
@@ -172,6 +178,17 @@ class FsspecStorage:
             self.fs.rm_file(self._path(key))
         except FileNotFoundError:
             pass
+
+    def delete_if(self, key: str, expected: bytes) -> None:
+        path = self._path(key)
+        with self._lock:
+            try:
+                current: bytes | None = self.fs.cat_file(path)
+            except FileNotFoundError:
+                current = None
+            if current != expected:
+                raise RefConflict(f"{key}: expected {show_ref_value(expected)}, found {show_ref_value(current)}")
+            self.fs.rm_file(path)
 
     def list(self, prefix: str) -> Iterator[str]:
         base = self._path(prefix)

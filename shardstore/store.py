@@ -352,9 +352,11 @@ class Store:
         self.storage.swap(ref_key(name), exp, (new + "\n").encode())
 
     def delete_ref(self, name: str, *, expected: str) -> None:
+        """Delete ref ``name`` if it points at ``expected``: a compare-and-delete, so a ref moved
+        meanwhile is kept (RefConflict), never deleted with the commit it moved to."""
         if self.ref(name) != expected:
             raise RefNotFound(f"ref {name!r} does not point at {expected}")
-        self.storage.delete(ref_key(name))
+        self.storage.delete_if(ref_key(name), (check_oid(expected, what="expected commit id") + "\n").encode())
 
     def resolve(self, target: str) -> str:
         """A commit id from a ref name, a full commit id, or a unique id prefix (>= 8 hex digits)."""
@@ -438,13 +440,18 @@ class Store:
                 time.sleep(0.005 * (attempt + 1) * (0.5 + random.random()))
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def unpin(self, name: str) -> None:
+    def unpin(self, name: str, *, expected: Sequence[str] | None = None) -> None:
         """Remove pin ``name`` (its objects become collectable unless something else names them).
 
-        Like deleting a ref, this reads then deletes: it is not a compare-and-swap."""
-        if self._pin_raw(name) is None:
+        A compare-and-delete of the value read (or of ``expected``, when given): if another
+        writer adds to the pin in between (``add_to_pin``), the pin is kept and RefConflict
+        raised, so the objects it just protected are not handed to gc."""
+        raw = self._pin_raw(name)
+        if raw is None:
             raise RefNotFound(f"no pin {name!r} in {self.url}")
-        self.storage.delete(pin_key(name))
+        if expected is not None:
+            raw = self._pin_bytes(name, expected)
+        self.storage.delete_if(pin_key(name), raw)
 
     def pin_names(self) -> list[str]:
         return self._names_under("pins")

@@ -105,6 +105,10 @@ class OpLog:
         self._op("delete", key)
         self.inner.delete(key)
 
+    def delete_if(self, key: str, expected: bytes) -> None:
+        self._op("delete_if", key)
+        self.inner.delete_if(key, expected)
+
     def list(self, prefix: str) -> Iterator[str]:
         self._op("list", prefix)
         return iter(list(self.inner.list(prefix)))
@@ -300,6 +304,17 @@ class PowerLossStorage:
             self.pending.append(("rename", key, bytes(new)))
             self._step("swap:fsync-dir", key)
             self._persist_rename(key)
+
+    def delete_if(self, key: str, expected: bytes) -> None:
+        with self._lock:
+            self._step("delete_if", key)
+            if key + ".lock" in self.visible:
+                raise RefConflict(f"{key} is locked by another writer")
+            current = self.visible.get(key)
+            if current != expected:
+                raise RefConflict(f"{key}: expected {expected!r}, found {current!r}")
+            del self.visible[key]
+            self.pending.append(("del", key, None))
 
     def _persist_rename(self, key: str) -> None:
         # the directory fsync makes the rename (and so everything before it in refs/) durable

@@ -21,6 +21,7 @@ from botocore.exceptions import ClientError, ReadTimeoutError
 import shardstore as ss
 from shardstore import InvalidName, RefConflict, StorageError
 from shardstore.s3 import S3Storage
+from shardstore.s3_requests import probe_conditions
 from shardstore.tensors import hash_bytes, new_hasher
 
 try:
@@ -38,7 +39,7 @@ def client_error(status: int, code: str, op: str = "PutObject") -> ClientError:
 class ProxyClient:
     """Stands in front of the real client: records calls, injects faults, can strip conditions."""
 
-    def __init__(self, real: Any, strip_conditions: bool = False) -> None:
+    def __init__(self, real: Any, strip_conditions: bool | tuple[str, ...] = False) -> None:
         self.real = real
         self.faults: dict[str, list[Any]] = {}
         self.calls: list[tuple[str, dict[str, Any]]] = []
@@ -51,7 +52,7 @@ class ProxyClient:
 
         async def call(**kw: Any) -> Any:
             self.calls.append((name, {k: v for k, v in kw.items() if k != "Body"}))
-            if self.strip:
+            if self.strip is True or (self.strip and name in self.strip):  # all requests, or the named methods
                 kw = {k: v for k, v in kw.items() if k not in ("IfNoneMatch", "IfMatch")}
             queue = self.faults.get(name)
             fault = queue.pop(0) if queue else None
@@ -71,7 +72,7 @@ class ProxyClient:
         return call
 
 
-def proxied(server: S3Server, url: str | None = None, *, strip: bool = False, **kw: Any) -> tuple[S3Storage, ProxyClient]:
+def proxied(server: S3Server, url: str | None = None, *, strip: bool | tuple[str, ...] = False, **kw: Any) -> tuple[S3Storage, ProxyClient]:
     storage = S3Storage(url or server.url(), conditional=True, backoff=0.001, skip_instance_cache=True, **kw, **server.options)
     real = storage._run(storage.fs.set_session)
     proxy = ProxyClient(real, strip_conditions=strip)
@@ -116,7 +117,7 @@ def test_requests_carry_conditions(s3_server: S3Server) -> None:  # noqa: F811
 
 def test_server_without_conditional_writes_refuses_ref_updates(s3_server: S3Server) -> None:  # noqa: F811
     storage, proxy = proxied(s3_server, strip=True)
-    storage.conditional, storage.conditional_reason = storage._run(storage._probe)
+    storage.conditional, storage.conditional_reason = storage._run(probe_conditions, storage)
     assert storage.conditional is False
     assert "second create-only write" in storage.conditional_reason
     store = ss.Store(storage)
@@ -125,6 +126,24 @@ def test_server_without_conditional_writes_refuses_ref_updates(s3_server: S3Serv
     with pytest.raises(StorageError, match="does not honour conditional writes"):
         store.set_ref("main", oid, expected=None)
     assert store.ref("main") is None
+
+
+def test_server_ignoring_conditional_deletes_refuses_ref_and_pin_deletes(s3_server: S3Server) -> None:  # noqa: F811
+    """A server that honours If-Match on PutObject but not on DeleteObject (S3 before conditional
+    deletes, some gateways) would let a ref delete remove a value swapped in meanwhile."""
+    storage, proxy = proxied(s3_server, strip=("delete_object",))
+    storage.conditional, storage.conditional_reason = storage._run(probe_conditions, storage)
+    assert storage.conditional is False and "a delete with a stale If-Match" in storage.conditional_reason
+    storage.conditional = True  # as if trusted: the delete still goes out with its If-Match
+    store = ss.Store(storage)
+    a = hash_bytes(b"a")
+    store.set_ref("main", a, expected=None)
+    store.delete_ref("main", expected=a)
+    deletes = [kw for name, kw in proxy.calls if name == "delete_object" and kw["Key"].endswith("/refs/main")]
+    assert deletes and deletes[-1]["IfMatch"] == '"%s"' % hashlib.md5(f"{a}\n".encode()).hexdigest()
+    storage.conditional = False  # what the probe concluded: a ref or pin delete is refused
+    with pytest.raises(StorageError, match="does not honour conditional"):
+        storage.delete_if("pins/p", b"x")
 
 
 def test_transient_errors_are_retried(s3_server: S3Server) -> None:  # noqa: F811

@@ -134,6 +134,42 @@ class StorageConformance:
         store.delete_ref("main", expected=oid)
         assert store.ref("main") is None and store.refs() == {}
 
+    def test_delete_if_is_a_compare_and_delete(self, store: Store) -> None:
+        s, a, b = store.storage, b"a\n", b"b\n"
+        s.swap("refs/x", None, a)
+        with pytest.raises(RefConflict, match="refs/x"):
+            s.delete_if("refs/x", b)  # holds another value: kept
+        assert bytes(s.read("refs/x")) == a
+        s.delete_if("refs/x", a)
+        assert not s.exists("refs/x")
+        with pytest.raises(RefConflict, match="refs/x"):
+            s.delete_if("refs/x", a)  # already gone
+
+    def test_ref_and_pin_deletes_keep_what_a_concurrent_writer_swapped_in(self, store: Store) -> None:
+        """The writer lands between the delete's read and its delete: before, the delete removed
+        the new ref value / the objects just added to the pin (handing them to gc)."""
+        a, b, c = (store.put(x) for x in (b"a", b"b", b"c"))
+        store.set_ref("main", a, expected=None)
+        store.pin("keep", [a], expected=None)
+        inner_delete_if = store.storage.delete_if
+
+        def racing(key: str, expected: bytes) -> None:
+            if key.endswith("refs/main"):
+                store.set_ref("main", b, expected=a)
+            else:
+                store.add_to_pin("keep", [c])
+            inner_delete_if(key, expected)
+
+        store.storage.delete_if = racing  # type: ignore[method-assign]
+        with pytest.raises(RefConflict):
+            store.delete_ref("main", expected=a)
+        with pytest.raises(RefConflict):
+            store.unpin("keep")
+        store.storage.delete_if = inner_delete_if  # type: ignore[method-assign]
+        assert store.ref("main") == b and store.pinned("keep") == tuple(sorted((a, c)))
+        store.unpin("keep")
+        assert store.pinned("keep") is None
+
     def test_reopen_sees_the_same_store(self, store: Store) -> None:
         oid = store.put(b"persisted")
         store.set_ref("main", oid, expected=None)
