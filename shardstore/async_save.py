@@ -44,7 +44,8 @@ import torch
 
 from .checkpoint import AUTO, CommitInfo, SlotState, capture, save_slots
 from .distributed import commit_state
-from .dtensor import is_dtensor, local_region
+from .dtensor import is_dtensor
+from .placement import local_parts
 from .errors import StateMismatch, TensorMismatch
 from .extras import CapturedExtra, capture_extras
 from .optim import ParamOpt
@@ -109,7 +110,7 @@ class AsyncSaver:
                 flat += [t for _, t in sorted(po.torch_state.tensors.items())]
         # A DTensor is staged as its local slice and re-wrapped with the same mesh and placements.
         dts = [t if is_dtensor(t) else None for t in flat]
-        flat = [local_region(t)[0] if d is not None else t for t, d in zip(flat, dts)]
+        flat = [local_parts(t)[0] if d is not None else t for t, d in zip(flat, dts)]
         sizes = [t.numel() * t.element_size() for t in flat]
         pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in flat)
         arena = self._reserve(sum(_round(s) for s in sizes), pin)

@@ -37,6 +37,7 @@ from .manifest import (
     Payload,
     RngEntry,
     ShardManifest,
+    Slice,
     SlotLayout,
     TensorEntry,
     decode_config,
@@ -45,9 +46,9 @@ from .manifest import (
     shard_version,
     tensor_payloads,
 )
-from .dtensor import local_region
+from .placement import part_views
 from .extras import CapturedExtra, capture_extras, plan_extras_restore, write_extras
-from .grid import Whole, payload_blocks, put_payloads, read_jobs
+from .grid import payload_blocks, put_payloads, read_parts
 from .module_state import check_held, named_state
 from .names import check_ref_name
 from .preflight import check_info, check_parent
@@ -88,6 +89,7 @@ class SlotState:
     births: dict[str, int] | None = None
     buffers: set[str] = field(default_factory=set)  # which tensors are persistent buffers
     extra: dict[str, CapturedExtra] = field(default_factory=dict)  # this slot's own extras
+    slices: tuple[Slice, ...] = ()  # the boxes of sharded tensors this slot held (SPEC.md §Slices held; set by the block exchange)
 
 
 @dataclass
@@ -163,7 +165,7 @@ def write_shard(
         if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
             flat += [po.exp_avg, po.exp_avg_sq]
         if po is not None and po.torch_state is not None:
-            flat += [Whole(t) for _, t in sorted(po.torch_state.tensors.items())]  # one object each (StateTensor.object)
+            flat += [t for _, t in sorted(po.torch_state.tensors.items())]  # payloads like parameters' (format 3, SPEC.md §5a)
     ids = iter(put_payloads(store, flat, threads=threads))  # canonical blocks, hashed once, written once, batched fsync
     entries = []
     for n in names:
@@ -202,7 +204,7 @@ def write_shard(
     groups = tuple(group_spec(g, h) for g, h in sorted(state.optim.groups.items()))
     torch_opt = torch_spec(state.optim)
     shard = ShardManifest(
-        version=shard_version(entries),
+        version=shard_version(entries, state.slices),
         job=info.job,
         step=info.step,
         parent=parent,
@@ -215,6 +217,7 @@ def write_shard(
         rng=rng,
         torch_optimizer=torch_opt,
         extras=extras,
+        slices=state.slices,
     )
     sid = store.put_manifest(shard)
     store.sync()
@@ -367,9 +370,8 @@ def _read_all(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], thre
     """Fill each destination (its local slice, for a DTensor) from the blocks its payload has
     there (a single object: all of it); return the bytes read. Every block is verified."""
     jobs = []
-    for payload, dest, what in reads:
-        local, origin = local_region(dest, what)
-        jobs += read_jobs(store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), local, origin, what)
+    for payload, dest, what in reads:  # a DTensor's local tensor may be several boxes (SPEC.md §Slices on the grid)
+        jobs += read_parts(store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), part_views(dest, what), what)
     if threads <= 1 or len(jobs) <= 1:
         return sum(job() for job in jobs)
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -430,7 +432,7 @@ def restore(
     state = None
     torch_plan = None
     if optimizer is not None and use_torch_form(lc.id, lc.commit.optimizer, optimizer):
-        torch_plan = plan_torch_restore(lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id)
+        torch_plan = plan_torch_restore(store, lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id)
         reads += torch_plan.reads
     elif optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)

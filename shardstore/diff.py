@@ -233,8 +233,8 @@ def _tensor_stats(store: Store, x: TensorEntry, y: TensorEntry) -> dict[str, Ten
         out[role] = _pair_stats(tx, ty)
         del tx, ty
     for key, (a, b) in state_pairs(x.state, y.state).items():  # the torch form's state tensors
-        tx = store.get_tensor(a.object, a.dtype, a.shape, what=f"optimizer state {a.key!r} of tensor {x.name!r}")
-        ty = store.get_tensor(b.object, b.dtype, b.shape, what=f"optimizer state {b.key!r} of tensor {y.name!r}")
+        tx = read_whole(store, a.object, a.dtype, a.shape, what=f"optimizer state {a.key!r} of tensor {x.name!r}")  # blocks too (format 3)
+        ty = read_whole(store, b.object, b.dtype, b.shape, what=f"optimizer state {b.key!r} of tensor {y.name!r}")
         out[f"state {key}"] = _pair_stats(tx, ty)
         del tx, ty
     return out
@@ -278,7 +278,20 @@ def _field_diffs(store: Store, la: LoadedCommit, lb: LoadedCommit) -> list[Field
         va, vb = ra.get((s, kind)), rb.get((s, kind))
         if va != vb:
             out.append(FieldDiff(f"rng.{s}.{kind}", va, vb))
+    sa, sb = _slices(la), _slices(lb)  # what each slot held of sharded tensors (SPEC.md §15e): layout, not learned state
+    for key in sorted(set(sa) | set(sb)):
+        if sa.get(key) != sb.get(key):
+            out.append(FieldDiff(f"slices.{key[0]}.{key[1]}", sa.get(key), sb.get(key)))
     return out
+
+
+def _slices(lc: LoadedCommit) -> dict[tuple[int, str], str]:
+    """(slot, tensor) → its recorded boxes as index ranges, ``[0:5, 0:131072]``."""
+    out: dict[tuple[int, str], list[str]] = {}
+    for s, shard in lc.shards.items():
+        for x in shard.slices:
+            out.setdefault((s, x.name), []).append("[" + ", ".join(f"{a}:{a + n}" for a, n in zip(x.start, x.shape)) + "]")
+    return {k: " ".join(v) for k, v in out.items()}
 
 
 def _group_diffs(la: LoadedCommit, lb: LoadedCommit) -> list[GroupDiff]:

@@ -1,33 +1,35 @@
 """DTensor capture and restore: sharded tensors written as canonical blocks, never gathered
-(SPEC.md §Chunked payloads, §Block exchange).
+(SPEC.md §Chunked payloads, §Block exchange, §Slices on the grid).
 
 FSDP2 (``fully_shard``) keeps a dim-0 slice of every parameter and Adam moment on each
-rank; tensor parallelism splits on dim 0 or dim 1; a ``Replicate`` placement holds the
-whole tensor on several ranks. The canonical grid (``grid.py``) does not care: a block is
-a block whoever holds its bytes. Saving is a collective over the save's process group:
+rank; tensor parallelism splits on dim 0 or dim 1; FSDP2 on top of tensor parallelism
+(a 2-D mesh) gives strided shards; a ``Replicate`` placement holds the whole tensor on
+several ranks. The canonical grid (``grid.py``) does not care: a block is a block
+whoever holds its bytes. Saving is a collective over the save's process group:
 
-1. every rank describes the DTensors it holds (name, role, dtype, global shape, the box
-   of its local slice) and all ranks exchange the descriptions (msgspec JSON in uint8
-   tensors; nothing is pickled);
+1. every rank describes the DTensors it holds (name, role, dtype, global shape, the boxes
+   of the global tensor its local tensor holds: one for Shard/Replicate layouts, maybe
+   several for strided ones, ``placement.py``) and all ranks exchange the descriptions
+   (msgspec JSON in uint8 tensors; nothing is pickled);
 2. from the union, every rank computes the same plan: the distinct slices must tile each
    tensor exactly; each block is owned by one rank of the slice holding most of it
    (replicas of a slice take turns, so a replicated tensor is written once, split among
    its replicas); every other slice the block overlaps sends its piece to the owner,
    point to point, from one of its replicas, so each byte crosses the network once;
-3. blocks are processed in batches of at most ``BATCH_BYTES``: the owner hashes and
-   writes each block (a block inside its own slice is a view of it, no copy), so a rank
-   holds its slice plus at most one batch of blocks;
+3. ``exchange.py`` carries the plan out in batches of at most ``BATCH_BYTES``: the owner
+   hashes and writes each block (a block inside its own slice is a view of it, no copy),
+   staging the rest in one reused arena;
 4. the block ids are all-reduced, and each tensor's entry (its whole payload) goes into
    the shard manifest of one rank holding part of it, chosen by a hash of the name.
 
-Restore needs no collective: a rank reads the blocks its local slice overlaps
-(``grid.read_jobs``), each verified whole.
+Restore needs no collective: a rank reads the blocks its local tensor's parts overlap
+(``grid.read_parts``), each verified whole and read once.
 """
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -35,33 +37,13 @@ import torch
 import torch.distributed as dist
 
 from .errors import StateMismatch, TensorMismatch
+from .exchange import BATCH_BYTES, ExchangeStats, last_exchange, run_plan
 from .grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
-from .tensors import dtype_name, expected_nbytes, new_hasher, tensor_bytes, torch_dtype
+from .placement import local_parts
+from .slices import make_slices
+from .tensors import dtype_name, new_hasher, tensor_bytes, torch_dtype
 
 __all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
-
-#: Most bytes of blocks one batch of the exchange assembles (a rank holds at most this much
-#: beyond its own slice while saving).
-BATCH_BYTES = 16 * BLOCK_BYTES
-
-
-@dataclass
-class ExchangeStats:
-    """What this process did in its latest block exchange (a diagnostic; SPEC.md §Block exchange)."""
-
-    blocks_written: int = 0  # blocks this rank owned: hashed and written
-    bytes_hashed: int = 0
-    bytes_sent: int = 0  # pieces sent to other ranks' blocks
-    bytes_received: int = 0
-    peak_staged: int = 0  # most bytes of buffers held at once beyond this rank's own slices
-
-
-_LAST = ExchangeStats()
-
-
-def last_exchange() -> ExchangeStats:
-    """Counts of this process's most recent ``write_dtensors`` (for tests and benchmarks)."""
-    return _LAST
 
 
 def is_dtensor(t: Any) -> bool:
@@ -72,26 +54,11 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def local_region(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, tuple[int, ...]]:
-    """(local tensor, global index of its first element): a DTensor's slice, or a plain tensor whole."""
-    if not is_dtensor(t):
-        return t, (0,) * t.dim()
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    for p in t.placements:  # type: ignore[attr-defined]
-        if type(p) not in (Shard, Replicate):
-            raise TensorMismatch(
-                f"{what}: DTensor placement {p} is not supported (Shard and Replicate are; a Partial holds "
-                "unreduced values, a strided shard is not one box) (SPEC.md §Block exchange)"
-            )
-    # The local tensor itself, not ``to_local()``'s autograd view (which refuses in-place writes).
-    local = getattr(t, "_local_tensor", None)
-    local = (local if local is not None else t.to_local()).detach()  # type: ignore[attr-defined]
-    shape, origin = compute_local_shape_and_global_offset(tuple(t.shape), t.device_mesh, t.placements)  # type: ignore[attr-defined]
-    if tuple(local.shape) != tuple(shape):
-        raise TensorMismatch(f"{what}: DTensor's local tensor has shape {list(local.shape)}, its placements give {list(shape)}")
-    return local, tuple(int(o) for o in origin)
+def local_region(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]:
+    """(local tensor, its parts as (global box, virtual origin)): ``local[box_slices(piece, origin)]``
+    selects any piece of a part's box from the local tensor (``placement.local_parts``)."""
+    local, parts = local_parts(t, what)
+    return local, [(box, tuple(s - lo for s, lo in zip(box[0], lo_start))) for box, lo_start in parts]
 
 
 def same_split(a: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -112,8 +79,7 @@ class _Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     dtype: str
     shape: tuple[int, ...]
-    origin: tuple[int, ...]
-    local: tuple[int, ...]
+    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (start, extent) of each part of its local tensor
 
 
 _ITEMS = msgspec.json.Decoder(list[_Item])
@@ -139,10 +105,12 @@ def slice_regions(name: str, dtype: str, shape: tuple[int, ...], held: dict[Box,
 def plan_blocks(
     key: str, dtype: str, shape: tuple[int, ...], regions: list[tuple[Box, list[int]]], *, block_bytes: int = BLOCK_BYTES
 ) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
-    """For each canonical block: (box, owner rank, [(source rank, piece box)] of the pieces others send).
+    """For each canonical block: (box, owner rank, [(source rank, piece box)] of its other pieces).
 
-    The owner is a rank of the slice holding most of the block (ties: a hash of the key picks);
+    The owner is a rank of the slice holding most of the block (ties: the tied slices take
+    turns by block index, starting at a hash of the key);
     each slice's replicas take turns by block index, so replicated bytes are split among them.
+    A piece whose source is the owner (it holds that slice too) is copied, not sent.
     """
     turn = zlib.crc32(key.encode())
     used = [0] * len(regions)  # how many blocks or pieces each slice has given so far
@@ -153,15 +121,20 @@ def plan_blocks(
         return ranks[(turn + used[ri] - 1) % len(ranks)]
 
     out = []
-    for box in grid(dtype, shape, block_bytes=block_bytes):
+    for bi, box in enumerate(grid(dtype, shape, block_bytes=block_bytes)):
         pieces = [(ri, c) for ri, (reg, _) in enumerate(regions) if (c := intersect(box, reg)) is not None]
         if not pieces:  # an empty tensor: one empty block, written by a holder of the first slice
             out.append((box, pick(0), []))
             continue
         most = max(math.prod(c[1]) for _, c in pieces)
         tied = [ri for ri, c in pieces if math.prod(c[1]) == most]
-        best = tied[turn % len(tied)]  # ties (a small tensor split evenly) spread over the slices
-        out.append((box, pick(best), [(pick(ri), c) for ri, c in pieces if ri != best]))
+        # Ties (a small tensor split evenly; every block of a column split) rotate over the
+        # tied slices block by block, so a column split's blocks are owned by all its ranks.
+        best = tied[(turn + bi) % len(tied)]
+        owner = pick(best)
+        # A piece of another slice the owner holds too (a strided layout: a rank's local
+        # tensor is several slices) is copied by the owner itself; the rest are sent.
+        out.append((box, owner, [(owner if owner in regions[ri][1] else pick(ri), c) for ri, c in pieces if ri != best]))
     return out
 
 
@@ -186,6 +159,10 @@ def _items_of(state: Any) -> list[tuple[str, str, torch.Tensor]]:
             m = getattr(po, role)
             if m is not None and is_dtensor(m):
                 items.append((n, role, m))
+        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9a), by key
+        for k, m in sorted(ts.tensors.items()) if ts is not None else ():
+            if is_dtensor(m):
+                items.append((n, f"state:{k}", m))
     return sorted(items, key=lambda x: (x[0], x[1]))
 
 
@@ -200,18 +177,18 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
     commit protocol fails naming that rank), so none waits.
     """
     rank = dist.get_rank(group)
-    locals_: dict[tuple[str, str], tuple[torch.Tensor, tuple[int, ...]]] = {}
+    locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]] = {}
     desc = []
     try:
         if failure is not None:
             raise failure
         for n, role, t in _items_of(state):
-            local, origin = local_region(t, f"{role} of tensor {n!r}")
-            locals_[(n, role)] = (local, origin)
-            desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), origin, tuple(local.shape)))
+            local, parts = local_region(t, f"{role} of tensor {n!r}")
+            locals_[(n, role)] = (local, parts)
+            desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), tuple(box for box, _ in parts)))
         for n, t in sorted(state.tensors.items()):  # plain tensors too: a replicated one (FSDP2's buffers) is written once
             if not is_dtensor(t):
-                desc.append(_Item(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), (), ()))
+                desc.append(_Item(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), ()))
         raw = b"\x00" + msgspec.json.encode(desc)
     except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
         failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
@@ -232,23 +209,33 @@ def write_dtensors(store: Any, state: Any, *, group: Any = None, threads: int = 
             dtype, shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
             if (dtype, shape) != (it.dtype, it.shape):
                 raise StateMismatch(f"{it.role} of tensor {it.name!r}: ranks disagree on dtype/shape ({dtype}{list(shape)} vs {it.dtype}{list(it.shape)})")
-            held.setdefault((it.origin, it.local), []).append(r)
+            for box in it.boxes:
+                held.setdefault(box, []).append(r)
     g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     plans = []
     for (n, role), (dtype, shape, held) in sorted(union.items()):
         regions = slice_regions(n, dtype, shape, held)
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
             plans.append(((n, role), bi, box, owner, sends, dtype))
-    drop = _replicated_plain(state, {n: rs for n, rs in plain.items() if len(rs) > 1}, rank, group)
+    _replicas_agree(locals_, union, rank, group)
+    replicated = {n: rs for n, rs in plain.items() if len(rs) > 1}
+    drop = _replicated_plain(state, replicated, rank, group)
+    # what this slot held of tensors another slot may record (SPEC.md §Slices held): the boxes of
+    # its DTensor parameters' local parts, and the whole box of each plain tensor several ranks hold
+    boxes = [(n, box) for (n, role), (_lt, parts) in locals_.items() if role == "param" for box, _ in parts]
+    boxes += [(n, ((0,) * state.tensors[n].dim(), tuple(state.tensors[n].shape))) for n, rs in replicated.items() if rank in rs]
+    slices = make_slices(boxes)
     if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
-        return _restate(state, {}, set(), drop) if drop else state
-    ids = _exchange(store, plans, locals_, rank, g, group, threads)
+        return replace(_restate(state, {}, set(), drop), slices=slices) if drop else replace(state, slices=slices)
+    ids = run_plan(store, plans, locals_, rank, g, group, threads)
+    if ids is None:  # another rank failed staging or writing its blocks: the commit protocol names it
+        return _restate(state, {}, set())
     blocks: dict[tuple[str, str], list[str]] = {}
     for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
         blocks.setdefault(key, []).append(oid)
     payload = {key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()}
     mine = {n for (n, role), (_, _, held) in union.items() if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank}
-    return _restate(state, payload, mine, drop)
+    return replace(_restate(state, payload, mine, drop), slices=slices)
 
 
 def _fingerprint(state: Any, name: str) -> str:
@@ -265,6 +252,35 @@ def _fingerprint(state: Any, name: str) -> str:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(tensor_bytes(t))
     return h.hexdigest()
+
+
+def _replicas_agree(locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]],
+                    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]], rank: int, group: Any) -> None:
+    """A box of a DTensor that several ranks hold (a ``Replicate`` placement, or one name on
+    several meshes) is written once, split among its holders: they must hold the same bytes,
+    else the commit would hold a tensor no rank held. Each holder hashes its copy; on a
+    disagreement every rank raises TensorMismatch naming tensor, box and ranks (SPEC.md §Block
+    exchange). Boxes held by one rank (FSDP2, tensor parallelism) cost nothing here."""
+    shared = {(key, box): rs for key, (_d, _s, held) in union.items() for box, rs in held.items() if len(rs) > 1}
+    if not shared:  # the same answer on every rank: the union is
+        return
+    mine = {}
+    for (key, box), rs in shared.items():
+        if rank in rs:
+            local, parts = locals_[key]
+            origin = next(o for b, o in parts if b == box)
+            h = new_hasher()
+            h.update(tensor_bytes(local[box_slices(box, origin)].contiguous()))
+            mine[f"{key[0]}\0{key[1]}\0{box}"] = h.hexdigest()
+    got = [_FINGERPRINTS.decode(raw) for raw in _all_gather_bytes(msgspec.json.encode(mine), group)]
+    for ((n, role), box), rs in sorted(shared.items()):
+        label = f"{n}\0{role}\0{box}"
+        if len({got[r].get(label) for r in rs}) != 1:
+            raise TensorMismatch(
+                f"{role} of tensor {n!r}: ranks {rs} hold its slice at {list(box[0])} of extent {list(box[1])} with "
+                "different values; replicas of a slice (a Replicate placement, or one name on several meshes) must be "
+                "equal, since the slice is written once (SPEC.md §Block exchange)"
+            )
 
 
 def _replicated_plain(state: Any, replicated: dict[str, list[int]], rank: int, group: Any) -> set[str]:
@@ -287,78 +303,6 @@ def _replicated_plain(state: Any, replicated: dict[str, list[int]], rank: int, g
     return drop
 
 
-def _exchange(store: Any, plans: list, locals_: dict, rank: int, g: Any, group: Any, threads: int) -> list[str]:
-    """Run the plan batch by batch; return every block's id (all ranks get all ids)."""
-    global _LAST
-    stats = _LAST = ExchangeStats()
-    ids: list[bytes | None] = [None] * len(plans)
-    i = 0
-    while i < len(plans):
-        j, size = i, 0
-        while j < len(plans) and (j == i or size + _nbytes(plans[j]) <= BATCH_BYTES):
-            size += _nbytes(plans[j])
-            j += 1
-        owned: list[tuple[int, torch.Tensor]] = []
-        recvs: list[tuple[Box, torch.Tensor, torch.Tensor, tuple[int, ...]]] = []
-        works, keep = [], []
-        staged = 0  # bytes of buffers this batch allocates
-        tag = 0
-        for k in range(i, j):
-            key, _bi, box, owner, sends, dtype = plans[k]
-            local = locals_.get(key)
-            if owner == rank:
-                assert local is not None
-                lt, origin = local
-                inner = intersect(box, (origin, tuple(lt.shape))) if math.prod(box[1]) else None
-                view = lt[box_slices(box, origin)] if inner == box else None
-                if view is not None and view.is_contiguous():
-                    buf = view
-                else:
-                    buf = torch.empty(box[1], dtype=torch_dtype(dtype))
-                    staged += buf.numel() * buf.element_size()
-                    if inner is not None:
-                        buf[box_slices(inner, box[0])] = lt[box_slices(inner, origin)]
-                for src, piece in sends:
-                    tmp = torch.empty(piece[1], dtype=buf.dtype)
-                    staged += tmp.numel() * tmp.element_size()
-                    stats.bytes_received += tmp.numel() * tmp.element_size()
-                    works.append(dist.irecv(tmp, src=g(src), group=group, tag=tag))
-                    recvs.append((piece, tmp, buf, box[0]))
-                    tag += 1
-                owned.append((k, buf))
-            else:
-                for src, piece in sends:
-                    if src == rank:
-                        lt, origin = locals_[key]
-                        out = lt[box_slices(piece, origin)].contiguous()
-                        keep.append(out)
-                        staged += out.numel() * out.element_size()
-                        stats.bytes_sent += out.numel() * out.element_size()
-                        works.append(dist.isend(out, dst=g(owner), group=group, tag=tag))
-                    tag += 1
-        for w in works:
-            w.wait()
-        for piece, tmp, buf, start in recvs:
-            buf[box_slices(piece, start)] = tmp
-        written = store.put_tensors([b.detach().reshape(-1) for _, b in owned], threads=threads) if owned else []
-        for (k, _), oid in zip(owned, written):
-            ids[k] = bytes.fromhex(oid)
-        stats.blocks_written += len(owned)
-        stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in owned)
-        stats.peak_staged = max(stats.peak_staged, staged)
-        i = j
-    table = torch.zeros((len(plans), 32), dtype=torch.uint8)
-    for k, raw in enumerate(ids):
-        if raw is not None:
-            table[k] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)  # one owner per row, zeros elsewhere
-    return [bytes(row.numpy().tobytes()).hex() for row in table]
-
-
-def _nbytes(plan: tuple) -> int:
-    return expected_nbytes(plan[5], plan[2][1])
-
-
 def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: set[str], drop: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
     """The SlotState this slot records: the DTensor entries it records (``mine``) replaced by
     their payloads; plain tensors as they are, but for replicated ones another rank records (``drop``)."""
@@ -375,8 +319,16 @@ def _restate(state: Any, payload: dict[tuple[str, str], StoredPayload], mine: se
             continue
         m1 = payload.get((n, "exp_avg"), po.exp_avg) if po.exp_avg is not None and is_dtensor(po.exp_avg) else po.exp_avg
         m2 = payload.get((n, "exp_avg_sq"), po.exp_avg_sq) if po.exp_avg_sq is not None and is_dtensor(po.exp_avg_sq) else po.exp_avg_sq
-        params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2)
+        ts = po.torch_state
+        if ts is not None and any(is_dtensor(m) for m in ts.tensors.values()):
+            ts = replace(ts, tensors={k: payload.get((n, f"state:{k}"), m) if is_dtensor(m) else m for k, m in ts.tensors.items()})
+        params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2, torch_state=ts)
     used = {p.group for p in params.values()}
-    optim = replace(state.optim, groups={k: h for k, h in state.optim.groups.items() if k in used}, params=params)
+    optim = replace(
+        state.optim,
+        groups={k: h for k, h in state.optim.groups.items() if k in used},
+        torch_groups={k: h for k, h in state.optim.torch_groups.items() if k in used},
+        params=params,
+    )
     births = None if state.births is None else {n: b for n, b in state.births.items() if n in tensors}
     return replace(state, tensors=tensors, optim=optim, births=births)

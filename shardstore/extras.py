@@ -31,7 +31,8 @@ import msgspec
 import torch
 
 from .errors import ManifestError, StateMismatch, UnsupportedState
-from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, f64_decode, f64_encode
+from .grid import check_stored
+from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, f64_decode, f64_encode, is_chunked
 from .names import check_group_name
 from .tensors import check_storable, dtype_name, expected_nbytes, torch_dtype
 
@@ -73,6 +74,9 @@ def _encode_value(value: Any, path: str, tensors: list[torch.Tensor], depth: int
             raise UnsupportedState(f"{where}: string {value[:24]!r} starts with a reserved prefix ({_REAL!r}, {_TENSOR!r})")
         return value
     if isinstance(value, torch.Tensor):
+        if _is_dtensor(value):  # one process's slice of it: storing that as the whole would be wrong
+            raise UnsupportedState(f"{where}: a DTensor holds only this process's slice; an extra's tensors are stored whole, "
+                                   "by one process (pass full_tensor() or a plain tensor; SPEC.md §Extras)")
         check_storable(value, where)
         tensors.append(value)
         return f"{_TENSOR}{len(tensors) - 1}"
@@ -90,6 +94,12 @@ def _encode_value(value: Any, path: str, tensors: list[torch.Tensor], depth: int
         f"{where}: a {type(value).__module__}.{type(value).__qualname__} is not storable without pickle "
         "(allowed: null, bool, int, float, str, list, dict with str keys, tensor; SPEC.md §Extras)"
     )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from .dtensor import is_dtensor  # dtensor imports nothing of this module; deferred to keep extras light
+
+    return is_dtensor(t)
 
 
 def _numpy_scalar(value: Any) -> bool | int | float | None:
@@ -219,6 +229,8 @@ def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Ma
             raise UnsupportedState(f"extra {key!r}: a {type(obj).__name__} has no load_state_dict()")
         what = f"state document {x.state} of extra {key!r} in {where}"
         raw = bytes(store.get(x.state, limit=MAX_MANIFEST_BYTES))  # re-hashed, bounded
+        for t in x.tensors:  # a manifest's shapes: the objects' sizes bound the allocations (SPEC.md §Limits)
+            check_stored(store, t.object, t.dtype, tuple(t.shape), f"tensor {t.key} of extra {key!r} in {where}")
         tensors = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype)) for t in x.tensors]
         read_extra_state(raw, [torch.empty(0)] * len(tensors), what)  # decodes before anything is written
         reads += [(t.object, dest, f"tensor {t.key} of extra {key!r}") for t, dest in zip(x.tensors, tensors)]
@@ -234,3 +246,6 @@ def extras_rules(extras: tuple[ExtraEntry, ...]) -> Iterator[str]:
     for x in extras:
         if [t.key for t in x.tensors] != [str(i) for i in range(len(x.tensors))]:
             yield f"extra {x.key!r}: tensor keys are not 0, 1, ... in order"
+        for t in x.tensors:
+            if is_chunked(t.object):
+                yield f"extra {x.key!r}: tensor {t.key} has a chunked payload; an extra's tensor is one object (SPEC.md §Chunked payloads)"

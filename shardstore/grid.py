@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import GridError
+from .errors import CorruptObject, GridError, ObjectNotFound, TensorMismatch
 from .manifest import MAX_BLOCKS, Block, Payload, is_chunked
 from .tensors import DTYPES, expected_nbytes
 
@@ -37,7 +37,6 @@ __all__ = [
     "BLOCK_BYTES",
     "Box",
     "StoredPayload",
-    "Whole",
     "grid",
     "block_count",
     "intersect",
@@ -46,9 +45,11 @@ __all__ = [
     "overlapping",
     "grid_problems",
     "check_payload",
+    "check_stored",
     "make_payload",
     "put_payloads",
     "read_jobs",
+    "read_parts",
     "read_whole",
 ]
 
@@ -82,14 +83,6 @@ def _split(dtype: str, shape: tuple[int, ...], block_bytes: int) -> tuple[int, i
 def block_count(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> int:
     """How many blocks the canonical grid has (cheap for any shape, even a forged one)."""
     return _split(dtype, tuple(int(d) for d in shape), block_bytes)[2]
-
-
-@dataclass(frozen=True)
-class Whole:
-    """A tensor ``put_payloads`` stores as one object whatever its size: the tensors of a
-    non-Adam optimizer's state (``StateTensor.object`` is one object id, SPEC.md §Optimizer state)."""
-
-    tensor: torch.Tensor
 
 
 def grid(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> list[Box]:
@@ -158,21 +151,23 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[st
     count = block_count(dtype, shape)
     if count > MAX_BLOCKS:  # a forged shape: refused before anything is listed or allocated
         return [f"its {nbytes} bytes would need {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)"]
-    canon = grid(dtype, shape)
     if not is_chunked(payload):
-        if len(canon) > 1:
-            return [f"its {nbytes} bytes exceed the {BLOCK_BYTES}-byte block bound, so its payload must be {len(canon)} blocks, not one object"]
+        if count > 1:
+            return [f"its {nbytes} bytes exceed the {BLOCK_BYTES}-byte block bound, so its payload must be {count} blocks, not one object"]
         return []
     blocks = list(payload)  # type: ignore[arg-type]
-    if len(canon) == 1:
+    if count == 1:
         return [f"it fits one block ({nbytes} bytes <= {BLOCK_BYTES}) but its payload lists {len(blocks)} blocks"]
-    if len(blocks) == len(canon) and all(tuple(b.start) == c[0] and tuple(b.shape) == c[1] for b, c in zip(blocks, canon)):
+    # The grid is listed only when the payload lists as many blocks: a forged shape's count
+    # (up to MAX_BLOCKS) must not make a one-line entry cost a million boxes (SPEC.md §Limits).
+    canon = grid(dtype, shape) if len(blocks) == count else []
+    if canon and all(tuple(b.start) == c[0] and tuple(b.shape) == c[1] for b, c in zip(blocks, canon)):
         return []  # the canonical grid; what follows only says how a payload differs from it
     for i, b in enumerate(blocks):
         if len(b.start) != len(shape) or len(b.shape) != len(shape):
             return [f"block {i} (object {b.object}) has {len(b.start)}/{len(b.shape)} dims for a {len(shape)}-d tensor"]
         if any(n == 0 or s + n > d for s, n, d in zip(b.start, b.shape, shape)):
-            return [f"block {i} (object {b.object}) at {list(b.start)} of extent {list(b.shape)} lies outside shape {list(shape)}"]
+            return [f"block {i} (object {b.object}) at {list(b.start)} of extent {list(b.shape)} is empty or lies outside shape {list(shape)}"]
     order = sorted(range(len(blocks)), key=lambda i: tuple(blocks[i].start))
     pairs = zip(order, order[1:]) if len(blocks) > 512 else ((i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks)))
     for i, j in pairs:
@@ -182,8 +177,8 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[st
     covered = sum(math.prod(b.shape) for b in blocks)
     if covered != math.prod(shape):
         return [f"its {len(blocks)} blocks cover {covered} of {math.prod(shape)} elements: they do not tile shape {list(shape)}"]
-    if len(blocks) != len(canon):
-        return [f"its payload lists {len(blocks)} blocks; the canonical grid has {len(canon)}"]
+    if len(blocks) != count:
+        return [f"its payload lists {len(blocks)} blocks; the canonical grid has {count}"]
     for i, (b, (start, extent)) in enumerate(zip(blocks, canon)):
         if tuple(b.start) != start or tuple(b.shape) != extent:
             return [
@@ -197,6 +192,23 @@ def check_payload(payload: Payload, dtype: str, shape: Sequence[int], what: str)
     """Raise GridError naming ``what`` (tensor and role) if the payload is not the canonical grid."""
     for msg in grid_problems(payload, dtype, shape):
         raise GridError(f"{what}: {msg} (SPEC.md §Chunked payloads)")
+
+
+def check_stored(store: object, payload: Payload, dtype: str, shape: Sequence[int], what: str) -> None:
+    """Before a tensor of a manifest's ``dtype`` and ``shape`` is allocated: every object of its
+    payload is in the store with the byte size its block implies (elements x itemsize), so no
+    allocation is driven by an unchecked shape (SPEC.md §Limits); one size query per object.
+    ObjectNotFound or TensorMismatch naming ``what`` (tensor and role) and the block."""
+    blocks = payload_blocks(payload, dtype, shape)
+    for i, (oid, box, n) in enumerate(blocks):
+        label = what if len(blocks) == 1 else f"{what}, block {i}"
+        have = store.object_size(oid)  # type: ignore[attr-defined]
+        if have is None:
+            raise ObjectNotFound(f"{label}: object {oid} is not in the store")
+        if have != n:
+            raise TensorMismatch(
+                f"{label}: object {oid} holds {have} bytes, but {dtype}{list(box[1])} needs {n}; refused before allocating (SPEC.md §Limits)"
+            )
 
 
 def make_payload(dtype: str, shape: Sequence[int], ids: Sequence[str], *, block_bytes: int = BLOCK_BYTES) -> Payload:
@@ -223,14 +235,13 @@ def _block_views(t: torch.Tensor, dtype: str) -> list[torch.Tensor]:
     return out
 
 
-def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload | Whole], *, threads: int = 2) -> list[Payload]:
+def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2) -> list[Payload]:
     """Store each whole tensor as its canonical blocks; return one payload per input, in order.
 
     All blocks go to ``store.put_tensors`` in one batch (hashed once, written once, one
     durability barrier); ``StoredPayload`` inputs pass through unchanged.
     """
     from .dtensor import is_dtensor  # dtensor builds on this module
-    from .errors import TensorMismatch
     from .tensors import dtype_name
 
     views: list[torch.Tensor] = []
@@ -239,23 +250,19 @@ def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload |
         if isinstance(t, StoredPayload):
             spans.append(None)
             continue
-        whole = isinstance(t, Whole)
-        t = t.tensor if whole else t
         if is_dtensor(t):
             raise TensorMismatch(
                 f"a DTensor of shape {list(t.shape)} holds only this process's slice: save_distributed writes "
-                "DTensor parameters and Adam moments over its process group; other DTensor state is not supported (SPEC.md §Block exchange)"
+                "DTensor parameters and optimizer state over its process group (SPEC.md §Block exchange)"
             )
-        blocks = [t] if whole else _block_views(t, dtype_name(t.dtype))
-        spans.append((len(views), -1 if whole else len(blocks)))
+        blocks = _block_views(t, dtype_name(t.dtype))
+        spans.append((len(views), len(blocks)))
         views += blocks
     ids = store.put_tensors(views, threads=threads) if views else []  # type: ignore[attr-defined]
     out: list[Payload] = []
     for t, span in zip(tensors, spans):
         if span is None:
             out.append(t.payload)  # type: ignore[union-attr]
-        elif span[1] < 0:
-            out.append(ids[span[0]])
         else:
             out.append(make_payload(dtype_name(t.dtype), tuple(t.shape), ids[span[0]:span[0] + span[1]]))  # type: ignore[union-attr]
     return out
@@ -264,33 +271,55 @@ def put_payloads(store: object, tensors: Sequence[torch.Tensor | StoredPayload |
 def read_jobs(
     store: object, payload: Payload, dtype: str, shape: Sequence[int], local: torch.Tensor, origin: Sequence[int], what: str
 ) -> list[Callable[[], int]]:
-    """Jobs that fill ``local`` (the box of the tensor starting at ``origin``) from the blocks it overlaps.
+    """Jobs that fill ``local`` (the box of the tensor starting at ``origin``) from the blocks it overlaps."""
+    return read_parts(store, payload, dtype, shape, [(local, tuple(origin))], what)
 
-    Each job reads one whole block, verified against its id, and returns the bytes it
-    read. A block that lies wholly inside ``local`` and is contiguous there is read
-    straight into it; any other is read into a buffer of its own size and the common box
-    copied. A block is never read in part: its id covers all its bytes.
+
+def read_parts(
+    store: object, payload: Payload, dtype: str, shape: Sequence[int], parts: Sequence[tuple[torch.Tensor, Sequence[int]]], what: str
+) -> list[Callable[[], int]]:
+    """Jobs that fill each ``(view, origin)`` of ``parts`` (disjoint boxes of the tensor, each
+    starting at ``origin``: a DTensor's local tensor, SPEC.md §Slices on the grid) from the
+    blocks they overlap.
+
+    Each job reads one whole block, once however many parts it overlaps, verified against
+    its id, and returns the bytes it read. A block that lies wholly inside one part and is
+    contiguous there is read straight into it; any other is read into a buffer of its own
+    size and each common box copied. A block is never read in part: its id covers all its bytes.
     """
-    region: Box = (tuple(origin), tuple(local.shape))
+    regions = [(view, (tuple(o), tuple(view.shape))) for view, o in parts]
     jobs: list[Callable[[], int]] = []
     for i, (oid, box, n) in enumerate(payload_blocks(payload, dtype, shape)):
-        common = intersect(box, region) if math.prod(box[1]) > 0 else (box if box == region else None)
-        if common is None:
-            continue
-        label = what if not is_chunked(payload) else f"{what}, block {i}"
-        jobs.append(_job(store, oid, box, common, n, dtype, local, region[0], label))
+        hits = []
+        for view, region in regions:
+            common = intersect(box, region) if math.prod(box[1]) > 0 else (box if box == region else None)
+            if common is not None:
+                hits.append((view, region[0], common))
+        if hits:
+            label = what if not is_chunked(payload) else f"{what}, block {i}"
+            jobs.append(_job(store, oid, box, hits, n, dtype, label))
     return jobs
 
 
-def _job(store: object, oid: str, box: Box, common: Box, n: int, dtype: str, local: torch.Tensor, origin: tuple[int, ...], what: str) -> Callable[[], int]:
+def _job(store: object, oid: str, box: Box, hits: list[tuple[torch.Tensor, tuple[int, ...], Box]], n: int, dtype: str, what: str) -> Callable[[], int]:
     def run() -> int:
-        dest = local[box_slices(common, origin)]
-        if common == box and dest.is_contiguous():
-            store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
-            return n
-        buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
+        try:
+            if len(hits) == 1:
+                local, origin, common = hits[0]
+                dest = local[box_slices(common, origin)]
+                if common == box and dest.is_contiguous():
+                    store.read_into(oid, dest, what=what)  # type: ignore[attr-defined]
+                    return n
+            buf = store.get_tensor(oid, dtype, box[1], what=what)  # type: ignore[attr-defined]
+        except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
+            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({str(e).removeprefix(what + ': ')}) (SPEC.md §Slices held)") from None
+        except CorruptObject as e:  # the backends without a streaming read name only the object
+            if what in str(e):
+                raise
+            raise CorruptObject(f"{what}: {e}") from None
         with torch.no_grad():
-            dest.copy_(buf[box_slices(common, box[0])])
+            for local, origin, common in hits:
+                local[box_slices(common, origin)].copy_(buf[box_slices(common, box[0])])
         return n
 
     return run
@@ -301,6 +330,7 @@ def read_whole(store: object, payload: Payload, dtype: str, shape: Sequence[int]
     shape = tuple(shape)
     if not is_chunked(payload):
         return store.get_tensor(payload, dtype, shape, what=what)  # type: ignore[attr-defined]
+    check_stored(store, payload, dtype, shape, what)  # the blocks' sizes bound the allocation
     out = torch.empty(shape, dtype=DTYPES[dtype])
     for job in read_jobs(store, payload, dtype, shape, out, (0,) * len(shape), what):
         job()

@@ -40,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 
 from .bounded import check_json_nesting, read_regular_file
 from .checkpoint import AUTO, CommitInfo, check_info, check_parent, write_commit
-from .errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
+from .errors import CorruptObject, InvalidName, LayoutError, ManifestError, ObjectNotFound, ObjectTooLarge, StorageError, TensorMismatch
 from .grid import payload_blocks, put_payloads
 from .manifest import MAX_MANIFEST_BYTES, Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
 from .names import check_ref_name, check_tensor_name
@@ -171,9 +171,11 @@ def _write_safetensors(store: Store, path: str, items: Sequence[_Item], tick: Ca
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for it in items:
-            # a chunked payload's blocks are consecutive byte ranges: streamed one block at a time
-            for oid, _box, nbytes in payload_blocks(it.oid, it.dtype, it.shape):
-                data = store.get(oid)  # re-hashed on read
+            for i, (oid, _box, nbytes) in enumerate(blocks := payload_blocks(it.oid, it.dtype, it.shape)):  # consecutive byte ranges
+                try:
+                    data = store.get(oid, limit=nbytes)  # re-hashed on read; bounded by the entry's size first
+                except (CorruptObject, ObjectNotFound, ObjectTooLarge) as e:
+                    raise type(e)(f"tensor {it.name!r}{f', block {i}' if len(blocks) > 1 else ''} ({path}): {e}") from None
                 if len(data) != nbytes:
                     raise TensorMismatch(f"tensor {it.name!r}: object {oid} holds {len(data)} bytes, entry needs {nbytes}")
                 f.write(data)
@@ -419,7 +421,7 @@ def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[
         del t
     if verify:
         for oid, _box, nbytes in payload_blocks(payload, dtype, shape):
-            data = store.get(oid)  # re-hash what the store now holds
+            data = store.get(oid, limit=nbytes)  # re-hash what the store now holds (an object already there may be anything)
             if len(data) != nbytes:
                 raise TensorMismatch(f"tensor {name!r}: object {oid} holds {len(data)} bytes")
             del data

@@ -25,6 +25,7 @@ from msgspec import Meta
 from .bounded import check_json_nesting
 from .errors import ManifestError
 from .names import GROUP_NAME_PATTERN, JOB_ID_PATTERN, OID_PATTERN, TENSOR_NAME_PATTERN
+from .payloads import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, is_chunked, shard_version, state_payloads, tensor_payloads
 
 __all__ = [
     "FORMAT_VERSION",
@@ -32,6 +33,7 @@ __all__ = [
     "DTYPE_NAMES",
     "TRANSITIONS",
     "CHUNKED_VERSION",
+    "STATE_CHUNKED_VERSION",
     "SUPPORTED_VERSIONS",
     "MAX_BLOCKS",
     "Oid",
@@ -40,6 +42,7 @@ __all__ = [
     "Payload",
     "is_chunked",
     "tensor_payloads",
+    "state_payloads",
     "shard_version",
     "Base",
     "StoreConfig",
@@ -54,6 +57,7 @@ __all__ = [
     "TorchOptimizer",
     "ExtraEntry",
     "RngEntry",
+    "Slice",
     "ShardManifest",
     "SlotLayout",
     "OptimizerSpec",
@@ -69,13 +73,8 @@ __all__ = [
     "decode_config",
 ]
 
-#: The base format version: the store config, pins, and every shard manifest, commit and
-#: learned-state document without a chunked payload. A manifest carries the lowest version
-#: that can express it (SPEC.md §Versioning): ``CHUNKED_VERSION`` only where a tensor payload
-#: is chunked (SPEC.md §Chunked payloads), so single-block state encodes exactly as before.
-FORMAT_VERSION = 1
-CHUNKED_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+#: Versions of shard manifests and commits this reader accepts (the version rule: ``payloads.py``).
+SUPPORTED_VERSIONS = (1, 2, 3)
 #: Most blocks one chunked payload may list (4 TiB of 4 MiB blocks); checked by the decoder.
 MAX_BLOCKS = 1 << 20
 #: Largest manifest (shard, commit, config) a reader will parse; checked before decoding.
@@ -156,10 +155,6 @@ class Block(Base):
 Payload = Union[Oid, Annotated[tuple[Block, ...], Meta(min_length=2, max_length=MAX_BLOCKS)]]
 
 
-def is_chunked(payload: "Payload | None") -> bool:
-    return payload is not None and not isinstance(payload, str)
-
-
 class OptimEntry(Base):
     """A parameter's optimizer state: group, Adam cursor (birth, age) and both moments."""
 
@@ -172,12 +167,15 @@ class OptimEntry(Base):
 
 
 class StateTensor(Base):
-    """One tensor of a parameter's optimizer state (or of an extra): key, dtype, shape, payload object id."""
+    """One tensor of a parameter's optimizer state (or of an extra): key, dtype, shape, payload.
+
+    ``object`` is one object id, or (format 3, torch-form state only) the blocks of the
+    tensor's canonical grid; an extra's tensor is always one object (SPEC.md §Chunked payloads)."""
 
     key: StateKey
     dtype: DType
     shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
-    object: Oid
+    object: Payload
 
 
 class StateScalar(Base, omit_defaults=True):
@@ -234,6 +232,14 @@ class ExtraEntry(Base):
     tensors: Annotated[tuple[StateTensor, ...], Meta(max_length=MAX_ENTRIES)]
 
 
+class Slice(Base):
+    """The box of a sharded tensor one slot held when it saved (SPEC.md §Slices held): layout, not learned state."""
+
+    name: TensorName
+    start: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
+    shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_NDIM)]
+
+
 class RngEntry(Base):
     """One RNG state object of a slot (Python, NumPy, torch CPU, or a CUDA device)."""
 
@@ -244,7 +250,7 @@ class RngEntry(Base):
 class ShardManifest(Base, tag="shard", tag_field="type", omit_defaults=True):
     """One slot's tensors, optimizer groups and RNG, bound to its job, step, parent and layout size.
 
-    ``torch_optimizer`` and ``extras`` are omitted from the encoding when unused.
+    ``torch_optimizer``, ``extras`` and ``slices`` (format 3) are omitted from the encoding when unused.
     """
 
     version: int
@@ -260,6 +266,7 @@ class ShardManifest(Base, tag="shard", tag_field="type", omit_defaults=True):
     rng: Annotated[tuple[RngEntry, ...], Meta(max_length=64)]
     torch_optimizer: TorchOptimizer | None = None
     extras: Annotated[tuple[ExtraEntry, ...], Meta(max_length=4096)] = ()
+    slices: Annotated[tuple[Slice, ...], Meta(max_length=MAX_ENTRIES)] = ()
 
 
 class SlotLayout(Base):
@@ -326,27 +333,6 @@ class PinManifest(Base, tag="pin", tag_field="type"):
 Manifest = Union[StoreConfig, ShardManifest, CommitManifest, PinManifest]
 
 
-def tensor_payloads(e: TensorEntry) -> list[tuple[str, Payload, str]]:
-    """(role, payload, dtype) of every tensor payload an entry names, parameter first.
-
-    The one place that knows which fields of a tensor entry hold payloads: verify, gc,
-    copy and the version rule go through it, so a new kind of tensor is one line here.
-    """
-    out: list[tuple[str, Payload, str]] = [("param", e.param, e.dtype)]
-    o = e.optim
-    if o is not None and o.moment_dtype is not None:
-        for role in ("exp_avg", "exp_avg_sq"):
-            m = getattr(o, role)
-            if m is not None:
-                out.append((role, m, o.moment_dtype))
-    return out
-
-
-def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]") -> int:
-    """The lowest format version that can express these entries: 2 iff a payload is chunked."""
-    return CHUNKED_VERSION if any(is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e)) else FORMAT_VERSION
-
-
 class _Header(msgspec.Struct):
     """Lenient first pass: just enough to refuse unknown types and versions with a clear message."""
 
@@ -399,10 +385,11 @@ def decode(data: bytes | memoryview, what: str = "manifest") -> Manifest:
         raise ManifestError(f"{what}: malformed {header.type} manifest: {e}") from None
     if encode(obj) != raw:
         raise ManifestError(f"{what}: {header.type} manifest is not in canonical encoding (SPEC.md §Canonical encoding)")
-    if isinstance(obj, ShardManifest) and obj.version != shard_version(obj.entries):
+    if isinstance(obj, ShardManifest) and obj.version != shard_version(obj.entries, obj.slices):
         raise ManifestError(
-            f"{what}: shard manifest of version {obj.version} must be version {shard_version(obj.entries)}: "
-            "version 2 exactly when a tensor payload is chunked (SPEC.md §Versioning)"
+            f"{what}: shard manifest of version {obj.version} must be version {shard_version(obj.entries, obj.slices)}: "
+            "version 3 exactly when a torch-form state tensor is chunked or slices are recorded, else 2 exactly when a "
+            "tensor payload is chunked (SPEC.md §Versioning)"
         )
     return obj
 

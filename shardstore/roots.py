@@ -33,7 +33,7 @@ def learned_state(
 ) -> LearnedState:
     entries = list(entries)
     return LearnedState(
-        version=shard_version(entries),  # 2 iff a payload is chunked (SPEC.md §Versioning)
+        version=shard_version(entries),  # 3 iff a state tensor is chunked, 2 iff a payload is (SPEC.md §Versioning); never slices
         step=step,
         data_cursor=data_cursor,
         config=config,

@@ -162,15 +162,19 @@ class FsspecStorage:
             self.fs.pipe_file(path, bytes(data))
             return True
 
+    def _check_current(self, key: str, path: str, expected: bytes | None) -> None:
+        """RefConflict unless ``key`` holds ``expected`` (None: absent); the caller holds the lock."""
+        try:
+            current: bytes | None = self.fs.cat_file(path)
+        except FileNotFoundError:
+            current = None
+        if current != expected:
+            raise RefConflict(f"{key}: expected {show_ref_value(expected)}, found {show_ref_value(current)}")
+
     def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
         path = self._path(key)
         with self._lock:
-            try:
-                current: bytes | None = self.fs.cat_file(path)
-            except FileNotFoundError:
-                current = None
-            if current != expected:
-                raise RefConflict(f"{key}: expected {show_ref_value(expected)}, found {show_ref_value(current)}")
+            self._check_current(key, path, expected)
             self.fs.pipe_file(path, new)
 
     def delete(self, key: str) -> None:
@@ -182,12 +186,7 @@ class FsspecStorage:
     def delete_if(self, key: str, expected: bytes) -> None:
         path = self._path(key)
         with self._lock:
-            try:
-                current: bytes | None = self.fs.cat_file(path)
-            except FileNotFoundError:
-                current = None
-            if current != expected:
-                raise RefConflict(f"{key}: expected {show_ref_value(expected)}, found {show_ref_value(current)}")
+            self._check_current(key, path, expected)
             self.fs.rm_file(path)
 
     def list(self, prefix: str) -> Iterator[str]:

@@ -40,7 +40,7 @@ from .errors import (
 from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
-from .tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
+from .tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
 
 __all__ = ["Store", "open_store", "object_key", "ref_key", "pin_key"]
 
@@ -182,8 +182,14 @@ class Store:
         return self.put(tensor_bytes(t))
 
     def get_tensor(self, oid: str, dtype: str, shape: tuple[int, ...], *, what: str = "tensor") -> torch.Tensor:
-        """A verified tensor viewing the object's bytes (read into memory of its own, then hashed)."""
-        return tensor_from_bytes(self.get(oid), dtype, tuple(shape), f"{what} (object {oid})")
+        """A verified tensor viewing the object's bytes (read into memory of its own, then hashed).
+
+        An object larger than ``dtype`` x ``shape`` is refused (ObjectTooLarge) before it is read (SPEC.md §Limits)."""
+        try:
+            data = self.get(oid, limit=expected_nbytes(dtype, tuple(shape)))
+        except (CorruptObject, ObjectNotFound, ObjectTooLarge) as e:  # name the tensor (and block) it was read for
+            raise type(e)(f"{what}: {e}") from None
+        return tensor_from_bytes(data, dtype, tuple(shape), f"{what} (object {oid})")
 
     def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = 2) -> list[str]:
         """Store each tensor's bytes as an object; return the ids in order.

@@ -33,11 +33,14 @@ import torch
 
 from .errors import BindingError, ManifestError, ShardstoreError, StateMismatch, UnsupportedOptimizer
 from .extras import extras_rules
+from .grid import check_stored, grid_problems, payload_blocks
 from .manifest import (
+    STATE_CHUNKED_VERSION,
     CommitManifest,
     HyperGroup,
     OptimizerSpec,
     ParamState,
+    Payload,
     ShardManifest,
     StateScalar,
     StateTensor,
@@ -45,12 +48,14 @@ from .manifest import (
     TorchOptimizer,
     f64_decode,
     f64_encode,
+    is_chunked,
+    state_payloads,
 )
 from .names import check_group_name
 from .optim import OptimState, ParamOpt, _group_names  # one group-naming rule for both forms
 from .tensors import check_storable, dtype_name, expected_nbytes, torch_dtype
 
-__all__ = ["REAL_PREFIX", "class_name", "is_adam_form", "capture_torch", "TorchRestore", "plan_torch_restore", "state_objects", "torch_spec", "torch_union", "use_torch_form", "shard_rules", "commit_rules"]
+__all__ = ["REAL_PREFIX", "class_name", "is_adam_form", "capture_torch", "TorchRestore", "plan_torch_restore", "state_objects", "state_problems", "torch_spec", "torch_union", "use_torch_form", "shard_rules", "commit_rules"]
 
 REAL_PREFIX = "f64:"
 _SKIP_GROUP_KEYS = ("params", "param_names")
@@ -178,8 +183,11 @@ def _key(k: Any, where: str) -> str:
     return k
 
 
-def param_state(tp: TorchParam, ids: Iterator[str]) -> ParamState:
-    """The manifest record of one parameter's state; ``ids`` yields its tensors' object ids in key order."""
+def param_state(tp: TorchParam, ids: Iterator[Payload]) -> ParamState:
+    """The manifest record of one parameter's state; ``ids`` yields its tensors' payloads in key order.
+
+    A state tensor may be a ``StoredPayload`` (a DTensor the block exchange wrote): its
+    dtype and shape are the whole tensor's."""
     tensors = tuple(
         StateTensor(key=k, dtype=dtype_name(t.dtype, k), shape=tuple(t.shape), object=next(ids)) for k, t in sorted(tp.tensors.items())
     )
@@ -187,10 +195,24 @@ def param_state(tp: TorchParam, ids: Iterator[str]) -> ParamState:
 
 
 def state_objects(e: TensorEntry) -> Iterator[tuple[str, int, str]]:
-    """(object id, byte size, role) of every state tensor of an entry (for verify, copy and gc)."""
-    if e.state is not None:
-        for st in e.state.tensors:
-            yield st.object, expected_nbytes(st.dtype, st.shape), f"optimizer state {st.key!r}"
+    """(object id, byte size, role) of every object of every state tensor of an entry: one per
+    block of a chunked one (for verify, copy and gc)."""
+    for key, payload, dtype, shape in state_payloads(e):
+        blocks = payload_blocks(payload, dtype, shape)
+        for i, (oid, _box, n) in enumerate(blocks):
+            yield oid, n, f"optimizer state {key!r}" + (f" block {i}" if len(blocks) > 1 else "")
+
+
+def state_problems(e: TensorEntry, version: int) -> Iterator[str]:
+    """What is wrong with the payloads of an entry's state tensors in a manifest of ``version``:
+    from version 3 they follow the canonical grid (SPEC.md §Chunked payloads); before, each is
+    one object whatever its size (what versions 1 and 2 wrote, still read)."""
+    for key, payload, dtype, shape in state_payloads(e):
+        if version >= STATE_CHUNKED_VERSION:
+            for msg in grid_problems(payload, dtype, shape):
+                yield f"optimizer state {key!r} payload: {msg}"
+        elif is_chunked(payload):  # the version rule reports it too; say which tensor
+            yield f"optimizer state {key!r} is chunked in a version {version} manifest (chunked state needs version {STATE_CHUNKED_VERSION})"
 
 
 def _scalar_value(s: StateScalar) -> Any:
@@ -198,12 +220,27 @@ def _scalar_value(s: StateScalar) -> Any:
     return v if s.dtype is None else torch.tensor(v, dtype=torch_dtype(s.dtype))
 
 
+def _state_dest(store: object, param: torch.Tensor, t: StateTensor, what: str) -> torch.Tensor:
+    """A new state tensor to read into: for a DTensor parameter (FSDP2, TP) a state tensor of
+    its shape is a DTensor split like it (what torch's optimizers create for it, so a restore
+    reads only the blocks this rank's slice overlaps); anything else a plain CPU tensor, of a
+    shape only the manifest gives, so allocated only once the objects it names are known to
+    hold that many bytes (SPEC.md §Limits)."""
+    from .dtensor import is_dtensor
+
+    dtype, shape = torch_dtype(t.dtype), tuple(t.shape)
+    if is_dtensor(param) and tuple(param.shape) == shape:
+        return torch.empty_like(param, dtype=dtype)  # sized by the caller's own parameter
+    check_stored(store, t.object, t.dtype, shape, what)
+    return torch.empty(shape, dtype=dtype)
+
+
 @dataclass
 class TorchRestore:
     """A checked plan: reads into fresh state tensors, then ``install`` loads them with ``load_state_dict``."""
 
     optimizer: Any
-    reads: list[tuple[str, torch.Tensor, str]]
+    reads: list[tuple[Payload, torch.Tensor, str]]
     state_dict: dict[str, Any]
 
     def install(self) -> None:
@@ -211,6 +248,7 @@ class TorchRestore:
 
 
 def plan_torch_restore(
+    store: object,
     optimizer_spec: OptimizerSpec,
     entries: Mapping[str, TensorEntry],
     optimizer: Any,
@@ -226,7 +264,7 @@ def plan_torch_restore(
         raise StateMismatch(f"commit {commit_id} holds {spec.class_name} state but the optimizer is {live}; refusing to install it")
     groups = {g.name: g for g in spec.groups}
     by_id = {id(t): n for n, t in targets.items()}
-    reads: list[tuple[str, torch.Tensor, str]] = []
+    reads: list[tuple[Payload, torch.Tensor, str]] = []
     saved_groups: list[dict[str, Any]] = []
     state: dict[int, dict[str, Any]] = {}
     index = 0
@@ -249,9 +287,9 @@ def plan_torch_restore(
                 raise StateMismatch(f"tensor {name!r} is in group {e.state.group!r} in commit {commit_id} but in {gname!r} here")
             st: dict[str, Any] = {s.key: _scalar_value(s) for s in e.state.scalars}
             for t in e.state.tensors:
-                dest = torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype))
-                reads.append((t.object, dest, f"optimizer state {t.key!r} of {name!r}"))
-                st[t.key] = dest
+                what = f"optimizer state {t.key!r} of {name!r}"
+                st[t.key] = dest = _state_dest(store, p, t, what)
+                reads.append((t.object, dest, what))
             if st:
                 state[index] = st
             index += 1

@@ -3,7 +3,8 @@
 A commit's *closure* is everything a reader needs to restore it: the commit manifest,
 all its shard manifests, the model config object, the commit-wide extras' objects, and the
 tensor (parameters and buffers), optimizer state and RNG objects and own extras of every slot (or, with ``slot=K``, of slot K only: what a replacement host needs
-to restore that one slot). The parent commit is a pointer, not part of the closure.
+to restore that one slot; of a tensor slot K held a slice of, only the blocks that slice
+overlaps, ``slices.slot_needs``). The parent commit is a pointer, not part of the closure.
 
 ``copy_commit`` sends only objects the destination lacks, and verifies every byte on
 arrival: what was received is hashed, and written under its id only if it hashes to it
@@ -26,10 +27,8 @@ from typing import TypeVar
 from .errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from .extras import extra_objects
 from .names import check_ref_name
-from .grid import payload_blocks
-from .manifest import tensor_payloads
+from .slices import entry_objects, slot_needs
 from .store import Store, object_key
-from .torch_optim import state_objects
 from .verify import LoadedCommit, load_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
@@ -43,11 +42,13 @@ DEFAULT_THREADS = 16
 @dataclass
 class Closure:
     """What a commit needs: data objects (id → byte size, None where the format fixes none),
-    its shard manifests (by slot order) and the commit manifest itself."""
+    its shard manifests (by slot order) and the commit manifest itself. ``labels``: what a
+    data object is (tensor, role and block, as verify names them), for errors."""
 
     commit: str
     shards: list[str]
     data: dict[str, int | None] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
 
     def ids(self) -> set[str]:
         return {self.commit, *self.shards, *self.data}
@@ -62,23 +63,28 @@ def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
     out = Closure(lc.id, [lc.shard_ids[s] for s in sorted(lc.shard_ids)])
     if lc.commit.config is not None:
         out.data[lc.commit.config] = None
-    for oid, size, *_ in extra_objects(lc.commit.extras, ""):  # commit-wide extras: every slot restores them
+        out.labels[lc.commit.config] = "model config"
+    for oid, size, what, _rule in extra_objects(lc.commit.extras, ""):  # commit-wide extras: every slot restores them
         out.data[oid] = size
+        out.labels.setdefault(oid, what)
+    needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices held)
     for s, shard in sorted(lc.shards.items()):
         if shard.config is not None:
             out.data.setdefault(shard.config, None)
-        if slot is not None and s != slot:
-            continue
-        for r in shard.rng:
-            out.data.setdefault(r.object, None)
-        for oid, size, *_ in extra_objects(shard.extras, ""):
-            out.data[oid] = size
-        for e in shard.entries:
-            for _role, payload, dtype in tensor_payloads(e):
-                for oid, _box, n in payload_blocks(payload, dtype, e.shape):
-                    out.data[oid] = n
-            for oid, size, _ in state_objects(e):
+            out.labels.setdefault(shard.config, "model config")
+        if slot is None or s == slot:
+            for r in shard.rng:
+                out.data.setdefault(r.object, None)
+                out.labels.setdefault(r.object, f"RNG state {r.kind} of slot {s}")
+            for oid, size, what, _rule in extra_objects(shard.extras, f" of slot {s}"):
                 out.data[oid] = size
+                out.labels.setdefault(oid, what)
+        for e in shard.entries:
+            if needs is not None and e.name not in needs:
+                continue
+            for oid, n, what in entry_objects(e, needs[e.name] if needs is not None else None):
+                out.data[oid] = n
+                out.labels.setdefault(oid, f"tensor {e.name!r}, {what}")  # "tensor 'w', parameter block 1"
     return out
 
 
@@ -250,7 +256,7 @@ def copy_commit(
         dst.sync()  # everything in this batch is durable before the next batch names it
 
     extra = sorted({oid for ids in pinned.values() for oid in ids} - set(closure.data))
-    batch([(oid, size, "data") for oid, size in sorted(closure.data.items())] + [(oid, None, "pinned") for oid in extra])
+    batch([(oid, size, closure.labels.get(oid, "data")) for oid, size in sorted(closure.data.items())] + [(oid, None, "pinned") for oid in extra])
     batch([(sid, None, "shard manifest") for sid in closure.shards])
     batch([(closure.commit, None, "commit manifest")])
     load_commit(dst, lc.id)  # the destination now holds a structurally valid commit

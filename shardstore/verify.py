@@ -29,7 +29,8 @@ from .manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, TensorE
 from .rng import MAX_RNG_BYTES, check_rng
 from .roots import learned_root
 from .store import Store
-from .torch_optim import commit_rules, shard_rules, state_objects
+from .slices import commit_slice_problems, entry_objects, shard_slice_problems, slot_needs
+from .torch_optim import commit_rules, shard_rules, state_problems
 
 __all__ = ["Problem", "Report", "LoadedCommit", "shard_problems", "commit_problems", "load_commit", "verify"]
 
@@ -133,11 +134,15 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
         for role, payload, dtype in tensor_payloads(e):
             for msg in grid_problems(payload, dtype, e.shape):
                 yield p(GridError, f"{role} payload: {msg} (SPEC.md §Chunked payloads)", e.name)
+        for msg in state_problems(e, shard.version):
+            yield p(GridError, f"{msg} (SPEC.md §Chunked payloads)", e.name)
     if set(gnames) - used:
         yield p(ManifestError, f"groups {sorted(set(gnames) - used)} are not used by any tensor entry")
     for err, msg, tensor in shard_rules(shard):  # buffers and the torch form (SPEC.md §Buffers, §Optimizer state)
         yield p(err, msg, tensor)
     for msg in extras_rules(shard.extras):
+        yield p(ManifestError, msg)
+    for msg in shard_slice_problems(shard):
         yield p(ManifestError, msg)
 
 
@@ -204,6 +209,8 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
         yield p(ManifestError, f"optimizer groups {sorted(set(groups) - used_groups)} are used by no tensor")
     yield from _sizes_agree(cid, all_entries)
     if len(shards) == len(commit.layout):
+        for msg, tensor, slot in commit_slice_problems(shards, {e.name: e for e in all_entries}):
+            yield p(LayoutError, msg, shard_ids.get(slot), tensor)
         c = commit
         root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=all_entries, extras=c.extras)
         if root != commit.learned_root:
@@ -282,21 +289,18 @@ def _object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
         yield lc.commit.config, None, None, "model config", "config"
     for oid, size, what, rule in extra_objects(lc.commit.extras, ""):
         yield oid, size, None, what, rule
+    needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices held)
     for s, shard in sorted(lc.shards.items()):
-        if slot is not None and s != slot:
-            continue
-        for r in shard.rng:
-            yield r.object, None, None, f"RNG state {r.kind} of slot {s}", f"rng:{r.kind}"
-        for oid, size, what, rule in extra_objects(shard.extras, f" of slot {s}"):
-            yield oid, size, None, what, rule
+        if slot is None or s == slot:
+            for r in shard.rng:
+                yield r.object, None, None, f"RNG state {r.kind} of slot {s}", f"rng:{r.kind}"
+            for oid, size, what, rule in extra_objects(shard.extras, f" of slot {s}"):
+                yield oid, size, None, what, rule
         for e in shard.entries:
-            for role, payload, dtype in tensor_payloads(e):
-                blocks = payload_blocks(payload, dtype, e.shape)
-                what = "parameter" if role == "param" else role
-                for i, (oid, _box, n) in enumerate(blocks):
-                    yield oid, n, e.name, (what if len(blocks) == 1 else f"{what} block {i}"), None
-            for oid, size, what in state_objects(e):
-                yield oid, size, e.name, what, None
+            if needs is not None and e.name not in needs:
+                continue
+            for oid, n, what in entry_objects(e, needs[e.name] if needs is not None else None):
+                yield oid, n, e.name, what, None
 
 
 #: What checking one object found: (error or None, its actual size or None, bytes hashed).

@@ -87,14 +87,16 @@ class Reference:
     """One slot's share of a frozen reference commit, run forward-only round the ring."""
 
     def __init__(self, store: Store, commit: str, *, slot: int, num_slots: int, device: torch.device,
-                 timeout: float) -> None:
+                 timeout: float, dtype: torch.dtype = torch.float32) -> None:
+        """`dtype` is the stage's, and must be the reference commit's (restore refuses any other):
+        float32 in training, float64 in parity tests."""
         lc = load_commit(store, commit)
         if lc.commit.config is None:
             raise DistillError(f"reference commit {commit[:12]} has no model config")
         config = LlamaConfig.from_hf_dict(decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES)))
         partition = Partition.even(config.num_hidden_layers, num_slots)
         self.commit = lc.id
-        self.stage = build_stage(config, partition, slot, seed=0, device=device)
+        self.stage = build_stage(config, partition, slot, seed=0, device=device, dtype=dtype)
         for p in self.stage.parameters():
             p.requires_grad_(False)
         shardstore.restore(store, lc.id, self.stage)  # this slot's reference tensors only; nothing is written
@@ -104,7 +106,10 @@ class Reference:
     def logprobs(self, tokens: torch.Tensor, temperature: float) -> torch.Tensor | None:
         """(R, T) token ids -> (R, T, V) log softmax(reference logits / T) on slot 0, None elsewhere (collective)."""
         logits = self.ring.forward(tokens.to(next(self.stage.parameters()).device))
-        return None if logits is None else F.log_softmax(logits.float() / temperature, dim=-1)
+        if logits is None:
+            return None
+        # At least float32 (logits of a reduced-precision pass are widened), never narrowed.
+        return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
 
 
 class Distiller:

@@ -178,31 +178,40 @@ def parameter_seed(seed: int, name: str) -> int:
 def init_parameters_(module: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
     """Initialise every parameter in place: norms to one, matrices ~ N(0, std^2).
 
-    Values are drawn on the CPU from a generator per parameter, so they are the same for any
-    partition and any device the parameter lives on.
+    Values are drawn in float32 on the CPU from a generator per parameter, so they are the
+    same for any partition and any device the parameter lives on, and a parameter of
+    another dtype holds the float32 draw converted (a float64 build is the float32 build
+    widened exactly).
     """
     for name, param in module.named_parameters():
         if param.ndim == 1:
             param.fill_(1.0)
             continue
         gen = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
-        if param.device.type == "cpu":
+        if param.device.type == "cpu" and param.dtype == torch.float32:
             param.normal_(0.0, std, generator=gen)
         else:
-            param.copy_(torch.empty(param.shape, dtype=param.dtype).normal_(0.0, std, generator=gen))
+            param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
 
 def build_stage(config: LlamaConfig, partition: Partition, slot: int, *, seed: int,
-                device: torch.device | str = "cpu", init_std: float = 0.02) -> Llama:
+                device: torch.device | str = "cpu", init_std: float = 0.02,
+                dtype: torch.dtype = torch.float32) -> Llama:
     """The piece of the model that slot `slot` owns, initialised deterministically.
 
     Built on the meta device, so constructing it allocates nothing; `to_empty` then
     allocates storage for the piece's own parameters only, which are initialised by name.
+    `dtype` is the parameters' (and so the activations' and messages') dtype: float32 is
+    the numerical profile every commit records; float64 exists for parity tests, where it
+    takes summation-order noise out of the comparison (RMSNorm still normalises in
+    float32, as Hugging Face's does).
     """
+    if not dtype.is_floating_point:
+        raise PartitionError(f"a stage's parameters must have a floating-point dtype, got {dtype}")
     layers = partition.layers(slot)
     partition._check_config(config)
     with torch.device("meta"):
-        piece = Llama(config, layers=layers, embedding=slot == 0, head=slot == 0)
+        piece = Llama(config, layers=layers, embedding=slot == 0, head=slot == 0).to(dtype=dtype)
     piece.to_empty(device=device)
     init_parameters_(piece, seed=seed, std=init_std)
     names = tuple(name for name, _ in piece.named_parameters())

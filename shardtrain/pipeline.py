@@ -79,6 +79,7 @@ class Pipeline:
                 or stage.has_head != (slot == 0):
             raise ConfigError(f"stage does not match slot {slot} of the partition")
         self.device = next(stage.parameters()).device
+        self.dtype = next(stage.parameters()).dtype  # of the activations and gradients sent round the ring
         self.channel: Channel | None = None
         self._posted: dict[tuple[int, int, int], PostedRecv] = {}  # (src, kind, microbatch) -> posted receive
         # Called as after_forward(step, microbatch) once this slot has run a microbatch's
@@ -181,7 +182,7 @@ class Pipeline:
             self._posted[(src, kind, mb.index)] = self.channel.post(src, self._header(kind, mb, step))
 
     def _header(self, kind: int, mb: Microbatch, step: int) -> MessageHeader:
-        return MessageHeader(kind, step, mb.index, torch.float32, (mb.rows, mb.length, self.config.hidden_size))
+        return MessageHeader(kind, step, mb.index, self.dtype, (mb.rows, mb.length, self.config.hidden_size))
 
     def _recv(self, src: int, kind: int, mb: Microbatch, step: int) -> torch.Tensor:
         assert self.channel is not None

@@ -28,13 +28,14 @@ class Ring:
     def __init__(self, stage: Llama, partition: Partition, slot: int, *, timeout: float, kind: int = ACTIVATION) -> None:
         self.stage, self.config, self.slot, self.n = stage, stage.config, slot, partition.num_slots
         device = next(stage.parameters()).device
+        self.dtype = next(stage.parameters()).dtype  # of the activations sent round the ring
         self.channel = Channel(slot, timeout=timedelta(seconds=timeout), max_elements=1 << 26,
                                device=device) if self.n > 1 else None
         self.calls = 0
         self.kind = kind  # the message kind (and so the tag) of this ring's activations
 
     def _header(self, b: int, t: int) -> MessageHeader:
-        return MessageHeader(self.kind, self.calls, 0, torch.float32, (b, t, self.config.hidden_size))
+        return MessageHeader(self.kind, self.calls, 0, self.dtype, (b, t, self.config.hidden_size))
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, caches: dict[int, KVCache] | None = None) -> torch.Tensor | None:

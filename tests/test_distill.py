@@ -1,40 +1,64 @@
 """Distillation parity: the sharded CE + KL step on 2 and 3 workers against one process.
 
-The reference run is `transformers`' `LlamaForCausalLM` for both student and frozen
-reference, whole-batch autograd, the KL term computed by `torch.nn.functional.kl_div`,
-`clip_grad_norm_` and `torch.optim.AdamW`: none of shardtrain's loss, pipeline, ring,
-clipping or optimizer code runs in it. The batch has 5 rows split 2 + 2 + 1 (a partial
-microbatch), unequal per-token weights, replay rows in a full and in the partial
-microbatch next to new rows, and a clipping threshold below the gradient norm.
+The reference run (`distill_helpers.oracle_worker`) is `transformers`' `LlamaForCausalLM`
+for both student and frozen reference, whole-batch autograd, the KL term computed by
+`torch.nn.functional.kl_div`, `clip_grad_norm_` and `torch.optim.AdamW`: none of
+shardtrain's loss, pipeline, ring, clipping, optimizer or model code runs in it (it takes
+the student's initial values from `build_stage` and the frozen reference's from the
+reference commit, as the workers do). The
+batch has 5 rows split 2 + 2 + 1 (a partial microbatch), unequal per-token weights,
+replay rows next to new rows in a full microbatch and alone in the partial one, and a
+clipping threshold below the gradient norm; Adam's eps is the recipe's 1e-8 (the test
+asserts each of these of the batch and hyperparameters it runs).
+
+Every check runs in two dtypes, from one launch per worker count and one for the
+reference:
+
+- **float64** (student, reference, activations and messages: `build_stage(dtype=...)`):
+  loss, gradient norm, the parameter vector and every updated tensor within 1e-9
+  relative of the reference (the issue asks 1e-6; measured: loss 1.4e-16, norm 0,
+  vector 1.8e-16, worst tensor 2.1e-15).
+- **float32**, the training profile, with bounds set from what it measured: loss 9.6e-9
+  and norm 1.1e-7 (bound 1e-6), parameter vector 2.6e-7 (bound 1e-6), worst tensor
+  2.7e-6 of its norm (bound 1e-5). Per tensor float32 cannot promise 1e-6 in general:
+  the first Adam update is ``lr * g / (|g| + eps)``, so an element whose gradient is ~eps
+  moves by up to ~lr when float32 summation order changes its gradient by ~eps (with a
+  reference as small as the student, REF_STD 0.02, layers.3 v_proj had such elements and
+  measured 1.9e-5). float64 takes that noise out, which is why it carries the per-tensor
+  claim.
 """
 from __future__ import annotations
 
 import json
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from distill_helpers import distill_worker
+from distill_helpers import distill_worker, oracle_worker
+from safetensors import safe_open
+from safetensors.torch import load_file
 from shardtrain_helpers import DETERMINISTIC_ENV, GROUPS_JSON, make_batch, read_results, tiny_config
 
 import shardstore
-from shardtrain import Partition, build_stage, canonical_parameter_names, launch_local, lr_multiplier
+from shardtrain import Partition, build_stage, launch_local
+from shardtrain.batch import split_microbatches
 from shardtrain.distill import Reference, reference_bytes
 from shardtrain.loss import DistillTargets, microbatch_loss
-from shardtrain.optim import Schedule
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the reference run (distill_helpers.oracle_worker) imports it
 
 LAYOUTS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
 STEPS, SEED, REF_SEED, MAX_NORM, MICRO = 1, 1234, 77, 0.5, 2
+# The reference's initial scale: with the student's 0.02 both models are near uniform and
+# the KL term is 0.2% of the loss; at 0.3 it is ~19%, so a wrong KL cannot hide in it.
+REF_STD = 0.3
 REPLAY, COEF, TEMP = [1, 4], 0.7, 2.0
-# Adam's eps is 1e-6 here, not 1e-8: the first update is lr * g / (|g| + eps), which
-# amplifies float32 summation noise in an element whose gradient is ~eps by lr / eps.
-# With eps = 1e-8 one element of one tensor (layers.3 v_proj) moved 1.6e-4 apart, 2.3e-4
-# of that tensor's norm, while every other tensor agreed to ~1e-6 (measured).
-GROUPS = {k: {**v, "eps": 1e-6} for k, v in GROUPS_JSON.items()}
+GROUPS = GROUPS_JSON  # the recipe's hyperparameters, eps 1e-8 included
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# Relative tolerances: (loss and norm, whole parameter vector, each tensor); the module
+# docstring gives what each measured.
+TOL = {"float64": (1e-9, 1e-9, 1e-9), "float32": (1e-6, 1e-6, 1e-5)}
 
 
 def _rel(a: float, b: float) -> float:
@@ -42,105 +66,100 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """A store holding the frozen reference as a one-slot commit (another seed than the student)."""
+def reference_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+    """A store holding the frozen reference (another seed than the student) as a one-slot
+    commit per parameter dtype."""
     config = tiny_config()
     url = str(tmp_path_factory.mktemp("refstore") / "store")
     store = shardstore.open_store(url)
-    model = build_stage(config, Partition.even(config.num_hidden_layers, 1), 0, seed=REF_SEED)
-    cid = shardstore.save(store, model, step=0, ref="reference", config=config.to_hf_dict(), rng=False,
-                          transition="init")
-    return url, cid
+    commits = {}
+    for name, dtype in DTYPES.items():
+        model = build_stage(config, Partition.even(config.num_hidden_layers, 1), 0, seed=REF_SEED, dtype=dtype,
+                            init_std=REF_STD)
+        commits[name] = shardstore.save(store, model, step=0, ref=f"reference-{name}", config=config.to_hf_dict(),
+                                        rng=False, transition="init")
+    return url, commits
+
+
+def _spec(out_dir: Path, commits: dict[str, str], url: str, ranges: list[tuple[int, int]] | None = None) -> str:
+    return json.dumps({"out_dir": str(out_dir), "ranges": ranges, "seed": SEED, "store": url,
+                       "steps": STEPS, "runs": [{"dtype": k, "reference": cid} for k, cid in commits.items()],
+                       "microbatch_size": MICRO, "max_grad_norm": MAX_NORM, "replay": REPLAY, "coef": COEF,
+                       "temperature": TEMP, "groups": GROUPS})
 
 
 @pytest.fixture(scope="module")
-def runs(reference_store: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    url, cid = reference_store
+def runs(reference_store: tuple[str, dict[str, str]], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """(workers, dtype) -> (merged tensors, per-rank metadata): one launch per worker count."""
+    url, commits = reference_store
     out = {}
     for n, ranges in LAYOUTS.items():
         d = tmp_path_factory.mktemp(f"distill{n}")
-        spec = {"out_dir": str(d), "ranges": ranges, "seed": SEED, "store": url, "reference": cid, "steps": STEPS,
-                "microbatch_size": MICRO, "max_grad_norm": MAX_NORM, "replay": REPLAY, "coef": COEF,
-                "temperature": TEMP, "groups": GROUPS}
-        launch_local(distill_worker, n, (json.dumps(spec),), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=60),
-                     join_timeout=120)
-        out[n] = read_results(d, n)
+        launch_local(distill_worker, n, (_spec(d, commits, url, ranges),), env=DETERMINISTIC_ENV,
+                     timeout=timedelta(seconds=60), join_timeout=120)
+        for k in commits:
+            out[n, k] = read_results(d / k, n)
     return out
 
 
-def _hf(seed: int) -> Any:
-    config = tiny_config()
-    init = build_stage(config, Partition.even(config.num_hidden_layers, 1), 0, seed=seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf_dict()))
-    model.load_state_dict({n: p.detach().clone() for n, p in init.named_parameters()}, strict=False)
-    return model
-
-
-def reference_run() -> tuple[list[tuple[float, float, float]], dict[str, torch.Tensor]]:
-    """Whole-model CE + KL in one process: transformers' Llama, kl_div, clip_grad_norm_, torch AdamW."""
-    config = tiny_config()
-    student, teacher = _hf(SEED), _hf(REF_SEED)
-    params = dict(student.named_parameters())
-    assert tuple(params) == canonical_parameter_names(config)
-    groups = [{"params": [p for p in params.values() if p.ndim >= 2], **_group(GROUPS["decay"])},
-              {"params": [p for p in params.values() if p.ndim < 2], **_group(GROUPS["no_decay"])}]
-    opt = torch.optim.AdamW(groups, foreach=False)
-    schedule = Schedule(warmup_steps=1, total_steps=STEPS, min_ratio=0.1)
-    history = []
-    for step in range(STEPS):
-        b = make_batch(config, seed=SEED + step)
-        replay = torch.zeros(b.tokens.shape[0], dtype=torch.bool)
-        replay[REPLAY] = True
-        for g, spec in zip(opt.param_groups, (GROUPS["decay"], GROUPS["no_decay"])):
-            g["lr"] = spec["lr"] * lr_multiplier(step, schedule)
-        opt.zero_grad()
-        logits = student(input_ids=b.tokens).logits  # (B, T, V)
-        with torch.no_grad():
-            ref_logits = teacher(input_ids=b.tokens).logits  # (B, T, V)
-        ce = F.cross_entropy(logits.transpose(1, 2), b.targets, reduction="none")  # (B, T)
-        ce_sum = (ce * b.weights)[~replay].sum()
-        kl = F.kl_div(F.log_softmax(logits[replay] / TEMP, -1), F.log_softmax(ref_logits[replay] / TEMP, -1),
-                      reduction="none", log_target=True).sum(-1)  # (R, T): KL(p_ref || p_student)
-        loss = (ce_sum + COEF * TEMP ** 2 * (kl * b.weights[replay]).sum()) / b.weights.sum()
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM))
-        opt.step()
-        history.append((float(loss.detach()), norm, float(((ce * b.weights).sum() / b.weights.sum()).detach())))
-    return history, {n: p.detach().clone() for n, p in params.items()}
-
-
-def _group(spec: dict[str, float]) -> dict[str, Any]:
-    return {"lr": spec["lr"], "betas": (spec["beta1"], spec["beta2"]), "eps": spec["eps"],
-            "weight_decay": spec["weight_decay"]}
-
-
 @pytest.fixture(scope="module")
-def oracle() -> tuple[list[tuple[float, float, float]], dict[str, torch.Tensor]]:
-    return reference_run()
+def oracle(reference_store: tuple[str, dict[str, str]], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """dtype -> (per-step (loss, norm, CE-only loss), parameters) of the one-process reference run,
+    in a process with the workers' environment (distill_helpers says why)."""
+    url, commits = reference_store
+    d = tmp_path_factory.mktemp("oracle")
+    launch_local(oracle_worker, 1, (_spec(d, commits, url),), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=60),
+                 join_timeout=120)
+    out = {}
+    for k in commits:
+        path = d / k / "oracle.safetensors"
+        with safe_open(str(path), "pt") as f:
+            history = [tuple(h) for h in json.loads(f.metadata()["history"])]
+        out[k] = (history, load_file(str(path)))
+    return out
 
 
+def test_the_parity_batch_has_every_condition() -> None:
+    """What the parity test claims of its batch, checked on the batch itself."""
+    b = make_batch(tiny_config(), seed=SEED)
+    replay = torch.zeros(b.tokens.shape[0], dtype=torch.bool)
+    replay[REPLAY] = True
+    mbs = split_microbatches(b, MICRO)
+    assert [mb.rows for mb in mbs] == [2, 2, 1]  # a partial last microbatch...
+    assert bool(replay[mbs[-1].start:mbs[-1].stop].all())  # ...holding a replay record
+    assert any(0 < int(replay[mb.start:mb.stop].sum()) < mb.rows for mb in mbs)  # replay + new in one microbatch
+    assert b.weights[b.weights > 0].unique().numel() > 10  # unequal weights
+    assert GROUPS["decay"]["eps"] == GROUPS["no_decay"]["eps"] == 1e-8
+    assert GROUPS["decay"]["weight_decay"] > 0  # decoupled weight decay acts too
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("n", [2, 3])
-def test_sharded_ce_plus_kl_matches_one_process(runs: dict, oracle: Any, n: int) -> None:
-    tensors, metas = runs[n]
-    history, ref = oracle
+def test_sharded_ce_plus_kl_matches_one_process(runs: dict, oracle: dict, n: int, dtype: str) -> None:
+    tensors, metas = runs[n, dtype]
+    history, ref = oracle[dtype]
+    tol_scalar, tol_vector, tol_tensor = TOL[dtype]
     results = metas[0]["results"]
     assert len(results) == STEPS and all(m["results"] == results for m in metas)
+    assert all(m["reference_dtype"] == str(DTYPES[dtype]) for m in metas)
     for (loss, norm, coef), (ref_loss, ref_norm, ce_only) in zip(results, history):
-        assert ref_norm > MAX_NORM and coef < 1.0  # clipping acts
-        assert _rel(loss, ref_loss) <= 1e-6, (loss, ref_loss)
-        assert _rel(norm, ref_norm) <= 1e-6, (norm, ref_norm)
+        assert _rel(loss, ref_loss) <= tol_scalar, (loss, ref_loss)
+        assert _rel(norm, ref_norm) <= tol_scalar, (norm, ref_norm)
+        assert ref_norm > MAX_NORM and coef < 1.0  # clipping acts...
+        assert coef == pytest.approx(MAX_NORM / (ref_norm + 1e-6), rel=1e-6)  # ...by the reference's factor
         assert _rel(ref_loss, ce_only) > 1e-2  # the KL term really replaced CE on the replay rows
     assert set(tensors) == set(ref)
-    # Updated parameters: the whole parameter vector within 1e-6 relative, and each tensor
-    # within 1e-5 (float32 summation order, amplified per element by Adam's normalisation;
-    # the CE-only pipeline test has the same per-tensor bound).
+    assert all(t.dtype == DTYPES[dtype] for t in tensors.values())
+    # Updated parameters: the whole parameter vector, and each tensor by its own norm.
     diff = sum(float((tensors[k].double() - ref[k].double()).square().sum()) for k in ref) ** 0.5
     total = sum(float(ref[k].double().square().sum()) for k in ref) ** 0.5
-    worst = max(float((tensors[k].double() - ref[k].double()).norm() / ref[k].double().norm()) for k in ref)
-    print(f"distill parity n={n}: loss {_rel(results[0][0], history[0][0]):.1e} norm "
-          f"{_rel(results[0][1], history[0][1]):.1e} params {diff / total:.1e} worst tensor {worst:.1e}")
-    assert diff / total <= 1e-6, diff / total
-    assert worst <= 1e-5, worst
+    per = {k: float((tensors[k].double() - ref[k].double()).norm() / ref[k].double().norm()) for k in ref}
+    worst = max(per, key=per.__getitem__)
+    print(f"distill parity {dtype} n={n}: loss {_rel(results[0][0], history[0][0]):.1e} norm "
+          f"{_rel(results[0][1], history[0][1]):.1e} params {diff / total:.1e} worst tensor {per[worst]:.1e} "
+          f"({worst})")
+    assert diff / total <= tol_vector, diff / total
+    assert per[worst] <= tol_tensor, (worst, per[worst])
     # No worker held the whole reference: each built only its slot's layers.
     full = sum(p.numel() for p in build_stage(tiny_config(), Partition.even(4, 1), 0, seed=0).parameters())
     assert all(m["reference_params"] < full for m in metas)
@@ -168,20 +187,21 @@ def test_microbatching_and_replay_placement_do_not_change_the_loss() -> None:
         DistillTargets(mask, ref[:1], COEF, TEMP)
 
 
-def test_the_seed_reference_adds_no_objects(reference_store: tuple[str, str]) -> None:
-    url, cid = reference_store
+def test_the_seed_reference_adds_no_objects(reference_store: tuple[str, dict[str, str]]) -> None:
+    url, commits = reference_store
+    cid = commits["float32"]
     store = shardstore.open_store(url, create=False)
     before = sorted(store.objects())
     ref = Reference(store, cid, slot=0, num_slots=1, device=torch.device("cpu"), timeout=5.0)
     after = sorted(store.objects())
     assert len(after) == len(before) and after == before
     assert all(not p.requires_grad for p in ref.stage.parameters())
-    model = build_stage(tiny_config(), Partition.even(4, 1), 0, seed=REF_SEED)
+    model = build_stage(tiny_config(), Partition.even(4, 1), 0, seed=REF_SEED, init_std=REF_STD)
     assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in ref.stage.named_parameters())
 
 
-
-def test_two_and_three_workers_agree_bitwise(runs: dict) -> None:
-    (t2, m2), (t3, m3) = runs[2], runs[3]
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_two_and_three_workers_agree_bitwise(runs: dict, dtype: str) -> None:
+    (t2, m2), (t3, m3) = runs[2, dtype], runs[3, dtype]
     assert m2[0]["results"] == m3[0]["results"]  # loss, norm and clip factor to the last bit
     assert set(t2) == set(t3) and all(torch.equal(t2[k], t3[k]) for k in t2)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -13,12 +12,8 @@ import torch.multiprocessing as mp
 
 import shardstore as ss
 from conftest import START_METHOD, TinyNet, make_optimizer, train_steps
+from gloo_group import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _owned(model: torch.nn.Module, rank: int) -> list[str]:
@@ -103,7 +98,7 @@ def _run(tmp_path, scenario: str) -> tuple[str, list[dict]]:
     root = str(tmp_path / "store")
     ss.open_store(root)
     out = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(2, _free_port(), root, scenario, out), nprocs=2, join=True, start_method=START_METHOD)
+    mp.start_processes(_worker, args=(2, free_port(), root, scenario, out), nprocs=2, join=True, start_method=START_METHOD)
     return root, [json.load(open(f"{out}.{r}")) for r in range(2)]
 
 
@@ -159,7 +154,7 @@ def test_workers_naming_different_commits_refuse_to_restore(tmp_path):
     store.set_ref("a", ss.save(store, {"w": torch.zeros(1)}, step=0, ref=None), expected=None)
     store.set_ref("b", ss.save(store, {"w": torch.ones(1)}, step=0, ref=None), expected=None)
     out = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(2, _free_port(), root, "disagree", out), nprocs=2, join=True, start_method=START_METHOD)
+    mp.start_processes(_worker, args=(2, free_port(), root, "disagree", out), nprocs=2, join=True, start_method=START_METHOD)
     results = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert [r["error"] for r in results] == ["CommitProtocolError", "CommitProtocolError"]
     assert "different commits" in results[0]["message"]

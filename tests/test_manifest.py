@@ -92,9 +92,10 @@ def _shard_bytes() -> bytes:
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda b: b.replace(b'"version":1', b'"version":3'), "version 3 is not supported"),
-        # Format 2 exists for chunked payloads only: a shard without one must say version 1.
+        (lambda b: b.replace(b'"version":1', b'"version":4'), "version 4 is not supported"),
+        # Formats 2 and 3 exist for chunked payloads only: a shard without one must say version 1.
         (lambda b: b.replace(b'"version":1', b'"version":2'), "must be version 1"),
+        (lambda b: b.replace(b'"version":1', b'"version":3'), "must be version 1"),
         (lambda b: b.replace(b'"type":"shard"', b'"type":"tree"'), "unknown manifest type 'tree'"),
         (lambda b: b.replace(b'"slot":0', b'"slot":0,"extra":1'), "unknown field `extra`"),
         (lambda b: b.replace(b'"step":0', b'"step":-1'), "step"),

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -38,17 +37,13 @@ import torch.multiprocessing as mp
 import shardstore as ss
 import shardstore.distributed as protocol
 from conftest import START_METHOD, TinyNet, make_optimizer, train_steps
+from gloo_group import free_port
 from faults import OpLog, die, kill_at
 from shardstore.local import LocalStorage
 
 SLOW = os.environ.get("SHARDSTORE_SLOW") == "1"
 GROUP_TIMEOUT_S = 20
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _owned(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
@@ -105,7 +100,7 @@ def _run(root: str, plan: dict[str, Any], out: str) -> list[dict[str, Any] | Non
     for r in range(2):
         if os.path.exists(f"{out}.{r}"):
             os.unlink(f"{out}.{r}")
-    ctx = mp.start_processes(_worker, args=(_free_port(), root, plan, out), nprocs=2, join=False, start_method=START_METHOD)
+    ctx = mp.start_processes(_worker, args=(free_port(), root, plan, out), nprocs=2, join=False, start_method=START_METHOD)
     deadline = time.monotonic() + GROUP_TIMEOUT_S + 60
     for p in ctx.processes:
         p.join(max(1.0, deadline - time.monotonic()))

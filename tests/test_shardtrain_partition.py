@@ -90,6 +90,19 @@ def test_initialisation_does_not_depend_on_the_partition() -> None:
     assert not torch.equal(other.model.layers["0"].mlp.up_proj.weight, values["model.layers.0.mlp.up_proj.weight"])
 
 
+def test_a_float64_stage_is_the_float32_stage_widened() -> None:
+    """`build_stage(dtype=float64)` (parity tests) holds exactly the float32 build's values."""
+    config = tiny_config()
+    partition = Partition.even(4, 2)
+    for slot in range(2):
+        narrow = dict(build_stage(config, partition, slot, seed=9).named_parameters())
+        wide = dict(build_stage(config, partition, slot, seed=9, dtype=torch.float64).named_parameters())
+        assert set(wide) == set(narrow)
+        assert all(p.dtype == torch.float64 and torch.equal(p, narrow[n].double()) for n, p in wide.items())
+    with pytest.raises(PartitionError, match="floating-point dtype"):
+        build_stage(config, partition, 0, seed=9, dtype=torch.int64)
+
+
 class _AllocationRecorder(TorchDispatchMode):
     """Records every distinct non-meta storage that an aten op returns."""
 

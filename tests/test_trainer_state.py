@@ -465,3 +465,56 @@ def test_state_documents_round_trip_and_have_one_spelling():
         assert capture_extras({"x": Holder(reversed_sd)})["x"].document == doc.document
 
     check()
+
+
+@pytest.mark.parametrize("shape", [(2**21, 2**20), (1 << 14, 1 << 14)], ids=["8TiB", "1GiB"])
+def test_a_forged_state_or_extra_shape_is_refused_before_allocating(shape, monkeypatch):
+    """Regression: a state tensor's (or an extra tensor's) shape comes from the manifest only;
+    restore allocated it before any size check (8 TiB: an untyped RuntimeError from the
+    allocator; 1 GiB: allocated, then refused). Now the objects' sizes bound it first."""
+    import msgspec
+
+    from shardstore.manifest import ExtraEntry
+
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    counter = Counter()
+    cid = ss.save(store, model, opt, step=1, extra={"counter": counter})
+    lc = ss.load_commit(store, cid)
+    shard = lc.shards[0]
+    j, e = next((k, e) for k, e in enumerate(shard.entries) if e.state is not None)
+    key = e.state.tensors[0].key
+    big = msgspec.structs.replace(e.state.tensors[0], shape=shape)
+    entries = list(shard.entries)
+    entries[j] = msgspec.structs.replace(e, state=msgspec.structs.replace(e.state, tensors=(big, *e.state.tensors[1:])))
+    sid = store.put_manifest(msgspec.structs.replace(shard, entries=tuple(entries)))
+    forged_state = ss.write_commit(store, [sid], info=ss.CommitInfo(step=1), parent=None, extras=lc.commit.extras)
+    x = lc.commit.extras[0]
+    forged_extra = ss.write_commit(
+        store, [lc.shard_ids[0]], info=ss.CommitInfo(step=1), parent=None,
+        extras=(ExtraEntry(key=x.key, state=x.state, tensors=(msgspec.structs.replace(x.tensors[0], shape=shape),)),),
+    )  # fmt: skip
+    ss.load_commit(store, forged_state)  # structurally valid: only the objects' sizes tell
+    ss.load_commit(store, forged_extra)
+
+    sizes: list[int] = []
+    real_empty = torch.empty
+
+    def counted(*size: Any, **kw: Any) -> torch.Tensor:
+        dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        sizes.append(int(torch.tensor(dims, dtype=torch.float64).prod().item()) if dims else 1)
+        return real_empty(*size, **kw)
+
+    monkeypatch.setattr(torch, "empty", counted)
+    n = shape[0] * shape[1]
+    for target, match in ((forged_state, f"optimizer state {key!r} of {e.name!r}"), (forged_extra, "tensor 0 of extra 'counter'")):
+        fresh = _model()
+        before = [t.clone() for t in fresh.state_dict().values()]
+        fopt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        with pytest.raises(ss.TensorMismatch, match=f"{match}.*needs {n * 4}; refused before allocating"):
+            ss.restore(store, target, fresh, fopt, extra={"counter": Counter()})
+        assert all(torch.equal(a, b) for a, b in zip(before, fresh.state_dict().values()))
+    assert max(sizes, default=0) < 1 << 20, "a manifest-sized tensor was allocated"

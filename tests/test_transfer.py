@@ -132,10 +132,25 @@ def test_corrupt_source_object_is_never_written(tmp_path: Any) -> None:
     path.chmod(0o644)
     path.write_bytes(bytes(raw))
     dst = ss.open_store(str(tmp_path / "b"))
-    with pytest.raises(CorruptObject, match=victim):
+    with pytest.raises(CorruptObject, match=f"tensor 'b.bias', parameter object {victim}"):
         copy_commit(src, dst, cid, ref="main")
     assert not dst.has(victim) and not dst.has(cid) and dst.ref("main") is None
     copy_commit(src, dst, cid, slot=0)  # slot 0 does not need the corrupt object
+
+
+def test_a_corrupt_block_is_named_by_tensor_role_and_block(tmp_path: Any) -> None:
+    """Regression: copy named a corrupt object "data object <id>" only; now the tensor, role
+    and block, as verify names them."""
+    src = ss.open_store(str(tmp_path / "a"))
+    cid = ss.save(src, {"w": torch.ones(1100, 1000)}, step=0, rng=False)  # 4.4 MB: two blocks
+    payload = ss.load_commit(src, cid).shards[0].entries[0].param
+    assert len(payload) == 2
+    victim = payload[1].object
+    path = tmp_path / "a" / object_key(victim)
+    path.chmod(0o644)
+    path.write_bytes(b"\x01" + path.read_bytes()[1:])  # its first byte was 0
+    with pytest.raises(CorruptObject, match=f"tensor 'w', parameter block 1 object {victim} read from"):
+        copy_commit(src, ss.open_store(str(tmp_path / "b")), cid)
 
 
 def test_destination_ref_moves_by_compare_and_swap(tmp_path: Any, monkeypatch: Any) -> None:
