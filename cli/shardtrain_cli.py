@@ -84,7 +84,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         args.seed_commit = lc.id
     path = prepare_default(args.out, steps_a=args.steps_a, steps_b=args.steps_b, batch_size=args.batch_size,
                            microbatch_size=args.microbatch_size, data_seed=args.data_seed, init_seed=args.init_seed,
-                           lr=args.lr, seed_commit=args.seed_commit, seed_config=config)
+                           seed_commit=args.seed_commit, seed_config=config,
+                           **({} if args.lr is None else {"lr": args.lr}))
     job = load_job(path)
     print(json.dumps({"job": path, "id": job.id, "schedule": job.schedule_id, "steps": job.num_steps})
           if args.json else f"{path}\njob {job.id}\nschedule {job.schedule_id}\nsteps {job.num_steps}")
@@ -352,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--init-seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the embedded default's, README "
+                   "\"What the demo learns\")")
     p.add_argument("--seed-store", help="store holding --seed-commit")
     p.add_argument("--seed-commit", help="start from this imported Llama commit (weights only) instead of a fresh init")
 

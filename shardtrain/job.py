@@ -19,6 +19,7 @@ held-out sets) and a tiny tied Llama.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -67,12 +68,23 @@ class ModelSpec(_Base):
     tie_word_embeddings: bool
 
 
-class SeedSpec(_Base):
-    """Where the weights start: `init` (from `init_seed`) or `import` (commit `commit`, weights only)."""
+#: The standard deviation of a fresh initialisation's matrices when a job names none
+#: (`SeedSpec.init_std`); what every job prepared before that field existed used.
+LEGACY_INIT_STD = 0.02
+
+
+class SeedSpec(_Base, omit_defaults=True):
+    """Where the weights start: `init` (from `init_seed`, matrices ~ N(0, init_std^2)) or
+    `import` (commit `commit`, weights only).
+
+    `init_std` absent (None, omitted from the encoding) means the legacy 0.02, so job files
+    prepared before the field existed keep their bytes, and so their job ids.
+    """
 
     kind: Literal["init", "import"]
     init_seed: Count
     commit: Hex64 | None
+    init_std: F64 | None = None
 
 
 class Asset(_Base):
@@ -200,6 +212,11 @@ class PreparedJob:
         r = self.job.recipe
         return LrSchedule(warmup_steps=r.warmup_steps, total_steps=r.total_steps, min_ratio=f64_decode(r.min_ratio))
 
+    def init_std(self) -> float:
+        """Standard deviation of the fresh initialisation's matrices (norms start at one)."""
+        std = self.job.seed.init_std
+        return LEGACY_INIT_STD if std is None else f64_decode(std)
+
     def max_grad_norm(self) -> float | None:
         m = self.job.recipe.max_grad_norm
         return None if m is None else f64_decode(m)
@@ -280,6 +297,9 @@ def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer, config: Ll
             raise JobError(f"record {r.id} does not hash to its id")
     if _hash(_ENC.encode(job.schedule)) != job.schedule_id:
         raise JobError("schedule_id is not the hash of the schedule")
+    std = LEGACY_INIT_STD if job.seed.init_std is None else f64_decode(job.seed.init_std)
+    if not (std > 0 and math.isfinite(std)):
+        raise JobError(f"the seed's init_std must be positive and finite, got {std!r}")
     if tok.vocab_size > config.vocab_size:
         raise JobError(f"the tokenizer has {tok.vocab_size} ids but the model only {config.vocab_size}")
     check_roles(job.sets, records, {d for s in job.schedule.steps for d in s.docs})
@@ -359,13 +379,20 @@ def _step_docs(steps: int, batch_size: int, replay: int, first: int, pool: list[
     return out
 
 
-#: The embedded default's task mix (families repeat to weight them; see README "What the demo learns").
-DEFAULT_MIX = FAMILIES
+#: The embedded default's task mix (families repeat to weight them): training records are all
+#: `filter`, the family this model learns within the demo's budget; the held-out task sets
+#: keep all four families (README, "What the demo learns").
+DEFAULT_MIX: tuple[str, ...] = ("filter",)
+#: The embedded default's peak learning rate and initialisation scale (README, "What the demo learns").
+DEFAULT_LR = 5e-3
+DEFAULT_INIT_STD = 0.08
+_MAX_PRIOR = 512
 
 
 def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps_b: int = 8, batch_size: int = 8,
                     microbatch_size: int = 4, replay_per_step: int = 2, eval_per_set: int = 64, data_seed: int = 0,
-                    init_seed: int = 1234, lr: float = 3e-3, seed_commit: str | None = None,
+                    init_seed: int = 1234, lr: float = DEFAULT_LR, init_std: float = DEFAULT_INIT_STD,
+                    warmup_steps: int | None = None, seed_commit: str | None = None,
                     seed_config: Mapping[str, Any] | None = None, name: str = "default",
                     mix: tuple[str, ...] = DEFAULT_MIX, kl_coef: float = 0.5, temperature: float = 1.0,
                     gain_bound: float = -0.001, retention_bound: float = 0.02, resamples: int = 2000,
@@ -396,7 +423,9 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
     a = make_records("A", steps_a * new, seed=data_seed, exclude=exclude, mix=mix)
     exclude |= {r.id for r in a}
     b = make_records("B", steps_b * new, seed=data_seed, exclude=exclude, mix=mix)
-    n_chat = max(steps_a * replay_per_step, retention_per_set) if replay_per_step else 0
+    # Distinct conversations for cohort A's replays, at most _MAX_PRIOR (the generator has ~1,000;
+    # a longer cohort A replays them again, in the same fixed stride).
+    n_chat = max(min(steps_a * replay_per_step, _MAX_PRIOR), retention_per_set) if replay_per_step else 0
     prior = make_conversations("prior", n_chat, seed=data_seed)
     final_chat = make_conversations("final_chat", retention_per_set, seed=data_seed + 1,
                                     exclude={r.id for r in prior})
@@ -433,12 +462,14 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
         refs.append(CohortReference(cohort="B", source="endpoint", of="A") if steps_a else
                     CohortReference(cohort="B", source="seed", of=None))
     total = steps_a + steps_b
+    warmup = min(total, max(2, total // 16)) if warmup_steps is None else warmup_steps
     job = Job(version=_VERSION, name=name, model=model_spec(config),
-              seed=SeedSpec(kind="import" if seed_commit else "init", init_seed=init_seed, commit=seed_commit),
+              seed=SeedSpec(kind="import" if seed_commit else "init", init_seed=init_seed, commit=seed_commit,
+                            init_std=None if init_std == LEGACY_INIT_STD else f64_encode(init_std)),
               tokenizer=(asset(TEMPLATE_FILE), asset(TOKENIZER_FILE)), records=asset(RECORDS_FILE),
               exposed=tuple(prior_idx), sets=tuple(sets), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)),
               recipe=Recipe(algorithm="adamw", groups=(group("decay", 0.1), group("no_decay", 0.0)),
-                            warmup_steps=min(2, total), total_steps=max(1, total), min_ratio=f64_encode(0.1),
+                            warmup_steps=warmup, total_steps=max(1, total), min_ratio=f64_encode(0.1),
                             max_grad_norm=f64_encode(1.0), batch_size=batch_size, microbatch_size=microbatch_size,
                             distill=Distillation(kl_coef=f64_encode(kl_coef), temperature=f64_encode(temperature),
                                                  references=tuple(refs)),

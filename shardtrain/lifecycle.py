@@ -289,7 +289,8 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     config, partition = gate("read the start commit's layout", rank, world, lambda: start_layout(job, own, cid, world))
     estimate = for_job(job, config).estimate(rank, partition.layers(rank))
     free, baseline = gate("admit its slot", rank, world, lambda: admission.admit(rank, estimate, ctx.device))
-    stage = build_stage(config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device)
+    stage = build_stage(config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device,
+                        init_std=job.init_std())
     optimizer = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
 
     def restore() -> LoadedCommit | None:

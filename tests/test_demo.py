@@ -5,8 +5,9 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from shardtrain.demo import EVERY, STEPS_A, STEPS_B
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -14,25 +15,25 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_path: Path) -> None:
-    start = time.monotonic()
-    proc = _cli("-m", "shardstore_cli.shardtrain_cli", "demo", "--home", str(tmp_path / "home"), timeout=180)
-    elapsed = time.monotonic() - start
+    # No timed assertion (README, "What the demo learns", gives the measured wall time); the
+    # timeout only bounds a hung run on a shared, loaded machine.
+    proc = _cli("-m", "shardstore_cli.shardtrain_cli", "demo", "--home", str(tmp_path / "home"), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    equal = [line for line in out.splitlines() if "recovered step-32 commit" in line]
+    equal = [line for line in out.splitlines() if f"recovered step-{STEPS_A} commit" in line]
     assert len(equal) == 1 and " EQUALS the uninterrupted run's " in equal[0]
     ids = equal[0].split()
     assert ids[3] == ids[-1] and len(ids[3]) == 64
-    assert "the last committed step is 16" in out and "worker 1: exited with code 3" in out
+    # The group is lost in cohort A's last commit interval: the survivor names that interval's start.
+    assert f"the last committed step is {STEPS_A - EVERY}" in out and "worker 1: exited with code 3" in out
     assert "ref 'recovery' is absent: no uncommitted update reached a ref" in out
     assert "shardstore verify" in out and ": ok (" in out
     wide = [line for line in out.splitlines() if line.strip().startswith("learned-state root")]
     assert len(wide) == 1 and re.search(r" EQUALS step \d+'s ", wide[0]) and ", 0 tensor objects written" in wide[0]
-    assert wide[0].split()[2] == wide[0].split()[6].rstrip(";")  # the repartition commit's root and step 16's, printed in full
+    assert wide[0].split()[2] == wide[0].split()[6].rstrip(";")  # the repartition commit's root and cohort A's end's, printed in full
     assert "identity check: new layer 4 maps its input to itself bitwise: yes" in out
     assert "one-sided 95% bounds" in out and "generated correct" in out
     assert "committed" in proc.stderr  # the coordinator's progress lines
-    assert elapsed < 180, elapsed
     store = tmp_path / "home" / "store"
     verify = _cli("-m", "shardstore_cli.shardstore_cli", "verify", str(store))
     assert verify.returncode == 0, verify.stdout + verify.stderr
@@ -57,25 +58,25 @@ def _family_rows(out: str, after: str) -> dict[str, dict[str, tuple[int, int]]]:
 def _check_report(out: str, store: Path) -> None:
     import shardstore
 
+    a, b = f"step {STEPS_A}", f"step {STEPS_A + STEPS_B}"
     dev = _family_rows(out, "[6/7]")
-    assert set(dev) == {"seed", "step 32", "step 44"}
+    assert set(dev) == {"seed", a, b}
     for counts in dev.values():
         assert set(counts) == {"filter", "lookup", "sort", "total"} and all(n == 16 for _, n in counts.values())
-    # Learned family after cohort A: the issue asks for >= 9/16. Measured on this default
-    # (64-wide, 4 layers, 32 + 12 updates of 16 records, 2 workers): 0/16 in every family;
-    # longer single-process runs of the same model (up to 2,500 updates, 20k-40k lookup
-    # records) reached at most 2/16 (README, "What the demo learns"). The assertion pins
-    # the measured figure so a change that makes the model learn is noticed here.
-    best_a = max(right for right, _ in dev["step 32"].values())
-    assert best_a < 9, f"a family is now learned ({best_a}/16): raise this test to >= 9/16"
-    # ...and what the default does learn: the development task loss drops, and the gain
-    # gate (upper bound below -0.001 nats/token) passes for both endpoints.
+    # A family is learned in generation after cohort A: a clear majority (>= 9 of 16) of the
+    # development set's filter answers right, from none at the seed (README, "What the demo
+    # learns": measured 13/16 after cohort A).
+    assert all(right == 0 for right, _ in dev["seed"].values()), dev["seed"]
+    assert dev[a]["filter"][0] >= 9, dev[a]
+    assert f"best family after cohort A: filter {dev[a]['filter'][0]}/16" in out
+    # The development task loss drops, and the gain gate (upper bound below -0.001
+    # nats/token) passes for both endpoints.
     gates = [line for line in out.splitlines() if line.strip().startswith(("gain ", "retention ", "generation "))]
     assert len(gates) == 9  # three gates, for A and B on the development sets and B on the finals
     assert all(" pass" in g for g in gates if g.strip().startswith("gain "))
     assert "development gates" in out and "final gates" in out and "selection " in out
     final = _family_rows(out, "[7/7]")
-    assert set(final) == {"seed", "step 44"}
+    assert set(final) == {"seed", b} and final[b]["filter"][0] >= 9, final
     # The references (the seed for cohort A, the end of cohort A for cohort B) wrote nothing:
     # every object in the store is reachable from a commit or pinned (jobs, selection, gate reports).
     s = shardstore.open_store(str(store), create=False)

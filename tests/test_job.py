@@ -125,3 +125,29 @@ def test_the_recipe_names_a_reference_for_every_cohort_that_replays(job_path: st
         path.write_bytes(_ENC.encode(msgspec.structs.replace(job.job, recipe=recipe)))
         with pytest.raises(JobError, match=message):
             load_job(path)
+
+
+def test_the_seed_binds_its_initialisation_scale(job_path: str, tmp_path: Path) -> None:
+    """`init_std` is bound by the job id; the legacy 0.02 is omitted, so older job files keep their bytes."""
+    from shardtrain.job import DEFAULT_INIT_STD, LEGACY_INIT_STD
+    from shardtrain.partition import Partition, build_stage
+
+    job = load_job(job_path)
+    assert job.init_std() == DEFAULT_INIT_STD != LEGACY_INIT_STD
+    assert b'"init_std"' in job.files[JOB_FILE]
+    legacy = load_job(prepare_default(tmp_path / "legacy", steps_a=4, steps_b=2, batch_size=4, replay_per_step=1,
+                                      init_std=LEGACY_INIT_STD))
+    assert legacy.init_std() == LEGACY_INIT_STD and b'"init_std"' not in legacy.files[JOB_FILE]
+    assert legacy.id != job.id
+    # A seed built the way `train` builds it has matrices of that scale.
+    stage = build_stage(job.config, Partition.even(job.config.num_hidden_layers, 1), 0, seed=job.job.seed.init_seed,
+                        init_std=job.init_std())
+    std = float(stage.model.layers["0"].self_attn.q_proj.weight.std())
+    assert abs(std - DEFAULT_INIT_STD) < 0.1 * DEFAULT_INIT_STD
+    for bad in ("0000000000000000", "7ff8000000000000"):  # 0.0 and NaN
+        raw = job.files[JOB_FILE].replace(job.job.seed.init_std.encode(), bad.encode())
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        path = _copy(job_path, tmp_path / "bad")
+        path.write_bytes(raw)
+        with pytest.raises(JobError, match="init_std"):
+            load_job(path)
