@@ -32,13 +32,10 @@ _CHUNK = 8 << 20
 #: core's cache when it is hashed (1 MiB measured 1.2-1.5x faster than 8 MiB on 2 cores).
 _READ_CHUNK = 1 << 20
 _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
-#: The first read of every file asks for one page. Linux (6.x) fills the first readahead
-#: window of a file with order-0 (4 KiB) folios whatever the request size, and raises the
-#: folio order by 2 for each window after it, as a sequential reader reaches it: a first read
-#: of 1 MiB leaves half of a 4 MiB object in 4 KiB folios. Measured cold on 2 cores, 256
-#: files of 4 MiB, 8 threads: a 4 KiB first read then 1 MiB reads filled the cache 2x faster
-#: with less than half the CPU (0.42 s, 0.14 s CPU, against 0.81 s, 0.32 s), and copying the
-#: same bytes out of the page cache later (deep verify) took 0.04 s CPU per GiB against 0.11.
+#: Every file's first read asks for one page: Linux 6.x fills a file's first readahead window
+#: with 4 KiB folios whatever the request size, then raises the order per window, so a 1 MiB
+#: first read left half of each 4 MiB block in small folios: 2x slower cold reads, 2.5x the CPU
+#: to copy the bytes out again (deep verify). Figures: benchmarks/RESULTS.md, format 2 restore.
 _FIRST_READ = 4096
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
@@ -54,9 +51,8 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 
 
 def _read_exact(fd: int, out: memoryview, consume: Callable[[memoryview], None] | None) -> int:
-    """Fill ``out`` from ``fd``'s offset, one page first (``_FIRST_READ``), then ``_READ_CHUNK``
-    at a time, calling ``consume`` on each piece right after it lands; return the bytes read
-    (fewer than ``len(out)`` only if the file ended first)."""
+    """Fill ``out`` from ``fd``, ``_FIRST_READ`` bytes then ``_READ_CHUNK`` at a time, ``consume``-ing
+    each piece as it lands; return the bytes read (fewer only if the file ended first)."""
     size = len(out)
     off = 0
     step = _FIRST_READ
