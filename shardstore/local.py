@@ -32,10 +32,9 @@ _CHUNK = 8 << 20
 #: core's cache when it is hashed (1 MiB measured 1.2-1.5x faster than 8 MiB on 2 cores).
 _READ_CHUNK = 1 << 20
 _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
-#: Every file's first read asks for one page: Linux 6.x fills a file's first readahead window
-#: with 4 KiB folios whatever the request size, then raises the order per window, so a 1 MiB
-#: first read left half of each 4 MiB block in small folios: 2x slower cold reads, 2.5x the CPU
-#: to copy the bytes out again (deep verify). Figures: benchmarks/RESULTS.md, format 2 restore.
+#: A file's first read asks for one page: Linux 6.x fills the first readahead window with 4 KiB
+#: folios whatever the request size, so 1 MiB first reads made cold reads of 4 MiB blocks 2x and
+#: later copies out of the cache (deep verify) 2.5x costlier (benchmarks/RESULTS.md, format 2).
 _FIRST_READ = 4096
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
