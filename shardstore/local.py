@@ -32,6 +32,10 @@ _CHUNK = 8 << 20
 #: core's cache when it is hashed (1 MiB measured 1.2-1.5x faster than 8 MiB on 2 cores).
 _READ_CHUNK = 1 << 20
 _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
+#: A file's first read asks for one page: Linux 6.x fills the first readahead window with 4 KiB
+#: folios whatever the request size, so 1 MiB first reads made cold reads of 4 MiB blocks 2x and
+#: later copies out of the cache (deep verify) 2.5x costlier (benchmarks/RESULTS.md, format 2).
+_FIRST_READ = 4096
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
 
@@ -43,6 +47,23 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         pass
+
+
+def _read_exact(fd: int, out: memoryview, consume: Callable[[memoryview], None] | None) -> int:
+    """Fill ``out`` from ``fd``, ``_FIRST_READ`` bytes then ``_READ_CHUNK`` at a time, ``consume``-ing
+    each piece as it lands; return the bytes read (fewer only if the file ended first)."""
+    size = len(out)
+    off = 0
+    step = _FIRST_READ
+    while off < size:
+        n = os.readv(fd, [out[off : off + step]])
+        if n == 0:
+            return off
+        if consume is not None:
+            consume(out[off : off + n])
+        off += n
+        step = _READ_CHUNK
+    return off
 
 
 def _close_quietly(fd: int) -> None:
@@ -128,15 +149,9 @@ class LocalStorage:
             if limit is not None and size > limit:
                 raise ObjectTooLarge(f"{key} in store {self.root} is {size} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
             buf = bytearray(size)
-            view = memoryview(buf)
-            off = 0
-            while off < size:
-                n = os.readv(fd, [view[off : off + _READ_CHUNK]])
-                if n == 0:
-                    raise StorageError(f"read {key!r} in store {self.root}: the file shrank from {size} to {off} bytes while being read")
-                if consume is not None:
-                    consume(view[off : off + n])
-                off += n
+            got = _read_exact(fd, memoryview(buf), consume)
+            if got != size:
+                raise StorageError(f"read {key!r} in store {self.root}: the file shrank from {size} to {got} bytes while being read")
             return buf
         except OSError as e:
             raise self._io("read", key, e) from None
@@ -282,15 +297,7 @@ class LocalStorage:
             size = os.fstat(fd).st_size
             if size != len(out):
                 return size
-            off = 0
-            while off < size:
-                n = os.readv(fd, [out[off : off + _READ_CHUNK]])
-                if n == 0:
-                    return off  # truncated under us
-                if consume is not None:
-                    consume(out[off : off + n])
-                off += n
-            return size
+            return _read_exact(fd, out, consume)  # fewer bytes: truncated under us
         except OSError as e:
             raise self._io("read", key, e) from None
         finally:
@@ -318,12 +325,14 @@ class LocalStorage:
                 buf = memoryview(mmap.mmap(-1, chunk))  # anonymous, page-aligned, reused by this thread
                 setattr(_tls, attr, buf)
             size = 0
+            step = buf[:_FIRST_READ]
             while True:
-                n = os.readv(fd, [buf])
+                n = os.readv(fd, [step])
                 if n == 0:
                     break
                 h.update(buf[:n])
                 size += n
+                step = buf
         except OSError as e:
             raise self._io("read", key, e) from None
         finally:

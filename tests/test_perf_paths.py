@@ -100,6 +100,33 @@ def _bytes_written(monkeypatch) -> list[int]:
     return seen
 
 
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, (1 << 20) + 4097])
+def test_local_reads_ask_for_one_page_first(store: ss.Store, monkeypatch, nbytes: int) -> None:
+    """Every streamed local read (restore's read_into, get, deep verify's hash_object) asks
+    for one page first, then 1 MiB at a time: Linux then grows the readahead folios instead
+    of filling each object's first 2 MiB with 4 KiB folios (benchmarks/RESULTS.md, after
+    format version 2). The bytes and ids are those of a plain read at every size around
+    the boundaries. Failed before the change: the first readv asked for 1 MiB."""
+    t = torch.arange(nbytes, dtype=torch.uint8)
+    oid = store.put_tensor(t)
+    store.sync()
+    asked: list[int] = []
+    real = os.readv
+
+    def spy(fd: int, bufs) -> int:
+        asked.append(sum(len(b) for b in bufs))
+        return real(fd, bufs)
+
+    monkeypatch.setattr(os, "readv", spy)
+    out = torch.empty_like(t)
+    store.read_into(oid, out)
+    assert torch.equal(out, t) and asked[0] == min(nbytes, 4096) and max(asked) <= 1 << 20
+    asked.clear()
+    assert bytes(store.get(oid)) == bytes(tensor_bytes(t)) and asked[0] == min(nbytes, 4096)
+    asked.clear()
+    assert store.hash_object(oid) == (oid, nbytes) and asked[0] == 4096
+
+
 def test_second_save_of_unchanged_state_writes_no_tensor_bytes(store: ss.Store, trained, monkeypatch) -> None:
     model, opt = trained
     big = {"big": torch.nn.Parameter(torch.randn(256, 1024))}  # 1 MiB, frozen
