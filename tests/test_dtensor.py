@@ -25,50 +25,14 @@ import torch
 import torch.distributed as dist
 
 import shardstore as ss
+from dtensor_models import WIDE, Net
+from dtensor_models import adamw as _opt
+from dtensor_models import fsdp as _fsdp
+from dtensor_models import train as _train
 from gloo_group import run_group
 from shardstore.dtensor import BATCH_BYTES, last_exchange
 from shardstore.grid import payload_blocks
 from shardstore.manifest import tensor_payloads
-
-WIDE = 131072
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.fc1 = torch.nn.Linear(WIDE, 10)
-        self.fc2 = torch.nn.Linear(10, 4)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-def _opt(model: torch.nn.Module) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-
-
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(4, WIDE, generator=g)
-        y = torch.randint(0, 4, (4,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-
-def _fsdp(mesh) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    m = Net()
-    fully_shard(m.fc1, mesh=mesh)
-    fully_shard(m, mesh=mesh)
-    return m
-
 
 def _equal_to_plain(model, opt, plain, popt) -> bool:
     """Every parameter and both moments, gathered (``full_tensor``), bitwise equal to a plain model's."""

@@ -29,40 +29,14 @@ import pytest
 import shardstore as ss
 import shardstore.dtensor as sdt
 import shardstore.exchange as sex
+from dtensor_models import WIDE, Net
+from dtensor_models import adamw as _opt
+from dtensor_models import train
 from gloo_group import run_group
 from shardstore.grid import BLOCK_BYTES
 
-WIDE = 131072  # fc1.weight: 10 x 131072 float32 = 5 MiB, blocks of rows 0-7 and 8-9
 BIG = (96, 262144)  # 96 MiB float32, blocks of 4 rows (1 MiB each)
 MiB = 1 << 20
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.fc1 = torch.nn.Linear(WIDE, 10)
-        self.fc2 = torch.nn.Linear(10, 4)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-def _opt(model: torch.nn.Module) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-
-
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
-    g = torch.Generator().manual_seed(1)  # the same batch on every rank: data parallelism averages equal gradients
-    for _ in range(steps):
-        x = torch.randn(2, WIDE, generator=g)
-        y = torch.randint(0, 4, (2,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
 
 
 def _two_d(mesh) -> torch.nn.Module:
@@ -107,7 +81,7 @@ def _model_checks(rank: int, store: ss.Store, mesh, pair, async_group) -> dict:
     out: dict = {}
     m = _two_d(mesh)
     opt = _opt(m)
-    _train(m, opt, 2)
+    train(m, opt, 2, seed=1, batch=2)
     out["placements"] = {n: str(p.placements) for n, p in m.named_parameters()}
     c = ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref="main", parent=None)
     out["c2d"] = c
@@ -124,8 +98,8 @@ def _model_checks(rank: int, store: ss.Store, mesh, pair, async_group) -> dict:
     out["same_mesh_equal"] = _same_locals(m, opt, again, aopt)
     out["same_mesh_bytes_read"] = r.bytes_read
     out["same_mesh_resave"] = ss.save_distributed(store, again, aopt, info=_info(2), rng=False, ref=None, parent=None)
-    _train(m, opt, 1)
-    _train(again, aopt, 1)
+    train(m, opt, 1, seed=1, batch=2)
+    train(again, aopt, 1, seed=1, batch=2)
     out["same_mesh_continues"] = _same_locals(m, opt, again, aopt)  # one more step: still bitwise equal
     if rank < 2:  # (b) FSDP2 on a 1-D mesh of ranks 0 and 1
         f = Net()

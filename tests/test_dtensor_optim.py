@@ -26,26 +26,17 @@ import torch.distributed as dist
 import pytest
 
 import shardstore as ss
+import dtensor_models
+from dtensor_models import WIDE, fsdp
+from dtensor_models import train as _train
 from gloo_group import run_group
 
-WIDE = 131072
 ROWS = 20  # fc1.weight: 20 x 512 KiB rows, blocks of rows 0-7, 8-15, 16-19
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.fc1 = torch.nn.Linear(WIDE, ROWS)
-        self.fc2 = torch.nn.Linear(ROWS, 4)
-        # a persistent buffer larger than one block: FSDP2 leaves it whole on every rank
-        self.register_buffer("table", torch.arange(10 * WIDE, dtype=torch.float32).reshape(10, WIDE))
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+def _net() -> torch.nn.Module:
+    """20 rows (blocks of rows 0-7, 8-15, 16-19) and a persistent buffer larger than one block."""
+    return dtensor_models.Net(rows=ROWS, table=True)
 
 
 OPTIMIZERS = {
@@ -54,23 +45,8 @@ OPTIMIZERS = {
 }
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(4, WIDE, generator=g)
-        y = torch.randint(0, 4, (4,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-
 def _fsdp(mesh) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    m = Net()
-    fully_shard(m.fc1, mesh=mesh)
-    fully_shard(m, mesh=mesh)
-    return m
+    return fsdp(mesh, _net())
 
 
 def _full(t):
@@ -104,7 +80,7 @@ def _two(store: ss.Store, mesh, group, async_group) -> dict:
         opt = make(m.parameters())
         _train(m, opt, 2, seed=1)
         cid = ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref=key, group=group)
-        plain = Net()
+        plain = _net()
         popt = make(plain.parameters())
         ss.restore(store, cid, plain, popt)
         out[f"{key}_saved_equals_plain"] = _equal_to_plain(m, opt, plain, popt)
@@ -112,7 +88,7 @@ def _two(store: ss.Store, mesh, group, async_group) -> dict:
             out["partial"] = _partial_copy(store, cid, mesh, group)
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-            tp = parallelize_module(Net(), mesh, {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()})  # fc1.weight Shard(1)
+            tp = parallelize_module(_net(), mesh, {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()})  # fc1.weight Shard(1)
             topt = make(tp.parameters())
             ss.restore(store, cid, tp, topt)
             out["tp1_placements"] = str(tp.fc1.weight.placements)
@@ -175,7 +151,7 @@ class Holder:
 def _three(rank: int, store: ss.Store, mesh) -> dict:
     out: dict = {}
     for key, make in OPTIMIZERS.items():
-        plain = Net()
+        plain = _net()
         popt = make(plain.parameters())
         ss.restore(store, key, plain, popt)
         for src in (key, f"{key}1"):  # the 2-rank commit, then the one a single process wrote
@@ -205,7 +181,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     dist.barrier()
     if rank == 2:  # the same states saved whole by one process
         for key, make in OPTIMIZERS.items():
-            plain = Net()
+            plain = _net()
             popt = make(plain.parameters())
             ss.restore(store, key, plain, popt)
             result[f"{key}1"] = ss.save(store, plain, popt, step=2, job="dtensor-optim", rng=False, ref=f"{key}1", parent=None)
