@@ -64,6 +64,21 @@ def label(key: str, data: Buffer | None = None) -> str:
     return key.split("/", 1)[0]
 
 
+class CountingStore:
+    """Stands in for a Store on the restore path and records which objects are read."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.read = store, []
+
+    def read_into(self, oid: str, dest: Any, *, what: str) -> None:
+        self.read.append(oid)
+        self.store.read_into(oid, dest, what=what)
+
+    def get_tensor(self, oid: str, dtype: str, shape: tuple[int, ...], *, what: str) -> Any:
+        self.read.append(oid)
+        return self.store.get_tensor(oid, dtype, shape, what=what)
+
+
 class OpLog:
     """Forwards every Storage call to ``inner``, numbering them; ``hook(n, op, key)`` runs first."""
 

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardstore as ss
+from faults import CountingStore
 from shardstore.dtensor import plan_blocks, slice_regions
 from shardstore.grid import BLOCK_BYTES, box_slices, grid, intersect, make_payload, overlapping, read_jobs
 from shardstore.manifest import Block
@@ -165,21 +166,6 @@ def test_blocks_from_any_split_equal_blocks_written_whole(case):
         assert len(set(ranks)) == min(len(ranks), replicas)
 
 
-class _CountingStore:
-    """A store that records which objects are read."""
-
-    def __init__(self, store: ss.Store) -> None:
-        self.store, self.read = store, []
-
-    def read_into(self, oid, dest, *, what):
-        self.read.append(oid)
-        self.store.read_into(oid, dest, what=what)
-
-    def get_tensor(self, oid, dtype, shape, *, what):
-        self.read.append(oid)
-        return self.store.get_tensor(oid, dtype, shape, what=what)
-
-
 @settings(max_examples=100, deadline=None)
 @given(split_cases(), st.data())
 def test_restore_into_any_split_reads_exactly_the_overlapping_blocks(case, data):
@@ -192,7 +178,7 @@ def test_restore_into_any_split_reads_exactly_the_overlapping_blocks(case, data)
     payload = make_payload(dtype, shape, ids, block_bytes=bound)
     origin, extent = data.draw(st.sampled_from(sorted(_regions(shape, splits, 1))))
     dest = torch.zeros(extent, dtype=tdtype)
-    counting = _CountingStore(store)
+    counting = CountingStore(store)
     nread = sum(job() for job in read_jobs(counting, payload, dtype, shape, dest, origin, "t"))
     # brute force: the blocks holding at least one element of the region
     want = set()

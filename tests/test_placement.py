@@ -27,6 +27,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardstore as ss
+from faults import CountingStore
 from shardstore.dtensor import plan_blocks, slice_regions
 from shardstore.grid import box_slices, grid, intersect, make_payload, read_parts
 from shardstore.placement import MAX_PARTS, dim_indices, index_runs, parts_of
@@ -131,21 +132,6 @@ def test_unsupported_placements_are_refused_naming_the_tensor():
         parts_of(many, "tensor 'w'")
 
 
-class _CountingStore:
-    """A store that records which objects are read."""
-
-    def __init__(self, store: ss.Store) -> None:
-        self.store, self.read = store, []
-
-    def read_into(self, oid, dest, *, what):
-        self.read.append(oid)
-        self.store.read_into(oid, dest, what=what)
-
-    def get_tensor(self, oid, dtype, shape, *, what):
-        self.read.append(oid)
-        return self.store.get_tensor(oid, dtype, shape, what=what)
-
-
 @settings(max_examples=150, deadline=None)
 @given(layouts(), st.sampled_from([8, 24, 64, 1000]), st.data())
 def test_blocks_from_strided_layouts_and_restores_into_them(layout, bound, data):
@@ -183,7 +169,7 @@ def test_blocks_from_strided_layouts_and_restores_into_them(layout, bound, data)
     local_shape = tuple(len(ix) for ix in dim_indices(shape, mesh, coords[r], placements))
     local = torch.full(local_shape, -1, dtype=torch.int64)
     views = [(local[tuple(slice(a, a + n) for a, n in zip(lo, box[1]))], box[0]) for box, lo in parts[r]]
-    counting = _CountingStore(store)
+    counting = CountingStore(store)
     nread = sum(job() for job in read_parts(counting, payload, "int64", shape, views, "t"))
     want = sorted({i for i, b in enumerate(boxes) for box, _ in parts[r] if intersect(b, box) is not None})
     got = [ids.index(oid) for oid in counting.read]
