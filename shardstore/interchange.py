@@ -7,14 +7,9 @@ model files, as in Hugging Face checkpoints. ``with_optimizer`` adds the Adam mo
 ``optimizer.exp_avg*.safetensors`` / ``optimizer.exp_avg_sq*.safetensors`` (any other torch
 optimizer's state tensors as ``optimizer.state.<key>*.safetensors``), the extras' tensors
 as ``extras.safetensors``, and the cursors, hyperparameters, optimizer class, state
-scalars and extras' states as ``optimizer.json``. Files are written by hand
-(safetensors is an 8-byte little-endian header length, a JSON header, then the data): the
-header is built from the manifests alone, then each tensor's verified object bytes are
-appended one at a time, so peak memory stays near the largest tensor. Tensors in a file
-are ordered by item size, then name, so every tensor is aligned; the header is padded with
-spaces to 8 bytes. Each file is written under a new temporary name (created exclusively, so a
-planted link is never followed), read back with
-``safetensors.safe_open`` and only then renamed into place.
+scalars and extras' states as ``optimizer.json``. Files are written by hand from the manifests and the verified object bytes,
+one tensor at a time, through exclusive temporaries read back before they replace anything
+(``safetensors_files``).
 
 ``import_directory`` is the reverse: it reads ``config.json`` and one or more safetensors
 files (with or without an index), streams each tensor through ``safe_open``, stores it,
@@ -24,27 +19,29 @@ transition ``import``, optionally split over slots by contiguous decoder-layer r
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import socket
-import struct
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from .bounded import check_json_nesting, read_regular_file
 from .checkpoint import AUTO, CommitInfo, check_info, check_parent, write_commit
-from .errors import CorruptObject, InvalidName, LayoutError, ManifestError, ObjectNotFound, ObjectTooLarge, StorageError, TensorMismatch
+from .errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
 from .grid import payload_blocks, put_payloads
 from .manifest import MAX_MANIFEST_BYTES, Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
 from .names import check_ref_name, check_tensor_name
 from .optim import hyper_of
+from .safetensors_files import FROM_ST as _FROM_ST
+from .safetensors_files import Item as _Item
+from .safetensors_files import open_safetensors as _open
+from .safetensors_files import write_file as _write_file
+from .safetensors_files import write_safetensors as _write_safetensors
 from .state_diff import extra_state_view, hyper_groups
 from .torch_optim import _unscalar
 from .store import Store
@@ -62,11 +59,6 @@ _MAX_JSON_DEPTH = 64
 #: Called after each tensor with (tensor name, bytes of that tensor, total bytes of the operation).
 Progress = Callable[[str, int, int], None]
 
-_TO_ST = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
-    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
-}  # fmt: skip
-_FROM_ST = {v: k for k, v in _TO_ST.items()}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPORTED = re.compile(
     r"^(model|optimizer\.exp_avg|optimizer\.exp_avg_sq|optimizer\.state\.[A-Za-z0-9_][A-Za-z0-9_.-]*|extras)(-\d{5}-of-\d{5})?"
@@ -87,107 +79,9 @@ class ExportResult:
     sharded: bool
 
 
-@dataclass(frozen=True)
-class _Item:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    oid: Payload  # one object, or the blocks of a chunked payload (streamed in order)
-
-    @property
-    def nbytes(self) -> int:
-        return expected_nbytes(self.dtype, self.shape)
-
-
 def _natural(name: str) -> list[Any]:
     """Sort key putting model.layers.2 before model.layers.10."""
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
-def _open(path: str) -> Any:
-    """``safe_open`` with its errors as ManifestError naming the file."""
-    try:
-        return safe_open(path, framework="pt")
-    except (SafetensorError, OSError) as e:
-        raise ManifestError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-def _header(items: Sequence[_Item]) -> bytes:
-    head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for it in items:
-        head[it.name] = {"dtype": _TO_ST[it.dtype], "shape": list(it.shape), "data_offsets": [offset, offset + it.nbytes]}
-        offset += it.nbytes
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)
-
-
-def _check_written(path: str, items: Sequence[_Item]) -> None:
-    """Read a written file's header back with safetensors itself."""
-    want = {it.name: (_TO_ST[it.dtype], list(it.shape)) for it in items}
-    with _open(path) as f:
-        got = {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in f.keys()}
-    if got != want:
-        raise StorageError(f"{path}: safetensors reads back a different header than was written")
-
-
-@contextlib.contextmanager
-def _replacing(path: str) -> Iterator[tuple[BinaryIO, str]]:
-    """Write a new file that replaces ``path`` when the block ends without error.
-
-    The file is created beside ``path`` exclusively under a random name (O_EXCL never follows
-    a planted link; a name that exists is skipped), synced, then renamed over ``path`` (a link
-    at ``path`` is replaced, never followed). Yields the open file and its temporary name;
-    on any error the temporary is removed and ``path`` is untouched.
-    """
-    tmp = ""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".partial")
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)  # what open() would have given the file (mkstemp makes it 0600)
-        with os.fdopen(fd, "wb") as f:
-            yield f, tmp
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise StorageError(f"writing {path}: {e.strerror or e}") from None
-    finally:
-        if tmp and os.path.lexists(tmp):
-            os.unlink(tmp)
-
-
-def _write_file(path: str, raw: bytes) -> None:
-    """Write ``raw`` to ``path`` (see ``_replacing``)."""
-    with _replacing(path) as (f, _tmp):
-        f.write(raw)
-
-
-def _write_safetensors(store: Store, path: str, items: Sequence[_Item], tick: Callable[[_Item], None]) -> None:
-    items = sorted(items, key=lambda it: (-_itemsize(it.dtype), it.name))  # aligned: big items first
-    header = _header(items)
-    with _replacing(path) as (f, tmp):
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        for it in items:
-            for i, (oid, _box, nbytes) in enumerate(blocks := payload_blocks(it.oid, it.dtype, it.shape)):  # consecutive byte ranges
-                try:
-                    data = store.get(oid, limit=nbytes)  # re-hashed on read; bounded by the entry's size first
-                except (CorruptObject, ObjectNotFound, ObjectTooLarge) as e:  # too large: appended bytes, corrupt
-                    kind = CorruptObject if isinstance(e, ObjectTooLarge) else type(e)
-                    raise kind(f"tensor {it.name!r}{f', block {i}' if len(blocks) > 1 else ''} ({path}): {e}") from None
-                if len(data) != nbytes:
-                    raise TensorMismatch(f"tensor {it.name!r}: object {oid} holds {len(data)} bytes, entry needs {nbytes}")
-                f.write(data)
-                del data
-            tick(it)
-        f.flush()
-        _check_written(tmp, items)
-
-
-def _itemsize(dtype: str) -> int:
-    return expected_nbytes(dtype, (1,))
 
 
 def _plan(prefix: str, items: list[_Item], max_shard_bytes: int) -> dict[str, list[_Item]]:
