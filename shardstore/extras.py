@@ -31,7 +31,7 @@ import msgspec
 import torch
 
 from .errors import ManifestError, StateMismatch, UnsupportedState
-from .grid import check_stored
+from .grid import check_stored_all
 from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, f64_decode, f64_encode, is_chunked
 from .names import check_group_name
 from .tensors import check_storable, dtype_name, expected_nbytes, torch_dtype
@@ -229,8 +229,8 @@ def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Ma
             raise UnsupportedState(f"extra {key!r}: a {type(obj).__name__} has no load_state_dict()")
         what = f"state document {x.state} of extra {key!r} in {where}"
         raw = bytes(store.get(x.state, limit=MAX_MANIFEST_BYTES))  # re-hashed, bounded
-        for t in x.tensors:  # a manifest's shapes: the objects' sizes bound the allocations (SPEC.md §Limits)
-            check_stored(store, t.object, t.dtype, tuple(t.shape), f"tensor {t.key} of extra {key!r} in {where}")
+        # a manifest's shapes: the objects' sizes bound the allocations (SPEC.md §Limits)
+        check_stored_all(store, [(t.object, t.dtype, tuple(t.shape), f"tensor {t.key} of extra {key!r} in {where}") for t in x.tensors])
         tensors = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype)) for t in x.tensors]
         read_extra_state(raw, [torch.empty(0)] * len(tensors), what)  # decodes before anything is written
         reads += [(t.object, dest, f"tensor {t.key} of extra {key!r}") for t, dest in zip(x.tensors, tensors)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "grid_problems",
     "check_payload",
     "check_stored",
+    "check_stored_all",
     "make_payload",
     "put_payloads",
     "read_jobs",
@@ -199,10 +201,25 @@ def check_stored(store: object, payload: Payload, dtype: str, shape: Sequence[in
     payload is in the store with the byte size its block implies (elements x itemsize), so no
     allocation is driven by an unchecked shape (SPEC.md §Limits); one size query per object.
     ObjectNotFound or TensorMismatch naming ``what`` (tensor and role) and the block."""
-    blocks = payload_blocks(payload, dtype, shape)
-    for i, (oid, box, n) in enumerate(blocks):
-        label = what if len(blocks) == 1 else f"{what}, block {i}"
-        have = store.object_size(oid)  # type: ignore[attr-defined]
+    check_stored_all(store, [(payload, dtype, shape, what)])
+
+
+def check_stored_all(store: object, tensors: Sequence[tuple[Payload, str, Sequence[int], str]], *, threads: int = 16) -> None:
+    """``check_stored`` for each (payload, dtype, shape, what), the size queries ``threads`` at
+    a time (on S3 each is a HEAD request); the first failure in the given order is raised."""
+    checks = []
+    for payload, dtype, shape, what in tensors:
+        blocks = payload_blocks(payload, dtype, shape)
+        checks += [(oid, box, n, what if len(blocks) == 1 else f"{what}, block {i}", dtype) for i, (oid, box, n) in enumerate(blocks)]
+    if not checks:
+        return
+    size = store.object_size  # type: ignore[attr-defined]
+    if len(checks) == 1:
+        sizes = [size(checks[0][0])]
+    else:
+        with ThreadPoolExecutor(max_workers=min(threads, len(checks))) as pool:
+            sizes = list(pool.map(size, [c[0] for c in checks]))
+    for (oid, box, n, label, dtype), have in zip(checks, sizes):
         if have is None:
             raise ObjectNotFound(f"{label}: object {oid} is not in the store")
         if have != n:

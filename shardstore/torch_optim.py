@@ -33,7 +33,7 @@ import torch
 
 from .errors import BindingError, ManifestError, ShardstoreError, StateMismatch, UnsupportedOptimizer
 from .extras import extras_rules
-from .grid import check_stored, grid_problems, payload_blocks
+from .grid import check_stored_all, grid_problems, payload_blocks
 from .manifest import (
     STATE_CHUNKED_VERSION,
     CommitManifest,
@@ -220,19 +220,22 @@ def _scalar_value(s: StateScalar) -> Any:
     return v if s.dtype is None else torch.tensor(v, dtype=torch_dtype(s.dtype))
 
 
-def _state_dest(store: object, param: torch.Tensor, t: StateTensor, what: str) -> torch.Tensor:
+def _state_dest(param: torch.Tensor, t: StateTensor) -> torch.Tensor:
     """A new state tensor to read into: for a DTensor parameter (FSDP2, TP) a state tensor of
     its shape is a DTensor split like it (what torch's optimizers create for it, so a restore
     reads only the blocks this rank's slice overlaps); anything else a plain CPU tensor, of a
     shape only the manifest gives, so allocated only once the objects it names are known to
-    hold that many bytes (SPEC.md §Limits)."""
+    hold that many bytes (SPEC.md §Limits): ``plan_torch_restore`` checks them all first."""
+    dtype, shape = torch_dtype(t.dtype), tuple(t.shape)
+    if _sized_by_param(param, t):
+        return torch.empty_like(param, dtype=dtype)  # sized by the caller's own parameter
+    return torch.empty(shape, dtype=dtype)  # plan_torch_restore checked its objects first
+
+
+def _sized_by_param(param: torch.Tensor, t: StateTensor) -> bool:
     from .dtensor import is_dtensor
 
-    dtype, shape = torch_dtype(t.dtype), tuple(t.shape)
-    if is_dtensor(param) and tuple(param.shape) == shape:
-        return torch.empty_like(param, dtype=dtype)  # sized by the caller's own parameter
-    check_stored(store, t.object, t.dtype, shape, what)
-    return torch.empty(shape, dtype=dtype)
+    return is_dtensor(param) and tuple(param.shape) == tuple(t.shape)
 
 
 @dataclass
@@ -267,6 +270,7 @@ def plan_torch_restore(
     reads: list[tuple[Payload, torch.Tensor, str]] = []
     saved_groups: list[dict[str, Any]] = []
     state: dict[int, dict[str, Any]] = {}
+    dests: list[tuple[dict[str, Any], torch.Tensor, StateTensor, str]] = []
     index = 0
     for gname, g in zip(_group_names(optimizer, group_names), optimizer.param_groups):
         h = groups.get(gname)
@@ -286,13 +290,16 @@ def plan_torch_restore(
             if e.state.group != gname:
                 raise StateMismatch(f"tensor {name!r} is in group {e.state.group!r} in commit {commit_id} but in {gname!r} here")
             st: dict[str, Any] = {s.key: _scalar_value(s) for s in e.state.scalars}
-            for t in e.state.tensors:
-                what = f"optimizer state {t.key!r} of {name!r}"
-                st[t.key] = dest = _state_dest(store, p, t, what)
-                reads.append((t.object, dest, what))
-            if st:
+            dests += [(st, p, t, f"optimizer state {t.key!r} of {name!r}") for t in e.state.tensors]
+            if st or e.state.tensors:
                 state[index] = st
             index += 1
+    # every shape only the manifest gives is checked against its objects' sizes, the size
+    # queries together, before any state tensor is allocated (SPEC.md §Limits)
+    check_stored_all(store, [(t.object, t.dtype, tuple(t.shape), what) for _, p, t, what in dests if not _sized_by_param(p, t)])
+    for st, p, t, what in dests:
+        st[t.key] = dest = _state_dest(p, t)
+        reads.append((t.object, dest, what))
     return TorchRestore(optimizer, reads, {"state": state, "param_groups": saved_groups})
 
 

@@ -518,3 +518,36 @@ def test_a_forged_state_or_extra_shape_is_refused_before_allocating(shape, monke
             ss.restore(store, target, fresh, fopt, extra={"counter": Counter()})
         assert all(torch.equal(a, b) for a, b in zip(before, fresh.state_dict().values()))
     assert max(sizes, default=0) < 1 << 20, "a manifest-sized tensor was allocated"
+
+
+def test_state_sizes_are_queried_together_before_any_allocation():
+    """The size check of torch-form state runs one query per object (a HEAD request on S3):
+    they go out together, not one after another, and the restore is still bitwise."""
+    import threading
+    import time
+
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    cid = ss.save(store, model, opt, step=1)
+    lock, now, peak = threading.Lock(), [0], [0]
+    real = store.object_size
+
+    def slow_size(oid: str) -> int | None:
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        time.sleep(0.02)  # a round trip
+        with lock:
+            now[0] -= 1
+        return real(oid)
+
+    store.object_size = slow_size  # type: ignore[method-assign]
+    fresh = _model()
+    fopt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    ss.restore(store, cid, fresh, fopt)
+    assert peak[0] > 1, "the state objects' sizes were queried one at a time"
+    for p, q in zip(opt.state.values(), fopt.state.values()):
+        assert torch.equal(p["momentum_buffer"], q["momentum_buffer"])
