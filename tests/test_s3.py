@@ -244,6 +244,16 @@ def test_commit_saved_verified_and_restored_on_s3(s3_server: S3Server) -> None: 
         assert torch.equal(p, q), n
         assert torch.equal(opt.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])
     assert store.ref("main") == cid
+    # any torch optimizer's state (SGD momentum): its objects' sizes are queried from
+    # several threads at once before anything is allocated (grid.check_stored_all)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    sgd.step()
+    cid = ss.save(store, model, sgd, step=2, ref="sgd", parent=None)
+    fresh_sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    ss.restore(store, cid, fresh, fresh_sgd)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(sgd.state[p]["momentum_buffer"], fresh_sgd.state[q]["momentum_buffer"])
 
 
 def test_downloads_hash_ranges_in_order_as_they_stream(s3_server: S3Server) -> None:  # noqa: F811
