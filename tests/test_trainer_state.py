@@ -51,6 +51,16 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
 
 
+def _sgd_commit(**save_kw: Any) -> tuple[ss.Store, torch.nn.Module, torch.optim.SGD, str]:
+    """A memory store holding one commit of ``_model()`` after one SGD(momentum) step."""
+    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    return store, model, opt, ss.save(store, model, opt, step=1, **save_kw)
+
+
 def _sched(kind: str, opt: torch.optim.Optimizer) -> Any:
     S = torch.optim.lr_scheduler
     if kind == "cosine":
@@ -204,12 +214,7 @@ def test_extras_that_pickle_would_need_are_refused_by_key_path(bad, path):
 
 
 def test_sgd_state_into_adamw_is_refused_before_anything_is_written():
-    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(8, 4)).sum().backward()
-    opt.step()
-    cid = ss.save(store, model, opt, step=1)
+    store, model, opt, cid = _sgd_commit()
     other = _model()
     before = [p.detach().clone() for p in other.parameters()]
     with pytest.raises(ss.StateMismatch, match=r"torch\.optim\.sgd\.SGD state but the optimizer is torch\.optim\.adamw\.AdamW"):
@@ -332,12 +337,7 @@ def test_forged_manifests_and_state_documents_are_refused():
     from shardstore.manifest import ExtraEntry
     from shardstore.verify import shard_problems
 
-    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(8, 4)).sum().backward()
-    opt.step()
-    cid = ss.save(store, model, opt, step=1)
+    store, model, opt, cid = _sgd_commit()
     lc = ss.load_commit(store, cid)
     shard = lc.shards[0]
     entries = list(shard.entries)
@@ -476,13 +476,8 @@ def test_a_forged_state_or_extra_shape_is_refused_before_allocating(shape, monke
 
     from shardstore.manifest import ExtraEntry
 
-    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(8, 4)).sum().backward()
-    opt.step()
     counter = Counter()
-    cid = ss.save(store, model, opt, step=1, extra={"counter": counter})
+    store, model, opt, cid = _sgd_commit(extra={"counter": counter})
     lc = ss.load_commit(store, cid)
     shard = lc.shards[0]
     j, e = next((k, e) for k, e in enumerate(shard.entries) if e.state is not None)
@@ -526,12 +521,7 @@ def test_state_sizes_are_queried_together_before_any_allocation():
     import threading
     import time
 
-    store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(8, 4)).sum().backward()
-    opt.step()
-    cid = ss.save(store, model, opt, step=1)
+    store, model, opt, cid = _sgd_commit()
     lock, now, peak = threading.Lock(), [0], [0]
     real = store.object_size
 
