@@ -72,7 +72,7 @@ def _child(op: str, tmp: str) -> dict[str, Any]:
     import shardstore as ss
     from safetensors.torch import load_file, save_file
 
-    from shardstore.interchange import export_commit, import_directory
+    from shardstore.ops.interchange import export_commit, import_directory
 
     src, store_url = os.path.join(tmp, "src"), os.path.join(tmp, "store")
     reset = _reset_peak()

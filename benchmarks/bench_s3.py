@@ -33,7 +33,7 @@ import s3fs
 import torch
 
 import shardstore as ss
-from shardstore.transfer import copy_commit
+from shardstore.ops.transfer import copy_commit
 
 BUCKET = "bench"
 MiB = 1024 * 1024

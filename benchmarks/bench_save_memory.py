@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shardstore as ss
-import shardstore.exchange as sex
+import shardstore.sharded.exchange as sex
 
 WORLD = 4
 COLS = 262144  # one row: 1 MiB of float32

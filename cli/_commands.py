@@ -19,11 +19,11 @@ from tqdm import tqdm
 
 import shardstore as ss
 from shardstore.errors import ManifestError, ObjectNotFound, TargetNotFound
-from shardstore.bounded import check_json_nesting
-from shardstore.checkpoint import check_info
-from shardstore.names import check_ref_name
-from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
-from shardstore.tensors import expected_nbytes
+from shardstore.format.bounded import check_json_nesting
+from shardstore.checkpoint.info import check_info
+from shardstore.format.names import check_ref_name
+from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
+from shardstore.format.tensors import expected_nbytes
 
 from ._render import jsonable, render_diff, render_log, render_refs, render_show, render_verify
 
@@ -135,7 +135,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from shardstore.diff import diff
+    from shardstore.ops.diff import diff
 
     with _bar(args, "diff --stats") as bar:
         d = diff(_open(args.store), args.a, args.b, stats=args.stats, progress=_progress(bar))
@@ -190,11 +190,11 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from shardstore.grid import payload_blocks
-    from shardstore.manifest import tensor_payloads
-    from shardstore.optim import hyper_of
-    from shardstore.state_diff import extra_state_view, hyper_groups
-    from shardstore.torch_optim import state_objects
+    from shardstore.format.grid import payload_blocks
+    from shardstore.format.manifest import tensor_payloads
+    from shardstore.state.optim import hyper_of
+    from shardstore.ops.state_diff import extra_state_view, hyper_groups
+    from shardstore.state.torch_optim import state_objects
 
     store = _open(args.store)
     lc = ss.load_commit(store, args.target)
@@ -324,7 +324,7 @@ def parse_layout(text: str) -> list[tuple[int, int]]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardstore.interchange import export_commit
+    from shardstore.ops.interchange import export_commit
 
     store = _open(args.store)
     with _bar(args, "export") as bar:
@@ -343,7 +343,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from shardstore.interchange import import_directory
+    from shardstore.ops.interchange import import_directory
 
     if args.slots is not None and args.slots < 1:
         raise UsageError(f"--slots must be >= 1, got {args.slots}", args.parser)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import msgspec
 
 import shardstore
-from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
+from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RoleError, RunAborted, ShardtrainError, TransitionError
 
 __all__ = ["EPILOG", "main", "print_step", "print_commit"]

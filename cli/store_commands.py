@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 import shardstore as ss
 from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
-from shardstore.gc import GcResult, gc
-from shardstore.transfer import DEFAULT_THREADS, CopyResult, copy_commit
+from shardstore.ops.gc import GcResult, gc
+from shardstore.ops.transfer import DEFAULT_THREADS, CopyResult, copy_commit
 
 from ._render import human_bytes
 

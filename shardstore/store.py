@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .backends.base import Buffer, Storage
+from .backends.location import open_storage
 from .errors import (
     CorruptObject,
     InvalidName,
@@ -37,10 +39,20 @@ from .errors import (
     StoreConfigError,
     TargetNotFound,
 )
-from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
-from .names import check_oid, check_oid_prefix, check_ref_name
-from .storage import Buffer, Storage, open_storage
-from .tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
+from .format.manifest import (
+    FORMAT_VERSION,
+    MAX_ENTRIES,
+    MAX_MANIFEST_BYTES,
+    CommitManifest,
+    PinManifest,
+    ShardManifest,
+    StoreConfig,
+    decode,
+    decode_manifest,
+    encode,
+)
+from .format.names import check_oid, check_oid_prefix, check_ref_name
+from .format.tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
 
 __all__ = ["Store", "open_store", "object_key", "ref_key", "pin_key"]
 

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import shardstore
-from shardstore.transfer import commit_closure
+from shardstore.ops.transfer import commit_closure
 from shardtrain.errors import RunAborted
 from shardtrain.evaluate import CommitEval, EvalReport, EvalSpec, evaluate
 from shardtrain.gates import GateReport, gate_report, render_gates, thresholds_of, write_gate_report

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import shardstore
 from shardstore import Store, load_commit
-from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
+from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain.batch import Batch
 from shardtrain.errors import DistillError
 from shardtrain.job import PreparedJob

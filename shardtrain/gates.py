@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import msgspec
 
 from shardstore import Store
-from shardstore.manifest import f64_decode
+from shardstore.format.manifest import f64_decode
 from shardtrain.errors import JobError
 from shardtrain.evaluate import CommitEval, EvalReport, paired_bootstrap
 from shardtrain.job import PreparedJob

@@ -27,9 +27,9 @@ import time
 import torch
 
 from shardstore import Store, TensorEntry, load_commit
-from shardstore.grid import put_payloads, read_whole
-from shardstore.manifest import OptimEntry, Payload
-from shardstore.tensors import torch_dtype
+from shardstore.format.grid import put_payloads, read_whole
+from shardstore.format.manifest import OptimEntry, Payload
+from shardstore.format.tensors import torch_dtype
 from shardtrain.errors import TransitionError
 from shardtrain.model import LlamaDecoderLayer, rotary_tables
 from shardtrain.partition import LAYER_PARAMETER_SUFFIXES, Partition

@@ -31,7 +31,7 @@ import msgspec
 import torch
 from msgspec import Meta
 
-from shardstore.manifest import f64_decode, f64_encode
+from shardstore.format.manifest import f64_decode, f64_encode
 from shardtrain.batch import Batch
 from shardtrain.errors import ConfigError, JobError
 from shardtrain.model import LlamaConfig

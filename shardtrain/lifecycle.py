@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 import shardstore
 from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
-from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
+from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain import admission
 from shardtrain.committer import Committer
 from shardtrain.distill import Distiller, reference_steps

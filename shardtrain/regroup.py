@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from shardstore import CommitInfo, LoadedCommit, Store, TensorEntry, load_commit, write_commit, write_shard_entries
-from shardstore.manifest import decode_config
-from shardstore.rng import capture_rng, restore_rng
+from shardstore.format.manifest import decode_config
+from shardstore.format.rng import capture_rng, restore_rng
 from shardtrain.errors import PartitionError, ResumeError, TransitionError
 from shardtrain.job import PreparedJob
 from shardtrain.model import LlamaConfig

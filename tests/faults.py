@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardstore.errors import ObjectNotFound, RefConflict
-from shardstore.storage import Buffer, Storage
+from shardstore.backends.base import Buffer, Storage
 
 __all__ = ["OpLog", "kill_at", "label", "FaultyOs", "PowerCut", "PowerLossStorage", "S3FaultClient", "KILL"]
 
@@ -162,7 +162,7 @@ _SPACE = ("open:w", "write", "fsync", "link", "makedirs", "replace", "utime")
 
 
 class FaultyOs:
-    """Replaces ``shardstore.local.os``: numbers calls of ``SYSCALLS``; at call ``at`` either
+    """Replaces ``shardstore.backends.local.os``: numbers calls of ``SYSCALLS``; at call ``at`` either
     raises ``OSError(err)`` (and, with ``sticky``, at every later call too, as a full disk
     does) or kills the process (``err == KILL``). ``os.path``, ``os.walk`` and the rest pass
     through, except that ``walk`` honours the same fault for the directory scan at ``at``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from shardstore.manifest import (
+from shardstore.format.manifest import (
     FORMAT_VERSION,
     CommitManifest,
     GroupSpec,

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import shardstore as ss
-import shardstore.distributed as sd
+import shardstore.checkpoint.distributed as sd
 from shardtrain.launch import WorkerContext, _child_main, free_port, run_worker
 
 

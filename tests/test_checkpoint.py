@@ -246,7 +246,7 @@ def test_write_shard_entries_relays_existing_objects_without_reading_them(store,
     and entries that break the shard rules are refused before a manifest is written."""
     import msgspec
 
-    from shardstore.manifest import OptimEntry
+    from shardstore.format.manifest import OptimEntry
 
     model, opt = trained
     cid = ss.save(store, model, opt, step=3, ref=None)

@@ -88,7 +88,7 @@ def _check_report(out: str, store: Path) -> None:
 
 def _reachable(s) -> set[str]:  # type: ignore[no-untyped-def]
     import shardstore
-    from shardstore.transfer import commit_closure
+    from shardstore.ops.transfer import commit_closure
 
     seen: set[str] = set()
     for head in s.refs().values():

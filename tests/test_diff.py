@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardstore as ss
-from shardstore.diff import CommitDiff, diff
-from shardstore.optim import Hyper, OptimState, ParamOpt
+from shardstore.ops.diff import CommitDiff, diff
+from shardstore.state.optim import Hyper, OptimState, ParamOpt
 
 from conftest import TinyNet, make_optimizer, train_steps
 

@@ -164,7 +164,7 @@ def test_protocol_buffers_own_their_memory():
     """The protocol's collective buffers must not keep a Python object alive: a Gloo thread
     releasing one at interpreter exit aborts the process (tests/stress_teardown.py shows it).
     A `torch.frombuffer` tensor's storage is the kind that cannot be resized."""
-    from shardstore.distributed import _FAIL, _OK, _pack, _unpack
+    from shardstore.checkpoint.distributed import _FAIL, _OK, _pack, _unpack
 
     oid = "ab" * 32
     t = _pack(_OK, oid)

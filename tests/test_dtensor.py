@@ -30,9 +30,9 @@ from dtensor_models import adamw as _opt
 from dtensor_models import fsdp as _fsdp
 from dtensor_models import train as _train
 from gloo_group import run_group
-from shardstore.dtensor import BATCH_BYTES, last_exchange
-from shardstore.grid import payload_blocks
-from shardstore.manifest import tensor_payloads
+from shardstore.sharded.dtensor import BATCH_BYTES, last_exchange
+from shardstore.format.grid import payload_blocks
+from shardstore.format.manifest import tensor_payloads
 
 def _equal_to_plain(model, opt, plain, popt) -> bool:
     """Every parameter and both moments, gathered (``full_tensor``), bitwise equal to a plain model's."""

@@ -27,13 +27,13 @@ import torch.distributed as dist
 import pytest
 
 import shardstore as ss
-import shardstore.dtensor as sdt
-import shardstore.exchange as sex
+import shardstore.sharded.dtensor as sdt
+import shardstore.sharded.exchange as sex
 from dtensor_models import WIDE, Net
 from dtensor_models import adamw as _opt
 from dtensor_models import train
 from gloo_group import run_group
-from shardstore.grid import BLOCK_BYTES
+from shardstore.format.grid import BLOCK_BYTES
 
 BIG = (96, 262144)  # 96 MiB float32, blocks of 4 rows (1 MiB each)
 MiB = 1 << 20

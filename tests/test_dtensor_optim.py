@@ -201,9 +201,9 @@ def runs(tmp_path_factory):
 
 
 def _objects(store: ss.Store, cid: str) -> set[str]:
-    from shardstore.grid import payload_blocks
-    from shardstore.manifest import tensor_payloads
-    from shardstore.torch_optim import state_objects
+    from shardstore.format.grid import payload_blocks
+    from shardstore.format.manifest import tensor_payloads
+    from shardstore.state.torch_optim import state_objects
 
     lc = ss.load_commit(store, cid)
     es = lc.entries().values()
@@ -267,7 +267,7 @@ def _slot1_objects() -> tuple[int, int]:
 
 
 def test_copy_shard_k_copies_only_the_blocks_slot_k_held_and_restores_only_its_slice(runs):
-    from shardstore.gc import gc
+    from shardstore.ops.gc import gc
 
     store, two, _, _ = runs
     n, nbytes = _slot1_objects()

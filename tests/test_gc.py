@@ -24,9 +24,9 @@ import torch
 
 import shardstore as ss
 from shardstore import ObjectNotFound
-from shardstore.gc import gc, reachable
+from shardstore.ops.gc import gc, reachable
 from shardstore.store import object_key
-from shardstore.transfer import commit_closure
+from shardstore.ops.transfer import commit_closure
 
 try:
     from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)

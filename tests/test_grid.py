@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 import shardstore as ss
 from faults import CountingStore
-from shardstore.dtensor import plan_blocks, slice_regions
-from shardstore.grid import BLOCK_BYTES, box_slices, grid, intersect, make_payload, overlapping, read_jobs
-from shardstore.manifest import Block
+from shardstore.sharded.dtensor import plan_blocks, slice_regions
+from shardstore.format.grid import BLOCK_BYTES, box_slices, grid, intersect, make_payload, overlapping, read_jobs
+from shardstore.format.manifest import Block
 
 MiB = 1 << 20
 
@@ -139,7 +139,7 @@ def _regions(shape, splits, replicas) -> dict:
 @given(split_cases())
 def test_blocks_from_any_split_equal_blocks_written_whole(case):
     dtype, shape, bound, splits, replicas = case
-    tdtype = ss.tensors.torch_dtype(dtype)
+    tdtype = ss.format.tensors.torch_dtype(dtype)
     whole = (torch.arange(math.prod(shape)) % 251).to(tdtype).reshape(shape)
     regions = slice_regions("t", dtype, shape, _regions(shape, splits, replicas))
     holder = {r: box for box, ranks in regions for r in ranks}
@@ -170,7 +170,7 @@ def test_blocks_from_any_split_equal_blocks_written_whole(case):
 @given(split_cases(), st.data())
 def test_restore_into_any_split_reads_exactly_the_overlapping_blocks(case, data):
     dtype, shape, bound, splits, _ = case
-    tdtype = ss.tensors.torch_dtype(dtype)
+    tdtype = ss.format.tensors.torch_dtype(dtype)
     whole = (torch.arange(math.prod(shape)) % 253).to(tdtype).reshape(shape)
     store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
     boxes = grid(dtype, shape, block_bytes=bound)
@@ -298,8 +298,8 @@ def test_tools_understand_chunked_payloads(chunked, tmp_path, capsys):
     """diff --stats, export (block by block), import (same blocks back), copy, show and verify."""
     from safetensors.torch import load_file
 
-    from shardstore.diff import diff
-    from shardstore.interchange import export_commit, import_directory
+    from shardstore.ops.diff import diff
+    from shardstore.ops.interchange import export_commit, import_directory
     from shardstore_cli.shardstore_cli import main
 
     _, _, m, opt = chunked
@@ -339,7 +339,7 @@ def test_tools_understand_chunked_payloads(chunked, tmp_path, capsys):
 
 
 def test_metadata_only_repartition_of_a_chunked_commit_writes_no_tensor_bytes(chunked):
-    from shardstore.checkpoint import write_shard_entries
+    from shardstore.checkpoint.slots import write_shard_entries
 
     store, cid, _, _ = chunked
     lc = ss.load_commit(store, cid)

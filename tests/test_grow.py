@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import shardstore
 from shardstore import load_commit
-from shardstore.diff import diff
+from shardstore.ops.diff import diff
 from shardtrain.errors import TransitionError
 from shardtrain.grow import ZEROED_SUFFIXES, grow, identity_check
 from shardtrain.job import load_job

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import shardstore as ss
 from shardstore.errors import InvalidName, LayoutError, ManifestError, StorageError
-from shardstore.interchange import export_commit, import_directory, split_layers
+from shardstore.ops.interchange import export_commit, import_directory, split_layers
 
 transformers = pytest.importorskip("transformers")
 

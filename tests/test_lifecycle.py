@@ -19,7 +19,7 @@ import torch
 
 import shardstore
 from shardstore import BindingError, ObjectNotFound, copy_commit, open_store
-from shardstore.transfer import commit_closure
+from shardstore.ops.transfer import commit_closure
 from shardtrain.errors import JobError, ResumeError, RunAborted
 from shardtrain.evaluate import EvalSpec, evaluate
 from shardtrain.job import JOB_FILE, decode_job, load_job, prepare_default
@@ -201,7 +201,7 @@ def test_start_from_an_imported_llama_commit(tmp_path: Path) -> None:
     """Weights only: AdamW state is created at the first update, and the import is the parent."""
     from safetensors.torch import save_file
 
-    from shardstore.interchange import import_directory
+    from shardstore.ops.interchange import import_directory
     from shardtrain import Partition, build_stage
 
     config = load_job(_job(tmp_path / "probe")).config
@@ -239,7 +239,7 @@ def test_the_job_is_pinned_and_survives_gc(run: SimpleNamespace, tmp_path: Path)
     can rebuild the job from the store alone (and after unpinning, gc removes them)."""
     import shutil
 
-    from shardstore.gc import gc
+    from shardstore.ops.gc import gc
     from shardtrain.evaluate import job_from_store
 
     job = load_job(run.job)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardstore.errors import ManifestError
-from shardstore.manifest import (
+from shardstore.format.manifest import (
     MAX_MANIFEST_BYTES,
     CommitManifest,
     ShardManifest,

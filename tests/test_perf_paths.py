@@ -17,7 +17,7 @@ import torch
 import shardstore as ss
 from conftest import TinyNet, make_optimizer, train_steps
 from shardstore.store import object_key
-from shardstore.tensors import hash_bytes, tensor_bytes
+from shardstore.format.tensors import hash_bytes, tensor_bytes
 
 
 @pytest.fixture

@@ -28,9 +28,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardstore as ss
 from faults import CountingStore
-from shardstore.dtensor import plan_blocks, slice_regions
-from shardstore.grid import box_slices, grid, intersect, make_payload, read_parts
-from shardstore.placement import MAX_PARTS, dim_indices, index_runs, parts_of
+from shardstore.sharded.dtensor import plan_blocks, slice_regions
+from shardstore.format.grid import box_slices, grid, intersect, make_payload, read_parts
+from shardstore.sharded.placement import MAX_PARTS, dim_indices, index_runs, parts_of
 
 
 def _local_by_torch(full: torch.Tensor, mesh_shape, coord, placements) -> torch.Tensor:

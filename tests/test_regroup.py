@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardstore import load_commit
-from shardstore.manifest import decode_config
+from shardstore.format.manifest import decode_config
 from shardtrain.errors import PartitionError, ResumeError, TransitionError
 from shardtrain.lifecycle import RunSpec, train
 from shardtrain.model import LlamaConfig
@@ -184,7 +184,7 @@ def test_repartition_keeps_commit_wide_extras_and_refuses_a_slots_own(adaptive_r
     import msgspec
 
     from shardstore import CommitInfo, write_commit
-    from shardstore.extras import capture_extras, write_extras
+    from shardstore.state.extras import capture_extras, write_extras
 
     class Sched:
         def state_dict(self) -> dict:

@@ -78,7 +78,7 @@ def test_import_checks_its_arguments_before_writing(tmp_path: Any, capsys: Any, 
     assert not store.exists() or list(ss.open_store(str(store)).objects()) == []
     with pytest.raises((ss.ManifestError, ss.InvalidName)):  # the library refuses before writing too
         kw = {"--step": ("step", int), "--job": ("job", str), "--ref": ("ref", str)}[bad[0]]
-        ss.interchange.import_directory(ss.open_store(str(store)), str(src), **{kw[0]: kw[1](bad[1])})
+        ss.ops.interchange.import_directory(ss.open_store(str(store)), str(src), **{kw[0]: kw[1](bad[1])})
     assert list(ss.open_store(str(store)).objects()) == []
 
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import shardstore as ss
-from shardstore.interchange import export_commit
+from shardstore.ops.interchange import export_commit
 from faults import fast_dir
 
 SLOW = bool(os.environ.get("SHARDSTORE_SLOW"))
@@ -261,7 +261,7 @@ def test_invalid_utf8_in_a_manifest_string_is_a_manifest_error(tmp_path: Any) ->
         ss.open_store(root, create=False)
     with pytest.raises(ss.ManifestError):
         ss.decode(b'{"a":"\xff"}')
-    from shardstore.manifest import decode_config
+    from shardstore.format.manifest import decode_config
 
     with pytest.raises(ss.ManifestError):
         decode_config(b'{"a":"\xff"}')

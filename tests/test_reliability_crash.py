@@ -35,9 +35,9 @@ import pytest
 import torch
 
 import shardstore as ss
-import shardstore.local as storage_mod
-from shardstore.gc import gc
-from shardstore.local import LocalStorage
+import shardstore.backends.local as storage_mod
+from shardstore.ops.gc import gc
+from shardstore.backends.local import LocalStorage
 from conftest import TinyNet, make_optimizer, train_steps
 from faults import KILL, FaultyOs, OpLog, fast_dir, frozen_slots, kill_at, slots_snapshot, snapshot
 

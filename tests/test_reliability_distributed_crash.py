@@ -35,11 +35,11 @@ import torch._dynamo  # noqa: F401  before any group: see shardtrain.launch.init
 import torch.multiprocessing as mp
 
 import shardstore as ss
-import shardstore.distributed as protocol
+import shardstore.checkpoint.distributed as protocol
 from conftest import START_METHOD, TinyNet, make_optimizer, train_steps
 from gloo_group import free_port
 from faults import OpLog, die, kill_at
-from shardstore.local import LocalStorage
+from shardstore.backends.local import LocalStorage
 
 SLOW = os.environ.get("SHARDSTORE_SLOW") == "1"
 GROUP_TIMEOUT_S = 20

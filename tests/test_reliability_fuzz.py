@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardstore as ss
-from shardstore.manifest import decode, decode_config, encode
-from shardstore.rng import capture_rng, restore_rng
+from shardstore.format.manifest import decode, decode_config, encode
+from shardstore.format.rng import capture_rng, restore_rng
 from shardstore.store import Store
 from strategies import commit_manifests, shard_manifests
 
@@ -259,7 +259,7 @@ def test_huge_claimed_shape_is_refused_by_size(tmp_path: Any) -> None:
     big = type(e)(name=e.name, dtype="float64", shape=(2**48, 2**48), param=e.param, optim=None)
     forged = msgspec.structs.replace(shard, entries=(big,))
     sid = store.put(encode(forged))
-    from shardstore.roots import learned_root
+    from shardstore.format.roots import learned_root
 
     root = learned_root(step=0, data_cursor=None, config=None, optimizer=lc.commit.optimizer, entries=[big])
     commit = msgspec.structs.replace(lc.commit, layout=(msgspec.structs.replace(lc.commit.layout[0], shard=sid),), learned_root=root)

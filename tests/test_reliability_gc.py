@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import shardstore as ss
-from shardstore.gc import gc
-from shardstore.local import LocalStorage
+from shardstore.ops.gc import gc
+from shardstore.backends.local import LocalStorage
 from shardstore.store import object_key
 from faults import OpLog, kill_at
 
@@ -111,7 +111,7 @@ def test_gc_killed_before_every_delete(tmp_path: Any) -> None:
         assert (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL) if k < n else os.WEXITSTATUS(status) == 0
         s = ss.open_store(root, create=False)
         assert ss.verify(s).ok
-        assert all(s.has(o) for o in ss.transfer.commit_closure(ss.load_commit(s, pending)).ids())
+        assert all(s.has(o) for o in ss.ops.transfer.commit_closure(ss.load_commit(s, pending)).ids())
         again = gc(s, grace_seconds=HOUR, dry_run=False)
         assert len(again.deleted) == n - k if k < n else again.deleted == {}
         assert set(s.objects()) == set(store.objects()) - set(dry.deleted)
@@ -139,7 +139,7 @@ def _copy_fixture(tmp_path: Any, junk: int = 0) -> tuple[ss.Store, ss.Store, str
 
 def _junk(root: str, n: int) -> None:
     """``n`` small garbage objects, written straight into the layout (no fsync: only their count matters)."""
-    from shardstore.tensors import hash_bytes
+    from shardstore.format.tensors import hash_bytes
 
     for i in range(n):
         data = b"junk %d" % i
@@ -178,7 +178,7 @@ def test_copy_and_gc_in_two_processes(tmp_path: Any) -> None:
     import random
 
     src, dst, root, cid = _copy_fixture(tmp_path, junk=200)
-    closure = ss.transfer.commit_closure(ss.load_commit(src, cid)).ids()
+    closure = ss.ops.transfer.commit_closure(ss.load_commit(src, cid)).ids()
     rng = random.Random(12)
     for rnd in range(6):
         delay = rng.uniform(0.0, 0.03)

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 import shardstore as ss
-from shardstore.local import LocalStorage
+from shardstore.backends.local import LocalStorage
 from shardstore_cli import shardstore_cli
 
 

@@ -21,9 +21,9 @@ import torch
 from botocore.exceptions import ClientError, ReadTimeoutError
 
 import shardstore as ss
-import shardstore.local as storage_mod
-from shardstore.gc import gc
-from shardstore.s3 import S3Storage
+import shardstore.backends.local as storage_mod
+from shardstore.ops.gc import gc
+from shardstore.backends.s3.storage import S3Storage
 from conftest import TinyNet, make_optimizer, train_steps
 from faults import FaultyOs, OpLog, S3FaultClient, fast_dir, frozen_slots
 

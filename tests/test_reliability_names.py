@@ -20,8 +20,15 @@ import pytest
 import torch
 
 import shardstore as ss
-from shardstore.gc import gc
-from shardstore.names import check_group_name, check_key, check_oid, check_oid_prefix, check_ref_name, check_tensor_name
+from shardstore.ops.gc import gc
+from shardstore.format.names import (
+    check_group_name,
+    check_key,
+    check_oid,
+    check_oid_prefix,
+    check_ref_name,
+    check_tensor_name,
+)
 
 HOSTILE = [
     "../x", "../../etc/passwd", "/etc/passwd", "a/../../b", "a/./b", "a\\b", "..\\..\\x", "a\x00b", "%2e%2e/x", "%2e%2e%2fx",

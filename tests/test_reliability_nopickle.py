@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 import shardstore as ss
-from shardstore.manifest import encode
-from shardstore.rng import restore_rng
+from shardstore.format.manifest import encode
+from shardstore.format.rng import restore_rng
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = {("pickle", "load"), ("pickle", "loads"), ("marshal", "load"), ("marshal", "loads"), ("yaml", "load"),

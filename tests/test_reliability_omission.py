@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardstore as ss
-from shardstore.interchange import export_commit
+from shardstore.ops.interchange import export_commit
 
 
 class _Box:

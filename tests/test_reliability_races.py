@@ -135,7 +135,7 @@ def test_two_trainers_share_a_store(tmp_path: Any) -> None:
 
 
 def _fake_ids(n: int, salt: str) -> list[str]:
-    from shardstore.tensors import hash_bytes
+    from shardstore.format.tensors import hash_bytes
 
     return [hash_bytes(f"{salt} {i}".encode()) for i in range(n)]
 

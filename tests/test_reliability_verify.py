@@ -20,14 +20,14 @@ import pytest
 import torch
 
 import shardstore as ss
-from shardstore.local import LocalStorage
+from shardstore.backends.local import LocalStorage
 import msgspec
 
 from faults import OpLog
-from shardstore.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, SlotLayout
-from shardstore.roots import learned_root
+from shardstore.format.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, SlotLayout
+from shardstore.format.roots import learned_root
 from shardstore.store import object_key
-from shardstore.tensors import hash_bytes, new_hasher, tensor_bytes
+from shardstore.format.tensors import hash_bytes, new_hasher, tensor_bytes
 
 
 def _model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -245,7 +245,7 @@ def test_a_repeated_shard_manifest_is_refused_before_reading(base: Any) -> None:
     report = ss.verify(counted, [bad])
     assert [p.kind for p in report.problems] == ["LayoutError"]
     assert sum(1 for op, key, _ in log.log if key.endswith(sid)) == 0  # never read, not 128 times
-    from shardstore.gc import gc
+    from shardstore.ops.gc import gc
 
     store.set_ref("bad", bad, expected=None)
     with pytest.raises(ss.LayoutError):

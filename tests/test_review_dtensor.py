@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 import shardstore as ss
-import shardstore.grid as sgrid
+import shardstore.format.grid as sgrid
 from gloo_group import run_group
-from shardstore.interchange import export_commit
-from shardstore.manifest import shard_version
+from shardstore.ops.interchange import export_commit
+from shardstore.format.manifest import shard_version
 
 MiB = 1 << 20
 
@@ -128,7 +128,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     except ss.ShardstoreError as e:
         result["failing_store"] = f"{type(e).__name__}: {e}"
     # ... and one that cannot stage a batch (before any piece is posted)
-    import shardstore.exchange as sex
+    import shardstore.sharded.exchange as sex
 
     real = sex._Arena.reset
     if rank == 2:

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardstore as ss
-from shardstore.optim import Hyper, OptimState, ParamOpt
+from shardstore.state.optim import Hyper, OptimState, ParamOpt
 from strategies import named_states
 
 STORE = ss.open_store(f"memory://roots-{uuid.uuid4().hex}")

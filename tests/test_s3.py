@@ -20,9 +20,9 @@ from botocore.exceptions import ClientError, ReadTimeoutError
 
 import shardstore as ss
 from shardstore import InvalidName, RefConflict, StorageError
-from shardstore.s3 import S3Storage
-from shardstore.s3_requests import probe_conditions
-from shardstore.tensors import hash_bytes, new_hasher
+from shardstore.backends.s3.storage import S3Storage
+from shardstore.backends.s3.requests import probe_conditions
+from shardstore.format.tensors import hash_bytes, new_hasher
 
 try:
     from tests.s3_server import S3Server, make_client, s3_server  # noqa: F401  (fixture)
@@ -301,8 +301,8 @@ def test_downloads_hash_ranges_in_order_as_they_stream(s3_server: S3Server) -> N
     later = [kw for n, kw in proxy.calls if n == "get_object"][1:]
     assert later and all(kw.get("IfMatch") for kw in later)  # one version of the object, or an error
 
-    assert storage.hash_object(key, ss.tensors.new_hasher) == (oid, len(data))
-    assert storage.read_hashed(key, ss.tensors.new_hasher)[1] == oid
+    assert storage.hash_object(key, ss.format.tensors.new_hasher) == (oid, len(data))
+    assert storage.read_hashed(key, ss.format.tensors.new_hasher)[1] == oid
     proxy.calls.clear()
     seen.clear()
     short = bytearray(10)
@@ -336,7 +336,7 @@ def test_odd_range_answers(s3_server: S3Server) -> None:  # noqa: F811
     proxy.real = Answers()
     Answers.drop = ("ETag",)
     proxy.calls.clear()
-    assert storage.read_hashed(key, ss.tensors.new_hasher) == (data, oid)
+    assert storage.read_hashed(key, ss.format.tensors.new_hasher) == (data, oid)
     assert not [kw for n, kw in proxy.calls if n == "get_object" and "IfMatch" in kw]
     Answers.drop = ("ContentRange",)
     with pytest.raises(StorageError, match="206 without a Content-Range"):
@@ -344,7 +344,7 @@ def test_odd_range_answers(s3_server: S3Server) -> None:  # noqa: F811
 
 
 def test_a_corrupt_object_on_s3_is_caught_by_every_streamed_read(s3_server: S3Server, tmp_path: Any) -> None:  # noqa: F811
-    from shardstore.transfer import copy_commit
+    from shardstore.ops.transfer import copy_commit
 
     storage, _ = proxied(s3_server, part_size=5 * MiB, multipart_threshold=64 * MiB)
     store = ss.Store(storage)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import shardstore as ss
-from shardstore.manifest import HyperGroup, ParamState, ShardManifest, StateTensor, TensorEntry, encode
-from shardstore.optim import OptimState, ParamOpt
-from shardstore.torch_optim import TorchParam
+from shardstore.format.manifest import HyperGroup, ParamState, ShardManifest, StateTensor, TensorEntry, encode
+from shardstore.state.optim import OptimState, ParamOpt
+from shardstore.state.optim import TorchParam
 
 MiB = 1 << 20
 ROWS, COLS = 3, 524288  # float32 rows of 2 MiB: blocks of rows 0-1 and row 2
@@ -189,7 +189,7 @@ def test_a_large_extra_tensor_is_one_object_and_a_large_buffer_is_chunked():
 
 
 def test_slices_vector_matches_an_independent_encoder():
-    from shardstore.slices import make_slices
+    from shardstore.format.slices import make_slices
 
     store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
     w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
@@ -211,7 +211,7 @@ def test_slices_vector_matches_an_independent_encoder():
     assert (lc.shard_ids[0], lc.shard_ids[1], cid) == SLICES_VECTORS
     assert ss.verify(store).ok
     # slot 1's selection: the block its row overlaps, not the entry slot 0 records
-    from shardstore.transfer import commit_closure
+    from shardstore.ops.transfer import commit_closure
 
     assert set(commit_closure(lc, 1).data) == {lc.entries()["w"].param[1].object}
     assert set(commit_closure(lc, 0).data) == {lc.entries()["w"].param[0].object}
@@ -234,7 +234,7 @@ SLICES_VECTORS = (
     ],
 )
 def test_forged_slices_are_refused_naming_tensor_and_slot(forge, message):
-    from shardstore.slices import make_slices
+    from shardstore.format.slices import make_slices
 
     store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
     w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
@@ -248,8 +248,8 @@ def test_forged_slices_are_refused_naming_tensor_and_slot(forge, message):
 def test_export_and_diff_read_chunked_state_block_by_block(tmp_path):
     from safetensors.torch import load_file
 
-    from shardstore.diff import diff
-    from shardstore.interchange import export_commit
+    from shardstore.ops.diff import diff
+    from shardstore.ops.interchange import export_commit
 
     store = ss.open_store(str(tmp_path / "s"))
     state, info = _state()
@@ -276,8 +276,8 @@ def test_export_and_diff_read_chunked_state_block_by_block(tmp_path):
 def test_slot_k_selection_is_exactly_the_blocks_its_slices_overlap(split):
     """uint8 [5, 2 MiB]: 2 rows per 4 MiB block, blocks of rows 0-1, 2-3, 4. Slot k's selection
     (``copy --shard k``) is computed by hand from the rows and columns its slices cover."""
-    from shardstore.slices import make_slices
-    from shardstore.transfer import commit_closure
+    from shardstore.format.slices import make_slices
+    from shardstore.ops.transfer import commit_closure
 
     cols = 2 << 20
     t = torch.randint(0, 256, (5, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -298,8 +298,8 @@ def test_slot_k_selection_is_exactly_the_blocks_its_slices_overlap(split):
 
 
 def test_diff_reports_slices_between_two_splits_of_one_learned_state():
-    from shardstore.diff import diff
-    from shardstore.slices import make_slices
+    from shardstore.ops.diff import diff
+    from shardstore.format.slices import make_slices
 
     store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
     w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
@@ -322,7 +322,7 @@ def _pairwise_slice_problems(shards, entries):
     """The pairwise check commit_slice_problems made before it swept (kept as the oracle)."""
     import math
 
-    from shardstore.grid import intersect
+    from shardstore.format.grid import intersect
 
     held: dict = {}
     for slot, shard in sorted(shards.items()):
@@ -353,7 +353,7 @@ def _kind(message: str) -> str:
 def _shards(boxes_by_slot):
     from types import SimpleNamespace
 
-    from shardstore.manifest import Slice
+    from shardstore.format.manifest import Slice
 
     return {s: SimpleNamespace(slices=tuple(Slice(name=n, start=b[0], shape=b[1]) for n, b in bs)) for s, bs in boxes_by_slot.items()}
 
@@ -363,7 +363,7 @@ def test_slice_check_agrees_with_the_pairwise_check(marks, monkeypatch):
     """On small random boxes (replicas, gaps, overlaps, empty and outside boxes), the cell
     marking and (no marks allowed) the sweep accept and refuse exactly what the pairwise check
     did, and an overlap they name is one."""
-    import shardstore.slices
+    import shardstore.format.slices
 
     monkeypatch.setattr(shardstore.slices, "_MARKS_PER_BOX", marks)
     from types import SimpleNamespace
@@ -371,8 +371,8 @@ def test_slice_check_agrees_with_the_pairwise_check(marks, monkeypatch):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from shardstore.grid import intersect
-    from shardstore.slices import _clash, commit_slice_problems
+    from shardstore.format.grid import intersect
+    from shardstore.format.slices import _clash, commit_slice_problems
 
     @st.composite
     def case(draw):
@@ -409,7 +409,7 @@ def test_twenty_thousand_slices_are_checked_without_comparing_pairs(monkeypatch)
     of box comparisons (the pairwise check made ~200 million)."""
     from types import SimpleNamespace
 
-    import shardstore.slices as slices
+    import shardstore.format.slices as slices
 
     calls = []
 
@@ -419,7 +419,7 @@ def test_twenty_thousand_slices_are_checked_without_comparing_pairs(monkeypatch)
             raise AssertionError("the slice check compares boxes pairwise")
         return intersect(a, b)
 
-    from shardstore.grid import intersect
+    from shardstore.format.grid import intersect
 
     monkeypatch.setattr(slices, "intersect", counted)
     rows, cols = 100, 200

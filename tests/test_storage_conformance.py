@@ -18,7 +18,7 @@ import pytest
 from shardstore import ObjectNotFound, RefConflict, Store, open_store
 from shardstore.errors import CorruptObject
 from shardstore.store import object_key
-from shardstore.tensors import hash_bytes
+from shardstore.format.tensors import hash_bytes
 
 try:  # `python -m pytest` from the root, or plain `pytest` (rootdir/tests on sys.path)
     from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)
@@ -233,7 +233,7 @@ class TestS3(StorageConformance):
         return open_store(s3_server.url(), **s3_server.options)
 
     def reopen(self, store: Store) -> Store:
-        from shardstore.s3 import S3Storage
+        from shardstore.backends.s3.storage import S3Storage
 
         s = store.storage
         assert isinstance(s, S3Storage)

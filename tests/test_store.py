@@ -16,7 +16,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 import shardstore as ss
 from shardstore.store import object_key
-from shardstore.tensors import hash_bytes
+from shardstore.format.tensors import hash_bytes
 
 
 def test_object_name_is_its_blake3(any_store):

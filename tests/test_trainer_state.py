@@ -299,7 +299,7 @@ def test_cli_show_and_diff_report_buffers_optimizer_class_and_extras(tmp_path, c
     out = capsys.readouterr().out
     assert "changed  1.running_var  values" in out and "state step 1 -> 2; state sum" in out
     assert "extra.scheduler.last_epoch: 1 -> 2" in out and "slot_extra.0.counter.seen: 1 -> 2" in out
-    from shardstore.diff import diff
+    from shardstore.ops.diff import diff
 
     assert diff(store, b, a) == diff(store, a, b).mirrored()
     stats = {t.name: t.stats for t in diff(store, a, b, stats=True).tensors}
@@ -314,7 +314,7 @@ def test_export_with_optimizer_keeps_torch_state_and_extras(tmp_path):
 
     from safetensors.torch import load_file
 
-    from shardstore.interchange import export_commit
+    from shardstore.ops.interchange import export_commit
 
     store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
     run = _build("sgd-nesterov-onecycle")
@@ -334,8 +334,8 @@ def test_export_with_optimizer_keeps_torch_state_and_extras(tmp_path):
 def test_forged_manifests_and_state_documents_are_refused():
     import msgspec
 
-    from shardstore.manifest import ExtraEntry
-    from shardstore.verify import shard_problems
+    from shardstore.format.manifest import ExtraEntry
+    from shardstore.verification.checker import shard_problems
 
     store, model, opt, cid = _sgd_commit()
     lc = ss.load_commit(store, cid)
@@ -403,7 +403,7 @@ def test_one_learned_root_for_any_split_and_any_slot_extras():
 
 
 def test_optional_fields_have_one_spelling_and_unknown_fields_stay_refused():
-    from shardstore.manifest import decode
+    from shardstore.format.manifest import decode
 
     store = ss.open_store(f"memory://trainer-state/{uuid.uuid4().hex}")
     raw = bytes(store.get(ss.save(store, {"w": torch.ones(2)}, step=0)))
@@ -442,7 +442,7 @@ def test_state_documents_round_trip_and_have_one_spelling():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from shardstore.extras import capture_extras, read_extra_state
+    from shardstore.state.extras import capture_extras, read_extra_state
 
     scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text("abf64:tensor", max_size=8).filter(lambda s: not s.startswith(("f64:", "tensor:")))
     values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text("abcé", max_size=4), kids, max_size=3), max_leaves=12)
@@ -474,7 +474,7 @@ def test_a_forged_state_or_extra_shape_is_refused_before_allocating(shape, monke
     allocator; 1 GiB: allocated, then refused). Now the objects' sizes bound it first."""
     import msgspec
 
-    from shardstore.manifest import ExtraEntry
+    from shardstore.format.manifest import ExtraEntry
 
     counter = Counter()
     store, model, opt, cid = _sgd_commit(extra={"counter": counter})

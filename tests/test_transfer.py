@@ -22,7 +22,7 @@ import torch
 import shardstore as ss
 from shardstore import CorruptObject, ObjectNotFound, RefConflict, TargetNotFound
 from shardstore.store import object_key
-from shardstore.transfer import commit_closure, copy_commit
+from shardstore.ops.transfer import commit_closure, copy_commit
 
 try:
     from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)
@@ -256,7 +256,7 @@ def test_copy_bounds_the_bytes_its_threads_hold() -> None:
     import threading
     import time
 
-    from shardstore.transfer import _ByteBudget
+    from shardstore.ops.transfer import _ByteBudget
 
     budget = _ByteBudget(100)
     held, peak, lock = [0], [0], threading.Lock()

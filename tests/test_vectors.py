@@ -41,7 +41,7 @@ def _commit(slots: int = 2):
     if slots == 1:
         merged = ss.SlotState(
             {**states[0].tensors, **states[1].tensors},
-            ss.optim.OptimState("adamw", {**states[0].optim.groups, **states[1].optim.groups}, {**states[0].optim.params, **states[1].optim.params}),
+            ss.state.optim.OptimState("adamw", {**states[0].optim.groups, **states[1].optim.groups}, {**states[0].optim.params, **states[1].optim.params}),
             {},
         )
         states = [merged]
@@ -167,7 +167,7 @@ def test_extras_vector_independently():
     states, info = vector_state()
     merged = ss.SlotState(
         {**states[0].tensors, **states[1].tensors},
-        ss.optim.OptimState("adamw", {**states[0].optim.groups, **states[1].optim.groups}, {**states[0].optim.params, **states[1].optim.params}),
+        ss.state.optim.OptimState("adamw", {**states[0].optim.groups, **states[1].optim.groups}, {**states[0].optim.params, **states[1].optim.params}),
         {},
     )
     cid = ss.save_slots(store, [merged], info=info, ref=None, parent=None, extra={"scheduler": FixedScheduler()})

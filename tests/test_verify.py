@@ -8,7 +8,7 @@ import random
 import pytest
 
 import shardstore as ss
-from shardstore.manifest import encode
+from shardstore.format.manifest import encode
 from conftest import TinyNet, make_optimizer, train_steps
 
 

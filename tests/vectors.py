@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import shardstore as ss
-from shardstore.optim import Hyper, OptimState, ParamOpt
+from shardstore.state.optim import Hyper, OptimState, ParamOpt
 
 
 def vector_state() -> tuple[list[ss.SlotState], ss.CommitInfo]:
@@ -30,8 +30,8 @@ def vector_state() -> tuple[list[ss.SlotState], ss.CommitInfo]:
 
 def sgd_vector_state() -> tuple[list[ss.SlotState], ss.CommitInfo]:
     """SGD(lr=0.1, momentum=0.9, nesterov=True) state in the torch form, plus a persistent buffer."""
-    from shardstore.manifest import HyperGroup
-    from shardstore.torch_optim import TorchParam
+    from shardstore.format.manifest import HyperGroup
+    from shardstore.state.optim import TorchParam
 
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 4
     mean = torch.tensor([0.5, 1.0], dtype=torch.float32)

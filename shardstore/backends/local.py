@@ -1,0 +1,499 @@
+"""The local directory backend of the storage protocol (SPEC.md §Objects, §Refs, §Storage backends).
+
+``LocalStorage`` works through ``os`` directly, because fsspec's local filesystem has no
+fsync, no create-only link and no mmap. Objects are written to ``tmp/`` (writeback
+started per chunk), fsynced as a batch, then hard-linked into place (``link`` fails if the
+name exists, which makes writes create-only and concurrent writers of one object safe);
+directories are fsynced in ``sync()``. A write that finds its object present refreshes the
+object's modification time, so gc's grace period protects objects a save in progress
+deduplicated against. Refs move by an exclusive lock file renamed over the ref. No path
+component under the root may be a symbolic link. Reads land in memory of their own, hashed
+chunk by chunk as they arrive (never a live mapping that a rewrite or truncation of the file
+could change or fault after hashing); restores read straight into the destination tensors.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import InvalidName, ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
+from ..format.names import check_key
+from .base import Buffer, show_ref_value
+
+__all__ = ["LocalStorage"]
+_CHUNK = 8 << 20
+#: Bytes per readv(2) on the streaming read paths: small enough that a chunk is still in the
+#: core's cache when it is hashed (1 MiB measured 1.2-1.5x faster than 8 MiB on 2 cores).
+_READ_CHUNK = 1 << 20
+_PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
+#: A file's first read asks for one page: Linux 6.x fills the first readahead window with 4 KiB
+#: folios whatever the request size, so 1 MiB first reads made cold reads of 4 MiB blocks 2x and
+#: later copies out of the cache (deep verify) 2.5x costlier (benchmarks/RESULTS.md, format 2).
+_FIRST_READ = 4096
+#: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
+_tls = threading.local()
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing these dirty pages of ``fd`` now (no wait), so the later
+    fsync is short. (On Linux, DONTNEED starts writeback of dirty pages and keeps them cached.)"""
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        pass
+
+
+def _read_exact(fd: int, out: memoryview, consume: Callable[[memoryview], None] | None) -> int:
+    """Fill ``out`` from ``fd``, ``_FIRST_READ`` bytes then ``_READ_CHUNK`` at a time, ``consume``-ing
+    each piece as it lands; return the bytes read (fewer only if the file ended first)."""
+    size = len(out)
+    off = 0
+    step = _FIRST_READ
+    while off < size:
+        n = os.readv(fd, [out[off : off + step]])
+        if n == 0:
+            return off
+        if consume is not None:
+            consume(out[off : off + n])
+        off += n
+        step = _READ_CHUNK
+    return off
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass  # a read-only descriptor: nothing can be lost
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # a leftover tmp file is harmless; gc removes it after its grace period
+
+
+def _freshen(path: str) -> None:
+    """A write found ``path`` already there (content addressing: the same bytes). Make it young
+    again, so gc's grace period protects it for the save that is about to name it, exactly as
+    if that save had written it (git does the same: freshen on a duplicate write)."""
+    try:
+        os.utime(path, follow_symlinks=False)
+    except OSError:
+        pass  # gone or read-only: the save's later read-back or verify reports a missing object
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """A store on a local directory, crash-safe, reading only bytes it hashed (see module docstring)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        self._dirty: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _path(self, key: str) -> str:
+        """The file path of ``key``; InvalidName if a directory on the way (``objects/ab``,
+        ``refs``, ...) is a symbolic link, which could lead outside the store (SPEC.md §Threat
+        model). The last component is opened with O_NOFOLLOW or lstat-ed by each caller."""
+        parts = check_key(key).split("/")
+        path = self.root
+        for seg in parts[:-1]:
+            path = os.path.join(path, seg)
+            if os.path.islink(path):
+                raise InvalidName(f"{key}: {path} in store {self.root} is a symbolic link; refusing to follow it")
+        return os.path.join(path, parts[-1])
+
+    def _dir(self, key: str) -> str:
+        """``_path`` for a directory the store itself walks or writes into (``tmp``, a listing's root)."""
+        path = self._path(key)
+        if os.path.islink(path):
+            raise InvalidName(f"{path} in store {self.root} is a symbolic link; refusing to follow it")
+        return path
+
+    def _io(self, op: str, key: str, e: OSError) -> StorageError:
+        return StorageError(f"{op} {key!r} in store {self.root}: {e.strerror or e}")
+
+    def read(self, key: str, limit: int | None = None) -> Buffer:
+        return self._read(key, limit, None)
+
+    def read_hashed(self, key: str, hasher: Callable[[], Any], limit: int | None = None) -> tuple[Buffer, str]:
+        """The bytes at ``key`` and their digest, each chunk hashed right after it lands."""
+        h = hasher()
+        data = self._read(key, limit, h.update)
+        return data, h.hexdigest()
+
+    def _read(self, key: str, limit: int | None, consume: Callable[[memoryview], None] | None) -> bytearray:
+        """Read ``key`` into memory of its own (never a live mapping of the file: the bytes
+        handed out are exactly the bytes that were hashed, whatever happens to the file
+        afterwards). ObjectTooLarge above ``limit``, before allocating; a file that shrinks
+        while being read is a StorageError, never a SIGBUS."""
+        fd = self._open_read(key)
+        try:
+            size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise ObjectTooLarge(f"{key} in store {self.root} is {size} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
+            buf = bytearray(size)
+            got = _read_exact(fd, memoryview(buf), consume)
+            if got != size:
+                raise StorageError(f"read {key!r} in store {self.root}: the file shrank from {size} to {got} bytes while being read")
+            return buf
+        except OSError as e:
+            raise self._io("read", key, e) from None
+        finally:
+            _close_quietly(fd)
+
+    def _lstat(self, key: str) -> os.stat_result | None:
+        try:
+            return os.lstat(self._path(key))
+        except FileNotFoundError:
+            return None
+
+    def size(self, key: str) -> int | None:
+        st = self._lstat(key)
+        return None if st is None else st.st_size
+
+    def exists(self, key: str) -> bool:
+        return os.path.lexists(self._path(key))
+
+    def mtime(self, key: str) -> float | None:
+        st = self._lstat(key)
+        return None if st is None else st.st_mtime
+
+    def touch(self, key: str) -> int | None:
+        """Refresh the object's mtime (never through a symbolic link), then return its size.
+        A refresh the file system refuses (read-only, not ours) is ignored as in ``write_once``."""
+        _freshen(self._path(key))
+        st = self._lstat(key)
+        return None if st is None else st.st_size
+
+    def _write_tmp(self, data: Buffer) -> str:
+        tmpdir = self._dir("tmp")
+        os.makedirs(tmpdir, exist_ok=True)
+        tmp = os.path.join(tmpdir, secrets.token_hex(16))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                n = os.write(fd, view[: 1 << 30])
+                view = view[n:]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def begin_write(self, key: str, data: Buffer) -> str | None:
+        """First half of a batched ``write_once``: write ``data`` to a tmp file, not yet durable
+        or visible. Returns the tmp path to hand to ``end_writes``, or None if ``key`` exists."""
+        path = self._path(key)
+        if os.path.lexists(path):
+            _freshen(path)
+            return None
+        tmpdir = self._dir("tmp")
+        tmp = os.path.join(tmpdir, secrets.token_hex(16))
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.makedirs(tmpdir, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as e:
+            raise self._io("write", key, e) from None
+        try:
+            view = memoryview(data).cast("B")
+            off = 0
+            while off < len(view):
+                n = os.write(fd, view[off : off + _CHUNK])
+                _start_writeback(fd, off, n)
+                off += n
+        except BaseException as e:
+            os.close(fd)
+            os.unlink(tmp)
+            if isinstance(e, OSError):
+                raise self._io("write", key, e) from None
+            raise
+        try:
+            os.close(fd)
+        except OSError as e:
+            _unlink_quietly(tmp)
+            raise self._io("write", key, e) from None
+        return tmp
+
+    def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
+        """Second half: fsync every tmp file of ``pending`` ((key, tmp path) pairs, in parallel),
+        then link each into place create-only. True for each key this call wrote. The
+        directories become durable at the next ``sync()``, as for ``write_once``."""
+
+        def fsync(item: tuple[str, str]) -> None:
+            key, tmp = item
+            try:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise self._io("write", key, e) from None
+
+        try:
+            if threads > 1 and len(pending) > 1:
+                with ThreadPoolExecutor(max_workers=threads) as pool:
+                    list(pool.map(fsync, pending))
+            else:
+                for item in pending:
+                    fsync(item)
+            written = []
+            for key, tmp in pending:
+                path = self._path(key)
+                try:
+                    os.link(tmp, path)
+                    written.append(True)
+                except FileExistsError:
+                    _freshen(path)
+                    written.append(False)  # another writer won; same name means same bytes
+                except OSError as e:
+                    raise self._io("write", key, e) from None
+                parent = os.path.dirname(path)
+                with self._lock:
+                    self._dirty.add(parent)
+                    self._dirty.add(os.path.dirname(parent))
+        finally:
+            for _key, tmp in pending:
+                _unlink_quietly(tmp)
+        return written
+
+    def _open_read(self, key: str) -> int:
+        try:
+            return os.open(self._path(key), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{key} is missing from store {self.root}") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise InvalidName(f"{key} in store {self.root} is a symbolic link; refusing to follow it") from None
+            raise self._io("read", key, e) from None
+
+    def read_into(self, key: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int:
+        """Read the object at ``key`` into ``out`` when its size is exactly ``len(out)``, calling
+        ``consume`` on each chunk right after it lands (while it is in cache: hash it there).
+        Returns the object's size; when that differs from ``len(out)`` nothing is read."""
+        fd = self._open_read(key)
+        try:
+            size = os.fstat(fd).st_size
+            if size != len(out):
+                return size
+            return _read_exact(fd, out, consume)  # fewer bytes: truncated under us
+        except OSError as e:
+            raise self._io("read", key, e) from None
+        finally:
+            os.close(fd)
+
+    def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
+        """(hex digest, size) of the object at ``key``; ``hasher()`` makes a fresh hash object
+        running ``threads`` threads of its own.
+
+        The file is opened here (never through a symbolic link) and read through a reused,
+        page-aligned per-thread buffer, never mapped: a file mapped while another process
+        truncates it kills the reader with SIGBUS, where a read just returns fewer bytes (and
+        the hash then names the damage). A one-thread hasher takes the file chunk by chunk
+        while each chunk is in the core's cache; a multi-threaded BLAKE3 hasher takes larger
+        chunks, so that its threads have enough to split. Since format version 2 an object
+        larger than one grid block (4 MiB) is rare (version-1 stores, imports of old data).
+        """
+        h = hasher()
+        fd = self._open_read(key)
+        try:
+            chunk = _PARALLEL_CHUNK if threads > 1 else _READ_CHUNK
+            attr = "pbuf" if threads > 1 else "buf"
+            buf = getattr(_tls, attr, None)
+            if buf is None:
+                buf = memoryview(mmap.mmap(-1, chunk))  # anonymous, page-aligned, reused by this thread
+                setattr(_tls, attr, buf)
+            size = 0
+            step = buf[:_FIRST_READ]
+            while True:
+                n = os.readv(fd, [step])
+                if n == 0:
+                    break
+                h.update(buf[:n])
+                size += n
+                step = buf
+        except OSError as e:
+            raise self._io("read", key, e) from None
+        finally:
+            os.close(fd)
+        return h.hexdigest(), size
+
+    def write_once(self, key: str, data: Buffer) -> bool:
+        path = self._path(key)
+        if os.path.lexists(path):
+            _freshen(path)
+            return False
+        parent = os.path.dirname(path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            tmp = self._write_tmp(data)
+            try:
+                os.link(tmp, path)
+                written = True
+            except FileExistsError:
+                _freshen(path)
+                written = False  # another writer won; same name means same bytes
+            finally:
+                os.unlink(tmp)
+        except OSError as e:
+            raise self._io("write", key, e) from None
+        with self._lock:
+            self._dirty.add(parent)
+            self._dirty.add(os.path.dirname(parent))
+        return written
+
+    def _take_lock(self, key: str, path: str) -> tuple[str, int]:
+        """Create ``path``'s exclusive lock file (every ref writer takes it); RefConflict if held."""
+        lock = path + ".lock"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as e:
+            raise self._io("lock", key, e) from None
+        try:
+            return lock, os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise RefConflict(
+                f"{key} is locked by another writer ({lock} exists; remove it only if no writer is running)"
+            ) from None
+        except OSError as e:
+            raise self._io("lock", key, e) from None
+
+    def _check_current(self, key: str, expected: bytes | None) -> None:
+        try:
+            current: bytes | None = bytes(self.read(key))  # O_NOFOLLOW: a planted link is refused
+        except ObjectNotFound:
+            current = None
+        if current != expected:
+            raise RefConflict(f"{key}: expected {show_ref_value(expected)}, found {show_ref_value(current)}")
+
+    def delete_if(self, key: str, expected: bytes) -> None:
+        """Under the ref's lock, so that no ``swap`` lands between the comparison and the unlink."""
+        path = self._path(key)
+        lock, fd = self._take_lock(key, path)
+        try:
+            self._check_current(key, expected)
+            os.unlink(path)
+            _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            raise self._io("delete", key, e) from None
+        finally:
+            _close_quietly(fd)
+            _unlink_quietly(lock)
+
+    def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
+        path = self._path(key)
+        lock, fd = self._take_lock(key, path)
+        renamed = False
+        try:
+            self._check_current(key, expected)
+            os.write(fd, new)
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(lock, path)
+            renamed = True
+            _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            if renamed:  # the new value is visible to every reader: say so, a retry would conflict
+                raise StorageError(
+                    f"update {key!r} in store {self.root}: the ref now holds the new value, but fsync of its "
+                    f"directory failed ({e.strerror or e}), so it may not survive a power loss"
+                ) from None
+            raise self._io("update", key, e) from None
+        finally:
+            if fd >= 0:
+                _close_quietly(fd)
+            if not renamed:
+                _unlink_quietly(lock)
+
+    def delete_stale(self, key: str, cutoff: float) -> bool:
+        """Delete the object at ``key`` only if its mtime is not after ``cutoff``; True if deleted.
+
+        gc's delete without a window: the file is first renamed away (atomic), so a writer's
+        refresh (``touch``) either lands before the rename — then the time read from the
+        renamed file is young and it is linked back into place — or finds the name gone and
+        the writer writes the object again. (Plain stat-then-unlink would lose an object
+        refreshed in between.) A gc killed between the rename and the link-back leaves the
+        object under ``tmp/``: lost to a writer that refreshed it in that instant only."""
+        path = self._path(key)
+        tmpdir = self._dir("tmp")
+        doomed = os.path.join(tmpdir, f"gc-{secrets.token_hex(8)}")
+        try:
+            os.makedirs(tmpdir, exist_ok=True)
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise self._io("delete", key, e) from None
+        try:
+            if os.lstat(doomed).st_mtime > cutoff:  # refreshed before it was taken: put it back
+                try:
+                    os.link(doomed, path)
+                except FileExistsError:
+                    pass  # written again meanwhile: same name, same bytes
+                return False
+            return True
+        except OSError as e:
+            raise self._io("delete", key, e) from None
+        finally:
+            _unlink_quietly(doomed)
+            with self._lock:
+                self._dirty.add(os.path.dirname(path))
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise self._io("delete", key, e) from None
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = self._dir(prefix)
+
+        def fail(e: OSError) -> None:
+            # os.walk skips a directory it cannot scan unless told otherwise; a ref or object
+            # silently missing from a listing would make gc treat reachable objects as garbage.
+            if not isinstance(e, FileNotFoundError):
+                raise self._io("list", prefix, e) from None
+
+        for dirpath, dirnames, filenames in os.walk(base, onerror=fail):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            for name in sorted(filenames):
+                yield f"{rel}/{name}"
+
+    def sync(self) -> None:
+        with self._lock:
+            dirty, self._dirty = sorted(self._dirty, key=len, reverse=True), set()
+        for i, d in enumerate(dirty):
+            try:
+                if os.path.isdir(d):
+                    _fsync_dir(d)
+            except OSError as e:
+                with self._lock:
+                    self._dirty.update(dirty[i:])  # still not durable: the next sync() retries them
+                raise StorageError(f"sync {d} in store {self.root}: {e.strerror or e}") from None
+
+

@@ -1,0 +1,239 @@
+"""The commit protocol over a ``torch.distributed`` process group (SPEC.md §Commit protocol).
+
+Each rank is one slot. Phases, each closed by a collective so that every rank learns of
+any failure instead of hanging:
+
+1. the coordinator (rank 0) reads the ref's current commit, the parent, and broadcasts it;
+2. every rank writes its objects and shard manifest and all ranks gather the shard ids;
+3. the coordinator writes the commit manifest and broadcasts its id;
+4. every rank reads the commit back, checks that its own slot names its own shard, and
+   acknowledges the commit id; the coordinator checks that all acknowledgements agree;
+5. only then does the coordinator move the ref (compare-and-swap), and says so.
+
+Ids travel as 32-byte tensors (never pickled objects), with one status byte in front.
+``agree_on_commit`` is the recovery counterpart: every rank resolves the target and all
+must name the same commit, or every rank raises.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommitProtocolError
+from ..format.manifest import ExtraEntry
+from ..sharded.dtensor import write_dtensors
+from ..state.extras import capture_extras, write_extras
+from ..state.slot import SlotState, capture
+from ..store import Store
+from ..verification.checker import load_commit
+from .info import CommitInfo
+from .slots import AUTO, write_commit, write_shard
+
+__all__ = ["save_distributed", "commit_state", "agree_on_commit"]
+
+_OK, _FAIL, _NONE = 1, 2, 3
+#: The phases of ``save_distributed``; before "move ref" completes nobody has moved the ref.
+_COMMIT_PHASES = ("read parent", "write shard", "write commit", "acknowledge", "move ref")
+
+
+def _device(group: Any) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _pack(status: int, oid: str | None) -> torch.Tensor:
+    raw = bytes([status]) + (bytes.fromhex(oid) if oid else bytes(32))
+    # A tensor that owns its memory: one made with `torch.frombuffer` keeps a Python object
+    # alive, and the backend's worker thread that drops the last reference after the
+    # collective must then take the GIL, which aborts the process if that happens while the
+    # interpreter is shutting down ("terminate called without an active exception").
+    return torch.tensor(list(raw), dtype=torch.uint8)
+
+
+def _unpack(t: torch.Tensor) -> tuple[int, str | None]:
+    raw = bytes(t.cpu().numpy().tobytes())
+    return raw[0], (raw[1:].hex() if raw[0] == _OK else None)
+
+
+def _gather(group: Any, status: int, oid: str | None) -> list[tuple[int, str | None]]:
+    dev = _device(group)
+    mine = _pack(status, oid).to(dev)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [_unpack(t) for t in out]
+
+
+def _broadcast(group: Any, status: int, oid: str | None) -> tuple[int, str | None]:
+    dev = _device(group)
+    t = _pack(status, oid).to(dev)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return _unpack(t)
+
+
+def _phase(group: Any, name: str, fn: Callable[[], str | None]) -> tuple[list[tuple[int, str | None]], BaseException | None]:
+    err: BaseException | None = None
+    oid = None
+    try:
+        oid = fn()
+        status = _OK if oid else _NONE
+    except Exception as e:  # reported to every rank, then re-raised below
+        err, status = e, _FAIL
+    try:
+        got = _gather(group, status, oid)
+    except Exception as e:  # a peer died or the group timed out: the collective itself failed
+        if name == "move ref" and status == _OK and oid is not None:
+            where = f"; commit {oid} was complete (and the ref, if any, moved) before the group was lost"
+        elif name == "move ref":
+            where = "; the ref may or may not have moved: read it to know"
+        elif name in _COMMIT_PHASES:
+            where = "; the ref was not moved"
+        else:
+            where = ""
+        raise CommitProtocolError(f"commit protocol phase '{name}': lost the process group ({type(e).__name__}: {e}){where}") from e
+    failed = [r for r, (s, _) in enumerate(got) if s == _FAIL]
+    if failed:
+        msg = f"commit protocol phase '{name}' failed on rank(s) {failed}; the ref was not moved"
+        raise CommitProtocolError(msg + (f": {err}" if err else "")) from err
+    return got, err
+
+
+def save_distributed(
+    store: Store,
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    optimizer: Any = None,
+    *,
+    info: CommitInfo,
+    group: Any = None,
+    ref: str | None = "main",
+    parent: str | None = AUTO,
+    rng: bool = True,
+    group_names: list[str] | None = None,
+    threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
+    slot_extra: Mapping[str, Any] | None = None,
+) -> str:
+    """Save this rank's slot and take part in one commit; every rank returns the same commit id.
+
+    ``slot_extra``: this rank's own stateful objects (its data loader), in its shard manifest.
+    ``extra``: commit-wide ones (a scheduler, a scaler): rank 0's are committed, and every
+    rank that passes ``extra`` must pass the same state, checked when it acknowledges the
+    commit (so a rank's extras are never dropped silently; SPEC.md §Extras).
+
+    DTensor parameters and moments (FSDP2, tensor parallelism) are written as canonical
+    blocks by the block exchange (``dtensor.write_dtensors``, SPEC.md §Block exchange):
+    never gathered, each block hashed and written by one rank.
+    """
+    return commit_state(
+        store,
+        lambda: capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra),
+        info=info, group=group, ref=ref, parent=parent, threads=threads, extra=extra,
+    )  # fmt: skip
+
+
+def commit_state(
+    store: Store,
+    state_fn: Callable[[], SlotState],
+    *,
+    info: CommitInfo,
+    group: Any = None,
+    ref: str | None = "main",
+    parent: str | None = AUTO,
+    threads: int = 2,
+    extra: Mapping[str, Any] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> str:
+    """``save_distributed`` of the slot state ``state_fn()`` returns (called inside the
+    commit protocol; AsyncSaver passes its snapshot).
+
+    ``on_phase(name)``, if given, is called on this rank as each phase begins (read parent,
+    write shard, write commit, acknowledge, move ref; SPEC.md §15), for progress reports
+    and fault injection; an exception it raises fails that phase on every rank.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    coordinator = rank == 0
+
+    def read_parent() -> str | None:
+        if parent is not AUTO:
+            return parent
+        return store.ref(ref) if ref is not None else None
+
+    def begin(name: str, fn: Callable[[], str | None]) -> Callable[[], str | None]:
+        def run() -> str | None:
+            if on_phase is not None:
+                on_phase(name)
+            return fn()
+
+        return run
+
+    got, _ = _phase(group, "read parent", begin("read parent", read_parent if coordinator else (lambda: None)))
+    chosen = got[0][1]
+    expected_ref = store.ref(ref) if (coordinator and ref is not None) else None
+
+    mine: list[tuple[ExtraEntry, ...]] = []
+
+    def shard() -> str:  # capture inside the phase: a state one rank cannot store fails every rank, naming it
+        try:
+            state, failure = state_fn(), None
+        except Exception as e:  # noqa: BLE001 - still joins the block exchange below, then re-raised
+            state, failure = None, e
+        state = write_dtensors(store, state, group=group, threads=threads, failure=failure)  # a collective
+        mine.append(write_extras(store, capture_extras(extra), threads=threads))  # made durable by write_shard's barrier
+        return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
+
+    got, _ = _phase(group, "write shard", begin("write shard", shard))
+    shard_ids = [oid for _, oid in got]
+    my_shard = shard_ids[rank]
+
+    got, _ = _phase(
+        group,
+        "write commit",
+        begin("write commit", (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0]))
+              if coordinator else (lambda: None)),
+    )
+    cid = got[0][1]
+    assert cid is not None
+
+    def ack() -> str:
+        lc = load_commit(store, cid)
+        if lc.shard_ids.get(rank) != my_shard:
+            raise CommitProtocolError(f"commit {cid} does not name this rank's shard {my_shard} for slot {rank}")
+        if extra is not None and lc.commit.extras != mine[0]:
+            have, want = [x.key for x in mine[0]], [x.key for x in lc.commit.extras]
+            raise CommitProtocolError(f"rank {rank}'s commit-wide extras {have} differ from rank 0's {want} in commit {cid}")
+        return lc.id
+
+    got, _ = _phase(group, "acknowledge", begin("acknowledge", ack))
+    acks = {oid for _, oid in got}
+    if acks != {cid}:
+        raise CommitProtocolError(f"slots acknowledged different commits {sorted(a or '?' for a in acks)}; the ref was not moved")
+
+    def move_ref() -> str:
+        if ref is not None:
+            store.set_ref(ref, cid, expected=expected_ref)
+        return cid
+
+    _phase(group, "move ref", begin("move ref", move_ref if coordinator else (lambda: None)))
+    return cid
+
+
+def agree_on_commit(store: Store, target: str, *, group: Any = None) -> str:
+    """Resolve ``target`` on every rank; all must name the same commit, else every rank raises."""
+
+    def resolve() -> str:
+        return store.resolve(target)
+
+    try:
+        got, _ = _phase(group, "resolve restore target", resolve)
+    except CommitProtocolError:
+        raise
+    ids = [oid for _, oid in got]
+    if len(set(ids)) != 1:
+        raise CommitProtocolError(f"workers name different commits for {target!r}: {ids}; refusing to restore")
+    return ids[0]  # type: ignore[return-value]
+
+

@@ -1,0 +1,45 @@
+"""Which fields of a manifest hold tensor payloads, and the format version they need
+(SPEC.md §Chunked payloads, §Versioning).
+
+A manifest carries the lowest version that can express it, so state that uses nothing new
+encodes (and hashes) exactly as before: verify, gc, copy and the version rule all go through
+``tensor_payloads`` / ``state_payloads`` here, so a new kind of tensor is one line.
+"""
+from __future__ import annotations
+
+from .schema import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, Payload, Slice, TensorEntry
+
+__all__ = ["is_chunked", "tensor_payloads", "state_payloads", "shard_version"]
+
+def is_chunked(payload: "Payload | None") -> bool:
+    return payload is not None and not isinstance(payload, str)
+
+
+def tensor_payloads(e: TensorEntry) -> list[tuple[str, Payload, str]]:
+    """(role, payload, dtype) of every tensor payload an entry names, parameter first.
+
+    The one place that knows which fields of a tensor entry hold payloads: verify, gc,
+    copy and the version rule go through it, so a new kind of tensor is one line here.
+    """
+    out: list[tuple[str, Payload, str]] = [("param", e.param, e.dtype)]
+    o = e.optim
+    if o is not None and o.moment_dtype is not None:
+        for role in ("exp_avg", "exp_avg_sq"):
+            m = getattr(o, role)
+            if m is not None:
+                out.append((role, m, o.moment_dtype))
+    return out
+
+
+def state_payloads(e: TensorEntry) -> list[tuple[str, Payload, str, tuple[int, ...]]]:
+    """(state key, payload, dtype, shape) of every torch-form state tensor of an entry, in key order."""
+    return [] if e.state is None else [(t.key, t.object, t.dtype, tuple(t.shape)) for t in e.state.tensors]
+
+
+def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices: "tuple[Slice, ...]" = ()) -> int:
+    """The lowest format version that can express these entries (and a shard manifest's
+    slices): 3 iff a torch-form state tensor is chunked or slices are recorded, else 2 iff a
+    payload is chunked, else 1. The learned-state document passes entries only."""
+    if slices or any(is_chunked(p) for e in entries for _, p, _, _ in state_payloads(e)):
+        return STATE_CHUNKED_VERSION
+    return CHUNKED_VERSION if any(is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e)) else FORMAT_VERSION

@@ -1,0 +1,127 @@
+"""Tensor payloads: raw little-endian C-order bytes, and the dtype allow-list (SPEC.md §Tensor objects).
+
+A tensor object holds exactly ``numel * itemsize`` bytes and nothing else; dtype and shape
+live in the tensor entry. Conversions here never copy unless the input is not already a
+contiguous CPU tensor.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from typing import Any
+
+import blake3
+import torch
+
+from ..errors import TensorMismatch
+
+__all__ = ["DTYPES", "dtype_name", "torch_dtype", "expected_nbytes", "tensor_bytes", "tensor_from_bytes", "hash_bytes", "new_hasher", "is_dtensor", "same_split"]
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
+    raise ImportError("shardstore stores tensors as little-endian bytes and supports little-endian hosts only")
+
+DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+#: Above this size hashing uses BLAKE3's own threads.
+_THREADED_HASH_BYTES = 8 * 1024 * 1024
+
+
+def dtype_name(dtype: torch.dtype, what: str = "tensor") -> str:
+    """The canonical name of an allowed torch dtype; TensorMismatch for any other."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise TensorMismatch(f"{what}: dtype {dtype} is not in the allow-list {sorted(DTYPES)} (SPEC.md §Tensor objects)") from None
+
+
+def check_storable(t: torch.Tensor, what: str = "tensor") -> str:
+    """``dtype_name`` of a tensor that has bytes to store: strided (dense) and not on ``meta``;
+    TensorMismatch naming it for a sparse, quantized or nested tensor or one with no data."""
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+        kind = "a meta" if t.device.type == "meta" else f"a {t.layout}" + (" quantized" if t.is_quantized else "") + (" nested" if t.is_nested else "")
+        raise TensorMismatch(f"{what}: {kind} tensor has no dense bytes to store; only dense tensors are stored (SPEC.md §Tensor objects)")
+    return dtype_name(t.dtype, what)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * DTYPES[dtype].itemsize
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a flat byte view: no copy for a contiguous CPU tensor.
+
+    The view keeps the (possibly new, contiguous) tensor alive through numpy's base.
+    """
+    check_storable(t)
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_from_bytes(buf: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """A tensor viewing ``buf`` (no copy); TensorMismatch if the size is wrong."""
+    want = expected_nbytes(dtype, shape)
+    if len(buf) != want:
+        raise TensorMismatch(f"{what}: object holds {len(buf)} bytes, but {dtype}{list(shape)} needs {want} (SPEC.md §Tensor objects)")
+    tdtype = DTYPES[dtype]
+    if want == 0:
+        return torch.empty(shape, dtype=tdtype)
+    with warnings.catch_warnings():
+        # Read-only buffers (bytes from remote backends) make torch warn; callers copy out.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(tdtype).reshape(shape)
+
+
+def hash_bytes(data: bytes | bytearray | memoryview, *, threads: int | None = None) -> str:
+    """BLAKE3 of ``data`` as 64 hex digits, multi-threaded for large buffers.
+
+    ``threads``: BLAKE3's own threads (None: all cores above 8 MiB). Callers that already
+    hash several buffers in a thread pool pass 1, so the cores are not oversubscribed.
+    """
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    if threads is None:
+        threads = blake3.blake3.AUTO if len(view) >= _THREADED_HASH_BYTES else 1
+    return blake3.blake3(view, max_threads=max(1, threads) if threads != blake3.blake3.AUTO else threads).hexdigest()
+
+
+def new_hasher(threads: int = 1) -> "blake3.blake3":
+    """A fresh BLAKE3 hasher (``threads`` of its own), for bytes that arrive in chunks or a file it maps."""
+    return blake3.blake3(max_threads=max(1, threads))
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (one process's slice of a tensor)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def same_split(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether two DTensors live on the same mesh with the same placements."""
+    return b is not None and a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements)  # type: ignore[attr-defined]

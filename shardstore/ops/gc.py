@@ -1,0 +1,199 @@
+"""Garbage collection: delete objects no ref can reach, never one a save may still need (SPEC.md §Store layout).
+
+*Reachable* objects: every commit a ref names, its parents that are present (recursively),
+and each of those commits' closures (shard manifests, model config, tensor, moment and RNG
+objects), plus every object a pin names (the object only: a pin is not followed). Anything
+else is garbage, with two exceptions that protect saves in progress,
+whose objects are written before any ref names them:
+
+- an object younger than the grace period (its ``Storage.mtime``) is never deleted;
+- an object that a young commit or shard manifest names is never deleted, however old:
+  a save that found the object already present (content addressing deduplicates) has
+  not rewritten it, so its age says nothing about whether the save needs it.
+
+The order is: list the objects, then read the refs and walk them. Objects written after
+the listing are not candidates; refs moved before the walk are seen by it. gc is
+conservative: a ref that names a missing commit, a pin that does not parse, or a present
+commit or shard manifest that does not decode, stops it before anything is deleted, because its reachability
+cannot be known. A save that finds an old unreachable object already present (content
+addressing skips the write) refreshes its mtime on the local backend, so gc sees it as
+young; gc also re-reads each object's mtime just before deleting it. Residual race: a
+save that finds the object present in the instant between that last look and the delete
+(a lock would be needed to close it), and on backends whose objects cannot be refreshed
+cheaply (S3, memory), any save that deduplicates against an old unreachable object before
+its shard manifest is written — run gc there with a grace period longer than any save.
+
+Stale ``tmp/`` files (a local store's interrupted writes, an S3 store's probe keys) older
+than the grace period are removed too. Running gc twice in a row deletes nothing the
+second time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..errors import ObjectNotFound, ShardstoreError
+from ..format.grid import payload_blocks
+from ..format.manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest, decode, tensor_payloads
+from ..state.extras import extra_objects
+from ..state.torch_optim import state_objects
+from ..store import Store, object_key
+from ..verification.checker import load_commit
+from .transfer import _pool_map, commit_closure
+
+__all__ = ["GcResult", "reachable", "pinned_objects", "gc"]
+
+
+@dataclass
+class GcResult:
+    """What ``gc`` deleted (or, in a dry run, would delete), and what it kept and why."""
+
+    dry_run: bool
+    grace_seconds: float
+    commits: list[str] = field(default_factory=list)
+    reachable_objects: int = 0
+    pinned_objects: int = 0
+    deleted: dict[str, int] = field(default_factory=dict)
+    kept_young: list[str] = field(default_factory=list)
+    kept_named_by_young: list[str] = field(default_factory=list)
+    tmp_deleted: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(self.deleted.values())
+
+
+def pinned_objects(store: Store) -> set[str]:
+    """Every object id a pin names; refuses (typed) if a pin does not parse."""
+    try:
+        return {oid for ids in store.pins().values() for oid in ids}
+    except ShardstoreError as e:
+        raise type(e)(f"gc refused: a pin is unreadable, so what it keeps is unknown: {e}") from None
+
+
+def reachable(store: Store, pinned: set[str] | None = None) -> tuple[set[str], list[str]]:
+    """(every object id reachable from a ref or named by a pin, the reachable commit ids in walk order).
+
+    ``pinned``: the pinned ids if already read (else the pins are read here)."""
+    if pinned is None:
+        pinned = pinned_objects(store)
+    objects: set[str] = set()
+    commits: list[str] = []
+    try:
+        heads = store.refs()
+    except ShardstoreError as e:
+        raise type(e)(f"gc refused, nothing deleted: {e}; what it keeps is unknown (refs in {store.url}: {store.ref_names()})") from None
+    todo = sorted(set(heads.values()))
+    while todo:
+        cid = todo.pop(0)
+        if cid in objects:
+            continue
+        try:
+            if not store.has(cid):
+                raise ObjectNotFound(f"commit {cid} is missing from {store.url}")
+            lc = load_commit(store, cid)
+        except ShardstoreError as e:
+            raise type(e)(f"gc refused: commit {cid} is reachable but unreadable, so its closure is unknown: {e}") from None
+        commits.append(cid)
+        objects |= commit_closure(lc).ids()
+        parent = lc.commit.parent
+        if parent is not None and parent not in objects and store.has(parent):
+            todo.append(parent)
+    return objects | pinned, commits
+
+
+def _named_by_manifest(store: Store, oid: str) -> set[str]:
+    """Ids a young object names if it is a commit or shard manifest; empty for anything else."""
+    size = store.object_size(oid)
+    if size is None or size > MAX_MANIFEST_BYTES:
+        return set()
+    try:
+        manifest = decode(store.get(oid, limit=MAX_MANIFEST_BYTES), what=f"object {oid}")
+    except ShardstoreError:
+        return set()  # tensor bytes, or not a manifest: names nothing
+    names: set[str] = set()
+    if isinstance(manifest, CommitManifest):
+        names |= {lay.shard for lay in manifest.layout}
+        for sid in list(names):
+            if store.has(sid):
+                names |= _named_by_manifest(store, sid)
+    if isinstance(manifest, (CommitManifest, ShardManifest)) and manifest.config is not None:
+        names.add(manifest.config)
+    if isinstance(manifest, (CommitManifest, ShardManifest)):
+        names |= {x[0] for x in extra_objects(manifest.extras, "")}
+    if isinstance(manifest, ShardManifest):
+        names |= {r.object for r in manifest.rng}
+        for e in manifest.entries:
+            for _role, payload, dtype in tensor_payloads(e):
+                names |= {oid for oid, _box, _n in payload_blocks(payload, dtype, e.shape)}
+            names |= {oid for oid, _, _ in state_objects(e)}
+    return names
+
+
+def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8) -> GcResult:
+    """Delete (or with ``dry_run`` only report) unreachable objects older than ``grace_seconds``."""
+    if grace_seconds < 0:
+        raise ValueError(f"grace_seconds must be >= 0, not {grace_seconds}")
+    now = time.time()
+    listed = sorted(store.objects())
+    pinned = pinned_objects(store)
+    keep, commits = reachable(store, pinned)
+    result = GcResult(dry_run, grace_seconds, commits, len(keep), len(pinned))
+    garbage = [oid for oid in listed if oid not in keep]
+
+    def age(oid: str) -> tuple[str, float | None, int | None]:
+        key = object_key(oid)
+        mtime = store.storage.mtime(key)
+        return oid, None if mtime is None else now - mtime, store.storage.size(key)
+
+    old: dict[str, int] = {}
+    for oid, seconds, size in _pool_map(age, garbage, threads):
+        if seconds is None or size is None:
+            continue  # gone since the listing
+        if seconds < grace_seconds:
+            result.kept_young.append(oid)
+        else:
+            old[oid] = size
+    if grace_seconds > 0:
+        named: set[str] = set()
+        for oid in result.kept_young:
+            named |= _named_by_manifest(store, oid)
+        result.kept_named_by_young = sorted(named & set(old))
+        for oid in result.kept_named_by_young:
+            del old[oid]
+    result.deleted = old
+    if not dry_run:
+
+        stale = getattr(store.storage, "delete_stale", None)
+
+        def delete(oid: str) -> bool:
+            # Look again as it is deleted: a writer that found this object present since the
+            # listing has refreshed its mtime (Store.ensure / write_once) and is about to name it.
+            key = object_key(oid)
+            if grace_seconds > 0 and stale is not None:  # local: rename away, then look (no window)
+                return bool(stale(key, time.time() - grace_seconds))
+            mtime = store.storage.mtime(key)
+            if grace_seconds > 0 and (mtime is None or time.time() - mtime < grace_seconds):
+                return False
+            store.storage.delete(key)
+            return True
+
+        done = _pool_map(delete, sorted(old), threads)
+        result.deleted = {oid: old[oid] for oid, gone in zip(sorted(old), done) if gone}
+        result.kept_young += [oid for oid, gone in zip(sorted(old), done) if not gone]
+    result.tmp_deleted = _clean_tmp(store, now, grace_seconds, dry_run)
+    return result
+
+
+def _clean_tmp(store: Store, now: float, grace_seconds: float, dry_run: bool) -> list[str]:
+    stale = []
+    for key in store.storage.list("tmp"):
+        try:
+            mtime = store.storage.mtime(key)
+        except ShardstoreError:
+            continue  # a name the store would never write; not ours to delete
+        if mtime is not None and now - mtime >= grace_seconds:
+            stale.append(key)
+            if not dry_run:
+                store.storage.delete(key)
+    return stale

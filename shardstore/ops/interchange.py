@@ -1,0 +1,396 @@
+"""Export commits to, and import them from, Hugging Face style safetensors directories.
+
+``export_commit`` writes a commit's weights as ``model.safetensors`` (or
+``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` above
+``max_shard_bytes``) and its model config as ``config.json``; buffers are tensors of the
+model files, as in Hugging Face checkpoints. ``with_optimizer`` adds the Adam moments as
+``optimizer.exp_avg*.safetensors`` / ``optimizer.exp_avg_sq*.safetensors`` (any other torch
+optimizer's state tensors as ``optimizer.state.<key>*.safetensors``), the extras' tensors
+as ``extras.safetensors``, and the cursors, hyperparameters, optimizer class, state
+scalars and extras' states as ``optimizer.json``. Files are written by hand from the manifests and the verified object bytes,
+one tensor at a time, through exclusive temporaries read back before they replace anything
+(``safetensors_files``).
+
+``import_directory`` is the reverse: it reads ``config.json`` and one or more safetensors
+files (with or without an index), streams each tensor through ``safe_open``, stores it,
+re-reads the object to verify it, and commits weights only (no optimizer state) with
+transition ``import``, optionally split over slots by contiguous decoder-layer ranges
+(slot 0 also owns every tensor outside ``model.layers.N``: embedding, final norm, head).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from safetensors import SafetensorError
+
+from ..checkpoint.info import CommitInfo, check_info, check_parent
+from ..checkpoint.slots import AUTO, write_commit
+from ..errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
+from ..format.bounded import check_json_nesting, read_regular_file
+from ..format.grid import payload_blocks, put_payloads
+from ..format.manifest import MAX_MANIFEST_BYTES, Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
+from ..format.names import check_ref_name, check_tensor_name
+from ..format.tensors import expected_nbytes
+from ..state.optim import hyper_of
+from ..state.torch_optim import _unscalar
+from ..store import Store
+from ..verification.checker import load_commit
+from .safetensors_files import FROM_ST as _FROM_ST
+from .safetensors_files import Item as _Item
+from .safetensors_files import open_safetensors as _open
+from .safetensors_files import write_file as _write_file
+from .safetensors_files import write_safetensors as _write_safetensors
+from .state_diff import extra_state_view, hyper_groups
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportResult", "Progress", "export_commit", "import_directory", "split_layers"]
+
+#: Hugging Face's default shard size ("5GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+#: Largest config.json / index / header a reader will parse, and its deepest nesting.
+_MAX_JSON_BYTES = 64 * 1024 * 1024
+_MAX_JSON_DEPTH = 64
+
+#: Called after each tensor with (tensor name, bytes of that tensor, total bytes of the operation).
+Progress = Callable[[str, int, int], None]
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPORTED = re.compile(
+    r"^(model|optimizer\.exp_avg|optimizer\.exp_avg_sq|optimizer\.state\.[A-Za-z0-9_][A-Za-z0-9_.-]*|extras)(-\d{5}-of-\d{5})?"
+    r"\.safetensors(\.index\.json)?$|^(config|optimizer)\.json$"
+)
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}\.safetensors$")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export_commit`` wrote: file names relative to ``out_dir``."""
+
+    commit: str
+    out_dir: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int
+    sharded: bool
+
+
+def _natural(name: str) -> list[Any]:
+    """Sort key putting model.layers.2 before model.layers.10."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _plan(prefix: str, items: list[_Item], max_shard_bytes: int) -> dict[str, list[_Item]]:
+    """File name -> tensors, HF style: one file, or numbered shards filled greedily in name order."""
+    shards: list[list[_Item]] = [[]]
+    size = 0
+    for it in sorted(items, key=lambda it: _natural(it.name)):
+        if shards[-1] and size + it.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += it.nbytes
+    if len(shards) == 1:
+        return {f"{prefix}.safetensors": shards[0]}
+    n = len(shards)
+    return {f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors": s for i, s in enumerate(shards)}
+
+
+def export_commit(
+    store: Store,
+    target: str,
+    out_dir: str,
+    *,
+    with_optimizer: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Write commit ``target`` as a Hugging Face style directory (see the module docstring).
+
+    Refuses (StorageError) to replace existing files unless ``overwrite``.
+    """
+    if max_shard_bytes < 1:
+        raise ValueError("max_shard_bytes must be positive")
+    lc = load_commit(store, target)
+    entries = sorted(lc.entries().values(), key=lambda e: e.name)
+    sets = {"model": [_Item(e.name, e.dtype, tuple(e.shape), e.param) for e in entries]}
+    if with_optimizer:
+        for role in ("exp_avg", "exp_avg_sq") if lc.commit.optimizer.algorithm != "torch" else ():
+            sets[f"optimizer.{role}"] = [
+                _Item(e.name, e.optim.moment_dtype, tuple(e.shape), getattr(e.optim, role))
+                for e in entries
+                if e.optim is not None and e.optim.moment_dtype is not None and getattr(e.optim, role) is not None
+            ]
+        sets.update(_state_sets(lc, entries))
+    files: dict[str, list[_Item]] = {}
+    docs: dict[str, bytes] = {}
+    for prefix, items in sets.items():
+        plan = _plan(prefix, items, max_shard_bytes)
+        files.update(plan)
+        if len(plan) > 1:
+            weight_map = {it.name: fname for fname, its in plan.items() for it in its}
+            index = {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": dict(sorted(weight_map.items()))}
+            docs[f"{prefix}.safetensors.index.json"] = json.dumps(index, indent=2).encode() + b"\n"
+    if lc.commit.config is not None:
+        config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES), what=f"model config object {lc.commit.config}")
+        docs["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
+    if with_optimizer:
+        docs["optimizer.json"] = _optimizer_doc(lc.commit.step, lc.commit.optimizer, entries, _extras_doc(store, lc))
+    os.makedirs(out_dir, exist_ok=True)
+    names = [*files, *docs]
+    # Files of an earlier export that this one would not replace (e.g. more shards) would
+    # make the directory ambiguous: they count as a clash, and go with ``overwrite``.
+    stale = [n for n in os.listdir(out_dir) if _EXPORTED.fullmatch(n) and n not in names]
+    clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))] + stale
+    if clash and not overwrite:
+        raise StorageError(f"{out_dir} already holds {sorted(clash)[:3]}; refusing to overwrite")
+    for n in stale:
+        os.unlink(os.path.join(out_dir, n))
+    total = sum(it.nbytes for its in files.values() for it in its)
+
+    def tick(it: _Item) -> None:
+        if progress is not None:
+            progress(it.name, it.nbytes, total)
+
+    for fname, items in files.items():
+        _write_safetensors(store, os.path.join(out_dir, fname), items, tick)
+    for fname, raw in docs.items():
+        _write_file(os.path.join(out_dir, fname), raw)
+    return ExportResult(lc.id, out_dir, tuple(names), len(entries), total, len(files) > len(sets))
+
+
+def _state_sets(lc: Any, entries: list[TensorEntry]) -> dict[str, list[_Item]]:
+    """The torch form's state tensors (``optimizer.state.<key>``) and the extras' tensors (``extras``: ``<extra>.<i>``, a slot's own ``slot<s>/<extra>.<i>``)."""
+    out: dict[str, list[_Item]] = {}
+    for e in entries:
+        for t in e.state.tensors if e.state is not None else ():
+            out.setdefault(f"optimizer.state.{t.key}", []).append(_Item(e.name, t.dtype, tuple(t.shape), t.object))
+    extras = [_Item(f"{name}.{t.key}", t.dtype, tuple(t.shape), t.object) for name, x in _named_extras(lc) for t in x.tensors]
+    return out | ({"extras": extras} if extras else {})
+
+
+def _named_extras(lc: Any) -> list[tuple[str, Any]]:
+    """Every extra by its export name: a commit-wide one by its key, slot s's own as ``slot<s>/<key>``
+    (``/`` is never in a key, so the two kinds cannot share a name; ``slot0.x`` is a valid key)."""
+    return [*((x.key, x) for x in lc.commit.extras), *((f"slot{s}/{x.key}", x) for s, sh in sorted(lc.shards.items()) for x in sh.extras)]
+
+
+def _extras_doc(store: Store, lc: Any) -> dict[str, Any]:
+    return {name: extra_state_view(store, x) for name, x in _named_extras(lc)}
+
+
+def _optimizer_doc(step: int, optimizer: Any, entries: list[TensorEntry], extras: dict[str, Any]) -> bytes:
+    doc = {
+        "algorithm": optimizer.algorithm,
+        "step": step,
+        "groups": {g.name: vars(hyper_of(g)) for g in optimizer.groups} | hyper_groups(optimizer.torch_optimizer),
+        "tensors": {
+            e.name: {"group": e.optim.group, "birth": e.optim.birth, "age": e.optim.age} for e in entries if e.optim is not None
+        },
+    }
+    if optimizer.torch_optimizer is not None:
+        doc["class"] = optimizer.torch_optimizer.class_name
+        doc["tensors"] = {
+            e.name: {"group": e.state.group, "scalars": {x.key: _unscalar(x.value) for x in e.state.scalars}} for e in entries if e.state is not None
+        }
+    if extras:
+        doc["extras"] = extras  # each tensor is named "tensor <dtype>[shape] <id>" here and "<extra>.<i>" in extras.safetensors
+    return json.dumps(doc, indent=2).encode() + b"\n"
+
+
+# -- import ------------------------------------------------------------------------------
+
+
+def _read_json(path: str) -> Any:
+    """A user's JSON file, bounded: a regular file (never a device or FIFO) of at most
+    ``_MAX_JSON_BYTES``, nested at most ``_MAX_JSON_DEPTH`` deep, checked before parsing."""
+    raw = read_regular_file(path, _MAX_JSON_BYTES)
+    check_json_nesting(raw, _MAX_JSON_DEPTH, path)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ManifestError(f"{path}: not readable JSON ({e})") from None
+
+
+def _source_files(src_dir: str) -> tuple[list[str], dict[str, str] | None]:
+    """The weight files of a HF directory and its index's weight map (None without an index).
+
+    Without an index: ``model*.safetensors``, else every ``*.safetensors`` but ``optimizer.*``.
+    """
+    index_path = os.path.join(src_dir, "model.safetensors.index.json")
+    weight_map: dict[str, str] | None = None
+    if os.path.exists(index_path):
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ManifestError(f"{index_path}: no weight_map of tensor name -> file name")
+        names = sorted(set(weight_map.values()))
+    else:
+        listing = sorted(os.listdir(src_dir))
+        names = [n for n in listing if n.startswith("model") and n.endswith(".safetensors")]
+        names = names or [n for n in listing if n.endswith(".safetensors") and not n.startswith("optimizer.")]
+    for n in names:
+        if _FILE_NAME.fullmatch(n) is None:
+            raise InvalidName(f"weight file name {n!r} in {src_dir} is not a plain *.safetensors file name")
+    if not names:
+        raise ManifestError(f"{src_dir} holds no *.safetensors weight files")
+    return names, weight_map
+
+
+def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """Tensor name -> (file, dtype, shape) from the files' headers (no data read)."""
+    files, weight_map = _source_files(src_dir)
+    out: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+    for fname in files:
+        with _open(os.path.join(src_dir, fname)) as f:
+            for name in f.keys():
+                check_tensor_name(name)
+                sl = f.get_slice(name)
+                st = sl.get_dtype()
+                if st not in _FROM_ST:
+                    raise TensorMismatch(f"tensor {name!r} in {fname}: dtype {st} is not supported (SPEC.md §Tensor objects)")
+                if name in out:
+                    raise ManifestError(f"tensor {name!r} is in both {out[name][0]} and {fname}")
+                out[name] = (fname, _FROM_ST[st], tuple(int(d) for d in sl.get_shape()))
+    if weight_map is not None:
+        wrong = sorted(n for n in set(out) | set(weight_map) if weight_map.get(n) != out.get(n, ("",))[0])
+        if wrong:
+            raise ManifestError(f"{src_dir}: the index and the files disagree about {len(wrong)} tensors, e.g. {wrong[:3]}")
+    return out
+
+
+def split_layers(num_layers: int, slots: int) -> list[tuple[int, int]]:
+    """Contiguous half-open layer ranges, as even as possible; earlier slots take the remainder."""
+    if not 1 <= slots <= max(num_layers, 1):
+        raise LayoutError(f"cannot split {num_layers} decoder layers into {slots} non-empty slots")
+    q, r = divmod(num_layers, slots)
+    out, start = [], 0
+    for s in range(slots):
+        n = q + (1 if s < r else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def _check_layout(layout: Sequence[tuple[int, int]], num_layers: int) -> None:
+    expect = 0
+    for s, (a, b) in enumerate(layout):
+        if a != expect or b < a or (b == a and s != 0):
+            raise LayoutError(f"layout {list(layout)}: slot {s}'s range [{a}, {b}) must start at {expect} and be non-empty (slot 0 may be empty)")
+        expect = b
+    if expect != num_layers:
+        raise LayoutError(f"layout {list(layout)} covers layers [0, {expect}) but the model has {num_layers}")
+
+
+def _owners(names: list[str], layout: Sequence[tuple[int, int]]) -> dict[str, int]:
+    out = {}
+    for n in names:
+        m = _LAYER.match(n)
+        i = int(m.group(1)) if m else None
+        out[n] = 0 if i is None else next((s for s, (a, b) in enumerate(layout) if a <= i < b), -1)
+        if out[n] < 0:
+            raise LayoutError(f"tensor {n!r}: layer {i} is outside the layout {list(layout)}")
+    return out
+
+
+def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[int, ...], verify: bool) -> Payload:
+    """Store one tensor of a safetensors file as its canonical blocks; return its payload.
+
+    The file is opened for this tensor alone: safetensors maps the whole file, and pages
+    touched through a mapping that stays open stay resident, which would make peak memory
+    grow to the model size instead of the largest tensor.
+    """
+    with _open(path) as f:
+        try:
+            t = f.get_tensor(name)
+        except SafetensorError as e:
+            raise ManifestError(f"tensor {name!r} in {path}: unreadable ({e})") from None
+        if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
+            raise TensorMismatch(f"tensor {name!r} in {path}: read {t.dtype}{list(t.shape)}, header says {dtype}{list(shape)}")
+        payload = put_payloads(store, [t])[0]
+        del t
+    if verify:
+        for oid, _box, nbytes in payload_blocks(payload, dtype, shape):
+            data = store.get(oid, limit=nbytes)  # re-hash what the store now holds (an object already there may be anything)
+            if len(data) != nbytes:
+                raise TensorMismatch(f"tensor {name!r}: object {oid} holds {len(data)} bytes")
+            del data
+    return payload
+
+
+def import_directory(
+    store: Store,
+    src_dir: str,
+    *,
+    ref: str | None = "main",
+    slots: int = 1,
+    layout: Sequence[tuple[int, int]] | None = None,
+    job: str = "default",
+    step: int = 0,
+    parent: str | None = AUTO,
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> str:
+    """Commit a Hugging Face style directory's weights (transition ``import``); return the commit id.
+
+    ``layout``: one (start, stop) decoder-layer range per slot; otherwise ``slots`` even
+    ranges. ``parent`` defaults to the commit ``ref`` points at; ``ref`` (None: none) is
+    moved by compare-and-swap. ``verify`` re-reads and re-hashes each stored object.
+    """
+    if ref is not None:
+        check_ref_name(ref)
+    check_info(CommitInfo(step=step, job=job, transition="import"))  # arguments first, before any write
+    config = _read_json(os.path.join(src_dir, "config.json"))
+    if not isinstance(config, dict):
+        raise ManifestError(f"{src_dir}/config.json is not a JSON object")
+    encode_config(config)  # refuse an unrepresentable config before writing anything
+    tensors = _scan(src_dir)
+    names = sorted(tensors)
+    if layout is None and slots == 1:
+        owner = dict.fromkeys(names, 0)
+        nslots = 1
+    else:
+        num_layers = config.get("num_hidden_layers")
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool):
+            raise ManifestError(f"{src_dir}/config.json has no integer num_hidden_layers to split layers by")
+        layout = list(layout) if layout is not None else split_layers(num_layers, slots)
+        _check_layout(layout, num_layers)
+        owner = _owners(names, layout)
+        nslots = len(layout)
+    current = store.ref(ref) if ref is not None else None
+    parent = current if parent is AUTO else parent
+    check_parent(store, parent)
+    info = CommitInfo(step=step, job=job, config=config, transition="import")
+    total = sum(expected_nbytes(d, s) for _, d, s in tensors.values())
+    started = time.time()
+    entries: list[list[TensorEntry]] = [[] for _ in range(nslots)]
+    for name in names:
+        fname, dtype, shape = tensors[name]
+        oid = _import_tensor(store, os.path.join(src_dir, fname), name, dtype, shape, verify)
+        entries[owner[name]].append(TensorEntry(name=name, dtype=dtype, shape=shape, param=oid, optim=None))
+        if progress is not None:
+            progress(name, expected_nbytes(dtype, shape), total)
+    config_id = store.put(encode_config(config))
+    store.sync()  # objects are durable before any manifest names them
+    shard_ids = [
+        store.put_manifest(
+            ShardManifest(
+                version=shard_version(entries[s]), job=job, step=step, parent=parent, config=config_id, slot=s, slots=nslots,
+                algorithm="none", groups=(), entries=tuple(entries[s]), rng=(),
+            )
+        )  # fmt: skip
+        for s in range(nslots)
+    ]
+    store.sync()
+    cid = write_commit(store, shard_ids, info=info, parent=parent)
+    if ref is not None:
+        store.set_ref(ref, cid, expected=current)
+    record = {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "source": os.path.abspath(src_dir)}
+    store.write_journal(cid, record)
+    return cid

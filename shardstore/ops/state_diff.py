@@ -1,0 +1,86 @@
+"""What ``diff`` reports about the state beyond Adam: torch-form optimizer state and extras (SPEC.md §Diff).
+
+- per tensor entry: ``kind`` (parameter or buffer) is compared by ``diff`` itself; here, the
+  torch form's per-parameter state, key by key (``state momentum_buffer``, ``state step``),
+  and its group (``state group``); with ``--stats``, each changed state tensor's statistics;
+- per optimizer group of the torch form: every hyperparameter, decoded to Python values;
+- per extra (commit-wide ``extra.<key>``, a slot's own ``slot_extra.<slot>.<key>``): added or
+  removed (the state document's id), or each top-level field of its state that differs
+  (``extra.scheduler.last_epoch: 3 -> 4``); a tensor inside a state shows as
+  ``tensor <dtype>[shape] <object id>``, so a changed tensor is a changed value.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ShardstoreError
+from ..format.manifest import MAX_MANIFEST_BYTES, ExtraEntry, ParamState, StateTensor, TorchOptimizer
+from ..state.extras import read_extra_state
+from ..state.torch_optim import _unhyper
+from ..store import Store
+
+__all__ = ["state_changes", "state_pairs", "hyper_groups", "extras_changes", "extra_state_view"]
+
+_MISSING = object()
+
+
+def state_changes(a: ParamState | None, b: ParamState | None) -> list[str]:
+    """Names of what differs between two parameters' torch-form states."""
+    if a is None and b is None:
+        return []
+    if a is None or b is None:
+        return ["optimizer state"]
+    out = ["state group"] if a.group != b.group else []
+    ta, tb = {t.key: t for t in a.tensors}, {t.key: t for t in b.tensors}
+    sa, sb = {x.key: x for x in a.scalars}, {x.key: x for x in b.scalars}
+    for key in sorted(set(ta) | set(tb) | set(sa) | set(sb)):
+        if ta.get(key) != tb.get(key) or sa.get(key) != sb.get(key):
+            out.append(f"state {key}")
+    return out
+
+
+def state_pairs(a: ParamState | None, b: ParamState | None) -> dict[str, tuple[StateTensor, StateTensor]]:
+    """State tensors in both states, with the same dtype and shape and different objects (for ``--stats``)."""
+    if a is None or b is None:
+        return {}
+    tb = {t.key: t for t in b.tensors}
+    return {
+        t.key: (t, tb[t.key])
+        for t in a.tensors
+        if t.key in tb and (t.dtype, t.shape) == (tb[t.key].dtype, tb[t.key].shape) and t.object != tb[t.key].object
+    }
+
+
+def hyper_groups(spec: TorchOptimizer | None) -> dict[str, dict[str, Any]]:
+    """Torch-form groups by name, hyperparameters decoded (reals as floats, tuples as lists)."""
+    if spec is None:
+        return {}
+    return {g.name: {k: (list(_unhyper(v, [])) if isinstance(v, tuple) else _unhyper(v, None)) for k, v in g.hyper.items()} for g in spec.groups}
+
+
+def extra_state_view(store: Store, x: ExtraEntry) -> dict[str, Any]:
+    """An extra's state for people: decoded, each tensor shown as ``tensor <dtype>[shape] <object id>``."""
+    marks = [f"tensor {t.dtype}{list(t.shape)} {t.object}" for t in x.tensors]
+    return read_extra_state(store.get(x.state, limit=MAX_MANIFEST_BYTES), marks, f"state document {x.state} of extra {x.key!r}")  # type: ignore[arg-type]
+
+
+def extras_changes(store: Store, prefix: str, xa: tuple[ExtraEntry, ...], xb: tuple[ExtraEntry, ...]) -> list[tuple[str, Any, Any]]:
+    """(dotted name, before, after) for every extra, or top-level field of one, that differs."""
+    da, db = {x.key: x for x in xa}, {x.key: x for x in xb}
+    out: list[tuple[str, Any, Any]] = []
+    for key in sorted(set(da) | set(db)):
+        a, b = da.get(key), db.get(key)
+        if a == b:
+            continue
+        if a is None or b is None:
+            out.append((f"{prefix}.{key}", a.state if a else None, b.state if b else None))
+            continue
+        try:
+            va, vb = extra_state_view(store, a), extra_state_view(store, b)
+        except ShardstoreError:
+            out.append((f"{prefix}.{key}", a.state, b.state))  # not decodable: the ids say it changed
+            continue
+        for k in sorted(set(va) | set(vb)):
+            if va.get(k, _MISSING) != vb.get(k, _MISSING):
+                out.append((f"{prefix}.{key}.{k}", va.get(k), vb.get(k)))
+    return out

@@ -1,0 +1,323 @@
+"""DTensor capture and restore: sharded tensors written as canonical blocks, never gathered
+(SPEC.md §Chunked payloads, §Block exchange, §Slices on the grid).
+
+FSDP2 (``fully_shard``) keeps a dim-0 slice of every parameter and Adam moment on each
+rank; tensor parallelism splits on dim 0 or dim 1; FSDP2 on top of tensor parallelism
+(a 2-D mesh) gives strided shards; a ``Replicate`` placement holds the whole tensor on
+several ranks. The canonical grid (``grid.py``) does not care: a block is a block
+whoever holds its bytes. Saving is a collective over the save's process group:
+
+1. every rank describes the DTensors it holds (name, role, dtype, global shape, the boxes
+   of the global tensor its local tensor holds: one for Shard/Replicate layouts, maybe
+   several for strided ones, ``placement.py``) and all ranks exchange the descriptions
+   (msgspec JSON in uint8 tensors; nothing is pickled);
+2. from the union, every rank computes the same plan: the distinct slices must tile each
+   tensor exactly; each block is owned by one rank of the slice holding most of it
+   (replicas of a slice take turns, so a replicated tensor is written once, split among
+   its replicas); every other slice the block overlaps sends its piece to the owner,
+   point to point, from one of its replicas, so each byte crosses the network once;
+3. ``exchange.py`` carries the plan out in batches of at most ``BATCH_BYTES``: the owner
+   hashes and writes each block (a block inside its own slice is a view of it, no copy),
+   staging the rest in one reused arena;
+4. the block ids are all-reduced, and each tensor's entry (its whole payload) goes into
+   the shard manifest of one rank holding part of it, chosen by a hash of the name.
+
+Restore needs no collective: a rank reads the blocks its local tensor's parts overlap
+(``grid.read_parts``), each verified whole and read once.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from ..errors import StateMismatch, TensorMismatch
+from ..format.grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
+from ..format.slices import make_slices
+from ..format.tensors import dtype_name, is_dtensor, new_hasher, same_split, tensor_bytes, torch_dtype
+from ..state.slot import SlotState
+from ..store import Store
+from .exchange import BATCH_BYTES, ExchangeStats, last_exchange, run_plan
+from .placement import local_parts
+
+__all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
+
+
+def local_region(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]:
+    """(local tensor, its parts as (global box, virtual origin)): ``local[box_slices(piece, origin)]``
+    selects any piece of a part's box from the local tensor (``placement.local_parts``)."""
+    local, parts = local_parts(t, what)
+    return local, [(box, tuple(s - lo for s, lo in zip(box[0], lo_start))) for box, lo_start in parts]
+
+
+def entry_slot(name: str, holders: list[int]) -> int:
+    """The slot whose shard manifest records a sharded tensor's entry: one of the ranks
+    holding part of it (sorted), picked by a hash of its name."""
+    return holders[zlib.crc32(name.encode()) % len(holders)]
+
+
+class _Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One DTensor as one rank holds it (the description exchanged in step 1)."""
+
+    name: str
+    role: str
+    dtype: str
+    shape: tuple[int, ...]
+    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (start, extent) of each part of its local tensor
+
+
+_ITEMS = msgspec.json.Decoder(list[_Item])
+_FINGERPRINTS = msgspec.json.Decoder(dict[str, str])
+
+
+def slice_regions(name: str, dtype: str, shape: tuple[int, ...], held: dict[Box, list[int]]) -> list[tuple[Box, list[int]]]:
+    """The distinct slices of one tensor (sorted) and the ranks holding each; TensorMismatch unless they tile it."""
+    regions = sorted(held.items())
+    for box, _ in regions:
+        if len(box[0]) != len(shape) or any(s < 0 or s + n > d for s, n, d in zip(box[0], box[1], shape)):
+            raise TensorMismatch(f"tensor {name!r}: a slice at {list(box[0])} of extent {list(box[1])} lies outside {list(shape)}")
+    for i, (a, _) in enumerate(regions):
+        for b, _ in regions[i + 1:]:
+            if math.prod(a[1]) and math.prod(b[1]) and intersect(a, b) is not None:
+                raise TensorMismatch(f"tensor {name!r}: slices at {list(a[0])} and {list(b[0])} overlap but are not replicas")
+    covered = sum(math.prod(b[1]) for b, _ in regions)
+    if covered != math.prod(shape):
+        raise TensorMismatch(f"tensor {name!r}: its slices cover {covered} of {math.prod(shape)} elements")
+    return regions
+
+
+def plan_blocks(
+    key: str, dtype: str, shape: tuple[int, ...], regions: list[tuple[Box, list[int]]], *, block_bytes: int = BLOCK_BYTES
+) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
+    """For each canonical block: (box, owner rank, [(source rank, piece box)] of its other pieces).
+
+    The owner is a rank of the slice holding most of the block (ties: the tied slices take
+    turns by block index, starting at a hash of the key);
+    each slice's replicas take turns by block index, so replicated bytes are split among them.
+    A piece whose source is the owner (it holds that slice too) is copied, not sent.
+    """
+    turn = zlib.crc32(key.encode())
+    used = [0] * len(regions)  # how many blocks or pieces each slice has given so far
+
+    def pick(ri: int) -> int:
+        ranks = regions[ri][1]
+        used[ri] += 1
+        return ranks[(turn + used[ri] - 1) % len(ranks)]
+
+    out = []
+    for bi, box in enumerate(grid(dtype, shape, block_bytes=block_bytes)):
+        pieces = [(ri, c) for ri, (reg, _) in enumerate(regions) if (c := intersect(box, reg)) is not None]
+        if not pieces:  # an empty tensor: one empty block, written by a holder of the first slice
+            out.append((box, pick(0), []))
+            continue
+        most = max(math.prod(c[1]) for _, c in pieces)
+        tied = [ri for ri, c in pieces if math.prod(c[1]) == most]
+        # Ties (a small tensor split evenly; every block of a column split) rotate over the
+        # tied slices block by block, so a column split's blocks are owned by all its ranks.
+        best = tied[(turn + bi) % len(tied)]
+        owner = pick(best)
+        # A piece of another slice the owner holds too (a strided layout: a rank's local
+        # tensor is several slices) is copied by the owner itself; the rest are sent.
+        out.append((box, owner, [(owner if owner in regions[ri][1] else pick(ri), c) for ri, c in pieces if ri != best]))
+    return out
+
+
+def _all_gather_bytes(raw: bytes, group: Any) -> list[bytes]:
+    world = dist.get_world_size(group)
+    n = torch.tensor([len(raw)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    top = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(max(top, 1), dtype=torch.uint8)
+    if raw:
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(t[: int(s.item())].numpy().tobytes()) for t, s in zip(out, sizes)]
+
+
+def _items_of(state: SlotState) -> list[tuple[str, str, torch.Tensor]]:
+    items = [(n, "param", t) for n, t in state.tensors.items() if is_dtensor(t)]
+    for n, po in state.optim.params.items():
+        for role in ("exp_avg", "exp_avg_sq"):
+            m = getattr(po, role)
+            if m is not None and is_dtensor(m):
+                items.append((n, role, m))
+        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9a), by key
+        for k, m in sorted(ts.tensors.items()) if ts is not None else ():
+            if is_dtensor(m):
+                items.append((n, f"state:{k}", m))
+    return sorted(items, key=lambda x: (x[0], x[1]))
+
+
+def write_dtensors(store: Store, state: SlotState | None, *, group: Any = None, threads: int = 2, failure: BaseException | None = None) -> SlotState:
+    """Write every DTensor of ``state`` (a SlotState) as canonical blocks, collectively over ``group``.
+
+    Returns the SlotState this rank's shard manifest records: plain tensors as they were,
+    DTensors whose entry this slot holds replaced by their ``StoredPayload``, the rest
+    dropped (another slot records them). Every rank of the group must call this; one that
+    could not capture its state passes ``failure`` (and ``state=None``): it still takes
+    part in the description exchange and raises it; the others then skip the exchange (the
+    commit protocol fails naming that rank), so none waits.
+    """
+    rank = dist.get_rank(group)
+    locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]] = {}
+    desc = []
+    try:
+        if failure is not None:
+            raise failure
+        for n, role, t in _items_of(state):
+            local, parts = local_region(t, f"{role} of tensor {n!r}")
+            locals_[(n, role)] = (local, parts)
+            desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), tuple(box for box, _ in parts)))
+        for n, t in sorted(state.tensors.items()):  # plain tensors too: a replicated one (FSDP2's buffers) is written once
+            if not is_dtensor(t):
+                desc.append(_Item(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), ()))
+        raw = b"\x00" + msgspec.json.encode(desc)
+    except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
+        failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
+    gathered = _all_gather_bytes(raw, group)
+    failed = [(r, g[1:].decode(errors="replace")) for r, g in enumerate(gathered) if g[:1] != b"\x00"]
+    if failure is not None:
+        raise failure
+    if failed:  # a peer's failure fails the commit (the protocol phase names that rank); no exchange
+        return _restate(state, {}, set())
+    peers = [_ITEMS.decode(g[1:]) for g in gathered]
+    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}
+    plain: dict[str, list[int]] = {}
+    for r, items in enumerate(peers):
+        for it in items:
+            if it.role == "plain":
+                plain.setdefault(it.name, []).append(r)
+                continue
+            dtype, shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
+            if (dtype, shape) != (it.dtype, it.shape):
+                raise StateMismatch(f"{it.role} of tensor {it.name!r}: ranks disagree on dtype/shape ({dtype}{list(shape)} vs {it.dtype}{list(it.shape)})")
+            for box in it.boxes:
+                held.setdefault(box, []).append(r)
+    g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    plans = []
+    for (n, role), (dtype, shape, held) in sorted(union.items()):
+        regions = slice_regions(n, dtype, shape, held)
+        for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
+            plans.append(((n, role), bi, box, owner, sends, dtype))
+    _replicas_agree(locals_, union, rank, group)
+    replicated = {n: rs for n, rs in plain.items() if len(rs) > 1}
+    drop = _replicated_plain(state, replicated, rank, group)
+    # what this slot held of tensors another slot may record (SPEC.md §Slices held): the boxes of
+    # its DTensor parameters' local parts, and the whole box of each plain tensor several ranks hold
+    boxes = [(n, box) for (n, role), (_lt, parts) in locals_.items() if role == "param" for box, _ in parts]
+    boxes += [(n, ((0,) * state.tensors[n].dim(), tuple(state.tensors[n].shape))) for n, rs in replicated.items() if rank in rs]
+    slices = make_slices(boxes)
+    if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
+        return replace(_restate(state, {}, set(), drop), slices=slices) if drop else replace(state, slices=slices)
+    ids = run_plan(store, plans, locals_, rank, g, group, threads)
+    if ids is None:  # another rank failed staging or writing its blocks: the commit protocol names it
+        return _restate(state, {}, set())
+    blocks: dict[tuple[str, str], list[str]] = {}
+    for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
+        blocks.setdefault(key, []).append(oid)
+    payload = {key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()}
+    mine = {n for (n, role), (_, _, held) in union.items() if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank}
+    return replace(_restate(state, payload, mine, drop), slices=slices)
+
+
+def _fingerprint(state: SlotState, name: str) -> str:
+    """BLAKE3 over a plain tensor's bytes, dtype and shape and its optimizer state (group, age, state tensors)."""
+    h = new_hasher()
+    parts = [state.tensors[name]]
+    po = state.optim.params.get(name)
+    if po is not None:
+        h.update(f"{po.group}:{po.age}".encode())
+        parts += [m for m in (po.exp_avg, po.exp_avg_sq) if m is not None]
+        if getattr(po, "torch_state", None) is not None:
+            parts += [t for _, t in sorted(po.torch_state.tensors.items())]
+    for t in parts:
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def _replicas_agree(locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]],
+                    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]], rank: int, group: Any) -> None:
+    """A box of a DTensor that several ranks hold (a ``Replicate`` placement, or one name on
+    several meshes) is written once, split among its holders: they must hold the same bytes,
+    else the commit would hold a tensor no rank held. Each holder hashes its copy; on a
+    disagreement every rank raises TensorMismatch naming tensor, box and ranks (SPEC.md §Block
+    exchange). Boxes held by one rank (FSDP2, tensor parallelism) cost nothing here."""
+    shared = {(key, box): rs for key, (_d, _s, held) in union.items() for box, rs in held.items() if len(rs) > 1}
+    if not shared:  # the same answer on every rank: the union is
+        return
+    mine = {}
+    for (key, box), rs in shared.items():
+        if rank in rs:
+            local, parts = locals_[key]
+            origin = next(o for b, o in parts if b == box)
+            h = new_hasher()
+            h.update(tensor_bytes(local[box_slices(box, origin)].contiguous()))
+            mine[f"{key[0]}\0{key[1]}\0{box}"] = h.hexdigest()
+    got = [_FINGERPRINTS.decode(raw) for raw in _all_gather_bytes(msgspec.json.encode(mine), group)]
+    for ((n, role), box), rs in sorted(shared.items()):
+        label = f"{n}\0{role}\0{box}"
+        if len({got[r].get(label) for r in rs}) != 1:
+            raise TensorMismatch(
+                f"{role} of tensor {n!r}: ranks {rs} hold its slice at {list(box[0])} of extent {list(box[1])} with "
+                "different values; replicas of a slice (a Replicate placement, or one name on several meshes) must be "
+                "equal, since the slice is written once (SPEC.md §Block exchange)"
+            )
+
+
+def _replicated_plain(state: SlotState, replicated: dict[str, list[int]], rank: int, group: Any) -> set[str]:
+    """Plain tensors several ranks hold (FSDP2 leaves buffers whole on every rank): they
+    must be equal everywhere (values and optimizer state, compared by hash), else
+    TensorMismatch on every rank; one holder records each. Returns the names this rank drops."""
+    if not replicated:
+        return set()
+    mine = {n: _fingerprint(state, n) for n, rs in replicated.items() if rank in rs}
+    got = [_FINGERPRINTS.decode(raw) for raw in _all_gather_bytes(msgspec.json.encode(mine), group)]
+    drop = set()
+    for n, rs in sorted(replicated.items()):
+        if len({got[r].get(n) for r in rs}) != 1:
+            raise TensorMismatch(
+                f"tensor {n!r}: ranks {rs} hold it as a plain (not DTensor) tensor with different values or optimizer "
+                "state; a tensor several ranks hold whole must be equal on all of them (SPEC.md §Block exchange)"
+            )
+        if entry_slot(n, rs) != rank:
+            drop.add(n)
+    return drop
+
+
+def _restate(state: SlotState, payload: dict[tuple[str, str], StoredPayload], mine: set[str], drop: frozenset[str] | set[str] = frozenset()) -> SlotState:
+    """The SlotState this slot records: the DTensor entries it records (``mine``) replaced by
+    their payloads; plain tensors as they are, but for replicated ones another rank records (``drop``)."""
+    tensors = {}
+    for n, t in state.tensors.items():
+        if not is_dtensor(t):
+            if n not in drop:
+                tensors[n] = t
+        elif n in mine:
+            tensors[n] = payload[(n, "param")]
+    params = {}
+    for n, po in state.optim.params.items():
+        if n not in tensors:
+            continue
+        m1 = payload.get((n, "exp_avg"), po.exp_avg) if po.exp_avg is not None and is_dtensor(po.exp_avg) else po.exp_avg
+        m2 = payload.get((n, "exp_avg_sq"), po.exp_avg_sq) if po.exp_avg_sq is not None and is_dtensor(po.exp_avg_sq) else po.exp_avg_sq
+        ts = po.torch_state
+        if ts is not None and any(is_dtensor(m) for m in ts.tensors.values()):
+            ts = replace(ts, tensors={k: payload.get((n, f"state:{k}"), m) if is_dtensor(m) else m for k, m in ts.tensors.items()})
+        params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2, torch_state=ts)
+    used = {p.group for p in params.values()}
+    optim = replace(
+        state.optim,
+        groups={k: h for k, h in state.optim.groups.items() if k in used},
+        torch_groups={k: h for k, h in state.optim.torch_groups.items() if k in used},
+        params=params,
+    )
+    births = None if state.births is None else {n: b for n, b in state.births.items() if n in tensors}
+    return replace(state, tensors=tensors, optim=optim, births=births)

@@ -1,0 +1,261 @@
+"""The block exchange: running a save's block plan, batch by batch (SPEC.md §Block exchange).
+
+``dtensor.write_dtensors`` computes, on every rank alike, a plan: for each canonical block
+its owner and the pieces other ranks send it. This module carries the plan out. Blocks
+are taken in batches of at most ``BATCH_BYTES``; in each batch every rank
+
+1. works out what it must stage: a block it owns that is not one contiguous box of its
+   own local tensor (assembled from its parts and the pieces others send), a piece that
+   arrives as a column strip (received whole, then copied into place), a piece it sends
+   that is not contiguous in its local tensor (copied out);
+2. carves those buffers from one **staging arena**, allocated once per exchange (grown
+   only if a later batch needs more) and reused batch after batch, so a rank's memory
+   beyond its own slices is the arena: at most the largest batch's staging, never the
+   allocator's churn of freeing and reallocating blocks;
+3. posts the point-to-point sends and receives, waits, and hashes and writes the blocks it
+   owns (a block inside one part of its local tensor and contiguous there is a view of it).
+
+A rank's staging in one batch is at most twice the batch: the blocks it owns (each at most
+once), plus the strips received for them, plus the pieces it sends of other blocks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..format.grid import BLOCK_BYTES, Box, box_slices, intersect
+from ..format.tensors import expected_nbytes, torch_dtype
+from ..store import Store
+
+__all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "run_plan"]
+
+#: Most bytes of blocks one batch of the exchange assembles (a rank stages at most twice
+#: this beyond its own slices while saving).
+BATCH_BYTES = 16 * BLOCK_BYTES
+
+_ALIGN = 64  # each staged buffer starts on a 64-byte boundary of the arena (any dtype's view)
+
+#: A rank's local tensor and its parts: (global box, virtual origin) each; ``local[box_slices(piece, origin)]``.
+Local = tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]
+
+
+@dataclass
+class ExchangeStats:
+    """What this process did in its latest block exchange (a diagnostic; SPEC.md §Block exchange)."""
+
+    blocks_written: int = 0  # blocks this rank owned: hashed and written
+    bytes_hashed: int = 0
+    bytes_sent: int = 0  # pieces sent to other ranks' blocks
+    bytes_received: int = 0
+    peak_staged: int = 0  # most bytes of staging buffers one batch used (beyond this rank's own slices)
+    arena_bytes: int = 0  # the staging arena's size: the most this exchange held at once
+
+
+_LAST = ExchangeStats()
+
+
+def last_exchange() -> ExchangeStats:
+    """Counts of this process's most recent exchange (for tests and benchmarks)."""
+    return _LAST
+
+
+def _round(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Arena:
+    """One uint8 buffer the staging tensors of a batch are carved from, reset between batches."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.off = 0
+
+    def reset(self, nbytes: int) -> None:
+        if nbytes and (self.buf is None or self.buf.numel() < nbytes):
+            self.buf = None  # the old one goes before the new one is allocated
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.off = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if n == 0:
+            return torch.empty(shape, dtype=dtype)
+        assert self.buf is not None and self.off + n <= self.buf.numel(), "staging was under-counted"
+        t = self.buf[self.off : self.off + n].view(dtype).view(shape)
+        self.off += _round(n)
+        return t
+
+    @property
+    def size(self) -> int:
+        return 0 if self.buf is None else int(self.buf.numel())
+
+
+def _contiguous_in(shape: tuple[int, ...], box: Box) -> bool:
+    """Whether a box of a C-contiguous tensor of ``shape`` is one contiguous range (torch's
+    ``is_contiguous`` of that view): extent 1 on the dims before some dim, whole after it."""
+    extent = box[1]
+    if math.prod(extent) <= 1:
+        return True
+    k = next((d for d, n in enumerate(extent) if n != 1), len(extent))
+    return all(extent[d] == shape[d] for d in range(k + 1, len(shape)))
+
+
+def _own_pieces(box: Box, parts: list[tuple[Box, tuple[int, ...]]]) -> list[tuple[Box, tuple[int, ...]]]:
+    """(common box, virtual origin) of each of this rank's parts that overlaps ``box``."""
+    if not math.prod(box[1]):
+        return []
+    return [(c, vo) for part, vo in parts if (c := intersect(box, part)) is not None]
+
+
+def _origin_of(parts: list[tuple[Box, tuple[int, ...]]], piece: Box) -> tuple[int, ...]:
+    """The virtual origin of the part holding ``piece`` (the plan only asks a rank for what it holds)."""
+    for part, vo in parts:
+        if intersect(piece, part) == piece:
+            return vo
+    raise AssertionError(f"piece {piece} is in none of this rank's parts")
+
+
+def _any_failed(error: BaseException | None, group: Any) -> bool:
+    """Whether any rank of ``group`` failed (one int all-reduced); this rank's ``error`` is raised."""
+    flag = torch.tensor([int(error is not None)], dtype=torch.int32)
+    dist.all_reduce(flag, group=group)
+    if error is not None:
+        raise error
+    return bool(flag.item())
+
+
+def run_plan(store: Store, plans: list, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int) -> list[str] | None:
+    """Carry out ``plans`` ((key, block index, box, owner, sends, dtype) each, in the same
+    order on every rank); return every block's id (all ranks get all ids).
+
+    A rank whose staging or writing fails (a full disk, a storage error) still tells the
+    others, after the batch, and raises; they return None (the commit protocol then fails
+    on every rank naming it) instead of waiting for its pieces until the group times out."""
+    global _LAST
+    stats = _LAST = ExchangeStats()
+    arena = _Arena()
+    ids: list[bytes | None] = [None] * len(plans)
+    i = 0
+    while i < len(plans):
+        j, size = i, 0
+        while j < len(plans) and (j == i or size + expected_nbytes(plans[j][5], plans[j][2][1]) <= BATCH_BYTES):
+            size += expected_nbytes(plans[j][5], plans[j][2][1])
+            j += 1
+        written = _batch(store, plans[i:j], i, locals_, rank, g, group, threads, stats, arena)
+        if written is None:
+            return None
+        for k, oid in written:
+            ids[k] = bytes.fromhex(oid)
+        i = j
+    stats.arena_bytes = arena.size
+    del arena
+    table = torch.zeros((len(plans), 32), dtype=torch.uint8)
+    for k, raw in enumerate(ids):
+        if raw is not None:
+            table[k] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)  # one owner per row, zeros elsewhere
+    return [bytes(row.numpy().tobytes()).hex() for row in table]
+
+
+def _batch(store: Store, batch: list, first: int, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena) -> list[tuple[int, str]] | None:
+    """One batch: what to stage worked out, the arena sized, pieces sent and received, this
+    rank's blocks hashed and written; returns (plan index, id) of the blocks it owns, or
+    None if another rank failed (staging, before any piece is posted, or writing its blocks)."""
+    error: BaseException | None = None
+    try:
+        owned, sending, need = _stage(batch, first, locals_, rank, arena)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it before a piece is posted
+        error = e
+    if _any_failed(error, group):
+        return None
+    try:
+        written = _exchange(store, owned, sending, need, g, group, threads, stats, arena)
+    except Exception as e:  # noqa: BLE001 - a full disk, a storage error: every rank learns of it
+        error = e
+    return None if _any_failed(error, group) else written
+
+
+def _stage(batch: list, first: int, locals_: dict[Any, Local], rank: int, arena: _Arena) -> tuple[list, list, int]:
+    """1. This rank's part of the batch and the bytes it stages; the arena sized (no piece posted)."""
+    owned: list[tuple[int, Box, torch.dtype, Local, torch.Tensor | None, list[tuple[int, int, Box]]]] = []
+    sending: list[tuple[int, int, torch.Tensor]] = []  # (tag, destination, view of the local tensor)
+    need = 0
+    tag = 0  # the same count on every rank: every rank walks the same plans and sends in order
+    for k, (key, _bi, box, owner, sends, dtype_s) in enumerate(batch, start=first):
+        dtype = torch_dtype(dtype_s)
+        item = torch.empty((), dtype=dtype).element_size()
+        if owner == rank:
+            local = locals_[key]
+            own = _own_pieces(box, local[1])
+            view = None
+            if len(own) == 1 and own[0][0] == box:
+                v = local[0][box_slices(box, own[0][1])]
+                view = v if v.is_contiguous() else None
+            if view is None:
+                need += _round(math.prod(box[1]) * item)
+            arriving = []
+            for src, piece in sends:
+                tag += 1
+                if src == rank:  # a slice the owner holds too: copied from its own parts
+                    continue
+                arriving.append((tag - 1, src, piece))
+                if not _contiguous_in(box[1], piece):
+                    need += _round(math.prod(piece[1]) * item)
+            covered = sum(math.prod(c[1]) for c, _ in own) + sum(math.prod(p[1]) for _, _, p in arriving)
+            assert covered == math.prod(box[1]), f"block {box} of {key} is not covered exactly"
+            owned.append((k, box, dtype, local, view, arriving))
+        else:
+            for src, piece in sends:
+                tag += 1
+                if src != rank:
+                    continue
+                lt, parts = locals_[key]
+                view = lt[box_slices(piece, _origin_of(parts, piece))]
+                if not view.is_contiguous():
+                    need += _round(view.numel() * item)
+                sending.append((tag - 1, owner, view))
+    arena.reset(need)
+    return owned, sending, need
+
+
+def _exchange(store: Store, owned: list, sending: list, need: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena) -> list[tuple[int, str]]:
+    """2. Buffers carved from the arena, sends and receives posted; 3. the blocks hashed and written."""
+    works, blocks, strips = [], [], []
+    for k, box, dtype, (lt, parts), view, arriving in owned:
+        buf = view
+        if buf is None:
+            buf = arena.take(box[1], dtype)
+            for common, vo in _own_pieces(box, parts):
+                buf[box_slices(common, box[0])] = lt[box_slices(common, vo)]
+        for t, src, piece in arriving:
+            dest = buf[box_slices(piece, box[0])]
+            if dest.is_contiguous():  # row bands: straight into the block
+                works.append(dist.irecv(dest, src=g(src), group=group, tag=t))
+            else:  # a column strip: into a buffer, then copied into place
+                tmp = arena.take(piece[1], dtype)
+                works.append(dist.irecv(tmp, src=g(src), group=group, tag=t))
+                strips.append((dest, tmp))
+            stats.bytes_received += dest.numel() * dest.element_size()
+        blocks.append((k, buf))
+    for t, dst, view in sending:
+        out = view
+        if not view.is_contiguous():
+            out = arena.take(tuple(view.shape), view.dtype)
+            out.copy_(view)
+        stats.bytes_sent += out.numel() * out.element_size()
+        works.append(dist.isend(out, dst=g(dst), group=group, tag=t))
+    assert arena.off <= need, "staging was under-counted"
+    # 3. Everything arrived: the blocks are whole; hash and write them.
+    for w in works:
+        w.wait()
+    for dest, tmp in strips:
+        dest.copy_(tmp)
+    written = store.put_tensors([b.detach().reshape(-1) for _, b in blocks], threads=threads) if blocks else []
+    stats.blocks_written += len(blocks)
+    stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in blocks)
+    stats.peak_staged = max(stats.peak_staged, need)
+    return [(k, oid) for (k, _), oid in zip(blocks, written)]
