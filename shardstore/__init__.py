@@ -51,10 +51,10 @@ _EXPORTS: dict[str, str] = {
     "copy_commit": "shardstore.ops.transfer",
     "Store": "shardstore.store",
     "open_store": "shardstore.store",
-    "LoadedCommit": "shardstore.verification.checker",
-    "Problem": "shardstore.verification.checker",
+    "LoadedCommit": "shardstore.verification.commits",
+    "Problem": "shardstore.verification.commits",
     "Report": "shardstore.verification.checker",
-    "load_commit": "shardstore.verification.checker",
+    "load_commit": "shardstore.verification.commits",
     "verify": "shardstore.verification.checker",
 }
 
@@ -96,4 +96,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .ops.transfer import CopyResult, copy_commit  # noqa: F401
     from .state.slot import SlotState, capture  # noqa: F401
     from .store import Store, open_store  # noqa: F401
-    from .verification.checker import LoadedCommit, Problem, Report, load_commit, verify  # noqa: F401
+    from .verification.checker import Report, verify  # noqa: F401
+    from .verification.commits import LoadedCommit, Problem, load_commit  # noqa: F401

@@ -6,7 +6,7 @@ Four tools, each small enough to read in one sitting:
   exists, write_once, swap, sync, delete, list, mtime), labels what each write carries
   (tensor/RNG/config object, shard manifest, commit manifest, ref, journal) and calls a
   hook *before* call k. ``kill_at(k)`` is the hook that SIGKILLs the process: crash points.
-- ``FaultyOs``: a stand-in for the ``os`` module inside ``shardstore.local`` that numbers
+- ``FaultyOs``: a stand-in for the ``os`` module inside the local backend that numbers
   every system call the local backend makes (open, write, fsync, link, replace, unlink,
   makedirs, fstat, readv, scandir...) and, at call k, raises an ``OSError`` with a chosen
   errno or kills the process: SQLite-style I/O-error and crash injection one level below
@@ -33,10 +33,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from shardstore.errors import ObjectNotFound, RefConflict
 from shardstore.backends.base import Buffer, Storage
+from shardstore.errors import ObjectNotFound, RefConflict
 
-__all__ = ["OpLog", "kill_at", "label", "FaultyOs", "PowerCut", "PowerLossStorage", "S3FaultClient", "KILL"]
+__all__ = ["OpLog", "kill_at", "label", "FaultyOs", "set_local_os", "patch_local_os", "LOCAL_OS_MODULES", "PowerCut", "PowerLossStorage", "S3FaultClient", "KILL"]
 
 KILL = "kill"
 
@@ -161,8 +161,32 @@ SYSCALLS = ("open", "write", "fsync", "close", "link", "replace", "rename", "unl
 _SPACE = ("open:w", "write", "fsync", "link", "makedirs", "replace", "utime")
 
 
+#: The modules whose ``os`` the local backend's system calls go through.
+LOCAL_OS_MODULES = ("shardstore.backends.local", "shardstore.backends.posix")
+
+
+def set_local_os(value: Any) -> list[Any]:
+    """Make every module of ``LOCAL_OS_MODULES`` call ``value`` for ``os``; return what they had
+    (pass it back to restore them: ``set_local_os(saved)`` with a list restores each in turn)."""
+    import importlib
+
+    mods = [importlib.import_module(m) for m in LOCAL_OS_MODULES]
+    saved = [m.os for m in mods]
+    for i, m in enumerate(mods):
+        m.os = value[i] if isinstance(value, list) else value  # type: ignore[attr-defined]
+    return saved
+
+
+def patch_local_os(monkeypatch: Any, value: Any) -> None:
+    """``set_local_os`` undone at the end of the test (pytest's monkeypatch)."""
+    import importlib
+
+    for m in LOCAL_OS_MODULES:
+        monkeypatch.setattr(importlib.import_module(m), "os", value)
+
+
 class FaultyOs:
-    """Replaces ``shardstore.backends.local.os``: numbers calls of ``SYSCALLS``; at call ``at`` either
+    """Replaces the local backend's ``os`` (``set_local_os``): numbers calls of ``SYSCALLS``; at call ``at`` either
     raises ``OSError(err)`` (and, with ``sticky``, at every later call too, as a full disk
     does) or kills the process (``err == KILL``). ``os.path``, ``os.walk`` and the rest pass
     through, except that ``walk`` honours the same fault for the directory scan at ``at``."""

@@ -33,13 +33,13 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TinyNet, make_optimizer, train_steps
+from faults import KILL, FaultyOs, OpLog, fast_dir, frozen_slots, kill_at, patch_local_os, set_local_os, slots_snapshot, snapshot
 
 import shardstore as ss
 import shardstore.backends.local as storage_mod
-from shardstore.ops.gc import gc
 from shardstore.backends.local import LocalStorage
-from conftest import TinyNet, make_optimizer, train_steps
-from faults import KILL, FaultyOs, OpLog, fast_dir, frozen_slots, kill_at, slots_snapshot, snapshot
+from shardstore.ops.gc import gc
 
 SLOW = bool(os.environ.get("SHARDSTORE_SLOW"))
 STEPS = 3  # c0 = step 1 (the base), then the saves under test: steps 2 and 3
@@ -83,7 +83,7 @@ def tmp_path(tmp_path: Any) -> Any:  # noqa: F811 - hundreds of stores: keep the
 def no_disk_waits(monkeypatch: Any) -> None:
     """Process kills lose nothing the page cache holds, so fsync need not reach the disk here
     (it is still called and counted; power loss is tests/test_reliability_powerloss.py)."""
-    monkeypatch.setattr(storage_mod, "os", FaultyOs(fsync=False))
+    patch_local_os(monkeypatch, FaultyOs(fsync=False))
 
 
 def _restore_snapshot(store: ss.Store, target: str) -> dict[str, bytes]:
@@ -188,12 +188,11 @@ def test_kill_before_every_storage_operation(tmp_path: Any, plan: dict[str, Any]
 def _syscall_count(tmp_path: Any, plan: dict[str, Any]) -> list[str]:
     root = _fresh(tmp_path, plan, "syscount")
     fos = FaultyOs(fsync=False)
-    saved = storage_mod.os
-    storage_mod.os = fos  # type: ignore[assignment]
+    saved = set_local_os(fos)
     try:
         _saves(root, plan)
     finally:
-        storage_mod.os = saved  # type: ignore[assignment]
+        set_local_os(saved)
     return fos.calls
 
 
@@ -208,7 +207,7 @@ def test_kill_before_every_system_call(tmp_path: Any, plan: dict[str, Any]) -> N
         root = _fresh(tmp_path, plan, f"s{k}")
 
         def child() -> None:
-            storage_mod.os = FaultyOs(at=k, err=KILL, fsync=False)  # type: ignore[assignment]
+            set_local_os(FaultyOs(at=k, err=KILL, fsync=False))
             _saves(root, plan)
 
         status = _fork(child)

@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import torch
 from botocore.exceptions import ClientError, ReadTimeoutError
+from conftest import TinyNet, make_optimizer, train_steps
+from faults import FaultyOs, OpLog, S3FaultClient, fast_dir, frozen_slots, patch_local_os, set_local_os
 
 import shardstore as ss
 import shardstore.backends.local as storage_mod
-from shardstore.ops.gc import gc
 from shardstore.backends.s3.storage import S3Storage
-from conftest import TinyNet, make_optimizer, train_steps
-from faults import FaultyOs, OpLog, S3FaultClient, fast_dir, frozen_slots
+from shardstore.ops.gc import gc
 
 try:
     from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)
@@ -74,7 +74,7 @@ def _local_case(plan: dict[str, Any], k: int, err: int, monkeypatch: Any) -> str
     shutil.copytree(plan["base"], root)
     done = 0
     outcome = "ok"
-    monkeypatch.setattr(storage_mod, "os", FaultyOs(at=k, err=err, sticky=err == errno.ENOSPC, fsync=False))
+    patch_local_os(monkeypatch, FaultyOs(at=k, err=err, sticky=err == errno.ENOSPC, fsync=False))
     try:
         store = ss.open_store(root, create=False)
         for j in (1, 2):
@@ -87,7 +87,7 @@ def _local_case(plan: dict[str, Any], k: int, err: int, monkeypatch: Any) -> str
             done += 1
             outcome = "moved-not-durable"
     finally:
-        monkeypatch.setattr(storage_mod, "os", FaultyOs(fsync=False))
+        patch_local_os(monkeypatch, FaultyOs(fsync=False))
     _finish_and_check(ss.open_store(root, create=False), plan, done)
     shutil.rmtree(root)
     return outcome
@@ -97,7 +97,7 @@ def test_local_io_error_at_every_system_call(plan: dict[str, Any], monkeypatch: 
     root = os.path.join(plan["scratch"], "count")
     shutil.copytree(plan["base"], root)
     counter = FaultyOs(fsync=False)
-    monkeypatch.setattr(storage_mod, "os", counter)
+    patch_local_os(monkeypatch, counter)
     store = ss.open_store(root, create=False)
     for j in (1, 2):
         ss.save_slots(store, plan["states"][j], info=plan["infos"][j], threads=1)
@@ -120,13 +120,13 @@ def test_failed_directory_scan_is_an_error_not_an_empty_listing(plan: dict[str, 
     store = ss.open_store(root)
     cid = ss.save_slots(store, plan["states"][0], info=plan["infos"][0], ref="runs/exp", threads=1)
     scans = FaultyOs(only=("scandir",))
-    monkeypatch.setattr(storage_mod, "os", scans)
+    patch_local_os(monkeypatch, scans)
     gc(store, grace_seconds=0, dry_run=True)
     at = [w.endswith(os.path.join("refs", "runs")) for w in scans.walked].index(True)
-    monkeypatch.setattr(storage_mod, "os", FaultyOs(at=at, err=errno.EACCES, only=("scandir",)))
+    patch_local_os(monkeypatch, FaultyOs(at=at, err=errno.EACCES, only=("scandir",)))
     with pytest.raises(ss.StorageError, match="refs"):
         gc(store, grace_seconds=0, dry_run=False)
-    monkeypatch.setattr(storage_mod, "os", os)
+    patch_local_os(monkeypatch, os)
     assert ss.verify(store).ok and store.ref("runs/exp") == cid
 
 

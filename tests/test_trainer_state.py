@@ -335,7 +335,7 @@ def test_forged_manifests_and_state_documents_are_refused():
     import msgspec
 
     from shardstore.format.manifest import ExtraEntry
-    from shardstore.verification.checker import shard_problems
+    from shardstore.verification.commits import shard_problems
 
     store, model, opt, cid = _sgd_commit()
     lc = ss.load_commit(store, cid)

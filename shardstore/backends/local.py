@@ -25,77 +25,13 @@ from typing import Any
 from ..errors import InvalidName, ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from ..format.names import check_key
 from .base import Buffer, show_ref_value
+from .posix import FIRST_READ, READ_CHUNK, close_quietly, freshen, fsync_dir, read_exact, start_writeback, unlink_quietly
 
 __all__ = ["LocalStorage"]
 _CHUNK = 8 << 20
-#: Bytes per readv(2) on the streaming read paths: small enough that a chunk is still in the
-#: core's cache when it is hashed (1 MiB measured 1.2-1.5x faster than 8 MiB on 2 cores).
-_READ_CHUNK = 1 << 20
 _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
-#: A file's first read asks for one page: Linux 6.x fills the first readahead window with 4 KiB
-#: folios whatever the request size, so 1 MiB first reads made cold reads of 4 MiB blocks 2x and
-#: later copies out of the cache (deep verify) 2.5x costlier (benchmarks/RESULTS.md, format 2).
-_FIRST_READ = 4096
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing these dirty pages of ``fd`` now (no wait), so the later
-    fsync is short. (On Linux, DONTNEED starts writeback of dirty pages and keeps them cached.)"""
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        pass
-
-
-def _read_exact(fd: int, out: memoryview, consume: Callable[[memoryview], None] | None) -> int:
-    """Fill ``out`` from ``fd``, ``_FIRST_READ`` bytes then ``_READ_CHUNK`` at a time, ``consume``-ing
-    each piece as it lands; return the bytes read (fewer only if the file ended first)."""
-    size = len(out)
-    off = 0
-    step = _FIRST_READ
-    while off < size:
-        n = os.readv(fd, [out[off : off + step]])
-        if n == 0:
-            return off
-        if consume is not None:
-            consume(out[off : off + n])
-        off += n
-        step = _READ_CHUNK
-    return off
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass  # a read-only descriptor: nothing can be lost
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass  # a leftover tmp file is harmless; gc removes it after its grace period
-
-
-def _freshen(path: str) -> None:
-    """A write found ``path`` already there (content addressing: the same bytes). Make it young
-    again, so gc's grace period protects it for the save that is about to name it, exactly as
-    if that save had written it (git does the same: freshen on a duplicate write)."""
-    try:
-        os.utime(path, follow_symlinks=False)
-    except OSError:
-        pass  # gone or read-only: the save's later read-back or verify reports a missing object
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalStorage:
@@ -149,14 +85,14 @@ class LocalStorage:
             if limit is not None and size > limit:
                 raise ObjectTooLarge(f"{key} in store {self.root} is {size} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
             buf = bytearray(size)
-            got = _read_exact(fd, memoryview(buf), consume)
+            got = read_exact(fd, memoryview(buf), consume)
             if got != size:
                 raise StorageError(f"read {key!r} in store {self.root}: the file shrank from {size} to {got} bytes while being read")
             return buf
         except OSError as e:
             raise self._io("read", key, e) from None
         finally:
-            _close_quietly(fd)
+            close_quietly(fd)
 
     def _lstat(self, key: str) -> os.stat_result | None:
         try:
@@ -178,7 +114,7 @@ class LocalStorage:
     def touch(self, key: str) -> int | None:
         """Refresh the object's mtime (never through a symbolic link), then return its size.
         A refresh the file system refuses (read-only, not ours) is ignored as in ``write_once``."""
-        _freshen(self._path(key))
+        freshen(self._path(key))
         st = self._lstat(key)
         return None if st is None else st.st_size
 
@@ -205,7 +141,7 @@ class LocalStorage:
         or visible. Returns the tmp path to hand to ``end_writes``, or None if ``key`` exists."""
         path = self._path(key)
         if os.path.lexists(path):
-            _freshen(path)
+            freshen(path)
             return None
         tmpdir = self._dir("tmp")
         tmp = os.path.join(tmpdir, secrets.token_hex(16))
@@ -220,7 +156,7 @@ class LocalStorage:
             off = 0
             while off < len(view):
                 n = os.write(fd, view[off : off + _CHUNK])
-                _start_writeback(fd, off, n)
+                start_writeback(fd, off, n)
                 off += n
         except BaseException as e:
             os.close(fd)
@@ -231,7 +167,7 @@ class LocalStorage:
         try:
             os.close(fd)
         except OSError as e:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise self._io("write", key, e) from None
         return tmp
 
@@ -265,7 +201,7 @@ class LocalStorage:
                     os.link(tmp, path)
                     written.append(True)
                 except FileExistsError:
-                    _freshen(path)
+                    freshen(path)
                     written.append(False)  # another writer won; same name means same bytes
                 except OSError as e:
                     raise self._io("write", key, e) from None
@@ -275,7 +211,7 @@ class LocalStorage:
                     self._dirty.add(os.path.dirname(parent))
         finally:
             for _key, tmp in pending:
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
         return written
 
     def _open_read(self, key: str) -> int:
@@ -297,7 +233,7 @@ class LocalStorage:
             size = os.fstat(fd).st_size
             if size != len(out):
                 return size
-            return _read_exact(fd, out, consume)  # fewer bytes: truncated under us
+            return read_exact(fd, out, consume)  # fewer bytes: truncated under us
         except OSError as e:
             raise self._io("read", key, e) from None
         finally:
@@ -318,14 +254,14 @@ class LocalStorage:
         h = hasher()
         fd = self._open_read(key)
         try:
-            chunk = _PARALLEL_CHUNK if threads > 1 else _READ_CHUNK
+            chunk = _PARALLEL_CHUNK if threads > 1 else READ_CHUNK
             attr = "pbuf" if threads > 1 else "buf"
             buf = getattr(_tls, attr, None)
             if buf is None:
                 buf = memoryview(mmap.mmap(-1, chunk))  # anonymous, page-aligned, reused by this thread
                 setattr(_tls, attr, buf)
             size = 0
-            step = buf[:_FIRST_READ]
+            step = buf[:FIRST_READ]
             while True:
                 n = os.readv(fd, [step])
                 if n == 0:
@@ -342,7 +278,7 @@ class LocalStorage:
     def write_once(self, key: str, data: Buffer) -> bool:
         path = self._path(key)
         if os.path.lexists(path):
-            _freshen(path)
+            freshen(path)
             return False
         parent = os.path.dirname(path)
         try:
@@ -352,7 +288,7 @@ class LocalStorage:
                 os.link(tmp, path)
                 written = True
             except FileExistsError:
-                _freshen(path)
+                freshen(path)
                 written = False  # another writer won; same name means same bytes
             finally:
                 os.unlink(tmp)
@@ -394,12 +330,12 @@ class LocalStorage:
         try:
             self._check_current(key, expected)
             os.unlink(path)
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         except OSError as e:
             raise self._io("delete", key, e) from None
         finally:
-            _close_quietly(fd)
-            _unlink_quietly(lock)
+            close_quietly(fd)
+            unlink_quietly(lock)
 
     def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
         path = self._path(key)
@@ -413,7 +349,7 @@ class LocalStorage:
             fd = -1
             os.replace(lock, path)
             renamed = True
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         except OSError as e:
             if renamed:  # the new value is visible to every reader: say so, a retry would conflict
                 raise StorageError(
@@ -423,9 +359,9 @@ class LocalStorage:
             raise self._io("update", key, e) from None
         finally:
             if fd >= 0:
-                _close_quietly(fd)
+                close_quietly(fd)
             if not renamed:
-                _unlink_quietly(lock)
+                unlink_quietly(lock)
 
     def delete_stale(self, key: str, cutoff: float) -> bool:
         """Delete the object at ``key`` only if its mtime is not after ``cutoff``; True if deleted.
@@ -457,7 +393,7 @@ class LocalStorage:
         except OSError as e:
             raise self._io("delete", key, e) from None
         finally:
-            _unlink_quietly(doomed)
+            unlink_quietly(doomed)
             with self._lock:
                 self._dirty.add(os.path.dirname(path))
 
@@ -490,7 +426,7 @@ class LocalStorage:
         for i, d in enumerate(dirty):
             try:
                 if os.path.isdir(d):
-                    _fsync_dir(d)
+                    fsync_dir(d)
             except OSError as e:
                 with self._lock:
                     self._dirty.update(dirty[i:])  # still not durable: the next sync() retries them

@@ -28,7 +28,7 @@ from ..sharded.dtensor import write_dtensors
 from ..state.extras import capture_extras, write_extras
 from ..state.slot import SlotState, capture
 from ..store import Store
-from ..verification.checker import load_commit
+from ..verification.commits import load_commit
 from .info import CommitInfo
 from .slots import AUTO, write_commit, write_shard
 

@@ -72,7 +72,7 @@ from ..state.torch_optim import (
     use_torch_form,
 )
 from ..store import Store
-from ..verification.checker import LoadedCommit, load_commit, shard_problems
+from ..verification.commits import LoadedCommit, load_commit, shard_problems
 from .info import CommitInfo, check_info, check_parent
 
 __all__ = ["CommitInfo", "check_info", "check_parent", "Restored", "write_shard", "write_shard_entries", "write_commit", "save_slots", "save", "SaveCall", "restore", "AUTO"]

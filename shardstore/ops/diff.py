@@ -30,7 +30,7 @@ from ..format.manifest import MAX_MANIFEST_BYTES, Payload, TensorEntry, decode_c
 from ..format.tensors import expected_nbytes
 from ..state.optim import hyper_of
 from ..store import Store
-from ..verification.checker import LoadedCommit, load_commit
+from ..verification.commits import LoadedCommit, load_commit
 from .state_diff import extras_changes, hyper_groups, state_changes, state_pairs
 
 __all__ = ["TensorStats", "TensorDiff", "Moved", "GroupDiff", "FieldDiff", "CommitDiff", "diff", "ROLES"]

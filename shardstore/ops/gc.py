@@ -38,7 +38,7 @@ from ..format.manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest,
 from ..state.extras import extra_objects
 from ..state.torch_optim import state_objects
 from ..store import Store, object_key
-from ..verification.checker import load_commit
+from ..verification.commits import load_commit
 from .transfer import _pool_map, commit_closure
 
 __all__ = ["GcResult", "reachable", "pinned_objects", "gc"]

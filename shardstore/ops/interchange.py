@@ -41,7 +41,7 @@ from ..format.tensors import expected_nbytes
 from ..state.optim import hyper_of
 from ..state.torch_optim import _unscalar
 from ..store import Store
-from ..verification.checker import load_commit
+from ..verification.commits import load_commit
 from .safetensors_files import FROM_ST as _FROM_ST
 from .safetensors_files import Item as _Item
 from .safetensors_files import open_safetensors as _open

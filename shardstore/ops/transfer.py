@@ -29,7 +29,7 @@ from ..format.names import check_ref_name
 from ..format.slices import entry_objects, slot_needs
 from ..state.extras import extra_objects
 from ..store import Store, object_key
-from ..verification.checker import LoadedCommit, load_commit
+from ..verification.commits import LoadedCommit, load_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
 

@@ -1,0 +1,125 @@
+"""Checking the objects a commit references (SPEC.md §17): each one present, of the size its
+entry implies, hashing to its id (deep), and its content decoding as its load path would
+decode it (model config, RNG states, extras' state documents).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+from ..errors import (
+    CorruptObject,
+    ObjectNotFound,
+    ObjectTooLarge,
+    ShardstoreError,
+)
+from ..format.manifest import MAX_MANIFEST_BYTES, decode_config
+from ..format.rng import MAX_RNG_BYTES, check_rng
+from ..format.slices import entry_objects, slot_needs
+from ..state.extras import extra_objects, read_extra_state
+from ..store import Store
+from .commits import LoadedCommit
+
+__all__ = ["Job", "Checked", "object_jobs", "check_objects", "content_problem"]
+
+
+class Job(NamedTuple):
+    """One object a commit references, and what its entry expects of it."""
+
+    oid: str
+    size: int | None  # the byte size its entry implies (None: not implied by an entry)
+    tensor: str | None  # the tensor entry naming it, for messages
+    what: str
+    rule: str | None  # how its content is decoded: None, "config", "rng:<kind>" or "extra:<tensors>"
+
+
+def object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
+    """One job for every object the commit references (an object named twice: two jobs)."""
+    if lc.commit.config is not None:
+        yield Job(lc.commit.config, None, None, "model config", "config")
+    for oid, size, what, rule in extra_objects(lc.commit.extras, ""):
+        yield Job(oid, size, None, what, rule)
+    needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices held)
+    for s, shard in sorted(lc.shards.items()):
+        if slot is None or s == slot:
+            for r in shard.rng:
+                yield Job(r.object, None, None, f"RNG state {r.kind} of slot {s}", f"rng:{r.kind}")
+            for oid, size, what, rule in extra_objects(shard.extras, f" of slot {s}"):
+                yield Job(oid, size, None, what, rule)
+        for e in shard.entries:
+            if needs is not None and e.name not in needs:
+                continue
+            for oid, n, what in entry_objects(e, needs[e.name] if needs is not None else None):
+                yield Job(oid, n, e.name, what, None)
+
+
+class Checked(NamedTuple):
+    """What checking one object found."""
+
+    error: ShardstoreError | None
+    size: int | None  # its actual size (None: missing or unreadable)
+    hashed: int  # bytes hashed
+
+
+def check_objects(store: Store, jobs: list[Job], deep: bool, threads: int) -> list[Checked]:
+    """``_check_object`` for each job, in the jobs' order, ``threads`` objects at a time.
+
+    The largest objects start first, so that the pool does not end on one big object while
+    the other threads idle. Each object is hashed by one thread, unless there are fewer
+    objects than threads: then each gets its share of BLAKE3's own threads.
+    """
+    threads = max(1, threads)
+    each = max(1, threads // len(jobs)) if jobs else 1
+    order = sorted(range(len(jobs)), key=lambda i: -(jobs[i].size or 0))
+    results: list[Checked] = [Checked(None, None, 0)] * len(jobs)
+
+    def one(i: int) -> None:
+        results[i] = _check_object(store, jobs[i].oid, deep, each)
+
+    if threads == 1 or len(jobs) <= 1:
+        for i in order:
+            one(i)
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(one, order))
+    return results
+
+
+def _check_object(store: Store, oid: str, deep: bool, threads: int = 1) -> Checked:
+    """Presence and (deep) hash of one object, and its actual size; the size rules of the
+    entries naming it are checked by the caller, every entry against the same object."""
+    try:
+        if deep:
+            got, n = store.hash_object(oid, threads=threads)  # streamed, never a full copy
+            if got != oid:
+                return Checked(CorruptObject(f"its {n} bytes hash to {got}"), n, n)
+            return Checked(None, n, n)
+        have = store.object_size(oid)
+        if have is None:
+            return Checked(ObjectNotFound("missing from the store"), None, 0)
+        return Checked(None, have, 0)
+    except ObjectNotFound:
+        return Checked(ObjectNotFound("missing from the store"), None, 0)
+    except ShardstoreError as e:
+        return Checked(e, None, 0)
+
+
+def content_problem(store: Store, oid: str, rule: str, have: int | None) -> ShardstoreError | None:
+    """Decode a model config or RNG object as its load path will (bounded first): what a
+    restore would refuse, verify reports (SPEC.md §17)."""
+    limit = MAX_RNG_BYTES if rule.startswith("rng:") else MAX_MANIFEST_BYTES
+    if have is not None and have > limit:
+        return ObjectTooLarge(f"{have} bytes, over the {limit}-byte limit of its kind (SPEC.md §Limits)")
+    try:
+        if rule == "config":
+            decode_config(store.get(oid, limit=MAX_MANIFEST_BYTES), what="model config")
+        elif rule.startswith("extra:"):  # a state document, with placeholders for its tensors (SPEC.md §Extras)
+            read_extra_state(store.get(oid, limit=MAX_MANIFEST_BYTES), [None] * int(rule[6:]), "state document")  # type: ignore[list-item]
+        else:
+            check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)}, raw_kinds=False)
+    except ShardstoreError as e:
+        return e
+    return None
+
+
