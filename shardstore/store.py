@@ -23,8 +23,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import torch
-
 from .backends.base import Buffer, Storage
 from .backends.location import open_storage
 from .errors import (
@@ -39,6 +37,7 @@ from .errors import (
     StoreConfigError,
     TargetNotFound,
 )
+from .format.lazy import torch
 from .format.manifest import (
     FORMAT_VERSION,
     MAX_ENTRIES,

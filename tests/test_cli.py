@@ -296,3 +296,34 @@ def test_pins_listed_and_removed_through_the_cli(tmp_path, capsys):
     assert shardstore_cli.main(["unpin", store_path, "jobs/j1"]) == 4  # no such pin: not found
     assert "no pin 'jobs/j1'" in capsys.readouterr().err
     assert shardstore_cli.main(["gc", store_path, "--grace", "0s"]) == 0 and not store.has(job)
+
+
+_TORCH_FREE = r"""
+import json, sys
+from shardstore_cli.shardstore_cli import main
+store, copy, first = sys.argv[1], sys.argv[2], sys.argv[3]
+runs = [["--version"], ["--help"], ["log", store], ["log", store, "--json"], ["show", store, "main"], ["refs", store],
+        ["cat", store, "main"], ["diff", store, first, "main"], ["verify", store], ["verify", store, "--quick"],
+        ["gc", store, "--dry-run"], ["copy", store, copy, "main"], ["unpin", store, "no-such-pin"]]
+codes = []
+for argv in runs:
+    try:
+        codes.append(main(argv))
+    except SystemExit as e:  # --version and --help exit through argparse
+        codes.append(e.code)
+    assert "torch" not in sys.modules, f"{argv} imported torch"
+print(json.dumps(codes))
+"""
+
+
+def test_store_only_commands_do_not_import_torch(base, tmp_path):
+    """log, show, refs, cat, diff (without --stats), verify, gc, copy, unpin, --version and
+    --help read manifests and hash bytes; none of them may pay torch's import (seconds), so
+    the command line starts as fast as git's. One process runs them all, in order."""
+    store, info = base
+    proc = subprocess.run([sys.executable, "-c", _TORCH_FREE, str(store), str(tmp_path / "copy"), info["first"]], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert codes[:-1] == [0] * (len(codes) - 1), (codes, proc.stderr[-2000:])
+    assert codes[-1] == 4, proc.stderr  # unpin of a pin that does not exist: not found

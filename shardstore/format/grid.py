@@ -29,11 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from ..errors import CorruptObject, GridError, ObjectNotFound, TensorMismatch
+from .lazy import torch
 from .manifest import MAX_BLOCKS, Block, Payload, is_chunked
-from .tensors import DTYPES, dtype_name, expected_nbytes, is_dtensor
+from .tensors import ITEMSIZES, dtype_name, expected_nbytes, is_dtensor, torch_dtype
 
 __all__ = [
     "BlockStore",
@@ -89,7 +88,7 @@ class StoredPayload:
 
 def _split(dtype: str, shape: tuple[int, ...], block_bytes: int) -> tuple[int, int, int]:
     """(k, r, number of blocks) of the grid (SPEC.md §5a), computed without listing the blocks."""
-    item = DTYPES[dtype].itemsize
+    item = ITEMSIZES[dtype]
     if math.prod(shape) * item <= block_bytes:
         return -1, 0, 1
     k = next(k for k in range(len(shape)) if item * math.prod(shape[k + 1:]) <= block_bytes)
@@ -362,7 +361,7 @@ def read_whole(store: BlockStore, payload: Payload, dtype: str, shape: Sequence[
     if not is_chunked(payload):
         return store.get_tensor(payload, dtype, shape, what=what)
     check_stored(store, payload, dtype, shape, what)  # the blocks' sizes bound the allocation
-    out = torch.empty(shape, dtype=DTYPES[dtype])
+    out = torch.empty(shape, dtype=torch_dtype(dtype))
     for job in read_jobs(store, payload, dtype, shape, out, (0,) * len(shape), what):
         job()
     return out

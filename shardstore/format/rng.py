@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 
 from ..errors import ManifestError
+from .lazy import torch
 
 __all__ = ["MAX_RNG_BYTES", "capture_rng", "check_rng", "restore_rng"]
 
@@ -84,7 +84,8 @@ def check_rng(states: dict[str, bytes | memoryview], *, raw_kinds: bool = True) 
         if not raw_kinds and (kind == "torch" or kind.startswith("cuda:")):
             continue
         try:
-            _apply(kind, bytes(raw), random.Random(), np.random.RandomState(), torch.Generator() if not kind.startswith("cuda:") else None)
+            gen = torch.Generator() if kind == "torch" else None  # only a torch state needs torch (and imports it)
+            _apply(kind, bytes(raw), random.Random(), np.random.RandomState(), gen)
         except (msgspec.DecodeError, ValueError, TypeError, RuntimeError, OverflowError, UnicodeDecodeError) as e:
             raise ManifestError(f"RNG state {kind!r} is malformed: {e}") from None  # OverflowError: a key past uint32
 

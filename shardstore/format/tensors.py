@@ -12,38 +12,51 @@ import warnings
 from typing import Any
 
 import blake3
-import torch
 
 from ..errors import TensorMismatch
+from .lazy import torch
 
-__all__ = ["DTYPES", "dtype_name", "torch_dtype", "expected_nbytes", "tensor_bytes", "tensor_from_bytes", "hash_bytes", "new_hasher", "is_dtensor", "same_split"]
+__all__ = ["ITEMSIZES", "FLOAT_DTYPES", "dtype_name", "torch_dtype", "expected_nbytes", "tensor_bytes", "tensor_from_bytes", "hash_bytes", "new_hasher", "is_dtensor", "same_split"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
     raise ImportError("shardstore stores tensors as little-endian bytes and supports little-endian hosts only")
 
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
+#: The dtype allow-list (SPEC.md §Tensor objects): each name and its item size in bytes.
+ITEMSIZES: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
 }
-_NAMES = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+_TORCH: dict[str, Any] = {}  # name -> torch.dtype, filled on first use (torch is imported then)
+_NAMES: dict[Any, str] = {}
+
+
+def _torch_dtypes() -> dict[str, Any]:
+    if not _TORCH:
+        _TORCH.update((n, getattr(torch, n)) for n in ITEMSIZES)
+        _NAMES.update((v, k) for k, v in _TORCH.items())
+    return _TORCH
+
+
 #: Above this size hashing uses BLAKE3's own threads.
 _THREADED_HASH_BYTES = 8 * 1024 * 1024
 
 
 def dtype_name(dtype: torch.dtype, what: str = "tensor") -> str:
     """The canonical name of an allowed torch dtype; TensorMismatch for any other."""
+    _torch_dtypes()
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise TensorMismatch(f"{what}: dtype {dtype} is not in the allow-list {sorted(DTYPES)} (SPEC.md §Tensor objects)") from None
+        raise TensorMismatch(f"{what}: dtype {dtype} is not in the allow-list {sorted(ITEMSIZES)} (SPEC.md §Tensor objects)") from None
 
 
 def check_storable(t: torch.Tensor, what: str = "tensor") -> str:
@@ -56,11 +69,11 @@ def check_storable(t: torch.Tensor, what: str = "tensor") -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
+    return _torch_dtypes()[name]
 
 
 def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * DTYPES[dtype].itemsize
+    return math.prod(shape) * ITEMSIZES[dtype]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -86,7 +99,7 @@ def tensor_from_bytes(buf: bytes | bytearray | memoryview, dtype: str, shape: tu
     want = expected_nbytes(dtype, shape)
     if len(buf) != want:
         raise TensorMismatch(f"{what}: object holds {len(buf)} bytes, but {dtype}{list(shape)} needs {want} (SPEC.md §Tensor objects)")
-    tdtype = DTYPES[dtype]
+    tdtype = torch_dtype(dtype)
     if want == 0:
         return torch.empty(shape, dtype=tdtype)
     with warnings.catch_warnings():

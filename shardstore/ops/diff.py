@@ -22,10 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-import torch
-
 from ..errors import ManifestError
 from ..format.grid import read_whole
+from ..format.lazy import torch
 from ..format.manifest import MAX_MANIFEST_BYTES, Payload, TensorEntry, decode_config
 from ..format.tensors import expected_nbytes
 from ..state.optim import hyper_of

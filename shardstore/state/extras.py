@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from ..errors import ManifestError, StateMismatch, UnsupportedState
 from ..format.canonical import REAL_PREFIX, decode_real, encode_scalar, is_real
 from ..format.grid import check_stored_all
+from ..format.lazy import torch
 from ..format.manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, is_chunked
 from ..format.names import check_group_name
 from ..format.tensors import check_storable, dtype_name, expected_nbytes, is_dtensor, torch_dtype

@@ -17,9 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
 from ..errors import StateMismatch, UnsupportedOptimizer
+from ..format.lazy import torch
 from ..format.manifest import CommitManifest, GroupSpec, HyperGroup, Payload, StateScalar, TensorEntry, f64_decode, f64_encode
 from ..format.names import check_group_name
 from ..format.tensors import is_dtensor, same_split, torch_dtype

@@ -29,11 +29,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..errors import ManifestError, StateMismatch, UnsupportedOptimizer
 from ..format.canonical import REAL_PREFIX, decode_real, encode_scalar, is_real
 from ..format.grid import check_stored_all, payload_blocks
+from ..format.lazy import torch
 from ..format.manifest import (
     HyperGroup,
     OptimizerSpec,

@@ -12,7 +12,7 @@ from ..errors import BindingError, ManifestError, ShardstoreError
 from ..format.canonical import sorted_unique
 from ..format.grid import grid_problems
 from ..format.manifest import STATE_CHUNKED_VERSION, CommitManifest, ShardManifest, TensorEntry, is_chunked, state_payloads
-from ..format.tensors import torch_dtype
+from ..format.tensors import FLOAT_DTYPES
 from ..state.extras import extras_rules
 
 __all__ = ["state_problems", "shard_rules", "commit_rules"]
@@ -59,7 +59,7 @@ def shard_rules(shard: ShardManifest) -> Iterator[tuple[type[ManifestError], str
         if not (sorted_unique(tkeys) and sorted_unique(skeys)) or set(tkeys) & set(skeys):
             yield ManifestError, "optimizer state keys are not sorted, unique and each either a tensor or a scalar", e.name
         for x in st.scalars:
-            kind = None if x.dtype is None else ("bool" if x.dtype == "bool" else ("real" if torch_dtype(x.dtype).is_floating_point else "int"))
+            kind = None if x.dtype is None else ("bool" if x.dtype == "bool" else ("real" if x.dtype in FLOAT_DTYPES else "int"))
             have = "bool" if isinstance(x.value, bool) else ("int" if isinstance(x.value, int) else ("real" if isinstance(x.value, str) else None))
             if kind is not None and have != kind:
                 yield ManifestError, f"optimizer state {x.key!r}: a {x.dtype} 0-d tensor must hold a {kind}, not {have}", e.name
