@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TinyNet, make_optimizer, train_steps
 
 import shardstore as ss
 from shardstore_cli import shardstore_cli
-
-from conftest import TinyNet, make_optimizer, train_steps
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
