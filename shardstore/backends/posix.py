@@ -13,7 +13,7 @@ from collections.abc import Callable
 __all__ = ["READ_CHUNK", "FIRST_READ", "start_writeback", "read_exact", "close_quietly", "unlink_quietly", "freshen", "fsync_dir"]
 
 #: Bytes per readv(2) on the streaming read paths: small enough that a chunk is still in the
-#: core's cache when it is hashed (1 MiB measured 1.2-1.5x faster than 8 MiB on 2 cores).
+#: core's cache when it is hashed (faster than 8 MiB chunks: benchmarks/RESULTS.md, "design measurements").
 READ_CHUNK = 1 << 20
 #: The first read of every file asks for one page. Linux (6.x) fills the first readahead
 #: window of a file with order-0 (4 KiB) folios whatever the request size, and raises the

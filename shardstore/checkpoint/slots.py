@@ -382,8 +382,8 @@ def restore(
     ``rng`` restores the RNG states of ``slot`` (default: the only slot of a 1-slot commit).
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;
-    on 2 cores and a VM disk, 8 gave the deepest queue worth having: cold, ~200 objects of
-    10 MiB restored in a median 1.08 s against 1.36 s with 4) and hashed as they land; if a corrupt object
+    benchmarks/RESULTS.md, "design measurements", has the queue depth's figures) and hashed
+    as they land; if a corrupt object
     raises, tensors read before it hold restored values and it may hold unverified bytes,
     so a failed restore must be repeated or abandoned, never trained from.
     """
