@@ -49,7 +49,9 @@ rng = random.Random(0)
 def batch_of(recs):
     seqs = [tok.encode_chat(r.as_dicts()) for r in recs]
     t = max(len(i) for i, _ in seqs) - 1
-    tokens = torch.full((len(seqs), t), tok.pad_id); targets = torch.full((len(seqs), t), tok.pad_id); weights = torch.zeros(len(seqs), t)
+    tokens = torch.full((len(seqs), t), tok.pad_id)
+    targets = torch.full((len(seqs), t), tok.pad_id)
+    weights = torch.zeros(len(seqs), t)
     for k, (ids, w) in enumerate(seqs):
         n = len(ids) - 1
         tokens[k, :n], targets[k, :n], weights[k, :n] = torch.tensor(ids[:-1]), torch.tensor(ids[1:]), torch.tensor(w[1:])
@@ -57,7 +59,9 @@ def batch_of(recs):
 to = th = 0.0
 for s in range(steps):
     b = batch_of([tasks.make_record(fam, rng, "A") for _ in range(32)])
-    t0 = time.perf_counter(); r = ours.step(b); to += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    r = ours.step(b)
+    to += time.perf_counter() - t0
     t0 = time.perf_counter()
     opt.zero_grad()
     logits = hf(input_ids=b.tokens).logits
@@ -65,7 +69,9 @@ for s in range(steps):
     loss = (ce * b.weights.reshape(-1)).sum() / b.weights.sum()
     loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-    opt.step(); lam.step(); th += time.perf_counter() - t0
+    opt.step()
+    lam.step()
+    th += time.perf_counter() - t0
     if s < 3 or (s + 1) % 50 == 0:
         d = max(float((dict(hf.named_parameters())[n].detach() - p.detach()).abs().max()) for n, p in stage.named_parameters())
         print(f"step {s+1}: ours {r.loss:.4f} (gn {r.grad_norm:.3f}) hf {float(loss):.4f} (gn {float(gn):.3f}) max|dW| {d:.2e}  t ours {to:.1f}s hf {th:.1f}s", flush=True)

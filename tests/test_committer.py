@@ -9,7 +9,6 @@ coordinator wrote the commit manifest; the replay resumes from the run's ref.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

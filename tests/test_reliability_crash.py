@@ -37,7 +37,6 @@ from conftest import TinyNet, make_optimizer, train_steps
 from faults import KILL, FaultyOs, OpLog, fast_dir, frozen_slots, kill_at, patch_local_os, set_local_os, slots_snapshot, snapshot
 
 import shardstore as ss
-import shardstore.backends.local as storage_mod
 from shardstore.backends.local import LocalStorage
 from shardstore.ops.gc import gc
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from botocore.exceptions import ClientError, ReadTimeoutError
 from conftest import TinyNet, make_optimizer, train_steps
-from faults import FaultyOs, OpLog, S3FaultClient, fast_dir, frozen_slots, patch_local_os, set_local_os
+from faults import FaultyOs, OpLog, S3FaultClient, fast_dir, frozen_slots, patch_local_os
 
 import shardstore as ss
 import shardstore.backends.local as storage_mod

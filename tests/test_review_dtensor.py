@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 
 import msgspec
 import pytest

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shardstore as ss
-from shardstore.format.manifest import HyperGroup, ParamState, ShardManifest, StateTensor, TensorEntry, encode
+from shardstore.format.manifest import HyperGroup, encode
 from shardstore.state.optim import OptimState, ParamOpt
 from shardstore.state.optim import TorchParam
 
