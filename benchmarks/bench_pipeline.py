@@ -43,8 +43,8 @@ import shardstore
 from shardstore import CommitInfo
 from shardtrain import AdamW, Batch, GroupConfig, LlamaConfig, Partition, Pipeline, Schedule, Trainer, WorkerContext, \
     build_stage, launch_local
-from shardtrain.committer import Committer
-from shardtrain.evaluate import Ring
+from shardtrain.run.committer import Committer
+from shardtrain.run.evaluate import Ring
 
 # Big enough that compute, not per-message or per-op overhead, decides the step time.
 CONFIG = LlamaConfig(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,

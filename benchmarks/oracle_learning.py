@@ -20,14 +20,14 @@ import time
 import torch
 import transformers
 
-import shardtrain.tasks as tasks
-from shardtrain.batch import Batch
-from shardtrain.model import LlamaConfig
-from shardtrain.optim import AdamW, GroupConfig, Schedule, lr_multiplier
-from shardtrain.partition import Partition, build_stage
-from shardtrain.pipeline import Pipeline
-from shardtrain.tokenizer import default_assets, load_tokenizer
-from shardtrain.trainer import Trainer
+import shardtrain.job.tasks as tasks
+from shardtrain.engine.batch import Batch
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.optim import AdamW, GroupConfig, Schedule, lr_multiplier
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.job.tokenizer import default_assets, load_tokenizer
+from shardtrain.engine.trainer import Trainer
 torch.set_num_threads(1)
 steps, std, fam = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]  # e.g. 300 0.08 filter
 tok = load_tokenizer(default_assets())

@@ -26,15 +26,15 @@ from collections.abc import Callable
 
 import torch
 
-import shardtrain.tasks as tasks
-from shardtrain.batch import Batch
-from shardtrain.model import LlamaConfig
-from shardtrain.optim import AdamW, GroupConfig, Schedule, lr_multiplier
-from shardtrain.partition import Partition, build_stage
-from shardtrain.pipeline import Pipeline
-from shardtrain.ring import Ring
-from shardtrain.tokenizer import ByteTokenizer, default_assets, load_tokenizer
-from shardtrain.trainer import Trainer
+import shardtrain.job.tasks as tasks
+from shardtrain.engine.batch import Batch
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.optim import AdamW, GroupConfig, Schedule, lr_multiplier
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.ring import Ring
+from shardtrain.job.tokenizer import ByteTokenizer, default_assets, load_tokenizer
+from shardtrain.engine.trainer import Trainer
 
 
 def _args() -> argparse.Namespace:

@@ -72,7 +72,7 @@ def _slot_store(text: str) -> tuple[int, str]:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from shardtrain.job import load_job, prepare_default
+    from shardtrain.job.job import load_job, prepare_default
 
     config = None
     if args.seed_commit:
@@ -93,7 +93,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardtrain.lifecycle import DETERMINISTIC_ENV, RunSpec, train, train_worker
+    from shardtrain.run.lifecycle import DETERMINISTIC_ENV, RunSpec, train, train_worker
 
     spec = RunSpec(job=args.prepared, store=args.store, until=args.until, every=args.every, resume=args.resume,
                    ref=args.ref, slot_stores=tuple(args.slot_store or ()), message_timeout=args.timeout,
@@ -102,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one worker
         from datetime import timedelta
 
-        from shardtrain.launch import run_worker
+        from shardtrain.workers.launch import run_worker
 
         for k, v in DETERMINISTIC_ENV.items():
             os.environ.setdefault(k, v)  # ATEN_CPU_CAPABILITY is read at torch import: set it for torchrun too
@@ -132,7 +132,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _render_report(report: object) -> list[str]:
-    from shardtrain.evaluate import EvalReport
+    from shardtrain.run.evaluate import EvalReport
 
     assert isinstance(report, EvalReport)
     names = [s.name for s in report.commits[0].losses]
@@ -152,7 +152,7 @@ def _render_report(report: object) -> list[str]:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from shardtrain.evaluate import EvalSpec, evaluate
+    from shardtrain.run.evaluate import EvalSpec, evaluate
 
     spec = EvalSpec(store=args.store, commits=tuple(args.commit), job=args.prepared, cases_per_set=args.cases,
                     max_new_tokens=args.max_new_tokens, message_timeout=args.timeout,
@@ -166,7 +166,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_select(args: argparse.Namespace) -> int:
-    from shardtrain.roles import select
+    from shardtrain.job.roles import select
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
@@ -177,8 +177,8 @@ def cmd_select(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from shardtrain.evaluate import EvalSpec, evaluate, job_from_store
-    from shardtrain.gates import gate_report, render_gates, thresholds_of, write_gate_report
+    from shardtrain.run.evaluate import EvalSpec, evaluate, job_from_store
+    from shardtrain.run.gates import gate_report, render_gates, thresholds_of, write_gate_report
 
     store = shardstore.open_store(args.store, create=False)
     baseline, candidate = shardstore.load_commit(store, args.baseline), shardstore.load_commit(store, args.candidate)
@@ -199,7 +199,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shardtrain.demo import run_demo
+    from shardtrain.run.demo import run_demo
 
     home = args.home or tempfile.mkdtemp(prefix="shardtrain-demo-")
     print(f"shardtrain demo in {home}", flush=True)
@@ -213,8 +213,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _memory_model(args: argparse.Namespace, config: object = None) -> object:
-    from shardtrain.job import load_job
-    from shardtrain.planner import for_job
+    from shardtrain.job.job import load_job
+    from shardtrain.reshape.planner import for_job
 
     if not args.prepared:
         raise JobError("--plan needs --prepared JOB (its sequence length and batch split)")
@@ -222,7 +222,7 @@ def _memory_model(args: argparse.Namespace, config: object = None) -> object:
 
 
 def _capacities(args: argparse.Namespace, workers: int) -> list[int]:
-    from shardtrain.planner import parse_bytes
+    from shardtrain.reshape.planner import parse_bytes
 
     if not args.memory:
         raise JobError("--plan needs --memory SIZE[,SIZE...] (one per worker, or one for all)")
@@ -236,9 +236,9 @@ def _capacities(args: argparse.Namespace, workers: int) -> list[int]:
 
 def _layout(args: argparse.Namespace, config: object, workers: int | None) -> object:
     """The partition for a regroup or grow: --partition, --plan, or None (even)."""
-    from shardtrain.partition import Partition
-    from shardtrain.planner import plan
-    from shardtrain.regroup import parse_partition
+    from shardtrain.engine.partition import Partition
+    from shardtrain.reshape.planner import plan
+    from shardtrain.reshape.regroup import parse_partition
 
     if args.partition:
         return parse_partition(args.partition, config.num_hidden_layers)  # type: ignore[attr-defined]
@@ -262,7 +262,7 @@ def _transition_lines(kind: str, made: object) -> list[str]:
 
 
 def cmd_regroup(args: argparse.Namespace) -> int:
-    from shardtrain.regroup import commit_config, regroup
+    from shardtrain.reshape.regroup import commit_config, regroup
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
@@ -282,8 +282,8 @@ def _transition_json(made: object) -> dict[str, object]:
 def cmd_grow(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from shardtrain.grow import grow, identity_check
-    from shardtrain.regroup import commit_config
+    from shardtrain.reshape.grow import grow, identity_check
+    from shardtrain.reshape.regroup import commit_config
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
@@ -302,8 +302,8 @@ def cmd_grow(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardtrain.planner import plan
-    from shardtrain.regroup import commit_config
+    from shardtrain.reshape.planner import plan
+    from shardtrain.reshape.regroup import commit_config
 
     config = None
     if args.commit:

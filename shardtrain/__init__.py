@@ -21,8 +21,8 @@ replay rows), `ring` (forward-only passes round the ring), `distill` (the frozen
 reference, sharded like the student), `roles` (development and final sets, the selection
 record) and `gates` (gain, retention and generation gates).
 """
-from shardtrain.batch import Batch, Microbatch, split_microbatches
-from shardtrain.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms
+from shardtrain.engine.batch import Batch, Microbatch, split_microbatches
+from shardtrain.engine.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms
 from shardtrain.errors import (
     BatchError,
     ConfigError,
@@ -37,25 +37,25 @@ from shardtrain.errors import (
     RunAborted,
     WorkerFailedError,
 )
-from shardtrain.launch import WorkerContext, free_port, init_from_env, launch_local, run_worker, shutdown
-from shardtrain.messages import Channel, MessageHeader, check_header
-from shardtrain.model import Llama, LlamaConfig
-from shardtrain.optim import AdamW, GroupConfig, Schedule, default_group, lr_multiplier
-from shardtrain.partition import (
+from shardtrain.workers.launch import WorkerContext, free_port, init_from_env, launch_local, run_worker, shutdown
+from shardtrain.engine.messages import Channel, MessageHeader, check_header
+from shardtrain.engine.model import Llama, LlamaConfig
+from shardtrain.engine.optim import AdamW, GroupConfig, Schedule, default_group, lr_multiplier
+from shardtrain.engine.partition import (
     Partition,
     build_stage,
     canonical_parameter_names,
     init_parameters_,
     parameter_inventory,
 )
-from shardtrain.pipeline import Pipeline
-from shardtrain.trainer import StepResult, Trainer
-from shardtrain.job import PreparedJob, load_job, prepare_default
-from shardtrain.lifecycle import RunResult, RunSpec, StepEvent, train
-from shardtrain.evaluate import EvalReport, EvalSpec, evaluate
-from shardtrain.regroup import TransitionResult  # regroup() and grow() stay in their modules: same names
-from shardtrain.grow import identity_check
-from shardtrain.planner import MemoryModel, Plan, SlotEstimate, plan
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.trainer import StepResult, Trainer
+from shardtrain.job.job import PreparedJob, load_job, prepare_default
+from shardtrain.run.lifecycle import RunResult, RunSpec, StepEvent, train
+from shardtrain.run.evaluate import EvalReport, EvalSpec, evaluate
+from shardtrain.reshape.regroup import TransitionResult  # regroup() and grow() stay in their modules: same names
+from shardtrain.reshape.grow import identity_check
+from shardtrain.reshape.planner import MemoryModel, Plan, SlotEstimate, plan
 from shardtrain.errors import AdmissionError, TransitionError
 
 __all__ = [

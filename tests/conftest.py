@@ -10,8 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import shardstore as ss  # noqa: E402
-from shardtrain import forkserver  # noqa: E402
-from shardtrain.lifecycle import DETERMINISTIC_ENV  # noqa: E402
+from shardtrain.workers import forkserver  # noqa: E402
+from shardtrain.run.lifecycle import DETERMINISTIC_ENV  # noqa: E402
 
 # One server that imported torch forks every local worker of the suite (the launcher's and
 # the tests' own groups) instead of each spawned process importing torch again: seconds per

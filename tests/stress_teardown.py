@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import shardstore as ss
 import shardstore.distributed as sd
-from shardtrain.launch import WorkerContext, _child_main, free_port, run_worker
+from shardtrain.workers.launch import WorkerContext, _child_main, free_port, run_worker
 
 
 def _frombuffer_pack(status: int, oid: str | None) -> torch.Tensor:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardtrain.demo import EVERY, STEPS_A, STEPS_B
+from shardtrain.run.demo import EVERY, STEPS_A, STEPS_B
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -119,7 +119,7 @@ def test_cli_refuses_before_training(tmp_path: Path) -> None:
 def test_torchrun_workers_commit_what_the_local_launcher_commits(tmp_path: Path) -> None:
     import os
 
-    from shardtrain.launch import free_port
+    from shardtrain.workers.launch import free_port
 
     job = str(tmp_path / "job" / "job.json")
     assert _cli("-m", "shardstore_cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"), "--steps-a", "2", "--steps-b",

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from shardtrain import Partition, Pipeline, build_stage
-from shardtrain.evaluate import Ring, SetLoss, paired_bootstrap
-from shardtrain.job import load_job, prepare_default
-from shardtrain.model import KVCache
+from shardtrain.run.evaluate import Ring, SetLoss, paired_bootstrap
+from shardtrain.job.job import load_job, prepare_default
+from shardtrain.engine.model import KVCache
 
 
 @pytest.fixture(scope="module")

@@ -227,7 +227,7 @@ def test_structured_mutations_never_accept_an_invalid_manifest(data: Any) -> Non
 
 def _job_decoder() -> Any:
     from shardtrain.errors import ShardtrainError
-    from shardtrain.job import decode_job
+    from shardtrain.job.job import decode_job
 
     return decode_job, ShardtrainError
 

@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 import shardstore
 from shardstore.transfer import commit_closure
 from shardtrain.errors import RunAborted
-from shardtrain.evaluate import CommitEval, EvalReport, EvalSpec, evaluate
-from shardtrain.gates import GateReport, gate_report, render_gates, thresholds_of, write_gate_report
-from shardtrain.grow import grow, identity_check
-from shardtrain.job import load_job, prepare_default
-from shardtrain.regroup import regroup
-from shardtrain.roles import FINAL, select
-from shardtrain.lifecycle import FAULT_ENV, RunSpec, StepEvent, train
+from shardtrain.run.evaluate import CommitEval, EvalReport, EvalSpec, evaluate
+from shardtrain.run.gates import GateReport, gate_report, render_gates, thresholds_of, write_gate_report
+from shardtrain.reshape.grow import grow, identity_check
+from shardtrain.job.job import load_job, prepare_default
+from shardtrain.reshape.regroup import regroup
+from shardtrain.job.roles import FINAL, select
+from shardtrain.run.lifecycle import FAULT_ENV, RunSpec, StepEvent, train
 
 __all__ = ["DemoResult", "run_demo"]
 

@@ -30,12 +30,12 @@ import torch.nn.functional as F
 import shardstore
 from shardstore import Store, load_commit, open_store
 from shardtrain.errors import JobError, ResumeError, WorkerFailedError
-from shardtrain.job import JOB_FILE, PreparedJob, decode_job, load_job
-from shardtrain.launch import WorkerContext, launch_local
-from shardtrain.lifecycle import DETERMINISTIC_ENV, commit_config, gate
-from shardtrain.partition import Partition, build_stage
-from shardtrain.ring import Ring
-from shardtrain.roles import DEVELOPMENT, FINAL, open_finals
+from shardtrain.job.job import JOB_FILE, PreparedJob, decode_job, load_job
+from shardtrain.workers.launch import WorkerContext, launch_local
+from shardtrain.run.lifecycle import DETERMINISTIC_ENV, commit_config, gate
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.ring import Ring
+from shardtrain.job.roles import DEVELOPMENT, FINAL, open_finals
 
 __all__ = ["EvalSpec", "SetLoss", "Case", "CommitEval", "Comparison", "EvalReport", "Ring", "evaluate",
            "evaluate_worker", "job_from_store", "paired_bootstrap"]

@@ -29,14 +29,14 @@ import torch.nn.functional as F
 import shardstore
 from shardstore import Store, load_commit
 from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
-from shardtrain.batch import Batch
+from shardtrain.engine.batch import Batch
 from shardtrain.errors import DistillError
-from shardtrain.job import PreparedJob
-from shardtrain.loss import DistillTargets
-from shardtrain.messages import REFERENCE
-from shardtrain.model import Llama, LlamaConfig
-from shardtrain.partition import Partition, build_stage
-from shardtrain.ring import Ring
+from shardtrain.job.job import PreparedJob
+from shardtrain.engine.loss import DistillTargets
+from shardtrain.engine.messages import REFERENCE
+from shardtrain.engine.model import Llama, LlamaConfig
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.ring import Ring
 
 __all__ = ["find_reference", "Reference", "Distiller", "reference_steps", "reference_bytes"]
 

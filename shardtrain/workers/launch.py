@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardtrain import forkserver
+from shardtrain.workers import forkserver
 from shardtrain.errors import LaunchError, WorkerFailedError
 
 __all__ = ["WorkerContext", "init_from_env", "shutdown", "run_worker", "launch_local", "free_port"]

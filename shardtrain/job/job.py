@@ -32,15 +32,15 @@ import torch
 from msgspec import Meta
 
 from shardstore.manifest import f64_decode, f64_encode
-from shardtrain.batch import Batch
+from shardtrain.engine.batch import Batch
 from shardtrain.errors import ConfigError, JobError
-from shardtrain.model import LlamaConfig
-from shardtrain.optim import GroupConfig
-from shardtrain.optim import Schedule as LrSchedule
-from shardtrain.recipe import F64, CohortReference, Count, Distillation, FileName, GateRecipe, GroupRecipe, Positive, Recipe, _Base
-from shardtrain.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
-from shardtrain.tasks import FAMILIES, Record, make_conversations, make_records, record_id
-from shardtrain.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, ByteTokenizer, default_assets, load_tokenizer
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.optim import GroupConfig
+from shardtrain.engine.optim import Schedule as LrSchedule
+from shardtrain.job.recipe import F64, CohortReference, Count, Distillation, FileName, GateRecipe, GroupRecipe, Positive, Recipe, _Base
+from shardtrain.job.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
+from shardtrain.job.tasks import FAMILIES, Record, make_conversations, make_records, record_id
+from shardtrain.job.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, ByteTokenizer, default_assets, load_tokenizer
 
 __all__ = ["JOB_FILE", "RECORDS_FILE", "Job", "PreparedJob", "decode_job", "load_job", "prepare_default", "model_spec",
            "default_config"]

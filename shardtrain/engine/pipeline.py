@@ -39,13 +39,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardtrain.batch import Batch, Microbatch, split_microbatches
+from shardtrain.engine.batch import Batch, Microbatch, split_microbatches
 from shardtrain.errors import ConfigError
-from shardtrain.loss import DistillTargets, microbatch_loss
-from shardtrain.messages import ACTIVATION, GRADIENT, Channel, MessageHeader, PostedRecv
-from shardtrain.model import Llama, rotary_tables
-from shardtrain.partition import Partition
-from shardtrain.schedule import BACKWARD, FORWARD, HEAD, Action, build
+from shardtrain.engine.loss import DistillTargets, microbatch_loss
+from shardtrain.engine.messages import ACTIVATION, GRADIENT, Channel, MessageHeader, PostedRecv
+from shardtrain.engine.model import Llama, rotary_tables
+from shardtrain.engine.partition import Partition
+from shardtrain.engine.schedule import BACKWARD, FORWARD, HEAD, Action, build
 
 __all__ = ["Pipeline", "PREFETCH"]
 

@@ -56,20 +56,20 @@ import torch.distributed as dist
 import shardstore
 from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
 from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
-from shardtrain import admission
-from shardtrain.committer import Committer
-from shardtrain.distill import Distiller, reference_steps
+from shardtrain.reshape import admission
+from shardtrain.run.committer import Committer
+from shardtrain.run.distill import Distiller, reference_steps
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
-from shardtrain.job import PreparedJob, load_job
-from shardtrain.launch import WorkerContext, launch_local
-from shardtrain.model import LlamaConfig
-from shardtrain.optim import AdamW
-from shardtrain.partition import Partition, build_stage, parameter_inventory
-from shardtrain.pipeline import Pipeline
-from shardtrain.planner import for_job
-from shardtrain.regroup import grown_from, regroup, start_layout
-from shardtrain.schedule import build as build_schedule
-from shardtrain.trainer import Trainer
+from shardtrain.job.job import PreparedJob, load_job
+from shardtrain.workers.launch import WorkerContext, launch_local
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.optim import AdamW
+from shardtrain.engine.partition import Partition, build_stage, parameter_inventory
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.reshape.planner import for_job
+from shardtrain.reshape.regroup import grown_from, regroup, start_layout
+from shardtrain.engine.schedule import build as build_schedule
+from shardtrain.engine.trainer import Trainer
 
 __all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
            "check_commit", "open_start", "store_job_files", "gate", "fault_from_env"]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from shardtrain.errors import PartitionError
-from shardtrain.model import Llama, LlamaConfig
+from shardtrain.engine.model import Llama, LlamaConfig
 
 __all__ = [
     "LAYER_PARAMETER_SUFFIXES",

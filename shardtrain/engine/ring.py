@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtrain.job import PreparedJob
-from shardtrain.messages import ACTIVATION, Channel, MessageHeader
-from shardtrain.model import KVCache, Llama, rotary_tables
-from shardtrain.partition import Partition
+from shardtrain.job.job import PreparedJob
+from shardtrain.engine.messages import ACTIVATION, Channel, MessageHeader
+from shardtrain.engine.model import KVCache, Llama, rotary_tables
+from shardtrain.engine.partition import Partition
 
 __all__ = ["Ring"]
 
