@@ -46,7 +46,7 @@ exit codes:
 
 def print_step(event: object) -> None:
     """Progress line of one update (called on the coordinator worker)."""
-    e = event  # a shardtrain.lifecycle.StepEvent
+    e = event  # a shardtrain.run.lifecycle.StepEvent
     rate = e.tokens / e.seconds if e.seconds > 0 else 0.0  # type: ignore[attr-defined]
     line = (f"step {e.step:>4}/{e.until}  loss {e.loss:.4f}  grad norm {e.grad_norm:.3f}  "  # type: ignore[attr-defined]
             f"{rate:,.0f} tok/s")
@@ -251,7 +251,7 @@ def _layout(args: argparse.Namespace, config: object, workers: int | None) -> ob
 
 
 def _transition_lines(kind: str, made: object) -> list[str]:
-    m = made  # a shardtrain.regroup.TransitionResult
+    m = made  # a shardtrain.reshape.regroup.TransitionResult
     ranges = ",".join(f"{r.start}:{r.stop}" for r in m.partition.ranges)  # type: ignore[attr-defined]
     return [f"{kind} commit {m.commit}",  # type: ignore[attr-defined]
             f"parent {m.parent} (step {m.step})",  # type: ignore[attr-defined]

@@ -1,25 +1,30 @@
 """shardtrain: a compact Llama pipeline trainer on torch.distributed that keeps every
 worker's state in a shardstore and never builds the whole model in one place.
 
-The numerical core: `model` (a Llama decoder with Hugging Face names), `partition`
-(which slot owns which layers; building a slot's stage), `batch`, `messages` and
-`pipeline` (the ring of activations and gradients), `schedule` (the order of each
-slot's microbatch actions: overlapped or synchronous, bitwise alike), `clipping` (a partition-independent
-global norm), `optim` (shard-local AdamW with per-parameter Adam age), `trainer` (one
-update) and `launch` (torchrun or local worker processes).
+Packages, each one concept, from the bottom up; each imports only those below it
+(checked by import-linter):
 
-The lifecycle on top: `job` (the prepared job binding tokenizer assets, records, schedule
-and recipe by hash; `tokenizer` and `tasks` are the embedded default's pieces),
-`lifecycle` (train with commits through shardstore, resume, fault handling), `committer`
-(a run's commits, written in the background from a staged copy), `evaluate`
-(held-out loss, greedy generation with a per-stage KV cache, paired bootstrap) and `demo`.
-Adaptive shards: `regroup` (repartition commits), `grow` (identity blocks), `planner`
-(per-slot memory estimate, exact assignment) and `admission` (each worker's check).
-
-The experiment's pieces: `recipe` (the job's recipe), `loss` (CE plus KL on declared
-replay rows), `ring` (forward-only passes round the ring), `distill` (the frozen
-reference, sharded like the student), `roles` (development and final sets, the selection
-record) and `gates` (gain, retention and generation gates).
+- `errors` — the error hierarchy (the lowest layer).
+- `engine` — one slot's share of the model and its step: `model` (a Llama decoder with
+  Hugging Face names), `partition` (which slot owns which layers; building a slot's
+  stage), `batch`, `loss` (CE plus KL on declared replay rows), `messages` and
+  `pipeline` (the ring of activations and gradients), `schedule` (the order of each
+  slot's microbatch actions: overlapped or synchronous, bitwise alike), `clipping` (a
+  partition-independent global norm), `optim` (shard-local AdamW with per-parameter Adam
+  age), `trainer` (one update) and `ring` (forward-only passes round the ring).
+- `workers` — beside the engine: `launch` (torchrun or local worker processes) and
+  `forkserver` (workers forked from a server that imported torch once).
+- `job` — what a run is bound to: `job` (the prepared job binding tokenizer assets,
+  records, schedule and recipe by hash), `recipe`, `tasks` and `tokenizer` (the embedded
+  default's pieces) and `roles` (development and final sets, the selection record).
+- `reshape` — adaptive shards: `regroup` (repartition commits), `grow` (identity blocks),
+  `planner` (per-slot memory estimate, exact assignment) and `admission` (each worker's
+  check).
+- `run` — `lifecycle` (train with commits through shardstore, resume, fault handling),
+  `committer` (a run's commits, written in the background from a staged copy), `distill`
+  (the frozen reference, sharded like the student), `evaluate` (held-out loss, greedy
+  generation with a per-stage KV cache, paired bootstrap), `gates` (gain, retention and
+  generation gates) and `demo`.
 """
 from shardtrain.engine.batch import Batch, Microbatch, split_microbatches
 from shardtrain.engine.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from shardtrain import Partition, Pipeline, build_stage
-from shardtrain.run.evaluate import Ring, SetLoss, paired_bootstrap
+from shardtrain.engine.ring import Ring
+from shardtrain.run.evaluate import SetLoss, paired_bootstrap
 from shardtrain.job.job import load_job, prepare_default
 from shardtrain.engine.model import KVCache
 

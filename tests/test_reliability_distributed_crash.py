@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch._dynamo  # noqa: F401  before any group: see shardtrain.launch.init_from_env
+import torch._dynamo  # noqa: F401  before any group: see shardtrain.workers.launch.init_from_env
 import torch.multiprocessing as mp
 
 import shardstore as ss

@@ -116,7 +116,7 @@ class Job(_Base, tag="shardtrain-job", tag_field="type"):
     tokenizer: tuple[Asset, ...]
     records: Asset
     exposed: tuple[Count, ...]  # records the seed was trained on before this job: replayable from step 0
-    sets: tuple[EvalSet, ...]  # held-out sets with their roles (shardtrain.roles)
+    sets: tuple[EvalSet, ...]  # held-out sets with their roles (shardtrain.job.roles)
     schedule: Schedule
     schedule_id: Hex64
     recipe: Recipe

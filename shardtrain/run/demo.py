@@ -25,7 +25,7 @@
    verified.
 
 Cohort A distils toward the seed on its conversation replay, cohort B toward the
-committed end of cohort A (the recipe's references; `shardtrain.distill`). The sizes below
+committed end of cohort A (the recipe's references; `shardtrain.run.distill`). The sizes below
 (`STEPS_A` ...) with `prepare_default`'s recipe are chosen so that cohort A learns the filter
 family in generation within the demo's budget (README, "What the demo learns").
 

@@ -16,7 +16,7 @@ reference costs no bytes in the store. No worker holds a whole student or refere
 Before the student's forward and backward of a step whose cohort declares replay
 records, the replay rows of the batch go once round the ring through the reference,
 forward only (`Ring`, message kind ``REFERENCE``), and slot 0 keeps the reference's
-log-probabilities at the recipe's temperature; `shardtrain.loss` then adds
+log-probabilities at the recipe's temperature; `shardtrain.engine.loss` then adds
 ``coef * T**2 * KL(p_ref || p_student)`` on those rows only.
 """
 from __future__ import annotations

@@ -51,7 +51,7 @@ class EvalSpec:
     batch_size: int = 8
     message_timeout: float = 60.0
     out_dir: str | None = None
-    role: str = DEVELOPMENT  # which held-out sets: development, or final (needs a selection; shardtrain.roles)
+    role: str = DEVELOPMENT  # which held-out sets: development, or final (needs a selection; shardtrain.job.roles)
 
 
 class SetLoss(msgspec.Struct, frozen=True):
