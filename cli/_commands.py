@@ -25,7 +25,8 @@ from shardstore.names import check_ref_name
 from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardstore.tensors import expected_nbytes
 
-from ._render import jsonable, render_diff, render_log, render_refs, render_show, render_verify
+from ._output import emit as _emit, note
+from ._render import jsonable, render_cat, render_diff, render_log, render_refs, render_show, render_verify
 
 __all__ = [
     "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "UsageError",
@@ -51,19 +52,9 @@ class UsageError(Exception):
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _emit(args: argparse.Namespace, doc: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
-    """Print a command's document: as JSON with --json, else as text for people."""
-    if args.json:
-        print(json.dumps(jsonable(doc), indent=2))
-    else:
-        text = render(doc)
-        if text:
-            print(text)
-
-
 def _note(args: argparse.Namespace, message: str) -> None:
     if not args.quiet and not args.json:
-        print(message, file=sys.stderr)
+        note(message)
 
 
 def _bar(args: argparse.Namespace, desc: str, total: int | None = None) -> tqdm:
@@ -264,10 +255,7 @@ def cmd_cat(args: argparse.Namespace) -> int:
                 value, kind = json.loads(bytes(data)), "json"
             except (ValueError, ManifestError):
                 raise ManifestError(f"object {oid} ({len(data)} bytes) is not a manifest, a model config or JSON (a tensor or RNG state?)") from None
-    if args.json:
-        print(json.dumps({"id": oid, "kind": kind, "value": jsonable(value)}, indent=2))
-    else:
-        print(json.dumps(jsonable(value), indent=2))
+    _emit(args, {"id": oid, "kind": kind, "value": jsonable(value)}, render_cat)
     return EXIT_OK
 
 
@@ -295,7 +283,7 @@ def cmd_refs(args: argparse.Namespace) -> int:
         doc["broken"] = broken
     _emit(args, doc, render_refs)
     for line in broken:  # the others are listed above; the store is still damaged: exit 1
-        print(f"shardstore refs: error: {line}", file=sys.stderr)
+        note(f"shardstore refs: error: {line}")
     return EXIT_ERROR if broken else EXIT_OK
 
 
