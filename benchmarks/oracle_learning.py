@@ -6,11 +6,10 @@ batches of one task family: ours with `Trainer` (a 1-slot `Pipeline`, bitwise th
 update), transformers with a plain loop (`torch.optim.AdamW` in two weight-decay groups,
 `LambdaLR` over `lr_multiplier`, `clip_grad_norm_`). Prints both losses, gradient norms and
 the largest weight difference. If transformers learned and ours did not, ours would have a
-bug; README ("What the demo learns") quotes
+bug; docs/DEMO.md gives the figures of
 
     python benchmarks/oracle_learning.py 300 0.08 filter
 
-in which the two losses agree to 4 decimals for the first 100 updates and both reach ~0.27.
 Usage: oracle_learning.py STEPS STD FAMILY.
 """
 import random

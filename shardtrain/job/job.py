@@ -381,9 +381,9 @@ def _step_docs(steps: int, batch_size: int, replay: int, first: int, pool: list[
 
 #: The embedded default's task mix (families repeat to weight them): training records are all
 #: `filter`, the family this model learns within the demo's budget; the held-out task sets
-#: keep all four families (README, "What the demo learns").
+#: keep all four families (docs/DEMO.md).
 DEFAULT_MIX: tuple[str, ...] = ("filter",)
-#: The embedded default's peak learning rate and initialisation scale (README, "What the demo learns").
+#: The embedded default's peak learning rate and initialisation scale (docs/DEMO.md).
 DEFAULT_LR = 5e-3
 DEFAULT_INIT_STD = 0.08
 _MAX_PRIOR = 512

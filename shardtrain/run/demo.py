@@ -27,7 +27,7 @@
 Cohort A distils toward the seed on its conversation replay, cohort B toward the
 committed end of cohort A (the recipe's references; `shardtrain.run.distill`). The sizes below
 (`STEPS_A` ...) with `prepare_default`'s recipe are chosen so that cohort A learns the filter
-family in generation within the demo's budget (README, "What the demo learns").
+family in generation within the demo's budget (docs/DEMO.md).
 
 It reports through `say` (one line at a time); the CLI prints.
 """
@@ -72,7 +72,7 @@ class DemoResult:
         return self.reference == self.recovered
 
 
-#: The demo's cohort sizes and commit interval (README, "What the demo learns").
+#: The demo's cohort sizes and commit interval (docs/DEMO.md).
 STEPS_A, STEPS_B, EVERY, BATCH_SIZE, MICROBATCH_SIZE = 700, 12, 50, 32, 8
 
 
@@ -171,8 +171,7 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     counts = report.commits[1].family_counts()
     best = max(sorted(counts), key=lambda f: counts[f][0])
     say(f"      best family after cohort A: {best} {counts[best][0]}/{counts[best][1]} generated answers right "
-        f"(seed {report.commits[0].family_counts().get(best, (0, 0))[0]}/{counts[best][1]}; README, "
-        f"\"What the demo learns\")")
+        f"(seed {report.commits[0].family_counts().get(best, (0, 0))[0]}/{counts[best][1]}; docs/DEMO.md)")
     thresholds = thresholds_of(job)
     gates = []
     for cand in (reference, final):
