@@ -34,7 +34,7 @@ import time
 from datetime import timedelta
 
 import torch
-import torch._dynamo  # noqa: F401  before any group (see shardtrain.launch)
+import torch._dynamo  # noqa: F401  before any group (see shardtrain.workers.launch)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

@@ -69,9 +69,9 @@ def _model(tmp: str, total_mib: int, largest_mib: int) -> dict[str, Any]:
 
 
 def _child(op: str, tmp: str) -> dict[str, Any]:
-    import shardstore as ss
     from safetensors.torch import load_file, save_file
 
+    import shardstore as ss
     from shardstore.ops.interchange import export_commit, import_directory
 
     src, store_url = os.path.join(tmp, "src"), os.path.join(tmp, "store")

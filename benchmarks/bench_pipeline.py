@@ -14,13 +14,13 @@ Three parts, each one table of ratios against peers measured in the same run:
   per second of step), and the point-to-point bytes.
 - ``stall``: 2 workers train and commit every other step, alternately with synchronous
   commits (``save_distributed`` in the step loop) and background commits
-  (``shardtrain.committer``: one staging copy, the protocol in a background thread); the
+  (``shardtrain.run.committer``: one staging copy, the protocol in a background thread); the
   stall is the time the step loop is blocked in the commit call. Each is paired with a
   memcpy of the slot's state (weights and both Adam moments) into an already-touched
   buffer, measured right before it. The first background commit (which allocates the
   staging arena) is reported apart. The update time of a step overlapping a background
   write is reported next to that of a quiet step (the write competes for the cores).
-- ``generate``: greedy generation in one process through ``shardtrain.evaluate.Ring``,
+- ``generate``: greedy generation in one process through ``shardtrain.engine.ring.Ring``,
   with its per-layer KV cache against recomputing the whole prefix for every new token,
   at 64 and 256 new tokens (no stop token), alternating the two methods.
 
@@ -41,10 +41,9 @@ import torch
 
 import shardstore
 from shardstore import CommitInfo
-from shardtrain import AdamW, Batch, GroupConfig, LlamaConfig, Partition, Pipeline, Schedule, Trainer, WorkerContext, \
-    build_stage, launch_local
-from shardtrain.committer import Committer
-from shardtrain.evaluate import Ring
+from shardtrain import AdamW, Batch, GroupConfig, LlamaConfig, Partition, Pipeline, Schedule, Trainer, WorkerContext, build_stage, launch_local
+from shardtrain.engine.ring import Ring
+from shardtrain.run.committer import Committer
 
 # Big enough that compute, not per-message or per-op overhead, decides the step time.
 CONFIG = LlamaConfig(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,

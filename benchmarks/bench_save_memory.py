@@ -30,7 +30,7 @@ import tempfile
 from datetime import timedelta
 
 import torch
-import torch._dynamo  # noqa: F401  before any group (see shardtrain.launch)
+import torch._dynamo  # noqa: F401  before any group (see shardtrain.workers.launch)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

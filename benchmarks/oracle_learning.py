@@ -6,11 +6,10 @@ batches of one task family: ours with `Trainer` (a 1-slot `Pipeline`, bitwise th
 update), transformers with a plain loop (`torch.optim.AdamW` in two weight-decay groups,
 `LambdaLR` over `lr_multiplier`, `clip_grad_norm_`). Prints both losses, gradient norms and
 the largest weight difference. If transformers learned and ours did not, ours would have a
-bug; README ("What the demo learns") quotes
+bug; docs/DEMO.md gives the figures of
 
     python benchmarks/oracle_learning.py 300 0.08 filter
 
-in which the two losses agree to 4 decimals for the first 100 updates and both reach ~0.27.
 Usage: oracle_learning.py STEPS STD FAMILY.
 """
 import random
@@ -20,14 +19,15 @@ import time
 import torch
 import transformers
 
-import shardtrain.tasks as tasks
-from shardtrain.batch import Batch
-from shardtrain.model import LlamaConfig
-from shardtrain.optim import AdamW, GroupConfig, Schedule, lr_multiplier
-from shardtrain.partition import Partition, build_stage
-from shardtrain.pipeline import Pipeline
-from shardtrain.tokenizer import default_assets, load_tokenizer
-from shardtrain.trainer import Trainer
+import shardtrain.job.tasks as tasks
+from shardtrain.engine.batch import Batch
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.optim import AdamW, GroupConfig, Schedule, lr_multiplier
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.trainer import Trainer
+from shardtrain.job.tokenizer import default_assets, load_tokenizer
+
 torch.set_num_threads(1)
 steps, std, fam = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]  # e.g. 300 0.08 filter
 tok = load_tokenizer(default_assets())

@@ -6,7 +6,7 @@ Trains on the embedded default's tokenizer and task generator in one process —
 oracle — then generates 16 answers per trained family from fresh records (greedy, the
 generation prompt of `encode_prompt`, exact match after strip, as `evaluate` does) and
 prints the per-family correct counts; for lookup also how many answers were *some* value
-of the table (`in_table`). The figures in README ("What the demo learns") came from runs like
+of the table (`in_table`). The figures in docs/DEMO.md came from runs like
 
     python benchmarks/probe_learning.py --init-std 0.08 --lr 5e-3 --batch 32 --steps 600 --warmup 37 --mix filter
     python benchmarks/probe_learning.py --init-std 0.02 --lr 5e-3 --batch 32 --steps 600 --warmup 37 --mix filter
@@ -26,15 +26,15 @@ from collections.abc import Callable
 
 import torch
 
-import shardtrain.tasks as tasks
-from shardtrain.batch import Batch
-from shardtrain.model import LlamaConfig
-from shardtrain.optim import AdamW, GroupConfig, Schedule, lr_multiplier
-from shardtrain.partition import Partition, build_stage
-from shardtrain.pipeline import Pipeline
-from shardtrain.ring import Ring
-from shardtrain.tokenizer import ByteTokenizer, default_assets, load_tokenizer
-from shardtrain.trainer import Trainer
+import shardtrain.job.tasks as tasks
+from shardtrain.engine.batch import Batch
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.optim import AdamW, GroupConfig, Schedule, lr_multiplier
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.ring import Ring
+from shardtrain.engine.trainer import Trainer
+from shardtrain.job.tokenizer import ByteTokenizer, default_assets, load_tokenizer
 
 
 def _args() -> argparse.Namespace:

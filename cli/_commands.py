@@ -18,14 +18,16 @@ from typing import Any
 from tqdm import tqdm
 
 import shardstore as ss
+from shardstore.checkpoint.info import check_info
 from shardstore.errors import ManifestError, ObjectNotFound, TargetNotFound
 from shardstore.format.bounded import check_json_nesting
-from shardstore.checkpoint.info import check_info
-from shardstore.format.names import check_ref_name
 from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
+from shardstore.format.names import check_ref_name
 from shardstore.format.tensors import expected_nbytes
 
-from ._render import jsonable, render_diff, render_log, render_refs, render_show, render_verify
+from ._output import emit as _emit
+from ._output import note
+from ._render import jsonable, render_cat, render_diff, render_log, render_refs, render_show, render_verify
 
 __all__ = [
     "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "UsageError",
@@ -51,19 +53,9 @@ class UsageError(Exception):
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _emit(args: argparse.Namespace, doc: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
-    """Print a command's document: as JSON with --json, else as text for people."""
-    if args.json:
-        print(json.dumps(jsonable(doc), indent=2))
-    else:
-        text = render(doc)
-        if text:
-            print(text)
-
-
 def _note(args: argparse.Namespace, message: str) -> None:
     if not args.quiet and not args.json:
-        print(message, file=sys.stderr)
+        note(message)
 
 
 def _bar(args: argparse.Namespace, desc: str, total: int | None = None) -> tqdm:
@@ -192,8 +184,8 @@ def cmd_log(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from shardstore.format.grid import payload_blocks
     from shardstore.format.manifest import tensor_payloads
-    from shardstore.state.optim import hyper_of
     from shardstore.ops.state_diff import extra_state_view, hyper_groups
+    from shardstore.state.optim import hyper_of
     from shardstore.state.torch_optim import state_objects
 
     store = _open(args.store)
@@ -264,10 +256,7 @@ def cmd_cat(args: argparse.Namespace) -> int:
                 value, kind = json.loads(bytes(data)), "json"
             except (ValueError, ManifestError):
                 raise ManifestError(f"object {oid} ({len(data)} bytes) is not a manifest, a model config or JSON (a tensor or RNG state?)") from None
-    if args.json:
-        print(json.dumps({"id": oid, "kind": kind, "value": jsonable(value)}, indent=2))
-    else:
-        print(json.dumps(jsonable(value), indent=2))
+    _emit(args, {"id": oid, "kind": kind, "value": jsonable(value)}, render_cat)
     return EXIT_OK
 
 
@@ -295,7 +284,7 @@ def cmd_refs(args: argparse.Namespace) -> int:
         doc["broken"] = broken
     _emit(args, doc, render_refs)
     for line in broken:  # the others are listed above; the store is still damaged: exit 1
-        print(f"shardstore refs: error: {line}", file=sys.stderr)
+        note(f"shardstore refs: error: {line}")
     return EXIT_ERROR if broken else EXIT_OK
 
 

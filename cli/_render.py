@@ -7,6 +7,7 @@ They return strings; only ``shardstore_cli.shardstore_cli`` writes them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import struct
 from collections.abc import Sequence
@@ -14,20 +15,22 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["jsonable", "human_bytes", "table", "render_verify", "render_diff", "render_log", "render_show", "render_refs"]
+__all__ = ["jsonable", "human_bytes", "table", "render_verify", "render_diff", "render_log", "render_show", "render_refs",
+           "render_cat", "render_copy", "render_gc", "render_unpin"]
 
 
-def jsonable(obj: Any) -> Any:
-    """Plain JSON values from dataclasses, msgspec Structs, tuples and floats (non-finite as strings)."""
+def jsonable(obj: Any, *, keep_nonfinite: bool = False) -> Any:
+    """Plain JSON values from dataclasses, msgspec Structs, tuples and floats (non-finite as
+    strings, unless `keep_nonfinite`: for rendering, where a number must stay a number)."""
     if isinstance(obj, msgspec.Struct):
-        return jsonable(msgspec.to_builtins(obj))
+        return jsonable(msgspec.to_builtins(obj), keep_nonfinite=keep_nonfinite)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: jsonable(getattr(obj, f.name), keep_nonfinite=keep_nonfinite) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v, keep_nonfinite=keep_nonfinite) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
+        return [jsonable(v, keep_nonfinite=keep_nonfinite) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj) and not keep_nonfinite:
         return str(obj)
     return obj
 
@@ -213,3 +216,38 @@ def render_refs(doc: dict[str, Any]) -> str:
     lines = [f"{cid}  {name}" for name, cid in doc["refs"].items()]
     lines += [f"pin {name}: {len(ids)} objects kept by gc" for name, ids in doc.get("pins", {}).items()]
     return "\n".join(lines)
+
+
+def render_cat(doc: dict[str, Any]) -> str:
+    """The decoded object alone, as indented JSON (``--json`` adds its id and kind)."""
+    return json.dumps(doc["value"], indent=2)
+
+
+def render_copy(doc: dict[str, Any]) -> str:
+    which = "all slots" if doc["slot"] is None else f"slot {doc['slot']}"
+    out = [f"commit {doc['commit']} ({which}) -> {doc['dst']}",
+           f"  copied   {doc['objects_copied']} objects, {human_bytes(doc['bytes_copied'])}",
+           f"  present  {doc['objects_skipped']} objects, {human_bytes(doc['bytes_skipped'])} (not sent)"]
+    if doc["ref"] is not None:
+        out.append(f"  ref {doc['ref']} -> {doc['commit']}")
+    out += [f"  pin {name}" for name in doc["pins"]]
+    return "\n".join(out)
+
+
+def render_gc(doc: dict[str, Any]) -> str:
+    verb = "would delete" if doc["dry_run"] else "deleted"
+    out = [f"{verb}  {d['object']}  {human_bytes(d['bytes'])}" for d in doc["deleted"]]
+    out.append(f"{len(doc['reachable_commits'])} reachable commits, {doc['reachable_objects']} reachable objects "
+               f"({doc['pinned_objects']} pinned)")
+    out.append(f"{verb} {len(doc['deleted'])} unreachable objects, {human_bytes(doc['bytes_freed'])}")
+    young, named = len(doc["kept_young"]), len(doc["kept_named_by_young"])
+    if young + named:
+        out.append(f"kept {young + named} unreachable objects: {young} younger than {doc['grace_seconds']:g}s, "
+                   f"{named} named by a younger manifest (a save in progress?)")
+    if doc["tmp_deleted"]:
+        out.append(f"{verb} {len(doc['tmp_deleted'])} stale tmp files")
+    return "\n".join(out)
+
+
+def render_unpin(doc: dict[str, Any]) -> str:
+    return f"unpinned {doc['unpinned']} ({doc['objects']} objects; gc may now collect them)"

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import shardstore
+
 from .shardstore_cli import main as shardstore_cli
 
 

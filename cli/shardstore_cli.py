@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from ._commands import (
     parse_layout,
     parse_size,
 )
+from ._output import fail, note
 
 __all__ = ["EPILOG", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "build_parser", "main"]
 
@@ -132,12 +132,7 @@ def _register_plugins(sub: Any) -> None:
 
 
 def _fail(args: argparse.Namespace | None, error: BaseException, code: int) -> int:
-    kind = type(error).__name__
-    if args is not None and getattr(args, "json", False):
-        print(json.dumps({"error": {"kind": kind, "message": str(error), "exit": code}}), file=sys.stderr)
-    else:
-        print(f"shardstore: error: {kind}: {error}", file=sys.stderr)
-    return code
+    return fail("shardstore", args, error, code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except UsageError as e:
         e.parser.print_usage(sys.stderr)
-        print(f"{e.parser.prog}: error: {e}", file=sys.stderr)
+        note(f"{e.parser.prog}: error: {e}")
         return EXIT_USAGE
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else EXIT_USAGE

@@ -12,18 +12,19 @@ coordinator worker (slot 0) through ``print_step``, which the workers receive by
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 
-import msgspec
-
 import shardstore
 from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RoleError, RunAborted, ShardtrainError, TransitionError
+
+from ._output import emit, fail, note
+from ._render import jsonable
+from ._train_render import render_demo, render_plan, render_prepare, render_report, render_select, render_train, render_transition
 
 __all__ = ["EPILOG", "main", "print_step", "print_commit"]
 
@@ -46,7 +47,7 @@ exit codes:
 
 def print_step(event: object) -> None:
     """Progress line of one update (called on the coordinator worker)."""
-    e = event  # a shardtrain.lifecycle.StepEvent
+    e = event  # a shardtrain.run.lifecycle.StepEvent
     rate = e.tokens / e.seconds if e.seconds > 0 else 0.0  # type: ignore[attr-defined]
     line = (f"step {e.step:>4}/{e.until}  loss {e.loss:.4f}  grad norm {e.grad_norm:.3f}  "  # type: ignore[attr-defined]
             f"{rate:,.0f} tok/s")
@@ -55,7 +56,7 @@ def print_step(event: object) -> None:
         at = getattr(e, "commit_step", None)
         if at is not None and at != e.step:  # type: ignore[attr-defined]
             line += f" (step {at})"
-    print(line, file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)  # progress as it happens (in a worker): not a document
 
 
 def print_commit(event: object) -> None:
@@ -72,7 +73,7 @@ def _slot_store(text: str) -> tuple[int, str]:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from shardtrain.job import load_job, prepare_default
+    from shardtrain.job.job import load_job, prepare_default
 
     config = None
     if args.seed_commit:
@@ -87,13 +88,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                            seed_commit=args.seed_commit, seed_config=config,
                            **({} if args.lr is None else {"lr": args.lr}))
     job = load_job(path)
-    print(json.dumps({"job": path, "id": job.id, "schedule": job.schedule_id, "steps": job.num_steps})
-          if args.json else f"{path}\njob {job.id}\nschedule {job.schedule_id}\nsteps {job.num_steps}")
+    emit(args, {"job": path, "id": job.id, "schedule": job.schedule_id, "steps": job.num_steps}, render_prepare)
     return EXIT_OK
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardtrain.lifecycle import DETERMINISTIC_ENV, RunSpec, train, train_worker
+    from shardtrain.run.lifecycle import DETERMINISTIC_ENV, RunSpec, train, train_worker
 
     spec = RunSpec(job=args.prepared, store=args.store, until=args.until, every=args.every, resume=args.resume,
                    ref=args.ref, slot_stores=tuple(args.slot_store or ()), message_timeout=args.timeout,
@@ -102,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one worker
         from datetime import timedelta
 
-        from shardtrain.launch import run_worker
+        from shardtrain.workers.launch import run_worker
 
         for k, v in DETERMINISTIC_ENV.items():
             os.environ.setdefault(k, v)  # ATEN_CPU_CAPABILITY is read at torch import: set it for torchrun too
@@ -111,74 +111,48 @@ def cmd_train(args: argparse.Namespace) -> int:
     t = time.monotonic()
     results = train(spec, args.workers, timeout=args.timeout)
     r0 = results[0]
+    emit(args, results, render_train)
     if args.json:
-        print(msgspec.json.encode(results).decode())
         return EXIT_OK
     if r0.start_commit is not None and args.resume not in (None, "auto"):
         store = shardstore.open_store(args.store)
         start = store.commit(r0.start_commit)
         if start.transition == "repartition" and start.parent == store.resolve(args.resume):  # train wrote it
-            print(f"commit {start.parent[:12]} was laid out for {len(store.commit(start.parent).layout)} workers: wrote "
-                  f"repartition commit {r0.start_commit} for {args.workers} and resumed from it", file=sys.stderr)
-    for c in r0.commits:
-        print(f"step {c.step}: {c.id}")
+            note(f"commit {start.parent[:12]} was laid out for {len(store.commit(start.parent).layout)} workers: wrote "
+                 f"repartition commit {r0.start_commit} for {args.workers} and resumed from it")
     for r in results:
-        print(f"worker {r.rank}: held {r.parameters:,} parameters ({r.parameter_bytes:,} bytes), "
-              f"estimated peak {r.estimate_bytes / 2**20:.1f} MiB, actual {r.used_bytes / 2**20:.1f} MiB above "
-              f"admission (peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB)", file=sys.stderr)
-    print(f"{len(r0.steps)} updates in {time.monotonic() - t:.1f} s; ref {args.ref} -> "
-          f"{r0.commits[-1].id if r0.commits else '(unchanged)'}", file=sys.stderr)
+        note(f"worker {r.rank}: held {r.parameters:,} parameters ({r.parameter_bytes:,} bytes), "
+             f"estimated peak {r.estimate_bytes / 2**20:.1f} MiB, actual {r.used_bytes / 2**20:.1f} MiB above "
+             f"admission (peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB)")
+    note(f"{len(r0.steps)} updates in {time.monotonic() - t:.1f} s; ref {args.ref} -> "
+         f"{r0.commits[-1].id if r0.commits else '(unchanged)'}")
     return EXIT_OK
 
 
-def _render_report(report: object) -> list[str]:
-    from shardtrain.evaluate import EvalReport
-
-    assert isinstance(report, EvalReport)
-    names = [s.name for s in report.commits[0].losses]
-    lines = ["commit        step  " + "  ".join(f"{n + ' loss':>12}" for n in names) + "  generated correct"]
-    for c in report.commits:
-        losses = "  ".join(f"{s.loss:>12.4f}" for s in c.losses)
-        lines.append(f"{c.commit[:12]}  {c.step:>4}  {losses}  {c.correct:>3}/{len(c.cases)}"
-                     f"  ({c.tokens_per_second:.0f} tok/s)")
-    for cmp in report.comparisons:
-        lines.append(f"{cmp.set}: {cmp.commit[:12]} - {cmp.baseline[:12]} = {cmp.diff:+.4f} nats/token, "
-                     f"one-sided 95% bounds [{cmp.lower:+.4f}, {cmp.upper:+.4f}] (paired bootstrap)")
-    last = report.commits[-1]
-    for case in last.cases[:4]:
-        mark = "ok" if case.correct else "wrong"
-        lines.append(f"  {case.prompt!r} -> {case.generated!r} (expected {case.expected!r}: {mark})")
-    return lines
-
-
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from shardtrain.evaluate import EvalSpec, evaluate
+    from shardtrain.run.evaluate import EvalSpec, evaluate
 
     spec = EvalSpec(store=args.store, commits=tuple(args.commit), job=args.prepared, cases_per_set=args.cases,
                     max_new_tokens=args.max_new_tokens, message_timeout=args.timeout,
                     role="final" if args.final else "development")
     report = evaluate(spec, args.workers, timeout=args.timeout)
-    if args.json:
-        print(msgspec.json.encode(report).decode())
-    else:
-        print("\n".join(_render_report(report)))
+    emit(args, report, render_report)
     return EXIT_OK
 
 
 def cmd_select(args: argparse.Namespace) -> int:
-    from shardtrain.roles import select
+    from shardtrain.job.roles import select
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
     oid = select(store, lc.commit.job, lc.id)
-    print(json.dumps({"selection": oid, "job": lc.commit.job, "commit": lc.id}) if args.json else
-          f"selection {oid}: job {lc.commit.job} -> commit {lc.id} (pinned as selections/{lc.commit.job})")
+    emit(args, {"selection": oid, "job": lc.commit.job, "commit": lc.id}, render_select)
     return EXIT_OK
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from shardtrain.evaluate import EvalSpec, evaluate, job_from_store
-    from shardtrain.gates import gate_report, render_gates, thresholds_of, write_gate_report
+    from shardtrain.run.evaluate import EvalSpec, evaluate, job_from_store
+    from shardtrain.run.gates import gate_report, render_gates, thresholds_of, write_gate_report
 
     store = shardstore.open_store(args.store, create=False)
     baseline, candidate = shardstore.load_commit(store, args.baseline), shardstore.load_commit(store, args.candidate)
@@ -190,31 +164,32 @@ def cmd_gate(args: argparse.Namespace) -> int:
     report = evaluate(spec, args.workers, timeout=args.timeout)
     gates = gate_report(report, thresholds, baseline=baseline.id, candidate=candidate.id)
     oid = write_gate_report(store, gates)
-    if args.json:
-        print(json.dumps({"report": oid, "gates": msgspec.to_builtins(gates)}))
-    else:
-        print("\n".join(render_gates(gates, report.commits[0], report.commits[1])))
-        print(f"report {oid} (pinned as gates/{gates.job}/{oid})")
+
+    def render(doc: dict[str, object]) -> str:  # the table names each commit's generated-correct count too
+        return "\n".join([*render_gates(gates, report.commits[0], report.commits[1]),
+                          f"report {oid} (pinned as gates/{gates.job}/{oid})"])
+
+    emit(args, {"report": oid, "gates": gates}, render)
     return EXIT_OK if gates.passed else EXIT_GATE_FAILED
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shardtrain.demo import run_demo
+    from shardtrain.run.demo import run_demo
 
     home = args.home or tempfile.mkdtemp(prefix="shardtrain-demo-")
-    print(f"shardtrain demo in {home}", flush=True)
-    result = run_demo(home, say=lambda line: print(line, flush=True), progress=None if args.quiet else print_commit)
-    if result.report is not None:
-        print("\n".join(_render_report(result.report)))
-    t = result.timings
-    print(f"demo finished in {result.seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()) + ")")
-    print(f"store: {result.store} (check it: shardstore verify {result.store})")
+
+    def say(line: str) -> None:  # the demo's narrative as it happens; on stderr when stdout holds --json's document
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    say(f"shardtrain demo in {home}")
+    result = run_demo(home, say=say, progress=None if args.quiet else print_commit)
+    emit(args, {**jsonable(result, keep_nonfinite=True), "equal": result.equal}, render_demo)
     return EXIT_OK if result.equal and result.verify_ok and result.adaptive_ok else EXIT_ERROR
 
 
 def _memory_model(args: argparse.Namespace, config: object = None) -> object:
-    from shardtrain.job import load_job
-    from shardtrain.planner import for_job
+    from shardtrain.job.job import load_job
+    from shardtrain.reshape.planner import for_job
 
     if not args.prepared:
         raise JobError("--plan needs --prepared JOB (its sequence length and batch split)")
@@ -222,7 +197,7 @@ def _memory_model(args: argparse.Namespace, config: object = None) -> object:
 
 
 def _capacities(args: argparse.Namespace, workers: int) -> list[int]:
-    from shardtrain.planner import parse_bytes
+    from shardtrain.reshape.planner import parse_bytes
 
     if not args.memory:
         raise JobError("--plan needs --memory SIZE[,SIZE...] (one per worker, or one for all)")
@@ -236,9 +211,9 @@ def _capacities(args: argparse.Namespace, workers: int) -> list[int]:
 
 def _layout(args: argparse.Namespace, config: object, workers: int | None) -> object:
     """The partition for a regroup or grow: --partition, --plan, or None (even)."""
-    from shardtrain.partition import Partition
-    from shardtrain.planner import plan
-    from shardtrain.regroup import parse_partition
+    from shardtrain.engine.partition import Partition
+    from shardtrain.reshape.planner import plan
+    from shardtrain.reshape.regroup import parse_partition
 
     if args.partition:
         return parse_partition(args.partition, config.num_hidden_layers)  # type: ignore[attr-defined]
@@ -250,25 +225,14 @@ def _layout(args: argparse.Namespace, config: object, workers: int | None) -> ob
     return Partition.even(config.num_hidden_layers, workers) if workers else None  # type: ignore[attr-defined]
 
 
-def _transition_lines(kind: str, made: object) -> list[str]:
-    m = made  # a shardtrain.regroup.TransitionResult
-    ranges = ",".join(f"{r.start}:{r.stop}" for r in m.partition.ranges)  # type: ignore[attr-defined]
-    return [f"{kind} commit {m.commit}",  # type: ignore[attr-defined]
-            f"parent {m.parent} (step {m.step})",  # type: ignore[attr-defined]
-            f"layout {m.partition.num_slots} workers, layers {ranges}",  # type: ignore[attr-defined]
-            f"learned-state root {m.learned_root}"  # type: ignore[attr-defined]
-            + (" (equal to the parent's)" if m.learned_root == m.parent_learned_root else ""),  # type: ignore[attr-defined]
-            f"{len(m.new_objects)} new objects"]  # type: ignore[attr-defined]
-
-
 def cmd_regroup(args: argparse.Namespace) -> int:
-    from shardtrain.regroup import commit_config, regroup
+    from shardtrain.reshape.regroup import commit_config, regroup
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
     config, _ = commit_config(store, lc)
     made = regroup(store, lc.id, _layout(args, config, args.workers), workers=args.workers, ref=args.ref)  # type: ignore[arg-type]
-    print(json.dumps(_transition_json(made)) if args.json else "\n".join(_transition_lines("repartition", made)))
+    emit(args, _transition_json(made), lambda doc: render_transition("repartition", doc))
     return EXIT_OK
 
 
@@ -282,8 +246,8 @@ def _transition_json(made: object) -> dict[str, object]:
 def cmd_grow(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from shardtrain.grow import grow, identity_check
-    from shardtrain.regroup import commit_config
+    from shardtrain.reshape.grow import grow, identity_check
+    from shardtrain.reshape.regroup import commit_config
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
@@ -293,17 +257,15 @@ def cmd_grow(args: argparse.Namespace) -> int:
                 ref=args.ref)
     new = range(config.num_hidden_layers, config.num_hidden_layers + args.append)
     ok = identity_check(store, made.commit, new)
-    if args.json:
-        print(json.dumps({**_transition_json(made), "identity": ok}))
-    else:
-        print("\n".join(_transition_lines("grow", made)))
-        print(f"identity check of layers {new.start}..{new.stop - 1}: {'every new block maps its input to itself bitwise' if ok else 'FAILED'}")
+    check = f"identity check of layers {new.start}..{new.stop - 1}: "
+    emit(args, {**_transition_json(made), "identity": ok}, lambda doc: render_transition("grow", doc) + "\n" + check
+         + ("every new block maps its input to itself bitwise" if doc["identity"] else "FAILED"))
     return EXIT_OK if ok else EXIT_ERROR
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardtrain.planner import plan
-    from shardtrain.regroup import commit_config
+    from shardtrain.reshape.planner import plan
+    from shardtrain.reshape.regroup import commit_config
 
     config = None
     if args.commit:
@@ -316,19 +278,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "weights": e.weights, "grads": e.grads, "moments": e.moments, "reference": e.reference,
              "activations": e.activations, "reserve": e.reserve, "capacity": c, "utilisation": u}
             for e, c, u in zip(chosen.estimates, chosen.capacities, chosen.utilisations())]
-    if args.json:
-        print(json.dumps({"partition": [[r.start, r.stop] for r in chosen.partition.ranges], "slots": rows,
-                          "max_utilisation": chosen.max_utilisation}))
-        return EXIT_OK
-    print("slot  layers   parameters      estimate      capacity  utilisation")
-    for r in rows:
-        print(f"{r['slot']:>4}  {r['layers'][0]:>2}:{r['layers'][1]:<3}  {r['parameters']:>11,}  {r['estimate'] / 2**20:>9.1f} MiB"
-              f"  {r['capacity'] / 2**20:>9.0f} MiB  {r['utilisation']:>10.1%}")
-    ranges = ",".join(f"{r.start}:{r.stop}" for r in chosen.partition.ranges)
-    print(f"--partition {ranges}  (highest utilisation {chosen.max_utilisation:.1%})")
-    if chosen.max_utilisation > 1:
-        print("shardtrain: warning: no contiguous assignment fits these capacities (workers would refuse at "
-              "admission): add workers or memory", file=sys.stderr)
+    emit(args, {"partition": [[r.start, r.stop] for r in chosen.partition.ranges], "slots": rows,
+                "max_utilisation": chosen.max_utilisation}, render_plan)
+    if chosen.max_utilisation > 1 and not args.json:
+        note("shardtrain: warning: no contiguous assignment fits these capacities (workers would refuse at "
+             "admission): add workers or memory")
     return EXIT_OK
 
 
@@ -353,8 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--init-seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, help="peak learning rate (default: the embedded default's, README "
-                   "\"What the demo learns\")")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the embedded default's, docs/DEMO.md)")
     p.add_argument("--seed-store", help="store holding --seed-commit")
     p.add_argument("--seed-commit", help="start from this imported Llama commit (weights only) instead of a fresh init")
 
@@ -460,11 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(args: argparse.Namespace, error: BaseException, code: int) -> int:
-    if getattr(args, "json", False):
-        print(json.dumps({"error": {"kind": type(error).__name__, "message": str(error), "exit": code}}), file=sys.stderr)
-    else:
-        print(f"shardtrain: error: {type(error).__name__}: {error}", file=sys.stderr)
-    return code
+    return fail("shardtrain", args, error, code)
 
 
 if __name__ == "__main__":

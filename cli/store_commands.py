@@ -12,7 +12,6 @@ Stores are paths or URLs; S3 credentials and endpoint come from the environment
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Callable
@@ -25,7 +24,8 @@ from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
 from shardstore.ops.gc import GcResult, gc
 from shardstore.ops.transfer import DEFAULT_THREADS, CopyResult, copy_commit
 
-from ._render import human_bytes
+from ._output import emit, fail, note
+from ._render import render_copy, render_gc, render_unpin
 
 __all__ = ["register", "parse_duration", "cmd_copy", "cmd_gc"]
 
@@ -101,16 +101,11 @@ def _run(args: argparse.Namespace, body: Callable[[], int]) -> int:
 
 
 def _fail(args: argparse.Namespace, error: BaseException, code: int) -> int:
-    kind = type(error).__name__
-    if getattr(args, "json", False):
-        print(json.dumps({"error": {"kind": kind, "message": str(error), "exit": code}}), file=sys.stderr)
-    else:
-        print(f"shardstore {args.command_name}: error: {kind}: {error}", file=sys.stderr)
-    return code
+    return fail(f"shardstore {args.command_name}", args, error, code)
 
 
 def _usage(args: argparse.Namespace, message: str) -> int:
-    print(f"shardstore {args.command_name}: error: {message}", file=sys.stderr)
+    note(f"shardstore {args.command_name}: error: {message}")
     return EXIT_USAGE
 
 
@@ -151,25 +146,15 @@ def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
         "bytes_skipped": r.bytes_skipped,
         "pins": r.pins,
     }
-    if args.json:
-        print(json.dumps(doc, indent=2))
-        return
-    which = "all slots" if r.slot is None else f"slot {r.slot}"
-    print(f"commit {r.commit} ({which}) -> {args.dst}")
-    print(f"  copied   {r.objects_copied} objects, {human_bytes(r.bytes_copied)}")
-    print(f"  present  {r.objects_skipped} objects, {human_bytes(r.bytes_skipped)} (not sent)")
-    if r.ref is not None:
-        print(f"  ref {r.ref} -> {r.commit}")
-    for name in r.pins:
-        print(f"  pin {name}")
+    emit(args, doc, render_copy)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     args.command_name = "gc"
 
     if args.grace == 0 and not args.dry_run and not args.quiet:
-        print("shardstore gc: warning: --grace 0 can delete the objects of a save in progress (written, not yet "
-              "named by a ref); use it only when no writer is running on this store", file=sys.stderr)
+        note("shardstore gc: warning: --grace 0 can delete the objects of a save in progress (written, not yet "
+             "named by a ref); use it only when no writer is running on this store")
 
     def body() -> int:
         store = ss.open_store(args.store, create=False)
@@ -187,10 +172,7 @@ def cmd_unpin(args: argparse.Namespace) -> int:
         store = ss.open_store(args.store, create=False)
         held = store.pinned(args.name)
         store.unpin(args.name)
-        if args.json:
-            print(json.dumps({"unpinned": args.name, "objects": len(held or ())}))
-        else:
-            print(f"unpinned {args.name} ({len(held or ())} objects; gc may now collect them)")
+        emit(args, {"unpinned": args.name, "objects": len(held or ())}, render_unpin)
         return EXIT_OK
 
     return _run(args, body)
@@ -210,17 +192,4 @@ def _print_gc(args: argparse.Namespace, r: GcResult) -> None:
         "kept_named_by_young": r.kept_named_by_young,
         "tmp_deleted": r.tmp_deleted,
     }
-    if args.json:
-        print(json.dumps(doc, indent=2))
-        return
-    verb = "would delete" if r.dry_run else "deleted"
-    for oid, n in sorted(r.deleted.items()):
-        print(f"{verb}  {oid}  {human_bytes(n)}")
-    print(f"{len(r.commits)} reachable commits, {r.reachable_objects} reachable objects ({r.pinned_objects} pinned)")
-    print(f"{verb} {len(r.deleted)} unreachable objects, {human_bytes(r.bytes_freed)}")
-    kept = len(r.kept_young) + len(r.kept_named_by_young)
-    if kept:
-        print(f"kept {kept} unreachable objects: {len(r.kept_young)} younger than {args.grace:g}s, "
-              f"{len(r.kept_named_by_young)} named by a younger manifest (a save in progress?)")
-    if r.tmp_deleted:
-        print(f"{verb} {len(r.tmp_deleted)} stale tmp files")
+    emit(args, doc, render_gc)

@@ -1,62 +1,68 @@
 """shardtrain: a compact Llama pipeline trainer on torch.distributed that keeps every
 worker's state in a shardstore and never builds the whole model in one place.
 
-The numerical core: `model` (a Llama decoder with Hugging Face names), `partition`
-(which slot owns which layers; building a slot's stage), `batch`, `messages` and
-`pipeline` (the ring of activations and gradients), `schedule` (the order of each
-slot's microbatch actions: overlapped or synchronous, bitwise alike), `clipping` (a partition-independent
-global norm), `optim` (shard-local AdamW with per-parameter Adam age), `trainer` (one
-update) and `launch` (torchrun or local worker processes).
+Packages, each one concept, from the bottom up; each imports only those below it
+(checked by import-linter):
 
-The lifecycle on top: `job` (the prepared job binding tokenizer assets, records, schedule
-and recipe by hash; `tokenizer` and `tasks` are the embedded default's pieces),
-`lifecycle` (train with commits through shardstore, resume, fault handling), `committer`
-(a run's commits, written in the background from a staged copy), `evaluate`
-(held-out loss, greedy generation with a per-stage KV cache, paired bootstrap) and `demo`.
-Adaptive shards: `regroup` (repartition commits), `grow` (identity blocks), `planner`
-(per-slot memory estimate, exact assignment) and `admission` (each worker's check).
-
-The experiment's pieces: `recipe` (the job's recipe), `loss` (CE plus KL on declared
-replay rows), `ring` (forward-only passes round the ring), `distill` (the frozen
-reference, sharded like the student), `roles` (development and final sets, the selection
-record) and `gates` (gain, retention and generation gates).
+- `errors` — the error hierarchy (the lowest layer).
+- `engine` — one slot's share of the model and its step: `model` (a Llama decoder with
+  Hugging Face names), `partition` (which slot owns which layers; building a slot's
+  stage), `batch`, `loss` (CE plus KL on declared replay rows), `messages` and
+  `pipeline` (the ring of activations and gradients), `schedule` (the order of each
+  slot's microbatch actions: overlapped or synchronous, bitwise alike), `clipping` (a
+  partition-independent global norm), `optim` (shard-local AdamW with per-parameter Adam
+  age), `trainer` (one update) and `ring` (forward-only passes round the ring).
+- `workers` — beside the engine: `launch` (torchrun or local worker processes) and
+  `forkserver` (workers forked from a server that imported torch once).
+- `job` — what a run is bound to: `job` (the prepared job binding tokenizer assets,
+  records, schedule and recipe by hash), `recipe`, `tasks` and `tokenizer` (the embedded
+  default's pieces) and `roles` (development and final sets, the selection record).
+- `reshape` — adaptive shards: `regroup` (repartition commits), `grow` (identity blocks),
+  `planner` (per-slot memory estimate, exact assignment) and `admission` (each worker's
+  check).
+- `run` — `lifecycle` (train with commits through shardstore, resume, fault handling),
+  `committer` (a run's commits, written in the background from a staged copy), `distill`
+  (the frozen reference, sharded like the student), `evaluate` (held-out loss, greedy
+  generation with a per-stage KV cache, paired bootstrap), `gates` (gain, retention and
+  generation gates) and `demo`.
 """
-from shardtrain.batch import Batch, Microbatch, split_microbatches
-from shardtrain.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms
-from shardtrain.errors import (
-    BatchError,
-    ConfigError,
-    LaunchError,
-    MessageError,
-    OptimizerStateError,
-    PartitionError,
-    PeerFailureError,
-    ShardtrainError,
-    JobError,
-    ResumeError,
-    RunAborted,
-    WorkerFailedError,
-)
-from shardtrain.launch import WorkerContext, free_port, init_from_env, launch_local, run_worker, shutdown
-from shardtrain.messages import Channel, MessageHeader, check_header
-from shardtrain.model import Llama, LlamaConfig
-from shardtrain.optim import AdamW, GroupConfig, Schedule, default_group, lr_multiplier
-from shardtrain.partition import (
+from shardtrain.engine.batch import Batch, Microbatch, split_microbatches
+from shardtrain.engine.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms
+from shardtrain.engine.messages import Channel, MessageHeader, check_header
+from shardtrain.engine.model import Llama, LlamaConfig
+from shardtrain.engine.optim import AdamW, GroupConfig, Schedule, default_group, lr_multiplier
+from shardtrain.engine.partition import (
     Partition,
     build_stage,
     canonical_parameter_names,
     init_parameters_,
     parameter_inventory,
 )
-from shardtrain.pipeline import Pipeline
-from shardtrain.trainer import StepResult, Trainer
-from shardtrain.job import PreparedJob, load_job, prepare_default
-from shardtrain.lifecycle import RunResult, RunSpec, StepEvent, train
-from shardtrain.evaluate import EvalReport, EvalSpec, evaluate
-from shardtrain.regroup import TransitionResult  # regroup() and grow() stay in their modules: same names
-from shardtrain.grow import identity_check
-from shardtrain.planner import MemoryModel, Plan, SlotEstimate, plan
-from shardtrain.errors import AdmissionError, TransitionError
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.trainer import StepResult, Trainer
+from shardtrain.errors import (
+    AdmissionError,
+    BatchError,
+    ConfigError,
+    JobError,
+    LaunchError,
+    MessageError,
+    OptimizerStateError,
+    PartitionError,
+    PeerFailureError,
+    ResumeError,
+    RunAborted,
+    ShardtrainError,
+    TransitionError,
+    WorkerFailedError,
+)
+from shardtrain.job.job import PreparedJob, load_job, prepare_default
+from shardtrain.reshape.grow import identity_check
+from shardtrain.reshape.planner import MemoryModel, Plan, SlotEstimate, plan
+from shardtrain.reshape.regroup import TransitionResult  # regroup() and grow() stay in their modules: same names
+from shardtrain.run.evaluate import EvalReport, EvalSpec, evaluate
+from shardtrain.run.lifecycle import RunResult, RunSpec, StepEvent, train
+from shardtrain.workers.launch import WorkerContext, free_port, init_from_env, launch_local, run_worker, shutdown
 
 __all__ = [
     "AdamW", "Batch", "BatchError", "Channel", "ConfigError", "GroupConfig", "LaunchError", "Llama",

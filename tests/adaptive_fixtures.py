@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from shardstore import copy_commit, open_store
-from shardtrain.grow import grow
-from shardtrain.job import prepare_default
-from shardtrain.lifecycle import RunSpec, train
-from shardtrain.regroup import regroup
+from shardtrain.job.job import prepare_default
+from shardtrain.reshape.grow import grow
+from shardtrain.reshape.regroup import regroup
+from shardtrain.run.lifecycle import RunSpec, train
 
 TIMEOUT = 60.0
 

@@ -10,13 +10,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import shardstore as ss  # noqa: E402
-from shardtrain import forkserver  # noqa: E402
-from shardtrain.lifecycle import DETERMINISTIC_ENV  # noqa: E402
+from shardtrain.run.lifecycle import DETERMINISTIC_ENV  # noqa: E402
+from shardtrain.workers import forkserver  # noqa: E402
 
 # One server that imported torch forks every local worker of the suite (the launcher's and
 # the tests' own groups) instead of each spawned process importing torch again: seconds per
 # group on 2 cores. Started now, with the variables the trainer's launches use, so that
-# they all share it (shardtrain/forkserver.py says when a launch falls back to spawn).
+# they all share it (shardtrain/workers/forkserver.py says when a launch falls back to spawn).
 START_METHOD = "forkserver" if forkserver.start(DETERMINISTIC_ENV) else "spawn"
 
 

@@ -34,13 +34,13 @@ from safetensors.torch import save_file
 from shardtrain_helpers import GROUPS_JSON, make_batch, tiny_config
 
 import shardstore
-from shardtrain.distill import Reference
-from shardtrain.launch import WorkerContext
-from shardtrain.loss import DistillTargets
-from shardtrain.optim import AdamW, GroupConfig, Schedule, lr_multiplier
-from shardtrain.partition import Partition, build_stage, canonical_parameter_names
-from shardtrain.pipeline import Pipeline
-from shardtrain.trainer import Trainer
+from shardtrain.engine.loss import DistillTargets
+from shardtrain.engine.optim import AdamW, GroupConfig, Schedule, lr_multiplier
+from shardtrain.engine.partition import Partition, build_stage, canonical_parameter_names
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.trainer import Trainer
+from shardtrain.run.distill import Reference
+from shardtrain.workers.launch import WorkerContext
 
 
 def distill_worker(ctx: WorkerContext, spec_json: str) -> None:

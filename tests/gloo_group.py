@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401  before any group: see shardtrain.launch.init_from_env
+import torch._dynamo  # noqa: F401  before any group: see shardtrain.workers.launch.init_from_env
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import START_METHOD
 
 __all__ = ["free_port", "run_group"]

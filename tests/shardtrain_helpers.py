@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from shardtrain.batch import Batch
-from shardtrain.launch import WorkerContext
-from shardtrain.messages import ACTIVATION, Channel, MessageHeader
-from shardtrain.model import LlamaConfig
-from shardtrain.optim import AdamW, GroupConfig, Schedule
-from shardtrain.partition import Partition, build_stage, parameter_inventory
-from shardtrain.pipeline import Pipeline
-from shardtrain.trainer import Trainer
+from shardtrain.engine.batch import Batch
+from shardtrain.engine.messages import ACTIVATION, Channel, MessageHeader
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.optim import AdamW, GroupConfig, Schedule
+from shardtrain.engine.partition import Partition, build_stage, parameter_inventory
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.trainer import Trainer
+from shardtrain.workers.launch import WorkerContext
 
 DETERMINISTIC_ENV = {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -148,9 +148,9 @@ def aborting_worker(ctx: WorkerContext, rank_to_abort: int, in_teardown: bool = 
     with `in_teardown`, only when the group is torn down, after this function returned."""
     if ctx.rank == rank_to_abort:
         if in_teardown:
-            import shardtrain.launch
+            import shardtrain.workers.launch
 
-            shardtrain.launch.shutdown = os.abort  # this worker process only
+            shardtrain.workers.launch.shutdown = os.abort  # this worker process only
         else:
             os.abort()
 
@@ -181,7 +181,7 @@ def optimizer_worker(ctx: WorkerContext) -> None:
 def threads_left_after_run_worker() -> list[str]:
     """Run `optimizer_worker` under `run_worker` (RANK etc. from the environment) and
     return the names of the threads still alive after its teardown."""
-    from shardtrain.launch import run_worker
+    from shardtrain.workers.launch import run_worker
 
     run_worker(optimizer_worker, timeout=timedelta(seconds=60))
     return sorted(Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task"))
@@ -190,6 +190,6 @@ def threads_left_after_run_worker() -> list[str]:
 if __name__ == "__main__":  # the torchrun entry: python -m torch.distributed.run ... shardtrain_helpers.py SPEC
     import sys
 
-    from shardtrain.launch import run_worker
+    from shardtrain.workers.launch import run_worker
 
     run_worker(train_worker, sys.argv[1], timeout=timedelta(seconds=60))

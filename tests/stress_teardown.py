@@ -11,7 +11,7 @@ torch optimizer does it), holds a reference to the group.
 
     --exit old        init without importing torch._dynamo first, normal interpreter
                       shutdown: the code before the fix
-    --exit shutdown   shardtrain.launch.run_worker (imports torch._dynamo before the
+    --exit shutdown   shardtrain.workers.launch.run_worker (imports torch._dynamo before the
                       group), normal interpreter shutdown: the torchrun path
     --exit launcher   the local launcher's worker entry, which also skips interpreter
                       shutdown once the work is done (the default)
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import shardstore as ss
 import shardstore.checkpoint.distributed as sd
-from shardtrain.launch import WorkerContext, _child_main, free_port, run_worker
+from shardtrain.workers.launch import WorkerContext, _child_main, free_port, run_worker
 
 
 def _frombuffer_pack(status: int, oid: str | None) -> torch.Tensor:

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from shardstore import open_store
-from shardtrain.admission import FREE_MEMORY_ENV, admit, free_memory
+from shardtrain.engine.model import LlamaConfig
 from shardtrain.errors import AdmissionError
-from shardtrain.job import prepare_default
-from shardtrain.lifecycle import RunSpec, train
-from shardtrain.model import LlamaConfig
-from shardtrain.planner import MemoryModel
+from shardtrain.job.job import prepare_default
+from shardtrain.reshape.admission import FREE_MEMORY_ENV, admit, free_memory
+from shardtrain.reshape.planner import MemoryModel
+from shardtrain.run.lifecycle import RunSpec, train
 
 
 def test_a_short_worker_refuses_before_anything_is_committed(tmp_path: Path) -> None:

@@ -6,9 +6,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import TinyNet, make_optimizer, train_steps
 
 import shardstore as ss
-from conftest import TinyNet, make_optimizer, train_steps
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -15,10 +15,10 @@ import pytest
 
 import shardstore
 from shardstore import open_store
-from shardtrain.committer import COMMIT_FAULT_ENV
 from shardtrain.errors import JobError, RunAborted
-from shardtrain.job import prepare_default
-from shardtrain.lifecycle import RunSpec, train
+from shardtrain.job.job import prepare_default
+from shardtrain.run.committer import COMMIT_FAULT_ENV
+from shardtrain.run.lifecycle import RunSpec, train
 
 TIMEOUT = 30.0
 
@@ -64,7 +64,7 @@ def test_replay_after_the_lost_commit_reproduces_the_uninterrupted_ids(runs: Sim
 
 
 def test_a_malformed_commit_fault_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardtrain.committer import commit_fault_from_env
+    from shardtrain.run.committer import commit_fault_from_env
 
     monkeypatch.setenv(COMMIT_FAULT_ENV, "slot=1,step=2,phase=later")
     with pytest.raises(JobError, match="phase must be one of"):

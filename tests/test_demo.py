@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardtrain.demo import EVERY, STEPS_A, STEPS_B
+from shardtrain.run.demo import EVERY, STEPS_A, STEPS_B
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -15,7 +15,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_path: Path) -> None:
-    # No timed assertion (README, "What the demo learns", gives the measured wall time); the
+    # No timed assertion (docs/DEMO.md gives the measured wall time); the
     # timeout only bounds a hung run on a shared, loaded machine.
     proc = _cli("-m", "shardstore_cli.shardtrain_cli", "demo", "--home", str(tmp_path / "home"), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -64,8 +64,8 @@ def _check_report(out: str, store: Path) -> None:
     for counts in dev.values():
         assert set(counts) == {"filter", "lookup", "sort", "total"} and all(n == 16 for _, n in counts.values())
     # A family is learned in generation after cohort A: a clear majority (>= 9 of 16) of the
-    # development set's filter answers right, from none at the seed (README, "What the demo
-    # learns": measured 13/16 after cohort A).
+    # development set's filter answers right, from none at the seed (docs/DEMO.md: measured
+    # 13/16 after cohort A).
     assert all(right == 0 for right, _ in dev["seed"].values()), dev["seed"]
     assert dev[a]["filter"][0] >= 9, dev[a]
     assert f"best family after cohort A: filter {dev[a]['filter'][0]}/16" in out
@@ -119,7 +119,7 @@ def test_cli_refuses_before_training(tmp_path: Path) -> None:
 def test_torchrun_workers_commit_what_the_local_launcher_commits(tmp_path: Path) -> None:
     import os
 
-    from shardtrain.launch import free_port
+    from shardtrain.workers.launch import free_port
 
     job = str(tmp_path / "job" / "job.json")
     assert _cli("-m", "shardstore_cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"), "--steps-a", "2", "--steps-b",

@@ -5,14 +5,13 @@ import uuid
 
 import pytest
 import torch
+from conftest import TinyNet, make_optimizer, train_steps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardstore as ss
 from shardstore.ops.diff import CommitDiff, diff
 from shardstore.state.optim import Hyper, OptimState, ParamOpt
-
-from conftest import TinyNet, make_optimizer, train_steps
 
 
 def _slots(model: torch.nn.Module, opt: torch.optim.Optimizer, split: list[list[str]]) -> list[ss.SlotState]:

@@ -42,9 +42,9 @@ from shardtrain_helpers import DETERMINISTIC_ENV, GROUPS_JSON, make_batch, read_
 
 import shardstore
 from shardtrain import Partition, build_stage, launch_local
-from shardtrain.batch import split_microbatches
-from shardtrain.distill import Reference, reference_bytes
-from shardtrain.loss import DistillTargets, microbatch_loss
+from shardtrain.engine.batch import split_microbatches
+from shardtrain.engine.loss import DistillTargets, microbatch_loss
+from shardtrain.run.distill import Reference, reference_bytes
 
 pytest.importorskip("transformers")  # the reference run (distill_helpers.oracle_worker) imports it
 

@@ -6,14 +6,13 @@ import os
 from datetime import timedelta
 
 import torch
+import torch._dynamo  # noqa: F401  before any group: see shardtrain.workers.launch.init_from_env
 import torch.distributed as dist
-import torch._dynamo  # noqa: F401  before any group: see shardtrain.launch.init_from_env
 import torch.multiprocessing as mp
-
-import shardstore as ss
 from conftest import START_METHOD, TinyNet, make_optimizer, train_steps
 from gloo_group import free_port
 
+import shardstore as ss
 
 
 def _owned(model: torch.nn.Module, rank: int) -> list[str]:

@@ -23,16 +23,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
-import shardstore as ss
 from dtensor_models import WIDE, Net
 from dtensor_models import adamw as _opt
 from dtensor_models import fsdp as _fsdp
 from dtensor_models import train as _train
 from gloo_group import run_group
-from shardstore.sharded.dtensor import BATCH_BYTES, last_exchange
+
+import shardstore as ss
 from shardstore.format.grid import payload_blocks
 from shardstore.format.manifest import tensor_payloads
+from shardstore.sharded.dtensor import BATCH_BYTES, last_exchange
+
 
 def _equal_to_plain(model, opt, plain, popt) -> bool:
     """Every parameter and both moments, gathered (``full_tensor``), bitwise equal to a plain model's."""

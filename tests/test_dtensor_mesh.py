@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
 import torch.distributed as dist
-import pytest
+from dtensor_models import WIDE, Net, train
+from dtensor_models import adamw as _opt
+from gloo_group import run_group
 
 import shardstore as ss
 import shardstore.sharded.dtensor as sdt
 import shardstore.sharded.exchange as sex
-from dtensor_models import WIDE, Net
-from dtensor_models import adamw as _opt
-from dtensor_models import train
-from gloo_group import run_group
 from shardstore.format.grid import BLOCK_BYTES
 
 BIG = (96, 262144)  # 96 MiB float32, blocks of 4 rows (1 MiB each)

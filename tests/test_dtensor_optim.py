@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import json
 
+import dtensor_models
+import pytest
 import torch
 import torch.distributed as dist
-
-import pytest
-
-import shardstore as ss
-import dtensor_models
 from dtensor_models import WIDE, fsdp
 from dtensor_models import train as _train
 from gloo_group import run_group
+
+import shardstore as ss
 
 ROWS = 20  # fc1.weight: 20 x 512 KiB rows, blocks of rows 0-7, 8-15, 16-19
 

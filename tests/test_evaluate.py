@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from shardtrain import Partition, Pipeline, build_stage
-from shardtrain.evaluate import Ring, SetLoss, paired_bootstrap
-from shardtrain.job import load_job, prepare_default
-from shardtrain.model import KVCache
+from shardtrain.engine.model import KVCache
+from shardtrain.engine.ring import Ring
+from shardtrain.job.job import load_job, prepare_default
+from shardtrain.run.evaluate import SetLoss, paired_bootstrap
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardstore.sharded.exchange import _Arena, _contiguous_in
 from shardstore.format.grid import box_slices
+from shardstore.sharded.exchange import _Arena, _contiguous_in
 
 
 @st.composite

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import shardstore
-from shardtrain.evaluate import Case, CommitEval, EvalReport, SetLoss
-from shardtrain.gates import GateReport, Thresholds, gate_report, render_gates, write_gate_report
+from shardtrain.run.evaluate import Case, CommitEval, EvalReport, SetLoss
+from shardtrain.run.gates import GateReport, Thresholds, gate_report, render_gates, write_gate_report
 
 N = 40
 RNG = np.random.default_rng(7)

@@ -25,8 +25,8 @@ import torch
 import shardstore as ss
 from shardstore import ObjectNotFound
 from shardstore.ops.gc import gc, reachable
-from shardstore.store import object_key
 from shardstore.ops.transfer import commit_closure
+from shardstore.store import object_key
 
 try:
     from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)

@@ -17,14 +17,14 @@ import blake3
 import msgspec
 import pytest
 import torch
+from faults import CountingStore
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardstore as ss
-from faults import CountingStore
-from shardstore.sharded.dtensor import plan_blocks, slice_regions
 from shardstore.format.grid import BLOCK_BYTES, box_slices, grid, intersect, make_payload, overlapping, read_jobs
 from shardstore.format.manifest import Block
+from shardstore.sharded.dtensor import plan_blocks, slice_regions
 
 MiB = 1 << 20
 

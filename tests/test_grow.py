@@ -15,15 +15,15 @@ from safetensors.torch import load_file, save_file
 import shardstore
 from shardstore import load_commit
 from shardstore.ops.diff import diff
+from shardtrain.engine.optim import AdamW
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.trainer import Trainer
 from shardtrain.errors import TransitionError
-from shardtrain.grow import ZEROED_SUFFIXES, grow, identity_check
-from shardtrain.job import load_job
-from shardtrain.launch import WorkerContext, launch_local
-from shardtrain.lifecycle import DETERMINISTIC_ENV
-from shardtrain.optim import AdamW
-from shardtrain.partition import Partition, build_stage
-from shardtrain.pipeline import Pipeline
-from shardtrain.trainer import Trainer
+from shardtrain.job.job import load_job
+from shardtrain.reshape.grow import ZEROED_SUFFIXES, grow, identity_check
+from shardtrain.run.lifecycle import DETERMINISTIC_ENV
+from shardtrain.workers.launch import WorkerContext, launch_local
 
 NEW = "model.layers.4."
 

@@ -21,10 +21,10 @@ import shardstore
 from shardstore import BindingError, ObjectNotFound, copy_commit, open_store
 from shardstore.ops.transfer import commit_closure
 from shardtrain.errors import JobError, ResumeError, RunAborted
-from shardtrain.evaluate import EvalSpec, evaluate
-from shardtrain.job import JOB_FILE, decode_job, load_job, prepare_default
-from shardtrain.lifecycle import FAULT_ENV, RunSpec, train
-from shardtrain.tokenizer import TEMPLATE_FILE
+from shardtrain.job.job import JOB_FILE, decode_job, load_job, prepare_default
+from shardtrain.job.tokenizer import TEMPLATE_FILE
+from shardtrain.run.evaluate import EvalSpec, evaluate
+from shardtrain.run.lifecycle import FAULT_ENV, RunSpec, train
 
 TIMEOUT = 30.0
 
@@ -240,7 +240,7 @@ def test_the_job_is_pinned_and_survives_gc(run: SimpleNamespace, tmp_path: Path)
     import shutil
 
     from shardstore.ops.gc import gc
-    from shardtrain.evaluate import job_from_store
+    from shardtrain.run.evaluate import job_from_store
 
     job = load_job(run.job)
     bound = {job.id, job.job.records.blake3, *(a.blake3 for a in job.job.tokenizer)}
@@ -263,7 +263,7 @@ def test_the_job_is_pinned_and_survives_gc(run: SimpleNamespace, tmp_path: Path)
 def test_two_runs_of_one_job_pin_it_concurrently(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from shardtrain.lifecycle import store_job_files
+    from shardtrain.run.lifecycle import store_job_files
 
     job = load_job(_job(tmp_path / "job"))
     for i in range(20):
@@ -275,7 +275,7 @@ def test_two_runs_of_one_job_pin_it_concurrently(tmp_path: Path) -> None:
 
 def test_each_cohort_finds_its_reference_on_the_run_s_chain(run: SimpleNamespace) -> None:
     """Cohort A distils toward the step-0 seed commit, cohort B toward the committed end of A."""
-    from shardtrain.distill import find_reference, reference_steps
+    from shardtrain.run.distill import find_reference, reference_steps
 
     job = load_job(run.job)
     assert find_reference(run.store, job, "A", run.commits[8]) == run.commits[0]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import shardstore
-from shardtrain.launch import free_port
+from shardtrain.workers.launch import free_port
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:

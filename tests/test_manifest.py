@@ -7,6 +7,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import commit_manifests, shard_manifests
 
 from shardstore.errors import ManifestError
 from shardstore.format.manifest import (
@@ -21,7 +22,6 @@ from shardstore.format.manifest import (
     f64_decode,
     f64_encode,
 )
-from strategies import commit_manifests, shard_manifests
 
 
 @given(shard_manifests())

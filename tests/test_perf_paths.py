@@ -13,11 +13,11 @@ import threading
 
 import pytest
 import torch
+from conftest import TinyNet, make_optimizer, train_steps
 
 import shardstore as ss
-from conftest import TinyNet, make_optimizer, train_steps
-from shardstore.store import object_key
 from shardstore.format.tensors import hash_bytes, tensor_bytes
+from shardstore.store import object_key
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import uuid
 
 import pytest
 import torch
+from faults import CountingStore
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -27,9 +28,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardstore as ss
-from faults import CountingStore
-from shardstore.sharded.dtensor import plan_blocks, slice_regions
 from shardstore.format.grid import box_slices, grid, intersect, make_payload, read_parts
+from shardstore.sharded.dtensor import plan_blocks, slice_regions
 from shardstore.sharded.placement import MAX_PARTS, dim_indices, index_runs, parts_of
 
 

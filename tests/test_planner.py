@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.partition import Partition
 from shardtrain.errors import ConfigError, PartitionError
-from shardtrain.model import LlamaConfig
-from shardtrain.partition import Partition
-from shardtrain.planner import MemoryModel, parse_bytes, plan, utilisation
+from shardtrain.reshape.planner import MemoryModel, parse_bytes, plan, utilisation
 
 
 def _config(layers: int, hidden: int = 16, vocab: int = 64, tied: bool = True) -> LlamaConfig:
@@ -78,19 +78,19 @@ _MEASURE = r"""
 import json, sys
 import torch
 torch.set_num_threads(1)
-from shardtrain.batch import Batch
-from shardtrain.job import load_job
-from shardtrain.optim import AdamW
-from shardtrain.partition import Partition, build_stage
-from shardtrain.pipeline import Pipeline
-from shardtrain.planner import for_job
-from shardtrain.trainer import Trainer
+from shardtrain.engine.batch import Batch
+from shardtrain.job.job import load_job
+from shardtrain.engine.optim import AdamW
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.reshape.planner import for_job
+from shardtrain.engine.trainer import Trainer
 job = load_job(sys.argv[1])
-from shardtrain.admission import peak_bytes
-from shardtrain.admission import _current as resident
+from shardtrain.reshape.admission import peak_bytes
+from shardtrain.reshape.admission import _current as resident
 cpu = torch.device("cpu")
 base = resident(cpu)  # torch imported, job loaded: what a worker has resident when admission measures it
-from shardtrain.admission import _reset_peak
+from shardtrain.reshape.admission import _reset_peak
 _reset_peak(cpu)  # as admission does: a spike before this point is not the slot's
 part = Partition.even(job.config.num_hidden_layers, 1)
 stage = build_stage(job.config, part, 0, seed=1)
@@ -109,8 +109,8 @@ SLOW = bool(os.environ.get("SHARDSTORE_SLOW"))
 @pytest.mark.parametrize("width", [None, pytest.param(256, marks=pytest.mark.skipif(not SLOW, reason="SHARDSTORE_SLOW=1"))],
                          ids=["tiny-default", "width-256"])
 def test_estimate_is_within_25_percent_of_the_measured_peak_rss_increase(tmp_path: Path, width: int | None) -> None:
-    from shardtrain.job import default_config, prepare_default
-    from shardtrain.tokenizer import default_assets, load_tokenizer
+    from shardtrain.job.job import default_config, prepare_default
+    from shardtrain.job.tokenizer import default_assets, load_tokenizer
 
     seed_config = None
     if width is not None:  # the default job with a wider model: the estimate is not fitted to one size

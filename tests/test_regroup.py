@@ -11,10 +11,10 @@ import torch
 
 from shardstore import load_commit
 from shardstore.format.manifest import decode_config
+from shardtrain.engine.model import LlamaConfig
 from shardtrain.errors import PartitionError, ResumeError, TransitionError
-from shardtrain.lifecycle import RunSpec, train
-from shardtrain.model import LlamaConfig
-from shardtrain.regroup import layout_partition, parse_partition, regroup, rng_seed
+from shardtrain.reshape.regroup import layout_partition, parse_partition, regroup, rng_seed
+from shardtrain.run.lifecycle import RunSpec, train
 
 
 def _root(run: SimpleNamespace, cid: str) -> str:
@@ -155,8 +155,8 @@ def test_shardstore_log_shows_the_transitions(adaptive_run: SimpleNamespace, cap
 
 def test_workers_refuse_a_commit_laid_out_for_another_count(adaptive_run: SimpleNamespace) -> None:
     """What each worker checks (under torchrun nobody regroups for it): the layout must have its group's size."""
-    from shardtrain.job import load_job
-    from shardtrain.regroup import start_layout
+    from shardtrain.job.job import load_job
+    from shardtrain.reshape.regroup import start_layout
 
     run = adaptive_run
     job = load_job(run.job)

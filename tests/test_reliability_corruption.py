@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 import torch
+from faults import fast_dir
 
 import shardstore as ss
 from shardstore.ops.interchange import export_commit
-from faults import fast_dir
 
 SLOW = bool(os.environ.get("SHARDSTORE_SLOW"))
 

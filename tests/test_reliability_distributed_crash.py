@@ -30,15 +30,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  before any group: see shardtrain.workers.launch.init_from_env
 import torch.distributed as dist
-import torch._dynamo  # noqa: F401  before any group: see shardtrain.launch.init_from_env
 import torch.multiprocessing as mp
+from conftest import START_METHOD, TinyNet, make_optimizer, train_steps
+from faults import OpLog, die, kill_at
+from gloo_group import free_port
 
 import shardstore as ss
 import shardstore.checkpoint.distributed as protocol
-from conftest import START_METHOD, TinyNet, make_optimizer, train_steps
-from gloo_group import free_port
-from faults import OpLog, die, kill_at
 from shardstore.backends.local import LocalStorage
 
 SLOW = os.environ.get("SHARDSTORE_SLOW") == "1"

@@ -26,12 +26,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import commit_manifests, shard_manifests
 
 import shardstore as ss
 from shardstore.format.manifest import decode, decode_config, encode
 from shardstore.format.rng import capture_rng, restore_rng
 from shardstore.store import Store
-from strategies import commit_manifests, shard_manifests
 
 SLOW = bool(os.environ.get("SHARDSTORE_SLOW"))
 N = 2000 if SLOW else 150
@@ -227,7 +227,7 @@ def test_structured_mutations_never_accept_an_invalid_manifest(data: Any) -> Non
 
 def _job_decoder() -> Any:
     from shardtrain.errors import ShardtrainError
-    from shardtrain.job import decode_job
+    from shardtrain.job.job import decode_job
 
     return decode_job, ShardtrainError
 

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
+from faults import OpLog, kill_at
 
 import shardstore as ss
-from shardstore.ops.gc import gc
 from shardstore.backends.local import LocalStorage
+from shardstore.ops.gc import gc
 from shardstore.store import object_key
-from faults import OpLog, kill_at
 
 HOUR = 3600.0
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import shardstore as ss
-from shardstore.ops.gc import gc
 from shardstore.format.names import (
     check_group_name,
     check_key,
@@ -29,6 +28,7 @@ from shardstore.format.names import (
     check_ref_name,
     check_tensor_name,
 )
+from shardstore.ops.gc import gc
 
 HOSTILE = [
     "../x", "../../etc/passwd", "/etc/passwd", "a/../../b", "a/./b", "a\\b", "..\\..\\x", "a\x00b", "%2e%2e/x", "%2e%2e%2fx",

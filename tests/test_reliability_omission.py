@@ -61,8 +61,8 @@ def test_optimizer_state_of_a_tensor_the_model_does_not_hold_is_refused_not_drop
 def test_a_selection_racing_with_the_opening_of_finals_is_refused():
     # select checked 'finals opened?' before replacing the selection; an opening that completed
     # in between left the finals opened for commit A and the selection naming commit B.
-    from shardtrain import roles
     from shardtrain.errors import RoleError
+    from shardtrain.job import roles
 
     store, job = _store(), "c" * 64
     a, b = "a" * 64, "b" * 64
@@ -105,8 +105,8 @@ class _Fixed:
 
 def test_select_refuses_ids_it_could_not_read_back():
     # select('job-1', ...) wrote and pinned a record that selection() then refused as malformed.
-    from shardtrain import roles
     from shardtrain.errors import RoleError
+    from shardtrain.job import roles
 
     store = _store()
     with pytest.raises(RoleError, match="64 hex"):

@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 import torch
-
-import shardstore as ss
 from conftest import TinyNet, make_optimizer, train_steps
 from faults import PowerCut, PowerLossStorage, frozen_slots, slots_snapshot, snapshot
+
+import shardstore as ss
 
 SLOW = bool(os.environ.get("SHARDSTORE_SLOW"))
 SAVES = 3

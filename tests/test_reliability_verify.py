@@ -16,18 +16,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import msgspec
 import pytest
 import torch
+from faults import OpLog
 
 import shardstore as ss
 from shardstore.backends.local import LocalStorage
-import msgspec
-
-from faults import OpLog
 from shardstore.format.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, SlotLayout
 from shardstore.format.roots import learned_root
-from shardstore.store import object_key
 from shardstore.format.tensors import hash_bytes, new_hasher, tensor_bytes
+from shardstore.store import object_key
 
 
 def _model(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -19,12 +19,12 @@ import msgspec
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_group import run_group
 
 import shardstore as ss
 import shardstore.format.grid as sgrid
-from gloo_group import run_group
-from shardstore.ops.interchange import export_commit
 from shardstore.format.manifest import shard_version
+from shardstore.ops.interchange import export_commit
 
 MiB = 1 << 20
 

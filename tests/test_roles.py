@@ -10,12 +10,12 @@ import pytest
 
 import shardstore
 from shardstore_cli.shardtrain_cli import main
+from shardtrain.engine.partition import Partition, build_stage
 from shardtrain.errors import JobError, RoleError
-from shardtrain.evaluate import EvalSpec, evaluate
-from shardtrain.job import JOB_FILE, load_job, prepare_default
-from shardtrain.lifecycle import store_job_files
-from shardtrain.partition import Partition, build_stage
-from shardtrain.roles import DEVELOPMENT, FINAL, finals_opened, select, selection, set_digest
+from shardtrain.job.job import JOB_FILE, load_job, prepare_default
+from shardtrain.job.roles import DEVELOPMENT, FINAL, finals_opened, select, selection, set_digest
+from shardtrain.run.evaluate import EvalSpec, evaluate
+from shardtrain.run.lifecycle import store_job_files
 
 _ENC = msgspec.json.Encoder(order="sorted")
 
@@ -112,7 +112,7 @@ def test_development_retention_may_be_exposed_replay_but_final_sets_never_are(ru
 
 
 def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace) -> None:
-    from shardtrain.gates import gate_report, thresholds_of
+    from shardtrain.run.gates import gate_report, thresholds_of
 
     base, cand = run.commits
     expected = gate_report(_eval(run, DEVELOPMENT), thresholds_of(run.job), baseline=base, candidate=cand)
@@ -121,7 +121,7 @@ def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace
     assert code == (0 if expected.passed else 5)
     reports = [n for n in run.store.pin_names() if n.startswith(f"gates/{run.job.id}/")]
     assert len(reports) == 1
-    from shardtrain.gates import GateReport
+    from shardtrain.run.gates import GateReport
 
     stored = msgspec.json.decode(bytes(run.store.get(reports[0].split("/")[-1])), type=GateReport)
     # The same figures as the in-process evaluation (up to the kernels this process picked),

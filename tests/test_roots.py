@@ -6,10 +6,10 @@ import uuid
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import named_states
 
 import shardstore as ss
 from shardstore.state.optim import Hyper, OptimState, ParamOpt
-from strategies import named_states
 
 STORE = ss.open_store(f"memory://roots-{uuid.uuid4().hex}")
 HYPER = {"decay": Hyper(1e-3, 0.9, 0.95, 1e-8, 0.1), "no_decay": Hyper(1e-3, 0.9, 0.95, 1e-8, 0.0)}

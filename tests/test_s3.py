@@ -20,8 +20,8 @@ from botocore.exceptions import ClientError, ReadTimeoutError
 
 import shardstore as ss
 from shardstore import InvalidName, RefConflict, StorageError
-from shardstore.backends.s3.storage import S3Storage
 from shardstore.backends.s3.requests import probe_conditions
+from shardstore.backends.s3.storage import S3Storage
 from shardstore.format.tensors import hash_bytes, new_hasher
 
 try:

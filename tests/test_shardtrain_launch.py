@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardtrain_helpers import (DETERMINISTIC_ENV, aborting_worker, environment_worker, failing_worker, job_spec, lingering_thread_worker,
-                                read_results, train_worker)
+from shardtrain_helpers import DETERMINISTIC_ENV, aborting_worker, environment_worker, failing_worker, job_spec, lingering_thread_worker, read_results, train_worker
 
 from shardtrain import LaunchError, WorkerFailedError, free_port, init_from_env, launch_local
 
@@ -110,7 +109,7 @@ def test_forked_workers_see_what_spawned_workers_would(tmp_path: Path, monkeypat
     """Workers forked from the server get the launcher's environment as it is *now* (not the
     server's), the launch's extra variables, and the launcher's current stdout; a launch
     whose import-time variables differ from the server's is spawned instead."""
-    from shardtrain import forkserver
+    from shardtrain.workers import forkserver
     if not forkserver.start(DETERMINISTIC_ENV):
         pytest.skip("no forkserver here")
     assert forkserver.context(DETERMINISTIC_ENV).get_start_method() == "forkserver"

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from shardtrain_helpers import DETERMINISTIC_ENV, header_mismatch_worker, posted_header_mismatch_worker
 
 from shardtrain import MessageError, MessageHeader, WorkerFailedError, check_header, launch_local
-from shardtrain.messages import ACTIVATION, GRADIENT, HEADER_LEN, MAGIC
+from shardtrain.engine.messages import ACTIVATION, GRADIENT, HEADER_LEN, MAGIC
 
 EXPECTED = MessageHeader(ACTIVATION, 3, 1, torch.float32, (2, 5, 48))
 

@@ -6,7 +6,7 @@ import torch
 from shardtrain_helpers import tiny_config
 
 from shardtrain import ConfigError, Llama, LlamaConfig, Partition, build_stage, canonical_parameter_names
-from shardtrain.model import rotary_tables
+from shardtrain.engine.model import rotary_tables
 
 transformers = pytest.importorskip("transformers")
 

@@ -25,9 +25,9 @@ from shardtrain_helpers import (
 )
 
 from shardtrain import Batch, Partition, build_stage, canonical_parameter_names, launch_local, lr_multiplier
+from shardtrain.engine.optim import Schedule
+from shardtrain.engine.pipeline import Pipeline
 from shardtrain.errors import BatchError, ConfigError, WorkerFailedError
-from shardtrain.optim import Schedule
-from shardtrain.pipeline import Pipeline
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,11 +10,11 @@ import torch
 from shardtrain_helpers import make_batch, tiny_config
 
 from shardtrain import Partition, build_stage
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.schedule import BACKWARD, FORWARD, HEAD, Action, build, check, in_flight, overlapped, synchronous
 from shardtrain.errors import ConfigError
-from shardtrain.job import prepare_default
-from shardtrain.lifecycle import RunSpec, train
-from shardtrain.pipeline import Pipeline
-from shardtrain.schedule import BACKWARD, FORWARD, HEAD, Action, build, check, in_flight, overlapped, synchronous
+from shardtrain.job.job import prepare_default
+from shardtrain.run.lifecycle import RunSpec, train
 
 
 @pytest.mark.parametrize("name", ["overlapped", "synchronous"])

@@ -18,8 +18,7 @@ import torch
 
 import shardstore as ss
 from shardstore.format.manifest import HyperGroup, encode
-from shardstore.state.optim import OptimState, ParamOpt
-from shardstore.state.optim import TorchParam
+from shardstore.state.optim import OptimState, ParamOpt, TorchParam
 
 MiB = 1 << 20
 ROWS, COLS = 3, 524288  # float32 rows of 2 MiB: blocks of rows 0-1 and row 2
@@ -298,8 +297,8 @@ def test_slot_k_selection_is_exactly_the_blocks_its_slices_overlap(split):
 
 
 def test_diff_reports_slices_between_two_splits_of_one_learned_state():
-    from shardstore.ops.diff import diff
     from shardstore.format.slices import make_slices
+    from shardstore.ops.diff import diff
 
     store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
     w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)

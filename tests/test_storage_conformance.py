@@ -17,8 +17,8 @@ import pytest
 
 from shardstore import ObjectNotFound, RefConflict, Store, open_store
 from shardstore.errors import CorruptObject
-from shardstore.store import object_key
 from shardstore.format.tensors import hash_bytes
+from shardstore.store import object_key
 
 try:  # `python -m pytest` from the root, or plain `pytest` (rootdir/tests on sys.path)
     from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)

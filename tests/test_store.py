@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
 
 import shardstore as ss
-from shardstore.store import object_key
 from shardstore.format.tensors import hash_bytes
+from shardstore.store import object_key
 
 
 def test_object_name_is_its_blake3(any_store):

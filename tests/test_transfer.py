@@ -21,8 +21,8 @@ import torch
 
 import shardstore as ss
 from shardstore import CorruptObject, ObjectNotFound, RefConflict, TargetNotFound
-from shardstore.store import object_key
 from shardstore.ops.transfer import commit_closure, copy_commit
+from shardstore.store import object_key
 
 try:
     from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)

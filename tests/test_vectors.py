@@ -8,9 +8,9 @@ import json
 import uuid
 
 import blake3
+from vectors import vector_state
 
 import shardstore as ss
-from vectors import vector_state
 
 COMMIT = "7aefa805a1d63548eef4513d9fa55a9d83cc1ffc93634f6c7c0eba2cd6da378c"
 LEARNED_ROOT = "2466421de564caf942d6275c2ebeb18e75200cd57be15d898c107aefa26d5361"

@@ -6,10 +6,10 @@ import os
 import random
 
 import pytest
+from conftest import TinyNet, make_optimizer, train_steps
 
 import shardstore as ss
 from shardstore.format.manifest import encode
-from conftest import TinyNet, make_optimizer, train_steps
 
 
 def _path(store: ss.Store, oid: str) -> str:

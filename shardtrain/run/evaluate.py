@@ -24,18 +24,16 @@ from datetime import timedelta
 import msgspec
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 import shardstore
 from shardstore import Store, load_commit, open_store
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.ring import Ring
 from shardtrain.errors import JobError, ResumeError, WorkerFailedError
-from shardtrain.job import JOB_FILE, PreparedJob, decode_job, load_job
-from shardtrain.launch import WorkerContext, launch_local
-from shardtrain.lifecycle import DETERMINISTIC_ENV, commit_config, gate
-from shardtrain.partition import Partition, build_stage
-from shardtrain.ring import Ring
-from shardtrain.roles import DEVELOPMENT, FINAL, open_finals
+from shardtrain.job.job import JOB_FILE, PreparedJob, decode_job, load_job
+from shardtrain.job.roles import DEVELOPMENT, FINAL, open_finals
+from shardtrain.run.lifecycle import DETERMINISTIC_ENV, commit_config, gate
+from shardtrain.workers.launch import WorkerContext, launch_local
 
 __all__ = ["EvalSpec", "SetLoss", "Case", "CommitEval", "Comparison", "EvalReport", "Ring", "evaluate",
            "evaluate_worker", "job_from_store", "paired_bootstrap"]
@@ -51,7 +49,7 @@ class EvalSpec:
     batch_size: int = 8
     message_timeout: float = 60.0
     out_dir: str | None = None
-    role: str = DEVELOPMENT  # which held-out sets: development, or final (needs a selection; shardtrain.roles)
+    role: str = DEVELOPMENT  # which held-out sets: development, or final (needs a selection; shardtrain.job.roles)
 
 
 class SetLoss(msgspec.Struct, frozen=True):

@@ -7,7 +7,7 @@ finally applies the final norm, the output head and the loss. Gradients travel b
 other way. With one slot the same code runs everything locally and sends nothing.
 
 Schedule: the order of each slot's actions (forward, head on slot 0, backward of each
-microbatch) comes from `shardtrain.schedule`: ``overlapped`` (the default: stages work on
+microbatch) comes from `shardtrain.engine.schedule`: ``overlapped`` (the default: stages work on
 different microbatches at once, at most n + 2 microbatches' forward graphs held per slot)
 or ``synchronous`` (every forward, then every head, then every backward). Both give
 bitwise identical gradients, losses and so commits (the schedule module says why). Sends
@@ -26,7 +26,7 @@ output's gradient is pushed through it with `backward`. The autograd work per la
 therefore the same wherever the layer lives and whatever its neighbours are, which is what
 makes the gradients (and so the whole update) bitwise independent of the partition.
 
-The loss of microbatch k (`shardtrain.loss.microbatch_loss`: cross-entropy, plus KL toward a
+The loss of microbatch k (`shardtrain.engine.loss.microbatch_loss`: cross-entropy, plus KL toward a
 frozen reference on declared replay rows) is divided by the total weight of the whole batch;
 the step loss is the sum over microbatches, so microbatching does not change the update.
 """
@@ -39,13 +39,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardtrain.batch import Batch, Microbatch, split_microbatches
+from shardtrain.engine.batch import Batch, Microbatch, split_microbatches
+from shardtrain.engine.loss import DistillTargets, microbatch_loss
+from shardtrain.engine.messages import ACTIVATION, GRADIENT, Channel, MessageHeader, PostedRecv
+from shardtrain.engine.model import Llama, rotary_tables
+from shardtrain.engine.partition import Partition
+from shardtrain.engine.schedule import FORWARD, HEAD, Action, build
 from shardtrain.errors import ConfigError
-from shardtrain.loss import DistillTargets, microbatch_loss
-from shardtrain.messages import ACTIVATION, GRADIENT, Channel, MessageHeader, PostedRecv
-from shardtrain.model import Llama, rotary_tables
-from shardtrain.partition import Partition
-from shardtrain.schedule import BACKWARD, FORWARD, HEAD, Action, build
 
 __all__ = ["Pipeline", "PREFETCH"]
 
@@ -86,7 +86,7 @@ class Pipeline:
         # forward; the lifecycle's fault injection uses it to lose a worker mid-update.
         self.after_forward: Callable[[int, int], None] | None = None
         # Slot 0 only: the next batch's declared replay rows and reference log-probs
-        # (shardtrain.distill sets it before each step; None: cross-entropy only).
+        # (shardtrain.run.distill sets it before each step; None: cross-entropy only).
         self.distill: DistillTargets | None = None
         if self.num_slots > 1:
             if not dist.is_initialized():
@@ -119,7 +119,7 @@ class Pipeline:
         values: dict[int, float] = {}  # slot 0: each microbatch's loss
         local_grads: dict[int, torch.Tensor] = {}  # one slot: the head's gradient, handed over locally
         # A tied embedding also receives the head's gradient: its embedding backwards wait
-        # until every head has run, as in the synchronous order (see shardtrain.schedule).
+        # until every head has run, as in the synchronous order (see shardtrain.engine.schedule).
         tied = self.slot == 0 and self.config.tie_word_embeddings
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._posted = {}

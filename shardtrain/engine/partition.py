@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from shardtrain.engine.model import Llama, LlamaConfig
 from shardtrain.errors import PartitionError
-from shardtrain.model import Llama, LlamaConfig
 
 __all__ = [
     "LAYER_PARAMETER_SUFFIXES",

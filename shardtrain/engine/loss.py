@@ -1,7 +1,7 @@
 """Loss: the weighted objective of one microbatch, computed on slot 0 from its logits.
 
 Without distillation a token's term is ``weight * cross_entropy``. With distillation
-(`DistillTargets`, made by `shardtrain.distill` before the student's pass) the rows of
+(`DistillTargets`, made by `shardtrain.run.distill` before the student's pass) the rows of
 the batch split in two:
 
 - **new records** keep ``weight * cross_entropy(student, target)``;

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.errors import AdmissionError, JobError
-from shardtrain.planner import SlotEstimate
+from shardtrain.reshape.planner import SlotEstimate
 
 __all__ = ["FREE_MEMORY_ENV", "Usage", "free_memory", "admit", "peak_bytes", "gather_usage", "journal_record"]
 

@@ -32,15 +32,15 @@ import torch
 from msgspec import Meta
 
 from shardstore.format.manifest import f64_decode, f64_encode
-from shardtrain.batch import Batch
+from shardtrain.engine.batch import Batch
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.optim import GroupConfig
+from shardtrain.engine.optim import Schedule as LrSchedule
 from shardtrain.errors import ConfigError, JobError
-from shardtrain.model import LlamaConfig
-from shardtrain.optim import GroupConfig
-from shardtrain.optim import Schedule as LrSchedule
-from shardtrain.recipe import F64, CohortReference, Count, Distillation, FileName, GateRecipe, GroupRecipe, Positive, Recipe, _Base
-from shardtrain.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
-from shardtrain.tasks import FAMILIES, Record, make_conversations, make_records, record_id
-from shardtrain.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, ByteTokenizer, default_assets, load_tokenizer
+from shardtrain.job.recipe import F64, CohortReference, Count, Distillation, FileName, GateRecipe, GroupRecipe, Positive, Recipe, _Base
+from shardtrain.job.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
+from shardtrain.job.tasks import Record, make_conversations, make_records, record_id
+from shardtrain.job.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, ByteTokenizer, default_assets, load_tokenizer
 
 __all__ = ["JOB_FILE", "RECORDS_FILE", "Job", "PreparedJob", "decode_job", "load_job", "prepare_default", "model_spec",
            "default_config"]
@@ -116,7 +116,7 @@ class Job(_Base, tag="shardtrain-job", tag_field="type"):
     tokenizer: tuple[Asset, ...]
     records: Asset
     exposed: tuple[Count, ...]  # records the seed was trained on before this job: replayable from step 0
-    sets: tuple[EvalSet, ...]  # held-out sets with their roles (shardtrain.roles)
+    sets: tuple[EvalSet, ...]  # held-out sets with their roles (shardtrain.job.roles)
     schedule: Schedule
     schedule_id: Hex64
     recipe: Recipe
@@ -381,9 +381,9 @@ def _step_docs(steps: int, batch_size: int, replay: int, first: int, pool: list[
 
 #: The embedded default's task mix (families repeat to weight them): training records are all
 #: `filter`, the family this model learns within the demo's budget; the held-out task sets
-#: keep all four families (README, "What the demo learns").
+#: keep all four families (docs/DEMO.md).
 DEFAULT_MIX: tuple[str, ...] = ("filter",)
-#: The embedded default's peak learning rate and initialisation scale (README, "What the demo learns").
+#: The embedded default's peak learning rate and initialisation scale (docs/DEMO.md).
 DEFAULT_LR = 5e-3
 DEFAULT_INIT_STD = 0.08
 _MAX_PRIOR = 512

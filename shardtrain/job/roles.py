@@ -28,7 +28,7 @@ from msgspec import Meta
 
 from shardstore import ObjectNotFound, Store
 from shardtrain.errors import JobError, RoleError
-from shardtrain.tasks import Record
+from shardtrain.job.tasks import Record
 
 __all__ = ["DEVELOPMENT", "FINAL", "EvalSet", "Selection", "set_digest", "check_roles", "select", "selection",
            "open_finals", "finals_opened"]

@@ -27,14 +27,14 @@ Commits happen between complete updates only, every ``every`` steps and at ``unt
 with the two-phase protocol of ``shardstore.save_distributed`` and an explicit parent,
 so a replayed run writes byte-identical manifests and so identical commit ids. By
 default a commit is written in the background from a staged copy while training goes on
-(``shardtrain.committer``); ``async_commits=False`` makes the step loop wait for it.
+(``shardtrain.run.committer``); ``async_commits=False`` makes the step loop wait for it.
 
 When a peer is lost mid-update the survivors' pipeline waits fail within their timeout,
 and each survivor raises ``RunAborted`` naming the last committed step: nothing after it
 reached the store's ref. ``SHARDTRAIN_FAULT=slot=S,step=N,microbatch=M`` makes slot S
 exit abruptly after that microbatch's forward, once any commit it has in flight has
 landed (the fault injection used by the demo and the tests; ``SHARDTRAIN_COMMIT_FAULT``
-in ``shardtrain.committer`` loses a worker while a commit is being written).
+in ``shardtrain.run.committer`` loses a worker while a commit is being written).
 """
 from __future__ import annotations
 
@@ -56,20 +56,20 @@ import torch.distributed as dist
 import shardstore
 from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
 from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
-from shardtrain import admission
-from shardtrain.committer import Committer
-from shardtrain.distill import Distiller, reference_steps
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.optim import AdamW
+from shardtrain.engine.partition import build_stage, parameter_inventory
+from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.schedule import build as build_schedule
+from shardtrain.engine.trainer import Trainer
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
-from shardtrain.job import PreparedJob, load_job
-from shardtrain.launch import WorkerContext, launch_local
-from shardtrain.model import LlamaConfig
-from shardtrain.optim import AdamW
-from shardtrain.partition import Partition, build_stage, parameter_inventory
-from shardtrain.pipeline import Pipeline
-from shardtrain.planner import for_job
-from shardtrain.regroup import grown_from, regroup, start_layout
-from shardtrain.schedule import build as build_schedule
-from shardtrain.trainer import Trainer
+from shardtrain.job.job import PreparedJob, load_job
+from shardtrain.reshape import admission
+from shardtrain.reshape.planner import for_job
+from shardtrain.reshape.regroup import grown_from, regroup, start_layout
+from shardtrain.run.committer import Committer
+from shardtrain.run.distill import Distiller, reference_steps
+from shardtrain.workers.launch import WorkerContext, launch_local
 
 __all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
            "check_commit", "open_start", "store_job_files", "gate", "fault_from_env"]
@@ -96,8 +96,8 @@ class RunSpec:
     message_timeout: float = 60.0  # seconds a pipeline message may take before the peer counts as lost
     out_dir: str | None = None  # where each worker writes rank{r}.json
     progress: Callable[[StepEvent], None] | None = None  # called on the coordinator (must be importable)
-    schedule: str = "overlapped"  # the pipeline schedule (shardtrain.schedule); not bound: results are identical
-    async_commits: bool = True  # write commits in the background from a staged copy (shardtrain.committer)
+    schedule: str = "overlapped"  # the pipeline schedule (shardtrain.engine.schedule); not bound: results are identical
+    async_commits: bool = True  # write commits in the background from a staged copy (shardtrain.run.committer)
 
 
 @dataclass(frozen=True)

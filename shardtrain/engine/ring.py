@@ -9,17 +9,24 @@ activations). Every slot calls the same methods with the same token ids.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtrain.job import PreparedJob
-from shardtrain.messages import ACTIVATION, Channel, MessageHeader
-from shardtrain.model import KVCache, Llama, rotary_tables
-from shardtrain.partition import Partition
+from shardtrain.engine.batch import Batch
+from shardtrain.engine.messages import ACTIVATION, Channel, MessageHeader
+from shardtrain.engine.model import KVCache, Llama, rotary_tables
+from shardtrain.engine.partition import Partition
 
-__all__ = ["Ring"]
+__all__ = ["Documents", "Ring"]
+
+
+class Documents(Protocol):
+    """All `Ring.losses` needs of a job (`shardtrain.job.job.PreparedJob` is one): documents as batches."""
+
+    def batch_of(self, indices: list[int]) -> Batch: ...
 
 
 class Ring:
@@ -79,7 +86,7 @@ class Ring:
                 return out
             logits = self.forward(torch.tensor([[token]]), caches)
 
-    def losses(self, job: PreparedJob, indices: list[int], batch_size: int) -> tuple[list[float], list[float]]:
+    def losses(self, job: Documents, indices: list[int], batch_size: int) -> tuple[list[float], list[float]]:
         """Per document: (sum of weighted token losses, sum of weights); only slot 0's are real."""
         doc_loss: list[float] = []
         doc_weight: list[float] = []

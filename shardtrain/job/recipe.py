@@ -1,7 +1,7 @@
 """The recipe of a prepared job: optimizer groups and schedule, clipping, batch split,
 distillation (the KL term and each cohort's frozen reference) and the experiment's gates.
 
-Part of `job.json` (`shardtrain.job`), so every value is fixed before training and bound
+Part of `job.json` (`shardtrain.job.job`), so every value is fixed before training and bound
 by the job id. Reals are the 16 hex digits of their IEEE-754 bits, like every real in a
 job file; decoding is strict (unknown fields refused).
 """
@@ -42,7 +42,7 @@ class CohortReference(_Base):
 
 
 class Distillation(_Base):
-    """KL(reference || student) at `temperature` on declared replay records, times `kl_coef` (shardtrain.loss)."""
+    """KL(reference || student) at `temperature` on declared replay records, times `kl_coef` (shardtrain.engine.loss)."""
 
     kl_coef: F64
     temperature: F64
@@ -50,7 +50,7 @@ class Distillation(_Base):
 
 
 class GateRecipe(_Base):
-    """The experiment's gates (shardtrain.gates), fixed before training."""
+    """The experiment's gates (shardtrain.run.gates), fixed before training."""
 
     gain_bound: F64  # the new-task upper bound must lie below this (nats per assistant token)
     retention_bound: F64  # the retention upper bound must be at most this

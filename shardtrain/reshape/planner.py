@@ -41,10 +41,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.partition import Partition
 from shardtrain.errors import ConfigError
-from shardtrain.job import PreparedJob
-from shardtrain.model import LlamaConfig
-from shardtrain.partition import Partition
+from shardtrain.job.job import PreparedJob
 
 __all__ = ["ACT_PER_HIDDEN", "ACT_PER_INTERMEDIATE", "DEFAULT_RESERVE", "MemoryModel", "SlotEstimate", "Plan",
            "for_job", "plan", "parse_bytes", "utilisation"]

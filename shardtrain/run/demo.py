@@ -25,9 +25,9 @@
    verified.
 
 Cohort A distils toward the seed on its conversation replay, cohort B toward the
-committed end of cohort A (the recipe's references; `shardtrain.distill`). The sizes below
+committed end of cohort A (the recipe's references; `shardtrain.run.distill`). The sizes below
 (`STEPS_A` ...) with `prepare_default`'s recipe are chosen so that cohort A learns the filter
-family in generation within the demo's budget (README, "What the demo learns").
+family in generation within the demo's budget (docs/DEMO.md).
 
 It reports through `say` (one line at a time); the CLI prints.
 """
@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 import shardstore
 from shardstore.ops.transfer import commit_closure
 from shardtrain.errors import RunAborted
-from shardtrain.evaluate import CommitEval, EvalReport, EvalSpec, evaluate
-from shardtrain.gates import GateReport, gate_report, render_gates, thresholds_of, write_gate_report
-from shardtrain.grow import grow, identity_check
-from shardtrain.job import load_job, prepare_default
-from shardtrain.regroup import regroup
-from shardtrain.roles import FINAL, select
-from shardtrain.lifecycle import FAULT_ENV, RunSpec, StepEvent, train
+from shardtrain.job.job import load_job, prepare_default
+from shardtrain.job.roles import FINAL, select
+from shardtrain.reshape.grow import grow, identity_check
+from shardtrain.reshape.regroup import regroup
+from shardtrain.run.evaluate import CommitEval, EvalReport, EvalSpec, evaluate
+from shardtrain.run.gates import GateReport, gate_report, render_gates, thresholds_of, write_gate_report
+from shardtrain.run.lifecycle import FAULT_ENV, RunSpec, StepEvent, train
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -72,7 +72,7 @@ class DemoResult:
         return self.reference == self.recovered
 
 
-#: The demo's cohort sizes and commit interval (README, "What the demo learns").
+#: The demo's cohort sizes and commit interval (docs/DEMO.md).
 STEPS_A, STEPS_B, EVERY, BATCH_SIZE, MICROBATCH_SIZE = 700, 12, 50, 32, 8
 
 
@@ -171,8 +171,7 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     counts = report.commits[1].family_counts()
     best = max(sorted(counts), key=lambda f: counts[f][0])
     say(f"      best family after cohort A: {best} {counts[best][0]}/{counts[best][1]} generated answers right "
-        f"(seed {report.commits[0].family_counts().get(best, (0, 0))[0]}/{counts[best][1]}; README, "
-        f"\"What the demo learns\")")
+        f"(seed {report.commits[0].family_counts().get(best, (0, 0))[0]}/{counts[best][1]}; docs/DEMO.md)")
     thresholds = thresholds_of(job)
     gates = []
     for cand in (reference, final):

@@ -30,10 +30,10 @@ from shardstore import Store, TensorEntry, load_commit
 from shardstore.format.grid import put_payloads, read_whole
 from shardstore.format.manifest import OptimEntry, Payload
 from shardstore.format.tensors import torch_dtype
+from shardtrain.engine.model import LlamaDecoderLayer, rotary_tables
+from shardtrain.engine.partition import LAYER_PARAMETER_SUFFIXES, Partition
 from shardtrain.errors import TransitionError
-from shardtrain.model import LlamaDecoderLayer, rotary_tables
-from shardtrain.partition import LAYER_PARAMETER_SUFFIXES, Partition
-from shardtrain.regroup import TransitionResult, _journal, commit_config, move_ref, write_layout
+from shardtrain.reshape.regroup import TransitionResult, _journal, commit_config, move_ref, write_layout
 
 __all__ = ["ZEROED_SUFFIXES", "grow", "identity_check"]
 

@@ -39,8 +39,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardtrain import forkserver
 from shardtrain.errors import LaunchError, WorkerFailedError
+from shardtrain.workers import forkserver
 
 __all__ = ["WorkerContext", "init_from_env", "shutdown", "run_worker", "launch_local", "free_port"]
 
@@ -65,7 +65,7 @@ def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str |
     missing = [v for v in _ENV_VARS if v not in os.environ]
     if missing:
         raise LaunchError(f"missing launch environment variables {missing}; start workers with torchrun "
-                          f"or shardtrain.launch.launch_local")
+                          f"or shardtrain.launch_local")
     try:
         rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
         int(os.environ["MASTER_PORT"])
@@ -199,7 +199,7 @@ def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] 
     """Run `fn(ctx, *args)` in `world_size` fresh processes forming one process group.
 
     `fn` must be importable by module name (it is pickled by reference). Workers are forked
-    from a server that imported torch once (`shardtrain.forkserver`) when that gives them
+    from a server that imported torch once (`shardtrain.workers.forkserver`) when that gives them
     exactly what a spawned worker would get, else spawned. `env` is added to the workers'
     environment as if before they imported anything (for example `ATEN_CPU_CAPABILITY`).
     Raises `WorkerFailedError` naming every failed rank.

@@ -36,10 +36,10 @@ import torch
 from shardstore import CommitInfo, LoadedCommit, Store, TensorEntry, load_commit, write_commit, write_shard_entries
 from shardstore.format.manifest import decode_config
 from shardstore.format.rng import capture_rng, restore_rng
+from shardtrain.engine.model import LlamaConfig
+from shardtrain.engine.partition import Partition
 from shardtrain.errors import PartitionError, ResumeError, TransitionError
-from shardtrain.job import PreparedJob
-from shardtrain.model import LlamaConfig
-from shardtrain.partition import Partition
+from shardtrain.job.job import PreparedJob
 
 __all__ = ["TransitionResult", "regroup", "layout_partition", "commit_config", "rng_seed", "derived_rng", "write_layout",
            "move_ref", "parse_partition", "grown_from", "start_layout"]

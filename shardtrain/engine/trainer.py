@@ -12,12 +12,12 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from shardtrain.batch import Batch
-from shardtrain.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms
+from shardtrain.engine.batch import Batch
+from shardtrain.engine.clipping import clip_coefficient, global_grad_norm, scale_grads_, squared_grad_norms
+from shardtrain.engine.optim import AdamW
+from shardtrain.engine.partition import canonical_parameter_names
+from shardtrain.engine.pipeline import Pipeline
 from shardtrain.errors import ConfigError, PeerFailureError
-from shardtrain.optim import AdamW
-from shardtrain.partition import canonical_parameter_names
-from shardtrain.pipeline import Pipeline
 
 __all__ = ["StepResult", "Trainer"]
 

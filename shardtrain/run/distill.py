@@ -16,12 +16,10 @@ reference costs no bytes in the store. No worker holds a whole student or refere
 Before the student's forward and backward of a step whose cohort declares replay
 records, the replay rows of the batch go once round the ring through the reference,
 forward only (`Ring`, message kind ``REFERENCE``), and slot 0 keeps the reference's
-log-probabilities at the recipe's temperature; `shardtrain.loss` then adds
+log-probabilities at the recipe's temperature; `shardtrain.engine.loss` then adds
 ``coef * T**2 * KL(p_ref || p_student)`` on those rows only.
 """
 from __future__ import annotations
-
-from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +27,14 @@ import torch.nn.functional as F
 import shardstore
 from shardstore import Store, load_commit
 from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
-from shardtrain.batch import Batch
+from shardtrain.engine.batch import Batch
+from shardtrain.engine.loss import DistillTargets
+from shardtrain.engine.messages import REFERENCE
+from shardtrain.engine.model import Llama, LlamaConfig
+from shardtrain.engine.partition import Partition, build_stage
+from shardtrain.engine.ring import Ring
 from shardtrain.errors import DistillError
-from shardtrain.job import PreparedJob
-from shardtrain.loss import DistillTargets
-from shardtrain.messages import REFERENCE
-from shardtrain.model import Llama, LlamaConfig
-from shardtrain.partition import Partition, build_stage
-from shardtrain.ring import Ring
+from shardtrain.job.job import PreparedJob
 
 __all__ = ["find_reference", "Reference", "Distiller", "reference_steps", "reference_bytes"]
 

@@ -27,8 +27,8 @@ import msgspec
 from shardstore import Store
 from shardstore.format.manifest import f64_decode
 from shardtrain.errors import JobError
-from shardtrain.evaluate import CommitEval, EvalReport, paired_bootstrap
-from shardtrain.job import PreparedJob
+from shardtrain.job.job import PreparedJob
+from shardtrain.run.evaluate import CommitEval, EvalReport, paired_bootstrap
 
 __all__ = ["Thresholds", "GateRow", "GateReport", "thresholds_of", "gate_report", "write_gate_report", "render_gates"]
 

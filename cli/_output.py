@@ -1,0 +1,49 @@
+"""The one output path of both command lines: results on stdout, errors on stderr.
+
+Every command builds one JSON-able document of its result. `emit` prints it: as one JSON
+document with ``--json`` (the same encoding for every command of both tools), else as the
+text its render function makes of that same document, so the two outputs never disagree.
+`fail` reports an error the same way (a JSON document or one line, on stderr) and returns
+the exit code. Progress and diagnostics (`note`) go to stderr and never with ``--json``'s
+document on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ._render import jsonable
+
+__all__ = ["emit", "fail", "note"]
+
+
+def emit(args: argparse.Namespace, doc: Any, render: Callable[[Any], str]) -> None:
+    """Print a command's document: as JSON with --json, else as text for people (nothing if empty).
+
+    `render` gets the document in its JSON form (plain dicts, lists and numbers), the very
+    values ``--json`` prints, except that a NaN or infinity stays a float.
+    """
+    if getattr(args, "json", False):
+        print(json.dumps(jsonable(doc), indent=2))
+    else:
+        text = render(jsonable(doc, keep_nonfinite=True))
+        if text:
+            print(text)
+
+
+def fail(prog: str, args: argparse.Namespace | None, error: BaseException, code: int) -> int:
+    """Report `error` on stderr (a JSON document with --json, else ``PROG: error: Kind: message``); return `code`."""
+    kind = type(error).__name__
+    if args is not None and getattr(args, "json", False):
+        print(json.dumps({"error": {"kind": kind, "message": str(error), "exit": code}}), file=sys.stderr)
+    else:
+        print(f"{prog}: error: {kind}: {error}", file=sys.stderr)
+    return code
+
+
+def note(message: str) -> None:
+    """A diagnostic line for people, on stderr."""
+    print(message, file=sys.stderr)
