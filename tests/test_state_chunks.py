@@ -364,7 +364,7 @@ def test_slice_check_agrees_with_the_pairwise_check(marks, monkeypatch):
     did, and an overlap they name is one."""
     import shardstore.format.slices
 
-    monkeypatch.setattr(shardstore.slices, "_MARKS_PER_BOX", marks)
+    monkeypatch.setattr(shardstore.format.slices, "_MARKS_PER_BOX", marks)
     from types import SimpleNamespace
 
     from hypothesis import given, settings
