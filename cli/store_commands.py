@@ -45,8 +45,11 @@ def parse_duration(text: str) -> float:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    from ._commands import add_storage_option
+
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
+    add_storage_option(p)
 
 
 def register(subparsers: Any) -> None:

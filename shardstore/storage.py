@@ -205,7 +205,10 @@ class FsspecStorage:
 
 
 def open_storage(url: str, **storage_options: object) -> Storage:
-    """A backend for a store URL: a plain path or ``file://`` is local, ``s3://`` is S3Storage, anything else fsspec."""
+    """A backend for a store URL: a plain path or ``file://`` is local, ``s3://`` is S3Storage, anything else fsspec.
+
+    An S3 store's options also come from ``SHARDSTORE_STORAGE_OPTIONS`` and the URL's query
+    (``shardstore.storage_options``); a local store takes none."""
     from .local import LocalStorage  # imports this module for the protocol's types
 
     if "://" not in url:
@@ -213,11 +216,15 @@ def open_storage(url: str, **storage_options: object) -> Storage:
     if url.startswith("file://"):
         return LocalStorage(url[len("file://"):])
     if url.startswith(("s3://", "s3a://")):
+        from .storage_options import check_s3_options, resolve  # the environment, the URL's query, the caller
+
         try:
             from .s3 import S3Storage  # conditional writes need the raw client, not fsspec's surface
         except ImportError as e:
             raise StorageError(f"cannot open store {url!r}: S3 support needs s3fs ({e})") from None
-        return S3Storage(url, **storage_options)
+        url, options = resolve(url, dict(storage_options))
+        check_s3_options(url, options)
+        return S3Storage(url, **options)
     try:
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
     except (ValueError, ImportError, TypeError, OSError) as e:  # unknown protocol, its package not installed, bad options
