@@ -59,6 +59,7 @@ from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
 from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain import admission
 from shardtrain.committer import Committer
+from shardtrain.dependencies import check_dependencies, check_shared_store, pin_references
 from shardtrain.distill import Distiller, reference_steps
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
 from shardtrain.job import PreparedJob, load_job
@@ -321,6 +322,7 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     job = load_job(spec.job)
     store = open_store(spec.store)
     own = open_store(dict(spec.slot_stores).get(rank, spec.store))
+    check_shared_store(store, rank, world)  # every commit goes to one store: private ones are refused here
     # One start for the whole group: every worker resolves it, and all must agree (a fresh
     # start included), before anything is restored.
     target = start_target(job, store, spec)
@@ -337,6 +339,7 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         lc = open_start(job, own, cid, until=spec.until)
         if rank == 0:
             check_ref(store, spec.ref, cid)
+            check_dependencies(store, job, lc, spec.until)  # frozen references, the seed: before any update
         if lc is None:
             _seed_rng(job, rank)
         elif lc.commit.transition == "import":
@@ -381,6 +384,8 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         if lc is None:
             commit(0, "init")
             landed(wait=True)  # the start of the chain, before a cohort distils toward the seed
+        if rank == 0 and step == 0 and committer.last[1] is not None:  # the seed: what copy --with-deps brings
+            pin_references(store, job, [committer.last[1]])
         while step < spec.until:
             t0 = time.perf_counter()
             batch = job.batch(step)
@@ -392,6 +397,8 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
                 commit(step, "train")
             # A reference endpoint must be on the chain before the next cohort distils toward it.
             made = landed(wait=step == spec.until or step in must_commit)
+            if rank == 0 and step in must_commit and made is not None:
+                pin_references(store, job, [made[1]])
             steps.append(StepRecord(step, r.loss, r.grad_norm, _tokens(batch), seconds))
             if rank == 0 and spec.progress is not None:
                 spec.progress(StepEvent(step, spec.until, r.loss, r.grad_norm, _tokens(batch), seconds,
@@ -457,6 +464,7 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
     build_schedule(spec.schedule, 1, 1)  # an unknown schedule is refused before any worker starts
     store = open_store(spec.store)
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
+    check_dependencies(store, job, lc, spec.until)
     check_ref(store, spec.ref, None if lc is None else lc.id)
     if lc is not None and lc.commit.transition != "import" and len(lc.shards) != workers:
         if spec.slot_stores:
