@@ -16,7 +16,7 @@ pin ``references/<job id>`` names. A run keeps that pin (`pin_references`): the 
 init commit and every cohort endpoint it commits, as each lands.
 
 `check_shared_store` makes sure every worker's run store is one store: slot 0 writes a
-probe object and every worker must find it; workers whose ``--store`` is a private
+probe under ``tmp/`` and every worker must find it; workers whose ``--store`` is a private
 directory of their own host are refused before training, instead of failing mid-commit.
 """
 from __future__ import annotations
@@ -98,24 +98,37 @@ def pin_references(store: Store, job: PreparedJob, commits: list[str]) -> None:
 
 
 def check_shared_store(store: Store, rank: int, world: int) -> None:
-    """Collective: ResumeError on every worker unless all of them see slot 0's probe object."""
+    """Collective: ResumeError on every worker unless all of them see the probe slot 0 wrote.
+
+    The probe is a scratch key under ``tmp/`` (never an object: it must leave the store as
+    it was), removed by slot 0 once every worker has looked."""
     if world == 1:
         return
-    oid = bytearray(64)
+    token = bytearray(32)
     if rank == 0:
-        oid[:] = store.put(b"shardtrain shared-store probe " + secrets.token_hex(16).encode()).encode()
-        store.sync()
-    probe = torch.tensor(list(oid), dtype=torch.uint8)
+        token[:] = secrets.token_hex(16).encode()
+        try:
+            store.storage.write_once(f"tmp/probe-shardtrain-{token.decode()}", b"")
+            store.sync()
+        except (ShardstoreError, OSError):
+            token[:] = b"0" * 32  # nobody will find it: every worker refuses below, slot 0 with the others
+    probe = torch.tensor(list(token), dtype=torch.uint8)
     dist.broadcast(probe, src=0)
+    key = f"tmp/probe-shardtrain-{bytes(probe.tolist()).decode()}"
     try:
-        seen = store.has(bytes(probe.tolist()).decode())
-    except ShardstoreError:
+        seen = store.storage.exists(key)
+    except (ShardstoreError, OSError):
         seen = False
     flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(flags, torch.tensor([int(seen)], dtype=torch.int64))
+    if rank == 0:
+        try:
+            store.storage.delete(key)
+        except (ShardstoreError, OSError):
+            pass  # a stale probe under tmp/ is harmless; gc removes it
     blind = [r for r, f in enumerate(flags) if not int(f.item())]
     if blind:
-        raise ResumeError(f"slot(s) {blind} cannot see the object slot 0 just wrote to its run store (slot {rank}'s is "
+        raise ResumeError(f"slot(s) {blind} cannot see the probe slot 0 just wrote to its run store (slot {rank}'s is "
                           f"{store.url}): the workers were given different stores (a private directory on each host?). "
                           f"Every commit goes to the run's store, so all nodes need one shared store: pass the same "
                           f"--store s3://bucket/prefix (or a shared filesystem) on every node; per-host copies are for "

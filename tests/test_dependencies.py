@@ -52,9 +52,11 @@ def _shared_store_worker(ctx: WorkerContext, root: str) -> None:
 
 def test_workers_with_private_run_stores_are_refused(tmp_path: Path) -> None:
     launch_local(_shared_store_worker, 2, (str(tmp_path),), timeout=timedelta(seconds=30))  # one store: accepted
+    shared = ss.open_store(str(tmp_path / "shared"))
+    assert not list(shared.objects()) and not list(shared.storage.list("tmp"))  # the probe left nothing behind
     with pytest.raises(WorkerFailedError) as info:
         launch_local(_private_store_worker, 2, (str(tmp_path),), timeout=timedelta(seconds=30))
     assert sorted(info.value.failures) == [0, 1]  # every worker refuses, none trains
     for text in info.value.failures.values():
-        assert text.startswith("ResumeError: slot(s) [1] cannot see the object slot 0 just wrote"), text
+        assert text.startswith("ResumeError: slot(s) [1] cannot see the probe slot 0 just wrote"), text
         assert "--store s3://bucket/prefix" in text and "--slot-store" in text

@@ -52,7 +52,12 @@ class Network:
     """Namespaces on one private bridge; `run`/`start` execute a command inside one."""
 
     def __init__(self, tag: str) -> None:
-        self.tag, self.names, self.procs = tag, [], []
+        self.tag = tag
+        self.names: list[str] = []  # namespaces made, in order
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def build(self) -> None:
+        """The switch namespace and its bridge (inside the fixture's try: a failure here is cleaned up too)."""
         self.switch = self._add("sw")
         ok = _ip("netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
         assert ok.returncode == 0, ok.stderr
@@ -112,6 +117,7 @@ def network() -> Iterator[Network]:
     _ip("netns", "del", f"{tag}probe")
     net = Network(tag)
     try:
+        net.build()
         yield net
     finally:
         net.close()
@@ -141,7 +147,9 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
     assert prep.returncode == 0, prep.stderr
     plain = subprocess.Popen([sys.executable, "-m", "shardstore_cli.shardtrain_cli", "train", "--prepared",
                               str(tmp_path / "job" / "job.json"), "--store", str(tmp_path / "plain"), "--until", "4",
-                              "--every", "1", "--quiet"], env=base, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                              "--every", "1", "--quiet"], env=base, stdout=subprocess.DEVNULL,
+                             stderr=(tmp_path / "plain.log").open("wb"))
+    network.procs.append(plain)  # killed with the rest if the test fails
     s3ns = network.host("s3", S3_ADDR)
     hosts = {h: network.host(f"h{h}", f"{SUBNET}.1{h}") for h in (1, 2, 3)}
     dirs = {h: tmp_path / f"host{h}" for h in hosts}
@@ -177,7 +185,7 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
     codes = one.wait(timeout=240), three.wait(timeout=240)
     logs = "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-3000:]}" for n in ("host1", "host2", "host3"))
     assert codes == (0, 0), logs
-    assert plain.wait(timeout=240) == 0, plain.stderr.read() if plain.stderr else ""
+    assert plain.wait(timeout=240) == 0, (tmp_path / "plain.log").read_text()[-3000:]
 
     # The slot store on host 3 holds slot 1's closure of the resumed commit and nothing of slot 0's own data.
     local = ss.open_store(str(dirs[3] / "slot1"), create=False)
