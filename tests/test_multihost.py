@@ -162,6 +162,7 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
     while "ready" not in (tmp_path / "moto.log").read_text():
         assert moto.poll() is None and time.monotonic() < deadline, (tmp_path / "moto.log").read_text()
         time.sleep(0.1)
+    phases = {"namespaces and S3 ready": time.monotonic() - started}
 
     def env(h: int, fault: str = "") -> dict[str, str]:
         return {**base, "GLOO_SOCKET_IFNAME": f"h{h}e", "SHARDTRAIN_FAULT": fault}
@@ -172,6 +173,7 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
     two = network.start(hosts[2], _agent(str(dirs[2] / "job" / "job.json"), 2), env(2, f"slot=1,step=3,microbatch=0,once={lost},host=1"),
                         tmp_path / "host2.log")
     assert two.wait(timeout=180) == -9 and lost.exists(), (tmp_path / "host2.log").read_text()[-3000:]
+    phases["host 2 lost"] = time.monotonic() - started
     # Host 3: the job from the shared store's pin is not needed: its own copy of the job file and
     # only slot 1's objects of the commit the run's ref names.
     shutil.copytree(tmp_path / "job", dirs[3] / "job")
@@ -180,11 +182,13 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
                             "--storage-option", f"endpoint_url=http://{S3_ADDR}:{S3_PORT}"],
                            env=env(3), capture_output=True, text=True, timeout=120)
     assert fetch.returncode == 0, fetch.stderr
+    phases["host 3 fetched slot 1"] = time.monotonic() - started
     three = network.start(hosts[3], _agent(str(dirs[3] / "job" / "job.json"), 3, "--slot-store", f"1={dirs[3] / 'slot1'}"),
                           env(3), tmp_path / "host3.log")
     codes = one.wait(timeout=240), three.wait(timeout=240)
     logs = "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-3000:]}" for n in ("host1", "host2", "host3"))
     assert codes == (0, 0), logs
+    phases["group finished"] = time.monotonic() - started
     assert plain.wait(timeout=240) == 0, (tmp_path / "plain.log").read_text()[-3000:]
 
     # The slot store on host 3 holds slot 1's closure of the resumed commit and nothing of slot 0's own data.
@@ -202,4 +206,5 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
     assert check.returncode == 0, check.stderr
     refs = json.loads(check.stdout)["refs_by_commit"]
     assert refs.get(plain_store.ref("main")) == ["main"], (refs, plain_store.ref("main"), logs)
-    print(f"multi-host run: {time.monotonic() - started:.1f} s")
+    phases["checked"] = time.monotonic() - started
+    print("multi-host run: " + ", ".join(f"{k} at {v:.1f} s" for k, v in phases.items()))
