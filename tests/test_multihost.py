@@ -142,6 +142,10 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
                 # that a new node joins while it survived (the new node waits for MASTER_ADDR until it times
                 # out): one store per round, made by rank 0's worker, avoids it (README "Several hosts")
                 TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    s3ns = network.host("s3", S3_ADDR)
+    hosts = {h: network.host(f"h{h}", f"{SUBNET}.1{h}") for h in (1, 2, 3)}
+    moto = network.start(s3ns, [sys.executable, "-c", _MOTO], base, tmp_path / "moto.log")
+    # the job is prepared (and the uninterrupted run started) while the S3 server starts
     prep = subprocess.run([sys.executable, "-m", "shardstore_cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"),
                            "--steps-a", "4", "--steps-b", "1", "--quiet"], capture_output=True, text=True, env=base)
     assert prep.returncode == 0, prep.stderr
@@ -150,14 +154,11 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
                               "--every", "1", "--quiet"], env=base, stdout=subprocess.DEVNULL,
                              stderr=(tmp_path / "plain.log").open("wb"))
     network.procs.append(plain)  # killed with the rest if the test fails
-    s3ns = network.host("s3", S3_ADDR)
-    hosts = {h: network.host(f"h{h}", f"{SUBNET}.1{h}") for h in (1, 2, 3)}
     dirs = {h: tmp_path / f"host{h}" for h in hosts}
     for h, d in dirs.items():  # each host's own disk: host 3's stays empty until it fetches its slot
         d.mkdir()
         if h != 3:
             shutil.copytree(tmp_path / "job", d / "job")
-    moto = network.start(s3ns, [sys.executable, "-c", _MOTO], base, tmp_path / "moto.log")
     deadline = time.monotonic() + 60
     while "ready" not in (tmp_path / "moto.log").read_text():
         assert moto.poll() is None and time.monotonic() < deadline, (tmp_path / "moto.log").read_text()
