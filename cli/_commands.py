@@ -32,7 +32,7 @@ from ._render import jsonable, render_cat, render_diff, render_log, render_refs,
 __all__ = [
     "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "UsageError",
     "cmd_verify", "cmd_diff", "cmd_log", "cmd_show", "cmd_cat", "cmd_refs", "cmd_export", "cmd_import",
-    "parse_size", "parse_layout",
+    "parse_size", "parse_layout", "add_storage_option", "apply_storage_options",
 ]  # fmt: skip
 
 EXIT_OK = 0
@@ -71,6 +71,25 @@ def _progress(bar: tqdm) -> Callable[[str, int, int], None]:
         bar.update(nbytes)
 
     return tick
+
+
+def add_storage_option(p: argparse.ArgumentParser) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable): options for every S3 store the command opens."""
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="S3 store option, e.g. endpoint_url=http://10.0.0.9:9000 or client_kwargs.region_name=eu-west-1 "
+                   "(repeatable; merged over SHARDSTORE_STORAGE_OPTIONS; README \"Storage options\")")
+
+
+def apply_storage_options(args: argparse.Namespace) -> None:
+    """Make ``--storage-option`` reach every store this process (and any worker it starts) opens."""
+    from shardstore.backends.options import ENV, environment_with
+
+    texts = getattr(args, "storage_option", None) or []
+    if texts:
+        try:
+            os.environ[ENV] = environment_with(texts)
+        except (ValueError, ss.ShardstoreError) as e:
+            raise UsageError(f"--storage-option: {e}", getattr(args, "parser", None)) from None  # type: ignore[arg-type]
 
 
 def _open(url: str, *, create: bool = False) -> ss.Store:

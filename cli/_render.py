@@ -231,6 +231,7 @@ def render_copy(doc: dict[str, Any]) -> str:
     if doc["ref"] is not None:
         out.append(f"  ref {doc['ref']} -> {doc['commit']}")
     out += [f"  pin {name}" for name in doc["pins"]]
+    out += [f"  with dependency commit {dep}" for dep in doc.get("dependencies", ())]
     return "\n".join(out)
 
 

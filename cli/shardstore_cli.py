@@ -27,6 +27,8 @@ from ._commands import (
     EXIT_PROBLEMS,
     EXIT_USAGE,
     UsageError,
+    add_storage_option,
+    apply_storage_options,
     cmd_cat,
     cmd_diff,
     cmd_export,
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars or notes on stderr")
+    add_storage_option(common)
     parser = _Parser(
         prog="shardstore",
         description="Inspect, verify and move checkpoints in a shardstore store (a local path or an fsspec URL).",
@@ -151,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("json", "quiet"):
             if not hasattr(args, name):  # a plugin subcommand without the common options
                 setattr(args, name, False)
+        apply_storage_options(args)
         return int(args.func(args))
     except UsageError as e:
         e.parser.print_usage(sys.stderr)

@@ -297,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         p.add_argument("--quiet", action="store_true", help="no progress lines")
+        p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="S3 store option for every store opened, workers included (repeatable; README \"Storage options\")")
         return p
 
     p = add("prepare", cmd_prepare, "write a prepared job (the embedded default: tokenizer, generated tasks, tiny Llama)")
@@ -401,6 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
+        if args.storage_option:  # the environment carries them to every store and every worker
+            from shardstore.backends.options import ENV, environment_with
+
+            os.environ[ENV] = environment_with(args.storage_option)
         return int(args.func(args))
     except RunAborted as exc:
         return _fail(args, exc, EXIT_ABORTED)

@@ -45,8 +45,11 @@ def parse_duration(text: str) -> float:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    from ._commands import add_storage_option
+
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout, for scripts")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
+    add_storage_option(p)
 
 
 def register(subparsers: Any) -> None:
@@ -64,6 +67,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ref", metavar="NAME", help="afterwards move ref NAME in DST to the commit")
     p.add_argument("--pin", action="append", default=[], metavar="NAME",
                    help="also copy pin NAME and the objects it keeps (repeatable; e.g. a run's jobs/<job id>)")
+    p.add_argument("--with-deps", action="store_true",
+                   help="also the commits its job depends on (a run's seed and frozen references: pin references/<job>) "
+                   "and the job's pins")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N", help=f"objects in flight at once (default {DEFAULT_THREADS})")
     _common(p)
     p.set_defaults(func=cmd_copy, parser=p)
@@ -126,7 +132,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
         dst = ss.open_store(args.dst, create=True)
         with _bar(args, "copy") as bar:
             result = copy_commit(src, dst, args.target, slot=args.shard, ref=args.ref, pins=args.pin, threads=args.threads,
-                                 progress=bar.update)
+                                 progress=bar.update, with_deps=args.with_deps)
         _print_copy(args, result)
         return EXIT_OK
 
@@ -145,6 +151,7 @@ def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
         "objects_skipped": r.objects_skipped,
         "bytes_skipped": r.bytes_skipped,
         "pins": r.pins,
+        "dependencies": r.dependencies,
     }
     emit(args, doc, render_copy)
 

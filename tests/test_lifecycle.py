@@ -109,7 +109,7 @@ def test_generation_through_the_shards_matches_one_process(run: SimpleNamespace)
 
 def _copy_store(run: SimpleNamespace, name: str, target: str) -> shardstore.Store:
     bad = open_store(str(run.home / name))
-    copy_commit(run.store, bad, target)
+    copy_commit(run.store, bad, target, with_deps=True)  # with its frozen references: a resume needs them
     return bad
 
 
@@ -249,7 +249,10 @@ def test_the_job_is_pinned_and_survives_gc(run: SimpleNamespace, tmp_path: Path)
     shutil.copytree(run.home / "store", copy)
     store = open_store(str(copy))
     result = gc(store, grace_seconds=0, dry_run=False)
-    assert result.pinned_objects == len(bound) and not bound & set(result.deleted)
+    # with the commits the run depends on, pinned as references/<job id> (tests/test_dependencies.py)
+    pinned = {o for ids in store.pins().values() for o in ids}
+    assert bound <= pinned and len(pinned - bound) >= 1 and result.pinned_objects == len(pinned)
+    assert not pinned & set(result.deleted)
     rebuilt = job_from_store(store, job.id, str(tmp_path))
     assert rebuilt.id == job.id
     assert shardstore.verify(store).ok

@@ -100,6 +100,7 @@ class CopyResult:
     bytes_skipped: int = 0
     ref: str | None = None
     pins: list[str] = field(default_factory=list)
+    dependencies: list[str] = field(default_factory=list)  # commits copied whole first (``with_deps``)
 
     def _add(self, copied: bool, n: int) -> None:
         if copied:
@@ -218,6 +219,7 @@ def copy_commit(
     pins: Sequence[str] = (),
     threads: int = DEFAULT_THREADS,
     progress: Callable[[int], None] | None = None,
+    with_deps: bool = False,
 ) -> CopyResult:
     """Copy commit ``target`` (ref, id or id prefix in ``src``) and its closure to ``dst``.
 
@@ -226,11 +228,20 @@ def copy_commit(
     the value read just before). ``pins``: also copy these pins of ``src`` and the objects
     they name (e.g. shardtrain's ``jobs/<job id>``); each is set in ``dst``, last, to the
     union of what it held there and in ``src``. ``progress`` is called with the byte size
-    of each object as it is copied or found present.
+    of each object as it is copied or found present. ``with_deps``: also the commits the
+    commit's job depends on (SPEC.md §14a): the pins ``jobs/<job>`` and ``references/<job>``
+    of its job, where ``src`` has them, and the whole closure of every other commit the
+    references pin names (a run's seed and frozen distillation references), copied first.
     """
     if ref is not None:
         check_ref_name(ref)
     lc = load_commit(src, target)
+    deps: list[str] = []
+    if with_deps:
+        named = [f"{kind}/{lc.commit.job}" for kind in ("jobs", "references")]
+        pins = [*pins, *(n for n in named if n not in pins and src.pinned(n) is not None)]
+        deps = [c for c in src.pinned(named[1]) or () if c != lc.id]
+
     if slot is not None and slot not in lc.shards:
         raise TargetNotFound(f"commit {lc.id} in {src.url} has slots 0..{len(lc.shards) - 1}; it has no slot {slot}")
     pinned: dict[str, tuple[str, ...]] = {}
@@ -241,6 +252,11 @@ def copy_commit(
         pinned[name] = ids
     closure = commit_closure(lc, slot)
     result = CopyResult(lc.id, slot)
+    for dep in deps:  # each lands whole (and durable) before the commit that needs it
+        done = copy_commit(src, dst, dep, threads=threads, progress=progress)
+        result.objects_copied, result.bytes_copied = result.objects_copied + done.objects_copied, result.bytes_copied + done.bytes_copied
+        result.objects_skipped, result.bytes_skipped = result.objects_skipped + done.objects_skipped, result.bytes_skipped + done.bytes_skipped
+        result.dependencies.append(dep)
 
     budget = _ByteBudget(_IN_FLIGHT_BYTES)
 

@@ -41,12 +41,13 @@ from __future__ import annotations
 import os
 import random
 import resource
+import signal
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import numpy as np
@@ -68,11 +69,12 @@ from shardtrain.reshape import admission
 from shardtrain.reshape.planner import for_job
 from shardtrain.reshape.regroup import grown_from, regroup, start_layout
 from shardtrain.run.committer import Committer
+from shardtrain.run.dependencies import check_dependencies, check_shared_store, pin_references
 from shardtrain.run.distill import Distiller, reference_steps
 from shardtrain.workers.launch import WorkerContext, launch_local
 
 __all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
-           "check_commit", "open_start", "store_job_files", "gate", "fault_from_env"]
+           "check_commit", "open_start", "store_job_files", "gate", "Fault", "fault_from_env"]
 
 T = TypeVar("T")
 PROFILE = "fp32"
@@ -144,22 +146,61 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int = 0  # the actual peak above the memory in use at admission (CPU: RSS; CUDA: allocated)
 
 
-def fault_from_env() -> tuple[int, int, int] | None:
-    """(slot, step, microbatch) from SHARDTRAIN_FAULT, or None.
+class Fault(NamedTuple):
+    """One injected fault (``SHARDTRAIN_FAULT``): where it fires and how the worker is lost."""
 
-    An optional ``attempt=A`` limits the fault to torchrun's restart number A (the
-    TORCHELASTIC_RESTART_COUNT of the group), so a restarted group can get past it.
+    slot: int  # -1: every worker that reads the environment
+    step: int
+    microbatch: int
+    once: str | None = None  # fire only if this file is absent, and create it
+    host: bool = False  # also kill the torchrun agent: the whole host is lost
+    hang: bool = False  # stop answering instead of exiting (the agent must stop the worker)
+
+
+def fault_from_env() -> list[Fault]:
+    """The faults SHARDTRAIN_FAULT asks for: ``slot=S,step=N,microbatch=M`` each, then options.
+
+    Several faults are separated by ';'. ``slot=*`` is every worker that reads this
+    environment: under torchrun, the workers of the node whose agent was given it. An
+    optional ``attempt=A`` limits a fault to restart number A of this node's torchrun agent
+    (its TORCHELASTIC_RESTART_COUNT, which each node counts for itself); ``once=PATH``
+    fires it only if no file PATH exists, and creates it (a fault that fires once, whatever
+    the restart counts); ``host=1`` also kills the worker's parent, the torchrun agent: the
+    whole host is lost; ``hang=1`` makes the worker hang instead of exiting.
     """
     raw = os.environ.get(FAULT_ENV)
-    if not raw:
-        return None
-    try:
-        parts = dict(p.split("=", 1) for p in raw.split(","))
-        if "attempt" in parts and int(parts["attempt"]) != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-            return None
-        return int(parts["slot"]), int(parts["step"]), int(parts["microbatch"])
-    except (ValueError, KeyError) as exc:
-        raise JobError(f"{FAULT_ENV}={raw!r}: expected slot=S,step=N,microbatch=M[,attempt=A]") from exc
+    out: list[Fault] = []
+    for one in (raw or "").split(";"):
+        if not one.strip():
+            continue
+        try:
+            parts = dict(p.split("=", 1) for p in one.strip().split(","))
+            if "attempt" in parts and int(parts["attempt"]) != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+                continue
+            once = parts.get("once")
+            if once is not None and os.path.exists(once):
+                continue
+            out.append(Fault(-1 if parts["slot"] == "*" else int(parts["slot"]), int(parts["step"]),
+                             int(parts["microbatch"]), once, parts.get("host") == "1", parts.get("hang") == "1"))
+        except (ValueError, KeyError) as exc:
+            raise JobError(f"{FAULT_ENV}={raw!r}: expected slot=S,step=N,microbatch=M[,attempt=A][,once=PATH]"
+                           f"[,host=1][,hang=1] (';' between faults)") from exc
+    return out
+
+
+def _inject(fault: Fault) -> None:
+    """Lose this worker now as ``fault`` says, unless its ``once`` file says it already fired."""
+    if fault.once is not None:
+        try:
+            os.close(os.open(fault.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    if fault.hang:
+        while True:
+            time.sleep(60)
+    if fault.host:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os._exit(3)
 
 
 def start_target(job: PreparedJob, store: Store, spec: RunSpec) -> str | None:
@@ -281,6 +322,7 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     job = load_job(spec.job)
     store = open_store(spec.store)
     own = open_store(dict(spec.slot_stores).get(rank, spec.store))
+    check_shared_store(store, rank, world)  # every commit goes to one store: private ones are refused here
     # One start for the whole group: every worker resolves it, and all must agree (a fresh
     # start included), before anything is restored.
     target = start_target(job, store, spec)
@@ -297,6 +339,7 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         lc = open_start(job, own, cid, until=spec.until)
         if rank == 0:
             check_ref(store, spec.ref, cid)
+            check_dependencies(store, job, lc, spec.until)  # frozen references, the seed: before any update
         if lc is None:
             _seed_rng(job, rank)
         elif lc.commit.transition == "import":
@@ -315,9 +358,9 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     pipe = Pipeline(stage, partition, rank, timeout=timedelta(seconds=spec.message_timeout), schedule=spec.schedule)
     committer = Committer(store, stage, optimizer, rank=rank, ref=spec.ref, last=(step, parent),
                           asynchronous=spec.async_commits, timeout=timedelta(seconds=spec.message_timeout))
-    fault = fault_from_env()
-    if fault is not None and fault[0] == rank:
-        pipe.after_forward = lambda s, m: (committer.settle(), os._exit(3)) if (s, m) == fault[1:] else None
+    faults = {(f.step, f.microbatch): f for f in fault_from_env() if f.slot in (rank, -1)}
+    if faults:
+        pipe.after_forward = lambda s, m: (committer.settle(), _inject(faults[s, m])) if (s, m) in faults else None
     distiller = Distiller(job, store, slot=rank, num_slots=world, device=ctx.device, timeout=spec.message_timeout)
     must_commit = reference_steps(job, step, spec.until)  # endpoints a later cohort of this run distils toward
     trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size,
@@ -341,6 +384,8 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         if lc is None:
             commit(0, "init")
             landed(wait=True)  # the start of the chain, before a cohort distils toward the seed
+        if rank == 0 and step == 0 and committer.last[1] is not None:  # the seed: what copy --with-deps brings
+            pin_references(store, job, [committer.last[1]])
         while step < spec.until:
             t0 = time.perf_counter()
             batch = job.batch(step)
@@ -352,6 +397,8 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
                 commit(step, "train")
             # A reference endpoint must be on the chain before the next cohort distils toward it.
             made = landed(wait=step == spec.until or step in must_commit)
+            if rank == 0 and step in must_commit and made is not None:
+                pin_references(store, job, [made[1]])
             steps.append(StepRecord(step, r.loss, r.grad_norm, _tokens(batch), seconds))
             if rank == 0 and spec.progress is not None:
                 spec.progress(StepEvent(step, spec.until, r.loss, r.grad_norm, _tokens(batch), seconds,
@@ -417,6 +464,7 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
     build_schedule(spec.schedule, 1, 1)  # an unknown schedule is refused before any worker starts
     store = open_store(spec.store)
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
+    check_dependencies(store, job, lc, spec.until)
     check_ref(store, spec.ref, None if lc is None else lc.id)
     if lc is not None and lc.commit.transition != "import" and len(lc.shards) != workers:
         if spec.slot_stores:

@@ -24,6 +24,7 @@ import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from shardtrain.errors import LaunchError, WorkerFailedError
 from shardtrain.workers import forkserver
 
-__all__ = ["WorkerContext", "init_from_env", "shutdown", "run_worker", "launch_local", "free_port"]
+__all__ = ["WorkerContext", "init_from_env", "attempt_prefix", "shutdown", "run_worker", "launch_local", "free_port"]
 
 T = TypeVar("T")
 _ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -87,19 +88,67 @@ def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str |
         # one that takes the GIL there aborts the process ("terminate called without an
         # active exception"). Imported before the group, it holds none.
         importlib.import_module("torch._dynamo")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if attempt is None:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
         else:
-            # Under torchrun the rendezvous store can outlive a failed attempt; a restarted
-            # group that read the previous attempt's Gloo addresses would connect to dead
-            # sockets. Keys under a per-attempt prefix cannot be stale.
+            # Under torchrun the workers' store outlives a failed attempt (the agent of node
+            # rank 0 keeps one TCPStore for every rendezvous round); a restarted group that
+            # read the previous attempt's Gloo addresses would connect to dead sockets. So
+            # the group's keys go under a prefix that this attempt's workers agree on through
+            # the store itself (`attempt_prefix`). TORCHELASTIC_RESTART_COUNT cannot serve:
+            # each node's agent counts only its own workers' failures, so after one node's
+            # worker dies (or a replacement node joins) the nodes hold different counts.
             use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
             base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                  is_master=not use_agent and rank == 0, timeout=timeout, multi_tenant=not use_agent)
-            store = dist.PrefixStore(f"shardtrain/attempt_{attempt}", base)
+            store = dist.PrefixStore(attempt_prefix(base, rank, world, timeout), base)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return WorkerContext(rank, world, local, backend, device, timeout)
+
+
+def attempt_prefix(store: dist.Store, rank: int, world: int, timeout: timedelta, *, poll: float = 0.02) -> str:
+    """A key prefix that every worker of this attempt shares and no earlier attempt used.
+
+    The store may hold any keys of earlier attempts (their workers are gone: an agent
+    stops its workers before it joins the next rendezvous round). So each worker r > 0
+    announces a fresh random nonce under ``join/<r>`` and waits for ``welcome/<nonce>``,
+    a key only this attempt's rank 0 can write, since no earlier process saw the nonce.
+    Rank 0 draws a fresh generation token, welcomes whatever nonce ``join/<r>`` holds
+    (a stale one is harmless: nobody waits on it) until every rank has acknowledged the
+    token under ``ack/<token>/<r>``. Keys with a fresh name cannot be stale, so the
+    workers meet whatever the nodes' restart counts are. LaunchError after ``timeout``.
+    """
+    root = f"shardtrain/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        token = secrets.token_hex(8)
+        waiting = set(range(1, world))
+        welcomed: dict[int, str] = {}
+        while waiting:
+            for r in sorted(waiting):
+                if store.check([f"{root}/ack/{token}/{r}"]):
+                    waiting.discard(r)
+                elif store.check([f"{root}/join/{r}"]):
+                    nonce = store.get(f"{root}/join/{r}").decode()
+                    if welcomed.get(r) != nonce:
+                        store.set(f"{root}/welcome/{nonce}", token)
+                        welcomed[r] = nonce
+            if waiting:
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"rank 0: ranks {sorted(waiting)} did not join this attempt's group within "
+                                      f"{timeout.total_seconds():.0f} s")
+                time.sleep(poll)
+    else:
+        nonce = secrets.token_hex(16)
+        store.set(f"{root}/join/{rank}", nonce)
+        while not store.check([f"{root}/welcome/{nonce}"]):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"rank {rank}: rank 0 of this attempt did not answer within "
+                                  f"{timeout.total_seconds():.0f} s")
+            time.sleep(poll)
+        token = store.get(f"{root}/welcome/{nonce}").decode()
+        store.set(f"{root}/ack/{token}/{rank}", nonce)
+    return f"{root}/attempt/{token}"
 
 
 def shutdown() -> None:

@@ -86,7 +86,7 @@ async def multipart_upload(storage: Requester, key: str, view: memoryview) -> bo
 
     try:
         parts = await gather(part(i + 1, s) for i, s in enumerate(range(0, len(view), storage.part_size)))
-        cond = {"IfNoneMatch": "*"} if storage.conditional else {}
+        cond = {"IfNoneMatch": "*"} if await storage._conditions() else {}
         await storage._call("complete_multipart_upload", key, Key=full, UploadId=uid, MultipartUpload={"Parts": parts}, **cond)
         return True
     except S3Error as e:

@@ -12,9 +12,10 @@ guarantees the store rests on are request conditions s3fs does not expose:
   ``If-Match: <etag>`` (or ``If-None-Match: *`` for a new ref); a 412 is a RefConflict;
   refs and pins are deleted the same way (``DeleteObject`` with ``If-Match: <etag>``).
 
-At open, a probe writes a scratch key under ``tmp/`` twice with ``If-None-Match: *`` and
+Before the first write, a probe writes a scratch key under ``tmp/`` twice with ``If-None-Match: *`` and
 once with a stale ``If-Match``, and deletes it once with a stale ``If-Match``, and expects
-412 the second, third and fourth time (a ref or pin is deleted with ``If-Match``). A server that
+412 the second, third and fourth time (a ref or pin is deleted with ``If-Match``); opening a
+store and reading it writes nothing, so a read-only credential can verify. A server that
 ignores the conditions (older MinIO, some gateways) still stores objects (head, then put:
 content addressing makes a lost race harmless) but every ref update is refused with a
 StorageError: a compare-and-swap that is not one would silently lose commits.
@@ -119,12 +120,29 @@ class S3Storage:
 
         self._client_side: type[BaseException] = BotoCoreError
         self.conditional_reason = ""
-        if conditional is None:
-            conditional, self.conditional_reason = self._run(probe_conditions, self)
-        self.conditional = conditional
+        self._conditional = conditional  # None: not probed yet (the first write probes)
 
     def __repr__(self) -> str:
-        return f"S3Storage({self.url!r}, conditional={self.conditional})"
+        return f"S3Storage({self.url!r}, conditional={self._conditional})"
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the server honours the request conditions (probed on first use; see module docstring)."""
+        if self._conditional is None:
+            self._run(self._conditions)
+        return bool(self._conditional)
+
+    @conditional.setter
+    def conditional(self, value: bool) -> None:
+        self._conditional = value
+
+    async def _conditions(self) -> bool:
+        """``conditional``, probed when a write first needs it (reads never probe: read-only credentials work)."""
+        if self._conditional is None:
+            ok, reason = await probe_conditions(self)
+            if self._conditional is None:  # two writers may probe at once: the first answer stands
+                self._conditional, self.conditional_reason = ok, reason
+        return bool(self._conditional)
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -363,12 +381,13 @@ class S3Storage:
         full = self._full(key)
         view = memoryview(data).cast("B")
         multipart = len(view) > self.multipart_threshold
+        conditional = await self._conditions()
         # A multipart upload can only fail its condition after every part is sent: look first.
-        if (multipart or not self.conditional) and await self._touch(key) is not None:
+        if (multipart or not conditional) and await self._touch(key) is not None:
             return False
         if multipart:
             return await self._multipart(key, view)
-        cond = {"IfNoneMatch": "*"} if self.conditional else {}
+        cond = {"IfNoneMatch": "*"} if conditional else {}
         try:
             await self._call("put_object", key, Key=full, Body=bytes(view), **cond)
         except _S3Error as e:
@@ -404,7 +423,7 @@ class S3Storage:
         self._run(self._swap, key, expected, new)
 
     async def _swap(self, key: str, expected: bytes | None, new: bytes) -> None:
-        if not self.conditional:
+        if not await self._conditions():
             raise StorageError(
                 f"refusing to update {key} in store {self.url}: the server does not honour conditional writes "
                 f"({self.conditional_reason or 'disabled by the caller'}), so a compare-and-swap cannot be guaranteed"
@@ -436,7 +455,7 @@ class S3Storage:
 
     async def _delete_if(self, key: str, expected: bytes) -> None:
         """Read the value and its ETag, then ``DeleteObject`` with ``If-Match: <etag>``."""
-        if not self.conditional:
+        if not await self._conditions():
             raise StorageError(f"refusing to delete {key} in store {self.url}: the server does not honour conditional "
                                f"requests ({self.conditional_reason or 'disabled by the caller'})")
         got = await self._get_or_none(key)
