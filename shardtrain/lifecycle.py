@@ -60,6 +60,7 @@ from shardtrain import admission
 from shardtrain.committer import Committer
 from shardtrain.distill import Distiller, reference_steps
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
+from shardtrain.hf_tokenizer import commit_config_dict
 from shardtrain.job import PreparedJob, load_job
 from shardtrain.launch import WorkerContext, launch_local
 from shardtrain.model import LlamaConfig
@@ -67,6 +68,8 @@ from shardtrain.optim import AdamW
 from shardtrain.partition import Partition, build_stage, parameter_inventory
 from shardtrain.pipeline import Pipeline
 from shardtrain.planner import for_job
+from shardtrain.profile import compute_context
+from shardtrain.profile import label as profile_label
 from shardtrain.regroup import grown_from, regroup, start_layout
 from shardtrain.schedule import build as build_schedule
 from shardtrain.trainer import Trainer
@@ -312,7 +315,9 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     lc = gate("restore the start commit", rank, world, restore)
     step = 0 if lc is None or lc.commit.transition == "import" else lc.commit.step
     parent = None if lc is None else lc.id
-    pipe = Pipeline(stage, partition, rank, timeout=timedelta(seconds=spec.message_timeout), schedule=spec.schedule)
+    compute = compute_context(job.job.profile, ctx.device)  # the profile's autocast (or none), forward passes only
+    pipe = Pipeline(stage, partition, rank, timeout=timedelta(seconds=spec.message_timeout), schedule=spec.schedule,
+                    compute=compute, recompute=bool(job.job.profile and job.job.profile.recompute))
     committer = Committer(store, stage, optimizer, rank=rank, ref=spec.ref, last=(step, parent),
                           asynchronous=spec.async_commits, timeout=timedelta(seconds=spec.message_timeout))
     fault = fault_from_env()
@@ -322,12 +327,13 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     must_commit = reference_steps(job, step, spec.until)  # endpoints a later cohort of this run distils toward
     trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size,
                       max_grad_norm=job.max_grad_norm(), global_step=step)
-    hf = config.to_hf_dict()
+    hf = commit_config_dict(config, job.tokenizer)
+    profile = profile_label(job.job.profile)
     commits: list[CommitRecord] = []
     steps: list[StepRecord] = []
 
     def commit(at: int, transition: str) -> None:
-        info = CommitInfo(step=at, job=job.id, schedule=job.schedule_id, profile=PROFILE, config=hf,
+        info = CommitInfo(step=at, job=job.id, schedule=job.schedule_id, profile=profile, config=hf,
                           data_cursor=job.cursor(at), transition=transition)
         committer.commit(info)
 
@@ -344,7 +350,8 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         while step < spec.until:
             t0 = time.perf_counter()
             batch = job.batch(step)
-            pipe.distill = distiller.targets(step, batch, committer.last[1])  # the frozen reference's pass
+            with compute():  # the frozen reference's pass, under the profile's computation like the student's
+                pipe.distill = distiller.targets(step, batch, committer.last[1])
             r = trainer.step(batch)
             seconds = time.perf_counter() - t0  # the update alone, not the commit after it
             step += 1
