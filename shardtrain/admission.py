@@ -154,5 +154,9 @@ def gather_usage(mine: Usage, rank: int, world: int) -> list[Usage]:
 
 
 def journal_record(usages: list[Usage]) -> dict[str, Any]:
-    """The journal entry of a run's workers: estimate, free, baseline, peak and parameters per slot."""
-    return {"workers": [{**msgspec.to_builtins(u), "used": u.used} for u in usages]}
+    """The journal entry of a run's workers: estimate, free (the budget admitted against),
+    baseline, peak and parameters per slot, and each slot's parameter coverage (its share of
+    the model's parameters; every parameter has one owner, so the shares sum to 1)."""
+    total = sum(u.parameters for u in usages)
+    return {"workers": [{**msgspec.to_builtins(u), "used": u.used, "coverage": u.parameters / total if total else 0.0}
+                        for u in usages]}

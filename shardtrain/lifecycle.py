@@ -145,6 +145,7 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
     estimate_bytes: int = 0  # the planner's estimate of this slot's peak (admission checked it)
     used_bytes: int = 0  # the actual peak above the memory in use at admission (CPU: RSS; CUDA: allocated)
+    restore_seconds: float = 0.0  # restoring this worker's slot of the start commit (0: fresh)
 
 
 def fault_from_env() -> tuple[int, int, int] | None:
@@ -312,7 +313,9 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
                 _seed_rng(job, rank)
         return lc
 
+    t_restore = time.perf_counter()
     lc = gate("restore the start commit", rank, world, restore)
+    restore_seconds = time.perf_counter() - t_restore if lc is not None else 0.0
     step = 0 if lc is None or lc.commit.transition == "import" else lc.commit.step
     parent = None if lc is None else lc.id
     compute = compute_context(job.job.profile, ctx.device)  # the profile's autocast (or none), forward passes only
@@ -332,14 +335,31 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     commits: list[CommitRecord] = []
     steps: list[StepRecord] = []
 
+    usage_at: dict[int, tuple[list[admission.Usage], float]] = {}  # per commit step: every worker's usage, when
+
+    def usage() -> admission.Usage:
+        return admission.Usage(slot=rank, estimate=estimate.total, free=free, baseline=baseline,
+                               peak=admission.peak_bytes(ctx.device), parameters=sum(p.numel() for p in stage.parameters()),
+                               parameter_bytes=sum(parameter_inventory(stage).values()))
+
     def commit(at: int, transition: str) -> None:
         info = CommitInfo(step=at, job=job.id, schedule=job.schedule_id, profile=profile, config=hf,
                           data_cursor=job.cursor(at), transition=transition)
+        started = time.perf_counter()
         committer.commit(info)
+        usage_at[at] = admission.gather_usage(usage(), rank, world), started  # collective: all commit at `at`
 
     def landed(wait: bool = False) -> tuple[int, str] | None:
         new = committer.drain() if wait else committer.landed()
         commits.extend(CommitRecord(at, cid) for at, cid in new)
+        for at, cid in new:  # every commit's journal: each worker's actual peak and parameter coverage
+            if rank == 0 and at in usage_at:
+                usages, started = usage_at.pop(at)
+                # From the commit call to its landing as seen here: the save itself with synchronous
+                # commits, the time in flight (overlapping training) with background ones.
+                record = {**admission.journal_record(usages), "commit_seconds": time.perf_counter() - started,
+                          "commit_mode": "background" if spec.async_commits else "synchronous"}
+                store.write_journal(cid, record)
         return new[-1] if new else None
 
     start = (step, parent)
@@ -373,19 +393,13 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         raise RunAborted(f"slot {rank}: run aborted during step {step} ({type(exc).__name__}: {cause}); the last "
                          f"committed step is {last[0]} ({where}); later updates were not committed and no ref "
                          f"names them; resume with --resume {last[1] or '(fresh)'}") from exc
-    inventory = parameter_inventory(stage)
-    usage = admission.Usage(slot=rank, estimate=estimate.total, free=free, baseline=baseline,
-                            peak=admission.peak_bytes(ctx.device), parameters=sum(p.numel() for p in stage.parameters()),
-                            parameter_bytes=sum(inventory.values()))
-    usages = admission.gather_usage(usage, rank, world)
-    if rank == 0 and commits:
-        store.write_journal(commits[-1].id, admission.journal_record(usages))
+    final = usage()
     if spec.out_dir is not None:
         result = RunResult(rank=rank, job=job.id, start_step=start[0], start_commit=start[1], commits=tuple(commits),
-                           steps=tuple(steps), parameters=usage.parameters, parameter_bytes=usage.parameter_bytes,
+                           steps=tuple(steps), parameters=final.parameters, parameter_bytes=final.parameter_bytes,
                            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                            seconds=time.monotonic() - started, estimate_bytes=estimate.total,
-                           used_bytes=usage.used)
+                           used_bytes=final.used, restore_seconds=restore_seconds)
         with open(os.path.join(spec.out_dir, f"rank{rank}.json"), "wb") as f:
             f.write(msgspec.json.encode(result))
 

@@ -205,6 +205,13 @@ def test_own_model_end_to_end(own: dict[str, str], tmp_path: Path, capsys) -> No
     results = json.loads(capsys.readouterr().out)
     c1, c2 = (c["id"] for c in results[0]["commits"])
     assert store.commit(c2).profile == "bf16-autocast+recompute"
+    total = sum(t.numel() for t in source.values())
+    for cid in (c1, c2):  # every commit's journal: each worker's actual peak and parameter coverage
+        record = json.loads((store_dir / "journal" / f"{cid}.json").read_bytes())
+        workers = record["workers"]
+        assert record["commit_seconds"] > 0 and record["commit_mode"] == "background"
+        assert [w["slot"] for w in workers] == [0, 1] and all(w["peak"] >= w["used"] > 0 < w["free"] for w in workers)
+        assert sum(w["parameters"] for w in workers) == total and sum(w["coverage"] for w in workers) == pytest.approx(1)
     assert shardstore_main(["show", str(store_dir), c2]) == 0
     assert "bf16-autocast+recompute" in capsys.readouterr().out
     # Replay from step 1 in fresh processes reproduces the uninterrupted commit id.
