@@ -41,7 +41,7 @@ from shardtrain.recipe import F64, CohortReference, Count, Distillation, FileNam
 from shardtrain.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
 from shardtrain.tasks import FAMILIES, Record, make_conversations, make_records, record_id
 from shardtrain.hf_tokenizer import HFTokenizer, build_tokenizer, commit_config_dict
-from shardtrain.profile import Profile
+from shardtrain.profile import FP32, Profile
 from shardtrain.tokenizer import ByteTokenizer, default_assets
 
 __all__ = ["JOB_FILE", "RECORDS_FILE", "Job", "PreparedJob", "decode_job", "load_job", "prepare_default", "model_spec",
@@ -476,7 +476,7 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
     job = Job(version=_VERSION, name=name, model=model_spec(config),
               seed=SeedSpec(kind="import" if seed_commit else "init", init_seed=init_seed, commit=seed_commit,
                             init_std=None if init_std == LEGACY_INIT_STD else f64_encode(init_std),
-                            source_dtypes=source_dtypes), profile=profile,
+                            source_dtypes=source_dtypes), profile=None if profile == FP32 else profile,
               tokenizer=tuple(asset(n) for n in sorted(assets)), records=asset(RECORDS_FILE),
               exposed=tuple(prior_idx), sets=tuple(sets), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)),
               recipe=Recipe(algorithm="adamw", groups=(group("decay", 0.1), group("no_decay", 0.0)),

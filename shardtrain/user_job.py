@@ -43,7 +43,7 @@ from shardtrain.hf_tokenizer import build_tokenizer, check_hf_assets
 from shardtrain.job import (_ENC, _VERSION, JOB_FILE, RECORDS_FILE, Asset, Job, RecordFile, Schedule, SeedSpec, Step,
                             _hash, load_job, model_spec, prepare_default)
 from shardtrain.model import LlamaConfig
-from shardtrain.profile import Profile
+from shardtrain.profile import FP32, Profile
 from shardtrain.recipe import CohortReference, Distillation, GateRecipe, GroupRecipe, Recipe
 from shardtrain.roles import DEVELOPMENT, FINAL, EvalSet, set_digest
 from shardtrain.tasks import CONVERSATION, Message, Record, record_id
@@ -197,7 +197,8 @@ def prepare_own(out_dir: str | os.PathLike[str], data: UserData, *, config: Llam
     job = Job(version=_VERSION, name=name, model=model_spec(config),
               seed=SeedSpec(kind="import", init_seed=init_seed, commit=seed_commit, source_dtypes=source_dtypes),
               tokenizer=tuple(asset(n) for n in sorted(assets)), records=asset(RECORDS_FILE), exposed=tuple(pool),
-              sets=tuple(sets), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)), profile=profile,
+              sets=tuple(sets), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)),
+              profile=None if profile == FP32 else profile,
               recipe=Recipe(algorithm="adamw", groups=(group("decay", 0.1), group("no_decay", 0.0)),
                             warmup_steps=warmup, total_steps=max(1, n_steps), min_ratio=f64_encode(0.1),
                             max_grad_norm=f64_encode(1.0), batch_size=batch_size, microbatch_size=microbatch_size,
