@@ -363,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--quiet", action="store_true", help="no progress lines")
         return p
 
-    p = add("prepare", cmd_prepare, "write a prepared job (the embedded default: tokenizer, generated tasks, tiny Llama)")
+    p = add("prepare", cmd_prepare, "write a prepared job: the embedded default (tokenizer, generated tasks, tiny Llama), "
+            "or your model (--model) and your records (--records)")
     p.add_argument("--out", required=True, help="directory for job.json and the files it binds")
     p.add_argument("--steps-a", type=int, default=16, help="updates of cohort A (new records)")
     p.add_argument("--steps-b", type=int, default=8, help="updates of cohort B (new records + declared replay)")

@@ -283,7 +283,10 @@ def prepare_seed(out_dir: str | os.PathLike[str], *, store: Store, commit: str, 
         if not assets:
             raise JobError(f"commit {lc.id[:12]} carries no tokenizer assets (import the model's directory with its "
                            f"tokenizer files, or prepare with --model); records cannot be tokenized without them")
-        llama = LlamaConfig.from_hf_dict(config)
+        try:
+            llama = LlamaConfig.from_hf_dict(config)
+        except ConfigError as exc:
+            raise JobError(f"commit {lc.id[:12]}'s model config: {exc}") from exc
         data = check_user_data(llama, assets, records, replay, dev, final)
         return prepare_own(out_dir, data, config=llama, assets=assets, seed_commit=lc.id, profile=profile, **kw), True
     if replay or dev or final:
