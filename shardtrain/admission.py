@@ -133,7 +133,8 @@ def admit(slot: int, estimate: SlotEstimate, device: torch.device) -> tuple[int,
         raise AdmissionError(
             f"slot {slot}: estimated peak {estimate.total:,} bytes (weights {estimate.weights:,}, grads "
             f"{estimate.grads:,}, Adam moments {estimate.moments:,}, reference {estimate.reference:,}, activations "
-            f"{estimate.activations:,}, reserve {estimate.reserve:,}) exceeds the {free:,} bytes free on {device}; "
+            f"{estimate.activations:,}, bf16 casts {estimate.casts:,}, optimizer scratch {estimate.scratch:,}, reserve "
+            f"{estimate.reserve:,}) exceeds the {free:,} bytes free on {device}; "
             f"refused before allocating (layers {estimate.layers[0]}:{estimate.layers[1]}; plan another partition "
             f"with shardtrain plan, or use more workers)")
     if device.type == "cuda":
