@@ -25,7 +25,7 @@ journal's) and the restore time, with the whole state over each budget as the ra
 matters; and the journal record of the commit, which holds each worker's actual peak and
 coverage.
 
-    python benchmarks/bench_scale.py [--layers 9] [--steps 3] [--seq 32] [--budget-gib 6] [--dir DIR]
+    python benchmarks/bench_scale.py [--layers 9] [--steps 3] [--seq 32] [--budget-gib 7] [--dir DIR]
     python benchmarks/bench_scale.py --tiny          # a smoke run of the same path on a small shape
 
 Memory: about 16 bytes per parameter across the workers plus the activations of one
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=9, help="decoder layers of the TinyLlama shape (22: all)")
     parser.add_argument("--steps", type=int, default=3, help="updates of the first run (one more on resume)")
     parser.add_argument("--seq", type=int, default=32, help="about this many words per prompt")
-    parser.add_argument("--budget-gib", type=float, default=6.0, help="memory each worker is admitted for")
+    parser.add_argument("--budget-gib", type=float, default=7.0, help="memory each worker is admitted for")
     parser.add_argument("--dir", help="scratch directory (default: a new temporary one)")
     parser.add_argument("--tiny", action="store_true", help="smoke run: a small shape, same path")
     args = parser.parse_args()
