@@ -49,7 +49,7 @@ from shardtrain.roles import DEVELOPMENT, FINAL, EvalSet, set_digest
 from shardtrain.tasks import CONVERSATION, Message, Record, record_id
 
 __all__ = ["read_records", "UserData", "check_user_data", "prepare_own", "prepare_model", "prepare_seed", "describe",
-           "DEFAULT_OWN_LR"]
+           "seed_ref", "DEFAULT_OWN_LR"]
 
 _MAX_FILE_BYTES = 256 << 20
 _MAX_DEV_TRAIN = 16
@@ -223,6 +223,11 @@ def describe(job: Any) -> dict[str, Any]:
             "tokenizer": [a.name for a in j.tokenizer]}
 
 
+def seed_ref(commit: str) -> str:
+    """The ref `prepare --model` keeps its import commit under: ``seeds/<commit id>``."""
+    return f"seeds/{commit}"
+
+
 def prepare_model(out_dir: str | os.PathLike[str], *, model_dir: str, store: Store | str, records: str | None = None,
                   replay: str | None = None, dev: str | None = None, final: str | None = None,
                   profile: Profile | None = None, **kw: Any) -> str:
@@ -231,7 +236,8 @@ def prepare_model(out_dir: str | os.PathLike[str], *, model_dir: str, store: Sto
     Reads config.json and the tokenizer asset set (refused without its chat template) and
     checks every record file before anything is written; then imports the weights into
     `store` (a store or its URL, opened only then), widened to float32 one tensor at a time, with the asset set pinned to the
-    import commit (`shardstore.assets`), and writes the job: over the user's records
+    import commit (`shardstore.assets`) and the commit kept by the ref ``seeds/<commit id>``
+    (so gc cannot take it before a run starts from it), and writes the job: over the user's records
     (`prepare_own`, `kw` its options), or without `records` over the embedded default's
     generated tasks (`shardtrain.job.prepare_default`) tokenized by the model's tokenizer.
     """
@@ -251,6 +257,8 @@ def prepare_model(out_dir: str | os.PathLike[str], *, model_dir: str, store: Sto
     if isinstance(store, str):  # opened (and created) only now, once everything was checked
         store = open_store(store, create=True)
     cid = import_directory(store, model_dir, ref=None, dtype="float32")
+    if store.ref(seed_ref(cid)) is None:  # kept from gc until a run's ref names its commits (a second prepare reuses it)
+        store.set_ref(seed_ref(cid), cid, expected=None)
     if data is not None:
         return prepare_own(out_dir, data, config=config, assets=assets, seed_commit=cid, profile=profile,
                            source_dtypes=widened, **kw)

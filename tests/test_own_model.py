@@ -185,6 +185,7 @@ def test_own_model_end_to_end(own: dict[str, str], tmp_path: Path, capsys) -> No
     job = load_job(out)
     store = shardstore.open_store(str(store_dir))
     seed = doc["seed"]
+    assert store.ref(f"seeds/{seed}") == seed  # gc cannot take the start commit before a run names it
     # The start commit holds the bf16 weights widened exactly, and carries the tokenizer files.
     source = load_file(os.path.join(own["model"], "model.safetensors"))
     assert shardstore_main(["export", str(store_dir), seed, str(tmp_path / "seed")]) == 0
