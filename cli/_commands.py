@@ -351,6 +351,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from shardstore.ops.assets import commit_assets
     from shardstore.ops.interchange import import_directory
 
     if args.slots is not None and args.slots < 1:
@@ -364,7 +365,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     with _bar(args, "import") as bar:
         cid = import_directory(
             store, args.src_dir, ref=args.ref, slots=args.slots or 1, layout=args.layout, job=args.job,
-            step=args.step, verify=not args.no_verify, progress=_progress(bar),
+            step=args.step, verify=not args.no_verify, progress=_progress(bar), dtype=args.dtype, assets=not args.no_assets,
         )  # fmt: skip
     lc = ss.load_commit(store, cid)
     entries = lc.entries().values()
@@ -375,6 +376,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         "tensors": len(entries),
         "bytes": sum(expected_nbytes(e.dtype, e.shape) for e in entries),
         "source": args.src_dir,
+        "assets": sorted(commit_assets(store, cid) or {}) if not args.no_assets else [],
     }
     _emit(args, doc, lambda d: d["commit"])
     _note(args, f"imported {doc['tensors']} tensors ({doc['bytes']} bytes) into {doc['slots']} slot(s); ref {args.ref} -> {cid}")

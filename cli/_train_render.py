@@ -13,7 +13,11 @@ __all__ = ["render_prepare", "render_train", "render_report", "render_select", "
 
 
 def render_prepare(doc: dict[str, Any]) -> str:
-    return f"{doc['job']}\njob {doc['id']}\nschedule {doc['schedule']}\nsteps {doc['steps']}"
+    text = f"{doc['job']}\njob {doc['id']}\nschedule {doc['schedule']}\nsteps {doc['steps']}"
+    if "profile" in doc:  # what the job computes in, and what it starts from (``describe``)
+        label = doc["profile"] + ("+recompute" if doc.get("recompute") else "")
+        text += f"\nprofile {label}\nseed {doc.get('seed') or '(fresh init)'}"
+    return text
 
 
 def render_train(doc: list[dict[str, Any]]) -> str:

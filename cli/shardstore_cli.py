@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--with-optimizer", action="store_true", help="also write the Adam moments and optimizer.json")
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE", help="split files above SIZE (default 5GB)")
     p.add_argument("--force", action="store_true", help="overwrite files already in OUT_DIR")
-    p = add("import", cmd_import, "commit a Hugging Face style Llama directory (weights only, kind 'import')")
+    p = add("import", cmd_import, "commit a Hugging Face style Llama directory (weights and tokenizer files, kind 'import')")
     p.add_argument("src_dir", metavar="SRC_DIR")
     p.add_argument("--ref", default="main", help="ref to move to the new commit (default: main)")
     group = p.add_mutually_exclusive_group()
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", default="default", help="job id bound into the commit (default: default)")
     p.add_argument("--step", type=int, default=0, help="global step of the commit (default 0)")
     p.add_argument("--no-verify", action="store_true", help="do not re-read each stored object")
+    p.add_argument("--dtype", choices=("float32",), help="widen bfloat16/float16 weights to float32 (exact), one tensor at a time")
+    p.add_argument("--no-assets", action="store_true", help="do not keep the directory's tokenizer files (kept by default, pinned as assets/<commit>)")
     _register_plugins(sub)
     return parser
 

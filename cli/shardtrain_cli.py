@@ -19,7 +19,6 @@ import time
 from collections.abc import Sequence
 
 import shardstore
-from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RoleError, RunAborted, ShardtrainError, TransitionError
 
 from ._output import emit, fail, note
@@ -73,22 +72,40 @@ def _slot_store(text: str) -> tuple[int, str]:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from shardtrain.engine.profile import Profile
     from shardtrain.job.job import load_job, prepare_default
+    from shardtrain.job.user_job import describe, prepare_model, prepare_seed
 
-    config = None
-    if args.seed_commit:
+    if args.model and args.seed_commit:
+        raise JobError("give --model or --seed-commit, not both")
+    if (args.model or args.seed_commit) and not args.seed_store:
+        raise JobError("--model and --seed-commit need --seed-store (the store the start commit is in, or goes to)")
+    if not (args.model or args.seed_commit) and (args.records or args.replay or args.dev or args.final):
+        raise JobError("--records, --replay, --dev and --final need --model (or --seed-commit with tokenizer assets)")
+    profile = Profile(name=args.profile, recompute=args.recompute) if args.profile != "fp32" or args.recompute else None
+    files = {"records": args.records, "replay": args.replay, "dev": args.dev, "final": args.final}
+    if args.records:  # the user's data: one epoch unless --steps, an own-model learning rate unless --lr
+        kw: dict[str, object] = {"batch_size": args.batch_size, "microbatch_size": args.microbatch_size,
+                                 "init_seed": args.init_seed, "steps": args.steps,
+                                 "replay_per_step": args.replay_per_step}
+    else:
+        kw = {"steps_a": args.steps_a, "steps_b": args.steps_b, "batch_size": args.batch_size,
+              "microbatch_size": args.microbatch_size, "data_seed": args.data_seed, "init_seed": args.init_seed}
+    kw.update({} if args.lr is None else {"lr": args.lr})
+    if args.model:
+        path = prepare_model(args.out, model_dir=args.model, store=args.seed_store, profile=profile, **files, **kw)  # type: ignore[arg-type]
+    elif args.seed_commit:
         store = shardstore.open_store(args.seed_store, create=False)
-        lc = shardstore.load_commit(store, args.seed_commit)
-        if lc.commit.config is None:
-            raise JobError(f"commit {lc.id[:12]} has no model config")
-        config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
-        args.seed_commit = lc.id
-    path = prepare_default(args.out, steps_a=args.steps_a, steps_b=args.steps_b, batch_size=args.batch_size,
-                           microbatch_size=args.microbatch_size, data_seed=args.data_seed, init_seed=args.init_seed,
-                           seed_commit=args.seed_commit, seed_config=config,
-                           **({} if args.lr is None else {"lr": args.lr}))
+        path, carried = prepare_seed(args.out, store=store, commit=args.seed_commit, profile=profile, **files, **kw)  # type: ignore[arg-type]
+        if not carried and not args.quiet:
+            print(f"shardtrain: note: commit {args.seed_commit} carries no tokenizer assets; the job binds the embedded "
+                  f"byte-level tokenizer", file=sys.stderr)
+    else:
+        path = prepare_default(args.out, profile=profile, **kw)  # type: ignore[arg-type]
     job = load_job(path)
-    emit(args, {"job": path, "id": job.id, "schedule": job.schedule_id, "steps": job.num_steps}, render_prepare)
+    doc = {"job": path, "id": job.id, "schedule": job.schedule_id, "steps": job.num_steps, "seed": job.job.seed.commit,
+           **describe(job)}
+    emit(args, doc, render_prepare)
     return EXIT_OK
 
 
@@ -301,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="S3 store option for every store opened, workers included (repeatable; README \"Storage options\")")
         return p
 
-    p = add("prepare", cmd_prepare, "write a prepared job (the embedded default: tokenizer, generated tasks, tiny Llama)")
+    p = add("prepare", cmd_prepare, "write a prepared job: the embedded default (tokenizer, generated tasks, tiny Llama), "
+            "or your model (--model) and your records (--records)")
     p.add_argument("--out", required=True, help="directory for job.json and the files it binds")
     p.add_argument("--steps-a", type=int, default=16, help="updates of cohort A (new records)")
     p.add_argument("--steps-b", type=int, default=8, help="updates of cohort B (new records + declared replay)")
@@ -310,8 +328,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--init-seed", type=int, default=1234)
     p.add_argument("--lr", type=float, help="peak learning rate (default: the embedded default's, docs/DEMO.md)")
-    p.add_argument("--seed-store", help="store holding --seed-commit")
-    p.add_argument("--seed-commit", help="start from this imported Llama commit (weights only) instead of a fresh init")
+    p.add_argument("--seed-store", help="store holding --seed-commit, or receiving --model's import")
+    p.add_argument("--seed-commit", help="start from this imported Llama commit (weights only) instead of a fresh init; "
+                   "its tokenizer assets, if it carries them, are bound")
+    p.add_argument("--model", metavar="HF_DIR", help="start from a Hugging Face save_pretrained directory: its weights "
+                   "(widened to float32) are imported into --seed-store and its tokenizer files bound")
+    p.add_argument("--records", metavar="TRAIN.jsonl", help='your training records, {"messages": [...]} per line')
+    p.add_argument("--replay", metavar="FILE.jsonl", help="declared replay records (distilled toward the seed)")
+    p.add_argument("--dev", metavar="FILE.jsonl", help="development held-out records")
+    p.add_argument("--final", metavar="FILE.jsonl", help="final held-out records (open after `select`)")
+    p.add_argument("--steps", type=int, help="with --records: updates (default: one pass over the records)")
+    p.add_argument("--replay-per-step", type=int, help="with --replay: replay records per update (default 2)")
+    p.add_argument("--profile", choices=("fp32", "bf16-autocast"), default="fp32",
+                   help="numerical profile (README, Numerical profiles); default fp32")
+    p.add_argument("--recompute", action="store_true", help="recompute each decoder block's activations in backward")
 
     p = add("train", cmd_train, "train a prepared job on local worker processes, committing to a store")
     p.add_argument("--prepared", required=True, metavar="JOB", help="job.json written by prepare")

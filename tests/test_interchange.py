@@ -175,3 +175,39 @@ def test_split_layers():
     assert split_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     with pytest.raises(LayoutError):
         split_layers(2, 3)
+
+
+def test_import_widens_bf16_and_carries_tokenizer_assets(store, tmp_path):
+    """A sharded bf16 directory (with its index) becomes float32 entries equal to the bf16 values,
+    exactly; its tokenizer files are pinned with the import, survive gc, and come back on export,
+    also for a later commit whose parent chain reaches the import."""
+    from shardstore.ops.assets import assets_pin, commit_assets
+    from shardstore.ops.gc import gc
+
+    model = tiny_llama(tmp_path / "f32", tied=False, seed=2)
+    src = tmp_path / "src"
+    model.to(torch.bfloat16).save_pretrained(src, max_shard_size="20KB")
+    assert (src / "model.safetensors.index.json").exists()
+    files = {"tokenizer.json": b'{"fake": 1}', "tokenizer_config.json": b"{}", "chat_template.jinja": b"{{ x }}"}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    files["generation_config.json"] = (src / "generation_config.json").read_bytes()  # save_pretrained's, kept too
+    (src / "notes.txt").write_bytes(b"not an asset")
+    cid = import_directory(store, str(src), dtype="float32")
+    lc = ss.load_commit(store, cid)
+    assert {e.dtype for e in lc.entries().values()} == {"float32"}
+    assert commit_assets(store, cid) == files and store.pinned(assets_pin(cid))
+    gc(store, grace_seconds=0, dry_run=False)
+    child = ss.save(store, {n: torch.zeros(1) for n in ("w",)}, step=1, parent=cid, rng=False, ref=None)
+    out = export_commit(store, child, str(tmp_path / "out-child"))
+    assert set(files) <= set(out.files) and "notes.txt" not in out.files
+    assert all((tmp_path / "out-child" / n).read_bytes() == d for n, d in files.items())
+    export_commit(store, cid, str(tmp_path / "out"))
+    back = load_file(str(tmp_path / "out" / "model.safetensors"))
+    source = {k: v for f in sorted(src.glob("model-*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert set(back) == set(source) and all(torch.equal(back[k], source[k].float()) for k in source)
+    (tmp_path / "f64").mkdir()
+    save_file({"x": torch.zeros(2, dtype=torch.float64)}, str(tmp_path / "f64" / "model.safetensors"))
+    (tmp_path / "f64" / "config.json").write_text("{}")
+    with pytest.raises(ss.TensorMismatch, match="float64"):  # widening must be exact: float64 is refused
+        import_directory(store, str(tmp_path / "f64"), dtype="float32")

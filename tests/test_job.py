@@ -151,3 +151,20 @@ def test_the_seed_binds_its_initialisation_scale(job_path: str, tmp_path: Path) 
         path.write_bytes(raw)
         with pytest.raises(JobError, match="init_std"):
             load_job(path)
+
+
+def test_the_profile_is_bound_and_fp32_keeps_older_job_ids(job_path: str, tmp_path: Path) -> None:
+    """A job names its numerical profile; plain fp32 is left out of job.json, so jobs prepared
+    before profiles existed keep their ids, and any other profile is another job."""
+    from shardtrain.engine.profile import Profile, label
+
+    kw = dict(steps_a=4, steps_b=2, batch_size=4, replay_per_step=1)
+    fp32 = load_job(prepare_default(tmp_path / "fp32", profile=Profile(name="fp32"), **kw))
+    assert fp32.id == load_job(job_path).id and b"profile" not in fp32.files[JOB_FILE]
+    ids = {fp32.id}
+    for p in (Profile(name="bf16-autocast"), Profile(name="bf16-autocast", recompute=True), Profile(name="fp32", recompute=True)):
+        job = load_job(prepare_default(tmp_path / label(p), profile=p, **kw))
+        assert job.job.profile == p and label(job.job.profile) == label(p)
+        ids.add(job.id)
+    assert len(ids) == 4
+    assert [label(None), label(Profile(name="bf16-autocast", recompute=True))] == ["fp32", "bf16-autocast+recompute"]

@@ -126,3 +126,36 @@ def test_estimate_is_within_25_percent_of_the_measured_peak_rss_increase(tmp_pat
     print(f"{width or 'default'}-wide model, one process: estimate {got['estimate']} B (modelled {got['modelled']} B), "
           f"measured peak RSS increase {got['increase']} B, ratio {ratio:.3f}")
     assert 0.75 <= ratio <= 1.25, got
+
+
+def test_the_profile_changes_the_estimate_by_its_casts_and_recomputation(tmp_path: Path) -> None:
+    """bf16-autocast adds a bf16 copy of the weights per microbatch in flight (the blocks' once
+    with recomputation, the head's always); recomputation keeps two (B, T, C) tensors per block
+    per microbatch plus one block's whole activations; AdamW's scratch is two copies of the
+    slot's largest tensor, whatever the profile."""
+    from shardtrain.engine.model import LlamaConfig
+    from shardtrain.reshape.planner import MemoryModel
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2)
+    kw = dict(seq_len=32, microbatch_size=2, microbatches=3)
+    fp32, bf16 = MemoryModel(cfg, **kw), MemoryModel(cfg, autocast=True, **kw)
+    both = MemoryModel(cfg, autocast=True, recompute=True, **kw)
+    layers = range(0, 2)
+    a, b, c = (m.estimate(0, layers) for m in (fp32, bf16, both))
+    per_layer, head = fp32.layer_parameters(), cfg.vocab_size * cfg.hidden_size
+    assert a.casts == 0 and b.casts == 2 * (2 * per_layer * 3 + head * 3) and c.casts == 2 * (2 * per_layer + head * 3)
+    assert a.scratch == b.scratch == 2 * 4 * head and fp32.estimate(1, range(2, 4)).scratch == 2 * 4 * 64 * 176
+    tokens = 2 * 32 * 3
+    assert a.activations == b.activations and c.activations == (2 * 2 * 4 * tokens * 64 + fp32.layer_activations(1)
+                                                               + fp32.fixed_activations())
+    assert c.activations < a.activations and a.total < b.total
+    from shardtrain.engine.profile import Profile
+    from shardtrain.job.job import load_job, prepare_default
+    from shardtrain.reshape.planner import for_job
+
+    job = load_job(prepare_default(tmp_path, steps_a=1, steps_b=1, batch_size=4, eval_per_set=2,
+                                   profile=Profile(name="bf16-autocast", recompute=True)))
+    model = for_job(job)
+    assert model.autocast and model.recompute and not for_job(load_job(prepare_default(
+        tmp_path / "fp32", steps_a=1, steps_b=1, batch_size=4, eval_per_set=2))).autocast

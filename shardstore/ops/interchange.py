@@ -2,7 +2,8 @@
 
 ``export_commit`` writes a commit's weights as ``model.safetensors`` (or
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` above
-``max_shard_bytes``) and its model config as ``config.json``; buffers are tensors of the
+``max_shard_bytes``), its model config as ``config.json`` and the tokenizer asset set its
+import carried (``shardstore.ops.assets``: on the commit or its nearest ancestor); buffers are tensors of the
 model files, as in Hugging Face checkpoints. ``with_optimizer`` adds the Adam moments as
 ``optimizer.exp_avg*.safetensors`` / ``optimizer.exp_avg_sq*.safetensors`` (any other torch
 optimizer's state tensors as ``optimizer.state.<key>*.safetensors``), the extras' tensors
@@ -14,7 +15,7 @@ one tensor at a time, through exclusive temporaries read back before they replac
 ``import_directory`` is the reverse: it reads ``config.json`` and one or more safetensors
 files (with or without an index), streams each tensor through ``safe_open``, stores it,
 re-reads the object to verify it, and commits weights only (no optimizer state) with
-transition ``import``, optionally split over slots by contiguous decoder-layer ranges
+transition ``import`` (pinning the directory's tokenizer files with it), optionally split over slots by contiguous decoder-layer ranges
 (slot 0 also owns every tensor outside ``model.layers.N``: embedding, final norm, head).
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ..state.optim import hyper_of
 from ..state.torch_optim import _unscalar
 from ..store import Store
 from ..verification.commits import load_commit
+from .assets import ASSET_FILES, commit_assets, put_assets, read_asset_files
 from .safetensors_files import FROM_ST as _FROM_ST
 from .safetensors_files import Item as _Item
 from .safetensors_files import open_safetensors as _open
@@ -49,7 +51,8 @@ from .safetensors_files import write_file as _write_file
 from .safetensors_files import write_safetensors as _write_safetensors
 from .state_diff import extra_state_view, hyper_groups
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportResult", "Progress", "export_commit", "import_directory", "split_layers"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportResult", "Progress", "export_commit", "import_directory", "read_config",
+           "source_dtypes", "split_layers"]
 
 #: Hugging Face's default shard size ("5GB").
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -63,7 +66,7 @@ Progress = Callable[[str, int, int], None]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPORTED = re.compile(
     r"^(model|optimizer\.exp_avg|optimizer\.exp_avg_sq|optimizer\.state\.[A-Za-z0-9_][A-Za-z0-9_.-]*|extras)(-\d{5}-of-\d{5})?"
-    r"\.safetensors(\.index\.json)?$|^(config|optimizer)\.json$"
+    r"\.safetensors(\.index\.json)?$|^(config|optimizer)\.json$|^(" + "|".join(map(re.escape, ASSET_FILES)) + ")$"
 )
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}\.safetensors$")
 
@@ -140,6 +143,7 @@ def export_commit(
     if lc.commit.config is not None:
         config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES), what=f"model config object {lc.commit.config}")
         docs["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
+    docs.update(commit_assets(store, lc.id) or {})  # the tokenizer files its import carried (shardstore.ops.assets)
     if with_optimizer:
         docs["optimizer.json"] = _optimizer_doc(lc.commit.step, lc.commit.optimizer, entries, _extras_doc(store, lc))
     os.makedirs(out_dir, exist_ok=True)
@@ -265,6 +269,19 @@ def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     return out
 
 
+def source_dtypes(src_dir: str) -> list[str]:
+    """The dtypes of a Hugging Face directory's weights, from the files' headers (no data read)."""
+    return sorted({d for _, d, _ in _scan(src_dir).values()})
+
+
+def read_config(src_dir: str) -> dict[str, Any]:
+    """A Hugging Face directory's config.json, bounded and checked to be a JSON object."""
+    config = _read_json(os.path.join(src_dir, "config.json"))
+    if not isinstance(config, dict):
+        raise ManifestError(f"{src_dir}/config.json is not a JSON object")
+    return config
+
+
 def split_layers(num_layers: int, slots: int) -> list[tuple[int, int]]:
     """Contiguous half-open layer ranges, as even as possible; earlier slots take the remainder."""
     if not 1 <= slots <= max(num_layers, 1):
@@ -299,8 +316,16 @@ def _owners(names: list[str], layout: Sequence[tuple[int, int]]) -> dict[str, in
     return out
 
 
-def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[int, ...], verify: bool) -> Payload:
+#: Source dtypes ``import_directory(dtype="float32")`` widens, exactly (every value of each is a float32 value).
+_WIDENS_TO_F32 = ("bfloat16", "float16", "float32")
+
+
+def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[int, ...], verify: bool,
+                   to: str | None = None) -> Payload:
     """Store one tensor of a safetensors file as its canonical blocks; return its payload.
+
+    ``to`` (``"float32"``): a bfloat16/float16 tensor is widened to float32 on the way, one
+    tensor at a time (the stored dtype is then ``to``).
 
     The file is opened for this tensor alone: safetensors maps the whole file, and pages
     touched through a mapping that stays open stay resident, which would make peak memory
@@ -313,6 +338,9 @@ def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[
             raise ManifestError(f"tensor {name!r} in {path}: unreadable ({e})") from None
         if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
             raise TensorMismatch(f"tensor {name!r} in {path}: read {t.dtype}{list(t.shape)}, header says {dtype}{list(shape)}")
+        if to is not None and t.is_floating_point() and dtype != to:
+            t = t.float()  # exact: _stored_dtype admitted only dtypes float32 holds every value of
+            dtype = to
         payload = put_payloads(store, [t])[0]
         del t
     if verify:
@@ -336,21 +364,32 @@ def import_directory(
     parent: str | None = AUTO,
     verify: bool = True,
     progress: Progress | None = None,
+    dtype: str | None = None,
+    assets: bool = True,
 ) -> str:
     """Commit a Hugging Face style directory's weights (transition ``import``); return the commit id.
 
     ``layout``: one (start, stop) decoder-layer range per slot; otherwise ``slots`` even
     ranges. ``parent`` defaults to the commit ``ref`` points at; ``ref`` (None: none) is
     moved by compare-and-swap. ``verify`` re-reads and re-hashes each stored object.
+    ``dtype="float32"`` widens bfloat16/float16 weights to float32, exactly, one tensor at
+    a time (other floating dtypes are refused; the journal records the source dtypes).
+    ``assets``: the directory's tokenizer files (``shardstore.ops.assets.ASSET_FILES``) are
+    kept and pinned as ``assets/<commit id>``, before the ref moves.
     """
+    if dtype not in (None, "float32"):
+        raise ValueError(f"dtype must be None or 'float32', got {dtype!r}")
     if ref is not None:
         check_ref_name(ref)
     check_info(CommitInfo(step=step, job=job, transition="import"))  # arguments first, before any write
-    config = _read_json(os.path.join(src_dir, "config.json"))
-    if not isinstance(config, dict):
-        raise ManifestError(f"{src_dir}/config.json is not a JSON object")
+    config = read_config(src_dir)
     encode_config(config)  # refuse an unrepresentable config before writing anything
     tensors = _scan(src_dir)
+    if dtype is not None:
+        wide = sorted({d for _, d, _ in tensors.values() if d.startswith(("float", "bfloat")) and d not in _WIDENS_TO_F32})
+        if wide:
+            raise TensorMismatch(f"{src_dir}: {wide} tensors cannot be converted to {dtype} exactly")
+    files = read_asset_files(src_dir) if assets else {}
     names = sorted(tensors)
     if layout is None and slots == 1:
         owner = dict.fromkeys(names, 0)
@@ -370,12 +409,14 @@ def import_directory(
     total = sum(expected_nbytes(d, s) for _, d, s in tensors.values())
     started = time.time()
     entries: list[list[TensorEntry]] = [[] for _ in range(nslots)]
+    sources = sorted({d for _, d, _ in tensors.values()})
     for name in names:
-        fname, dtype, shape = tensors[name]
-        oid = _import_tensor(store, os.path.join(src_dir, fname), name, dtype, shape, verify)
-        entries[owner[name]].append(TensorEntry(name=name, dtype=dtype, shape=shape, param=oid, optim=None))
+        fname, src, shape = tensors[name]
+        oid = _import_tensor(store, os.path.join(src_dir, fname), name, src, shape, verify, dtype)
+        stored = dtype if dtype is not None and src in _WIDENS_TO_F32 else src
+        entries[owner[name]].append(TensorEntry(name=name, dtype=stored, shape=shape, param=oid, optim=None))
         if progress is not None:
-            progress(name, expected_nbytes(dtype, shape), total)
+            progress(name, expected_nbytes(src, shape), total)
     config_id = store.put(encode_config(config))
     store.sync()  # objects are durable before any manifest names them
     shard_ids = [
@@ -389,8 +430,11 @@ def import_directory(
     ]
     store.sync()
     cid = write_commit(store, shard_ids, info=info, parent=parent)
+    if files:
+        put_assets(store, cid, files)
     if ref is not None:
         store.set_ref(ref, cid, expected=current)
-    record = {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "source": os.path.abspath(src_dir)}
+    record = {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "source": os.path.abspath(src_dir),
+              "source_dtypes": sources, "converted_to": dtype, "assets": sorted(files)}
     store.write_journal(cid, record)
     return cid

@@ -32,6 +32,7 @@ the step loss is the sum over microbatches, so microbatching does not change the
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
@@ -44,6 +45,7 @@ from shardtrain.engine.loss import DistillTargets, microbatch_loss
 from shardtrain.engine.messages import ACTIVATION, GRADIENT, Channel, MessageHeader, PostedRecv
 from shardtrain.engine.model import Llama, rotary_tables
 from shardtrain.engine.partition import Partition
+from shardtrain.engine.profile import run_block
 from shardtrain.engine.schedule import FORWARD, HEAD, Action, build
 from shardtrain.errors import ConfigError
 
@@ -67,9 +69,15 @@ class Pipeline:
 
     def __init__(self, stage: Llama, partition: Partition, slot: int, *,
                  timeout: timedelta = timedelta(seconds=300), max_message_elements: int = 1 << 28,
-                 schedule: str = "overlapped") -> None:
+                 schedule: str = "overlapped",
+                 compute: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+                 recompute: bool = False) -> None:
+        """`compute` makes the context every forward computation runs in (the numerical
+        profile's autocast, `shardtrain.engine.profile.compute_context`); `recompute` runs each
+        decoder block under activation checkpointing (`shardtrain.engine.profile.run_block`)."""
         build(schedule, partition.num_slots, 1)  # refuse an unknown schedule now, not at the first step
         self.schedule = schedule
+        self.compute, self.recompute = compute, recompute
         self.stage = stage
         self.config = stage.config
         self.partition = partition
@@ -196,16 +204,17 @@ class Pipeline:
         self.channel.send(t, dst, self._header(kind, mb, step))
 
     def _forward(self, batch: Batch, mb: Microbatch, step: int) -> _Segments:
-        if self.slot == 0:
-            first = self.stage.embed(mb.take(batch.tokens).to(self.device))  # (b, t, C)
-        else:
-            first = self._recv(self.slot - 1, ACTIVATION, mb, step)  # (b, t, C)
-        cos, sin = rotary_tables(self.config, mb.length, self.device, first.dtype)  # (t, D) each
-        x, layers = first, []
-        for i in self.stage.layer_range:
-            inp = x.detach().requires_grad_()
-            x = self.stage.layer(i, inp, cos, sin)  # (b, t, C)
-            layers.append((inp, x))
+        with self.compute():
+            if self.slot == 0:
+                first = self.stage.embed(mb.take(batch.tokens).to(self.device))  # (b, t, C)
+            else:
+                first = self._recv(self.slot - 1, ACTIVATION, mb, step)  # (b, t, C)
+            cos, sin = rotary_tables(self.config, mb.length, self.device, first.dtype)  # (t, D) each
+            x, layers = first, []
+            for i in self.stage.layer_range:
+                inp = x.detach().requires_grad_()
+                x = run_block(self.stage.layer, i, inp, cos, sin, recompute=self.recompute)  # (b, t, C)
+                layers.append((inp, x))
         if self.num_slots > 1:
             self._send(x, (self.slot + 1) % self.num_slots, ACTIVATION, mb, step)
         return _Segments(first, layers, x)
@@ -222,10 +231,15 @@ class Pipeline:
         else:
             h = local_last.detach()
         h = h.requires_grad_()  # (b, t, C) leaf
-        logits = self.stage.logits(h)  # (b, t, V)
         targets = mb.take(batch.targets).to(self.device)  # (b, t)
         weights = mb.take(batch.weights).to(self.device)  # (b, t)
-        loss = microbatch_loss(logits, targets, weights, total_weight, rows=(mb.start, mb.stop), distill=self.distill)
+        with self.compute():
+            logits = self.stage.logits(h)  # (b, t, V); bf16 under autocast
+            # The loss is taken in at least FP32 (as transformers' loss functions do): a bf16
+            # log-softmax would round every token's loss to 8 significant bits.
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            loss = microbatch_loss(logits, targets, weights, total_weight, rows=(mb.start, mb.stop),
+                                   distill=self.distill)
         loss.backward()
         assert h.grad is not None
         if self.num_slots > 1:

@@ -36,11 +36,13 @@ from shardtrain.engine.batch import Batch
 from shardtrain.engine.model import LlamaConfig
 from shardtrain.engine.optim import GroupConfig
 from shardtrain.engine.optim import Schedule as LrSchedule
+from shardtrain.engine.profile import FP32, Profile
 from shardtrain.errors import ConfigError, JobError
+from shardtrain.job.hf_tokenizer import HFTokenizer, build_tokenizer, commit_config_dict
 from shardtrain.job.recipe import F64, CohortReference, Count, Distillation, FileName, GateRecipe, GroupRecipe, Positive, Recipe, _Base
 from shardtrain.job.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
 from shardtrain.job.tasks import Record, make_conversations, make_records, record_id
-from shardtrain.job.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, ByteTokenizer, default_assets, load_tokenizer
+from shardtrain.job.tokenizer import ByteTokenizer, default_assets
 
 __all__ = ["JOB_FILE", "RECORDS_FILE", "Job", "PreparedJob", "decode_job", "load_job", "prepare_default", "model_spec",
            "default_config"]
@@ -49,6 +51,7 @@ JOB_FILE = "job.json"
 RECORDS_FILE = "records.json"
 _MAX_JOB_BYTES = 16 << 20
 _MAX_RECORDS_BYTES = 256 << 20
+_MAX_ASSET_BYTES = 64 << 20  # shardstore.ops.assets' bound: real tokenizer.json files reach ~20 MB
 _VERSION = 1
 
 Hex64 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
@@ -79,12 +82,15 @@ class SeedSpec(_Base, omit_defaults=True):
 
     `init_std` absent (None, omitted from the encoding) means the legacy 0.02, so job files
     prepared before the field existed keep their bytes, and so their job ids.
+    `source_dtypes`: the dtypes of the user's weights that the import widened, exactly, to
+    the profile's FP32 (None: no conversion).
     """
 
     kind: Literal["init", "import"]
     init_seed: Count
     commit: Hex64 | None
     init_std: F64 | None = None
+    source_dtypes: tuple[Annotated[str, Meta(pattern=r"^[a-z0-9]{1,16}$")], ...] | None = None  # widened to float32
 
 
 class Asset(_Base):
@@ -108,7 +114,7 @@ class Schedule(_Base, tag="shardtrain-schedule", tag_field="type"):
     steps: tuple[Step, ...]
 
 
-class Job(_Base, tag="shardtrain-job", tag_field="type"):
+class Job(_Base, tag="shardtrain-job", tag_field="type", omit_defaults=True):
     version: int
     name: FileName
     model: ModelSpec
@@ -120,6 +126,7 @@ class Job(_Base, tag="shardtrain-job", tag_field="type"):
     schedule: Schedule
     schedule_id: Hex64
     recipe: Recipe
+    profile: Profile | None = None  # None: fp32 without recomputation (older job files keep their ids)
 
 
 class RecordFile(_Base, tag="shardtrain-records", tag_field="type"):
@@ -183,7 +190,7 @@ class PreparedJob:
     job: Job
     directory: str
     files: dict[str, bytes]  # every bound file by name, job.json included (what a store can keep)
-    tokenizer: ByteTokenizer
+    tokenizer: ByteTokenizer | HFTokenizer
     records: tuple[Record, ...]
     config: LlamaConfig = field(init=False)
 
@@ -200,8 +207,9 @@ class PreparedJob:
         return len(self.job.schedule.steps)
 
     def hf_config(self) -> dict[str, Any]:
-        """The model config as bound into commits (Hugging Face field names)."""
-        return self.config.to_hf_dict()
+        """The model config as bound into commits (Hugging Face field names, with a Hugging
+        Face tokenizer's bos/eos/pad ids)."""
+        return commit_config_dict(self.config, self.tokenizer)
 
     def groups(self) -> dict[str, GroupConfig]:
         return {g.name: GroupConfig(lr=f64_decode(g.lr), beta1=f64_decode(g.beta1), beta2=f64_decode(g.beta2),
@@ -291,7 +299,7 @@ def _read_bound(directory: str, asset: Asset, what: str, limit: int) -> bytes:
     return data
 
 
-def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer, config: LlamaConfig) -> None:
+def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer | HFTokenizer, config: LlamaConfig) -> None:
     for r in records:
         if record_id(r.family, r.messages, r.answer) != r.id:
             raise JobError(f"record {r.id} does not hash to its id")
@@ -347,10 +355,10 @@ def load_job(path: str | os.PathLike[str]) -> PreparedJob:
     job = decode_job(raw, f"job file {path}")
     files = {JOB_FILE: raw}
     for a in job.tokenizer:
-        files[a.name] = _read_bound(directory, a, "tokenizer asset", 1 << 20)
+        files[a.name] = _read_bound(directory, a, "tokenizer asset", _MAX_ASSET_BYTES)
     files[job.records.name] = _read_bound(directory, job.records, "records file", _MAX_RECORDS_BYTES)
     rf: RecordFile = _decode(files[job.records.name], RecordFile, f"records file {job.records.name}", _MAX_RECORDS_BYTES)
-    tok = load_tokenizer(files)
+    tok = build_tokenizer(files, tuple(a.name for a in job.tokenizer))
     prepared = PreparedJob(_hash(raw), job, directory, files, tok, rf.records)
     _check(job, rf.records, tok, prepared.config)
     for i in {d for s in job.schedule.steps for d in s.docs}:
@@ -396,7 +404,8 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
                     seed_config: Mapping[str, Any] | None = None, name: str = "default",
                     mix: tuple[str, ...] = DEFAULT_MIX, kl_coef: float = 0.5, temperature: float = 1.0,
                     gain_bound: float = -0.001, retention_bound: float = 0.02, resamples: int = 2000,
-                    retention_per_set: int = 16) -> str:
+                    retention_per_set: int = 16, assets: Mapping[str, bytes] | None = None,
+                    profile: Profile | None = None, source_dtypes: tuple[str, ...] | None = None) -> str:
     """Write the embedded default job into `out_dir`; return the job file's path.
 
     Cohort A trains `steps_a` updates of new task records (cycling through `mix`) plus
@@ -408,14 +417,15 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
     development retention set of exposed conversations and a final retention set of
     conversations from another generator range, disjoint from every trained record.
     `seed_commit` (with its model `seed_config`) starts from imported weights instead of
-    a fresh initialisation.
+    a fresh initialisation; `assets` (a model's tokenizer files) replace the embedded
+    byte tokenizer; `profile` is the numerical profile (None: fp32).
     """
     if not 0 <= replay_per_step < batch_size:
         raise JobError(f"replay_per_step must be in [0, {batch_size})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    assets = default_assets()
-    tok = load_tokenizer(assets)
+    assets = dict(assets) if assets is not None else default_assets()
+    tok = build_tokenizer(assets, tuple(sorted(assets)))
     config = LlamaConfig.from_hf_dict(dict(seed_config)) if seed_config is not None else default_config(tok.vocab_size)
     new = batch_size - replay_per_step
     held = {n: make_records(n, eval_per_set, seed=data_seed) for n in ("dev_task", "final_task")}
@@ -465,8 +475,9 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
     warmup = min(total, max(2, total // 16)) if warmup_steps is None else warmup_steps
     job = Job(version=_VERSION, name=name, model=model_spec(config),
               seed=SeedSpec(kind="import" if seed_commit else "init", init_seed=init_seed, commit=seed_commit,
-                            init_std=None if init_std == LEGACY_INIT_STD else f64_encode(init_std)),
-              tokenizer=(asset(TEMPLATE_FILE), asset(TOKENIZER_FILE)), records=asset(RECORDS_FILE),
+                            init_std=None if init_std == LEGACY_INIT_STD else f64_encode(init_std),
+                            source_dtypes=source_dtypes), profile=None if profile == FP32 else profile,
+              tokenizer=tuple(asset(n) for n in sorted(assets)), records=asset(RECORDS_FILE),
               exposed=tuple(prior_idx), sets=tuple(sets), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)),
               recipe=Recipe(algorithm="adamw", groups=(group("decay", 0.1), group("no_decay", 0.0)),
                             warmup_steps=warmup, total_steps=max(1, total), min_ratio=f64_encode(0.1),

@@ -133,7 +133,8 @@ def admit(slot: int, estimate: SlotEstimate, device: torch.device) -> tuple[int,
         raise AdmissionError(
             f"slot {slot}: estimated peak {estimate.total:,} bytes (weights {estimate.weights:,}, grads "
             f"{estimate.grads:,}, Adam moments {estimate.moments:,}, reference {estimate.reference:,}, activations "
-            f"{estimate.activations:,}, reserve {estimate.reserve:,}) exceeds the {free:,} bytes free on {device}; "
+            f"{estimate.activations:,}, bf16 casts {estimate.casts:,}, optimizer scratch {estimate.scratch:,}, reserve "
+            f"{estimate.reserve:,}) exceeds the {free:,} bytes free on {device}; "
             f"refused before allocating (layers {estimate.layers[0]}:{estimate.layers[1]}; plan another partition "
             f"with shardtrain plan, or use more workers)")
     if device.type == "cuda":
@@ -154,5 +155,9 @@ def gather_usage(mine: Usage, rank: int, world: int) -> list[Usage]:
 
 
 def journal_record(usages: list[Usage]) -> dict[str, Any]:
-    """The journal entry of a run's workers: estimate, free, baseline, peak and parameters per slot."""
-    return {"workers": [{**msgspec.to_builtins(u), "used": u.used} for u in usages]}
+    """The journal entry of a run's workers: estimate, free (the budget admitted against),
+    baseline, peak and parameters per slot, and each slot's parameter coverage (its share of
+    the model's parameters; every parameter has one owner, so the shares sum to 1)."""
+    total = sum(u.parameters for u in usages)
+    return {"workers": [{**msgspec.to_builtins(u), "used": u.used, "coverage": u.parameters / total if total else 0.0}
+                        for u in usages]}

@@ -16,6 +16,15 @@ The estimate of a slot is a sum of named terms (bytes), each a count of FP32 ten
   before any backward, so all of them are in flight); slot 0 adds the embedding output
   per microbatch and the head's logits, log-softmax and their gradient for one microbatch
   (the head runs one microbatch at a time);
+- ``casts`` (the ``bf16-autocast`` profile, SPEC.md §15f): autocast's bfloat16 copy of
+  every weight a matrix product uses (2 bytes per parameter), kept by each microbatch's
+  graph for its backward, so once per microbatch in flight; with recomputation the
+  blocks' copies once (a recomputed block casts its weights again, one block at a time),
+  the output head's still per microbatch (it is not recomputed); and with
+  recomputation ``activations`` keep only each block's input and output per microbatch
+  plus one block's whole activations (the block being recomputed);
+- ``scratch``: AdamW's temporaries while it updates one tensor (two FP32 tensors of the
+  slot's largest parameter, `shardtrain.optim`);
 - ``reserve``: a fixed allowance for what is not modelled, `DEFAULT_RESERVE` unless
   given. On CPU it is dominated by what torch's first forward and backward map whatever
   the model's size (kernels, allocator arenas, autograd's engine): measured on the 2-core
@@ -69,10 +78,13 @@ class SlotEstimate:
     reference: int
     activations: int
     reserve: int
+    casts: int = 0  # bf16-autocast's weight copies
+    scratch: int = 0  # AdamW's per-tensor temporaries
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.moments + self.reference + self.activations + self.reserve
+        return (self.weights + self.grads + self.moments + self.reference + self.activations + self.casts
+                + self.scratch + self.reserve)
 
     @property
     def modelled(self) -> int:
@@ -90,6 +102,8 @@ class MemoryModel:
     microbatches: int = 1  # microbatches in flight at once (all of a batch under the synchronous schedule)
     reference: bool = False  # a frozen reference model is partitioned across the same slots
     reserve: int = DEFAULT_RESERVE
+    autocast: bool = False  # the bf16-autocast profile: bf16 weight copies per forward
+    recompute: bool = False  # activation recomputation: blocks keep only their inputs
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "microbatch_size", "microbatches"):
@@ -109,10 +123,16 @@ class MemoryModel:
         v, c = self.config.vocab_size, self.config.hidden_size
         return v * c + c + (0 if self.config.tie_word_embeddings else v * c)
 
-    def layer_activations(self) -> int:
-        tokens = self.microbatch_size * self.seq_len * self.microbatches
+    def layer_activations(self, microbatches: int | None = None) -> int:
+        tokens = self.microbatch_size * self.seq_len * (self.microbatches if microbatches is None else microbatches)
         return FP32 * tokens * (ACT_PER_HIDDEN * self.config.hidden_size
                                 + ACT_PER_INTERMEDIATE * self.config.intermediate_size)
+
+    def _largest(self, slot: int, layers: range) -> int:
+        """Elements of the slot's largest parameter tensor."""
+        c, i, d = self.config.hidden_size, self.config.intermediate_size, self.config.dim_per_head
+        sizes = [c * i, c * self.config.num_attention_heads * d] if len(layers) else [0]
+        return max(sizes + ([self.config.vocab_size * c] if slot == 0 else []))
 
     def fixed_activations(self) -> int:
         tokens = self.microbatch_size * self.seq_len
@@ -122,10 +142,21 @@ class MemoryModel:
     def estimate(self, slot: int, layers: range) -> SlotEstimate:
         """The estimate of a slot owning `layers` (and, for slot 0, the embedding and head)."""
         params = len(layers) * self.layer_parameters() + (self.fixed_parameters() if slot == 0 else 0)
-        acts = len(layers) * self.layer_activations() + (self.fixed_activations() if slot == 0 else 0)
+        if self.recompute and len(layers):  # each block keeps its input and output; one block is recomputed at a time
+            tokens = self.microbatch_size * self.seq_len * self.microbatches
+            acts = len(layers) * 2 * FP32 * tokens * self.config.hidden_size + self.layer_activations(1)
+        else:
+            acts = len(layers) * self.layer_activations()
+        acts += self.fixed_activations() if slot == 0 else 0
         b = FP32 * params
+        casts = 0
+        if self.autocast:  # bf16 copies: the blocks' weights, and on slot 0 the head's matrix (never recomputed)
+            head = self.config.vocab_size * self.config.hidden_size if slot == 0 else 0
+            casts = 2 * (len(layers) * self.layer_parameters() * (1 if self.recompute else self.microbatches)
+                         + head * self.microbatches)
         return SlotEstimate(slot=slot, layers=(layers.start, layers.stop), parameters=params, weights=b, grads=b,
-                            moments=2 * b, reference=b if self.reference else 0, activations=acts, reserve=self.reserve)
+                            moments=2 * b, reference=b if self.reference else 0, activations=acts, reserve=self.reserve,
+                            casts=casts, scratch=2 * FP32 * self._largest(slot, layers))
 
     def estimates(self, partition: Partition) -> tuple[SlotEstimate, ...]:
         if partition.num_layers != self.config.num_hidden_layers:
@@ -144,9 +175,11 @@ def for_job(job: PreparedJob, config: LlamaConfig | None = None, *, reference: b
         reference = any(job.reference_of(c) is not None for c in {s.cohort for s in job.job.schedule.steps})
     docs = {d for step in job.job.schedule.steps for d in step.docs}
     seq_len = max((len(job.encoded(d)[0]) - 1 for d in docs), default=1)
+    profile = job.job.profile
     return MemoryModel(config or job.config, seq_len=max(1, seq_len), microbatch_size=recipe.microbatch_size,
                        microbatches=-(-recipe.batch_size // recipe.microbatch_size), reference=reference,
-                       reserve=reserve)
+                       reserve=reserve, autocast=profile is not None and profile.name == "bf16-autocast",
+                       recompute=profile is not None and profile.recompute)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,10 +139,15 @@ def job_from_store(store: Store, job_id: str, directory: str) -> PreparedJob:
 
 
 def _load_job(spec: EvalSpec, store: Store, tmp: str) -> PreparedJob:
+    """The job given, or the one the first trained commit names (an import commit, such as a
+    job's seed used as baseline, belongs to no job: the next commit decides)."""
     if spec.job is not None:
         return load_job(spec.job)
-    first = load_commit(store, spec.commits[0]).commit
-    return job_from_store(store, first.job, tmp)
+    for target in spec.commits:
+        c = load_commit(store, target).commit
+        if c.transition != "import":
+            return job_from_store(store, c.job, tmp)
+    raise JobError("every --commit is an import commit, which names no job: pass --prepared JOB")
 
 
 def evaluate_worker(ctx: WorkerContext, spec: EvalSpec) -> EvalReport:

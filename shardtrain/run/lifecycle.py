@@ -41,13 +41,12 @@ from __future__ import annotations
 import os
 import random
 import resource
-import signal
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -61,9 +60,12 @@ from shardtrain.engine.model import LlamaConfig
 from shardtrain.engine.optim import AdamW
 from shardtrain.engine.partition import build_stage, parameter_inventory
 from shardtrain.engine.pipeline import Pipeline
+from shardtrain.engine.profile import compute_context
+from shardtrain.engine.profile import label as profile_label
 from shardtrain.engine.schedule import build as build_schedule
 from shardtrain.engine.trainer import Trainer
 from shardtrain.errors import AdmissionError, JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
+from shardtrain.job.hf_tokenizer import commit_config_dict
 from shardtrain.job.job import PreparedJob, load_job
 from shardtrain.reshape import admission
 from shardtrain.reshape.planner import for_job
@@ -71,6 +73,7 @@ from shardtrain.reshape.regroup import grown_from, regroup, start_layout
 from shardtrain.run.committer import Committer
 from shardtrain.run.dependencies import check_dependencies, check_shared_store, pin_references
 from shardtrain.run.distill import Distiller, reference_steps
+from shardtrain.run.faults import FAULT_ENV, Fault, fault_from_env, inject_fault
 from shardtrain.workers.launch import WorkerContext, launch_local
 
 __all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
@@ -79,7 +82,6 @@ __all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", 
 T = TypeVar("T")
 PROFILE = "fp32"
 DETERMINISTIC_ENV = {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-FAULT_ENV = "SHARDTRAIN_FAULT"
 AUTO_RESUME = "auto"
 """``--resume auto``: the run's ref if it exists (a restarted group), else the job's start."""
 
@@ -144,63 +146,7 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
     estimate_bytes: int = 0  # the planner's estimate of this slot's peak (admission checked it)
     used_bytes: int = 0  # the actual peak above the memory in use at admission (CPU: RSS; CUDA: allocated)
-
-
-class Fault(NamedTuple):
-    """One injected fault (``SHARDTRAIN_FAULT``): where it fires and how the worker is lost."""
-
-    slot: int  # -1: every worker that reads the environment
-    step: int
-    microbatch: int
-    once: str | None = None  # fire only if this file is absent, and create it
-    host: bool = False  # also kill the torchrun agent: the whole host is lost
-    hang: bool = False  # stop answering instead of exiting (the agent must stop the worker)
-
-
-def fault_from_env() -> list[Fault]:
-    """The faults SHARDTRAIN_FAULT asks for: ``slot=S,step=N,microbatch=M`` each, then options.
-
-    Several faults are separated by ';'. ``slot=*`` is every worker that reads this
-    environment: under torchrun, the workers of the node whose agent was given it. An
-    optional ``attempt=A`` limits a fault to restart number A of this node's torchrun agent
-    (its TORCHELASTIC_RESTART_COUNT, which each node counts for itself); ``once=PATH``
-    fires it only if no file PATH exists, and creates it (a fault that fires once, whatever
-    the restart counts); ``host=1`` also kills the worker's parent, the torchrun agent: the
-    whole host is lost; ``hang=1`` makes the worker hang instead of exiting.
-    """
-    raw = os.environ.get(FAULT_ENV)
-    out: list[Fault] = []
-    for one in (raw or "").split(";"):
-        if not one.strip():
-            continue
-        try:
-            parts = dict(p.split("=", 1) for p in one.strip().split(","))
-            if "attempt" in parts and int(parts["attempt"]) != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-                continue
-            once = parts.get("once")
-            if once is not None and os.path.exists(once):
-                continue
-            out.append(Fault(-1 if parts["slot"] == "*" else int(parts["slot"]), int(parts["step"]),
-                             int(parts["microbatch"]), once, parts.get("host") == "1", parts.get("hang") == "1"))
-        except (ValueError, KeyError) as exc:
-            raise JobError(f"{FAULT_ENV}={raw!r}: expected slot=S,step=N,microbatch=M[,attempt=A][,once=PATH]"
-                           f"[,host=1][,hang=1] (';' between faults)") from exc
-    return out
-
-
-def _inject(fault: Fault) -> None:
-    """Lose this worker now as ``fault`` says, unless its ``once`` file says it already fired."""
-    if fault.once is not None:
-        try:
-            os.close(os.open(fault.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-    if fault.hang:
-        while True:
-            time.sleep(60)
-    if fault.host:
-        os.kill(os.getppid(), signal.SIGKILL)
-    os._exit(3)
+    restore_seconds: float = 0.0  # restoring this worker's slot of the start commit (0: fresh)
 
 
 def start_target(job: PreparedJob, store: Store, spec: RunSpec) -> str | None:
@@ -352,31 +298,53 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
                 _seed_rng(job, rank)
         return lc
 
+    t_restore = time.perf_counter()
     lc = gate("restore the start commit", rank, world, restore)
+    restore_seconds = time.perf_counter() - t_restore if lc is not None else 0.0
     step = 0 if lc is None or lc.commit.transition == "import" else lc.commit.step
     parent = None if lc is None else lc.id
-    pipe = Pipeline(stage, partition, rank, timeout=timedelta(seconds=spec.message_timeout), schedule=spec.schedule)
+    compute = compute_context(job.job.profile, ctx.device)  # the profile's autocast (or none), forward passes only
+    pipe = Pipeline(stage, partition, rank, timeout=timedelta(seconds=spec.message_timeout), schedule=spec.schedule,
+                    compute=compute, recompute=bool(job.job.profile and job.job.profile.recompute))
     committer = Committer(store, stage, optimizer, rank=rank, ref=spec.ref, last=(step, parent),
                           asynchronous=spec.async_commits, timeout=timedelta(seconds=spec.message_timeout))
     faults = {(f.step, f.microbatch): f for f in fault_from_env() if f.slot in (rank, -1)}
     if faults:
-        pipe.after_forward = lambda s, m: (committer.settle(), _inject(faults[s, m])) if (s, m) in faults else None
+        pipe.after_forward = lambda s, m: (committer.settle(), inject_fault(faults[s, m])) if (s, m) in faults else None
     distiller = Distiller(job, store, slot=rank, num_slots=world, device=ctx.device, timeout=spec.message_timeout)
     must_commit = reference_steps(job, step, spec.until)  # endpoints a later cohort of this run distils toward
     trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size,
                       max_grad_norm=job.max_grad_norm(), global_step=step)
-    hf = config.to_hf_dict()
+    hf = commit_config_dict(config, job.tokenizer)
+    profile = profile_label(job.job.profile)
     commits: list[CommitRecord] = []
     steps: list[StepRecord] = []
 
+    usage_at: dict[int, tuple[list[admission.Usage], float]] = {}  # per commit step: every worker's usage, when
+
+    def usage() -> admission.Usage:
+        return admission.Usage(slot=rank, estimate=estimate.total, free=free, baseline=baseline,
+                               peak=admission.peak_bytes(ctx.device), parameters=sum(p.numel() for p in stage.parameters()),
+                               parameter_bytes=sum(parameter_inventory(stage).values()))
+
     def commit(at: int, transition: str) -> None:
-        info = CommitInfo(step=at, job=job.id, schedule=job.schedule_id, profile=PROFILE, config=hf,
+        info = CommitInfo(step=at, job=job.id, schedule=job.schedule_id, profile=profile, config=hf,
                           data_cursor=job.cursor(at), transition=transition)
+        started = time.perf_counter()
         committer.commit(info)
+        usage_at[at] = admission.gather_usage(usage(), rank, world), started  # collective: all commit at `at`
 
     def landed(wait: bool = False) -> tuple[int, str] | None:
         new = committer.drain() if wait else committer.landed()
         commits.extend(CommitRecord(at, cid) for at, cid in new)
+        for at, cid in new:  # every commit's journal: each worker's actual peak and parameter coverage
+            if rank == 0 and at in usage_at:
+                usages, started = usage_at.pop(at)
+                # From the commit call to its landing as seen here: the save itself with synchronous
+                # commits, the time in flight (overlapping training) with background ones.
+                record = {**admission.journal_record(usages), "commit_seconds": time.perf_counter() - started,
+                          "commit_mode": "background" if spec.async_commits else "synchronous"}
+                store.write_journal(cid, record)
         return new[-1] if new else None
 
     start = (step, parent)
@@ -389,7 +357,8 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         while step < spec.until:
             t0 = time.perf_counter()
             batch = job.batch(step)
-            pipe.distill = distiller.targets(step, batch, committer.last[1])  # the frozen reference's pass
+            with compute():  # the frozen reference's pass, under the profile's computation like the student's
+                pipe.distill = distiller.targets(step, batch, committer.last[1])
             r = trainer.step(batch)
             seconds = time.perf_counter() - t0  # the update alone, not the commit after it
             step += 1
@@ -413,19 +382,13 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         raise RunAborted(f"slot {rank}: run aborted during step {step} ({type(exc).__name__}: {cause}); the last "
                          f"committed step is {last[0]} ({where}); later updates were not committed and no ref "
                          f"names them; resume with --resume {last[1] or '(fresh)'}") from exc
-    inventory = parameter_inventory(stage)
-    usage = admission.Usage(slot=rank, estimate=estimate.total, free=free, baseline=baseline,
-                            peak=admission.peak_bytes(ctx.device), parameters=sum(p.numel() for p in stage.parameters()),
-                            parameter_bytes=sum(inventory.values()))
-    usages = admission.gather_usage(usage, rank, world)
-    if rank == 0 and commits:
-        store.write_journal(commits[-1].id, admission.journal_record(usages))
+    final = usage()
     if spec.out_dir is not None:
         result = RunResult(rank=rank, job=job.id, start_step=start[0], start_commit=start[1], commits=tuple(commits),
-                           steps=tuple(steps), parameters=usage.parameters, parameter_bytes=usage.parameter_bytes,
+                           steps=tuple(steps), parameters=final.parameters, parameter_bytes=final.parameter_bytes,
                            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                            seconds=time.monotonic() - started, estimate_bytes=estimate.total,
-                           used_bytes=usage.used)
+                           used_bytes=final.used, restore_seconds=restore_seconds)
         with open(os.path.join(spec.out_dir, f"rank{rank}.json"), "wb") as f:
             f.write(msgspec.json.encode(result))
 
