@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from .bounded import check_json_nesting
 from .errors import ManifestError, StateMismatch, UnsupportedState
 from .grid import check_stored_all
 from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, f64_decode, f64_encode, is_chunked
@@ -157,9 +158,15 @@ def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[st
             yield t.object, expected_nbytes(t.dtype, t.shape), f"tensor {t.key} of extra {x.key!r}{where}", None
 
 
-def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what: str) -> Any:
+def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what: str, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:  # the encoder's rule, value for value (a leaf too)
+        raise ManifestError(f"{what}: nested deeper than {_MAX_DEPTH} levels (SPEC.md §Limits)")
     if isinstance(value, float):
         raise ManifestError(f"{what}: holds a plain JSON real; reals must be f64 strings (SPEC.md §Extras)")
+    if isinstance(value, int) and not isinstance(value, bool) and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+        # the writer refuses these (``_encode_value``); a reader that let them through would hand
+        # load_state_dict a number no saved state could hold (SPEC.md §Extras, §Limits)
+        raise ManifestError(f"{what}: integer {value} is outside the 64-bit range -2^63 <= n < 2^64 (SPEC.md §Extras)")
     if isinstance(value, str):
         if value.startswith(_REAL):
             text = value[len(_REAL):]
@@ -174,9 +181,9 @@ def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what
             return tensors[i]
         return value
     if isinstance(value, list):
-        return [_decode_value(v, tensors, seen, what) for v in value]
+        return [_decode_value(v, tensors, seen, what, depth + 1) for v in value]
     if isinstance(value, dict):
-        return {k: _decode_value(value[k], tensors, seen, what) for k in sorted(value)}
+        return {k: _decode_value(value[k], tensors, seen, what, depth + 1) for k in sorted(value)}
     return value
 
 
@@ -185,6 +192,9 @@ def read_extra_state(raw: bytes | memoryview, tensors: list[torch.Tensor], what:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{what}: {len(raw)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit (SPEC.md §Limits)")
     raw = bytes(raw)
+    # the encoder's depth counts containers below the top-level object: 64 levels are 65 brackets;
+    # checked before msgspec or the walk below sees it, so deeper is refused, never a RecursionError
+    check_json_nesting(raw, _MAX_DEPTH + 1, what)
     try:
         doc = msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:

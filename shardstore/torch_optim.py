@@ -343,6 +343,8 @@ def shard_rules(shard: ShardManifest) -> Iterator[tuple[type[ManifestError], str
     gnames = [g.name for g in spec.groups] if spec is not None else []
     if not _sorted_unique(gnames):
         yield ManifestError, "torch optimizer groups are not sorted by name and unique", None
+    for msg in _hyper_rules(spec):
+        yield ManifestError, msg, None
     used: set[str] = set()
     for e in shard.entries:
         if e.kind == "buffer" and (e.optim is not None or e.state is not None):
@@ -361,12 +363,28 @@ def shard_rules(shard: ShardManifest) -> Iterator[tuple[type[ManifestError], str
         if not (_sorted_unique(tkeys) and _sorted_unique(skeys)) or set(tkeys) & set(skeys):
             yield ManifestError, "optimizer state keys are not sorted, unique and each either a tensor or a scalar", e.name
         for x in st.scalars:
+            if not _in_range(x.value):  # the writer's range (``_scalar``), enforced when reading too (SPEC.md §9a)
+                yield ManifestError, f"optimizer state {x.key!r}: integer {x.value} is outside the 64-bit range -2^63 <= n < 2^64", e.name
             kind = None if x.dtype is None else ("bool" if x.dtype == "bool" else ("real" if torch_dtype(x.dtype).is_floating_point else "int"))
             have = "bool" if isinstance(x.value, bool) else ("int" if isinstance(x.value, int) else ("real" if isinstance(x.value, str) else None))
             if kind is not None and have != kind:
                 yield ManifestError, f"optimizer state {x.key!r}: a {x.dtype} 0-d tensor must hold a {kind}, not {have}", e.name
     if set(gnames) - used:
         yield ManifestError, f"torch optimizer groups {sorted(set(gnames) - used)} are not used by any tensor entry", None
+
+
+def _in_range(value: Any) -> bool:
+    """Whether a state scalar or hyperparameter (a tuple of them, too) holds no integer outside ``_INT_RANGE``."""
+    if isinstance(value, tuple):
+        return all(_in_range(v) for v in value)
+    return not isinstance(value, int) or isinstance(value, bool) or _INT_RANGE[0] <= value <= _INT_RANGE[1]
+
+
+def _hyper_rules(spec: TorchOptimizer | None) -> Iterator[str]:
+    for g in spec.groups if spec is not None else ():
+        for k, v in sorted(g.hyper.items()):
+            if not _in_range(v):
+                yield f"torch optimizer group {g.name!r}: hyperparameter {k!r} holds an integer outside the 64-bit range -2^63 <= n < 2^64"
 
 
 def commit_rules(commit: CommitManifest, shards: Mapping[int, ShardManifest]) -> Iterator[tuple[type[ShardstoreError], str, str | None]]:
@@ -377,6 +395,8 @@ def commit_rules(commit: CommitManifest, shards: Mapping[int, ShardManifest]) ->
         yield ManifestError, "torch_optimizer must be present exactly under algorithm 'torch', without Adam groups", None
     if spec is not None and [g.name for g in spec.groups] != sorted(tgroups):
         yield ManifestError, "torch optimizer groups are not sorted by name and unique", None
+    for msg in _hyper_rules(spec):
+        yield ManifestError, msg, None
     for msg in extras_rules(commit.extras):
         yield ManifestError, msg, None
     used: set[str] = set()
