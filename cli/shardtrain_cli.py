@@ -282,13 +282,14 @@ def _transition_json(made: object) -> dict[str, object]:
 def cmd_grow(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from shardtrain.grow import grow, identity_check
+    from shardtrain.grow import check_append, grow, identity_check
     from shardtrain.regroup import commit_config
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
     config, _ = commit_config(store, lc)
-    grown = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + max(1, args.append))
+    check_append(config.num_hidden_layers, args.append)  # before the layout (or anything else) is sized by it
+    grown = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + args.append)
     made = grow(store, lc.id, args.append, copy_from=args.copy_from, partition=_layout(args, grown, args.workers),  # type: ignore[arg-type]
                 ref=args.ref)
     new = range(config.num_hidden_layers, config.num_hidden_layers + args.append)

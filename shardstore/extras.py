@@ -33,7 +33,7 @@ import torch
 from .bounded import check_json_nesting
 from .errors import ManifestError, StateMismatch, UnsupportedState
 from .grid import check_stored_all
-from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, f64_decode, f64_encode, is_chunked
+from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, check_writable, f64_decode, f64_encode, is_chunked
 from .names import check_group_name
 from .tensors import check_storable, dtype_name, expected_nbytes, torch_dtype
 
@@ -133,7 +133,7 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
             raise UnsupportedState(f"extra {key!r}: state_dict() returned a {type(state).__name__}, not a dict")
         tensors: list[torch.Tensor] = []
         doc = _encode_value(state, "$", tensors, 0, key)
-        out[key] = CapturedExtra(key, _ENC.encode(doc), tensors)
+        out[key] = CapturedExtra(key, check_writable(_ENC.encode(doc), f"state document of extra {key!r}"), tensors)
     return out
 
 

@@ -23,7 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from .bounded import check_json_nesting
-from .errors import ManifestError
+from .errors import ManifestError, ObjectTooLarge
 from .names import GROUP_NAME_PATTERN, JOB_ID_PATTERN, OID_PATTERN, TENSOR_NAME_PATTERN
 from .payloads import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, is_chunked, shard_version, state_payloads, tensor_payloads
 
@@ -67,6 +67,7 @@ __all__ = [
     "f64_encode",
     "f64_decode",
     "encode",
+    "check_writable",
     "decode",
     "decode_manifest",
     "encode_config",
@@ -355,6 +356,15 @@ def encode(obj: Base) -> bytes:
     return _ENCODER.encode(obj)
 
 
+def check_writable(data: bytes, what: str) -> bytes:
+    """``data`` if a reader will accept its size; else ObjectTooLarge, so that a writer refuses
+    before writing what it (and every reader) could never read back (SPEC.md §Limits, §15a)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ObjectTooLarge(f"{what}: {len(data):,} bytes, over the {MAX_MANIFEST_BYTES:,}-byte limit every reader enforces "
+                             "(SPEC.md §Limits); refused before it is written")
+    return data
+
+
 def _check_bytes(data: bytes | memoryview, what: str) -> bytes:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{what}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte manifest limit (SPEC.md §Limits)")
@@ -447,7 +457,7 @@ def encode_config(config: dict[str, Any]) -> bytes:
     if not isinstance(config, dict):
         raise ManifestError("model config must be a dict")
     try:
-        return _ENCODER.encode(_config_to_canonical(config, "$"))
+        return check_writable(_ENCODER.encode(_config_to_canonical(config, "$")), "model config")
     except UnicodeEncodeError as e:  # a lone surrogate in a key or string: not representable as UTF-8
         raise ManifestError(f"model config: a string is not valid Unicode text ({e.reason} at {e.start})") from None
 

@@ -37,7 +37,7 @@ from .errors import (
     StoreConfigError,
     TargetNotFound,
 )
-from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
+from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, check_writable, decode, decode_manifest, encode
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
 from .tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
@@ -293,7 +293,8 @@ class Store:
     # -- manifests ---------------------------------------------------------------------
 
     def put_manifest(self, manifest: ShardManifest | CommitManifest) -> str:
-        return self.put(encode(manifest))
+        what = f"shard manifest of slot {manifest.slot}" if isinstance(manifest, ShardManifest) else "commit manifest"
+        return self.put(check_writable(encode(manifest), what))  # never write what no reader accepts
 
     def get_manifest(self, oid: str, kind: type[M]) -> M:
         data = self.get(oid, limit=MAX_MANIFEST_BYTES)

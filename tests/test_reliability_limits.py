@@ -106,3 +106,51 @@ def test_torch_form_integers_outside_the_range_are_refused_when_read() -> None:
     hyper = msgspec.structs.replace(group, hyper={**group.hyper, "lr_steps": (1, -(2**64))})
     bad = msgspec.structs.replace(shard, torch_optimizer=msgspec.structs.replace(shard.torch_optimizer, groups=(hyper,)))
     assert any("hyperparameter 'lr_steps' holds an integer outside the 64-bit range" in str(p) for p in shard_problems(bad, "x" * 64))
+
+
+def _llama_commit(tmp_path: Any, layers: int = 2) -> tuple[ss.Store, str]:
+    """A local store holding one untrained commit of a tiny shardtrain Llama (with its config): enough to grow."""
+    from shardtrain_helpers import tiny_config
+
+    from shardtrain.partition import Partition, build_stage
+
+    config = tiny_config(layers=layers)
+    store = ss.open_store(str(tmp_path / "store"))
+    stage = build_stage(config, Partition.even(layers, 1), 0, seed=0)
+    return store, ss.save(store, stage, step=0, config=config.to_hf_dict(), rng=False)
+
+
+def test_grow_bounds_append_before_allocating(tmp_path: Any, capsys: Any) -> None:
+    """``--append 100000000`` died of MemoryError (checked by hand under ``ulimit -v``); now it is
+    refused from the layer count alone, exit 4, nothing written."""
+    from shardstore_cli.shardtrain_cli import main
+
+    store, cid = _llama_commit(tmp_path)
+    before = set(store.objects())
+    code = main(["grow", "--store", store.url, "--commit", cid, "--append", "100000000"])
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert "TransitionError: --append 100000000" in err and "commit manifest limit" in err
+    assert set(store.objects()) == before
+
+
+def test_a_manifest_over_the_readers_limit_is_refused_before_it_is_written(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
+    """``grow --append 43000`` wrote a 67.5 MB shard manifest that its own read-back then refused,
+    leaving it behind. With the limit made small (the same rule, without writing 64 MiB), the
+    first shard manifest over it is refused (ObjectTooLarge, exit 4) and no object over it exists."""
+    import shardstore.manifest as manifest
+    from shardstore_cli.shardtrain_cli import main
+
+    store, cid = _llama_commit(tmp_path)
+    lc = ss.load_commit(store, cid)
+    manifests = [cid, lc.shard_ids[0], lc.commit.config]
+    limit = max(store.object_size(o) for o in manifests) + 2048  # every manifest so far fits; 72 more entries do not
+    before = set(store.objects())
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", limit)
+    code = main(["grow", "--store", store.url, "--commit", cid, "--append", "8"])
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert "ObjectTooLarge: shard manifest of slot 0" in err and "refused before it is written" in err
+    new = set(store.objects()) - before  # the zero projections and the grown config (gc collects them), no manifest
+    assert [o for o in new if store.get(o)[:1] == b"{" and (store.object_size(o) > limit or b'"type":"shard"' in store.get(o))] == []
+    assert store.ref("main") == cid
