@@ -215,6 +215,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             {"slot": lay.slot, "shard": lay.shard, "tensors": len(shard.entries), "elements": elements, "bytes": nbytes, "objects": objects}
         )
     totals = {k: sum(s[k] for s in layout) for k in ("tensors", "elements", "bytes", "objects")}
+    dtypes: dict[str, int] = {}  # what the commit holds, beside the profile its writer named
+    for e in lc.entries().values():
+        dtypes[e.dtype] = dtypes.get(e.dtype, 0) + 1
     spec = lc.commit.optimizer
     optimizer = {
         "algorithm": spec.algorithm,
@@ -234,6 +237,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         "extras": extras,
         "layout": layout,
         "totals": totals,
+        "dtypes": dict(sorted(dtypes.items())),
     }
     _emit(args, jsonable(doc), render_show)
     return EXIT_OK

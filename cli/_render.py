@@ -182,6 +182,7 @@ def render_show(doc: dict[str, Any]) -> str:
         ("job", c["job"]),
         ("schedule", c["schedule"] or "-"),
         ("profile", c["profile"]),
+        ("tensor dtypes", ", ".join(f"{d} ({n})" for d, n in doc.get("dtypes", {}).items()) or "-"),
         ("data cursor", "-" if c["data_cursor"] is None else c["data_cursor"]),
         ("model config", c["config"] or "-"),
         ("learned-state root", c["learned_root"]),

@@ -48,8 +48,10 @@ from .dtensor import is_dtensor
 from .placement import local_parts
 from .errors import StateMismatch, TensorMismatch
 from .extras import CapturedExtra, capture_extras
+from .module_state import tensor_profile
 from .optim import ParamOpt
 from .store import Store
+from .tensors import dtype_name
 
 __all__ = ["AsyncSaver"]
 
@@ -176,6 +178,7 @@ class AsyncSaver:
         group_names: list[str] | None = None,
         extra: Mapping[str, Any] | None = None,
         slot_extra: Mapping[str, Any] | None = None,
+        profile: str | None = None,
     ) -> None:
         """Snapshot ``model`` (and optimizer, RNG, extras) now and commit it in the background.
 
@@ -183,8 +186,10 @@ class AsyncSaver:
         state may then change freely. Raises the previous save's error, if any.
         """
         self._collect()
-        info = CommitInfo(step=step, job=job, config=config, data_cursor=data_cursor, transition=transition)
         state = capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra)
+        if profile is None:  # as save's: the floating dtypes the tensors hold
+            profile = tensor_profile(dtype_name(t.dtype, n) for n, t in state.tensors.items())
+        info = CommitInfo(step=step, job=job, profile=profile, config=config, data_cursor=data_cursor, transition=transition)
         if any(is_dtensor(t) for t in state.tensors.values()):
             raise TensorMismatch("AsyncSaver.save saves one process's plain tensors; save DTensor state with save_distributed (SPEC.md §Block exchange)")
         snap = self._snapshot(state)

@@ -35,6 +35,7 @@ from .errors import ManifestError, StateMismatch, UnsupportedState
 from .grid import check_stored_all
 from .manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, check_writable, f64_decode, f64_encode, is_chunked
 from .names import check_group_name
+from .stateful import GeneratorState, LoaderState, stateful
 from .tensors import check_storable, dtype_name, expected_nbytes, torch_dtype
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
         if isinstance(obj, CapturedExtra):
             out[key] = obj
             continue
+        obj = stateful(obj)  # a torch.Generator or DataLoader: its generators' states (``stateful``)
         fn = getattr(obj, "state_dict", None)
         if not callable(fn):
             raise UnsupportedState(f"extra {key!r}: a {type(obj).__name__} has no state_dict() (SPEC.md §Extras)")
@@ -235,6 +237,7 @@ def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Ma
         x = have.get(key)
         if x is None:
             raise StateMismatch(f"{where} holds no extra {key!r} (extras: {sorted(have)}; SPEC.md §Extras)")
+        obj = stateful(obj)
         if not callable(getattr(obj, "load_state_dict", None)):
             raise UnsupportedState(f"extra {key!r}: a {type(obj).__name__} has no load_state_dict()")
         what = f"state document {x.state} of extra {key!r} in {where}"
@@ -242,7 +245,9 @@ def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Ma
         # a manifest's shapes: the objects' sizes bound the allocations (SPEC.md §Limits)
         check_stored_all(store, [(t.object, t.dtype, tuple(t.shape), f"tensor {t.key} of extra {key!r} in {where}") for t in x.tensors])
         tensors = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype)) for t in x.tensors]
-        read_extra_state(raw, [torch.empty(0)] * len(tensors), what)  # decodes before anything is written
+        decoded = read_extra_state(raw, tensors, what)  # decodes before anything is written (the tensors not yet read)
+        if isinstance(obj, (GeneratorState, LoaderState)):  # the state fits this generator (``stateful``)
+            obj.check(decoded)
         reads += [(t.object, dest, f"tensor {t.key} of extra {key!r}") for t, dest in zip(x.tensors, tensors)]
         pending.append((key, obj, raw, tensors, what))
     return ExtrasRestore(reads, pending)

@@ -35,6 +35,7 @@ from .checkpoint import AUTO, CommitInfo, check_info, check_parent, write_commit
 from .errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
 from .grid import payload_blocks, put_payloads
 from .manifest import MAX_MANIFEST_BYTES, Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
+from .module_state import tensor_profile
 from .names import check_ref_name, check_tensor_name
 from .optim import hyper_of
 from .safetensors_files import FROM_ST as _FROM_ST
@@ -365,7 +366,8 @@ def import_directory(
     current = store.ref(ref) if ref is not None else None
     parent = current if parent is AUTO else parent
     check_parent(store, parent)
-    info = CommitInfo(step=step, job=job, config=config, transition="import")
+    # no trainer names a profile for an import: it is the floating dtypes the files hold (``tensor_profile``)
+    info = CommitInfo(step=step, job=job, profile=tensor_profile(d for _, d, _ in tensors.values()), config=config, transition="import")
     total = sum(expected_nbytes(d, s) for _, d, s in tensors.values())
     started = time.time()
     entries: list[list[TensorEntry]] = [[] for _ in range(nslots)]

@@ -300,11 +300,15 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         if lc is None:
             _seed_rng(job, rank)
         elif lc.commit.transition == "import":
-            shardstore.restore(own, lc.id, stage)  # weights only; AdamW starts at the first update
+            # weights only; AdamW starts at the first update. The stage is a piece of the imported
+            # model: its parameters by name are its declared share (a strict restore of the module
+            # would refuse the other stages' tensors as unexpected)
+            shardstore.restore(own, lc.id, dict(stage.named_parameters()), rng=False)
             _seed_rng(job, rank)
         else:
             same_layout = len(lc.shards) == world and bool(lc.shards[rank].rng)
-            shardstore.restore(own, lc.id, stage, optimizer, rng=same_layout, slot=rank if same_layout else None)
+            piece = stage if same_layout else dict(stage.named_parameters())  # slot=rank covers exactly the stage
+            shardstore.restore(own, lc.id, piece, optimizer, rng=same_layout, slot=rank if same_layout else None)
             if not same_layout:
                 _seed_rng(job, rank)
         return lc
