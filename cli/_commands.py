@@ -291,6 +291,8 @@ def _readable(kind: str, names: Any, read: Any, broken: list[str]) -> dict[str, 
 
 def cmd_refs(args: argparse.Namespace) -> int:
     store = _open(args.store)
+    if getattr(args, "break_lock", None):
+        return _break_lock(args, store)
     broken: list[str] = []
     refs: dict[str, str] = _readable("ref", store.ref_names(), store.ref, broken)
     pins: dict[str, list[str]] = {n: list(ids) for n, ids in _readable("pin", store.pin_names(), store.pinned, broken).items()}
@@ -301,6 +303,20 @@ def cmd_refs(args: argparse.Namespace) -> int:
     for line in broken:  # the others are listed above; the store is still damaged: exit 1
         print(f"shardstore refs: error: {line}", file=sys.stderr)
     return EXIT_ERROR if broken else EXIT_OK
+
+
+def _break_lock(args: argparse.Namespace, store: ss.Store) -> int:
+    """``refs --break-lock NAME``: remove a lock file whose writer is gone (SPEC.md §Refs)."""
+    from shardstore.names import check_ref_name
+
+    name = check_ref_name(args.break_lock)
+    brk = getattr(store.storage, "break_lock", None)
+    if brk is None:
+        raise UsageError(f"store {store.url} keeps no ref lock files (its refs move by conditional requests)", args.parser)
+    holder = brk(f"refs/{name}")
+    who = "no holder recorded" if holder is None else f"held by process {holder['pid']} on host {holder['host']!r}"
+    _emit(args, {"ref": name, "lock_removed": True, "holder": holder}, lambda d: f"removed the lock of ref {name} ({who})")
+    return EXIT_OK
 
 
 _SIZE = re.compile(r"^(\d+)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)

@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TARGET")
     p = add("cat", cmd_cat, "print any manifest (or model config) decoded as JSON")
     p.add_argument("id", metavar="ID", help="object id, unique prefix, or ref name")
-    add("refs", cmd_refs, "list refs and the commits they point at")
+    p = add("refs", cmd_refs, "list refs and the commits they point at")
+    p.add_argument("--break-lock", metavar="NAME",
+                   help="remove ref NAME's lock file left by a writer that is gone (refused while a writer on this host holds it)")
     p = add("export", cmd_export, "write a commit as a Hugging Face style safetensors directory")
     p.add_argument("target", metavar="TARGET")
     p.add_argument("out_dir", metavar="OUT_DIR")

@@ -261,14 +261,29 @@ def _transition_lines(kind: str, made: object) -> list[str]:
             f"{len(m.new_objects)} new objects"]  # type: ignore[attr-defined]
 
 
+def _transition_ref(store: shardstore.Store, args: argparse.Namespace) -> str | None:
+    """The ref a regroup/grow moves: --ref, else --commit when that is a ref name (moved by compare-and-swap)."""
+    if args.ref is not None:
+        return str(args.ref)
+    return str(args.commit) if args.commit in store.ref_names() else None
+
+
+def _warn_unnamed(ref: str | None, made: object) -> None:
+    if ref is None:
+        print(f"shardtrain: warning: no ref names the new commit {made.commit} (--commit was not a ref and no --ref "  # type: ignore[attr-defined]
+              "was given): `shardstore gc` will remove it; name it with `--ref NAME` next time", file=sys.stderr)
+
+
 def cmd_regroup(args: argparse.Namespace) -> int:
     from shardtrain.regroup import commit_config, regroup
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
     config, _ = commit_config(store, lc)
-    made = regroup(store, lc.id, _layout(args, config, args.workers), workers=args.workers, ref=args.ref)  # type: ignore[arg-type]
+    ref = _transition_ref(store, args)
+    made = regroup(store, lc.id, _layout(args, config, args.workers), workers=args.workers, ref=ref)  # type: ignore[arg-type]
     print(json.dumps(_transition_json(made)) if args.json else "\n".join(_transition_lines("repartition", made)))
+    _warn_unnamed(ref, made)
     return EXIT_OK
 
 
@@ -290,8 +305,9 @@ def cmd_grow(args: argparse.Namespace) -> int:
     config, _ = commit_config(store, lc)
     check_append(config.num_hidden_layers, args.append)  # before the layout (or anything else) is sized by it
     grown = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + args.append)
+    ref = _transition_ref(store, args)
     made = grow(store, lc.id, args.append, copy_from=args.copy_from, partition=_layout(args, grown, args.workers),  # type: ignore[arg-type]
-                ref=args.ref)
+                ref=ref)
     new = range(config.num_hidden_layers, config.num_hidden_layers + args.append)
     ok = identity_check(store, made.commit, new)
     if args.json:
@@ -299,6 +315,7 @@ def cmd_grow(args: argparse.Namespace) -> int:
     else:
         print("\n".join(_transition_lines("grow", made)))
         print(f"identity check of layers {new.start}..{new.stop - 1}: {'every new block maps its input to itself bitwise' if ok else 'FAILED'}")
+    _warn_unnamed(ref, made)
     return EXIT_OK if ok else EXIT_ERROR
 
 
@@ -409,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--prepared", metavar="JOB", help="job.json (for --plan: sequence length, batch split)")
         p.add_argument("--memory", metavar="SIZE[,SIZE...]", help="for --plan: each worker's memory, e.g. 24GiB,16GiB")
         p.add_argument("--reference", action="store_true", help="for --plan: count a frozen reference model's share (default: if the job distils)")
-        p.add_argument("--ref", help="move this ref from the commit to the new commit")
+        p.add_argument("--ref", help="move this ref from the commit to the new commit, by compare-and-swap "
+                                     "(default: --commit itself when it is a ref name; else no ref, with a warning)")
 
     p = add("regroup", cmd_regroup, "write a repartition commit: the same learned state on another worker layout")
     p.add_argument("--store", required=True)
