@@ -18,14 +18,14 @@ from typing import Any
 from tqdm import tqdm
 
 import shardstore as ss
-from shardstore.errors import ManifestError, ObjectNotFound, TargetNotFound
+from shardstore.errors import ManifestError, ObjectNotFound, ShardstoreError, TargetNotFound
 from shardstore.bounded import check_json_nesting
 from shardstore.checkpoint import check_info
 from shardstore.names import check_ref_name
 from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardstore.tensors import expected_nbytes
 
-from ._render import jsonable, render_diff, render_log, render_refs, render_show, render_verify
+from ._render import jsonable, render_diff, render_log, render_log_oneline, render_refs, render_show, render_verify
 
 __all__ = [
     "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "UsageError",
@@ -67,9 +67,10 @@ def _note(args: argparse.Namespace, message: str) -> None:
 
 
 def _bar(args: argparse.Namespace, desc: str, total: int | None = None) -> tqdm:
-    """A byte progress bar on stderr, shown after a second, only on a terminal and without --quiet."""
+    """A byte progress bar on stderr, only on a terminal and without --quiet: drawn at once and left in
+    place at the end (a bar that waits a second and erases itself is never seen on a fast run)."""
     disable = args.quiet or not sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=1.0, disable=disable, file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable, file=sys.stderr, leave=True)
 
 
 def _progress(bar: tqdm) -> Callable[[str, int, int], None]:
@@ -184,9 +185,23 @@ def cmd_log(args: argparse.Namespace) -> int:
             missing = cid
             break
         commits.append({"id": cid, "step": c.step, "transition": c.transition, "learned_root": c.learned_root, "parent": c.parent})
+        if getattr(args, "oneline", False):  # the journal's time and loss: advisory notes, never trusted (SPEC.md §19b)
+            note = _journal_note(store, cid)
+            commits[-1].update(time=note.get("time"), loss=note.get("loss"))
         cid = c.parent
-    _emit(args, {"commits": commits, "missing_parent": missing}, render_log)
+    _emit(args, {"commits": commits, "missing_parent": missing}, render_log_oneline if getattr(args, "oneline", False) else render_log)
     return EXIT_OK
+
+
+def _journal_note(store: ss.Store, cid: str) -> dict[str, Any]:
+    """A commit's journal note (``journal/<id>.json``), or {} if it has none or it does not parse (it is advisory)."""
+    try:
+        note = json.loads(bytes(store.storage.read(f"journal/{cid}.json", limit=1 << 20)))
+    except (ShardstoreError, OSError, ValueError):
+        return {}
+    if not isinstance(note, dict):
+        return {}
+    return {k: v for k, v in note.items() if k in ("time", "loss") and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def cmd_show(args: argparse.Namespace) -> int:

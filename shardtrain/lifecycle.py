@@ -335,9 +335,12 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
                           data_cursor=job.cursor(at), transition=transition)
         committer.commit(info)
 
+    notes: dict[str, dict[str, object]] = {}  # commit id -> its journal note (unhashed): when it landed, the step's loss
+
     def landed(wait: bool = False) -> tuple[int, str] | None:
         new = committer.drain() if wait else committer.landed()
         commits.extend(CommitRecord(at, cid) for at, cid in new)
+        notes.update((cid, {"time": time.time(), "step": at}) for at, cid in new)
         return new[-1] if new else None
 
     start = (step, parent)
@@ -375,8 +378,11 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
                             peak=admission.peak_bytes(ctx.device), parameters=sum(p.numel() for p in stage.parameters()),
                             parameter_bytes=sum(inventory.values()))
     usages = admission.gather_usage(usage, rank, world)
-    if rank == 0 and commits:
-        store.write_journal(commits[-1].id, admission.journal_record(usages))
+    if rank == 0 and commits:  # each commit's note (shardstore log --oneline shows time and loss); the last's with the workers' memory
+        losses = {s.step: s.loss for s in steps}  # slot 0 computes the loss
+        for c in commits:
+            note = {**notes.get(c.id, {}), "loss": losses.get(c.step)}
+            store.write_journal(c.id, {**note, **admission.journal_record(usages)} if c is commits[-1] else note)
     if spec.out_dir is not None:
         result = RunResult(rank=rank, job=job.id, start_step=start[0], start_commit=start[1], commits=tuple(commits),
                            steps=tuple(steps), parameters=usage.parameters, parameter_bytes=usage.parameter_bytes,
