@@ -410,8 +410,9 @@ def restore(
     restore what both hold, naming the rest in ``skipped`` / ``missing``. ``extra`` / ``slot_extra``:
     objects to load the commit-wide / the slot's own extras into, by key, each checked (like the
     optimizer) before any write. ``rng``: restore the RNG states of ``slot`` (default: the only
-    slot of a 1-slot commit); None (the default) restores them when that slot has any, True
-    requires them, False leaves the process's RNG alone (``Restored.rng_restored`` says which).
+    slot of a 1-slot commit); None (the default) restores them when the slot is known and has
+    any, True requires the slot to be known (StateMismatch for a multi-slot commit without
+    ``slot=``), False leaves the process's RNG alone (``Restored.rng_restored`` says which).
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;
     on 2 cores and a VM disk, 8 gave the deepest queue worth having: cold, ~200 objects of

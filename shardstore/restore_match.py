@@ -85,6 +85,11 @@ def match_names(
     ``covered``: the commit names this restore must fill (None: only those the model owns, a
     declared share). Raises StateMismatch under ``strict`` for missing, unexpected and tied
     versus untied tensors, before anything is read."""
+    if any(COMPILED_SEGMENT in n for n in owned):  # a mapping's names are as given (a module's are canonical already)
+        canon = {canonical_name(n): t for n, t in owned.items()}
+        if len(canon) != len(owned):
+            raise StateMismatch(f"two of the tensors given differ only by {COMPILED_SEGMENT!r} segments (SPEC.md §16a)")
+        owned = canon
     spelled: dict[str, str] = {}
     for n in entries:
         c = canonical_name(n)

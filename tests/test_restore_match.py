@@ -67,6 +67,9 @@ def test_a_commit_holding_orig_mod_names_restores_into_a_plain_model() -> None:
     assert all(n.startswith("_orig_mod.") for n in ss.load_commit(store, cid).entries())
     ss.restore(store, cid, dst)
     assert _same(src, dst)
+    again = {k: torch.zeros_like(v) for k, v in old_names.items()}  # a mapping spelled either way matches either way
+    ss.restore(store, ss.save(store, src, step=1), again)
+    assert all(torch.equal(again[f"_orig_mod.{n}"], t) for n, t in src.state_dict().items())
 
 
 def test_strict_restore_refuses_unexpected_tensors_and_non_strict_names_them() -> None:
