@@ -370,7 +370,6 @@ class LocalStorage:
         lock, tmpdir = path + ".lock", self._dir("tmp")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            os.makedirs(tmpdir, exist_ok=True)
             return lock, take_lock(key, lock, os.path.join(tmpdir, secrets.token_hex(16)), os)  # this module's os: tests replace it
         except OSError as e:
             raise self._io("lock", key, e) from None

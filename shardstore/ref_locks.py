@@ -148,6 +148,7 @@ def take_lock(key: str, lock: str, tmp: str, osm: Any = os) -> int:
     hard-linked as ``lock``: ``link`` fails if the name exists, as ``O_EXCL`` does, and a lock is
     never seen empty. ``osm``: the ``os`` module to call (the local backend's, which
     fault-injection tests replace)."""
+    osm.makedirs(os.path.dirname(tmp), exist_ok=True)
     fd = osm.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         osm.write(fd, holder_record())
