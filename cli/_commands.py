@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 import shardstore as ss
 from shardstore.checkpoint.info import check_info
-from shardstore.errors import ManifestError, ObjectNotFound, TargetNotFound
+from shardstore.errors import ManifestError, ObjectNotFound, ShardstoreError, TargetNotFound
 from shardstore.format.bounded import check_json_nesting
 from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardstore.format.names import check_ref_name
@@ -27,7 +27,7 @@ from shardstore.format.tensors import expected_nbytes
 
 from ._output import emit as _emit
 from ._output import note
-from ._render import jsonable, render_cat, render_diff, render_log, render_refs, render_show, render_verify
+from ._render import jsonable, render_cat, render_diff, render_log, render_log_oneline, render_refs, render_show, render_verify
 
 __all__ = [
     "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "UsageError",
@@ -59,9 +59,10 @@ def _note(args: argparse.Namespace, message: str) -> None:
 
 
 def _bar(args: argparse.Namespace, desc: str, total: int | None = None) -> tqdm:
-    """A byte progress bar on stderr, shown after a second, only on a terminal and without --quiet."""
+    """A byte progress bar on stderr, only on a terminal and without --quiet: drawn at once and left in
+    place at the end (a bar that waits a second and erases itself is never seen on a fast run)."""
     disable = args.quiet or not sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=1.0, disable=disable, file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable, file=sys.stderr, leave=True)
 
 
 def _progress(bar: tqdm) -> Callable[[str, int, int], None]:
@@ -195,9 +196,23 @@ def cmd_log(args: argparse.Namespace) -> int:
             missing = cid
             break
         commits.append({"id": cid, "step": c.step, "transition": c.transition, "learned_root": c.learned_root, "parent": c.parent})
+        if getattr(args, "oneline", False):  # the journal's time and loss: advisory notes, never trusted (SPEC.md §19b)
+            note = _journal_note(store, cid)
+            commits[-1].update(time=note.get("time"), loss=note.get("loss"))
         cid = c.parent
-    _emit(args, {"commits": commits, "missing_parent": missing}, render_log)
+    _emit(args, {"commits": commits, "missing_parent": missing}, render_log_oneline if getattr(args, "oneline", False) else render_log)
     return EXIT_OK
+
+
+def _journal_note(store: ss.Store, cid: str) -> dict[str, Any]:
+    """A commit's journal note (``journal/<id>.json``), or {} if it has none or it does not parse (it is advisory)."""
+    try:
+        note = json.loads(bytes(store.storage.read(f"journal/{cid}.json", limit=1 << 20)))
+    except (ShardstoreError, OSError, ValueError):
+        return {}
+    if not isinstance(note, dict):
+        return {}
+    return {k: v for k, v in note.items() if k in ("time", "loss") and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -226,6 +241,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             {"slot": lay.slot, "shard": lay.shard, "tensors": len(shard.entries), "elements": elements, "bytes": nbytes, "objects": objects}
         )
     totals = {k: sum(s[k] for s in layout) for k in ("tensors", "elements", "bytes", "objects")}
+    dtypes: dict[str, int] = {}  # what the commit holds, beside the profile its writer named
+    for e in lc.entries().values():
+        dtypes[e.dtype] = dtypes.get(e.dtype, 0) + 1
     spec = lc.commit.optimizer
     optimizer = {
         "algorithm": spec.algorithm,
@@ -245,6 +263,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         "extras": extras,
         "layout": layout,
         "totals": totals,
+        "dtypes": dict(sorted(dtypes.items())),
     }
     _emit(args, jsonable(doc), render_show)
     return EXIT_OK
@@ -295,6 +314,8 @@ def _readable(kind: str, names: Any, read: Any, broken: list[str]) -> dict[str, 
 
 def cmd_refs(args: argparse.Namespace) -> int:
     store = _open(args.store)
+    if getattr(args, "break_lock", None):
+        return _break_lock(args, store)
     broken: list[str] = []
     refs: dict[str, str] = _readable("ref", store.ref_names(), store.ref, broken)
     pins: dict[str, list[str]] = {n: list(ids) for n, ids in _readable("pin", store.pin_names(), store.pinned, broken).items()}
@@ -305,6 +326,20 @@ def cmd_refs(args: argparse.Namespace) -> int:
     for line in broken:  # the others are listed above; the store is still damaged: exit 1
         note(f"shardstore refs: error: {line}")
     return EXIT_ERROR if broken else EXIT_OK
+
+
+def _break_lock(args: argparse.Namespace, store: ss.Store) -> int:
+    """``refs --break-lock NAME``: remove a lock file whose writer is gone (SPEC.md §Refs)."""
+    from shardstore.format.names import check_ref_name
+
+    name = check_ref_name(args.break_lock)
+    brk = getattr(store.storage, "break_lock", None)
+    if brk is None:
+        raise UsageError(f"store {store.url} keeps no ref lock files (its refs move by conditional requests)", args.parser)
+    holder = brk(f"refs/{name}")
+    who = "no holder recorded" if holder is None else f"held by process {holder['pid']} on host {holder['host']!r}"
+    _emit(args, {"ref": name, "lock_removed": True, "holder": holder}, lambda d: f"removed the lock of ref {name} ({who})")
+    return EXIT_OK
 
 
 _SIZE = re.compile(r"^(\d+)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)

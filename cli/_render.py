@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,6 +175,18 @@ def render_log(doc: dict[str, Any]) -> str:
     return text
 
 
+def render_log_oneline(doc: dict[str, Any]) -> str:
+    """``log --oneline``: short id, step, kind, and the journal's time (UTC) and loss where it has them."""
+    lines = []
+    for c in doc["commits"]:
+        when = "-" if c.get("time") is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(c["time"]))
+        loss = "" if c.get("loss") is None else f"  loss {c['loss']:.4f}"
+        lines.append(f"{c['id'][:12]}  step {c['step']:>6}  {c['transition']:<11}  {when}{loss}")
+    if doc["missing_parent"]:
+        lines.append(f"(parent {doc['missing_parent'][:12]} is not in the store; history ends here)")
+    return "\n".join(lines)
+
+
 def render_show(doc: dict[str, Any]) -> str:
     c = doc["commit"]
     fields = [
@@ -185,6 +198,7 @@ def render_show(doc: dict[str, Any]) -> str:
         ("job", c["job"]),
         ("schedule", c["schedule"] or "-"),
         ("profile", c["profile"]),
+        ("tensor dtypes", ", ".join(f"{d} ({n})" for d, n in doc.get("dtypes", {}).items()) or "-"),
         ("data cursor", "-" if c["data_cursor"] is None else c["data_cursor"]),
         ("model config", c["config"] or "-"),
         ("learned-state root", c["learned_root"]),

@@ -40,6 +40,7 @@ from ._commands import (
     parse_layout,
     parse_size,
 )
+from ._help import HelpFormatter
 from ._output import fail, note
 
 __all__ = ["EPILOG", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "build_parser", "main"]
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EPILOG, formatter_class=HelpFormatter)
         p.set_defaults(func=func, parser=p)
         p.add_argument("store", metavar="STORE", help="store path or fsspec URL")
         return p
@@ -98,17 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="also list unchanged tensors by name (--json always does)")
     p = add("log", cmd_log, "the parent chain of a commit: id, step, kind, learned-state root")
     p.add_argument("target", nargs="?", metavar="TARGET", help="default: ref main (or the only ref)")
-    p.add_argument("-n", "--max-count", type=int, metavar="N", help="show at most N commits")
+    p.add_argument("-n", "--max-count", type=int, metavar="N", help="show at most N commits (default: the whole chain)")
+    p.add_argument("--oneline", action="store_true", help="one short line per commit: id, step, kind, and the journal's time and loss")
     p = add("show", cmd_show, "a commit's fields and its layout (slot, tensors, parameters, bytes)")
     p.add_argument("target", metavar="TARGET")
     p = add("cat", cmd_cat, "print any manifest (or model config) decoded as JSON")
     p.add_argument("id", metavar="ID", help="object id, unique prefix, or ref name")
-    add("refs", cmd_refs, "list refs and the commits they point at")
+    p = add("refs", cmd_refs, "list refs and the commits they point at")
+    p.add_argument("--break-lock", metavar="NAME",
+                   help="remove ref NAME's lock file left by a writer that is gone (refused while a writer on this host holds it)")
     p = add("export", cmd_export, "write a commit as a Hugging Face style safetensors directory")
     p.add_argument("target", metavar="TARGET")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--with-optimizer", action="store_true", help="also write the Adam moments and optimizer.json")
-    p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE", help="split files above SIZE (default 5GB)")
+    p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE", help="split files above SIZE (default: 5GB)")
     p.add_argument("--force", action="store_true", help="overwrite files already in OUT_DIR")
     p = add("import", cmd_import, "commit a Hugging Face style Llama directory (weights and tokenizer files, kind 'import')")
     p.add_argument("src_dir", metavar="SRC_DIR")

@@ -242,14 +242,29 @@ def _layout(args: argparse.Namespace, config: object, workers: int | None) -> ob
     return Partition.even(config.num_hidden_layers, workers) if workers else None  # type: ignore[attr-defined]
 
 
+def _transition_ref(store: shardstore.Store, args: argparse.Namespace) -> str | None:
+    """The ref a regroup/grow moves: --ref, else --commit when that is a ref name (moved by compare-and-swap)."""
+    if args.ref is not None:
+        return str(args.ref)
+    return str(args.commit) if args.commit in store.ref_names() else None
+
+
+def _warn_unnamed(ref: str | None, made: object) -> None:
+    if ref is None:
+        note(f"shardtrain: warning: no ref names the new commit {made.commit} (--commit was not a ref and no --ref "  # type: ignore[attr-defined]
+             "was given): `shardstore gc` will remove it; name it with `--ref NAME` next time")
+
+
 def cmd_regroup(args: argparse.Namespace) -> int:
     from shardtrain.reshape.regroup import commit_config, regroup
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
     config, _ = commit_config(store, lc)
-    made = regroup(store, lc.id, _layout(args, config, args.workers), workers=args.workers, ref=args.ref)  # type: ignore[arg-type]
+    ref = _transition_ref(store, args)
+    made = regroup(store, lc.id, _layout(args, config, args.workers), workers=args.workers, ref=ref)  # type: ignore[arg-type]
     emit(args, _transition_json(made), lambda doc: render_transition("repartition", doc))
+    _warn_unnamed(ref, made)
     return EXIT_OK
 
 
@@ -263,20 +278,23 @@ def _transition_json(made: object) -> dict[str, object]:
 def cmd_grow(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from shardtrain.reshape.grow import grow, identity_check
+    from shardtrain.reshape.grow import check_append, grow, identity_check
     from shardtrain.reshape.regroup import commit_config
 
     store = shardstore.open_store(args.store, create=False)
     lc = shardstore.load_commit(store, args.commit)
     config, _ = commit_config(store, lc)
-    grown = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + max(1, args.append))
+    check_append(config.num_hidden_layers, args.append)  # before the layout (or anything else) is sized by it
+    grown = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + args.append)
+    ref = _transition_ref(store, args)
     made = grow(store, lc.id, args.append, copy_from=args.copy_from, partition=_layout(args, grown, args.workers),  # type: ignore[arg-type]
-                ref=args.ref)
+                ref=ref)
     new = range(config.num_hidden_layers, config.num_hidden_layers + args.append)
     ok = identity_check(store, made.commit, new)
     check = f"identity check of layers {new.start}..{new.stop - 1}: "
     emit(args, {**_transition_json(made), "identity": ok}, lambda doc: render_transition("grow", doc) + "\n" + check
          + ("every new block maps its input to itself bitwise" if doc["identity"] else "FAILED"))
+    _warn_unnamed(ref, made)
     return EXIT_OK if ok else EXIT_ERROR
 
 
@@ -304,13 +322,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ._help import HelpFormatter
+
     parser = argparse.ArgumentParser(prog="shardtrain", description="Pipeline trainer on shardstore.", epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command")
 
     def add(name: str, func: object, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, epilog=EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(name, help=help, description=help, epilog=EPILOG, formatter_class=HelpFormatter)
         p.set_defaults(func=func)
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -323,10 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for job.json and the files it binds")
     p.add_argument("--steps-a", type=int, default=16, help="updates of cohort A (new records)")
     p.add_argument("--steps-b", type=int, default=8, help="updates of cohort B (new records + declared replay)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--microbatch-size", type=int, default=4)
-    p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--init-seed", type=int, default=1234)
+    p.add_argument("--batch-size", type=int, default=8, help="records per update")
+    p.add_argument("--microbatch-size", type=int, default=4, help="records per pipeline microbatch (divides --batch-size)")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the generated records and their schedule")
+    p.add_argument("--init-seed", type=int, default=1234, help="seed of the model's initial weights")
     p.add_argument("--lr", type=float, help="peak learning rate (default: the embedded default's, docs/DEMO.md)")
     p.add_argument("--seed-store", help="store holding --seed-commit, or receiving --model's import")
     p.add_argument("--seed-commit", help="start from this imported Llama commit (weights only) instead of a fresh init; "
@@ -362,30 +381,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait for each commit in the step loop instead of writing it in the background")
 
     p = add("evaluate", cmd_evaluate, "held-out loss and greedy generation through the shards")
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", required=True, help="store path or URL holding the commits (and the job files train pinned)")
     p.add_argument("--commit", action="append", required=True,
                    help="commit to evaluate; repeat to compare later commits with the first (paired bootstrap)")
     p.add_argument("--prepared", metavar="JOB", help="job.json (default: the job files train kept in the store)")
     p.add_argument("--workers", type=int, help="default: the first commit's slot count")
-    p.add_argument("--cases", type=int, default=8, help="generations per held-out set")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--cases", type=int, default=8, help="greedy generations per held-out set, at most the set's size "
+                   "(the embedded default's development sets hold one record per task family)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each generation may add")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent peer counts as lost")
     p.add_argument("--final", action="store_true", help="the final sets (needs `select` of the last --commit); "
                    "default: the development sets")
 
     p = add("select", cmd_select, "select a candidate commit: the record that opens the job's final sets")
-    p.add_argument("--store", required=True)
+    p.add_argument("--store", required=True, help="store path or URL holding the candidate")
     p.add_argument("--commit", required=True, help="the candidate (id, prefix or ref)")
 
     p = add("gate", cmd_gate, "the experiment's gates (gain, retention, generation) of a candidate against a baseline")
-    p.add_argument("--store", required=True)
-    p.add_argument("--baseline", required=True)
-    p.add_argument("--candidate", required=True)
+    p.add_argument("--store", required=True, help="store path or URL holding both commits")
+    p.add_argument("--baseline", required=True, help="the commit to compare against (id, prefix or ref)")
+    p.add_argument("--candidate", required=True, help="the commit that must pass (id, prefix or ref)")
     p.add_argument("--final", action="store_true", help="gate on the final sets (needs `select` of the candidate)")
     p.add_argument("--workers", type=int, help="default: the baseline's slot count")
     p.add_argument("--cases", type=int, default=64, help="generations per task set")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each generation may add")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent peer counts as lost")
 
     def layout_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--partition", metavar="A:B,B:C,...", help="layer ranges per slot, e.g. 0:3,3:5,5:8")
@@ -393,28 +413,29 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--prepared", metavar="JOB", help="job.json (for --plan: sequence length, batch split)")
         p.add_argument("--memory", metavar="SIZE[,SIZE...]", help="for --plan: each worker's memory, e.g. 24GiB,16GiB")
         p.add_argument("--reference", action="store_true", help="for --plan: count a frozen reference model's share (default: if the job distils)")
-        p.add_argument("--ref", help="move this ref from the commit to the new commit")
+        p.add_argument("--ref", help="move this ref from the commit to the new commit, by compare-and-swap "
+                                     "(default: --commit itself when it is a ref name; else no ref, with a warning)")
 
     p = add("regroup", cmd_regroup, "write a repartition commit: the same learned state on another worker layout")
-    p.add_argument("--store", required=True)
-    p.add_argument("--commit", required=True)
+    p.add_argument("--store", required=True, help="store path or URL")
+    p.add_argument("--commit", required=True, help="the commit to regroup (id, prefix or ref; a ref moves with it)")
     p.add_argument("--workers", type=int, help="worker count (an even split unless --partition or --plan)")
     layout_options(p)
 
     p = add("grow", cmd_grow, "write a grow commit: append identity blocks copied from one layer")
-    p.add_argument("--store", required=True)
-    p.add_argument("--commit", required=True)
+    p.add_argument("--store", required=True, help="store path or URL")
+    p.add_argument("--commit", required=True, help="the commit to grow (id, prefix or ref; a ref moves with it)")
     p.add_argument("--append", type=int, required=True, metavar="K", help="blocks to append after the last")
     p.add_argument("--copy-from", type=int, metavar="L", help="layer whose internal weights the new blocks copy (default the last)")
     p.add_argument("--workers", type=int, help="worker count of the grown layout (default the commit's)")
     layout_options(p)
 
     p = add("plan", cmd_plan, "estimate each worker's peak memory and choose the layer assignment")
-    p.add_argument("--prepared", required=True, metavar="JOB")
+    p.add_argument("--prepared", required=True, metavar="JOB", help="job.json (model, sequence length, batch split)")
     p.add_argument("--store", help="store holding --commit")
     p.add_argument("--commit", help="plan for this commit's model (e.g. a grown one) instead of the job's")
-    p.add_argument("--workers", type=int, required=True)
-    p.add_argument("--memory", required=True, metavar="SIZE[,SIZE...]")
+    p.add_argument("--workers", type=int, required=True, help="worker count to plan for")
+    p.add_argument("--memory", required=True, metavar="SIZE[,SIZE...]", help="each worker's memory (one size for all), e.g. 24GiB,16GiB")
     p.add_argument("--reference", action="store_true",
                    help="count a frozen reference model's share (default: whether the job distils)")
 

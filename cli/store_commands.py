@@ -54,8 +54,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the ``copy``, ``gc`` and ``unpin`` subcommands to the main parser's subparsers."""
+    from ._help import HelpFormatter
+    from .shardstore_cli import EPILOG  # the one exit-code table (imported here: shardstore_cli calls register)
+
     p = subparsers.add_parser(
         "copy",
+        formatter_class=HelpFormatter,
+        epilog=EPILOG,
         help="copy a commit and everything it needs to another store",
         description="Copy commit TARGET from SRC to DST: its manifests and the objects of every slot "
         "(or of slot K only), sending only objects DST lacks and verifying every byte on arrival.",
@@ -75,6 +80,8 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_copy, parser=p)
     g = subparsers.add_parser(
         "gc",
+        formatter_class=HelpFormatter,
+        epilog=EPILOG,
         help="delete objects no ref can reach",
         description="Delete objects not reachable from any ref (commits, present parents, their closures) "
         "and named by no pin. Objects younger than the grace period, and objects a young manifest names, "
@@ -87,6 +94,8 @@ def register(subparsers: Any) -> None:
     g.set_defaults(func=cmd_gc, parser=g)
     u = subparsers.add_parser(
         "unpin",
+        formatter_class=HelpFormatter,
+        epilog=EPILOG,
         help="remove a pin, so that gc may collect the objects it kept",
         description="Remove pin NAME (for example jobs/<job id>, which shardtrain writes). The objects "
         "stay until gc finds nothing else naming them. `shardstore refs` lists the pins.",
@@ -115,9 +124,11 @@ def _usage(args: argparse.Namespace, message: str) -> int:
     return EXIT_USAGE
 
 
-def _bar(args: argparse.Namespace, desc: str) -> tqdm:
+def _bar(args: argparse.Namespace, desc: str, unit: str = "B") -> tqdm:
+    """As ``_commands._bar``: on a terminal only, without --quiet, drawn at once and left in place."""
     disable = bool(getattr(args, "quiet", False)) or not sys.stderr.isatty()
-    return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=1.0, disable=disable, file=sys.stderr, leave=False)
+    scale = {"unit_scale": True, "unit_divisor": 1024} if unit == "B" else {}
+    return tqdm(desc=desc, unit=unit, disable=disable, file=sys.stderr, leave=True, **scale)
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
@@ -165,7 +176,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     def body() -> int:
         store = ss.open_store(args.store, create=False)
-        result = gc(store, grace_seconds=args.grace, dry_run=args.dry_run)
+        with _bar(args, "gc", unit=" objects") as bar:  # unreachable objects examined, then deleted
+            result = gc(store, grace_seconds=args.grace, dry_run=args.dry_run, progress=bar.update)
         _print_gc(args, result)
         return EXIT_OK
 

@@ -59,7 +59,7 @@ class ManifestError(ShardstoreError):
 
 
 class ObjectTooLarge(ManifestError):
-    """An object is larger than its reader's limit (manifest, config, RNG state); refused before it is read."""
+    """An object is larger than its reader's limit (manifest, config, RNG state); refused before it is read or written."""
 
 
 class TensorMismatch(ShardstoreError):

@@ -95,13 +95,13 @@ def test_read_only_commands_never_write(two_commits: tuple[str, str, str], tmp_p
                                         capsys: pytest.CaptureFixture[str]) -> None:
     url, a, b = two_commits
     backends: list[ReadOnly] = []
-    real = shardstore.store.open_storage
+    real = shardstore.store.store.open_storage
 
     def read_only(u: str, **kw: Any) -> ReadOnly:
         backends.append(ReadOnly(real(u, **kw)))
         return backends[-1]
 
-    monkeypatch.setattr(shardstore.store, "open_storage", read_only)
+    monkeypatch.setattr(shardstore.store.store, "open_storage", read_only)
     cat_id = ss.Store(real(url)).commit(b).layout[0].shard
     for argv in (["verify", url], ["verify", url, "--quick"], ["verify", url, "--shard", "0", b], ["log", url],
                  ["show", url, "main"], ["diff", url, a, b, "--stats"], ["cat", url, cat_id], ["refs", url],

@@ -86,6 +86,11 @@ def test_training_on_3_then_2_workers_gives_the_uninterrupted_learned_state_root
     assert [w["slot"] for w in record["workers"]] == [0, 1, 2]
     assert [w["parameters"] for w in record["workers"]] == held_params
     assert all(w["estimate"] == r.estimate_bytes and w["peak"] >= w["used"] > 0 for w, r in zip(record["workers"], run.wide))
+    # Every commit of a run has its time and its step's loss in the journal (issue 25: `log --oneline`).
+    assert record["loss"] == losses[3] and record["time"] > 0
+    first = json.loads((run.home / "store" / "journal" / f"{run.u[1]}.json").read_bytes())
+    # ... and, every commit (issue 22: the seed requires both), each worker's actual peak and coverage
+    assert first["loss"] == losses[1] and first["step"] == 1 and all(w["peak"] >= w["used"] > 0 for w in first["workers"])
 
 
 def test_layout_partition_reads_the_commit_layout_and_regroup_takes_an_explicit_partition(adaptive_run: SimpleNamespace) -> None:

@@ -6,7 +6,7 @@ started per chunk), fsynced as a batch, then hard-linked into place (``link`` fa
 name exists, which makes writes create-only and concurrent writers of one object safe);
 directories are fsynced in ``sync()``. A write that finds its object present refreshes the
 object's modification time, so gc's grace period protects objects a save in progress
-deduplicated against. Refs move by an exclusive lock file renamed over the ref. No path
+deduplicated against. Refs move by a lock file (``ref_locks``) renamed over the ref. No path
 component under the root may be a symbolic link. Reads land in memory of their own, hashed
 chunk by chunk as they arrive (never a live mapping that a rewrite or truncation of the file
 could change or fault after hashing); restores read straight into the destination tensors.
@@ -26,6 +26,7 @@ from ..errors import InvalidName, ObjectNotFound, ObjectTooLarge, RefConflict, S
 from ..format.names import check_key
 from .base import Buffer, show_ref_value
 from .posix import FIRST_READ, READ_CHUNK, close_quietly, freshen, fsync_dir, read_exact, start_writeback, unlink_quietly
+from .ref_locks import break_lock, take_lock
 
 __all__ = ["LocalStorage"]
 _CHUNK = 8 << 20
@@ -300,20 +301,18 @@ class LocalStorage:
         return written
 
     def _take_lock(self, key: str, path: str) -> tuple[str, int]:
-        """Create ``path``'s exclusive lock file (every ref writer takes it); RefConflict if held."""
-        lock = path + ".lock"
+        """Create ``path``'s exclusive lock file, recording its holder (every ref writer takes it);
+        a dead holder's is taken over, any other held lock is RefConflict (``ref_locks``)."""
+        lock, tmpdir = path + ".lock", self._dir("tmp")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            return lock, take_lock(key, lock, os.path.join(tmpdir, secrets.token_hex(16)), os)  # this module's os: tests replace it
         except OSError as e:
             raise self._io("lock", key, e) from None
-        try:
-            return lock, os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            raise RefConflict(
-                f"{key} is locked by another writer ({lock} exists; remove it only if no writer is running)"
-            ) from None
-        except OSError as e:
-            raise self._io("lock", key, e) from None
+
+    def break_lock(self, key: str) -> dict[str, Any] | None:
+        """Remove ``key``'s lock file unless a live writer on this host holds it; the holder it recorded."""
+        return break_lock(self._path(key) + ".lock", key, os)
 
     def _check_current(self, key: str, expected: bytes | None) -> None:
         try:
@@ -343,7 +342,8 @@ class LocalStorage:
         renamed = False
         try:
             self._check_current(key, expected)
-            os.write(fd, new)
+            os.ftruncate(fd, 0)  # the holder record goes: the lock file becomes the ref's new value
+            os.pwrite(fd, new, 0)
             os.fsync(fd)
             os.close(fd)
             fd = -1

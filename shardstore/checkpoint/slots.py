@@ -53,7 +53,7 @@ from ..format.roots import learned_root
 from ..format.tensors import dtype_name, hash_bytes
 from ..sharded.placement import part_views
 from ..state.extras import capture_extras, plan_extras_restore, write_extras
-from ..state.module import named_state
+from ..state.module import named_state, tensor_profile
 from ..state.optim import (
     ParamOpt,
     _install_torch,
@@ -62,6 +62,7 @@ from ..state.optim import (
     group_spec,
     into_export,
 )
+from ..state.restore_match import match_names
 from ..state.slot import SlotState, capture
 from ..state.torch_optim import (
     param_state,
@@ -95,6 +96,8 @@ class Restored:
     slot_extras: list[str] = field(default_factory=list)  # the slot's own extras loaded
     bytes_read: int = 0
     """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5a)."""
+    skipped: list[str] = field(default_factory=list)  # strict=False: commit tensors the model does not hold
+    missing: list[str] = field(default_factory=list)  # strict=False: model tensors the commit does not hold (left as they were)
 
 
 def _config_id(store: Store, config: Mapping[str, Any] | None) -> str | None:
@@ -305,10 +308,12 @@ def save(
     threads: int = 2,
     extra: Mapping[str, Any] | None = None,
     slot_extra: Mapping[str, Any] | None = None,
+    profile: str | None = None,
 ) -> str:
     """Save a model's parameters and buffers (and optimizer, RNG, data cursor) as a one-slot commit; return its id.
 
     ``extra``: commit-wide objects with ``state_dict()`` (schedulers, scalers); ``slot_extra``: the slot's own.
+    ``profile``: the numerical profile to record (a trainer's); default: the floating dtypes the tensors hold.
     """
     call = SaveCall.of(locals())
     return save_slots(store, [call.state], info=call.info, ref=call.ref, parent=call.parent, threads=call.threads, extra=call.extra)
@@ -332,8 +337,12 @@ class SaveCall:
     @classmethod
     def of(cls, a: Mapping[str, Any]) -> SaveCall:
         """From ``save``'s bound arguments (every keyword present)."""
-        info = CommitInfo(step=a["step"], job=a["job"], config=a["config"], data_cursor=a["data_cursor"], transition=a["transition"])
         state = capture(a["model"], a["optimizer"], rng=a["rng"], group_names=a["group_names"], extra=a["slot_extra"])
+        profile = a["profile"]
+        if profile is None:  # no trainer named one: the floating dtypes the tensors hold
+            profile = tensor_profile(dtype_name(t.dtype, n) for n, t in state.tensors.items())
+        info = CommitInfo(step=a["step"], job=a["job"], profile=profile, config=a["config"], data_cursor=a["data_cursor"],
+                          transition=a["transition"])
         return cls(info, state, a["ref"], a["parent"], a["threads"], a["extra"])
 
     @classmethod
@@ -363,7 +372,7 @@ def restore(
     model: torch.nn.Module | Mapping[str, torch.Tensor],
     optimizer: Any = None,
     *,
-    rng: bool = False,
+    rng: bool | None = None,
     slot: int | None = None,
     strict: bool = True,
     group_names: list[str] | None = None,
@@ -376,10 +385,15 @@ def restore(
     Only tensors the model owns (non-meta parameters and persistent buffers) are read,
     whatever layout wrote them; every byte read is verified. DTensor parameters and moments
     (FSDP2, tensor parallelism, any mesh) are filled in their local slices, from the blocks
-    those overlap (SPEC.md §5a). ``strict``: every owned tensor
-    must be in the commit. ``extra`` / ``slot_extra``: objects to load the commit-wide / the
-    slot's own extras into, by key, each checked (like the optimizer) before any write.
-    ``rng`` restores the RNG states of ``slot`` (default: the only slot of a 1-slot commit).
+    those overlap (SPEC.md §5a). ``strict`` (SPEC.md §16a, ``restore_match``): every owned tensor
+    is in the commit and every commit tensor the restore covers (all of them for a module, slot
+    ``slot``'s with ``slot=``, a mapping's own names) is in the model, tied weights alike; False:
+    restore what both hold, naming the rest in ``skipped`` / ``missing``. ``extra`` / ``slot_extra``:
+    objects to load the commit-wide / the slot's own extras into, by key, each checked (like the
+    optimizer) before any write. ``rng``: restore the RNG states of ``slot`` (default: the only
+    slot of a 1-slot commit); None (the default) restores them when the slot is known and has
+    any, True requires the slot to be known (StateMismatch for a multi-slot commit without
+    ``slot=``), False leaves the process's RNG alone (``Restored.rng_restored`` says which).
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;
     benchmarks/RESULTS.md, "design measurements", has the queue depth's figures) and hashed
@@ -389,12 +403,14 @@ def restore(
     """
     lc = load_commit(store, target)
     entries = lc.entries()
-    targets = named_state(model)[0]  # owned parameters and persistent buffers (SPEC.md §Buffers)
-    names = sorted(n for n in targets if n in entries)
-    if strict:
-        missing = sorted(set(targets) - set(entries))
-        if missing:
-            raise StateMismatch(f"commit {lc.id} has no tensors named {missing[:5]} ({len(missing)} missing)")
+    owned = named_state(model)[0]  # owned parameters and persistent buffers (SPEC.md §Buffers)
+    if not isinstance(model, torch.nn.Module):
+        covered = None  # a name -> tensor mapping is a declared share: it covers its own names
+    else:
+        covered = set(entries) if slot is None else {e.name for e in lc.shards[_slot(lc, slot, "tensors")].entries}
+    matched = match_names(model, owned, entries, covered, strict=strict, commit_id=lc.id)
+    targets = matched.targets  # under the commit's names (a compiled model's, an old commit's _orig_mod names)
+    names = sorted(targets)
     for n in names:
         e, t = entries[n], targets[n]
         if dtype_name(t.dtype, n) != e.dtype or tuple(t.shape) != tuple(e.shape):
@@ -403,7 +419,7 @@ def restore(
     # a bad config or RNG object is refused before a byte lands in the caller's tensors (§16).
     config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
     rng_states = None
-    if rng:
+    if rng or rng is None and (slot is not None or len(lc.shards) == 1):  # None: when the slot is known (SPEC.md §16a)
         s = _slot(lc, slot, "RNG")
         rng_states = {r.kind: store.get(r.object, limit=MAX_RNG_BYTES) for r in lc.shards[s].rng}
         check_rng(rng_states)
@@ -432,9 +448,10 @@ def restore(
             _install_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
     if rng_states is not None:
         restore_rng(rng_states)
-    restored_rng = rng_states is not None
+    restored_rng = bool(rng_states)  # a slot saved with rng=False has none
     loaded, slot_loaded = extras_plan.install(), slot_plan.install()
-    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, loaded, slot_loaded, nread)
+    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, loaded, slot_loaded, nread,
+                    matched.skipped, matched.missing)
 
 
 def _slot(lc: LoadedCommit, slot: int | None, what: str) -> int:

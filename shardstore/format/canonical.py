@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from typing import Any, Callable, Sequence
 
-__all__ = ["REAL_PREFIX", "INT_MIN", "INT_MAX", "f64_encode", "f64_decode", "encode_scalar", "decode_real", "is_real", "sorted_unique"]
+__all__ = ["REAL_PREFIX", "INT_MIN", "INT_MAX", "f64_encode", "f64_decode", "encode_scalar", "decode_real", "is_real", "in_int_range", "sorted_unique"]
 
 #: Prefix of a real number inside a value that may also be a string.
 REAL_PREFIX = "f64:"
@@ -74,3 +74,11 @@ def decode_real(value: str, what: str, error: Callable[[str], Exception]) -> flo
 def sorted_unique(names: Sequence[str]) -> bool:
     """Whether ``names`` is strictly increasing (sorted, no repeats), as canonical name lists are."""
     return all(a < b for a, b in zip(names, names[1:]))
+
+
+def in_int_range(value: Any) -> bool:
+    """Whether a decoded scalar (or a tuple of them) holds no integer outside ``INT_MIN..INT_MAX``:
+    the writer's range, enforced when reading too (a reader is handed what any writer wrote)."""
+    if isinstance(value, (tuple, list)):
+        return all(in_int_range(v) for v in value)
+    return not isinstance(value, int) or isinstance(value, bool) or INT_MIN <= value <= INT_MAX

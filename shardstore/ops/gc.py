@@ -30,6 +30,7 @@ second time.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import ObjectNotFound, ShardstoreError
@@ -130,8 +131,11 @@ def _named_by_manifest(store: Store, oid: str) -> set[str]:
     return names
 
 
-def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8) -> GcResult:
-    """Delete (or with ``dry_run`` only report) unreachable objects older than ``grace_seconds``."""
+def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8, progress: Callable[[int], None] | None = None) -> GcResult:
+    """Delete (or with ``dry_run`` only report) unreachable objects older than ``grace_seconds``.
+
+    ``progress(n)``: called as unreachable objects are examined, and again as they are deleted."""
+    tick = progress or (lambda n: None)
     if grace_seconds < 0:
         raise ValueError(f"grace_seconds must be >= 0, not {grace_seconds}")
     now = time.time()
@@ -144,6 +148,7 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8) -
     def age(oid: str) -> tuple[str, float | None, int | None]:
         key = object_key(oid)
         mtime = store.storage.mtime(key)
+        tick(1)
         return oid, None if mtime is None else now - mtime, store.storage.size(key)
 
     old: dict[str, int] = {}
@@ -178,7 +183,12 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8) -
             store.storage.delete(key)
             return True
 
-        done = _pool_map(delete, sorted(old), threads)
+        def deleted(oid: str) -> bool:
+            gone = delete(oid)
+            tick(1)
+            return gone
+
+        done = _pool_map(deleted, sorted(old), threads)
         result.deleted = {oid: old[oid] for oid, gone in zip(sorted(old), done) if gone}
         result.kept_young += [oid for oid, gone in zip(sorted(old), done) if not gone]
     result.tmp_deleted = _clean_tmp(store, now, grace_seconds, dry_run)

@@ -39,6 +39,7 @@ from ..format.grid import payload_blocks, put_payloads
 from ..format.manifest import MAX_MANIFEST_BYTES, Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
 from ..format.names import check_ref_name, check_tensor_name
 from ..format.tensors import expected_nbytes
+from ..state.module import tensor_profile
 from ..state.optim import hyper_of
 from ..state.torch_optim import _unscalar
 from ..store import Store
@@ -405,7 +406,8 @@ def import_directory(
     current = store.ref(ref) if ref is not None else None
     parent = current if parent is AUTO else parent
     check_parent(store, parent)
-    info = CommitInfo(step=step, job=job, config=config, transition="import")
+    # no trainer names a profile for an import: it is the floating dtypes the files hold (``tensor_profile``)
+    info = CommitInfo(step=step, job=job, profile=tensor_profile(d for _, d, _ in tensors.values()), config=config, transition="import")
     total = sum(expected_nbytes(d, s) for _, d, s in tensors.values())
     started = time.time()
     entries: list[list[TensorEntry]] = [[] for _ in range(nslots)]

@@ -30,12 +30,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..errors import ManifestError, StateMismatch, UnsupportedState
-from ..format.canonical import REAL_PREFIX, decode_real, encode_scalar, is_real
+from ..format.bounded import check_json_nesting
+from ..format.canonical import REAL_PREFIX, decode_real, encode_scalar, in_int_range, is_real
 from ..format.grid import check_stored_all
 from ..format.lazy import torch
-from ..format.manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, is_chunked
+from ..format.manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, check_writable, is_chunked
 from ..format.names import check_group_name
 from ..format.tensors import check_storable, dtype_name, expected_nbytes, is_dtensor, torch_dtype
+from .stateful import GeneratorState, LoaderState, stateful
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -107,6 +109,7 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
         if isinstance(obj, CapturedExtra):
             out[key] = obj
             continue
+        obj = stateful(obj)  # a torch.Generator or DataLoader: its generators' states (``stateful``)
         fn = getattr(obj, "state_dict", None)
         if not callable(fn):
             raise UnsupportedState(f"extra {key!r}: a {type(obj).__name__} has no state_dict() (SPEC.md §Extras)")
@@ -115,7 +118,7 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
             raise UnsupportedState(f"extra {key!r}: state_dict() returned a {type(state).__name__}, not a dict")
         tensors: list[torch.Tensor] = []
         doc = _encode_value(state, "$", tensors, 0, key)
-        out[key] = CapturedExtra(key, _ENC.encode(doc), tensors)
+        out[key] = CapturedExtra(key, check_writable(_ENC.encode(doc), f"state document of extra {key!r}"), tensors)
     return out
 
 
@@ -140,9 +143,15 @@ def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[st
             yield t.object, expected_nbytes(t.dtype, t.shape), f"tensor {t.key} of extra {x.key!r}{where}", None
 
 
-def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what: str) -> Any:
+def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what: str, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:  # the encoder's rule, value for value (a leaf too)
+        raise ManifestError(f"{what}: nested deeper than {_MAX_DEPTH} levels (SPEC.md §Limits)")
     if isinstance(value, float):
         raise ManifestError(f"{what}: holds a plain JSON real; reals must be f64 strings (SPEC.md §Extras)")
+    if isinstance(value, int) and not in_int_range(value):
+        # the writer refuses these (``_encode_value``); a reader that let them through would hand
+        # load_state_dict a number no saved state could hold (SPEC.md §Extras, §Limits)
+        raise ManifestError(f"{what}: integer {value} is outside the 64-bit range -2^63 <= n < 2^64 (SPEC.md §Extras)")
     if isinstance(value, str):
         if is_real(value):
             return decode_real(value, what, ManifestError)
@@ -154,9 +163,9 @@ def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what
             return tensors[i]
         return value
     if isinstance(value, list):
-        return [_decode_value(v, tensors, seen, what) for v in value]
+        return [_decode_value(v, tensors, seen, what, depth + 1) for v in value]
     if isinstance(value, dict):
-        return {k: _decode_value(value[k], tensors, seen, what) for k in sorted(value)}
+        return {k: _decode_value(value[k], tensors, seen, what, depth + 1) for k in sorted(value)}
     return value
 
 
@@ -165,6 +174,9 @@ def read_extra_state(raw: bytes | memoryview, tensors: list[torch.Tensor], what:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{what}: {len(raw)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit (SPEC.md §Limits)")
     raw = bytes(raw)
+    # the encoder's depth counts containers below the top-level object: 64 levels are 65 brackets;
+    # checked before msgspec or the walk below sees it, so deeper is refused, never a RecursionError
+    check_json_nesting(raw, _MAX_DEPTH + 1, what)
     try:
         doc = msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -205,6 +217,7 @@ def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Ma
         x = have.get(key)
         if x is None:
             raise StateMismatch(f"{where} holds no extra {key!r} (extras: {sorted(have)}; SPEC.md §Extras)")
+        obj = stateful(obj)
         if not callable(getattr(obj, "load_state_dict", None)):
             raise UnsupportedState(f"extra {key!r}: a {type(obj).__name__} has no load_state_dict()")
         what = f"state document {x.state} of extra {key!r} in {where}"
@@ -212,7 +225,9 @@ def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Ma
         # a manifest's shapes: the objects' sizes bound the allocations (SPEC.md §Limits)
         check_stored_all(store, [(t.object, t.dtype, tuple(t.shape), f"tensor {t.key} of extra {key!r} in {where}") for t in x.tensors])
         tensors = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype)) for t in x.tensors]
-        read_extra_state(raw, [torch.empty(0)] * len(tensors), what)  # decodes before anything is written
+        decoded = read_extra_state(raw, tensors, what)  # decodes before anything is written (the tensors not yet read)
+        if isinstance(obj, (GeneratorState, LoaderState)):  # the state fits this generator (``stateful``)
+            obj.check(decoded)
         reads += [(t.object, dest, f"tensor {t.key} of extra {key!r}") for t, dest in zip(x.tensors, tensors)]
         pending.append((key, obj, raw, tensors, what))
     return ExtrasRestore(reads, pending)

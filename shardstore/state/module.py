@@ -8,18 +8,24 @@ not saved. Anything else a ``state_dict()`` holds (an ``_extra_state`` from
 never skipped: a checkpoint that silently drops part of a model is the failure this module
 exists to prevent. A second name for the same tensor (a tied weight) is saved once, under
 the name ``named_parameters`` / ``named_buffers`` gives it. Tensors on the ``meta`` device
-are not owned by this process and are skipped, parameters and buffers alike.
+are not owned by this process and are skipped, parameters and buffers alike. A compiled
+module's names are taken without ``torch.compile``'s ``_orig_mod`` segment (``restore_match``),
+so a compiled and a plain model hold the same names.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from ..errors import StateMismatch, UnsupportedState
 from ..format.names import check_tensor_name
+from .restore_match import canonical_name
 
-__all__ = ["named_state", "check_held"]
+__all__ = ["named_state", "check_held", "tensor_profile"]
+
+#: Short names of floating dtypes in a profile label (``fp32`` is what shardtrain's profile is called).
+_PROFILE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
 
 def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -36,14 +42,16 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
     kinds: set[str] = set()
     for name, t in params.items():
         if t.device.type != "meta":
-            out[check_tensor_name(name)] = t
+            out[check_tensor_name(canonical_name(name))] = t
+    if len(out) != sum(t.device.type != "meta" for t in params.values()):  # two names, one without _orig_mod: never merge them
+        raise StateMismatch("the model holds two parameters whose names differ only by '_orig_mod' segments (SPEC.md §16a)")
     for name, value in model.state_dict(keep_vars=True).items():
         if name in params:
             continue
         if name in buffers and isinstance(value, torch.Tensor) and value is buffers[name]:
             if value.device.type != "meta":
-                out[check_tensor_name(name)] = value
-                kinds.add(name)
+                out[check_tensor_name(canonical_name(name))] = value
+                kinds.add(canonical_name(name))
             continue
         if isinstance(value, torch.Tensor) and id(value) in known:
             continue  # another name of a tensor saved under its own name (tied weights)
@@ -64,3 +72,10 @@ def check_held(optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Ten
             if id(p) not in held and p.device.type != "meta":
                 raise StateMismatch(f"optimizer param group {i}, parameter {j} ({list(p.shape)}) is not among the model's "
                                     "parameters and buffers; its value and state would not be saved (name it in the model)")
+
+
+def tensor_profile(dtypes: Iterable[str]) -> str:
+    """The numerical profile a commit holds when no trainer names one (SPEC.md §8.3): its tensors'
+    floating dtypes, short names joined by ``+`` (``fp32``, ``bf16``, ``bf16+fp16``), ``none`` if none."""
+    names = sorted({_PROFILE_NAMES[d] for d in dtypes if d in _PROFILE_NAMES})
+    return "+".join(names) or "none"

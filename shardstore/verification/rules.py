@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from ..errors import BindingError, ManifestError, ShardstoreError
-from ..format.canonical import sorted_unique
+from ..format.canonical import in_int_range, sorted_unique
 from ..format.grid import grid_problems
-from ..format.manifest import STATE_CHUNKED_VERSION, CommitManifest, ShardManifest, TensorEntry, is_chunked, state_payloads
+from ..format.manifest import STATE_CHUNKED_VERSION, CommitManifest, ShardManifest, TensorEntry, TorchOptimizer, is_chunked, state_payloads
 from ..format.tensors import FLOAT_DTYPES
 from ..state.extras import extras_rules
 
@@ -41,6 +41,8 @@ def shard_rules(shard: ShardManifest) -> Iterator[tuple[type[ManifestError], str
     gnames = [g.name for g in spec.groups] if spec is not None else []
     if not sorted_unique(gnames):
         yield ManifestError, "torch optimizer groups are not sorted by name and unique", None
+    for msg in _hyper_rules(spec):
+        yield ManifestError, msg, None
     used: set[str] = set()
     for e in shard.entries:
         if e.kind == "buffer" and (e.optim is not None or e.state is not None):
@@ -59,12 +61,21 @@ def shard_rules(shard: ShardManifest) -> Iterator[tuple[type[ManifestError], str
         if not (sorted_unique(tkeys) and sorted_unique(skeys)) or set(tkeys) & set(skeys):
             yield ManifestError, "optimizer state keys are not sorted, unique and each either a tensor or a scalar", e.name
         for x in st.scalars:
+            if not in_int_range(x.value):  # the writer's range (``torch_optim._scalar``), enforced when reading too (SPEC.md §9a)
+                yield ManifestError, f"optimizer state {x.key!r}: integer {x.value} is outside the 64-bit range -2^63 <= n < 2^64", e.name
             kind = None if x.dtype is None else ("bool" if x.dtype == "bool" else ("real" if x.dtype in FLOAT_DTYPES else "int"))
             have = "bool" if isinstance(x.value, bool) else ("int" if isinstance(x.value, int) else ("real" if isinstance(x.value, str) else None))
             if kind is not None and have != kind:
                 yield ManifestError, f"optimizer state {x.key!r}: a {x.dtype} 0-d tensor must hold a {kind}, not {have}", e.name
     if set(gnames) - used:
         yield ManifestError, f"torch optimizer groups {sorted(set(gnames) - used)} are not used by any tensor entry", None
+
+
+def _hyper_rules(spec: TorchOptimizer | None) -> Iterator[str]:
+    for g in spec.groups if spec is not None else ():
+        for k, v in sorted(g.hyper.items()):
+            if not in_int_range(v):
+                yield f"torch optimizer group {g.name!r}: hyperparameter {k!r} holds an integer outside the 64-bit range -2^63 <= n < 2^64"
 
 
 def commit_rules(commit: CommitManifest, shards: Mapping[int, ShardManifest]) -> Iterator[tuple[type[ShardstoreError], str, str | None]]:
@@ -75,6 +86,8 @@ def commit_rules(commit: CommitManifest, shards: Mapping[int, ShardManifest]) ->
         yield ManifestError, "torch_optimizer must be present exactly under algorithm 'torch', without Adam groups", None
     if spec is not None and [g.name for g in spec.groups] != sorted(tgroups):
         yield ManifestError, "torch optimizer groups are not sorted by name and unique", None
+    for msg in _hyper_rules(spec):
+        yield ManifestError, msg, None
     for msg in extras_rules(commit.extras):
         yield ManifestError, msg, None
     used: set[str] = set()

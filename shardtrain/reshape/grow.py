@@ -28,16 +28,34 @@ import torch
 
 from shardstore import Store, TensorEntry, load_commit
 from shardstore.format.grid import put_payloads, read_whole
-from shardstore.format.manifest import OptimEntry, Payload
+from shardstore.format.manifest import MAX_MANIFEST_BYTES, OptimEntry, Payload
 from shardstore.format.tensors import torch_dtype
 from shardtrain.engine.model import LlamaDecoderLayer, rotary_tables
 from shardtrain.engine.partition import LAYER_PARAMETER_SUFFIXES, Partition
 from shardtrain.errors import TransitionError
 from shardtrain.reshape.regroup import TransitionResult, _journal, commit_config, move_ref, write_layout
 
-__all__ = ["ZEROED_SUFFIXES", "grow", "identity_check"]
+__all__ = ["ZEROED_SUFFIXES", "check_append", "grow", "identity_check"]
 
 ZEROED_SUFFIXES = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def check_append(layers: int, append: object) -> int:
+    """``append`` if it is an int >= 1 whose grown commit could be read back; TransitionError otherwise.
+
+    Checked before anything is allocated or written: the commit manifest's layout names every
+    tensor once (SPEC.md §Commit manifest), so the names of the appended layers alone — at
+    least ``len('"model.layers.L.<suffix>",')`` bytes each — must fit the 64 MiB every reader
+    accepts. Shard manifests, which hold more per tensor, are checked exactly before each is written."""
+    if isinstance(append, bool) or not isinstance(append, int) or append < 1:
+        raise TransitionError(f"--append must be an int >= 1, got {append!r}")
+    per_layer = sum(len(f'"model.layers.{layers}.{x}",') for x in LAYER_PARAMETER_SUFFIXES)  # a lower bound per new layer
+    if append * per_layer > MAX_MANIFEST_BYTES:
+        most = MAX_MANIFEST_BYTES // per_layer
+        raise TransitionError(f"--append {append}: the names of {append * len(LAYER_PARAMETER_SUFFIXES):,} new tensors alone "
+                              f"exceed the {MAX_MANIFEST_BYTES:,}-byte commit manifest limit (SPEC.md §Limits); at most "
+                              f"{most:,} blocks could ever fit (the shard manifests allow fewer)")
+    return append
 
 
 def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None, partition: Partition | None = None,
@@ -48,8 +66,7 @@ def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None
     lc = load_commit(store, commit)
     config, raw = commit_config(store, lc)
     layers = config.num_hidden_layers
-    if isinstance(append, bool) or not isinstance(append, int) or append < 1:
-        raise TransitionError(f"--append must be an int >= 1, got {append!r}")
+    check_append(layers, append)  # before any allocation that K sizes
     source = layers - 1 if copy_from is None else copy_from
     if not 0 <= source < layers:
         raise TransitionError(f"--copy-from {source} is not a layer of commit {lc.id[:12]} (layers 0..{layers - 1})")

@@ -97,7 +97,9 @@ class Reference:
         self.stage = build_stage(config, partition, slot, seed=0, device=device, dtype=dtype)
         for p in self.stage.parameters():
             p.requires_grad_(False)
-        shardstore.restore(store, lc.id, self.stage)  # this slot's reference tensors only; nothing is written
+        # this slot's reference tensors only (its parameters by name: a declared share of the commit),
+        # nothing is written, and the training run's RNG is left alone
+        shardstore.restore(store, lc.id, dict(self.stage.named_parameters()), rng=False)
         self.ring = Ring(self.stage, partition, slot, timeout=timeout, kind=REFERENCE)
 
     @torch.no_grad()

@@ -170,7 +170,8 @@ def evaluate_worker(ctx: WorkerContext, spec: EvalSpec) -> EvalReport:
                 raise ResumeError(f"commit {cid[:12]} was made by job {lc.commit.job[:12]}, not {job.id[:12]}")
             if commit_config(store, lc) != job.config:
                 raise ResumeError(f"commit {cid[:12]} holds another model config than job {job.id[:12]}")
-            shardstore.restore(store, cid, stage)  # only this slot's weights are read
+            # only this slot's weights are read (its parameters by name: a declared share); RNG untouched
+            shardstore.restore(store, cid, dict(stage.named_parameters()), rng=False)
             return lc.commit.step
 
         step = gate(f"restore commit {cid[:12]}", rank, world, restore)

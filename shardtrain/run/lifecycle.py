@@ -289,11 +289,15 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         if lc is None:
             _seed_rng(job, rank)
         elif lc.commit.transition == "import":
-            shardstore.restore(own, lc.id, stage)  # weights only; AdamW starts at the first update
+            # weights only; AdamW starts at the first update. The stage is a piece of the imported
+            # model: its parameters by name are its declared share (a strict restore of the module
+            # would refuse the other stages' tensors as unexpected)
+            shardstore.restore(own, lc.id, dict(stage.named_parameters()), rng=False)
             _seed_rng(job, rank)
         else:
             same_layout = len(lc.shards) == world and bool(lc.shards[rank].rng)
-            shardstore.restore(own, lc.id, stage, optimizer, rng=same_layout, slot=rank if same_layout else None)
+            piece = stage if same_layout else dict(stage.named_parameters())  # slot=rank covers exactly the stage
+            shardstore.restore(own, lc.id, piece, optimizer, rng=same_layout, slot=rank if same_layout else None)
             if not same_layout:
                 _seed_rng(job, rank)
         return lc
@@ -334,17 +338,21 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         committer.commit(info)
         usage_at[at] = admission.gather_usage(usage(), rank, world), started  # collective: all commit at `at`
 
+    losses: dict[int, float] = {}  # step -> its loss (slot 0 computes it), for the commits' journal
+
     def landed(wait: bool = False) -> tuple[int, str] | None:
         new = committer.drain() if wait else committer.landed()
         commits.extend(CommitRecord(at, cid) for at, cid in new)
-        for at, cid in new:  # every commit's journal: each worker's actual peak and parameter coverage
-            if rank == 0 and at in usage_at:
-                usages, started = usage_at.pop(at)
-                # From the commit call to its landing as seen here: the save itself with synchronous
-                # commits, the time in flight (overlapping training) with background ones.
-                record = {**admission.journal_record(usages), "commit_seconds": time.perf_counter() - started,
-                          "commit_mode": "background" if spec.async_commits else "synchronous"}
-                store.write_journal(cid, record)
+        for at, cid in new:  # every commit's journal (unhashed): when it landed, the step's loss, and
+            if rank == 0:    # each worker's actual peak and parameter coverage at the commit
+                record: dict[str, object] = {"time": time.time(), "step": at, "loss": losses.get(at)}
+                if at in usage_at:
+                    usages, started = usage_at.pop(at)
+                    # From the commit call to its landing as seen here: the save itself with synchronous
+                    # commits, the time in flight (overlapping training) with background ones.
+                    record.update(admission.journal_record(usages), commit_seconds=time.perf_counter() - started,
+                                  commit_mode="background" if spec.async_commits else "synchronous")
+                store.write_journal(cid, record)  # shardstore log --oneline shows its time and loss
         return new[-1] if new else None
 
     start = (step, parent)
@@ -362,6 +370,7 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
             r = trainer.step(batch)
             seconds = time.perf_counter() - t0  # the update alone, not the commit after it
             step += 1
+            losses[step] = r.loss
             if step == spec.until or (spec.every and step % spec.every == 0) or step in must_commit:
                 commit(step, "train")
             # A reference endpoint must be on the chain before the next cohort distils toward it.

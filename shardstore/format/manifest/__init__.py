@@ -17,7 +17,7 @@ Options on ``Base`` and why:
 from __future__ import annotations
 
 from ..canonical import f64_decode, f64_encode
-from .encoding import decode, decode_config, decode_manifest, encode, encode_config
+from .encoding import check_writable, decode, decode_config, decode_manifest, encode, encode_config
 from .payloads import is_chunked, shard_version, state_payloads, tensor_payloads
 from .schema import (
     CHUNKED_VERSION,
@@ -117,6 +117,7 @@ __all__ = [
     "f64_encode",
     "f64_decode",
     "encode",
+    "check_writable",
     "decode",
     "decode_manifest",
     "encode_config",

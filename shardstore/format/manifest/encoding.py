@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from ...errors import ManifestError
+from ...errors import ManifestError, ObjectTooLarge
 from ..bounded import check_json_nesting
 from ..canonical import decode_real, encode_scalar, is_real
 from .payloads import shard_version
@@ -28,7 +28,7 @@ from .schema import (
     StoreConfig,
 )
 
-__all__ = ["encode", "decode", "decode_manifest", "encode_config", "decode_config"]
+__all__ = ["encode", "check_writable", "decode", "decode_manifest", "encode_config", "decode_config"]
 
 
 class _Header(msgspec.Struct):
@@ -51,6 +51,15 @@ _DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
 def encode(obj: Base) -> bytes:
     """The canonical bytes of a manifest: compact JSON, sorted keys, every field present."""
     return _ENCODER.encode(obj)
+
+
+def check_writable(data: bytes, what: str) -> bytes:
+    """``data`` if a reader will accept its size; else ObjectTooLarge, so that a writer refuses
+    before writing what it (and every reader) could never read back (SPEC.md §Limits, §15a)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ObjectTooLarge(f"{what}: {len(data):,} bytes, over the {MAX_MANIFEST_BYTES:,}-byte limit every reader enforces "
+                             "(SPEC.md §Limits); refused before it is written")
+    return data
 
 
 def _check_bytes(data: bytes | memoryview, what: str) -> bytes:
@@ -133,7 +142,7 @@ def encode_config(config: dict[str, Any]) -> bytes:
     if not isinstance(config, dict):
         raise ManifestError("model config must be a dict")
     try:
-        return _ENCODER.encode(_config_to_canonical(config, "$"))
+        return check_writable(_ENCODER.encode(_config_to_canonical(config, "$")), "model config")
     except UnicodeEncodeError as e:  # a lone surrogate in a key or string: not representable as UTF-8
         raise ManifestError(f"model config: a string is not valid Unicode text ({e.reason} at {e.start})") from None
 

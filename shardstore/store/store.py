@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import random
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .backends.base import Buffer, Storage
-from .backends.location import open_storage
-from .errors import (
+from ..backends.base import Buffer, Storage
+from ..backends.location import open_storage
+from ..errors import (
     CorruptObject,
     InvalidName,
     ManifestError,
@@ -37,8 +34,8 @@ from .errors import (
     StoreConfigError,
     TargetNotFound,
 )
-from .format.lazy import torch
-from .format.manifest import (
+from ..format.lazy import torch
+from ..format.manifest import (
     FORMAT_VERSION,
     MAX_ENTRIES,
     MAX_MANIFEST_BYTES,
@@ -46,34 +43,20 @@ from .format.manifest import (
     PinManifest,
     ShardManifest,
     StoreConfig,
+    check_writable,
     decode,
     decode_manifest,
     encode,
 )
-from .format.names import check_oid, check_oid_prefix, check_ref_name
-from .format.tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
+from ..format.names import check_oid, check_oid_prefix
+from ..format.tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
+from . import tensors as tensors_io
+from .keys import object_key, pin_key, ref_key
 
 __all__ = ["Store", "open_store", "object_key", "ref_key", "pin_key"]
 
 M = TypeVar("M")
 _REF_BYTES = 65
-#: Tensors at least this large are hashed with BLAKE3's own threads as well (few big tensors
-#: would otherwise leave cores idle at the end of a batch).
-_BIG_TENSOR_BYTES = 64 << 20
-
-
-def object_key(oid: str) -> str:
-    check_oid(oid)
-    return f"objects/{oid[:2]}/{oid}"
-
-
-def ref_key(name: str) -> str:
-    return f"refs/{check_ref_name(name)}"
-
-
-def pin_key(name: str) -> str:
-    """Pins are named like refs (SPEC.md §Names)."""
-    return f"pins/{check_ref_name(name)}"
 
 
 class Store:
@@ -206,55 +189,8 @@ class Store:
         return tensor_from_bytes(data, dtype, tuple(shape), f"{what} (object {oid})")
 
     def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = 2) -> list[str]:
-        """Store each tensor's bytes as an object; return the ids in order.
-
-        Each tensor's bytes are hashed once, from memory; objects already present are not
-        written (unchanged tensors cost no bytes); new ones are written once and never read
-        back. Tensors are processed ``threads`` at a time. A backend with ``begin_write`` /
-        ``end_writes`` (local) gets one batch: all files written with writeback started,
-        then fsynced together and linked into place, the crash ordering of ``put``.
-        """
-        begin = getattr(self.storage, "begin_write", None)
-        end = getattr(self.storage, "end_writes", None)
-        batched = begin is not None and end is not None
-        lock = threading.Lock()
-        claimed: set[str] = set()
-        pending: list[tuple[str, str]] = []
-        share = max(1, threads)
-
-        def one(t: torch.Tensor) -> str:
-            view = tensor_bytes(t)  # no copy for a contiguous CPU tensor
-            oid = hash_bytes(view, threads=share if len(view) >= _BIG_TENSOR_BYTES else 1)
-            key = object_key(oid)
-            if not batched:
-                self.storage.write_once(key, view)
-                return oid
-            with lock:
-                if oid in claimed:  # equal tensors in one batch: one write
-                    return oid
-                claimed.add(oid)
-            tmp = begin(key, view)
-            if tmp is not None:
-                with lock:
-                    pending.append((key, tmp))
-            return oid
-
-        try:
-            if share > 1 and len(tensors) > 1:
-                with ThreadPoolExecutor(max_workers=share) as pool:
-                    ids = list(pool.map(one, tensors))
-            else:
-                ids = [one(t) for t in tensors]
-        except BaseException:
-            for _key, tmp in pending:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-            raise
-        if batched and pending:
-            end(pending, threads=share)
-        return ids
+        """Store each tensor's bytes as an object; return the ids in order (``store.tensors.put_tensors``)."""
+        return tensors_io.put_tensors(self.storage, tensors, threads=threads)
 
     def hash_object(self, oid: str, *, threads: int = 1) -> tuple[str, int]:
         """(BLAKE3 hex digest, size) of the stored bytes of ``oid``, streamed where the backend allows.
@@ -270,41 +206,16 @@ class Store:
         return hash_bytes(data, threads=threads), len(data)
 
     def read_into(self, oid: str, dest: torch.Tensor, *, what: str = "tensor") -> None:
-        """Fill ``dest`` in place with object ``oid``'s bytes, verifying size and hash.
-
-        On a backend with ``read_into`` the bytes go straight from the file into ``dest``
-        and are hashed chunk by chunk while in cache: one copy, no page faults on a mapping.
-        If this raises (CorruptObject, or a StorageError part way through), ``dest`` may hold
-        unverified bytes.
-        """
-        shape = tuple(dest.shape)
-        dtype = dtype_name(dest.dtype, what)
-        direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.numel() > 0 and not (dest.is_conj() or dest.is_neg())
-        stream = getattr(self.storage, "read_into", None)
-        if stream is None or not direct:
-            with torch.no_grad():
-                dest.copy_(self.get_tensor(oid, dtype, shape, what=what))
-            return
-        flat = dest.detach().reshape(-1).view(torch.uint8)
-        out = memoryview(flat.numpy())
-        h = new_hasher()
-        n = stream(object_key(oid), out, h.update)
-        if n != len(out):
-            # wrong size: corrupt or a mismatched entry; let the hashing path name which
-            with torch.no_grad():
-                dest.copy_(self.get_tensor(oid, dtype, shape, what=what))
-            return
-        got = h.hexdigest()
-        if got != oid:
-            raise CorruptObject(f"{what}: object {oid} is corrupt: its {n} bytes hash to {got} (SPEC.md §Objects)")
-        bump = getattr(torch.autograd.graph, "increment_version", None)
-        if bump is not None:
-            bump(dest)  # an in-place write like copy_: version-counter users see it
+        """Fill ``dest`` in place with object ``oid``'s bytes, verifying size and hash
+        (``store.tensors.read_into``: straight from the file where the backend allows)."""
+        tensors_io.read_into(self.storage, oid, dest, what=what,
+                             whole=lambda: self.get_tensor(oid, dtype_name(dest.dtype, what), tuple(dest.shape), what=what))
 
     # -- manifests ---------------------------------------------------------------------
 
     def put_manifest(self, manifest: ShardManifest | CommitManifest) -> str:
-        return self.put(encode(manifest))
+        what = f"shard manifest of slot {manifest.slot}" if isinstance(manifest, ShardManifest) else "commit manifest"
+        return self.put(check_writable(encode(manifest), what))  # never write what no reader accepts
 
     def get_manifest(self, oid: str, kind: type[M]) -> M:
         data = self.get(oid, limit=MAX_MANIFEST_BYTES)

@@ -1,0 +1,188 @@
+"""Ref lock files of the local backend, and what to do with one whose writer is gone (SPEC.md §14).
+
+A ref (or pin) moves under ``<key>.lock``, created exclusively (a hard link that fails if it exists); the
+new value is written into it and it is renamed over the ref. A writer killed in between
+leaves the lock behind, and every later update of that ref fails until it is removed.
+
+So the lock records its **holder** from creation until the new value replaces it: one
+line of JSON, ``{"boot": …, "host": …, "pid": …, "pidns": …, "start": …}`` — the host
+name, the process id, the process's start time (field 22 of ``/proc/<pid>/stat``), the
+kernel's boot id and the process's pid namespace. It is never hashed and never part of a
+ref's value: the writer truncates it and writes the ref value into the same file just
+before the rename. A later writer that finds the lock held judges the holder:
+
+- **dead** — same host, boot id and pid namespace, and no process ``pid`` with that start
+  time exists (it exited, or its pid was reused): the lock is stale. The writer takes it
+  over safely — under ``flock`` on the lock file (so two writers never both take it), it
+  checks that the path still names the same file holding the same record, removes it and
+  creates its own lock as usual;
+- **alive**, or **not judgeable** (another host, another boot or namespace, an old lock
+  without a record, or a lock caught after its value was written): ``RefConflict`` naming
+  the holder and the command that clears it, ``shardstore refs STORE --break-lock NAME``,
+  to run only once no writer of that ref is running.
+
+S3 moves refs by conditional requests and has no lock files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+from ..errors import RefConflict
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: locks are reported, never taken over
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["holder_record", "read_holder", "holder_state", "take_lock", "break_lock", "describe"]
+
+_MAX_RECORD = 4096
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read(256).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), None if there is no such process or no /proc."""
+    text = _read_text(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()  # the command name, in parentheses, may hold spaces
+    return fields[19] if len(fields) > 19 else None
+
+
+def _pidns() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def holder_record() -> bytes:
+    """This process's record, written into a lock file it creates."""
+    pid = os.getpid()
+    doc = {"boot": _read_text("/proc/sys/kernel/random/boot_id"), "host": socket.gethostname(), "pid": pid,
+           "pidns": _pidns(), "start": _start_time(pid)}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def read_holder(raw: bytes) -> dict[str, Any] | None:
+    """The holder a lock file's bytes record, or None (an old lock, or one holding the new ref value)."""
+    try:
+        doc = json.loads(raw[:_MAX_RECORD]) if len(raw) <= _MAX_RECORD else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict) or set(doc) != {"boot", "host", "pid", "pidns", "start"} or not isinstance(doc["pid"], int):
+        return None
+    return doc
+
+
+def holder_state(holder: dict[str, Any] | None) -> str:
+    """``"dead"``, ``"alive"`` or ``"unknown"`` (another host, boot or pid namespace; no record; no /proc)."""
+    if holder is None or holder["host"] != socket.gethostname() or holder["start"] is None:
+        return "unknown"
+    if holder["boot"] != _read_text("/proc/sys/kernel/random/boot_id") or holder["boot"] is None:
+        return "unknown"  # another boot: a pid of ours says nothing about it (and /proc may be another machine's)
+    if holder["pidns"] != _pidns():
+        return "unknown"  # another container on this kernel: its pids are not ours to look up
+    return "alive" if _start_time(holder["pid"]) == holder["start"] else "dead"
+
+
+def describe(key: str, lock: str, holder: dict[str, Any] | None, state: str) -> str:
+    name = key.split("/", 1)[1] if key.startswith(("refs/", "pins/")) else key
+    who = ("an older writer or a writer caught finishing (no holder recorded)" if holder is None
+           else f"process {holder['pid']} on host {holder['host']!r} ({'still running' if state == 'alive' else 'cannot be checked from here'})")
+    fix = "" if state == "alive" else (f"; if no writer of it is running, clear it with `shardstore refs STORE --break-lock {name}`"
+                                        if key.startswith("refs/") else "; if no writer of it is running, remove the lock file")
+    return f"{key} is locked by {who}: {lock} exists{fix} (SPEC.md §Refs)"
+
+
+def _read_lock(osm: Any, lock: str) -> bytes | None:
+    """The first bytes of ``lock`` (enough for any record), None if it is gone."""
+    try:
+        fd = osm.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        return bytes(osm.read(fd, _MAX_RECORD + 1))
+    finally:
+        osm.close(fd)
+
+
+def _take_over(osm: Any, lock: str, seen: bytes) -> bool:
+    """Remove ``lock`` if it still is the file that recorded a dead holder as ``seen``; True if removed."""
+    if fcntl is None:
+        return False
+    try:
+        fd = osm.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return True  # gone meanwhile: someone finished or took it over; try to create ours
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one taker at a time; released if we die
+        st = osm.fstat(fd)
+        now = osm.stat(lock, follow_symlinks=False)
+        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or osm.pread(fd, _MAX_RECORD + 1, 0) != seen:
+            return False  # another taker already replaced it
+        osm.unlink(lock)
+        return True
+    except BlockingIOError:
+        return False  # another taker holds it: let the caller report
+    finally:
+        osm.close(fd)
+
+
+def take_lock(key: str, lock: str, tmp: str, osm: Any = os) -> int:
+    """Create ``lock`` exclusively, holding this process's record from its first instant, and return
+    a descriptor of it; a lock of a dead holder on this host is taken over, any other is RefConflict
+    (OSError passes up).
+
+    The record is written into ``tmp`` (a fresh name in the store's ``tmp/``) which is then
+    hard-linked as ``lock``: ``link`` fails if the name exists, as ``O_EXCL`` does, and a lock is
+    never seen empty. ``osm``: the ``os`` module to call (the local backend's, which
+    fault-injection tests replace)."""
+    osm.makedirs(os.path.dirname(tmp), exist_ok=True)
+    fd = osm.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        osm.write(fd, holder_record())
+        for _ in range(3):
+            try:
+                osm.link(tmp, lock)
+                return fd
+            except FileExistsError:
+                seen = _read_lock(osm, lock)
+                if seen is None:
+                    continue  # released meanwhile
+                holder = read_holder(seen)
+                state = holder_state(holder)
+                if state == "dead" and _take_over(osm, lock, seen):
+                    continue
+                raise RefConflict(describe(key, lock, holder, state)) from None
+        raise RefConflict(describe(key, lock, None, "unknown"))
+    except BaseException:
+        osm.close(fd)
+        raise
+    finally:
+        try:
+            osm.unlink(tmp)  # the lock's other name; the lock (if linked) stays
+        except OSError:
+            pass  # a stale tmp/ file: gc removes it
+
+
+def break_lock(lock: str, key: str, osm: Any = os) -> dict[str, Any] | None:
+    """Remove ``lock`` (an operator's ``refs --break-lock``) unless its holder is alive on this host; return the holder it recorded."""
+    seen = _read_lock(osm, lock)
+    if seen is None:
+        raise RefConflict(f"{key} is not locked ({lock} does not exist)")
+    holder = read_holder(seen)
+    if holder_state(holder) == "alive":
+        raise RefConflict(describe(key, lock, holder, "alive") + "; not breaking a live writer's lock")
+    osm.unlink(lock)
+    return holder

@@ -1,0 +1,107 @@
+"""Tensor objects over a backend (SPEC.md §Tensor objects, §Read ordering): many tensors'
+bytes written as objects in one batch, each hashed once from memory, and an object read
+straight into a tensor, hashed chunk by chunk as it lands. ``Store.put_tensors`` and
+``Store.read_into`` are these, on the store's backend.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from ..backends.base import Storage
+from ..errors import CorruptObject
+from ..format.lazy import torch
+from ..format.tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes
+from .keys import object_key
+
+__all__ = ["put_tensors", "read_into"]
+
+#: Tensors at least this large are hashed with BLAKE3's own threads as well (few big tensors
+#: would otherwise leave cores idle at the end of a batch).
+_BIG_TENSOR_BYTES = 64 << 20
+
+
+def put_tensors(storage: Storage, tensors: Sequence[torch.Tensor], *, threads: int = 2) -> list[str]:
+    """Store each tensor's bytes as an object; return the ids in order.
+
+    Each tensor's bytes are hashed once, from memory; objects already present are not
+    written (unchanged tensors cost no bytes); new ones are written once and never read
+    back. Tensors are processed ``threads`` at a time. A backend with ``begin_write`` /
+    ``end_writes`` (local) gets one batch: all files written with writeback started,
+    then fsynced together and linked into place, the crash ordering of ``put``.
+    """
+    begin = getattr(storage, "begin_write", None)
+    end = getattr(storage, "end_writes", None)
+    batched = begin is not None and end is not None
+    lock = threading.Lock()
+    claimed: set[str] = set()
+    pending: list[tuple[str, str]] = []
+    share = max(1, threads)
+
+    def one(t: torch.Tensor) -> str:
+        view = tensor_bytes(t)  # no copy for a contiguous CPU tensor
+        oid = hash_bytes(view, threads=share if len(view) >= _BIG_TENSOR_BYTES else 1)
+        key = object_key(oid)
+        if not batched:
+            storage.write_once(key, view)
+            return oid
+        with lock:
+            if oid in claimed:  # equal tensors in one batch: one write
+                return oid
+            claimed.add(oid)
+        tmp = begin(key, view)
+        if tmp is not None:
+            with lock:
+                pending.append((key, tmp))
+        return oid
+
+    try:
+        if share > 1 and len(tensors) > 1:
+            with ThreadPoolExecutor(max_workers=share) as pool:
+                ids = list(pool.map(one, tensors))
+        else:
+            ids = [one(t) for t in tensors]
+    except BaseException:
+        for _key, tmp in pending:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise
+    if batched and pending:
+        end(pending, threads=share)
+    return ids
+
+
+def read_into(storage: Storage, oid: str, dest: torch.Tensor, *, what: str, whole: Callable[[], torch.Tensor]) -> None:
+    """Fill ``dest`` in place with object ``oid``'s bytes, verifying size and hash.
+
+    On a backend with ``read_into`` the bytes go straight from the file into ``dest``
+    and are hashed chunk by chunk while in cache: one copy, no page faults on a mapping.
+    If this raises (CorruptObject, or a StorageError part way through), ``dest`` may hold
+    unverified bytes.
+    """
+    dtype_name(dest.dtype, what)  # a dtype outside the allow-list is refused before any byte lands
+    direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.numel() > 0 and not (dest.is_conj() or dest.is_neg())
+    stream = getattr(storage, "read_into", None)
+    if stream is None or not direct:
+        with torch.no_grad():
+            dest.copy_(whole())
+        return
+    flat = dest.detach().reshape(-1).view(torch.uint8)
+    out = memoryview(flat.numpy())
+    h = new_hasher()
+    n = stream(object_key(oid), out, h.update)
+    if n != len(out):
+        # wrong size: corrupt or a mismatched entry; let the hashing path name which
+        with torch.no_grad():
+            dest.copy_(whole())
+        return
+    got = h.hexdigest()
+    if got != oid:
+        raise CorruptObject(f"{what}: object {oid} is corrupt: its {n} bytes hash to {got} (SPEC.md §Objects)")
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        bump(dest)  # an in-place write like copy_: version-counter users see it
