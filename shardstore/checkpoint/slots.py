@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
-from ..format.grid import payload_blocks, put_payloads, read_parts
+from ..format.grid import on_bands, payload_blocks, put_payloads, read_parts
 from ..format.manifest import (
     MAX_MANIFEST_BYTES,
     CommitManifest,
@@ -41,6 +41,7 @@ from ..format.manifest import (
     ShardManifest,
     SlotLayout,
     TensorEntry,
+    banded,
     decode_config,
     encode,
     encode_config,
@@ -203,7 +204,7 @@ def write_shard_entries(
         raise ObjectNotFound(f"slot {slot}: {len(missing)} object(s) named by the new shard manifest are not in the store, "
                              f"first {missing[0]}")
     shard = ShardManifest(
-        version=shard_version(entries),
+        version=shard_version(entries, bands=on_bands(entries)),  # entries of a version 2 or 3 commit keep their grid
         job=info.job,
         step=info.step,
         parent=parent,
@@ -243,9 +244,11 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
         SlotLayout(slot=i, shard=sid, tensors=tuple(e.name for e in s.entries)) for i, (sid, s) in enumerate(zip(shard_ids, shards))
     )
     extras = tuple(sorted(extras, key=lambda x: x.key))
-    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries, extras=extras)
+    version = max(s.version for s in shards)
+    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries, extras=extras,
+                        bands=banded(version))
     commit = CommitManifest(
-        version=max(s.version for s in shards),
+        version=version,
         job=info.job,
         schedule=info.schedule,
         profile=info.profile,
