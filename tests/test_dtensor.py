@@ -172,11 +172,36 @@ def _refusals(rank: int, store: ss.Store, model, mesh) -> list[str]:
     except ss.CommitProtocolError as e:
         out.append(f"CommitProtocolError: {e}")
     out.append(f"ref unmoved: {store.ref('main') == before}")
+    out.append(_disagreements(rank, store, mesh))
     for save in (lambda: ss.save(store, model, step=3, rng=False, ref=None), lambda: ss.AsyncSaver(store).save(model, step=3, rng=False, ref=None)):
         try:
             save()
         except ss.TensorMismatch as e:
             out.append(f"TensorMismatch: {e}")
+    return out
+
+
+def _disagreements(rank: int, store: ss.Store, mesh) -> list[str]:
+    """Ranks that disagree on a tensor (issue 26): rank 2 omits a DTensor ranks 0-1 hold; passes a
+    plain (7,) tensor for it; or a DTensor of another global shape. Every rank's error names the
+    ranks and the shapes on each side."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def local(rows: int) -> DTensor:  # rows 2r, 2r+1 of a [6, 4] (or [rows, 4]) float32 tensor, on the 3-rank mesh
+        return DTensor.from_local(torch.full((2, 4), float(rank)), mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, 4)), stride=(4, 1))
+
+    cases = [
+        {} if rank == 2 else {"d": local(6)},  # rank 2 omits it: rows 4-5 unheld
+        {"d": torch.zeros(7)} if rank == 2 else {"d": local(6)},  # a plain tensor against DTensor slices
+        {"d": local(8 if rank == 2 else 6)},  # different global shapes
+    ]
+    out = []
+    for state in cases:
+        try:
+            ss.save_distributed(store, state, None, info=_info(3), rng=False, ref=None, parent=None)
+            out.append("saved")
+        except ss.CommitProtocolError as e:
+            out.append(str(e))
     return out
 
 
@@ -328,7 +353,12 @@ def test_restore_reads_about_each_ranks_share(runs):
 def test_unsupported_or_misplaced_dtensors_are_refused_by_type(runs):
     _, _, three, _, _ = runs
     for rank, r in enumerate(three):
-        protocol, unmoved, one_process, async_saver = r["errors"]
+        protocol, unmoved, disagree, one_process, async_saver = r["errors"]
+        omitted, plain, shapes = disagree
+        assert "'d'" in omitted and "ranks [0, 1] hold no part" not in omitted and "rank 2 of the group holds no part of it" in omitted
+        assert "rank 0 at [0, 0] of extent [2, 4], rank 1 at [2, 0] of extent [2, 4]" in omitted and "cover 16 of 24" in omitted
+        assert "ranks [0, 1] hold DTensor slices of a float32[6, 4] tensor, but rank 2: plain float32[7]" in plain
+        assert "ranks disagree on its global dtype and shape (ranks [0, 1]: float32[6, 4]; rank 2: float32[8, 4])" in shapes
         assert protocol.startswith("CommitProtocolError") and "phase 'write shard' failed on rank(s) [1]" in protocol
         assert ("Partial" in protocol) == (rank == 1)  # the failing rank says why; nobody waits
         assert unmoved == "ref unmoved: True"
