@@ -302,12 +302,12 @@ def make_payload(dtype: str, shape: Sequence[int], ids: Sequence[str], *, block_
     return tuple(Block(start=start, shape=extent, object=oid) for (start, extent), oid in zip(canon, ids))
 
 
-def _block_views(t: torch.Tensor, dtype: str) -> list[torch.Tensor]:
+def _block_views(t: torch.Tensor, dtype: str, bands: bool = False) -> list[torch.Tensor]:
     """Views of a whole tensor's canonical blocks: a tile that is one byte range of a
     contiguous ``t`` is a 1-d view of it, any other a strided view (``put_tensors`` gathers
     its bytes in C order of the tile, one tile at a time)."""
     shape = tuple(t.shape)
-    boxes = grid(dtype, shape)
+    boxes = grid(dtype, shape, bands=bands)
     if len(boxes) == 1:
         return [t]
     t = t.detach()
@@ -322,8 +322,10 @@ def _block_views(t: torch.Tensor, dtype: str) -> list[torch.Tensor]:
     return out
 
 
-def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2) -> list[Payload]:
+def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2, bands: bool = False) -> list[Payload]:
     """Store each whole tensor as its canonical blocks; return one payload per input, in order.
+    ``bands``: on the row-band grid, for a tensor joining the entries of a version 2 or 3
+    commit in a metadata-only transition (``on_bands``), which keeps that commit's grid.
 
     All blocks go to ``store.put_tensors`` in one batch (hashed once, written once, one
     durability barrier); ``StoredPayload`` inputs pass through unchanged.
@@ -340,7 +342,7 @@ def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPaylo
                 f"a DTensor of shape {list(t.shape)} holds only this process's slice: save_distributed writes "
                 "DTensor parameters and optimizer state over its process group (SPEC.md §Block exchange)"
             )
-        blocks = _block_views(t, dtype_name(t.dtype))
+        blocks = _block_views(t, dtype_name(t.dtype), bands)
         spans.append((len(views), len(blocks)))
         views += blocks
     ids = store.put_tensors(views, threads=threads) if views else []
@@ -350,7 +352,7 @@ def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPaylo
             out.append(t.payload)
         else:
             assert span is not None  # every tensor that is not a StoredPayload was given a span above
-            out.append(make_payload(dtype_name(t.dtype), tuple(t.shape), ids[span[0]:span[0] + span[1]]))
+            out.append(make_payload(dtype_name(t.dtype), tuple(t.shape), ids[span[0]:span[0] + span[1]], bands=bands))
     return out
 
 
