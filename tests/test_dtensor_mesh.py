@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from dtensor_models import WIDE, Net, train
 from dtensor_models import adamw as _opt
-from faults import ReadCounter
 from gloo_group import run_group
+from read_counter import ReadCounter
 
 import shardstore as ss
 import shardstore.sharded.dtensor as sdt

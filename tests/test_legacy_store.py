@@ -138,3 +138,29 @@ def test_tools_work_on_a_version_2_and_3_store(legacy, tmp_path):
 
     deleted = set(gc(store, grace_seconds=0, dry_run=True).deleted)
     assert {new, *sids} <= deleted and not deleted & {b.object for e in entries for _, p, d in tensor_payloads(e) if is_chunked(p) for b in p}
+
+
+def test_a_payload_valid_on_both_grids_keeps_its_commits_version_in_a_transition():
+    """float32 [2^21]: two blocks of 2^20 elements on both grids. A version 2 commit of it, taken
+    into a transition, stays version 2 with the same learned-state root when the transition says
+    its parent's grid (``bands=banded(version)``, what shardtrain's regroup passes); judged from
+    the payloads alone it would become version 4, another root."""
+    from shardstore.checkpoint.slots import write_shard_entries
+    from shardstore.format.manifest import banded
+
+    store = ss.open_store(f"memory://both-{id(object())}")
+    cid = ss.save(store, {"v": torch.arange(1 << 21, dtype=torch.float32)}, step=0, rng=False)
+    (e,) = ss.load_commit(store, cid).entries().values()
+    assert [(b.start, b.shape) for b in e.param] == [((0,), (1 << 20,)), ((1 << 20,), (1 << 20,))] == [
+        (b[0], b[1]) for b in grid("float32", (1 << 21,), bands=True)]  # fmt: skip
+    info = ss.CommitInfo(step=0, job="default", transition="repartition")
+    v2 = ss.write_commit(store, [write_shard_entries(store, [e], groups=[], algorithm="none", rng={}, info=info, parent=cid,
+                                                     slot=0, slots=1, bands=True)], info=info, parent=cid)  # fmt: skip
+    parent = store.commit(v2)
+    assert parent.version == 2 and ss.verify(store, [v2]).ok
+    kept = write_shard_entries(store, [e], groups=[], algorithm="none", rng={}, info=info, parent=v2, slot=0, slots=1,
+                               bands=banded(parent.version))  # fmt: skip
+    child = store.commit(ss.write_commit(store, [kept], info=info, parent=v2))
+    assert child.version == 2 and child.learned_root == parent.learned_root
+    judged = write_shard_entries(store, [e], groups=[], algorithm="none", rng={}, info=info, parent=v2, slot=0, slots=1)
+    assert store.shard(judged).version == 4 and store.commit(ss.write_commit(store, [judged], info=info, parent=v2)).learned_root != parent.learned_root

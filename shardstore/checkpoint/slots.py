@@ -185,6 +185,7 @@ def write_shard_entries(
     parent: str | None,
     slot: int,
     slots: int,
+    bands: bool | None = None,
 ) -> str:
     """Write a shard manifest naming objects already in the store; return its id.
 
@@ -192,7 +193,11 @@ def write_shard_entries(
     naming the same objects, SPEC.md §15a): ``entries`` are taken as they are
     (sorted by name here), ``rng`` maps an RNG kind to an existing object id. Every named
     object must already be present (checked by existence; no payload byte is read), and
-    the manifest must pass the shard rules before it is written.
+    the manifest must pass the shard rules before it is written. ``bands``: whether the
+    entries' chunked payloads are on the row-band grid of versions 2-3 (pass
+    ``banded(parent.version)`` for a transition of a stored commit, so every slot keeps its
+    grid and version; None: judged from the payloads, which a payload valid on both grids
+    leaves on the tile grid).
     """
     check_info(info)
     # every object a payload names: one id, or each block of a chunked payload (SPEC.md §5a)
@@ -204,7 +209,7 @@ def write_shard_entries(
         raise ObjectNotFound(f"slot {slot}: {len(missing)} object(s) named by the new shard manifest are not in the store, "
                              f"first {missing[0]}")
     shard = ShardManifest(
-        version=shard_version(entries, bands=on_bands(entries)),  # entries of a version 2 or 3 commit keep their grid
+        version=shard_version(entries, bands=on_bands(entries) if bands is None else bands),  # a version 2 or 3 commit's keep their grid
         job=info.job,
         step=info.step,
         parent=parent,

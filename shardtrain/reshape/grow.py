@@ -27,8 +27,8 @@ import time
 import torch
 
 from shardstore import Store, TensorEntry, load_commit
-from shardstore.format.grid import on_bands, put_payloads, read_whole
-from shardstore.format.manifest import OptimEntry, Payload
+from shardstore.format.grid import put_payloads, read_whole
+from shardstore.format.manifest import OptimEntry, Payload, banded
 from shardstore.format.tensors import torch_dtype
 from shardtrain.engine.model import LlamaDecoderLayer, rotary_tables
 from shardtrain.engine.partition import LAYER_PARAMETER_SUFFIXES, Partition
@@ -66,7 +66,7 @@ def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None
         raise TransitionError(f"commit {lc.id[:12]} already has tensor {taken[0]!r} beyond its {layers} layers")
     step = lc.commit.step
     zero_ids: dict[tuple[str, tuple[int, ...]], Payload] = {}
-    bands = on_bands(entries.values())  # a version 2 or 3 commit grows on its own grid (SPEC.md §Versioning)
+    bands = banded(lc.commit.version)  # a version 2 or 3 commit grows on its own grid (SPEC.md §Versioning)
     for j in range(layers, layers + append):
         for suffix in LAYER_PARAMETER_SUFFIXES:
             src = entries[f"model.layers.{source}.{suffix}"]
