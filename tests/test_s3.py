@@ -391,15 +391,15 @@ def test_reads_with_a_limit_refuse_before_allocating(s3_server: S3Server) -> Non
 
 
 def test_copy_and_verify_shard_k_on_s3_take_slot_ks_tiles(s3_server: S3Server, tmp_path: Any) -> None:  # noqa: F811
-    """``copy --shard K`` from S3 and ``verify --shard K`` on S3 (issue 26): a uint8 [2048, 4096]
-    tensor (two column tiles of 4 MiB) held by 2 slots as a Shard(1) split holds it (on the
+    """``copy --shard K`` from S3 and ``verify --shard K`` on S3 (issue 26): a uint8 [2048, 2560]
+    tensor (two column tiles of 2.5 MiB) held by 2 slots as a Shard(1) split holds it (on the
     row-band grid each slot's copy took both blocks); slot K's copy moves its tile and the
     manifests, and slot K verifies on S3 without the other's tile."""
     from shardstore.format.slices import make_slices
     from shardstore.ops.transfer import copy_commit
     from shardstore.store import object_key
 
-    rows, cols = 2048, 4096
+    rows, cols = 2048, 2560
     t = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     boxes = [((0, c), (rows, cols // 2)) for c in (0, cols // 2)]
     states = [ss.SlotState({"t": t} if k == 0 else {}, slices=make_slices([("t", b)])) for k, b in enumerate(boxes)]

@@ -34,7 +34,7 @@ TILE_VERSION = 4
 
 #: Versions of shard manifests and commits this reader accepts (the version rule: ``manifest/payloads.py``).
 SUPPORTED_VERSIONS = (1, 2, 3, 4)
-#: Most blocks one chunked payload may list (4 TiB of 4 MiB blocks); checked by the decoder.
+#: Most blocks one chunked payload may list (about 2 TiB of tiles, 4 TiB of row bands); checked by the decoder.
 MAX_BLOCKS = 1 << 20
 #: Largest manifest (shard, commit, config) a reader will parse; checked before decoding.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
