@@ -1,8 +1,9 @@
 """The small model the DTensor tests shard (FSDP2, tensor parallelism, 2-D meshes) and its
 training loop: one definition, so every test module splits the same tensors.
 
-``fc1.weight`` is ``rows`` x 131072 float32 (5 MiB at 10 rows: canonical blocks of rows
-0-7 and 8-9), so every split the tests use cuts a block and the exchange moves pieces.
+``fc1.weight`` is ``rows`` x ``wide`` float32 (by default 10 x 131072, 5 MiB: two column
+tiles of 10 x 65536, SPEC.md §5a), so every split the tests use cuts a block and the exchange
+moves pieces.
 """
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ class Net(torch.nn.Module):
     """``fc2(relu(fc1(x)))``, parameters drawn from seed 0; ``table``: a persistent buffer
     larger than one block (FSDP2 leaves it whole on every rank)."""
 
-    def __init__(self, rows: int = 10, table: bool = False) -> None:
+    def __init__(self, rows: int = 10, table: bool = False, wide: int = WIDE) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.fc1 = torch.nn.Linear(WIDE, rows)
+        self.fc1 = torch.nn.Linear(wide, rows)
         self.fc2 = torch.nn.Linear(rows, 4)
         if table:
             self.register_buffer("table", torch.arange(10 * WIDE, dtype=torch.float32).reshape(10, WIDE))
@@ -40,8 +41,9 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: 
     """``steps`` updates on batches drawn from ``seed`` (the same on every rank: data
     parallelism then averages equal gradients)."""
     g = torch.Generator().manual_seed(seed)
+    wide = model.fc1.in_features
     for _ in range(steps):
-        x = torch.randn(batch, WIDE, generator=g)
+        x = torch.randn(batch, wide, generator=g)
         y = torch.randint(0, 4, (batch,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()

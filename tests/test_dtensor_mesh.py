@@ -28,6 +28,7 @@ import torch.distributed as dist
 from dtensor_models import WIDE, Net, train
 from dtensor_models import adamw as _opt
 from gloo_group import run_group
+from read_counter import ReadCounter
 
 import shardstore as ss
 import shardstore.sharded.dtensor as sdt
@@ -198,6 +199,38 @@ def _memory_check(rank: int, store: ss.Store, world_mesh) -> list[dict]:
     return out
 
 
+READ = (4096, 4096)  # 64 MiB float32: 4 x 4 tiles of 1024 x 1024 (SPEC.md §5a, version 4)
+
+
+def _read_checks(rank: int, store: ss.Store, mesh, world_mesh) -> dict:
+    """A 64 MiB weight saved from ``(Shard(0), Shard(1))`` on the 2 x 2 mesh, restored into
+    row splits, column splits, the 2-D split and FSDP2-on-TP's strided rows: this rank's
+    bytes read (counted by the restore at the storage reads) against its share."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    full = torch.randn(READ, generator=torch.Generator().manual_seed(11))  # every rank: split locally, not sent
+    saved = distribute_tensor(full, mesh, (Shard(0), Shard(1)), src_data_rank=None)
+    c = ss.save_distributed(store, {"w": saved}, None, info=_info(0), rng=False, ref=None, parent=None)
+    out: dict = {"commit": c, "reads": {}}
+    counter = ReadCounter(store.storage)
+    counted = ss.Store(counter, create=False)  # the same store, its object reads counted at the storage layer
+    dests = {
+        "Shard(0) x4": (world_mesh, (Shard(0),)),
+        "Shard(1) x4": (world_mesh, (Shard(1),)),
+        "(Shard(0), Shard(1)) 2x2": (mesh, (Shard(0), Shard(1))),
+        "FSDP2 on TP 2x2": (mesh, (_StridedShard(0, split_factor=2), Shard(0))),
+    }
+    for name, (m, placements) in dests.items():
+        want = distribute_tensor(full, m, placements, src_data_rank=None)
+        dest = distribute_tensor(torch.zeros(READ), m, placements, src_data_rank=None)
+        before = counter.bytes
+        r = ss.restore(counted, c, {"w": dest})
+        out["reads"][name] = {"read": counter.bytes - before, "reported": r.bytes_read, "share": dest.to_local().numel() * 4,
+                              "equal": torch.equal(dest.to_local(), want.to_local())}  # fmt: skip
+    return out
+
+
 def _body(rank: int, world: int, root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -207,6 +240,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     result = {"memory": _memory_check(rank, store, init_device_mesh("cpu", (world,)))}  # first: a fresh heap
     result["model"] = _model_checks(rank, store, mesh, pair, dist.new_group(list(range(world))))
     result["strided"] = _strided_checks(rank, store, mesh)
+    result["reads"] = _read_checks(rank, store, mesh, init_device_mesh("cpu", (world,)))
     return result
 
 
@@ -234,7 +268,7 @@ def test_fsdp2_on_tensor_parallel_restores_into_any_mesh_bitwise(runs):
     roots = {k: store.commit(model[0][k]).learned_root for k in ("c2d", "fsdp2", "single")}
     assert len(set(roots.values())) == 1, roots
     c = ss.load_commit(store, model[0]["c2d"])
-    assert c.commit.version == 3 and len(c.entries()["fc1.weight"].param) == 2  # 3: the shards record slices (SPEC.md §15e)
+    assert c.commit.version == 4 and len(c.entries()["fc1.weight"].param) == 2  # 4: the tile grid (SPEC.md §5a); slices recorded
     assert ss.verify(store).ok
 
 
@@ -246,9 +280,39 @@ def test_local_tensors_of_several_boxes_are_saved_and_restored(runs):
     assert len({s["commit"] for s in strided}) == 1
     assert all(s["plain_equal"] and s["self_equal"] for s in strided)
     assert store.commit(strided[0]["commit"]).learned_root == store.commit(strided[0]["single"]).learned_root
-    # each rank reads the blocks its parts overlap, each once: tp coordinate 0 (rows 0-2, 5-7) block
-    # 0 (rows 0-7), coordinate 1 (rows 3-4, 8-9) both blocks; and the one block of the small tensor
-    assert [s["bytes_read"] for s in strided] == [(8 if rank % 2 == 0 else 10) * WIDE * 4 + 4 * 8 * 4 for rank in range(4)]
+    # each rank reads the blocks its parts overlap, each once: the rows tensor's two column tiles
+    # (all 10 rows, columns 0-65535 and 65536-131071) both hold rows of every rank; and the one
+    # block of the small tensor
+    assert [s["bytes_read"] for s in strided] == [10 * WIDE * 4 + 4 * 8 * 4 for rank in range(4)]
+
+
+def test_each_rank_reads_its_share_for_row_column_2d_and_fsdp2_on_tp_splits(runs, tmp_path):
+    """The tile grid's point (issue 26): bytes read per rank, counted at the reads, within 1.25x
+    of its share for Shard(0), Shard(1), (Shard(0), Shard(1)) and FSDP2-on-TP; and ``copy --shard
+    K`` of the 2 x 2 save copies slot K's share (its tiles), not the checkpoint."""
+    store, results = runs
+    reads = [r["reads"] for r in results]
+    assert len({r["commit"] for r in reads}) == 1
+    figures = {name: [(r["reads"][name]["read"], r["reads"][name]["share"]) for r in reads] for name in reads[0]["reads"]}
+    saved = ss.load_commit(store, reads[0]["commit"])
+    manifests = sum(len(store.get(o)) for o in [saved.id, *saved.shard_ids.values()])  # read by every restore first
+    for name, per_rank in figures.items():
+        for rank, (read, share) in enumerate(per_rank):
+            assert reads[rank]["reads"][name]["equal"], (name, rank)
+            assert share <= read <= 1.25 * share, (name, rank, read, share)
+            assert reads[rank]["reads"][name]["reported"] + manifests == read  # Restored.bytes_read: the tensor bytes the storage served
+    whole = READ[0] * READ[1] * 4
+    lc = ss.load_commit(store, reads[0]["commit"])
+    copied = []
+    for k in range(4):  # copy --shard K, its object reads counted at the source's storage
+        counter = ReadCounter(store.storage)
+        dst = ss.open_store(str(tmp_path / f"slot{k}"))
+        ss.copy_commit(ss.Store(counter, create=False), dst, lc.id, slot=k)
+        copied.append(counter.bytes)
+        manifests = sum(len(store.get(o)) for o in [lc.id, *lc.shard_ids.values()])
+        assert whole / 4 <= counter.bytes - manifests <= 1.25 * whole / 4, (k, counter.bytes)
+        assert ss.verify(dst, [lc.id], slot=k).ok
+    print("restore bytes read / share per rank:", figures, "; copy --shard K bytes:", copied, "of", whole)
 
 
 def test_partial_placement_is_refused_at_save_and_restore_naming_the_tensor(runs):

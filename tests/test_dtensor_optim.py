@@ -8,12 +8,12 @@ One group of 3 processes serves every check:
   on), checks the commit against a plain model restored from it, and (SGD) resumes from it
   bitwise, restores it into tensor parallelism on dim 1 and saves that;
 - rank 2: restores each commit into a plain model and saves it whole (``sgd1``, ``ada1``);
-- all 3 ranks: FSDP2 (20 rows over 3: 7, 7, 6) restores the 2-rank and the 1-process
+- all 3 ranks: FSDP2 (2048 rows over 3: 683, 683, 682) restores the 2-rank and the 1-process
   commits, compares them with the plain model, saves again (``sgd3``), and takes one more
   optimizer step on the restored DTensor state.
 
-``fc1.weight`` is 20 x 131072 float32 (10 MiB), so its momentum buffer and Adagrad's ``sum``
-are chunked (blocks of 8, 8 and 4 rows) and every split cuts a block. The SGD commit is also
+``fc1.weight`` is 2048 x 2048 float32 (16 MiB), so its momentum buffer and Adagrad's ``sum``
+are chunked (2 x 2 tiles of 1024 x 1024, SPEC.md §5a) and the 3-rank split cuts tiles. The SGD commit is also
 copied with ``copy_commit(slot=1)`` (``copy --shard 1``) and restored from that partial copy.
 """
 from __future__ import annotations
@@ -30,12 +30,12 @@ from gloo_group import run_group
 
 import shardstore as ss
 
-ROWS = 20  # fc1.weight: 20 x 512 KiB rows, blocks of rows 0-7, 8-15, 16-19
+ROWS = COLS = 2048  # fc1.weight: 2 x 2 tiles of 1024 x 1024 (4 MiB each), in C order 0 (top left) to 3
 
 
 def _net() -> torch.nn.Module:
-    """20 rows (blocks of rows 0-7, 8-15, 16-19) and a persistent buffer larger than one block."""
-    return dtensor_models.Net(rows=ROWS, table=True)
+    """fc1.weight 2048 x 2048 (2 x 2 tiles) and a persistent buffer larger than one block."""
+    return dtensor_models.Net(rows=ROWS, table=True, wide=COLS)
 
 
 OPTIMIZERS = {
@@ -221,11 +221,11 @@ def test_fsdp2_sgd_and_adagrad_state_saved_and_restored_bitwise_in_every_directi
             assert r[f"{key}_into_fsdp3_equals_plain"], key  # FSDP2 x2 -> FSDP2 x3
             assert r[f"{key}1_into_fsdp3_equals_plain"], key  # 1 process -> FSDP2 x3
             assert r[f"{key}_step_after_restore_close"], key
-    assert [r["sgd_local_rows"] for r in three] == [7, 7, 6]
+    assert [r["sgd_local_rows"] for r in three] == [683, 683, 682]
     for key, state_key in (("sgd", "momentum_buffer"), ("ada", "sum")):
         lc = ss.load_commit(store, two[0][key])
         st = {t.key: t for t in lc.entries()["fc1.weight"].state.tensors}
-        assert lc.commit.version == 3 and len(st[state_key].object) == 3  # 10 MiB: chunked, three blocks
+        assert lc.commit.version == 4 and len(st[state_key].object) == 4  # 16 MiB: chunked, four tiles
         if key == "ada":
             assert [s.key for s in lc.entries()["fc1.weight"].state.scalars] == ["step"]  # a 0-d tensor, as it was
     assert ss.verify(store).ok
@@ -242,8 +242,8 @@ def test_one_learned_state_root_and_one_set_of_objects_whoever_saved_it(runs):
         assert len(set(roots.values())) == 1, roots
         objects = {k: _objects(store, c) for k, c in commits.items()}
         assert all(o == objects["1 process"] for o in objects.values())
-        # fc1.weight 3 blocks + 3 small, for the param and its one state tensor; the 5 MiB buffer's 2 blocks
-        assert len(objects["1 process"]) == 2 * (3 + 3) + 2
+        # fc1.weight 4 tiles + 3 small, for the param and its one state tensor; the 5 MiB buffer's 2 tiles
+        assert len(objects["1 process"]) == 2 * (4 + 3) + 2
         assert ss.load_commit(store, commits["FSDP2 x2"]).entries()["table"].kind == "buffer"
 
 
@@ -255,13 +255,11 @@ def test_a_dtensor_inside_an_extra_is_refused_naming_it(runs):
 
 def _slot1_objects() -> tuple[int, int]:
     """What slot 1 of the 2-rank SGD commit needs, worked out by hand (SPEC.md §Slices held): FSDP2
-    gives rank 1 rows ceil(d/2)..d of every parameter; a 4 MiB block holds 8 rows of fc1.weight."""
-    row = WIDE * 4
-    blocks = [(lo, min(lo + 8, ROWS)) for lo in range(0, ROWS, 8)]
-    mine = [(lo, hi) for lo, hi in blocks if hi > -(-ROWS // 2)]  # blocks reaching into rows 10-19
+    gives rank 1 rows 1024-2047 of fc1.weight: its tiles 2 and 3 (1024 x 1024 each), not 0 and 1."""
+    mine = 2  # tiles 2 and 3
     small = [ROWS * 4, 4 * ROWS * 4, 4 * 4]  # fc1.bias, fc2.weight, fc2.bias: one object each
-    param = len(mine) + len(small), sum(hi - lo for lo, hi in mine) * row + sum(small)
-    table = 2, 10 * row  # the buffer every rank holds whole: both its blocks
+    param = mine + len(small), mine * 1024 * 1024 * 4 + sum(small)
+    table = 2, 10 * WIDE * 4  # the buffer every rank holds whole: both its column tiles
     return 2 * param[0] + table[0], 2 * param[1] + table[1]  # the parameter and its momentum
 
 
@@ -275,16 +273,16 @@ def test_copy_shard_k_copies_only_the_blocks_slot_k_held_and_restores_only_its_s
     assert n == 12 and copied == n + 2 + 1  # data objects, 2 shard manifests, the commit
     assert copied_bytes - nbytes < 64 * 1024  # the rest is the three manifests
     assert two[1]["partial"]["restored"]  # rank 1's slice, bitwise from the partial copy
-    refused = two[0]["partial"]["refused"]  # rank 0 needs block 0, which only rank 0 held
+    refused = two[0]["partial"]["refused"]  # rank 0 needs tiles 0 and 1, which only rank 0 held
     print("restore of slot 0 from the slot-1 copy:", refused)
-    assert "'fc1.weight'" in refused and "block 0" in refused and "not in the store" in refused
+    assert "'fc1.weight'" in refused and ("block 0" in refused or "block 1" in refused) and "not in the store" in refused
     partial = ss.open_store(store.url + "-slot1", create=False)
     cid = two[0]["sgd"]
     assert ss.verify(partial, [cid], slot=1).ok  # what slot 1 needs is all there
     report = ss.verify(partial, [cid])  # the whole commit is not: exactly slot 0's own blocks are missing
     lc = ss.load_commit(partial, cid)
     w = lc.entries()["fc1.weight"]
-    absent = {w.param[0].object, w.state.tensors[0].object[0].object}
+    absent = {w.param[0].object, w.param[1].object, w.state.tensors[0].object[0].object, w.state.tensors[0].object[1].object}
     assert {(p.kind, p.tensor) for p in report.problems} == {("ObjectNotFound", "fc1.weight")}
     assert {p.object for p in report.problems} == absent
     assert gc(partial, grace_seconds=0, dry_run=True).deleted == {}  # nothing there is garbage

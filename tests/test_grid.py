@@ -22,8 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardstore as ss
-from shardstore.format.grid import BLOCK_BYTES, box_slices, grid, intersect, make_payload, overlapping, read_jobs
+from shardstore.format.grid import BLOCK_BYTES, block_count, box_slices, grid, intersect, make_payload, overlapping, read_jobs, tile_shape
 from shardstore.format.manifest import Block
+from shardstore.format.tensors import ITEMSIZES
 from shardstore.sharded.dtensor import plan_blocks, slice_regions
 
 MiB = 1 << 20
@@ -43,49 +44,112 @@ MiB = 1 << 20
         ("float64", (2, 3, 300000), [((i, j, 0), (1, 1, 300000)) for i in range(2) for j in range(3)]),  # cut along dim 1
     ],
 )
-def test_grid_vectors(dtype, shape, boxes):
+def test_row_band_grid_vectors(dtype, shape, boxes):
+    """The grid of versions 2 and 3, still what their stores are checked against (SPEC.md §5a)."""
     assert BLOCK_BYTES == 4 * MiB
-    assert grid(dtype, shape) == boxes
+    assert grid(dtype, shape, bands=True) == boxes
+    assert block_count(dtype, shape, bands=True) == len(boxes)
 
 
-# A chunked commit pinned by id (SPEC.md §Test vectors): float32 [3, 524288], element i = i.
+def _tiles(shape, tile):
+    runs = [[(j, min(n, d - j)) for j in range(0, d, n)] for d, n in zip(shape, tile)]
+    return [(tuple(r[0] for r in c), tuple(r[1] for r in c)) for c in itertools.product(*runs)]
 
 
-def _chunked_state() -> tuple[torch.Tensor, ss.CommitInfo]:
-    return torch.arange(3 * 524288, dtype=torch.float32).reshape(3, 524288), ss.CommitInfo(step=0, job="vector-job", transition="init")
+@pytest.mark.parametrize(
+    "dtype, shape, tile",
+    [
+        ("float32", (2, 3), (2, 3)),  # small: one block, the whole tensor
+        ("float32", (), ()),
+        ("int64", (0, 7), (0, 7)),  # empty: one (empty) block
+        ("float32", (1 << 20,), (1 << 20,)),  # exactly the bound: one block
+        ("float32", (3 << 20,), (786432,)),  # 1-d: halved twice, four pieces of 3 MiB
+        ("float32", (10, 131072), (10, 65536)),  # the larger extent is halved: two column tiles
+        ("float32", (4096, 4096), (1024, 1024)),  # square: 4 x 4 tiles of 4 MiB
+        ("bfloat16", (4096, 11008), (1024, 1376)),  # an MLP weight: 4 x 8 tiles
+        ("float32", (1501, 1500), (751, 750)),  # uneven: rounding up, the last tile of a run is smaller
+        ("float32", (10000, 3, 3), (10000, 3, 3)),  # 360 kB: one block
+        ("float32", (200000, 3, 3), (100000, 3, 3)),  # bands of whole 3 x 3 cells
+        ("float64", (2, 3, 300000), (2, 3, 75000)),  # the last dim halved until the tile fits
+        ("float32", (8, 1024, 1024), (8, 256, 512)),  # 3-d: the largest extents halved in turn
+    ],
+)
+def test_tile_grid_vectors(dtype, shape, tile):
+    """The tile grid of version 4 (SPEC.md §5a): the tile shape, and the blocks it gives in C order."""
+    assert tile_shape(dtype, shape) == tile
+    boxes = grid(dtype, shape)
+    assert boxes == ([((0,) * len(shape), tuple(shape))] if math.prod(shape) * ITEMSIZES[dtype] <= BLOCK_BYTES else _tiles(shape, tile))
+    assert block_count(dtype, shape) == len(boxes)
+    assert all(math.prod(b[1]) * ITEMSIZES[dtype] <= BLOCK_BYTES for b in boxes) or len(boxes) == 1
 
 
-def _independent_ids(n_rows: int = 3, cols: int = 524288) -> tuple[list[str], str, str]:
-    """Block ids, shard manifest bytes and learned root from SPEC.md's rules, without shardstore."""
+def test_tiles_bound_the_reads_of_row_column_and_2d_splits():
+    """What the tile grid is for: on a 64 MiB weight, a Shard(0), Shard(1) or 2 x 2 split of
+    2 or 4 ranks overlaps exactly its share of blocks; on the row-band grid a column split
+    overlaps every block."""
+    shape = (4096, 4096)
+    share = {  # (name, region) of rank 0 of each split
+        "Shard(0) x2": ((0, 0), (2048, 4096)), "Shard(1) x2": ((0, 0), (4096, 2048)),
+        "Shard(1) x4": ((0, 0), (4096, 1024)), "(Shard(0), Shard(1)) 2x2": ((0, 0), (2048, 2048)),
+    }  # fmt: skip
+    for name, region in share.items():
+        read = sum(math.prod(b[1]) for b in grid("float32", shape) if intersect(b, region)) * 4
+        assert read == math.prod(region[1]) * 4, name
+    bands = sum(math.prod(b[1]) for b in grid("float32", shape, bands=True) if intersect(b, share["Shard(1) x2"])) * 4
+    assert bands == 4096 * 4096 * 4  # the whole tensor: what issue 26 measured
+
+
+# Chunked commits pinned by id (SPEC.md §Test vectors): element i = i.
+
+
+def _independent_ids(n_rows: int, cols: int, boxes, version: int) -> tuple[list[str], str, str]:
+    """Block ids, shard manifest id and learned root from SPEC.md's rules, without shardstore:
+    each block's object is its box's elements in C order (rows of the box, each a byte range)."""
     raw = array("f", range(n_rows * cols)).tobytes()
     row = cols * 4
-    per = (4 * MiB) // row  # rows per block
-    starts = list(range(0, n_rows, per))
-    ids = [blake3.blake3(raw[s * row:min(s + per, n_rows) * row]).hexdigest() for s in starts]
-    blocks = [{"object": oid, "shape": [min(per, n_rows - s), cols], "start": [s, 0]} for s, oid in zip(starts, ids)]
+    ids = []
+    for (r0, c0), (nr, nc) in boxes:
+        ids.append(blake3.blake3(b"".join(raw[(r0 + i) * row + c0 * 4:(r0 + i) * row + (c0 + nc) * 4] for i in range(nr))).hexdigest())
+    blocks = [{"object": oid, "shape": list(ext), "start": list(start)} for (start, ext), oid in zip(boxes, ids)]
     entry = {"dtype": "float32", "name": "w", "optim": None, "param": blocks, "shape": [n_rows, cols]}
     enc = lambda d: json.dumps(d, sort_keys=True, separators=(",", ":")).encode()  # noqa: E731
     shard = {"algorithm": "none", "config": None, "entries": [entry], "groups": [], "job": "vector-job", "parent": None,
-             "rng": [], "slot": 0, "slots": 1, "step": 0, "type": "shard", "version": 2}
+             "rng": [], "slot": 0, "slots": 1, "step": 0, "type": "shard", "version": version}
     learned = {"config": None, "data_cursor": None, "optimizer": {"algorithm": "none", "groups": []}, "step": 0,
-               "tensors": [entry], "type": "learned", "version": 2}
+               "tensors": [entry], "type": "learned", "version": version}
     return ids, blake3.blake3(enc(shard)).hexdigest(), blake3.blake3(enc(learned)).hexdigest()
 
 
-def test_chunked_vectors_match_an_independent_encoder():
+def test_the_version_2_chunked_vector_is_unchanged():
+    """Format 2's vector (float32 [3, 524288] on the row-band grid: rows 0-1, row 2) stays
+    pinned, recomputed from SPEC.md alone; ``tests/test_legacy_store.py`` reads a store of it."""
+    boxes = [((0, 0), (2, 524288)), ((2, 0), (1, 524288))]
+    assert grid("float32", (3, 524288), bands=True) == boxes
+    assert _independent_ids(3, 524288, boxes, 2) == CHUNKED_VECTORS[:3]
+
+
+def _tiled_state() -> tuple[torch.Tensor, ss.CommitInfo]:
+    return torch.arange(1501 * 1500, dtype=torch.float32).reshape(1501, 1500), ss.CommitInfo(step=0, job="vector-job", transition="init")
+
+
+def test_tiled_vectors_match_an_independent_encoder():
     store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
-    w, info = _chunked_state()
+    w, info = _tiled_state()
     cid = ss.save_slots(store, [ss.SlotState({"w": w})], info=info, ref=None, parent=None)
     lc = ss.load_commit(store, cid)
     e = lc.entries()["w"]
-    ids, shard_id, root = _independent_ids()
+    boxes = [((0, 0), (751, 750)), ((0, 750), (751, 750)), ((751, 0), (750, 750)), ((751, 750), (750, 750))]
+    ids, shard_id, root = _independent_ids(1501, 1500, boxes, 4)
+    assert [(tuple(b.start), tuple(b.shape)) for b in e.param] == boxes
     assert [b.object for b in e.param] == ids
-    assert [(b.start, b.shape) for b in e.param] == [((0, 0), (2, 524288)), ((2, 0), (1, 524288))]
     assert lc.shard_ids[0] == shard_id
     assert lc.commit.learned_root == root
-    assert lc.commit.version == 2 and lc.shards[0].version == 2
-    assert (ids, shard_id, root, cid) == CHUNKED_VECTORS
+    assert lc.commit.version == 4 and lc.shards[0].version == 4
+    assert (ids, shard_id, root, cid) == TILED_VECTORS
     assert ss.verify(store).ok
+    back = torch.zeros(1501, 1500)
+    ss.restore(store, cid, {"w": back})
+    assert torch.equal(back, w)
 
 
 CHUNKED_VECTORS = (
@@ -93,6 +157,14 @@ CHUNKED_VECTORS = (
     "3063682d113132e8e6e11f8d7382e853010cb0e8919f9d742bda0457f21fc1c3",  # shard manifest
     "87487da2a3effa47abfb07096475c38002236244ce7345bf9bad31c401de7302",  # learned-state root
     "cbabe2bd0f6aa625b333a66e19094dedb9e3870c1945edd17215c0864e5b83ac",  # full root
+)
+
+TILED_VECTORS = (
+    ["c70bc3ac4cc264292dbd5395b9a3cf18bc207e5ecd538fdff7d3e344a5fdbda2", "d4433455bd0eb0d758f0a82d72ee8c7d48fc696a95b88dd9cadf18f11292ccd1",
+     "ad397486da4e3cd39ced9995a4abc0ee587d2f76cff26ba145a0e4d253c8dca8", "c16d9b427ce61e81b22f8d3a3dd6f58556366ffbe767ca6d34035f941fe085dd"],
+    "44f8c828ff5081c354aadd6584755fe604272f859ac162c002b95553386db67c",  # shard manifest (version 4)
+    "5be2aa23a8d5f492625d59ad8e166817d6bc6a4b21a6ed5d083e1c364fa240e4",  # learned-state root (version 4)
+    "d47a9b0138bf67f333ecd05b1414224be9b68bc51325bf573a51a73a5e504e69",  # full root
 )
 
 
@@ -173,9 +245,10 @@ def test_restore_into_any_split_reads_exactly_the_overlapping_blocks(case, data)
     tdtype = ss.format.tensors.torch_dtype(dtype)
     whole = (torch.arange(math.prod(shape)) % 253).to(tdtype).reshape(shape)
     store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
-    boxes = grid(dtype, shape, block_bytes=bound)
+    bands = data.draw(st.booleans())  # the tile grid, or the row-band grid of versions 2-3 (still read)
+    boxes = grid(dtype, shape, block_bytes=bound, bands=bands)
     ids = [store.put_tensor(whole[box_slices(b, (0,) * len(shape))].contiguous()) for b in boxes]
-    payload = make_payload(dtype, shape, ids, block_bytes=bound)
+    payload = make_payload(dtype, shape, ids, block_bytes=bound, bands=bands)
     origin, extent = data.draw(st.sampled_from(sorted(_regions(shape, splits, 1))))
     dest = torch.zeros(extent, dtype=tdtype)
     counting = CountingStore(store)
@@ -196,7 +269,7 @@ def test_restore_into_any_split_reads_exactly_the_overlapping_blocks(case, data)
 
 @pytest.fixture(scope="module")
 def chunked():
-    """A commit with one chunked parameter and chunked Adam moments (10 x 131072 float32: 2 blocks each)."""
+    """A commit with one chunked parameter and chunked Adam moments (10 x 131072 float32: 2 column tiles each)."""
     store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
     m = torch.nn.Linear(131072, 10)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -290,7 +363,7 @@ def test_version_1_commits_stay_version_1(chunked):
     assert lc.commit.version == 1 and lc.shards[0].version == 1
     big_store, big, _, _ = chunked
     c = big_store.commit(big)
-    with pytest.raises(ss.ManifestError, match="version 1 must be version 2"):
+    with pytest.raises(ss.ManifestError, match="version 1 must be version 2 or 4"):
         ss.manifest.decode(ss.encode(msgspec.structs.replace(big_store.shard(c.layout[0].shard), version=1)))
 
 
@@ -307,7 +380,7 @@ def test_tools_understand_chunked_payloads(chunked, tmp_path, capsys):
     a = ss.save(store, m, opt, step=1, rng=False, config={"num_hidden_layers": 1})
     kept = m.weight.detach().clone()
     with torch.no_grad():
-        m.weight[9, :5] += 1.0  # only the second block (rows 8-9) of the weight changes
+        m.weight[9, -5:] += 1.0  # only the second block (columns 65536-131071) of the weight changes
     try:
         b = ss.save(store, m, opt, step=1, rng=False, config={"num_hidden_layers": 1})
         changed = m.weight.detach().clone()
@@ -335,7 +408,7 @@ def test_tools_understand_chunked_payloads(chunked, tmp_path, capsys):
     capsys.readouterr()
     assert main(["show", str(tmp_path / "s"), b, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["commit"]["version"] == 2 and shown["totals"]["objects"] == 3 * 3  # weight: 2 blocks x 3, bias: 1 x 3
+    assert shown["commit"]["version"] == 4 and shown["totals"]["objects"] == 3 * 3  # weight: 2 blocks x 3, bias: 1 x 3
 
 
 def test_metadata_only_repartition_of_a_chunked_commit_writes_no_tensor_bytes(chunked):
@@ -353,6 +426,6 @@ def test_metadata_only_repartition_of_a_chunked_commit_writes_no_tensor_bytes(ch
         for i, e in enumerate(entries)
     ]  # fmt: skip
     new = ss.write_commit(store, sids, info=info, parent=cid)
-    assert store.commit(new).learned_root == lc.commit.learned_root and store.commit(new).version == 2
+    assert store.commit(new).learned_root == lc.commit.learned_root and store.commit(new).version == 4
     assert set(store.objects()) - before == {new, *sids}  # manifests only
     assert ss.verify(store, [new]).ok

@@ -92,7 +92,7 @@ def _shard_bytes() -> bytes:
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda b: b.replace(b'"version":1', b'"version":4'), "version 4 is not supported"),
+        (lambda b: b.replace(b'"version":1', b'"version":5'), "version 5 is not supported"),
         # Formats 2 and 3 exist for chunked payloads only: a shard without one must say version 1.
         (lambda b: b.replace(b'"version":1', b'"version":2'), "must be version 1"),
         (lambda b: b.replace(b'"version":1', b'"version":3'), "must be version 1"),

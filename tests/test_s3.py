@@ -388,3 +388,34 @@ def test_reads_with_a_limit_refuse_before_allocating(s3_server: S3Server) -> Non
     with pytest.raises(ss.ObjectTooLarge, match="over this reader's limit"):
         storage.read_hashed(f"objects/{oid[:2]}/{oid}", new_hasher, 1 * MiB)
     assert [n for n, _ in proxy.calls] == ["get_object"]
+
+
+def test_copy_and_verify_shard_k_on_s3_take_slot_ks_tiles(s3_server: S3Server, tmp_path: Any) -> None:  # noqa: F811
+    """``copy --shard K`` from S3 and ``verify --shard K`` on S3 (issue 26): a uint8 [2048, 2560]
+    tensor (two column tiles of 2.5 MiB) held by 2 slots as a Shard(1) split holds it (on the
+    row-band grid each slot's copy took both blocks); slot K's copy moves its tile and the
+    manifests, and slot K verifies on S3 without the other's tile."""
+    from shardstore.format.slices import make_slices
+    from shardstore.ops.transfer import copy_commit
+    from shardstore.store import object_key
+
+    rows, cols = 2048, 2560
+    t = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    boxes = [((0, c), (rows, cols // 2)) for c in (0, cols // 2)]
+    states = [ss.SlotState({"t": t} if k == 0 else {}, slices=make_slices([("t", b)])) for k, b in enumerate(boxes)]
+    store = ss.open_store(s3_server.url(), **s3_server.options)
+    cid = ss.save_slots(store, states, info=ss.CommitInfo(step=0, job="j", transition="init"), ref=None, parent=None)
+    lc = ss.load_commit(store, cid)
+    tiles = lc.entries()["t"].param
+    assert [(tuple(b.start), tuple(b.shape)) for b in tiles] == boxes
+    manifests = sum(len(store.get(o)) for o in [cid, *lc.shard_ids.values()])
+    for k in (0, 1):
+        dst = ss.open_store(str(tmp_path / f"slot{k}"))
+        result = copy_commit(store, dst, cid, slot=k)
+        assert result.bytes_copied == rows * cols // 2 + manifests  # slot k's tile and the 3 manifests, nothing else
+        assert dst.has(tiles[k].object) and not dst.has(tiles[1 - k].object)
+        assert ss.verify(dst, [cid], slot=k).ok
+    store.storage.delete(object_key(tiles[1].object))  # slot 1's tile is lost on S3
+    assert ss.verify(store, [cid], slot=0).ok  # slot 0 needs none of it
+    report = ss.verify(store, [cid], slot=1)
+    assert [(p.kind, p.object) for p in report.problems] == [("ObjectNotFound", tiles[1].object)]

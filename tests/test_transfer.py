@@ -142,13 +142,15 @@ def test_a_corrupt_block_is_named_by_tensor_role_and_block(tmp_path: Any) -> Non
     """Regression: copy named a corrupt object "data object <id>" only; now the tensor, role
     and block, as verify names them."""
     src = ss.open_store(str(tmp_path / "a"))
-    cid = ss.save(src, {"w": torch.ones(1100, 1000)}, step=0, rng=False)  # 4.4 MB: two blocks
+    w = torch.arange(1100 * 1000, dtype=torch.float32).reshape(1100, 1000)  # 4.4 MB: two blocks (distinct bytes)
+    cid = ss.save(src, {"w": w}, step=0, rng=False)
     payload = ss.load_commit(src, cid).shards[0].entries[0].param
     assert len(payload) == 2
     victim = payload[1].object
     path = tmp_path / "a" / object_key(victim)
     path.chmod(0o644)
-    path.write_bytes(b"\x01" + path.read_bytes()[1:])  # its first byte was 0
+    data = path.read_bytes()
+    path.write_bytes(bytes([data[0] ^ 1]) + data[1:])  # one bit flipped
     with pytest.raises(CorruptObject, match=f"tensor 'w', parameter block 1 object {victim} read from"):
         copy_commit(src, ss.open_store(str(tmp_path / "b")), cid)
 

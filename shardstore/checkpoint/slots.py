@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
-from ..format.grid import payload_blocks, put_payloads, read_parts
+from ..format.grid import on_bands, payload_blocks, put_payloads, read_parts
 from ..format.manifest import (
     MAX_MANIFEST_BYTES,
     CommitManifest,
@@ -41,6 +41,7 @@ from ..format.manifest import (
     ShardManifest,
     SlotLayout,
     TensorEntry,
+    banded,
     decode_config,
     encode,
     encode_config,
@@ -187,6 +188,7 @@ def write_shard_entries(
     parent: str | None,
     slot: int,
     slots: int,
+    bands: bool | None = None,
 ) -> str:
     """Write a shard manifest naming objects already in the store; return its id.
 
@@ -194,7 +196,11 @@ def write_shard_entries(
     naming the same objects, SPEC.md §15a): ``entries`` are taken as they are
     (sorted by name here), ``rng`` maps an RNG kind to an existing object id. Every named
     object must already be present (checked by existence; no payload byte is read), and
-    the manifest must pass the shard rules before it is written.
+    the manifest must pass the shard rules before it is written. ``bands``: whether the
+    entries' chunked payloads are on the row-band grid of versions 2-3 (pass
+    ``banded(parent.version)`` for a transition of a stored commit, so every slot keeps its
+    grid and version; None: judged from the payloads, which a payload valid on both grids
+    leaves on the tile grid).
     """
     check_info(info)
     # every object a payload names: one id, or each block of a chunked payload (SPEC.md §5a)
@@ -206,7 +212,7 @@ def write_shard_entries(
         raise ObjectNotFound(f"slot {slot}: {len(missing)} object(s) named by the new shard manifest are not in the store, "
                              f"first {missing[0]}")
     shard = ShardManifest(
-        version=shard_version(entries),
+        version=shard_version(entries, bands=on_bands(entries) if bands is None else bands),  # a version 2 or 3 commit's keep their grid
         job=info.job,
         step=info.step,
         parent=parent,
@@ -246,9 +252,11 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
         SlotLayout(slot=i, shard=sid, tensors=tuple(e.name for e in s.entries)) for i, (sid, s) in enumerate(zip(shard_ids, shards))
     )
     extras = tuple(sorted(extras, key=lambda x: x.key))
-    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries, extras=extras)
+    version = max(s.version for s in shards)
+    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries, extras=extras,
+                        bands=banded(version))
     commit = CommitManifest(
-        version=max(s.version for s in shards),
+        version=version,
         job=info.job,
         schedule=info.schedule,
         profile=info.profile,

@@ -5,33 +5,37 @@ that is a function of its dtype and shape only. Never of how it was split when i
 saved, so a tensor written whole, by pipeline slots, by FSDP2 on any number of ranks or
 by tensor parallelism has the same objects, and the same learned-state root.
 
-The grid: let ``inner(k)`` be the bytes of one step along dim ``k`` (itemsize times the
-dims after ``k``) and ``k`` the first dim with ``inner(k) <= BLOCK_BYTES``. Every block
-has extent 1 on the dims before ``k``, ``r = BLOCK_BYTES // inner(k)`` indices of dim
-``k`` (fewer in the last block of a run) and the whole of every later dim. For the usual
-case (``k = 0``) blocks are bands of whole rows. Every block is one contiguous byte range
-of the tensor's C-order bytes, so:
+**The tile grid** (format version 4, what every writer produces): start from the whole
+shape and, while a tile holds more than ``BLOCK_BYTES``, halve (rounding up) its largest
+extent (the first such dim on a tie). So the extent on dim ``k`` is ``ceil(d_k / 2^m_k)``:
+every dim is cut into a power-of-two number of equal pieces, the tiles are as square as the
+bound allows, and a slice along any dim (FSDP2's and ``Shard(0)``'s rows, ``Shard(1)``'s
+columns, both on a 2-D mesh) overlaps only the tiles it needs plus those its edges cut.
+A tile is a box, not one byte range of the tensor: writers gather it (``t[box]``, torch's
+strided copy) and readers scatter it (a buffer copied into the destination's view).
 
-- a tensor written whole is cut into views of its own memory (no copy);
-- a dim-0 slice (FSDP2, tensor parallelism's ``Shard(0)``) holds whole blocks as
-  contiguous views, and only the blocks its boundaries cut need pieces from a neighbour;
-- a dim-1 slice (``Shard(1)``) holds a column strip of each block: the block's owner
-  concatenates the strips of the ranks along dim 1.
+**The row-band grid** (versions 2 and 3, still read and checked, never written; ``bands=True``):
+let ``inner(k)`` be the bytes of one step along dim ``k`` (itemsize times the dims after
+``k``) and ``k`` the first dim with ``inner(k) <= BLOCK_BYTES``. Every block has extent 1
+on the dims before ``k``, ``r = BLOCK_BYTES // inner(k)`` indices of dim ``k`` (fewer in the
+last block of a run) and the whole of every later dim: bands of whole rows, each one
+contiguous byte range (which is why a column split read every block).
 
-A tensor of at most ``BLOCK_BYTES`` is one block, whose payload is a single object id,
-exactly as in format version 1. This module knows nothing of DTensor or processes.
+A tensor of at most ``BLOCK_BYTES`` is one block on both grids, whose payload is a single
+object id, exactly as in format version 1. This module knows nothing of DTensor or processes.
 """
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import CorruptObject, GridError, ObjectNotFound, TensorMismatch
 from .lazy import torch
-from .manifest import MAX_BLOCKS, Block, Payload, is_chunked
+from .manifest import MAX_BLOCKS, Block, Payload, TensorEntry, is_chunked, state_payloads, tensor_payloads
 from .tensors import ITEMSIZES, dtype_name, expected_nbytes, is_dtensor, torch_dtype
 
 __all__ = [
@@ -40,12 +44,14 @@ __all__ = [
     "Box",
     "StoredPayload",
     "grid",
+    "tile_shape",
     "block_count",
     "intersect",
     "box_slices",
     "payload_blocks",
     "overlapping",
     "grid_problems",
+    "on_bands",
     "check_payload",
     "check_stored",
     "check_stored_all",
@@ -69,7 +75,7 @@ class BlockStore(Protocol):
 
     def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = ...) -> list[str]: ...
 
-#: The block bound of format version 2: 4 MiB. Part of the format: changing it changes ids.
+#: The block bound of format versions 2-4: 4 MiB. Part of the format: changing it changes ids.
 BLOCK_BYTES = 1 << 22
 
 #: A box of a tensor: (start index on each dim, extent on each dim).
@@ -86,8 +92,23 @@ class StoredPayload:
     shape: tuple[int, ...]
 
 
+def tile_shape(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> tuple[int, ...]:
+    """The extent of the tile grid's first tile (SPEC.md §5a, version 4): the shape, its
+    largest extent halved (rounded up; the first such dim on a tie) while it exceeds the bound."""
+    item = ITEMSIZES[dtype]
+    t = [int(d) for d in shape]
+    while item * math.prod(t) > block_bytes:  # ends: a tile of extent 1 everywhere is item <= 8 bytes
+        k = max(range(len(t)), key=lambda d: (t[d], -d))
+        t[k] = -(-t[k] // 2)
+    return tuple(t)
+
+
+def _tile_count(shape: tuple[int, ...], tile: tuple[int, ...]) -> int:
+    return math.prod(-(-d // n) for d, n in zip(shape, tile)) if math.prod(shape) else 1
+
+
 def _split(dtype: str, shape: tuple[int, ...], block_bytes: int) -> tuple[int, int, int]:
-    """(k, r, number of blocks) of the grid (SPEC.md §5a), computed without listing the blocks."""
+    """(k, r, number of blocks) of the row-band grid (versions 2-3), computed without listing the blocks."""
     item = ITEMSIZES[dtype]
     if math.prod(shape) * item <= block_bytes:
         return -1, 0, 1
@@ -96,16 +117,30 @@ def _split(dtype: str, shape: tuple[int, ...], block_bytes: int) -> tuple[int, i
     return k, r, math.prod(shape[:k]) * -(-shape[k] // r)
 
 
-def block_count(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> int:
-    """How many blocks the canonical grid has (cheap for any shape, even a forged one)."""
-    return _split(dtype, tuple(int(d) for d in shape), block_bytes)[2]
+def block_count(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES, bands: bool = False) -> int:
+    """How many blocks the canonical grid has (cheap for any shape, even a forged one);
+    ``bands``: the row-band grid of versions 2 and 3."""
+    shape = tuple(int(d) for d in shape)
+    if bands:
+        return _split(dtype, shape, block_bytes)[2]
+    return _tile_count(shape, tile_shape(dtype, shape, block_bytes=block_bytes))
 
 
-def grid(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> list[Box]:
-    """The canonical blocks of a ``dtype`` tensor of ``shape``, in C order of their starts.
+def grid(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES, bands: bool = False) -> list[Box]:
+    """The canonical blocks of a ``dtype`` tensor of ``shape``, in C order of their starts:
+    the tile grid, or with ``bands`` the row-band grid of versions 2 and 3 (SPEC.md §5a).
 
     GridError if there would be more than ``MAX_BLOCKS`` (checked before listing any)."""
     shape = tuple(int(d) for d in shape)
+    if not bands:
+        tile = tile_shape(dtype, shape, block_bytes=block_bytes)
+        count = _tile_count(shape, tile)
+        if count > MAX_BLOCKS:
+            raise GridError(f"a {dtype}{list(shape)} tensor would have {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)")
+        if count == 1:
+            return [((0,) * len(shape), shape)]
+        runs = [[(j, min(n, d - j)) for j in range(0, d, n)] for d, n in zip(shape, tile)]
+        return [(tuple(r[0] for r in combo), tuple(r[1] for r in combo)) for combo in itertools.product(*runs)]
     k, r, count = _split(dtype, shape, block_bytes)
     if count > MAX_BLOCKS:
         raise GridError(f"a {dtype}{list(shape)} tensor would have {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)")
@@ -160,11 +195,12 @@ def overlapping(payload: Payload, dtype: str, shape: Sequence[int], region: Box)
     return [i for i, (_, box, _) in enumerate(payload_blocks(payload, dtype, shape)) if intersect(box, region) is not None]
 
 
-def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[str]:
-    """What is wrong with a payload's blocks for a ``dtype`` tensor of ``shape`` (empty: nothing)."""
+def grid_problems(payload: Payload, dtype: str, shape: Sequence[int], *, bands: bool = False) -> list[str]:
+    """What is wrong with a payload's blocks for a ``dtype`` tensor of ``shape`` (empty: nothing);
+    ``bands``: checked against the row-band grid (a manifest of version 2 or 3)."""
     shape = tuple(shape)
     nbytes = expected_nbytes(dtype, shape)
-    count = block_count(dtype, shape)
+    count = block_count(dtype, shape, bands=bands)
     if count > MAX_BLOCKS:  # a forged shape: refused before anything is listed or allocated
         return [f"its {nbytes} bytes would need {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)"]
     if isinstance(payload, str):  # one object (is_chunked's other case)
@@ -176,7 +212,7 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[st
         return [f"it fits one block ({nbytes} bytes <= {BLOCK_BYTES}) but its payload lists {len(blocks)} blocks"]
     # The grid is listed only when the payload lists as many blocks: a forged shape's count
     # (up to MAX_BLOCKS) must not make a one-line entry cost a million boxes (SPEC.md §Limits).
-    canon = grid(dtype, shape) if len(blocks) == count else []
+    canon = grid(dtype, shape, bands=bands) if len(blocks) == count else []
     if canon and all(tuple(b.start) == c[0] and tuple(b.shape) == c[1] for b, c in zip(blocks, canon)):
         return []  # the canonical grid; what follows only says how a payload differs from it
     for i, b in enumerate(blocks):
@@ -204,9 +240,23 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int]) -> list[st
     return []
 
 
-def check_payload(payload: Payload, dtype: str, shape: Sequence[int], what: str) -> None:
+def on_bands(entries: Iterable[TensorEntry]) -> bool:
+    """Whether the chunked payloads of ``entries`` (taken from a stored commit) are on the
+    row-band grid of versions 2 and 3 rather than the tile grid: a manifest naming them
+    again (a metadata-only transition) keeps their version's grid (SPEC.md §Versioning)."""
+    for e in entries:
+        for _, payload, dtype in tensor_payloads(e):
+            if is_chunked(payload) and grid_problems(payload, dtype, e.shape):
+                return True
+        for _, payload, dtype, shape in state_payloads(e):
+            if is_chunked(payload) and grid_problems(payload, dtype, shape):
+                return True
+    return False
+
+
+def check_payload(payload: Payload, dtype: str, shape: Sequence[int], what: str, *, bands: bool = False) -> None:
     """Raise GridError naming ``what`` (tensor and role) if the payload is not the canonical grid."""
-    for msg in grid_problems(payload, dtype, shape):
+    for msg in grid_problems(payload, dtype, shape, bands=bands):
         raise GridError(f"{what}: {msg} (SPEC.md §Chunked payloads)")
 
 
@@ -242,9 +292,9 @@ def check_stored_all(store: BlockStore, tensors: Sequence[tuple[Payload, str, Se
             )
 
 
-def make_payload(dtype: str, shape: Sequence[int], ids: Sequence[str], *, block_bytes: int = BLOCK_BYTES) -> Payload:
+def make_payload(dtype: str, shape: Sequence[int], ids: Sequence[str], *, block_bytes: int = BLOCK_BYTES, bands: bool = False) -> Payload:
     """The payload naming ``ids``, the objects of the canonical blocks in order."""
-    canon = grid(dtype, shape, block_bytes=block_bytes)
+    canon = grid(dtype, shape, block_bytes=block_bytes, bands=bands)
     if len(ids) != len(canon):
         raise GridError(f"{len(ids)} block ids for a grid of {len(canon)} blocks")
     if len(canon) == 1:
@@ -252,22 +302,30 @@ def make_payload(dtype: str, shape: Sequence[int], ids: Sequence[str], *, block_
     return tuple(Block(start=start, shape=extent, object=oid) for (start, extent), oid in zip(canon, ids))
 
 
-def _block_views(t: torch.Tensor, dtype: str) -> list[torch.Tensor]:
-    """Views of a whole tensor's canonical blocks (1-d, contiguous); one copy if ``t`` is not contiguous."""
+def _block_views(t: torch.Tensor, dtype: str, bands: bool = False) -> list[torch.Tensor]:
+    """Views of a whole tensor's canonical blocks: a tile that is one byte range of a
+    contiguous ``t`` is a 1-d view of it, any other a strided view (``put_tensors`` gathers
+    its bytes in C order of the tile, one tile at a time)."""
     shape = tuple(t.shape)
-    boxes = grid(dtype, shape)
+    boxes = grid(dtype, shape, bands=bands)
     if len(boxes) == 1:
         return [t]
-    flat = t.detach().contiguous().reshape(-1)
+    t = t.detach()
+    flat = t.reshape(-1) if t.is_contiguous() else None
     out = []
     for start, extent in boxes:
-        lo = _offset(shape, start)
-        out.append(flat[lo:lo + math.prod(extent)])
+        view = t[box_slices((start, extent), (0,) * len(shape))]
+        if flat is not None and view.is_contiguous():
+            lo = _offset(shape, start)
+            view = flat[lo:lo + math.prod(extent)]
+        out.append(view)
     return out
 
 
-def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2) -> list[Payload]:
+def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2, bands: bool = False) -> list[Payload]:
     """Store each whole tensor as its canonical blocks; return one payload per input, in order.
+    ``bands``: on the row-band grid, for a tensor joining the entries of a version 2 or 3
+    commit in a metadata-only transition (``on_bands``), which keeps that commit's grid.
 
     All blocks go to ``store.put_tensors`` in one batch (hashed once, written once, one
     durability barrier); ``StoredPayload`` inputs pass through unchanged.
@@ -284,7 +342,7 @@ def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPaylo
                 f"a DTensor of shape {list(t.shape)} holds only this process's slice: save_distributed writes "
                 "DTensor parameters and optimizer state over its process group (SPEC.md §Block exchange)"
             )
-        blocks = _block_views(t, dtype_name(t.dtype))
+        blocks = _block_views(t, dtype_name(t.dtype), bands)
         spans.append((len(views), len(blocks)))
         views += blocks
     ids = store.put_tensors(views, threads=threads) if views else []
@@ -294,7 +352,7 @@ def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPaylo
             out.append(t.payload)
         else:
             assert span is not None  # every tensor that is not a StoredPayload was given a span above
-            out.append(make_payload(dtype_name(t.dtype), tuple(t.shape), ids[span[0]:span[0] + span[1]]))
+            out.append(make_payload(dtype_name(t.dtype), tuple(t.shape), ids[span[0]:span[0] + span[1]], bands=bands))
     return out
 
 

@@ -30,10 +30,13 @@ def learned_state(
     optimizer: OptimizerSpec,
     entries: Iterable[TensorEntry],
     extras: Iterable[ExtraEntry] = (),
+    bands: bool = False,
 ) -> LearnedState:
     entries = list(entries)
     return LearnedState(
-        version=shard_version(entries),  # 3 iff a state tensor is chunked, 2 iff a payload is (SPEC.md §Versioning); never slices
+        # 4 iff a payload is chunked, else 1; a commit of version 2 or 3 (the row-band grid):
+        # 3 iff a state tensor is chunked, 2 iff a payload is (SPEC.md §Versioning); never slices
+        version=shard_version(entries, bands=bands),
         step=step,
         data_cursor=data_cursor,
         config=config,
@@ -51,7 +54,9 @@ def learned_root(
     optimizer: OptimizerSpec,
     entries: Iterable[TensorEntry],
     extras: Iterable[ExtraEntry] = (),
+    bands: bool = False,
 ) -> str:
-    """The learned-state root of the given values (see module docstring)."""
-    doc = learned_state(step=step, data_cursor=data_cursor, config=config, optimizer=optimizer, entries=entries, extras=extras)
+    """The learned-state root of the given values (see module docstring); ``bands``: of a
+    commit of version 2 or 3, whose chunked payloads are on the row-band grid."""
+    doc = learned_state(step=step, data_cursor=data_cursor, config=config, optimizer=optimizer, entries=entries, extras=extras, bands=bands)
     return hash_bytes(encode(doc))

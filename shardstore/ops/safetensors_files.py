@@ -12,6 +12,7 @@ then renamed into place.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import struct
@@ -118,7 +119,8 @@ def write_safetensors(store: Store, path: str, items: Sequence[Item], tick: Call
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for it in items:
-            for i, (oid, _box, nbytes) in enumerate(blocks := payload_blocks(it.oid, it.dtype, it.shape)):  # consecutive byte ranges
+            base = f.tell()
+            for i, (oid, box, nbytes) in enumerate(blocks := payload_blocks(it.oid, it.dtype, it.shape)):
                 try:
                     data = store.get(oid, limit=nbytes)  # re-hashed on read; bounded by the entry's size first
                 except (CorruptObject, ObjectNotFound, ObjectTooLarge) as e:  # too large: appended bytes, corrupt
@@ -126,11 +128,38 @@ def write_safetensors(store: Store, path: str, items: Sequence[Item], tick: Call
                     raise kind(f"tensor {it.name!r}{f', block {i}' if len(blocks) > 1 else ''} ({path}): {e}") from None
                 if len(data) != nbytes:
                     raise TensorMismatch(f"tensor {it.name!r}: object {oid} holds {len(data)} bytes, entry needs {nbytes}")
-                f.write(data)
-                del data
+                view = memoryview(data)
+                for at, start, length in runs(tuple(it.shape), box, itemsize(it.dtype)):  # a row band: one run; a tile: its rows
+                    if f.tell() != base + at:
+                        f.seek(base + at)
+                    f.write(view[start:start + length])
+                del data, view
+            f.seek(base + it.nbytes)
             tick(it)
         f.flush()
         _check_written(tmp, items)
+
+
+def runs(shape: tuple[int, ...], box: tuple[tuple[int, ...], tuple[int, ...]], item: int) -> Iterator[tuple[int, int, int]]:
+    """(byte offset in the tensor, byte offset in the block, length) of each contiguous run of
+    a block's bytes in the tensor's C-order bytes: one for a row band (SPEC.md §5a, versions
+    2-3) or a tile spanning every later dim, one per row of the tile's leading dims otherwise."""
+    start, extent = box
+    if not shape:
+        yield 0, 0, item
+        return
+    if 0 in extent:
+        return
+    j = len(shape) - 1
+    while j > 0 and extent[j] == shape[j]:
+        j -= 1  # the dims after j are whole in the block: its runs are along dim j
+    strides = [item] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    length = extent[j] * strides[j]
+    first = sum(s * st for s, st in zip(start, strides))
+    for k, idx in enumerate(itertools.product(*(range(n) for n in extent[:j]))):
+        yield first + sum(i * st for i, st in zip(idx, strides)), k * length, length
 
 
 def itemsize(dtype: str) -> int:

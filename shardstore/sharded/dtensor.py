@@ -36,12 +36,13 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from ..errors import StateMismatch, TensorMismatch
+from ..errors import TensorMismatch
 from ..format.grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
 from ..format.slices import make_slices
 from ..format.tensors import dtype_name, is_dtensor, new_hasher, same_split, tensor_bytes, torch_dtype
 from ..state.slot import SlotState
 from ..store import Store
+from .agreement import check_agreement, coverage_problem
 from .exchange import BATCH_BYTES, ExchangeStats, last_exchange, run_plan
 from .placement import local_parts
 
@@ -188,6 +189,7 @@ def write_dtensors(store: Store, state: SlotState | None, *, group: Any = None, 
     if failed:  # a peer's failure fails the commit (the protocol phase names that rank); no exchange
         return _restate(state, {}, set())
     peers = [_ITEMS.decode(g[1:]) for g in gathered]
+    check_agreement(peers)  # the same answer on every rank: dtypes, shapes, plain against DTensor, naming ranks
     union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}
     plain: dict[str, list[int]] = {}
     for r, items in enumerate(peers):
@@ -196,14 +198,15 @@ def write_dtensors(store: Store, state: SlotState | None, *, group: Any = None, 
                 plain.setdefault(it.name, []).append(r)
                 continue
             dtype, shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
-            if (dtype, shape) != (it.dtype, it.shape):
-                raise StateMismatch(f"{it.role} of tensor {it.name!r}: ranks disagree on dtype/shape ({dtype}{list(shape)} vs {it.dtype}{list(it.shape)})")
             for box in it.boxes:
                 held.setdefault(box, []).append(r)
     g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     plans = []
     for (n, role), (dtype, shape, held) in sorted(union.items()):
-        regions = slice_regions(n, dtype, shape, held)
+        try:
+            regions = slice_regions(n, dtype, shape, held)
+        except TensorMismatch as e:
+            raise TensorMismatch(coverage_problem(n, role, dtype, shape, held, len(peers), str(e))) from None
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
             plans.append(((n, role), bi, box, owner, sends, dtype))
     _replicas_agree(locals_, union, rank, group)

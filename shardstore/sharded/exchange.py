@@ -233,7 +233,7 @@ def _exchange(store: Store, owned: list, sending: list, need: int, g: Any, group
                 buf[box_slices(common, box[0])] = lt[box_slices(common, vo)]
         for t, src, piece in arriving:
             dest = buf[box_slices(piece, box[0])]
-            if dest.is_contiguous():  # row bands: straight into the block
+            if dest.is_contiguous():  # whole along the block's later dims (rows of it): straight into the block
                 works.append(dist.irecv(dest, src=g(src), group=group, tag=t))
             else:  # a column strip: into a buffer, then copied into place
                 tmp = arena.take(piece[1], dtype)

@@ -18,7 +18,7 @@ from ..errors import (
 )
 from ..format.canonical import sorted_unique
 from ..format.grid import grid_problems, payload_blocks
-from ..format.manifest import CommitManifest, ShardManifest, TensorEntry, tensor_payloads
+from ..format.manifest import CommitManifest, ShardManifest, TensorEntry, banded, shard_version, tensor_payloads
 from ..format.roots import learned_root
 from ..format.slices import commit_slice_problems, shard_slice_problems
 from ..state.extras import extras_rules
@@ -107,7 +107,7 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
             yield p(ManifestError, "moment_dtype must be set exactly when moments are present", e.name)
     for e in shard.entries:
         for role, payload, dtype in tensor_payloads(e):
-            for msg in grid_problems(payload, dtype, e.shape):
+            for msg in grid_problems(payload, dtype, e.shape, bands=banded(shard.version)):
                 yield p(GridError, f"{role} payload: {msg} (SPEC.md §Chunked payloads)", e.name)
         for msg in state_problems(e, shard.version):
             yield p(GridError, f"{msg} (SPEC.md §Chunked payloads)", e.name)
@@ -179,6 +179,9 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
             missing = sorted(set(lay.tensors) - set(names))
             extra = sorted(set(names) - set(lay.tensors))
             yield p(LayoutError, f"layout of slot {lay.slot} and its shard disagree: in layout only {missing[:5]}, in shard only {extra[:5]}", sid)
+        if banded(shard.version) and not banded(commit.version) and shard_version(shard.entries, bands=True) > 1:
+            yield p(BindingError, f"shard of version {shard.version} puts chunked payloads on the row-band grid, "
+                    f"but the commit is version {commit.version} (the tile grid): a commit uses one grid (SPEC.md §Versioning)", sid)
         all_entries.extend(shard.entries)
     if set(groups) - used_groups and len(shards) == len(commit.layout):
         yield p(ManifestError, f"optimizer groups {sorted(set(groups) - used_groups)} are used by no tensor")
@@ -187,7 +190,8 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
         for msg, tensor, slot in commit_slice_problems(shards, {e.name: e for e in all_entries}):
             yield p(LayoutError, msg, shard_ids.get(slot), tensor)
         c = commit
-        root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=all_entries, extras=c.extras)
+        root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=all_entries, extras=c.extras,
+                            bands=banded(c.version))
         if root != commit.learned_root:
             yield p(ManifestError, f"learned-state root is {commit.learned_root} but the shards give {root} (SPEC.md §Roots)")
 

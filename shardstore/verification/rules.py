@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from ..errors import BindingError, ManifestError, ShardstoreError
 from ..format.canonical import in_int_range, sorted_unique
 from ..format.grid import grid_problems
-from ..format.manifest import STATE_CHUNKED_VERSION, CommitManifest, ShardManifest, TensorEntry, TorchOptimizer, is_chunked, state_payloads
+from ..format.manifest import STATE_CHUNKED_VERSION, CommitManifest, ShardManifest, TensorEntry, TorchOptimizer, banded, is_chunked, state_payloads
 from ..format.tensors import FLOAT_DTYPES
 from ..state.extras import extras_rules
 
@@ -20,11 +20,12 @@ __all__ = ["state_problems", "shard_rules", "commit_rules"]
 
 def state_problems(e: TensorEntry, version: int) -> Iterator[str]:
     """What is wrong with the payloads of an entry's state tensors in a manifest of ``version``:
-    from version 3 they follow the canonical grid (SPEC.md §Chunked payloads); before, each is
-    one object whatever its size (what versions 1 and 2 wrote, still read)."""
+    from version 3 they follow the canonical grid (SPEC.md §Chunked payloads: the row-band grid in
+    version 3, the tile grid from version 4); before, each is one object whatever its size
+    (what versions 1 and 2 wrote, still read)."""
     for key, payload, dtype, shape in state_payloads(e):
         if version >= STATE_CHUNKED_VERSION:
-            for msg in grid_problems(payload, dtype, shape):
+            for msg in grid_problems(payload, dtype, shape, bands=banded(version)):
                 yield f"optimizer state {key!r} payload: {msg}"
         elif is_chunked(payload):  # the version rule reports it too; say which tensor
             yield f"optimizer state {key!r} is chunked in a version {version} manifest (chunked state needs version {STATE_CHUNKED_VERSION})"

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from shardstore import CommitInfo, LoadedCommit, Store, TensorEntry, load_commit, write_commit, write_shard_entries
-from shardstore.format.manifest import decode_config
+from shardstore.format.manifest import banded, decode_config
 from shardstore.format.rng import capture_rng, restore_rng
 from shardtrain.engine.model import LlamaConfig
 from shardtrain.engine.partition import Partition
@@ -151,7 +151,8 @@ def write_layout(store: Store, lc: LoadedCommit, entries: Mapping[str, TensorEnt
         else:
             rng = {kind: store.put(data) for kind, data in derived_rng(lc.id, slot).items()}
         shard_ids.append(write_shard_entries(store, mine, groups=[groups[g] for g in used], algorithm=c.optimizer.algorithm,
-                                             rng=rng, info=info, parent=lc.id, slot=slot, slots=partition.num_slots))
+                                             rng=rng, info=info, parent=lc.id, slot=slot, slots=partition.num_slots,
+                                             bands=banded(c.version)))  # a version 2 or 3 commit keeps its grid
     return write_commit(store, shard_ids, info=info, parent=lc.id, extras=c.extras)  # commit-wide extras are layout-free
 
 

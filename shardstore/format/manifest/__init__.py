@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..canonical import f64_decode, f64_encode
 from .encoding import check_writable, decode, decode_config, decode_manifest, encode, encode_config
-from .payloads import is_chunked, shard_version, state_payloads, tensor_payloads
+from .payloads import banded, is_chunked, legal_versions, shard_version, state_payloads, tensor_payloads
 from .schema import (
     CHUNKED_VERSION,
     DTYPE_NAMES,
@@ -32,6 +32,7 @@ from .schema import (
     MAX_SLOTS,
     STATE_CHUNKED_VERSION,
     SUPPORTED_VERSIONS,
+    TILE_VERSION,
     TRANSITIONS,
     Algorithm,
     Base,
@@ -84,6 +85,7 @@ __all__ = [
     "TRANSITIONS",
     "CHUNKED_VERSION",
     "STATE_CHUNKED_VERSION",
+    "TILE_VERSION",
     "SUPPORTED_VERSIONS",
     "MAX_BLOCKS",
     "Oid",
@@ -94,6 +96,8 @@ __all__ = [
     "tensor_payloads",
     "state_payloads",
     "shard_version",
+    "legal_versions",
+    "banded",
     "Base",
     "StoreConfig",
     "PinManifest",

@@ -16,7 +16,7 @@ import msgspec
 from ...errors import ManifestError, ObjectTooLarge
 from ..bounded import check_json_nesting
 from ..canonical import decode_real, encode_scalar, is_real
-from .payloads import shard_version
+from .payloads import legal_versions
 from .schema import (
     MAX_MANIFEST_BYTES,
     SUPPORTED_VERSIONS,
@@ -92,11 +92,12 @@ def decode(data: bytes | memoryview, what: str = "manifest") -> Manifest:
         raise ManifestError(f"{what}: malformed {header.type} manifest: {e}") from None
     if encode(obj) != raw:
         raise ManifestError(f"{what}: {header.type} manifest is not in canonical encoding (SPEC.md §Canonical encoding)")
-    if isinstance(obj, ShardManifest) and obj.version != shard_version(obj.entries, obj.slices):
+    if isinstance(obj, ShardManifest) and obj.version not in (legal := legal_versions(obj.entries, obj.slices)):
         raise ManifestError(
-            f"{what}: shard manifest of version {obj.version} must be version {shard_version(obj.entries, obj.slices)}: "
-            "version 3 exactly when a torch-form state tensor is chunked or slices are recorded, else 2 exactly when a "
-            "tensor payload is chunked (SPEC.md §Versioning)"
+            f"{what}: shard manifest of version {obj.version} must be version {' or '.join(map(str, legal))}: version 4 "
+            "exactly when a payload is chunked (the tile grid), else 3 exactly when slices are recorded; versions 2 and 3 "
+            "wrote chunked payloads on the row-band grid: 3 when a state tensor is chunked or slices are recorded, else 2 "
+            "(SPEC.md §Versioning)"
         )
     return obj
 

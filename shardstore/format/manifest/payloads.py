@@ -7,9 +7,9 @@ encodes (and hashes) exactly as before: verify, gc, copy and the version rule al
 """
 from __future__ import annotations
 
-from .schema import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, Payload, Slice, TensorEntry
+from .schema import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, TILE_VERSION, Payload, Slice, TensorEntry
 
-__all__ = ["is_chunked", "tensor_payloads", "state_payloads", "shard_version"]
+__all__ = ["is_chunked", "tensor_payloads", "state_payloads", "shard_version", "legal_versions", "banded"]
 
 def is_chunked(payload: "Payload | None") -> bool:
     return payload is not None and not isinstance(payload, str)
@@ -36,10 +36,36 @@ def state_payloads(e: TensorEntry) -> list[tuple[str, Payload, str, tuple[int, .
     return [] if e.state is None else [(t.key, t.object, t.dtype, tuple(t.shape)) for t in e.state.tensors]
 
 
-def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices: "tuple[Slice, ...]" = ()) -> int:
-    """The lowest format version that can express these entries (and a shard manifest's
-    slices): 3 iff a torch-form state tensor is chunked or slices are recorded, else 2 iff a
-    payload is chunked, else 1. The learned-state document passes entries only."""
+def _any_chunked(entries: "tuple[TensorEntry, ...] | list[TensorEntry]") -> bool:
+    return any(is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e)) or any(
+        is_chunked(p) for e in entries for _, p, _, _ in state_payloads(e)
+    )
+
+
+def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices: "tuple[Slice, ...]" = (), *, bands: bool = False) -> int:
+    """The version a writer gives these entries (and a shard manifest's slices): 4 iff any
+    payload is chunked (the tile grid), else 3 iff slices are recorded, else 1. The
+    learned-state document passes entries only.
+
+    ``bands``: the rule of versions 2 and 3, whose chunked payloads are on the row-band grid
+    (what they wrote, still read): 3 iff a torch-form state tensor is chunked or slices are
+    recorded, else 2 iff a payload is chunked, else 1."""
+    if not bands:
+        if _any_chunked(entries):
+            return TILE_VERSION
+        return STATE_CHUNKED_VERSION if slices else FORMAT_VERSION
     if slices or any(is_chunked(p) for e in entries for _, p, _, _ in state_payloads(e)):
         return STATE_CHUNKED_VERSION
     return CHUNKED_VERSION if any(is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e)) else FORMAT_VERSION
+
+
+def legal_versions(entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices: "tuple[Slice, ...]" = ()) -> tuple[int, ...]:
+    """The versions a reader accepts for these entries: the writer's, and the version 2 or 3
+    that wrote them on the row-band grid (which grid the payloads follow is checked by the
+    version found: ``banded``)."""
+    return tuple(sorted({shard_version(entries, slices), shard_version(entries, slices, bands=True)}))
+
+
+def banded(version: int) -> bool:
+    """Whether a manifest of ``version`` puts its chunked payloads on the row-band grid (2, 3)."""
+    return version < TILE_VERSION

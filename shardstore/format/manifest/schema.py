@@ -27,10 +27,14 @@ CHUNKED_VERSION = 2
 #: tensor is one object whatever its size, so chunking them changed ids and needed a version.
 #: Shard manifests recording slices (SPEC.md §Slices held) too: recording them changed DTensor saves' ids.
 STATE_CHUNKED_VERSION = 3
+#: Shard manifests, commits and learned-state documents with any chunked payload, on the tile
+#: grid (SPEC.md §Chunked payloads): what every writer produces since. Versions 2 and 3 put
+#: their chunked payloads on the row-band grid; they are still read and verified, never written.
+TILE_VERSION = 4
 
 #: Versions of shard manifests and commits this reader accepts (the version rule: ``manifest/payloads.py``).
-SUPPORTED_VERSIONS = (1, 2, 3)
-#: Most blocks one chunked payload may list (4 TiB of 4 MiB blocks); checked by the decoder.
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
+#: Most blocks one chunked payload may list (about 2 TiB of tiles, 4 TiB of row bands); checked by the decoder.
 MAX_BLOCKS = 1 << 20
 #: Largest manifest (shard, commit, config) a reader will parse; checked before decoding.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
