@@ -300,7 +300,7 @@ def test_a_pin_never_hides_a_commit_problem_and_never_exceeds_the_limits(tmp_pat
     for deep in (False, True):  # the commit's own check of the object runs and names the commit
         problems = ss.verify(store, deep=deep).problems
         assert any(p.commit == cid and p.object == param for p in problems), (deep, problems)
-    import shardstore.store as store_mod
+    import shardstore.store.store as store_mod
 
     monkeypatch.setattr(store_mod, "MAX_ENTRIES", 2)
     ids = [store.put(bytes([i])) for i in range(3)]
