@@ -38,6 +38,7 @@ from .errors import (
     TargetNotFound,
 )
 from .manifest import FORMAT_VERSION, MAX_ENTRIES, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, StoreConfig, decode, decode_manifest, encode
+from .gc_fence import fenced_move
 from .names import check_oid, check_oid_prefix, check_ref_name
 from .storage import Buffer, Storage, open_storage
 from .tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
@@ -354,11 +355,12 @@ class Store:
                 out[name] = value
         return out
 
-    def set_ref(self, name: str, new: str, *, expected: str | None) -> None:
-        """Move ref ``name`` from ``expected`` (None: must not exist) to ``new``; RefConflict otherwise."""
+    def set_ref(self, name: str, new: str, *, expected: str | None, needs: set[str] | None = None) -> None:
+        """Move ref ``name`` from ``expected`` (None: must not exist) to ``new``; RefConflict otherwise
+        (GcRace if ``new``'s closure, or ``needs``, is not all present: behind the gc fence, SPEC.md §19b)."""
         check_oid(new, what="commit id")
         exp = None if expected is None else (check_oid(expected, what="expected commit id") + "\n").encode()
-        self.storage.swap(ref_key(name), exp, (new + "\n").encode())
+        fenced_move(self, commit=new, objects=sorted(needs or ()), move=lambda: self.storage.swap(ref_key(name), exp, (new + "\n").encode()))
 
     def delete_ref(self, name: str, *, expected: str) -> None:
         """Delete ref ``name`` if it points at ``expected``: a compare-and-delete, so a ref moved
@@ -426,9 +428,9 @@ class Store:
         A compare-and-swap, like ``set_ref``: a read-modify-write passes the value it read,
         so that a concurrent change of the same pin raises RefConflict and changes nothing
         instead of being overwritten (``add_to_pin`` does the whole loop)."""
-        new = self._pin_bytes(name, objects)
-        exp = None if expected is None else self._pin_bytes(name, expected)
-        self.storage.swap(pin_key(name), exp, new)
+        new, exp = self._pin_bytes(name, objects), None if expected is None else self._pin_bytes(name, expected)
+        added = sorted(set(objects) - set(expected or ()))  # behind the gc fence (SPEC.md §19b), like set_ref
+        fenced_move(self, objects=added, move=lambda: self.storage.swap(pin_key(name), exp, new))
 
     def add_to_pin(self, name: str, objects: Sequence[str], *, attempts: int = 20) -> tuple[str, ...]:
         """Make pin ``name`` hold ``objects`` as well as what it holds now (created if absent);

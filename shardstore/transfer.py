@@ -186,7 +186,7 @@ def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str
     return True, len(data)
 
 
-def _move_ref(dst: Store, ref: str, cid: str, attempts: int = 40) -> None:
+def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], attempts: int = 40) -> None:
     """Move ``ref`` to ``cid`` by compare-and-swap against the value read just before.
 
     Losing to an identical copy (the ref now holds ``cid``) is success; losing to another
@@ -197,7 +197,7 @@ def _move_ref(dst: Store, ref: str, cid: str, attempts: int = 40) -> None:
         if current == cid:
             return
         try:
-            dst.set_ref(ref, cid, expected=current)
+            dst.set_ref(ref, cid, expected=current, needs=needs)  # a slot copy needs its slot's closure only
             return
         except RefConflict:
             now = dst.ref(ref)
@@ -261,7 +261,7 @@ def copy_commit(
     batch([(closure.commit, None, "commit manifest")])
     load_commit(dst, lc.id)  # the destination now holds a structurally valid commit
     if ref is not None:
-        _move_ref(dst, ref, lc.id)
+        _move_ref(dst, ref, lc.id, closure.ids())
         result.ref = ref
     for name, ids in pinned.items():  # the objects are durable at the destination: name them
         dst.add_to_pin(name, ids)  # compare-and-swap: a concurrent writer's objects are kept

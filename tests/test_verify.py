@@ -8,6 +8,7 @@ import random
 import pytest
 
 import shardstore as ss
+from faults import forge_ref
 from shardstore.manifest import encode
 from conftest import TinyNet, make_optimizer, train_steps
 
@@ -214,7 +215,7 @@ def test_learned_root_forgery(committed):
 
 def test_ref_to_missing_commit(committed):
     store, cid, *_ = committed
-    store.set_ref("dangling", "f" * 64, expected=None)
+    forge_ref(store, "dangling", "f" * 64)
     report = ss.verify(store)
     assert any(p.object == "f" * 64 and isinstance(p.error, ss.ObjectNotFound) for p in report.problems)
 
