@@ -37,6 +37,7 @@ from shardtrain.errors import ConfigError, JobError
 from shardtrain.model import LlamaConfig
 from shardtrain.optim import GroupConfig
 from shardtrain.optim import Schedule as LrSchedule
+from shardtrain.job_bounds import check_bounds
 from shardtrain.recipe import F64, CohortReference, Count, Distillation, FileName, GateRecipe, GroupRecipe, Positive, Recipe, _Base
 from shardtrain.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
 from shardtrain.tasks import FAMILIES, Record, make_conversations, make_records, record_id
@@ -149,8 +150,10 @@ def _decode(data: bytes, kind: type[Any], what: str, limit: int) -> Any:
 
 
 def decode_job(raw: bytes, what: str = "job file") -> Job:
-    """Strictly decode job file bytes (bounded, canonical, known version)."""
-    return _decode(raw, Job, what, _MAX_JOB_BYTES)
+    """Strictly decode job file bytes (bounded, canonical, known version, every value in bounds)."""
+    job = _decode(raw, Job, what, _MAX_JOB_BYTES)
+    check_bounds(job)  # SPEC.md §14c: before anything reads records, starts a worker, writes or pins
+    return job
 
 
 def model_spec(config: LlamaConfig) -> ModelSpec:
