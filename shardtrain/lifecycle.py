@@ -59,7 +59,7 @@ from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain import admission
 from shardtrain.committer import Committer
 from shardtrain.distill import Distiller, reference_steps
-from shardtrain.errors import AdmissionError, JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
+from shardtrain.errors import AdmissionError, JobError, LaunchError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
 from shardtrain.job import PreparedJob, load_job
 from shardtrain.launch import WorkerContext, launch_local
 from shardtrain.model import LlamaConfig
@@ -432,8 +432,16 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
                          env={**DETERMINISTIC_ENV, **(env or {})}, join_timeout=join_timeout)
         except WorkerFailedError as exc:
             _raise_failure(exc)
-        results = []
-        for r in range(workers):
+        return _read_results(out, workers)
+
+
+def _read_results(out: str, workers: int) -> list[RunResult]:
+    """Every worker's result file; LaunchError naming the worker if one does not decode (SPEC.md §14d)."""
+    results = []
+    for r in range(workers):
+        try:
             with open(os.path.join(out, f"rank{r}.json"), "rb") as f:
                 results.append(msgspec.json.decode(f.read(), type=RunResult))
+        except (OSError, msgspec.ValidationError, msgspec.DecodeError) as e:  # never a traceback
+            raise LaunchError(f"worker {r}'s result file could not be read: {e}") from None
     return results
