@@ -38,7 +38,7 @@ from shardtrain.model import Llama, LlamaConfig
 from shardtrain.partition import Partition, build_stage
 from shardtrain.ring import Ring
 
-__all__ = ["find_reference", "Reference", "Distiller", "reference_steps", "reference_bytes"]
+__all__ = ["find_reference", "Reference", "Distiller", "reference_steps", "reference_bytes", "check_reference_depths"]
 
 
 def find_reference(store: Store, job: PreparedJob, cohort: str, head: str | None) -> str | None:
@@ -72,6 +72,29 @@ def reference_steps(job: PreparedJob, start: int, until: int) -> set[int]:
         if ref is not None and ref.source == "endpoint" and start < job.cohort_end(ref.of or "") <= until:
             out.add(job.cohort_end(ref.of or ""))
     return out
+
+
+def check_reference_depths(job: PreparedJob, store: Store, head: str | None, start: int, until: int,
+                           workers: int) -> None:
+    """Refuse, before any worker starts, a run whose cohorts in (start, until] distil toward a
+    committed reference too shallow to split over `workers` (each worker builds
+    `Partition.even(reference depth, workers)`; README §Distillation). A reference this run
+    commits itself is the student's own depth, which the student's split already allows."""
+    for cohort in sorted({s.cohort for s in job.job.schedule.steps[start:until]}):
+        try:
+            cid = find_reference(store, job, cohort, head)
+        except DistillError:
+            continue  # an endpoint this run commits before the cohort trains
+        if cid is None or not store.has(cid):
+            continue
+        config_id = store.commit(cid).config
+        if config_id is None:
+            raise DistillError(f"cohort {cohort}'s reference commit {cid[:12]} has no model config")
+        depth = LlamaConfig.from_hf_dict(decode_config(store.get(config_id, limit=MAX_MANIFEST_BYTES))).num_hidden_layers
+        if depth < workers:
+            raise DistillError(f"cohort {cohort}'s distillation reference {cid[:12]} has {depth} layers, which cannot "
+                               f"be split over {workers} workers (each holds a non-empty share); train with at most "
+                               f"{depth} workers")
 
 
 def reference_bytes(config: LlamaConfig, num_slots: int, slot: int) -> int:

@@ -58,7 +58,7 @@ from shardstore import CommitInfo, LoadedCommit, Store, load_commit, open_store
 from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain import admission
 from shardtrain.committer import Committer
-from shardtrain.distill import Distiller, reference_steps
+from shardtrain.distill import Distiller, check_reference_depths, reference_steps
 from shardtrain.errors import AdmissionError, JobError, LaunchError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
 from shardtrain.job import PreparedJob, load_job
 from shardtrain.launch import WorkerContext, launch_local
@@ -418,6 +418,8 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
     store = open_store(spec.store)
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
     check_ref(store, spec.ref, None if lc is None else lc.id)
+    check_reference_depths(job, store, None if lc is None else lc.id, 0 if lc is None else lc.commit.step, spec.until,
+                           workers)  # a reference no worker could build is refused here, not inside step 1
     if lc is not None and lc.commit.transition != "import" and len(lc.shards) != workers:
         if spec.slot_stores:
             raise ResumeError(f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, not {workers}, and slots "
