@@ -208,6 +208,25 @@ def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], attempts: int = 4
             time.sleep(0.005 * (attempt + 1))  # the same value under another writer's lock: wait for it
 
 
+def check_copy(src: Store, target: str, *, slot: int | None = None, ref: str | None = None,
+               pins: Sequence[str] = ()) -> tuple[LoadedCommit, dict[str, tuple[str, ...]]]:
+    """What ``copy_commit`` checks at the source before it touches the destination: the
+    target commit, its slot ``slot``, the ref name and every pin; (the commit, the pins' ids).
+    The command line runs it before it creates a destination store."""
+    if ref is not None:
+        check_ref_name(ref)
+    lc = load_commit(src, target)
+    if slot is not None and slot not in lc.shards:
+        raise TargetNotFound(f"commit {lc.id} in {src.url} has slots 0..{len(lc.shards) - 1}; it has no slot {slot}")
+    pinned: dict[str, tuple[str, ...]] = {}
+    for name in pins:
+        ids = src.pinned(name)
+        if ids is None:
+            raise TargetNotFound(f"no pin {name!r} in {src.url}")
+        pinned[name] = ids
+    return lc, pinned
+
+
 def copy_commit(
     src: Store,
     dst: Store,
@@ -228,17 +247,7 @@ def copy_commit(
     union of what it held there and in ``src``. ``progress`` is called with the byte size
     of each object as it is copied or found present.
     """
-    if ref is not None:
-        check_ref_name(ref)
-    lc = load_commit(src, target)
-    if slot is not None and slot not in lc.shards:
-        raise TargetNotFound(f"commit {lc.id} in {src.url} has slots 0..{len(lc.shards) - 1}; it has no slot {slot}")
-    pinned: dict[str, tuple[str, ...]] = {}
-    for name in pins:
-        ids = src.pinned(name)
-        if ids is None:
-            raise TargetNotFound(f"no pin {name!r} in {src.url}")
-        pinned[name] = ids
+    lc, pinned = check_copy(src, target, slot=slot, ref=ref, pins=pins)
     closure = commit_closure(lc, slot)
     result = CopyResult(lc.id, slot)
 
