@@ -11,20 +11,25 @@ whose objects are written before any ref names them:
   a save that found the object already present (content addressing deduplicates) has
   not rewritten it, so its age says nothing about whether the save needs it.
 
-The order is: list the objects, then read the refs and walk them. Objects written after
-the listing are not candidates; refs moved before the walk are seen by it. gc is
-conservative: a ref that names a missing commit, a pin that does not parse, or a present
-commit or shard manifest that does not decode, stops it before anything is deleted, because its reachability
-cannot be known. A save that finds an old unreachable object already present (content
-addressing skips the write) refreshes its mtime on the local backend, so gc sees it as
-young; gc also re-reads each object's mtime just before deleting it. Residual race: a
-save that finds the object present in the instant between that last look and the delete
-(a lock would be needed to close it), and on backends whose objects cannot be refreshed
-cheaply (S3, memory), any save that deduplicates against an old unreachable object before
-its shard manifest is written — run gc there with a grace period longer than any save.
+The order is: write the gc marker, take the time every age is measured against, list the
+objects, then mark from the pins, intents and refs — twice, the second pass walking only
+what moved — then sweep, then delete the marker (SPEC.md §19a). Objects written after the
+listing are not candidates. gc is conservative: a ref that names a missing commit, a pin
+or intent that does not parse, or a present commit or shard manifest that does not
+decode, stops it before anything is deleted, because its reachability cannot be known.
+A save that finds an old unreachable object already present (content addressing skips
+the write) refreshes its mtime, so gc sees it as young; gc also re-reads each object's
+mtime as it deletes it (locally: after renaming it away, so no refresh falls between).
+
+Whatever the grace period, a ref or pin never names an object gc deleted: every ref move
+and pin change goes through the gc fence (``gc_fence``: an intent, a wait while a gc
+marker is live, a presence check, then the compare-and-swap), so a writer either is seen
+by gc's marking or finds what gc took and refuses (GcRace). What the grace period still
+decides is a save *in progress* — objects written that no commit a ref, pin or intent
+names yet: at grace 0 such a save can fail, never corrupt a ref.
 
 Stale ``tmp/`` files (a local store's interrupted writes, an S3 store's probe keys) older
-than the grace period are removed too. Running gc twice in a row deletes nothing the
+than the grace period and than ``TMP_MIN_AGE`` are removed too. Running gc twice in a row deletes nothing the
 second time.
 """
 from __future__ import annotations
