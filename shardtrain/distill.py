@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import shardstore
-from shardstore import Store, load_commit
+from shardstore import ShardstoreError, Store, load_commit
 from shardstore.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain.batch import Batch
 from shardtrain.errors import DistillError
@@ -83,8 +83,8 @@ def check_reference_depths(job: PreparedJob, store: Store, head: str | None, sta
     for cohort in sorted({s.cohort for s in job.job.schedule.steps[start:until]}):
         try:
             cid = find_reference(store, job, cohort, head)
-        except DistillError:
-            continue  # an endpoint this run commits before the cohort trains
+        except (DistillError, ShardstoreError):
+            continue  # an endpoint this run commits first, or a chain not all here: the workers decide, as before
         if cid is None or not store.has(cid):
             continue
         config_id = store.commit(cid).config
