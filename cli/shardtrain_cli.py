@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 import shardstore
-from shardtrain.errors import AdmissionError, JobError, ResumeError, RoleError, RunAborted, ShardtrainError, TransitionError
+from shardtrain.errors import AdmissionError, DistillError, JobError, PartitionError, ResumeError, RoleError, RunAborted, ShardtrainError, TransitionError
 
 from ._output import emit, fail, note
 from ._render import jsonable
@@ -34,12 +34,15 @@ exit codes:
   0  success
   1  any other error
   2  usage error (bad arguments)
-  3  a worker was lost and the run aborted (the message names the last committed step)
+  3  a worker was lost, or a step's loss or gradient norm was not finite (NonFiniteStep), and the
+     run aborted (the message names the last committed step)
   4  refused before training: the job, a tokenizer asset, the records or the start commit
      do not match (another job, a corrupt or mismatched shard, workers naming different commits);
      evaluate --final without a matching selection record; a second selection after finals were opened;
      a worker's estimated memory exceeds what it has free (AdmissionError); a regroup/grow
-     cannot be made from that commit (TransitionError)
+     cannot be made from that commit (TransitionError) or a partition cannot be made (PartitionError);
+     a job value out of bounds (JobError naming the field); a distillation reference too shallow
+     to split over the workers (DistillError)
   5  gate: at least one gate failed (the table and the stored report say which)
 """
 
@@ -461,7 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except RunAborted as exc:
         return _fail(args, exc, EXIT_ABORTED)
-    except (JobError, ResumeError, RoleError, AdmissionError, TransitionError, shardstore.ShardstoreError) as exc:
+    except (JobError, ResumeError, RoleError, AdmissionError, TransitionError, PartitionError, DistillError,
+            shardstore.ShardstoreError) as exc:
         return _fail(args, exc, EXIT_REFUSED)
     except (ShardtrainError, OSError, ValueError) as exc:
         return _fail(args, exc, EXIT_ERROR)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 import shardstore as ss
 from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
 from shardstore.ops.gc import GcResult, gc
-from shardstore.ops.transfer import DEFAULT_THREADS, CopyResult, copy_commit
+from shardstore.ops.transfer import DEFAULT_THREADS, CopyResult, check_copy, copy_commit
 
 from ._output import emit, fail, note
 from ._render import render_copy, render_gc, render_unpin
@@ -140,6 +140,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
     def body() -> int:
         src = ss.open_store(args.src, create=False)
+        check_copy(src, args.target, slot=args.shard, ref=args.ref, pins=args.pin or ())  # before DST is created
         dst = ss.open_store(args.dst, create=True)
         with _bar(args, "copy") as bar:
             result = copy_commit(src, dst, args.target, slot=args.shard, ref=args.ref, pins=args.pin, threads=args.threads,

@@ -22,6 +22,7 @@ __all__ = [
     "CursorError",
     "RefNotFound",
     "RefConflict",
+    "GcRace",
     "TargetNotFound",
     "StateMismatch",
     "UnsupportedOptimizer",
@@ -88,6 +89,10 @@ class RefNotFound(ShardstoreError):
 
 class RefConflict(ShardstoreError):
     """A compare-and-swap on a ref lost: the ref did not hold the expected commit id."""
+
+
+class GcRace(ShardstoreError):
+    """A ref or pin was not moved because a concurrent gc removed objects it would name (or held the store too long)."""
 
 
 class TargetNotFound(ShardstoreError):

@@ -23,6 +23,7 @@ __all__ = [
     "AdmissionError",
     "RoleError",
     "DistillError",
+    "NonFiniteStep",
 ]
 
 
@@ -93,3 +94,7 @@ class RoleError(ShardtrainError):
 
 class DistillError(ShardtrainError):
     """The frozen reference a cohort names cannot be found, restored or matched to the student's batch."""
+
+
+class NonFiniteStep(ShardtrainError):
+    """A step's loss or global gradient norm was not finite: the update was not applied (SPEC.md §14d)."""

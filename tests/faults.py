@@ -491,3 +491,11 @@ def fast_dir(fallback: str) -> str:
     if os.path.isdir(shm) and os.access(shm, os.W_OK):
         return tempfile.mkdtemp(prefix="shardstore-faults-", dir=shm)
     return tempfile.mkdtemp(prefix="shardstore-faults-", dir=fallback)
+
+
+def forge_ref(store: Any, name: str, oid: str) -> None:
+    """Point ref ``name`` at ``oid`` past the gc fence's presence check (``Store.set_ref`` refuses a
+    missing commit): a store damaged on purpose, for the checkers that must report it."""
+    from shardstore.store import ref_key
+
+    store.storage.swap(ref_key(name), None, (oid + "\n").encode())

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from faults import forge_ref
 
 import shardstore as ss
 from shardstore import ObjectNotFound
@@ -137,7 +138,9 @@ def test_refuses_when_a_ref_names_a_missing_commit(tmp_path: Any) -> None:
     ss.save(store, *model_and_opt(5), step=1, rng=False)
     garbage = store.put(b"garbage")
     age_everything(store, 2 * HOUR)
-    store.set_ref("broken", "f" * 64, expected=None)
+    with pytest.raises(ss.GcRace, match="never written"):  # the fence refuses a ref to a missing commit
+        store.set_ref("broken", "f" * 64, expected=None)
+    forge_ref(store, "broken", "f" * 64)
     with pytest.raises(ObjectNotFound, match="gc refused"):
         gc(store, grace_seconds=0, dry_run=False)
     assert store.has(garbage)

@@ -150,3 +150,38 @@ def test_grow_refuses_bad_arguments(adaptive_run: SimpleNamespace) -> None:
         grow(run.store, run.u[4], 1, copy_from=9)
     with pytest.raises(TransitionError, match="--append"):
         grow(run.store, run.u[4], 0)
+
+
+def test_a_reference_too_shallow_for_the_workers_is_refused_before_they_start(adaptive_run: SimpleNamespace) -> None:
+    """Issue 24: grow the 4-layer distillation job in cohort A (step 2) by one block, then train
+    on 5 workers: cohort A's reference (the 4-layer seed) cannot be split 5 ways. That
+    was found inside step 1 after every worker started (RunAborted, exit 3, advising a resume
+    that failed the same way); now `train` refuses it first (DistillError, exit 4) and
+    writes nothing."""
+    from shardstore_cli.shardtrain_cli import main
+
+    run = adaptive_run
+    d2 = next(c.id for c in run.dstraight[0].commits if c.step == 2)
+    grown = grow(run.dstore, d2, 1)
+    before = set(run.dstore.objects()), run.dstore.refs()
+    argv = ["train", "--prepared", str(run.home / "djob" / "job.json"), "--store", run.dstore.url, "--until", "4",
+            "--every", "1", "--resume", grown.commit, "--workers", "5", "--ref", "grown5", "--quiet"]
+    assert main(argv) == 4
+    assert (set(run.dstore.objects()), run.dstore.refs()) == before
+
+
+def test_evaluate_checks_the_commits_belong_to_the_prepared_job_before_any_worker(
+        adaptive_run: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: `evaluate --prepared JOB` with another job's commit is refused (ResumeError,
+    exit 4) in the launcher; before, workers started and built their stages first."""
+    import sys
+
+    from shardtrain.errors import ResumeError
+
+    ev = sys.modules["shardtrain.evaluate"]  # the package re-exports the function under the module's name
+
+    run = adaptive_run
+    d2 = next(c.id for c in run.dstraight[0].commits if c.step == 2)  # the distillation job's commit
+    monkeypatch.setattr(ev, "launch_local", lambda *a, **k: pytest.fail("a worker was started"))
+    with pytest.raises(ResumeError, match=f"commit {d2[:12]} was made by job"):
+        ev.evaluate(ev.EvalSpec(store=run.dstore.url, commits=(d2,), job=run.job), 2)

@@ -168,3 +168,58 @@ def test_the_profile_is_bound_and_fp32_keeps_older_job_ids(job_path: str, tmp_pa
         ids.add(job.id)
     assert len(ids) == 4
     assert [label(None), label(Profile(name="bf16-autocast", recompute=True))] == ["fp32", "bf16-autocast+recompute"]
+
+
+_NAN, _INF = "7ff8000000000000", "7ff0000000000000"
+_ZERO, _MINUS_ONE = "0000000000000000", "bff0000000000000"
+
+
+def _bad(job: object, what: str, value: object) -> object:
+    """``job`` with the field at dotted path ``what`` set to ``value`` (``groups`` means the first group)."""
+    parts = what.split(".")
+
+    def put(obj: object, path: list[str]) -> object:
+        if path[0] == "groups":
+            groups = obj.groups  # type: ignore[attr-defined]
+            return msgspec.structs.replace(obj, groups=(put(groups[0], path[1:]),) + tuple(groups[1:]))
+        if len(path) == 1:
+            return msgspec.structs.replace(obj, **{path[0]: value})
+        return msgspec.structs.replace(obj, **{path[0]: put(getattr(obj, path[0]), path[1:])})
+
+    return put(job, parts)
+
+
+@pytest.mark.parametrize("what,value,field", [
+    ("recipe.groups.lr", _NAN, "lr"), ("recipe.groups.lr", _INF, "lr"), ("recipe.groups.lr", _ZERO, "lr"),
+    ("recipe.groups.beta2", "3ff0000000000000", "beta2"), ("recipe.groups.eps", _NAN, "eps"),
+    ("recipe.warmup_steps", 10**6, "recipe.warmup_steps"), ("recipe.min_ratio", _NAN, "recipe.min_ratio"),
+    ("recipe.max_grad_norm", _NAN, "recipe.max_grad_norm"), ("recipe.max_grad_norm", _MINUS_ONE, "recipe.max_grad_norm"),
+    ("recipe.distill.temperature", _NAN, "temperature"), ("recipe.distill.temperature", _ZERO, "temperature"),
+    ("recipe.distill.kl_coef", _NAN, "kl_coef"), ("recipe.distill.kl_coef", _MINUS_ONE, "kl_coef"),
+    ("recipe.gates.resamples", 2**40, "gates.resamples"), ("recipe.gates.gain_bound", _INF, "gain_bound"),
+    ("recipe.microbatch_size", 10**4, "microbatch_size"), ("model.num_hidden_layers", 10**6, "num_hidden_layers"),
+    ("model.hidden_size", 2**30, "hidden_size"), ("model.rms_norm_eps", _NAN, "rms_norm_eps"),
+])
+def test_every_value_is_bounded_when_the_job_is_loaded(job_path: str, tmp_path: Path, what: str, value: object,
+                                                       field: str) -> None:
+    """Issue 24: non-finite or out-of-range reals and unbounded sizes are refused by `load_job`
+    (JobError naming the field, SPEC.md §14c) — before this, every one of them loaded."""
+    job = load_job(job_path).job
+    path = _copy(job_path, tmp_path)
+    path.write_bytes(_ENC.encode(_bad(job, what, value)))
+    with pytest.raises(JobError, match=f"job field [^ ]*{field.split('.')[-1]}"):
+        load_job(path)
+    with pytest.raises(JobError, match=field.split(".")[-1]):
+        decode_job(path.read_bytes())
+
+
+def test_train_refuses_a_bad_value_before_it_opens_the_store(job_path: str, tmp_path: Path) -> None:
+    """`shardtrain train` on a job whose temperature is NaN exits 4 and writes nothing at all."""
+    from shardstore_cli.shardtrain_cli import main
+
+    job = load_job(job_path).job
+    path = _copy(job_path, tmp_path)
+    path.write_bytes(_ENC.encode(_bad(job, "recipe.distill.temperature", _NAN)))
+    store = tmp_path / "store"
+    assert main(["train", "--prepared", str(path), "--store", str(store), "--until", "1", "--quiet"]) == 4
+    assert not store.exists()

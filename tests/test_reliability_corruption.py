@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from faults import fast_dir
+from faults import fast_dir, forge_ref
 
 import shardstore as ss
 from shardstore.ops.interchange import export_commit
@@ -270,7 +270,7 @@ def test_invalid_utf8_in_a_manifest_string_is_a_manifest_error(tmp_path: Any) ->
 def test_a_ref_naming_a_missing_commit_is_reported_by_ref_name(tmp_path: Any) -> None:
     store = ss.open_store(str(tmp_path / "s"))
     ghost = "ab" * 32
-    store.set_ref("main", ghost, expected=None)
+    forge_ref(store, "main", ghost)
     report = ss.verify(store)
     assert [p.object for p in report.problems] == [ghost] and "named by ref 'main'" in str(report.problems[0])
     with pytest.raises(ss.ObjectNotFound, match=f"commit {ghost} \\(named by .main.\\)"):

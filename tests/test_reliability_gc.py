@@ -151,20 +151,31 @@ def _junk(root: str, n: int) -> None:
 
 def test_copy_refreshes_objects_it_finds_present(tmp_path: Any) -> None:
     """gc plans its deletes, then a copy finds the whole closure present and moves a ref,
-    then gc deletes: the copy's refresh must make gc's last look see young objects."""
+    then gc deletes: the copy's refresh must make gc's last look see young objects. (The
+    copy's ref move waits behind the gc fence until this gc is done, so it runs beside it.)"""
+    import threading
+
     src, dst, root, cid = _copy_fixture(tmp_path)
     garbage = len(list(dst.objects()))
-    mtimes = [0]
+    mtimes, copies = [0], []
+
+    def copy() -> None:
+        copies.append(ss.copy_commit(src, ss.open_store(root, create=False), cid, ref="main", threads=1))
 
     def hook(n: int, op: str, key: str) -> None:
-        if op == "mtime":
+        if op == "mtime" and key.startswith("objects/"):
             if mtimes[0] == garbage:  # the first look of the delete phase: the plan is made
-                r = ss.copy_commit(src, ss.open_store(root, create=False), cid, ref="main", threads=1)
-                assert r.objects_copied == 0  # everything was found present
+                copies.append(threading.Thread(target=copy))
+                copies[0].start()
+                intents = os.path.join(root, "intents")
+                while not (os.path.isdir(intents) and os.listdir(intents)):
+                    time.sleep(0.01)  # the copy has refreshed its objects and announced its ref move
             mtimes[0] += 1
 
     gc(ss.Store(OpLog(LocalStorage(root), hook), create=False), grace_seconds=HOUR, dry_run=False, threads=1)
     assert mtimes[0] > garbage, "the delete phase was never reached"
+    copies[0].join(timeout=60)
+    assert copies[1].objects_copied == 0  # everything was found present, and kept
     after = ss.open_store(root, create=False)
     assert after.ref("main") == cid
     report = ss.verify(after)
@@ -220,3 +231,99 @@ def test_local_delete_stale_keeps_an_object_refreshed_before_it_is_taken(tmp_pat
     assert storage.delete_stale(object_key(young), cutoff) is False and store.get(young) == b"refreshed by a writer"
     assert storage.delete_stale(object_key(old), cutoff) is False  # already gone
     assert list(storage.list("tmp")) == []
+
+
+def test_gc_grace_zero_in_a_loop_against_background_commits(tmp_path: Any) -> None:
+    """Issue 24: ``gc --grace 0`` over and over while another thread commits and moves
+    ``main`` every few milliseconds. Whatever interleaving the two hit, the commit ``main``
+    names must always verify clean (a save whose objects gc took first may fail, GcRace or
+    ObjectNotFound or TargetNotFound, with the ref left where it was; it must never move the ref onto a commit
+    gc emptied). Before the gc fence this failed within a second or two."""
+    root = str(tmp_path / "s")
+    store = ss.open_store(root)
+    ss.save(store, _state(0), step=0, rng=False)
+    stop, saved, refused, failures = [False], [0], [0], []
+
+    def commits() -> None:
+        writer = ss.open_store(root, create=False)
+        i = 1
+        while not stop[0]:
+            try:
+                ss.save(writer, _state(i % 7), step=i, rng=False)  # old states come back: deduplication
+                saved[0] += 1
+            except (ss.GcRace, ss.ObjectNotFound, ss.TargetNotFound):  # grace 0: gc took objects of this save in progress
+                refused[0] += 1
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failures.append(repr(e))
+                return
+            i += 1
+
+    import random
+    import threading
+
+    t = threading.Thread(target=commits)
+    t.start()
+    try:
+        deadline, rounds, pause = time.monotonic() + 3.0, 0, random.Random(24)
+        while time.monotonic() < deadline and not failures:
+            time.sleep(pause.uniform(0.0, 0.03))  # some saves finish between rounds, some straddle one
+            gc(ss.open_store(root, create=False), grace_seconds=0.0, dry_run=False, threads=2)
+            rounds += 1
+            cid = store.ref("main")
+            assert cid is not None
+            report = ss.verify(store, [cid], deep=False)
+            assert report.ok, (rounds, saved[0], [str(p) for p in report.problems])
+    finally:
+        stop[0] = True
+        t.join()
+    assert not failures, failures
+    assert saved[0] > 0 and rounds > 1, (saved[0], refused[0], rounds)
+    print("ROUNDS", saved[0], refused[0], rounds)
+    report = ss.verify(store, [store.ref("main")])
+    assert report.ok, [str(p) for p in report.problems]
+
+
+def test_the_gc_fence_each_side(tmp_path: Any) -> None:
+    """The two halves of the fence, deterministically (SPEC.md §19a's table): gc at grace 0
+    keeps the closure of a commit an intent names though no ref does yet; a writer that
+    finds a gc marker waits for it, then refuses (GcRace, ref unmoved) if that gc took part
+    of its closure, and a dry run writes no marker."""
+    import threading
+
+    from shardstore.ops.transfer import commit_closure
+    from shardstore.store import gc_fence
+
+    store = ss.open_store(str(tmp_path / "s"))
+    base = ss.save(store, _state(0), step=0, rng=False)
+    pending = ss.save(store, _state(1), step=1, rng=False, ref=None)
+    closure = commit_closure(ss.load_commit(store, pending)).ids()
+    # (1) an intent keeps its commit: the move it announces happens after gc's ref read
+    store.storage.write_once("intents/c-test", gc_fence._encode_ids([pending]))
+    gc(store, grace_seconds=0.0, dry_run=False)
+    assert all(store.has(o) for o in closure)
+    store.storage.delete("intents/c-test")
+    # (2) a writer waits while a gc marker is live; that gc deletes; the writer refuses
+    marker = gc_fence.GcMarker(store)
+    outcome: list[BaseException | None] = []
+
+    def move() -> None:
+        try:
+            store.set_ref("main", pending, expected=base)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            outcome.append(e)
+
+    t = threading.Thread(target=move)
+    t.start()
+    time.sleep(0.2)
+    assert outcome == [] and store.ref("main") == base  # still waiting for the marker
+    assert len(list(store.storage.list("intents"))) == 1  # its intent is written first
+    victim = sorted(closure - {pending})[0]
+    store.storage.delete(object_key(victim))  # what that gc deletes
+    marker.close()
+    t.join(timeout=30)
+    assert len(outcome) == 1 and isinstance(outcome[0], ss.GcRace), outcome
+    assert store.ref("main") == base and list(store.storage.list("intents")) == []
+    # (3) a dry run deletes nothing and writes nothing
+    gc(store, grace_seconds=0.0, dry_run=True)
+    assert list(store.storage.list("gc")) == []

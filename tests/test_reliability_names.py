@@ -78,7 +78,7 @@ def test_hostile_names_at_every_entry_point(tmp_path: Any) -> None:
         with pytest.raises((ss.InvalidName, ValueError)):
             store.get(name)
     assert store.ref_names() == ["main"] and os.listdir(outside) == []
-    assert sorted(os.listdir(tmp_path / "s")) == ["config", "journal", "objects", "refs", "tmp"]
+    assert sorted(os.listdir(tmp_path / "s")) == ["config", "intents", "journal", "objects", "refs", "tmp"]  # intents: the gc fence
 
 
 def _tree(path: str) -> dict[str, bytes]:

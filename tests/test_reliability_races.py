@@ -134,17 +134,28 @@ def test_two_trainers_share_a_store(tmp_path: Any) -> None:
 # -- issue 12, item 2: pins are read-modify-written by compare-and-swap ----------------------
 
 
-def _fake_ids(n: int, salt: str) -> list[str]:
+def _fake_ids(n: int, salt: str, root: str) -> list[str]:
+    """``n`` small objects written straight into the layout of the local store at ``root`` (no
+    fsync: only their ids matter); a pin names present objects (the gc fence checks, SPEC.md §19b)."""
     from shardstore.format.tensors import hash_bytes
+    from shardstore.store import object_key
 
-    return [hash_bytes(f"{salt} {i}".encode()) for i in range(n)]
+    ids = []
+    for i in range(n):
+        data = f"{salt} {i}".encode()
+        ids.append(hash_bytes(data))
+        path = os.path.join(root, object_key(ids[-1]))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return ids
 
 
 def test_pin_cas_refuses_a_stale_expected_value(tmp_path: Any) -> None:
     """``Store.pin(expected=...)`` is a real compare-and-swap: a value changed since it was
     read is not overwritten (before the fix, pin compared against a second read)."""
     store = ss.open_store(str(tmp_path / "s"))
-    a, b, c = _fake_ids(3, "pin")
+    a, b, c = _fake_ids(3, "pin", str(tmp_path / "s"))
     store.pin("jobs/j", [a], expected=None)
     seen = store.pinned("jobs/j")
     store.add_to_pin("jobs/j", [b])  # another writer, in between
@@ -164,7 +175,7 @@ def test_concurrent_copy_pin_loses_no_update(tmp_path: Any) -> None:
     k, rounds = 4, 2
     dst_root = str(tmp_path / "dst")
     dst = ss.open_store(dst_root)
-    dst.pin("jobs/j", _fake_ids(10_000, "held"), expected=None)
+    dst.pin("jobs/j", _fake_ids(10_000, "held", dst_root), expected=None)
     sources = []
     for i in range(k):
         src = ss.open_store(str(tmp_path / f"src{i}"))

@@ -132,3 +132,91 @@ def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace
         assert got.bound == pytest.approx(want.bound, rel=1e-5, abs=1e-7)
     assert [r.threshold for r in stored.rows] == [-0.001, 0.02, 0.0]
     assert main(["gate", "--store", run.url, "--baseline", base, "--candidate", cand, "--final", "--workers", "1"]) == 4
+
+
+
+def _select_proc(url: str, job: str, commit: str, pause: bool, ready: object, done: object, q: object) -> None:  # pragma: no cover
+    """`select` in its own process; with `pause`, it stops just before its compare-and-swap of the
+    selection pin (after its opened check) until the other process is done."""
+    store = shardstore.open_store(url, create=False)
+    real = store.pin
+    if pause:
+        def pin(*a: object, **k: object) -> None:
+            ready.set(), done.wait(30)  # type: ignore[attr-defined,func-returns-value]
+            store.pin = real  # type: ignore[method-assign]
+            real(*a, **k)  # type: ignore[arg-type]
+        store.pin = pin  # type: ignore[method-assign]
+    else:
+        ready.wait(30)  # type: ignore[attr-defined]
+    try:
+        select(store, job, commit)
+        q.put(("select", "ok"))  # type: ignore[attr-defined]
+    except RoleError as e:
+        q.put(("select", str(e)))  # type: ignore[attr-defined]
+    if not pause:
+        done.set()  # type: ignore[attr-defined]
+
+
+def _open_proc(url: str, job: str, commit: str, pause: bool, ready: object, done: object, q: object) -> None:  # pragma: no cover
+    """`open_finals` (what gate/evaluate --final run first) in its own process; with `pause`, it
+    stops after reading the selection, just before recording the opening, until the other is done."""
+    from shardtrain.job.roles import open_finals
+
+    store = shardstore.open_store(url, create=False)
+    real = store.add_to_pin
+    if pause:
+        def add(*a: object, **k: object) -> object:
+            ready.set(), done.wait(30)  # type: ignore[attr-defined,func-returns-value]
+            return real(*a, **k)  # type: ignore[arg-type]
+        store.add_to_pin = add  # type: ignore[method-assign]
+    else:
+        ready.wait(30)  # type: ignore[attr-defined]
+    try:
+        open_finals(store, job, commit)
+        q.put(("open", "ok"))  # type: ignore[attr-defined]
+    except RoleError as e:
+        q.put(("open", str(e)))  # type: ignore[attr-defined]
+    if not pause:
+        done.set()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("paused", ["open", "select"])
+def test_select_and_gate_final_in_two_processes_never_strand_the_job(tmp_path: Path, paused: str) -> None:
+    """Issue 24 (README §Roles, "select and the final sets"): `select` of commit B against the
+    opening of the final sets (`gate --final`, `evaluate --final`) for the selected commit A,
+    in two processes, each interleaving forced: one process stops inside its critical
+    section while the other runs whole. The intended outcome: the two are linearisable —
+    finals-opened either does not exist or records exactly the current selection; the
+    loser is refused (RoleError) and leaves nothing behind, so the job can go on. Before the
+    fix, select running whole inside the opening left finals-opened on A's record while the
+    selection named B: every later evaluate --final and select of the job was refused."""
+    import multiprocessing as mp
+
+    from shardtrain.job.roles import _opened_pin, _selection_pin, open_finals
+
+    ctx = mp.get_context("fork")
+    a, b = "a" * 64, "b" * 64
+    url = str(tmp_path / "s")
+    store = shardstore.open_store(url)
+    job = "c" * 64
+    select(store, job, a)
+    ready, done, q = ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_select_proc, args=(url, job, b, paused == "select", ready, done, q)),
+             ctx.Process(target=_open_proc, args=(url, job, a, paused == "open", ready, done, q))]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    # Who wins: the process that ran whole; the paused one is refused.
+    winner = "select" if paused == "open" else "open"
+    assert got[winner] == "ok" and got[paused] != "ok", got
+    opened, current = store.pinned(_opened_pin(job)), store.pinned(_selection_pin(job))
+    assert opened is None or opened == current, (got, opened, current)
+    sel = selection(store, job)
+    assert sel is not None and sel.commit == (b if winner == "select" else a)
+    if winner == "select":
+        assert opened is None  # the refused opening left nothing
+    open_finals(store, job, sel.commit)  # the job is not stranded: the current selection's finals open
+    with pytest.raises(RoleError, match="already opened"):
+        select(store, job, a)

@@ -102,7 +102,7 @@ def test_requests_carry_conditions(s3_server: S3Server) -> None:  # noqa: F811
     storage, proxy = proxied(s3_server)
     store = ss.Store(storage)
     oid = store.put(b"object bytes")
-    a, b = hash_bytes(b"a"), hash_bytes(b"b")
+    a, b = store.put(b"a"), store.put(b"b")  # a ref names a present object (the gc fence checks)
     store.set_ref("main", a, expected=None)
     store.set_ref("main", b, expected=a)
     puts = [kw for name, kw in proxy.calls if name == "put_object"]
@@ -136,7 +136,7 @@ def test_server_ignoring_conditional_deletes_refuses_ref_and_pin_deletes(s3_serv
     assert storage.conditional is False and "a delete with a stale If-Match" in storage.conditional_reason
     storage.conditional = True  # as if trusted: the delete still goes out with its If-Match
     store = ss.Store(storage)
-    a = hash_bytes(b"a")
+    a = store.put(b"a")
     store.set_ref("main", a, expected=None)
     store.delete_ref("main", expected=a)
     deletes = [kw for name, kw in proxy.calls if name == "delete_object" and kw["Key"].endswith("/refs/main")]
@@ -169,11 +169,12 @@ def test_retries_are_bounded(s3_server: S3Server) -> None:  # noqa: F811
 def test_ref_write_whose_answer_was_lost(s3_server: S3Server) -> None:  # noqa: F811
     storage, proxy = proxied(s3_server)
     store = ss.Store(storage)
-    a, b = hash_bytes(b"a"), hash_bytes(b"b")
-    proxy.faults["put_object"] = [("after", ReadTimeoutError(endpoint_url="http://127.0.0.1"))]
+    a, b = store.put(b"a"), store.put(b"b")
+    # The first put of a ref move is its gc-fence intent (SPEC.md §19b): the fault hits the ref's.
+    proxy.faults["put_object"] = [None, ("after", ReadTimeoutError(endpoint_url="http://127.0.0.1"))]
     store.set_ref("main", a, expected=None)  # landed, answer lost, retry got 412, re-read shows ours
     assert store.ref("main") == a
-    proxy.faults["put_object"] = [("after", ReadTimeoutError(endpoint_url="http://127.0.0.1"))]
+    proxy.faults["put_object"] = [None, ("after", ReadTimeoutError(endpoint_url="http://127.0.0.1"))]
     store.set_ref("main", b, expected=a)
     assert store.ref("main") == b
 

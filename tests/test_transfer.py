@@ -215,6 +215,12 @@ def test_cli_copy_handler(tmp_path: Any, capsys: Any) -> None:
     assert "TargetNotFound" in capsys.readouterr().err
     assert run_cli(["copy", str(tmp_path / "nothing"), dst, "main"]) == 1
     assert run_cli(["copy", src, dst, "main", "--shard", "-1"]) == 2
+    # Issue 24: a slot or pin the source lacks is refused before the destination store is created.
+    fresh = tmp_path / "never"
+    for extra in (["--shard", "2"], ["--shard", str(2**70)], ["--pin", "jobs/none"], ["--ref", "../x"]):
+        assert run_cli(["copy", src, str(fresh), "main", *extra]) != 0, extra
+        assert not fresh.exists(), extra
+    capsys.readouterr()
 
 
 def test_cli_copy_through_main_cli_to_s3(tmp_path: Any, s3_server: S3Server) -> None:  # noqa: F811

@@ -7,6 +7,7 @@ import random
 
 import pytest
 from conftest import TinyNet, make_optimizer, train_steps
+from faults import forge_ref
 
 import shardstore as ss
 from shardstore.format.manifest import encode
@@ -214,7 +215,7 @@ def test_learned_root_forgery(committed):
 
 def test_ref_to_missing_commit(committed):
     store, cid, *_ = committed
-    store.set_ref("dangling", "f" * 64, expected=None)
+    forge_ref(store, "dangling", "f" * 64)
     report = ss.verify(store)
     assert any(p.object == "f" * 64 and isinstance(p.error, ss.ObjectNotFound) for p in report.problems)
 

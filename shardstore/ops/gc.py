@@ -11,26 +11,31 @@ whose objects are written before any ref names them:
   a save that found the object already present (content addressing deduplicates) has
   not rewritten it, so its age says nothing about whether the save needs it.
 
-The order is: list the objects, then read the refs and walk them. Objects written after
-the listing are not candidates; refs moved before the walk are seen by it. gc is
-conservative: a ref that names a missing commit, a pin that does not parse, or a present
-commit or shard manifest that does not decode, stops it before anything is deleted, because its reachability
-cannot be known. A save that finds an old unreachable object already present (content
-addressing skips the write) refreshes its mtime on the local backend, so gc sees it as
-young; gc also re-reads each object's mtime just before deleting it. Residual race: a
-save that finds the object present in the instant between that last look and the delete
-(a lock would be needed to close it), and on backends whose objects cannot be refreshed
-cheaply (S3, memory), any save that deduplicates against an old unreachable object before
-its shard manifest is written — run gc there with a grace period longer than any save.
+The order is: write the gc marker, take the time every age is measured against, list the
+objects, then mark from the pins, intents and refs — twice, the second pass walking only
+what moved — then sweep, then delete the marker (SPEC.md §19a). Objects written after the
+listing are not candidates. gc is conservative: a ref that names a missing commit, a pin
+or intent that does not parse, or a present commit or shard manifest that does not
+decode, stops it before anything is deleted, because its reachability cannot be known.
+A save that finds an old unreachable object already present (content addressing skips
+the write) refreshes its mtime, so gc sees it as young; gc also re-reads each object's
+mtime as it deletes it (locally: after renaming it away, so no refresh falls between).
+
+Whatever the grace period, a ref or pin never names an object gc deleted: every ref move
+and pin change goes through the gc fence (``gc_fence``: an intent, a wait while a gc
+marker is live, a presence check, then the compare-and-swap), so a writer either is seen
+by gc's marking or finds what gc took and refuses (GcRace). What the grace period still
+decides is a save *in progress* — objects written that no commit a ref, pin or intent
+names yet: at grace 0 such a save can fail, never corrupt a ref.
 
 Stale ``tmp/`` files (a local store's interrupted writes, an S3 store's probe keys) older
-than the grace period are removed too. Running gc twice in a row deletes nothing the
+than the grace period and than ``TMP_MIN_AGE`` are removed too. Running gc twice in a row deletes nothing the
 second time.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ObjectNotFound, ShardstoreError
@@ -39,10 +44,15 @@ from ..format.manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest,
 from ..state.extras import extra_objects
 from ..state.torch_optim import state_objects
 from ..store import Store, object_key
+from ..store.gc_fence import GcMarker, intent_objects
 from ..verification.commits import load_commit
 from .transfer import _pool_map, commit_closure
 
-__all__ = ["GcResult", "reachable", "pinned_objects", "gc"]
+__all__ = ["GcResult", "reachable", "pinned_objects", "gc", "TMP_MIN_AGE"]
+
+#: A file under ``tmp/`` is a write in flight until it is this old, whatever the grace period:
+#: deleting it would only fail that write (it is never part of a commit).
+TMP_MIN_AGE = 900.0
 
 
 @dataclass
@@ -72,19 +82,23 @@ def pinned_objects(store: Store) -> set[str]:
         raise type(e)(f"gc refused: a pin is unreadable, so what it keeps is unknown: {e}") from None
 
 
-def reachable(store: Store, pinned: set[str] | None = None) -> tuple[set[str], list[str]]:
+def reachable(store: Store, pinned: set[str] | None = None, *, also: Sequence[str] = (),
+              known: tuple[set[str], list[str]] | None = None) -> tuple[set[str], list[str]]:
     """(every object id reachable from a ref or named by a pin, the reachable commit ids in walk order).
 
-    ``pinned``: the pinned ids if already read (else the pins are read here)."""
+    ``pinned``: the pinned ids if already read (else the pins are read here). ``also``: more
+    commits to walk (intents' commits; a missing one is skipped: its writer will refuse).
+    ``known``: a walk already done (objects, commits); only commits it has not seen are walked."""
     if pinned is None:
         pinned = pinned_objects(store)
-    objects: set[str] = set()
-    commits: list[str] = []
+    objects: set[str] = set(known[0]) if known else set()
+    commits: list[str] = list(known[1]) if known else []
     try:
         heads = store.refs()
     except ShardstoreError as e:
         raise type(e)(f"gc refused, nothing deleted: {e}; what it keeps is unknown (refs in {store.url}: {store.ref_names()})") from None
-    todo = sorted(set(heads.values()))
+    todo = sorted(set(heads.values())) + sorted(set(also))
+    intended = set(also) - set(heads.values())
     while todo:
         cid = todo.pop(0)
         if cid in objects:
@@ -94,6 +108,8 @@ def reachable(store: Store, pinned: set[str] | None = None) -> tuple[set[str], l
                 raise ObjectNotFound(f"commit {cid} is missing from {store.url}")
             lc = load_commit(store, cid)
         except ShardstoreError as e:
+            if cid in intended:
+                continue  # an intent's commit that lost objects already: its writer will refuse (GcRace)
             raise type(e)(f"gc refused: commit {cid} is reachable but unreadable, so its closure is unknown: {e}") from None
         commits.append(cid)
         objects |= commit_closure(lc).ids()
@@ -101,6 +117,14 @@ def reachable(store: Store, pinned: set[str] | None = None) -> tuple[set[str], l
         if parent is not None and parent not in objects and store.has(parent):
             todo.append(parent)
     return objects | pinned, commits
+
+
+def _marked(store: Store, known: tuple[set[str], list[str]] | None = None) -> tuple[set[str], list[str], int]:
+    """One marking pass: pins, then refs, then intents (SPEC.md §19b); (kept ids, commits, pinned count)."""
+    pinned = pinned_objects(store)
+    commits, objects = intent_objects(store)
+    keep, walked = reachable(store, pinned | objects, also=commits, known=known)
+    return keep, walked, len(pinned)
 
 
 def _named_by_manifest(store: Store, oid: str) -> set[str]:
@@ -134,15 +158,31 @@ def _named_by_manifest(store: Store, oid: str) -> set[str]:
 def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8, progress: Callable[[int], None] | None = None) -> GcResult:
     """Delete (or with ``dry_run`` only report) unreachable objects older than ``grace_seconds``.
 
+    Behind the gc fence (``gc_fence``; SPEC.md §19b): the marker is written before anything
+    is read and deleted after the last delete; a dry run writes nothing (it deletes nothing).
     ``progress(n)``: called as unreachable objects are examined, and again as they are deleted."""
     tick = progress or (lambda n: None)
     if grace_seconds < 0:
         raise ValueError(f"grace_seconds must be >= 0, not {grace_seconds}")
-    now = time.time()
+    marker = None if dry_run else GcMarker(store)
+    try:
+        return _gc(store, grace_seconds, dry_run, threads, marker, tick)
+    finally:
+        if marker is not None:
+            marker.close()
+
+
+def _gc(store: Store, grace_seconds: float, dry_run: bool, threads: int, marker: GcMarker | None, tick: Callable[[int], None]) -> GcResult:
+    now = time.time()  # taken before the first listing or ref read: ages are measured against it
+    cutoff = now - grace_seconds
     listed = sorted(store.objects())
-    pinned = pinned_objects(store)
-    keep, commits = reachable(store, pinned)
-    result = GcResult(dry_run, grace_seconds, commits, len(keep), len(pinned))
+    keep, commits, npinned = _marked(store)
+    # Look again (refs, pins and intents that moved while the first pass walked): a writer
+    # behind the fence is kept by either pass; this one narrows what the sweep even tries.
+    keep, commits, npinned = _marked(store, (keep, commits))
+    if marker is not None and marker.renew_before_sweep():  # marking took a while: look once more
+        keep, commits, npinned = _marked(store, (keep, commits))
+    result = GcResult(dry_run, grace_seconds, commits, len(keep), npinned)
     garbage = [oid for oid in listed if oid not in keep]
 
     def age(oid: str) -> tuple[str, float | None, int | None]:
@@ -168,17 +208,18 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8, p
             del old[oid]
     result.deleted = old
     if not dry_run:
-
+        assert marker is not None
         stale = getattr(store.storage, "delete_stale", None)
 
         def delete(oid: str) -> bool:
-            # Look again as it is deleted: a writer that found this object present since the
-            # listing has refreshed its mtime (Store.ensure / write_once) and is about to name it.
+            # Look again as it is deleted: a writer that found this object present since gc
+            # began has refreshed its mtime (Store.ensure / write_once) past the cutoff.
+            marker.check()
             key = object_key(oid)
-            if grace_seconds > 0 and stale is not None:  # local: rename away, then look (no window)
-                return bool(stale(key, time.time() - grace_seconds))
+            if stale is not None:  # local: rename away, then look (no window)
+                return bool(stale(key, cutoff))
             mtime = store.storage.mtime(key)
-            if grace_seconds > 0 and (mtime is None or time.time() - mtime < grace_seconds):
+            if mtime is None or mtime > cutoff:
                 return False
             store.storage.delete(key)
             return True
@@ -191,7 +232,7 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8, p
         done = _pool_map(deleted, sorted(old), threads)
         result.deleted = {oid: old[oid] for oid, gone in zip(sorted(old), done) if gone}
         result.kept_young += [oid for oid, gone in zip(sorted(old), done) if not gone]
-    result.tmp_deleted = _clean_tmp(store, now, grace_seconds, dry_run)
+    result.tmp_deleted = _clean_tmp(store, now, max(grace_seconds, TMP_MIN_AGE), dry_run)
     return result
 
 

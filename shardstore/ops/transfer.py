@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
+from ..format.closure import Closure, commit_closure
 from ..format.names import check_ref_name
-from ..format.slices import entry_objects, slot_needs
-from ..state.extras import extra_objects
 from ..store import Store, object_key
 from ..verification.commits import LoadedCommit, load_commit
 
@@ -37,55 +36,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 DEFAULT_THREADS = 16
-
-
-@dataclass
-class Closure:
-    """What a commit needs: data objects (id → byte size, None where the format fixes none),
-    its shard manifests (by slot order) and the commit manifest itself. ``labels``: what a
-    data object is (tensor, role and block, as verify names them), for errors."""
-
-    commit: str
-    shards: list[str]
-    data: dict[str, int | None] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
-
-    def ids(self) -> set[str]:
-        return {self.commit, *self.shards, *self.data}
-
-
-def commit_closure(lc: LoadedCommit, slot: int | None = None) -> Closure:
-    """The closure of a loaded commit: every slot's data objects, or only ``slot``'s.
-
-    Shard manifests and the model config are always included: they are small, and a
-    reader verifies the whole commit structure before it restores any slot.
-    """
-    out = Closure(lc.id, [lc.shard_ids[s] for s in sorted(lc.shard_ids)])
-    if lc.commit.config is not None:
-        out.data[lc.commit.config] = None
-        out.labels[lc.commit.config] = "model config"
-    for oid, size, what, _rule in extra_objects(lc.commit.extras, ""):  # commit-wide extras: every slot restores them
-        out.data[oid] = size
-        out.labels.setdefault(oid, what)
-    needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices held)
-    for s, shard in sorted(lc.shards.items()):
-        if shard.config is not None:
-            out.data.setdefault(shard.config, None)
-            out.labels.setdefault(shard.config, "model config")
-        if slot is None or s == slot:
-            for r in shard.rng:
-                out.data.setdefault(r.object, None)
-                out.labels.setdefault(r.object, f"RNG state {r.kind} of slot {s}")
-            for oid, size, what, _rule in extra_objects(shard.extras, f" of slot {s}"):
-                out.data[oid] = size
-                out.labels.setdefault(oid, what)
-        for e in shard.entries:
-            if needs is not None and e.name not in needs:
-                continue
-            for oid, n, what in entry_objects(e, needs[e.name] if needs is not None else None):
-                out.data[oid] = n
-                out.labels.setdefault(oid, f"tensor {e.name!r}, {what}")  # "tensor 'w', parameter block 1"
-    return out
 
 
 @dataclass
@@ -187,7 +137,7 @@ def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str
     return True, len(data)
 
 
-def _move_ref(dst: Store, ref: str, cid: str, attempts: int = 40) -> None:
+def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], attempts: int = 40) -> None:
     """Move ``ref`` to ``cid`` by compare-and-swap against the value read just before.
 
     Losing to an identical copy (the ref now holds ``cid``) is success; losing to another
@@ -198,7 +148,7 @@ def _move_ref(dst: Store, ref: str, cid: str, attempts: int = 40) -> None:
         if current == cid:
             return
         try:
-            dst.set_ref(ref, cid, expected=current)
+            dst.set_ref(ref, cid, expected=current, needs=needs)  # a slot copy needs its slot's closure only
             return
         except RefConflict:
             now = dst.ref(ref)
@@ -207,6 +157,25 @@ def _move_ref(dst: Store, ref: str, cid: str, attempts: int = 40) -> None:
             if now != current or attempt == attempts - 1:
                 raise
             time.sleep(0.005 * (attempt + 1))  # the same value under another writer's lock: wait for it
+
+
+def check_copy(src: Store, target: str, *, slot: int | None = None, ref: str | None = None,
+               pins: Sequence[str] = ()) -> tuple[LoadedCommit, dict[str, tuple[str, ...]]]:
+    """What ``copy_commit`` checks at the source before it touches the destination: the
+    target commit, its slot ``slot``, the ref name and every pin; (the commit, the pins' ids).
+    The command line runs it before it creates a destination store."""
+    if ref is not None:
+        check_ref_name(ref)
+    lc = load_commit(src, target)
+    if slot is not None and slot not in lc.shards:
+        raise TargetNotFound(f"commit {lc.id} in {src.url} has slots 0..{len(lc.shards) - 1}; it has no slot {slot}")
+    pinned: dict[str, tuple[str, ...]] = {}
+    for name in pins:
+        ids = src.pinned(name)
+        if ids is None:
+            raise TargetNotFound(f"no pin {name!r} in {src.url}")
+        pinned[name] = ids
+    return lc, pinned
 
 
 def copy_commit(
@@ -233,23 +202,15 @@ def copy_commit(
     of its job, where ``src`` has them, and the whole closure of every other commit the
     references pin names (a run's seed and frozen distillation references), copied first.
     """
-    if ref is not None:
-        check_ref_name(ref)
-    lc = load_commit(src, target)
+    lc, pinned = check_copy(src, target, slot=slot, ref=ref, pins=pins)
     deps: list[str] = []
-    if with_deps:
+    if with_deps:  # the job's pins, and the commits its references pin names
         named = [f"{kind}/{lc.commit.job}" for kind in ("jobs", "references")]
-        pins = [*pins, *(n for n in named if n not in pins and src.pinned(n) is not None)]
+        for n in named:
+            ids = src.pinned(n) if n not in pinned else None
+            if ids is not None:
+                pinned[n] = ids
         deps = [c for c in src.pinned(named[1]) or () if c != lc.id]
-
-    if slot is not None and slot not in lc.shards:
-        raise TargetNotFound(f"commit {lc.id} in {src.url} has slots 0..{len(lc.shards) - 1}; it has no slot {slot}")
-    pinned: dict[str, tuple[str, ...]] = {}
-    for name in pins:
-        ids = src.pinned(name)
-        if ids is None:
-            raise TargetNotFound(f"no pin {name!r} in {src.url}")
-        pinned[name] = ids
     closure = commit_closure(lc, slot)
     result = CopyResult(lc.id, slot)
     for dep in deps:  # each lands whole (and durable) before the commit that needs it
@@ -277,7 +238,7 @@ def copy_commit(
     batch([(closure.commit, None, "commit manifest")])
     load_commit(dst, lc.id)  # the destination now holds a structurally valid commit
     if ref is not None:
-        _move_ref(dst, ref, lc.id)
+        _move_ref(dst, ref, lc.id, closure.ids())
         result.ref = ref
     for name, ids in pinned.items():  # the objects are durable at the destination: name them
         dst.add_to_pin(name, ids)  # compare-and-swap: a concurrent writer's objects are kept

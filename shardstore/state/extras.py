@@ -34,9 +34,9 @@ from ..format.bounded import check_json_nesting
 from ..format.canonical import REAL_PREFIX, decode_real, encode_scalar, in_int_range, is_real
 from ..format.grid import check_stored_all
 from ..format.lazy import torch
-from ..format.manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, check_writable, is_chunked
+from ..format.manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, check_writable, extra_objects, is_chunked
 from ..format.names import check_group_name
-from ..format.tensors import check_storable, dtype_name, expected_nbytes, is_dtensor, torch_dtype
+from ..format.tensors import check_storable, dtype_name, is_dtensor, torch_dtype
 from .stateful import GeneratorState, LoaderState, stateful
 
 if TYPE_CHECKING:
@@ -133,14 +133,6 @@ def write_extras(store: Store, captured: Mapping[str, CapturedExtra], *, threads
         )
         entries.append(ExtraEntry(key=key, state=store.put(c.document), tensors=refs))
     return tuple(entries)
-
-
-def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[str, int | None, str, str | None]]:
-    """(object id, byte size or None, what, verify's content rule) of every object the extras name (verify, copy, gc)."""
-    for x in extras:
-        yield x.state, None, f"state document of extra {x.key!r}{where}", f"extra:{len(x.tensors)}"
-        for t in x.tensors:
-            yield t.object, expected_nbytes(t.dtype, t.shape), f"tensor {t.key} of extra {x.key!r}{where}", None
 
 
 def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what: str, depth: int = 0) -> Any:

@@ -51,6 +51,7 @@ from ..format.manifest import (
 from ..format.names import check_oid, check_oid_prefix
 from ..format.tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
 from . import tensors as tensors_io
+from .gc_fence import fenced_move
 from .keys import object_key, pin_key, ref_key
 
 __all__ = ["Store", "open_store", "object_key", "ref_key", "pin_key"]
@@ -276,11 +277,12 @@ class Store:
                 out[name] = value
         return out
 
-    def set_ref(self, name: str, new: str, *, expected: str | None) -> None:
-        """Move ref ``name`` from ``expected`` (None: must not exist) to ``new``; RefConflict otherwise."""
+    def set_ref(self, name: str, new: str, *, expected: str | None, needs: set[str] | None = None) -> None:
+        """Move ref ``name`` from ``expected`` (None: must not exist) to ``new``; RefConflict otherwise
+        (GcRace if ``new``'s closure, or ``needs``, is not all present: behind the gc fence, SPEC.md §19b)."""
         check_oid(new, what="commit id")
         exp = None if expected is None else (check_oid(expected, what="expected commit id") + "\n").encode()
-        self.storage.swap(ref_key(name), exp, (new + "\n").encode())
+        fenced_move(self, commit=new, objects=sorted(needs or ()), move=lambda: self.storage.swap(ref_key(name), exp, (new + "\n").encode()))
 
     def delete_ref(self, name: str, *, expected: str) -> None:
         """Delete ref ``name`` if it points at ``expected``: a compare-and-delete, so a ref moved
@@ -348,9 +350,9 @@ class Store:
         A compare-and-swap, like ``set_ref``: a read-modify-write passes the value it read,
         so that a concurrent change of the same pin raises RefConflict and changes nothing
         instead of being overwritten (``add_to_pin`` does the whole loop)."""
-        new = self._pin_bytes(name, objects)
-        exp = None if expected is None else self._pin_bytes(name, expected)
-        self.storage.swap(pin_key(name), exp, new)
+        new, exp = self._pin_bytes(name, objects), None if expected is None else self._pin_bytes(name, expected)
+        added = sorted(set(objects) - set(expected or ()))  # behind the gc fence (SPEC.md §19b), like set_ref
+        fenced_move(self, objects=added, move=lambda: self.storage.swap(pin_key(name), exp, new))
 
     def add_to_pin(self, name: str, objects: Sequence[str], *, attempts: int = 20) -> tuple[str, ...]:
         """Make pin ``name`` hold ``objects`` as well as what it holds now (created if absent);

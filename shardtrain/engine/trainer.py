@@ -2,12 +2,14 @@
 
 A step is: clear gradients, run the pipeline's forward and backward over the whole batch,
 share the step loss from slot 0, compute the global gradient norm in canonical parameter
-order, clip, and apply shard-local AdamW at the global step. Every slot calls `step` with
+order, stop (NonFiniteStep, nothing applied) if either is not finite, clip, and apply
+shard-local AdamW at the global step. Every slot calls `step` with
 the same batch; every slot returns the same `StepResult`, bit for bit.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -17,7 +19,7 @@ from shardtrain.engine.clipping import clip_coefficient, global_grad_norm, scale
 from shardtrain.engine.optim import AdamW
 from shardtrain.engine.partition import canonical_parameter_names
 from shardtrain.engine.pipeline import Pipeline
-from shardtrain.errors import ConfigError, PeerFailureError
+from shardtrain.errors import ConfigError, NonFiniteStep, PeerFailureError
 
 __all__ = ["StepResult", "Trainer"]
 
@@ -60,6 +62,9 @@ class Trainer:
         loss = self._share_loss(loss)
         norm = global_grad_norm(squared_grad_norms(self.params), self.canonical, self.owners,
                                 rank=pipe.slot, world_size=pipe.num_slots)
+        if not (math.isfinite(loss) and math.isfinite(norm)):  # the same on every slot: all stop here
+            raise NonFiniteStep(f"step {self.global_step + 1} (slot {pipe.slot}): the loss is {loss!r} and the global "
+                                f"gradient norm {norm!r}; the update was not applied (SPEC.md §14d)")
         coef = clip_coefficient(norm, self.max_grad_norm)
         scale_grads_(list(self.params.values()), coef)
         mult = self.optimizer.step(self.global_step)

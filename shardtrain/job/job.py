@@ -38,6 +38,7 @@ from shardtrain.engine.optim import GroupConfig
 from shardtrain.engine.optim import Schedule as LrSchedule
 from shardtrain.engine.profile import FP32, Profile
 from shardtrain.errors import ConfigError, JobError
+from shardtrain.job.bounds import check_bounds
 from shardtrain.job.hf_tokenizer import HFTokenizer, build_tokenizer, commit_config_dict
 from shardtrain.job.recipe import F64, CohortReference, Count, Distillation, FileName, GateRecipe, GroupRecipe, Positive, Recipe, _Base
 from shardtrain.job.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
@@ -156,8 +157,10 @@ def _decode(data: bytes, kind: type[Any], what: str, limit: int) -> Any:
 
 
 def decode_job(raw: bytes, what: str = "job file") -> Job:
-    """Strictly decode job file bytes (bounded, canonical, known version)."""
-    return _decode(raw, Job, what, _MAX_JOB_BYTES)
+    """Strictly decode job file bytes (bounded, canonical, known version, every value in bounds)."""
+    job = _decode(raw, Job, what, _MAX_JOB_BYTES)
+    check_bounds(job)  # SPEC.md §14c: before anything reads records, starts a worker, writes or pins
+    return job
 
 
 def model_spec(config: LlamaConfig) -> ModelSpec:

@@ -26,7 +26,7 @@ import blake3
 import msgspec
 from msgspec import Meta
 
-from shardstore import ObjectNotFound, Store
+from shardstore import ObjectNotFound, RefConflict, RefNotFound, Store
 from shardtrain.errors import JobError, RoleError
 from shardtrain.job.tasks import Record
 
@@ -171,5 +171,12 @@ def open_finals(store: Store, job: str, candidate: str) -> Selection:
         # A `select` racing with this opening may have replaced the selection in between:
         # the opening holds only if the selection it recorded is still the current one.
         if store.pinned(_selection_pin(job)) != ids or set(store.pinned(_opened_pin(job)) or ()) != set(ids or ()):
-            raise RoleError(f"job {job[:12]}'s selection changed while its final sets were being opened")
+            # Undo this opening (compare-and-delete of what it wrote): left in place it would name
+            # a selection that is no longer current, and refuse every later select and opening.
+            try:
+                store.unpin(_opened_pin(job), expected=list(ids or ()))
+            except (RefConflict, RefNotFound):
+                pass  # not ours any more: the check above raises all the same
+            raise RoleError(f"job {job[:12]}'s selection changed while its final sets were being opened; "
+                            f"the opening was undone (select and the final sets are linearisable, README)")
     return sel

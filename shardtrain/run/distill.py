@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import shardstore
-from shardstore import Store, load_commit
+from shardstore import ShardstoreError, Store, load_commit
 from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardtrain.engine.batch import Batch
 from shardtrain.engine.loss import DistillTargets
@@ -36,7 +36,7 @@ from shardtrain.engine.ring import Ring
 from shardtrain.errors import DistillError
 from shardtrain.job.job import PreparedJob
 
-__all__ = ["find_reference", "Reference", "Distiller", "reference_steps", "reference_bytes"]
+__all__ = ["find_reference", "Reference", "Distiller", "reference_steps", "reference_bytes", "check_reference_depths"]
 
 
 def find_reference(store: Store, job: PreparedJob, cohort: str, head: str | None) -> str | None:
@@ -70,6 +70,29 @@ def reference_steps(job: PreparedJob, start: int, until: int) -> set[int]:
         if ref is not None and ref.source == "endpoint" and start < job.cohort_end(ref.of or "") <= until:
             out.add(job.cohort_end(ref.of or ""))
     return out
+
+
+def check_reference_depths(job: PreparedJob, store: Store, head: str | None, start: int, until: int,
+                           workers: int) -> None:
+    """Refuse, before any worker starts, a run whose cohorts in (start, until] distil toward a
+    committed reference too shallow to split over `workers` (each worker builds
+    `Partition.even(reference depth, workers)`; README §Distillation). A reference this run
+    commits itself is the student's own depth, which the student's split already allows."""
+    for cohort in sorted({s.cohort for s in job.job.schedule.steps[start:until]}):
+        try:
+            cid = find_reference(store, job, cohort, head)
+        except (DistillError, ShardstoreError):
+            continue  # an endpoint this run commits first, or a chain not all here: the workers decide, as before
+        if cid is None or not store.has(cid):
+            continue
+        config_id = store.commit(cid).config
+        if config_id is None:
+            raise DistillError(f"cohort {cohort}'s reference commit {cid[:12]} has no model config")
+        depth = LlamaConfig.from_hf_dict(decode_config(store.get(config_id, limit=MAX_MANIFEST_BYTES))).num_hidden_layers
+        if depth < workers:
+            raise DistillError(f"cohort {cohort}'s distillation reference {cid[:12]} has {depth} layers, which cannot "
+                               f"be split over {workers} workers (each holds a non-empty share); train with at most "
+                               f"{depth} workers")
 
 
 def reference_bytes(config: LlamaConfig, num_slots: int, slot: int) -> int:

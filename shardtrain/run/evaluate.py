@@ -32,6 +32,8 @@ from shardtrain.engine.ring import Ring
 from shardtrain.errors import JobError, ResumeError, WorkerFailedError
 from shardtrain.job.job import JOB_FILE, PreparedJob, decode_job, load_job
 from shardtrain.job.roles import DEVELOPMENT, FINAL, open_finals
+from shardtrain.reshape import admission
+from shardtrain.reshape.planner import for_job
 from shardtrain.run.lifecycle import DETERMINISTIC_ENV, commit_config, gate
 from shardtrain.workers.launch import WorkerContext, launch_local
 
@@ -150,6 +152,16 @@ def _load_job(spec: EvalSpec, store: Store, tmp: str) -> PreparedJob:
     raise JobError("every --commit is an import commit, which names no job: pass --prepared JOB")
 
 
+def _check_member(store: Store, job: PreparedJob, cid: str) -> shardstore.LoadedCommit:
+    """Commit `cid`, if `job` made it (or it was imported) with the job's model config; else ResumeError."""
+    lc = load_commit(store, cid)
+    if lc.commit.transition != "import" and lc.commit.job != job.id:
+        raise ResumeError(f"commit {cid[:12]} was made by job {lc.commit.job[:12]}, not {job.id[:12]}")
+    if commit_config(store, lc) != job.config:
+        raise ResumeError(f"commit {cid[:12]} holds another model config than job {job.id[:12]}")
+    return lc
+
+
 def evaluate_worker(ctx: WorkerContext, spec: EvalSpec) -> EvalReport:
     """One slot of `evaluate`: every commit, every held-out set, the same generations."""
     torch.set_num_threads(1)
@@ -158,6 +170,10 @@ def evaluate_worker(ctx: WorkerContext, spec: EvalSpec) -> EvalReport:
     with tempfile.TemporaryDirectory(prefix="shardtrain-eval-job-") as tmp:
         job = _load_job(spec, store, tmp)
     partition = Partition.even(job.config.num_hidden_layers, world)
+    for target in spec.commits:  # every commit belongs to the job before any stage is built
+        gate(f"check commit {target[:12]}", rank, world, lambda t=target: _check_member(store, job, store.resolve(t)))
+    estimate = for_job(job, job.config, reference=False).estimate(rank, partition.layers(rank))
+    gate("admit its slot", rank, world, lambda: admission.admit(rank, estimate, ctx.device))
     stage = build_stage(job.config, partition, rank, seed=0, device=ctx.device)
     ring = Ring(stage, partition, rank, timeout=spec.message_timeout)
     results = []
@@ -165,11 +181,7 @@ def evaluate_worker(ctx: WorkerContext, spec: EvalSpec) -> EvalReport:
         cid = shardstore.agree_on_commit(store, target) if world > 1 else store.resolve(target)
 
         def restore(cid: str = cid) -> int:
-            lc = load_commit(store, cid)
-            if lc.commit.transition != "import" and lc.commit.job != job.id:
-                raise ResumeError(f"commit {cid[:12]} was made by job {lc.commit.job[:12]}, not {job.id[:12]}")
-            if commit_config(store, lc) != job.config:
-                raise ResumeError(f"commit {cid[:12]} holds another model config than job {job.id[:12]}")
+            lc = _check_member(store, job, cid)
             # only this slot's weights are read (its parameters by name: a declared share); RNG untouched
             shardstore.restore(store, cid, dict(stage.named_parameters()), rng=False)
             return lc.commit.step
@@ -221,6 +233,11 @@ def evaluate(spec: EvalSpec, workers: int | None = None, *, timeout: float = 60.
     n = workers if workers is not None else len(load_commit(store, spec.commits[0]).commit.layout)
     if spec.role not in (DEVELOPMENT, FINAL):
         raise JobError(f"unknown evaluation role {spec.role!r} (development or final)")
+    if spec.job is not None:  # a prepared job: the commits must be its own, checked before any worker starts
+        job = load_job(spec.job)
+        Partition.even(job.config.num_hidden_layers, n)
+        for target in spec.commits:
+            _check_member(store, job, store.resolve(target))
     if spec.role == FINAL:  # the candidate is the last commit; checked (and recorded) before any final record is read
         candidate = load_commit(store, spec.commits[-1])
         open_finals(store, candidate.commit.job, candidate.id)

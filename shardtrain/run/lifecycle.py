@@ -64,7 +64,7 @@ from shardtrain.engine.profile import compute_context
 from shardtrain.engine.profile import label as profile_label
 from shardtrain.engine.schedule import build as build_schedule
 from shardtrain.engine.trainer import Trainer
-from shardtrain.errors import AdmissionError, JobError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
+from shardtrain.errors import AdmissionError, JobError, LaunchError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
 from shardtrain.job.hf_tokenizer import commit_config_dict
 from shardtrain.job.job import PreparedJob, load_job
 from shardtrain.reshape import admission
@@ -72,7 +72,7 @@ from shardtrain.reshape.planner import for_job
 from shardtrain.reshape.regroup import grown_from, regroup, start_layout
 from shardtrain.run.committer import Committer
 from shardtrain.run.dependencies import check_dependencies, check_shared_store, pin_references
-from shardtrain.run.distill import Distiller, reference_steps
+from shardtrain.run.distill import Distiller, check_reference_depths, reference_steps
 from shardtrain.run.faults import FAULT_ENV, Fault, fault_from_env, inject_fault
 from shardtrain.workers.launch import WorkerContext, launch_local
 
@@ -438,6 +438,8 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
     check_dependencies(store, job, lc, spec.until)
     check_ref(store, spec.ref, None if lc is None else lc.id)
+    check_reference_depths(job, store, None if lc is None else lc.id, 0 if lc is None else lc.commit.step, spec.until,
+                           workers)  # a reference no worker could build is refused here, not inside step 1
     if lc is not None and lc.commit.transition != "import" and len(lc.shards) != workers:
         if spec.slot_stores:
             raise ResumeError(f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, not {workers}, and slots "
@@ -452,8 +454,16 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
                          env={**DETERMINISTIC_ENV, **(env or {})}, join_timeout=join_timeout)
         except WorkerFailedError as exc:
             _raise_failure(exc)
-        results = []
-        for r in range(workers):
+        return _read_results(out, workers)
+
+
+def _read_results(out: str, workers: int) -> list[RunResult]:
+    """Every worker's result file; LaunchError naming the worker if one does not decode (SPEC.md §14d)."""
+    results = []
+    for r in range(workers):
+        try:
             with open(os.path.join(out, f"rank{r}.json"), "rb") as f:
                 results.append(msgspec.json.decode(f.read(), type=RunResult))
+        except (OSError, msgspec.ValidationError, msgspec.DecodeError) as e:  # never a traceback
+            raise LaunchError(f"worker {r}'s result file could not be read: {e}") from None
     return results

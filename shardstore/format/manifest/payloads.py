@@ -7,9 +7,12 @@ encodes (and hashes) exactly as before: verify, gc, copy and the version rule al
 """
 from __future__ import annotations
 
-from .schema import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, TILE_VERSION, Payload, Slice, TensorEntry
+from collections.abc import Iterable, Iterator
 
-__all__ = ["is_chunked", "tensor_payloads", "state_payloads", "shard_version", "legal_versions", "banded"]
+from ..tensors import expected_nbytes
+from .schema import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, TILE_VERSION, ExtraEntry, Payload, Slice, TensorEntry
+
+__all__ = ["extra_objects", "is_chunked", "tensor_payloads", "state_payloads", "shard_version", "legal_versions", "banded"]
 
 def is_chunked(payload: "Payload | None") -> bool:
     return payload is not None and not isinstance(payload, str)
@@ -69,3 +72,11 @@ def legal_versions(entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slice
 def banded(version: int) -> bool:
     """Whether a manifest of ``version`` puts its chunked payloads on the row-band grid (2, 3)."""
     return version < TILE_VERSION
+
+
+def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[str, int | None, str, str | None]]:
+    """(object id, byte size or None, what, verify's content rule) of every object the extras name (verify, copy, gc)."""
+    for x in extras:
+        yield x.state, None, f"state document of extra {x.key!r}{where}", f"extra:{len(x.tensors)}"
+        for t in x.tensors:
+            yield t.object, expected_nbytes(t.dtype, t.shape), f"tensor {t.key} of extra {x.key!r}{where}", None
