@@ -1,6 +1,8 @@
 """The main job as a user runs it: `shardtrain demo`, then `shardstore verify` on what it left."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import re
 import subprocess
@@ -14,6 +16,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.e2e
 def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_path: Path) -> None:
     # No timed assertion (docs/DEMO.md gives the measured wall time); the
     # timeout only bounds a hung run on a shared, loaded machine.

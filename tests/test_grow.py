@@ -178,7 +178,7 @@ def test_evaluate_checks_the_commits_belong_to_the_prepared_job_before_any_worke
 
     from shardtrain.errors import ResumeError
 
-    ev = sys.modules["shardtrain.evaluate"]  # the package re-exports the function under the module's name
+    ev = sys.modules["shardtrain.run.evaluate"]  # the package re-exports the function under the module's name
 
     run = adaptive_run
     d2 = next(c.id for c in run.dstraight[0].commits if c.step == 2)  # the distillation job's commit

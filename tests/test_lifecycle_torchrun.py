@@ -11,6 +11,8 @@ node replaced by a fresh agent is tested in tests/test_multihost.py.
 """
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -33,6 +35,7 @@ def agent_command(job: str, store: str, port: int, *, is_host: bool, until: int 
             "--store", store, "--until", str(until), "--every", "1", "--resume", "auto", "--timeout", "20"]
 
 
+@pytest.mark.e2e
 def test_two_node_restarts_resume_from_the_runs_ref(tmp_path: Path) -> None:
     prep = _run("-m", "shardstore_cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"), "--steps-a", "4", "--steps-b", "1")
     assert prep.returncode == 0, prep.stderr

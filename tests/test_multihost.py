@@ -134,6 +134,7 @@ def _agent(job: str, host: int, *extra: str) -> list[str]:
             "--until", "4", "--every", "1", "--resume", "auto", "--timeout", "20", *extra]
 
 
+@pytest.mark.e2e
 def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Path) -> None:
     started = time.monotonic()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SHARDSTORE_"))}
