@@ -1,13 +1,13 @@
 """The main job as a user runs it: `shardtrain demo`, then `shardstore verify` on what it left."""
 from __future__ import annotations
 
-import pytest
-
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from shardtrain.run.demo import EVERY, STEPS_A, STEPS_B
 
@@ -119,6 +119,7 @@ def test_cli_refuses_before_training(tmp_path: Path) -> None:
     assert usage.returncode == 2
 
 
+@pytest.mark.e2e
 def test_torchrun_workers_commit_what_the_local_launcher_commits(tmp_path: Path) -> None:
     import os
 

@@ -11,12 +11,12 @@ node replaced by a fresh agent is tested in tests/test_multihost.py.
 """
 from __future__ import annotations
 
-import pytest
-
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import shardstore
 from shardtrain.workers.launch import free_port

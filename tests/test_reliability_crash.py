@@ -206,6 +206,7 @@ def _syscall_count(tmp_path: Any, plan: dict[str, Any]) -> list[str]:
     return fos.calls
 
 
+@pytest.mark.long
 def test_kill_before_every_system_call(tmp_path: Any, plan: dict[str, Any]) -> None:
     calls = _syscall_count(tmp_path, plan)
     assert {"open:w", "write", "fsync", "link", "replace", "unlink"} <= set(calls)

@@ -47,7 +47,7 @@ from ..format.tensors import is_dtensor
 from ..sharded.placement import local_parts
 from ..state.extras import CapturedExtra, capture_extras
 from ..state.optim import ParamOpt
-from ..state.slot import SlotState, capture
+from ..state.slot import SlotState, capture, slot_tensors
 from ..store import Store
 from .distributed import commit_state
 from .info import CommitInfo
@@ -102,14 +102,7 @@ class AsyncSaver:
     def _snapshot(self, state: SlotState) -> SlotState:
         """A copy of ``state`` whose tensors live in the arena (one memcpy each)."""
         names = sorted(state.tensors)
-        flat: list[torch.Tensor] = []
-        for n in names:
-            flat.append(state.tensors[n])
-            po = state.optim.params.get(n)
-            if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
-                flat += [po.exp_avg, po.exp_avg_sq]
-            if po is not None and po.torch_state is not None:
-                flat += [t for _, t in sorted(po.torch_state.tensors.items())]
+        flat = slot_tensors(state)  # payloads in manifest order (torch-form state like parameters', format 3)
         # A DTensor is staged as its local slice and re-wrapped with the same mesh and placements.
         dts = [t if is_dtensor(t) else None for t in flat]
         flat = [local_parts(t)[0] if d is not None else t for t, d in zip(flat, dts)]

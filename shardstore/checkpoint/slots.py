@@ -64,7 +64,7 @@ from ..state.optim import (
     into_export,
 )
 from ..state.restore_match import match_names
-from ..state.slot import SlotState, capture
+from ..state.slot import SlotState, capture, slot_tensors
 from ..state.torch_optim import (
     param_state,
     plan_torch_restore,
@@ -111,14 +111,7 @@ def write_shard(
     """Write one slot's objects, then (after a durability barrier) its shard manifest; return its id."""
     check_info(info)
     names = sorted(state.tensors)
-    flat: list[torch.Tensor] = []
-    for n in names:
-        flat.append(state.tensors[n])
-        po = state.optim.params.get(n)
-        if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
-            flat += [po.exp_avg, po.exp_avg_sq]
-        if po is not None and po.torch_state is not None:
-            flat += [t for _, t in sorted(po.torch_state.tensors.items())]  # payloads like parameters' (format 3, SPEC.md §5a)
+    flat = slot_tensors(state)  # payloads in manifest order (torch-form state like parameters', format 3)
     ids = iter(put_payloads(store, flat, threads=threads))  # canonical blocks, hashed once, written once, batched fsync
     entries = []
     for n in names:

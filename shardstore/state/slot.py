@@ -18,7 +18,7 @@ from .module import check_held, named_state
 from .optim import OptimState, from_export, from_torch
 from .torch_optim import capture_torch, is_adam_form
 
-__all__ = ["SlotState", "capture"]
+__all__ = ["SlotState", "capture", "slot_tensors"]
 
 
 @dataclass
@@ -73,3 +73,17 @@ def capture(
         groups, torch_groups = ({g: h for g, h in d.items() if g in used} for d in (full.groups, full.torch_groups))
         optim = replace(full, groups=groups, params=params, torch_groups=torch_groups)
     return SlotState(tensors, optim, capture_rng() if rng else {}, births, buffers & set(tensors), capture_extras(extra))
+
+
+def slot_tensors(state: SlotState) -> list[torch.Tensor]:
+    """Every tensor a slot writes, in the order its payloads are listed: by tensor name, each
+    tensor, then its Adam moments, then its torch-form state tensors by key (SPEC.md §5a)."""
+    flat: list[torch.Tensor] = []
+    for n in sorted(state.tensors):
+        flat.append(state.tensors[n])
+        po = state.optim.params.get(n)
+        if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
+            flat += [po.exp_avg, po.exp_avg_sq]
+        if po is not None and po.torch_state is not None:
+            flat += [t for _, t in sorted(po.torch_state.tensors.items())]
+    return flat

@@ -1,15 +1,6 @@
-"""The store: objects named by their BLAKE3 hash, manifests, refs and the journal (SPEC.md §Store layout).
-
-A ``Store`` wraps one ``Storage`` backend and owns the key layout::
-
-    config                      the store config (a StoreConfig manifest)
-    objects/<id[:2]>/<id>       immutable objects; b3sum of the file equals its name
-    refs/<name>                 "<commit id>\\n", moved only by compare-and-swap
-    pins/<name>                 a PinManifest: objects gc keeps though no commit names them
-    journal/<commit id>.json    unhashed notes (times, hosts, durations); never trusted
-
-Everything read back is re-hashed before it is used. Names and ids are validated before
-they become keys.
+"""The store: a ``Store`` over one storage backend (``store``), its key layout (``keys``), tensor
+objects written in one batch and read straight into tensors (``tensors``), and the fence that
+keeps gc from deleting what a ref is moving to (``gc_fence``; SPEC.md §Store layout, §19b).
 """
 from .keys import object_key, pin_key, ref_key
 from .store import Store, open_store
