@@ -155,6 +155,7 @@ def test_clean_store_passes_every_path(world: Any) -> None:
     ss.restore(store, "main", m)
 
 
+@pytest.mark.long
 def test_every_bit_of_every_small_object(world: Any) -> None:
     root, cid = world["root"], world["cid"]
     store = ss.open_store(root, create=False)
