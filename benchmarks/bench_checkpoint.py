@@ -1,7 +1,7 @@
 """Checkpoint save / restore / verify: shardstore against torch.save, safetensors and DCP, and the machine's limits.
 
 One training state (parameters + AdamW moments) in two shapes: ``many`` (201 tensors of
-10 MiB at ``--scale 1``; the scale sets their size, not their number) and ``few`` (9 tensors
+10 MiB at ``--scale 1``; the scale sets their size, ``--params`` their number) and ``few`` (9 tensors
 of ~228 MiB); ~2 GiB each at ``--scale 1``. Every method
 runs in the same process, interleaved (each repetition runs every method once, in a
 rotated order), and the tables give medians with min–max. Measured per repetition:
@@ -73,10 +73,10 @@ class Bag(torch.nn.Module):
         self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.empty(s).uniform_(-1, 1, generator=g)) for s in shapes)
 
 
-def build_state(shape: str, scale: float, seed: int = 0) -> tuple[Bag, torch.optim.AdamW, dict[str, torch.Tensor], int]:
+def build_state(shape: str, scale: float, seed: int = 0, params: int = 67) -> tuple[Bag, torch.optim.AdamW, dict[str, torch.Tensor], int]:
     """Model + AdamW with moments filled in (age 1), and the flat state dict the peers save."""
     if shape == "many":  # ~200 tensors: 67 parameters x (param, exp_avg, exp_avg_sq), 10 MiB each at scale 1
-        shapes = [(max(1, round(2560 * scale)), 1024)] * 67
+        shapes = [(max(1, round(2560 * scale)), 1024)] * params
     else:  # a few big tensors: 3 parameters of ~228 MiB each, x3 = 9 tensors
         rows = max(1, int(round(2 * GIB * scale / 9 / 4 / 4096)))
         shapes = [(rows, 4096)] * 3
@@ -647,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the ~2 GiB state (e.g. 0.1)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shapes", default="many,few")
+    ap.add_argument("--params", type=int, default=67, help="parameters of the 'many' shape (x3 tensors with the moments)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir beside the repository)")
     ap.add_argument("--results", default=None, help="write the tables into this RESULTS.md")
     ap.add_argument("--warm", action="store_true", help="never drop the page cache, even as root (smoke runs)")
@@ -666,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         for shape in args.shapes.split(","):
-            model, opt, sd, nbytes = build_state(shape, args.scale)
+            model, opt, sd, nbytes = build_state(shape, args.scale, params=args.params)
             run = Run(shape, model, opt, sd, nbytes, work)
             methods = [run.limits, run.fio, run.shardstore, run.torch_save, run.safetensors, run.dcp, run.async_saves]
             for rep in range(args.reps):

@@ -22,7 +22,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 def test_checkpoint_benchmark_smoke(tmp_path) -> None:
     results = tmp_path / "RESULTS.md"
     results.write_text("# results\n")
-    done = _run(["benchmarks/bench_checkpoint.py", "--scale", "0.002", "--reps", "1", "--warm",
+    done = _run(["benchmarks/bench_checkpoint.py", "--scale", "0.002", "--params", "1", "--reps", "1", "--warm",
                  "--dir", str(tmp_path), "--results", str(results)])
     assert done.returncode == 0, done.stderr[-2000:]
     text = results.read_text()
