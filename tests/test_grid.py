@@ -152,6 +152,25 @@ def test_tiled_vectors_match_an_independent_encoder():
     assert torch.equal(back, w)
 
 
+def _init_commit(version: int, layout: list[dict], learned_root: str, optimizer: dict) -> str:
+    """The id of a chunked vector's commit manifest from SPEC.md §24's values: step 0, job
+    ``vector-job``, profile ``fp32``, transition ``init``, no schedule, data cursor, config or parent."""
+    doc = {"config": None, "data_cursor": None, "job": "vector-job", "layout": layout, "learned_root": learned_root, "optimizer": optimizer,
+           "parent": None, "profile": "fp32", "schedule": None, "step": 0, "transition": "init", "type": "commit", "version": version}  # fmt: skip
+    return blake3.blake3(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def test_chunked_full_roots_from_the_values_spec_states():
+    """The version-2 and tiled vectors' full roots from SPEC.md §24 alone (no store)."""
+    none = {"algorithm": "none", "groups": []}
+    for rows, cols, boxes, version, pinned in (
+        (3, 524288, [((0, 0), (2, 524288)), ((2, 0), (1, 524288))], 2, CHUNKED_VECTORS),
+        (1501, 1500, [((0, 0), (751, 750)), ((0, 750), (751, 750)), ((751, 0), (750, 750)), ((751, 750), (750, 750))], 4, TILED_VECTORS),
+    ):
+        _, shard_id, root = _independent_ids(rows, cols, boxes, version)
+        assert _init_commit(version, [{"shard": shard_id, "slot": 0, "tensors": ["w"]}], root, none) == pinned[3]
+
+
 CHUNKED_VECTORS = (
     ["376340a03365bddb93ff1cac75c539a9741fcb30ffb28646efbe48b213defcd3", "a1908d9f1d0da682bd5e9fbd6178c8b7ed5e2abc608c77532321545a08dca5ad"],
     "3063682d113132e8e6e11f8d7382e853010cb0e8919f9d742bda0457f21fc1c3",  # shard manifest
