@@ -114,3 +114,17 @@ def test_gate_report_reals_follow_spec(x):
     assert raw.decode() == ('{"baseline":"' + "b" * 64 + '","candidate":"' + "c" * 64 + '","job":"' + "a" * 64 + '","passed":true,'
                             '"resamples":2000,"role":"development","rows":[' + row + '],"seed":0,"type":"shardtrain-gate-report","version":1}')  # fmt: skip
     assert struct.pack(">d", json.loads(raw)["rows"][0]["value"]) == struct.pack(">d", x)  # the text reads back to the same bits
+
+
+def test_new_slot_rng_seed_is_spelled_as_spec_says():
+    """SPEC.md §15a's seed of a new slot's RNG, byte-exact: the ASCII message with the commit id
+    as hex text and k in decimal, BLAKE2b with an 8-byte digest, little-endian, mod 2^32."""
+    import hashlib
+
+    from shardtrain.reshape.regroup import rng_seed
+
+    cid = "7aefa805a1d63548eef4513d9fa55a9d83cc1ffc93634f6c7c0eba2cd6da378c"
+    message = b"shardtrain-rng-v1:" + cid.encode("ascii") + b":2"
+    assert len(message) == 84 and hashlib.blake2b(message, digest_size=8).hexdigest() == "23625dbe01f6b7df"
+    assert rng_seed(cid, 2) == int.from_bytes(bytes.fromhex("23625dbe01f6b7df"), "little") % 2**32 == 3193791011
+    assert rng_seed(cid, 10) == int.from_bytes(hashlib.blake2b(f"shardtrain-rng-v1:{cid}:10".encode(), digest_size=8).digest(), "little") % 2**32
