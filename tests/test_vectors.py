@@ -254,15 +254,25 @@ def test_vector_1_and_its_extras_from_the_values_spec_states():
     assert (v["document"], v["extras_learned"], v["extras_commit"]) == (EXTRAS_DOCUMENT, EXTRAS_LEARNED_ROOT, EXTRAS_COMMIT)
 
 
-def test_torch_form_commit_from_the_values_spec_states():
-    """The torch-form vector's commit manifest (profile, transition, nulls) from SPEC.md §24 alone."""
+def test_torch_form_vector_from_the_values_spec_states():
+    """The torch-form vector's shard manifest, learned-state root and commit manifest (profile,
+    transition, nulls) from SPEC.md §24 alone."""
     import struct
 
+    f32 = lambda *xs: struct.pack(f"<{len(xs)}f", *xs)  # noqa: E731
     f64 = lambda x: struct.pack(">d", x).hex()  # noqa: E731
     torch_optimizer = {"class_name": "torch.optim.sgd.SGD", "groups": [{"hyper": {
         "dampening": 0, "foreach": None, "lr": "f64:" + f64(0.1), "maximize": False, "momentum": "f64:" + f64(0.9), "nesterov": True,
         "weight_decay": 0}, "name": "g0"}]}  # fmt: skip
-    commit = {"config": None, "data_cursor": None, "job": "vector-job", "layout": [{"shard": SGD_SHARD, "slot": 0, "tensors": ["layer.weight", "norm.running_mean"]}],
-              "learned_root": SGD_LEARNED_ROOT, "optimizer": {"algorithm": "torch", "groups": [], "torch_optimizer": torch_optimizer}, "parent": None,
-              "profile": "fp32", "schedule": None, "step": 2, "transition": "train", "type": "commit", "version": 1}  # fmt: skip
-    assert _h(_enc(commit)) == SGD_COMMIT
+    state = {"group": "g0", "scalars": [], "tensors": [{"dtype": "float32", "key": "momentum_buffer", "object": _h(f32(0, 0.03125, 0.0625, 0.09375, 0.125, 0.15625)),
+                                                        "shape": [2, 3]}]}  # fmt: skip
+    entries = [{"dtype": "float32", "name": "layer.weight", "optim": None, "param": _h(f32(0, 0.25, 0.5, 0.75, 1.0, 1.25)), "shape": [2, 3], "state": state},
+               {"dtype": "float32", "kind": "buffer", "name": "norm.running_mean", "optim": None, "param": _h(f32(0.5, 1.0)), "shape": [2]}]  # fmt: skip
+    shard = {"algorithm": "torch", "config": None, "entries": entries, "groups": [], "job": "vector-job", "parent": None, "rng": [], "slot": 0,
+             "slots": 1, "step": 2, "torch_optimizer": torch_optimizer, "type": "shard", "version": 1}  # fmt: skip
+    optimizer = {"algorithm": "torch", "groups": [], "torch_optimizer": torch_optimizer}
+    learned = {"config": None, "data_cursor": None, "optimizer": optimizer, "step": 2, "tensors": entries, "type": "learned", "version": 1}
+    commit = {"config": None, "data_cursor": None, "job": "vector-job", "layout": [{"shard": _h(_enc(shard)), "slot": 0, "tensors": ["layer.weight", "norm.running_mean"]}],
+              "learned_root": _h(_enc(learned)), "optimizer": optimizer, "parent": None, "profile": "fp32", "schedule": None, "step": 2,
+              "transition": "train", "type": "commit", "version": 1}  # fmt: skip
+    assert (_h(_enc(shard)), _h(_enc(learned)), _h(_enc(commit))) == (SGD_SHARD, SGD_LEARNED_ROOT, SGD_COMMIT)
