@@ -125,7 +125,10 @@ def test_the_version_2_chunked_vector_is_unchanged():
     pinned, recomputed from SPEC.md alone; ``tests/test_legacy_store.py`` reads a store of it."""
     boxes = [((0, 0), (2, 524288)), ((2, 0), (1, 524288))]
     assert grid("float32", (3, 524288), bands=True) == boxes
-    assert _independent_ids(3, 524288, boxes, 2) == CHUNKED_VECTORS[:3]
+    ids, shard_id, root = _independent_ids(3, 524288, boxes, 2)
+    assert (ids, shard_id, root) == CHUNKED_VECTORS[:3]
+    # and its full root, from SPEC.md §24's values alone (no test of a store pins it)
+    assert _init_commit(2, [{"shard": shard_id, "slot": 0, "tensors": ["w"]}], root, {"algorithm": "none", "groups": []}) == CHUNKED_VECTORS[3]
 
 
 def _tiled_state() -> tuple[torch.Tensor, ss.CommitInfo]:
@@ -146,10 +149,19 @@ def test_tiled_vectors_match_an_independent_encoder():
     assert lc.commit.learned_root == root
     assert lc.commit.version == 4 and lc.shards[0].version == 4
     assert (ids, shard_id, root, cid) == TILED_VECTORS
+    assert _init_commit(4, [{"shard": shard_id, "slot": 0, "tensors": ["w"]}], root, {"algorithm": "none", "groups": []}) == cid  # SPEC.md §24 alone
     assert ss.verify(store).ok
     back = torch.zeros(1501, 1500)
     ss.restore(store, cid, {"w": back})
     assert torch.equal(back, w)
+
+
+def _init_commit(version: int, layout: list[dict], learned_root: str, optimizer: dict) -> str:
+    """The id of a chunked vector's commit manifest from SPEC.md §24's values: step 0, job
+    ``vector-job``, profile ``fp32``, transition ``init``, no schedule, data cursor, config or parent."""
+    doc = {"config": None, "data_cursor": None, "job": "vector-job", "layout": layout, "learned_root": learned_root, "optimizer": optimizer,
+           "parent": None, "profile": "fp32", "schedule": None, "step": 0, "transition": "init", "type": "commit", "version": version}  # fmt: skip
+    return blake3.blake3(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 CHUNKED_VECTORS = (

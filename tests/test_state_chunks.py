@@ -7,6 +7,7 @@ tensor is stored whole and a large buffer chunked, each restored bitwise.
 """
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from array import array
@@ -37,6 +38,12 @@ def _state() -> tuple[ss.SlotState, ss.CommitInfo]:
     return ss.SlotState({"w": w}, optim), ss.CommitInfo(step=0, job="vector-job", transition="init")
 
 
+@functools.lru_cache(maxsize=2)
+def _values(divisor: int) -> array:
+    """The float32 elements ``i / divisor`` of the vectors' ``[ROWS, COLS]`` tensors (read-only: shared between tests)."""
+    return array("f", range(ROWS * COLS)) if divisor == 1 else array("f", (i / divisor for i in range(ROWS * COLS)))
+
+
 def _blocks(values: array, boxes=TILES) -> list[dict]:
     """The payload of a float32 [ROWS, COLS] tensor on ``boxes``: each block's object is its
     box's elements in C order (each row of the box one byte range of the tensor)."""
@@ -50,8 +57,8 @@ def _blocks(values: array, boxes=TILES) -> list[dict]:
 
 def _independent(boxes=TILES, version: int = 4) -> tuple[str, str]:
     """Shard manifest id and learned-state root of ``_state`` from SPEC.md's rules, without shardstore."""
-    w = _blocks(array("f", range(ROWS * COLS)), boxes)
-    m = _blocks(array("f", (i / 8 for i in range(ROWS * COLS))), boxes)
+    w = _blocks(_values(1), boxes)
+    m = _blocks(_values(8), boxes)
     entry = {"dtype": "float32", "name": "w", "optim": None, "param": w, "shape": [ROWS, COLS],
              "state": {"group": "g0", "scalars": [], "tensors": [{"dtype": "float32", "key": "momentum_buffer", "object": m, "shape": [ROWS, COLS]}]}}  # fmt: skip
     torch_optimizer = {"class_name": "torch.optim.sgd.SGD", "groups": [{"hyper": HYPER, "name": "g0"}]}
@@ -215,7 +222,7 @@ def test_a_large_extra_tensor_is_one_object_and_a_large_buffer_is_chunked():
 def _slice_manifests(boxes, version: int) -> list[bytes]:
     """The two shard manifests of the slices vector, from SPEC.md's rules alone."""
     enc = lambda d: json.dumps(d, sort_keys=True, separators=(",", ":")).encode()  # noqa: E731
-    entry = {"dtype": "float32", "name": "w", "optim": None, "param": _blocks(array("f", range(ROWS * COLS)), boxes), "shape": [ROWS, COLS]}
+    entry = {"dtype": "float32", "name": "w", "optim": None, "param": _blocks(_values(1), boxes), "shape": [ROWS, COLS]}
     base = {"algorithm": "none", "config": None, "groups": [], "job": "vector-job", "parent": None, "rng": [], "slots": 2,
             "step": 0, "type": "shard", "version": version}  # fmt: skip
     s0 = base | {"slot": 0, "entries": [entry], "slices": [{"name": "w", "shape": [2, COLS], "start": [0, 0]}]}
@@ -241,7 +248,7 @@ def test_slices_vector_matches_an_independent_encoder():
     assert lc.commit.version == 4
     # the layout is not learned state: the learned-state root is the one-slot chunked state's, without optimizer
     alone = ss.save_slots(store, [ss.SlotState({"w": w})], info=info, ref=None, parent=None)
-    assert lc.commit.learned_root == store.commit(alone).learned_root
+    assert lc.commit.learned_root == store.commit(alone).learned_root == SLICES_LEARNED_ROOT
     assert (lc.shard_ids[0], lc.shard_ids[1], cid) == SLICES_VECTORS
     assert ss.verify(store).ok
     # each slot's selection: the tiles its rows overlap (both column tiles), not the entry slot 0 records
@@ -262,6 +269,40 @@ SLICES_VECTORS = (
     "4a8863ebe7794af2ef9c6b2f9d55f0092fcd028d1bd383f13bb5f36d55b87ab5",  # shard manifest, slot 1 (version 3: slices only; unchanged)
     "420156ecef3deffd1c79ad2ca01f53369a605105b1cca05e5463d3b090d0b5c2",  # full root
 )
+#: The slices vector's learned-state root (version 4): that of ``w`` saved alone by one slot.
+SLICES_LEARNED_ROOT = "80df4c4f57d26f1eb1ab15139ad8e4888aa847775ec577f57c9194f1cbb2f773"
+
+
+def _init_commit(version: int, layout: list[dict], learned_root: str, optimizer: dict) -> str:
+    """A chunked vector's commit id from SPEC.md §24's values (as ``tests/test_grid.py``'s): step 0,
+    job ``vector-job``, profile ``fp32``, transition ``init``, no schedule, data cursor, config or parent."""
+    doc = {"config": None, "data_cursor": None, "job": "vector-job", "layout": layout, "learned_root": learned_root, "optimizer": optimizer,
+           "parent": None, "profile": "fp32", "schedule": None, "step": 0, "transition": "init", "type": "commit", "version": version}  # fmt: skip
+    return blake3.blake3(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def test_state_and_slices_full_roots_from_the_values_spec_states():
+    """The chunked state and slices vectors' full roots on both grids (version 3's no longer
+    written, still stated in SPEC.md §24), and the slices vector's learned-state root (that of
+    ``w`` alone: version 2's learned-state document on the row-band grid), from SPEC.md alone."""
+    topt = {"algorithm": "torch", "groups": [], "torch_optimizer": {"class_name": "torch.optim.sgd.SGD", "groups": [{"hyper": HYPER, "name": "g0"}]}}
+    none = {"algorithm": "none", "groups": []}
+    full = {}
+    for boxes, version in ((BANDS, 3), (TILES, 4)):
+        shard_id, root = _independent(boxes, version)
+        full["state", version] = _init_commit(version, [{"shard": shard_id, "slot": 0, "tensors": ["w"]}], root, topt)
+        manifests = _slice_manifests(boxes, version)
+        s0, s1 = (blake3.blake3(m).hexdigest() for m in manifests)
+        learned = {"config": None, "data_cursor": None, "optimizer": none, "step": 0, "tensors": json.loads(manifests[0])["entries"],
+                   "type": "learned", "version": 2 if version == 3 else 4}  # fmt: skip
+        alone = blake3.blake3(json.dumps(learned, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        full["slices", version] = _init_commit(version, [{"shard": s0, "slot": 0, "tensors": ["w"]}, {"shard": s1, "slot": 1, "tensors": []}], alone, none)
+        full["learned", version] = alone
+    assert full["state", 4] == STATE_VECTORS[2] and full["slices", 4] == SLICES_VECTORS[2]
+    assert full["state", 3] == "346cef81caea1db8fc543da808d361ba925a91536f2ea5674555a8c9a7f3b08a"
+    assert full["slices", 3] == "3619a549d4809ab6789dfde2ec70c3fbb81169b85b84beb862ff27275b0b13c6"
+    assert full["learned", 3] == "87487da2a3effa47abfb07096475c38002236244ce7345bf9bad31c401de7302"  # the version-2 vector's (tests/test_grid.py)
+    assert full["learned", 4] == SLICES_LEARNED_ROOT
 
 
 @pytest.mark.parametrize(

@@ -183,3 +183,96 @@ def test_extras_vector_independently():
     root = blake3.blake3(_learned_doc(store, commit)).hexdigest()
     assert root == EXTRAS_LEARNED_ROOT == commit["learned_root"] != LEARNED_ROOT
     assert blake3.blake3(json.dumps(commit, sort_keys=True, separators=(",", ":")).encode()).hexdigest() == EXTRAS_COMMIT
+
+
+# -- every value SPEC.md §24 states, and nothing read back from a store (issue 26, Build 6) --------------
+
+
+def _enc(d: dict) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _h(b: bytes) -> str:
+    return blake3.blake3(b).hexdigest()
+
+
+def _stated_vector_1():
+    """Vector 1's shard manifests, learned-state document and commit manifests built from the
+    values SPEC.md §24 lists (moments, births, hyperparameters, profile, transition, nulls),
+    with struct + json + blake3 only."""
+    import struct
+
+    f32 = lambda *xs: struct.pack(f"<{len(xs)}f", *xs)  # noqa: E731
+    weight = f32(0, 0.25, 0.5, 0.75, 1.0, 1.25)
+    m1w, m2w = f32(0, 0.03125, 0.0625, 0.09375, 0.125, 0.15625), f32(0, 0.0009765625, 0.00390625, 0.0087890625, 0.015625, 0.0244140625)
+    bias, m1b, m2b = f32(0.5, -1.0), f32(0.0625, -0.125), f32(0.00390625, 0.015625)
+    positions = struct.pack("<4q", 0, 1, 2, 3)
+    f64 = lambda x: struct.pack(">d", x).hex()  # noqa: E731
+    group = lambda name, wd: {"beta1": f64(0.9), "beta2": f64(0.999), "eps": f64(1e-08), "lr": f64(0.001), "name": name, "weight_decay": f64(wd)}  # noqa: E731
+    groups = {"decay": group("decay", 0.1), "no_decay": group("no_decay", 0.0)}
+    config = _h(_enc({"hidden_size": 3, "rms_norm_eps": "f64:" + f64(1e-06)}))
+    optim = lambda g, birth, age, m1, m2: {"age": age, "birth": birth, "exp_avg": _h(m1), "exp_avg_sq": _h(m2), "group": g, "moment_dtype": "float32"}  # noqa: E731
+    entries = {
+        "layer.weight": {"dtype": "float32", "name": "layer.weight", "optim": optim("decay", 0, 2, m1w, m2w), "param": _h(weight), "shape": [2, 3]},
+        "layer.bias": {"dtype": "float32", "name": "layer.bias", "optim": optim("no_decay", 1, 1, m1b, m2b), "param": _h(bias), "shape": [2]},
+        "positions": {"dtype": "int64", "name": "positions", "optim": None, "param": _h(positions), "shape": [4]},
+    }
+
+    def shard(slot: int, slots: int, names: list[str], gnames: list[str], rng: bytes | None) -> bytes:
+        return _enc({"algorithm": "adamw", "config": config, "entries": [entries[n] for n in sorted(names)], "groups": [groups[g] for g in gnames],
+                     "job": "vector-job", "parent": None, "rng": [] if rng is None else [{"kind": "torch", "object": _h(rng)}],
+                     "slot": slot, "slots": slots, "step": 2, "type": "shard", "version": 1})  # fmt: skip
+
+    optimizer = {"algorithm": "adamw", "groups": [groups["decay"], groups["no_decay"]]}
+    learned = {"config": config, "data_cursor": 8, "optimizer": optimizer, "step": 2, "tensors": [entries[n] for n in sorted(entries)],
+               "type": "learned", "version": 1}  # fmt: skip
+
+    def commit(layout: list[dict], extras: list | None = None) -> dict:
+        doc = learned | ({"extras": extras} if extras else {})
+        c = {"config": config, "data_cursor": 8, "job": "vector-job", "layout": layout, "learned_root": _h(_enc(doc)), "optimizer": optimizer,
+             "parent": None, "profile": "fp32", "schedule": "sched-1", "step": 2, "transition": "train", "type": "commit", "version": 1}  # fmt: skip
+        return c | ({"extras": extras} if extras else {})
+
+    s0 = shard(0, 2, ["layer.weight"], ["decay"], bytes(range(16)))
+    s1 = shard(1, 2, ["layer.bias", "positions"], ["no_decay"], bytes(range(16, 32)))
+    one = shard(0, 1, list(entries), ["decay", "no_decay"], None)
+    two_slots = commit([{"shard": _h(s0), "slot": 0, "tensors": ["layer.weight"]}, {"shard": _h(s1), "slot": 1, "tensors": ["layer.bias", "positions"]}])
+    one_layout = [{"shard": _h(one), "slot": 0, "tensors": sorted(entries)}]
+    document = _enc({"base_lrs": ["f64:" + f64(0.001)], "best": "tensor:0", "last_epoch": 2})
+    extras = [{"key": "scheduler", "state": _h(document), "tensors": [{"dtype": "float32", "key": "0", "object": _h(f32(1.5, -2.0)), "shape": [2]}]}]
+    return {"weight": _h(weight), "config": config, "shards": {0: _h(s0), 1: _h(s1)}, "learned": _h(_enc(learned)), "commit": _h(_enc(two_slots)),
+            "one_slot": _h(_enc(commit(one_layout))), "document": _h(document), "extras_learned": commit(one_layout, extras)["learned_root"],
+            "extras_commit": _h(_enc(commit(one_layout, extras)))}  # fmt: skip
+
+
+def test_vector_1_and_its_extras_from_the_values_spec_states():
+    """Every id of vector 1 and of the extras vector from SPEC.md §24's values alone: if a
+    value the ids hash drifts from the text, this fails (no store, no shardstore code)."""
+    v = _stated_vector_1()
+    assert v["weight"] == TENSORS["layer.weight"][0] and v["config"] == CONFIG and v["shards"] == SHARDS
+    assert (v["learned"], v["commit"], v["one_slot"]) == (LEARNED_ROOT, COMMIT, ONE_SLOT_COMMIT)
+    assert (v["document"], v["extras_learned"], v["extras_commit"]) == (EXTRAS_DOCUMENT, EXTRAS_LEARNED_ROOT, EXTRAS_COMMIT)
+
+
+def test_torch_form_vector_from_the_values_spec_states():
+    """The torch-form vector's shard manifest, learned-state root and commit manifest (profile,
+    transition, nulls) from SPEC.md §24 alone."""
+    import struct
+
+    f32 = lambda *xs: struct.pack(f"<{len(xs)}f", *xs)  # noqa: E731
+    f64 = lambda x: struct.pack(">d", x).hex()  # noqa: E731
+    torch_optimizer = {"class_name": "torch.optim.sgd.SGD", "groups": [{"hyper": {
+        "dampening": 0, "foreach": None, "lr": "f64:" + f64(0.1), "maximize": False, "momentum": "f64:" + f64(0.9), "nesterov": True,
+        "weight_decay": 0}, "name": "g0"}]}  # fmt: skip
+    state = {"group": "g0", "scalars": [], "tensors": [{"dtype": "float32", "key": "momentum_buffer", "object": _h(f32(0, 0.03125, 0.0625, 0.09375, 0.125, 0.15625)),
+                                                        "shape": [2, 3]}]}  # fmt: skip
+    entries = [{"dtype": "float32", "name": "layer.weight", "optim": None, "param": _h(f32(0, 0.25, 0.5, 0.75, 1.0, 1.25)), "shape": [2, 3], "state": state},
+               {"dtype": "float32", "kind": "buffer", "name": "norm.running_mean", "optim": None, "param": _h(f32(0.5, 1.0)), "shape": [2]}]  # fmt: skip
+    shard = {"algorithm": "torch", "config": None, "entries": entries, "groups": [], "job": "vector-job", "parent": None, "rng": [], "slot": 0,
+             "slots": 1, "step": 2, "torch_optimizer": torch_optimizer, "type": "shard", "version": 1}  # fmt: skip
+    optimizer = {"algorithm": "torch", "groups": [], "torch_optimizer": torch_optimizer}
+    learned = {"config": None, "data_cursor": None, "optimizer": optimizer, "step": 2, "tensors": entries, "type": "learned", "version": 1}
+    commit = {"config": None, "data_cursor": None, "job": "vector-job", "layout": [{"shard": _h(_enc(shard)), "slot": 0, "tensors": ["layer.weight", "norm.running_mean"]}],
+              "learned_root": _h(_enc(learned)), "optimizer": optimizer, "parent": None, "profile": "fp32", "schedule": None, "step": 2,
+              "transition": "train", "type": "commit", "version": 1}  # fmt: skip
+    assert (_h(_enc(shard)), _h(_enc(learned)), _h(_enc(commit))) == (SGD_SHARD, SGD_LEARNED_ROOT, SGD_COMMIT)

@@ -1,0 +1,130 @@
+"""SPEC.md's encoding rules, implemented here in plain Python (no msgspec) and compared with the
+project's own encoders, so the text and the code cannot drift apart (issue 26, Build 6):
+
+- §7: how a string is written (which characters are escaped, and how) and the order of
+  object keys (by UTF-8 bytes, which is code-point order), on every code point;
+- §14b: how a gate report writes a real (msgspec's float text).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import struct
+import uuid
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardstore.format.manifest import HyperGroup, encode, encode_config
+
+#: SPEC.md §7: the only escapes; every other character (DEL, U+2028, U+2029, "/", non-ASCII) is its own UTF-8 bytes.
+_SHORT = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _escape_char(ch: str) -> str:
+    if ch in _SHORT:
+        return _SHORT[ch]
+    if ord(ch) < 0x20:
+        return f"\\u{ord(ch):04x}"  # lowercase hex digits
+    return ch
+
+
+def spec_string(s: str) -> bytes:
+    """A string's canonical bytes by SPEC.md §7's rule."""
+    return ('"' + "".join(_escape_char(c) for c in s) + '"').encode("utf-8")
+
+
+def spec_object(d: dict[str, str]) -> bytes:
+    """A flat object of strings by SPEC.md §7: keys in order of their UTF-8 bytes, no whitespace."""
+    keys = sorted(d, key=lambda k: k.encode("utf-8"))
+    return b"{" + b",".join(spec_string(k) + b":" + spec_string(d[k]) for k in keys) + b"}"
+
+
+def test_every_code_point_is_written_as_spec_says():
+    """All 1,112,064 Unicode scalar values (surrogates cannot be encoded: a lone one is refused
+    before writing, §7), one string each, through the canonical encoder of manifests."""
+    chars = [chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    got = encode(HyperGroup(name="g", hyper={"s": tuple(chars)}))
+    want = ('{"hyper":{"s":["' + '","'.join(map(_escape_char, chars)) + '"]},"name":"g"}').encode("utf-8")
+    if got != want:  # name the first code point written otherwise
+        bad = next(c for c in chars if encode(HyperGroup(name="g", hyper={"s": c})) != b'{"hyper":{"s":' + spec_string(c) + b'},"name":"g"}')
+        raise AssertionError(f"U+{ord(bad):04X} is not written as SPEC.md §7 says")
+    # the cases SPEC.md names, spelled out
+    for ch, text in (("\x00", b'"\\u0000"'), ("\x1f", b'"\\u001f"'), ("\x0b", b'"\\u000b"'), ("\x7f", b'"\x7f"'), ("/", b'"/"'),
+                     ("\u2028", '"\u2028"'.encode()), ("\u00e9", b'"\xc3\xa9"'), ("\U0010ffff", b'"\xf4\x8f\xbf\xbf"')):  # fmt: skip
+        assert spec_string(ch) == text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), st.text(max_size=12), max_size=6))
+def test_model_config_strings_and_key_order_follow_spec(d):
+    """Random text (any code point but surrogates) as keys and values of a model config."""
+    assert encode_config(d) == spec_object(d)
+
+
+def test_key_order_is_code_point_order_not_utf16():
+    """U+FFFF sorts before U+10000 (UTF-8 bytes and code points agree; UTF-16 units would not)."""
+    d = {"\U00010000": "a", "\uffff": "b", "b": "c", "B": "d", "\u00e9": "e"}
+    assert encode_config(d) == spec_object(d) == '{"B":"d","b":"c","é":"e","\uffff":"b","\U00010000":"a"}'.encode()
+
+
+def spec_real(x: float) -> str:
+    """A gate report's real by SPEC.md §14b: Python's shortest round-trip digits, written in
+    plain notation when the decimal exponent e of the first digit is -5 <= e < 16 (with at
+    least one digit after the point), else as d[.ddd]e<e> (no "+", no leading zeros)."""
+    if x == 0:
+        return "-0.0" if math.copysign(1, x) < 0 else "0.0"
+    sign, r = ("-", repr(-x)) if x < 0 else ("", repr(x))
+    m = re.fullmatch(r"(\d)(?:\.(\d+))?e([+-]\d+)", r)
+    if m:
+        digits, e = m.group(1) + (m.group(2) or ""), int(m.group(3))
+    else:
+        whole, frac = r.split(".")
+        e = len(whole) - 1 if whole != "0" else -(len(frac) - len(frac.lstrip("0")) + 1)
+        digits = (whole + frac).lstrip("0")
+    digits = digits.rstrip("0") or "0"
+    if -5 <= e < 16:
+        if e < 0:
+            return sign + "0." + "0" * (-e - 1) + digits
+        whole, frac = digits[:e + 1].ljust(e + 1, "0"), digits[e + 1:] or "0"
+        return sign + whole + "." + frac
+    return sign + digits[0] + ("." + digits[1:] if len(digits) > 1 else "") + f"e{e}"
+
+
+@functools.lru_cache(maxsize=1)
+def _gate_store():
+    import shardstore as ss
+
+    return ss.open_store(f"memory://gates-{uuid.uuid4().hex}")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.floats(allow_nan=False, allow_infinity=False),
+                 st.integers(-(10**17), 10**17).flatmap(lambda n: st.integers(0, 22).map(lambda k: n / 10**k))))  # fmt: skip
+def test_gate_report_reals_follow_spec(x):
+    """A gate report holding ``x`` as a row's value, as stored: its text is SPEC.md's rule."""
+    from shardtrain.run.gates import GateReport, GateRow, write_gate_report
+
+    store = _gate_store()
+    report = GateReport(1, "a" * 64, "development", "b" * 64, "c" * 64, 2000, 0, (GateRow("gain", "dev_task", x, -1.5, -0.001, True),), True)
+    raw = bytes(store.get(write_gate_report(store, report)))
+    row = (f'{{"bound":-1.5,"gate":"gain","passed":true,"set":"dev_task","threshold":-0.001,"value":{spec_real(x)}}}')
+    assert raw.decode() == ('{"baseline":"' + "b" * 64 + '","candidate":"' + "c" * 64 + '","job":"' + "a" * 64 + '","passed":true,'
+                            '"resamples":2000,"role":"development","rows":[' + row + '],"seed":0,"type":"shardtrain-gate-report","version":1}')  # fmt: skip
+    assert struct.pack(">d", json.loads(raw)["rows"][0]["value"]) == struct.pack(">d", x)  # the text reads back to the same bits
+
+
+def test_new_slot_rng_seed_is_spelled_as_spec_says():
+    """SPEC.md §15a's seed of a new slot's RNG, byte-exact: the ASCII message with the commit id
+    as hex text and k in decimal, BLAKE2b with an 8-byte digest, little-endian, mod 2^32."""
+    import hashlib
+
+    from shardtrain.reshape.regroup import rng_seed
+
+    cid = "7aefa805a1d63548eef4513d9fa55a9d83cc1ffc93634f6c7c0eba2cd6da378c"
+    message = b"shardtrain-rng-v1:" + cid.encode("ascii") + b":2"
+    assert len(message) == 84 and hashlib.blake2b(message, digest_size=8).hexdigest() == "23625dbe01f6b7df"
+    assert rng_seed(cid, 2) == int.from_bytes(bytes.fromhex("23625dbe01f6b7df"), "little") % 2**32 == 3193791011
+    assert rng_seed(cid, 10) == int.from_bytes(hashlib.blake2b(f"shardtrain-rng-v1:{cid}:10".encode(), digest_size=8).digest(), "little") % 2**32
