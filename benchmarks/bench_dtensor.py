@@ -1,21 +1,26 @@
 """FSDP2 state on 2 Gloo processes: shardstore.save_distributed / restore against dcp.save / dcp.load.
 
 One FSDP2 model (``fully_shard`` over 2 ranks, dim-0 slices) of ``--mib`` MiB of float32
-parameters in tensors of 256 x 16384 (16 MiB: 4 canonical blocks of 64 rows, so each rank's
-slice is 2 whole blocks), with AdamW moments filled in by one step: the
-checkpoint is parameters plus both moments, 3 x ``--mib`` MiB in all. Both ranks run each
-method at the same time, interleaved (each repetition runs every method once, in a
-rotated order); the time of a method is the slowest rank's, between two barriers.
+parameters in bias-free Linear weights of 2048 x 2048 (16 MiB each). On the tile grid (SPEC.md
+§5a, format version 4) each is 2 x 2 tiles of 1024 x 1024 (4 MiB), so a rank's row half is 2
+whole tiles and so is a column half: every restore below should read exactly its share. AdamW
+takes one step so both moments exist, then every parameter and moment is filled with values
+drawn from its name (``_dist_bench.fill``): the checkpoint is 3 x ``--mib`` MiB. Both ranks run
+each method at the same time, interleaved (each repetition runs every method once, in a rotated
+order); the time of a method is the slowest rank's, between two barriers; one torch thread each.
 
 - save: ``shardstore.save_distributed`` (hashes every block, one fsync barrier per batch,
   the commit protocol) into a fresh store per repetition (so nothing deduplicates), against
   ``dcp.save`` of ``get_state_dict(model, optimizer)`` (its default ``FileSystemWriter``,
   which fsyncs) into a fresh directory;
-- restore from a cold page cache (``drop_caches`` when root; said otherwise) into a second,
-  already-built FSDP2 model and optimizer: ``shardstore.restore`` (every block read is
-  verified against its id) against ``dcp.load`` + ``set_state_dict``. After each restore
-  every local slice is compared with the saved state (outside the timing; a mismatch exits
-  non-zero).
+- restore from a cold page cache (``drop_caches`` when root; said otherwise) into models and
+  optimizers already built on two meshes of the 2 processes: FSDP2 over 2 again (the saving
+  mesh: row halves) and tensor parallelism over 2 (every layer ``RowwiseParallel``, its weight
+  ``Shard(1)``: column halves, another mesh); ``shardstore.restore`` (every block read is
+  verified against its id) against ``dcp.load`` + ``set_state_dict``. After each restore every
+  local slice (and ``step``) is compared with the values it must hold (outside the timing; a
+  mismatch exits non-zero). Each rank's bytes read are counted at the storage layer (object
+  reads, manifests included: ``_dist_bench.CountingStorage``) against its share there.
 
     python benchmarks/bench_dtensor.py [--mib 256] [--reps 3] [--results benchmarks/RESULTS.md]
 """
@@ -25,62 +30,43 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from datetime import timedelta
 
+import _dist_bench as db
 import torch
-import torch._dynamo  # noqa: F401  before any group (see shardtrain.workers.launch)
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import shardstore as ss
 
-MIB = 1 << 20
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD = 2
 BEGIN, END = "<!-- bench_dtensor:begin -->", "<!-- bench_dtensor:end -->"
 SECTION = "## FSDP2 state: shardstore vs torch.distributed.checkpoint (2 Gloo processes)"
-COLS, ROWS = 16384, 256  # 16 MiB per parameter: 4 blocks of 64 rows; 2 ranks hold 2 each
+SIDE = 2048  # 16 MiB per parameter: 2 x 2 tiles of 1024 x 1024; a rank's row or column half holds 2
+SAVES = ("shardstore.save_distributed", "dcp.save")
+SS_RESTORE, DCP_RESTORE = "shardstore.restore (verifies every block)", "dcp.load + set_state_dict"
+#: destination name -> how the model is split there; "fsdp" is the mesh the state was saved from.
+DESTS = {"FSDP2 × 2 (the saving mesh: row halves)": "fsdp", "TP × 2 (RowwiseParallel, Shard(1): column halves)": "tp"}
+OTHER = [d for d, kind in DESTS.items() if kind != "fsdp"]  # the targets' "restore into another mesh"
 
 
-def _model(mib: int, mesh) -> tuple[torch.nn.Module, torch.optim.AdamW]:
+def _build(kind: str, layers: int, mesh) -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    """The model split as ``kind`` says (``fsdp``, ``tp``), built on the meta device and then
+    given (uninitialised) local storage: ``fill`` writes every value."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-    n = max(1, mib // 16)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(COLS, ROWS, bias=False) for _ in range(n)))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    opt.step()
-    return model, opt
-
-
-def _locals(model, opt) -> list[torch.Tensor]:
-    out = []
-    for p in model.parameters():
-        out += [p.to_local(), opt.state[p]["exp_avg"].to_local(), opt.state[p]["exp_avg_sq"].to_local()]
-    return out
-
-
-def _zero(model, opt) -> None:
-    with torch.no_grad():
-        for t in _locals(model, opt):
-            t.zero_()
-
-
-def _drop(rank: int, drop: bool) -> None:
-    if drop and rank == 0:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(SIDE, SIDE, bias=False) for _ in range(layers)))
+    if kind == "fsdp":
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        parallelize_module(model, mesh, {str(i): RowwiseParallel() for i in range(layers)})
+    model.to_empty(device="cpu")
+    return model, db.adamw_with_moments(model)
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str, drop: bool) -> None:
@@ -88,28 +74,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=600))
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        model, opt = _model(args.mib, mesh)
-        dest, dopt = _model(args.mib, mesh)
-        want = [t.clone() for t in _locals(model, opt)]
-        times: dict[str, list[float]] = {}
-        read: list[int] = []
-
-        def timed(name: str, fn) -> None:
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            dist.barrier()
-            times.setdefault(name, []).append(time.perf_counter() - t0)
-
-        def check(what: str) -> None:
-            got = _locals(dest, dopt)
-            if not all(torch.equal(a, b) for a, b in zip(got, want)):
-                raise SystemExit(f"{what}: restored state differs from the saved state")
+    with db.group(rank, WORLD, port):
+        mesh = init_device_mesh("cpu", (WORLD,))
+        layers = max(1, args.mib // 16)
+        model, opt = _build("fsdp", layers, mesh)
+        dests = {name: _build(kind, layers, mesh) for name, kind in DESTS.items()}
+        wants = dict(zip(dests, db.fill((model, opt), list(dests.values()))))
+        timer = db.Timer()
+        read: dict[str, list[int]] = {d: [] for d in DESTS}
 
         for rep in range(args.reps):
             ss_dir, dcp_dir = os.path.join(work, f"ss-{rep}"), os.path.join(work, f"dcp-{rep}")
@@ -122,108 +94,102 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
                 msd, osd = get_state_dict(model, opt)
                 dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
 
-            def ss_restore() -> None:
-                read.append(ss.restore(ss.open_store(ss_dir, create=False), "main", dest, dopt).bytes_read)
+            def restorer(dest: str, ours: bool):
+                m, o = dests[dest]
 
-            def dcp_restore() -> None:
-                msd, osd = get_state_dict(dest, dopt)
-                sd = {"model": msd, "optim": osd}
-                dcp.load(sd, checkpoint_id=dcp_dir)
-                set_state_dict(dest, dopt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+                def ss_restore() -> None:
+                    store, counter = db.counted(ss.open_store(ss_dir, create=False))
+                    ss.restore(store, "main", m, o)
+                    read[dest].append(counter.read_bytes)
 
-            saves = [("shardstore.save_distributed", ss_save), ("dcp.save", dcp_save)]
-            restores = [("shardstore.restore (verifies every block)", ss_restore), ("dcp.load + set_state_dict", dcp_restore)]
-            if rep % 2:
-                saves.reverse()
-                restores.reverse()
-            for name, fn in saves:
-                timed(name, fn)
-            for name, fn in restores:
-                _zero(dest, dopt)
-                if rank == 0:
-                    _drop(rank, drop)
+                def dcp_restore() -> None:
+                    msd, osd = get_state_dict(m, o)
+                    sd = {"model": msd, "optim": osd}
+                    dcp.load(sd, checkpoint_id=dcp_dir)
+                    set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+                return ss_restore if ours else dcp_restore
+
+            for name, fn in db.rotated(list(zip(SAVES, (ss_save, dcp_save))), rep):
+                timer(name, fn)
+            runs = [(f"{m} → {d}", d, restorer(d, m == SS_RESTORE)) for d in DESTS for m in (SS_RESTORE, DCP_RESTORE)]
+            for name, dest, fn in db.rotated(runs, rep):
+                db.zero(*dests[dest])
+                db.drop(rank, drop)
                 dist.barrier()
-                timed(name, fn)
-                check(name)
-        share = sum(t.numel() * t.element_size() for t in want)
+                timer(name, fn)
+                bad = db.mismatches(*dests[dest], wants[dest])
+                if bad:
+                    raise SystemExit(f"rank {rank}, {name}: restored state differs from the saved state in {bad[:5]} ({len(bad)} tensors)")
+            dist.barrier()
+            if rank == 0:  # nothing is read from this repetition's checkpoints again
+                shutil.rmtree(ss_dir, ignore_errors=True)
+                shutil.rmtree(dcp_dir, ignore_errors=True)
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"times": times, "share": share, "read": read}, f)
+            json.dump({"times": timer.times, "saved_share": db.share(model, opt), "share": {d: db.share(*m) for d, m in dests.items()}, "read": read}, f)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _met(ok: bool) -> str:
+    return "yes" if ok else "**no**"
 
 
-def _can_drop() -> bool:
-    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
-
-
-def _table(results: list[dict], mib: int, reps: int, drop: bool) -> str:
-    total = sum(r["share"] for r in results)
-    ranks = len(results)
-    slowest = {k: [max(r["times"][k][i] for r in results) for i in range(reps)] for k in results[0]["times"]}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tuple[str, str]) -> str:
+    total = sum(r["saved_share"] for r in results)
     lines = [
-        f"`python benchmarks/bench_dtensor.py --mib {mib} --reps {reps}`",
+        f"`python benchmarks/bench_dtensor.py --mib {args.mib} --reps {args.reps}{' --warm' if args.warm else ''}`",
         "",
-        f"commit {commit}; {os.cpu_count()} cores; torch {torch.__version__}; shardstore {ss.__version__}; "
-        f"{ranks} Gloo processes, FSDP2 dim-0 slices; state {total / MIB:.0f} MiB (parameters + both AdamW moments).",
+        f"commit {db.commit()}; {os.cpu_count()} cores; load average (1/5/15 min) {loads[0]} at the start, {loads[1]} at the end; "
+        f"torch {torch.__version__}; shardstore {ss.__version__}; {WORLD} Gloo processes (1 torch thread each), saved from FSDP2 "
+        f"dim-0 slices; {max(1, args.mib // 16)} weight(s) of {SIDE} × {SIDE} float32 (tiles 1024 × 1024); state {total / db.MIB:.0f} MiB (parameters + both AdamW moments).",
         "Page cache before each restore: " + ("dropped (as root)." if drop else "NOT dropped: restores read warm pages."),
-        f"Medians of {reps} interleaved runs (min–max); the time is the slower rank's; ratios are shardstore's speed over DCP's.",
+        f"Medians of {args.reps} interleaved runs (min–max); the time is the slower rank's; ratios are shardstore's speed over DCP's.",
+        "",
+        "**save**",
+        "",
+        *db.method_table(results, *SAVES, total),
         "",
     ]
-    for op, ours, peer in (("save", "shardstore.save_distributed", "dcp.save"),
-                           ("restore", "shardstore.restore (verifies every block)", "dcp.load + set_state_dict")):
-        lines += [f"**{op}**", "", "| method | median s (min–max) | GB/s median | shardstore ÷ DCP |", "|---|---|---|---|"]
-        for name in (ours, peer):
-            ts = slowest[name]
-            med = statistics.median(ts)
-            ratio = statistics.median(slowest[peer]) / statistics.median(slowest[ours])
-            lines.append(f"| {name} | {med:.3f} ({min(ts):.3f}–{max(ts):.3f}) | {total / med / 1e9:.2f} | {ratio:.2f} |" if name == ours
-                         else f"| {name} | {med:.3f} ({min(ts):.3f}–{max(ts):.3f}) | {total / med / 1e9:.2f} | 1.00 |")
-        lines.append("")
-    read = [statistics.median(r["read"]) for r in results]
-    lines.append("Bytes read by shardstore.restore per rank / that rank's share: "
-                 + ", ".join(f"{b / MIB:.1f} / {r['share'] / MIB:.1f} MiB" for b, r in zip(read, results)) + ".")
+    for d in DESTS:
+        lines += [f"**restore into {d}**", "", *db.method_table(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}", total, (SS_RESTORE, DCP_RESTORE)), ""]
+    worst: dict[str, float] = {}
+    for d in DESTS:
+        reads = [statistics.median(r["read"][d]) for r in results]
+        worst[d] = max(b / r["share"][d] for b, r in zip(reads, results))
+        lines.append(f"Bytes read by shardstore.restore per rank / that rank's share, into {d} (object reads at the storage layer, manifests included): "
+                     + ", ".join(f"{b / db.MIB:.1f} / {r['share'][d] / db.MIB:.1f} MiB" for b, r in zip(reads, results)) + ".")  # fmt: skip
+    save_ratio = db.ratio(results, *SAVES)
+    lines += ["", "**targets** (issue 26)", "", "| target | figure | met |", "|---|---|---|",
+              f"| save ≥ 1.2× dcp.save (median) | {save_ratio:.2f}× | {_met(save_ratio >= 1.2)} |"]  # fmt: skip
+    for d in OTHER:
+        r = db.ratio(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}")
+        lines.append(f"| cold restore into {d} ≥ 1.2× dcp.load + set_state_dict (median) | {r:.2f}× | {_met(r >= 1.2)} |")
+    for d in DESTS:
+        lines.append(f"| bytes read per rank ≤ 1.25× its share, into {d} | {worst[d]:.3f}× (worst rank) | {_met(worst[d] <= 1.25)} |")
     return "\n".join(lines)
-
-
-def _write(path: str, text: str) -> None:
-    block = f"{BEGIN}\n{text}\n{END}"
-    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + f"\n\n{SECTION}\n\n{block}\n"
-    with open(path, "w") as f:
-        f.write(new)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=256, help="MiB of parameters (the checkpoint is 3x this)")
+    ap.add_argument("--mib", type=int, default=256, help="MiB of parameters (the checkpoint is 3x this), in 16 MiB weights")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir beside the repository)")
     ap.add_argument("--results", default=None, help="write the table into this RESULTS.md")
     ap.add_argument("--warm", action="store_true", help="never drop the page cache (smoke runs)")
     args = ap.parse_args(argv)
-    drop = not args.warm and _can_drop()
-    work = tempfile.mkdtemp(prefix="bench-dtensor-", dir=args.dir or os.path.dirname(ROOT))
+    drop = not args.warm and db.can_drop()
+    start = db.load()
+    work = tempfile.mkdtemp(prefix="bench-dtensor-", dir=args.dir or os.path.dirname(db.ROOT))
     out = os.path.join(work, "result")
     try:
-        mp.start_processes(_worker, args=(_free_port(), args, work, out, drop), nprocs=2, join=True, start_method="spawn")
-        results = [json.load(open(f"{out}.{r}")) for r in range(2)]
-        text = _table(results, args.mib, args.reps, drop)
+        db.spawn(_worker, WORLD, (args, work, out, drop))
+        results = [json.load(open(f"{out}.{r}")) for r in range(WORLD)]
+        text = _table(results, args, drop, (start, db.load()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(text)
     if args.results:
-        _write(args.results, text)
+        db.write_block(args.results, BEGIN, END, SECTION, text)
     return 0
 
 

@@ -1,0 +1,328 @@
+"""What the sharded benchmarks (``bench_dtensor.py``, ``bench_mesh.py``) share.
+
+- Gloo processes: ``spawn`` starts them (1 torch thread each) and ``group`` tears each one's
+  process group down whatever happens; ``Timer`` times a method between two barriers (the
+  table takes the slowest rank's time);
+- the cold page cache (``drop``, as root) and the process's I/O counters (``io``);
+- ``CountingStorage``: the store's own storage, its object reads and writes counted at the
+  storage layer (the bytes a restore or a copy fetched, the bytes a save wrote);
+- seed-filled state: every parameter and AdamW moment gets values drawn from its name, so a
+  model on any mesh can be filled from (``fill``) or compared with (``expected``) the same
+  whole tensors without gathering them;
+- the RESULTS.md block between a benchmark's markers, and the table lines both print.
+
+Not a benchmark itself (the leading underscore): imported by the two scripts, which run from
+the repository root as ``python benchmarks/<script>.py``, so this directory is on ``sys.path``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import statistics
+import subprocess
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch._dynamo  # noqa: F401  before any group (see shardtrain.workers.launch)
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import shardstore as ss
+
+MIB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROLES = ("param", "exp_avg", "exp_avg_sq")
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(worker: Callable[..., None], nprocs: int, args: tuple) -> None:
+    """Run ``worker(rank, port, *args)`` in ``nprocs`` spawned processes; raises if any fails
+    (torch's process context then ends the others)."""
+    mp.start_processes(worker, args=(free_port(), *args), nprocs=nprocs, join=True, start_method="spawn")
+
+
+@contextlib.contextmanager
+def group(rank: int, world: int, port: int) -> Iterator[None]:
+    """This process's Gloo group of ``world`` ranks on one machine, one torch thread; destroyed on the way out."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=900))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Timer:
+    """Each method's wall time on this rank, between a barrier before and one after."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+
+    def __call__(self, name: str, fn: Callable[[], Any]) -> Any:
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        dist.barrier()
+        self.times.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+
+def rotated(items: Sequence[Any], rep: int) -> list[Any]:
+    """``items`` rotated by ``rep``: each repetition runs every method once, in a different order."""
+    k = rep % len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+# -- the page cache and the process's I/O ----------------------------------------------------
+
+
+def can_drop() -> bool:
+    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop(rank: int, enabled: bool) -> None:
+    """Rank 0 writes back and drops the page cache (every rank waits at the next barrier)."""
+    if enabled and rank == 0:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+
+
+def io() -> dict[str, int]:
+    """This process's ``read_bytes`` / ``write_bytes`` (all threads): what it made the block
+    device read (so 0 from a warm page cache; readahead included) and the file bytes it
+    dirtied for writing. Not ``rchar``/``wchar``, which count Gloo's socket traffic too.
+    Empty where /proc/self/io is missing."""
+    try:
+        with open("/proc/self/io") as f:
+            pairs = (line.split(":") for line in f)
+            return {k: int(v) for k, v in pairs if k in ("read_bytes", "write_bytes")}
+    except OSError:
+        return {}
+
+
+def io_delta(before: dict[str, int], key: str) -> int | None:
+    after = io()
+    return after[key] - before[key] if key in after and key in before else None
+
+
+class CountingStorage:
+    """Stands in for a store's storage: counts the bytes and number of objects (``objects/``
+    keys: tensor blocks and manifests) read through it, whatever read path the store takes,
+    and those it writes (bytes staged to files, objects created); everything else passes
+    through unchanged."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.read_bytes = self.read_objects = self.written_bytes = self.written_objects = 0
+        self._lock = threading.Lock()
+
+    def _read(self, key: str, n: int) -> None:
+        if key.startswith("objects/"):
+            with self._lock:
+                self.read_bytes += n
+                self.read_objects += 1
+
+    def _wrote(self, key: str, n: int, created: int) -> None:
+        if key.startswith("objects/"):
+            with self._lock:
+                self.written_bytes += n
+                self.written_objects += created
+
+    def read(self, key: str, limit: int | None = None) -> Any:
+        data = self.inner.read(key) if limit is None else self.inner.read(key, limit=limit)
+        self._read(key, len(data))
+        return data
+
+    def read_hashed(self, key: str, hasher: Any, limit: int | None = None) -> Any:
+        data, digest = self.inner.read_hashed(key, hasher, limit)
+        self._read(key, len(data))
+        return data, digest
+
+    def read_into(self, key: str, out: Any, consume: Any = None) -> int:
+        n = self.inner.read_into(key, out, consume)
+        if n == len(out):  # a size mismatch reads nothing
+            self._read(key, n)
+        return n
+
+    def write_once(self, key: str, data: Any) -> bool:
+        created = self.inner.write_once(key, data)
+        self._wrote(key, len(memoryview(data).cast("B")) if created else 0, int(created))
+        return created
+
+    def begin_write(self, key: str, data: Any) -> str | None:
+        tmp = self.inner.begin_write(key, data)
+        if tmp is not None:  # written to a file (created when end_writes links it)
+            self._wrote(key, len(memoryview(data).cast("B")), 0)
+        return tmp
+
+    def end_writes(self, pending: list[tuple[str, str]], **kwargs: Any) -> list[bool]:
+        done = self.inner.end_writes(pending, **kwargs)
+        with self._lock:
+            self.written_objects += sum(1 for (key, _), created in zip(pending, done) if created and key.startswith("objects/"))
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def counted(store: ss.Store) -> tuple[ss.Store, CountingStorage]:
+    """The same store, its object reads and writes counted."""
+    counter = CountingStorage(store.storage)
+    return ss.Store(counter, create=False), counter
+
+
+def tree_size(path: str) -> tuple[int, int]:
+    """(files, bytes) under ``path``."""
+    files = size = 0
+    for d, _, names in os.walk(path):
+        for n in names:
+            files += 1
+            size += os.path.getsize(os.path.join(d, n))
+    return files, size
+
+
+# -- seed-filled state ---------------------------------------------------------------------
+
+
+def adamw_with_moments(model: torch.nn.Module) -> torch.optim.AdamW:
+    """AdamW over ``model`` after one step, so both moments (and ``step``) exist; no grads kept."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p in model.parameters():
+        p.grad = None
+    return opt
+
+
+def state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """(``name/role``, tensor) of every parameter and both moments, in model order."""
+    out = []
+    for name, p in model.named_parameters():
+        out += [(f"{name}/param", p), (f"{name}/exp_avg", opt.state[p]["exp_avg"]), (f"{name}/exp_avg_sq", opt.state[p]["exp_avg_sq"])]
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def locals_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [_local(t) for _, t in state(model, opt)]
+
+
+def share(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """This rank's bytes of parameters and moments (its local slices)."""
+    return sum(t.numel() * t.element_size() for t in locals_of(model, opt))
+
+
+def _slice_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full``'s part that ``like`` (a DTensor, or a plain tensor: all of it) holds on this
+    rank, split locally by ``like``'s placements (nothing is sent)."""
+    if not hasattr(like, "to_local"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def fill(source: tuple[torch.nn.Module, torch.optim.Optimizer], dests: Sequence[tuple[torch.nn.Module, torch.optim.Optimizer]]) -> list[list[torch.Tensor]]:
+    """Fill ``source``'s parameters and moments from whole tensors drawn from each one's name
+    (every rank draws the same), and return, for each of ``dests`` (the same module on another
+    mesh), the local slices it must hold after a restore. Moments get values of their own, so a
+    moment restored into the wrong tensor or slice is caught; ``step`` stays 1."""
+    src = state(*source)
+    outs = [state(*d) for d in dests]
+    want: list[list[torch.Tensor]] = [[] for _ in dests]
+    with torch.no_grad():
+        for i, (key, t) in enumerate(src):
+            g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            full = torch.randn(tuple(t.shape), generator=g, dtype=t.dtype)
+            _local(t).copy_(_slice_of(full, t))
+            for w, out in zip(want, outs):
+                if out[i][0] != key or tuple(out[i][1].shape) != tuple(t.shape):
+                    raise SystemExit(f"destination tensor {out[i][0]} {list(out[i][1].shape)} is not the source's {key} {list(t.shape)}")
+                w.append(_slice_of(full, out[i][1]).clone())
+    return want
+
+
+def zero(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Zero every local slice and each ``step``: a restore that skips anything is caught."""
+    with torch.no_grad():
+        for t in locals_of(model, opt):
+            t.zero_()
+        for s in opt.state.values():
+            s["step"].zero_()
+
+
+def mismatches(model: torch.nn.Module, opt: torch.optim.Optimizer, want: Sequence[torch.Tensor]) -> list[str]:
+    """Names of the tensors whose local slice differs from ``want`` (and of any ``step`` not 1)."""
+    bad = [key for (key, t), w in zip(state(model, opt), want, strict=True) if not torch.equal(_local(t), w)]
+    bad += [f"{name}/step" for name, p in model.named_parameters() if float(opt.state[p]["step"]) != 1.0]
+    return bad
+
+
+# -- tables and RESULTS.md -------------------------------------------------------------------
+
+
+def commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def slowest(results: Sequence[dict], name: str) -> list[float]:
+    """Each repetition's time of method ``name``: the slowest rank's."""
+    reps = len(results[0]["times"][name])
+    return [max(r["times"][name][i] for r in results) for i in range(reps)]
+
+
+def method_table(results: Sequence[dict], ours: str, peer: str, total: int, labels: tuple[str, str] | None = None) -> list[str]:
+    """Lines of a two-row table (ours, then the peer; shown as ``labels`` if given): median s
+    (min–max), GB/s of ``total`` bytes, and the ratio of speeds (the peer's median time over ours)."""
+    lines = ["| method | median s (min–max) | GB/s median | shardstore ÷ DCP |", "|---|---|---|---|"]
+    for name, label, r in zip((ours, peer), labels or (ours, peer), (ratio(results, ours, peer), 1.0)):
+        ts = slowest(results, name)
+        med = statistics.median(ts)
+        lines.append(f"| {label} | {med:.3f} ({min(ts):.3f}–{max(ts):.3f}) | {total / med / 1e9:.2f} | {r:.2f} |")
+    return lines
+
+
+def ratio(results: Sequence[dict], ours: str, peer: str) -> float:
+    """The peer's median time over ours: shardstore's speed over the peer's."""
+    return statistics.median(slowest(results, peer)) / statistics.median(slowest(results, ours))
+
+
+def mib(n: float | None) -> str:
+    return "—" if n is None else f"{n / MIB:.1f}"
+
+
+def write_block(path: str, begin: str, end: str, section: str, text: str) -> None:
+    """Put ``text`` between ``begin`` and ``end`` in ``path``, replacing an older block, or
+    append it under ``section``."""
+    block = f"{begin}\n{text}\n{end}"
+    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip("\n") + f"\n\n{section}\n\n{block}\n"
+    with open(path, "w") as f:
+        f.write(new)
