@@ -12,6 +12,7 @@ The single-process checks forge shapes and damage block files (restore, export, 
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -117,7 +118,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     # one rank's storage fails while it writes its blocks: every rank fails at once, naming it
     failing = ss.open_store(root)
     if rank == 1:
-        def full_disk(tensors, threads=2):
+        def full_disk(tensors, threads=2, batch=None):
             raise ss.StorageError("injected: no space left on rank 1's disk")
 
         failing.put_tensors = full_disk
@@ -142,7 +143,27 @@ def _body(rank: int, world: int, root: str) -> dict:
         result["failing_stage"] = f"{type(e).__name__}: {e}"
     finally:
         sex._Arena.reset = real
+    # ... and one whose final fsync fails after all its batches were written (one block a batch,
+    # new values so every block is new): every rank fails naming it, and no tmp file is left
+    late = ss.open_store(root)
+    if rank == 1:
+        def fsync_fails(pending, threads=2):
+            raise ss.StorageError("injected: fsync failed on rank 1")
+
+        late.storage.end_writes = fsync_fails
+    batch_bytes, sex.BATCH_BYTES = sex.BATCH_BYTES, sex.BLOCK_BYTES
+    try:
+        ss.save_distributed(late, _dtensors(mesh, {n: ~t if t.dtype == torch.bool else t + 1 for n, t in full.items()}),
+                            info=info, rng=False, ref=None, parent=None)
+        result["failing_fsync"] = "saved"
+    except ss.ShardstoreError as e:
+        result["failing_fsync"] = f"{type(e).__name__}: {e}"
+    finally:
+        sex.BATCH_BYTES = batch_bytes
+    result["batches"] = sex.last_exchange().blocks_written
     dist.barrier()
+    tmp = os.path.join(root, "tmp")
+    result["tmp_left"] = sorted(os.listdir(tmp)) if os.path.isdir(tmp) else []
     return result
 
 
@@ -185,6 +206,13 @@ def test_a_storage_failure_on_one_rank_fails_every_rank_naming_it(group_run):
     for r in results:
         assert r["failing_stage"].startswith("CommitProtocolError") and "rank(s) [2]" in r["failing_stage"], r["failing_stage"]
     assert "rank 2 cannot stage" in results[2]["failing_stage"]
+    # the written blocks become durable together after the last batch (one fsync barrier): a
+    # failure there fails every rank, naming it, and removes every batch's tmp files
+    for r in results:
+        assert r["failing_fsync"].startswith("CommitProtocolError") and "rank(s) [1]" in r["failing_fsync"], r["failing_fsync"]
+        assert r["tmp_left"] == [], r["tmp_left"]
+    assert "fsync failed on rank 1" in results[1]["failing_fsync"]
+    assert results[1]["batches"] > 1  # rank 1 wrote blocks in several batches before its fsync failed
 
 
 def test_dtensor_replicas_that_disagree_are_refused(group_run):

@@ -13,7 +13,12 @@ are taken in batches of at most ``BATCH_BYTES``; in each batch every rank
    beyond its own slices is the arena: at most the largest batch's staging, never the
    allocator's churn of freeing and reallocating blocks;
 3. posts the point-to-point sends and receives, waits, and hashes and writes the blocks it
-   owns (a block inside one part of its local tensor and contiguous there is a view of it).
+   owns (a block inside one part of its local tensor and contiguous there is a view of it)
+   into the page cache, with writeback started.
+
+The written blocks become durable and visible together after the last batch (one fsync
+barrier, ``store.tensors.WriteBatch``), so the device writes one batch while the next is
+exchanged and hashed.
 
 A rank's staging in one batch is at most twice the batch: the blocks it owns (each at most
 once), plus the strips received for them, plus the pieces it sends of other blocks.
@@ -30,6 +35,7 @@ import torch.distributed as dist
 from ..format.grid import BLOCK_BYTES, Box, box_slices, intersect
 from ..format.tensors import expected_nbytes, torch_dtype
 from ..store import Store
+from ..store.tensors import WriteBatch
 
 __all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "run_plan"]
 
@@ -138,21 +144,32 @@ def run_plan(store: Store, plans: list, locals_: dict[Any, Local], rank: int, g:
     global _LAST
     stats = _LAST = ExchangeStats()
     arena = _Arena()
+    writes = store.write_batch()  # every batch's objects become durable together, at the end
     ids: list[bytes | None] = [None] * len(plans)
-    i = 0
-    while i < len(plans):
-        j, size = i, 0
-        while j < len(plans) and (j == i or size + expected_nbytes(plans[j][5], plans[j][2][1]) <= BATCH_BYTES):
-            size += expected_nbytes(plans[j][5], plans[j][2][1])
-            j += 1
-        written = _batch(store, plans[i:j], i, locals_, rank, g, group, threads, stats, arena)
-        if written is None:
+    try:
+        i = 0
+        while i < len(plans):
+            j, size = i, 0
+            while j < len(plans) and (j == i or size + expected_nbytes(plans[j][5], plans[j][2][1]) <= BATCH_BYTES):
+                size += expected_nbytes(plans[j][5], plans[j][2][1])
+                j += 1
+            written = _batch(store, plans[i:j], i, locals_, rank, g, group, threads, stats, arena, writes)
+            if written is None:
+                return None
+            for k, oid in written:
+                ids[k] = bytes.fromhex(oid)
+            i = j
+        stats.arena_bytes = arena.size
+        del arena
+        error: BaseException | None = None
+        try:
+            writes.finish(store.storage, threads=threads)  # one fsync barrier for the whole exchange
+        except Exception as e:  # noqa: BLE001 - a full disk at fsync: every rank learns of it
+            error = e
+        if _any_failed(error, group):
             return None
-        for k, oid in written:
-            ids[k] = bytes.fromhex(oid)
-        i = j
-    stats.arena_bytes = arena.size
-    del arena
+    finally:
+        writes.abandon()  # a failed exchange leaves no tmp file behind (nothing once finished)
     table = torch.zeros((len(plans), 32), dtype=torch.uint8)
     for k, raw in enumerate(ids):
         if raw is not None:
@@ -161,7 +178,7 @@ def run_plan(store: Store, plans: list, locals_: dict[Any, Local], rank: int, g:
     return [bytes(row.numpy().tobytes()).hex() for row in table]
 
 
-def _batch(store: Store, batch: list, first: int, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena) -> list[tuple[int, str]] | None:
+def _batch(store: Store, batch: list, first: int, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena, writes: WriteBatch) -> list[tuple[int, str]] | None:
     """One batch: what to stage worked out, the arena sized, pieces sent and received, this
     rank's blocks hashed and written; returns (plan index, id) of the blocks it owns, or
     None if another rank failed (staging, before any piece is posted, or writing its blocks)."""
@@ -173,7 +190,7 @@ def _batch(store: Store, batch: list, first: int, locals_: dict[Any, Local], ran
     if _any_failed(error, group):
         return None
     try:
-        written = _exchange(store, owned, sending, need, g, group, threads, stats, arena)
+        written = _exchange(store, owned, sending, need, g, group, threads, stats, arena, writes)
     except Exception as e:  # noqa: BLE001 - a full disk, a storage error: every rank learns of it
         error = e
     return None if _any_failed(error, group) else written
@@ -222,8 +239,9 @@ def _stage(batch: list, first: int, locals_: dict[Any, Local], rank: int, arena:
     return owned, sending, need
 
 
-def _exchange(store: Store, owned: list, sending: list, need: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena) -> list[tuple[int, str]]:
-    """2. Buffers carved from the arena, sends and receives posted; 3. the blocks hashed and written."""
+def _exchange(store: Store, owned: list, sending: list, need: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena, writes: WriteBatch) -> list[tuple[int, str]]:
+    """2. Buffers carved from the arena, sends and receives posted; 3. the blocks hashed and
+    written (into the page cache, joining ``writes``: the arena is free again on return)."""
     works, blocks, strips = [], [], []
     for k, box, dtype, (lt, parts), view, arriving in owned:
         buf = view
@@ -254,7 +272,7 @@ def _exchange(store: Store, owned: list, sending: list, need: int, g: Any, group
         w.wait()
     for dest, tmp in strips:
         dest.copy_(tmp)
-    written = store.put_tensors([b.detach().reshape(-1) for _, b in blocks], threads=threads) if blocks else []
+    written = store.put_tensors([b.detach().reshape(-1) for _, b in blocks], threads=threads, batch=writes) if blocks else []
     stats.blocks_written += len(blocks)
     stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in blocks)
     stats.peak_staged = max(stats.peak_staged, need)

@@ -189,9 +189,14 @@ class Store:
             raise type(e)(f"{what}: {e}") from None
         return tensor_from_bytes(data, dtype, tuple(shape), f"{what} (object {oid})")
 
-    def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = 2) -> list[str]:
-        """Store each tensor's bytes as an object; return the ids in order (``store.tensors.put_tensors``)."""
-        return tensors_io.put_tensors(self.storage, tensors, threads=threads)
+    def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = 2, batch: tensors_io.WriteBatch | None = None) -> list[str]:
+        """Store each tensor's bytes as an object; return the ids in order (``store.tensors.put_tensors``).
+        With ``batch`` (``write_batch()``), they become durable and visible at ``batch.finish(store.storage)``."""
+        return tensors_io.put_tensors(self.storage, tensors, threads=threads, batch=batch)
+
+    def write_batch(self) -> tensors_io.WriteBatch:
+        """A batch of object writes made durable together (``store.tensors.WriteBatch``)."""
+        return tensors_io.WriteBatch()
 
     def hash_object(self, oid: str, *, threads: int = 1) -> tuple[str, int]:
         """(BLAKE3 hex digest, size) of the stored bytes of ``oid``, streamed where the backend allows.

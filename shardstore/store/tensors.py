@@ -16,28 +16,60 @@ from ..format.lazy import torch
 from ..format.tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes
 from .keys import object_key
 
-__all__ = ["put_tensors", "read_into"]
+__all__ = ["WriteBatch", "put_tensors", "read_into"]
 
 #: Tensors at least this large are hashed with BLAKE3's own threads as well (few big tensors
 #: would otherwise leave cores idle at the end of a batch).
 _BIG_TENSOR_BYTES = 64 << 20
 
 
-def put_tensors(storage: Storage, tensors: Sequence[torch.Tensor], *, threads: int = 2) -> list[str]:
+class WriteBatch:
+    """Objects written by several ``put_tensors`` calls and made durable and visible together
+    by ``finish`` (one fsync barrier for all of them), or removed unseen by ``abandon``.
+
+    A sharded save writes its blocks batch by batch from a reused staging arena: each batch's
+    bytes are in the page cache (writeback started) when ``put_tensors`` returns, so the arena
+    can be reused at once, and the device writes one batch while the next is hashed, instead
+    of every batch waiting for its own fsync. Until ``finish`` links them, the objects are
+    tmp files no reader sees, exactly as inside one ``put_tensors`` call.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.claimed: set[str] = set()  # ids written (or being written) in this batch: one write each
+        self.pending: list[tuple[str, str]] = []  # (key, tmp path) awaiting end_writes
+
+    def finish(self, storage: Storage, *, threads: int = 2) -> None:
+        """fsync every pending tmp file and link it into place (the backend's ``end_writes``)."""
+        if self.pending:  # only a batched backend (begin_write / end_writes) leaves writes pending
+            storage.end_writes(self.pending, threads=max(1, threads))  # type: ignore[attr-defined]
+        self.pending = []  # on failure they stay, for abandon
+
+    def abandon(self) -> None:
+        """Remove every pending tmp file (a failed save: nothing of it becomes visible)."""
+        pending, self.pending = self.pending, []
+        for _key, tmp in pending:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def put_tensors(storage: Storage, tensors: Sequence[torch.Tensor], *, threads: int = 2, batch: WriteBatch | None = None) -> list[str]:
     """Store each tensor's bytes as an object; return the ids in order.
 
     Each tensor's bytes are hashed once, from memory; objects already present are not
     written (unchanged tensors cost no bytes); new ones are written once and never read
     back. Tensors are processed ``threads`` at a time. A backend with ``begin_write`` /
     ``end_writes`` (local) gets one batch: all files written with writeback started,
-    then fsynced together and linked into place, the crash ordering of ``put``.
+    then fsynced together and linked into place, the crash ordering of ``put``. With
+    ``batch``, the files join it instead and become durable and visible at its ``finish``.
     """
     begin = getattr(storage, "begin_write", None)
     end = getattr(storage, "end_writes", None)
     batched = begin is not None and end is not None
-    lock = threading.Lock()
-    claimed: set[str] = set()
-    pending: list[tuple[str, str]] = []
+    own = batch is None
+    wb = WriteBatch() if batch is None else batch
     share = max(1, threads)
 
     def one(t: torch.Tensor) -> str:
@@ -47,14 +79,14 @@ def put_tensors(storage: Storage, tensors: Sequence[torch.Tensor], *, threads: i
         if not batched:
             storage.write_once(key, view)
             return oid
-        with lock:
-            if oid in claimed:  # equal tensors in one batch: one write
+        with wb.lock:
+            if oid in wb.claimed:  # equal tensors in one batch: one write
                 return oid
-            claimed.add(oid)
+            wb.claimed.add(oid)
         tmp = begin(key, view)
         if tmp is not None:
-            with lock:
-                pending.append((key, tmp))
+            with wb.lock:
+                wb.pending.append((key, tmp))
         return oid
 
     try:
@@ -64,14 +96,10 @@ def put_tensors(storage: Storage, tensors: Sequence[torch.Tensor], *, threads: i
         else:
             ids = [one(t) for t in tensors]
     except BaseException:
-        for _key, tmp in pending:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        wb.abandon()
         raise
-    if batched and pending:
-        end(pending, threads=share)
+    if own:
+        wb.finish(storage, threads=share)
     return ids
 
 
