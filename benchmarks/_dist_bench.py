@@ -16,11 +16,15 @@ the repository root as ``python benchmarks/<script>.py``, so this directory is o
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 import zlib
@@ -326,3 +330,50 @@ def write_block(path: str, begin: str, end: str, section: str, text: str) -> Non
         new = old.rstrip("\n") + f"\n\n{section}\n\n{block}\n"
     with open(path, "w") as f:
         f.write(new)
+
+
+def met(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def target_rows(results: Sequence[dict], saves: tuple[str, str], restores: tuple[str, str], others: Sequence[str],
+                dests: Sequence[str], worst: dict[str, float]) -> list[str]:
+    """Issue 26's targets of a sharded benchmark: save and each restore into another mesh against
+    DCP (medians), and bytes read per rank against its share in each destination."""
+    save = ratio(results, *saves)
+    lines = ["", "**targets** (issue 26)", "", "| target | figure | met |", "|---|---|---|",
+             f"| save ≥ 1.2× dcp.save (median) | {save:.2f}× | {met(save >= 1.2)} |"]
+    for d in others:
+        r = ratio(results, f"{restores[0]} → {d}", f"{restores[1]} → {d}")
+        lines.append(f"| cold restore into {d} ≥ 1.2× dcp.load + set_state_dict (median) | {r:.2f}× | {met(r >= 1.2)} |")
+    for d in dests:
+        lines.append(f"| bytes read per rank ≤ 1.25× its share, into {d} | {worst[d]:.3f}× (worst rank) | {met(worst[d] <= 1.25)} |")
+    return lines
+
+
+def main(doc: str, worker: Callable[..., None], world: int, name: str, table: Callable[..., str],
+         markers: tuple[str, str, str], mib_help: str, argv: list[str] | None = None) -> int:
+    """The command line both sharded benchmarks share: run ``worker`` on ``world`` processes,
+    print ``table`` of their results and, with ``--results``, write it between ``markers``
+    (begin, end, section) of that file."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256, help=mib_help)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir beside the repository)")
+    ap.add_argument("--results", default=None, help="write the table into this RESULTS.md")
+    ap.add_argument("--warm", action="store_true", help="never drop the page cache (smoke runs)")
+    args = ap.parse_args(argv)
+    drop_ok = not args.warm and can_drop()
+    start = load()
+    work = tempfile.mkdtemp(prefix=f"bench-{name}-", dir=args.dir or os.path.dirname(ROOT))
+    out = os.path.join(work, "result")
+    try:
+        spawn(worker, world, (args, work, out, drop_ok))
+        results = [json.load(open(f"{out}.{r}")) for r in range(world)]
+        text = table(results, args, drop_ok, (start, load()))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(text)
+    if args.results:
+        write_block(args.results, *markers, text)
+    return 0

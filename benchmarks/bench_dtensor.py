@@ -32,7 +32,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 
 import _dist_bench as db
 import torch
@@ -130,10 +129,6 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
         dist.barrier()
 
 
-def _met(ok: bool) -> str:
-    return "yes" if ok else "**no**"
-
-
 def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tuple[str, str]) -> str:
     total = sum(r["saved_share"] for r in results)
     lines = [
@@ -158,39 +153,12 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
         worst[d] = max(b / r["share"][d] for b, r in zip(reads, results))
         lines.append(f"Bytes read by shardstore.restore per rank / that rank's share, into {d} (object reads at the storage layer, manifests included): "
                      + ", ".join(f"{b / db.MIB:.1f} / {r['share'][d] / db.MIB:.1f} MiB" for b, r in zip(reads, results)) + ".")  # fmt: skip
-    save_ratio = db.ratio(results, *SAVES)
-    lines += ["", "**targets** (issue 26)", "", "| target | figure | met |", "|---|---|---|",
-              f"| save ≥ 1.2× dcp.save (median) | {save_ratio:.2f}× | {_met(save_ratio >= 1.2)} |"]  # fmt: skip
-    for d in OTHER:
-        r = db.ratio(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}")
-        lines.append(f"| cold restore into {d} ≥ 1.2× dcp.load + set_state_dict (median) | {r:.2f}× | {_met(r >= 1.2)} |")
-    for d in DESTS:
-        lines.append(f"| bytes read per rank ≤ 1.25× its share, into {d} | {worst[d]:.3f}× (worst rank) | {_met(worst[d] <= 1.25)} |")
+    lines += db.target_rows(results, SAVES, (SS_RESTORE, DCP_RESTORE), OTHER, list(DESTS), worst)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=256, help="MiB of parameters (the checkpoint is 3x this), in 16 MiB weights")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir beside the repository)")
-    ap.add_argument("--results", default=None, help="write the table into this RESULTS.md")
-    ap.add_argument("--warm", action="store_true", help="never drop the page cache (smoke runs)")
-    args = ap.parse_args(argv)
-    drop = not args.warm and db.can_drop()
-    start = db.load()
-    work = tempfile.mkdtemp(prefix="bench-dtensor-", dir=args.dir or os.path.dirname(db.ROOT))
-    out = os.path.join(work, "result")
-    try:
-        db.spawn(_worker, WORLD, (args, work, out, drop))
-        results = [json.load(open(f"{out}.{r}")) for r in range(WORLD)]
-        text = _table(results, args, drop, (start, db.load()))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(text)
-    if args.results:
-        db.write_block(args.results, BEGIN, END, SECTION, text)
-    return 0
+    return db.main(__doc__, _worker, WORLD, "dtensor", _table, (BEGIN, END, SECTION), "MiB of parameters (the checkpoint is 3x this), in 16 MiB weights", argv)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import _dist_bench as db
@@ -192,10 +191,6 @@ def _med_mib(xs: list[int | None]) -> str:
     return "—" if not xs or None in xs else db.mib(statistics.median(xs))
 
 
-def _met(ok: bool) -> str:
-    return "yes" if ok else "**no**"
-
-
 def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tuple[str, str]) -> str:
     side, layers = _layout(args.mib)
     total = sum(r["saved_share"] for r in results)
@@ -245,40 +240,13 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
         c = r["copy"]
         copy_worst = max(copy_worst, c["read"] / r["saved_share"])
         lines.append(f"| {k} | {db.mib(r['saved_share'])} | {db.mib(c['read'])} ({c['read'] / r['saved_share']:.3f}) | {c['objects']} | {c['s']:.2f} |")
-    save_ratio = db.ratio(results, *SAVES)
-    lines += ["", "**targets** (issue 26)", "", "| target | figure | met |", "|---|---|---|",
-              f"| save ≥ 1.2× dcp.save (median) | {save_ratio:.2f}× | {_met(save_ratio >= 1.2)} |"]  # fmt: skip
-    for d in OTHER:
-        r = db.ratio(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}")
-        lines.append(f"| cold restore into {d} ≥ 1.2× dcp.load + set_state_dict (median) | {r:.2f}× | {_met(r >= 1.2)} |")
-    for d in DESTS:
-        lines.append(f"| bytes read per rank ≤ 1.25× its share, into {d} | {worst[d]:.3f}× (worst rank) | {_met(worst[d] <= 1.25)} |")
-    lines.append(f"| copy --shard K reads ≤ 1.25× slot K's share | {copy_worst:.3f}× (worst K) | {_met(copy_worst <= 1.25)} |")
+    lines += db.target_rows(results, SAVES, (SS_RESTORE, DCP_RESTORE), OTHER, list(DESTS), worst)
+    lines.append(f"| copy --shard K reads ≤ 1.25× slot K's share | {copy_worst:.3f}× (worst K) | {db.met(copy_worst <= 1.25)} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=256, help="MiB of parameters (the checkpoint is 3x this); 4096-wide layers from 128 up")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir beside the repository)")
-    ap.add_argument("--results", default=None, help="write the table into this RESULTS.md")
-    ap.add_argument("--warm", action="store_true", help="never drop the page cache (smoke runs)")
-    args = ap.parse_args(argv)
-    drop = not args.warm and db.can_drop()
-    start = db.load()
-    work = tempfile.mkdtemp(prefix="bench-mesh-", dir=args.dir or os.path.dirname(db.ROOT))
-    out = os.path.join(work, "result")
-    try:
-        db.spawn(_worker, WORLD, (args, work, out, drop))
-        results = [json.load(open(f"{out}.{r}")) for r in range(WORLD)]
-        text = _table(results, args, drop, (start, db.load()))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(text)
-    if args.results:
-        db.write_block(args.results, BEGIN, END, SECTION, text)
-    return 0
+    return db.main(__doc__, _worker, WORLD, "mesh", _table, (BEGIN, END, SECTION), "MiB of parameters (the checkpoint is 3x this); 4096-wide layers from 128 up", argv)
 
 
 if __name__ == "__main__":
