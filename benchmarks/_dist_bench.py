@@ -36,8 +36,10 @@ import torch
 import torch._dynamo  # noqa: F401  before any group (see shardtrain.workers.launch)
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _fio import FIO, fio_run
 
 import shardstore as ss
+from shardstore.sharded.exchange import last_exchange
 
 MIB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -377,3 +379,78 @@ def main(doc: str, worker: Callable[..., None], world: int, name: str, table: Ca
     if args.results:
         write_block(args.results, *markers, text)
     return 0
+
+
+# -- the device's limit and where a save's time went ------------------------------------------
+
+FIO_WRITE, FIO_READ = "limit: fio sequential write + fsync", "limit: fio cold sequential read"
+PHASES = ("stage_s", "transfer_s", "write_s", "durable_s", "agree_s")
+
+
+def fio_limits(timer: Timer, rank: int, world: int, work: str, share: int, drop_ok: bool) -> None:
+    """The device at this benchmark's size, in the same run: rank 0 runs fio with ``world``
+    jobs of ``share`` bytes each, in files of 4 MiB (one tile), written with a final fsync and
+    then read cold, while the others wait; every rank records fio's own runtimes (so the
+    tables' slowest-rank rule gives fio's). Nothing is recorded without fio."""
+    if FIO is None:
+        return
+    got = [0.0, 0.0]
+    if rank == 0:
+        d = os.path.join(work, "fio")
+        os.makedirs(d, exist_ok=True)
+        os.sync()
+        files = max(1, share // (4 * MIB))
+        got[0] = fio_run(d, "write", world, share, files)
+        drop(0, drop_ok)
+        got[1] = fio_run(d, "read", world, share, files)
+        shutil.rmtree(d, ignore_errors=True)
+    dist.broadcast_object_list(got, src=0)
+    timer.times.setdefault(FIO_WRITE, []).append(got[0])
+    timer.times.setdefault(FIO_READ, []).append(got[1])
+
+
+def exchange_profile(seconds: float) -> dict[str, float]:
+    """This rank's latest block exchange's time by phase, and the save's whole time."""
+    stats = last_exchange()
+    return {"save_s": seconds, **{k: getattr(stats, k) for k in PHASES}}
+
+
+def limit_row(results: Sequence[dict], ours: str, limit: str, total: int) -> list[str]:
+    """A table row for fio's figure (when measured), with shardstore's speed over the device's."""
+    if limit not in results[0]["times"]:
+        return []
+    ts = slowest(results, limit)
+    med = statistics.median(ts)
+    return [f"| {limit} ({len(results)} jobs, shardstore ÷ device) | {med:.3f} ({min(ts):.3f}–{max(ts):.3f}) | "
+            f"{total / med / 1e9:.2f} | {ratio(results, ours, limit):.2f} |"]
+
+
+def profile_rows(results: Sequence[dict]) -> list[str]:
+    """Where each rank's save went (medians over repetitions): the block exchange's phases, and
+    the rest (descriptions, agreement, manifests, the commit protocol)."""
+    if not results[0].get("profile"):
+        return []
+    lines = ["**where each rank's save went** (medians over runs, s; `shardstore.sharded.exchange.ExchangeStats`)", "",
+             "| rank | save | stage | transfer | hash + write | fsync barrier | flag all-reduces | rest |", "|---|---|---|---|---|---|---|---|"]
+    for rank, r in enumerate(results):
+        med = {k: statistics.median(p[k] for p in r["profile"]) for k in ("save_s", *PHASES)}
+        rest = med["save_s"] - sum(med[k] for k in PHASES)
+        lines.append(f"| {rank} | {med['save_s']:.3f} | " + " | ".join(f"{med[k]:.3f}" for k in PHASES) + f" | {rest:.3f} |")
+    return lines + [""]
+
+
+def warm_up(rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, work: str) -> None:
+    """One untimed save of each method before the timed runs: the first call of either pays
+    one-time costs a training job pays once (shardstore's modules load on first use, DCP's
+    planner and both sides' thread pools start), which would otherwise weigh on one run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    ss_dir, dcp_dir = os.path.join(work, "warm-ss"), os.path.join(work, "warm-dcp")
+    ss.save_distributed(ss.open_store(ss_dir), model, opt, info=ss.CommitInfo(step=1), rng=False)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(ss_dir, ignore_errors=True)
+        shutil.rmtree(dcp_dir, ignore_errors=True)

@@ -48,6 +48,7 @@ from typing import Any
 
 import blake3
 import torch
+from _fio import FIO, FIO_JOBS, fio_run
 
 import shardstore as ss
 
@@ -215,25 +216,6 @@ def du(path: str) -> int:
         for f in files:
             total += os.lstat(os.path.join(d, f)).st_size
     return total
-
-
-FIO = shutil.which("fio")
-FIO_JOBS = 4
-
-
-def fio_run(directory: str, rw: str, jobs: int, size: int, nrfiles: int) -> float:
-    """Seconds fio took for ``jobs`` x ``size`` bytes (its own runtime, the final fsync included)."""
-    import json
-
-    bs = max(4096, min(MIB, size // nrfiles // 4096 * 4096))  # fio does no I/O on files smaller than a block
-    cmd = [FIO, "--name=bench", f"--directory={directory}", f"--rw={rw}", f"--bs={bs}", f"--size={size}",
-           f"--numjobs={jobs}", f"--nrfiles={nrfiles}", "--file_service_type=sequential", "--ioengine=psync",
-           "--fallocate=none", "--invalidate=1", "--group_reporting", "--output-format=json"]
-    if rw == "write":
-        cmd.append("--end_fsync=1")
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    job = out["jobs"][0][rw]
-    return job["runtime"] / 1000 * (jobs * size) / job["io_bytes"]  # scaled, should fio round the size down
 
 
 # -- one repetition of each method -------------------------------------------------------

@@ -9,7 +9,7 @@ drawn from its name (``_dist_bench.fill``): the checkpoint is 3 x ``--mib`` MiB.
 each method at the same time, interleaved (each repetition runs every method once, in a rotated
 order); the time of a method is the slowest rank's, between two barriers; one torch thread each.
 
-- save: ``shardstore.save_distributed`` (hashes every block, one fsync barrier per batch,
+- save: ``shardstore.save_distributed`` (hashes every block, one fsync barrier at the end,
   the commit protocol) into a fresh store per repetition (so nothing deduplicates), against
   ``dcp.save`` of ``get_state_dict(model, optimizer)`` (its default ``FileSystemWriter``,
   which fsyncs) into a fresh directory;
@@ -32,6 +32,7 @@ import os
 import shutil
 import statistics
 import sys
+import time
 
 import _dist_bench as db
 import torch
@@ -81,13 +82,17 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
         wants = dict(zip(dests, db.fill((model, opt), list(dests.values()))))
         timer = db.Timer()
         read: dict[str, list[int]] = {d: [] for d in DESTS}
+        profile: list[dict[str, float]] = []
 
+        db.warm_up(rank, model, opt, work)
         for rep in range(args.reps):
             ss_dir, dcp_dir = os.path.join(work, f"ss-{rep}"), os.path.join(work, f"dcp-{rep}")
 
             def ss_save() -> None:
                 store = ss.open_store(ss_dir)
+                t0 = time.perf_counter()
                 ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=1), rng=False)
+                profile.append(db.exchange_profile(time.perf_counter() - t0))
 
             def dcp_save() -> None:
                 msd, osd = get_state_dict(model, opt)
@@ -111,6 +116,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
 
             for name, fn in db.rotated(list(zip(SAVES, (ss_save, dcp_save))), rep):
                 timer(name, fn)
+            db.fio_limits(timer, rank, WORLD, work, db.share(model, opt), drop)
             runs = [(f"{m} → {d}", d, restorer(d, m == SS_RESTORE)) for d in DESTS for m in (SS_RESTORE, DCP_RESTORE)]
             for name, dest, fn in db.rotated(runs, rep):
                 db.zero(*dests[dest])
@@ -125,7 +131,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
                 shutil.rmtree(ss_dir, ignore_errors=True)
                 shutil.rmtree(dcp_dir, ignore_errors=True)
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"times": timer.times, "saved_share": db.share(model, opt), "share": {d: db.share(*m) for d, m in dests.items()}, "read": read}, f)
+            json.dump({"times": timer.times, "saved_share": db.share(model, opt), "share": {d: db.share(*m) for d, m in dests.items()}, "read": read,
+                       "profile": profile}, f)
         dist.barrier()
 
 
@@ -138,15 +145,18 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
         f"torch {torch.__version__}; shardstore {ss.__version__}; {WORLD} Gloo processes (1 torch thread each), saved from FSDP2 "
         f"dim-0 slices; {max(1, args.mib // 16)} weight(s) of {SIDE} × {SIDE} float32 (tiles 1024 × 1024); state {total / db.MIB:.0f} MiB (parameters + both AdamW moments).",
         "Page cache before each restore: " + ("dropped (as root)." if drop else "NOT dropped: restores read warm pages."),
-        f"Medians of {args.reps} interleaved runs (min–max); the time is the slower rank's; ratios are shardstore's speed over DCP's.",
+        f"Medians of {args.reps} interleaved runs (min–max), after one untimed save of each; the time is the slower rank's; ratios are shardstore's speed over DCP's.",
         "",
         "**save**",
         "",
         *db.method_table(results, *SAVES, total),
+        *db.limit_row(results, SAVES[0], db.FIO_WRITE, total),
         "",
+        *db.profile_rows(results),
     ]
     for d in DESTS:
-        lines += [f"**restore into {d}**", "", *db.method_table(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}", total, (SS_RESTORE, DCP_RESTORE)), ""]
+        lines += [f"**restore into {d}**", "", *db.method_table(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}", total, (SS_RESTORE, DCP_RESTORE)),
+                  *db.limit_row(results, f"{SS_RESTORE} → {d}", db.FIO_READ, total), ""]
     worst: dict[str, float] = {}
     for d in DESTS:
         reads = [statistics.median(r["read"][d]) for r in results]

@@ -111,16 +111,19 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
         wants = dict(zip(dests, db.fill((model, opt), list(dests.values()))))
         timer = db.Timer()
         rec: dict = {"saved_share": db.share(model, opt), "share": {d: db.share(*m) for d, m in dests.items()},
-                     "written": [], "written_objects": [], "disk_written": {n: [] for n in SAVES}, "dcp_rank_bytes": [],
+                     "written": [], "written_objects": [], "profile": [], "disk_written": {n: [] for n in SAVES}, "dcp_rank_bytes": [],
                      "read": {d: [] for d in DESTS}, "disk_read": {f"{m} → {d}": [] for d in DESTS for m in (SS_RESTORE, DCP_RESTORE)}}  # fmt: skip
         last: tuple[str, ...] = ()
+        db.warm_up(rank, model, opt, work)
         for rep in range(args.reps):
             ss_dir, dcp_dir = os.path.join(work, f"ss-{rep}"), os.path.join(work, f"dcp-{rep}")
             before: dict = {}
 
             def ss_save() -> None:
                 store, counter = db.counted(ss.open_store(ss_dir))
+                t0 = time.perf_counter()
                 ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=1), rng=False)
+                rec["profile"].append(db.exchange_profile(time.perf_counter() - t0))
                 rec["written"].append(counter.written_bytes)
                 rec["written_objects"].append(counter.written_objects)
 
@@ -133,6 +136,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
                 before = db.io()
                 timer(name, fn)
                 rec["disk_written"][name].append(db.io_delta(before, "write_bytes"))
+            db.fio_limits(timer, rank, WORLD, work, rec["saved_share"], drop)
             rec["dcp_rank_bytes"].append(sum(os.path.getsize(os.path.join(dcp_dir, f)) for f in os.listdir(dcp_dir) if f.startswith(f"__{rank}_")))
             if rank == 0:
                 rec["objects"], rec["dcp_files"] = db.tree_size(os.path.join(ss_dir, "objects")), db.tree_size(dcp_dir)
@@ -203,15 +207,18 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
         f"{WORLD} Gloo processes (1 torch thread each), saved from a 2 × 2 (dp, tp) mesh: {layers} Linear layers of {side} × {side} float32 "
         f"(tiles {tile}), Colwise/Rowwise on tp then fully_shard on dp; state {total / db.MIB:.0f} MiB (parameters + both AdamW moments).",
         "Page cache before each restore: " + ("dropped (as root)." if drop else "NOT dropped: restores read warm pages."),
-        f"Medians of {args.reps} interleaved runs (min–max); the time is the slowest rank's; ratios are shardstore's speed over DCP's.",
+        f"Medians of {args.reps} interleaved runs (min–max), after one untimed save of each; the time is the slowest rank's; ratios are shardstore's speed over DCP's.",
         "",
         "**save** (from the 2 × 2 mesh)",
         "",
         *db.method_table(results, *SAVES, total),
+        *db.limit_row(results, SAVES[0], db.FIO_WRITE, total),
         "",
+        *db.profile_rows(results),
     ]
     for d in DESTS:
-        lines += [f"**restore into {d}**", "", *db.method_table(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}", total, (SS_RESTORE, DCP_RESTORE)), ""]
+        lines += [f"**restore into {d}**", "", *db.method_table(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}", total, (SS_RESTORE, DCP_RESTORE)),
+                  *db.limit_row(results, f"{SS_RESTORE} → {d}", db.FIO_READ, total), ""]
     med = statistics.median
     lines += ["**bytes per rank** (MiB, medians over the runs): shardstore's counted at the storage layer (object writes and reads, "
               "manifests included); \"disk\": the process's own block-device bytes (/proc/self/io write_bytes, read_bytes: "

@@ -26,6 +26,7 @@ once), plus the strips received for them, plus the pieces it sends of other bloc
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,12 @@ class ExchangeStats:
     bytes_received: int = 0
     peak_staged: int = 0  # most bytes of staging buffers one batch used (beyond this rank's own slices)
     arena_bytes: int = 0  # the staging arena's size: the most this exchange held at once
+    # where this rank's time went (seconds, summed over batches; a profile, not in any manifest)
+    stage_s: float = 0.0  # working out and copying what it stages (its parts into blocks, pieces it sends)
+    transfer_s: float = 0.0  # waiting for pieces sent and received, and copying strips into place
+    write_s: float = 0.0  # hashing and writing its blocks (into the page cache, writeback started)
+    durable_s: float = 0.0  # the one fsync barrier that makes them durable and visible
+    agree_s: float = 0.0  # the failure-flag all-reduces (includes waiting for slower ranks)
 
 
 _LAST = ExchangeStats()
@@ -128,7 +135,9 @@ def _origin_of(parts: list[tuple[Box, tuple[int, ...]]], piece: Box) -> tuple[in
 def _any_failed(error: BaseException | None, group: Any) -> bool:
     """Whether any rank of ``group`` failed (one int all-reduced); this rank's ``error`` is raised."""
     flag = torch.tensor([int(error is not None)], dtype=torch.int32)
+    t0 = time.perf_counter()
     dist.all_reduce(flag, group=group)
+    _LAST.agree_s += time.perf_counter() - t0
     if error is not None:
         raise error
     return bool(flag.item())
@@ -162,10 +171,12 @@ def run_plan(store: Store, plans: list, locals_: dict[Any, Local], rank: int, g:
         stats.arena_bytes = arena.size
         del arena
         error: BaseException | None = None
+        t0 = time.perf_counter()
         try:
             writes.finish(store.storage, threads=threads)  # one fsync barrier for the whole exchange
         except Exception as e:  # noqa: BLE001 - a full disk at fsync: every rank learns of it
             error = e
+        stats.durable_s += time.perf_counter() - t0
         if _any_failed(error, group):
             return None
     finally:
@@ -183,10 +194,12 @@ def _batch(store: Store, batch: list, first: int, locals_: dict[Any, Local], ran
     rank's blocks hashed and written; returns (plan index, id) of the blocks it owns, or
     None if another rank failed (staging, before any piece is posted, or writing its blocks)."""
     error: BaseException | None = None
+    t0 = time.perf_counter()
     try:
         owned, sending, need = _stage(batch, first, locals_, rank, arena)
     except Exception as e:  # noqa: BLE001 - every rank learns of it before a piece is posted
         error = e
+    stats.stage_s += time.perf_counter() - t0
     if _any_failed(error, group):
         return None
     try:
@@ -243,6 +256,7 @@ def _exchange(store: Store, owned: list, sending: list, need: int, g: Any, group
     """2. Buffers carved from the arena, sends and receives posted; 3. the blocks hashed and
     written (into the page cache, joining ``writes``: the arena is free again on return)."""
     works, blocks, strips = [], [], []
+    t0 = time.perf_counter()
     for k, box, dtype, (lt, parts), view, arriving in owned:
         buf = view
         if buf is None:
@@ -267,12 +281,17 @@ def _exchange(store: Store, owned: list, sending: list, need: int, g: Any, group
         stats.bytes_sent += out.numel() * out.element_size()
         works.append(dist.isend(out, dst=g(dst), group=group, tag=t))
     assert arena.off <= need, "staging was under-counted"
+    t1 = time.perf_counter()
+    stats.stage_s += t1 - t0
     # 3. Everything arrived: the blocks are whole; hash and write them.
     for w in works:
         w.wait()
     for dest, tmp in strips:
         dest.copy_(tmp)
+    t2 = time.perf_counter()
+    stats.transfer_s += t2 - t1
     written = store.put_tensors([b.detach().reshape(-1) for _, b in blocks], threads=threads, batch=writes) if blocks else []
+    stats.write_s += time.perf_counter() - t2
     stats.blocks_written += len(blocks)
     stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in blocks)
     stats.peak_staged = max(stats.peak_staged, need)
