@@ -60,3 +60,16 @@ def test_dtensor_benchmark_smoke(tmp_path) -> None:
     assert "<!-- bench_dtensor:begin -->" in text and "| dcp.save |" in text and "| shardstore.restore (verifies every block) |" in text
     assert "24.0 / 24.0 MiB, 24.0 / 24.0 MiB" in text  # each rank reads exactly its share (2 whole blocks x 3)
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-dtensor-")]  # scratch removed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("SHARDSTORE_SLOW"), reason="four spawned processes (~35 s); SHARDSTORE_SLOW=1 runs it")
+def test_mesh_benchmark_smoke(tmp_path) -> None:
+    """Four Gloo processes on a 2 x 2 mesh save, restore into three meshes (each restore checked
+    slice by slice: a difference exits non-zero) and copy each slot; the tables come out."""
+    results = tmp_path / "RESULTS.md"
+    done = _run(["benchmarks/bench_mesh.py", "--mib", "16", "--reps", "1", "--warm", "--dir", str(tmp_path), "--results", str(results)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    assert "<!-- bench_mesh:begin -->" in text and "copy --shard K reads" in text and "where each rank's save went" in text
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-mesh-")]  # scratch removed
