@@ -27,6 +27,9 @@ from .rules import commit_rules, shard_rules, state_problems
 
 __all__ = ["Problem", "LoadedCommit", "shard_problems", "commit_problems", "repeated_shards", "load_commit", "read_commit"]
 
+#: The algorithms of the canonical Adam form (SPEC.md §9), which a writer names only over Adam groups (§12).
+_ADAM = ("adam", "adamw")
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -82,6 +85,8 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
         yield p(ManifestError, "RNG entries are not sorted by kind and unique")
     if shard.algorithm == "none" and shard.groups:
         yield p(ManifestError, "algorithm 'none' with optimizer groups")
+    if shard.algorithm in _ADAM and not shard.groups:
+        yield p(ManifestError, f"algorithm {shard.algorithm!r} with no optimizer groups: a writer writes 'none' (SPEC.md §Binding)")
     used: set[str] = set()
     for e in shard.entries:
         o = e.optim
@@ -138,6 +143,8 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
     gnames = [g.name for g in commit.optimizer.groups]
     if not sorted_unique(gnames):
         yield p(ManifestError, "optimizer groups are not sorted by name and unique")
+    if commit.optimizer.algorithm in _ADAM and not gnames:
+        yield p(ManifestError, f"algorithm {commit.optimizer.algorithm!r} with no optimizer groups: a writer writes 'none' (SPEC.md §Binding)")
     groups = {g.name: g for g in commit.optimizer.groups}
     for err, msg, obj in commit_rules(commit, shards):  # the torch form and extras (SPEC.md §9a, §9c)
         yield p(err, msg, obj)
