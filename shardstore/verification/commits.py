@@ -18,7 +18,7 @@ from ..errors import (
 )
 from ..format.canonical import sorted_unique
 from ..format.grid import grid_problems, payload_blocks
-from ..format.manifest import CommitManifest, ShardManifest, TensorEntry, banded, shard_version, tensor_payloads
+from ..format.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, TensorEntry, banded, shard_version, tensor_payloads
 from ..format.roots import learned_root
 from ..format.slices import commit_slice_problems, shard_slice_problems
 from ..state.extras import extras_rules
@@ -110,9 +110,10 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
             yield p(CursorError, f"Adam age {o.age} > 0 but no moments are stored", e.name)
         if has[0] != (o.moment_dtype is not None):
             yield p(ManifestError, "moment_dtype must be set exactly when moments are present", e.name)
+    whole = shard.version == FORMAT_VERSION  # version 1: a tensor of any size may be one object, as format 1 wrote it (SPEC.md §5a)
     for e in shard.entries:
         for role, payload, dtype in tensor_payloads(e):
-            for msg in grid_problems(payload, dtype, e.shape, bands=banded(shard.version)):
+            for msg in grid_problems(payload, dtype, e.shape, bands=banded(shard.version), whole=whole):
                 yield p(GridError, f"{role} payload: {msg} (SPEC.md §Chunked payloads)", e.name)
         for msg in state_problems(e, shard.version):
             yield p(GridError, f"{msg} (SPEC.md §Chunked payloads)", e.name)
