@@ -282,3 +282,76 @@ def test_numpy_rng_key_past_uint32_is_a_manifest_error() -> None:
     raw = capture_rng()["numpy"].replace(b'"key":[', b'"key":[99999999999999999999,', 1)
     with pytest.raises(ss.ManifestError):
         restore_rng({"numpy": raw})
+
+
+def _state_doc(kind: str, **changes: Any) -> bytes:
+    """This process's Python or NumPy RNG object (SPEC.md §10) with ``changes`` to its fields."""
+    doc = json.loads(capture_rng(cuda=False)[kind])
+    doc.update(changes)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _words() -> list[int]:
+    return json.loads(capture_rng(cuda=False)["python"])["state"]
+
+
+def _key() -> list[int]:
+    return json.loads(capture_rng(cuda=False)["numpy"])["key"]
+
+
+#: Python and NumPy states their generators take (or crash on) but no writer produces (issue 26).
+#: Built and refused here, never set: NumPy's next draw after ``pos`` 100000 reads past its key.
+NEVER_WRITTEN = {
+    "numpy-pos-100000": ("numpy", lambda: _state_doc("numpy", pos=100000)),
+    "numpy-pos-625": ("numpy", lambda: _state_doc("numpy", pos=625)),
+    "numpy-pos-negative": ("numpy", lambda: _state_doc("numpy", pos=-1)),
+    "numpy-key-623": ("numpy", lambda: _state_doc("numpy", key=_key()[:623])),
+    "numpy-key-625": ("numpy", lambda: _state_doc("numpy", key=[*_key(), 1])),
+    "numpy-key-2^32": ("numpy", lambda: _state_doc("numpy", key=[1 << 32, *_key()[1:]])),
+    "numpy-has-gauss-2": ("numpy", lambda: _state_doc("numpy", has_gauss=2, gauss=(0.5).hex())),
+    "numpy-stale-gauss": ("numpy", lambda: _state_doc("numpy", has_gauss=0, gauss=(0.5).hex())),
+    "numpy-gauss-not-hex-text": ("numpy", lambda: _state_doc("numpy", has_gauss=1, gauss="1.5")),
+    "numpy-other-generator": ("numpy", lambda: _state_doc("numpy", bit_generator="PCG64")),
+    "python-version-2": ("python", lambda: _state_doc("python", version=2)),
+    "python-624-words": ("python", lambda: _state_doc("python", state=_words()[:624])),
+    "python-word-2^32": ("python", lambda: _state_doc("python", state=[1 << 32, *_words()[1:]])),
+    "python-position-625": ("python", lambda: _state_doc("python", state=[*_words()[:624], 625])),
+    "python-gauss-not-hex-text": ("python", lambda: _state_doc("python", gauss="0.5")),
+}
+
+
+@pytest.mark.parametrize("name", list(NEVER_WRITTEN))
+def test_rng_states_no_writer_produces_are_refused_before_any_generator_is_set(name: str) -> None:
+    """SPEC.md §10: a reader accepts exactly what a writer produces. Before issue 26 ten of these
+    were set into the process's generator (NumPy's ``pos`` 100000: a segfault on the next draw)
+    and a 623-word key raised an untyped IndexError; NumPy or Python already refused the other
+    four (a key word of 2^32, another generator, 624 Python words, Python position 625)."""
+    kind, make = NEVER_WRITTEN[name]
+    raw = make()
+    before = capture_rng(cuda=False)
+    with pytest.raises(ss.ManifestError, match=f"RNG state '{kind}'"):
+        restore_rng({kind: raw})
+    assert capture_rng(cuda=False) == before  # no generator was touched
+
+
+def test_rng_states_at_the_edges_of_what_a_writer_produces_restore() -> None:
+    """Positions 0 and 624 (the next draw regenerates the words) and a cached Gaussian are what
+    the generators report, so they restore; a stale Gaussian a caller's ``set_state`` left behind
+    (never read by NumPy) is written as 0.0, the one spelling a reader accepts."""
+    import random
+
+    import numpy as np
+
+    for raw in (_state_doc("numpy", pos=0), _state_doc("numpy", pos=624), _state_doc("numpy", has_gauss=1, gauss=(-0.25).hex())):
+        restore_rng({"numpy": raw})
+        assert capture_rng(cuda=False)["numpy"] == raw
+    restore_rng({"python": _state_doc("python", state=[*_words()[:624], 624])})
+    random.seed(1)
+    random.gauss(0.0, 1.0)  # caches the second of a pair
+    saved, nxt = capture_rng(cuda=False), random.gauss(0.0, 1.0)
+    restore_rng(saved)
+    assert random.gauss(0.0, 1.0) == nxt
+    name, key, pos, _, _ = np.random.get_state(legacy=True)
+    np.random.set_state((name, key, pos, 0, 0.5))
+    assert json.loads(capture_rng(cuda=False)["numpy"])["gauss"] == "0x0.0p+0"
+    restore_rng(capture_rng(cuda=False))

@@ -6,17 +6,20 @@ tensors:
 
 - item 3: one object named by two entries with different byte sizes (in one commit, across commits);
 - item 4: a model config nested 2,000 deep, or junk, under a valid commit;
-- item 5: an oversized or malformed RNG object;
+- item 5: an oversized or malformed RNG object (and, issue 26, a Python or NumPy state no writer produces);
 - item 6: a local object rewritten or truncated after it was hashed (copy, export), or while it is read;
 - item 7: a torn (0-byte) object already at a copy's destination;
 - item 8: a commit naming one shard manifest in many slots.
 """
 from __future__ import annotations
 
+import json
 import os
+import random
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from faults import OpLog
@@ -24,6 +27,7 @@ from faults import OpLog
 import shardstore as ss
 from shardstore.backends.local import LocalStorage
 from shardstore.format.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, SlotLayout
+from shardstore.format.rng import capture_rng, restore_rng
 from shardstore.format.roots import learned_root
 from shardstore.format.tensors import hash_bytes, new_hasher, tensor_bytes
 from shardstore.store import object_key
@@ -187,10 +191,46 @@ def test_a_bad_model_config_is_found_by_verify_and_refused_before_restore_writes
     _untouched_restore(store, bad, ss.ManifestError)
 
 
-@pytest.mark.parametrize("kind, rng", [("torch", b"\0" * (2 << 20)), ("python", b"not a python state"), ("numpy", b'{"bit_generator":"MT19937"}')],
-                         ids=["torch-2MiB", "python-junk", "numpy-junk"])
-def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(base: Any, kind: str, rng: bytes) -> None:
+def _mt_state(kind: str, **changes: Any) -> bytes:
+    """A Python or NumPy RNG object as a writer stores it (SPEC.md §10), with ``changes`` to its fields."""
+    if kind == "python":
+        version, words, gauss = random.Random(0).getstate()
+        doc: dict[str, Any] = {"version": version, "state": list(words), "gauss": gauss}
+    else:
+        name, key, pos, has_gauss, gauss = np.random.RandomState(0).get_state(legacy=True)
+        doc = {"bit_generator": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss).hex()}
+    doc.update(changes)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+@pytest.fixture
+def keep_rng() -> Any:
+    """The process's generators as they were, whatever a test (or the code before a fix) set."""
+    saved = capture_rng(cuda=False)
+    yield
+    restore_rng(saved)
+
+
+#: States NumPy's or Python's generator takes but no writer produces (issue 26): NumPy reads its key
+#: at ``pos`` (100000: past its 624 words, a segfault on the next draw) and indexes a 623-word key
+#: out of range (an untyped IndexError); Python truncates a word of 2^32 to 32 bits.
+_HOSTILE_MT = {
+    "numpy-pos-100000": ("numpy", lambda: _mt_state("numpy", pos=100000)),
+    "numpy-key-623": ("numpy", lambda: _mt_state("numpy", key=np.random.RandomState(0).get_state(legacy=True)[1].tolist()[:623])),
+    "python-word-2^32": ("python", lambda: _mt_state("python", state=[1 << 32, *random.Random(0).getstate()[1][1:]])),
+}
+
+
+@pytest.mark.parametrize("kind, rng", [("torch", b"\0" * (2 << 20)), ("python", b"not a python state"), ("numpy", b'{"bit_generator":"MT19937"}'),
+                                       *_HOSTILE_MT.values()],
+                         ids=["torch-2MiB", "python-junk", "numpy-junk", *_HOSTILE_MT])
+def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(base: Any, keep_rng: Any, kind: str, rng: Any) -> None:
+    """A hostile Python or NumPy state is reported by verify, naming the RNG object, and refused
+    by restore before a tensor or generator is written (SPEC.md §10; before issue 26 the
+    hostile ones verified clean, and restore set them into the process's generators)."""
     store, cid = base
+    rng = rng() if callable(rng) else rng
+    before = (random.getstate(), np.random.get_state(legacy=True))
     oid = store.put(rng)
     sh = _shard(store, cid)
     entries = tuple(msgspec.structs.replace(r, object=oid) if r.kind == kind else r for r in sh.rng)
@@ -199,6 +239,8 @@ def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(b
     assert [p.object for p in report.problems] == [oid], [str(p) for p in report.problems]
     assert issubclass(type(report.problems[0].error), ss.ManifestError)
     _untouched_restore(store, bad, ss.ManifestError, rng=True)
+    after = (random.getstate(), np.random.get_state(legacy=True))
+    assert before[0] == after[0] and all(np.array_equal(x, y) for x, y in zip(before[1], after[1])), "restore set a generator before refusing"
 
 
 def test_a_torch_rng_state_torch_cannot_set_is_refused_before_restore_writes(base: Any) -> None:

@@ -244,36 +244,49 @@ def chunked(tmp_path_factory):
     return store, root, cid, m
 
 
-def _forge_entry(store: ss.Store, cid: str, **changes) -> str:
+def _forge_entry(store: ss.Store, cid: str, *, root: bool = False, **changes) -> str:
+    """``cid`` with ``changes`` to its entry ``weight``, the versions the writer's rule gives the
+    entries; ``root``: the learned-state root recomputed too (else it no longer matches)."""
+    from shardstore.format.roots import learned_root
+
     c = store.commit(cid)
     lay = c.layout[0]
     shard = store.shard(lay.shard)
     entries = tuple(msgspec.structs.replace(e, **changes) if e.name == "weight" else e for e in shard.entries)
     version = shard_version(entries)
     sid = store.put_manifest(msgspec.structs.replace(shard, entries=entries, version=version))
-    return store.put_manifest(msgspec.structs.replace(c, layout=(msgspec.structs.replace(lay, shard=sid),), version=version))
+    lr = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=entries) if root else c.learned_root
+    return store.put_manifest(msgspec.structs.replace(c, layout=(msgspec.structs.replace(lay, shard=sid),), version=version, learned_root=lr))
 
 
 def test_a_forged_shape_is_refused_without_listing_its_grid(chunked, monkeypatch):
     """A 150-byte entry claiming 2**20 x 2**20 float32 elements (a grid of 2**20 blocks, the limit)
     made every reader list 2**20 boxes (~1 s and ~400 MiB per entry) just to say the payload
-    was not that grid: before, load_commit and verify called grid() on the forged shape."""
+    was not that grid: before, load_commit and verify called grid() on the forged shape.
+
+    As one object the entry is a version-1 manifest, where a tensor of any size may be one
+    object (what format 1 wrote, SPEC.md §5a): restore refuses it by shape and verify by its
+    object's size instead, before anything is allocated."""
     store, _, cid, _ = chunked
     listed: list[tuple] = []
     real = sgrid.grid
     monkeypatch.setattr(sgrid, "grid", lambda dtype, shape, **kw: listed.append(tuple(shape)) or real(dtype, shape, **kw))
     w = ss.load_commit(store, cid).entries()["weight"]
-    for payload, message in ((w.param[0].object, "must be 1048576 blocks, not one object"), (w.param, "do not tile")):
-        bad = _forge_entry(store, cid, shape=(1 << 20, 1 << 20), param=payload, optim=None)
-        with pytest.raises(ss.GridError, match=message) as e:
-            ss.load_commit(store, bad)
-        assert "'weight'" in str(e.value)
+    for payload, error, message in ((w.param[0].object, ss.TensorMismatch, r"float32\[1048576, 1048576\]"), (w.param, ss.GridError, "do not tile")):
+        bad = _forge_entry(store, cid, shape=(1 << 20, 1 << 20), param=payload, optim=None, root=error is ss.TensorMismatch)
+        if error is ss.GridError:
+            with pytest.raises(ss.GridError, match=message) as e:
+                ss.load_commit(store, bad)
+            assert "'weight'" in str(e.value)
+        else:
+            assert ss.load_commit(store, bad).shards[0].version == 1  # structurally what format 1 wrote
         dest = torch.nn.Linear(131072, 10)
         before = _bits(dest.weight)
-        with pytest.raises((ss.GridError, ss.TensorMismatch)):
+        with pytest.raises(error, match=message) as e:
             ss.restore(store, bad, dest)
+        assert "'weight'" in str(e.value)
         assert _bits(dest.weight) == before
-        assert any(p.kind == "GridError" and p.tensor == "weight" for p in ss.verify(store, [bad], deep=False).problems)
+        assert any(p.kind == error.__name__ and p.tensor == "weight" for p in ss.verify(store, [bad], deep=False).problems)
     assert (1 << 20, 1 << 20) not in listed
 
 

@@ -234,3 +234,30 @@ def test_malformed_ref_is_a_problem_not_a_crash(committed):
     assert [type(p.error) for p in report.problems] == [ss.ManifestError]
     assert "broken" in str(report.problems[0])
     assert report.commits == [cid] and sum(seen) == report.bytes_hashed > 0
+
+
+@pytest.mark.parametrize("algorithm", ["adam", "adamw"])
+def test_adam_without_groups_is_refused_in_a_shard_and_in_a_commit(store, algorithm):
+    """SPEC.md §12: a writer writes ``none`` exactly when there are no groups (every writer
+    version did), so ``adam``/``adamw`` with no groups is a second spelling of one state, refused
+    in a shard manifest and in a commit. Before issue 26 both forgeries verified clean, and
+    load_commit took them."""
+    import msgspec
+    import torch
+
+    from shardstore.format.roots import learned_root
+
+    cid = ss.save(store, {"w": torch.zeros(3)}, step=0, rng=False)
+    c = store.commit(cid)
+    assert c.optimizer.algorithm == "none" and store.shard(c.layout[0].shard).algorithm == "none"
+    sid = _forge_shard(store, c.layout[0].shard, algorithm=algorithm)  # the root does not cover a shard's algorithm
+    in_shard = _forge_commit(store, cid, layout=(msgspec.structs.replace(c.layout[0], shard=sid),))
+    spec = ss.manifest.OptimizerSpec(algorithm=algorithm, groups=())
+    root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=spec, entries=list(store.shard(c.layout[0].shard).entries))
+    in_commit = _forge_commit(store, cid, optimizer=spec, learned_root=root)
+    for forged, where in ((in_shard, sid), (in_commit, in_commit)):
+        with pytest.raises(ss.ManifestError, match=f"algorithm '{algorithm}' with no optimizer groups"):
+            ss.load_commit(store, forged)
+        problems = ss.verify(store, [forged]).problems
+        assert [(p.kind, p.object) for p in problems] == [("ManifestError", where)], [str(p) for p in problems]
+    assert ss.verify(store, [cid]).ok

@@ -195,16 +195,18 @@ def overlapping(payload: Payload, dtype: str, shape: Sequence[int], region: Box)
     return [i for i, (_, box, _) in enumerate(payload_blocks(payload, dtype, shape)) if intersect(box, region) is not None]
 
 
-def grid_problems(payload: Payload, dtype: str, shape: Sequence[int], *, bands: bool = False) -> list[str]:
+def grid_problems(payload: Payload, dtype: str, shape: Sequence[int], *, bands: bool = False, whole: bool = False) -> list[str]:
     """What is wrong with a payload's blocks for a ``dtype`` tensor of ``shape`` (empty: nothing);
-    ``bands``: checked against the row-band grid (a manifest of version 2 or 3)."""
+    ``bands``: checked against the row-band grid (a manifest of version 2 or 3). ``whole``: one
+    object is accepted at any size (a manifest of version 1: format 1 stored every tensor as one
+    object, and its stores stay readable, SPEC.md §5a); the block-count limit holds all the same."""
     shape = tuple(shape)
     nbytes = expected_nbytes(dtype, shape)
     count = block_count(dtype, shape, bands=bands)
     if count > MAX_BLOCKS:  # a forged shape: refused before anything is listed or allocated
         return [f"its {nbytes} bytes would need {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)"]
     if isinstance(payload, str):  # one object (is_chunked's other case)
-        if count > 1:
+        if count > 1 and not whole:
             return [f"its {nbytes} bytes exceed the {BLOCK_BYTES}-byte block bound, so its payload must be {count} blocks, not one object"]
         return []
     blocks = list(payload)
@@ -254,9 +256,10 @@ def on_bands(entries: Iterable[TensorEntry]) -> bool:
     return False
 
 
-def check_payload(payload: Payload, dtype: str, shape: Sequence[int], what: str, *, bands: bool = False) -> None:
-    """Raise GridError naming ``what`` (tensor and role) if the payload is not the canonical grid."""
-    for msg in grid_problems(payload, dtype, shape, bands=bands):
+def check_payload(payload: Payload, dtype: str, shape: Sequence[int], what: str, *, bands: bool = False, whole: bool = False) -> None:
+    """Raise GridError naming ``what`` (tensor and role) if the payload is not the canonical grid
+    (``bands``, ``whole``: as for ``grid_problems``)."""
+    for msg in grid_problems(payload, dtype, shape, bands=bands, whole=whole):
         raise GridError(f"{what}: {msg} (SPEC.md §Chunked payloads)")
 
 

@@ -3,11 +3,18 @@
 Python's and NumPy's generator states are encoded as canonical JSON (integers and strings
 only); torch's CPU and CUDA states are their raw byte tensors. Decoding is strict and
 bounded, so a planted RNG object can never execute code or allocate without limit.
+
+A reader accepts exactly the Python and NumPy states a writer produces (the decoders' field
+constraints below, and ``_gauss``), before any generator is given one: neither generator
+checks what it is given. NumPy's ``set_state`` takes a ``pos`` past the 624 key words (its next
+draw then reads past the key: a crash, or words from outside the state), a 625-word key or a
+``has_gauss`` of 2, and indexes a 623-word key out of range; Python's ``setstate`` takes version
+2 and truncates words of 2^32 and more to 32 bits, a second spelling of one state.
 """
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -20,19 +27,24 @@ __all__ = ["MAX_RNG_BYTES", "capture_rng", "check_rng", "restore_rng"]
 _ENC = msgspec.json.Encoder(order="sorted")
 MAX_RNG_BYTES = 1 << 20
 
+#: The Mersenne Twister's state: 624 words of 32 bits, and a position 0..624 (624: the next draw
+#: regenerates the words), in Python's ``random`` and NumPy's MT19937 alike (SPEC.md §10).
+_MT_WORDS = 624
+_Word = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+
 
 class _PyState(msgspec.Struct, forbid_unknown_fields=True):
-    version: int
-    state: list[int]
+    version: Literal[3]  # what random.getstate() reports (version 2 is Python 2's)
+    state: Annotated[list[_Word], msgspec.Meta(min_length=_MT_WORDS + 1, max_length=_MT_WORDS + 1)]  # the words, then the position
     gauss: str | None  # float.hex() text; None when no cached Gaussian
 
 
 class _NpState(msgspec.Struct, forbid_unknown_fields=True):
-    bit_generator: str
-    key: list[int]
-    pos: int
-    has_gauss: int
-    gauss: str  # float.hex() text
+    bit_generator: Literal["MT19937"]
+    key: Annotated[list[_Word], msgspec.Meta(min_length=_MT_WORDS, max_length=_MT_WORDS)]
+    pos: Annotated[int, msgspec.Meta(ge=0, le=_MT_WORDS)]
+    has_gauss: Literal[0, 1]
+    gauss: str  # float.hex() text; "0x0.0p+0" when has_gauss is 0
 
 
 def capture_rng(cuda: bool = True) -> dict[str, bytes]:
@@ -51,18 +63,45 @@ def capture_rng(cuda: bool = True) -> dict[str, bytes]:
 
 def _np_state() -> dict[str, Any]:
     name, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    # NumPy reports 0.0 when no Gaussian is cached (after seeding, or once the cached one is
+    # drawn); a stale value left by a caller's set_state is never read, and is written as 0.0,
+    # so that one state has one spelling and a reader can refuse any other (SPEC.md §10).
+    gauss = gauss if has_gauss else 0.0
     return {"bit_generator": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss).hex()}
 
 
+def _gauss(text: str) -> float:
+    """The cached Gaussian from its ``float.hex()`` text: ValueError for any other spelling."""
+    value = float.fromhex(text)
+    if value.hex() != text:
+        raise ValueError(f"gauss {text!r} is not float.hex() text")
+    return value
+
+
+def _python(raw: bytes) -> tuple[int, tuple[int, ...], float | None]:
+    """A ``random.setstate`` argument that a writer produces (SPEC.md §10), or ValueError."""
+    p = msgspec.json.decode(raw, type=_PyState)
+    if p.state[_MT_WORDS] > _MT_WORDS:
+        raise ValueError(f"position {p.state[_MT_WORDS]} is not within 0..{_MT_WORDS}")
+    return p.version, tuple(p.state), None if p.gauss is None else _gauss(p.gauss)
+
+
+def _numpy(raw: bytes) -> tuple[str, Any, int, int, float]:
+    """A ``RandomState.set_state`` argument that a writer produces (SPEC.md §10), or ValueError."""
+    n = msgspec.json.decode(raw, type=_NpState)
+    gauss = _gauss(n.gauss)
+    if not n.has_gauss and n.gauss != "0x0.0p+0":
+        raise ValueError(f"has_gauss is 0 but gauss is {n.gauss!r}, not '0x0.0p+0'")
+    return n.bit_generator, np.array(n.key, dtype=np.uint32), n.pos, n.has_gauss, gauss
+
+
 def _apply(kind: str, raw: bytes, py: Any, npr: Any, gen: Any) -> None:
-    """Set ``kind``'s state from ``raw`` on the given generators (None for CUDA: the process's)."""
+    """Set ``kind``'s state from ``raw`` on the given generators (None for CUDA: the process's);
+    a Python or NumPy state is checked in full before its generator is given it."""
     if kind == "python":
-        p = msgspec.json.decode(raw, type=_PyState)
-        py.setstate((p.version, tuple(p.state), None if p.gauss is None else float.fromhex(p.gauss)))
+        py.setstate(_python(raw))
     elif kind == "numpy":
-        n = msgspec.json.decode(raw, type=_NpState)
-        key = np.array(n.key, dtype=np.uint32)
-        npr.set_state((n.bit_generator, key, n.pos, n.has_gauss, float.fromhex(n.gauss)))
+        npr.set_state(_numpy(raw))
     elif kind == "torch":
         gen.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     elif kind.startswith("cuda:"):
@@ -74,7 +113,8 @@ def _apply(kind: str, raw: bytes, py: Any, npr: Any, gen: Any) -> None:
 
 def check_rng(states: dict[str, bytes | memoryview], *, raw_kinds: bool = True) -> None:
     """Refuse (ManifestError) RNG states that ``restore_rng`` could not set, without setting
-    any: each is decoded into a fresh generator of its kind. Load paths call this before they
+    any: a Python or NumPy state unless it is one a writer produces (§10), then each is
+    decoded into a fresh generator of its kind. Load paths call this before they
     write a byte into a caller's tensors (SPEC.md §16); verify calls it on every RNG object
     with ``raw_kinds=False``: the size limit and the Python and NumPy encodings (§10) only,
     since what torch accepts as a raw generator state depends on the torch build."""
@@ -87,7 +127,7 @@ def check_rng(states: dict[str, bytes | memoryview], *, raw_kinds: bool = True) 
             gen = torch.Generator() if kind == "torch" else None  # only a torch state needs torch (and imports it)
             _apply(kind, bytes(raw), random.Random(), np.random.RandomState(), gen)
         except (msgspec.DecodeError, ValueError, TypeError, RuntimeError, OverflowError, UnicodeDecodeError) as e:
-            raise ManifestError(f"RNG state {kind!r} is malformed: {e}") from None  # OverflowError: a key past uint32
+            raise ManifestError(f"RNG state {kind!r} is malformed: {e} (SPEC.md §10)") from None
 
 
 def restore_rng(states: dict[str, bytes | memoryview]) -> None:

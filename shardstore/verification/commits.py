@@ -18,7 +18,7 @@ from ..errors import (
 )
 from ..format.canonical import sorted_unique
 from ..format.grid import grid_problems, payload_blocks
-from ..format.manifest import CommitManifest, ShardManifest, TensorEntry, banded, shard_version, tensor_payloads
+from ..format.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, TensorEntry, banded, shard_version, tensor_payloads
 from ..format.roots import learned_root
 from ..format.slices import commit_slice_problems, shard_slice_problems
 from ..state.extras import extras_rules
@@ -26,6 +26,9 @@ from ..store import Store
 from .rules import commit_rules, shard_rules, state_problems
 
 __all__ = ["Problem", "LoadedCommit", "shard_problems", "commit_problems", "repeated_shards", "load_commit", "read_commit"]
+
+#: The algorithms of the canonical Adam form (SPEC.md §9), which a writer names only over Adam groups (§12).
+_ADAM = ("adam", "adamw")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
         yield p(ManifestError, "RNG entries are not sorted by kind and unique")
     if shard.algorithm == "none" and shard.groups:
         yield p(ManifestError, "algorithm 'none' with optimizer groups")
+    if shard.algorithm in _ADAM and not shard.groups:
+        yield p(ManifestError, f"algorithm {shard.algorithm!r} with no optimizer groups: a writer writes 'none' (SPEC.md §Binding)")
     used: set[str] = set()
     for e in shard.entries:
         o = e.optim
@@ -105,9 +110,10 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
             yield p(CursorError, f"Adam age {o.age} > 0 but no moments are stored", e.name)
         if has[0] != (o.moment_dtype is not None):
             yield p(ManifestError, "moment_dtype must be set exactly when moments are present", e.name)
+    whole = shard.version == FORMAT_VERSION  # version 1: a tensor of any size may be one object, as format 1 wrote it (SPEC.md §5a)
     for e in shard.entries:
         for role, payload, dtype in tensor_payloads(e):
-            for msg in grid_problems(payload, dtype, e.shape, bands=banded(shard.version)):
+            for msg in grid_problems(payload, dtype, e.shape, bands=banded(shard.version), whole=whole):
                 yield p(GridError, f"{role} payload: {msg} (SPEC.md §Chunked payloads)", e.name)
         for msg in state_problems(e, shard.version):
             yield p(GridError, f"{msg} (SPEC.md §Chunked payloads)", e.name)
@@ -138,6 +144,8 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
     gnames = [g.name for g in commit.optimizer.groups]
     if not sorted_unique(gnames):
         yield p(ManifestError, "optimizer groups are not sorted by name and unique")
+    if commit.optimizer.algorithm in _ADAM and not gnames:
+        yield p(ManifestError, f"algorithm {commit.optimizer.algorithm!r} with no optimizer groups: a writer writes 'none' (SPEC.md §Binding)")
     groups = {g.name: g for g in commit.optimizer.groups}
     for err, msg, obj in commit_rules(commit, shards):  # the torch form and extras (SPEC.md §9a, §9c)
         yield p(err, msg, obj)
