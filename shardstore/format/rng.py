@@ -44,7 +44,7 @@ class _NpState(msgspec.Struct, forbid_unknown_fields=True):
     key: Annotated[list[_Word], msgspec.Meta(min_length=_MT_WORDS, max_length=_MT_WORDS)]
     pos: Annotated[int, msgspec.Meta(ge=0, le=_MT_WORDS)]
     has_gauss: Literal[0, 1]
-    gauss: str  # float.hex() text; "0x0.0p+0" when has_gauss is 0
+    gauss: str  # float.hex() text ("0x0.0p+0" when no Gaussian is cached, unless a set_state left one)
 
 
 def capture_rng(cuda: bool = True) -> dict[str, bytes]:
@@ -63,10 +63,9 @@ def capture_rng(cuda: bool = True) -> dict[str, bytes]:
 
 def _np_state() -> dict[str, Any]:
     name, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    # NumPy reports 0.0 when no Gaussian is cached (after seeding, or once the cached one is
-    # drawn); a stale value left by a caller's set_state is never read, and is written as 0.0,
-    # so that one state has one spelling and a reader can refuse any other (SPEC.md §10).
-    gauss = gauss if has_gauss else 0.0
+    # Written as NumPy reports it: 0.0 when no Gaussian is cached, unless a caller's set_state
+    # left a value beside has_gauss 0 (never read by NumPy). Rewriting that value would give
+    # the same process state another object id than earlier writers gave it (SPEC.md §10).
     return {"bit_generator": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss).hex()}
 
 
@@ -89,9 +88,7 @@ def _python(raw: bytes) -> tuple[int, tuple[int, ...], float | None]:
 def _numpy(raw: bytes) -> tuple[str, Any, int, int, float]:
     """A ``RandomState.set_state`` argument that a writer produces (SPEC.md §10), or ValueError."""
     n = msgspec.json.decode(raw, type=_NpState)
-    gauss = _gauss(n.gauss)
-    if not n.has_gauss and n.gauss != "0x0.0p+0":
-        raise ValueError(f"has_gauss is 0 but gauss is {n.gauss!r}, not '0x0.0p+0'")
+    gauss = _gauss(n.gauss)  # any value beside has_gauss 0: NumPy never reads it, and writers wrote it
     return n.bit_generator, np.array(n.key, dtype=np.uint32), n.pos, n.has_gauss, gauss
 
 
