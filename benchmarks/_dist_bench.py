@@ -37,6 +37,7 @@ import torch._dynamo  # noqa: F401  before any group (see shardtrain.workers.lau
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _fio import FIO, fio_run
+from _results import write_block
 
 import shardstore as ss
 from shardstore.sharded.exchange import last_exchange
@@ -321,22 +322,6 @@ def mib(n: float | None) -> str:
     return "—" if n is None else f"{n / MIB:.1f}"
 
 
-def write_block(path: str, begin: str, end: str, section: str, text: str) -> None:
-    """Put ``text`` between ``begin`` and ``end`` in ``path``, replacing an older block, or
-    put it first under ``section`` (appended with it if the file has none)."""
-    block = f"{begin}\n{text}\n{end}"
-    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    if begin in old and end in old:
-        new = old[: old.index(begin)] + block + old[old.index(end) + len(end):]
-    elif section in old:  # the section's first block, above its earlier runs
-        i = old.index(section) + len(section)
-        new = old[:i] + "\n\n" + block + old[i:]
-    else:
-        new = old.rstrip("\n") + f"\n\n{section}\n\n{block}\n"
-    with open(path, "w") as f:
-        f.write(new)
-
-
 def met(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
@@ -457,3 +442,48 @@ def warm_up(rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, work:
     if rank == 0:
         shutil.rmtree(ss_dir, ignore_errors=True)
         shutil.rmtree(dcp_dir, ignore_errors=True)
+
+
+def restorer(ours: bool, ss_dir: str, dcp_dir: str, model: torch.nn.Module, opt: torch.optim.Optimizer, reads: list[int]) -> Callable[[], None]:
+    """A restore of the saved checkpoint into ``model`` and ``opt``: shardstore's (its bytes
+    read, counted at the storage layer, appended to ``reads``) or DCP's (``dcp.load`` then
+    ``set_state_dict``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def ss_restore() -> None:
+        store, counter = counted(ss.open_store(ss_dir, create=False))
+        ss.restore(store, "main", model, opt)
+        reads.append(counter.read_bytes)
+
+    def dcp_restore() -> None:
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=dcp_dir)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    return ss_restore if ours else dcp_restore
+
+
+def report_head(script: str, args: argparse.Namespace, loads: tuple[str, str], drop_ok: bool, setup: str) -> list[str]:
+    """The command, commit, machine, load and what was measured, above a sharded benchmark's tables."""
+    return [
+        f"`python benchmarks/{script} --mib {args.mib} --reps {args.reps}{' --warm' if args.warm else ''}`",
+        "",
+        f"commit {commit()}; {os.cpu_count()} cores; load average (1/5/15 min) {loads[0]} at the start, {loads[1]} at the end; "
+        f"torch {torch.__version__}; shardstore {ss.__version__}; {setup}",
+        "Page cache before each restore: " + ("dropped (as root)." if drop_ok else "NOT dropped: restores read warm pages."),
+        f"Medians of {args.reps} interleaved runs (min–max), after one untimed save of each; the time is the slowest rank's; "
+        "ratios are shardstore's speed over DCP's.",
+        "",
+    ]
+
+
+def timing_tables(results: Sequence[dict], saves: tuple[str, str], restores: tuple[str, str], dests: Sequence[str], total: int, save_title: str) -> list[str]:
+    """The save table (with fio's write and where each rank's save went) and one restore table
+    per destination (with fio's cold read)."""
+    lines = [save_title, "", *method_table(results, *saves, total), *limit_row(results, saves[0], FIO_WRITE, total), "", *profile_rows(results)]
+    for d in dests:
+        lines += [f"**restore into {d}**", "", *method_table(results, f"{restores[0]} → {d}", f"{restores[1]} → {d}", total, restores),
+                  *limit_row(results, f"{restores[0]} → {d}", FIO_READ, total), ""]
+    return lines

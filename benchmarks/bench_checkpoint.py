@@ -49,6 +49,7 @@ from typing import Any
 import blake3
 import torch
 from _fio import FIO, FIO_JOBS, fio_run
+from _results import write_block
 
 import shardstore as ss
 
@@ -609,20 +610,6 @@ def versions() -> str:
     )
 
 
-def write_results(path: str, text: str) -> None:
-    block = f"{BEGIN}\n{text}\n{END}"
-    old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END) :]
-    elif SECTION in old:
-        i = old.index(SECTION) + len(SECTION)
-        new = old[:i] + "\n\n" + block + old[i:]
-    else:
-        new = old.rstrip("\n") + f"\n\n{SECTION}\n\n{block}\n"
-    with open(path, "w") as f:
-        f.write(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     global DROP
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -680,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.results:
-        write_results(args.results, text)
+        write_block(args.results, BEGIN, END, SECTION, text)
     return 0
 
 

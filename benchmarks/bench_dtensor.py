@@ -71,7 +71,7 @@ def _build(kind: str, layers: int, mesh) -> tuple[torch.nn.Module, torch.optim.A
 
 def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str, drop: bool) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     with db.group(rank, WORLD, port):
@@ -99,20 +99,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
                 dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
 
             def restorer(dest: str, ours: bool):
-                m, o = dests[dest]
-
-                def ss_restore() -> None:
-                    store, counter = db.counted(ss.open_store(ss_dir, create=False))
-                    ss.restore(store, "main", m, o)
-                    read[dest].append(counter.read_bytes)
-
-                def dcp_restore() -> None:
-                    msd, osd = get_state_dict(m, o)
-                    sd = {"model": msd, "optim": osd}
-                    dcp.load(sd, checkpoint_id=dcp_dir)
-                    set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-
-                return ss_restore if ours else dcp_restore
+                return db.restorer(ours, ss_dir, dcp_dir, *dests[dest], read[dest])
 
             for name, fn in db.rotated(list(zip(SAVES, (ss_save, dcp_save))), rep):
                 timer(name, fn)
@@ -138,25 +125,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
 
 def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tuple[str, str]) -> str:
     total = sum(r["saved_share"] for r in results)
-    lines = [
-        f"`python benchmarks/bench_dtensor.py --mib {args.mib} --reps {args.reps}{' --warm' if args.warm else ''}`",
-        "",
-        f"commit {db.commit()}; {os.cpu_count()} cores; load average (1/5/15 min) {loads[0]} at the start, {loads[1]} at the end; "
-        f"torch {torch.__version__}; shardstore {ss.__version__}; {WORLD} Gloo processes (1 torch thread each), saved from FSDP2 "
-        f"dim-0 slices; {max(1, args.mib // 16)} weight(s) of {SIDE} × {SIDE} float32 (tiles 1024 × 1024); state {total / db.MIB:.0f} MiB (parameters + both AdamW moments).",
-        "Page cache before each restore: " + ("dropped (as root)." if drop else "NOT dropped: restores read warm pages."),
-        f"Medians of {args.reps} interleaved runs (min–max), after one untimed save of each; the time is the slower rank's; ratios are shardstore's speed over DCP's.",
-        "",
-        "**save**",
-        "",
-        *db.method_table(results, *SAVES, total),
-        *db.limit_row(results, SAVES[0], db.FIO_WRITE, total),
-        "",
-        *db.profile_rows(results),
-    ]
-    for d in DESTS:
-        lines += [f"**restore into {d}**", "", *db.method_table(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}", total, (SS_RESTORE, DCP_RESTORE)),
-                  *db.limit_row(results, f"{SS_RESTORE} → {d}", db.FIO_READ, total), ""]
+    setup = (f"{WORLD} Gloo processes (1 torch thread each), saved from FSDP2 dim-0 slices; {max(1, args.mib // 16)} weight(s) of "
+             f"{SIDE} × {SIDE} float32 (tiles 1024 × 1024); state {total / db.MIB:.0f} MiB (parameters + both AdamW moments).")
+    lines = db.report_head("bench_dtensor.py", args, loads, drop, setup)
+    lines += db.timing_tables(results, SAVES, (SS_RESTORE, DCP_RESTORE), list(DESTS), total, "**save**")
     worst: dict[str, float] = {}
     for d in DESTS:
         reads = [statistics.median(r["read"][d]) for r in results]

@@ -99,7 +99,7 @@ def _build(kind: str, side: int, layers: int, mesh2d, line) -> tuple[torch.nn.Mo
 
 def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str, drop: bool) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     with db.group(rank, WORLD, port):
@@ -142,20 +142,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
                 rec["objects"], rec["dcp_files"] = db.tree_size(os.path.join(ss_dir, "objects")), db.tree_size(dcp_dir)
 
             def restorer(dest: str, ours: bool):
-                m, o = dests[dest]
-
-                def ss_restore() -> None:
-                    store, counter = db.counted(ss.open_store(ss_dir, create=False))
-                    ss.restore(store, "main", m, o)
-                    rec["read"][dest].append(counter.read_bytes)
-
-                def dcp_restore() -> None:
-                    msd, osd = get_state_dict(m, o)
-                    sd = {"model": msd, "optim": osd}
-                    dcp.load(sd, checkpoint_id=dcp_dir)
-                    set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-
-                return ss_restore if ours else dcp_restore
+                return db.restorer(ours, ss_dir, dcp_dir, *dests[dest], rec["read"][dest])
 
             runs = [(f"{m} → {d}", d, restorer(d, m == SS_RESTORE)) for d in DESTS for m in (SS_RESTORE, DCP_RESTORE)]
             for name, dest, fn in db.rotated(runs, rep):
@@ -199,26 +186,10 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
     side, layers = _layout(args.mib)
     total = sum(r["saved_share"] for r in results)
     tile = " × ".join(str(t) for t in tile_shape("float32", (side, side)))
-    lines = [
-        f"`python benchmarks/bench_mesh.py --mib {args.mib} --reps {args.reps}{' --warm' if args.warm else ''}`",
-        "",
-        f"commit {db.commit()}; {os.cpu_count()} cores; load average (1/5/15 min) {loads[0]} at the start, {loads[1]} at the end; "
-        f"torch {torch.__version__}; shardstore {ss.__version__}.",
-        f"{WORLD} Gloo processes (1 torch thread each), saved from a 2 × 2 (dp, tp) mesh: {layers} Linear layers of {side} × {side} float32 "
-        f"(tiles {tile}), Colwise/Rowwise on tp then fully_shard on dp; state {total / db.MIB:.0f} MiB (parameters + both AdamW moments).",
-        "Page cache before each restore: " + ("dropped (as root)." if drop else "NOT dropped: restores read warm pages."),
-        f"Medians of {args.reps} interleaved runs (min–max), after one untimed save of each; the time is the slowest rank's; ratios are shardstore's speed over DCP's.",
-        "",
-        "**save** (from the 2 × 2 mesh)",
-        "",
-        *db.method_table(results, *SAVES, total),
-        *db.limit_row(results, SAVES[0], db.FIO_WRITE, total),
-        "",
-        *db.profile_rows(results),
-    ]
-    for d in DESTS:
-        lines += [f"**restore into {d}**", "", *db.method_table(results, f"{SS_RESTORE} → {d}", f"{DCP_RESTORE} → {d}", total, (SS_RESTORE, DCP_RESTORE)),
-                  *db.limit_row(results, f"{SS_RESTORE} → {d}", db.FIO_READ, total), ""]
+    setup = (f"{WORLD} Gloo processes (1 torch thread each), saved from a 2 × 2 (dp, tp) mesh: {layers} Linear layers of {side} × {side} "
+             f"float32 (tiles {tile}), Colwise/Rowwise on tp then fully_shard on dp; state {total / db.MIB:.0f} MiB (parameters + both AdamW moments).")
+    lines = db.report_head("bench_mesh.py", args, loads, drop, setup)
+    lines += db.timing_tables(results, SAVES, (SS_RESTORE, DCP_RESTORE), list(DESTS), total, "**save** (from the 2 × 2 mesh)")
     med = statistics.median
     lines += ["**bytes per rank** (MiB, medians over the runs): shardstore's counted at the storage layer (object writes and reads, "
               "manifests included); \"disk\": the process's own block-device bytes (/proc/self/io write_bytes, read_bytes: "
