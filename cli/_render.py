@@ -261,6 +261,9 @@ def render_gc(doc: dict[str, Any]) -> str:
                    f"{named} named by a younger manifest (a save in progress?)")
     if doc["tmp_deleted"]:
         out.append(f"{verb} {len(doc['tmp_deleted'])} stale tmp files")
+    if doc.get("intents_dropped"):
+        out.append(f"{'would drop' if doc['dry_run'] else 'dropped'} {len(doc['intents_dropped'])} intents of writers of this host "
+                   "that no longer run (their commits are no longer kept for them)")
     return "\n".join(out)
 
 

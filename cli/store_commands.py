@@ -211,5 +211,6 @@ def _print_gc(args: argparse.Namespace, r: GcResult) -> None:
         "kept_young": r.kept_young,
         "kept_named_by_young": r.kept_named_by_young,
         "tmp_deleted": r.tmp_deleted,
+        "intents_dropped": r.intents_dropped,
     }
     emit(args, doc, render_gc)

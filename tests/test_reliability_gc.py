@@ -327,3 +327,58 @@ def test_the_gc_fence_each_side(tmp_path: Any) -> None:
     # (3) a dry run deletes nothing and writes nothing
     gc(store, grace_seconds=0.0, dry_run=True)
     assert list(store.storage.list("gc")) == []
+
+
+def test_gc_drops_the_intents_of_dead_writers_of_its_host_and_namespace_only(tmp_path) -> None:
+    """An intent left by a writer that died (killed between its intent and its ref move)
+    kept its commit forever. Its key names its writer (pid, pid namespace, a tag of the host
+    name): gc drops the intents of writers of its own host and namespace that no longer
+    exist, and collects what only they kept; a live writer's intent, another host's or
+    namespace's, and one named without its writer keep their commits. The same identity
+    decides a gc marker: a dead gc's of this namespace is ignored, another namespace's or an
+    older 3-word marker is left to its lease."""
+    import subprocess
+    import sys
+
+    from shardstore.ops.transfer import commit_closure
+    from shardstore.store import gc_fence
+
+    store = ss.open_store(str(tmp_path / "s"))
+    ss.save(store, _state(0), step=0, rng=False)
+    pending = [ss.save(store, _state(k), step=k, rng=False, ref=None) for k in (1, 2, 3, 4, 5)]
+    closures = [commit_closure(ss.load_commit(store, c)).ids() for c in pending]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    host, ns, me = gc_fence._owner()
+    tag = gc_fence._host_tag(host)
+    names = [
+        f"c-{'a' * 32}-{dead_pid}-{ns}-{tag}",  # a dead writer of this host and namespace: dropped
+        f"c-{'b' * 32}-{me}-{ns}-{tag}",  # a live writer (this process): kept
+        f"c-{'c' * 32}-{dead_pid}-{ns}-{gc_fence._host_tag(host + '-other')}",  # another host: kept
+        f"c-{'d' * 32}-{dead_pid}-{ns + 1}-{tag}",  # another pid namespace: kept
+        "c-test",  # named without its writer (before the field): kept
+    ]
+    for name, cid in zip(names, pending):
+        store.storage.write_once(f"intents/{name}", gc_fence._encode_ids([cid]))
+    dry = gc(store, grace_seconds=0.0, dry_run=True)
+    assert dry.intents_dropped == [f"intents/{names[0]}"] and len(list(store.storage.list("intents"))) == 5
+    result = gc(store, grace_seconds=0.0, dry_run=False)
+    assert result.intents_dropped == [f"intents/{names[0]}"]
+    assert sorted(store.storage.list("intents")) == sorted(f"intents/{n}" for n in names[1:])
+    only_dead = closures[0] - set().union(*closures[1:])
+    assert only_dead and not any(store.has(o) for o in only_dead)  # what only the dead writer's intent kept is collected
+    assert all(store.has(o) for c in closures[1:] for o in c)
+    # the intent a writer writes names it, so a writer killed after writing it is caught the same way
+    seen: list[str] = []
+    real = store.storage.write_once
+    store.storage.write_once = lambda key, data: (seen.append(key), real(key, data))[1]
+    store.set_ref("main", pending[1], expected=store.ref("main"))
+    store.storage.write_once = real
+    assert gc_fence._INTENT_NAME.fullmatch(seen[0].rsplit("/", 1)[-1]) and seen[0].endswith(f"-{me}-{ns}-{tag}")
+    # gc markers: the same identity
+    for text, dead_here in ((f"gc {host} {dead_pid} {ns}\n", True), (f"gc {host} {dead_pid} {ns + 1}\n", False),
+                            (f"gc {host} {dead_pid}\n", False), (f"gc {host} {me} {ns}\n", False)):
+        store.storage.write_once("gc/probe", text.encode())
+        assert gc_fence._dead_here(store, "gc/probe") is dead_here, text
+        store.storage.delete("gc/probe")
+    assert gc_fence._marker_text().decode().split() == ["gc", host, str(me), str(ns)]

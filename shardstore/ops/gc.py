@@ -11,8 +11,9 @@ whose objects are written before any ref names them:
   a save that found the object already present (content addressing deduplicates) has
   not rewritten it, so its age says nothing about whether the save needs it.
 
-The order is: write the gc marker, take the time every age is measured against, list the
-objects, then mark from the pins, intents and refs — twice, the second pass walking only
+The order is: write the gc marker, drop the intents of writers of this host that no longer
+run (``gc_fence.dead_intents``: they can never move a ref), take the time every age is
+measured against, list the objects, then mark from the pins, intents and refs — twice, the second pass walking only
 what moved — then sweep, then delete the marker (SPEC.md §19a). Objects written after the
 listing are not candidates. gc is conservative: a ref that names a missing commit, a pin
 or intent that does not parse, or a present commit or shard manifest that does not
@@ -44,7 +45,7 @@ from ..format.manifest import MAX_MANIFEST_BYTES, CommitManifest, ShardManifest,
 from ..state.extras import extra_objects
 from ..state.torch_optim import state_objects
 from ..store import Store, object_key
-from ..store.gc_fence import GcMarker, intent_objects
+from ..store.gc_fence import GcMarker, dead_intents, intent_objects
 from ..verification.commits import load_commit
 from .transfer import _pool_map, commit_closure
 
@@ -68,6 +69,7 @@ class GcResult:
     kept_young: list[str] = field(default_factory=list)
     kept_named_by_young: list[str] = field(default_factory=list)
     tmp_deleted: list[str] = field(default_factory=list)
+    intents_dropped: list[str] = field(default_factory=list)  # dead writers' intents (gc_fence.dead_intents)
 
     @property
     def bytes_freed(self) -> int:
@@ -119,10 +121,11 @@ def reachable(store: Store, pinned: set[str] | None = None, *, also: Sequence[st
     return objects | pinned, commits
 
 
-def _marked(store: Store, known: tuple[set[str], list[str]] | None = None) -> tuple[set[str], list[str], int]:
-    """One marking pass: pins, then refs, then intents (SPEC.md §19b); (kept ids, commits, pinned count)."""
+def _marked(store: Store, known: tuple[set[str], list[str]] | None = None, dropped: frozenset[str] = frozenset()) -> tuple[set[str], list[str], int]:
+    """One marking pass: pins, then refs, then intents (SPEC.md §19b), leaving out the
+    ``dropped`` intents of dead writers; (kept ids, commits, pinned count)."""
     pinned = pinned_objects(store)
-    commits, objects = intent_objects(store)
+    commits, objects = intent_objects(store, dropped)
     keep, walked = reachable(store, pinned | objects, also=commits, known=known)
     return keep, walked, len(pinned)
 
@@ -175,14 +178,21 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8, p
 def _gc(store: Store, grace_seconds: float, dry_run: bool, threads: int, marker: GcMarker | None, tick: Callable[[int], None]) -> GcResult:
     now = time.time()  # taken before the first listing or ref read: ages are measured against it
     cutoff = now - grace_seconds
+    # A dead writer's intent keeps nothing: that writer can never move the ref it announced
+    # (gc_fence.dead_intents; a dry run only reports them).
+    dropped = dead_intents(store)
+    if not dry_run:
+        for key in dropped:
+            store.storage.delete(key)
+    skip = frozenset(dropped)
     listed = sorted(store.objects())
-    keep, commits, npinned = _marked(store)
+    keep, commits, npinned = _marked(store, dropped=skip)
     # Look again (refs, pins and intents that moved while the first pass walked): a writer
     # behind the fence is kept by either pass; this one narrows what the sweep even tries.
-    keep, commits, npinned = _marked(store, (keep, commits))
+    keep, commits, npinned = _marked(store, (keep, commits), skip)
     if marker is not None and marker.renew_before_sweep():  # marking took a while: look once more
-        keep, commits, npinned = _marked(store, (keep, commits))
-    result = GcResult(dry_run, grace_seconds, commits, len(keep), npinned)
+        keep, commits, npinned = _marked(store, (keep, commits), skip)
+    result = GcResult(dry_run, grace_seconds, commits, len(keep), npinned, intents_dropped=dropped)
     garbage = [oid for oid in listed if oid not in keep]
 
     def age(oid: str) -> tuple[str, float | None, int | None]:

@@ -23,18 +23,24 @@ later still and finds W's intent (deleted only after the ref moved, and then Γ'
 read of the refs finds C), so it keeps C's closure. Either way X is not deleted.
 
 Liveness: a gc that crashes leaves its marker. A writer ignores a marker that names a
-process of its own host that no longer exists (the marker holds host and pid), and
-treats any marker whose modification time has not changed for ``STALE_SECONDS`` of its
-own clock as abandoned;
+process of its own host and pid namespace that no longer exists (the marker holds host,
+pid and pid namespace: a process of another namespace, a container sharing the host's
+name, is never judged by this one's pids), and treats any marker whose modification time
+has not changed for ``STALE_SECONDS`` of its own clock as abandoned;
 gc refreshes its marker at least every ``REFRESH_SECONDS`` and stops deleting if it could
 not refresh it for ``STALE_SECONDS / 2`` (the one timing assumption, as in any lease).
 A writer that waits longer than ``WAIT_SECONDS`` raises ``GcRace`` without moving the ref.
-An intent left by a writer that crashed keeps its commit like a pin until it is removed
-(``intents/`` is safe to empty when no writer runs).
+An intent's key names its writer the same way (pid, pid namespace, a tag of the host
+name): gc removes, before it marks, the intents of writers of its own host and namespace
+that no longer exist (such a writer can never move the ref its intent announced); any
+other intent left by a writer that crashed keeps its commit like a pin until it is
+removed (``intents/`` is safe to empty when no writer runs).
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import secrets
 import socket
 import threading
@@ -64,7 +70,7 @@ class Store(Protocol):
 
     def shard(self, oid: str) -> ShardManifest: ...
 
-__all__ = ["fenced_move", "GcMarker", "intent_objects", "STALE_SECONDS", "REFRESH_SECONDS", "WAIT_SECONDS"]
+__all__ = ["fenced_move", "GcMarker", "intent_objects", "dead_intents", "STALE_SECONDS", "REFRESH_SECONDS", "WAIT_SECONDS"]
 
 INTENTS = "intents"
 MARKERS = "gc"
@@ -88,7 +94,8 @@ def fenced_move(store: Store, *, commit: str | None = None, objects: Sequence[st
     ``commit``: a ref move, checking the commit's closure, or only ``objects`` if given (a slot
     copy holds its slot's closure); no ``commit``: a pin naming ``objects``."""
     kind, ids = ("c", [commit]) if commit is not None else ("p", list(objects))  # ``objects`` with a commit: what it needs
-    key = f"{INTENTS}/{kind}-{secrets.token_hex(16)}"
+    host, ns, pid = _owner()
+    key = f"{INTENTS}/{kind}-{secrets.token_hex(16)}-{pid}-{ns}-{_host_tag(host)}"
     store.storage.write_once(key, _encode_ids([check_oid(i, what="object id in an intent") for i in ids]))
     try:
         _wait_for_no_gc(store)
@@ -163,33 +170,79 @@ def _wait_for_no_gc(store: Store) -> None:
         time.sleep(_POLL_SECONDS)
 
 
-def _marker_text() -> bytes:
-    return f"gc {socket.gethostname()} {os.getpid()}\n".encode()
+def _owner() -> tuple[str, int, int]:
+    """This process as another process can check it: (host name, pid namespace, pid). The
+    namespace is the inode of ``/proc/self/ns/pid`` (0 without one: then there are no pid
+    namespaces either); a pid means a process only within its namespace."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return socket.gethostname(), ns, os.getpid()
 
 
-def _dead_here(store: Store, key: str) -> bool:
-    """True if the marker names a process on this host that no longer exists (a killed gc):
-    then no gc can be deleting under it, and waiting out its lease would stall every commit."""
+def _host_tag(host: str) -> str:
+    """16 hex digits naming a host name in a key (a host name may hold any character)."""
+    return hashlib.blake2b(host.encode(), digest_size=8).hexdigest()
+
+
+def _gone(pid: int) -> bool:
+    """True if no process ``pid`` exists in this namespace (one that exists but is not ours counts as alive)."""
     try:
-        words = bytes(store.storage.read(key, limit=512)).decode("ascii", "replace").split()
-    except ShardstoreError:
-        return False
-    if len(words) != 3 or words[0] != "gc" or words[1] != socket.gethostname() or not words[2].isdigit():
-        return False
-    try:
-        os.kill(int(words[2]), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except OSError:
+    except (OSError, OverflowError):
         return False
     return False
 
 
-def intent_objects(store: Store) -> tuple[list[str], set[str]]:
-    """(the commits intents name, the objects pin intents name); refuses (typed) if one does not parse."""
+def _marker_text() -> bytes:
+    host, ns, pid = _owner()
+    return f"gc {host} {pid} {ns}\n".encode()
+
+
+def _dead_here(store: Store, key: str) -> bool:
+    """True if the marker names a process of this host and pid namespace that no longer
+    exists (a killed gc): then no gc can be deleting under it, and waiting out its lease
+    would stall every commit. A marker of another namespace, or of a gc that wrote no
+    namespace (before the field), is left to its lease."""
+    try:
+        words = bytes(store.storage.read(key, limit=512)).decode("ascii", "replace").split()
+    except ShardstoreError:
+        return False
+    host, ns, _pid = _owner()
+    if len(words) != 4 or words[0] != "gc" or words[1] != host or not words[2].isdigit() or words[3] != str(ns):
+        return False
+    return _gone(int(words[2]))
+
+
+_INTENT_NAME = re.compile(r"[cp]-[0-9a-f]{32}-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})")
+
+
+def dead_intents(store: Store) -> list[str]:
+    """The intents (keys) whose writer was a process of this host and pid namespace that no
+    longer exists: it can never move the ref its intent announced, so gc drops them before
+    it marks. Intents of other hosts or namespaces, and those named without their writer
+    (before the field), are never judged here."""
+    host, ns, _pid = _owner()
+    tag = _host_tag(host)
+    dead = []
+    for key in store.storage.list(INTENTS):
+        m = _INTENT_NAME.fullmatch(key.rsplit("/", 1)[-1])
+        if m and m.group(3) == tag and m.group(2) == str(ns) and _gone(int(m.group(1))):
+            dead.append(key)
+    return dead
+
+
+def intent_objects(store: Store, skip: frozenset[str] = frozenset()) -> tuple[list[str], set[str]]:
+    """(the commits intents name, the objects pin intents name), leaving out the intents
+    ``skip`` names (dead writers'); refuses (typed) if one does not parse."""
     commits: list[str] = []
     objects: set[str] = set()
     for key in store.storage.list(INTENTS):
+        if key in skip:
+            continue
         try:
             raw = bytes(store.storage.read(key, limit=MAX_MANIFEST_BYTES))
         except ShardstoreError as e:
