@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -329,14 +330,14 @@ def test_the_gc_fence_each_side(tmp_path: Any) -> None:
     assert list(store.storage.list("gc")) == []
 
 
-def test_gc_drops_the_intents_of_dead_writers_of_its_host_and_namespace_only(tmp_path) -> None:
+def test_gc_drops_the_intents_of_dead_writers_only(tmp_path) -> None:
     """An intent left by a writer that died (killed between its intent and its ref move)
-    kept its commit forever. Its key names its writer (pid, pid namespace, a tag of the host
-    name): gc drops the intents of writers of its own host and namespace that no longer
-    exist, and collects what only they kept; a live writer's intent, another host's or
-    namespace's, and one named without its writer keep their commits. The same identity
-    decides a gc marker: a dead gc's of this namespace is ignored, another namespace's or an
-    older 3-word marker is left to its lease."""
+    kept its commit forever. Its key names its writer (pid, start time, boot id, pid
+    namespace, a tag of the host name, SPEC.md §19b): gc drops the intents of dead writers
+    and collects what only they kept; a running writer's intent, one naming another boot
+    (another machine sharing the host name) or another pid namespace, and one named without
+    its writer keep their commits. The same holder decides a gc marker: a dead gc's is
+    ignored at once; another machine's, or an older gc's 3-word text, is left to its lease."""
     import subprocess
     import sys
 
@@ -347,17 +348,15 @@ def test_gc_drops_the_intents_of_dead_writers_of_its_host_and_namespace_only(tmp
     ss.save(store, _state(0), step=0, rng=False)
     pending = [ss.save(store, _state(k), step=k, rng=False, ref=None) for k in (1, 2, 3, 4, 5)]
     closures = [commit_closure(ss.load_commit(store, c)).ids() for c in pending]
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
-    dead_pid = int(dead.stdout)
-    host, ns, me = gc_fence._owner()
-    tag = gc_fence._host_tag(host)
-    names = [
-        f"c-{'a' * 32}-{dead_pid}-{ns}-{tag}",  # a dead writer of this host and namespace: dropped
-        f"c-{'b' * 32}-{me}-{ns}-{tag}",  # a live writer (this process): kept
-        f"c-{'c' * 32}-{dead_pid}-{ns}-{gc_fence._host_tag(host + '-other')}",  # another host: kept
-        f"c-{'d' * 32}-{dead_pid}-{ns + 1}-{tag}",  # another pid namespace: kept
-        "c-test",  # named without its writer (before the field): kept
-    ]
+    child = subprocess.run([sys.executable, "-c", "from shardstore.store import gc_fence as g; print(g._owner_suffix()); "
+                            "print(g._marker_text().decode(), end='')"], capture_output=True, text=True, check=True)
+    dead_suffix, dead_marker = child.stdout.split("\n", 1)  # a process that has exited
+    mine = gc_fence._owner_suffix()
+    assert dead_suffix and mine and gc_fence._OWNER.fullmatch(mine[1:])
+    pid, start, boot, ns, tag = mine[1:].split("-")
+    other_boot = f"-{pid}-{start}-{boot[::-1]}-{ns}-{tag}"  # another machine (or boot) with this host name
+    other_ns = f"-{pid}-{start}-{boot}-{int(ns) + 1}-{tag}"  # a container's writer
+    names = [f"c-{'a' * 32}{dead_suffix}", f"c-{'b' * 32}{mine}", f"c-{'c' * 32}{other_boot}", f"c-{'d' * 32}{other_ns}", f"c-{'e' * 32}"]
     for name, cid in zip(names, pending):
         store.storage.write_once(f"intents/{name}", gc_fence._encode_ids([cid]))
     dry = gc(store, grace_seconds=0.0, dry_run=True)
@@ -372,13 +371,15 @@ def test_gc_drops_the_intents_of_dead_writers_of_its_host_and_namespace_only(tmp
     seen: list[str] = []
     real = store.storage.write_once
     store.storage.write_once = lambda key, data: (seen.append(key), real(key, data))[1]
-    store.set_ref("main", pending[1], expected=store.ref("main"))
-    store.storage.write_once = real
-    assert gc_fence._INTENT_NAME.fullmatch(seen[0].rsplit("/", 1)[-1]) and seen[0].endswith(f"-{me}-{ns}-{tag}")
-    # gc markers: the same identity
-    for text, dead_here in ((f"gc {host} {dead_pid} {ns}\n", True), (f"gc {host} {dead_pid} {ns + 1}\n", False),
-                            (f"gc {host} {dead_pid}\n", False), (f"gc {host} {me} {ns}\n", False)):
+    try:
+        store.set_ref("main", pending[1], expected=store.ref("main"))
+    finally:
+        store.storage.write_once = real
+    assert seen[0].startswith("intents/c-") and seen[0].endswith(mine)
+    # gc markers: the same holder record
+    record = json.loads(dead_marker[3:])
+    for text, dead_here in ((dead_marker, True), ("gc " + json.dumps({**record, "boot": record["boot"][::-1]}), False),
+                            (f"gc {record['host']} {record['pid']}\n", False), (gc_fence._marker_text().decode(), False)):
         store.storage.write_once("gc/probe", text.encode())
         assert gc_fence._dead_here(store, "gc/probe") is dead_here, text
         store.storage.delete("gc/probe")
-    assert gc_fence._marker_text().decode().split() == ["gc", host, str(me), str(ns)]

@@ -25,12 +25,12 @@ S3 moves refs by conditional requests and has no lock files.
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
 from typing import Any
 
 from ..errors import RefConflict
+from .holders import MAX_RECORD as _MAX_RECORD
+from .holders import holder_record, holder_state, read_holder
 
 try:
     import fcntl
@@ -38,63 +38,6 @@ except ImportError:  # pragma: no cover - not POSIX: locks are reported, never t
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["holder_record", "read_holder", "holder_state", "take_lock", "break_lock", "describe"]
-
-_MAX_RECORD = 4096
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read(256).strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _start_time(pid: int) -> str | None:
-    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), None if there is no such process or no /proc."""
-    text = _read_text(f"/proc/{pid}/stat")
-    if text is None:
-        return None
-    fields = text.rsplit(")", 1)[-1].split()  # the command name, in parentheses, may hold spaces
-    return fields[19] if len(fields) > 19 else None
-
-
-def _pidns() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def holder_record() -> bytes:
-    """This process's record, written into a lock file it creates."""
-    pid = os.getpid()
-    doc = {"boot": _read_text("/proc/sys/kernel/random/boot_id"), "host": socket.gethostname(), "pid": pid,
-           "pidns": _pidns(), "start": _start_time(pid)}
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
-
-
-def read_holder(raw: bytes) -> dict[str, Any] | None:
-    """The holder a lock file's bytes record, or None (an old lock, or one holding the new ref value)."""
-    try:
-        doc = json.loads(raw[:_MAX_RECORD]) if len(raw) <= _MAX_RECORD else None
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, dict) or set(doc) != {"boot", "host", "pid", "pidns", "start"} or not isinstance(doc["pid"], int):
-        return None
-    return doc
-
-
-def holder_state(holder: dict[str, Any] | None) -> str:
-    """``"dead"``, ``"alive"`` or ``"unknown"`` (another host, boot or pid namespace; no record; no /proc)."""
-    if holder is None or holder["host"] != socket.gethostname() or holder["start"] is None:
-        return "unknown"
-    if holder["boot"] != _read_text("/proc/sys/kernel/random/boot_id") or holder["boot"] is None:
-        return "unknown"  # another boot: a pid of ours says nothing about it (and /proc may be another machine's)
-    if holder["pidns"] != _pidns():
-        return "unknown"  # another container on this kernel: its pids are not ours to look up
-    return "alive" if _start_time(holder["pid"]) == holder["start"] else "dead"
-
 
 def describe(key: str, lock: str, holder: dict[str, Any] | None, state: str) -> str:
     name = key.split("/", 1)[1] if key.startswith(("refs/", "pins/")) else key

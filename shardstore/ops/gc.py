@@ -176,8 +176,6 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8, p
 
 
 def _gc(store: Store, grace_seconds: float, dry_run: bool, threads: int, marker: GcMarker | None, tick: Callable[[int], None]) -> GcResult:
-    now = time.time()  # taken before the first listing or ref read: ages are measured against it
-    cutoff = now - grace_seconds
     # A dead writer's intent keeps nothing: that writer can never move the ref it announced
     # (gc_fence.dead_intents; a dry run only reports them).
     dropped = dead_intents(store)
@@ -185,6 +183,8 @@ def _gc(store: Store, grace_seconds: float, dry_run: bool, threads: int, marker:
         for key in dropped:
             store.storage.delete(key)
     skip = frozenset(dropped)
+    now = time.time()  # taken before the first listing or ref read: ages are measured against it
+    cutoff = now - grace_seconds
     listed = sorted(store.objects())
     keep, commits, npinned = _marked(store, dropped=skip)
     # Look again (refs, pins and intents that moved while the first pass walked): a writer

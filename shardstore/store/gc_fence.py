@@ -6,7 +6,8 @@ cannot promise that on its own: a writer may move a ref onto a commit gc judged 
 in between. The fence is a two-flag handshake (Dekker's, over the store):
 
 - a **writer** that moves a ref to commit C (or sets a pin) first writes an *intent*
-  (``intents/c-<nonce>`` naming C, ``intents/p-<nonce>`` naming the pin's new objects),
+  (``intents/c-<nonce>-<writer>`` naming C, ``intents/p-<nonce>-<writer>`` naming the pin's
+  new objects),
   then waits until no live *gc marker* exists, then checks that everything it is about to
   name is present (a commit: its whole closure), then moves the ref by compare-and-swap,
   then deletes its intent. A missing object means a gc took it first: ``GcRace``, and the
@@ -22,27 +23,25 @@ refused. Otherwise Γ's marker was written after *a*, so after W's intent: Γ li
 later still and finds W's intent (deleted only after the ref moved, and then Γ's later
 read of the refs finds C), so it keeps C's closure. Either way X is not deleted.
 
-Liveness: a gc that crashes leaves its marker. A writer ignores a marker that names a
-process of its own host and pid namespace that no longer exists (the marker holds host,
-pid and pid namespace: a process of another namespace, a container sharing the host's
-name, is never judged by this one's pids), and treats any marker whose modification time
-has not changed for ``STALE_SECONDS`` of its own clock as abandoned;
+Liveness: a gc that crashes leaves its marker. A writer ignores a marker whose holder
+(``backends.holders``: host, boot id, pid namespace, pid and start time) is dead — a
+process of its own host, boot and namespace that no longer exists; never one of another
+machine that shares the host name, or of a container — and treats any marker whose
+modification time has not changed for ``STALE_SECONDS`` of its own clock as abandoned;
 gc refreshes its marker at least every ``REFRESH_SECONDS`` and stops deleting if it could
 not refresh it for ``STALE_SECONDS / 2`` (the one timing assumption, as in any lease).
 A writer that waits longer than ``WAIT_SECONDS`` raises ``GcRace`` without moving the ref.
-An intent's key names its writer the same way (pid, pid namespace, a tag of the host
-name): gc removes, before it marks, the intents of writers of its own host and namespace
-that no longer exist (such a writer can never move the ref its intent announced); any
-other intent left by a writer that crashed keeps its commit like a pin until it is
-removed (``intents/`` is safe to empty when no writer runs).
+An intent's key names its writer the same way (pid, start time, boot id, pid namespace,
+a tag of the host name): gc removes, before it marks, the intents whose writer is dead
+(it can never move the ref its intent announced); any other intent left by a writer that
+crashed keeps its commit like a pin until it is removed (``intents/`` is safe to empty
+when no writer runs).
 """
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..backends.base import Storage
+from ..backends.holders import MAX_RECORD, holder_record, holder_state, process_state, read_holder, this_process
 from ..errors import GcRace, ObjectNotFound, ShardstoreError
 from ..format.closure import commit_closure
 from ..format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, decode_manifest, encode
@@ -94,8 +94,7 @@ def fenced_move(store: Store, *, commit: str | None = None, objects: Sequence[st
     ``commit``: a ref move, checking the commit's closure, or only ``objects`` if given (a slot
     copy holds its slot's closure); no ``commit``: a pin naming ``objects``."""
     kind, ids = ("c", [commit]) if commit is not None else ("p", list(objects))  # ``objects`` with a commit: what it needs
-    host, ns, pid = _owner()
-    key = f"{INTENTS}/{kind}-{secrets.token_hex(16)}-{pid}-{ns}-{_host_tag(host)}"
+    key = f"{INTENTS}/{kind}-{secrets.token_hex(16)}{_owner_suffix()}"
     store.storage.write_once(key, _encode_ids([check_oid(i, what="object id in an intent") for i in ids]))
     try:
         _wait_for_no_gc(store)
@@ -170,67 +169,57 @@ def _wait_for_no_gc(store: Store) -> None:
         time.sleep(_POLL_SECONDS)
 
 
-def _owner() -> tuple[str, int, int]:
-    """This process as another process can check it: (host name, pid namespace, pid). The
-    namespace is the inode of ``/proc/self/ns/pid`` (0 without one: then there are no pid
-    namespaces either); a pid means a process only within its namespace."""
-    try:
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        ns = 0
-    return socket.gethostname(), ns, os.getpid()
-
-
 def _host_tag(host: str) -> str:
     """16 hex digits naming a host name in a key (a host name may hold any character)."""
-    return hashlib.blake2b(host.encode(), digest_size=8).hexdigest()
+    return hashlib.blake2b(host.encode("utf-8", "surrogateescape"), digest_size=8).hexdigest()
 
 
-def _gone(pid: int) -> bool:
-    """True if no process ``pid`` exists in this namespace (one that exists but is not ours counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, OverflowError):
-        return False
-    return False
+def _owner_suffix() -> str:
+    """``-<pid>-<start>-<boot>-<ns>-<host>`` naming this process in an intent's key (SPEC.md
+    §19b: boot id as 32 hex digits, pid namespace as its number, a tag of the host name), or
+    "" where it cannot be named so (no /proc): such an intent is never judged dead."""
+    me = this_process()
+    boot, ns = (me["boot"] or "").replace("-", ""), (me["pidns"] or "").removeprefix("pid:[").removesuffix("]")
+    m = _OWNER.fullmatch(f"{me['pid']}-{me['start']}-{boot}-{ns}-{_host_tag(me['host'])}")
+    return "-" + m.group(0) if m else ""
 
 
 def _marker_text() -> bytes:
-    host, ns, pid = _owner()
-    return f"gc {host} {pid} {ns}\n".encode()
+    """A gc marker's text: ``gc`` and this process's holder record (``backends.holders``)."""
+    return b"gc " + holder_record()
 
 
 def _dead_here(store: Store, key: str) -> bool:
-    """True if the marker names a process of this host and pid namespace that no longer
-    exists (a killed gc): then no gc can be deleting under it, and waiting out its lease
-    would stall every commit. A marker of another namespace, or of a gc that wrote no
-    namespace (before the field), is left to its lease."""
+    """True if the marker's holder is dead (``backends.holders``: same host, boot and pid
+    namespace, and no process of that pid and start time): a killed gc, so no gc can be
+    deleting under it, and waiting out its lease would stall every commit. Any other
+    marker (another machine, boot or namespace; an older gc's ``gc <host> <pid>``) is
+    left to its lease."""
     try:
-        words = bytes(store.storage.read(key, limit=512)).decode("ascii", "replace").split()
+        raw = bytes(store.storage.read(key, limit=MAX_RECORD + 3))
     except ShardstoreError:
         return False
-    host, ns, _pid = _owner()
-    if len(words) != 4 or words[0] != "gc" or words[1] != host or not words[2].isdigit() or words[3] != str(ns):
-        return False
-    return _gone(int(words[2]))
+    return raw.startswith(b"gc ") and holder_state(read_holder(raw[3:])) == "dead"
 
 
-_INTENT_NAME = re.compile(r"[cp]-[0-9a-f]{32}-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})")
+_OWNER = re.compile(r"([0-9]{1,7})-([0-9]{1,20})-([0-9a-f]{32})-([0-9]{1,10})-([0-9a-f]{16})")
+_INTENT_NAME = re.compile(r"[cp]-[0-9a-f]{32}-(" + _OWNER.pattern + ")")
 
 
 def dead_intents(store: Store) -> list[str]:
-    """The intents (keys) whose writer was a process of this host and pid namespace that no
-    longer exists: it can never move the ref its intent announced, so gc drops them before
-    it marks. Intents of other hosts or namespaces, and those named without their writer
-    (before the field), are never judged here."""
-    host, ns, _pid = _owner()
-    tag = _host_tag(host)
+    """The intents (keys) whose writer is dead (``backends.holders``: this host, boot and pid
+    namespace, and no process of that pid and start time): it can never move the ref its
+    intent announced, so gc drops them before it marks. Intents of other machines, boots or
+    namespaces, of running writers, and those named without their writer are kept."""
+    tag = _host_tag(this_process()["host"])
     dead = []
     for key in store.storage.list(INTENTS):
         m = _INTENT_NAME.fullmatch(key.rsplit("/", 1)[-1])
-        if m and m.group(3) == tag and m.group(2) == str(ns) and _gone(int(m.group(1))):
+        if m is None or m.group(6) != tag:
+            continue
+        pid, start, boot, ns = int(m.group(2)), m.group(3), m.group(4), m.group(5)
+        boot_id = f"{boot[:8]}-{boot[8:12]}-{boot[12:16]}-{boot[16:20]}-{boot[20:]}"
+        if process_state(boot_id, f"pid:[{ns}]", pid, start) == "dead":
             dead.append(key)
     return dead
 
