@@ -14,6 +14,7 @@
 Not a benchmark itself (the leading underscore): imported by the two scripts, which run from
 the repository root as ``python benchmarks/<script>.py``, so this directory is on ``sys.path``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -181,7 +182,9 @@ class CountingStorage:
     def end_writes(self, pending: list[tuple[str, str]], **kwargs: Any) -> list[bool]:
         done = self.inner.end_writes(pending, **kwargs)
         with self._lock:
-            self.written_objects += sum(1 for (key, _), created in zip(pending, done) if created and key.startswith("objects/"))
+            self.written_objects += sum(
+                1 for (key, _), created in zip(pending, done) if created and key.startswith("objects/")
+            )
         return done
 
     def __getattr__(self, name: str) -> Any:
@@ -222,7 +225,11 @@ def state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str,
     """(``name/role``, tensor) of every parameter and both moments, in model order."""
     out = []
     for name, p in model.named_parameters():
-        out += [(f"{name}/param", p), (f"{name}/exp_avg", opt.state[p]["exp_avg"]), (f"{name}/exp_avg_sq", opt.state[p]["exp_avg_sq"])]
+        out += [
+            (f"{name}/param", p),
+            (f"{name}/exp_avg", opt.state[p]["exp_avg"]),
+            (f"{name}/exp_avg_sq", opt.state[p]["exp_avg_sq"]),
+        ]
     return out
 
 
@@ -249,7 +256,10 @@ def _slice_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
-def fill(source: tuple[torch.nn.Module, torch.optim.Optimizer], dests: Sequence[tuple[torch.nn.Module, torch.optim.Optimizer]]) -> list[list[torch.Tensor]]:
+def fill(
+    source: tuple[torch.nn.Module, torch.optim.Optimizer],
+    dests: Sequence[tuple[torch.nn.Module, torch.optim.Optimizer]],
+) -> list[list[torch.Tensor]]:
     """Fill ``source``'s parameters and moments from whole tensors drawn from each one's name
     (every rank draws the same), and return, for each of ``dests`` (the same module on another
     mesh), the local slices it must hold after a restore. Moments get values of their own, so a
@@ -264,7 +274,9 @@ def fill(source: tuple[torch.nn.Module, torch.optim.Optimizer], dests: Sequence[
             _local(t).copy_(_slice_of(full, t))
             for w, out in zip(want, outs):
                 if out[i][0] != key or tuple(out[i][1].shape) != tuple(t.shape):
-                    raise SystemExit(f"destination tensor {out[i][0]} {list(out[i][1].shape)} is not the source's {key} {list(t.shape)}")
+                    raise SystemExit(
+                        f"destination tensor {out[i][0]} {list(out[i][1].shape)} is not the source's {key} {list(t.shape)}"
+                    )
                 w.append(_slice_of(full, out[i][1]).clone())
     return want
 
@@ -289,7 +301,9 @@ def mismatches(model: torch.nn.Module, opt: torch.optim.Optimizer, want: Sequenc
 
 
 def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def load() -> str:
@@ -302,7 +316,9 @@ def slowest(results: Sequence[dict], name: str) -> list[float]:
     return [max(r["times"][name][i] for r in results) for i in range(reps)]
 
 
-def method_table(results: Sequence[dict], ours: str, peer: str, total: int, labels: tuple[str, str] | None = None) -> list[str]:
+def method_table(
+    results: Sequence[dict], ours: str, peer: str, total: int, labels: tuple[str, str] | None = None
+) -> list[str]:
     """Lines of a two-row table (ours, then the peer; shown as ``labels`` if given): median s
     (min–max), GB/s of ``total`` bytes, and the ratio of speeds (the peer's median time over ours)."""
     lines = ["| method | median s (min–max) | GB/s median | shardstore ÷ DCP |", "|---|---|---|---|"]
@@ -326,23 +342,47 @@ def met(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
 
-def target_rows(results: Sequence[dict], saves: tuple[str, str], restores: tuple[str, str], others: Sequence[str],
-                dests: Sequence[str], worst: dict[str, float]) -> list[str]:
+def target_rows(
+    results: Sequence[dict],
+    saves: tuple[str, str],
+    restores: tuple[str, str],
+    others: Sequence[str],
+    dests: Sequence[str],
+    worst: dict[str, float],
+) -> list[str]:
     """Issue 26's targets of a sharded benchmark: save and each restore into another mesh against
     DCP (medians), and bytes read per rank against its share in each destination."""
     save = ratio(results, *saves)
-    lines = ["", "**targets** (issue 26)", "", "| target | figure | met |", "|---|---|---|",
-             f"| save ≥ 1.2× dcp.save (median) | {save:.2f}× | {met(save >= 1.2)} |"]
+    lines = [
+        "",
+        "**targets** (issue 26)",
+        "",
+        "| target | figure | met |",
+        "|---|---|---|",
+        f"| save ≥ 1.2× dcp.save (median) | {save:.2f}× | {met(save >= 1.2)} |",
+    ]
     for d in others:
         r = ratio(results, f"{restores[0]} → {d}", f"{restores[1]} → {d}")
-        lines.append(f"| cold restore into {d} ≥ 1.2× dcp.load + set_state_dict (median) | {r:.2f}× | {met(r >= 1.2)} |")
+        lines.append(
+            f"| cold restore into {d} ≥ 1.2× dcp.load + set_state_dict (median) | {r:.2f}× | {met(r >= 1.2)} |"
+        )
     for d in dests:
-        lines.append(f"| bytes read per rank ≤ 1.25× its share, into {d} | {worst[d]:.3f}× (worst rank) | {met(worst[d] <= 1.25)} |")
+        lines.append(
+            f"| bytes read per rank ≤ 1.25× its share, into {d} | {worst[d]:.3f}× (worst rank) | {met(worst[d] <= 1.25)} |"
+        )
     return lines
 
 
-def main(doc: str, worker: Callable[..., None], world: int, name: str, table: Callable[..., str],
-         markers: tuple[str, str, str], mib_help: str, argv: list[str] | None = None) -> int:
+def main(
+    doc: str,
+    worker: Callable[..., None],
+    world: int,
+    name: str,
+    table: Callable[..., str],
+    markers: tuple[str, str, str],
+    mib_help: str,
+    argv: list[str] | None = None,
+) -> int:
     """The command line both sharded benchmarks share: run ``worker`` on ``world`` processes,
     print ``table`` of their results and, with ``--results``, write it between ``markers``
     (begin, end, section) of that file."""
@@ -409,8 +449,10 @@ def limit_row(results: Sequence[dict], ours: str, limit: str, total: int) -> lis
         return []
     ts = slowest(results, limit)
     med = statistics.median(ts)
-    return [f"| {limit} ({len(results)} jobs, shardstore ÷ device) | {med:.3f} ({min(ts):.3f}–{max(ts):.3f}) | "
-            f"{total / med / 1e9:.2f} | {ratio(results, ours, limit):.2f} |"]
+    return [
+        f"| {limit} ({len(results)} jobs, shardstore ÷ device) | {med:.3f} ({min(ts):.3f}–{max(ts):.3f}) | "
+        f"{total / med / 1e9:.2f} | {ratio(results, ours, limit):.2f} |"
+    ]
 
 
 def profile_rows(results: Sequence[dict]) -> list[str]:
@@ -418,12 +460,18 @@ def profile_rows(results: Sequence[dict]) -> list[str]:
     the rest (descriptions, agreement, manifests, the commit protocol)."""
     if not results[0].get("profile"):
         return []
-    lines = ["**where each rank's save went** (medians over runs, s; `shardstore.sharded.exchange.ExchangeStats`)", "",
-             "| rank | save | stage | transfer | hash + write | fsync barrier | flag all-reduces | rest |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "**where each rank's save went** (medians over runs, s; `shardstore.sharded.exchange.ExchangeStats`)",
+        "",
+        "| rank | save | stage | transfer | hash + write | fsync barrier | flag all-reduces | rest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for rank, r in enumerate(results):
         med = {k: statistics.median(p[k] for p in r["profile"]) for k in ("save_s", *PHASES)}
         rest = med["save_s"] - sum(med[k] for k in PHASES)
-        lines.append(f"| {rank} | {med['save_s']:.3f} | " + " | ".join(f"{med[k]:.3f}" for k in PHASES) + f" | {rest:.3f} |")
+        lines.append(
+            f"| {rank} | {med['save_s']:.3f} | " + " | ".join(f"{med[k]:.3f}" for k in PHASES) + f" | {rest:.3f} |"
+        )
     return lines + [""]
 
 
@@ -444,7 +492,9 @@ def warm_up(rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, work:
         shutil.rmtree(dcp_dir, ignore_errors=True)
 
 
-def restorer(ours: bool, ss_dir: str, dcp_dir: str, model: torch.nn.Module, opt: torch.optim.Optimizer, reads: list[int]) -> Callable[[], None]:
+def restorer(
+    ours: bool, ss_dir: str, dcp_dir: str, model: torch.nn.Module, opt: torch.optim.Optimizer, reads: list[int]
+) -> Callable[[], None]:
     """A restore of the saved checkpoint into ``model`` and ``opt``: shardstore's (its bytes
     read, counted at the storage layer, appended to ``reads``) or DCP's (``dcp.load`` then
     ``set_state_dict``)."""
@@ -472,18 +522,38 @@ def report_head(script: str, args: argparse.Namespace, loads: tuple[str, str], d
         "",
         f"commit {commit()}; {os.cpu_count()} cores; load average (1/5/15 min) {loads[0]} at the start, {loads[1]} at the end; "
         f"torch {torch.__version__}; shardstore {ss.__version__}; {setup}",
-        "Page cache before each restore: " + ("dropped (as root)." if drop_ok else "NOT dropped: restores read warm pages."),
+        "Page cache before each restore: "
+        + ("dropped (as root)." if drop_ok else "NOT dropped: restores read warm pages."),
         f"Medians of {args.reps} interleaved runs (min–max), after one untimed save of each; the time is the slowest rank's; "
         "ratios are shardstore's speed over DCP's.",
         "",
     ]
 
 
-def timing_tables(results: Sequence[dict], saves: tuple[str, str], restores: tuple[str, str], dests: Sequence[str], total: int, save_title: str) -> list[str]:
+def timing_tables(
+    results: Sequence[dict],
+    saves: tuple[str, str],
+    restores: tuple[str, str],
+    dests: Sequence[str],
+    total: int,
+    save_title: str,
+) -> list[str]:
     """The save table (with fio's write and where each rank's save went) and one restore table
     per destination (with fio's cold read)."""
-    lines = [save_title, "", *method_table(results, *saves, total), *limit_row(results, saves[0], FIO_WRITE, total), "", *profile_rows(results)]
+    lines = [
+        save_title,
+        "",
+        *method_table(results, *saves, total),
+        *limit_row(results, saves[0], FIO_WRITE, total),
+        "",
+        *profile_rows(results),
+    ]
     for d in dests:
-        lines += [f"**restore into {d}**", "", *method_table(results, f"{restores[0]} → {d}", f"{restores[1]} → {d}", total, restores),
-                  *limit_row(results, f"{restores[0]} → {d}", FIO_READ, total), ""]
+        lines += [
+            f"**restore into {d}**",
+            "",
+            *method_table(results, f"{restores[0]} → {d}", f"{restores[1]} → {d}", total, restores),
+            *limit_row(results, f"{restores[0]} → {d}", FIO_READ, total),
+            "",
+        ]
     return lines

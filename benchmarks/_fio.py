@@ -6,6 +6,7 @@ cold page cache (the caller drops it; fio's ``invalidate`` drops the files' own 
 Each job walks its files in order (``file_service_type=sequential``), as a checkpoint
 writer walks its tensors. Without fio installed, ``FIO`` is None and the rows are left out.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,22 @@ def fio_run(directory: str, rw: str, jobs: int, size: int, nrfiles: int) -> floa
     ``write`` with the same arguments left in ``directory``)."""
     assert FIO is not None, "fio is not installed"
     bs = max(4096, min(MIB, size // nrfiles // 4096 * 4096))  # fio does no I/O on files smaller than a block
-    cmd = [FIO, "--name=bench", f"--directory={directory}", f"--rw={rw}", f"--bs={bs}", f"--size={size}",
-           f"--numjobs={jobs}", f"--nrfiles={nrfiles}", "--file_service_type=sequential", "--ioengine=psync",
-           "--fallocate=none", "--invalidate=1", "--group_reporting", "--output-format=json"]
+    cmd = [
+        FIO,
+        "--name=bench",
+        f"--directory={directory}",
+        f"--rw={rw}",
+        f"--bs={bs}",
+        f"--size={size}",
+        f"--numjobs={jobs}",
+        f"--nrfiles={nrfiles}",
+        "--file_service_type=sequential",
+        "--ioengine=psync",
+        "--fallocate=none",
+        "--invalidate=1",
+        "--group_reporting",
+        "--output-format=json",
+    ]
     if rw == "write":
         cmd.append("--end_fsync=1")
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)

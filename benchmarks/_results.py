@@ -1,5 +1,6 @@
 """Writing a benchmark's tables into RESULTS.md: each script owns the block between its
 ``<!-- name:begin -->`` and ``<!-- name:end -->`` markers and rewrites only that."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ def write_block(path: str, begin: str, end: str, section: str, text: str) -> Non
     block = f"{begin}\n{text}\n{end}"
     old = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
     if begin in old and end in old:
-        new = old[: old.index(begin)] + block + old[old.index(end) + len(end):]
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end) :]
     elif section in old:  # the section's first block, above its earlier runs
         i = old.index(section) + len(section)
         new = old[:i] + "\n\n" + block + old[i:]

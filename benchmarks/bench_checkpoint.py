@@ -28,6 +28,7 @@ rotated order), and the tables give medians with min–max. Measured per repetit
 
     python benchmarks/bench_checkpoint.py [--scale 1] [--reps 3] [--shapes many,few] [--results benchmarks/RESULTS.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,10 +73,14 @@ class Bag(torch.nn.Module):
     def __init__(self, shapes: list[tuple[int, ...]], seed: int) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.empty(s).uniform_(-1, 1, generator=g)) for s in shapes)
+        self.params = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.empty(s).uniform_(-1, 1, generator=g)) for s in shapes
+        )
 
 
-def build_state(shape: str, scale: float, seed: int = 0, params: int = 67) -> tuple[Bag, torch.optim.AdamW, dict[str, torch.Tensor], int]:
+def build_state(
+    shape: str, scale: float, seed: int = 0, params: int = 67
+) -> tuple[Bag, torch.optim.AdamW, dict[str, torch.Tensor], int]:
     """Model + AdamW with moments filled in (age 1), and the flat state dict the peers save."""
     if shape == "many":  # ~200 tensors: 67 parameters x (param, exp_avg, exp_avg_sq), 10 MiB each at scale 1
         shapes = [(max(1, round(2560 * scale)), 1024)] * params
@@ -181,6 +186,7 @@ def read_files(files: list[str], threads: int) -> None:
     buffer (cache-hot: an upper bound for reading into tensors): one page first, then 1 MiB,
     the pattern of shardstore's local reads (a 1 MiB first read makes Linux fill the first
     2 MiB of each file with 4 KiB folios, which is slower: shardstore/local.py)."""
+
     def one(p: str) -> None:
         buf = getattr(_tls, "buf", None)
         if buf is None:
@@ -225,7 +231,9 @@ def du(path: str) -> int:
 class Run:
     """Samples for one shape: ``samples[(op, method)] = [seconds, ...]``, plus notes."""
 
-    def __init__(self, shape: str, model: Bag, opt: torch.optim.AdamW, sd: dict[str, torch.Tensor], nbytes: int, work: str) -> None:
+    def __init__(
+        self, shape: str, model: Bag, opt: torch.optim.AdamW, sd: dict[str, torch.Tensor], nbytes: int, work: str
+    ) -> None:
         self.shape, self.model, self.opt, self.sd, self.nbytes, self.work = shape, model, opt, sd, nbytes, work
         self.samples: dict[tuple[str, str], list[float]] = {}
         self.notes: dict[str, list[float]] = {}
@@ -492,7 +500,11 @@ def table(run: Run, op: str, ours: str, rate: bool = True) -> list[str]:
     if (op, ours) not in run.samples:
         return []
     mine = statistics.median(run.samples[(op, ours)])
-    head = "| method | median s (min–max) | GB/s median (min–max) | shardstore ÷ method (time ratio⁻¹) |" if rate else "| method | median s (min–max) | shardstore ÷ method |"
+    head = (
+        "| method | median s (min–max) | GB/s median (min–max) | shardstore ÷ method (time ratio⁻¹) |"
+        if rate
+        else "| method | median s (min–max) | shardstore ÷ method |"
+    )
     out = [f"**{op}** — {run.shape}", "", head, "|---|---|---|---|" if rate else "|---|---|---|"]
     for m, s in rows:
         med = statistics.median(s)
@@ -512,6 +524,7 @@ def med(run: Run, op: str, m: str) -> float:
 
 def targets(run: Run) -> list[str]:
     """Each target of issue 7 as a ratio of medians from this run."""
+
     def r(op: str, a: str, b: str) -> float:  # speed of a relative to b
         return med(run, op, b) / med(run, op, a)
 
@@ -520,15 +533,48 @@ def targets(run: Run) -> list[str]:
         ("save ≥ 0.8× fsync'd sequential write", r("save", save, "limit: fsync'd sequential write"), 0.8),
         ("save ≥ 1.5× dcp.save default", r("save", save, "dcp.save (default)"), 1.5),
         ("save ≥ 1.0× dcp.save thread_count=2", r("save", save, "dcp.save FileSystemWriter(thread_count=2)"), 1.0),
-        ("second save ≤ 0.5× first save (time)", med(run, "second save", "shardstore.save, unchanged state") / med(run, "save", save), -0.5),
-        ("async blocking ≤ 1.5× memcpy (time)", med(run, "async blocking", "shardstore.AsyncSaver.save") / med(run, "async blocking", "limit: memcpy of the state"), -1.5),
-        ("async blocking ≤ dcp.async_save's (time)", med(run, "async blocking", "shardstore.AsyncSaver.save") / med(run, "async blocking", "dcp.async_save"), -1.0),
-        ("restore ≥ 0.7× cold sequential read", r("restore", "shardstore.restore (verifies every byte)", "limit: cold sequential read"), 0.7),
-        ("restore ≥ 1.0× safetensors load_file + copy", r("restore", "shardstore.restore (verifies every byte)", "safetensors load_file + copy"), 1.0),
+        (
+            "second save ≤ 0.5× first save (time)",
+            med(run, "second save", "shardstore.save, unchanged state") / med(run, "save", save),
+            -0.5,
+        ),
+        (
+            "async blocking ≤ 1.5× memcpy (time)",
+            med(run, "async blocking", "shardstore.AsyncSaver.save")
+            / med(run, "async blocking", "limit: memcpy of the state"),
+            -1.5,
+        ),
+        (
+            "async blocking ≤ dcp.async_save's (time)",
+            med(run, "async blocking", "shardstore.AsyncSaver.save") / med(run, "async blocking", "dcp.async_save"),
+            -1.0,
+        ),
+        (
+            "restore ≥ 0.7× cold sequential read",
+            r("restore", "shardstore.restore (verifies every byte)", "limit: cold sequential read"),
+            0.7,
+        ),
+        (
+            "restore ≥ 1.0× safetensors load_file + copy",
+            r("restore", "shardstore.restore (verifies every byte)", "safetensors load_file + copy"),
+            1.0,
+        ),
         ("restore ≥ 1.5× dcp.load", r("restore", "shardstore.restore (verifies every byte)", "dcp.load"), 1.5),
-        ("(not a target) restore ÷ the disk's parallel read of its files", r("restore", "shardstore.restore (verifies every byte)", PARALLEL_READ), 0.0),
-        ("verify ≥ 0.8× BLAKE3 max_threads=2", r("verify", "shardstore.verify (deep, warm)", "limit: BLAKE3 max_threads=2 on the same bytes"), 0.8),
-        ("verify ≥ 0.8× BLAKE3 2 x 1-thread pool", r("verify", "shardstore.verify (deep, warm)", "limit: BLAKE3 2 x 1-thread pool on the same bytes"), 0.8),
+        (
+            "(not a target) restore ÷ the disk's parallel read of its files",
+            r("restore", "shardstore.restore (verifies every byte)", PARALLEL_READ),
+            0.0,
+        ),
+        (
+            "verify ≥ 0.8× BLAKE3 max_threads=2",
+            r("verify", "shardstore.verify (deep, warm)", "limit: BLAKE3 max_threads=2 on the same bytes"),
+            0.8,
+        ),
+        (
+            "verify ≥ 0.8× BLAKE3 2 x 1-thread pool",
+            r("verify", "shardstore.verify (deep, warm)", "limit: BLAKE3 2 x 1-thread pool on the same bytes"),
+            0.8,
+        ),
     ]
     out = [f"**targets** — {run.shape}", "", "| target | measured | met |", "|---|---|---|"]
     for name, value, want in rows:
@@ -538,13 +584,22 @@ def targets(run: Run) -> list[str]:
         out.append(f"| {name} | {value:.2f}× | {'—' if want == 0 else 'yes' if ok else 'NO'} |")
     w = run.notes["second save: bytes passed to write(2)"]
     d = run.notes["second save: bytes added under objects/"]
-    out.append(f"| second save writes 0 tensor bytes | write(2) {int(statistics.median(w))} B, objects/ +{int(statistics.median(d))} B (manifests only) | {'yes' if max(d) < 1 * MIB else 'NO'} |")
+    out.append(
+        f"| second save writes 0 tensor bytes | write(2) {int(statistics.median(w))} B, objects/ +{int(statistics.median(d))} B (manifests only) | {'yes' if max(d) < 1 * MIB else 'NO'} |"
+    )
     peak = run.notes["save peak added / state"]
-    out.append(f"| save peak memory ≤ state + 10% | +{100 * max(peak):.1f}% of the state (max over runs) | {'yes' if max(peak) <= 0.10 else 'NO'} |")
+    out.append(
+        f"| save peak memory ≤ state + 10% | +{100 * max(peak):.1f}% of the state (max over runs) | {'yes' if max(peak) <= 0.10 else 'NO'} |"
+    )
     return out + [""]
 
 
-SAVE_PEERS = ["torch.save + fsync", "safetensors save_file + fsync", "dcp.save (default)", "dcp.save FileSystemWriter(thread_count=2)"]
+SAVE_PEERS = [
+    "torch.save + fsync",
+    "safetensors save_file + fsync",
+    "dcp.save (default)",
+    "dcp.save FileSystemWriter(thread_count=2)",
+]
 RESTORE_PEERS = ["torch.load(weights_only) + copy", "safetensors load_file + copy", "dcp.load"]
 
 
@@ -552,13 +607,23 @@ def run_targets(run: Run) -> list[str]:
     """Issue 26's targets, judged run by run (not on medians): in every repetition shardstore
     is at least 1.2x as fast as every peer, and at least 0.8x as fast as the best of fio's
     figures measured in that same repetition."""
-    out = [f"**targets, run by run** — {run.shape}", "",
-           "| target | worst run (ratio, peer) | per-run ratios against that peer | met |", "|---|---|---|---|"]
-    profile = [f"**each method's speed ÷ fio's best in the same run** — {run.shape} (where a peer is within "
-               "1.2× of the device, beating it by 1.2× would mean writing or reading faster than the device)", "",
-               "| op | method | per-run ratios | median |", "|---|---|---|---|"]
-    for op, ours, peers in (("save", "shardstore.save", SAVE_PEERS),
-                            ("restore", "shardstore.restore (verifies every byte)", RESTORE_PEERS)):
+    out = [
+        f"**targets, run by run** — {run.shape}",
+        "",
+        "| target | worst run (ratio, peer) | per-run ratios against that peer | met |",
+        "|---|---|---|---|",
+    ]
+    profile = [
+        f"**each method's speed ÷ fio's best in the same run** — {run.shape} (where a peer is within "
+        "1.2× of the device, beating it by 1.2× would mean writing or reading faster than the device)",
+        "",
+        "| op | method | per-run ratios | median |",
+        "|---|---|---|---|",
+    ]
+    for op, ours, peers in (
+        ("save", "shardstore.save", SAVE_PEERS),
+        ("restore", "shardstore.restore (verifies every byte)", RESTORE_PEERS),
+    ):
         mine = run.samples.get((op, ours))
         if not mine:
             continue
@@ -571,19 +636,25 @@ def run_targets(run: Run) -> list[str]:
                     worst = (peer, ratios)
         if worst:
             peer, ratios = worst
-            out.append(f"| {op} ≥ 1.2× every peer in every run | {min(ratios):.2f}×, {peer} | "
-                       f"{', '.join(f'{r:.2f}' for r in ratios)} | {'yes' if min(ratios) >= 1.2 else 'NO'} |")
+            out.append(
+                f"| {op} ≥ 1.2× every peer in every run | {min(ratios):.2f}×, {peer} | "
+                f"{', '.join(f'{r:.2f}' for r in ratios)} | {'yes' if min(ratios) >= 1.2 else 'NO'} |"
+            )
         fio = [v for (o, m), v in run.samples.items() if o == op and m.startswith("limit: fio")]
         if fio:
             best = [min(col) for col in zip(*fio)]  # the fastest fio figure of each repetition
             ratios = [b / m for b, m in zip(best, mine)]
-            out.append(f"| {op} ≥ 0.8× fio's best in the same run | {min(ratios):.2f}× | "
-                       f"{', '.join(f'{r:.2f}' for r in ratios)} | {'yes' if min(ratios) >= 0.8 else 'NO'} |")
+            out.append(
+                f"| {op} ≥ 0.8× fio's best in the same run | {min(ratios):.2f}× | "
+                f"{', '.join(f'{r:.2f}' for r in ratios)} | {'yes' if min(ratios) >= 0.8 else 'NO'} |"
+            )
             for method in [ours, *peers]:
                 theirs = run.samples.get((op, method))
                 if theirs:
                     rs = [b / t for b, t in zip(best, theirs)]
-                    profile.append(f"| {op} | {method} | {', '.join(f'{r:.2f}' for r in rs)} | {statistics.median(rs):.2f} |")
+                    profile.append(
+                        f"| {op} | {method} | {', '.join(f'{r:.2f}' for r in rs)} | {statistics.median(rs):.2f} |"
+                    )
     return out + [""] + (profile + [""] if len(profile) > 4 else [])
 
 
@@ -592,8 +663,15 @@ def versions() -> str:
     import safetensors
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "shardstore", "benchmarks/bench_checkpoint.py"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "shardstore", "benchmarks/bench_checkpoint.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     except OSError:
         commit, dirty = "?", ""
     cpu = "?"
@@ -616,7 +694,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the ~2 GiB state (e.g. 0.1)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shapes", default="many,few")
-    ap.add_argument("--params", type=int, default=67, help="parameters of the 'many' shape (x3 tensors with the moments)")
+    ap.add_argument(
+        "--params", type=int, default=67, help="parameters of the 'many' shape (x3 tensors with the moments)"
+    )
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir beside the repository)")
     ap.add_argument("--results", default=None, help="write the tables into this RESULTS.md")
     ap.add_argument("--warm", action="store_true", help="never drop the page cache, even as root (smoke runs)")
@@ -629,7 +709,12 @@ def main(argv: list[str] | None = None) -> int:
         "",
         versions() + ".",
         "",
-        "Page cache before each restore: " + ("dropped (`echo 3 > /proc/sys/vm/drop_caches`, as root)." if DROP else ("NOT dropped (--warm)" if args.warm else "NOT dropped (not root)") + ": restores read warm pages."),
+        "Page cache before each restore: "
+        + (
+            "dropped (`echo 3 > /proc/sys/vm/drop_caches`, as root)."
+            if DROP
+            else ("NOT dropped (--warm)" if args.warm else "NOT dropped (not root)") + ": restores read warm pages."
+        ),
         "Ratios are shardstore's speed over the row's (above 1: shardstore faster, or blocks less); medians of "
         f"{args.reps} interleaved runs, min–max in brackets.",
         "",
@@ -646,7 +731,10 @@ def main(argv: list[str] | None = None) -> int:
                     m()
             if run.saver is not None:
                 run.saver.close()
-            lines += [f"### {shape}: {len(sd)} tensors, {nbytes / GIB:.2f} GiB ({nbytes / len(sd) / MIB:.1f} MiB each)", ""]
+            lines += [
+                f"### {shape}: {len(sd)} tensors, {nbytes / GIB:.2f} GiB ({nbytes / len(sd) / MIB:.1f} MiB each)",
+                "",
+            ]
             for op, ours, rate in [
                 ("save", "shardstore.save", True),
                 ("second save", "shardstore.save, unchanged state", True),

@@ -10,6 +10,7 @@ command line with). ``--before TREE`` adds the same commands run from another ch
 
     python benchmarks/bench_cli_startup.py [--reps 7] [--before /tmp/old-checkout]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         if shutil.which("git"):
             rows["git --version (peer)"] = ["git", "--version"]
-        for name, sub in (("--version", ["--version"]), ("log", ["log", store]), ("show main", ["show", store, "main"]),
-                          ("verify", ["verify", store]), ("gc --dry-run", ["gc", store, "--dry-run"])):
+        for name, sub in (
+            ("--version", ["--version"]),
+            ("log", ["log", store]),
+            ("show main", ["show", store, "main"]),
+            ("verify", ["verify", store]),
+            ("gc --dry-run", ["gc", store, "--dry-run"]),
+        ):
             rows[f"shardstore {name}"] = [*here, *sub]
             if args.before:
                 rows[f"shardstore {name} (--before)"] = [py, "-c", _FROM_TREE, args.before, *sub]
@@ -77,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                 times[k].append(_time(cmd))
     floor = statistics.median(times["python -c pass (floor)"])
     load = os.getloadavg()[0]
-    print(f"CLI start-up, median of {args.reps} fresh processes each (interleaved); load average {load:.1f}; "
-          f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
+    print(
+        f"CLI start-up, median of {args.reps} fresh processes each (interleaved); load average {load:.1f}; "
+        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    )
     print("| command | median | range | × python -c pass |")
     print("|---|---|---|---|")
     for k, ts in times.items():

@@ -24,6 +24,7 @@ order); the time of a method is the slowest rank's, between two barriers; one to
 
     python benchmarks/bench_dtensor.py [--mib 256] [--reps 3] [--results benchmarks/RESULTS.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -112,21 +113,33 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
                 timer(name, fn)
                 bad = db.mismatches(*dests[dest], wants[dest])
                 if bad:
-                    raise SystemExit(f"rank {rank}, {name}: restored state differs from the saved state in {bad[:5]} ({len(bad)} tensors)")
+                    raise SystemExit(
+                        f"rank {rank}, {name}: restored state differs from the saved state in {bad[:5]} ({len(bad)} tensors)"
+                    )
             dist.barrier()
             if rank == 0:  # nothing is read from this repetition's checkpoints again
                 shutil.rmtree(ss_dir, ignore_errors=True)
                 shutil.rmtree(dcp_dir, ignore_errors=True)
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"times": timer.times, "saved_share": db.share(model, opt), "share": {d: db.share(*m) for d, m in dests.items()}, "read": read,
-                       "profile": profile}, f)
+            json.dump(
+                {
+                    "times": timer.times,
+                    "saved_share": db.share(model, opt),
+                    "share": {d: db.share(*m) for d, m in dests.items()},
+                    "read": read,
+                    "profile": profile,
+                },
+                f,
+            )
         dist.barrier()
 
 
 def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tuple[str, str]) -> str:
     total = sum(r["saved_share"] for r in results)
-    setup = (f"{WORLD} Gloo processes (1 torch thread each), saved from FSDP2 dim-0 slices; {max(1, args.mib // 16)} weight(s) of "
-             f"{SIDE} × {SIDE} float32 (tiles 1024 × 1024); state {total / db.MIB:.0f} MiB (parameters + both AdamW moments).")
+    setup = (
+        f"{WORLD} Gloo processes (1 torch thread each), saved from FSDP2 dim-0 slices; {max(1, args.mib // 16)} weight(s) of "
+        f"{SIDE} × {SIDE} float32 (tiles 1024 × 1024); state {total / db.MIB:.0f} MiB (parameters + both AdamW moments)."
+    )
     lines = db.report_head("bench_dtensor.py", args, loads, drop, setup)
     lines += db.timing_tables(results, SAVES, (SS_RESTORE, DCP_RESTORE), list(DESTS), total, "**save**")
     worst: dict[str, float] = {}
@@ -140,7 +153,16 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    return db.main(__doc__, _worker, WORLD, "dtensor", _table, (BEGIN, END, SECTION), "MiB of parameters (the checkpoint is 3x this), in 16 MiB weights", argv)
+    return db.main(
+        __doc__,
+        _worker,
+        WORLD,
+        "dtensor",
+        _table,
+        (BEGIN, END, SECTION),
+        "MiB of parameters (the checkpoint is 3x this), in 16 MiB weights",
+        argv,
+    )
 
 
 if __name__ == "__main__":

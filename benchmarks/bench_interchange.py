@@ -9,6 +9,7 @@ mappings included) and the wall time. Peers measured in the same run:
 
     python benchmarks/bench_interchange.py [--mib 512] [--largest-mib 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,10 @@ def _model(tmp: str, total_mib: int, largest_mib: int) -> dict[str, Any]:
     layer_bytes = 4 * small[0] * small[1] * 4
     layers = max(1, (total_mib * MIB - 2 * big[0] * big[1] * 4) // layer_bytes)
     g = torch.Generator().manual_seed(0)
-    tensors = {"model.embed_tokens.weight": torch.randn(big, generator=g), "lm_head.weight": torch.randn(big, generator=g)}
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(big, generator=g),
+        "lm_head.weight": torch.randn(big, generator=g),
+    }
     for i in range(layers):
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
             tensors[f"model.layers.{i}.self_attn.{p}.weight"] = torch.randn(small, generator=g)
@@ -83,7 +87,13 @@ def _child(op: str, tmp: str) -> dict[str, Any]:
     elif op == "export":
         export_commit(ss.open_store(store_url, create=False), "main", os.path.join(tmp, "out"), overwrite=True)
     elif op == "export-sharded":
-        export_commit(ss.open_store(store_url, create=False), "main", os.path.join(tmp, "out-sharded"), max_shard_bytes=100 * MIB, overwrite=True)
+        export_commit(
+            ss.open_store(store_url, create=False),
+            "main",
+            os.path.join(tmp, "out-sharded"),
+            max_shard_bytes=100 * MIB,
+            overwrite=True,
+        )
     elif op == "load_file":
         tensors = load_file(os.path.join(src, "model.safetensors"))
         for t in tensors.values():
@@ -99,7 +109,9 @@ def _child(op: str, tmp: str) -> dict[str, Any]:
 
 def _run(op: str, tmp: str) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "--child", op, tmp], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", op, tmp], capture_output=True, text=True, env=env, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -116,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         info = _model(tmp, args.mib, args.largest_mib)
         rows = [_run(op, tmp) for op in ("import", "export", "export-sharded", "load_file", "load_file+save_file")]
     m, big = info["model_bytes"], info["largest_bytes"]
-    print(f"# {info['tensors']} fp32 tensors, model {m / MIB:.0f} MiB, largest tensor {big / MIB:.0f} MiB; "
-          f"python {platform.python_version()}, {os.cpu_count()} CPUs; peak reset: {all(r['reset'] for r in rows)}")
-    print(f"| {'operation':<22} | {'peak added (MiB)':>16} | {'/ largest tensor':>16} | {'/ model':>8} | {'seconds':>8} |")
+    print(
+        f"# {info['tensors']} fp32 tensors, model {m / MIB:.0f} MiB, largest tensor {big / MIB:.0f} MiB; "
+        f"python {platform.python_version()}, {os.cpu_count()} CPUs; peak reset: {all(r['reset'] for r in rows)}"
+    )
+    print(
+        f"| {'operation':<22} | {'peak added (MiB)':>16} | {'/ largest tensor':>16} | {'/ model':>8} | {'seconds':>8} |"
+    )
     print(f"|{'-' * 24}|{'-' * 18}:|{'-' * 18}:|{'-' * 10}:|{'-' * 10}:|")
     for r in rows:
         p = r["peak_added"]

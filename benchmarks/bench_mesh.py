@@ -36,6 +36,7 @@ bytes (``/proc/self/io``).
 
     python benchmarks/bench_mesh.py [--mib 256] [--reps 3] [--results benchmarks/RESULTS.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -137,7 +138,11 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
                 timer(name, fn)
                 rec["disk_written"][name].append(db.io_delta(before, "write_bytes"))
             db.fio_limits(timer, rank, WORLD, work, rec["saved_share"], drop)
-            rec["dcp_rank_bytes"].append(sum(os.path.getsize(os.path.join(dcp_dir, f)) for f in os.listdir(dcp_dir) if f.startswith(f"__{rank}_")))
+            rec["dcp_rank_bytes"].append(
+                sum(
+                    os.path.getsize(os.path.join(dcp_dir, f)) for f in os.listdir(dcp_dir) if f.startswith(f"__{rank}_")
+                )
+            )
             if rank == 0:
                 rec["objects"], rec["dcp_files"] = db.tree_size(os.path.join(ss_dir, "objects")), db.tree_size(dcp_dir)
 
@@ -154,7 +159,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
                 rec["disk_read"][name].append(db.io_delta(before, "read_bytes"))
                 bad = db.mismatches(*dests[dest], wants[dest])
                 if bad:
-                    raise SystemExit(f"rank {rank}, {name}: restored state differs from the saved state in {bad[:5]} ({len(bad)} tensors)")
+                    raise SystemExit(
+                        f"rank {rank}, {name}: restored state differs from the saved state in {bad[:5]} ({len(bad)} tensors)"
+                    )
             dist.barrier()
             if rank == 0 and last:  # the previous repetition's checkpoints (the last one's store is copied below)
                 for path in last:
@@ -186,10 +193,14 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
     side, layers = _layout(args.mib)
     total = sum(r["saved_share"] for r in results)
     tile = " × ".join(str(t) for t in tile_shape("float32", (side, side)))
-    setup = (f"{WORLD} Gloo processes (1 torch thread each), saved from a 2 × 2 (dp, tp) mesh: {layers} Linear layers of {side} × {side} "
-             f"float32 (tiles {tile}), Colwise/Rowwise on tp then fully_shard on dp; state {total / db.MIB:.0f} MiB (parameters + both AdamW moments).")
+    setup = (
+        f"{WORLD} Gloo processes (1 torch thread each), saved from a 2 × 2 (dp, tp) mesh: {layers} Linear layers of {side} × {side} "
+        f"float32 (tiles {tile}), Colwise/Rowwise on tp then fully_shard on dp; state {total / db.MIB:.0f} MiB (parameters + both AdamW moments)."
+    )
     lines = db.report_head("bench_mesh.py", args, loads, drop, setup)
-    lines += db.timing_tables(results, SAVES, (SS_RESTORE, DCP_RESTORE), list(DESTS), total, "**save** (from the 2 × 2 mesh)")
+    lines += db.timing_tables(
+        results, SAVES, (SS_RESTORE, DCP_RESTORE), list(DESTS), total, "**save** (from the 2 × 2 mesh)"
+    )
     med = statistics.median
     lines += ["**bytes per rank** (MiB, medians over the runs): shardstore's counted at the storage layer (object writes and reads, "
               "manifests included); \"disk\": the process's own block-device bytes (/proc/self/io write_bytes, read_bytes: "
@@ -203,28 +214,46 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
     objs, files = results[0]["objects"], results[0]["dcp_files"]
     lines += ["", f"Objects in the shardstore store: {objs[0]} ({objs[1] / db.MIB:.1f} MiB, manifests included; "
               f"{results[0]['manifest_bytes'] / 1024:.1f} KiB of commit and shard manifests); DCP files: {files[0]} ({files[1] / db.MIB:.1f} MiB).", ""]  # fmt: skip
-    lines += ["| restore into | rank | share | shardstore read (÷ share) | shardstore disk read | dcp disk read |", "|---|---|---|---|---|---|"]
+    lines += [
+        "| restore into | rank | share | shardstore read (÷ share) | shardstore disk read | dcp disk read |",
+        "|---|---|---|---|---|---|",
+    ]
     worst: dict[str, float] = {}
     for d in DESTS:
         for rank, r in enumerate(results):
             read, sh = med(r["read"][d]), r["share"][d]
             worst[d] = max(worst.get(d, 0.0), read / sh)
             sr, dr = r["disk_read"][f"{SS_RESTORE} → {d}"], r["disk_read"][f"{DCP_RESTORE} → {d}"]
-            lines.append(f"| {d} | {rank} | {db.mib(sh)} | {db.mib(read)} ({read / sh:.3f}) | {_med_mib(sr)} | {_med_mib(dr)} |")
+            lines.append(
+                f"| {d} | {rank} | {db.mib(sh)} | {db.mib(read)} ({read / sh:.3f}) | {_med_mib(sr)} | {_med_mib(dr)} |"
+            )
     lines += ["", "**copy --shard K** (each rank K at once, from the last run's store; bytes read at the source's storage, manifests included)", "",
               "| K | slot K's share | read (÷ share) | objects copied | s |", "|---|---|---|---|---|"]  # fmt: skip
     copy_worst = 0.0
     for k, r in enumerate(results):
         c = r["copy"]
         copy_worst = max(copy_worst, c["read"] / r["saved_share"])
-        lines.append(f"| {k} | {db.mib(r['saved_share'])} | {db.mib(c['read'])} ({c['read'] / r['saved_share']:.3f}) | {c['objects']} | {c['s']:.2f} |")
+        lines.append(
+            f"| {k} | {db.mib(r['saved_share'])} | {db.mib(c['read'])} ({c['read'] / r['saved_share']:.3f}) | {c['objects']} | {c['s']:.2f} |"
+        )
     lines += db.target_rows(results, SAVES, (SS_RESTORE, DCP_RESTORE), OTHER, list(DESTS), worst)
-    lines.append(f"| copy --shard K reads ≤ 1.25× slot K's share | {copy_worst:.3f}× (worst K) | {db.met(copy_worst <= 1.25)} |")
+    lines.append(
+        f"| copy --shard K reads ≤ 1.25× slot K's share | {copy_worst:.3f}× (worst K) | {db.met(copy_worst <= 1.25)} |"
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return db.main(__doc__, _worker, WORLD, "mesh", _table, (BEGIN, END, SECTION), "MiB of parameters (the checkpoint is 3x this); 4096-wide layers from 128 up", argv)
+    return db.main(
+        __doc__,
+        _worker,
+        WORLD,
+        "mesh",
+        _table,
+        (BEGIN, END, SECTION),
+        "MiB of parameters (the checkpoint is 3x this); 4096-wide layers from 128 up",
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ Three parts, each one table of ratios against peers measured in the same run:
 
     python benchmarks/bench_pipeline.py [--part throughput,stall,generate] [--steps 6] [--reps 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,14 +42,33 @@ import torch
 
 import shardstore
 from shardstore import CommitInfo
-from shardtrain import AdamW, Batch, GroupConfig, LlamaConfig, Partition, Pipeline, Schedule, Trainer, WorkerContext, build_stage, launch_local
+from shardtrain import (
+    AdamW,
+    Batch,
+    GroupConfig,
+    LlamaConfig,
+    Partition,
+    Pipeline,
+    Schedule,
+    Trainer,
+    WorkerContext,
+    build_stage,
+    launch_local,
+)
 from shardtrain.engine.ring import Ring
 from shardtrain.run.committer import Committer
 
 # Big enough that compute, not per-message or per-op overhead, decides the step time.
-CONFIG = LlamaConfig(vocab_size=2048, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                     tie_word_embeddings=True)
+CONFIG = LlamaConfig(
+    vocab_size=2048,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 ROWS, SEQ, MICROBATCH = 8, 128, 2
 GROUPS = {"decay": GroupConfig(lr=1e-3, weight_decay=0.1), "no_decay": GroupConfig(lr=1e-3)}
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -87,8 +107,9 @@ def throughput_worker(ctx: WorkerContext, out_dir: str, steps: int, warmup: int)
             cpu[name].append(time.process_time() - c0)
             sent[name].append(pipe.bytes_sent - before)
             waits[name].append(pipe.wait_seconds - waited)
-    Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps({"times": times, "sent": sent, "waits": waits,
-                                                                 "cpu": cpu}))
+    Path(out_dir, f"rank{ctx.rank}.json").write_text(
+        json.dumps({"times": times, "sent": sent, "waits": waits, "cpu": cpu})
+    )
 
 
 def _state_bytes(stage: torch.nn.Module, opt: AdamW) -> list[torch.Tensor]:
@@ -102,11 +123,19 @@ def _state_bytes(stage: torch.nn.Module, opt: AdamW) -> list[torch.Tensor]:
 def stall_worker(ctx: WorkerContext, out_dir: str, store_url: str, commits: int) -> None:
     stage, pipe, opt, trainer = _setup(ctx, "overlapped", 4 * commits + 4)
     store = shardstore.open_store(store_url)
-    background = Committer(store, stage, opt, rank=ctx.rank, ref="background", last=(0, None), asynchronous=True,
-                           timeout=ctx.timeout)
+    background = Committer(
+        store, stage, opt, rank=ctx.rank, ref="background", last=(0, None), asynchronous=True, timeout=ctx.timeout
+    )
     inline = Committer(store, stage, opt, rank=ctx.rank, ref="inline", last=(0, None), asynchronous=False)
-    rec: dict[str, list[float]] = {"sync": [], "sync memcpy": [], "async": [], "async memcpy": [], "async first": [],
-                                   "step quiet": [], "step during write": []}
+    rec: dict[str, list[float]] = {
+        "sync": [],
+        "sync memcpy": [],
+        "async": [],
+        "async memcpy": [],
+        "async first": [],
+        "step quiet": [],
+        "step during write": [],
+    }
     buf: torch.Tensor | None = None
     step = 0
 
@@ -127,7 +156,7 @@ def stall_worker(ctx: WorkerContext, out_dir: str, store_url: str, commits: int)
         t0 = time.perf_counter()
         off = 0
         for t in tensors:
-            buf[off:off + t.numel()].view(t.shape).copy_(t)
+            buf[off : off + t.numel()].view(t.shape).copy_(t)
             off += t.numel()
         return time.perf_counter() - t0
 
@@ -174,37 +203,49 @@ def part_throughput(steps: int, warmup: int) -> None:
                 runs.setdefault((n, name), []).extend(step_times)
                 # The share of its step the most-blocked worker spent waiting for messages.
                 blocked.setdefault((n, name), []).extend(
-                    max(r["waits"][name][i] / r["times"][name][i] for r in ranks) for i in range(steps))
+                    max(r["waits"][name][i] / r["times"][name][i] for r in ranks) for i in range(steps)
+                )
                 cpu.setdefault((n, name), []).extend(max(r["cpu"][name][i] for r in ranks) for i in range(steps))
                 # CPU seconds all workers got per second of the step: the cores this run really had.
                 cores.setdefault((n, name), []).extend(
-                    sum(r["cpu"][name][i] for r in ranks) / step_times[i] for i in range(steps))
+                    sum(r["cpu"][name][i] for r in ranks) / step_times[i] for i in range(steps)
+                )
                 p2p[(n, name)] = int(statistics.median(sum(r["sent"][name][i] for r in ranks) for i in range(steps)))
             load.append(os.getloadavg()[0])
     tokens = ROWS * SEQ
     base = tokens / statistics.median(runs[(1, "synchronous")])
-    print(f"model: {CONFIG.num_hidden_layers} layers, hidden {CONFIG.hidden_size}, vocab {CONFIG.vocab_size}; batch "
-          f"{ROWS} x {SEQ} ({tokens} tokens), microbatch {MICROBATCH}; {2 * steps} timed steps per configuration "
-          f"(2 launches x {steps}) after {warmup} warm-up each; torch {torch.__version__}, {os.cpu_count()} CPUs; "
-          f"1-minute load average {min(load):.1f}-{max(load):.1f} during the part")
-    print(f"{'workers':>7s} {'schedule':12s} {'step ms':>9s} {'min-max':>15s} {'tokens/s':>9s} {'vs 1 worker':>11s} "
-          f"{'vs synchronous':>14s} {'blocked in recv':>15s} {'busiest cpu ms':>14s} {'cores used':>10s} "
-          f"{'p2p bytes/step':>15s}")
+    print(
+        f"model: {CONFIG.num_hidden_layers} layers, hidden {CONFIG.hidden_size}, vocab {CONFIG.vocab_size}; batch "
+        f"{ROWS} x {SEQ} ({tokens} tokens), microbatch {MICROBATCH}; {2 * steps} timed steps per configuration "
+        f"(2 launches x {steps}) after {warmup} warm-up each; torch {torch.__version__}, {os.cpu_count()} CPUs; "
+        f"1-minute load average {min(load):.1f}-{max(load):.1f} during the part"
+    )
+    print(
+        f"{'workers':>7s} {'schedule':12s} {'step ms':>9s} {'min-max':>15s} {'tokens/s':>9s} {'vs 1 worker':>11s} "
+        f"{'vs synchronous':>14s} {'blocked in recv':>15s} {'busiest cpu ms':>14s} {'cores used':>10s} "
+        f"{'p2p bytes/step':>15s}"
+    )
     for n in (1, 2, 3):
         for name in SCHEDULES:
             rate = tokens / statistics.median(runs[(n, name)])
             sync_rate = tokens / statistics.median(runs[(n, "synchronous")])
             share = statistics.median(blocked[(n, name)])
-            print(f"{n:7d} {name:12s} {_med(runs[(n, name)])} {rate:9.0f} {rate / base:11.2f} {rate / sync_rate:14.2f} "
-                  f"{share:15.0%} {statistics.median(cpu[(n, name)]) * 1e3:14.0f} "
-                  f"{statistics.median(cores[(n, name)]):10.2f} {p2p[(n, name)]:15,d}")
+            print(
+                f"{n:7d} {name:12s} {_med(runs[(n, name)])} {rate:9.0f} {rate / base:11.2f} {rate / sync_rate:14.2f} "
+                f"{share:15.0%} {statistics.median(cpu[(n, name)]) * 1e3:14.0f} "
+                f"{statistics.median(cores[(n, name)]):10.2f} {p2p[(n, name)]:15,d}"
+            )
     two = tokens / statistics.median(runs[(2, "overlapped")])
     one = tokens / statistics.median(runs[(1, "overlapped")])
-    print(f"goal: 2 workers (overlapped) >= 1.5x the tokens/s of 1 worker: {two / one:.2f}x -> "
-          f"{'met' if two / one >= 1.5 else 'NOT met'}")
+    print(
+        f"goal: 2 workers (overlapped) >= 1.5x the tokens/s of 1 worker: {two / one:.2f}x -> "
+        f"{'met' if two / one >= 1.5 else 'NOT met'}"
+    )
     split = statistics.median(cpu[(1, "overlapped")]) / statistics.median(cpu[(2, "overlapped")])
-    print(f"CPU time of the busiest of 2 workers per step vs 1 worker's: {split:.2f}x less (the speedup a machine "
-          f"with a free core per worker would allow, less the time blocked in receives)")
+    print(
+        f"CPU time of the busiest of 2 workers per step vs 1 worker's: {split:.2f}x less (the speedup a machine "
+        f"with a free core per worker would allow, less the time blocked in receives)"
+    )
 
 
 def part_stall(commits: int) -> None:
@@ -212,22 +253,29 @@ def part_stall(commits: int) -> None:
         store = os.path.join(d, "store")
         launch_local(stall_worker, 2, (d, store, commits), env=ENV, timeout=timedelta(seconds=300))
         ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(2)]
-    print(f"2 workers, {commits} commits of each kind, alternating; slot state {ranks[0]['bytes'] / 2**20:.1f} MiB "
-          f"(slot 0) and {ranks[1]['bytes'] / 2**20:.1f} MiB (slot 1); ms, slowest slot per commit")
+    print(
+        f"2 workers, {commits} commits of each kind, alternating; slot state {ranks[0]['bytes'] / 2**20:.1f} MiB "
+        f"(slot 0) and {ranks[1]['bytes'] / 2**20:.1f} MiB (slot 1); ms, slowest slot per commit"
+    )
     rec = {k: [max(r["rec"][k][i] for r in ranks) for i in range(len(ranks[0]["rec"][k]))] for k in ranks[0]["rec"]}
     memcpy = statistics.median(rec["sync memcpy"] + rec["async memcpy"])
     print(f"{'what':44s} {'median':>9s} {'min-max':>15s} {'vs memcpy':>10s}")
-    for key, label in (("sync", "stall: synchronous commit"), ("async", "stall: background commit"),
-                       ("async first", "stall: first background commit (allocates)"),
-                       ("async memcpy", "peer: memcpy of the slot's state"),
-                       ("step quiet", "update time, no write in flight"),
-                       ("step during write", "update time, background write in flight")):
+    for key, label in (
+        ("sync", "stall: synchronous commit"),
+        ("async", "stall: background commit"),
+        ("async first", "stall: first background commit (allocates)"),
+        ("async memcpy", "peer: memcpy of the slot's state"),
+        ("step quiet", "update time, no write in flight"),
+        ("step during write", "update time, background write in flight"),
+    ):
         print(f"{label:44s} {_med(rec[key])} {statistics.median(rec[key]) / memcpy:10.2f}")
     pairs = [a / m for a, m in zip(rec["async"], rec["async memcpy"])]
     ratio = statistics.median(pairs)
-    print(f"goal: background stall <= 1.5x memcpy (median of paired ratios): {ratio:.2f}x -> "
-          f"{'met' if ratio <= 1.5 else 'NOT met'}; synchronous/background stall: "
-          f"{statistics.median(rec['sync']) / statistics.median(rec['async']):.1f}x")
+    print(
+        f"goal: background stall <= 1.5x memcpy (median of paired ratios): {ratio:.2f}x -> "
+        f"{'met' if ratio <= 1.5 else 'NOT met'}; synchronous/background stall: "
+        f"{statistics.median(rec['sync']) / statistics.median(rec['async']):.1f}x"
+    )
 
 
 def _recompute(ring: Ring, prompt: list[int], new: int) -> list[int]:
@@ -236,7 +284,7 @@ def _recompute(ring: Ring, prompt: list[int], new: int) -> list[int]:
         logits = ring.forward(torch.tensor([seq]))  # the whole prefix, every time
         assert logits is not None
         seq.append(int(logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def part_generate(reps: int) -> None:
@@ -244,8 +292,10 @@ def part_generate(reps: int) -> None:
     partition = Partition.even(CONFIG.num_hidden_layers, 1)
     ring = Ring(build_stage(CONFIG, partition, 0, seed=0), partition, 0, timeout=60)
     prompt = torch.randint(0, CONFIG.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
-    print(f"one process, model as above, prompt {len(prompt)} tokens, greedy, no stop token, {reps} repetitions "
-          f"alternating the methods")
+    print(
+        f"one process, model as above, prompt {len(prompt)} tokens, greedy, no stop token, {reps} repetitions "
+        f"alternating the methods"
+    )
     print(f"{'new tokens':>10s} {'method':22s} {'seconds':>9s} {'min-max':>15s} {'tokens/s':>9s} {'vs recompute':>12s}")
     for new in (64, 256):
         t: dict[str, list[float]] = {"kv cache": [], "recompute prefix": []}
@@ -253,8 +303,11 @@ def part_generate(reps: int) -> None:
         for _ in range(reps):
             for name in t:
                 t0 = time.perf_counter()
-                outs[name] = (ring.generate(prompt, max_new_tokens=new, stop=set()) if name == "kv cache"
-                              else _recompute(ring, prompt, new))
+                outs[name] = (
+                    ring.generate(prompt, max_new_tokens=new, stop=set())
+                    if name == "kv cache"
+                    else _recompute(ring, prompt, new)
+                )
                 t[name].append(time.perf_counter() - t0)
         same = outs["kv cache"] == outs["recompute prefix"]
         rec = statistics.median(t["recompute prefix"])

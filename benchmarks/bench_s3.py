@@ -17,6 +17,7 @@ overhead on top of a Python HTTP server, not S3 itself.
 
     python benchmarks/bench_s3.py [--mib 96] [--repeat 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,7 +77,12 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="bench-s3-")
     try:
         host, port = server.get_host_and_port()
-        opts = {"endpoint_url": f"http://{host}:{port}", "key": "bench", "secret": "bench", "client_kwargs": {"region_name": "us-east-1"}}
+        opts = {
+            "endpoint_url": f"http://{host}:{port}",
+            "key": "bench",
+            "secret": "bench",
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
         fs = s3fs.S3FileSystem(**opts)
         fs.call_s3("create_bucket", Bucket=BUCKET)
 
@@ -99,7 +105,7 @@ def main() -> None:
         up_ss = best(args.repeat, ss_upload)
         up_fs = best(args.repeat, fs_put)
         remote = ss.open_store(uploaded[-1], **opts)
-        remote_keys = uploaded[-1][len("s3://"):] + "/objects"
+        remote_keys = uploaded[-1][len("s3://") :] + "/objects"
 
         def ss_download() -> None:
             dst = os.path.join(work, f"dl-{uuid.uuid4().hex[:8]}")
@@ -125,8 +131,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     mb = nbytes / 1e6
-    print(f"# {n_objects} objects, {nbytes / MiB:.1f} MiB, moto {_version('moto')} on 127.0.0.1, s3fs {s3fs.__version__}, "
-          f"python {platform.python_version()}, {os.cpu_count()} cpus; best of {args.repeat}")
+    print(
+        f"# {n_objects} objects, {nbytes / MiB:.1f} MiB, moto {_version('moto')} on 127.0.0.1, s3fs {s3fs.__version__}, "
+        f"python {platform.python_version()}, {os.cpu_count()} cpus; best of {args.repeat}"
+    )
     print(f"{'operation':<10} {'shardstore MB/s':>16} {'s3fs MB/s':>10} {'ratio':>6}")
     for name, a, b in (("upload", up_ss, up_fs), ("download", down_ss, down_fs)):
         print(f"{name:<10} {mb / a:>16.1f} {mb / b:>10.1f} {b / a:>6.2f}")

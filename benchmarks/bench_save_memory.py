@@ -15,6 +15,7 @@ the slice it already held. shardstore's exchange statistics say what it staged.
 
 The ratio column is the peer's increase over shardstore's (above 1: shardstore adds less).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,14 +68,18 @@ def _worker(rank: int, port: int, method: str, split: str, rows: int, root: str,
             local, placement = torch.randn(n, COLS, generator=g), Shard(0)
         else:
             local, placement = torch.randn(rows, COLS // WORLD, generator=g), Shard(1)
-        big = DTensor.from_local(local, mesh, (placement,), run_check=False, shape=torch.Size((rows, COLS)), stride=(COLS, 1))
+        big = DTensor.from_local(
+            local, mesh, (placement,), run_check=False, shape=torch.Size((rows, COLS)), stride=(COLS, 1)
+        )
         dist.barrier()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "wb") as f:
             f.write(b"5")
         before = _vm(b"VmRSS:")
         if method == "shardstore":
-            ss.save_distributed(ss.open_store(root), {"big": big}, None, info=ss.CommitInfo(step=0), rng=False, ref=None, parent=None)
+            ss.save_distributed(
+                ss.open_store(root), {"big": big}, None, info=ss.CommitInfo(step=0), rng=False, ref=None, parent=None
+            )
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -97,7 +102,9 @@ def _run(method: str, split: str, rows: int) -> list[dict]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_worker, args=(port, method, split, rows, root, out), nprocs=WORLD, join=True, start_method="spawn")
+        mp.start_processes(
+            _worker, args=(port, method, split, rows, root, out), nprocs=WORLD, join=True, start_method="spawn"
+        )
         return [json.load(open(f"{out}.{r}")) for r in range(WORLD)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -124,13 +131,17 @@ def _table(rows: int) -> str:
             staged = f"{max(r['staged'] for r in res) / MiB:.0f}" if m == "shardstore" else "—"
             ratio = max(r["increase"] for r in res) / max(ours, 1)
             name = "Shard(0), uneven" if split == "rows" else "Shard(1)"
-            lines.append(f"| {name} | {m} | {min(sl):.0f}–{max(sl):.0f} | {min(inc):.1f}–{max(inc):.1f} | {staged} | {ratio:.2f} |")
+            lines.append(
+                f"| {name} | {m} | {min(sl):.0f}–{max(sl):.0f} | {min(inc):.1f}–{max(inc):.1f} | {staged} | {ratio:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def _machine() -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "?"
     return f"commit {commit}; {os.cpu_count()} cores, Linux {platform.release()}; Python {platform.python_version()}, torch {torch.__version__}, glibc malloc defaults."
@@ -148,7 +159,11 @@ def main() -> None:
         with open(args.results) as f:
             doc = f.read()
         block = f"{begin}\n{text}{end}"
-        doc = doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end):] if begin in doc else doc.rstrip("\n") + f"\n\n## Peak memory during a sharded save\n\n{block}\n"
+        doc = (
+            doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end) :]
+            if begin in doc
+            else doc.rstrip("\n") + f"\n\n## Peak memory during a sharded save\n\n{block}\n"
+        )
         with open(args.results, "w") as f:
             f.write(doc)
 

@@ -32,6 +32,7 @@ Memory: about 16 bytes per parameter across the workers plus the activations of 
 microbatch and the commit's staging (8.5 GiB for the 9-layer default); CPU: a few minutes
 of both cores at the default. Do not run it on a machine others need.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,13 +47,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 #: TinyLlama-1.1B's published config (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T, config.json).
-TINYLLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                 num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                 rope_theta=10000.0, tie_word_embeddings=False)
-SMOKE = dict(TINYLLAMA, vocab_size=512, hidden_size=64, intermediate_size=176, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
+TINYLLAMA = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+SMOKE = dict(
+    TINYLLAMA,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=176,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
-_WRITER = r'''
+_WRITER = r"""
 import json, sys, torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -71,7 +88,7 @@ config = LlamaConfig(**shape, bos_token_id=tok.bos_token_id, eos_token_id=tok.eo
 torch.manual_seed(0)
 torch.set_default_dtype(torch.bfloat16)  # built in bf16 (what hubs ship): half the memory of an FP32 build
 LlamaForCausalLM(config).save_pretrained(out, max_shard_size="500MB")
-'''
+"""
 
 
 def _records(path: Path, n: int, words: int) -> str:
@@ -79,8 +96,12 @@ def _records(path: Path, n: int, words: int) -> str:
     with open(path, "w") as f:
         for i in range(n):
             prompt = "sum " + " ".join(str((i * 7 + k) % 97) for k in range(words))
-            f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
-                                             {"role": "assistant", "content": str(i % 97)}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(i % 97)}]}
+                )
+                + "\n"
+            )
     return str(path)
 
 
@@ -112,41 +133,76 @@ def main() -> None:
     written = time.perf_counter() - t0
     records = _records(home / "train.jsonl", 2 * (args.steps + 1), args.seq)
     t0 = time.perf_counter()
-    job = prepare_model(str(home / "job"), model_dir=str(model_dir), store=str(store_dir), records=records,
-                        profile=Profile(name="bf16-autocast", recompute=True), batch_size=2, microbatch_size=1,
-                        steps=args.steps + 1)
+    job = prepare_model(
+        str(home / "job"),
+        model_dir=str(model_dir),
+        store=str(store_dir),
+        records=records,
+        profile=Profile(name="bf16-autocast", recompute=True),
+        batch_size=2,
+        microbatch_size=1,
+        steps=args.steps + 1,
+    )
     prepared = time.perf_counter() - t0
     budget = int(args.budget_gib * 2**30)
     env = {"SHARDTRAIN_FREE_MEMORY": str(budget)}
-    first = train(RunSpec(job=job, store=str(store_dir), until=args.steps, async_commits=False, message_timeout=600),
-                  2, timeout=600, env=env, join_timeout=3600)
+    first = train(
+        RunSpec(job=job, store=str(store_dir), until=args.steps, async_commits=False, message_timeout=600),
+        2,
+        timeout=600,
+        env=env,
+        join_timeout=3600,
+    )
     commit = first[0].commits[-1].id
-    second = train(RunSpec(job=job, store=str(store_dir), until=args.steps + 1, resume=commit, ref="resumed",
-                           async_commits=False, message_timeout=600), 2, timeout=600, env=env, join_timeout=3600)
+    second = train(
+        RunSpec(
+            job=job,
+            store=str(store_dir),
+            until=args.steps + 1,
+            resume=commit,
+            ref="resumed",
+            async_commits=False,
+            message_timeout=600,
+        ),
+        2,
+        timeout=600,
+        env=env,
+        join_timeout=3600,
+    )
     store = shardstore.open_store(str(store_dir))
     journal = json.loads((store_dir / "journal" / f"{commit}.json").read_bytes())
     params = sum(w["parameters"] for w in journal["workers"])
     state = 16 * params  # FP32 weights, gradients and both Adam moments
 
-    print(f"\n`python benchmarks/bench_scale.py{' --tiny' if args.tiny else ''} --layers {args.layers} --steps "
-          f"{args.steps} --seq {args.seq} --budget-gib {args.budget_gib}`\n")
-    print(f"TinyLlama-1.1B shape{' (smoke dims)' if args.tiny else ''}, {args.layers} of 22 layers: {params:,} parameters; "
-          f"whole FP32 state {_gib(state)} GiB = {state / budget:.2f}x each worker's admitted {_gib(budget)} GiB. "
-          f"Profile {store.commit(commit).profile}. save_pretrained (bf16) written in {written:.1f} s, prepared "
-          f"(import widened to FP32) in {prepared:.1f} s. Load average {os.getloadavg()[0]:.1f}.\n")
-    print("| worker | admitted GiB | estimated peak GiB | actual peak GiB | parameters held | coverage | tokens/s | "
-          "commit save s | restore s |")
+    print(
+        f"\n`python benchmarks/bench_scale.py{' --tiny' if args.tiny else ''} --layers {args.layers} --steps "
+        f"{args.steps} --seq {args.seq} --budget-gib {args.budget_gib}`\n"
+    )
+    print(
+        f"TinyLlama-1.1B shape{' (smoke dims)' if args.tiny else ''}, {args.layers} of 22 layers: {params:,} parameters; "
+        f"whole FP32 state {_gib(state)} GiB = {state / budget:.2f}x each worker's admitted {_gib(budget)} GiB. "
+        f"Profile {store.commit(commit).profile}. save_pretrained (bf16) written in {written:.1f} s, prepared "
+        f"(import widened to FP32) in {prepared:.1f} s. Load average {os.getloadavg()[0]:.1f}.\n"
+    )
+    print(
+        "| worker | admitted GiB | estimated peak GiB | actual peak GiB | parameters held | coverage | tokens/s | "
+        "commit save s | restore s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r, w, again in zip(first, journal["workers"], second):
         seconds = sum(s.seconds for s in r.steps)
         tokens = sum(s.tokens for s in r.steps)
-        print(f"| {r.rank} | {_gib(w['free'])} | {_gib(w['estimate'])} | {_gib(w['used'])} | {w['parameters']:,} | "
-              f"{w['coverage']:.3f} | {tokens / seconds:.1f} | {journal['commit_seconds']:.2f} | "
-              f"{again.restore_seconds:.2f} |")
+        print(
+            f"| {r.rank} | {_gib(w['free'])} | {_gib(w['estimate'])} | {_gib(w['used'])} | {w['parameters']:,} | "
+            f"{w['coverage']:.3f} | {tokens / seconds:.1f} | {journal['commit_seconds']:.2f} | "
+            f"{again.restore_seconds:.2f} |"
+        )
     over = [w for w in journal["workers"] if w["used"] > w["free"]]
-    print(f"\nEvery worker's actual peak within its budget: {'no: ' + str([w['slot'] for w in over]) if over else 'yes'}. "
-          f"The commit's save time is rank 0's (synchronous commit: the protocol of SPEC.md §15, all slots). "
-          f"Journal of {commit[:12]}: {json.dumps(journal['workers'])}")
+    print(
+        f"\nEvery worker's actual peak within its budget: {'no: ' + str([w['slot'] for w in over]) if over else 'yes'}. "
+        f"The commit's save time is rank 0's (synchronous commit: the protocol of SPEC.md §15, all slots). "
+        f"Journal of {commit[:12]}: {json.dumps(journal['workers'])}"
+    )
     if state <= budget and not args.tiny:
         raise SystemExit(f"the whole FP32 state ({state:,} bytes) fits one worker's budget: not the point of this run")
 

@@ -7,6 +7,7 @@ untimed save of each method; the time is the slower rank's, between barriers.
 
     python benchmarks/compare_durability.py [--mib 256] [--reps 6]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,11 +75,15 @@ def main() -> int:
         times = json.load(open(out))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"`python benchmarks/compare_durability.py --mib {args.mib} --reps {args.reps}`; commit {db.commit()}; "
-          f"load average {start} at the start, {db.load()} at the end; state {3 * args.mib} MiB on 2 ranks.")
+    print(
+        f"`python benchmarks/compare_durability.py --mib {args.mib} --reps {args.reps}`; commit {db.commit()}; "
+        f"load average {start} at the start, {db.load()} at the end; state {3 * args.mib} MiB on 2 ranks."
+    )
     for mode, ts in times.items():
         print(f"- {mode}: median {statistics.median(ts):.3f} s (runs {', '.join(f'{t:.3f}' for t in ts)})")
-    print(f"- one barrier is {statistics.median(times['per batch']) / statistics.median(times['one barrier']):.2f}x as fast as per batch")
+    print(
+        f"- one barrier is {statistics.median(times['per batch']) / statistics.median(times['one barrier']):.2f}x as fast as per batch"
+    )
     return 0
 
 

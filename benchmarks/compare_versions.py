@@ -13,6 +13,7 @@ limit), so that every ratio compares figures taken seconds apart.
 ``TREE`` is a directory holding a ``shardstore`` package (e.g. ``git archive 086da34 | tar
 -x -C /tmp/old``); this checkout is always included as ``this``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def load_tree(name: str, tree: str) -> ModuleType:
     """The ``shardstore`` package under ``tree``, imported as ``shardstore_<name>``."""
     pkg = os.path.join(tree, "shardstore")
-    spec = importlib.util.spec_from_file_location(f"shardstore_{name}", os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg])
+    spec = importlib.util.spec_from_file_location(
+        f"shardstore_{name}", os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg]
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -65,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     versions = {name: load_tree(name, tree) for name, tree in (t.split("=", 1) for t in args.trees)}
     versions["this"] = load_tree("this", ROOT)
     work = tempfile.mkdtemp(prefix="compare-", dir=os.path.dirname(ROOT))
-    print(f"`python benchmarks/compare_versions.py --scale {args.scale} --reps {args.reps} --shapes {args.shapes} {' '.join(args.trees)}`")
+    print(
+        f"`python benchmarks/compare_versions.py --scale {args.scale} --reps {args.reps} --shapes {args.shapes} {' '.join(args.trees)}`"
+    )
     print(f"page cache dropped before each restore: {bc.DROP}; load average at start: {os.getloadavg()[0]:.2f}")
     try:
         for shape in args.shapes.split(","):
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             names = list(versions)
             loads = []
             for rep in range(args.reps):
-                for name in names[rep % len(names):] + names[: rep % len(names)]:
+                for name in names[rep % len(names) :] + names[: rep % len(names)]:
                     ss, store, cid = stores[name]
                     with torch.no_grad():
                         for t in sd.values():
@@ -99,15 +104,21 @@ def main(argv: list[str] | None = None) -> int:
                     samples.setdefault((name, "blake3 pool"), []).append(pool_hash(bc.views(sd)))
                 loads.append(os.getloadavg()[0])
             objects = {name: sum(1 for _ in stores[name][1].objects()) for name in names}
-            print(f"\n### {shape}: {len(sd)} tensors, {nbytes / bc.GIB:.2f} GiB; load average during the run {min(loads):.1f}–{max(loads):.1f}\n")
-            print("| tree | objects | cold restore s, median (min–max) | deep verify s | BLAKE3 2 x 1-thread pool s | verify ÷ BLAKE3 speed |")
+            print(
+                f"\n### {shape}: {len(sd)} tensors, {nbytes / bc.GIB:.2f} GiB; load average during the run {min(loads):.1f}–{max(loads):.1f}\n"
+            )
+            print(
+                "| tree | objects | cold restore s, median (min–max) | deep verify s | BLAKE3 2 x 1-thread pool s | verify ÷ BLAKE3 speed |"
+            )
             print("|---|---|---|---|---|---|")
             for name in names:
                 cell = []
                 for op in ("restore", "verify", "blake3 pool"):
                     s = samples[(name, op)]
                     cell.append(f"{statistics.median(s):.3f} ({min(s):.3f}–{max(s):.3f})")
-                ratio = statistics.median(b / v for b, v in zip(samples[(name, "blake3 pool")], samples[(name, "verify")]))
+                ratio = statistics.median(
+                    b / v for b, v in zip(samples[(name, "blake3 pool")], samples[(name, "verify")])
+                )
                 print(f"| {name} | {objects[name]} | {cell[0]} | {cell[1]} | {cell[2]} | {ratio:.2f}× |")
             del model, opt, sd
     finally:

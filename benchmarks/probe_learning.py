@@ -16,6 +16,7 @@ of the table (`in_table`). The figures in docs/DEMO.md came from runs like
 `--lookup-keys K` overrides the lookup table size (default: the generator's 3-4) to probe
 how hard retrieval is (K=1 is a positional copy).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,12 +65,17 @@ def _batch_of(tok: ByteTokenizer, recs: list[tasks.Record]) -> Batch:
     weights = torch.zeros(len(seqs), t)
     for k, (ids, w) in enumerate(seqs):
         n = len(ids) - 1
-        tokens[k, :n], targets[k, :n], weights[k, :n] = torch.tensor(ids[:-1]), torch.tensor(ids[1:]), torch.tensor(w[1:])
+        tokens[k, :n], targets[k, :n], weights[k, :n] = (
+            torch.tensor(ids[:-1]),
+            torch.tensor(ids[1:]),
+            torch.tensor(w[1:]),
+        )
     return Batch(tokens, targets, weights)
 
 
-def _ours(cfg: LlamaConfig, args: argparse.Namespace, sched: Schedule, tok: ByteTokenizer
-          ) -> tuple[Callable[[Batch], float], Callable[[list[int]], list[int]]]:
+def _ours(
+    cfg: LlamaConfig, args: argparse.Namespace, sched: Schedule, tok: ByteTokenizer
+) -> tuple[Callable[[Batch], float], Callable[[list[int]], list[int]]]:
     part = Partition.even(args.layers, 1)
     stage = build_stage(cfg, part, 0, seed=1234, init_std=args.init_std)
 
@@ -79,26 +85,36 @@ def _ours(cfg: LlamaConfig, args: argparse.Namespace, sched: Schedule, tok: Byte
     opt = AdamW(stage.named_parameters(), {"decay": group(0.1), "no_decay": group(0.0)}, schedule=sched)
     trainer = Trainer(Pipeline(stage, part, 0), opt, microbatch_size=args.batch, max_grad_norm=1.0)
     ring = Ring(stage, part, 0, timeout=5)
-    return (lambda b: trainer.step(b).loss,
-            lambda p: ring.generate(p, max_new_tokens=16, stop={tok.end_id, tok.eos_id}))
+    return (
+        lambda b: trainer.step(b).loss,
+        lambda p: ring.generate(p, max_new_tokens=16, stop={tok.end_id, tok.eos_id}),
+    )
 
 
-def _hf(cfg: LlamaConfig, args: argparse.Namespace, sched: Schedule, tok: ByteTokenizer
-        ) -> tuple[Callable[[Batch], float], Callable[[list[int]], list[int]]]:
+def _hf(
+    cfg: LlamaConfig, args: argparse.Namespace, sched: Schedule, tok: ByteTokenizer
+) -> tuple[Callable[[Batch], float], Callable[[list[int]], list[int]]]:
     import transformers
 
     hf_cfg = {k: v for k, v in cfg.to_hf_dict().items() if k != "architectures"}
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg, initializer_range=args.init_std))
-    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, sched))
 
     def step(b: Batch) -> float:
         opt.zero_grad()
         logits = model(input_ids=b.tokens).logits  # (B, T, V)
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b.targets.reshape(-1),
-                                               reduction="none")
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), b.targets.reshape(-1), reduction="none"
+        )
         loss = (ce * b.weights.reshape(-1)).sum() / b.weights.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -128,10 +144,18 @@ def main() -> None:
         random.Random.sample = lambda self, pop, k: sample(self, pop, args.lookup_keys if pop == "abcdefgh" else k)  # type: ignore[method-assign]
     mix = args.mix.split(",")
     tok = load_tokenizer(default_assets())
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 32 * 8,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      rms_norm_eps=1e-5, rope_theta=args.rope_theta, max_position_embeddings=128,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 32 * 8,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        rms_norm_eps=1e-5,
+        rope_theta=args.rope_theta,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     sched = Schedule(warmup_steps=args.warmup, total_steps=args.steps, min_ratio=0.1)
     step, gen = (_hf if args.impl == "hf" else _ours)(cfg, args, sched, tok)
     erng = random.Random(99)
@@ -145,13 +169,18 @@ def main() -> None:
                 text = tok.decode([t for t in out if t not in (tok.end_id, tok.eos_id)]).strip()
                 right[fam] += text == rec.answer
                 if fam == "lookup":
-                    right["in_table"] += text in [kv.split("=")[1] for kv in rec.messages[0].content.split(" in ")[1].split()]
+                    right["in_table"] += text in [
+                        kv.split("=")[1] for kv in rec.messages[0].content.split(" in ")[1].split()
+                    ]
         return dict(right)
 
     rng, t0, ema = random.Random(0), time.time(), None
     for s in range(args.steps):
-        loss = step(_batch_of(tok, [tasks.make_record(mix[(s * args.batch + i) % len(mix)], rng, "A")
-                                    for i in range(args.batch)]))
+        loss = step(
+            _batch_of(
+                tok, [tasks.make_record(mix[(s * args.batch + i) % len(mix)], rng, "A") for i in range(args.batch)]
+            )
+        )
         ema = loss if ema is None else 0.95 * ema + 0.05 * loss
         if (s + 1) % 100 == 0 or s == args.steps - 1:
             print(f"step {s + 1}: loss {loss:.3f} (moving average {ema:.3f}), {time.time() - t0:.1f} s", flush=True)

@@ -5,6 +5,7 @@ library's results, prints it (``--json``) or its text rendering (``shardstore_cl
 and returns an exit code of the table in ``shardstore_cli.shardstore_cli.EPILOG``. Errors propagate as
 shardstore's typed errors; ``main`` maps them to exit codes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,16 @@ from shardstore.format.tensors import expected_nbytes
 
 from ._output import emit as _emit
 from ._output import note
-from ._render import jsonable, render_cat, render_diff, render_log, render_log_oneline, render_refs, render_show, render_verify
+from ._render import (
+    jsonable,
+    render_cat,
+    render_diff,
+    render_log,
+    render_log_oneline,
+    render_refs,
+    render_show,
+    render_verify,
+)
 
 __all__ = [
     "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "UsageError",
@@ -62,7 +72,16 @@ def _bar(args: argparse.Namespace, desc: str, total: int | None = None) -> tqdm:
     """A byte progress bar on stderr, only on a terminal and without --quiet: drawn at once and left in
     place at the end (a bar that waits a second and erases itself is never seen on a fast run)."""
     disable = args.quiet or not sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable, file=sys.stderr, leave=True)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=disable,
+        file=sys.stderr,
+        leave=True,
+    )
 
 
 def _progress(bar: tqdm) -> Callable[[str, int, int], None]:
@@ -76,9 +95,14 @@ def _progress(bar: tqdm) -> Callable[[str, int, int], None]:
 
 def add_storage_option(p: argparse.ArgumentParser) -> None:
     """``--storage-option KEY=VALUE`` (repeatable): options for every S3 store the command opens."""
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="S3 store option, e.g. endpoint_url=http://10.0.0.9:9000 or client_kwargs.region_name=eu-west-1 "
-                   "(repeatable; merged over SHARDSTORE_STORAGE_OPTIONS; README \"Storage options\")")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="S3 store option, e.g. endpoint_url=http://10.0.0.9:9000 or client_kwargs.region_name=eu-west-1 "
+        '(repeatable; merged over SHARDSTORE_STORAGE_OPTIONS; README "Storage options")',
+    )
 
 
 def apply_storage_options(args: argparse.Namespace) -> None:
@@ -130,7 +154,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _bar(args, "verify") as bar:
         report = ss.verify(store, args.targets or None, deep=not args.quick, slot=args.shard, progress=bar.update)
     problems = [
-        {"kind": p.kind, "object": p.object, "tensor": p.tensor, "commit": p.commit, "message": str(p.error)} for p in report.problems
+        {"kind": p.kind, "object": p.object, "tensor": p.tensor, "commit": p.commit, "message": str(p.error)}
+        for p in report.problems
     ]
     doc = {
         "ok": report.ok,
@@ -195,12 +220,18 @@ def cmd_log(args: argparse.Namespace) -> int:
                 raise ObjectNotFound(f"commit {cid}{via}: {e}") from None
             missing = cid
             break
-        commits.append({"id": cid, "step": c.step, "transition": c.transition, "learned_root": c.learned_root, "parent": c.parent})
+        commits.append(
+            {"id": cid, "step": c.step, "transition": c.transition, "learned_root": c.learned_root, "parent": c.parent}
+        )
         if getattr(args, "oneline", False):  # the journal's time and loss: advisory notes, never trusted (SPEC.md §19b)
             note = _journal_note(store, cid)
             commits[-1].update(time=note.get("time"), loss=note.get("loss"))
         cid = c.parent
-    _emit(args, {"commits": commits, "missing_parent": missing}, render_log_oneline if getattr(args, "oneline", False) else render_log)
+    _emit(
+        args,
+        {"commits": commits, "missing_parent": missing},
+        render_log_oneline if getattr(args, "oneline", False) else render_log,
+    )
     return EXIT_OK
 
 
@@ -212,7 +243,11 @@ def _journal_note(store: ss.Store, cid: str) -> dict[str, Any]:
         return {}
     if not isinstance(note, dict):
         return {}
-    return {k: v for k, v in note.items() if k in ("time", "loss") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: v
+        for k, v in note.items()
+        if k in ("time", "loss") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -235,10 +270,19 @@ def cmd_show(args: argparse.Namespace) -> int:
             if e.optim is not None and e.optim.moment_dtype is not None and e.optim.exp_avg is not None:
                 nbytes += 2 * expected_nbytes(e.optim.moment_dtype, e.shape)
             nbytes += sum(size for _, size, _ in state_objects(e))
-            objects += sum(len(payload_blocks(p, d, e.shape)) for _, p, d in tensor_payloads(e))  # blocks of chunked payloads
+            objects += sum(
+                len(payload_blocks(p, d, e.shape)) for _, p, d in tensor_payloads(e)
+            )  # blocks of chunked payloads
             objects += sum(1 for _ in state_objects(e))
         layout.append(
-            {"slot": lay.slot, "shard": lay.shard, "tensors": len(shard.entries), "elements": elements, "bytes": nbytes, "objects": objects}
+            {
+                "slot": lay.slot,
+                "shard": lay.shard,
+                "tensors": len(shard.entries),
+                "elements": elements,
+                "bytes": nbytes,
+                "objects": objects,
+            }
         )
     totals = {k: sum(s[k] for s in layout) for k in ("tensors", "elements", "bytes", "objects")}
     dtypes: dict[str, int] = {}  # what the commit holds, beside the profile its writer named
@@ -249,11 +293,21 @@ def cmd_show(args: argparse.Namespace) -> int:
         "algorithm": spec.algorithm,
         "class": spec.torch_optimizer.class_name if spec.torch_optimizer else None,
         "groups": {g.name: vars(hyper_of(g)) for g in spec.groups} | hyper_groups(spec.torch_optimizer),
-        "state_keys": sorted({t.key for e in lc.entries().values() if e.state for t in (*e.state.tensors, *e.state.scalars)}),
+        "state_keys": sorted(
+            {t.key for e in lc.entries().values() if e.state for t in (*e.state.tensors, *e.state.scalars)}
+        ),
     }
-    buffers = [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "slot": lc.owner()[e.name]} for e in sorted(lc.entries().values(), key=lambda e: e.name) if e.kind == "buffer"]
+    buffers = [
+        {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "slot": lc.owner()[e.name]}
+        for e in sorted(lc.entries().values(), key=lambda e: e.name)
+        if e.kind == "buffer"
+    ]
     extras = [{"key": x.key, "slot": None, "state": extra_state_view(store, x)} for x in lc.commit.extras]
-    extras += [{"key": x.key, "slot": s, "state": extra_state_view(store, x)} for s, sh in sorted(lc.shards.items()) for x in sh.extras]
+    extras += [
+        {"key": x.key, "slot": s, "state": extra_state_view(store, x)}
+        for s, sh in sorted(lc.shards.items())
+        for x in sh.extras
+    ]
     doc = {
         "id": lc.id,
         "refs": _refs_by_commit(store).get(lc.id, []),
@@ -276,7 +330,9 @@ def cmd_cat(args: argparse.Namespace) -> int:
     if size is None:
         raise TargetNotFound(f"object {oid} is not in {store.url}")
     if size > MAX_MANIFEST_BYTES:  # a tensor: nothing cat decodes is this large; never read it whole
-        raise ManifestError(f"object {oid} ({size} bytes) is over the {MAX_MANIFEST_BYTES}-byte manifest limit: not a manifest, a model config or JSON (a tensor?)")
+        raise ManifestError(
+            f"object {oid} ({size} bytes) is over the {MAX_MANIFEST_BYTES}-byte manifest limit: not a manifest, a model config or JSON (a tensor?)"
+        )
     try:
         data = store.get(oid, limit=MAX_MANIFEST_BYTES)
     except ObjectNotFound:
@@ -293,7 +349,9 @@ def cmd_cat(args: argparse.Namespace) -> int:
                 check_json_nesting(data, 64, f"object {oid}")
                 value, kind = json.loads(bytes(data)), "json"
             except (ValueError, ManifestError):
-                raise ManifestError(f"object {oid} ({len(data)} bytes) is not a manifest, a model config or JSON (a tensor or RNG state?)") from None
+                raise ManifestError(
+                    f"object {oid} ({len(data)} bytes) is not a manifest, a model config or JSON (a tensor or RNG state?)"
+                ) from None
     _emit(args, {"id": oid, "kind": kind, "value": jsonable(value)}, render_cat)
     return EXIT_OK
 
@@ -318,7 +376,9 @@ def cmd_refs(args: argparse.Namespace) -> int:
         return _break_lock(args, store)
     broken: list[str] = []
     refs: dict[str, str] = _readable("ref", store.ref_names(), store.ref, broken)
-    pins: dict[str, list[str]] = {n: list(ids) for n, ids in _readable("pin", store.pin_names(), store.pinned, broken).items()}
+    pins: dict[str, list[str]] = {
+        n: list(ids) for n, ids in _readable("pin", store.pin_names(), store.pinned, broken).items()
+    }
     doc: dict[str, Any] = {"refs": refs, "pins": pins}
     if broken:
         doc["broken"] = broken
@@ -335,10 +395,14 @@ def _break_lock(args: argparse.Namespace, store: ss.Store) -> int:
     name = check_ref_name(args.break_lock)
     brk = getattr(store.storage, "break_lock", None)
     if brk is None:
-        raise UsageError(f"store {store.url} keeps no ref lock files (its refs move by conditional requests)", args.parser)
+        raise UsageError(
+            f"store {store.url} keeps no ref lock files (its refs move by conditional requests)", args.parser
+        )
     holder = brk(f"refs/{name}")
     who = "no holder recorded" if holder is None else f"held by process {holder['pid']} on host {holder['host']!r}"
-    _emit(args, {"ref": name, "lock_removed": True, "holder": holder}, lambda d: f"removed the lock of ref {name} ({who})")
+    _emit(
+        args, {"ref": name, "lock_removed": True, "holder": holder}, lambda d: f"removed the lock of ref {name} ({who})"
+    )
     return EXIT_OK
 
 
@@ -351,7 +415,17 @@ def parse_size(text: str) -> int:
     if m is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)")
     unit = (m.group(2) or "B").upper().rstrip("B") or "B"
-    scale = {"B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    scale = {
+        "B": 1,
+        "K": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+        "KI": 2**10,
+        "MI": 2**20,
+        "GI": 2**30,
+        "TI": 2**40,
+    }[unit]
     value = int(m.group(1)) * scale
     if value < 1:
         raise argparse.ArgumentTypeError("size must be positive")
@@ -363,7 +437,9 @@ def parse_layout(text: str) -> list[tuple[int, int]]:
     try:
         return [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a layout: {text!r} (e.g. 0:2,2:4, one START:STOP layer range per slot)") from None
+        raise argparse.ArgumentTypeError(
+            f"not a layout: {text!r} (e.g. 0:2,2:4, one START:STOP layer range per slot)"
+        ) from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -414,5 +490,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         "assets": sorted(commit_assets(store, cid) or {}) if not args.no_assets else [],
     }
     _emit(args, doc, lambda d: d["commit"])
-    _note(args, f"imported {doc['tensors']} tensors ({doc['bytes']} bytes) into {doc['slots']} slot(s); ref {args.ref} -> {cid}")
+    _note(
+        args,
+        f"imported {doc['tensors']} tensors ({doc['bytes']} bytes) into {doc['slots']} slot(s); ref {args.ref} -> {cid}",
+    )
     return EXIT_OK

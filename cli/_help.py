@@ -5,6 +5,7 @@ and options without a default included (``(default: None)``, ``(default: False)`
 appends it only where there is a default to tell and the help text does not already state
 it, and keeps the epilog's layout (the exit-code table) as ``RawDescriptionHelpFormatter`` does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,14 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
-        if (default is None or default is False or default is argparse.SUPPRESS or default == []
-                or _STATES_DEFAULT.search(text) or not action.option_strings):
+        if (
+            default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or default == []
+            or _STATES_DEFAULT.search(text)
+            or not action.option_strings
+        ):
             return text
         if isinstance(default, float) and default.is_integer():
             default = int(default)

@@ -7,6 +7,7 @@ text its render function makes of that same document, so the two outputs never d
 the exit code. Progress and diagnostics (`note`) go to stderr and never with ``--json``'s
 document on stdout.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -4,6 +4,7 @@ Every command first builds one JSON-able document (what ``--json`` prints); the 
 here turn those same documents into text for people, so the two outputs never disagree.
 They return strings; only ``shardstore_cli.shardstore_cli`` writes them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,20 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["jsonable", "human_bytes", "table", "render_verify", "render_diff", "render_log", "render_show", "render_refs",
-           "render_cat", "render_copy", "render_gc", "render_unpin"]
+__all__ = [
+    "jsonable",
+    "human_bytes",
+    "table",
+    "render_verify",
+    "render_diff",
+    "render_log",
+    "render_show",
+    "render_refs",
+    "render_cat",
+    "render_copy",
+    "render_gc",
+    "render_unpin",
+]
 
 
 def jsonable(obj: Any, *, keep_nonfinite: bool = False) -> Any:
@@ -97,7 +110,9 @@ def _scalars(e: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for x in st.get("scalars", []):
         v = x.get("value")
-        out[x["key"]] = struct.unpack(">d", bytes.fromhex(v[4:]))[0] if isinstance(v, str) and v.startswith("f64:") else v
+        out[x["key"]] = (
+            struct.unpack(">d", bytes.fromhex(v[4:]))[0] if isinstance(v, str) and v.startswith("f64:") else v
+        )
     return out
 
 
@@ -128,7 +143,7 @@ def _tensor_lines(t: dict[str, Any]) -> list[str]:
     sb, sa = _scalars(b), _scalars(a)
     for change in t["changes"]:
         if change.startswith("state "):
-            key = change[len("state "):]
+            key = change[len("state ") :]
             details.append(f"{change} {_num(sb[key])} -> {_num(sa[key])}" if key in sb and key in sa else change)
     lines = [f"  changed  {t['name']}  " + "; ".join(details)]
     for role, s in t["stats"].items():
@@ -144,7 +159,9 @@ def render_diff(doc: dict[str, Any]) -> str:
     ra, rb = doc["learned_roots"]
     out.append(f"learned-state root: equal ({ra})" if ra == rb else f"learned-state root: differs ({ra} -> {rb})")
     c = doc["counts"]
-    out.append(f"tensors: {c['changed']} changed, {c['added']} added, {c['removed']} removed, {c['unchanged']} unchanged")
+    out.append(
+        f"tensors: {c['changed']} changed, {c['added']} added, {c['removed']} removed, {c['unchanged']} unchanged"
+    )
     for t in doc["tensors"]:
         out.extend(_tensor_lines(t))
     sa, sb = doc["slots"]
@@ -158,12 +175,18 @@ def render_diff(doc: dict[str, Any]) -> str:
         if g["before"] is None or g["after"] is None:
             out.append(f"optimizer group {g['name']}: {'added' if g['before'] is None else 'removed'}")
             continue
-        changed = [f"{k} {_num(g['before'][k])} -> {_num(g['after'][k])}" for k in g["before"] if g["before"][k] != g["after"].get(k)]
+        changed = [
+            f"{k} {_num(g['before'][k])} -> {_num(g['after'][k])}"
+            for k in g["before"]
+            if g["before"][k] != g["after"].get(k)
+        ]
         out.append(f"optimizer group {g['name']}: " + "; ".join(changed))
     if doc["fields"]:
         out.append("fields:")
         for f in doc["fields"]:
-            out.append(f"  {f['name']}: {_num(f['before']) if f['before'] is not None else '-'} -> {_num(f['after']) if f['after'] is not None else '-'}")
+            out.append(
+                f"  {f['name']}: {_num(f['before']) if f['before'] is not None else '-'} -> {_num(f['after']) if f['after'] is not None else '-'}"
+            )
     return "\n".join(out)
 
 
@@ -203,7 +226,11 @@ def render_show(doc: dict[str, Any]) -> str:
         ("model config", c["config"] or "-"),
         ("learned-state root", c["learned_root"]),
         ("format version", c["version"]),
-        ("optimizer", doc["optimizer"]["algorithm"] + (f" ({doc['optimizer']['class']})" if doc["optimizer"].get("class") else "")),
+        (
+            "optimizer",
+            doc["optimizer"]["algorithm"]
+            + (f" ({doc['optimizer']['class']})" if doc["optimizer"].get("class") else ""),
+        ),
     ]
     width = max(len(k) for k, _ in fields)
     out = [f"{k.ljust(width)}  {v}" for k, v in fields]
@@ -212,13 +239,21 @@ def render_show(doc: dict[str, Any]) -> str:
     if doc["optimizer"].get("state_keys"):
         out.append(f"{''.ljust(width)}  per-parameter state: {', '.join(doc['optimizer']['state_keys'])}")
     bufs = doc.get("buffers", [])
-    out.append(f"{'buffers'.ljust(width)}  {len(bufs)}" + "".join(f"\n{''.ljust(width)}  {b['name']} {b['dtype']}{b['shape']} slot {b['slot']}" for b in bufs))
+    out.append(
+        f"{'buffers'.ljust(width)}  {len(bufs)}"
+        + "".join(f"\n{''.ljust(width)}  {b['name']} {b['dtype']}{b['shape']} slot {b['slot']}" for b in bufs)
+    )
     xs = doc.get("extras", [])
     out.append(f"{'extras'.ljust(width)}  {len(xs) or '-'}")
     for x in xs:
         where = "commit-wide" if x["slot"] is None else f"slot {x['slot']}"
-        out.append(f"{''.ljust(width)}  {x['key']} ({where}): " + ", ".join(f"{k} {_num(v)}" for k, v in x["state"].items()))
-    rows = [[s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"]), s["objects"]] for s in doc["layout"]]
+        out.append(
+            f"{''.ljust(width)}  {x['key']} ({where}): " + ", ".join(f"{k} {_num(v)}" for k, v in x["state"].items())
+        )
+    rows = [
+        [s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"]), s["objects"]]
+        for s in doc["layout"]
+    ]
     t = doc["totals"]
     rows.append(["total", "", t["tensors"], t["elements"], human_bytes(t["bytes"]), t["objects"]])
     out.append("")
@@ -239,9 +274,11 @@ def render_cat(doc: dict[str, Any]) -> str:
 
 def render_copy(doc: dict[str, Any]) -> str:
     which = "all slots" if doc["slot"] is None else f"slot {doc['slot']}"
-    out = [f"commit {doc['commit']} ({which}) -> {doc['dst']}",
-           f"  copied   {doc['objects_copied']} objects, {human_bytes(doc['bytes_copied'])}",
-           f"  present  {doc['objects_skipped']} objects, {human_bytes(doc['bytes_skipped'])} (not sent)"]
+    out = [
+        f"commit {doc['commit']} ({which}) -> {doc['dst']}",
+        f"  copied   {doc['objects_copied']} objects, {human_bytes(doc['bytes_copied'])}",
+        f"  present  {doc['objects_skipped']} objects, {human_bytes(doc['bytes_skipped'])} (not sent)",
+    ]
     if doc["ref"] is not None:
         out.append(f"  ref {doc['ref']} -> {doc['commit']}")
     out += [f"  pin {name}" for name in doc["pins"]]
@@ -252,18 +289,24 @@ def render_copy(doc: dict[str, Any]) -> str:
 def render_gc(doc: dict[str, Any]) -> str:
     verb = "would delete" if doc["dry_run"] else "deleted"
     out = [f"{verb}  {d['object']}  {human_bytes(d['bytes'])}" for d in doc["deleted"]]
-    out.append(f"{len(doc['reachable_commits'])} reachable commits, {doc['reachable_objects']} reachable objects "
-               f"({doc['pinned_objects']} pinned)")
+    out.append(
+        f"{len(doc['reachable_commits'])} reachable commits, {doc['reachable_objects']} reachable objects "
+        f"({doc['pinned_objects']} pinned)"
+    )
     out.append(f"{verb} {len(doc['deleted'])} unreachable objects, {human_bytes(doc['bytes_freed'])}")
     young, named = len(doc["kept_young"]), len(doc["kept_named_by_young"])
     if young + named:
-        out.append(f"kept {young + named} unreachable objects: {young} younger than {doc['grace_seconds']:g}s, "
-                   f"{named} named by a younger manifest (a save in progress?)")
+        out.append(
+            f"kept {young + named} unreachable objects: {young} younger than {doc['grace_seconds']:g}s, "
+            f"{named} named by a younger manifest (a save in progress?)"
+        )
     if doc["tmp_deleted"]:
         out.append(f"{verb} {len(doc['tmp_deleted'])} stale tmp files")
     if doc.get("intents_dropped"):
-        out.append(f"{'would drop' if doc['dry_run'] else 'dropped'} {len(doc['intents_dropped'])} intents of writers of this host "
-                   "that no longer run (their commits are no longer kept for them)")
+        out.append(
+            f"{'would drop' if doc['dry_run'] else 'dropped'} {len(doc['intents_dropped'])} intents of writers of this host "
+            "that no longer run (their commits are no longer kept for them)"
+        )
     return "\n".join(out)
 
 

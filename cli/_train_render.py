@@ -4,12 +4,20 @@ Each function turns a command's JSON-able document (what ``--json`` prints, thro
 ``shardstore_cli._output.emit``) into text for people, so the two outputs never disagree.
 They return strings; only the command line writes them.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["render_prepare", "render_train", "render_report", "render_select", "render_transition", "render_plan",
-           "render_demo"]
+__all__ = [
+    "render_prepare",
+    "render_train",
+    "render_report",
+    "render_select",
+    "render_transition",
+    "render_plan",
+    "render_demo",
+]
 
 
 def render_prepare(doc: dict[str, Any]) -> str:
@@ -32,11 +40,15 @@ def render_report(doc: dict[str, Any]) -> str:
     for c in doc["commits"]:
         losses = "  ".join(f"{s['loss']:>12.4f}" for s in c["losses"])
         correct = sum(case["correct"] for case in c["cases"])
-        lines.append(f"{c['commit'][:12]}  {c['step']:>4}  {losses}  {correct:>3}/{len(c['cases'])}"
-                     f"  ({c['tokens_per_second']:.0f} tok/s)")
+        lines.append(
+            f"{c['commit'][:12]}  {c['step']:>4}  {losses}  {correct:>3}/{len(c['cases'])}"
+            f"  ({c['tokens_per_second']:.0f} tok/s)"
+        )
     for cmp in doc["comparisons"]:
-        lines.append(f"{cmp['set']}: {cmp['commit'][:12]} - {cmp['baseline'][:12]} = {cmp['diff']:+.4f} nats/token, "
-                     f"one-sided 95% bounds [{cmp['lower']:+.4f}, {cmp['upper']:+.4f}] (paired bootstrap)")
+        lines.append(
+            f"{cmp['set']}: {cmp['commit'][:12]} - {cmp['baseline'][:12]} = {cmp['diff']:+.4f} nats/token, "
+            f"one-sided 95% bounds [{cmp['lower']:+.4f}, {cmp['upper']:+.4f}] (paired bootstrap)"
+        )
     for case in doc["commits"][-1]["cases"][:4]:
         mark = "ok" if case["correct"] else "wrong"
         lines.append(f"  {case['prompt']!r} -> {case['generated']!r} (expected {case['expected']!r}: {mark})")
@@ -44,25 +56,33 @@ def render_report(doc: dict[str, Any]) -> str:
 
 
 def render_select(doc: dict[str, Any]) -> str:
-    return f"selection {doc['selection']}: job {doc['job']} -> commit {doc['commit']} (pinned as selections/{doc['job']})"
+    return (
+        f"selection {doc['selection']}: job {doc['job']} -> commit {doc['commit']} (pinned as selections/{doc['job']})"
+    )
 
 
 def render_transition(kind: str, doc: dict[str, Any]) -> str:
     """A repartition or grow commit: its parent, layout, learned-state root and new objects."""
     ranges = ",".join(f"{a}:{b}" for a, b in doc["partition"])
-    return "\n".join([f"{kind} commit {doc['commit']}",
-                      f"parent {doc['parent']} (step {doc['step']})",
-                      f"layout {len(doc['partition'])} workers, layers {ranges}",
-                      f"learned-state root {doc['learned_root']}"
-                      + (" (equal to the parent's)" if doc["learned_root"] == doc["parent_learned_root"] else ""),
-                      f"{doc['new_objects']} new objects"])
+    return "\n".join(
+        [
+            f"{kind} commit {doc['commit']}",
+            f"parent {doc['parent']} (step {doc['step']})",
+            f"layout {len(doc['partition'])} workers, layers {ranges}",
+            f"learned-state root {doc['learned_root']}"
+            + (" (equal to the parent's)" if doc["learned_root"] == doc["parent_learned_root"] else ""),
+            f"{doc['new_objects']} new objects",
+        ]
+    )
 
 
 def render_plan(doc: dict[str, Any]) -> str:
     lines = ["slot  layers   parameters      estimate      capacity  utilisation"]
     for r in doc["slots"]:
-        lines.append(f"{r['slot']:>4}  {r['layers'][0]:>2}:{r['layers'][1]:<3}  {r['parameters']:>11,}  "
-                     f"{r['estimate'] / 2**20:>9.1f} MiB  {r['capacity'] / 2**20:>9.0f} MiB  {r['utilisation']:>10.1%}")
+        lines.append(
+            f"{r['slot']:>4}  {r['layers'][0]:>2}:{r['layers'][1]:<3}  {r['parameters']:>11,}  "
+            f"{r['estimate'] / 2**20:>9.1f} MiB  {r['capacity'] / 2**20:>9.0f} MiB  {r['utilisation']:>10.1%}"
+        )
     ranges = ",".join(f"{a}:{b}" for a, b in doc["partition"])
     lines.append(f"--partition {ranges}  (highest utilisation {doc['max_utilisation']:.1%})")
     return "\n".join(lines)

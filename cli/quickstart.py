@@ -3,6 +3,7 @@ restore into a fresh model, verify, train more, commit again, and diff the two c
 
 Run: ``python -m shardstore_cli.quickstart DIR``. Everything is local; nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import random
@@ -54,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"commit {second} (1 slot, step 8, parent {store.commit(second).parent[:12]})")
 
     report = shardstore.verify(store)
-    print(f"verify: {len(report.commits)} commits, {report.objects_checked} objects, {report.bytes_hashed} bytes hashed, "
-          f"{'clean' if report.ok else f'{len(report.problems)} problems'}")
+    print(
+        f"verify: {len(report.commits)} commits, {report.objects_checked} objects, {report.bytes_hashed} bytes hashed, "
+        f"{'clean' if report.ok else f'{len(report.problems)} problems'}"
+    )
     print(f"$ shardstore diff {args[0]} {first[:12]} {second[:12]}", flush=True)
     shardstore_cli(["diff", args[0], first, second])
     return 0 if report.ok and same else 1

@@ -8,6 +8,7 @@ documented exit-code table (SPEC.md §Exit codes). Each subcommand's handler is
 ``args.func(args) -> int``; ``shardstore_cli.store_commands.register(subparsers)``, when that module
 exists, adds more subcommands (copy, gc, unpin) the same way.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,48 +84,77 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EPILOG, formatter_class=HelpFormatter)
+        p = sub.add_parser(
+            name, parents=[common], help=help, description=help, epilog=EPILOG, formatter_class=HelpFormatter
+        )
         p.set_defaults(func=func, parser=p)
         p.add_argument("store", metavar="STORE", help="store path or fsspec URL")
         return p
 
     p = add("verify", cmd_verify, "check commits and every object they reach; report every problem")
-    p.add_argument("targets", nargs="*", metavar="TARGET", help="commits to check (default: everything reachable from refs)")
+    p.add_argument(
+        "targets", nargs="*", metavar="TARGET", help="commits to check (default: everything reachable from refs)"
+    )
     p.add_argument("--quick", action="store_true", help="check structure and object sizes only; do not re-hash")
     p.add_argument("--shard", type=int, metavar="K", help="check only the objects of slot K")
     p = add("diff", cmd_diff, "what changed from commit A to commit B")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
-    p.add_argument("--stats", action="store_true", help="max |diff| and relative L2 change of each changed parameter and moment")
+    p.add_argument(
+        "--stats", action="store_true", help="max |diff| and relative L2 change of each changed parameter and moment"
+    )
     p.add_argument("--all", action="store_true", help="also list unchanged tensors by name (--json always does)")
     p = add("log", cmd_log, "the parent chain of a commit: id, step, kind, learned-state root")
     p.add_argument("target", nargs="?", metavar="TARGET", help="default: ref main (or the only ref)")
     p.add_argument("-n", "--max-count", type=int, metavar="N", help="show at most N commits (default: the whole chain)")
-    p.add_argument("--oneline", action="store_true", help="one short line per commit: id, step, kind, and the journal's time and loss")
+    p.add_argument(
+        "--oneline",
+        action="store_true",
+        help="one short line per commit: id, step, kind, and the journal's time and loss",
+    )
     p = add("show", cmd_show, "a commit's fields and its layout (slot, tensors, parameters, bytes)")
     p.add_argument("target", metavar="TARGET")
     p = add("cat", cmd_cat, "print any manifest (or model config) decoded as JSON")
     p.add_argument("id", metavar="ID", help="object id, unique prefix, or ref name")
     p = add("refs", cmd_refs, "list refs and the commits they point at")
-    p.add_argument("--break-lock", metavar="NAME",
-                   help="remove ref NAME's lock file left by a writer that is gone (refused while a writer on this host holds it)")
+    p.add_argument(
+        "--break-lock",
+        metavar="NAME",
+        help="remove ref NAME's lock file left by a writer that is gone (refused while a writer on this host holds it)",
+    )
     p = add("export", cmd_export, "write a commit as a Hugging Face style safetensors directory")
     p.add_argument("target", metavar="TARGET")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--with-optimizer", action="store_true", help="also write the Adam moments and optimizer.json")
-    p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE", help="split files above SIZE (default: 5GB)")
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=5 * 10**9,
+        metavar="SIZE",
+        help="split files above SIZE (default: 5GB)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite files already in OUT_DIR")
-    p = add("import", cmd_import, "commit a Hugging Face style Llama directory (weights and tokenizer files, kind 'import')")
+    p = add(
+        "import", cmd_import, "commit a Hugging Face style Llama directory (weights and tokenizer files, kind 'import')"
+    )
     p.add_argument("src_dir", metavar="SRC_DIR")
     p.add_argument("--ref", default="main", help="ref to move to the new commit (default: main)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--slots", type=int, metavar="N", help="split decoder layers evenly over N slots")
-    group.add_argument("--layout", type=parse_layout, metavar="RANGES", help="explicit layer ranges per slot, e.g. 0:2,2:4")
+    group.add_argument(
+        "--layout", type=parse_layout, metavar="RANGES", help="explicit layer ranges per slot, e.g. 0:2,2:4"
+    )
     p.add_argument("--job", default="default", help="job id bound into the commit (default: default)")
     p.add_argument("--step", type=int, default=0, help="global step of the commit (default 0)")
     p.add_argument("--no-verify", action="store_true", help="do not re-read each stored object")
-    p.add_argument("--dtype", choices=("float32",), help="widen bfloat16/float16 weights to float32 (exact), one tensor at a time")
-    p.add_argument("--no-assets", action="store_true", help="do not keep the directory's tokenizer files (kept by default, pinned as assets/<commit>)")
+    p.add_argument(
+        "--dtype", choices=("float32",), help="widen bfloat16/float16 weights to float32 (exact), one tensor at a time"
+    )
+    p.add_argument(
+        "--no-assets",
+        action="store_true",
+        help="do not keep the directory's tokenizer files (kept by default, pinned as assets/<commit>)",
+    )
     _register_plugins(sub)
     return parser
 

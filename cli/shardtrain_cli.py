@@ -9,6 +9,7 @@ The only shardtrain code that prints or exits. Results go to stdout (``--json`` 
 scripts); progress and diagnostics to stderr. Training progress is printed by the
 coordinator worker (slot 0) through ``print_step``, which the workers receive by name.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,11 +20,29 @@ import time
 from collections.abc import Sequence
 
 import shardstore
-from shardtrain.errors import AdmissionError, DistillError, JobError, PartitionError, ResumeError, RoleError, RunAborted, ShardtrainError, TransitionError
+from shardtrain.errors import (
+    AdmissionError,
+    DistillError,
+    JobError,
+    PartitionError,
+    ResumeError,
+    RoleError,
+    RunAborted,
+    ShardtrainError,
+    TransitionError,
+)
 
 from ._output import emit, fail, note
 from ._render import jsonable
-from ._train_render import render_demo, render_plan, render_prepare, render_report, render_select, render_train, render_transition
+from ._train_render import (
+    render_demo,
+    render_plan,
+    render_prepare,
+    render_report,
+    render_select,
+    render_train,
+    render_transition,
+)
 
 __all__ = ["EPILOG", "main", "print_step", "print_commit"]
 
@@ -51,8 +70,10 @@ def print_step(event: object) -> None:
     """Progress line of one update (called on the coordinator worker)."""
     e = event  # a shardtrain.run.lifecycle.StepEvent
     rate = e.tokens / e.seconds if e.seconds > 0 else 0.0  # type: ignore[attr-defined]
-    line = (f"step {e.step:>4}/{e.until}  loss {e.loss:.4f}  grad norm {e.grad_norm:.3f}  "  # type: ignore[attr-defined]
-            f"{rate:,.0f} tok/s")
+    line = (
+        f"step {e.step:>4}/{e.until}  loss {e.loss:.4f}  grad norm {e.grad_norm:.3f}  "  # type: ignore[attr-defined]
+        f"{rate:,.0f} tok/s"
+    )
     if e.commit:  # type: ignore[attr-defined]
         line += f"  committed {e.commit[:16]}"  # type: ignore[attr-defined]
         at = getattr(e, "commit_step", None)
@@ -88,12 +109,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     profile = Profile(name=args.profile, recompute=args.recompute) if args.profile != "fp32" or args.recompute else None
     files = {"records": args.records, "replay": args.replay, "dev": args.dev, "final": args.final}
     if args.records:  # the user's data: one epoch unless --steps, an own-model learning rate unless --lr
-        kw: dict[str, object] = {"batch_size": args.batch_size, "microbatch_size": args.microbatch_size,
-                                 "init_seed": args.init_seed, "steps": args.steps,
-                                 "replay_per_step": args.replay_per_step}
+        kw: dict[str, object] = {
+            "batch_size": args.batch_size,
+            "microbatch_size": args.microbatch_size,
+            "init_seed": args.init_seed,
+            "steps": args.steps,
+            "replay_per_step": args.replay_per_step,
+        }
     else:
-        kw = {"steps_a": args.steps_a, "steps_b": args.steps_b, "batch_size": args.batch_size,
-              "microbatch_size": args.microbatch_size, "data_seed": args.data_seed, "init_seed": args.init_seed}
+        kw = {
+            "steps_a": args.steps_a,
+            "steps_b": args.steps_b,
+            "batch_size": args.batch_size,
+            "microbatch_size": args.microbatch_size,
+            "data_seed": args.data_seed,
+            "init_seed": args.init_seed,
+        }
     kw.update({} if args.lr is None else {"lr": args.lr})
     if args.model:
         path = prepare_model(args.out, model_dir=args.model, store=args.seed_store, profile=profile, **files, **kw)  # type: ignore[arg-type]
@@ -101,13 +132,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         store = shardstore.open_store(args.seed_store, create=False)
         path, carried = prepare_seed(args.out, store=store, commit=args.seed_commit, profile=profile, **files, **kw)  # type: ignore[arg-type]
         if not carried and not args.quiet:
-            print(f"shardtrain: note: commit {args.seed_commit} carries no tokenizer assets; the job binds the embedded "
-                  f"byte-level tokenizer", file=sys.stderr)
+            print(
+                f"shardtrain: note: commit {args.seed_commit} carries no tokenizer assets; the job binds the embedded "
+                f"byte-level tokenizer",
+                file=sys.stderr,
+            )
     else:
         path = prepare_default(args.out, profile=profile, **kw)  # type: ignore[arg-type]
     job = load_job(path)
-    doc = {"job": path, "id": job.id, "schedule": job.schedule_id, "steps": job.num_steps, "seed": job.job.seed.commit,
-           **describe(job)}
+    doc = {
+        "job": path,
+        "id": job.id,
+        "schedule": job.schedule_id,
+        "steps": job.num_steps,
+        "seed": job.job.seed.commit,
+        **describe(job),
+    }
     emit(args, doc, render_prepare)
     return EXIT_OK
 
@@ -115,10 +155,19 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from shardtrain.run.lifecycle import DETERMINISTIC_ENV, RunSpec, train, train_worker
 
-    spec = RunSpec(job=args.prepared, store=args.store, until=args.until, every=args.every, resume=args.resume,
-                   ref=args.ref, slot_stores=tuple(args.slot_store or ()), message_timeout=args.timeout,
-                   progress=None if args.quiet else print_step, schedule=args.schedule,
-                   async_commits=not args.sync_commits)
+    spec = RunSpec(
+        job=args.prepared,
+        store=args.store,
+        until=args.until,
+        every=args.every,
+        resume=args.resume,
+        ref=args.ref,
+        slot_stores=tuple(args.slot_store or ()),
+        message_timeout=args.timeout,
+        progress=None if args.quiet else print_step,
+        schedule=args.schedule,
+        async_commits=not args.sync_commits,
+    )
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one worker
         from datetime import timedelta
 
@@ -138,23 +187,35 @@ def cmd_train(args: argparse.Namespace) -> int:
         store = shardstore.open_store(args.store)
         start = store.commit(r0.start_commit)
         if start.transition == "repartition" and start.parent == store.resolve(args.resume):  # train wrote it
-            note(f"commit {start.parent[:12]} was laid out for {len(store.commit(start.parent).layout)} workers: wrote "
-                 f"repartition commit {r0.start_commit} for {args.workers} and resumed from it")
+            note(
+                f"commit {start.parent[:12]} was laid out for {len(store.commit(start.parent).layout)} workers: wrote "
+                f"repartition commit {r0.start_commit} for {args.workers} and resumed from it"
+            )
     for r in results:
-        note(f"worker {r.rank}: held {r.parameters:,} parameters ({r.parameter_bytes:,} bytes), "
-             f"estimated peak {r.estimate_bytes / 2**20:.1f} MiB, actual {r.used_bytes / 2**20:.1f} MiB above "
-             f"admission (peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB)")
-    note(f"{len(r0.steps)} updates in {time.monotonic() - t:.1f} s; ref {args.ref} -> "
-         f"{r0.commits[-1].id if r0.commits else '(unchanged)'}")
+        note(
+            f"worker {r.rank}: held {r.parameters:,} parameters ({r.parameter_bytes:,} bytes), "
+            f"estimated peak {r.estimate_bytes / 2**20:.1f} MiB, actual {r.used_bytes / 2**20:.1f} MiB above "
+            f"admission (peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB)"
+        )
+    note(
+        f"{len(r0.steps)} updates in {time.monotonic() - t:.1f} s; ref {args.ref} -> "
+        f"{r0.commits[-1].id if r0.commits else '(unchanged)'}"
+    )
     return EXIT_OK
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from shardtrain.run.evaluate import EvalSpec, evaluate
 
-    spec = EvalSpec(store=args.store, commits=tuple(args.commit), job=args.prepared, cases_per_set=args.cases,
-                    max_new_tokens=args.max_new_tokens, message_timeout=args.timeout,
-                    role="final" if args.final else "development")
+    spec = EvalSpec(
+        store=args.store,
+        commits=tuple(args.commit),
+        job=args.prepared,
+        cases_per_set=args.cases,
+        max_new_tokens=args.max_new_tokens,
+        message_timeout=args.timeout,
+        role="final" if args.final else "development",
+    )
     report = evaluate(spec, args.workers, timeout=args.timeout)
     emit(args, report, render_report)
     return EXIT_OK
@@ -178,16 +239,25 @@ def cmd_gate(args: argparse.Namespace) -> int:
     baseline, candidate = shardstore.load_commit(store, args.baseline), shardstore.load_commit(store, args.candidate)
     with tempfile.TemporaryDirectory(prefix="shardtrain-gate-job-") as tmp:
         thresholds = thresholds_of(job_from_store(store, candidate.commit.job, tmp))  # fixed by the recipe
-    spec = EvalSpec(store=args.store, commits=(baseline.id, candidate.id), cases_per_set=args.cases,
-                    max_new_tokens=args.max_new_tokens, message_timeout=args.timeout,
-                    role="final" if args.final else "development")
+    spec = EvalSpec(
+        store=args.store,
+        commits=(baseline.id, candidate.id),
+        cases_per_set=args.cases,
+        max_new_tokens=args.max_new_tokens,
+        message_timeout=args.timeout,
+        role="final" if args.final else "development",
+    )
     report = evaluate(spec, args.workers, timeout=args.timeout)
     gates = gate_report(report, thresholds, baseline=baseline.id, candidate=candidate.id)
     oid = write_gate_report(store, gates)
 
     def render(doc: dict[str, object]) -> str:  # the table names each commit's generated-correct count too
-        return "\n".join([*render_gates(gates, report.commits[0], report.commits[1]),
-                          f"report {oid} (pinned as gates/{gates.job}/{oid})"])
+        return "\n".join(
+            [
+                *render_gates(gates, report.commits[0], report.commits[1]),
+                f"report {oid} (pinned as gates/{gates.job}/{oid})",
+            ]
+        )
 
     emit(args, {"report": oid, "gates": gates}, render)
     return EXIT_OK if gates.passed else EXIT_GATE_FAILED
@@ -254,8 +324,10 @@ def _transition_ref(store: shardstore.Store, args: argparse.Namespace) -> str | 
 
 def _warn_unnamed(ref: str | None, made: object) -> None:
     if ref is None:
-        note(f"shardtrain: warning: no ref names the new commit {made.commit} (--commit was not a ref and no --ref "  # type: ignore[attr-defined]
-             "was given): `shardstore gc` will remove it; name it with `--ref NAME` next time")
+        note(
+            f"shardtrain: warning: no ref names the new commit {made.commit} (--commit was not a ref and no --ref "  # type: ignore[attr-defined]
+            "was given): `shardstore gc` will remove it; name it with `--ref NAME` next time"
+        )
 
 
 def cmd_regroup(args: argparse.Namespace) -> int:
@@ -273,9 +345,15 @@ def cmd_regroup(args: argparse.Namespace) -> int:
 
 def _transition_json(made: object) -> dict[str, object]:
     m = made
-    return {"commit": m.commit, "parent": m.parent, "step": m.step, "learned_root": m.learned_root,  # type: ignore[attr-defined]
-            "parent_learned_root": m.parent_learned_root,  # type: ignore[attr-defined]
-            "partition": [[r.start, r.stop] for r in m.partition.ranges], "new_objects": len(m.new_objects)}  # type: ignore[attr-defined]
+    return {
+        "commit": m.commit,
+        "parent": m.parent,
+        "step": m.step,
+        "learned_root": m.learned_root,  # type: ignore[attr-defined]
+        "parent_learned_root": m.parent_learned_root,  # type: ignore[attr-defined]
+        "partition": [[r.start, r.stop] for r in m.partition.ranges],
+        "new_objects": len(m.new_objects),
+    }  # type: ignore[attr-defined]
 
 
 def cmd_grow(args: argparse.Namespace) -> int:
@@ -290,13 +368,27 @@ def cmd_grow(args: argparse.Namespace) -> int:
     check_append(config.num_hidden_layers, args.append)  # before the layout (or anything else) is sized by it
     grown = dataclasses.replace(config, num_hidden_layers=config.num_hidden_layers + args.append)
     ref = _transition_ref(store, args)
-    made = grow(store, lc.id, args.append, copy_from=args.copy_from, partition=_layout(args, grown, args.workers),  # type: ignore[arg-type]
-                ref=ref)
+    made = grow(
+        store,
+        lc.id,
+        args.append,
+        copy_from=args.copy_from,
+        partition=_layout(args, grown, args.workers),  # type: ignore[arg-type]
+        ref=ref,
+    )
     new = range(config.num_hidden_layers, config.num_hidden_layers + args.append)
     ok = identity_check(store, made.commit, new)
     check = f"identity check of layers {new.start}..{new.stop - 1}: "
-    emit(args, {**_transition_json(made), "identity": ok}, lambda doc: render_transition("grow", doc) + "\n" + check
-         + ("every new block maps its input to itself bitwise" if doc["identity"] else "FAILED"))
+    emit(
+        args,
+        {**_transition_json(made), "identity": ok},
+        lambda doc: (
+            render_transition("grow", doc)
+            + "\n"
+            + check
+            + ("every new block maps its input to itself bitwise" if doc["identity"] else "FAILED")
+        ),
+    )
     _warn_unnamed(ref, made)
     return EXIT_OK if ok else EXIT_ERROR
 
@@ -312,23 +404,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
         store = shardstore.open_store(args.store, create=False)
         config, _ = commit_config(store, shardstore.load_commit(store, args.commit))
     chosen = plan(_memory_model(args, config), _capacities(args, args.workers))  # type: ignore[arg-type]
-    rows = [{"slot": e.slot, "layers": list(e.layers), "parameters": e.parameters, "estimate": e.total,
-             "weights": e.weights, "grads": e.grads, "moments": e.moments, "reference": e.reference,
-             "activations": e.activations, "reserve": e.reserve, "capacity": c, "utilisation": u}
-            for e, c, u in zip(chosen.estimates, chosen.capacities, chosen.utilisations())]
-    emit(args, {"partition": [[r.start, r.stop] for r in chosen.partition.ranges], "slots": rows,
-                "max_utilisation": chosen.max_utilisation}, render_plan)
+    rows = [
+        {
+            "slot": e.slot,
+            "layers": list(e.layers),
+            "parameters": e.parameters,
+            "estimate": e.total,
+            "weights": e.weights,
+            "grads": e.grads,
+            "moments": e.moments,
+            "reference": e.reference,
+            "activations": e.activations,
+            "reserve": e.reserve,
+            "capacity": c,
+            "utilisation": u,
+        }
+        for e, c, u in zip(chosen.estimates, chosen.capacities, chosen.utilisations())
+    ]
+    emit(
+        args,
+        {
+            "partition": [[r.start, r.stop] for r in chosen.partition.ranges],
+            "slots": rows,
+            "max_utilisation": chosen.max_utilisation,
+        },
+        render_plan,
+    )
     if chosen.max_utilisation > 1 and not args.json:
-        note("shardtrain: warning: no contiguous assignment fits these capacities (workers would refuse at "
-             "admission): add workers or memory")
+        note(
+            "shardtrain: warning: no contiguous assignment fits these capacities (workers would refuse at "
+            "admission): add workers or memory"
+        )
     return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ._help import HelpFormatter
 
-    parser = argparse.ArgumentParser(prog="shardtrain", description="Pipeline trainer on shardstore.", epilog=EPILOG,
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="shardtrain", description="Pipeline trainer on shardstore.", epilog=EPILOG, formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command")
 
     def add(name: str, func: object, help: str) -> argparse.ArgumentParser:
@@ -336,65 +451,122 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         p.add_argument("--quiet", action="store_true", help="no progress lines")
-        p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                       help="S3 store option for every store opened, workers included (repeatable; README \"Storage options\")")
+        p.add_argument(
+            "--storage-option",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help='S3 store option for every store opened, workers included (repeatable; README "Storage options")',
+        )
         return p
 
-    p = add("prepare", cmd_prepare, "write a prepared job: the embedded default (tokenizer, generated tasks, tiny Llama), "
-            "or your model (--model) and your records (--records)")
+    p = add(
+        "prepare",
+        cmd_prepare,
+        "write a prepared job: the embedded default (tokenizer, generated tasks, tiny Llama), "
+        "or your model (--model) and your records (--records)",
+    )
     p.add_argument("--out", required=True, help="directory for job.json and the files it binds")
     p.add_argument("--steps-a", type=int, default=16, help="updates of cohort A (new records)")
     p.add_argument("--steps-b", type=int, default=8, help="updates of cohort B (new records + declared replay)")
     p.add_argument("--batch-size", type=int, default=8, help="records per update")
-    p.add_argument("--microbatch-size", type=int, default=4, help="records per pipeline microbatch (divides --batch-size)")
+    p.add_argument(
+        "--microbatch-size", type=int, default=4, help="records per pipeline microbatch (divides --batch-size)"
+    )
     p.add_argument("--data-seed", type=int, default=0, help="seed of the generated records and their schedule")
     p.add_argument("--init-seed", type=int, default=1234, help="seed of the model's initial weights")
     p.add_argument("--lr", type=float, help="peak learning rate (default: the embedded default's, docs/DEMO.md)")
     p.add_argument("--seed-store", help="store holding --seed-commit, or receiving --model's import")
-    p.add_argument("--seed-commit", help="start from this imported Llama commit (weights only) instead of a fresh init; "
-                   "its tokenizer assets, if it carries them, are bound")
-    p.add_argument("--model", metavar="HF_DIR", help="start from a Hugging Face save_pretrained directory: its weights "
-                   "(widened to float32) are imported into --seed-store and its tokenizer files bound")
+    p.add_argument(
+        "--seed-commit",
+        help="start from this imported Llama commit (weights only) instead of a fresh init; "
+        "its tokenizer assets, if it carries them, are bound",
+    )
+    p.add_argument(
+        "--model",
+        metavar="HF_DIR",
+        help="start from a Hugging Face save_pretrained directory: its weights "
+        "(widened to float32) are imported into --seed-store and its tokenizer files bound",
+    )
     p.add_argument("--records", metavar="TRAIN.jsonl", help='your training records, {"messages": [...]} per line')
     p.add_argument("--replay", metavar="FILE.jsonl", help="declared replay records (distilled toward the seed)")
     p.add_argument("--dev", metavar="FILE.jsonl", help="development held-out records")
     p.add_argument("--final", metavar="FILE.jsonl", help="final held-out records (open after `select`)")
     p.add_argument("--steps", type=int, help="with --records: updates (default: one pass over the records)")
     p.add_argument("--replay-per-step", type=int, help="with --replay: replay records per update (default 2)")
-    p.add_argument("--profile", choices=("fp32", "bf16-autocast"), default="fp32",
-                   help="numerical profile (README, Numerical profiles); default fp32")
+    p.add_argument(
+        "--profile",
+        choices=("fp32", "bf16-autocast"),
+        default="fp32",
+        help="numerical profile (README, Numerical profiles); default fp32",
+    )
     p.add_argument("--recompute", action="store_true", help="recompute each decoder block's activations in backward")
 
     p = add("train", cmd_train, "train a prepared job on local worker processes, committing to a store")
     p.add_argument("--prepared", required=True, metavar="JOB", help="job.json written by prepare")
     p.add_argument("--store", required=True, help="store path or URL; every commit goes here")
     p.add_argument("--until", type=int, required=True, metavar="N", help="train until N updates are complete")
-    p.add_argument("--resume", metavar="COMMIT", help="explicit commit (id, prefix or ref) every worker must agree on; "
-                   "'auto': the run's --ref if it exists, else the job's start (for torchrun --max-restarts)")
+    p.add_argument(
+        "--resume",
+        metavar="COMMIT",
+        help="explicit commit (id, prefix or ref) every worker must agree on; "
+        "'auto': the run's --ref if it exists, else the job's start (for torchrun --max-restarts)",
+    )
     p.add_argument("--every", type=int, metavar="K", help="commit every K updates (and always at N)")
-    p.add_argument("--workers", type=int, default=2, help="local workers (default 2); resuming a commit laid out for "
-                   "another count first writes its repartition commit (SPEC.md §15a)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="local workers (default 2); resuming a commit laid out for "
+        "another count first writes its repartition commit (SPEC.md §15a)",
+    )
     p.add_argument("--ref", default="main", help="the ref that follows this run (default main)")
-    p.add_argument("--slot-store", type=_slot_store, action="append", metavar="SLOT=STORE",
-                   help="restore that slot from its own copy of the commit (shardstore copy --shard)")
+    p.add_argument(
+        "--slot-store",
+        type=_slot_store,
+        action="append",
+        metavar="SLOT=STORE",
+        help="restore that slot from its own copy of the commit (shardstore copy --shard)",
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent peer counts as lost")
-    p.add_argument("--schedule", choices=("overlapped", "synchronous"), default="overlapped",
-                   help="pipeline microbatch schedule (same commits either way; default overlapped)")
-    p.add_argument("--sync-commits", action="store_true",
-                   help="wait for each commit in the step loop instead of writing it in the background")
+    p.add_argument(
+        "--schedule",
+        choices=("overlapped", "synchronous"),
+        default="overlapped",
+        help="pipeline microbatch schedule (same commits either way; default overlapped)",
+    )
+    p.add_argument(
+        "--sync-commits",
+        action="store_true",
+        help="wait for each commit in the step loop instead of writing it in the background",
+    )
 
     p = add("evaluate", cmd_evaluate, "held-out loss and greedy generation through the shards")
-    p.add_argument("--store", required=True, help="store path or URL holding the commits (and the job files train pinned)")
-    p.add_argument("--commit", action="append", required=True,
-                   help="commit to evaluate; repeat to compare later commits with the first (paired bootstrap)")
+    p.add_argument(
+        "--store", required=True, help="store path or URL holding the commits (and the job files train pinned)"
+    )
+    p.add_argument(
+        "--commit",
+        action="append",
+        required=True,
+        help="commit to evaluate; repeat to compare later commits with the first (paired bootstrap)",
+    )
     p.add_argument("--prepared", metavar="JOB", help="job.json (default: the job files train kept in the store)")
     p.add_argument("--workers", type=int, help="default: the first commit's slot count")
-    p.add_argument("--cases", type=int, default=8, help="greedy generations per held-out set, at most the set's size "
-                   "(the embedded default's development sets hold one record per task family)")
+    p.add_argument(
+        "--cases",
+        type=int,
+        default=8,
+        help="greedy generations per held-out set, at most the set's size "
+        "(the embedded default's development sets hold one record per task family)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each generation may add")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent peer counts as lost")
-    p.add_argument("--final", action="store_true", help="the final sets (needs `select` of the last --commit); "
-                   "default: the development sets")
+    p.add_argument(
+        "--final",
+        action="store_true",
+        help="the final sets (needs `select` of the last --commit); default: the development sets",
+    )
 
     p = add("select", cmd_select, "select a candidate commit: the record that opens the job's final sets")
     p.add_argument("--store", required=True, help="store path or URL holding the candidate")
@@ -415,9 +587,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--plan", action="store_true", help="choose the partition with the capacity planner")
         p.add_argument("--prepared", metavar="JOB", help="job.json (for --plan: sequence length, batch split)")
         p.add_argument("--memory", metavar="SIZE[,SIZE...]", help="for --plan: each worker's memory, e.g. 24GiB,16GiB")
-        p.add_argument("--reference", action="store_true", help="for --plan: count a frozen reference model's share (default: if the job distils)")
-        p.add_argument("--ref", help="move this ref from the commit to the new commit, by compare-and-swap "
-                                     "(default: --commit itself when it is a ref name; else no ref, with a warning)")
+        p.add_argument(
+            "--reference",
+            action="store_true",
+            help="for --plan: count a frozen reference model's share (default: if the job distils)",
+        )
+        p.add_argument(
+            "--ref",
+            help="move this ref from the commit to the new commit, by compare-and-swap "
+            "(default: --commit itself when it is a ref name; else no ref, with a warning)",
+        )
 
     p = add("regroup", cmd_regroup, "write a repartition commit: the same learned state on another worker layout")
     p.add_argument("--store", required=True, help="store path or URL")
@@ -429,7 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True, help="store path or URL")
     p.add_argument("--commit", required=True, help="the commit to grow (id, prefix or ref; a ref moves with it)")
     p.add_argument("--append", type=int, required=True, metavar="K", help="blocks to append after the last")
-    p.add_argument("--copy-from", type=int, metavar="L", help="layer whose internal weights the new blocks copy (default the last)")
+    p.add_argument(
+        "--copy-from", type=int, metavar="L", help="layer whose internal weights the new blocks copy (default the last)"
+    )
     p.add_argument("--workers", type=int, help="worker count of the grown layout (default the commit's)")
     layout_options(p)
 
@@ -438,9 +619,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="store holding --commit")
     p.add_argument("--commit", help="plan for this commit's model (e.g. a grown one) instead of the job's")
     p.add_argument("--workers", type=int, required=True, help="worker count to plan for")
-    p.add_argument("--memory", required=True, metavar="SIZE[,SIZE...]", help="each worker's memory (one size for all), e.g. 24GiB,16GiB")
-    p.add_argument("--reference", action="store_true",
-                   help="count a frozen reference model's share (default: whether the job distils)")
+    p.add_argument(
+        "--memory",
+        required=True,
+        metavar="SIZE[,SIZE...]",
+        help="each worker's memory (one size for all), e.g. 24GiB,16GiB",
+    )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="count a frozen reference model's share (default: whether the job distils)",
+    )
 
     p = add("demo", cmd_demo, "the main job: train, lose a worker, recover exactly, continue, evaluate")
     p.add_argument("--home", help="directory for the job and stores (default: a new temporary directory)")
@@ -464,8 +653,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except RunAborted as exc:
         return _fail(args, exc, EXIT_ABORTED)
-    except (JobError, ResumeError, RoleError, AdmissionError, TransitionError, PartitionError, DistillError,
-            shardstore.ShardstoreError) as exc:
+    except (
+        JobError,
+        ResumeError,
+        RoleError,
+        AdmissionError,
+        TransitionError,
+        PartitionError,
+        DistillError,
+        shardstore.ShardstoreError,
+    ) as exc:
         return _fail(args, exc, EXIT_REFUSED)
     except (ShardtrainError, OSError, ValueError) as exc:
         return _fail(args, exc, EXIT_ERROR)

@@ -9,6 +9,7 @@ byte progress bar (tqdm) to stderr only on a terminal and without ``--quiet``.
 Stores are paths or URLs; S3 credentials and endpoint come from the environment
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles...).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,12 +71,26 @@ def register(subparsers: Any) -> None:
     p.add_argument("target", metavar="TARGET", help="ref name, commit id or unique id prefix in SRC")
     p.add_argument("--shard", type=int, metavar="K", help="copy only what slot K needs to restore")
     p.add_argument("--ref", metavar="NAME", help="afterwards move ref NAME in DST to the commit")
-    p.add_argument("--pin", action="append", default=[], metavar="NAME",
-                   help="also copy pin NAME and the objects it keeps (repeatable; e.g. a run's jobs/<job id>)")
-    p.add_argument("--with-deps", action="store_true",
-                   help="also the commits its job depends on (a run's seed and frozen references: pin references/<job>) "
-                   "and the job's pins")
-    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N", help=f"objects in flight at once (default {DEFAULT_THREADS})")
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also copy pin NAME and the objects it keeps (repeatable; e.g. a run's jobs/<job id>)",
+    )
+    p.add_argument(
+        "--with-deps",
+        action="store_true",
+        help="also the commits its job depends on (a run's seed and frozen references: pin references/<job>) "
+        "and the job's pins",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        metavar="N",
+        help=f"objects in flight at once (default {DEFAULT_THREADS})",
+    )
     _common(p)
     p.set_defaults(func=cmd_copy, parser=p)
     g = subparsers.add_parser(
@@ -89,7 +104,13 @@ def register(subparsers: Any) -> None:
     )
     g.add_argument("store", metavar="STORE", help="store path or URL")
     g.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
-    g.add_argument("--grace", type=parse_duration, default=3600.0, metavar="DURATION", help="keep objects younger than this (default 1h)")
+    g.add_argument(
+        "--grace",
+        type=parse_duration,
+        default=3600.0,
+        metavar="DURATION",
+        help="keep objects younger than this (default 1h)",
+    )
     _common(g)
     g.set_defaults(func=cmd_gc, parser=g)
     u = subparsers.add_parser(
@@ -143,8 +164,17 @@ def cmd_copy(args: argparse.Namespace) -> int:
         check_copy(src, args.target, slot=args.shard, ref=args.ref, pins=args.pin or ())  # before DST is created
         dst = ss.open_store(args.dst, create=True)
         with _bar(args, "copy") as bar:
-            result = copy_commit(src, dst, args.target, slot=args.shard, ref=args.ref, pins=args.pin, threads=args.threads,
-                                 progress=bar.update, with_deps=args.with_deps)
+            result = copy_commit(
+                src,
+                dst,
+                args.target,
+                slot=args.shard,
+                ref=args.ref,
+                pins=args.pin,
+                threads=args.threads,
+                progress=bar.update,
+                with_deps=args.with_deps,
+            )
         _print_copy(args, result)
         return EXIT_OK
 
@@ -172,8 +202,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     args.command_name = "gc"
 
     if args.grace == 0 and not args.dry_run and not args.quiet:
-        note("shardstore gc: warning: --grace 0 can delete the objects of a save in progress (written, not yet "
-             "named by a ref); use it only when no writer is running on this store")
+        note(
+            "shardstore gc: warning: --grace 0 can delete the objects of a save in progress (written, not yet "
+            "named by a ref); use it only when no writer is running on this store"
+        )
 
     def body() -> int:
         store = ss.open_store(args.store, create=False)

@@ -5,6 +5,7 @@ tensors, Adam moments and cursors, and RNG; a commit binds the shards, the job a
 learned-state root, and its id is the full root. Only refs move, by compare-and-swap.
 SPEC.md at the repository root is the normative description.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -89,7 +90,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .checkpoint.async_save import AsyncSaver  # noqa: F401
     from .checkpoint.distributed import agree_on_commit, save_distributed  # noqa: F401
     from .checkpoint.info import CommitInfo  # noqa: F401
-    from .checkpoint.slots import AUTO, Restored, restore, save, save_slots, write_commit, write_shard, write_shard_entries  # noqa: F401
+    from .checkpoint.slots import (
+        AUTO,
+        Restored,
+        restore,
+        save,
+        save_slots,
+        write_commit,
+        write_shard,
+        write_shard_entries,
+    )  # noqa: F401
     from .format.manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode  # noqa: F401
     from .format.roots import learned_root  # noqa: F401
     from .ops.gc import GcResult, gc  # noqa: F401

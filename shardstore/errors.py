@@ -4,6 +4,7 @@ Every error names what was wrong (object id, tensor name, ref, slot) and, where 
 comes from the format, the SPEC.md section that states it. The CLI maps these classes to
 exit codes (SPEC.md §Exit codes); library code only raises.
 """
+
 from __future__ import annotations
 
 __all__ = [

@@ -4,6 +4,7 @@ Every error the trainer raises for bad input or a failed peer is a `ShardtrainEr
 callers (the CLI, a test) can catch the family and map each class to an exit code. Asserts
 are kept for internal invariants only.
 """
+
 from __future__ import annotations
 
 __all__ = [

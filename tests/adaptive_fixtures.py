@@ -6,6 +6,7 @@ then, from that run's commits: regroups step 1 onto 3 workers and trains 2 updat
 regroups the result back onto 2 workers and trains 1 more; grows step 4 by one identity
 block and trains it to the end on 2 workers and, through `train`'s own regroup, on 3.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,14 +32,18 @@ def object_files(root: Path) -> set[str]:
 def adaptive_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     home = tmp_path_factory.mktemp("adaptive")
     # No declared replay, so no distillation term: the grow test's single-process reference is cross-entropy only.
-    job = prepare_default(home / "job", steps_a=4, steps_b=2, batch_size=4, microbatch_size=2, eval_per_set=2,
-                          replay_per_step=0)
+    job = prepare_default(
+        home / "job", steps_a=4, steps_b=2, batch_size=4, microbatch_size=2, eval_per_set=2, replay_per_step=0
+    )
     url = str(home / "store")
     store = open_store(url)
 
     def run(workers: int, until: int, ref: str, resume: str | None = None, **kw: object) -> list:  # type: ignore[type-arg]
-        return train(RunSpec(job=job, store=url, until=until, every=1, resume=resume, ref=ref, **kw),  # type: ignore[arg-type]
-                     workers, timeout=TIMEOUT)
+        return train(
+            RunSpec(job=job, store=url, until=until, every=1, resume=resume, ref=ref, **kw),  # type: ignore[arg-type]
+            workers,
+            timeout=TIMEOUT,
+        )
 
     straight = run(2, 6, "main")
     u = {c.step: c.id for c in straight[0].commits}
@@ -64,7 +69,26 @@ def adaptive_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     dstraight = train(RunSpec(job=djob, store=durl, until=6, every=1), 2, timeout=TIMEOUT)
     d4 = next(c.id for c in dstraight[0].commits if c.step == 4)
     dwide = train(RunSpec(job=djob, store=durl, until=6, every=1, resume=d4, ref="wide"), 3, timeout=TIMEOUT)
-    return SimpleNamespace(dstore=open_store(durl), dstraight=dstraight, dwide=dwide,
-home=home, job=job, url=url, store=store, straight=straight, u=u, to3=to3, host=host,
-                           copied=copied, wide=wide, w=w,
-                           to2=to2, narrow=narrow, n=n, files=files, grown=grown, g2=g2, g3=g3)
+    return SimpleNamespace(
+        dstore=open_store(durl),
+        dstraight=dstraight,
+        dwide=dwide,
+        home=home,
+        job=job,
+        url=url,
+        store=store,
+        straight=straight,
+        u=u,
+        to3=to3,
+        host=host,
+        copied=copied,
+        wide=wide,
+        w=w,
+        to2=to2,
+        narrow=narrow,
+        n=n,
+        files=files,
+        grown=grown,
+        g2=g2,
+        g3=g3,
+    )

@@ -1,4 +1,5 @@
 """Shared fixtures: stores on every local backend, and small models with real AdamW state."""
+
 from __future__ import annotations
 
 import os
@@ -56,7 +57,10 @@ def make_optimizer(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.Adam
     decay = [p for n, p in model.named_parameters() if p.ndim == 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1, "name": "decay"}, {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}],
+        [
+            {"params": decay, "weight_decay": 0.1, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        ],
         lr=lr,
     )
 

@@ -21,6 +21,7 @@ float64 comparison to ~1e-7), and the float32 steps inside RMSNorm (both models
 normalise in float32, as transformers does) could differ likewise. It writes
 ``<dtype>/oracle.safetensors``.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,20 +48,31 @@ def distill_worker(ctx: WorkerContext, spec_json: str) -> None:
     spec = json.loads(spec_json)
     store = shardstore.open_store(spec["store"], create=False)
     for run in spec["runs"]:
-        _run(ctx, spec, store, getattr(torch, run["dtype"]), run["reference"],
-             os.path.join(spec["out_dir"], run["dtype"]))
+        _run(
+            ctx,
+            spec,
+            store,
+            getattr(torch, run["dtype"]),
+            run["reference"],
+            os.path.join(spec["out_dir"], run["dtype"]),
+        )
 
 
-def _run(ctx: WorkerContext, spec: dict, store: shardstore.Store, dtype: torch.dtype, reference_commit: str,
-         out_dir: str) -> None:
+def _run(
+    ctx: WorkerContext, spec: dict, store: shardstore.Store, dtype: torch.dtype, reference_commit: str, out_dir: str
+) -> None:
     config = tiny_config()
     partition = Partition.from_ranges([tuple(r) for r in spec["ranges"]], config.num_hidden_layers)
     stage = build_stage(config, partition, ctx.rank, seed=spec["seed"], device=ctx.device, dtype=dtype)
-    reference = Reference(store, reference_commit, slot=ctx.rank, num_slots=ctx.world_size, device=ctx.device,
-                          timeout=60.0, dtype=dtype)
+    reference = Reference(
+        store, reference_commit, slot=ctx.rank, num_slots=ctx.world_size, device=ctx.device, timeout=60.0, dtype=dtype
+    )
     pipe = Pipeline(stage, partition, ctx.rank, timeout=timedelta(seconds=60))
-    opt = AdamW(stage.named_parameters(), {k: GroupConfig(**v) for k, v in spec.get("groups", GROUPS_JSON).items()},
-                schedule=Schedule(warmup_steps=1, total_steps=spec["steps"], min_ratio=0.1))
+    opt = AdamW(
+        stage.named_parameters(),
+        {k: GroupConfig(**v) for k, v in spec.get("groups", GROUPS_JSON).items()},
+        schedule=Schedule(warmup_steps=1, total_steps=spec["steps"], min_ratio=0.1),
+    )
     trainer = Trainer(pipe, opt, microbatch_size=spec["microbatch_size"], max_grad_norm=spec["max_grad_norm"])
     results = []
     for step in range(spec["steps"]):
@@ -73,10 +85,15 @@ def _run(ctx: WorkerContext, spec: dict, store: shardstore.Store, dtype: torch.d
         results.append([r.loss, r.grad_norm, r.clip_coef])
     tensors = {name: p.detach().clone() for name, p in stage.named_parameters()}
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, f"rank{ctx.rank}.safetensors"),
-              metadata={"results": json.dumps(results),
-                        "reference_params": json.dumps(sum(p.numel() for p in reference.stage.parameters())),
-                        "reference_dtype": json.dumps(str(next(reference.stage.parameters()).dtype))})
+    save_file(
+        tensors,
+        os.path.join(out_dir, f"rank{ctx.rank}.safetensors"),
+        metadata={
+            "results": json.dumps(results),
+            "reference_params": json.dumps(sum(p.numel() for p in reference.stage.parameters())),
+            "reference_dtype": json.dumps(str(next(reference.stage.parameters()).dtype)),
+        },
+    )
 
 
 def oracle_worker(ctx: WorkerContext, spec_json: str) -> None:
@@ -103,8 +120,9 @@ def _hf(seed: int, dtype: torch.dtype, store: shardstore.Store | None = None, co
     return model
 
 
-def reference_run(spec: dict, dtype: torch.dtype,
-                  reference: str) -> tuple[list[tuple[float, float, float]], dict[str, torch.Tensor]]:
+def reference_run(
+    spec: dict, dtype: torch.dtype, reference: str
+) -> tuple[list[tuple[float, float, float]], dict[str, torch.Tensor]]:
     """Whole-model CE + KL in one process; per step (loss, gradient norm, CE-only loss), and the parameters."""
     config = tiny_config()
     store = shardstore.open_store(spec["store"], create=False)
@@ -112,8 +130,10 @@ def reference_run(spec: dict, dtype: torch.dtype,
     params = dict(student.named_parameters())
     assert tuple(params) == canonical_parameter_names(config)
     gs = spec["groups"]
-    groups = [{"params": [p for p in params.values() if p.ndim >= 2], **_group(gs["decay"])},
-              {"params": [p for p in params.values() if p.ndim < 2], **_group(gs["no_decay"])}]
+    groups = [
+        {"params": [p for p in params.values() if p.ndim >= 2], **_group(gs["decay"])},
+        {"params": [p for p in params.values() if p.ndim < 2], **_group(gs["no_decay"])},
+    ]
     opt = torch.optim.AdamW(groups, foreach=False)
     schedule = Schedule(warmup_steps=1, total_steps=spec["steps"], min_ratio=0.1)
     temp, coef = spec["temperature"], spec["coef"]
@@ -132,9 +152,13 @@ def reference_run(spec: dict, dtype: torch.dtype,
         total = b.weights.sum()  # the loss denominator: a float32 sum, as `Batch.total_weight` defines it
         ce = F.cross_entropy(logits.transpose(1, 2), b.targets, reduction="none")  # (B, T)
         ce_sum = (ce * weights)[~replay].sum()
-        kl = F.kl_div(F.log_softmax(logits[replay] / temp, -1), F.log_softmax(ref_logits[replay] / temp, -1),
-                      reduction="none", log_target=True).sum(-1)  # (R, T): KL(p_ref || p_student)
-        loss = (ce_sum + coef * temp ** 2 * (kl * weights[replay]).sum()) / total
+        kl = F.kl_div(
+            F.log_softmax(logits[replay] / temp, -1),
+            F.log_softmax(ref_logits[replay] / temp, -1),
+            reduction="none",
+            log_target=True,
+        ).sum(-1)  # (R, T): KL(p_ref || p_student)
+        loss = (ce_sum + coef * temp**2 * (kl * weights[replay]).sum()) / total
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), spec["max_grad_norm"]))
         opt.step()
@@ -143,5 +167,9 @@ def reference_run(spec: dict, dtype: torch.dtype,
 
 
 def _group(spec: dict[str, float]) -> dict[str, Any]:
-    return {"lr": spec["lr"], "betas": (spec["beta1"], spec["beta2"]), "eps": spec["eps"],
-            "weight_decay": spec["weight_decay"]}
+    return {
+        "lr": spec["lr"],
+        "betas": (spec["beta1"], spec["beta2"]),
+        "eps": spec["eps"],
+        "weight_decay": spec["weight_decay"],
+    }

@@ -5,6 +5,7 @@ training loop: one definition, so every test module splits the same tensors.
 tiles of 10 x 65536, SPEC.md §5a), so every split the tests use cuts a block and the exchange
 moves pieces.
 """
+
 from __future__ import annotations
 
 import torch

@@ -22,6 +22,7 @@ Four tools, each small enough to read in one sitting:
   the k-th request with an injected error (500, 503, a timeout before or after the
   request reached the server, 412).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +37,19 @@ from typing import Any
 from shardstore.backends.base import Buffer, Storage
 from shardstore.errors import ObjectNotFound, RefConflict
 
-__all__ = ["OpLog", "kill_at", "label", "FaultyOs", "set_local_os", "patch_local_os", "LOCAL_OS_MODULES", "PowerCut", "PowerLossStorage", "S3FaultClient", "KILL"]
+__all__ = [
+    "OpLog",
+    "kill_at",
+    "label",
+    "FaultyOs",
+    "set_local_os",
+    "patch_local_os",
+    "LOCAL_OS_MODULES",
+    "PowerCut",
+    "PowerLossStorage",
+    "S3FaultClient",
+    "KILL",
+]
 
 KILL = "kill"
 
@@ -154,7 +167,22 @@ def kill_at(k: int, ops: tuple[str, ...] | None = None) -> Callable[[int, str, s
 # -- system-call level ----------------------------------------------------------------
 
 #: The os functions LocalStorage calls that touch the disk; each call is one numbered point.
-SYSCALLS = ("open", "write", "fsync", "close", "link", "replace", "rename", "unlink", "makedirs", "fstat", "lstat", "readv", "utime", "posix_fadvise")
+SYSCALLS = (
+    "open",
+    "write",
+    "fsync",
+    "close",
+    "link",
+    "replace",
+    "rename",
+    "unlink",
+    "makedirs",
+    "fstat",
+    "lstat",
+    "readv",
+    "utime",
+    "posix_fadvise",
+)
 
 
 #: Calls that need free space: a sticky ENOSPC keeps failing these (close, unlink, reads still work).
@@ -191,8 +219,15 @@ class FaultyOs:
     does) or kills the process (``err == KILL``). ``os.path``, ``os.walk`` and the rest pass
     through, except that ``walk`` honours the same fault for the directory scan at ``at``."""
 
-    def __init__(self, real: Any = os, at: int | None = None, err: int | str = errno_mod.EIO, sticky: bool = False,
-                 only: tuple[str, ...] | None = None, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        real: Any = os,
+        at: int | None = None,
+        err: int | str = errno_mod.EIO,
+        sticky: bool = False,
+        only: tuple[str, ...] | None = None,
+        fsync: bool = True,
+    ) -> None:
         self._real = real
         self._fsync = fsync
         self.at, self.err, self.sticky, self.only = at, err, sticky, only
@@ -220,7 +255,9 @@ class FaultyOs:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             flags = args[1] if name == "open" and len(args) > 1 else kwargs.get("flags", 0)
-            self._point(name if name != "open" else ("open:w" if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) else "open:r"))
+            self._point(
+                name if name != "open" else ("open:w" if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) else "open:r")
+            )
             if name == "fsync" and not self._fsync:
                 return None  # a killed process loses nothing the page cache holds: skip the disk wait
             return attr(*args, **kwargs)
@@ -256,7 +293,9 @@ class PowerLossStorage:
     ``cut_at`` (write_once, sync, delete, and the three steps of swap: lock, rename,
     directory fsync)."""
 
-    def __init__(self, durable: dict[str, bytes] | None = None, *, cut_at: int | None = None, name: str = "power") -> None:
+    def __init__(
+        self, durable: dict[str, bytes] | None = None, *, cut_at: int | None = None, name: str = "power"
+    ) -> None:
         self.url = f"powerloss://{name}"
         self.durable: dict[str, bytes] = dict(durable or {})
         self.visible: dict[str, bytes] = dict(self.durable)
@@ -401,14 +440,25 @@ class S3FaultClient:
     if given) fails with ``fault``, or, for ``("after", exc)``, is sent and its answer lost.
     ``repeat``: that many consecutive requests fail (a persistent outage)."""
 
-    def __init__(self, real: Any, at: int | None = None, fault: Any = None, repeat: int = 1, ops: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self, real: Any, at: int | None = None, fault: Any = None, repeat: int = 1, ops: tuple[str, ...] | None = None
+    ) -> None:
         self.real, self.at, self.fault, self.repeat, self.ops = real, at, fault, repeat, ops
         self.calls: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.real, name)
-        if not asyncio.iscoroutinefunction(method) and not name.endswith("_object") and name not in (
-            "list_objects_v2", "create_multipart_upload", "upload_part", "complete_multipart_upload", "abort_multipart_upload"
+        if (
+            not asyncio.iscoroutinefunction(method)
+            and not name.endswith("_object")
+            and name
+            not in (
+                "list_objects_v2",
+                "create_multipart_upload",
+                "upload_part",
+                "complete_multipart_upload",
+                "abort_multipart_upload",
+            )
         ):
             return method
 
@@ -444,8 +494,11 @@ def frozen_slots(model: Any, opt: Any, split: int, *, rng: dict[str, bytes] | No
         st = ss.capture(model, opt, names=part, rng=False)
         tensors = {n: t.detach().clone() for n, t in st.tensors.items()}
         params = {
-            n: dataclasses.replace(p, exp_avg=None if p.exp_avg is None else p.exp_avg.clone(),
-                                   exp_avg_sq=None if p.exp_avg_sq is None else p.exp_avg_sq.clone())
+            n: dataclasses.replace(
+                p,
+                exp_avg=None if p.exp_avg is None else p.exp_avg.clone(),
+                exp_avg_sq=None if p.exp_avg_sq is None else p.exp_avg_sq.clone(),
+            )
             for n, p in st.optim.params.items()
         }
         optim = dataclasses.replace(st.optim, params=params)

@@ -5,6 +5,7 @@ each rank's JSON-able result back to the test.
 Starting processes is the expensive part of a multi-process test, so a module runs one
 group that does all of its checks (``body`` returns a dict of findings per rank).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,13 @@ def run_group(body: Callable[..., dict], world: int, tmp: Path, *args: Any, time
     (one thread each); return the ranks' results in rank order. ``body`` must be a
     module-level function (it is sent to the processes by reference)."""
     out = str(tmp / "result")
-    mp.start_processes(_entry, args=(world, free_port(), out, timeout_s, body, args), nprocs=world, join=True,
-                       start_method=START_METHOD)
+    mp.start_processes(
+        _entry,
+        args=(world, free_port(), out, timeout_s, body, args),
+        nprocs=world,
+        join=True,
+        start_method=START_METHOD,
+    )
     results = []
     for r in range(world):
         with open(f"{out}.{r}") as f:
@@ -44,7 +50,9 @@ def run_group(body: Callable[..., dict], world: int, tmp: Path, *args: Any, time
     return results
 
 
-def _entry(rank: int, world: int, port: int, out: str, timeout_s: float, body: Callable[..., dict], args: tuple) -> None:
+def _entry(
+    rank: int, world: int, port: int, out: str, timeout_s: float, body: Callable[..., dict], args: tuple
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))

@@ -7,6 +7,7 @@ other's keys. Credentials are fake and travel as storage options (``s3_options``
 subprocesses, as environment variables (``S3Server.env``); the process environment of the
 test run is never modified.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,7 +58,9 @@ def make_client(server: S3Server) -> Any:
     """A plain synchronous boto3 client for inspecting the server from tests."""
     import boto3
 
-    return boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=_KEY, aws_secret_access_key=_KEY, region_name=_REGION)
+    return boto3.client(
+        "s3", endpoint_url=server.endpoint, aws_access_key_id=_KEY, aws_secret_access_key=_KEY, region_name=_REGION
+    )
 
 
 @pytest.fixture(scope="session")

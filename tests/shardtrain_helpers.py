@@ -5,6 +5,7 @@ Workers return results through safetensors files in a directory the test chooses
 parameters under their names, moments under `exp_avg/<name>` and `exp_avg_sq/<name>`,
 and per-step numbers plus the parameter inventory as JSON in the file's metadata.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,18 @@ DETERMINISTIC_ENV = {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1", "
 
 
 def tiny_config(*, tied: bool = True, layers: int = 4) -> LlamaConfig:
-    return LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=112, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-                       max_position_embeddings=64, tie_word_embeddings=tied)
+    return LlamaConfig(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=112,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
 
 
 def make_batch(config: LlamaConfig, *, seed: int, rows: int = 5, seq_len: int = 24) -> Batch:
@@ -52,17 +62,36 @@ def make_batch(config: LlamaConfig, *, seed: int, rows: int = 5, seq_len: int = 
     return Batch(tokens, targets, weights)
 
 
-def job_spec(out_dir: str | Path, *, ranges: list[tuple[int, int]], tied: bool = True, steps: int = 4,
-             microbatch_size: int = 2, max_grad_norm: float = 0.5, seed: int = 1234, **extra: Any) -> str:
-    spec = {"out_dir": str(out_dir), "config": tiny_config(tied=tied).to_hf_dict(), "ranges": ranges,
-            "steps": steps, "microbatch_size": microbatch_size, "max_grad_norm": max_grad_norm, "seed": seed,
-            "groups": GROUPS_JSON, "schedule": {"warmup_steps": min(2, steps), "total_steps": steps, "min_ratio": 0.1}}
+def job_spec(
+    out_dir: str | Path,
+    *,
+    ranges: list[tuple[int, int]],
+    tied: bool = True,
+    steps: int = 4,
+    microbatch_size: int = 2,
+    max_grad_norm: float = 0.5,
+    seed: int = 1234,
+    **extra: Any,
+) -> str:
+    spec = {
+        "out_dir": str(out_dir),
+        "config": tiny_config(tied=tied).to_hf_dict(),
+        "ranges": ranges,
+        "steps": steps,
+        "microbatch_size": microbatch_size,
+        "max_grad_norm": max_grad_norm,
+        "seed": seed,
+        "groups": GROUPS_JSON,
+        "schedule": {"warmup_steps": min(2, steps), "total_steps": steps, "min_ratio": 0.1},
+    }
     spec.update(extra)
     return json.dumps(spec)
 
 
-GROUPS_JSON = {"decay": {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1},
-               "no_decay": {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}}
+GROUPS_JSON = {
+    "decay": {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1},
+    "no_decay": {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0},
+}
 
 
 def train_worker(ctx: WorkerContext, spec_json: str) -> None:
@@ -92,8 +121,12 @@ def train_worker(ctx: WorkerContext, spec_json: str) -> None:
     for name, st in params.items():
         tensors[f"exp_avg/{name}"] = st["exp_avg"].clone()
         tensors[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].clone()
-    meta = {"results": json.dumps(results), "inventory": json.dumps(inventory),
-            "ages": json.dumps({n: st["age"] for n, st in params.items()}), "bytes_sent": str(pipe.bytes_sent)}
+    meta = {
+        "results": json.dumps(results),
+        "inventory": json.dumps(inventory),
+        "ages": json.dumps({n: st["age"] for n, st in params.items()}),
+        "bytes_sent": str(pipe.bytes_sent),
+    }
     save_file(tensors, os.path.join(spec["out_dir"], f"rank{ctx.rank}.safetensors"), metadata=meta)
 
 
@@ -157,6 +190,7 @@ def aborting_worker(ctx: WorkerContext, rank_to_abort: int, in_teardown: bool = 
 
 def lingering_thread_worker(ctx: WorkerContext, out_dir: str) -> None:
     """Return while a non-daemon thread still has a file to write."""
+
     def late() -> None:
         time.sleep(0.5)
         Path(out_dir, f"late-{ctx.rank}.txt").write_text("written after the function returned")

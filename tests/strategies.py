@@ -1,4 +1,5 @@
 """Hypothesis strategies for manifests and named training state."""
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,12 @@ shapes = st.lists(st.integers(0, 5), max_size=3).map(tuple)
 @st.composite
 def group_specs(draw, name=None):
     return GroupSpec(
-        name=name or draw(group_names), lr=draw(floats), beta1=draw(floats), beta2=draw(floats), eps=draw(floats), weight_decay=draw(floats)
+        name=name or draw(group_names),
+        lr=draw(floats),
+        beta1=draw(floats),
+        beta2=draw(floats),
+        eps=draw(floats),
+        weight_decay=draw(floats),
     )
 
 
@@ -68,7 +74,10 @@ def shard_manifests(draw):
         algorithm="adamw" if used else "none",
         groups=tuple(draw(group_specs(name=g)) for g in used),
         entries=entries,
-        rng=tuple(RngEntry(kind=k, object=draw(oids)) for k in sorted(draw(st.sets(st.sampled_from(["python", "numpy", "torch", "cuda:0"]))))),
+        rng=tuple(
+            RngEntry(kind=k, object=draw(oids))
+            for k in sorted(draw(st.sets(st.sampled_from(["python", "numpy", "torch", "cuda:0"]))))
+        ),
     )
 
 
@@ -84,7 +93,10 @@ def commit_manifests(draw):
         optimizer=OptimizerSpec(algorithm="adamw", groups=(draw(group_specs(name="decay")),)),
         step=draw(st.integers(0, 10**6)),
         data_cursor=draw(st.none() | st.integers(0, 10**9)),
-        layout=tuple(SlotLayout(slot=i, shard=draw(oids), tensors=tuple(sorted(draw(st.sets(names, max_size=3))))) for i in range(n)),
+        layout=tuple(
+            SlotLayout(slot=i, shard=draw(oids), tensors=tuple(sorted(draw(st.sets(names, max_size=3)))))
+            for i in range(n)
+        ),
         learned_root=draw(oids),
         parent=draw(st.none() | oids),
         transition=draw(st.sampled_from(["init", "train", "repartition", "grow", "import"])),

@@ -24,6 +24,7 @@ first suspected; they were not the cause. Workers are forked from this process; 
 fixed paths it imports torch._dynamo once up front (as init_from_env would in each
 worker), for `old` it does not, so each worker imports it late as the old code did.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,9 @@ def _round(root: str, exit_path: str) -> list[int]:
                 _child_main(_worker, (root,), rank, 2, port, 60.0, None, os.path.join(root, f"error-{rank}"))
                 os._exit(2)  # not reached: the entry always exits
             faulthandler.enable()
-            os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            os.environ.update(
+                RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+            )
             try:
                 if exit_path == "old":
                     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))

@@ -1,4 +1,5 @@
 """Admission: a worker given less memory than its estimate refuses before allocating; nothing is committed."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,9 +31,18 @@ def test_a_short_worker_refuses_before_anything_is_committed(tmp_path: Path) -> 
 
 
 def test_admit_compares_the_estimate_with_what_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     est = MemoryModel(config, seq_len=8, microbatch_size=2).estimate(0, range(2))
     assert free_memory(torch.device("cpu")) > 0  # the host's real available memory
     monkeypatch.setenv(FREE_MEMORY_ENV, str(est.total))

@@ -4,6 +4,7 @@
 (a mismatch exits non-zero), so a smoke run is also an end-to-end check of the paths it
 compares; `bench_s3.py` verifies its round trip against a moto server it starts itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,22 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 def test_checkpoint_benchmark_smoke(tmp_path) -> None:
     results = tmp_path / "RESULTS.md"
     results.write_text("# results\n")
-    done = _run(["benchmarks/bench_checkpoint.py", "--scale", "0.002", "--params", "1", "--reps", "1", "--warm",
-                 "--dir", str(tmp_path), "--results", str(results)])
+    done = _run(
+        [
+            "benchmarks/bench_checkpoint.py",
+            "--scale",
+            "0.002",
+            "--params",
+            "1",
+            "--reps",
+            "1",
+            "--warm",
+            "--dir",
+            str(tmp_path),
+            "--results",
+            str(results),
+        ]
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     text = results.read_text()
     assert "<!-- bench_checkpoint:begin -->" in text and "<!-- bench_checkpoint:end -->" in text
@@ -32,8 +47,13 @@ def test_checkpoint_benchmark_smoke(tmp_path) -> None:
         section = text.split(f"**targets** — {shape}")[1].split("\n\n")[1]
         rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| target")]
         names = [r.split("|")[1].strip() for r in rows]
-        for want in ("save ≥ 1.5× dcp.save default", "restore ≥ 1.5× dcp.load", "verify ≥ 0.8× BLAKE3 max_threads=2",
-                     "async blocking ≤ 1.5× memcpy (time)", "second save writes 0 tensor bytes"):
+        for want in (
+            "save ≥ 1.5× dcp.save default",
+            "restore ≥ 1.5× dcp.load",
+            "verify ≥ 0.8× BLAKE3 max_threads=2",
+            "async blocking ≤ 1.5× memcpy (time)",
+            "second save writes 0 tensor bytes",
+        ):
             assert want in names, (shape, names)
         zero = next(r for r in rows if "second save writes 0 tensor bytes" in r)
         assert zero.rstrip().endswith("| yes |"), zero  # write-once holds at any size
@@ -47,29 +67,65 @@ def test_s3_benchmark_smoke() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("SHARDSTORE_SLOW"), reason="two more spawned processes (~10-17 s); SHARDSTORE_SLOW=1 runs it")
+@pytest.mark.skipif(
+    not os.environ.get("SHARDSTORE_SLOW"), reason="two more spawned processes (~10-17 s); SHARDSTORE_SLOW=1 runs it"
+)
 def test_dtensor_benchmark_smoke(tmp_path) -> None:
     """Two Gloo processes save and restore one FSDP2 tensor both ways; a restore that differs exits non-zero.
 
     Behind the slow marker: tests/test_dtensor.py already runs these code paths, and the
     suite's time budget is shared."""
     results = tmp_path / "RESULTS.md"
-    done = _run(["benchmarks/bench_dtensor.py", "--mib", "16", "--reps", "1", "--warm", "--dir", str(tmp_path), "--results", str(results)])
+    done = _run(
+        [
+            "benchmarks/bench_dtensor.py",
+            "--mib",
+            "16",
+            "--reps",
+            "1",
+            "--warm",
+            "--dir",
+            str(tmp_path),
+            "--results",
+            str(results),
+        ]
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     text = results.read_text()
-    assert "<!-- bench_dtensor:begin -->" in text and "| dcp.save |" in text and "| shardstore.restore (verifies every block) |" in text
+    assert (
+        "<!-- bench_dtensor:begin -->" in text
+        and "| dcp.save |" in text
+        and "| shardstore.restore (verifies every block) |" in text
+    )
     assert "24.0 / 24.0 MiB, 24.0 / 24.0 MiB" in text  # each rank reads exactly its share (2 whole blocks x 3)
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-dtensor-")]  # scratch removed
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("SHARDSTORE_SLOW"), reason="four spawned processes (~35 s); SHARDSTORE_SLOW=1 runs it")
+@pytest.mark.skipif(
+    not os.environ.get("SHARDSTORE_SLOW"), reason="four spawned processes (~35 s); SHARDSTORE_SLOW=1 runs it"
+)
 def test_mesh_benchmark_smoke(tmp_path) -> None:
     """Four Gloo processes on a 2 x 2 mesh save, restore into three meshes (each restore checked
     slice by slice: a difference exits non-zero) and copy each slot; the tables come out."""
     results = tmp_path / "RESULTS.md"
-    done = _run(["benchmarks/bench_mesh.py", "--mib", "16", "--reps", "1", "--warm", "--dir", str(tmp_path), "--results", str(results)])
+    done = _run(
+        [
+            "benchmarks/bench_mesh.py",
+            "--mib",
+            "16",
+            "--reps",
+            "1",
+            "--warm",
+            "--dir",
+            str(tmp_path),
+            "--results",
+            str(results),
+        ]
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     text = results.read_text()
-    assert "<!-- bench_mesh:begin -->" in text and "copy --shard K reads" in text and "where each rank's save went" in text
+    assert (
+        "<!-- bench_mesh:begin -->" in text and "copy --shard K reads" in text and "where each rank's save went" in text
+    )
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-mesh-")]  # scratch removed

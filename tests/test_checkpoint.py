@@ -1,4 +1,5 @@
 """save / restore: bitwise continuation, any layout, RNG, dtypes, ownership, rejections."""
+
 from __future__ import annotations
 
 import random
@@ -86,7 +87,12 @@ def test_learned_root_ignores_layout_but_commit_id_does_not(store, trained):
     model, opt = trained
     names = [n for n, _ in model.named_parameters()]
     one = ss.save(store, model, opt, step=3, ref=None, rng=False)
-    two = ss.save_slots(store, [ss.capture(model, opt, names=names[:4], rng=False), ss.capture(model, opt, names=names[4:], rng=False)], info=ss.CommitInfo(step=3), ref=None)
+    two = ss.save_slots(
+        store,
+        [ss.capture(model, opt, names=names[:4], rng=False), ss.capture(model, opt, names=names[4:], rng=False)],
+        info=ss.CommitInfo(step=3),
+        ref=None,
+    )
     assert one != two
     assert store.commit(one).learned_root == store.commit(two).learned_root
 
@@ -232,7 +238,11 @@ def test_two_slot_commit_continues_bitwise_in_a_fresh_model(store, trained):
     """Saved as 2 slots, restored whole into fresh objects: training continues identically."""
     model, opt = trained
     names = [n for n, _ in model.named_parameters()]
-    ss.save_slots(store, [ss.capture(model, opt, names=names[::2]), ss.capture(model, opt, names=names[1::2])], info=ss.CommitInfo(step=3))
+    ss.save_slots(
+        store,
+        [ss.capture(model, opt, names=names[::2]), ss.capture(model, opt, names=names[1::2])],
+        info=ss.CommitInfo(step=3),
+    )
     fresh = TinyNet(seed=11)
     fresh_opt = make_optimizer(fresh, lr=0.3)
     ss.restore(store, "main", fresh, fresh_opt)
@@ -254,20 +264,43 @@ def test_write_shard_entries_relays_existing_objects_without_reading_them(store,
     entries = sorted(lc.entries().values(), key=lambda e: e.name)
     info = ss.CommitInfo(step=3, transition="repartition")
     groups = list(lc.commit.optimizer.groups)
-    halves = [entries[: len(entries) // 2], entries[len(entries) // 2:]]
+    halves = [entries[: len(entries) // 2], entries[len(entries) // 2 :]]
     used = [[g for g in groups if any(e.optim and e.optim.group == g.name for e in half)] for half in halves]
     before = set(store.objects())
-    shards = [ss.write_shard_entries(store, half, groups=used[i], algorithm=lc.commit.optimizer.algorithm, rng={},
-                                     info=info, parent=cid, slot=i, slots=2) for i, half in enumerate(halves)]
+    shards = [
+        ss.write_shard_entries(
+            store,
+            half,
+            groups=used[i],
+            algorithm=lc.commit.optimizer.algorithm,
+            rng={},
+            info=info,
+            parent=cid,
+            slot=i,
+            slots=2,
+        )
+        for i, half in enumerate(halves)
+    ]
     new = ss.write_commit(store, shards, info=info, parent=cid)
     assert store.commit(new).learned_root == lc.commit.learned_root
     assert set(store.objects()) - before == {*shards, new}  # manifests only: no payload was written
     ghost = msgspec.structs.replace(entries[0], param="ab" * 32)
     with pytest.raises(ss.ObjectNotFound, match="not in the store"):
-        ss.write_shard_entries(store, [ghost], groups=[], algorithm="none", rng={}, info=info, parent=cid, slot=0, slots=1)
+        ss.write_shard_entries(
+            store, [ghost], groups=[], algorithm="none", rng={}, info=info, parent=cid, slot=0, slots=1
+        )
     trained_entry = next(e for e in entries if e.optim is not None)
     skewed = msgspec.structs.replace(trained_entry, optim=msgspec.structs.replace(trained_entry.optim, birth=1))
     assert isinstance(skewed.optim, OptimEntry)
     with pytest.raises(ss.CursorError, match="Adam age"):
-        ss.write_shard_entries(store, [skewed], groups=[g for g in groups if g.name == skewed.optim.group],
-                               algorithm=lc.commit.optimizer.algorithm, rng={}, info=info, parent=cid, slot=0, slots=1)
+        ss.write_shard_entries(
+            store,
+            [skewed],
+            groups=[g for g in groups if g.name == skewed.optim.group],
+            algorithm=lc.commit.optimizer.algorithm,
+            rng={},
+            info=info,
+            parent=cid,
+            slot=0,
+            slots=1,
+        )

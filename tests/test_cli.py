@@ -4,6 +4,7 @@ Each corruption case gets its own copy of one library-built store; the processes
 at a time (every one pays the torch import), and each case then asserts the exit code and
 that the output names the damaged object, its tensor and its commit.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardstore_cli.shardstore_cli", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "shardstore_cli.shardstore_cli", *args],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def run_all(cmds: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess[str]]:
@@ -174,7 +182,9 @@ def test_verify_quick_and_shard(verified, base, capsys):
     assert main(["verify", stores["object-truncated"], "--quick", "--json"]) == 3
     quick = json.loads(capsys.readouterr().out)
     assert quick["deep"] is False
-    assert [p["kind"] for p in quick["problems"]] == ["TensorMismatch"] and quick["problems"][0]["object"] == base[1]["m1"]
+    assert [p["kind"] for p in quick["problems"]] == ["TensorMismatch"] and quick["problems"][0]["object"] == base[1][
+        "m1"
+    ]
     assert main(["verify", stores["tensor-flipped"], "--shard", "0"]) == 0
     assert "slot 0 only" in capsys.readouterr().out
     assert main(["verify", stores["tensor-flipped"], "--shard", "1", base[1]["head"][:12], "--json"]) == 3
@@ -212,7 +222,9 @@ def test_inspection_commands(base, capsys):
 
 def test_exit_codes_not_found_usage_error(base, tmp_path, capsys):
     s = str(base[0])
-    r = run_all({"unknown-ref": ["verify", s, "nosuchref"], "no-args": ["verify"], "not-a-store": ["refs", str(tmp_path)]})
+    r = run_all(
+        {"unknown-ref": ["verify", s, "nosuchref"], "no-args": ["verify"], "not-a-store": ["refs", str(tmp_path)]}
+    )
     assert r["unknown-ref"].returncode == 4 and "nosuchref" in r["unknown-ref"].stderr and r["unknown-ref"].stdout == ""
     assert r["no-args"].returncode == 2 and "usage:" in r["no-args"].stderr
     assert r["not-a-store"].returncode == 1 and "StoreConfigError" in r["not-a-store"].stderr
@@ -221,8 +233,13 @@ def test_exit_codes_not_found_usage_error(base, tmp_path, capsys):
     assert "TargetNotFound" in capsys.readouterr().err
     assert main(["cat", s, "00" * 32, "--json"]) == 4
     assert json.loads(capsys.readouterr().err)["error"]["exit"] == 4
-    for argv in (["diff", s, "main"], ["import", s, str(tmp_path), "--slots", "2", "--layout", "0:1,1:2"],
-                 ["export", s, "main", str(tmp_path), "--max-shard-size", "lots"], ["verify", s, "--shard", "-1"], []):
+    for argv in (
+        ["diff", s, "main"],
+        ["import", s, str(tmp_path), "--slots", "2", "--layout", "0:1,1:2"],
+        ["export", s, "main", str(tmp_path), "--max-shard-size", "lots"],
+        ["verify", s, "--shard", "-1"],
+        [],
+    ):
         assert main(argv) == 2, argv
         assert "usage:" in capsys.readouterr().err
     assert main(["--help"]) == 0
@@ -232,7 +249,15 @@ def test_exit_codes_not_found_usage_error(base, tmp_path, capsys):
 
 def test_import_export_round_trip_through_cli(tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(str(tmp_path / "src"))
@@ -287,7 +312,10 @@ def test_pins_listed_and_removed_through_the_cli(tmp_path, capsys):
     store.pin("jobs/j1", [job], expected=None)
     assert shardstore_cli.main(["refs", store_path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"refs": {"main": cid}, "pins": {"jobs/j1": [job]}}
-    assert shardstore_cli.main(["refs", store_path]) == 0 and "pin jobs/j1: 1 objects kept by gc" in capsys.readouterr().out
+    assert (
+        shardstore_cli.main(["refs", store_path]) == 0
+        and "pin jobs/j1: 1 objects kept by gc" in capsys.readouterr().out
+    )
     assert shardstore_cli.main(["gc", store_path, "--grace", "0s", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["pinned_objects"] == 1 and store.has(job)
     assert shardstore_cli.main(["unpin", store_path, "jobs/j1", "--json"]) == 0
@@ -320,8 +348,14 @@ def test_store_only_commands_do_not_import_torch(base, tmp_path):
     --help read manifests and hash bytes; none of them may pay torch's import (seconds), so
     the command line starts as fast as git's. One process runs them all, in order."""
     store, info = base
-    proc = subprocess.run([sys.executable, "-c", _TORCH_FREE, str(store), str(tmp_path / "copy"), info["first"]], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TORCH_FREE, str(store), str(tmp_path / "copy"), info["first"]],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     codes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert codes[:-1] == [0] * (len(codes) - 1), (codes, proc.stderr[-2000:])

@@ -7,6 +7,7 @@
   erased, so a fast run never showed one), never when piped or with ``--quiet``;
 - ``log --oneline``: short ids, step, kind, and the journal's time and loss.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,11 @@ def test_every_subcommand_help_lists_options_with_text_defaults_and_exit_codes(c
     else:
         from shardstore_cli.shardtrain_cli import build_parser
     subs = _subparsers(build_parser())
-    assert {"gc", "copy", "unpin", "verify", "log"} <= set(subs) if cli == "shardstore" else {"evaluate", "grow"} <= set(subs)
+    assert (
+        {"gc", "copy", "unpin", "verify", "log"} <= set(subs)
+        if cli == "shardstore"
+        else {"evaluate", "grow"} <= set(subs)
+    )
     for name, p in subs.items():
         text = p.format_help()
         assert "exit codes:" in text and "  4  " in text, f"{cli} {name} --help has no exit codes"
@@ -44,7 +49,9 @@ def test_every_subcommand_help_lists_options_with_text_defaults_and_exit_codes(c
                 continue
             assert a.help, f"{cli} {name} {a.option_strings[0]} has no help text"
             if a.default not in (None, False, []) and a.default is not argparse.SUPPRESS:
-                assert "default" in formatter._get_help_string(a), f"{cli} {name} {a.option_strings[0]}: default {a.default!r} not shown"
+                assert "default" in formatter._get_help_string(a), (
+                    f"{cli} {name} {a.option_strings[0]}: default {a.default!r} not shown"
+                )
 
 
 class _Terminal(io.StringIO):
@@ -60,7 +67,9 @@ def _small_store(tmp_path: Any) -> ss.Store:
 
 
 @pytest.mark.parametrize("argv, bar", [(["verify"], "verify:"), (["gc", "--grace", "1h"], "gc:")])
-def test_a_progress_bar_is_visible_on_a_terminal_and_absent_when_piped_or_quiet(tmp_path: Any, monkeypatch: Any, argv: list[str], bar: str) -> None:
+def test_a_progress_bar_is_visible_on_a_terminal_and_absent_when_piped_or_quiet(
+    tmp_path: Any, monkeypatch: Any, argv: list[str], bar: str
+) -> None:
     from shardstore_cli.shardstore_cli import main
 
     store = _small_store(tmp_path)

@@ -7,6 +7,7 @@ and synchronous commits; a second run from scratch (overlapped schedule, backgro
 commits) loses worker 1 as the commit of step 2 reaches its acknowledgement, after the
 coordinator wrote the commit manifest; the replay resumes from the run's ref.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -27,19 +28,33 @@ TIMEOUT = 30.0
 def runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     home = tmp_path_factory.mktemp("committer")
     job = prepare_default(home / "job", steps_a=4, steps_b=1, batch_size=5, microbatch_size=2, eval_per_set=2)
-    reference = train(RunSpec(job=job, store=str(home / "reference"), until=4, every=2, schedule="synchronous",
-                              async_commits=False), 2, timeout=TIMEOUT)
+    reference = train(
+        RunSpec(job=job, store=str(home / "reference"), until=4, every=2, schedule="synchronous", async_commits=False),
+        2,
+        timeout=TIMEOUT,
+    )
     url = str(home / "store")
     with pytest.raises(RunAborted) as crash:
-        train(RunSpec(job=job, store=url, until=4, every=2, message_timeout=20), 2, timeout=TIMEOUT,
-              env={COMMIT_FAULT_ENV: "slot=1,step=2,phase=acknowledge"})
+        train(
+            RunSpec(job=job, store=url, until=4, every=2, message_timeout=20),
+            2,
+            timeout=TIMEOUT,
+            env={COMMIT_FAULT_ENV: "slot=1,step=2,phase=acknowledge"},
+        )
     store = open_store(url)
     refs_after_crash = store.refs()
     ids = {c.step: c.id for c in reference[0].commits}
     had_step2_manifest = store.has(ids[2])  # before the replay writes it again
     replay = train(RunSpec(job=job, store=url, until=4, every=2, resume="main"), 2, timeout=TIMEOUT)
-    return SimpleNamespace(job=job, reference=ids, crash=crash.value, store=store, refs_after_crash=refs_after_crash,
-                           had_step2_manifest=had_step2_manifest, replay=replay)
+    return SimpleNamespace(
+        job=job,
+        reference=ids,
+        crash=crash.value,
+        store=store,
+        refs_after_crash=refs_after_crash,
+        had_step2_manifest=had_step2_manifest,
+        replay=replay,
+    )
 
 
 def test_a_worker_lost_mid_commit_leaves_the_ref_on_the_previous_commit(runs: SimpleNamespace) -> None:

@@ -1,4 +1,5 @@
 """The main job as a user runs it: `shardtrain demo`, then `shardstore verify` on what it left."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,9 @@ def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_
     assert "shardstore verify" in out and ": ok (" in out
     wide = [line for line in out.splitlines() if line.strip().startswith("learned-state root")]
     assert len(wide) == 1 and re.search(r" EQUALS step \d+'s ", wide[0]) and ", 0 tensor objects written" in wide[0]
-    assert wide[0].split()[2] == wide[0].split()[6].rstrip(";")  # the repartition commit's root and cohort A's end's, printed in full
+    assert wide[0].split()[2] == wide[0].split()[6].rstrip(
+        ";"
+    )  # the repartition commit's root and cohort A's end's, printed in full
     assert "identity check: new layer 4 maps its input to itself bitwise: yes" in out
     assert "one-sided 95% bounds" in out and "generated correct" in out
     assert "committed" in proc.stderr  # the coordinator's progress lines
@@ -45,16 +48,16 @@ def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_
 
 def _family_rows(out: str, after: str) -> dict[str, dict[str, tuple[int, int]]]:
     """The per-family table following the line containing `after`: {commit label: {family: (right, n)}}."""
-    lines = out[out.index(after):].splitlines()
+    lines = out[out.index(after) :].splitlines()
     head = next(i for i, line in enumerate(lines) if line.strip().startswith("correct answers"))
     families = lines[head].split()[2:-1]
     rows = {}
-    for line in lines[head + 1:]:
+    for line in lines[head + 1 :]:
         cells = line.split()
         if not cells or "/" not in cells[-1]:
             break
-        label = " ".join(cells[:-len(families) - 1])
-        rows[label] = {f: tuple(map(int, c.split("/"))) for f, c in zip(families, cells[-len(families) - 1:-1])}
+        label = " ".join(cells[: -len(families) - 1])
+        rows[label] = {f: tuple(map(int, c.split("/"))) for f, c in zip(families, cells[-len(families) - 1 : -1])}
     return rows  # type: ignore[return-value]
 
 
@@ -104,16 +107,46 @@ def _reachable(s) -> set[str]:  # type: ignore[no-untyped-def]
 
 
 def test_cli_refuses_before_training(tmp_path: Path) -> None:
-    prep = _cli("-m", "shardstore_cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"), "--steps-a", "2", "--steps-b",
-                "1", "--json")
+    prep = _cli(
+        "-m",
+        "shardstore_cli.shardtrain_cli",
+        "prepare",
+        "--out",
+        str(tmp_path / "job"),
+        "--steps-a",
+        "2",
+        "--steps-b",
+        "1",
+        "--json",
+    )
     assert prep.returncode == 0, prep.stderr
     job = json.loads(prep.stdout)
     assert job["steps"] == 3 and len(job["id"]) == 64
-    bad = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job["job"], "--store", str(tmp_path / "s"),
-               "--until", "9")
+    bad = _cli(
+        "-m",
+        "shardstore_cli.shardtrain_cli",
+        "train",
+        "--prepared",
+        job["job"],
+        "--store",
+        str(tmp_path / "s"),
+        "--until",
+        "9",
+    )
     assert bad.returncode == 4 and "JobError: --until 9 is outside the job's schedule of 3 steps" in bad.stderr
-    missing = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job["job"], "--store", str(tmp_path / "s"),
-                   "--until", "2", "--resume", "0123456789abcdef")
+    missing = _cli(
+        "-m",
+        "shardstore_cli.shardtrain_cli",
+        "train",
+        "--prepared",
+        job["job"],
+        "--store",
+        str(tmp_path / "s"),
+        "--until",
+        "2",
+        "--resume",
+        "0123456789abcdef",
+    )
     assert missing.returncode == 4 and "TargetNotFound" in missing.stderr
     usage = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--store", "x")
     assert usage.returncode == 2
@@ -126,16 +159,61 @@ def test_torchrun_workers_commit_what_the_local_launcher_commits(tmp_path: Path)
     from shardtrain.workers.launch import free_port
 
     job = str(tmp_path / "job" / "job.json")
-    assert _cli("-m", "shardstore_cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"), "--steps-a", "2", "--steps-b",
-                "1").returncode == 0
+    assert (
+        _cli(
+            "-m",
+            "shardstore_cli.shardtrain_cli",
+            "prepare",
+            "--out",
+            str(tmp_path / "job"),
+            "--steps-a",
+            "2",
+            "--steps-b",
+            "1",
+        ).returncode
+        == 0
+    )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job,
-           "--store", str(tmp_path / "torchrun"), "--until", "3", "--every", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "shardstore_cli.shardtrain_cli",
+        "train",
+        "--prepared",
+        job,
+        "--store",
+        str(tmp_path / "torchrun"),
+        "--until",
+        "3",
+        "--every",
+        "2",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    local = _cli("-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job, "--store", str(tmp_path / "local"),
-                 "--until", "3", "--every", "2", timeout=120)
+    local = _cli(
+        "-m",
+        "shardstore_cli.shardtrain_cli",
+        "train",
+        "--prepared",
+        job,
+        "--store",
+        str(tmp_path / "local"),
+        "--until",
+        "3",
+        "--every",
+        "2",
+        timeout=120,
+    )
     assert local.returncode == 0, local.stderr[-3000:]
     assert local.stderr.count("estimated peak") == 2 and "MiB above admission" in local.stderr  # estimate beside actual
     import shardstore

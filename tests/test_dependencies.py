@@ -2,6 +2,7 @@
 lacks the commits its job depends on (a frozen distillation reference), ``shardstore copy
 --with-deps`` bringing them, and workers given unrelated private run stores refused before
 training."""
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -17,7 +18,9 @@ from shardtrain.run.dependencies import REFERENCES_PIN, check_shared_store
 from shardtrain.workers.launch import WorkerContext, launch_local
 
 
-def test_resume_needs_the_frozen_reference_and_copy_brings_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_needs_the_frozen_reference_and_copy_brings_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     job_dir, a, b = tmp_path / "job", str(tmp_path / "a"), str(tmp_path / "b")
     assert shardtrain_main(["prepare", "--out", str(job_dir), "--steps-a", "2", "--steps-b", "2", "--quiet"]) == 0
     job = str(job_dir / "job.json")
@@ -30,14 +33,18 @@ def test_resume_needs_the_frozen_reference_and_copy_brings_it(tmp_path: Path, ca
     assert endpoint in (src.pinned(REFERENCES_PIN.format(job=src.commit(head).job)) or ())
     capsys.readouterr()
     assert shardstore_main(["copy", a, b, "main", "--ref", "main"]) == 0  # the commit alone
-    assert shardtrain_main(["train", "--prepared", job, "--store", b, "--until", "4", "--resume", "main", "--quiet"]) == 4
+    assert (
+        shardtrain_main(["train", "--prepared", job, "--store", b, "--until", "4", "--resume", "main", "--quiet"]) == 4
+    )
     err = capsys.readouterr().err
     assert f"commit {endpoint} (cohort B's frozen reference" in err or f"commit {endpoint} (on the chain" in err, err
     assert f"shardstore copy SOURCE_STORE {ss.open_store(b).url} {head} --with-deps" in err, err
     assert ss.open_store(b).ref("main") == head  # nothing was trained
     assert shardstore_main(["copy", a, b, "main", "--with-deps", "--ref", "main"]) == 0
     assert f"with dependency commit {endpoint}" in capsys.readouterr().out
-    assert shardtrain_main(["train", "--prepared", job, "--store", b, "--until", "4", "--resume", "main", "--quiet"]) == 0
+    assert (
+        shardtrain_main(["train", "--prepared", job, "--store", b, "--until", "4", "--resume", "main", "--quiet"]) == 0
+    )
     dst = ss.open_store(b)
     assert dst.commit(dst.ref("main")).step == 4 and dst.commit(dst.ref("main")).parent == head
 

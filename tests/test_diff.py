@@ -1,4 +1,5 @@
 """Tests of shardstore.diff: one tensor, layout only, Adam age only, fields, stats, and the mirror law."""
+
 from __future__ import annotations
 
 import uuid
@@ -95,7 +96,9 @@ def test_fields_groups_added_removed(store):
     a = _commit(store, _slots(model, opt, [names[:-1]]), 2, config={"hidden": 8, "eps": 1e-5}, job="j1")
     opt.param_groups[0]["lr"] = 0.5
     train_steps(model, opt, 1)
-    b = _commit(store, _slots(model, opt, [names[1:]]), 3, config={"hidden": 16, "eps": 1e-5}, job="j2", transition="grow")
+    b = _commit(
+        store, _slots(model, opt, [names[1:]]), 3, config={"hidden": 16, "eps": 1e-5}, job="j2", transition="grow"
+    )
     d = _check_mirror(store, a, b, stats=True)
     assert [t.name for t in d.by_status("added")] == [names[-1]]
     assert [t.name for t in d.by_status("removed")] == [names[0]]
@@ -114,7 +117,12 @@ _OPS = st.sampled_from(["value", "dtype", "shape", "add", "remove", "age", "lr",
 
 
 def _state(tensors: dict[str, torch.Tensor], ages: dict[str, int], lr: float) -> OptimState:
-    params = {n: ParamOpt("g", ages.get(n, 1), torch.ones_like(t, dtype=torch.float32), torch.full_like(t, 0.5, dtype=torch.float32)) for n, t in tensors.items()}
+    params = {
+        n: ParamOpt(
+            "g", ages.get(n, 1), torch.ones_like(t, dtype=torch.float32), torch.full_like(t, 0.5, dtype=torch.float32)
+        )
+        for n, t in tensors.items()
+    }
     return OptimState("adamw", {"g": Hyper(lr, 0.9, 0.999, 1e-8, 0.0)}, params)
 
 

@@ -27,6 +27,7 @@ reference:
   measured 1.9e-5). float64 takes that noise out, which is why it carries the per-tensor
   claim.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,18 +75,32 @@ def reference_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict
     store = shardstore.open_store(url)
     commits = {}
     for name, dtype in DTYPES.items():
-        model = build_stage(config, Partition.even(config.num_hidden_layers, 1), 0, seed=REF_SEED, dtype=dtype,
-                            init_std=REF_STD)
-        commits[name] = shardstore.save(store, model, step=0, ref=f"reference-{name}", config=config.to_hf_dict(),
-                                        rng=False, transition="init")
+        model = build_stage(
+            config, Partition.even(config.num_hidden_layers, 1), 0, seed=REF_SEED, dtype=dtype, init_std=REF_STD
+        )
+        commits[name] = shardstore.save(
+            store, model, step=0, ref=f"reference-{name}", config=config.to_hf_dict(), rng=False, transition="init"
+        )
     return url, commits
 
 
 def _spec(out_dir: Path, commits: dict[str, str], url: str, ranges: list[tuple[int, int]] | None = None) -> str:
-    return json.dumps({"out_dir": str(out_dir), "ranges": ranges, "seed": SEED, "store": url,
-                       "steps": STEPS, "runs": [{"dtype": k, "reference": cid} for k, cid in commits.items()],
-                       "microbatch_size": MICRO, "max_grad_norm": MAX_NORM, "replay": REPLAY, "coef": COEF,
-                       "temperature": TEMP, "groups": GROUPS})
+    return json.dumps(
+        {
+            "out_dir": str(out_dir),
+            "ranges": ranges,
+            "seed": SEED,
+            "store": url,
+            "steps": STEPS,
+            "runs": [{"dtype": k, "reference": cid} for k, cid in commits.items()],
+            "microbatch_size": MICRO,
+            "max_grad_norm": MAX_NORM,
+            "replay": REPLAY,
+            "coef": COEF,
+            "temperature": TEMP,
+            "groups": GROUPS,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +110,14 @@ def runs(reference_store: tuple[str, dict[str, str]], tmp_path_factory: pytest.T
     out = {}
     for n, ranges in LAYOUTS.items():
         d = tmp_path_factory.mktemp(f"distill{n}")
-        launch_local(distill_worker, n, (_spec(d, commits, url, ranges),), env=DETERMINISTIC_ENV,
-                     timeout=timedelta(seconds=60), join_timeout=120)
+        launch_local(
+            distill_worker,
+            n,
+            (_spec(d, commits, url, ranges),),
+            env=DETERMINISTIC_ENV,
+            timeout=timedelta(seconds=60),
+            join_timeout=120,
+        )
         for k in commits:
             out[n, k] = read_results(d / k, n)
     return out
@@ -108,8 +129,14 @@ def oracle(reference_store: tuple[str, dict[str, str]], tmp_path_factory: pytest
     in a process with the workers' environment (distill_helpers says why)."""
     url, commits = reference_store
     d = tmp_path_factory.mktemp("oracle")
-    launch_local(oracle_worker, 1, (_spec(d, commits, url),), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=60),
-                 join_timeout=120)
+    launch_local(
+        oracle_worker,
+        1,
+        (_spec(d, commits, url),),
+        env=DETERMINISTIC_ENV,
+        timeout=timedelta(seconds=60),
+        join_timeout=120,
+    )
     out = {}
     for k in commits:
         path = d / k / "oracle.safetensors"
@@ -126,8 +153,8 @@ def test_the_parity_batch_has_every_condition() -> None:
     replay[REPLAY] = True
     mbs = split_microbatches(b, MICRO)
     assert [mb.rows for mb in mbs] == [2, 2, 1]  # a partial last microbatch...
-    assert bool(replay[mbs[-1].start:mbs[-1].stop].all())  # ...holding a replay record
-    assert any(0 < int(replay[mb.start:mb.stop].sum()) < mb.rows for mb in mbs)  # replay + new in one microbatch
+    assert bool(replay[mbs[-1].start : mbs[-1].stop].all())  # ...holding a replay record
+    assert any(0 < int(replay[mb.start : mb.stop].sum()) < mb.rows for mb in mbs)  # replay + new in one microbatch
     assert b.weights[b.weights > 0].unique().numel() > 10  # unequal weights
     assert GROUPS["decay"]["eps"] == GROUPS["no_decay"]["eps"] == 1e-8
     assert GROUPS["decay"]["weight_decay"] > 0  # decoupled weight decay acts too
@@ -155,9 +182,11 @@ def test_sharded_ce_plus_kl_matches_one_process(runs: dict, oracle: dict, n: int
     total = sum(float(ref[k].double().square().sum()) for k in ref) ** 0.5
     per = {k: float((tensors[k].double() - ref[k].double()).norm() / ref[k].double().norm()) for k in ref}
     worst = max(per, key=per.__getitem__)
-    print(f"distill parity {dtype} n={n}: loss {_rel(results[0][0], history[0][0]):.1e} norm "
-          f"{_rel(results[0][1], history[0][1]):.1e} params {diff / total:.1e} worst tensor {per[worst]:.1e} "
-          f"({worst})")
+    print(
+        f"distill parity {dtype} n={n}: loss {_rel(results[0][0], history[0][0]):.1e} norm "
+        f"{_rel(results[0][1], history[0][1]):.1e} params {diff / total:.1e} worst tensor {per[worst]:.1e} "
+        f"({worst})"
+    )
     assert diff / total <= tol_vector, diff / total
     assert per[worst] <= tol_tensor, (worst, per[worst])
     # No worker held the whole reference: each built only its slot's layers.
@@ -180,8 +209,17 @@ def test_microbatching_and_replay_placement_do_not_change_the_loss() -> None:
     w = b.weights.double()
     whole = microbatch_loss(logits, b.targets, w, w.sum(), rows=(0, 5), distill=d)
     for size in (1, 2, 3):
-        parts = sum(microbatch_loss(logits[s:s + size], b.targets[s:s + size], w[s:s + size], w.sum(),
-                                    rows=(s, min(s + size, 5)), distill=d) for s in range(0, 5, size))
+        parts = sum(
+            microbatch_loss(
+                logits[s : s + size],
+                b.targets[s : s + size],
+                w[s : s + size],
+                w.sum(),
+                rows=(s, min(s + size, 5)),
+                distill=d,
+            )
+            for s in range(0, 5, size)
+        )
         assert float(parts) == pytest.approx(float(whole), rel=1e-12)
     with pytest.raises(ValueError, match="do not cover"):
         DistillTargets(mask, ref[:1], COEF, TEMP)

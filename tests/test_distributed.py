@@ -1,4 +1,5 @@
 """The commit protocol over a real Gloo process group (two worker processes)."""
+
 from __future__ import annotations
 
 import json
@@ -97,7 +98,9 @@ def _run(tmp_path, scenario: str) -> tuple[str, list[dict]]:
     root = str(tmp_path / "store")
     ss.open_store(root)
     out = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(2, free_port(), root, scenario, out), nprocs=2, join=True, start_method=START_METHOD)
+    mp.start_processes(
+        _worker, args=(2, free_port(), root, scenario, out), nprocs=2, join=True, start_method=START_METHOD
+    )
     return root, [json.load(open(f"{out}.{r}")) for r in range(2)]
 
 
@@ -132,7 +135,9 @@ def _check_trainer_state(store: ss.Store, results: list[dict]) -> None:
     assert "extra 'loader' at $.fn" in results[1]["unstorable"]
     lc = ss.load_commit(store, trainer)
     assert lc.commit.optimizer.torch_optimizer.class_name == "torch.optim.sgd.SGD"
-    assert [x.key for x in lc.commit.extras] == ["sched"] and all(lc.shards[s].extras[0].key == "loader" for s in (0, 1))
+    assert [x.key for x in lc.commit.extras] == ["sched"] and all(
+        lc.shards[s].extras[0].key == "loader" for s in (0, 1)
+    )
     model = TinyNet(seed=9)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched, loader = Position(0), Position(-1)
@@ -153,7 +158,9 @@ def test_workers_naming_different_commits_refuse_to_restore(tmp_path):
     store.set_ref("a", ss.save(store, {"w": torch.zeros(1)}, step=0, ref=None), expected=None)
     store.set_ref("b", ss.save(store, {"w": torch.ones(1)}, step=0, ref=None), expected=None)
     out = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(2, free_port(), root, "disagree", out), nprocs=2, join=True, start_method=START_METHOD)
+    mp.start_processes(
+        _worker, args=(2, free_port(), root, "disagree", out), nprocs=2, join=True, start_method=START_METHOD
+    )
     results = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert [r["error"] for r in results] == ["CommitProtocolError", "CommitProtocolError"]
     assert "different commits" in results[0]["message"]

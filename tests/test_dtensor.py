@@ -21,6 +21,7 @@ ranks; and every rank restoring a row split of it reads both tiles (a tensor of 
 cannot serve a row split and a column split both; ``tests/test_dtensor_mesh.py`` measures the
 reads of a 64 MiB weight of 4 x 4 tiles at each rank's share).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -70,7 +71,9 @@ def _two(rank: int, store: ss.Store, mesh, group, async_group) -> dict:
     out["saved_equals_plain_restore"] = _equal_to_plain(m, opt, plain, popt)
     _train(m, opt, 2, seed=7)
     out["async"] = saver.close()
-    out["uninterrupted"] = ss.save_distributed(store, m, opt, info=_info(5), rng=False, ref=None, parent=c2, group=group)
+    out["uninterrupted"] = ss.save_distributed(
+        store, m, opt, info=_info(5), rng=False, ref=None, parent=c2, group=group
+    )
 
     m2 = _fsdp(mesh)
     opt2 = _opt(m2)
@@ -173,7 +176,10 @@ def _refusals(rank: int, store: ss.Store, model, mesh) -> list[str]:
         out.append(f"CommitProtocolError: {e}")
     out.append(f"ref unmoved: {store.ref('main') == before}")
     out.append(_disagreements(rank, store, mesh))
-    for save in (lambda: ss.save(store, model, step=3, rng=False, ref=None), lambda: ss.AsyncSaver(store).save(model, step=3, rng=False, ref=None)):
+    for save in (
+        lambda: ss.save(store, model, step=3, rng=False, ref=None),
+        lambda: ss.AsyncSaver(store).save(model, step=3, rng=False, ref=None),
+    ):
         try:
             save()
         except ss.TensorMismatch as e:
@@ -188,7 +194,14 @@ def _disagreements(rank: int, store: ss.Store, mesh) -> list[str]:
     from torch.distributed.tensor import DTensor, Shard
 
     def local(rows: int) -> DTensor:  # rows 2r, 2r+1 of a [6, 4] (or [rows, 4]) float32 tensor, on the 3-rank mesh
-        return DTensor.from_local(torch.full((2, 4), float(rank)), mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, 4)), stride=(4, 1))
+        return DTensor.from_local(
+            torch.full((2, 4), float(rank)),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size((rows, 4)),
+            stride=(4, 1),
+        )
 
     cases = [
         {} if rank == 2 else {"d": local(6)},  # rank 2 omits it: rows 4-5 unheld
@@ -265,7 +278,12 @@ def test_readme_fsdp2_example_runs(runs):
 
 def _tensor_objects(store: ss.Store, cid: str) -> set[str]:
     lc = ss.load_commit(store, cid)
-    return {oid for e in lc.entries().values() for _, p, d in tensor_payloads(e) for oid, _, _ in payload_blocks(p, d, e.shape)}
+    return {
+        oid
+        for e in lc.entries().values()
+        for _, p, d in tensor_payloads(e)
+        for oid, _, _ in payload_blocks(p, d, e.shape)
+    }
 
 
 def test_fsdp2_save_is_the_trained_state_and_continues_bitwise(runs):
@@ -279,7 +297,9 @@ def test_fsdp2_save_is_the_trained_state_and_continues_bitwise(runs):
     assert two[0]["resumed2"] == two[0]["uninterrupted"] == two[1]["resumed2"]
     assert ss.verify(store).ok
     c2 = ss.load_commit(store, two[0]["c2"])
-    assert c2.commit.version == 4 and len(c2.entries()["fc1.weight"].param) == 2  # 4: the tile grid (SPEC.md §5a); slices recorded
+    assert (
+        c2.commit.version == 4 and len(c2.entries()["fc1.weight"].param) == 2
+    )  # 4: the tile grid (SPEC.md §5a); slices recorded
 
 
 def test_fsdp2_on_three_ranks_and_a_plain_model_restore_it_bitwise(runs):
@@ -313,7 +333,9 @@ def test_one_learned_state_root_and_one_set_of_objects_for_every_split(runs):
     assert len(set(commits.values())) == len(commits)
     objects = {k: _tensor_objects(store, c) for k, c in commits.items()}
     assert all(o == objects["1 process"] for o in objects.values())
-    assert len(objects["1 process"]) == 3 * (2 + 3)  # fc1.weight: 2 blocks; 3 small tensors: 1 each; x (param, 2 moments)
+    assert len(objects["1 process"]) == 3 * (
+        2 + 3
+    )  # fc1.weight: 2 blocks; 3 small tensors: 1 each; x (param, 2 moments)
     assert ss.verify(store).ok
 
 
@@ -332,7 +354,9 @@ def test_save_moves_only_cut_pieces_and_stages_at_most_one_batch(runs):
     # fc1.weight and both moments (3 x 5 rows x 256 KiB each way); the small tensors' halves go
     # to whichever rank owns them
     half = 5 * (WIDE // 2) * 4
-    assert all(e["bytes_sent"] >= 3 * half for e in ex) and sum(e["bytes_received"] for e in ex) == sum(e["bytes_sent"] for e in ex)
+    assert all(e["bytes_sent"] >= 3 * half for e in ex) and sum(e["bytes_received"] for e in ex) == sum(
+        e["bytes_sent"] for e in ex
+    )
     assert ex[0]["bytes_sent"] + ex[1]["bytes_sent"] < 2 * 3 * half + 3 * 4096  # no byte travels twice
     assert sum(e["bytes_hashed"] for e in ex) == 3 * 4 * sum(p.numel() for p in Net().parameters())  # each block once
     assert all(e["peak_staged"] <= BATCH_BYTES for e in ex)
@@ -355,10 +379,20 @@ def test_unsupported_or_misplaced_dtensors_are_refused_by_type(runs):
     for rank, r in enumerate(three):
         protocol, unmoved, disagree, one_process, async_saver = r["errors"]
         omitted, plain, shapes = disagree
-        assert "'d'" in omitted and "ranks [0, 1] hold no part" not in omitted and "rank 2 of the group holds no part of it" in omitted
-        assert "rank 0 at [0, 0] of extent [2, 4], rank 1 at [2, 0] of extent [2, 4]" in omitted and "cover 16 of 24" in omitted
+        assert (
+            "'d'" in omitted
+            and "ranks [0, 1] hold no part" not in omitted
+            and "rank 2 of the group holds no part of it" in omitted
+        )
+        assert (
+            "rank 0 at [0, 0] of extent [2, 4], rank 1 at [2, 0] of extent [2, 4]" in omitted
+            and "cover 16 of 24" in omitted
+        )
         assert "ranks [0, 1] hold DTensor slices of a float32[6, 4] tensor, but rank 2: plain float32[7]" in plain
-        assert "ranks disagree on its global dtype and shape (ranks [0, 1]: float32[6, 4]; rank 2: float32[8, 4])" in shapes
+        assert (
+            "ranks disagree on its global dtype and shape (ranks [0, 1]: float32[6, 4]; rank 2: float32[8, 4])"
+            in shapes
+        )
         assert protocol.startswith("CommitProtocolError") and "phase 'write shard' failed on rank(s) [1]" in protocol
         assert ("Partial" in protocol) == (rank == 1)  # the failing rank says why; nobody waits
         assert unmoved == "ref unmoved: True"
@@ -372,7 +406,10 @@ def test_fsdp2_buffers_are_written_once_and_must_agree(runs):
     (cid,) = commits
     lc = ss.load_commit(store, cid)
     assert {n: e.kind for n, e in lc.entries().items() if e.kind == "buffer"} == {
-        "1.running_mean": "buffer", "1.running_var": "buffer", "1.num_batches_tracked": "buffer"}
+        "1.running_mean": "buffer",
+        "1.running_var": "buffer",
+        "1.num_batches_tracked": "buffer",
+    }
     assert sorted(n for lay in lc.commit.layout for n in lay.tensors) == sorted(lc.entries())  # each once
     plain = torch.nn.Sequential(torch.nn.Linear(8, 10), torch.nn.BatchNorm1d(10))
     ss.restore(store, cid, plain)

@@ -18,6 +18,7 @@ the expensive part:
 - a 96 MiB tensor split by columns over the 4 ranks (every block assembled from 4 pieces) is
   saved with batches of 2 blocks while each rank measures its resident-set high-water mark.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -123,8 +124,13 @@ def _strided_checks(rank: int, store: ss.Store, mesh) -> dict:
 
     g = torch.Generator().manual_seed(5)
     full = {"rows": torch.randn(10, WIDE, generator=g), "cols": torch.randn(4, 8, generator=g)}
-    placements = {"rows": (Replicate(), _StridedShard(0, split_factor=2)), "cols": (_StridedShard(1, split_factor=2), Replicate())}
-    dts = {k: distribute_tensor(full[k], mesh, placements[k], src_data_rank=None) for k in full}  # every rank has full: split locally
+    placements = {
+        "rows": (Replicate(), _StridedShard(0, split_factor=2)),
+        "cols": (_StridedShard(1, split_factor=2), Replicate()),
+    }
+    dts = {
+        k: distribute_tensor(full[k], mesh, placements[k], src_data_rank=None) for k in full
+    }  # every rank has full: split locally
     out: dict = {"parts": {k: len(sdt.local_region(t)[1]) for k, t in dts.items()}}
     c = ss.save_distributed(store, dts, None, info=_info(0), rng=False, ref=None, parent=None)
     out["commit"] = c
@@ -137,7 +143,10 @@ def _strided_checks(rank: int, store: ss.Store, mesh) -> dict:
     out["bytes_read"] = r.bytes_read
     if rank == 0:
         out["single"] = ss.save(store, full, step=0, job="mesh-test", rng=False, ref=None, parent=None)
-    bad = {"rows": DTensor.from_local(torch.zeros(10, WIDE), mesh, (Partial(), Replicate()), run_check=False), "cols": torch.zeros(4, 8)}
+    bad = {
+        "rows": DTensor.from_local(torch.zeros(10, WIDE), mesh, (Partial(), Replicate()), run_check=False),
+        "cols": torch.zeros(4, 8),
+    }
     try:  # a Partial destination: refused before any byte is read into either tensor
         ss.restore(store, c, bad)
     except ss.TensorMismatch as e:
@@ -153,9 +162,22 @@ def _strided_checks(rank: int, store: ss.Store, mesh) -> dict:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
 
     t = distribute_tensor(torch.zeros(8, 4), mesh, (Shard(0), Shard(0)), src_data_rank=None)
-    spec = DTensorSpec(mesh, (Shard(0), Shard(0)), tensor_meta=t._spec.tensor_meta, shard_order=(ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),))
+    spec = DTensorSpec(
+        mesh,
+        (Shard(0), Shard(0)),
+        tensor_meta=t._spec.tensor_meta,
+        shard_order=(ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),),
+    )
     try:
-        ss.save_distributed(store, {"reordered": DTensor(t._local_tensor, spec, requires_grad=False)}, None, info=_info(0), rng=False, ref=None, parent=None)
+        ss.save_distributed(
+            store,
+            {"reordered": DTensor(t._local_tensor, spec, requires_grad=False)},
+            None,
+            info=_info(0),
+            rng=False,
+            ref=None,
+            parent=None,
+        )
     except ss.CommitProtocolError as e:
         out["order"] = str(e)
     return out
@@ -244,7 +266,6 @@ def _body(rank: int, world: int, root: str) -> dict:
     return result
 
 
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mesh")
@@ -268,7 +289,9 @@ def test_fsdp2_on_tensor_parallel_restores_into_any_mesh_bitwise(runs):
     roots = {k: store.commit(model[0][k]).learned_root for k in ("c2d", "fsdp2", "single")}
     assert len(set(roots.values())) == 1, roots
     c = ss.load_commit(store, model[0]["c2d"])
-    assert c.commit.version == 4 and len(c.entries()["fc1.weight"].param) == 2  # 4: the tile grid (SPEC.md §5a); slices recorded
+    assert (
+        c.commit.version == 4 and len(c.entries()["fc1.weight"].param) == 2
+    )  # 4: the tile grid (SPEC.md §5a); slices recorded
     assert ss.verify(store).ok
 
 
@@ -293,14 +316,18 @@ def test_each_rank_reads_its_share_for_row_column_2d_and_fsdp2_on_tp_splits(runs
     store, results = runs
     reads = [r["reads"] for r in results]
     assert len({r["commit"] for r in reads}) == 1
-    figures = {name: [(r["reads"][name]["read"], r["reads"][name]["share"]) for r in reads] for name in reads[0]["reads"]}
+    figures = {
+        name: [(r["reads"][name]["read"], r["reads"][name]["share"]) for r in reads] for name in reads[0]["reads"]
+    }
     saved = ss.load_commit(store, reads[0]["commit"])
     manifests = sum(len(store.get(o)) for o in [saved.id, *saved.shard_ids.values()])  # read by every restore first
     for name, per_rank in figures.items():
         for rank, (read, share) in enumerate(per_rank):
             assert reads[rank]["reads"][name]["equal"], (name, rank)
             assert share <= read <= 1.25 * share, (name, rank, read, share)
-            assert reads[rank]["reads"][name]["reported"] + manifests == read  # Restored.bytes_read: the tensor bytes the storage served
+            assert (
+                reads[rank]["reads"][name]["reported"] + manifests == read
+            )  # Restored.bytes_read: the tensor bytes the storage served
     whole = READ[0] * READ[1] * 4
     lc = ss.load_commit(store, reads[0]["commit"])
     copied = []
@@ -322,7 +349,10 @@ def test_partial_placement_is_refused_at_save_and_restore_naming_the_tensor(runs
         assert "'summed'" in msg and "Partial" in msg and "not saved state" in msg
         assert "'rows'" in r["strided"]["partial_restore"] and "Partial" in r["strided"]["partial_restore"]
         assert r["strided"]["partial_untouched"]
-        assert "'reordered'" in r["strided"]["order"] and "not its placements' left-to-right order" in r["strided"]["order"]
+        assert (
+            "'reordered'" in r["strided"]["order"]
+            and "not its placements' left-to-right order" in r["strided"]["order"]
+        )
 
 
 def test_peak_memory_during_save_is_the_slice_plus_the_blocks_in_flight(runs):
@@ -339,7 +369,9 @@ def test_peak_memory_during_save_is_the_slice_plus_the_blocks_in_flight(runs):
     for r in results:
         for m, kind in zip(r["memory"], allowance):
             increase = m["peak"] - m["before"]
-            figures[kind].append(f"+{increase / MiB:.1f} MiB (staged {m['exchange']['peak_staged'] / MiB:.0f}, slice {m['slice'] / MiB:.0f})")
+            figures[kind].append(
+                f"+{increase / MiB:.1f} MiB (staged {m['exchange']['peak_staged'] / MiB:.0f}, slice {m['slice'] / MiB:.0f})"
+            )
             # the staged buffers of one batch (blocks assembled, column strips received, pieces
             # sent), carved from one arena that is reused batch after batch
             assert m["exchange"]["arena_bytes"] == m["exchange"]["peak_staged"] <= 2 * batch
@@ -348,4 +380,6 @@ def test_peak_memory_during_save_is_the_slice_plus_the_blocks_in_flight(runs):
             assert increase < whole / 4  # not the whole tensor, not even another slice
     for step in range(2):
         assert len({r["memory"][step]["commit"] for r in results}) == 1
-    print(f"peak RSS increase during save per rank: {figures}; whole tensor {whole / MiB:.0f} MiB, batch {batch / MiB:.0f} MiB")
+    print(
+        f"peak RSS increase during save per rank: {figures}; whole tensor {whole / MiB:.0f} MiB, batch {batch / MiB:.0f} MiB"
+    )

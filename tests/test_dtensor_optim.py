@@ -16,6 +16,7 @@ One group of 3 processes serves every check:
 are chunked (2 x 2 tiles of 1024 x 1024, SPEC.md §5a) and the 3-rank split cuts tiles. The SGD commit is also
 copied with ``copy_commit(slot=1)`` (``copy --shard 1``) and restored from that partial copy.
 """
+
 from __future__ import annotations
 
 import json
@@ -87,12 +88,16 @@ def _two(store: ss.Store, mesh, group, async_group) -> dict:
             out["partial"] = _partial_copy(store, cid, mesh, group)
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-            tp = parallelize_module(_net(), mesh, {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()})  # fc1.weight Shard(1)
+            tp = parallelize_module(
+                _net(), mesh, {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()}
+            )  # fc1.weight Shard(1)
             topt = make(tp.parameters())
             ss.restore(store, cid, tp, topt)
             out["tp1_placements"] = str(tp.fc1.weight.placements)
             out["tp1_equals_plain"] = _equal_to_plain(tp, topt, plain, popt)
-            out["sgd_tp1"] = ss.save_distributed(store, tp, topt, info=_info(2), rng=False, ref=None, parent=None, group=group)
+            out["sgd_tp1"] = ss.save_distributed(
+                store, tp, topt, info=_info(2), rng=False, ref=None, parent=None, group=group
+            )
             saver = ss.AsyncSaver(store)
             saver.save_distributed(m, opt, info=_info(2), group=async_group, rng=False, ref=None, parent=None)
             _train(m, opt, 1, seed=5)  # training goes on while the background save runs
@@ -102,12 +107,15 @@ def _two(store: ss.Store, mesh, group, async_group) -> dict:
             ss.restore(store, cid, resumed, ropt)
             _train(resumed, ropt, 1, seed=5)
             out["resumed_bitwise"] = all(
-                torch.equal(p.to_local(), q.to_local()) and torch.equal(ropt.state[p]["momentum_buffer"].to_local(), opt.state[q]["momentum_buffer"].to_local())
+                torch.equal(p.to_local(), q.to_local())
+                and torch.equal(ropt.state[p]["momentum_buffer"].to_local(), opt.state[q]["momentum_buffer"].to_local())
                 for p, q in zip(resumed.parameters(), m.parameters())
             )
         out[key] = cid
     try:  # a DTensor inside an extra's state: this rank's slice is not the extra's tensor
-        ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref=None, group=group, extra={"h": Holder(m.fc1.weight)})
+        ss.save_distributed(
+            store, m, opt, info=_info(2), rng=False, ref=None, group=group, extra={"h": Holder(m.fc1.weight)}
+        )
     except ss.CommitProtocolError as e:
         out["dtensor_extra"] = str(e)
     return out
@@ -130,7 +138,8 @@ def _partial_copy(store: ss.Store, cid: str, mesh, group) -> dict:
     try:
         ss.restore(partial, cid, mine, mopt)
         out["restored"] = all(
-            torch.equal(p.to_local(), q.to_local()) and torch.equal(mopt.state[p]["momentum_buffer"].to_local(), fopt.state[q]["momentum_buffer"].to_local())
+            torch.equal(p.to_local(), q.to_local())
+            and torch.equal(mopt.state[p]["momentum_buffer"].to_local(), fopt.state[q]["momentum_buffer"].to_local())
             for p, q in zip(mine.parameters(), full.parameters())
         ) and torch.equal(mine.table, full.table)
     except ss.ObjectNotFound as e:
@@ -159,7 +168,9 @@ def _three(rank: int, store: ss.Store, mesh) -> dict:
             ss.restore(store, src, m3, opt3)
             out[f"{src}_into_fsdp3_equals_plain"] = _equal_to_plain(m3, opt3, plain, popt)
         out[f"{key}3"] = ss.save_distributed(store, m3, opt3, info=_info(2), rng=False, ref=None, parent=None)
-        out[f"{key}_local_rows"] = opt3.state[m3.fc1.weight][next(k for k in opt3.state[m3.fc1.weight] if k != "step")].to_local().shape[0]
+        out[f"{key}_local_rows"] = (
+            opt3.state[m3.fc1.weight][next(k for k in opt3.state[m3.fc1.weight] if k != "step")].to_local().shape[0]
+        )
         _train(m3, opt3, 1, seed=9)  # the restored DTensor state steps like the plain model's
         _train(plain, popt, 1, seed=9)
         out[f"{key}_step_after_restore_close"] = all(
@@ -183,11 +194,12 @@ def _body(rank: int, world: int, root: str) -> dict:
             plain = _net()
             popt = make(plain.parameters())
             ss.restore(store, key, plain, popt)
-            result[f"{key}1"] = ss.save(store, plain, popt, step=2, job="dtensor-optim", rng=False, ref=f"{key}1", parent=None)
+            result[f"{key}1"] = ss.save(
+                store, plain, popt, step=2, job="dtensor-optim", rng=False, ref=f"{key}1", parent=None
+            )
     dist.barrier()
     result["three"] = _three(rank, store, init_device_mesh("cpu", (world,)))
     return result
-
 
 
 @pytest.fixture(scope="module")
@@ -207,14 +219,17 @@ def _objects(store: ss.Store, cid: str) -> set[str]:
     lc = ss.load_commit(store, cid)
     es = lc.entries().values()
     return {o for e in es for _, p, d in tensor_payloads(e) for o, _, _ in payload_blocks(p, d, e.shape)} | {
-        o for e in es for o, _, _ in state_objects(e)}
+        o for e in es for o, _, _ in state_objects(e)
+    }
 
 
 def test_fsdp2_sgd_and_adagrad_state_saved_and_restored_bitwise_in_every_direction(runs):
     store, two, three, single = runs
     assert two[0]["sgd"] == two[1]["sgd"] and two[0]["async"] == two[0]["sgd"]  # AsyncSaver: the same commit
     assert all(r["resumed_bitwise"] for r in two)  # FSDP2 x2 -> x2 continues bitwise
-    assert two[0]["tp1_placements"] == "(Shard(dim=1),)" and all(r["tp1_equals_plain"] for r in two)  # FSDP2 -> TP dim 1
+    assert two[0]["tp1_placements"] == "(Shard(dim=1),)" and all(
+        r["tp1_equals_plain"] for r in two
+    )  # FSDP2 -> TP dim 1
     assert all(r[f"{k}_saved_equals_plain"] for r in two for k in OPTIMIZERS)  # FSDP2 x2 -> 1 process
     for r in three:
         for key in OPTIMIZERS:
@@ -269,20 +284,29 @@ def test_copy_shard_k_copies_only_the_blocks_slot_k_held_and_restores_only_its_s
     store, two, _, _ = runs
     n, nbytes = _slot1_objects()
     copied, copied_bytes = two[0]["partial"]["copied"]
-    print(f"copy --shard 1: {copied} objects, {copied_bytes} bytes (slot 1's data by hand: {n} objects, {nbytes} bytes)")
+    print(
+        f"copy --shard 1: {copied} objects, {copied_bytes} bytes (slot 1's data by hand: {n} objects, {nbytes} bytes)"
+    )
     assert n == 12 and copied == n + 2 + 1  # data objects, 2 shard manifests, the commit
     assert copied_bytes - nbytes < 64 * 1024  # the rest is the three manifests
     assert two[1]["partial"]["restored"]  # rank 1's slice, bitwise from the partial copy
     refused = two[0]["partial"]["refused"]  # rank 0 needs tiles 0 and 1, which only rank 0 held
     print("restore of slot 0 from the slot-1 copy:", refused)
-    assert "'fc1.weight'" in refused and ("block 0" in refused or "block 1" in refused) and "not in the store" in refused
+    assert (
+        "'fc1.weight'" in refused and ("block 0" in refused or "block 1" in refused) and "not in the store" in refused
+    )
     partial = ss.open_store(store.url + "-slot1", create=False)
     cid = two[0]["sgd"]
     assert ss.verify(partial, [cid], slot=1).ok  # what slot 1 needs is all there
     report = ss.verify(partial, [cid])  # the whole commit is not: exactly slot 0's own blocks are missing
     lc = ss.load_commit(partial, cid)
     w = lc.entries()["fc1.weight"]
-    absent = {w.param[0].object, w.param[1].object, w.state.tensors[0].object[0].object, w.state.tensors[0].object[1].object}
+    absent = {
+        w.param[0].object,
+        w.param[1].object,
+        w.state.tensors[0].object[0].object,
+        w.state.tensors[0].object[1].object,
+    }
     assert {(p.kind, p.tensor) for p in report.problems} == {("ObjectNotFound", "fc1.weight")}
     assert {p.object for p in report.problems} == absent
     assert gc(partial, grace_seconds=0, dry_run=True).deleted == {}  # nothing there is garbage
@@ -295,7 +319,9 @@ def test_cli_copy_and_verify_shard_k_select_the_same_blocks(runs, tmp_path, caps
     cid, dst = two[0]["sgd"], str(tmp_path / "cli-slot1")
     assert main(["copy", store.url, dst, cid, "--shard", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["objects_copied"] == two[0]["partial"]["copied"][0]
-    assert set(ss.open_store(dst, create=False).objects()) == set(ss.open_store(store.url + "-slot1", create=False).objects())
+    assert set(ss.open_store(dst, create=False).objects()) == set(
+        ss.open_store(store.url + "-slot1", create=False).objects()
+    )
     assert main(["verify", dst, cid, "--shard", "1"]) == 0
     assert main(["verify", dst, cid]) == 3  # slot 0's own blocks are absent, and said so
     cap = capsys.readouterr()

@@ -1,4 +1,5 @@
 """Evaluation pieces in one process: the KV cache, the ring's losses, the paired bootstrap."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,11 @@ def test_kv_cache_matches_recomputing_the_prefix(job) -> None:  # type: ignore[n
     full = model(tokens)  # (1, 20, V)
     ring = Ring(model, Partition.even(config.num_hidden_layers, 1), 0, timeout=5)
     caches: dict[int, KVCache] = {}
-    pieces = [ring.forward(tokens[:, :12], caches), ring.forward(tokens[:, 12:13], caches),
-              ring.forward(tokens[:, 13:20], caches)]  # prefill, one token, then several at once
+    pieces = [
+        ring.forward(tokens[:, :12], caches),
+        ring.forward(tokens[:, 12:13], caches),
+        ring.forward(tokens[:, 13:20], caches),
+    ]  # prefill, one token, then several at once
     assert next(iter(caches.values())).past == 20
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
 
@@ -40,7 +44,7 @@ def test_greedy_generation_with_cache_equals_without(job) -> None:  # type: igno
     with torch.no_grad():
         for _ in range(10):
             seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    assert cached == seq[len(prompt):] and len(set(cached)) > 1
+    assert cached == seq[len(prompt) :] and len(set(cached)) > 1
 
 
 def test_ring_losses_agree_with_the_training_loss(job) -> None:  # type: ignore[no-untyped-def]
@@ -64,10 +68,10 @@ def test_paired_bootstrap() -> None:
     better = SetLoss("s", 0.0, float(w.sum()), tuple((base - 0.1 * w).tolist()), tuple(w.tolist()))
     diff, lo, hi = paired_bootstrap(a, better)
     assert diff == pytest.approx(-0.1) and lo <= diff <= hi and hi < 0
-    noisy = SetLoss("s", 0.0, float(w.sum()), tuple((base + torch.randn(50, generator=g).double() * w).tolist()),
-                    tuple(w.tolist()))
+    noisy = SetLoss(
+        "s", 0.0, float(w.sum()), tuple((base + torch.randn(50, generator=g).double() * w).tolist()), tuple(w.tolist())
+    )
     diff, lo, hi = paired_bootstrap(a, noisy)
     assert lo < diff < hi and hi - lo > 0.1
     with pytest.raises(ValueError, match="same documents"):
         paired_bootstrap(a, SetLoss("s", 0.0, 1.0, (1.0,), (1.0,)))
-

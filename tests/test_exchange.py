@@ -5,6 +5,7 @@ the count must agree with torch's own ``is_contiguous`` of the views the batch t
 takes; the arena hands out aligned, disjoint views. The exchange itself runs over real
 Gloo groups in ``test_dtensor.py`` and ``test_dtensor_mesh.py``.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """The gates on synthetic paired losses with known outcomes, and the bound against numpy."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +18,9 @@ BASE = RNG.uniform(1.0, 3.0, size=N) * WEIGHTS  # per-document summed losses
 def _set(name: str, kind: str, per_token_shift: float, noise: float = 0.0, seed: int = 0) -> SetLoss:
     eps = np.random.default_rng(seed).normal(0.0, noise, size=N) * WEIGHTS
     doc = BASE + per_token_shift * WEIGHTS + eps
-    return SetLoss(name, float(doc.sum() / WEIGHTS.sum()), float(WEIGHTS.sum()), tuple(doc.tolist()),
-                   tuple(WEIGHTS.tolist()), kind)
+    return SetLoss(
+        name, float(doc.sum() / WEIGHTS.sum()), float(WEIGHTS.sum()), tuple(doc.tolist()), tuple(WEIGHTS.tolist()), kind
+    )
 
 
 def _cases(right: int) -> tuple[Case, ...]:
@@ -26,10 +28,16 @@ def _cases(right: int) -> tuple[Case, ...]:
 
 
 def _report(gain_shift: float, retention_shift: float, right: tuple[int, int], noise: float = 0.0) -> EvalReport:
-    base = CommitEval("a" * 64, 0, (_set("dev_task", "task", 0.0), _set("dev_retention", "retention", 0.0)),
-                      _cases(right[0]), 1.0)
-    cand = CommitEval("b" * 64, 8, (_set("dev_task", "task", gain_shift, noise, 1),
-                                    _set("dev_retention", "retention", retention_shift, noise, 2)), _cases(right[1]), 1.0)
+    base = CommitEval(
+        "a" * 64, 0, (_set("dev_task", "task", 0.0), _set("dev_retention", "retention", 0.0)), _cases(right[0]), 1.0
+    )
+    cand = CommitEval(
+        "b" * 64,
+        8,
+        (_set("dev_task", "task", gain_shift, noise, 1), _set("dev_retention", "retention", retention_shift, noise, 2)),
+        _cases(right[1]),
+        1.0,
+    )
     return EvalReport("c" * 64, "development", 2, (base, cand), ())
 
 
@@ -38,14 +46,18 @@ def _gates(report: EvalReport, t: Thresholds = Thresholds()) -> dict[str, bool]:
     return {r.gate: r.passed for r in g.rows} | {"all": g.passed}
 
 
-@pytest.mark.parametrize(("gain", "retention", "right", "expected"), [
-    (-0.0011, 0.019, (4, 4), {"gain": True, "retention": True, "generation": True, "all": True}),
-    (-0.0009, 0.019, (4, 5), {"gain": False, "retention": True, "generation": True, "all": False}),
-    (-0.0011, 0.021, (4, 4), {"gain": True, "retention": False, "generation": True, "all": False}),
-    (-0.5, -0.5, (5, 4), {"gain": True, "retention": True, "generation": False, "all": False}),
-])
-def test_each_gate_on_both_sides_of_its_threshold(gain: float, retention: float, right: tuple[int, int],
-                                                   expected: dict[str, bool]) -> None:
+@pytest.mark.parametrize(
+    ("gain", "retention", "right", "expected"),
+    [
+        (-0.0011, 0.019, (4, 4), {"gain": True, "retention": True, "generation": True, "all": True}),
+        (-0.0009, 0.019, (4, 5), {"gain": False, "retention": True, "generation": True, "all": False}),
+        (-0.0011, 0.021, (4, 4), {"gain": True, "retention": False, "generation": True, "all": False}),
+        (-0.5, -0.5, (5, 4), {"gain": True, "retention": True, "generation": False, "all": False}),
+    ],
+)
+def test_each_gate_on_both_sides_of_its_threshold(
+    gain: float, retention: float, right: tuple[int, int], expected: dict[str, bool]
+) -> None:
     # Without noise every document moves by the same per-token shift, so every resample's
     # difference, and so the bound, is that shift: the outcome is known exactly.
     assert _gates(_report(gain, retention, right)) == expected

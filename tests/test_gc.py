@@ -8,6 +8,7 @@ second run deletes nothing. Also: dry runs, a young manifest protecting an old o
 deduplicated against, refusing to run when a ref's commit is unreadable, stale tmp files,
 and the same on S3.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -171,7 +172,10 @@ def test_reachable_follows_present_parents(tmp_path: Any) -> None:
 
 
 def test_gc_on_memory_and_s3(s3_server: S3Server) -> None:  # noqa: F811
-    for store in (ss.open_store(f"memory://gc-{uuid.uuid4().hex}"), ss.open_store(s3_server.url(), **s3_server.options)):
+    for store in (
+        ss.open_store(f"memory://gc-{uuid.uuid4().hex}"),
+        ss.open_store(s3_server.url(), **s3_server.options),
+    ):
         ss.save(store, *model_and_opt(7), step=1, rng=False)
         before = set(store.objects())
         cid = ss.save(store, *model_and_opt(8), step=1, rng=False, ref="tmpref")
@@ -198,7 +202,14 @@ def test_parse_duration() -> None:
     from shardstore_cli.store_commands import parse_duration
 
     assert [parse_duration(x) for x in ("90s", "30m", "1h", "2d", "1h30m", "45", "0s", "1.5h")] == [
-        90, 1800, 3600, 172800, 5400, 45, 0, 5400
+        90,
+        1800,
+        3600,
+        172800,
+        5400,
+        45,
+        0,
+        5400,
     ]
     for bad in ("", "1x", "h", "-1h", "1h 30m", "1hh"):
         with pytest.raises(argparse.ArgumentTypeError, match="invalid duration"):

@@ -5,6 +5,7 @@ SPEC.md with ``json`` and ``blake3`` only, a Hypothesis property that blocks ass
 any split equal the blocks of the whole tensor and that a restore into any split reads
 exactly the blocks it overlaps, and the typed errors for damaged or forged payloads.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,7 +23,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardstore as ss
-from shardstore.format.grid import BLOCK_BYTES, block_count, box_slices, grid, intersect, make_payload, overlapping, read_jobs, tile_shape
+from shardstore.format.grid import (
+    BLOCK_BYTES,
+    block_count,
+    box_slices,
+    grid,
+    intersect,
+    make_payload,
+    overlapping,
+    read_jobs,
+    tile_shape,
+)
 from shardstore.format.manifest import Block
 from shardstore.format.tensors import ITEMSIZES
 from shardstore.sharded.dtensor import plan_blocks, slice_regions
@@ -40,8 +51,16 @@ MiB = 1 << 20
         ("float32", (10, 131072), [((0, 0), (8, 131072)), ((8, 0), (2, 131072))]),  # bands of 8 rows
         ("bfloat16", (3, 1 << 21), [((0, 0), (1, 1 << 21)), ((1, 0), (1, 1 << 21)), ((2, 0), (1, 1 << 21))]),
         # one row exceeds the bound: one row at a time, cut along the last dim
-        ("float32", (2, 1100000), [((0, 0), (1, 1048576)), ((0, 1048576), (1, 51424)), ((1, 0), (1, 1048576)), ((1, 1048576), (1, 51424))]),
-        ("float64", (2, 3, 300000), [((i, j, 0), (1, 1, 300000)) for i in range(2) for j in range(3)]),  # cut along dim 1
+        (
+            "float32",
+            (2, 1100000),
+            [((0, 0), (1, 1048576)), ((0, 1048576), (1, 51424)), ((1, 0), (1, 1048576)), ((1, 1048576), (1, 51424))],
+        ),
+        (
+            "float64",
+            (2, 3, 300000),
+            [((i, j, 0), (1, 1, 300000)) for i in range(2) for j in range(3)],
+        ),  # cut along dim 1
     ],
 )
 def test_row_band_grid_vectors(dtype, shape, boxes):
@@ -78,7 +97,11 @@ def test_tile_grid_vectors(dtype, shape, tile):
     """The tile grid of version 4 (SPEC.md §5a): the tile shape, and the blocks it gives in C order."""
     assert tile_shape(dtype, shape) == tile
     boxes = grid(dtype, shape)
-    assert boxes == ([((0,) * len(shape), tuple(shape))] if math.prod(shape) * ITEMSIZES[dtype] <= BLOCK_BYTES else _tiles(shape, tile))
+    assert boxes == (
+        [((0,) * len(shape), tuple(shape))]
+        if math.prod(shape) * ITEMSIZES[dtype] <= BLOCK_BYTES
+        else _tiles(shape, tile)
+    )
     assert block_count(dtype, shape) == len(boxes)
     assert all(math.prod(b[1]) * ITEMSIZES[dtype] <= BLOCK_BYTES for b in boxes) or len(boxes) == 1
 
@@ -109,14 +132,37 @@ def _independent_ids(n_rows: int, cols: int, boxes, version: int) -> tuple[list[
     row = cols * 4
     ids = []
     for (r0, c0), (nr, nc) in boxes:
-        ids.append(blake3.blake3(b"".join(raw[(r0 + i) * row + c0 * 4:(r0 + i) * row + (c0 + nc) * 4] for i in range(nr))).hexdigest())
+        ids.append(
+            blake3.blake3(
+                b"".join(raw[(r0 + i) * row + c0 * 4 : (r0 + i) * row + (c0 + nc) * 4] for i in range(nr))
+            ).hexdigest()
+        )
     blocks = [{"object": oid, "shape": list(ext), "start": list(start)} for (start, ext), oid in zip(boxes, ids)]
     entry = {"dtype": "float32", "name": "w", "optim": None, "param": blocks, "shape": [n_rows, cols]}
     enc = lambda d: json.dumps(d, sort_keys=True, separators=(",", ":")).encode()  # noqa: E731
-    shard = {"algorithm": "none", "config": None, "entries": [entry], "groups": [], "job": "vector-job", "parent": None,
-             "rng": [], "slot": 0, "slots": 1, "step": 0, "type": "shard", "version": version}
-    learned = {"config": None, "data_cursor": None, "optimizer": {"algorithm": "none", "groups": []}, "step": 0,
-               "tensors": [entry], "type": "learned", "version": version}
+    shard = {
+        "algorithm": "none",
+        "config": None,
+        "entries": [entry],
+        "groups": [],
+        "job": "vector-job",
+        "parent": None,
+        "rng": [],
+        "slot": 0,
+        "slots": 1,
+        "step": 0,
+        "type": "shard",
+        "version": version,
+    }
+    learned = {
+        "config": None,
+        "data_cursor": None,
+        "optimizer": {"algorithm": "none", "groups": []},
+        "step": 0,
+        "tensors": [entry],
+        "type": "learned",
+        "version": version,
+    }
     return ids, blake3.blake3(enc(shard)).hexdigest(), blake3.blake3(enc(learned)).hexdigest()
 
 
@@ -128,11 +174,16 @@ def test_the_version_2_chunked_vector_is_unchanged():
     ids, shard_id, root = _independent_ids(3, 524288, boxes, 2)
     assert (ids, shard_id, root) == CHUNKED_VECTORS[:3]
     # and its full root, from SPEC.md §24's values alone (no test of a store pins it)
-    assert _init_commit(2, [{"shard": shard_id, "slot": 0, "tensors": ["w"]}], root, {"algorithm": "none", "groups": []}) == CHUNKED_VECTORS[3]
+    assert (
+        _init_commit(2, [{"shard": shard_id, "slot": 0, "tensors": ["w"]}], root, {"algorithm": "none", "groups": []})
+        == CHUNKED_VECTORS[3]
+    )
 
 
 def _tiled_state() -> tuple[torch.Tensor, ss.CommitInfo]:
-    return torch.arange(1501 * 1500, dtype=torch.float32).reshape(1501, 1500), ss.CommitInfo(step=0, job="vector-job", transition="init")
+    return torch.arange(1501 * 1500, dtype=torch.float32).reshape(1501, 1500), ss.CommitInfo(
+        step=0, job="vector-job", transition="init"
+    )
 
 
 def test_tiled_vectors_match_an_independent_encoder():
@@ -149,7 +200,10 @@ def test_tiled_vectors_match_an_independent_encoder():
     assert lc.commit.learned_root == root
     assert lc.commit.version == 4 and lc.shards[0].version == 4
     assert (ids, shard_id, root, cid) == TILED_VECTORS
-    assert _init_commit(4, [{"shard": shard_id, "slot": 0, "tensors": ["w"]}], root, {"algorithm": "none", "groups": []}) == cid  # SPEC.md §24 alone
+    assert (
+        _init_commit(4, [{"shard": shard_id, "slot": 0, "tensors": ["w"]}], root, {"algorithm": "none", "groups": []})
+        == cid
+    )  # SPEC.md §24 alone
     assert ss.verify(store).ok
     back = torch.zeros(1501, 1500)
     ss.restore(store, cid, {"w": back})
@@ -165,15 +219,22 @@ def _init_commit(version: int, layout: list[dict], learned_root: str, optimizer:
 
 
 CHUNKED_VECTORS = (
-    ["376340a03365bddb93ff1cac75c539a9741fcb30ffb28646efbe48b213defcd3", "a1908d9f1d0da682bd5e9fbd6178c8b7ed5e2abc608c77532321545a08dca5ad"],
+    [
+        "376340a03365bddb93ff1cac75c539a9741fcb30ffb28646efbe48b213defcd3",
+        "a1908d9f1d0da682bd5e9fbd6178c8b7ed5e2abc608c77532321545a08dca5ad",
+    ],
     "3063682d113132e8e6e11f8d7382e853010cb0e8919f9d742bda0457f21fc1c3",  # shard manifest
     "87487da2a3effa47abfb07096475c38002236244ce7345bf9bad31c401de7302",  # learned-state root
     "cbabe2bd0f6aa625b333a66e19094dedb9e3870c1945edd17215c0864e5b83ac",  # full root
 )
 
 TILED_VECTORS = (
-    ["c70bc3ac4cc264292dbd5395b9a3cf18bc207e5ecd538fdff7d3e344a5fdbda2", "d4433455bd0eb0d758f0a82d72ee8c7d48fc696a95b88dd9cadf18f11292ccd1",
-     "ad397486da4e3cd39ced9995a4abc0ee587d2f76cff26ba145a0e4d253c8dca8", "c16d9b427ce61e81b22f8d3a3dd6f58556366ffbe767ca6d34035f941fe085dd"],
+    [
+        "c70bc3ac4cc264292dbd5395b9a3cf18bc207e5ecd538fdff7d3e344a5fdbda2",
+        "d4433455bd0eb0d758f0a82d72ee8c7d48fc696a95b88dd9cadf18f11292ccd1",
+        "ad397486da4e3cd39ced9995a4abc0ee587d2f76cff26ba145a0e4d253c8dca8",
+        "c16d9b427ce61e81b22f8d3a3dd6f58556366ffbe767ca6d34035f941fe085dd",
+    ],
     "44f8c828ff5081c354aadd6584755fe604272f859ac162c002b95553386db67c",  # shard manifest (version 4)
     "5be2aa23a8d5f492625d59ad8e166817d6bc6a4b21a6ed5d083e1c364fa240e4",  # learned-state root (version 4)
     "d47a9b0138bf67f333ecd05b1414224be9b68bc51325bf573a51a73a5e504e69",  # full root
@@ -295,7 +356,9 @@ def _forge(store: ss.Store, cid: str, blocks) -> str:
     c = store.commit(cid)
     lay = c.layout[0]
     shard = store.shard(lay.shard)
-    entries = tuple(msgspec.structs.replace(e, param=blocks(e.param)) if e.name == "weight" else e for e in shard.entries)
+    entries = tuple(
+        msgspec.structs.replace(e, param=blocks(e.param)) if e.name == "weight" else e for e in shard.entries
+    )
     sid = store.put_manifest(msgspec.structs.replace(shard, entries=entries))
     return store.put_manifest(msgspec.structs.replace(c, layout=(msgspec.structs.replace(lay, shard=sid),)))
 
@@ -308,9 +371,18 @@ def _b(start, shape, oid):
     "forge, message",
     [
         (lambda p: (_b((0, 0), (8, 131072), p[0].object), _b((8, 0), (1, 131072), p[1].object)), "do not tile"),
-        (lambda p: (_b((0, 0), (8, 131072), p[0].object), _b((7, 0), (3, 131072), p[1].object)), "blocks 0 and 1 .* overlap"),
-        (lambda p: (_b((0, 0), (5, 131072), p[0].object), _b((5, 0), (5, 131072), p[1].object)), "canonical grid's block 0"),
-        (lambda p: (_b((0, 0), (8, 131072), p[0].object), _b((8, 0), (3, 131072), p[1].object)), "block 1 .* lies outside"),
+        (
+            lambda p: (_b((0, 0), (8, 131072), p[0].object), _b((7, 0), (3, 131072), p[1].object)),
+            "blocks 0 and 1 .* overlap",
+        ),
+        (
+            lambda p: (_b((0, 0), (5, 131072), p[0].object), _b((5, 0), (5, 131072), p[1].object)),
+            "canonical grid's block 0",
+        ),
+        (
+            lambda p: (_b((0, 0), (8, 131072), p[0].object), _b((8, 0), (3, 131072), p[1].object)),
+            "block 1 .* lies outside",
+        ),
         (lambda p: p[0].object, "must be 2 blocks, not one object"),
         (lambda p: (*p, _b((0, 0), (1, 1), p[0].object)), "overlap"),
     ],

@@ -1,5 +1,6 @@
 """Grow by one identity block: same logits, unchanged old tensors, new Adam clocks, and sharded
 training of the grown model matching a single-process reference grown the same way (2 and 3 workers)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,7 +57,7 @@ def test_grown_model_computes_the_same_logits_and_keeps_every_old_tensor(adaptiv
     for n, e in new.items():
         if not n.startswith(NEW):
             continue
-        src = old["model.layers.3." + n[len(NEW):]]
+        src = old["model.layers.3." + n[len(NEW) :]]
         assert e.optim is not None and src.optim is not None
         assert (e.optim.birth, e.optim.age, e.optim.exp_avg, e.optim.group) == (4, 0, None, src.optim.group)
         zeroed = n.endswith(ZEROED_SUFFIXES)
@@ -81,16 +82,30 @@ def reference_grown(job_path: str, url: str, parent: str, out: str) -> None:
     old_params = dict(old.named_parameters())
     with torch.no_grad():
         for n, p in model.named_parameters():
-            src = old_params.get(n, old_params.get("model.layers.3." + n[len(NEW):]))
+            src = old_params.get(n, old_params.get("model.layers.3." + n[len(NEW) :]))
             p.copy_(torch.zeros_like(p) if n.startswith(NEW) and n.endswith(ZEROED_SUFFIXES) else src)
     groups, params = old_opt.state_export()
     opt = AdamW(model.named_parameters(), job.groups(), schedule=job.lr_schedule())
-    params = {n: params.get(n, {"exp_avg": None, "exp_avg_sq": None, "age": 0,
-                                "group": params["model.layers.3." + n[len(NEW):]]["group"] if n.startswith(NEW) else None})
-              for n, _ in model.named_parameters()}
+    params = {
+        n: params.get(
+            n,
+            {
+                "exp_avg": None,
+                "exp_avg_sq": None,
+                "age": 0,
+                "group": params["model.layers.3." + n[len(NEW) :]]["group"] if n.startswith(NEW) else None,
+            },
+        )
+        for n, _ in model.named_parameters()
+    }
     opt.state_import(groups, params)
-    trainer = Trainer(Pipeline(model, Partition.even(5, 1), 0), opt, microbatch_size=job.job.recipe.microbatch_size,
-                      max_grad_norm=job.max_grad_norm(), global_step=4)
+    trainer = Trainer(
+        Pipeline(model, Partition.even(5, 1), 0),
+        opt,
+        microbatch_size=job.job.recipe.microbatch_size,
+        max_grad_norm=job.max_grad_norm(),
+        global_step=4,
+    )
     losses = [trainer.step(job.batch(s)).loss for s in (4, 5)]
     _, state = opt.state_export()
     tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -109,14 +124,22 @@ def test_sharded_grown_training_matches_a_single_process_reference(adaptive_run:
     out = str(run.home / "reference.safetensors")
     # Its own process, under the workers' numerical profile (DETERMINISTIC_ENV pins the CPU
     # kernels at torch's import; this test process may use others).
-    launch_local(_reference_worker, 1, (run.job, run.url, run.u[4], out), env=DETERMINISTIC_ENV,
-                 timeout=timedelta(seconds=60), join_timeout=120)
+    launch_local(
+        _reference_worker,
+        1,
+        (run.job, run.url, run.u[4], out),
+        env=DETERMINISTIC_ENV,
+        timeout=timedelta(seconds=60),
+        join_timeout=120,
+    )
     with safe_open(out, "pt") as f:
         ref_losses = json.loads(f.metadata()["losses"])
     saved = load_file(out)
     ref = {n: t for n, t in saved.items() if "/" not in n}
-    ref_state = {n: {"exp_avg": saved[f"exp_avg/{n}"], "exp_avg_sq": saved[f"exp_avg_sq/{n}"],
-                     "age": int(saved[f"age/{n}"])} for n in ref}
+    ref_state = {
+        n: {"exp_avg": saved[f"exp_avg/{n}"], "exp_avg_sq": saved[f"exp_avg_sq/{n}"], "age": int(saved[f"age/{n}"])}
+        for n in ref
+    }
     control = [r.loss for r in run.straight[0].steps if r.step in (5, 6)]
     for workers, results in ((2, run.g2), (3, run.g3)):
         losses = [r.loss for r in results[0].steps]
@@ -137,7 +160,9 @@ def test_sharded_grown_training_matches_a_single_process_reference(adaptive_run:
                 err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
                 if err > worst:
                     worst, where = err, (n, oid == e.param)
-        print(f"{workers} workers: worst relative difference of parameters and moments {worst:.3g} ({where if worst else '-'})")
+        print(
+            f"{workers} workers: worst relative difference of parameters and moments {worst:.3g} ({where if worst else '-'})"
+        )
         assert worst <= 1e-5
     assert ref_losses[0] == control[0]  # the first update after growth sees the same function and batch
     assert run.store.commit(run.g3[0].commits[0].id).parent != run.grown.commit  # train regrouped it first
@@ -164,14 +189,31 @@ def test_a_reference_too_shallow_for_the_workers_is_refused_before_they_start(ad
     d2 = next(c.id for c in run.dstraight[0].commits if c.step == 2)
     grown = grow(run.dstore, d2, 1)
     before = set(run.dstore.objects()), run.dstore.refs()
-    argv = ["train", "--prepared", str(run.home / "djob" / "job.json"), "--store", run.dstore.url, "--until", "4",
-            "--every", "1", "--resume", grown.commit, "--workers", "5", "--ref", "grown5", "--quiet"]
+    argv = [
+        "train",
+        "--prepared",
+        str(run.home / "djob" / "job.json"),
+        "--store",
+        run.dstore.url,
+        "--until",
+        "4",
+        "--every",
+        "1",
+        "--resume",
+        grown.commit,
+        "--workers",
+        "5",
+        "--ref",
+        "grown5",
+        "--quiet",
+    ]
     assert main(argv) == 4
     assert (set(run.dstore.objects()), run.dstore.refs()) == before
 
 
 def test_evaluate_checks_the_commits_belong_to_the_prepared_job_before_any_worker(
-        adaptive_run: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    adaptive_run: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 24: `evaluate --prepared JOB` with another job's commit is refused (ResumeError,
     exit 4) in the launcher; before, workers started and built their stages first."""
     import sys

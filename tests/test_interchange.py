@@ -1,4 +1,5 @@
 """Tests of shardstore.interchange: Hugging Face round trips, hand-written safetensors, sharding, errors."""
+
 from __future__ import annotations
 
 import json
@@ -157,7 +158,9 @@ def test_import_errors(store, tmp_path):
         import_directory(store, str(src), slots=3)
     with pytest.raises(LayoutError):
         import_directory(store, str(src), layout=[(0, 1), (2, 2)])
-    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.layers.0.w": "model.safetensors"}}))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.layers.0.w": "model.safetensors"}})
+    )
     with pytest.raises(ManifestError, match="index and the files disagree"):
         import_directory(store, str(src))
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../evil.safetensors"}}))

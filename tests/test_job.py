@@ -1,4 +1,5 @@
 """The prepared job: deterministic preparation, strict decoding, hash binding, assistant-only targets."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,7 +31,10 @@ def test_preparation_is_deterministic(job_path: str, tmp_path: Path) -> None:
     assert load_job(again).id == load_job(job_path).id
     for name in (JOB_FILE, RECORDS_FILE, TOKENIZER_FILE, TEMPLATE_FILE):
         assert (tmp_path / name).read_bytes() == (Path(job_path).parent / name).read_bytes()
-    assert load_job(prepare_default(tmp_path / "b", steps_a=4, steps_b=2, batch_size=4, data_seed=1)).id != load_job(again).id
+    assert (
+        load_job(prepare_default(tmp_path / "b", steps_a=4, steps_b=2, batch_size=4, data_seed=1)).id
+        != load_job(again).id
+    )
 
 
 def test_job_binds_every_file_and_the_schedule(job_path: str) -> None:
@@ -50,8 +54,11 @@ def test_job_binds_every_file_and_the_schedule(job_path: str) -> None:
     assert held and not held & {d for s in steps for d in s.docs}
     assert {job.records[i].family for i in job.eval_set("dev_task")} == set(FAMILIES)
     assert [(s.name, s.role, s.kind) for s in job.job.sets] == [
-        ("dev_task", "development", "task"), ("dev_retention", "development", "retention"),
-        ("final_task", "final", "task"), ("final_retention", "final", "retention")]
+        ("dev_task", "development", "task"),
+        ("dev_retention", "development", "retention"),
+        ("final_task", "final", "task"),
+        ("final_retention", "final", "retention"),
+    ]
 
 
 @pytest.mark.parametrize("name", [TOKENIZER_FILE, TEMPLATE_FILE, RECORDS_FILE])
@@ -82,7 +89,9 @@ def test_job_file_is_strictly_decoded(job_path: str, tmp_path: Path) -> None:
     schedule = msgspec.structs.replace(job.schedule, steps=(bad_step, *job.schedule.steps[1:]))
     import blake3
 
-    forged = msgspec.structs.replace(job, schedule=schedule, schedule_id=blake3.blake3(_ENC.encode(schedule)).hexdigest())
+    forged = msgspec.structs.replace(
+        job, schedule=schedule, schedule_id=blake3.blake3(_ENC.encode(schedule)).hexdigest()
+    )
     path = _copy(job_path, tmp_path)
     path.write_bytes(_ENC.encode(forged))
     with pytest.raises(JobError, match="declares replay of document .* not trained in an earlier step"):
@@ -95,7 +104,7 @@ def test_targets_are_assistant_tokens_only() -> None:
     ids, weights = tok.encode_chat(messages)
     assert tok.decode(ids) == "<|bos|><|user|>sum 1 2<|end|><|assistant|>3<|end|>"
     assert tok.decode([i for i, w in zip(ids, weights) if w]) == "3<|end|>"
-    assert ids[:len(tok.encode_prompt(messages[:1]))] == tok.encode_prompt(messages[:1])
+    assert ids[: len(tok.encode_prompt(messages[:1]))] == tok.encode_prompt(messages[:1])
     assert tok.decode(tok.encode("héllo <|end|>")) == "héllo <|end|>"
 
 
@@ -113,14 +122,21 @@ def test_batches_follow_the_schedule(job_path: str) -> None:
 
 def test_the_recipe_names_a_reference_for_every_cohort_that_replays(job_path: str, tmp_path: Path) -> None:
     job = load_job(job_path)
-    assert [(r.cohort, r.source, r.of) for r in job.job.recipe.distill.references] == [("A", "seed", None),
-                                                                                      ("B", "endpoint", "A")]
+    assert [(r.cohort, r.source, r.of) for r in job.job.recipe.distill.references] == [
+        ("A", "seed", None),
+        ("B", "endpoint", "A"),
+    ]
     assert job.kl() == (0.5, 1.0) and job.cohort_end("A") == 4
-    for refs, message in (((), "cohort 'A' declares replay records but the recipe names no reference"),
-                          ((msgspec.structs.replace(job.job.recipe.distill.references[0], cohort="B", source="endpoint",
-                                                    of="B"),), "reference for cohort 'B' names no earlier cohort")):
-        recipe = msgspec.structs.replace(job.job.recipe, distill=msgspec.structs.replace(job.job.recipe.distill,
-                                                                                           references=refs))
+    for refs, message in (
+        ((), "cohort 'A' declares replay records but the recipe names no reference"),
+        (
+            (msgspec.structs.replace(job.job.recipe.distill.references[0], cohort="B", source="endpoint", of="B"),),
+            "reference for cohort 'B' names no earlier cohort",
+        ),
+    ):
+        recipe = msgspec.structs.replace(
+            job.job.recipe, distill=msgspec.structs.replace(job.job.recipe.distill, references=refs)
+        )
         path = _copy(job_path, tmp_path)
         path.write_bytes(_ENC.encode(msgspec.structs.replace(job.job, recipe=recipe)))
         with pytest.raises(JobError, match=message):
@@ -135,13 +151,21 @@ def test_the_seed_binds_its_initialisation_scale(job_path: str, tmp_path: Path) 
     job = load_job(job_path)
     assert job.init_std() == DEFAULT_INIT_STD != LEGACY_INIT_STD
     assert b'"init_std"' in job.files[JOB_FILE]
-    legacy = load_job(prepare_default(tmp_path / "legacy", steps_a=4, steps_b=2, batch_size=4, replay_per_step=1,
-                                      init_std=LEGACY_INIT_STD))
+    legacy = load_job(
+        prepare_default(
+            tmp_path / "legacy", steps_a=4, steps_b=2, batch_size=4, replay_per_step=1, init_std=LEGACY_INIT_STD
+        )
+    )
     assert legacy.init_std() == LEGACY_INIT_STD and b'"init_std"' not in legacy.files[JOB_FILE]
     assert legacy.id != job.id
     # A seed built the way `train` builds it has matrices of that scale.
-    stage = build_stage(job.config, Partition.even(job.config.num_hidden_layers, 1), 0, seed=job.job.seed.init_seed,
-                        init_std=job.init_std())
+    stage = build_stage(
+        job.config,
+        Partition.even(job.config.num_hidden_layers, 1),
+        0,
+        seed=job.job.seed.init_seed,
+        init_std=job.init_std(),
+    )
     std = float(stage.model.layers["0"].self_attn.q_proj.weight.std())
     assert abs(std - DEFAULT_INIT_STD) < 0.1 * DEFAULT_INIT_STD
     for bad in ("0000000000000000", "7ff8000000000000"):  # 0.0 and NaN
@@ -162,7 +186,11 @@ def test_the_profile_is_bound_and_fp32_keeps_older_job_ids(job_path: str, tmp_pa
     fp32 = load_job(prepare_default(tmp_path / "fp32", profile=Profile(name="fp32"), **kw))
     assert fp32.id == load_job(job_path).id and b"profile" not in fp32.files[JOB_FILE]
     ids = {fp32.id}
-    for p in (Profile(name="bf16-autocast"), Profile(name="bf16-autocast", recompute=True), Profile(name="fp32", recompute=True)):
+    for p in (
+        Profile(name="bf16-autocast"),
+        Profile(name="bf16-autocast", recompute=True),
+        Profile(name="fp32", recompute=True),
+    ):
         job = load_job(prepare_default(tmp_path / label(p), profile=p, **kw))
         assert job.job.profile == p and label(job.job.profile) == label(p)
         ids.add(job.id)
@@ -189,19 +217,33 @@ def _bad(job: object, what: str, value: object) -> object:
     return put(job, parts)
 
 
-@pytest.mark.parametrize("what,value,field", [
-    ("recipe.groups.lr", _NAN, "lr"), ("recipe.groups.lr", _INF, "lr"), ("recipe.groups.lr", _ZERO, "lr"),
-    ("recipe.groups.beta2", "3ff0000000000000", "beta2"), ("recipe.groups.eps", _NAN, "eps"),
-    ("recipe.warmup_steps", 10**6, "recipe.warmup_steps"), ("recipe.min_ratio", _NAN, "recipe.min_ratio"),
-    ("recipe.max_grad_norm", _NAN, "recipe.max_grad_norm"), ("recipe.max_grad_norm", _MINUS_ONE, "recipe.max_grad_norm"),
-    ("recipe.distill.temperature", _NAN, "temperature"), ("recipe.distill.temperature", _ZERO, "temperature"),
-    ("recipe.distill.kl_coef", _NAN, "kl_coef"), ("recipe.distill.kl_coef", _MINUS_ONE, "kl_coef"),
-    ("recipe.gates.resamples", 2**40, "gates.resamples"), ("recipe.gates.gain_bound", _INF, "gain_bound"),
-    ("recipe.microbatch_size", 10**4, "microbatch_size"), ("model.num_hidden_layers", 10**6, "num_hidden_layers"),
-    ("model.hidden_size", 2**30, "hidden_size"), ("model.rms_norm_eps", _NAN, "rms_norm_eps"),
-])
-def test_every_value_is_bounded_when_the_job_is_loaded(job_path: str, tmp_path: Path, what: str, value: object,
-                                                       field: str) -> None:
+@pytest.mark.parametrize(
+    "what,value,field",
+    [
+        ("recipe.groups.lr", _NAN, "lr"),
+        ("recipe.groups.lr", _INF, "lr"),
+        ("recipe.groups.lr", _ZERO, "lr"),
+        ("recipe.groups.beta2", "3ff0000000000000", "beta2"),
+        ("recipe.groups.eps", _NAN, "eps"),
+        ("recipe.warmup_steps", 10**6, "recipe.warmup_steps"),
+        ("recipe.min_ratio", _NAN, "recipe.min_ratio"),
+        ("recipe.max_grad_norm", _NAN, "recipe.max_grad_norm"),
+        ("recipe.max_grad_norm", _MINUS_ONE, "recipe.max_grad_norm"),
+        ("recipe.distill.temperature", _NAN, "temperature"),
+        ("recipe.distill.temperature", _ZERO, "temperature"),
+        ("recipe.distill.kl_coef", _NAN, "kl_coef"),
+        ("recipe.distill.kl_coef", _MINUS_ONE, "kl_coef"),
+        ("recipe.gates.resamples", 2**40, "gates.resamples"),
+        ("recipe.gates.gain_bound", _INF, "gain_bound"),
+        ("recipe.microbatch_size", 10**4, "microbatch_size"),
+        ("model.num_hidden_layers", 10**6, "num_hidden_layers"),
+        ("model.hidden_size", 2**30, "hidden_size"),
+        ("model.rms_norm_eps", _NAN, "rms_norm_eps"),
+    ],
+)
+def test_every_value_is_bounded_when_the_job_is_loaded(
+    job_path: str, tmp_path: Path, what: str, value: object, field: str
+) -> None:
     """Issue 24: non-finite or out-of-range reals and unbounded sizes are refused by `load_job`
     (JobError naming the field, SPEC.md §14c) — before this, every one of them loaded."""
     job = load_job(job_path).job

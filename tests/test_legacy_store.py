@@ -10,6 +10,7 @@ built here instead, from the tensors' bytes and version-1 manifests written by t
 layer's encoder (``_format1_store``): format 1's manifests are this version's fields at
 version 1, so nothing of the old writer is needed but what it put in a payload.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,10 @@ from shardstore.format.manifest import is_chunked, tensor_payloads  # noqa: E402
 
 ADAM = "aa1b164db53e041efa7c76fd29d2b02b0b8ce2d496a605b7633cb0e436d5c60f"  # version 2
 SGD = "77e43752beb1b8c06a0c23912104b280b0c62d8dc22c636e99c0712b84268bcb"  # version 3
-ROOTS = {ADAM: "9871ab3672bd88f55a511f7f6d2cdf9779bf30a776b7152b90e466b44db5c7e3", SGD: "3cafb4dc68cfc8afe24a5f43415a73469a110212c79740f91846f7096e630c2c"}
+ROOTS = {
+    ADAM: "9871ab3672bd88f55a511f7f6d2cdf9779bf30a776b7152b90e466b44db5c7e3",
+    SGD: "3cafb4dc68cfc8afe24a5f43415a73469a110212c79740f91846f7096e630c2c",
+}
 
 
 def _fresh(lc) -> str:
@@ -55,11 +59,17 @@ def _expected():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.w.grad, model.b.grad = model.w.detach() / 4, torch.ones(5)
     opt.step()
-    after_adam = ({k: v.detach().clone() for k, v in model.state_dict().items()}, {k: v.clone() for k, v in opt.state[model.w].items()})
+    after_adam = (
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        {k: v.clone() for k, v in opt.state[model.w].items()},
+    )
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model.w.grad, model.b.grad = model.w.detach() / 8, torch.ones(5)
     sgd.step()
-    return after_adam, ({k: v.detach().clone() for k, v in model.state_dict().items()}, sgd.state[model.w]["momentum_buffer"].clone())
+    return after_adam, (
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        sgd.state[model.w]["momentum_buffer"].clone(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +106,10 @@ def test_a_version_2_and_3_store_reads_and_verifies_as_written(legacy):
     cid = ss.save(fresh, model, sgd, step=2, job="legacy", rng=False)
     lc = ss.load_commit(fresh, cid)
     assert lc.commit.version == 4 and lc.commit.learned_root != ROOTS[SGD]
-    assert [(tuple(b.start), tuple(b.shape)) for b in lc.entries()["w"].param] == [((0, 0), (3, 262144)), ((0, 262144), (3, 262144))]
+    assert [(tuple(b.start), tuple(b.shape)) for b in lc.entries()["w"].param] == [
+        ((0, 0), (3, 262144)),
+        ((0, 262144), (3, 262144)),
+    ]
     back = LegacyModel()
     ss.restore(fresh, cid, back)
     assert torch.equal(back.w, model.w)
@@ -132,17 +145,25 @@ def test_tools_work_on_a_version_2_and_3_store(legacy, tmp_path):
     assert ss.verify(store, [new]).ok
     # a tensor joining them (shardtrain's grow adds zero layers so) is written on their grid
     entries = list(lc.entries().values())
-    assert on_bands(entries) and not on_bands(ss.load_commit(ss.open_store(f"memory://fresh-{id(lc)}"), _fresh(lc)).entries().values())
+    assert on_bands(entries) and not on_bands(
+        ss.load_commit(ss.open_store(f"memory://fresh-{id(lc)}"), _fresh(lc)).entries().values()
+    )
     (z,) = put_payloads(store, [torch.zeros(3, 524288)], bands=on_bands(entries))
     grown = [*entries, msgspec.structs.replace(lc.entries()["w"], name="z", param=z, optim=None)]
     spec_groups = list(spec.groups)
-    sid = write_shard_entries(store, grown, groups=spec_groups, algorithm=spec.algorithm, rng={}, info=info, parent=ADAM, slot=0, slots=1)
-    assert store.shard(sid).version == 2 and ss.verify(store, [ss.write_commit(store, [sid], info=info, parent=ADAM)]).ok
+    sid = write_shard_entries(
+        store, grown, groups=spec_groups, algorithm=spec.algorithm, rng={}, info=info, parent=ADAM, slot=0, slots=1
+    )
+    assert (
+        store.shard(sid).version == 2 and ss.verify(store, [ss.write_commit(store, [sid], info=info, parent=ADAM)]).ok
+    )
     sids.append(sid)
     from shardstore.ops.gc import gc
 
     deleted = set(gc(store, grace_seconds=0, dry_run=True).deleted)
-    assert {new, *sids} <= deleted and not deleted & {b.object for e in entries for _, p, d in tensor_payloads(e) if is_chunked(p) for b in p}
+    assert {new, *sids} <= deleted and not deleted & {
+        b.object for e in entries for _, p, d in tensor_payloads(e) if is_chunked(p) for b in p
+    }
 
 
 def test_a_payload_valid_on_both_grids_keeps_its_commits_version_in_a_transition():
@@ -168,7 +189,10 @@ def test_a_payload_valid_on_both_grids_keeps_its_commits_version_in_a_transition
     child = store.commit(ss.write_commit(store, [kept], info=info, parent=v2))
     assert child.version == 2 and child.learned_root == parent.learned_root
     judged = write_shard_entries(store, [e], groups=[], algorithm="none", rng={}, info=info, parent=v2, slot=0, slots=1)
-    assert store.shard(judged).version == 4 and store.commit(ss.write_commit(store, [judged], info=info, parent=v2)).learned_root != parent.learned_root
+    assert (
+        store.shard(judged).version == 4
+        and store.commit(ss.write_commit(store, [judged], info=info, parent=v2)).learned_root != parent.learned_root
+    )
 
 
 # -- format 1: every tensor one object, whatever its size ----------------------------------------
@@ -225,7 +249,9 @@ def _format1_store(path: str) -> tuple[ss.Store, str]:
             optim = msgspec.structs.replace(e.optim, exp_avg=store.put(tensor_bytes(opt.state[model.b]["exp_avg"])),
                                             exp_avg_sq=store.put(tensor_bytes(opt.state[model.b]["exp_avg_sq"])))  # fmt: skip
         entries.append(msgspec.structs.replace(e, param=ids[e.name], optim=optim))
-    assert shard_version(entries) == FORMAT_VERSION and not any(is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e))
+    assert shard_version(entries) == FORMAT_VERSION and not any(
+        is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e)
+    )
     sid = store.put_manifest(msgspec.structs.replace(shard, version=FORMAT_VERSION, entries=tuple(entries)))
     c = lc.commit
     root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=entries)
@@ -244,7 +270,9 @@ def _format1_reads(rank: int, world: int, root: str, cid: str) -> dict:
     store = ss.open_store(root, create=False)
     mesh = init_device_mesh("cpu", (world,))
     w = ss.load_commit(store, cid).entries()["w"]
-    want = store.get_tensor(w.param, w.dtype, w.shape, what="w")  # the object itself (the main process compared it with the state)
+    want = store.get_tensor(
+        w.param, w.dtype, w.shape, what="w"
+    )  # the object itself (the main process compared it with the state)
     out = {}
     for dim in (0, 1):
         dest = {"w": distribute_tensor(torch.zeros(1280, 1024), mesh, (Shard(dim),), src_data_rank=None)}
@@ -286,7 +314,9 @@ def test_a_format_1_store_with_tensors_over_the_block_bound_reads_and_verifies(t
     assert store.commit(fresh).version == 4 and store.commit(fresh).learned_root != lc.commit.learned_root
     d = diff(store, cid, fresh, stats=True)
     assert sorted(t.name for t in d.tensors) == ["counts", "w"]  # chunked now: other ids
-    assert all(s.max_abs_diff == 0.0 for t in d.tensors for s in t.stats.values()) and {k for t in d.tensors for k in t.stats}
+    assert all(s.max_abs_diff == 0.0 for t in d.tensors for s in t.stats.values()) and {
+        k for t in d.tensors for k in t.stats
+    }
     dst = ss.open_store(str(tmp_path / "copy"))
     ss.copy_commit(store, dst, cid, ref="main")
     assert ss.verify(dst).ok and dst.commit(cid).version == 1
@@ -298,7 +328,11 @@ def test_a_format_1_store_with_tensors_over_the_block_bound_reads_and_verifies(t
     sid = write_shard_entries(store, list(spec.entries), groups=list(spec.groups), algorithm=spec.algorithm, rng={}, info=info, parent=cid,
                               slot=0, slots=1)  # fmt: skip
     moved = ss.write_commit(store, [sid], info=info, parent=cid)
-    assert store.commit(moved).version == 1 and store.commit(moved).learned_root == lc.commit.learned_root and ss.verify(store, [moved]).ok
+    assert (
+        store.commit(moved).version == 1
+        and store.commit(moved).learned_root == lc.commit.learned_root
+        and ss.verify(store, [moved]).ok
+    )
     reads = run_group(_format1_reads, 2, tmp_path, str(tmp_path / "f1"), cid)
     assert all(r["shard0"] and r["shard1"] for r in reads), reads
     assert all(r["read0"] == r["read1"] == 1280 * 1024 * 4 for r in reads), reads  # the whole object, once per restore

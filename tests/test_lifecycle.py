@@ -6,6 +6,7 @@ microbatch 0's forward, before the update); a replacement fetches only slot 1's 
 into its own store; survivor and replacement restore step 4 and replay to step 8. The
 rejection tests then try to start runs that must be refused before any update.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,18 +43,37 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     commits = {c.step: c.id for c in results[0].commits}
     start = time.monotonic()
     with pytest.raises(RunAborted) as crash:
-        train(RunSpec(job=job, store=store_url, until=8, every=4, resume=commits[4], ref="replay", message_timeout=20),
-              2, timeout=TIMEOUT, env={FAULT_ENV: "slot=1,step=6,microbatch=0"})
+        train(
+            RunSpec(job=job, store=store_url, until=8, every=4, resume=commits[4], ref="replay", message_timeout=20),
+            2,
+            timeout=TIMEOUT,
+            env={FAULT_ENV: "slot=1,step=6,microbatch=0"},
+        )
     crash_seconds = time.monotonic() - start
     store = open_store(store_url)
     refs_after_crash = store.refs()
     host_url = str(home / "host1")
     copied = copy_commit(store, open_store(host_url), commits[4], slot=1)
-    replay = train(RunSpec(job=job, store=store_url, until=8, every=4, resume=commits[4], ref="replay",
-                           slot_stores=((1, host_url),)), 2, timeout=TIMEOUT)
-    return SimpleNamespace(home=home, job=job, store=store, commits=commits, results=results, crash=crash.value,
-                           crash_seconds=crash_seconds, refs_after_crash=refs_after_crash, host=open_store(host_url),
-                           copied=copied, replay=replay)
+    replay = train(
+        RunSpec(
+            job=job, store=store_url, until=8, every=4, resume=commits[4], ref="replay", slot_stores=((1, host_url),)
+        ),
+        2,
+        timeout=TIMEOUT,
+    )
+    return SimpleNamespace(
+        home=home,
+        job=job,
+        store=store,
+        commits=commits,
+        results=results,
+        crash=crash.value,
+        crash_seconds=crash_seconds,
+        refs_after_crash=refs_after_crash,
+        host=open_store(host_url),
+        copied=copied,
+        replay=replay,
+    )
 
 
 def test_replay_reproduces_the_uninterrupted_commit(run: SimpleNamespace) -> None:
@@ -93,10 +113,18 @@ def test_replacement_fetched_only_its_slot(run: SimpleNamespace) -> None:
 
 
 def test_generation_through_the_shards_matches_one_process(run: SimpleNamespace) -> None:
-    two = evaluate(EvalSpec(store=str(run.home / "store"), commits=("replay",), cases_per_set=2, max_new_tokens=8),
-                   2, timeout=TIMEOUT)
-    one = evaluate(EvalSpec(store=str(run.home / "store"), commits=(run.commits[8],), job=run.job, cases_per_set=2,
-                            max_new_tokens=8), 1, in_process=True)
+    two = evaluate(
+        EvalSpec(store=str(run.home / "store"), commits=("replay",), cases_per_set=2, max_new_tokens=8),
+        2,
+        timeout=TIMEOUT,
+    )
+    one = evaluate(
+        EvalSpec(
+            store=str(run.home / "store"), commits=(run.commits[8],), job=run.job, cases_per_set=2, max_new_tokens=8
+        ),
+        1,
+        in_process=True,
+    )
     assert two.commits[0].commit == one.commits[0].commit == run.commits[8]
     assert [c.tokens for c in two.commits[0].cases] == [c.tokens for c in one.commits[0].cases]
     assert len(two.commits[0].cases) == 2 and all(c.tokens for c in two.commits[0].cases)  # dev_task only
@@ -186,8 +214,11 @@ def test_workers_naming_different_commits_are_refused(run: SimpleNamespace) -> N
     host = open_store(str(run.home / "host-stale"))
     copy_commit(run.store, host, run.commits[4], slot=1, ref="main")
     with pytest.raises(ResumeError, match="workers name different commits for 'main'"):
-        train(RunSpec(job=run.job, store=run.store.url, until=8, resume="main", slot_stores=((1, host.url),)), 2,
-              timeout=TIMEOUT)
+        train(
+            RunSpec(job=run.job, store=run.store.url, until=8, resume="main", slot_stores=((1, host.url),)),
+            2,
+            timeout=TIMEOUT,
+        )
 
 
 def test_a_run_never_moves_a_ref_it_did_not_start_from(run: SimpleNamespace) -> None:
@@ -217,8 +248,9 @@ def test_start_from_an_imported_llama_commit(tmp_path: Path) -> None:
     assert [c.step for c in results[0].commits] == [2]
     lc = shardstore.load_commit(store, results[0].commits[0].id)
     assert lc.commit.parent == seed and store.ref("main") == lc.id
-    assert all(e.optim is not None and e.optim.age == 2 and e.optim.birth == 0 for s in lc.shards.values()
-               for e in s.entries)
+    assert all(
+        e.optim is not None and e.optim.age == 2 and e.optim.birth == 0 for s in lc.shards.values() for e in s.entries
+    )
     # The first update started from the imported weights: its loss is that model's loss on
     # the new records; the declared replay rows add only KL toward the reference, which is
     # the imported seed itself and so the same distribution (KL 0) at the first update.

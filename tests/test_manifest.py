@@ -1,4 +1,5 @@
 """Canonical encoding and strict decoding of manifests (properties and rejections)."""
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,17 @@ def test_f64_is_exact(x):
     assert len(f64_encode(x)) == 16
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**60), 2**60) | st.floats(allow_nan=False) | st.text(max_size=5).filter(lambda s: not s.startswith("f64:")),
-                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=10))
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**60), 2**60)
+        | st.floats(allow_nan=False)
+        | st.text(max_size=5).filter(lambda s: not s.startswith("f64:")),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+        max_leaves=10,
+    )
+)
 def test_config_round_trip(value):
     cfg = {"v": value}
     b = encode_config(cfg)
@@ -85,7 +95,19 @@ def _shard_bytes() -> bytes:
     from strategies import shard_manifests as _  # noqa: F401
 
     return encode(
-        ShardManifest(version=1, job="j", step=0, parent=None, config=None, slot=0, slots=1, algorithm="none", groups=(), entries=(), rng=())
+        ShardManifest(
+            version=1,
+            job="j",
+            step=0,
+            parent=None,
+            config=None,
+            slot=0,
+            slots=1,
+            algorithm="none",
+            groups=(),
+            entries=(),
+            rng=(),
+        )
     )
 
 

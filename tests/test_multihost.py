@@ -12,6 +12,7 @@ S3 (`shardstore copy --shard 1`) and joins; the group resumes from the run's ref
 reaches the commit id of an uninterrupted run. Skips (saying why) where namespaces cannot
 be made: not root, no `ip`. Every namespace is removed at the end, pass or fail.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,13 +79,20 @@ class Network:
     def host(self, name: str, addr: str) -> str:
         """A namespace with interface ``<name>e`` at ``addr`` on the bridge."""
         ns, dev = self._add(name), f"{name}e"
-        self._check(self.switch, f"ip link add {dev} type veth peer name {name}p", f"ip link set {dev} netns {ns}",
-                    f"ip link set {name}p master br0", f"ip link set {name}p up")
+        self._check(
+            self.switch,
+            f"ip link add {dev} type veth peer name {name}p",
+            f"ip link set {dev} netns {ns}",
+            f"ip link set {name}p master br0",
+            f"ip link set {name}p up",
+        )
         self._check(ns, f"ip addr add {addr}/24 dev {dev}", f"ip link set {dev} up", "ip link set lo up")
         return ns
 
     def start(self, ns: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", ns, *argv], env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT
+        )
         self.procs.append(p)
         return p
 
@@ -124,36 +132,106 @@ def network() -> Iterator[Network]:
 
 
 def _agent(job: str, host: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{SUBNET}.11:29400", "--rdzv-id", "hosts",
-            "--local-addr", f"{SUBNET}.1{host}",
-            # a lost host's heartbeat is given up after 6 s (default 15 s) so that its replacement can join
-            "--rdzv-conf", f"is_host={str(host == 1).lower()},keep_alive_interval=2,keep_alive_max_attempt=3",
-            "--monitor-interval", "0.2", "-m", "shardstore_cli.shardtrain_cli", "train", "--prepared", job,
-            "--store", f"s3://{BUCKET}/run", "--storage-option", f"endpoint_url=http://{S3_ADDR}:{S3_PORT}",
-            "--until", "4", "--every", "1", "--resume", "auto", "--timeout", "20", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{SUBNET}.11:29400",
+        "--rdzv-id",
+        "hosts",
+        "--local-addr",
+        f"{SUBNET}.1{host}",
+        # a lost host's heartbeat is given up after 6 s (default 15 s) so that its replacement can join
+        "--rdzv-conf",
+        f"is_host={str(host == 1).lower()},keep_alive_interval=2,keep_alive_max_attempt=3",
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        "shardstore_cli.shardtrain_cli",
+        "train",
+        "--prepared",
+        job,
+        "--store",
+        f"s3://{BUCKET}/run",
+        "--storage-option",
+        f"endpoint_url=http://{S3_ADDR}:{S3_PORT}",
+        "--until",
+        "4",
+        "--every",
+        "1",
+        "--resume",
+        "auto",
+        "--timeout",
+        "20",
+        *extra,
+    ]
 
 
 @pytest.mark.e2e
 def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Path) -> None:
     started = time.monotonic()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SHARDSTORE_"))}
-    base.update(CREDENTIALS, ATEN_CPU_CAPABILITY="default", OMP_NUM_THREADS="1",
-                # torch 2.13's agent of node rank 0 does not republish the workers' store address in a round
-                # that a new node joins while it survived (the new node waits for MASTER_ADDR until it times
-                # out): one store per round, made by rank 0's worker, avoids it (README "Several hosts")
-                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    base.update(
+        CREDENTIALS,
+        ATEN_CPU_CAPABILITY="default",
+        OMP_NUM_THREADS="1",
+        # torch 2.13's agent of node rank 0 does not republish the workers' store address in a round
+        # that a new node joins while it survived (the new node waits for MASTER_ADDR until it times
+        # out): one store per round, made by rank 0's worker, avoids it (README "Several hosts")
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     s3ns = network.host("s3", S3_ADDR)
     hosts = {h: network.host(f"h{h}", f"{SUBNET}.1{h}") for h in (1, 2, 3)}
     moto = network.start(s3ns, [sys.executable, "-c", _MOTO], base, tmp_path / "moto.log")
     # the job is prepared (and the uninterrupted run started) while the S3 server starts
-    prep = subprocess.run([sys.executable, "-m", "shardstore_cli.shardtrain_cli", "prepare", "--out", str(tmp_path / "job"),
-                           "--steps-a", "4", "--steps-b", "1", "--quiet"], capture_output=True, text=True, env=base)
+    prep = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardstore_cli.shardtrain_cli",
+            "prepare",
+            "--out",
+            str(tmp_path / "job"),
+            "--steps-a",
+            "4",
+            "--steps-b",
+            "1",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=base,
+    )
     assert prep.returncode == 0, prep.stderr
-    plain = subprocess.Popen([sys.executable, "-m", "shardstore_cli.shardtrain_cli", "train", "--prepared",
-                              str(tmp_path / "job" / "job.json"), "--store", str(tmp_path / "plain"), "--until", "4",
-                              "--every", "1", "--quiet"], env=base, stdout=subprocess.DEVNULL,
-                             stderr=(tmp_path / "plain.log").open("wb"))
+    plain = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shardstore_cli.shardtrain_cli",
+            "train",
+            "--prepared",
+            str(tmp_path / "job" / "job.json"),
+            "--store",
+            str(tmp_path / "plain"),
+            "--until",
+            "4",
+            "--every",
+            "1",
+            "--quiet",
+        ],
+        env=base,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "plain.log").open("wb"),
+    )
     network.procs.append(plain)  # killed with the rest if the test fails
     dirs = {h: tmp_path / f"host{h}" for h in hosts}
     for h, d in dirs.items():  # each host's own disk: host 3's stays empty until it fetches its slot
@@ -172,21 +250,49 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
     # Host 2 holds slot 1 (ranks follow the hosts' addresses); its worker dies in step 3 with its agent.
     lost = tmp_path / "host2-lost"
     one = network.start(hosts[1], _agent(str(dirs[1] / "job" / "job.json"), 1), env(1), tmp_path / "host1.log")
-    two = network.start(hosts[2], _agent(str(dirs[2] / "job" / "job.json"), 2), env(2, f"slot=1,step=3,microbatch=0,once={lost},host=1"),
-                        tmp_path / "host2.log")
+    two = network.start(
+        hosts[2],
+        _agent(str(dirs[2] / "job" / "job.json"), 2),
+        env(2, f"slot=1,step=3,microbatch=0,once={lost},host=1"),
+        tmp_path / "host2.log",
+    )
     assert two.wait(timeout=180) == -9 and lost.exists(), (tmp_path / "host2.log").read_text()[-3000:]
     phases["host 2 lost"] = time.monotonic() - started
     # Host 3: the job from the shared store's pin is not needed: its own copy of the job file and
     # only slot 1's objects of the commit the run's ref names.
     shutil.copytree(tmp_path / "job", dirs[3] / "job")
-    fetch = subprocess.run(["ip", "netns", "exec", hosts[3], sys.executable, "-m", "shardstore_cli.shardstore_cli", "copy",
-                            f"s3://{BUCKET}/run", str(dirs[3] / "slot1"), "main", "--shard", "1", "--json",
-                            "--storage-option", f"endpoint_url=http://{S3_ADDR}:{S3_PORT}"],
-                           env=env(3), capture_output=True, text=True, timeout=120)
+    fetch = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            hosts[3],
+            sys.executable,
+            "-m",
+            "shardstore_cli.shardstore_cli",
+            "copy",
+            f"s3://{BUCKET}/run",
+            str(dirs[3] / "slot1"),
+            "main",
+            "--shard",
+            "1",
+            "--json",
+            "--storage-option",
+            f"endpoint_url=http://{S3_ADDR}:{S3_PORT}",
+        ],
+        env=env(3),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert fetch.returncode == 0, fetch.stderr
     phases["host 3 fetched slot 1"] = time.monotonic() - started
-    three = network.start(hosts[3], _agent(str(dirs[3] / "job" / "job.json"), 3, "--slot-store", f"1={dirs[3] / 'slot1'}"),
-                          env(3), tmp_path / "host3.log")
+    three = network.start(
+        hosts[3],
+        _agent(str(dirs[3] / "job" / "job.json"), 3, "--slot-store", f"1={dirs[3] / 'slot1'}"),
+        env(3),
+        tmp_path / "host3.log",
+    )
     codes = one.wait(timeout=240), three.wait(timeout=240)
     logs = "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-3000:]}" for n in ("host1", "host2", "host3"))
     assert codes == (0, 0), logs
@@ -202,9 +308,26 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
     slot1, whole = commit_closure(lc, slot=1).ids(), commit_closure(lc).ids()
     assert copied == slot1 and whole - slot1, "host 3 fetched more than its slot"
     # Every node ends on the uninterrupted run's commit, read from S3 inside the namespace.
-    check = subprocess.run(["ip", "netns", "exec", hosts[3], sys.executable, "-m", "shardstore_cli.shardstore_cli", "verify",
-                            f"s3://{BUCKET}/run", "--json", "--storage-option", f"endpoint_url=http://{S3_ADDR}:{S3_PORT}"],
-                           env=env(3), capture_output=True, text=True, timeout=120)
+    check = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            hosts[3],
+            sys.executable,
+            "-m",
+            "shardstore_cli.shardstore_cli",
+            "verify",
+            f"s3://{BUCKET}/run",
+            "--json",
+            "--storage-option",
+            f"endpoint_url=http://{S3_ADDR}:{S3_PORT}",
+        ],
+        env=env(3),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert check.returncode == 0, check.stderr
     refs = json.loads(check.stdout)["refs_by_commit"]
     assert refs.get(plain_store.ref("main")) == ["main"], (refs, plain_store.ref("main"), logs)

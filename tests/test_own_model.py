@@ -18,6 +18,7 @@ per operand, and the FP32 run of the same model is ~8e-4 away in gradient norm, 
 the tolerance (asserted), so the check would see autocast off, or applied elsewhere, on
 either side.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,16 +40,23 @@ from shardstore_cli.shardstore_cli import main as shardstore_main  # noqa: E402
 from shardstore_cli.shardtrain_cli import main as shardtrain_main  # noqa: E402
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 #: Relative tolerance of the parity with transformers under autocast (module docstring).
 TOLERANCE = 1e-5
 SPECIALS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 
 def _record(a: int, b: int) -> dict[str, Any]:
-    return {"messages": [{"role": "system", "content": "add"}, {"role": "user", "content": f"sum {a} {b}"},
-                         {"role": "assistant", "content": f"{a + b}"}]}
+    return {
+        "messages": [
+            {"role": "system", "content": "add"},
+            {"role": "user", "content": f"sum {a} {b}"},
+            {"role": "assistant", "content": f"{a + b}"},
+        ]
+    }
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
@@ -67,28 +75,55 @@ def own(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator([f"sum {a} {b} {a + b}" for a in range(40) for b in range(10)], trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tok.chat_template = TEMPLATE
     tok.save_pretrained(model_dir)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(model_dir)
     pairs = [(a, b) for a in range(40) for b in range(10)]
     pairs = pairs[::7]  # distinct prompts, a fixed order
-    files = {name: _write_jsonl(root / f"{name}.jsonl", [_record(a, b) for a, b in pairs[lo:hi]])
-             for name, (lo, hi) in {"train": (0, 8), "replay": (8, 12), "dev": (12, 16), "final": (16, 20)}.items()}
+    files = {
+        name: _write_jsonl(root / f"{name}.jsonl", [_record(a, b) for a, b in pairs[lo:hi]])
+        for name, (lo, hi) in {"train": (0, 8), "replay": (8, 12), "dev": (12, 16), "final": (16, 20)}.items()
+    }
     return {"model": str(model_dir), "root": str(root), **files}
 
 
 def _prepare(own: dict[str, str], out: Path, store: Path, *extra: str, records: bool = True) -> list[str]:
-    args = ["prepare", "--out", str(out), "--model", own["model"], "--seed-store", str(store),
-            "--batch-size", "4", "--microbatch-size", "2", *extra]
+    args = [
+        "prepare",
+        "--out",
+        str(out),
+        "--model",
+        own["model"],
+        "--seed-store",
+        str(store),
+        "--batch-size",
+        "4",
+        "--microbatch-size",
+        "2",
+        *extra,
+    ]
     if records:
         args += ["--records", own["train"], "--replay", own["replay"], "--dev", own["dev"], "--final", own["final"]]
     return args
@@ -118,15 +153,27 @@ def _one_slot_root(job: Any, store: Any, seed: str, *, recompute: bool) -> tuple
     optimizer = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
     compute = compute_context(job.job.profile, torch.device("cpu"))
     pipe = Pipeline(stage, partition, 0, compute=compute, recompute=recompute)
-    trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size, max_grad_norm=job.max_grad_norm())
+    trainer = Trainer(
+        pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size, max_grad_norm=job.max_grad_norm()
+    )
     distiller = Distiller(job, store, slot=0, num_slots=1, device=torch.device("cpu"), timeout=30)
     for step in range(2):
         batch = job.batch(step)
         with compute():
             pipe.distill = distiller.targets(step, batch, seed)
         trainer.step(batch)
-    cid = shardstore.save(store, stage, optimizer, step=2, ref=None, job=job.id, rng=False, parent=None,
-                          config=commit_config_dict(job.config, job.tokenizer), data_cursor=job.cursor(2))
+    cid = shardstore.save(
+        store,
+        stage,
+        optimizer,
+        step=2,
+        ref=None,
+        job=job.id,
+        rng=False,
+        parent=None,
+        config=commit_config_dict(job.config, job.tokenizer),
+        data_cursor=job.cursor(2),
+    )
     return store.commit(cid).learned_root, len(calls)
 
 
@@ -137,8 +184,13 @@ def test_prepare_refuses_bad_input_before_writing(own: dict[str, str], tmp_path:
     args = _prepare(own, out, store, records=False) + ["--records", str(bad)]
     assert shardtrain_main(args) == 4
     assert f"{bad}, line 2" in capsys.readouterr().err
-    overlap = _write_jsonl(tmp_path / "dev.jsonl", [json.loads(Path(own["dev"]).read_text().splitlines()[0]),
-                                                     json.loads(Path(own["train"]).read_text().splitlines()[3])])
+    overlap = _write_jsonl(
+        tmp_path / "dev.jsonl",
+        [
+            json.loads(Path(own["dev"]).read_text().splitlines()[0]),
+            json.loads(Path(own["train"]).read_text().splitlines()[3]),
+        ],
+    )
     args = _prepare(own, out, store, records=False) + ["--records", own["train"], "--dev", overlap]
     assert shardtrain_main(args) == 4
     err = capsys.readouterr().err
@@ -156,8 +208,13 @@ def _readme_commands(own: dict[str, str], tmp_path: Path) -> list[list[str]]:
     """The README's "Train your own model" commands, with this test's paths for its placeholders."""
     block = re.search(r"## Train your own model.*?```bash\n(.*?)```", README, re.S).group(1)  # type: ignore[union-attr]
     lines = [line.split("#")[0].strip() for line in block.replace("\\\n", " ").splitlines()]
-    paths = {"job/": str(tmp_path / "job"), "store/": str(tmp_path / "store"), "my-llama/": own["model"],
-             "exported/": str(tmp_path / "export"), **{f"{k}.jsonl": own[k] for k in ("train", "replay", "dev", "final")}}
+    paths = {
+        "job/": str(tmp_path / "job"),
+        "store/": str(tmp_path / "store"),
+        "my-llama/": own["model"],
+        "exported/": str(tmp_path / "export"),
+        **{f"{k}.jsonl": own[k] for k in ("train", "replay", "dev", "final")},
+    }
     return [[paths.get(word, word) for word in shlex.split(line)] for line in lines if line]
 
 
@@ -176,7 +233,11 @@ def test_own_model_end_to_end(own: dict[str, str], tmp_path: Path, capsys) -> No
     out, store_dir = tmp_path / "job", tmp_path / "store"
     prepare, train, evaluate, export = _readme_commands(own, tmp_path)
     assert [c[:2] for c in (prepare, train, evaluate, export)] == [
-        ["shardtrain", "prepare"], ["shardtrain", "train"], ["shardtrain", "evaluate"], ["shardstore", "export"]]
+        ["shardtrain", "prepare"],
+        ["shardtrain", "train"],
+        ["shardtrain", "evaluate"],
+        ["shardstore", "export"],
+    ]
     # 1-3. Prepare: the user's model (bf16, widened), tokenizer assets and records, the seed's GPU profile.
     assert _run(prepare, "--batch-size", "4", "--microbatch-size", "2", "--json") == 0
     doc = json.loads(capsys.readouterr().out)
@@ -193,7 +254,9 @@ def test_own_model_end_to_end(own: dict[str, str], tmp_path: Path, capsys) -> No
     widened = load_file(str(tmp_path / "seed" / "model.safetensors"))
     assert set(widened) == set(source) and all(widened[n].dtype == torch.float32 for n in widened)
     assert all(torch.equal(widened[n], source[n].float()) for n in source)
-    assert (tmp_path / "seed" / "chat_template.jinja").read_bytes() == Path(own["model"], "chat_template.jinja").read_bytes()
+    assert (tmp_path / "seed" / "chat_template.jinja").read_bytes() == Path(
+        own["model"], "chat_template.jinja"
+    ).read_bytes()
     # Tokenization is the model's own: the ids are apply_chat_template's, the weights on assistant tokens only.
     src_tok = AutoTokenizer.from_pretrained(own["model"])
     messages = job.records[0].as_dicts()
@@ -212,7 +275,9 @@ def test_own_model_end_to_end(own: dict[str, str], tmp_path: Path, capsys) -> No
         workers = record["workers"]
         assert record["commit_seconds"] > 0 and record["commit_mode"] == "background"
         assert [w["slot"] for w in workers] == [0, 1] and all(w["peak"] >= w["used"] > 0 < w["free"] for w in workers)
-        assert sum(w["parameters"] for w in workers) == total and sum(w["coverage"] for w in workers) == pytest.approx(1)
+        assert sum(w["parameters"] for w in workers) == total and sum(w["coverage"] for w in workers) == pytest.approx(
+            1
+        )
     assert shardstore_main(["show", str(store_dir), c2]) == 0
     assert "bf16-autocast+recompute" in capsys.readouterr().out
     # Replay from step 1 in fresh processes reproduces the uninterrupted commit id.
@@ -230,7 +295,9 @@ def test_own_model_end_to_end(own: dict[str, str], tmp_path: Path, capsys) -> No
         hf.zero_grad()
         with ctx():
             logits = hf(input_ids=batch.tokens).logits  # (B, T, V)
-            ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="none")
+            ce = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="none"
+            )
         loss = (ce * (batch.weights * new_rows[:, None]).flatten()).sum() / batch.weights.sum()
         loss.backward()
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in hf.parameters()]))
@@ -256,14 +323,31 @@ def test_own_model_end_to_end(own: dict[str, str], tmp_path: Path, capsys) -> No
     model = LlamaForCausalLM.from_pretrained(str(exported))
     cfg = json.loads((exported / "config.json").read_text())
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (
-        src_tok.bos_token_id, src_tok.eos_token_id, src_tok.pad_token_id)
+        src_tok.bos_token_id,
+        src_tok.eos_token_id,
+        src_tok.pad_token_id,
+    )
     assert model.config.eos_token_id == src_tok.eos_token_id
     # A plain `shardstore import` keeps the tokenizer files too, and `prepare --seed-commit` binds them.
     assert shardstore_main(["import", str(tmp_path / "s2"), own["model"], "--dtype", "float32", "--json"]) == 0
     imported = json.loads(capsys.readouterr().out)
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(imported["assets"])
-    again = ["prepare", "--out", str(tmp_path / "job2"), "--seed-store", str(tmp_path / "s2"), "--seed-commit",
-             imported["commit"], "--batch-size", "4", "--microbatch-size", "2", "--records", own["train"], "--json"]
+    again = [
+        "prepare",
+        "--out",
+        str(tmp_path / "job2"),
+        "--seed-store",
+        str(tmp_path / "s2"),
+        "--seed-commit",
+        imported["commit"],
+        "--batch-size",
+        "4",
+        "--microbatch-size",
+        "2",
+        "--records",
+        own["train"],
+        "--json",
+    ]
     assert shardtrain_main(again) == 0
     assert json.loads(capsys.readouterr().out)["tokenizer"] == doc["tokenizer"]
 

@@ -6,6 +6,7 @@ batched writes, in-place restore into existing optimizer moments, corruption sti
 and an async save that commits exactly what was snapshotted, moves the ref last and never
 loses an error.
 """
+
 from __future__ import annotations
 
 import os

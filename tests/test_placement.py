@@ -12,6 +12,7 @@ dims with Shard, _StridedShard and Replicate placements, checked against
 
 The multi-process checks against real FSDP2 x TP models are in ``test_dtensor_mesh.py``.
 """
+
 from __future__ import annotations
 
 import itertools

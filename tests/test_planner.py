@@ -1,4 +1,5 @@
 """The capacity planner: exact against brute force, and its estimate against a measured peak."""
+
 from __future__ import annotations
 
 import itertools
@@ -19,9 +20,18 @@ from shardtrain.reshape.planner import MemoryModel, parse_bytes, plan, utilisati
 
 
 def _config(layers: int, hidden: int = 16, vocab: int = 64, tied: bool = True) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-                       max_position_embeddings=64, tie_word_embeddings=tied)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
 
 
 def _brute_force(model: MemoryModel, caps: list[int]) -> float:
@@ -38,15 +48,29 @@ def _brute_force(model: MemoryModel, caps: list[int]) -> float:
 
 
 @settings(max_examples=60, deadline=None)
-@given(layers=st.integers(1, 6), caps=st.lists(st.integers(1, 40), min_size=1, max_size=4),
-       hidden=st.sampled_from([8, 16, 32]), vocab=st.sampled_from([16, 256, 2048]), tied=st.booleans(),
-       seq=st.integers(1, 64), reserve=st.sampled_from([0, 2**16, 2**22]), reference=st.booleans())
-def test_plan_is_the_brute_force_optimum(layers: int, caps: list[int], hidden: int, vocab: int, tied: bool, seq: int,
-                                         reserve: int, reference: bool) -> None:
+@given(
+    layers=st.integers(1, 6),
+    caps=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    hidden=st.sampled_from([8, 16, 32]),
+    vocab=st.sampled_from([16, 256, 2048]),
+    tied=st.booleans(),
+    seq=st.integers(1, 64),
+    reserve=st.sampled_from([0, 2**16, 2**22]),
+    reference=st.booleans(),
+)
+def test_plan_is_the_brute_force_optimum(
+    layers: int, caps: list[int], hidden: int, vocab: int, tied: bool, seq: int, reserve: int, reference: bool
+) -> None:
     if len(caps) - 1 > layers:
         return
-    model = MemoryModel(_config(layers, hidden, vocab, tied), seq_len=seq, microbatch_size=2, microbatches=2,
-                        reference=reference, reserve=reserve)
+    model = MemoryModel(
+        _config(layers, hidden, vocab, tied),
+        seq_len=seq,
+        microbatch_size=2,
+        microbatches=2,
+        reference=reference,
+        reserve=reserve,
+    )
     capacities = [c * 2**18 for c in caps]  # heterogeneous, some far too small
     chosen = plan(model, capacities)
     assert chosen.partition.num_slots == len(caps)
@@ -106,8 +130,11 @@ print(json.dumps({"increase": peak_bytes(cpu) - base, "estimate": est.total, "mo
 SLOW = bool(os.environ.get("SHARDSTORE_SLOW"))
 
 
-@pytest.mark.parametrize("width", [None, pytest.param(256, marks=pytest.mark.skipif(not SLOW, reason="SHARDSTORE_SLOW=1"))],
-                         ids=["tiny-default", "width-256"])
+@pytest.mark.parametrize(
+    "width",
+    [None, pytest.param(256, marks=pytest.mark.skipif(not SLOW, reason="SHARDSTORE_SLOW=1"))],
+    ids=["tiny-default", "width-256"],
+)
 def test_estimate_is_within_25_percent_of_the_measured_peak_rss_increase(tmp_path: Path, width: int | None) -> None:
     from shardtrain.job.job import default_config, prepare_default
     from shardtrain.job.tokenizer import default_assets, load_tokenizer
@@ -116,15 +143,18 @@ def test_estimate_is_within_25_percent_of_the_measured_peak_rss_increase(tmp_pat
     if width is not None:  # the default job with a wider model: the estimate is not fitted to one size
         base = default_config(load_tokenizer(default_assets()).vocab_size)
         seed_config = {**base.to_hf_dict(), "hidden_size": width, "intermediate_size": 11 * width // 4}
-    job = prepare_default(tmp_path / "job", steps_a=2, steps_b=1, batch_size=8, microbatch_size=4, eval_per_set=2,
-                          seed_config=seed_config)
+    job = prepare_default(
+        tmp_path / "job", steps_a=2, steps_b=1, batch_size=8, microbatch_size=4, eval_per_set=2, seed_config=seed_config
+    )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", _MEASURE, job], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout)
     ratio = got["estimate"] / got["increase"]
-    print(f"{width or 'default'}-wide model, one process: estimate {got['estimate']} B (modelled {got['modelled']} B), "
-          f"measured peak RSS increase {got['increase']} B, ratio {ratio:.3f}")
+    print(
+        f"{width or 'default'}-wide model, one process: estimate {got['estimate']} B (modelled {got['modelled']} B), "
+        f"measured peak RSS increase {got['increase']} B, ratio {ratio:.3f}"
+    )
     assert 0.75 <= ratio <= 1.25, got
 
 
@@ -136,8 +166,14 @@ def test_the_profile_changes_the_estimate_by_its_casts_and_recomputation(tmp_pat
     from shardtrain.engine.model import LlamaConfig
     from shardtrain.reshape.planner import MemoryModel
 
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     kw = dict(seq_len=32, microbatch_size=2, microbatches=3)
     fp32, bf16 = MemoryModel(cfg, **kw), MemoryModel(cfg, autocast=True, **kw)
     both = MemoryModel(cfg, autocast=True, recompute=True, **kw)
@@ -147,15 +183,29 @@ def test_the_profile_changes_the_estimate_by_its_casts_and_recomputation(tmp_pat
     assert a.casts == 0 and b.casts == 2 * (2 * per_layer * 3 + head * 3) and c.casts == 2 * (2 * per_layer + head * 3)
     assert a.scratch == b.scratch == 2 * 4 * head and fp32.estimate(1, range(2, 4)).scratch == 2 * 4 * 64 * 176
     tokens = 2 * 32 * 3
-    assert a.activations == b.activations and c.activations == (2 * 2 * 4 * tokens * 64 + fp32.layer_activations(1)
-                                                               + fp32.fixed_activations())
+    assert a.activations == b.activations and c.activations == (
+        2 * 2 * 4 * tokens * 64 + fp32.layer_activations(1) + fp32.fixed_activations()
+    )
     assert c.activations < a.activations and a.total < b.total
     from shardtrain.engine.profile import Profile
     from shardtrain.job.job import load_job, prepare_default
     from shardtrain.reshape.planner import for_job
 
-    job = load_job(prepare_default(tmp_path, steps_a=1, steps_b=1, batch_size=4, eval_per_set=2,
-                                   profile=Profile(name="bf16-autocast", recompute=True)))
+    job = load_job(
+        prepare_default(
+            tmp_path,
+            steps_a=1,
+            steps_b=1,
+            batch_size=4,
+            eval_per_set=2,
+            profile=Profile(name="bf16-autocast", recompute=True),
+        )
+    )
     model = for_job(job)
-    assert model.autocast and model.recompute and not for_job(load_job(prepare_default(
-        tmp_path / "fp32", steps_a=1, steps_b=1, batch_size=4, eval_per_set=2))).autocast
+    assert (
+        model.autocast
+        and model.recompute
+        and not for_job(
+            load_job(prepare_default(tmp_path / "fp32", steps_a=1, steps_b=1, batch_size=4, eval_per_set=2))
+        ).autocast
+    )

@@ -3,6 +3,7 @@
 The "Train your own model" section runs in tests/test_own_model.py (its end-to-end test
 executes the section's commands on a model built there), so it is not run twice.
 """
+
 from __future__ import annotations
 
 import re

@@ -5,6 +5,7 @@
 whose backend fails every write, and on S3 with every write answered AccessDenied, as for a
 credential whose policy allows reads only.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,8 +92,12 @@ def two_commits(tmp_path: Path) -> Iterator[tuple[str, str, str]]:
     yield str(tmp_path / "store"), a, b
 
 
-def test_read_only_commands_never_write(two_commits: tuple[str, str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_read_only_commands_never_write(
+    two_commits: tuple[str, str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     url, a, b = two_commits
     backends: list[ReadOnly] = []
     real = shardstore.store.store.open_storage
@@ -103,9 +108,18 @@ def test_read_only_commands_never_write(two_commits: tuple[str, str, str], tmp_p
 
     monkeypatch.setattr(shardstore.store.store, "open_storage", read_only)
     cat_id = ss.Store(real(url)).commit(b).layout[0].shard
-    for argv in (["verify", url], ["verify", url, "--quick"], ["verify", url, "--shard", "0", b], ["log", url],
-                 ["show", url, "main"], ["diff", url, a, b, "--stats"], ["cat", url, cat_id], ["refs", url],
-                 ["export", url, "main", str(tmp_path / "out"), "--with-optimizer"], ["gc", url, "--dry-run", "--grace", "0"]):
+    for argv in (
+        ["verify", url],
+        ["verify", url, "--quick"],
+        ["verify", url, "--shard", "0", b],
+        ["log", url],
+        ["show", url, "main"],
+        ["diff", url, a, b, "--stats"],
+        ["cat", url, cat_id],
+        ["refs", url],
+        ["export", url, "main", str(tmp_path / "out"), "--with-optimizer"],
+        ["gc", url, "--dry-run", "--grace", "0"],
+    ):
         code = main(argv)
         out = capsys.readouterr()
         assert code == 0, (argv, out.err)
@@ -120,8 +134,11 @@ def test_read_only_commands_never_write(two_commits: tuple[str, str, str], tmp_p
     assert backends[-1].writes
 
 
-def test_verify_on_s3_with_a_read_only_credential(s3_server: S3Server, capsys: pytest.CaptureFixture[str],  # noqa: F811
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_on_s3_with_a_read_only_credential(
+    s3_server: S3Server,
+    capsys: pytest.CaptureFixture[str],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Every write answered AccessDenied (a read-only policy), from the moment a store is
     opened: verify, log, show, refs and restore all succeed and send no write (no
     conditional-write probe, no refresh); `shardstore verify` exits 0. Before the probe
@@ -130,8 +147,15 @@ def test_verify_on_s3_with_a_read_only_credential(s3_server: S3Server, capsys: p
     writer = ss.open_store(url, **s3_server.options)
     model, opt = _model()
     cid = ss.save(writer, model, opt, step=1)
-    writes = {"put_object", "delete_object", "copy_object", "create_multipart_upload", "upload_part",
-              "complete_multipart_upload", "delete_objects"}
+    writes = {
+        "put_object",
+        "delete_object",
+        "copy_object",
+        "create_multipart_upload",
+        "upload_part",
+        "complete_multipart_upload",
+        "delete_objects",
+    }
     sent: list[str] = []
     real_call = S3Storage._call
 

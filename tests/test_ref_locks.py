@@ -6,6 +6,7 @@ could not move the ref until someone deleted it by hand. Now a lock records its 
 dead holder's lock on this host is taken over by the next writer; any other is reported
 with the command that clears it (``shardstore refs STORE --break-lock NAME``).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,9 @@ def test_a_dead_writers_lock_is_taken_over_by_the_next_writer(tmp_path: Any) -> 
     assert store.ref("main") == a and not lock.exists()
 
 
-def test_a_live_or_unjudgeable_lock_is_reported_with_its_holder_and_the_command_that_clears_it(tmp_path: Any, capsys: Any) -> None:
+def test_a_live_or_unjudgeable_lock_is_reported_with_its_holder_and_the_command_that_clears_it(
+    tmp_path: Any, capsys: Any
+) -> None:
     store, a, b = _store(tmp_path)
     lock = tmp_path / store.url.rsplit("/", 1)[-1] / "refs" / "main.lock"
     lock.write_bytes(holder_record())  # this very process: alive
@@ -64,7 +67,10 @@ def test_a_live_or_unjudgeable_lock_is_reported_with_its_holder_and_the_command_
     assert "not breaking a live writer's lock" in capsys.readouterr().err and lock.exists()
     other = {**json.loads(holder_record()), "host": "another-host"}  # a shared filesystem: cannot be checked here
     lock.write_bytes(json.dumps(other).encode())
-    with pytest.raises(ss.RefConflict, match=r"host 'another-host' \(cannot be checked from here\).*shardstore refs STORE --break-lock main"):
+    with pytest.raises(
+        ss.RefConflict,
+        match=r"host 'another-host' \(cannot be checked from here\).*shardstore refs STORE --break-lock main",
+    ):
         store.set_ref("main", a, expected=b)
     assert store.ref("main") == b
     assert shardstore_main(["refs", store.url, "--break-lock", "main"]) == 0
@@ -90,10 +96,14 @@ def _llama_store(tmp_path: Any) -> tuple[ss.Store, str]:
 
     config = tiny_config(layers=2)
     store = ss.open_store(str(tmp_path / "llama"))
-    return store, ss.save(store, build_stage(config, Partition.even(2, 1), 0, seed=0), step=0, config=config.to_hf_dict(), rng=False)
+    return store, ss.save(
+        store, build_stage(config, Partition.even(2, 1), 0, seed=0), step=0, config=config.to_hf_dict(), rng=False
+    )
 
 
-def test_regroup_and_grow_of_a_ref_move_that_ref_and_warn_when_nothing_names_the_result(tmp_path: Any, capsys: Any) -> None:
+def test_regroup_and_grow_of_a_ref_move_that_ref_and_warn_when_nothing_names_the_result(
+    tmp_path: Any, capsys: Any
+) -> None:
     from shardstore_cli.shardtrain_cli import main
 
     store, cid = _llama_store(tmp_path)

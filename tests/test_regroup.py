@@ -1,5 +1,6 @@
 """Regroup 2 -> 3 -> 2 workers: repartition commits keep the learned state and add no tensor objects,
 and training on the new layout reproduces the uninterrupted run's learned-state roots bitwise."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,9 @@ def _tensor_objects(run: SimpleNamespace) -> set[str]:
     return out
 
 
-def test_repartition_commits_keep_the_learned_state_root_and_write_no_tensor_objects(adaptive_run: SimpleNamespace) -> None:
+def test_repartition_commits_keep_the_learned_state_root_and_write_no_tensor_objects(
+    adaptive_run: SimpleNamespace,
+) -> None:
     run = adaptive_run
     tensors = _tensor_objects(run)
     for made, (before, after), slots in ((run.to3, run.files[0:2], 3), (run.to2, run.files[2:4], 2)):
@@ -45,11 +48,17 @@ def test_repartition_commits_keep_the_learned_state_root_and_write_no_tensor_obj
         assert added == set(made.new_objects)
         assert not added & tensors  # no parameter or Adam moment object was written
         manifests = {lay.shard for lay in c.layout} | {made.commit}
-        rng = {r.object for slot, s in load_commit(run.store, made.commit).shards.items() if slot >= len(parent.layout)
-               for r in s.rng}
+        rng = {
+            r.object
+            for slot, s in load_commit(run.store, made.commit).shards.items()
+            if slot >= len(parent.layout)
+            for r in s.rng
+        }
         assert added <= manifests | rng and manifests <= added | before
-        print(f"repartition {len(parent.layout)} -> {slots}: {len(before)} object files before, {len(after)} after "
-              f"({len(added)} new: {len(manifests)} manifests, {len(added - manifests)} RNG objects, 0 tensor objects)")
+        print(
+            f"repartition {len(parent.layout)} -> {slots}: {len(before)} object files before, {len(after)} after "
+            f"({len(added)} new: {len(manifests)} manifests, {len(added - manifests)} RNG objects, 0 tensor objects)"
+        )
     # Slots the parent had keep its RNG objects; the new slot's are derived from (parent, slot).
     lc3, lc1 = load_commit(run.store, run.to3.commit), load_commit(run.store, run.to3.parent)
     assert [r.object for r in lc3.shards[1].rng] == [r.object for r in lc1.shards[1].rng]
@@ -62,7 +71,9 @@ def test_repartition_commits_keep_the_learned_state_root_and_write_no_tensor_obj
     assert bytes(run.store.get(torch_obj)) == torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
 
 
-def test_training_on_3_then_2_workers_gives_the_uninterrupted_learned_state_roots(adaptive_run: SimpleNamespace) -> None:
+def test_training_on_3_then_2_workers_gives_the_uninterrupted_learned_state_roots(
+    adaptive_run: SimpleNamespace,
+) -> None:
     run = adaptive_run
     assert sorted(run.w) == [2, 3] and sorted(run.n) == [4]
     for step in (2, 3):
@@ -71,8 +82,9 @@ def test_training_on_3_then_2_workers_gives_the_uninterrupted_learned_state_root
     assert run.store.commit(run.w[2]).parent == run.to3.commit and len(run.store.commit(run.w[2]).layout) == 3
     # The new slot's host received only slot 2's data objects (and every manifest), and trained from them.
     lc = load_commit(run.store, run.to3.commit)
-    slot2 = {e.param for e in lc.shards[2].entries} | {m for e in lc.shards[2].entries if e.optim
-                                                       for m in (e.optim.exp_avg, e.optim.exp_avg_sq) if m}
+    slot2 = {e.param for e in lc.shards[2].entries} | {
+        m for e in lc.shards[2].entries if e.optim for m in (e.optim.exp_avg, e.optim.exp_avg_sq) if m
+    }
     others = {e.param for s in (0, 1) for e in lc.shards[s].entries}
     held = set(run.host.objects())
     assert slot2 <= held and not (others - slot2) & held
@@ -85,15 +97,21 @@ def test_training_on_3_then_2_workers_gives_the_uninterrupted_learned_state_root
     record = json.loads((run.home / "store" / "journal" / f"{run.w[3]}.json").read_bytes())
     assert [w["slot"] for w in record["workers"]] == [0, 1, 2]
     assert [w["parameters"] for w in record["workers"]] == held_params
-    assert all(w["estimate"] == r.estimate_bytes and w["peak"] >= w["used"] > 0 for w, r in zip(record["workers"], run.wide))
+    assert all(
+        w["estimate"] == r.estimate_bytes and w["peak"] >= w["used"] > 0 for w, r in zip(record["workers"], run.wide)
+    )
     # Every commit of a run has its time and its step's loss in the journal (issue 25: `log --oneline`).
     assert record["loss"] == losses[3] and record["time"] > 0
     first = json.loads((run.home / "store" / "journal" / f"{run.u[1]}.json").read_bytes())
     # ... and, every commit (issue 22: the seed requires both), each worker's actual peak and coverage
-    assert first["loss"] == losses[1] and first["step"] == 1 and all(w["peak"] >= w["used"] > 0 for w in first["workers"])
+    assert (
+        first["loss"] == losses[1] and first["step"] == 1 and all(w["peak"] >= w["used"] > 0 for w in first["workers"])
+    )
 
 
-def test_layout_partition_reads_the_commit_layout_and_regroup_takes_an_explicit_partition(adaptive_run: SimpleNamespace) -> None:
+def test_layout_partition_reads_the_commit_layout_and_regroup_takes_an_explicit_partition(
+    adaptive_run: SimpleNamespace,
+) -> None:
     run = adaptive_run
     lc = load_commit(run.store, run.to3.commit)
     config = LlamaConfig.from_hf_dict(decode_config(run.store.get(lc.commit.config)))
@@ -126,8 +144,23 @@ def test_cli_regroup_grow_and_plan(adaptive_run: SimpleNamespace, capsys: pytest
     assert main(["plan", "--prepared", run.job, "--workers", "2", "--memory", "1GiB,3GiB", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
     assert len(planned["slots"]) == 2 and planned["max_utilisation"] == max(s["utilisation"] for s in planned["slots"])
-    assert main(["regroup", "--store", run.url, "--commit", run.u[2], "--plan", "--prepared", run.job,
-                 "--memory", "1GiB,3GiB"]) == 0
+    assert (
+        main(
+            [
+                "regroup",
+                "--store",
+                run.url,
+                "--commit",
+                run.u[2],
+                "--plan",
+                "--prepared",
+                run.job,
+                "--memory",
+                "1GiB,3GiB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "(equal to the parent's)" in out and "layers " + ",".join(f"{a}:{b}" for a, b in planned["partition"]) in out
     assert main(["grow", "--store", run.url, "--commit", run.u[2], "--append", "2", "--workers", "3"]) == 0
@@ -138,15 +171,36 @@ def test_cli_regroup_grow_and_plan(adaptive_run: SimpleNamespace, capsys: pytest
     assert main(["regroup", "--store", run.url, "--commit", run.u[2], "--partition", "0:1,2:4"]) == 4
     assert "PartitionError" in capsys.readouterr().err
     assert main(["grow", "--store", run.url, "--commit", run.u[2], "--append", "1", "--copy-from", "7"]) == 4
-    assert main(["train", "--prepared", run.job, "--store", run.url, "--until", "5", "--resume", run.u[4],
-                 "--workers", "3", "--ref", "cli3", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--prepared",
+                run.job,
+                "--store",
+                run.url,
+                "--until",
+                "5",
+                "--resume",
+                run.u[4],
+                "--workers",
+                "3",
+                "--ref",
+                "cli3",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     assert f"commit {run.u[4][:12]} was laid out for 2 workers: wrote repartition commit" in out.err
     assert out.out.startswith("step 5: ") and run.store.commit(out.out.split()[2]).learned_root == _root(run, run.u[5])
     assert out.err.count("estimated peak") == 3
 
 
-def test_shardstore_log_shows_the_transitions(adaptive_run: SimpleNamespace, capsys: pytest.CaptureFixture[str]) -> None:
+def test_shardstore_log_shows_the_transitions(
+    adaptive_run: SimpleNamespace, capsys: pytest.CaptureFixture[str]
+) -> None:
     from shardstore_cli.shardstore_cli import main
 
     run = adaptive_run
@@ -166,7 +220,9 @@ def test_workers_refuse_a_commit_laid_out_for_another_count(adaptive_run: Simple
 
     run = adaptive_run
     job = load_job(run.job)
-    with pytest.raises(ResumeError, match=r"laid out for 2 workers, this group has 3; write a repartition commit first"):
+    with pytest.raises(
+        ResumeError, match=r"laid out for 2 workers, this group has 3; write a repartition commit first"
+    ):
         start_layout(job, run.store, run.u[4], 3)
     config, partition = start_layout(job, run.store, run.grown.commit, 2)
     assert config.num_hidden_layers == 5 and partition.ranges == (range(0, 3), range(3, 5))
@@ -198,8 +254,15 @@ def test_repartition_keeps_commit_wide_extras_and_refuses_a_slots_own(adaptive_r
 
     store, lc = adaptive_run.store, load_commit(adaptive_run.store, adaptive_run.to3.parent)
     c = lc.commit
-    info = CommitInfo(step=c.step, job=c.job, schedule=c.schedule, profile=c.profile, data_cursor=c.data_cursor, transition=c.transition,
-                      config=decode_config(store.get(c.config)))
+    info = CommitInfo(
+        step=c.step,
+        job=c.job,
+        schedule=c.schedule,
+        profile=c.profile,
+        data_cursor=c.data_cursor,
+        transition=c.transition,
+        config=decode_config(store.get(c.config)),
+    )
     extras = write_extras(store, capture_extras({"scheduler": Sched()}))
     store.sync()
     ids = [lc.shard_ids[s] for s in sorted(lc.shard_ids)]

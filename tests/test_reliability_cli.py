@@ -10,6 +10,7 @@
   answer from ``show`` and ``log``;
 - ``gc --grace 0`` warns that it can delete a save in progress.
 """
+
 from __future__ import annotations
 
 import os

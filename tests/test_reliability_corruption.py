@@ -18,6 +18,7 @@ config), every 4th also through ``verify``, every 16th through every path; every
 tensor bit goes through every path. ``SHARDSTORE_SLOW=1`` sends every case through
 every path.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,12 @@ def world(tmp_path_factory: Any) -> Any:
     root = os.path.join(scratch, "store")
     store = ss.open_store(root)
     model = Tiny()
-    opt = torch.optim.AdamW([{"params": [model.w], "name": "decay"}, {"params": [model.b, model.s], "name": "no_decay", "weight_decay": 0.0}])
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model.w], "name": "decay"},
+            {"params": [model.b, model.s], "name": "no_decay", "weight_decay": 0.0},
+        ]
+    )
     for _ in range(2):
         opt.zero_grad()
         (model.w.sum() + model.b.square().sum() + model.s.sum()).backward()
@@ -144,8 +150,13 @@ def _flip(data: bytes, bit: int) -> bytes:
 
 ALL = ("verify", "load_commit", "restore", "copy", "export")
 #: The paths that read each kind of object (load_commit reads manifests only; an export holds no RNG).
-PATHS = {"commit": ALL, "shard": ALL, "config": ("verify", "restore", "copy", "export"),
-         "tensor": ("verify", "restore", "copy", "export"), "rng": ("verify", "restore", "copy")}
+PATHS = {
+    "commit": ALL,
+    "shard": ALL,
+    "config": ("verify", "restore", "copy", "export"),
+    "tensor": ("verify", "restore", "copy", "export"),
+    "rng": ("verify", "restore", "copy"),
+}
 
 
 def test_clean_store_passes_every_path(world: Any) -> None:
@@ -208,7 +219,14 @@ def test_truncate_extend_delete_every_object(world: Any, cut: str) -> None:
         d = Damage(_path(root, oid))
         raw = d.original
         assert raw is not None
-        bad = {"empty": b"", "one": raw[:1], "half": raw[: len(raw) // 2], "minus_one": raw[:-1], "append": raw + b"\x00", "delete": None}[cut]
+        bad = {
+            "empty": b"",
+            "one": raw[:1],
+            "half": raw[: len(raw) // 2],
+            "minus_one": raw[:-1],
+            "append": raw + b"\x00",
+            "delete": None,
+        }[cut]
         if bad == raw:
             continue  # a 1-byte object cut to 1 byte is itself
         d.write(bad)
@@ -224,7 +242,7 @@ def test_swapped_objects(world: Any) -> None:
     objs = list(_objects(store, cid).items())
     rnd = random.Random(5)
     pairs = [(a, b) for i, a in enumerate(objs) for b in objs[i + 1 :]]
-    for (a, ka), (b, kb) in (pairs if SLOW else rnd.sample(pairs, 40)):
+    for (a, ka), (b, kb) in pairs if SLOW else rnd.sample(pairs, 40):
         da, db = Damage(_path(root, a)), Damage(_path(root, b))
         if da.original == db.original:
             continue

@@ -22,6 +22,7 @@ Children are forked from this process (torch already imported): ``os.fork`` and
 ``os._exit``, never multiprocessing. ``SHARDSTORE_SLOW=1`` runs every syscall point in
 both phases and more random kills.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,18 @@ from typing import Any
 import pytest
 import torch
 from conftest import TinyNet, make_optimizer, train_steps
-from faults import KILL, FaultyOs, OpLog, fast_dir, frozen_slots, kill_at, patch_local_os, set_local_os, slots_snapshot, snapshot
+from faults import (
+    KILL,
+    FaultyOs,
+    OpLog,
+    fast_dir,
+    frozen_slots,
+    kill_at,
+    patch_local_os,
+    set_local_os,
+    slots_snapshot,
+    snapshot,
+)
 
 import shardstore as ss
 from shardstore.backends.local import LocalStorage
@@ -212,7 +224,9 @@ def test_kill_before_every_system_call(tmp_path: Any, plan: dict[str, Any]) -> N
     assert {"open:w", "write", "fsync", "link", "replace", "unlink"} <= set(calls)
     points = list(range(len(calls) + 1))
     if not SLOW:  # CI: every call that creates, links, renames or removes a name
-        points = [k for k in points if k == len(calls) or calls[k] in ("open:w", "link", "replace", "unlink", "makedirs")]
+        points = [
+            k for k in points if k == len(calls) or calls[k] in ("open:w", "link", "replace", "unlink", "makedirs")
+        ]
     locks = refs = taken = 0
     for k in points:
         root = _fresh(tmp_path, plan, f"s{k}")
@@ -240,7 +254,12 @@ def test_kill_at_random_times(tmp_path: Any, plan: dict[str, Any]) -> None:
     rounds = 60 if SLOW else 16
     root0 = _fresh(tmp_path, plan, "timing")
     t0 = time.perf_counter()
-    _fork(lambda: [ss.save_slots(ss.open_store(root0, create=False), plan["states"][j], info=plan["infos"][j]) for j in range(1, 6)])
+    _fork(
+        lambda: [
+            ss.save_slots(ss.open_store(root0, create=False), plan["states"][j], info=plan["infos"][j])
+            for j in range(1, 6)
+        ]
+    )
     full = time.perf_counter() - t0
     rnd = random.Random(8)
     seen = set()

@@ -18,6 +18,7 @@ and read-back reads, the ref move, the durability barrier) and seven collectives
 23 cases, 3 s each); ``SHARDSTORE_SLOW=1`` runs every Storage call and every collective of
 both ranks (138 cases) and recovers after every case.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,6 @@ from shardstore.backends.local import LocalStorage
 
 SLOW = os.environ.get("SHARDSTORE_SLOW") == "1"
 GROUP_TIMEOUT_S = 20
-
 
 
 def _owned(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
@@ -83,7 +83,9 @@ def _worker(rank: int, port: int, root: str, plan: dict[str, Any], out: str) -> 
             train_steps(model, opt, 1, seed=step)
             if step <= done_steps:
                 continue
-            result["commits"].append(ss.save_distributed(store, _owned(model, rank), opt, info=ss.CommitInfo(step=step)))
+            result["commits"].append(
+                ss.save_distributed(store, _owned(model, rank), opt, info=ss.CommitInfo(step=step))
+            )
     except ss.ShardstoreError as e:
         result["error"], result["message"] = type(e).__name__, str(e)
     except Exception as e:  # anything untyped is a finding: record it for the assertion
@@ -100,7 +102,9 @@ def _run(root: str, plan: dict[str, Any], out: str) -> list[dict[str, Any] | Non
     for r in range(2):
         if os.path.exists(f"{out}.{r}"):
             os.unlink(f"{out}.{r}")
-    ctx = mp.start_processes(_worker, args=(free_port(), root, plan, out), nprocs=2, join=False, start_method=START_METHOD)
+    ctx = mp.start_processes(
+        _worker, args=(free_port(), root, plan, out), nprocs=2, join=False, start_method=START_METHOD
+    )
     deadline = time.monotonic() + GROUP_TIMEOUT_S + 60
     for p in ctx.processes:
         p.join(max(1.0, deadline - time.monotonic()))

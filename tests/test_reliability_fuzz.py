@@ -14,6 +14,7 @@ numpy, torch) and shardtrain job files (``decode_job``). Properties:
 - no allocation driven by an unchecked length: a forged entry claiming shape [2^48, 2^48]
   is refused by size before anything is allocated.
 """
+
 from __future__ import annotations
 
 import json
@@ -131,19 +132,33 @@ def _keys(d: Any, keys: set[str]) -> bool:
 
 
 def _group(g: Any) -> bool:
-    return _keys(g, {"name", "lr", "beta1", "beta2", "eps", "weight_decay"}) and _s(g["name"], GROUP) and all(
-        _s(g[k], F64) for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    return (
+        _keys(g, {"name", "lr", "beta1", "beta2", "eps", "weight_decay"})
+        and _s(g["name"], GROUP)
+        and all(_s(g[k], F64) for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    )
 
 
 def _entry(e: Any) -> bool:
-    if not (_keys(e, {"name", "dtype", "shape", "param", "optim"}) and _s(e["name"], TENSOR) and e["dtype"] in DTYPES
-            and type(e["shape"]) is list and len(e["shape"]) <= 16 and all(_int(d, 0, 2**48) for d in e["shape"]) and _s(e["param"], OID)):
+    if not (
+        _keys(e, {"name", "dtype", "shape", "param", "optim"})
+        and _s(e["name"], TENSOR)
+        and e["dtype"] in DTYPES
+        and type(e["shape"]) is list
+        and len(e["shape"]) <= 16
+        and all(_int(d, 0, 2**48) for d in e["shape"])
+        and _s(e["param"], OID)
+    ):
         return False
     o = e["optim"]
-    return o is None or (_keys(o, {"group", "birth", "age", "exp_avg", "exp_avg_sq", "moment_dtype"}) and _s(o["group"], GROUP)
-                         and _int(o["birth"], 0, 2**62) and _int(o["age"], 0, 2**62)
-                         and all(o[k] is None or _s(o[k], OID) for k in ("exp_avg", "exp_avg_sq"))
-                         and (o["moment_dtype"] is None or o["moment_dtype"] in DTYPES))
+    return o is None or (
+        _keys(o, {"group", "birth", "age", "exp_avg", "exp_avg_sq", "moment_dtype"})
+        and _s(o["group"], GROUP)
+        and _int(o["birth"], 0, 2**62)
+        and _int(o["age"], 0, 2**62)
+        and all(o[k] is None or _s(o[k], OID) for k in ("exp_avg", "exp_avg_sq"))
+        and (o["moment_dtype"] is None or o["moment_dtype"] in DTYPES)
+    )
 
 
 def spec_valid(doc: Any) -> bool:
@@ -153,30 +168,95 @@ def spec_valid(doc: Any) -> bool:
         return False
     t = doc.get("type")
     if t == "store":
-        return _keys(doc, {"type", "version", "hash", "fanout"}) and doc["hash"] == "blake3" and _int(doc["fanout"], 2, 2)
+        return (
+            _keys(doc, {"type", "version", "hash", "fanout"}) and doc["hash"] == "blake3" and _int(doc["fanout"], 2, 2)
+        )
     if t == "shard":
-        return (_keys(doc, {"type", "version", "job", "step", "parent", "config", "slot", "slots", "algorithm", "groups", "entries", "rng"})
-                and _s(doc["job"], JOB) and _int(doc["step"], 0, 2**62) and opt_oid(doc["parent"]) and opt_oid(doc["config"])
-                and _int(doc["slot"], 0, 65535) and _int(doc["slots"], 1, 65536) and doc["algorithm"] in ("adamw", "adam", "none")
-                and type(doc["groups"]) is list and all(_group(g) for g in doc["groups"])
-                and type(doc["entries"]) is list and all(_entry(e) for e in doc["entries"])
-                and type(doc["rng"]) is list and len(doc["rng"]) <= 64 and all(
-                    _keys(r, {"kind", "object"}) and _s(r["object"], OID)
-                    and re.match(r"^(python|numpy|torch|cuda:[0-9]{1,4})$", r["kind"] if type(r["kind"]) is str else "") is not None
-                    and "\n" not in r["kind"] for r in doc["rng"]))
+        return (
+            _keys(
+                doc,
+                {
+                    "type",
+                    "version",
+                    "job",
+                    "step",
+                    "parent",
+                    "config",
+                    "slot",
+                    "slots",
+                    "algorithm",
+                    "groups",
+                    "entries",
+                    "rng",
+                },
+            )
+            and _s(doc["job"], JOB)
+            and _int(doc["step"], 0, 2**62)
+            and opt_oid(doc["parent"])
+            and opt_oid(doc["config"])
+            and _int(doc["slot"], 0, 65535)
+            and _int(doc["slots"], 1, 65536)
+            and doc["algorithm"] in ("adamw", "adam", "none")
+            and type(doc["groups"]) is list
+            and all(_group(g) for g in doc["groups"])
+            and type(doc["entries"]) is list
+            and all(_entry(e) for e in doc["entries"])
+            and type(doc["rng"]) is list
+            and len(doc["rng"]) <= 64
+            and all(
+                _keys(r, {"kind", "object"})
+                and _s(r["object"], OID)
+                and re.match(r"^(python|numpy|torch|cuda:[0-9]{1,4})$", r["kind"] if type(r["kind"]) is str else "")
+                is not None
+                and "\n" not in r["kind"]
+                for r in doc["rng"]
+            )
+        )
     if t == "commit":
         o = doc.get("optimizer")
-        return (_keys(doc, {"type", "version", "job", "schedule", "profile", "config", "optimizer", "step", "data_cursor", "layout",
-                            "learned_root", "parent", "transition"})
-                and _s(doc["job"], JOB) and (doc["schedule"] is None or _s(doc["schedule"], LABEL)) and _s(doc["profile"], LABEL)
-                and opt_oid(doc["config"]) and _keys(o, {"algorithm", "groups"}) and o["algorithm"] in ("adamw", "adam", "none")
-                and type(o["groups"]) is list and all(_group(g) for g in o["groups"]) and _int(doc["step"], 0, 2**62)
-                and (doc["data_cursor"] is None or _int(doc["data_cursor"], 0, 2**62))
-                and type(doc["layout"]) is list and 1 <= len(doc["layout"]) <= 65536 and all(
-                    _keys(lay, {"slot", "shard", "tensors"}) and _int(lay["slot"], 0, 65535) and _s(lay["shard"], OID)
-                    and type(lay["tensors"]) is list and all(_s(n, TENSOR) for n in lay["tensors"]) for lay in doc["layout"])
-                and _s(doc["learned_root"], OID) and opt_oid(doc["parent"])
-                and doc["transition"] in ("init", "train", "repartition", "grow", "import"))
+        return (
+            _keys(
+                doc,
+                {
+                    "type",
+                    "version",
+                    "job",
+                    "schedule",
+                    "profile",
+                    "config",
+                    "optimizer",
+                    "step",
+                    "data_cursor",
+                    "layout",
+                    "learned_root",
+                    "parent",
+                    "transition",
+                },
+            )
+            and _s(doc["job"], JOB)
+            and (doc["schedule"] is None or _s(doc["schedule"], LABEL))
+            and _s(doc["profile"], LABEL)
+            and opt_oid(doc["config"])
+            and _keys(o, {"algorithm", "groups"})
+            and o["algorithm"] in ("adamw", "adam", "none")
+            and type(o["groups"]) is list
+            and all(_group(g) for g in o["groups"])
+            and _int(doc["step"], 0, 2**62)
+            and (doc["data_cursor"] is None or _int(doc["data_cursor"], 0, 2**62))
+            and type(doc["layout"]) is list
+            and 1 <= len(doc["layout"]) <= 65536
+            and all(
+                _keys(lay, {"slot", "shard", "tensors"})
+                and _int(lay["slot"], 0, 65535)
+                and _s(lay["shard"], OID)
+                and type(lay["tensors"]) is list
+                and all(_s(n, TENSOR) for n in lay["tensors"])
+                for lay in doc["layout"]
+            )
+            and _s(doc["learned_root"], OID)
+            and opt_oid(doc["parent"])
+            and doc["transition"] in ("init", "train", "repartition", "grow", "import")
+        )
     return False
 
 
@@ -202,7 +282,9 @@ def test_structured_mutations_never_accept_an_invalid_manifest(data: Any) -> Non
         parent = parent[p]
     op = data.draw(st.sampled_from(["replace", "remove", "add", "nest"]))
     if op == "replace":
-        parent[path[-1]] = data.draw(json_values | st.sampled_from(["", "..", "a" * 65, "A" * 64, -1, 2**48 + 1, 2**63, True, "\u0430"]))
+        parent[path[-1]] = data.draw(
+            json_values | st.sampled_from(["", "..", "a" * 65, "A" * 64, -1, 2**48 + 1, 2**63, True, "\u0430"])
+        )
     elif op == "remove":
         del parent[path[-1]]
     elif op == "add" and isinstance(parent, dict):
@@ -262,7 +344,9 @@ def test_huge_claimed_shape_is_refused_by_size(tmp_path: Any) -> None:
     from shardstore.format.roots import learned_root
 
     root = learned_root(step=0, data_cursor=None, config=None, optimizer=lc.commit.optimizer, entries=[big])
-    commit = msgspec.structs.replace(lc.commit, layout=(msgspec.structs.replace(lc.commit.layout[0], shard=sid),), learned_root=root)
+    commit = msgspec.structs.replace(
+        lc.commit, layout=(msgspec.structs.replace(lc.commit.layout[0], shard=sid),), learned_root=root
+    )
     bad = store.put(encode(commit))
     report = ss.verify(store, [bad])
     # format 2: so big a tensor would need more blocks than a payload may list (SPEC.md §5a)
@@ -342,7 +426,11 @@ def test_rng_states_at_the_edges_of_what_a_writer_produces_restore() -> None:
 
     import numpy as np
 
-    for raw in (_state_doc("numpy", pos=0), _state_doc("numpy", pos=624), _state_doc("numpy", has_gauss=1, gauss=(-0.25).hex())):
+    for raw in (
+        _state_doc("numpy", pos=0),
+        _state_doc("numpy", pos=624),
+        _state_doc("numpy", has_gauss=1, gauss=(-0.25).hex()),
+    ):
         restore_rng({"numpy": raw})
         assert capture_rng(cuda=False)["numpy"] == raw
     restore_rng({"python": _state_doc("python", state=[*_words()[:624], 624])})

@@ -10,6 +10,7 @@
 - gc is killed (SIGKILL, in a forked child) before each of its deletes: afterwards every
   reachable object is present, the store verifies clean, and a second gc finishes the job.
 """
+
 from __future__ import annotations
 
 import json
@@ -109,7 +110,9 @@ def test_gc_killed_before_every_delete(tmp_path: Any) -> None:
         root = str(tmp_path / f"k{k}")
         shutil.copytree(base, root, symlinks=True, copy_function=shutil.copy2)
         status = _fork_gc(root, k)
-        assert (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL) if k < n else os.WEXITSTATUS(status) == 0
+        assert (
+            (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL) if k < n else os.WEXITSTATUS(status) == 0
+        )
         s = ss.open_store(root, create=False)
         assert ss.verify(s).ok
         assert all(s.has(o) for o in ss.ops.transfer.commit_closure(ss.load_commit(s, pending)).ids())
@@ -252,7 +255,11 @@ def test_gc_grace_zero_in_a_loop_against_background_commits(tmp_path: Any) -> No
             try:
                 ss.save(writer, _state(i % 7), step=i, rng=False)  # old states come back: deduplication
                 saved[0] += 1
-            except (ss.GcRace, ss.ObjectNotFound, ss.TargetNotFound):  # grace 0: gc took objects of this save in progress
+            except (
+                ss.GcRace,
+                ss.ObjectNotFound,
+                ss.TargetNotFound,
+            ):  # grace 0: gc took objects of this save in progress
                 refused[0] += 1
             except BaseException as e:  # noqa: BLE001 - reported below
                 failures.append(repr(e))
@@ -348,15 +355,30 @@ def test_gc_drops_the_intents_of_dead_writers_only(tmp_path) -> None:
     ss.save(store, _state(0), step=0, rng=False)
     pending = [ss.save(store, _state(k), step=k, rng=False, ref=None) for k in (1, 2, 3, 4, 5)]
     closures = [commit_closure(ss.load_commit(store, c)).ids() for c in pending]
-    child = subprocess.run([sys.executable, "-c", "from shardstore.store import gc_fence as g; print(g._owner_suffix()); "
-                            "print(g._marker_text().decode(), end='')"], capture_output=True, text=True, check=True)
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from shardstore.store import gc_fence as g; print(g._owner_suffix()); "
+            "print(g._marker_text().decode(), end='')",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead_suffix, dead_marker = child.stdout.split("\n", 1)  # a process that has exited
     mine = gc_fence._owner_suffix()
     assert dead_suffix and mine and gc_fence._OWNER.fullmatch(mine[1:])
     pid, start, boot, ns, tag = mine[1:].split("-")
     other_boot = f"-{pid}-{start}-{boot[::-1]}-{ns}-{tag}"  # another machine (or boot) with this host name
     other_ns = f"-{pid}-{start}-{boot}-{int(ns) + 1}-{tag}"  # a container's writer
-    names = [f"c-{'a' * 32}{dead_suffix}", f"c-{'b' * 32}{mine}", f"c-{'c' * 32}{other_boot}", f"c-{'d' * 32}{other_ns}", f"c-{'e' * 32}"]
+    names = [
+        f"c-{'a' * 32}{dead_suffix}",
+        f"c-{'b' * 32}{mine}",
+        f"c-{'c' * 32}{other_boot}",
+        f"c-{'d' * 32}{other_ns}",
+        f"c-{'e' * 32}",
+    ]
     for name, cid in zip(names, pending):
         store.storage.write_once(f"intents/{name}", gc_fence._encode_ids([cid]))
     dry = gc(store, grace_seconds=0.0, dry_run=True)
@@ -365,7 +387,9 @@ def test_gc_drops_the_intents_of_dead_writers_only(tmp_path) -> None:
     assert result.intents_dropped == [f"intents/{names[0]}"]
     assert sorted(store.storage.list("intents")) == sorted(f"intents/{n}" for n in names[1:])
     only_dead = closures[0] - set().union(*closures[1:])
-    assert only_dead and not any(store.has(o) for o in only_dead)  # what only the dead writer's intent kept is collected
+    assert only_dead and not any(
+        store.has(o) for o in only_dead
+    )  # what only the dead writer's intent kept is collected
     assert all(store.has(o) for c in closures[1:] for o in c)
     # the intent a writer writes names it, so a writer killed after writing it is caught the same way
     seen: list[str] = []
@@ -378,8 +402,12 @@ def test_gc_drops_the_intents_of_dead_writers_only(tmp_path) -> None:
     assert seen[0].startswith("intents/c-") and seen[0].endswith(mine)
     # gc markers: the same holder record
     record = json.loads(dead_marker[3:])
-    for text, dead_here in ((dead_marker, True), ("gc " + json.dumps({**record, "boot": record["boot"][::-1]}), False),
-                            (f"gc {record['host']} {record['pid']}\n", False), (gc_fence._marker_text().decode(), False)):
+    for text, dead_here in (
+        (dead_marker, True),
+        ("gc " + json.dumps({**record, "boot": record["boot"][::-1]}), False),
+        (f"gc {record['host']} {record['pid']}\n", False),
+        (gc_fence._marker_text().decode(), False),
+    ):
         store.storage.write_once("gc/probe", text.encode())
         assert gc_fence._dead_here(store, "gc/probe") is dead_here, text
         store.storage.delete("gc/probe")

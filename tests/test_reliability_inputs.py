@@ -11,6 +11,7 @@ error are what a user sees):
   invalid bucket name: one line, exit 1, no traceback;
 - item 13: ``cat`` of a tensor object over the manifest limit is refused without reading it.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,7 +67,9 @@ def test_import_refuses_a_config_json_that_is_a_device_or_a_fifo(tmp_path: Any, 
     os.unlink(src / "config.json")
     os.mkfifo(src / "config.json")
     done: list[int] = []
-    t = threading.Thread(target=lambda: done.append(_main(capsys, "import", str(tmp_path / "store"), str(src))[0]), daemon=True)
+    t = threading.Thread(
+        target=lambda: done.append(_main(capsys, "import", str(tmp_path / "store"), str(src))[0]), daemon=True
+    )
     t.start()
     t.join(20)
     if not done:  # unblock the reader so that the thread ends, then fail
@@ -98,7 +101,9 @@ def test_export_never_writes_through_a_planted_link(tmp_path: Any, capsys: Any) 
     code, err = _main(capsys, "export", store.url, "main", str(out), "--force")
     assert code == 0, err
     assert victim.read_bytes() == b"precious"
-    assert not os.path.islink(out / "config.json") and json.loads((out / "config.json").read_text()) == {"hidden_size": 4}
+    assert not os.path.islink(out / "config.json") and json.loads((out / "config.json").read_text()) == {
+        "hidden_size": 4
+    }
     assert [n for n in os.listdir(out) if n.endswith(".partial") and not os.path.islink(out / n)] == []
 
 

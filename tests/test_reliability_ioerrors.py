@@ -9,6 +9,7 @@ a ``ShardstoreError`` subclass — never a bare ``OSError`` or botocore error; t
 be exactly where the last successful save put it; and once the fault is gone the store
 verifies clean and finishing the saves reproduces the uninterrupted run's commit ids.
 """
+
 from __future__ import annotations
 
 import errno
@@ -113,7 +114,9 @@ def test_local_io_error_at_every_system_call(plan: dict[str, Any], monkeypatch: 
     print(f"local I/O errors: {len(cases)} cases over {len(calls)} system calls: {outcomes}")
 
 
-def test_failed_directory_scan_is_an_error_not_an_empty_listing(plan: dict[str, Any], monkeypatch: Any, tmp_path: Any) -> None:
+def test_failed_directory_scan_is_an_error_not_an_empty_listing(
+    plan: dict[str, Any], monkeypatch: Any, tmp_path: Any
+) -> None:
     """An unreadable directory under refs/ must not make its refs invisible: gc would then
     treat their commits as garbage."""
     root = str(tmp_path / "s")
@@ -148,7 +151,9 @@ def test_journal_failure_after_the_ref_moved_does_not_fail_the_save(plan: dict[s
 
 
 def _err(status: int, code: str) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": f"injected {code}"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op")
+    return ClientError(
+        {"Error": {"Code": code, "Message": f"injected {code}"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op"
+    )
 
 
 FAULTS = {

@@ -7,6 +7,7 @@
 - ``shardtrain grow --append K`` allocated before bounding K, and a shard manifest over
   the 64 MiB a reader accepts was written (and left behind) before its read-back failed.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -65,7 +66,9 @@ def test_a_state_document_over_the_limits_is_refused_by_verify_and_restore(docum
     planted = ExtraEntry(key="user", state=store.put(document), tensors=())
     forged = ss.write_commit(store, [lc.shard_ids[0]], info=ss.CommitInfo(step=1), parent=None, extras=(planted,))
     problems = ss.verify(store, [forged]).problems
-    assert any(p.kind == "ManifestError" and message in str(p) and p.object == planted.state for p in problems), problems
+    assert any(p.kind == "ManifestError" and message in str(p) and p.object == planted.state for p in problems), (
+        problems
+    )
     target, holder = torch.nn.Linear(3, 2), Holder()
     before = [t.clone() for t in target.state_dict().values()]
     with pytest.raises(ss.ManifestError, match=message):
@@ -100,12 +103,22 @@ def test_torch_form_integers_outside_the_range_are_refused_when_read() -> None:
     j = next(k for k, e in enumerate(entries) if e.state is not None)
     st = entries[j].state
     scalar = msgspec.structs.replace(st, scalars=(StateScalar(key="n", value=10**30),))
-    bad = msgspec.structs.replace(shard, entries=tuple(msgspec.structs.replace(e, state=scalar) if k == j else e for k, e in enumerate(entries)))
-    assert any("'n': integer 1000000000000000000000000000000 is outside the 64-bit range" in str(p) for p in shard_problems(bad, "x" * 64))
+    bad = msgspec.structs.replace(
+        shard, entries=tuple(msgspec.structs.replace(e, state=scalar) if k == j else e for k, e in enumerate(entries))
+    )
+    assert any(
+        "'n': integer 1000000000000000000000000000000 is outside the 64-bit range" in str(p)
+        for p in shard_problems(bad, "x" * 64)
+    )
     group = shard.torch_optimizer.groups[0]
     hyper = msgspec.structs.replace(group, hyper={**group.hyper, "lr_steps": (1, -(2**64))})
-    bad = msgspec.structs.replace(shard, torch_optimizer=msgspec.structs.replace(shard.torch_optimizer, groups=(hyper,)))
-    assert any("hyperparameter 'lr_steps' holds an integer outside the 64-bit range" in str(p) for p in shard_problems(bad, "x" * 64))
+    bad = msgspec.structs.replace(
+        shard, torch_optimizer=msgspec.structs.replace(shard.torch_optimizer, groups=(hyper,))
+    )
+    assert any(
+        "hyperparameter 'lr_steps' holds an integer outside the 64-bit range" in str(p)
+        for p in shard_problems(bad, "x" * 64)
+    )
 
 
 def _llama_commit(tmp_path: Any, layers: int = 2) -> tuple[ss.Store, str]:
@@ -134,7 +147,9 @@ def test_grow_bounds_append_before_allocating(tmp_path: Any, capsys: Any) -> Non
     assert set(store.objects()) == before
 
 
-def test_a_manifest_over_the_readers_limit_is_refused_before_it_is_written(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
+def test_a_manifest_over_the_readers_limit_is_refused_before_it_is_written(
+    tmp_path: Any, capsys: Any, monkeypatch: Any
+) -> None:
     """``grow --append 43000`` wrote a 67.5 MB shard manifest that its own read-back then refused,
     leaving it behind. With the limit made small (the same rule, without writing 64 MiB), the
     first shard manifest over it is refused (ObjectTooLarge, exit 4) and no object over it exists."""
@@ -152,5 +167,9 @@ def test_a_manifest_over_the_readers_limit_is_refused_before_it_is_written(tmp_p
     assert code == 4, err
     assert "ObjectTooLarge: shard manifest of slot 0" in err and "refused before it is written" in err
     new = set(store.objects()) - before  # the zero projections and the grown config (gc collects them), no manifest
-    assert [o for o in new if store.get(o)[:1] == b"{" and (store.object_size(o) > limit or b'"type":"shard"' in store.get(o))] == []
+    assert [
+        o
+        for o in new
+        if store.get(o)[:1] == b"{" and (store.object_size(o) > limit or b'"type":"shard"' in store.get(o))
+    ] == []
     assert store.ref("main") == cid

@@ -11,6 +11,7 @@ the store config, and the directories ``objects/ab``, ``objects``, ``refs``, ``r
 ``tmp`` and ``journal`` — are refused, and nothing outside the root is read, written or
 deleted: a sentinel directory outside is compared byte for byte afterwards.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,15 +32,44 @@ from shardstore.format.names import (
 from shardstore.ops.gc import gc
 
 HOSTILE = [
-    "../x", "../../etc/passwd", "/etc/passwd", "a/../../b", "a/./b", "a\\b", "..\\..\\x", "a\x00b", "%2e%2e/x", "%2e%2e%2fx",
-    "ma\u0456n", "m\u0430in", "\uff0e\uff0e/x", "\u2024\u2024/x", ".", "..", "", " main", "main ", "a//b", "/", "a/",
-    "x" * 600, "a/b/c/d/e", "main.lock", "C:\\x", "~root", "\nmain", "main\n", "a\tb",
+    "../x",
+    "../../etc/passwd",
+    "/etc/passwd",
+    "a/../../b",
+    "a/./b",
+    "a\\b",
+    "..\\..\\x",
+    "a\x00b",
+    "%2e%2e/x",
+    "%2e%2e%2fx",
+    "ma\u0456n",
+    "m\u0430in",
+    "\uff0e\uff0e/x",
+    "\u2024\u2024/x",
+    ".",
+    "..",
+    "",
+    " main",
+    "main ",
+    "a//b",
+    "/",
+    "a/",
+    "x" * 600,
+    "a/b/c/d/e",
+    "main.lock",
+    "C:\\x",
+    "~root",
+    "\nmain",
+    "main\n",
+    "a\tb",
 ]
 
 TENSOR_OK = {"a/../../b", "a/./b", "a//b", "a/", "a/b/c/d/e", "main.lock"}
 
 
-@pytest.mark.parametrize("check", [check_ref_name, check_tensor_name, check_group_name, check_key, check_oid, check_oid_prefix])
+@pytest.mark.parametrize(
+    "check", [check_ref_name, check_tensor_name, check_group_name, check_key, check_oid, check_oid_prefix]
+)
 def test_every_parser_refuses_every_hostile_name(check: Any) -> None:
     # valid by SPEC §Names: tensor names are never paths ('/' and '.' are plain characters in
     # them); a group name or key segment may end in '.lock' (only ref names may not); a key
@@ -78,7 +108,14 @@ def test_hostile_names_at_every_entry_point(tmp_path: Any) -> None:
         with pytest.raises((ss.InvalidName, ValueError)):
             store.get(name)
     assert store.ref_names() == ["main"] and os.listdir(outside) == []
-    assert sorted(os.listdir(tmp_path / "s")) == ["config", "intents", "journal", "objects", "refs", "tmp"]  # intents: the gc fence
+    assert sorted(os.listdir(tmp_path / "s")) == [
+        "config",
+        "intents",
+        "journal",
+        "objects",
+        "refs",
+        "tmp",
+    ]  # intents: the gc fence
 
 
 def _tree(path: str) -> dict[str, bytes]:
@@ -120,7 +157,9 @@ def _use_store(root: str, cid: str) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("where", ["object", "objects/ab", "objects", "refs/main", "refs", "refs/runs", "config", "tmp", "journal"])
+@pytest.mark.parametrize(
+    "where", ["object", "objects/ab", "objects", "refs/main", "refs", "refs/runs", "config", "tmp", "journal"]
+)
 def test_symlink_planted_inside_the_store_is_never_followed(tmp_path: Any, where: str) -> None:
     store, cid, outside = _world(tmp_path)
     root = store.storage.root  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ kind, the model config object, a shard manifest, a commit manifest, a ref and th
 config — and every reader is run on it: the marker never appears; loads either refuse
 with a typed error or return the bytes as data.
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,8 +25,17 @@ from shardstore.format.manifest import encode
 from shardstore.format.rng import restore_rng
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORBIDDEN = {("pickle", "load"), ("pickle", "loads"), ("marshal", "load"), ("marshal", "loads"), ("yaml", "load"),
-             ("torch", "load"), ("shelve", "open"), ("dill", "load"), ("dill", "loads")}
+FORBIDDEN = {
+    ("pickle", "load"),
+    ("pickle", "loads"),
+    ("marshal", "load"),
+    ("marshal", "loads"),
+    ("yaml", "load"),
+    ("torch", "load"),
+    ("shelve", "open"),
+    ("dill", "load"),
+    ("dill", "loads"),
+}
 
 
 def _calls(path: str) -> list[str]:
@@ -39,21 +49,33 @@ def _calls(path: str) -> list[str]:
             bad.append(f"{path}:{node.lineno} {f.id}(")
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (f.value.id, f.attr) in FORBIDDEN:
             bad.append(f"{path}:{node.lineno} {f.value.id}.{f.attr}(")
-        if isinstance(f, ast.Attribute) and f.attr == "load" and any(
-            k.arg == "allow_pickle" and not (isinstance(k.value, ast.Constant) and k.value.value is False) for k in node.keywords
+        if (
+            isinstance(f, ast.Attribute)
+            and f.attr == "load"
+            and any(
+                k.arg == "allow_pickle" and not (isinstance(k.value, ast.Constant) and k.value.value is False)
+                for k in node.keywords
+            )
         ):
             bad.append(f"{path}:{node.lineno} load(allow_pickle=...)")
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = [a.name for a in node.names] + (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            )
             if any(n in ("pickle", "cPickle", "dill", "marshal", "shelve") for n in names):
                 bad.append(f"{path}:{node.lineno} imports a pickle-family module")
     return bad
 
 
 def test_no_untrusted_deserialisation_in_the_code() -> None:
-    files = [os.path.join(d, f) for pkg in ("shardstore", "shardtrain", "cli") for d, _, fs in os.walk(os.path.join(ROOT, pkg))
-             for f in fs if f.endswith(".py")]
+    files = [
+        os.path.join(d, f)
+        for pkg in ("shardstore", "shardtrain", "cli")
+        for d, _, fs in os.walk(os.path.join(ROOT, pkg))
+        for f in fs
+        if f.endswith(".py")
+    ]
     assert len(files) > 20
     bad = [b for f in files for b in _calls(f)]
     assert bad == [], bad
@@ -98,11 +120,21 @@ def test_planted_pickles_are_never_executed(tmp_path: Any) -> None:
         attempt(lambda: restore_rng({kind: evil}))
     lc = ss.load_commit(store, cid)
     shard = lc.shards[0]
-    forged = type(shard)(**{**{f: getattr(shard, f) for f in shard.__struct_fields__}, "rng": (ss.manifest.RngEntry(kind="python", object=oid),)})
+    forged = type(shard)(
+        **{
+            **{f: getattr(shard, f) for f in shard.__struct_fields__},
+            "rng": (ss.manifest.RngEntry(kind="python", object=oid),),
+        }
+    )
     sid = store.put(encode(forged))
     commit = lc.commit
-    forged_commit = type(commit)(**{**{f: getattr(commit, f) for f in commit.__struct_fields__},
-                                   "layout": (ss.manifest.SlotLayout(slot=0, shard=sid, tensors=commit.layout[0].tensors),), "config": None})
+    forged_commit = type(commit)(
+        **{
+            **{f: getattr(commit, f) for f in commit.__struct_fields__},
+            "layout": (ss.manifest.SlotLayout(slot=0, shard=sid, tensors=commit.layout[0].tensors),),
+            "config": None,
+        }
+    )
     attempt(lambda: ss.restore(store, store.put(encode(forged_commit)), out, rng=True))
     # the config object, manifests, a ref, the store config
     attempt(lambda: ss.manifest.decode_config(evil))

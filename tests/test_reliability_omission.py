@@ -1,4 +1,5 @@
 """Review findings: state a save accepted but a later path dropped, and a race in the selection record."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,14 @@ def test_export_keeps_a_slot_extra_and_a_commit_extra_whose_names_look_alike(tmp
     # A commit-wide extra 'slot0.s' and slot 0's own extra 's' were both exported as 'slot0.s':
     # optimizer.json silently kept one, extras.safetensors failed to read back.
     store = _store()
-    cid = ss.save(store, torch.nn.Linear(2, 2), None, step=1,
-                  extra={"slot0.s": _Box(1, with_tensor)}, slot_extra={"s": _Box(2, with_tensor)})
+    cid = ss.save(
+        store,
+        torch.nn.Linear(2, 2),
+        None,
+        step=1,
+        extra={"slot0.s": _Box(1, with_tensor)},
+        slot_extra={"s": _Box(2, with_tensor)},
+    )
     export_commit(store, cid, str(tmp_path), with_optimizer=True)
     extras = json.loads((tmp_path / "optimizer.json").read_text())["extras"]
     assert len(extras) == 2 and sorted(x["v"] for x in extras.values()) == [1, 2]
@@ -42,7 +49,9 @@ def test_export_keeps_a_slot_extra_and_a_commit_extra_whose_names_look_alike(tmp
         assert len(load_file(str(tmp_path / "extras.safetensors"))) == 2
 
 
-@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.AdamW(ps, lr=0.1)])
+@pytest.mark.parametrize(
+    "make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.AdamW(ps, lr=0.1)]
+)
 def test_optimizer_state_of_a_tensor_the_model_does_not_hold_is_refused_not_dropped(make):
     # An optimizer over the model's parameters and one more tensor: save committed without that
     # tensor or its state (exit 0), and restore into the same setup then failed.
@@ -82,7 +91,11 @@ def test_a_selection_racing_with_the_opening_of_finals_is_refused():
         roles.open_finals(store, job, b)
 
 
-@pytest.mark.parametrize("tensor", [torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,)), torch.empty(2, device="meta")], ids=["sparse", "meta"])
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,)), torch.empty(2, device="meta")],
+    ids=["sparse", "meta"],
+)
 def test_a_tensor_without_dense_bytes_is_refused_typed(tensor):
     # A sparse or meta tensor in an extra (or a model mapping) raised torch's RuntimeError /
     # NotImplementedError from deep inside the write.

@@ -20,6 +20,7 @@ is caught by ``verify``, never silently accepted.
 A control shows the test has teeth: with the durability barriers removed (``Store.sync``
 a no-op) the same sweep loses acknowledged commits.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,13 @@ def plan() -> dict[str, Any]:
     clean = PowerLossStorage()
     store = ss.Store(clean)
     ids = [ss.save_slots(store, s, info=i, threads=1) for s, i in zip(states, infos)]
-    return {"states": states, "infos": infos, "ids": ids, "steps": len(clean.steps), "snap": [slots_snapshot(s) for s in states]}
+    return {
+        "states": states,
+        "infos": infos,
+        "ids": ids,
+        "steps": len(clean.steps),
+        "snap": [slots_snapshot(s) for s in states],
+    }
 
 
 def _run_until_cut(k: int, plan: dict[str, Any]) -> tuple[PowerLossStorage, list[str]]:
@@ -114,7 +121,9 @@ def _check(state: dict[str, bytes], acked: list[str], plan: dict[str, Any], weak
     final = ss.verify(after)
     if weak:
         # torn objects a later save deduplicated against are found, by name, never accepted
-        assert all(isinstance(p.error, (ss.CorruptObject, ss.TensorMismatch, ss.ObjectNotFound)) for p in final.problems)
+        assert all(
+            isinstance(p.error, (ss.CorruptObject, ss.TensorMismatch, ss.ObjectNotFound)) for p in final.problems
+        )
         return "torn" if final.problems else "ok"
     assert final.ok
     return "ok"
@@ -132,7 +141,9 @@ def test_power_cut_before_every_step(plan: dict[str, Any], weak: bool) -> None:
             torn += result == "torn"
             cases += 1
     assert cases >= 3 * plan["steps"]
-    print(f"power cuts ({'weak' if weak else 'contract'}): {cases} crash states over {plan['steps'] + 1} cut points, torn-and-detected: {torn}")
+    print(
+        f"power cuts ({'weak' if weak else 'contract'}): {cases} crash states over {plan['steps'] + 1} cut points, torn-and-detected: {torn}"
+    )
 
 
 def test_without_barriers_acknowledged_commits_are_lost(plan: dict[str, Any], monkeypatch: Any) -> None:

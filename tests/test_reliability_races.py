@@ -8,6 +8,7 @@
   with retry: neither corrupts the other's commits; every acknowledged commit verifies
   and restores to exactly the state its trainer saved.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -60,7 +61,9 @@ def test_k_processes_cas_one_ref(tmp_path: Any) -> None:
             barrier.wait()
             try:
                 # the commit is written first (no ref), then all race on the ref at once
-                cid = ss.save(store, _state(me, r), step=r, rng=False, ref=None, parent=current, job=f"w{me}", threads=1)
+                cid = ss.save(
+                    store, _state(me, r), step=r, rng=False, ref=None, parent=current, job=f"w{me}", threads=1
+                )
                 barrier.wait()
                 store.set_ref("main", cid, expected=current)
                 result = f"won {cid}"
@@ -101,7 +104,9 @@ def test_two_trainers_share_a_store(tmp_path: Any) -> None:
             while True:  # and both also push to one shared ref, retrying on conflict
                 current = store.ref("shared")
                 try:
-                    cid = ss.save(store, _state(me, step), step=step, rng=False, ref=None, parent=current, job=f"t{me}-shared")
+                    cid = ss.save(
+                        store, _state(me, step), step=step, rng=False, ref=None, parent=current, job=f"t{me}-shared"
+                    )
                     store.set_ref("shared", cid, expected=current)
                     acks.append(cid)
                     break

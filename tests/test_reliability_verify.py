@@ -11,6 +11,7 @@ tensors:
 - item 7: a torn (0-byte) object already at a copy's destination;
 - item 8: a commit naming one shard manifest in many slots.
 """
+
 from __future__ import annotations
 
 import json
@@ -146,10 +147,14 @@ def test_one_object_named_with_two_sizes_in_one_commit(base: Any) -> None:
     store, cid = base
     sh = _shard(store, cid)
     b, w = sh.entries
-    forged = msgspec.structs.replace(sh, entries=(b, msgspec.structs.replace(w, param=b.param)))  # w (64 B) names b's 16 B
+    forged = msgspec.structs.replace(
+        sh, entries=(b, msgspec.structs.replace(w, param=b.param))
+    )  # w (64 B) names b's 16 B
     bad = _forge(store, [forged])
     report = ss.verify(store, [bad])
-    assert any(p.kind == "TensorMismatch" and p.object == b.param for p in report.problems), [str(p) for p in report.problems]
+    assert any(p.kind == "TensorMismatch" and p.object == b.param for p in report.problems), [
+        str(p) for p in report.problems
+    ]
     with pytest.raises(ss.TensorMismatch, match=b.param):
         ss.load_commit(store, bad)
 
@@ -179,7 +184,9 @@ def _untouched_restore(store: ss.Store, target: str, error: type[Exception], **k
     assert all(bool((t == 7.0).all()) for t in dest.values()), "restore wrote into the tensors before refusing"
 
 
-@pytest.mark.parametrize("config", [b'{"a":' + b"[" * 2000 + b"]" * 2000 + b"}", b"junk", b'{"a":1.5}'], ids=["deep", "junk", "float"])
+@pytest.mark.parametrize(
+    "config", [b'{"a":' + b"[" * 2000 + b"]" * 2000 + b"}", b"junk", b'{"a":1.5}'], ids=["deep", "junk", "float"]
+)
 def test_a_bad_model_config_is_found_by_verify_and_refused_before_restore_writes(base: Any, config: bytes) -> None:
     store, cid = base
     oid = store.put(config)
@@ -198,7 +205,13 @@ def _mt_state(kind: str, **changes: Any) -> bytes:
         doc: dict[str, Any] = {"version": version, "state": list(words), "gauss": gauss}
     else:
         name, key, pos, has_gauss, gauss = np.random.RandomState(0).get_state(legacy=True)
-        doc = {"bit_generator": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss).hex()}
+        doc = {
+            "bit_generator": name,
+            "key": key.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss).hex(),
+        }
     doc.update(changes)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -216,15 +229,27 @@ def keep_rng() -> Any:
 #: out of range (an untyped IndexError); Python truncates a word of 2^32 to 32 bits.
 _HOSTILE_MT = {
     "numpy-pos-100000": ("numpy", lambda: _mt_state("numpy", pos=100000)),
-    "numpy-key-623": ("numpy", lambda: _mt_state("numpy", key=np.random.RandomState(0).get_state(legacy=True)[1].tolist()[:623])),
+    "numpy-key-623": (
+        "numpy",
+        lambda: _mt_state("numpy", key=np.random.RandomState(0).get_state(legacy=True)[1].tolist()[:623]),
+    ),
     "python-word-2^32": ("python", lambda: _mt_state("python", state=[1 << 32, *random.Random(0).getstate()[1][1:]])),
 }
 
 
-@pytest.mark.parametrize("kind, rng", [("torch", b"\0" * (2 << 20)), ("python", b"not a python state"), ("numpy", b'{"bit_generator":"MT19937"}'),
-                                       *_HOSTILE_MT.values()],
-                         ids=["torch-2MiB", "python-junk", "numpy-junk", *_HOSTILE_MT])
-def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(base: Any, keep_rng: Any, kind: str, rng: Any) -> None:
+@pytest.mark.parametrize(
+    "kind, rng",
+    [
+        ("torch", b"\0" * (2 << 20)),
+        ("python", b"not a python state"),
+        ("numpy", b'{"bit_generator":"MT19937"}'),
+        *_HOSTILE_MT.values(),
+    ],
+    ids=["torch-2MiB", "python-junk", "numpy-junk", *_HOSTILE_MT],
+)
+def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(
+    base: Any, keep_rng: Any, kind: str, rng: Any
+) -> None:
     """A hostile Python or NumPy state is reported by verify, naming the RNG object, and refused
     by restore before a tensor or generator is written (SPEC.md §10; before issue 26 the
     hostile ones verified clean, and restore set them into the process's generators)."""
@@ -240,7 +265,9 @@ def test_a_bad_rng_object_is_found_by_verify_and_refused_before_restore_writes(b
     assert issubclass(type(report.problems[0].error), ss.ManifestError)
     _untouched_restore(store, bad, ss.ManifestError, rng=True)
     after = (random.getstate(), np.random.get_state(legacy=True))
-    assert before[0] == after[0] and all(np.array_equal(x, y) for x, y in zip(before[1], after[1])), "restore set a generator before refusing"
+    assert before[0] == after[0] and all(np.array_equal(x, y) for x, y in zip(before[1], after[1])), (
+        "restore set a generator before refusing"
+    )
 
 
 def test_a_torch_rng_state_torch_cannot_set_is_refused_before_restore_writes(base: Any) -> None:
@@ -249,7 +276,14 @@ def test_a_torch_rng_state_torch_cannot_set_is_refused_before_restore_writes(bas
     store, cid = base
     oid = store.put(b"sixteen bytes!!!")
     sh = _shard(store, cid)
-    bad = _forge(store, [msgspec.structs.replace(sh, rng=tuple(msgspec.structs.replace(r, object=oid) if r.kind == "torch" else r for r in sh.rng))])
+    bad = _forge(
+        store,
+        [
+            msgspec.structs.replace(
+                sh, rng=tuple(msgspec.structs.replace(r, object=oid) if r.kind == "torch" else r for r in sh.rng)
+            )
+        ],
+    )
     assert ss.verify(store, [bad]).ok
     _untouched_restore(store, bad, ss.ManifestError, rng=True)
 

@@ -4,6 +4,7 @@ name, and RNG is restored when the commit holds it (``shardstore/state/restore_m
 
 ``torch.compile`` only wraps the module until its first call, so no test here compiles anything.
 """
+
 from __future__ import annotations
 
 import random
@@ -28,7 +29,8 @@ def _net(seed: int) -> torch.nn.Module:
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return [k.replace("_orig_mod.", "") for k in sa] == [k.replace("_orig_mod.", "") for k in sb] and all(
-        torch.equal(x, y) for x, y in zip(sa.values(), sb.values()))
+        torch.equal(x, y) for x, y in zip(sa.values(), sb.values())
+    )
 
 
 class Tied(torch.nn.Module):
@@ -56,7 +58,10 @@ def test_compiled_and_plain_models_restore_into_each_other(saved: str, into: str
     dst_opt = torch.optim.AdamW(dst.parameters(), lr=0.1)
     r = ss.restore(store, cid, torch.compile(dst) if into == "compiled" else dst, dst_opt)
     assert _same(src, dst) and r.skipped == [] and r.missing == []
-    assert all(torch.equal(src_opt.state[p]["exp_avg"], dst_opt.state[q]["exp_avg"]) for p, q in zip(src.parameters(), dst.parameters()))
+    assert all(
+        torch.equal(src_opt.state[p]["exp_avg"], dst_opt.state[q]["exp_avg"])
+        for p, q in zip(src.parameters(), dst.parameters())
+    )
 
 
 def test_a_commit_holding_orig_mod_names_restores_into_a_plain_model() -> None:
@@ -81,7 +86,15 @@ def test_strict_restore_refuses_unexpected_tensors_and_non_strict_names_them() -
         ss.restore(store, cid, smaller)
     assert torch.equal(smaller.state_dict()["0.weight"], before)  # refused before a byte was written
     r = ss.restore(store, cid, smaller, strict=False)
-    assert r.tensors == ["0.bias", "0.weight"] and r.skipped == ["1.bias", "1.num_batches_tracked", "1.running_mean", "1.running_var", "1.weight", "2.bias", "2.weight"]
+    assert r.tensors == ["0.bias", "0.weight"] and r.skipped == [
+        "1.bias",
+        "1.num_batches_tracked",
+        "1.running_mean",
+        "1.running_var",
+        "1.weight",
+        "2.bias",
+        "2.weight",
+    ]
     assert torch.equal(smaller[0].weight, src[0].weight)
     bigger = _net(1)
     cid_small = ss.save(store, smaller, step=1)
@@ -132,13 +145,17 @@ def test_a_generator_and_a_loader_holding_one_are_extras_without_pickle() -> Non
 
     store, model = _store(), _net(0)
     gen = torch.Generator().manual_seed(7)
-    loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(3))
+    loader = DataLoader(
+        TensorDataset(torch.arange(10)), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(3)
+    )
     next(iter(loader))  # an epoch begun: the sampler's generator moved
     cid = ss.save(store, model, step=0, extra={"gen": gen, "loader": loader})
     want_gen = torch.rand(4, generator=gen)
     want_order = [b[0].tolist() for b in loader]
     gen2 = torch.Generator().manual_seed(0)
-    loader2 = DataLoader(TensorDataset(torch.arange(10)), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(0))
+    loader2 = DataLoader(
+        TensorDataset(torch.arange(10)), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     r = ss.restore(store, cid, _net(1), extra={"gen": gen2, "loader": loader2})
     assert r.extras == ["gen", "loader"]
     assert torch.equal(torch.rand(4, generator=gen2), want_gen)
@@ -148,16 +165,23 @@ def test_a_generator_and_a_loader_holding_one_are_extras_without_pickle() -> Non
         ss.restore(store, cid, _net(1), extra={"loader": plain})
 
 
-
 def test_profile_reflects_what_the_commit_holds_unless_a_trainer_names_one(capsys: pytest.CaptureFixture[str]) -> None:
     from shardstore_cli.shardstore_cli import main
 
     store = ss.open_store(f"memory://restore-match/{uuid.uuid4().hex}")
-    half = {"a": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.float16), "n": torch.zeros(1, dtype=torch.int64)}
+    half = {
+        "a": torch.zeros(2, dtype=torch.bfloat16),
+        "b": torch.zeros(2, dtype=torch.float16),
+        "n": torch.zeros(1, dtype=torch.int64),
+    }
     mixed = ss.save(store, half, step=0)
     assert store.commit(mixed).profile == "bf16+fp16"
-    assert store.commit(ss.save(store, _net(0), step=1)).profile == "fp32"  # unchanged for an fp32 model (same ids as before)
+    assert (
+        store.commit(ss.save(store, _net(0), step=1)).profile == "fp32"
+    )  # unchanged for an fp32 model (same ids as before)
     assert store.commit(ss.save(store, half, step=2, profile="my-amp")).profile == "my-amp"
     assert main(["show", store.url, mixed]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\nprofile +bf16\+fp16\n", out) and re.search(r"\ntensor dtypes +bfloat16 \(1\), float16 \(1\), int64 \(1\)\n", out), out
+    assert re.search(r"\nprofile +bf16\+fp16\n", out) and re.search(
+        r"\ntensor dtypes +bfloat16 \(1\), float16 \(1\), int64 \(1\)\n", out
+    ), out

@@ -10,6 +10,7 @@ rank's storage then fails mid-exchange (every rank must fail at once, naming it)
 replica cases that were stored as a mix and are now refused.
 The single-process checks forge shapes and damage block files (restore, export, the CLI).
 """
+
 from __future__ import annotations
 
 import os
@@ -79,7 +80,10 @@ def _body(rank: int, world: int, root: str) -> dict:
         result["whole"] = ss.save(store, full, step=0, job="review", rng=False, ref=None, parent=None)
     result["again"] = ss.save_distributed(store, state, info=info, rng=False, ref=None, parent=None)
     # restored into another split (dim 1 where it was dim 0, and back) and into plain tensors
-    other = {n: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0 if n == "cols" else (1 if t.dim() > 1 else 0))]) for n, t in full.items()}
+    other = {
+        n: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0 if n == "cols" else (1 if t.dim() > 1 else 0))])
+        for n, t in full.items()
+    }
     ss.restore(store, result["commit"], other)
     result["other_split_equal"] = {n: _bits(other[n].full_tensor()) == _bits(full[n]) for n in full}
     result["other_split"] = ss.save_distributed(store, other, info=info, rng=False, ref=None, parent=None)
@@ -107,7 +111,9 @@ def _body(rank: int, world: int, root: str) -> dict:
     if rank < 2:
         from torch.distributed.device_mesh import DeviceMesh
 
-        named = {"x": distribute_tensor(torch.full((4,), float(rank)), DeviceMesh.from_group(alone[rank], "cpu"), [Shard(0)])}
+        named = {
+            "x": distribute_tensor(torch.full((4,), float(rank)), DeviceMesh.from_group(alone[rank], "cpu"), [Shard(0)])
+        }
     try:
         cid = ss.save_distributed(store, named, info=info, rng=False, ref=None, parent=None)
         back = {"x": torch.empty(4)}
@@ -118,6 +124,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     # one rank's storage fails while it writes its blocks: every rank fails at once, naming it
     failing = ss.open_store(root)
     if rank == 1:
+
         def full_disk(tensors, threads=2, batch=None):
             raise ss.StorageError("injected: no space left on rank 1's disk")
 
@@ -132,6 +139,7 @@ def _body(rank: int, world: int, root: str) -> dict:
 
     real = sex._Arena.reset
     if rank == 2:
+
         def no_memory(self, nbytes):
             raise MemoryError("injected: rank 2 cannot stage")
 
@@ -147,14 +155,21 @@ def _body(rank: int, world: int, root: str) -> dict:
     # new values so every block is new): every rank fails naming it, and no tmp file is left
     late = ss.open_store(root)
     if rank == 1:
+
         def fsync_fails(pending, threads=2):
             raise ss.StorageError("injected: fsync failed on rank 1")
 
         late.storage.end_writes = fsync_fails
     batch_bytes, sex.BATCH_BYTES = sex.BATCH_BYTES, sex.BLOCK_BYTES
     try:
-        ss.save_distributed(late, _dtensors(mesh, {n: ~t if t.dtype == torch.bool else t + 1 for n, t in full.items()}),
-                            info=info, rng=False, ref=None, parent=None)
+        ss.save_distributed(
+            late,
+            _dtensors(mesh, {n: ~t if t.dtype == torch.bool else t + 1 for n, t in full.items()}),
+            info=info,
+            rng=False,
+            ref=None,
+            parent=None,
+        )
         result["failing_fsync"] = "saved"
     except ss.ShardstoreError as e:
         result["failing_fsync"] = f"{type(e).__name__}: {e}"
@@ -165,7 +180,6 @@ def _body(rank: int, world: int, root: str) -> dict:
     tmp = os.path.join(root, "tmp")
     result["tmp_left"] = sorted(os.listdir(tmp)) if os.path.isdir(tmp) else []
     return result
-
 
 
 @pytest.fixture(scope="module")
@@ -201,15 +215,21 @@ def test_a_storage_failure_on_one_rank_fails_every_rank_naming_it(group_run):
     rank then reported a lost process group, not the full disk."""
     _, results = group_run
     for r in results:
-        assert r["failing_store"].startswith("CommitProtocolError") and "rank(s) [1]" in r["failing_store"], r["failing_store"]
+        assert r["failing_store"].startswith("CommitProtocolError") and "rank(s) [1]" in r["failing_store"], r[
+            "failing_store"
+        ]
     assert "no space left on rank 1's disk" in results[1]["failing_store"]
     for r in results:
-        assert r["failing_stage"].startswith("CommitProtocolError") and "rank(s) [2]" in r["failing_stage"], r["failing_stage"]
+        assert r["failing_stage"].startswith("CommitProtocolError") and "rank(s) [2]" in r["failing_stage"], r[
+            "failing_stage"
+        ]
     assert "rank 2 cannot stage" in results[2]["failing_stage"]
     # the written blocks become durable together after the last batch (one fsync barrier): a
     # failure there fails every rank, naming it, and removes every batch's tmp files
     for r in results:
-        assert r["failing_fsync"].startswith("CommitProtocolError") and "rank(s) [1]" in r["failing_fsync"], r["failing_fsync"]
+        assert r["failing_fsync"].startswith("CommitProtocolError") and "rank(s) [1]" in r["failing_fsync"], r[
+            "failing_fsync"
+        ]
         assert r["tmp_left"] == [], r["tmp_left"]
     assert "fsync failed on rank 1" in results[1]["failing_fsync"]
     assert results[1]["batches"] > 1  # rank 1 wrote blocks in several batches before its fsync failed
@@ -225,7 +245,10 @@ def test_dtensor_replicas_that_disagree_are_refused(group_run):
     for key, name in (("disagreeing_replicas", "'rep'"), ("same_name_two_meshes", "'x'")):
         for r in results:
             assert str(r[key]).startswith("CommitProtocolError"), (key, r[key])
-        assert any(f"tensor {name}" in str(r[key]) and "different values" in str(r[key]) for r in results), (key, results)
+        assert any(f"tensor {name}" in str(r[key]) and "different values" in str(r[key]) for r in results), (
+            key,
+            results,
+        )
 
 
 # -- forged and damaged chunked payloads (one process) ---------------------------------------
@@ -255,8 +278,14 @@ def _forge_entry(store: ss.Store, cid: str, *, root: bool = False, **changes) ->
     entries = tuple(msgspec.structs.replace(e, **changes) if e.name == "weight" else e for e in shard.entries)
     version = shard_version(entries)
     sid = store.put_manifest(msgspec.structs.replace(shard, entries=entries, version=version))
-    lr = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=entries) if root else c.learned_root
-    return store.put_manifest(msgspec.structs.replace(c, layout=(msgspec.structs.replace(lay, shard=sid),), version=version, learned_root=lr))
+    lr = (
+        learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=entries)
+        if root
+        else c.learned_root
+    )
+    return store.put_manifest(
+        msgspec.structs.replace(c, layout=(msgspec.structs.replace(lay, shard=sid),), version=version, learned_root=lr)
+    )
 
 
 def test_a_forged_shape_is_refused_without_listing_its_grid(chunked, monkeypatch):
@@ -270,10 +299,17 @@ def test_a_forged_shape_is_refused_without_listing_its_grid(chunked, monkeypatch
     store, _, cid, _ = chunked
     listed: list[tuple] = []
     real = sgrid.grid
-    monkeypatch.setattr(sgrid, "grid", lambda dtype, shape, **kw: listed.append(tuple(shape)) or real(dtype, shape, **kw))
+    monkeypatch.setattr(
+        sgrid, "grid", lambda dtype, shape, **kw: listed.append(tuple(shape)) or real(dtype, shape, **kw)
+    )
     w = ss.load_commit(store, cid).entries()["weight"]
-    for payload, error, message in ((w.param[0].object, ss.TensorMismatch, r"float32\[1048576, 1048576\]"), (w.param, ss.GridError, "do not tile")):
-        bad = _forge_entry(store, cid, shape=(1 << 20, 1 << 20), param=payload, optim=None, root=error is ss.TensorMismatch)
+    for payload, error, message in (
+        (w.param[0].object, ss.TensorMismatch, r"float32\[1048576, 1048576\]"),
+        (w.param, ss.GridError, "do not tile"),
+    ):
+        bad = _forge_entry(
+            store, cid, shape=(1 << 20, 1 << 20), param=payload, optim=None, root=error is ss.TensorMismatch
+        )
         if error is ss.GridError:
             with pytest.raises(ss.GridError, match=message) as e:
                 ss.load_commit(store, bad)
@@ -286,7 +322,9 @@ def test_a_forged_shape_is_refused_without_listing_its_grid(chunked, monkeypatch
             ss.restore(store, bad, dest)
         assert "'weight'" in str(e.value)
         assert _bits(dest.weight) == before
-        assert any(p.kind == error.__name__ and p.tensor == "weight" for p in ss.verify(store, [bad], deep=False).problems)
+        assert any(
+            p.kind == error.__name__ and p.tensor == "weight" for p in ss.verify(store, [bad], deep=False).problems
+        )
     assert (1 << 20, 1 << 20) not in listed
 
 
@@ -318,10 +356,17 @@ def test_an_oversized_or_corrupt_block_is_refused_naming_tensor_and_block(chunke
         with pytest.raises(ss.CorruptObject, match=r"tensor 'weight', block 1"):
             export_commit(store, cid, str(tmp_path / "bad"))
         cli = [sys.executable, "-m", "shardstore_cli.shardstore_cli"]
-        p = subprocess.run([*cli, "export", str(root), cid, str(tmp_path / "cli")], capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [*cli, "export", str(root), cid, str(tmp_path / "cli")], capture_output=True, text=True, timeout=120
+        )
         assert p.returncode == 1 and "Traceback" not in p.stderr and "tensor 'weight', block 1" in p.stderr, p.stderr
         p = subprocess.run([*cli, "verify", str(root)], capture_output=True, text=True, timeout=120)
-        assert p.returncode == 3 and "tensor 'weight'" in p.stdout and "parameter block 1" in p.stdout and victim in p.stdout
+        assert (
+            p.returncode == 3
+            and "tensor 'weight'" in p.stdout
+            and "parameter block 1" in p.stdout
+            and victim in p.stdout
+        )
     finally:
         _damage(root, victim, good)
     assert ss.verify(store).ok

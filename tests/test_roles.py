@@ -1,5 +1,6 @@
 """Evaluation roles: finals need a selection, a second selection is refused once they opened,
 and a final set that overlaps trained records is refused when the job is prepared."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,15 +24,27 @@ _ENC = msgspec.json.Encoder(order="sorted")
 @pytest.fixture
 def run(tmp_path: Path) -> SimpleNamespace:
     """A job's files and two commits of it in a store (saved in this process: no training needed)."""
-    job = load_job(prepare_default(tmp_path / "job", steps_a=2, steps_b=1, batch_size=4, replay_per_step=1,
-                                   eval_per_set=4, retention_per_set=2))
+    job = load_job(
+        prepare_default(
+            tmp_path / "job", steps_a=2, steps_b=1, batch_size=4, replay_per_step=1, eval_per_set=4, retention_per_set=2
+        )
+    )
     store = shardstore.open_store(str(tmp_path / "store"))
     store_job_files(job, store)
     commits = []
     for step, seed in ((0, 1), (1, 2)):
         model = build_stage(job.config, Partition.even(job.config.num_hidden_layers, 1), 0, seed=seed)
-        commits.append(shardstore.save(store, model, step=step, job=job.id, config=job.hf_config(), rng=False,
-                                       transition="init" if step == 0 else "train"))
+        commits.append(
+            shardstore.save(
+                store,
+                model,
+                step=step,
+                job=job.id,
+                config=job.hf_config(),
+                rng=False,
+                transition="init" if step == 0 else "train",
+            )
+        )
     return SimpleNamespace(job=job, store=store, commits=commits, url=str(tmp_path / "store"))
 
 
@@ -45,8 +58,23 @@ def test_development_by_default_and_finals_only_after_selection(run: SimpleNames
     assert dev.role == DEVELOPMENT and {s.name for s in dev.commits[0].losses} == {"dev_task", "dev_retention"}
     with pytest.raises(RoleError, match="has no selection record"):
         _eval(run, FINAL)
-    assert main(["evaluate", "--store", run.url, "--commit", run.commits[0], "--commit", run.commits[1], "--final",
-                 "--workers", "1"]) == 4
+    assert (
+        main(
+            [
+                "evaluate",
+                "--store",
+                run.url,
+                "--commit",
+                run.commits[0],
+                "--commit",
+                run.commits[1],
+                "--final",
+                "--workers",
+                "1",
+            ]
+        )
+        == 4
+    )
     select(run.store, run.job.id, run.commits[0])
     with pytest.raises(RoleError, match="not .*final sets open only for the selected commit"):
         _eval(run, FINAL)  # the candidate scored (the last commit) is not the selected one
@@ -70,8 +98,10 @@ def test_development_by_default_and_finals_only_after_selection(run: SimpleNames
 def _forge(run: SimpleNamespace, tmp_path: Path, name: str, docs: tuple[int, ...]) -> Path:
     job = run.job.job
     records = run.job.records
-    sets = tuple(msgspec.structs.replace(s, docs=docs, digest=set_digest(records, docs)) if s.name == name else s
-                 for s in job.sets)
+    sets = tuple(
+        msgspec.structs.replace(s, docs=docs, digest=set_digest(records, docs)) if s.name == name else s
+        for s in job.sets
+    )
     d = tmp_path / f"forged-{len(list(tmp_path.iterdir()))}"
     d.mkdir()
     for f in Path(run.job.directory).iterdir():
@@ -106,8 +136,9 @@ def test_development_retention_may_be_exposed_replay_but_final_sets_never_are(ru
     assert set(sets["dev_retention"].docs) <= set(job.job.exposed)  # the replayed conversations: development only
     for name in ("final_task", "final_retention", "dev_task"):
         assert not set(sets[name].docs) & trained
-    final_prompts = {job.records[d].messages[0].content for n in ("final_task", "final_retention")
-                     for d in sets[n].docs}
+    final_prompts = {
+        job.records[d].messages[0].content for n in ("final_task", "final_retention") for d in sets[n].docs
+    }
     assert not final_prompts & {job.records[d].messages[0].content for d in trained}
 
 
@@ -116,8 +147,23 @@ def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace
 
     base, cand = run.commits
     expected = gate_report(_eval(run, DEVELOPMENT), thresholds_of(run.job), baseline=base, candidate=cand)
-    code = main(["gate", "--store", run.url, "--baseline", base, "--candidate", cand, "--workers", "1", "--cases", "1",
-                 "--max-new-tokens", "2"])
+    code = main(
+        [
+            "gate",
+            "--store",
+            run.url,
+            "--baseline",
+            base,
+            "--candidate",
+            cand,
+            "--workers",
+            "1",
+            "--cases",
+            "1",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     assert code == (0 if expected.passed else 5)
     reports = [n for n in run.store.pin_names() if n.startswith(f"gates/{run.job.id}/")]
     assert len(reports) == 1
@@ -134,17 +180,20 @@ def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace
     assert main(["gate", "--store", run.url, "--baseline", base, "--candidate", cand, "--final", "--workers", "1"]) == 4
 
 
-
-def _select_proc(url: str, job: str, commit: str, pause: bool, ready: object, done: object, q: object) -> None:  # pragma: no cover
+def _select_proc(
+    url: str, job: str, commit: str, pause: bool, ready: object, done: object, q: object
+) -> None:  # pragma: no cover
     """`select` in its own process; with `pause`, it stops just before its compare-and-swap of the
     selection pin (after its opened check) until the other process is done."""
     store = shardstore.open_store(url, create=False)
     real = store.pin
     if pause:
+
         def pin(*a: object, **k: object) -> None:
             ready.set(), done.wait(30)  # type: ignore[attr-defined,func-returns-value]
             store.pin = real  # type: ignore[method-assign]
             real(*a, **k)  # type: ignore[arg-type]
+
         store.pin = pin  # type: ignore[method-assign]
     else:
         ready.wait(30)  # type: ignore[attr-defined]
@@ -157,7 +206,9 @@ def _select_proc(url: str, job: str, commit: str, pause: bool, ready: object, do
         done.set()  # type: ignore[attr-defined]
 
 
-def _open_proc(url: str, job: str, commit: str, pause: bool, ready: object, done: object, q: object) -> None:  # pragma: no cover
+def _open_proc(
+    url: str, job: str, commit: str, pause: bool, ready: object, done: object, q: object
+) -> None:  # pragma: no cover
     """`open_finals` (what gate/evaluate --final run first) in its own process; with `pause`, it
     stops after reading the selection, just before recording the opening, until the other is done."""
     from shardtrain.job.roles import open_finals
@@ -165,9 +216,11 @@ def _open_proc(url: str, job: str, commit: str, pause: bool, ready: object, done
     store = shardstore.open_store(url, create=False)
     real = store.add_to_pin
     if pause:
+
         def add(*a: object, **k: object) -> object:
             ready.set(), done.wait(30)  # type: ignore[attr-defined,func-returns-value]
             return real(*a, **k)  # type: ignore[arg-type]
+
         store.add_to_pin = add  # type: ignore[method-assign]
     else:
         ready.wait(30)  # type: ignore[attr-defined]
@@ -201,8 +254,10 @@ def test_select_and_gate_final_in_two_processes_never_strand_the_job(tmp_path: P
     job = "c" * 64
     select(store, job, a)
     ready, done, q = ctx.Event(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_select_proc, args=(url, job, b, paused == "select", ready, done, q)),
-             ctx.Process(target=_open_proc, args=(url, job, a, paused == "open", ready, done, q))]
+    procs = [
+        ctx.Process(target=_select_proc, args=(url, job, b, paused == "select", ready, done, q)),
+        ctx.Process(target=_open_proc, args=(url, job, a, paused == "open", ready, done, q)),
+    ]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=60) for _ in procs)

@@ -1,4 +1,5 @@
 """Learned-state root and full root: invariance under partition and RNG, sensitivity to every learned value."""
+
 from __future__ import annotations
 
 import uuid

@@ -6,6 +6,7 @@ multipart uploads and ranged reads, bounded retries of transient failures (injec
 client proxy in front of the real aiobotocore client), a ref write whose answer was lost,
 bounded concurrency, and a whole commit saved, verified and restored on S3.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +34,9 @@ MiB = 1024 * 1024
 
 
 def client_error(status: int, code: str, op: str = "PutObject") -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": f"injected {code}"}, "ResponseMetadata": {"HTTPStatusCode": status}}, op)
+    return ClientError(
+        {"Error": {"Code": code, "Message": f"injected {code}"}, "ResponseMetadata": {"HTTPStatusCode": status}}, op
+    )
 
 
 class ProxyClient:
@@ -72,8 +75,12 @@ class ProxyClient:
         return call
 
 
-def proxied(server: S3Server, url: str | None = None, *, strip: bool | tuple[str, ...] = False, **kw: Any) -> tuple[S3Storage, ProxyClient]:
-    storage = S3Storage(url or server.url(), conditional=True, backoff=0.001, skip_instance_cache=True, **kw, **server.options)
+def proxied(
+    server: S3Server, url: str | None = None, *, strip: bool | tuple[str, ...] = False, **kw: Any
+) -> tuple[S3Storage, ProxyClient]:
+    storage = S3Storage(
+        url or server.url(), conditional=True, backoff=0.001, skip_instance_cache=True, **kw, **server.options
+    )
     real = storage._run(storage.fs.set_session)
     proxy = ProxyClient(real, strip_conditions=strip)
 
@@ -182,7 +189,11 @@ def test_ref_write_whose_answer_was_lost(s3_server: S3Server) -> None:  # noqa: 
 def test_multipart_upload_and_ranged_read(s3_server: S3Server) -> None:  # noqa: F811
     storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=5 * MiB)
     store = ss.Store(storage)
-    data = torch.randint(0, 256, (11 * MiB + 3,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    data = (
+        torch.randint(0, 256, (11 * MiB + 3,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        .numpy()
+        .tobytes()
+    )
     oid = store.put(data)
     names = [n for n, _ in proxy.calls]
     assert names.count("upload_part") == 3 and names.count("complete_multipart_upload") == 1
@@ -260,7 +271,11 @@ def test_commit_saved_verified_and_restored_on_s3(s3_server: S3Server) -> None: 
 def test_downloads_hash_ranges_in_order_as_they_stream(s3_server: S3Server) -> None:  # noqa: F811
     storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=64 * MiB, concurrency=2)
     store = ss.Store(storage)
-    data = torch.randint(0, 256, (23 * MiB + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)).numpy().tobytes()
+    data = (
+        torch.randint(0, 256, (23 * MiB + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        .numpy()
+        .tobytes()
+    )
     oid = store.put(data)
     key = f"objects/{oid[:2]}/{oid}"
 
@@ -353,7 +368,9 @@ def test_a_corrupt_object_on_s3_is_caught_by_every_streamed_read(s3_server: S3Se
     six = store.put(bytes(range(256)) * (6 * MiB // 256))
     bad6 = bytearray(bytes(store.get(six)))
     bad6[-1] ^= 1  # in the second range
-    make_client(s3_server).put_object(Bucket=storage.bucket, Key=f"{storage.prefix}/objects/{six[:2]}/{six}", Body=bytes(bad6))
+    make_client(s3_server).put_object(
+        Bucket=storage.bucket, Key=f"{storage.prefix}/objects/{six[:2]}/{six}", Body=bytes(bad6)
+    )
     with pytest.raises(ss.CorruptObject, match=six):
         store.get(six)
     # A saved 6 MiB weight is two blocks (4 MiB + 2 MiB, SPEC.md §5a): a corrupt block is

@@ -1,4 +1,5 @@
 """The Llama decoder: parity with transformers' LlamaForCausalLM, config mapping, padding."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,31 +37,43 @@ def test_logits_match_transformers(tied: bool, head_dim: int | None) -> None:
 
 
 def test_config_round_trips_through_transformers() -> None:
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                         num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=123.0,
-                         max_position_embeddings=96, tie_word_embeddings=True, head_dim=16)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=123.0,
+        max_position_embeddings=96,
+        tie_word_embeddings=True,
+        head_dim=16,
+    )
     hf = transformers.LlamaConfig(**config.to_hf_dict())
     assert LlamaConfig.from_hf_dict(hf.to_dict()) == config
     assert LlamaConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
 def test_config_defaults_follow_transformers() -> None:
-    config = LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=2)
+    config = LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
     assert (config.num_key_value_heads, config.head_dim) == (2, 4)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "only default rotary"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "only default rotary"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"attention_bias": True}, "bias"),
-    ({"model_type": "mistral"}, "not a Llama config"),
-    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
-    ({"hidden_size": 0}, "positive int"),
-    ({"hidden_size": 50, "head_dim": None}, "not divisible"),
-    ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "only default rotary"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "only default rotary"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attention_bias": True}, "bias"),
+        ({"model_type": "mistral"}, "not a Llama config"),
+        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+        ({"hidden_size": 0}, "positive int"),
+        ({"hidden_size": 50, "head_dim": None}, "not divisible"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
+    ],
+)
 def test_config_rejects_unsupported_or_invalid(change: dict, message: str) -> None:
     d = tiny_config().to_hf_dict()
     d.update(change)
@@ -93,7 +106,7 @@ def test_pieces_compose_to_the_whole_model() -> None:
     with torch.no_grad():
         cos, sin = rotary_tables(config, tokens.shape[1], "cpu")
         h = pieces[0].embed(tokens)
-        for piece in (*pieces, ):
+        for piece in (*pieces,):
             for i in piece.layer_range:
                 h = piece.layer(i, h, cos, sin)
         assert torch.equal(pieces[0].logits(h), whole(tokens))

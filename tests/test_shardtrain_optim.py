@@ -1,4 +1,5 @@
 """Shard-local AdamW: schedule, agreement with torch.optim.AdamW, Adam age, export/import."""
+
 from __future__ import annotations
 
 import math
@@ -8,15 +9,19 @@ import torch
 
 from shardtrain import AdamW, ConfigError, GroupConfig, OptimizerStateError, Schedule, lr_multiplier
 
-GROUPS = {"decay": GroupConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1),
-          "no_decay": GroupConfig(lr=2e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.0)}
+GROUPS = {
+    "decay": GroupConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1),
+    "no_decay": GroupConfig(lr=2e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.0),
+}
 
 
 def _params(seed: int = 0) -> dict[str, torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.nn.Parameter(torch.randn(6, 5, generator=g)),
-            "norm": torch.nn.Parameter(torch.randn(5, generator=g)),
-            "v": torch.nn.Parameter(torch.randn(3, 4, generator=g))}
+    return {
+        "w": torch.nn.Parameter(torch.randn(6, 5, generator=g)),
+        "norm": torch.nn.Parameter(torch.randn(5, generator=g)),
+        "v": torch.nn.Parameter(torch.randn(3, 4, generator=g)),
+    }
 
 
 def _set_grads(params: dict[str, torch.nn.Parameter], step: int) -> None:
@@ -43,8 +48,19 @@ def test_matches_torch_adamw() -> None:
     schedule = Schedule(warmup_steps=2, total_steps=6, min_ratio=0.0)
     ours = AdamW(ours_p.items(), GROUPS, schedule=schedule)
     groups = [(["w", "v"], GROUPS["decay"]), (["norm"], GROUPS["no_decay"])]
-    ref = torch.optim.AdamW([{"params": [ref_p[n] for n in names], "lr": h.lr, "betas": (h.beta1, h.beta2),
-                              "eps": h.eps, "weight_decay": h.weight_decay} for names, h in groups], foreach=False)
+    ref = torch.optim.AdamW(
+        [
+            {
+                "params": [ref_p[n] for n in names],
+                "lr": h.lr,
+                "betas": (h.beta1, h.beta2),
+                "eps": h.eps,
+                "weight_decay": h.weight_decay,
+            }
+            for names, h in groups
+        ],
+        foreach=False,
+    )
     for step in range(6):
         _set_grads(ours_p, step)
         _set_grads(ref_p, step)
@@ -56,8 +72,9 @@ def test_matches_torch_adamw() -> None:
     for name in ours_p:
         torch.testing.assert_close(ours_p[name], ref_p[name], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(state[name]["exp_avg"], ref.state[ref_p[name]]["exp_avg"], rtol=1e-6, atol=1e-8)
-        torch.testing.assert_close(state[name]["exp_avg_sq"], ref.state[ref_p[name]]["exp_avg_sq"],
-                                   rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(
+            state[name]["exp_avg_sq"], ref.state[ref_p[name]]["exp_avg_sq"], rtol=1e-6, atol=1e-8
+        )
         assert state[name]["age"] == 6
 
 
@@ -110,8 +127,9 @@ def test_export_import_continues_bitwise() -> None:
     groups, state = first.state_export()
     # What a store would keep: copies of the values, plain numbers.
     saved_params = {n: p.detach().clone() for n, p in resumed_p.items()}
-    saved_state = {n: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in e.items()}
-                   for n, e in state.items()}
+    saved_state = {
+        n: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in e.items()} for n, e in state.items()
+    }
     new_p = {n: torch.nn.Parameter(t) for n, t in saved_params.items()}
     second = AdamW(new_p.items(), {k: GroupConfig(lr=0.5) for k in GROUPS}, schedule=Schedule(1, 5))
     second.state_import(groups, saved_state)
@@ -137,19 +155,22 @@ def _exported() -> tuple[AdamW, dict, dict]:
     return opt, groups, state
 
 
-@pytest.mark.parametrize(("mutate", "message"), [
-    (lambda g, s: s.pop("w"), r"missing \['w'\]"),
-    (lambda g, s: s.update(extra=dict(s["w"])), r"unexpected \['extra'\]"),
-    (lambda g, s: s["w"].update(group="nope"), "group 'nope' is not among the imported groups"),
-    (lambda g, s: s["w"].update(age=-1), "Adam age must be an int >= 0"),
-    (lambda g, s: s["w"].update(age=True), "Adam age must be an int >= 0"),
-    (lambda g, s: s["w"].update(age=0), "age 0 but moments are present"),
-    (lambda g, s: s["w"].update(exp_avg=torch.zeros(5, 6)), "exp_avg must be a torch.float32 tensor of shape"),
-    (lambda g, s: s["w"].update(exp_avg_sq=None), "exp_avg_sq must be"),
-    (lambda g, s: s["w"].update(exp_avg=torch.zeros(6, 5, dtype=torch.float64)), "exp_avg must be"),
-    (lambda g, s: g["decay"].update(beta1=1.5), "invalid optimizer group"),
-    (lambda g, s: g["decay"].pop("eps"), "invalid optimizer group"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda g, s: s.pop("w"), r"missing \['w'\]"),
+        (lambda g, s: s.update(extra=dict(s["w"])), r"unexpected \['extra'\]"),
+        (lambda g, s: s["w"].update(group="nope"), "group 'nope' is not among the imported groups"),
+        (lambda g, s: s["w"].update(age=-1), "Adam age must be an int >= 0"),
+        (lambda g, s: s["w"].update(age=True), "Adam age must be an int >= 0"),
+        (lambda g, s: s["w"].update(age=0), "age 0 but moments are present"),
+        (lambda g, s: s["w"].update(exp_avg=torch.zeros(5, 6)), "exp_avg must be a torch.float32 tensor of shape"),
+        (lambda g, s: s["w"].update(exp_avg_sq=None), "exp_avg_sq must be"),
+        (lambda g, s: s["w"].update(exp_avg=torch.zeros(6, 5, dtype=torch.float64)), "exp_avg must be"),
+        (lambda g, s: g["decay"].update(beta1=1.5), "invalid optimizer group"),
+        (lambda g, s: g["decay"].pop("eps"), "invalid optimizer group"),
+    ],
+)
 def test_invalid_imports_are_rejected_without_change(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
     opt, groups, state = _exported()
     groups = {k: dict(v) for k, v in groups.items()}

@@ -1,4 +1,5 @@
 """Partitions: validation, ownership, partition-independent initialisation, allocation."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,18 +21,21 @@ def test_constructors_agree() -> None:
     assert Partition.from_ranges([(0, 0), (0, 4)], 4).layers(0) == range(0, 0)  # slot 0 may hold no layers
 
 
-@pytest.mark.parametrize(("ranges", "layers", "message"), [
-    ([(0, 2), (3, 4)], 4, r"slot 1: range \[3, 4\) leaves a gap after the previous slot"),
-    ([(0, 2), (1, 4)], 4, r"slot 1: range \[1, 4\) overlaps the previous slot"),
-    ([(0, 2), (2, 3)], 4, r"covers layers \[0, 3\) but the model has 4 layers"),
-    ([(0, 2), (2, 2), (2, 4)], 4, r"slot 1: owns no layers"),
-    ([(0, 3), (3, 2)], 2, r"slot 1: range \[3, 2\) is reversed"),
-    ([(1, 4)], 4, r"slot 0: range \[1, 4\) leaves a gap"),
-    ([], 4, "at least one slot"),
-    ([(0, 4.0)], 4, "must be an int"),
-    ([(0, 1, 2)], 4, "expected a \\(start, stop\\) pair"),
-    ([(0, 4)], 0, "num_layers must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("ranges", "layers", "message"),
+    [
+        ([(0, 2), (3, 4)], 4, r"slot 1: range \[3, 4\) leaves a gap after the previous slot"),
+        ([(0, 2), (1, 4)], 4, r"slot 1: range \[1, 4\) overlaps the previous slot"),
+        ([(0, 2), (2, 3)], 4, r"covers layers \[0, 3\) but the model has 4 layers"),
+        ([(0, 2), (2, 2), (2, 4)], 4, r"slot 1: owns no layers"),
+        ([(0, 3), (3, 2)], 2, r"slot 1: range \[3, 2\) is reversed"),
+        ([(1, 4)], 4, r"slot 0: range \[1, 4\) leaves a gap"),
+        ([], 4, "at least one slot"),
+        ([(0, 4.0)], 4, "must be an int"),
+        ([(0, 1, 2)], 4, "expected a \\(start, stop\\) pair"),
+        ([(0, 4)], 0, "num_layers must be >= 1"),
+    ],
+)
 def test_invalid_partitions_are_rejected(ranges: list, layers: int, message: str) -> None:
     with pytest.raises(PartitionError, match=message):
         Partition.from_ranges(ranges, layers)

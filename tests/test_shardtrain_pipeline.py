@@ -4,6 +4,7 @@ The reference is `transformers`' `LlamaForCausalLM` loaded with the same initial
 trained in this process with whole-batch autograd, `clip_grad_norm_` and
 `torch.optim.AdamW`: none of shardtrain's pipeline, clipping or optimizer code runs in it.
 """
+
 from __future__ import annotations
 
 import time
@@ -43,8 +44,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, tuple[dict[str, 
     for key, ranges in LAYOUTS.items():
         n = len(ranges)
         d = tmp_path_factory.mktemp(f"workers{key}")
-        launch_local(train_worker, n, (job_spec(d, ranges=ranges, steps=STEPS, max_grad_norm=MAX_NORM, seed=SEED),),
-                     env=DETERMINISTIC_ENV, timeout=timedelta(seconds=60), join_timeout=120)
+        launch_local(
+            train_worker,
+            n,
+            (job_spec(d, ranges=ranges, steps=STEPS, max_grad_norm=MAX_NORM, seed=SEED),),
+            env=DETERMINISTIC_ENV,
+            timeout=timedelta(seconds=60),
+            join_timeout=120,
+        )
         out[key] = read_results(d, n)
     return out
 
@@ -58,8 +65,10 @@ def reference_run(steps: int) -> tuple[list[tuple[float, float]], dict[str, torc
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one parameter, two uses
     params = dict(model.named_parameters())
     assert tuple(params) == canonical_parameter_names(config)
-    groups = [{"params": [p for p in params.values() if p.ndim >= 2], **_torch_group(GROUPS_JSON["decay"])},
-              {"params": [p for p in params.values() if p.ndim < 2], **_torch_group(GROUPS_JSON["no_decay"])}]
+    groups = [
+        {"params": [p for p in params.values() if p.ndim >= 2], **_torch_group(GROUPS_JSON["decay"])},
+        {"params": [p for p in params.values() if p.ndim < 2], **_torch_group(GROUPS_JSON["no_decay"])},
+    ]
     opt = torch.optim.AdamW(groups, foreach=False)
     schedule = Schedule(warmup_steps=2, total_steps=steps, min_ratio=0.1)
     history = []
@@ -83,8 +92,12 @@ def reference_run(steps: int) -> tuple[list[tuple[float, float]], dict[str, torc
 
 
 def _torch_group(spec: dict[str, float]) -> dict[str, Any]:
-    return {"lr": spec["lr"], "betas": (spec["beta1"], spec["beta2"]), "eps": spec["eps"],
-            "weight_decay": spec["weight_decay"]}
+    return {
+        "lr": spec["lr"],
+        "betas": (spec["beta1"], spec["beta2"]),
+        "eps": spec["eps"],
+        "weight_decay": spec["weight_decay"],
+    }
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -173,8 +186,7 @@ def test_dead_peer_fails_survivor_quickly(tmp_path: Path) -> None:
     spec = job_spec(tmp_path, ranges=LAYOUTS[2], steps=2, die_rank=1, die_step=1, message_timeout=5)
     start = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
-        launch_local(train_worker, 2, (spec,), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=30),
-                     join_timeout=90)
+        launch_local(train_worker, 2, (spec,), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=30), join_timeout=90)
     elapsed = time.monotonic() - start
     assert info.value.failures[1] == "exited with code 3"
     assert info.value.failures[0].startswith("PeerFailureError: slot 0:")
@@ -183,12 +195,18 @@ def test_dead_peer_fails_survivor_quickly(tmp_path: Path) -> None:
 
 
 def test_hung_peer_times_out(tmp_path: Path) -> None:
-    spec = job_spec(tmp_path, ranges=LAYOUTS[2], steps=1, die_rank=1, die_step=0, die_mode="hang",
-                    message_timeout=3)
+    spec = job_spec(tmp_path, ranges=LAYOUTS[2], steps=1, die_rank=1, die_step=0, die_mode="hang", message_timeout=3)
     start = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
-        launch_local(train_worker, 2, (spec,), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=30),
-                     join_timeout=90, failure_grace=1.0)
+        launch_local(
+            train_worker,
+            2,
+            (spec,),
+            env=DETERMINISTIC_ENV,
+            timeout=timedelta(seconds=30),
+            join_timeout=90,
+            failure_grace=1.0,
+        )
     elapsed = time.monotonic() - start
     message = info.value.failures[0]
     assert message.startswith("PeerFailureError: slot 0: receiving activation of step 0 microbatch 0 from slot 1")

@@ -1,6 +1,7 @@
 """Pipeline schedules: every schedule is complete, ordered and deadlock-free; the overlapped
 one holds a bounded number of microbatches; and both give bitwise identical results, in one
 process and as commit ids of 2- and 3-worker runs with a partial microbatch."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,8 +33,14 @@ def test_overlapped_really_overlaps() -> None:
     plan = overlapped(2, 6)
     assert plan[0].index(Action(BACKWARD, 0)) < plan[0].index(Action(FORWARD, 5))
     assert plan != synchronous(2, 6)
-    assert synchronous(2, 2)[0] == (Action(FORWARD, 0), Action(FORWARD, 1), Action(HEAD, 0), Action(HEAD, 1),
-                                    Action(BACKWARD, 0), Action(BACKWARD, 1))
+    assert synchronous(2, 2)[0] == (
+        Action(FORWARD, 0),
+        Action(FORWARD, 1),
+        Action(HEAD, 0),
+        Action(HEAD, 1),
+        Action(BACKWARD, 0),
+        Action(BACKWARD, 1),
+    )
 
 
 def test_check_refuses_broken_schedules() -> None:
@@ -45,8 +52,17 @@ def test_check_refuses_broken_schedules() -> None:
     with pytest.raises(ConfigError, match="slot 1 runs backward of microbatch 0 before its forward"):
         check(early, 2)
     # Slot 0 waits for microbatch 0's gradient before running the head that produces it.
-    stuck = ((Action(FORWARD, 0), Action(BACKWARD, 0), Action(HEAD, 0), Action(FORWARD, 1), Action(HEAD, 1),
-              Action(BACKWARD, 1)), good[1])
+    stuck = (
+        (
+            Action(FORWARD, 0),
+            Action(BACKWARD, 0),
+            Action(HEAD, 0),
+            Action(FORWARD, 1),
+            Action(HEAD, 1),
+            Action(BACKWARD, 1),
+        ),
+        good[1],
+    )
     with pytest.raises(ConfigError, match="schedule deadlocks"):
         check(stuck, 2)
     with pytest.raises(ConfigError, match="unknown pipeline schedule 'gpipe'"):
@@ -75,8 +91,11 @@ def test_workers_commit_identical_ids_with_either_schedule(tmp_path: Path, worke
     job = prepare_default(tmp_path / "job", steps_a=3, steps_b=1, batch_size=5, microbatch_size=2, eval_per_set=2)
     ids = {}
     for name, background in (("synchronous", False), ("overlapped", True)):
-        results = train(RunSpec(job=job, store=str(tmp_path / name), until=3, every=1, schedule=name,
-                                async_commits=background), workers, timeout=60)
+        results = train(
+            RunSpec(job=job, store=str(tmp_path / name), until=3, every=1, schedule=name, async_commits=background),
+            workers,
+            timeout=60,
+        )
         ids[name] = [(c.step, c.id) for c in results[0].commits]
         assert all([(c.step, c.id) for c in r.commits] == ids[name] for r in results)
     assert [s for s, _ in ids["synchronous"]] == [0, 1, 2, 3]

@@ -5,6 +5,7 @@ project's own encoders, so the text and the code cannot drift apart (issue 26, B
   object keys (by UTF-8 bytes, which is code-point order), on every code point;
 - §14b: how a gate report writes a real (msgspec's float text).
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,7 +50,11 @@ def test_every_code_point_is_written_as_spec_says():
     got = encode(HyperGroup(name="g", hyper={"s": tuple(chars)}))
     want = ('{"hyper":{"s":["' + '","'.join(map(_escape_char, chars)) + '"]},"name":"g"}').encode("utf-8")
     if got != want:  # name the first code point written otherwise
-        bad = next(c for c in chars if encode(HyperGroup(name="g", hyper={"s": c})) != b'{"hyper":{"s":' + spec_string(c) + b'},"name":"g"}')
+        bad = next(
+            c
+            for c in chars
+            if encode(HyperGroup(name="g", hyper={"s": c})) != b'{"hyper":{"s":' + spec_string(c) + b'},"name":"g"}'
+        )
         raise AssertionError(f"U+{ord(bad):04X} is not written as SPEC.md §7 says")
     # the cases SPEC.md names, spelled out
     for ch, text in (("\x00", b'"\\u0000"'), ("\x1f", b'"\\u001f"'), ("\x0b", b'"\\u000b"'), ("\x7f", b'"\x7f"'), ("/", b'"/"'),
@@ -88,7 +93,7 @@ def spec_real(x: float) -> str:
     if -5 <= e < 16:
         if e < 0:
             return sign + "0." + "0" * (-e - 1) + digits
-        whole, frac = digits[:e + 1].ljust(e + 1, "0"), digits[e + 1:] or "0"
+        whole, frac = digits[: e + 1].ljust(e + 1, "0"), digits[e + 1 :] or "0"
         return sign + whole + "." + frac
     return sign + digits[0] + ("." + digits[1:] if len(digits) > 1 else "") + f"e{e}"
 
@@ -108,12 +113,24 @@ def test_gate_report_reals_follow_spec(x):
     from shardtrain.run.gates import GateReport, GateRow, write_gate_report
 
     store = _gate_store()
-    report = GateReport(1, "a" * 64, "development", "b" * 64, "c" * 64, 2000, 0, (GateRow("gain", "dev_task", x, -1.5, -0.001, True),), True)
+    report = GateReport(
+        1,
+        "a" * 64,
+        "development",
+        "b" * 64,
+        "c" * 64,
+        2000,
+        0,
+        (GateRow("gain", "dev_task", x, -1.5, -0.001, True),),
+        True,
+    )
     raw = bytes(store.get(write_gate_report(store, report)))
-    row = (f'{{"bound":-1.5,"gate":"gain","passed":true,"set":"dev_task","threshold":-0.001,"value":{spec_real(x)}}}')
+    row = f'{{"bound":-1.5,"gate":"gain","passed":true,"set":"dev_task","threshold":-0.001,"value":{spec_real(x)}}}'
     assert raw.decode() == ('{"baseline":"' + "b" * 64 + '","candidate":"' + "c" * 64 + '","job":"' + "a" * 64 + '","passed":true,'
                             '"resamples":2000,"role":"development","rows":[' + row + '],"seed":0,"type":"shardtrain-gate-report","version":1}')  # fmt: skip
-    assert struct.pack(">d", json.loads(raw)["rows"][0]["value"]) == struct.pack(">d", x)  # the text reads back to the same bits
+    assert struct.pack(">d", json.loads(raw)["rows"][0]["value"]) == struct.pack(
+        ">d", x
+    )  # the text reads back to the same bits
 
 
 def test_new_slot_rng_seed_is_spelled_as_spec_says():
@@ -127,4 +144,8 @@ def test_new_slot_rng_seed_is_spelled_as_spec_says():
     message = b"shardtrain-rng-v1:" + cid.encode("ascii") + b":2"
     assert len(message) == 84 and hashlib.blake2b(message, digest_size=8).hexdigest() == "23625dbe01f6b7df"
     assert rng_seed(cid, 2) == int.from_bytes(bytes.fromhex("23625dbe01f6b7df"), "little") % 2**32 == 3193791011
-    assert rng_seed(cid, 10) == int.from_bytes(hashlib.blake2b(f"shardtrain-rng-v1:{cid}:10".encode(), digest_size=8).digest(), "little") % 2**32
+    assert (
+        rng_seed(cid, 10)
+        == int.from_bytes(hashlib.blake2b(f"shardtrain-rng-v1:{cid}:10".encode(), digest_size=8).digest(), "little")
+        % 2**32
+    )

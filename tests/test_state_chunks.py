@@ -5,6 +5,7 @@ Pure tests, no processes: the format-3 vector recomputed from SPEC.md with ``jso
 stays readable; forged payloads are refused naming tensor and state key; a large extra's
 tensor is stored whole and a large buffer chunked, each restored bitwise.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,7 +23,10 @@ from shardstore.format.manifest import HyperGroup, encode
 from shardstore.state.optim import OptimState, ParamOpt, TorchParam
 
 MiB = 1 << 20
-ROWS, COLS = 3, 524288  # float32 rows of 2 MiB: tiles of columns 0-262143 and the rest (row bands 0-1 and 2 in version 3)
+ROWS, COLS = (
+    3,
+    524288,
+)  # float32 rows of 2 MiB: tiles of columns 0-262143 and the rest (row bands 0-1 and 2 in version 3)
 TILES = [((0, 0), (ROWS, COLS // 2)), ((0, COLS // 2), (ROWS, COLS // 2))]  # SPEC.md §5a, version 4
 BANDS = [((0, 0), (2, COLS)), ((2, 0), (1, COLS))]  # versions 2 and 3
 N = 4096  # the slot-K selection's uint8 [N, N]: 2 x 2 tiles
@@ -50,7 +54,7 @@ def _blocks(values: array, boxes=TILES) -> list[dict]:
     raw, row = values.tobytes(), COLS * 4
     out = []
     for (r0, c0), (nr, nc) in boxes:
-        data = b"".join(raw[(r0 + i) * row + c0 * 4:(r0 + i) * row + (c0 + nc) * 4] for i in range(nr))
+        data = b"".join(raw[(r0 + i) * row + c0 * 4 : (r0 + i) * row + (c0 + nc) * 4] for i in range(nr))
         out.append({"object": blake3.blake3(data).hexdigest(), "shape": [nr, nc], "start": [r0, c0]})
     return out
 
@@ -116,10 +120,16 @@ def _legacy_v2(store: ss.Store) -> tuple[str, torch.Tensor]:
     lc = ss.load_commit(store, cid)
     (e,) = lc.shards[0].entries
     (oid,) = store.put_tensors([m])
-    bands = make_payload("float32", (ROWS, COLS), store.put_tensors([w[box_slices(b, (0, 0))].contiguous() for b in BANDS]), bands=True)
+    bands = make_payload(
+        "float32", (ROWS, COLS), store.put_tensors([w[box_slices(b, (0, 0))].contiguous() for b in BANDS]), bands=True
+    )
     st = msgspec.structs.replace(e.state.tensors[0], object=oid)
     e = msgspec.structs.replace(e, param=bands)
-    old = msgspec.structs.replace(lc.shards[0], version=2, entries=(msgspec.structs.replace(e, state=msgspec.structs.replace(e.state, tensors=(st,))),))
+    old = msgspec.structs.replace(
+        lc.shards[0],
+        version=2,
+        entries=(msgspec.structs.replace(e, state=msgspec.structs.replace(e.state, tensors=(st,))),),
+    )
     store.sync()
     sid = store.put_manifest(old)
     return ss.write_commit(store, [sid], info=info, parent=None), m
@@ -142,10 +152,16 @@ def _forge(store: ss.Store, cid: str, version: int, payload) -> str:
     lc = ss.load_commit(store, cid)
     (e,) = lc.shards[0].entries
     st = msgspec.structs.replace(e.state.tensors[0], object=payload)
-    bad = msgspec.structs.replace(lc.shards[0], version=version, entries=(msgspec.structs.replace(e, state=msgspec.structs.replace(e.state, tensors=(st,))),))
+    bad = msgspec.structs.replace(
+        lc.shards[0],
+        version=version,
+        entries=(msgspec.structs.replace(e, state=msgspec.structs.replace(e.state, tensors=(st,))),),
+    )
     sid = store.put_manifest(bad)
     c = store.commit(cid)
-    return store.put_manifest(msgspec.structs.replace(c, version=version, layout=(msgspec.structs.replace(c.layout[0], shard=sid),)))
+    return store.put_manifest(
+        msgspec.structs.replace(c, version=version, layout=(msgspec.structs.replace(c.layout[0], shard=sid),))
+    )
 
 
 def test_forged_state_payloads_are_refused_naming_tensor_and_state_key():
@@ -162,7 +178,9 @@ def test_forged_state_payloads_are_refused_naming_tensor_and_state_key():
     with pytest.raises(ss.GridError, match=r"'w'.*the canonical grid's block 0 is at \[0, 0\] of extent \[2, 524288\]"):
         ss.load_commit(store, _forge(store, cid, 3, blocks))
     with pytest.raises(ss.ManifestError, match="must be version 3 or 4"):
-        ss.manifest.decode(encode(msgspec.structs.replace(store.shard(ss.load_commit(store, cid).shard_ids[0]), version=2)))
+        ss.manifest.decode(
+            encode(msgspec.structs.replace(store.shard(ss.load_commit(store, cid).shard_ids[0]), version=2))
+        )
     victim = blocks[1].object
     key = f"objects/{victim[:2]}/{victim}"
     data = bytearray(store.storage.read(key))
@@ -203,7 +221,9 @@ def test_a_large_extra_tensor_is_one_object_and_a_large_buffer_is_chunked():
     lc = ss.load_commit(store, cid)
     assert lc.entries()["table"].kind == "buffer" and len(lc.entries()["table"].param) == 2
     (x,) = lc.commit.extras
-    assert isinstance(x.tensors[0].object, str) and lc.commit.version == 4  # extras' tensors are one object; the buffer is on tiles
+    assert (
+        isinstance(x.tensors[0].object, str) and lc.commit.version == 4
+    )  # extras' tensors are one object; the buffer is on tiles
     back, holder = torch.nn.Linear(4, 2), Holder(torch.empty(0))
     back.register_buffer("table", torch.zeros(3, COLS))
     ss.restore(store, cid, back, extra={"holder": holder})
@@ -226,7 +246,12 @@ def _slice_manifests(boxes, version: int) -> list[bytes]:
     base = {"algorithm": "none", "config": None, "groups": [], "job": "vector-job", "parent": None, "rng": [], "slots": 2,
             "step": 0, "type": "shard", "version": version}  # fmt: skip
     s0 = base | {"slot": 0, "entries": [entry], "slices": [{"name": "w", "shape": [2, COLS], "start": [0, 0]}]}
-    s1 = base | {"slot": 1, "entries": [], "version": 3, "slices": [{"name": "w", "shape": [1, COLS], "start": [2, 0]}]}  # no payload: 3
+    s1 = base | {
+        "slot": 1,
+        "entries": [],
+        "version": 3,
+        "slices": [{"name": "w", "shape": [1, COLS], "start": [2, 0]}],
+    }  # no payload: 3
     return [enc(s0), enc(s1)]
 
 
@@ -285,7 +310,11 @@ def test_state_and_slices_full_roots_from_the_values_spec_states():
     """The chunked state and slices vectors' full roots on both grids (version 3's no longer
     written, still stated in SPEC.md §24), and the slices vector's learned-state root (that of
     ``w`` alone: version 2's learned-state document on the row-band grid), from SPEC.md alone."""
-    topt = {"algorithm": "torch", "groups": [], "torch_optimizer": {"class_name": "torch.optim.sgd.SGD", "groups": [{"hyper": HYPER, "name": "g0"}]}}
+    topt = {
+        "algorithm": "torch",
+        "groups": [],
+        "torch_optimizer": {"class_name": "torch.optim.sgd.SGD", "groups": [{"hyper": HYPER, "name": "g0"}]},
+    }
     none = {"algorithm": "none", "groups": []}
     full = {}
     for boxes, version in ((BANDS, 3), (TILES, 4)):
@@ -296,12 +325,16 @@ def test_state_and_slices_full_roots_from_the_values_spec_states():
         learned = {"config": None, "data_cursor": None, "optimizer": none, "step": 0, "tensors": json.loads(manifests[0])["entries"],
                    "type": "learned", "version": 2 if version == 3 else 4}  # fmt: skip
         alone = blake3.blake3(json.dumps(learned, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-        full["slices", version] = _init_commit(version, [{"shard": s0, "slot": 0, "tensors": ["w"]}, {"shard": s1, "slot": 1, "tensors": []}], alone, none)
+        full["slices", version] = _init_commit(
+            version, [{"shard": s0, "slot": 0, "tensors": ["w"]}, {"shard": s1, "slot": 1, "tensors": []}], alone, none
+        )
         full["learned", version] = alone
     assert full["state", 4] == STATE_VECTORS[2] and full["slices", 4] == SLICES_VECTORS[2]
     assert full["state", 3] == "346cef81caea1db8fc543da808d361ba925a91536f2ea5674555a8c9a7f3b08a"
     assert full["slices", 3] == "3619a549d4809ab6789dfde2ec70c3fbb81169b85b84beb862ff27275b0b13c6"
-    assert full["learned", 3] == "87487da2a3effa47abfb07096475c38002236244ce7345bf9bad31c401de7302"  # the version-2 vector's (tests/test_grid.py)
+    assert (
+        full["learned", 3] == "87487da2a3effa47abfb07096475c38002236244ce7345bf9bad31c401de7302"
+    )  # the version-2 vector's (tests/test_grid.py)
     assert full["learned", 4] == SLICES_LEARNED_ROOT
 
 
@@ -323,7 +356,9 @@ def test_forged_slices_are_refused_naming_tensor_and_slot(forge, message):
     s0, s1 = make_slices([("w", ((0, 0), (2, COLS)))]), make_slices([("w", ((2, 0), (1, COLS)))])
     a, b = forge(s0, s1)
     with pytest.raises(ss.LayoutError, match=message):
-        ss.save_slots(store, [ss.SlotState({"w": w}, slices=a), ss.SlotState({}, slices=b)], info=info, ref=None, parent=None)
+        ss.save_slots(
+            store, [ss.SlotState({"w": w}, slices=a), ss.SlotState({}, slices=b)], info=info, ref=None, parent=None
+        )
 
 
 def test_export_and_diff_read_chunked_state_block_by_block(tmp_path):
@@ -349,10 +384,23 @@ def test_export_and_diff_read_chunked_state_block_by_block(tmp_path):
     [
         ([[(0, 1366)], [(1366, 1366)], [(2732, 1364)]], [{0, 1}, {0, 1, 2, 3}, {2, 3}]),  # dim 0 over 3 slots (uneven)
         ([[(0, N, 0, N // 2)], [(0, N, N // 2, N // 2)]], [{0, 2}, {1, 3}]),  # dim 1 over 2: a column of tiles each
-        ([[(0, N // 2, 0, N // 2)], [(0, N // 2, N // 2, N // 2)], [(N // 2, N // 2, 0, N // 2)], [(N // 2, N // 2, N // 2, N // 2)]],
-         [{0}, {1}, {2}, {3}]),  # (Shard(0), Shard(1)) on 2 x 2: one tile each
-        ([[(0, N // 2)], [(0, N // 2)], [(N // 2, N // 2)], [(N // 2, N // 2)]], [{0, 1}, {0, 1}, {2, 3}, {2, 3}]),  # dim 0, replicated
-        ([[(0, 1), (3000, 1)], [(1, 2999), (3001, 1095)]], [{0, 1, 2, 3}, {0, 1, 2, 3}]),  # strided (SPEC.md §15d parts)
+        (
+            [
+                [(0, N // 2, 0, N // 2)],
+                [(0, N // 2, N // 2, N // 2)],
+                [(N // 2, N // 2, 0, N // 2)],
+                [(N // 2, N // 2, N // 2, N // 2)],
+            ],
+            [{0}, {1}, {2}, {3}],
+        ),  # (Shard(0), Shard(1)) on 2 x 2: one tile each
+        (
+            [[(0, N // 2)], [(0, N // 2)], [(N // 2, N // 2)], [(N // 2, N // 2)]],
+            [{0, 1}, {0, 1}, {2, 3}, {2, 3}],
+        ),  # dim 0, replicated
+        (
+            [[(0, 1), (3000, 1)], [(1, 2999), (3001, 1095)]],
+            [{0, 1, 2, 3}, {0, 1, 2, 3}],
+        ),  # strided (SPEC.md §15d parts)
     ],
     ids=["dim0x3", "dim1x2", "2x2", "dim0x2-replicated", "strided-parts"],
 )
@@ -368,9 +416,15 @@ def test_slot_k_selection_is_exactly_the_blocks_its_slices_overlap(split, want):
         r0, nr, c0, nc = b if len(b) == 4 else (*b, 0, N)
         return (r0, c0), (nr, nc)
 
-    states = [ss.SlotState({"t": t} if k == 0 else {}, slices=make_slices([("t", box(b)) for b in boxes])) for k, boxes in enumerate(split)]
+    states = [
+        ss.SlotState({"t": t} if k == 0 else {}, slices=make_slices([("t", box(b)) for b in boxes]))
+        for k, boxes in enumerate(split)
+    ]
     store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
-    lc = ss.load_commit(store, ss.save_slots(store, states, info=ss.CommitInfo(step=0, job="j", transition="init"), ref=None, parent=None))
+    lc = ss.load_commit(
+        store,
+        ss.save_slots(store, states, info=ss.CommitInfo(step=0, job="j", transition="init"), ref=None, parent=None),
+    )
     blocks = lc.entries()["t"].param
     assert [(tuple(b.start), tuple(b.shape)) for b in blocks] == [((0, 0), (2048, 2048)), ((0, 2048), (2048, 2048)),
                                                                   ((2048, 0), (2048, 2048)), ((2048, 2048), (2048, 2048))]  # fmt: skip
@@ -396,7 +450,9 @@ def test_diff_reports_slices_between_two_splits_of_one_learned_state():
     d = diff(store, a, b)
     assert a != b and d.learned_root_equal and not d.tensors and not d.empty
     assert {(f.name, f.before, f.after) for f in d.fields} == {
-        ("slices.0.w", "[0:2, 0:524288]", "[0:1, 0:524288]"), ("slices.1.w", "[2:3, 0:524288]", "[1:3, 0:524288]")}
+        ("slices.0.w", "[0:2, 0:524288]", "[0:1, 0:524288]"),
+        ("slices.1.w", "[2:3, 0:524288]", "[1:3, 0:524288]"),
+    }
     assert not diff(store, a, a).fields
 
 
@@ -420,7 +476,10 @@ def _pairwise_slice_problems(shards, entries):
             held.setdefault(x.name, {}).setdefault(box, []).append(slot)
     for name, boxes in sorted(held.items()):
         regions = sorted(boxes.items())
-        clash = next(((a, b) for i, (a, _) in enumerate(regions) for b, _ in regions[i + 1:] if intersect(a, b) is not None), None)
+        clash = next(
+            ((a, b) for i, (a, _) in enumerate(regions) for b, _ in regions[i + 1 :] if intersect(a, b) is not None),
+            None,
+        )
         if clash is not None:
             yield "overlap", name, None
             continue
@@ -429,7 +488,16 @@ def _pairwise_slice_problems(shards, entries):
 
 
 def _kind(message: str) -> str:
-    return next(k for k, word in (("unheld", "does not hold"), ("outside", "lies outside"), ("overlap", "overlap"), ("cover", "cover")) if word in message)
+    return next(
+        k
+        for k, word in (
+            ("unheld", "does not hold"),
+            ("outside", "lies outside"),
+            ("overlap", "overlap"),
+            ("cover", "cover"),
+        )
+        if word in message
+    )
 
 
 def _shards(boxes_by_slot):
@@ -437,7 +505,10 @@ def _shards(boxes_by_slot):
 
     from shardstore.format.manifest import Slice
 
-    return {s: SimpleNamespace(slices=tuple(Slice(name=n, start=b[0], shape=b[1]) for n, b in bs)) for s, bs in boxes_by_slot.items()}
+    return {
+        s: SimpleNamespace(slices=tuple(Slice(name=n, start=b[0], shape=b[1]) for n, b in bs))
+        for s, bs in boxes_by_slot.items()
+    }
 
 
 @pytest.mark.parametrize("marks", [4, 0], ids=["cells", "sweep"])
@@ -465,7 +536,10 @@ def test_slice_check_agrees_with_the_pairwise_check(marks, monkeypatch):
             return start, tuple(draw(st.integers(0, d - a + draw(st.integers(0, 1)))) for a, d in zip(start, shape))
 
         n = draw(st.integers(1, 4))
-        return shape, {s: [(draw(st.sampled_from(["w", "w", "v"])), box()) for _ in range(draw(st.integers(0, 6)))] for s in range(n)}
+        return shape, {
+            s: [(draw(st.sampled_from(["w", "w", "v"])), box()) for _ in range(draw(st.integers(0, 6)))]
+            for s in range(n)
+        }
 
     @settings(max_examples=150, deadline=None, derandomize=True, database=None)
     @given(case())
@@ -475,8 +549,12 @@ def test_slice_check_agrees_with_the_pairwise_check(marks, monkeypatch):
         got = list(commit_slice_problems(shards, entries))
         want = list(_pairwise_slice_problems(shards, entries))
         assert [(_kind(m), n) for m, n, _ in got] == [(k, n) for k, n, _ in want]
-        assert [s for (m, _, s), (k, _, w) in zip(got, want) if k != "overlap"] == [w for k, _, w in want if k != "overlap"]
-        inside = sorted({b for bs in by_slot.values() for n, b in bs if n == "w" and all(a + e <= d for a, e, d in zip(*b, shape))})
+        assert [s for (m, _, s), (k, _, w) in zip(got, want) if k != "overlap"] == [
+            w for k, _, w in want if k != "overlap"
+        ]
+        inside = sorted(
+            {b for bs in by_slot.values() for n, b in bs if n == "w" and all(a + e <= d for a, e, d in zip(*b, shape))}
+        )
         pair = _clash(inside, len(shape))
         if pair is not None:  # the pair it names shares an element
             assert pair[0] < pair[1] and intersect(inside[pair[0]], inside[pair[1]]) is not None
@@ -512,5 +590,7 @@ def test_twenty_thousand_slices_are_checked_without_comparing_pairs(monkeypatch)
     moved = boxes[:-1] + [("w", ((3 * rows - 4, 2 * cols - 2), (3, 2)))]  # overlaps its upper neighbour
     assert [_kind(m) for m, _, _ in slices.commit_slice_problems(_shards({0: moved}), entries)] == ["overlap"]
     assert [_kind(m) for m, _, _ in slices.commit_slice_problems(_shards({0: boxes[1:]}), entries)] == ["cover"]
-    strips = [("w", ((0, j), (3 * rows, 1))) for j in range(2 * cols)] + [("w", ((0, 0), (1, 2 * cols)))]  # a row across every strip
+    strips = [("w", ((0, j), (3 * rows, 1))) for j in range(2 * cols)] + [
+        ("w", ((0, 0), (1, 2 * cols)))
+    ]  # a row across every strip
     assert [_kind(m) for m, _, _ in slices.commit_slice_problems(_shards({0: strips}), entries)] == ["overlap"]

@@ -6,6 +6,7 @@ create-only objects, compare-and-swap refs, reading back through ``Store.get`` (
 re-hashes), listing, delete, mtime and sizes. The race test of the compare-and-swap runs
 on the local backend only (moto does not serialise concurrent conditional writes).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -199,7 +200,9 @@ class TestLocal(StorageConformance):
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(procs)
         results = ctx.Queue()
-        workers = [ctx.Process(target=_race_worker, args=(store.url, i, rounds, barrier, results)) for i in range(procs)]
+        workers = [
+            ctx.Process(target=_race_worker, args=(store.url, i, rounds, barrier, results)) for i in range(procs)
+        ]
         for w in workers:
             w.start()
         outcomes = [results.get(timeout=60) for _ in range(procs * rounds)]

@@ -1,5 +1,6 @@
 """The store: content addressing, write-once objects, refs by compare-and-swap, names, and a
 state machine against a plain-dict model."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -110,7 +111,23 @@ def test_resolve_targets(store):
 
 @pytest.mark.parametrize(
     "name",
-    ["../x", "/etc/passwd", "a/../../b", "a\\b", "a\x00b", "%2e%2e/x", "ma\u0456n", ".", "..", "", "x" * 200, "a/b/c/d/e", "main.lock", "a//b", " main"],
+    [
+        "../x",
+        "/etc/passwd",
+        "a/../../b",
+        "a\\b",
+        "a\x00b",
+        "%2e%2e/x",
+        "ma\u0456n",
+        ".",
+        "..",
+        "",
+        "x" * 200,
+        "a/b/c/d/e",
+        "main.lock",
+        "a//b",
+        " main",
+    ],
 )
 def test_hostile_ref_names_are_rejected(store, name):
     a = store.put(b"x")

@@ -4,6 +4,7 @@ Each round trip trains a tiny BatchNorm model a few steps, saves, keeps training
 rebuilds everything fresh, restores and trains the same steps: losses, parameters,
 buffers, optimizer state and every extra's state must match bitwise.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -30,7 +31,11 @@ class Counter:
         self.best = torch.minimum(self.best, torch.tensor([loss, -loss]))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seen": self.seen, "history": self.history, "nested": {"best": self.best, "depth": [[1, 2.5], {"x": -0.0}]}}
+        return {
+            "seen": self.seen,
+            "history": self.history,
+            "nested": {"best": self.best, "depth": [[1, 2.5], {"x": -0.0}]},
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.seen, self.history, self.best = sd["seen"], sd["history"], sd["nested"]["best"].clone()
@@ -68,7 +73,9 @@ def _sched(kind: str, opt: torch.optim.Optimizer) -> Any:
     if kind == "onecycle":
         return S.OneCycleLR(opt, max_lr=0.05, total_steps=10)
     if kind == "sequential":
-        return S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.5, total_iters=2), S.ExponentialLR(opt, gamma=0.9)], milestones=[2])
+        return S.SequentialLR(
+            opt, [S.LinearLR(opt, start_factor=0.5, total_iters=2), S.ExponentialLR(opt, gamma=0.9)], milestones=[2]
+        )
     return S.LambdaLR(opt, Warmup(4))
 
 
@@ -132,7 +139,9 @@ def test_round_trip_continues_bitwise(case):
 
     fresh = _build(case)
     _train(fresh, batches[:1])  # a fresh run that has moved on: restore must overwrite all of it
-    info = ss.restore(store, cid, fresh[0], fresh[1], extra={"scheduler": fresh[2], "scaler": fresh[3], "counter": fresh[4]})
+    info = ss.restore(
+        store, cid, fresh[0], fresh[1], extra={"scheduler": fresh[2], "scaler": fresh[3], "counter": fresh[4]}
+    )
     assert info.extras == ["counter", "scaler", "scheduler"]
     assert _train(fresh, batches[3:]) == after
     _assert_same_state(run, fresh)
@@ -154,7 +163,11 @@ def test_buffers_are_restored_bitwise():
         assert torch.equal(getattr(fresh[1], name), getattr(model[1], name)), name
     assert int(fresh[1].num_batches_tracked) == 3
     entries = ss.load_commit(store, cid).entries()
-    assert {n for n, e in entries.items() if e.kind == "buffer"} == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    assert {n for n, e in entries.items() if e.kind == "buffer"} == {
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+    }
     assert "scratch" not in entries  # not in state_dict(), so not saved
 
 
@@ -217,7 +230,9 @@ def test_sgd_state_into_adamw_is_refused_before_anything_is_written():
     store, model, opt, cid = _sgd_commit()
     other = _model()
     before = [p.detach().clone() for p in other.parameters()]
-    with pytest.raises(ss.StateMismatch, match=r"torch\.optim\.sgd\.SGD state but the optimizer is torch\.optim\.adamw\.AdamW"):
+    with pytest.raises(
+        ss.StateMismatch, match=r"torch\.optim\.sgd\.SGD state but the optimizer is torch\.optim\.adamw\.AdamW"
+    ):
         ss.restore(store, cid, other, torch.optim.AdamW(other.parameters()))
     assert all(torch.equal(p, q) for p, q in zip(before, other.parameters()))  # nothing written
     with pytest.raises(ss.StateMismatch, match="adamw optimizer state but the optimizer is torch.optim.sgd.SGD"):
@@ -294,7 +309,9 @@ def test_cli_show_and_diff_report_buffers_optimizer_class_and_extras(tmp_path, c
     assert shardstore_cli.main(["show", path, b]) == 0
     out = capsys.readouterr().out
     assert "torch (torch.optim.adagrad.Adagrad)" in out and "per-parameter state: step, sum" in out
-    assert "1.running_mean float32[6] slot 0" in out and "scheduler (commit-wide): " in out and "counter (slot 0): " in out
+    assert (
+        "1.running_mean float32[6] slot 0" in out and "scheduler (commit-wide): " in out and "counter (slot 0): " in out
+    )
     assert shardstore_cli.main(["diff", path, a, b]) == 0
     out = capsys.readouterr().out
     assert "changed  1.running_var  values" in out and "state step 1 -> 2; state sum" in out
@@ -306,7 +323,10 @@ def test_cli_show_and_diff_report_buffers_optimizer_class_and_extras(tmp_path, c
     assert stats["0.weight"]["state sum"].diff_l2 > 0 and stats["1.running_mean"]["param"].diff_l2 > 0
     assert shardstore_cli.main(["show", path, b, "--json"]) == 0
     doc = __import__("json").loads(capsys.readouterr().out)
-    assert doc["optimizer"]["class"] == "torch.optim.adagrad.Adagrad" and [x["key"] for x in doc["extras"]] == ["scheduler", "counter"]
+    assert doc["optimizer"]["class"] == "torch.optim.adagrad.Adagrad" and [x["key"] for x in doc["extras"]] == [
+        "scheduler",
+        "counter",
+    ]
 
 
 def test_export_with_optimizer_keeps_torch_state_and_extras(tmp_path):
@@ -345,7 +365,9 @@ def test_forged_manifests_and_state_documents_are_refused():
     j = next(k for k, e in enumerate(entries) if e.state is not None)
     forged = {
         "a buffer has optimizer state": {i: msgspec.structs.replace(entries[i], state=entries[j].state)},
-        "not among the shard's torch optimizer groups": {j: msgspec.structs.replace(entries[j], state=msgspec.structs.replace(entries[j].state, group="other"))},
+        "not among the shard's torch optimizer groups": {
+            j: msgspec.structs.replace(entries[j], state=msgspec.structs.replace(entries[j].state, group="other"))
+        },
     }
     for message, change in forged.items():
         bad = msgspec.structs.replace(shard, entries=tuple(change.get(k, e) for k, e in enumerate(entries)))
@@ -362,7 +384,9 @@ def test_forged_manifests_and_state_documents_are_refused():
         ss.restore(store, forged_cid, target, extra={"sched": Counter()})
     assert all(torch.equal(a, b) for a, b in zip(before, target.state_dict().values()))  # refused before writing
     problems = ss.verify(store, [forged_cid]).problems
-    assert any(p.kind == "ManifestError" and "plain JSON real" in str(p) and p.object == planted.state for p in problems), problems
+    assert any(
+        p.kind == "ManifestError" and "plain JSON real" in str(p) and p.object == planted.state for p in problems
+    ), problems
 
 
 def test_lambda_lr_with_a_plain_function_keeps_no_state_for_it():
@@ -393,7 +417,10 @@ def test_one_learned_root_for_any_split_and_any_slot_extras():
     info = ss.CommitInfo(step=1)
     extra = {"scheduler": run[2], "counter": run[4]}
     one = ss.save_slots(store, [ss.capture(model, opt, rng=False)], info=info, ref=None, extra=extra)
-    halves = [ss.capture(model, opt, names=names[:4], rng=False, extra={"loader": Counter()}), ss.capture(model, opt, names=names[4:], rng=False)]
+    halves = [
+        ss.capture(model, opt, names=names[:4], rng=False, extra={"loader": Counter()}),
+        ss.capture(model, opt, names=names[4:], rng=False),
+    ]
     two = ss.save_slots(store, halves, info=info, ref=None, extra=extra)
     roots = {store.commit(c).learned_root for c in (one, two)}
     assert one != two and len(roots) == 1
@@ -444,8 +471,18 @@ def test_state_documents_round_trip_and_have_one_spelling():
 
     from shardstore.state.extras import capture_extras, read_extra_state
 
-    scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text("abf64:tensor", max_size=8).filter(lambda s: not s.startswith(("f64:", "tensor:")))
-    values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text("abcé", max_size=4), kids, max_size=3), max_leaves=12)
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats(allow_nan=False)
+        | st.text("abf64:tensor", max_size=8).filter(lambda s: not s.startswith(("f64:", "tensor:")))
+    )
+    values = st.recursive(
+        scalars,
+        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text("abcé", max_size=4), kids, max_size=3),
+        max_leaves=12,
+    )
 
     class Holder:
         def __init__(self, sd: dict) -> None:
@@ -505,7 +542,10 @@ def test_a_forged_state_or_extra_shape_is_refused_before_allocating(shape, monke
 
     monkeypatch.setattr(torch, "empty", counted)
     n = shape[0] * shape[1]
-    for target, match in ((forged_state, f"optimizer state {key!r} of {e.name!r}"), (forged_extra, "tensor 0 of extra 'counter'")):
+    for target, match in (
+        (forged_state, f"optimizer state {key!r} of {e.name!r}"),
+        (forged_extra, "tensor 0 of extra 'counter'"),
+    ):
         fresh = _model()
         before = [t.clone() for t in fresh.state_dict().values()]
         fopt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)

@@ -6,6 +6,7 @@ local store, from which slot 1's tensors and AdamW state restore bitwise. Repeat
 copy transfers nothing. Other tests: corrupted source bytes are never written under
 their id, refs at the destination move by compare-and-swap, bad slots are named.
 """
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 
 If one of these changes, the format changed: bump FORMAT_VERSION and update SPEC.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,11 @@ def _commit(slots: int = 2):
     if slots == 1:
         merged = ss.SlotState(
             {**states[0].tensors, **states[1].tensors},
-            ss.state.optim.OptimState("adamw", {**states[0].optim.groups, **states[1].optim.groups}, {**states[0].optim.params, **states[1].optim.params}),
+            ss.state.optim.OptimState(
+                "adamw",
+                {**states[0].optim.groups, **states[1].optim.groups},
+                {**states[0].optim.params, **states[1].optim.params},
+            ),
             {},
         )
         states = [merged]
@@ -74,7 +79,11 @@ def test_vector_bytes_independently():
 
     assert w == struct.pack("<6f", 0, 0.25, 0.5, 0.75, 1.0, 1.25)
     assert blake3.blake3(w).hexdigest() == TENSORS["layer.weight"][0]
-    config = json.dumps({"hidden_size": 3, "rms_norm_eps": "f64:" + struct.pack(">d", 1e-06).hex()}, sort_keys=True, separators=(",", ":"))
+    config = json.dumps(
+        {"hidden_size": 3, "rms_norm_eps": "f64:" + struct.pack(">d", 1e-06).hex()},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     assert blake3.blake3(config.encode()).hexdigest() == CONFIG
     commit = json.loads(bytes(store.get(cid)))
     entries = []
@@ -167,7 +176,11 @@ def test_extras_vector_independently():
     states, info = vector_state()
     merged = ss.SlotState(
         {**states[0].tensors, **states[1].tensors},
-        ss.state.optim.OptimState("adamw", {**states[0].optim.groups, **states[1].optim.groups}, {**states[0].optim.params, **states[1].optim.params}),
+        ss.state.optim.OptimState(
+            "adamw",
+            {**states[0].optim.groups, **states[1].optim.groups},
+            {**states[0].optim.params, **states[1].optim.params},
+        ),
         {},
     )
     cid = ss.save_slots(store, [merged], info=info, ref=None, parent=None, extra={"scheduler": FixedScheduler()})
@@ -175,14 +188,22 @@ def test_extras_vector_independently():
     commit = json.loads(bytes(store.get(cid)))
     assert commit["layout"] == json.loads(bytes(store.get(one_slot)))["layout"]  # the same shard manifest
     best = struct.pack("<2f", 1.5, -2.0)
-    doc = json.dumps({"base_lrs": [_f64(0.001)], "best": "tensor:0", "last_epoch": 2}, sort_keys=True, separators=(",", ":")).encode()
+    doc = json.dumps(
+        {"base_lrs": [_f64(0.001)], "best": "tensor:0", "last_epoch": 2}, sort_keys=True, separators=(",", ":")
+    ).encode()
     assert blake3.blake3(doc).hexdigest() == EXTRAS_DOCUMENT and bytes(store.get(EXTRAS_DOCUMENT)) == doc
     assert commit["extras"] == [
-        {"key": "scheduler", "state": EXTRAS_DOCUMENT, "tensors": [{"dtype": "float32", "key": "0", "object": blake3.blake3(best).hexdigest(), "shape": [2]}]}
+        {
+            "key": "scheduler",
+            "state": EXTRAS_DOCUMENT,
+            "tensors": [{"dtype": "float32", "key": "0", "object": blake3.blake3(best).hexdigest(), "shape": [2]}],
+        }
     ]
     root = blake3.blake3(_learned_doc(store, commit)).hexdigest()
     assert root == EXTRAS_LEARNED_ROOT == commit["learned_root"] != LEARNED_ROOT
-    assert blake3.blake3(json.dumps(commit, sort_keys=True, separators=(",", ":")).encode()).hexdigest() == EXTRAS_COMMIT
+    assert (
+        blake3.blake3(json.dumps(commit, sort_keys=True, separators=(",", ":")).encode()).hexdigest() == EXTRAS_COMMIT
+    )
 
 
 # -- every value SPEC.md §24 states, and nothing read back from a store (issue 26, Build 6) --------------
@@ -204,17 +225,46 @@ def _stated_vector_1():
 
     f32 = lambda *xs: struct.pack(f"<{len(xs)}f", *xs)  # noqa: E731
     weight = f32(0, 0.25, 0.5, 0.75, 1.0, 1.25)
-    m1w, m2w = f32(0, 0.03125, 0.0625, 0.09375, 0.125, 0.15625), f32(0, 0.0009765625, 0.00390625, 0.0087890625, 0.015625, 0.0244140625)
+    m1w, m2w = (
+        f32(0, 0.03125, 0.0625, 0.09375, 0.125, 0.15625),
+        f32(0, 0.0009765625, 0.00390625, 0.0087890625, 0.015625, 0.0244140625),
+    )
     bias, m1b, m2b = f32(0.5, -1.0), f32(0.0625, -0.125), f32(0.00390625, 0.015625)
     positions = struct.pack("<4q", 0, 1, 2, 3)
     f64 = lambda x: struct.pack(">d", x).hex()  # noqa: E731
-    group = lambda name, wd: {"beta1": f64(0.9), "beta2": f64(0.999), "eps": f64(1e-08), "lr": f64(0.001), "name": name, "weight_decay": f64(wd)}  # noqa: E731
+    group = lambda name, wd: {
+        "beta1": f64(0.9),
+        "beta2": f64(0.999),
+        "eps": f64(1e-08),
+        "lr": f64(0.001),
+        "name": name,
+        "weight_decay": f64(wd),
+    }  # noqa: E731
     groups = {"decay": group("decay", 0.1), "no_decay": group("no_decay", 0.0)}
     config = _h(_enc({"hidden_size": 3, "rms_norm_eps": "f64:" + f64(1e-06)}))
-    optim = lambda g, birth, age, m1, m2: {"age": age, "birth": birth, "exp_avg": _h(m1), "exp_avg_sq": _h(m2), "group": g, "moment_dtype": "float32"}  # noqa: E731
+    optim = lambda g, birth, age, m1, m2: {
+        "age": age,
+        "birth": birth,
+        "exp_avg": _h(m1),
+        "exp_avg_sq": _h(m2),
+        "group": g,
+        "moment_dtype": "float32",
+    }  # noqa: E731
     entries = {
-        "layer.weight": {"dtype": "float32", "name": "layer.weight", "optim": optim("decay", 0, 2, m1w, m2w), "param": _h(weight), "shape": [2, 3]},
-        "layer.bias": {"dtype": "float32", "name": "layer.bias", "optim": optim("no_decay", 1, 1, m1b, m2b), "param": _h(bias), "shape": [2]},
+        "layer.weight": {
+            "dtype": "float32",
+            "name": "layer.weight",
+            "optim": optim("decay", 0, 2, m1w, m2w),
+            "param": _h(weight),
+            "shape": [2, 3],
+        },
+        "layer.bias": {
+            "dtype": "float32",
+            "name": "layer.bias",
+            "optim": optim("no_decay", 1, 1, m1b, m2b),
+            "param": _h(bias),
+            "shape": [2],
+        },
         "positions": {"dtype": "int64", "name": "positions", "optim": None, "param": _h(positions), "shape": [4]},
     }
 
@@ -236,10 +286,21 @@ def _stated_vector_1():
     s0 = shard(0, 2, ["layer.weight"], ["decay"], bytes(range(16)))
     s1 = shard(1, 2, ["layer.bias", "positions"], ["no_decay"], bytes(range(16, 32)))
     one = shard(0, 1, list(entries), ["decay", "no_decay"], None)
-    two_slots = commit([{"shard": _h(s0), "slot": 0, "tensors": ["layer.weight"]}, {"shard": _h(s1), "slot": 1, "tensors": ["layer.bias", "positions"]}])
+    two_slots = commit(
+        [
+            {"shard": _h(s0), "slot": 0, "tensors": ["layer.weight"]},
+            {"shard": _h(s1), "slot": 1, "tensors": ["layer.bias", "positions"]},
+        ]
+    )
     one_layout = [{"shard": _h(one), "slot": 0, "tensors": sorted(entries)}]
     document = _enc({"base_lrs": ["f64:" + f64(0.001)], "best": "tensor:0", "last_epoch": 2})
-    extras = [{"key": "scheduler", "state": _h(document), "tensors": [{"dtype": "float32", "key": "0", "object": _h(f32(1.5, -2.0)), "shape": [2]}]}]
+    extras = [
+        {
+            "key": "scheduler",
+            "state": _h(document),
+            "tensors": [{"dtype": "float32", "key": "0", "object": _h(f32(1.5, -2.0)), "shape": [2]}],
+        }
+    ]
     return {"weight": _h(weight), "config": config, "shards": {0: _h(s0), 1: _h(s1)}, "learned": _h(_enc(learned)), "commit": _h(_enc(two_slots)),
             "one_slot": _h(_enc(commit(one_layout))), "document": _h(document), "extras_learned": commit(one_layout, extras)["learned_root"],
             "extras_commit": _h(_enc(commit(one_layout, extras)))}  # fmt: skip
@@ -251,7 +312,11 @@ def test_vector_1_and_its_extras_from_the_values_spec_states():
     v = _stated_vector_1()
     assert v["weight"] == TENSORS["layer.weight"][0] and v["config"] == CONFIG and v["shards"] == SHARDS
     assert (v["learned"], v["commit"], v["one_slot"]) == (LEARNED_ROOT, COMMIT, ONE_SLOT_COMMIT)
-    assert (v["document"], v["extras_learned"], v["extras_commit"]) == (EXTRAS_DOCUMENT, EXTRAS_LEARNED_ROOT, EXTRAS_COMMIT)
+    assert (v["document"], v["extras_learned"], v["extras_commit"]) == (
+        EXTRAS_DOCUMENT,
+        EXTRAS_LEARNED_ROOT,
+        EXTRAS_COMMIT,
+    )
 
 
 def test_torch_form_vector_from_the_values_spec_states():
@@ -271,7 +336,15 @@ def test_torch_form_vector_from_the_values_spec_states():
     shard = {"algorithm": "torch", "config": None, "entries": entries, "groups": [], "job": "vector-job", "parent": None, "rng": [], "slot": 0,
              "slots": 1, "step": 2, "torch_optimizer": torch_optimizer, "type": "shard", "version": 1}  # fmt: skip
     optimizer = {"algorithm": "torch", "groups": [], "torch_optimizer": torch_optimizer}
-    learned = {"config": None, "data_cursor": None, "optimizer": optimizer, "step": 2, "tensors": entries, "type": "learned", "version": 1}
+    learned = {
+        "config": None,
+        "data_cursor": None,
+        "optimizer": optimizer,
+        "step": 2,
+        "tensors": entries,
+        "type": "learned",
+        "version": 1,
+    }
     commit = {"config": None, "data_cursor": None, "job": "vector-job", "layout": [{"shard": _h(_enc(shard)), "slot": 0, "tensors": ["layer.weight", "norm.running_mean"]}],
               "learned_root": _h(_enc(learned)), "optimizer": optimizer, "parent": None, "profile": "fp32", "schedule": None, "step": 2,
               "transition": "train", "type": "commit", "version": 1}  # fmt: skip

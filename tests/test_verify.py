@@ -1,5 +1,6 @@
 """Verification rejects every corruption and every forged-but-well-hashed inconsistency,
 naming the object and tensor, on load and in ``verify``."""
+
 from __future__ import annotations
 
 import os
@@ -44,7 +45,9 @@ def committed(store):
     train_steps(model, opt, 2)
     names = [n for n, _ in model.named_parameters()]
     cid = ss.save_slots(
-        store, [ss.capture(model, opt, names=names[:4]), ss.capture(model, opt, names=names[4:])], info=ss.CommitInfo(step=2, config={"w": 4})
+        store,
+        [ss.capture(model, opt, names=names[:4]), ss.capture(model, opt, names=names[4:])],
+        info=ss.CommitInfo(step=2, config={"w": 4}),
     )
     return store, cid, model, opt
 
@@ -72,7 +75,11 @@ def test_every_single_byte_change_of_every_small_object_is_rejected(committed):
     cases = 0
     for oid, kind in dict.fromkeys(_all_referenced(store, cid)):
         original = open(_path(store, oid), "rb").read()
-        positions = range(len(original)) if kind in ("commit", "shard", "config") else rnd.sample(range(len(original)), min(4, len(original)))
+        positions = (
+            range(len(original))
+            if kind in ("commit", "shard", "config")
+            else rnd.sample(range(len(original)), min(4, len(original)))
+        )
         for pos in positions:
             bad = bytearray(original)
             bad[pos] ^= rnd.randrange(1, 256)
@@ -95,7 +102,13 @@ def test_truncated_or_extended_objects(committed, cut):
     e = lc.shards[1].entries[0]
     original = open(_path(store, e.param), "rb").read()
     n = len(original)
-    bad = {"empty": b"", "one": original[:1], "half": original[: n // 2], "minus_one": original[:-1], "append": original + b"\0"}[cut]
+    bad = {
+        "empty": b"",
+        "one": original[:1],
+        "half": original[: n // 2],
+        "minus_one": original[:-1],
+        "append": original + b"\0",
+    }[cut]
     _rewrite(store, e.param, bad)
     problems = ss.verify(store, [cid]).problems
     assert [p.object for p in problems] == [e.param] and problems[0].tensor == e.name
@@ -146,7 +159,11 @@ def test_shard_from_another_commit_is_rejected(committed):
     store, cid, model, opt = committed
     train_steps(model, opt, 1)
     names = [n for n, _ in model.named_parameters()]
-    other = ss.save_slots(store, [ss.capture(model, opt, names=names[:4]), ss.capture(model, opt, names=names[4:])], info=ss.CommitInfo(step=3, config={"w": 4}))
+    other = ss.save_slots(
+        store,
+        [ss.capture(model, opt, names=names[:4]), ss.capture(model, opt, names=names[4:])],
+        info=ss.CommitInfo(step=3, config={"w": 4}),
+    )
     c, o = store.commit(cid), store.commit(other)
     import msgspec
 
@@ -253,7 +270,13 @@ def test_adam_without_groups_is_refused_in_a_shard_and_in_a_commit(store, algori
     sid = _forge_shard(store, c.layout[0].shard, algorithm=algorithm)  # the root does not cover a shard's algorithm
     in_shard = _forge_commit(store, cid, layout=(msgspec.structs.replace(c.layout[0], shard=sid),))
     spec = ss.manifest.OptimizerSpec(algorithm=algorithm, groups=())
-    root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=spec, entries=list(store.shard(c.layout[0].shard).entries))
+    root = learned_root(
+        step=c.step,
+        data_cursor=c.data_cursor,
+        config=c.config,
+        optimizer=spec,
+        entries=list(store.shard(c.layout[0].shard).entries),
+    )
     in_commit = _forge_commit(store, cid, optimizer=spec, learned_root=root)
     for forged, where in ((in_shard, sid), (in_commit, in_commit)):
         with pytest.raises(ss.ManifestError, match=f"algorithm '{algorithm}' with no optimizer groups"):

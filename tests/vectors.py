@@ -1,4 +1,5 @@
 """The fixed state behind the test vectors in SPEC.md §Test vectors (no RNG, no floats from a generator)."""
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,9 @@ def vector_state() -> tuple[list[ss.SlotState], ss.CommitInfo]:
         OptimState("adamw", {"no_decay": hyper["no_decay"]}, {"layer.bias": ParamOpt("no_decay", 1, m1b, m2b)}),
         {"torch": bytes(range(16, 32))},
     )
-    info = ss.CommitInfo(step=2, job="vector-job", schedule="sched-1", config={"hidden_size": 3, "rms_norm_eps": 1e-06}, data_cursor=8)
+    info = ss.CommitInfo(
+        step=2, job="vector-job", schedule="sched-1", config={"hidden_size": 3, "rms_norm_eps": 1e-06}, data_cursor=8
+    )
     return [slot0, slot1], info
 
 
@@ -35,7 +38,15 @@ def sgd_vector_state() -> tuple[list[ss.SlotState], ss.CommitInfo]:
 
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 4
     mean = torch.tensor([0.5, 1.0], dtype=torch.float32)
-    hyper = {"dampening": 0, "foreach": None, "lr": "f64:3fb999999999999a", "maximize": False, "momentum": "f64:3feccccccccccccd", "nesterov": True, "weight_decay": 0}
+    hyper = {
+        "dampening": 0,
+        "foreach": None,
+        "lr": "f64:3fb999999999999a",
+        "maximize": False,
+        "momentum": "f64:3feccccccccccccd",
+        "nesterov": True,
+        "weight_decay": 0,
+    }
     optim = OptimState(
         "torch",
         {},

@@ -20,6 +20,7 @@ Backends (each its own module of this package; ``location.open_storage`` picks o
 - ``S3Storage`` (``backends.s3``): conditional writes through s3fs's client.
 - ``FsspecStorage`` (``backends.fsspec``): any fsspec filesystem (``memory://`` here).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

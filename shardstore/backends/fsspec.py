@@ -4,6 +4,7 @@ Create-only writes and compare-and-swap are serialised by a process-local lock, 
 exact for ``memory://`` (a process-local filesystem) and nothing more: other filesystems
 get ``LocalStorage`` or ``S3Storage`` from ``location.open_storage``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,7 +38,9 @@ class FsspecStorage:
         if limit is not None:
             n = self.size(key)
             if n is not None and n > limit:
-                raise ObjectTooLarge(f"{key} in store {self.url} is {n} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
+                raise ObjectTooLarge(
+                    f"{key} in store {self.url} is {n} bytes, over this reader's limit of {limit} (SPEC.md §Limits)"
+                )
         try:
             return self.fs.cat_file(self._path(key))
         except FileNotFoundError:

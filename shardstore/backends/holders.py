@@ -17,6 +17,7 @@ judges it:
 Only **dead** licenses taking over what the holder held; callers treat **unknown** like
 **alive** (a lease, an explicit command, or waiting).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,7 +66,11 @@ def read_holder(raw: bytes) -> dict[str, Any] | None:
         doc = json.loads(raw[:MAX_RECORD]) if len(raw) <= MAX_RECORD else None
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(doc, dict) or set(doc) != {"boot", "host", "pid", "pidns", "start"} or not isinstance(doc["pid"], int):
+    if (
+        not isinstance(doc, dict)
+        or set(doc) != {"boot", "host", "pid", "pidns", "start"}
+        or not isinstance(doc["pid"], int)
+    ):
         return None
     return doc
 
@@ -91,7 +96,10 @@ def process_state(boot: str | None, pidns: str | None, pid: int, start: str | No
 def this_process() -> dict[str, Any]:
     """This process as a holder (the fields of ``holder_record``)."""
     pid = os.getpid()
-    return {"boot": _read_text("/proc/sys/kernel/random/boot_id"), "host": socket.gethostname(), "pid": pid,
-            "pidns": _pidns(), "start": _start_time(pid)}
-
-
+    return {
+        "boot": _read_text("/proc/sys/kernel/random/boot_id"),
+        "host": socket.gethostname(),
+        "pid": pid,
+        "pidns": _pidns(),
+        "start": _start_time(pid),
+    }

@@ -11,6 +11,7 @@ component under the root may be a symbolic link. Reads land in memory of their o
 chunk by chunk as they arrive (never a live mapping that a rewrite or truncation of the file
 could change or fault after hashing); restores read straight into the destination tensors.
 """
+
 from __future__ import annotations
 
 import errno
@@ -25,7 +26,16 @@ from typing import Any
 from ..errors import InvalidName, ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from ..format.names import check_key
 from .base import Buffer, show_ref_value
-from .posix import FIRST_READ, READ_CHUNK, close_quietly, freshen, fsync_dir, read_exact, start_writeback, unlink_quietly
+from .posix import (
+    FIRST_READ,
+    READ_CHUNK,
+    close_quietly,
+    freshen,
+    fsync_dir,
+    read_exact,
+    start_writeback,
+    unlink_quietly,
+)
 from .ref_locks import break_lock, take_lock
 
 __all__ = ["LocalStorage"]
@@ -84,11 +94,15 @@ class LocalStorage:
         try:
             size = os.fstat(fd).st_size
             if limit is not None and size > limit:
-                raise ObjectTooLarge(f"{key} in store {self.root} is {size} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
+                raise ObjectTooLarge(
+                    f"{key} in store {self.root} is {size} bytes, over this reader's limit of {limit} (SPEC.md §Limits)"
+                )
             buf = bytearray(size)
             got = read_exact(fd, memoryview(buf), consume)
             if got != size:
-                raise StorageError(f"read {key!r} in store {self.root}: the file shrank from {size} to {got} bytes while being read")
+                raise StorageError(
+                    f"read {key!r} in store {self.root}: the file shrank from {size} to {got} bytes while being read"
+                )
             return buf
         except OSError as e:
             raise self._io("read", key, e) from None
@@ -306,7 +320,9 @@ class LocalStorage:
         lock, tmpdir = path + ".lock", self._dir("tmp")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            return lock, take_lock(key, lock, os.path.join(tmpdir, secrets.token_hex(16)), os)  # this module's os: tests replace it
+            return lock, take_lock(
+                key, lock, os.path.join(tmpdir, secrets.token_hex(16)), os
+            )  # this module's os: tests replace it
         except OSError as e:
             raise self._io("lock", key, e) from None
 
@@ -431,5 +447,3 @@ class LocalStorage:
                 with self._lock:
                     self._dirty.update(dirty[i:])  # still not durable: the next sync() retries them
                 raise StorageError(f"sync {d} in store {self.root}: {e.strerror or e}") from None
-
-

@@ -1,6 +1,7 @@
 """Which backend a store URL names (SPEC.md §Storage): the one place that knows every
 backend, above them all (as restic's location registry sits above its backends).
 """
+
 from __future__ import annotations
 
 import fsspec
@@ -22,7 +23,7 @@ def open_storage(url: str, **storage_options: object) -> Storage:
     if "://" not in url:
         return LocalStorage(url)
     if url.startswith("file://"):
-        return LocalStorage(url[len("file://"):])
+        return LocalStorage(url[len("file://") :])
     if url.startswith(("s3://", "s3a://")):
         try:
             from .s3.storage import S3Storage  # conditional writes need the raw client, not fsspec's surface
@@ -33,7 +34,12 @@ def open_storage(url: str, **storage_options: object) -> Storage:
         return S3Storage(url, **options)
     try:
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
-    except (ValueError, ImportError, TypeError, OSError) as e:  # unknown protocol, its package not installed, bad options
+    except (
+        ValueError,
+        ImportError,
+        TypeError,
+        OSError,
+    ) as e:  # unknown protocol, its package not installed, bad options
         raise StorageError(f"cannot open store {url!r}: {e}") from None
     if url.startswith("memory://"):
         root = "/" + root.lstrip("/")

@@ -18,6 +18,7 @@ Credentials stay where botocore looks for them (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_DEFAULT_REGION``,
 ``AWS_ENDPOINT_URL``, instance roles) unless an option names them.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,11 @@ __all__ = ["ENV", "URL_OPTIONS", "parse_option", "merge", "resolve", "check_s3_o
 ENV = "SHARDSTORE_STORAGE_OPTIONS"
 #: Query keys a store URL may carry (where the store is), and the option each sets.
 _STRINGS = frozenset({"endpoint_url", "key", "secret", "token", "profile", "region_name", "username", "password"})
-URL_OPTIONS = {"endpoint_url": ("endpoint_url",), "region_name": ("client_kwargs", "region_name"), "profile": ("profile",)}
+URL_OPTIONS = {
+    "endpoint_url": ("endpoint_url",),
+    "region_name": ("client_kwargs", "region_name"),
+    "profile": ("profile",),
+}
 
 
 def parse_option(text: str) -> tuple[tuple[str, ...], Any]:
@@ -98,7 +103,8 @@ def resolve(url: str, explicit: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             if key not in URL_OPTIONS:
                 raise StorageError(
                     f"store URL {url!r}: {key!r} cannot be given in the URL (only {', '.join(URL_OPTIONS)} can); "
-                    f"pass it as --storage-option {key}=VALUE, open_store(url, {key}=...) or in {ENV}")
+                    f"pass it as --storage-option {key}=VALUE, open_store(url, {key}=...) or in {ENV}"
+                )
             options = merge(options, URL_OPTIONS[key], value)
         url = base
     for key, value in explicit.items():
@@ -121,10 +127,15 @@ def check_s3_options(url: str, options: dict[str, Any]) -> None:
 
     known = set(_S3FS_EXTRA)
     for fn in (S3Storage.__init__, s3fs.S3FileSystem.__init__):
-        known |= {n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY or
-                  p.kind is p.POSITIONAL_OR_KEYWORD}
+        known |= {
+            n
+            for n, p in inspect.signature(fn).parameters.items()
+            if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+        }
     known -= {"self", "url", "loop", "asynchronous"}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise StorageError(f"cannot open store {url!r}: unknown storage option(s) {', '.join(unknown)} "
-                           f"(known: {', '.join(sorted(known))})")
+        raise StorageError(
+            f"cannot open store {url!r}: unknown storage option(s) {', '.join(unknown)} "
+            f"(known: {', '.join(sorted(known))})"
+        )

@@ -5,12 +5,22 @@ duplicate's modification time (SPEC.md §19, §19a).
 Every call goes through this module's ``os``, as ``LocalStorage``'s do, so the fault tests
 can number and fail each system call of a save (``tests/faults.py``).
 """
+
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 
-__all__ = ["READ_CHUNK", "FIRST_READ", "start_writeback", "read_exact", "close_quietly", "unlink_quietly", "freshen", "fsync_dir"]
+__all__ = [
+    "READ_CHUNK",
+    "FIRST_READ",
+    "start_writeback",
+    "read_exact",
+    "close_quietly",
+    "unlink_quietly",
+    "freshen",
+    "fsync_dir",
+]
 
 #: Bytes per readv(2) on the streaming read paths: small enough that a chunk is still in the
 #: core's cache when it is hashed (faster than 8 MiB chunks: benchmarks/RESULTS.md, "design measurements").

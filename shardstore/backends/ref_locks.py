@@ -23,6 +23,7 @@ before the rename. A later writer that finds the lock held judges the holder:
 
 S3 moves refs by conditional requests and has no lock files.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,12 +40,23 @@ except ImportError:  # pragma: no cover - not POSIX: locks are reported, never t
 
 __all__ = ["holder_record", "read_holder", "holder_state", "take_lock", "break_lock", "describe"]
 
+
 def describe(key: str, lock: str, holder: dict[str, Any] | None, state: str) -> str:
     name = key.split("/", 1)[1] if key.startswith(("refs/", "pins/")) else key
-    who = ("an older writer or a writer caught finishing (no holder recorded)" if holder is None
-           else f"process {holder['pid']} on host {holder['host']!r} ({'still running' if state == 'alive' else 'cannot be checked from here'})")
-    fix = "" if state == "alive" else (f"; if no writer of it is running, clear it with `shardstore refs STORE --break-lock {name}`"
-                                        if key.startswith("refs/") else "; if no writer of it is running, remove the lock file")
+    who = (
+        "an older writer or a writer caught finishing (no holder recorded)"
+        if holder is None
+        else f"process {holder['pid']} on host {holder['host']!r} ({'still running' if state == 'alive' else 'cannot be checked from here'})"
+    )
+    fix = (
+        ""
+        if state == "alive"
+        else (
+            f"; if no writer of it is running, clear it with `shardstore refs STORE --break-lock {name}`"
+            if key.startswith("refs/")
+            else "; if no writer of it is running, remove the lock file"
+        )
+    )
     return f"{key} is locked by {who}: {lock} exists{fix} (SPEC.md §Refs)"
 
 

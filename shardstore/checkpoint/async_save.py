@@ -32,6 +32,7 @@ Adam moments or any other optimizer's state tensors), at 64-byte-aligned offsets
 states and extras' documents are small bytes, and extras' tensors (a scaler's, a
 loader's: small) are cloned. Nothing else is copied.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -62,7 +63,9 @@ def _rewrap(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A DTensor split like ``like`` whose local slice is ``local`` (no communication)."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())  # type: ignore[attr-defined]
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )  # type: ignore[attr-defined]
 
 
 def _round(n: int) -> int:
@@ -71,7 +74,10 @@ def _round(n: int) -> int:
 
 def _copy_extras(extra: dict[str, CapturedExtra]) -> dict[str, CapturedExtra]:
     """Extras' documents are already bytes; their tensors (small: a scaler's, a loader's) are cloned."""
-    return {k: CapturedExtra(c.key, c.document, [t.detach().to("cpu", copy=True) for t in c.tensors]) for k, c in extra.items()}
+    return {
+        k: CapturedExtra(c.key, c.document, [t.detach().to("cpu", copy=True) for t in c.tensors])
+        for k, c in extra.items()
+    }
 
 
 class AsyncSaver:
@@ -113,7 +119,9 @@ class AsyncSaver:
         off = 0
         with torch.no_grad():
             for t, size in zip(flat, sizes):
-                dst = arena[off : off + size].view(t.dtype).view(t.shape) if size else torch.empty(t.shape, dtype=t.dtype)
+                dst = (
+                    arena[off : off + size].view(t.dtype).view(t.shape) if size else torch.empty(t.shape, dtype=t.dtype)
+                )
                 if size:
                     dst.copy_(t.detach(), non_blocking=pin)
                 staged.append(dst)
@@ -130,14 +138,18 @@ class AsyncSaver:
             torch_state = None
             if po is not None and po.torch_state is not None:
                 tp = po.torch_state
-                torch_state = replace(tp, tensors={k: t for k, t in sorted(tp.tensors.items())}, scalars=dict(tp.scalars))
+                torch_state = replace(
+                    tp, tensors={k: t for k, t in sorted(tp.tensors.items())}, scalars=dict(tp.scalars)
+                )
             if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
                 params[n] = ParamOpt(po.group, po.age, next(it), next(it))
             elif po is not None:
                 params[n] = ParamOpt(po.group, po.age, None, None, torch_state)
             if torch_state is not None:
                 torch_state.tensors = {k: next(it) for k in torch_state.tensors}
-        optim = replace(state.optim, groups=dict(state.optim.groups), params=params, torch_groups=dict(state.optim.torch_groups))
+        optim = replace(
+            state.optim, groups=dict(state.optim.groups), params=params, torch_groups=dict(state.optim.torch_groups)
+        )
         births = None if state.births is None else dict(state.births)
         return SlotState(tensors, optim, dict(state.rng), births, set(state.buffers), _copy_extras(state.extra))
 
@@ -166,11 +178,20 @@ class AsyncSaver:
         options.setdefault("threads", self.threads)
         call = SaveCall.bind(self.store, model, optimizer, **options)
         if any(is_dtensor(t) for t in call.state.tensors.values()):
-            raise TensorMismatch("AsyncSaver.save saves one process's plain tensors; save DTensor state with save_distributed (SPEC.md §Block exchange)")
+            raise TensorMismatch(
+                "AsyncSaver.save saves one process's plain tensors; save DTensor state with save_distributed (SPEC.md §Block exchange)"
+            )
         snap = self._snapshot(call.state)
         wide = _copy_extras(capture_extras(call.extra))
         self._future = self._pool.submit(
-            save_slots, self.store, [snap], info=call.info, ref=call.ref, parent=call.parent, threads=call.threads, extra=wide
+            save_slots,
+            self.store,
+            [snap],
+            info=call.info,
+            ref=call.ref,
+            parent=call.parent,
+            threads=call.threads,
+            extra=wide,
         )
 
     def save_distributed(
@@ -197,11 +218,20 @@ class AsyncSaver:
         (``commit_state``).
         """
         if group is None:
-            raise StateMismatch("AsyncSaver.save_distributed needs a process group of its own (dist.new_group), not the default group")
+            raise StateMismatch(
+                "AsyncSaver.save_distributed needs a process group of its own (dist.new_group), not the default group"
+            )
         self._collect()
         snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
         self._future = self._pool.submit(
-            commit_state, self.store, lambda: snap, info=info, group=group, ref=ref, parent=parent, threads=self.threads,
+            commit_state,
+            self.store,
+            lambda: snap,
+            info=info,
+            group=group,
+            ref=ref,
+            parent=parent,
+            threads=self.threads,
             on_phase=on_phase,
         )
 
@@ -235,6 +265,10 @@ class AsyncSaver:
 
     def __del__(self) -> None:
         fut = getattr(self, "_future", None)
-        failed = getattr(self, "_error", None) is not None or (fut is not None and fut.done() and fut.exception() is not None)
+        failed = getattr(self, "_error", None) is not None or (
+            fut is not None and fut.done() and fut.exception() is not None
+        )
         if failed:
-            warnings.warn("AsyncSaver dropped with a failed background save that nobody waited for", RuntimeWarning, stacklevel=1)
+            warnings.warn(
+                "AsyncSaver dropped with a failed background save that nobody waited for", RuntimeWarning, stacklevel=1
+            )

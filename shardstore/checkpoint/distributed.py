@@ -14,6 +14,7 @@ Ids travel as 32-byte tensors (never pickled objects), with one status byte in f
 ``agree_on_commit`` is the recovery counterpart: every rank resolves the target and all
 must name the same commit, or every rank raises.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -75,7 +76,9 @@ def _broadcast(group: Any, status: int, oid: str | None) -> tuple[int, str | Non
     return _unpack(t)
 
 
-def _phase(group: Any, name: str, fn: Callable[[], str | None]) -> tuple[list[tuple[int, str | None]], BaseException | None]:
+def _phase(
+    group: Any, name: str, fn: Callable[[], str | None]
+) -> tuple[list[tuple[int, str | None]], BaseException | None]:
     err: BaseException | None = None
     oid = None
     try:
@@ -94,7 +97,9 @@ def _phase(group: Any, name: str, fn: Callable[[], str | None]) -> tuple[list[tu
             where = "; the ref was not moved"
         else:
             where = ""
-        raise CommitProtocolError(f"commit protocol phase '{name}': lost the process group ({type(e).__name__}: {e}){where}") from e
+        raise CommitProtocolError(
+            f"commit protocol phase '{name}': lost the process group ({type(e).__name__}: {e}){where}"
+        ) from e
     failed = [r for r, (s, _) in enumerate(got) if s == _FAIL]
     if failed:
         msg = f"commit protocol phase '{name}' failed on rank(s) {failed}; the ref was not moved"
@@ -182,7 +187,9 @@ def commit_state(
         except Exception as e:  # noqa: BLE001 - still joins the block exchange below, then re-raised
             state, failure = None, e
         state = write_dtensors(store, state, group=group, threads=threads, failure=failure)  # a collective
-        mine.append(write_extras(store, capture_extras(extra), threads=threads))  # made durable by write_shard's barrier
+        mine.append(
+            write_extras(store, capture_extras(extra), threads=threads)
+        )  # made durable by write_shard's barrier
         return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
 
     got, _ = _phase(group, "write shard", begin("write shard", shard))
@@ -192,8 +199,12 @@ def commit_state(
     got, _ = _phase(
         group,
         "write commit",
-        begin("write commit", (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0]))
-              if coordinator else (lambda: None)),
+        begin(
+            "write commit",
+            (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0]))
+            if coordinator
+            else (lambda: None),
+        ),
     )
     cid = got[0][1]
     assert cid is not None
@@ -204,13 +215,17 @@ def commit_state(
             raise CommitProtocolError(f"commit {cid} does not name this rank's shard {my_shard} for slot {rank}")
         if extra is not None and lc.commit.extras != mine[0]:
             have, want = [x.key for x in mine[0]], [x.key for x in lc.commit.extras]
-            raise CommitProtocolError(f"rank {rank}'s commit-wide extras {have} differ from rank 0's {want} in commit {cid}")
+            raise CommitProtocolError(
+                f"rank {rank}'s commit-wide extras {have} differ from rank 0's {want} in commit {cid}"
+            )
         return lc.id
 
     got, _ = _phase(group, "acknowledge", begin("acknowledge", ack))
     acks = {oid for _, oid in got}
     if acks != {cid}:
-        raise CommitProtocolError(f"slots acknowledged different commits {sorted(a or '?' for a in acks)}; the ref was not moved")
+        raise CommitProtocolError(
+            f"slots acknowledged different commits {sorted(a or '?' for a in acks)}; the ref was not moved"
+        )
 
     def move_ref() -> str:
         if ref is not None:
@@ -235,5 +250,3 @@ def agree_on_commit(store: Store, target: str, *, group: Any = None) -> str:
     if len(set(ids)) != 1:
         raise CommitProtocolError(f"workers name different commits for {target!r}: {ids}; refusing to restore")
     return ids[0]  # type: ignore[return-value]
-
-

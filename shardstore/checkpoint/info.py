@@ -11,6 +11,7 @@ writes" and "validate before write").
 (A restore's check of a torch optimizer against the commit, before any read, is
 ``optim._probe_torch``.)
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -14,6 +14,7 @@ whose id is the full root), then the ref moves by compare-and-swap. ``restore`` 
 a target, verifies the commit and its shard manifests, and copies only the tensors the
 given model owns (by name, whatever layout wrote them) out of verified objects.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -77,7 +78,20 @@ from ..store import Store
 from ..verification.commits import LoadedCommit, load_commit, shard_problems
 from .info import CommitInfo, check_info, check_parent
 
-__all__ = ["CommitInfo", "check_info", "check_parent", "Restored", "write_shard", "write_shard_entries", "write_commit", "save_slots", "save", "SaveCall", "restore", "AUTO"]
+__all__ = [
+    "CommitInfo",
+    "check_info",
+    "check_parent",
+    "Restored",
+    "write_shard",
+    "write_shard_entries",
+    "write_commit",
+    "save_slots",
+    "save",
+    "SaveCall",
+    "restore",
+    "AUTO",
+]
 
 AUTO: Any = "auto"
 """Sentinel: take the parent from the ref being moved."""
@@ -98,7 +112,9 @@ class Restored:
     bytes_read: int = 0
     """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5a)."""
     skipped: list[str] = field(default_factory=list)  # strict=False: commit tensors the model does not hold
-    missing: list[str] = field(default_factory=list)  # strict=False: model tensors the commit does not hold (left as they were)
+    missing: list[str] = field(
+        default_factory=list
+    )  # strict=False: model tensors the commit does not hold (left as they were)
 
 
 def _config_id(store: Store, config: Mapping[str, Any] | None) -> str | None:
@@ -124,8 +140,12 @@ def write_shard(
             has_moments = po.exp_avg is not None and po.exp_avg_sq is not None
             m1 = next(ids) if has_moments else None
             m2 = next(ids) if has_moments else None
-            if has_moments and (tuple(po.exp_avg.shape) != tuple(t.shape) or tuple(po.exp_avg_sq.shape) != tuple(t.shape)):
-                raise TensorMismatch(f"tensor {n!r}: Adam moments have shapes {tuple(po.exp_avg.shape)}, {tuple(po.exp_avg_sq.shape)} but the parameter has {tuple(t.shape)}")
+            if has_moments and (
+                tuple(po.exp_avg.shape) != tuple(t.shape) or tuple(po.exp_avg_sq.shape) != tuple(t.shape)
+            ):
+                raise TensorMismatch(
+                    f"tensor {n!r}: Adam moments have shapes {tuple(po.exp_avg.shape)}, {tuple(po.exp_avg_sq.shape)} but the parameter has {tuple(t.shape)}"
+                )
             if has_moments and po.exp_avg.dtype != po.exp_avg_sq.dtype:
                 raise TensorMismatch(f"tensor {n!r}: Adam moments have different dtypes")
             birth = info.step - po.age if state.births is None or n not in state.births else state.births[n]
@@ -142,7 +162,17 @@ def write_shard(
                 moment_dtype=dtype_name(po.exp_avg.dtype, n) if has_moments else None,
             )
         kind = "buffer" if n in state.buffers else "param"
-        entries.append(TensorEntry(name=n, dtype=dtype_name(t.dtype, n), shape=tuple(t.shape), param=param_id, optim=optim, kind=kind, state=torch_state))
+        entries.append(
+            TensorEntry(
+                name=n,
+                dtype=dtype_name(t.dtype, n),
+                shape=tuple(t.shape),
+                param=param_id,
+                optim=optim,
+                kind=kind,
+                state=torch_state,
+            )
+        )
     rng = tuple(RngEntry(kind=k, object=store.put(v)) for k, v in sorted(state.rng.items()))
     extras = write_extras(store, state.extra, threads=threads)
     config_id = _config_id(store, info.config)
@@ -202,10 +232,14 @@ def write_shard_entries(
     named += list(rng.values())
     missing = sorted({oid for oid in named if not store.has(oid)})
     if missing:
-        raise ObjectNotFound(f"slot {slot}: {len(missing)} object(s) named by the new shard manifest are not in the store, "
-                             f"first {missing[0]}")
+        raise ObjectNotFound(
+            f"slot {slot}: {len(missing)} object(s) named by the new shard manifest are not in the store, "
+            f"first {missing[0]}"
+        )
     shard = ShardManifest(
-        version=shard_version(entries, bands=on_bands(entries) if bands is None else bands),  # a version 2 or 3 commit's keep their grid
+        version=shard_version(
+            entries, bands=on_bands(entries) if bands is None else bands
+        ),  # a version 2 or 3 commit's keep their grid
         job=info.job,
         step=info.step,
         parent=parent,
@@ -224,7 +258,9 @@ def write_shard_entries(
     return sid
 
 
-def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()) -> str:
+def write_commit(
+    store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()
+) -> str:
     """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]) and ``extras`` (written, durable); return its id."""
     check_parent(store, parent)
     shards = [store.shard(s) for s in shard_ids]
@@ -239,15 +275,25 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
     if len(algorithms) > 1:
         raise StateMismatch(f"slots use different optimizer algorithms: {sorted(algorithms)}")
     algorithm = algorithms.pop() if algorithms else "none"
-    optimizer = OptimizerSpec(algorithm=algorithm, groups=tuple(groups[k] for k in sorted(groups)), torch_optimizer=torch_union(shards))
+    optimizer = OptimizerSpec(
+        algorithm=algorithm, groups=tuple(groups[k] for k in sorted(groups)), torch_optimizer=torch_union(shards)
+    )
     config_id = _config_id(store, info.config)
     layout = tuple(
-        SlotLayout(slot=i, shard=sid, tensors=tuple(e.name for e in s.entries)) for i, (sid, s) in enumerate(zip(shard_ids, shards))
+        SlotLayout(slot=i, shard=sid, tensors=tuple(e.name for e in s.entries))
+        for i, (sid, s) in enumerate(zip(shard_ids, shards))
     )
     extras = tuple(sorted(extras, key=lambda x: x.key))
     version = max(s.version for s in shards)
-    root = learned_root(step=info.step, data_cursor=info.data_cursor, config=config_id, optimizer=optimizer, entries=entries, extras=extras,
-                        bands=banded(version))
+    root = learned_root(
+        step=info.step,
+        data_cursor=info.data_cursor,
+        config=config_id,
+        optimizer=optimizer,
+        entries=entries,
+        extras=extras,
+        bands=banded(version),
+    )
     commit = CommitManifest(
         version=version,
         job=info.job,
@@ -270,7 +316,13 @@ def write_commit(store: Store, shard_ids: list[str], *, info: CommitInfo, parent
 
 
 def save_slots(
-    store: Store, states: list[SlotState], *, info: CommitInfo, ref: str | None = "main", parent: str | None = AUTO, threads: int = 2,
+    store: Store,
+    states: list[SlotState],
+    *,
+    info: CommitInfo,
+    ref: str | None = "main",
+    parent: str | None = AUTO,
+    threads: int = 2,
     extra: Mapping[str, Any] | None = None,
 ) -> str:
     """Commit several slots' states (and commit-wide ``extra``) from one process and move ``ref`` (None: leave refs alone)."""
@@ -284,11 +336,15 @@ def save_slots(
     check_parent(store, parent)  # before any object is written
     n = len(states)
     extras = write_extras(store, capture_extras(extra), threads=threads)  # made durable by write_shard's barrier
-    shard_ids = [write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)]
+    shard_ids = [
+        write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)
+    ]
     cid = write_commit(store, shard_ids, info=info, parent=parent, extras=extras)
     if ref is not None:
         store.set_ref(ref, cid, expected=current)
-    store.write_journal(cid, {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()})
+    store.write_journal(
+        cid, {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()}
+    )
     return cid
 
 
@@ -317,7 +373,9 @@ def save(
     ``profile``: the numerical profile to record (a trainer's); default: the floating dtypes the tensors hold.
     """
     call = SaveCall.of(locals())
-    return save_slots(store, [call.state], info=call.info, ref=call.ref, parent=call.parent, threads=call.threads, extra=call.extra)
+    return save_slots(
+        store, [call.state], info=call.info, ref=call.ref, parent=call.parent, threads=call.threads, extra=call.extra
+    )
 
 
 @dataclass(frozen=True)
@@ -342,8 +400,14 @@ class SaveCall:
         profile = a["profile"]
         if profile is None:  # no trainer named one: the floating dtypes the tensors hold
             profile = tensor_profile(dtype_name(t.dtype, n) for n, t in state.tensors.items())
-        info = CommitInfo(step=a["step"], job=a["job"], profile=profile, config=a["config"], data_cursor=a["data_cursor"],
-                          transition=a["transition"])
+        info = CommitInfo(
+            step=a["step"],
+            job=a["job"],
+            profile=profile,
+            config=a["config"],
+            data_cursor=a["data_cursor"],
+            transition=a["transition"],
+        )
         return cls(info, state, a["ref"], a["parent"], a["threads"], a["extra"])
 
     @classmethod
@@ -360,7 +424,9 @@ def _read_all(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], thre
     there (a single object: all of it); return the bytes read. Every block is verified."""
     jobs = []
     for payload, dest, what in reads:  # a DTensor's local tensor may be several boxes (SPEC.md §Slices on the grid)
-        jobs += read_parts(store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), part_views(dest, what), what)
+        jobs += read_parts(
+            store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), part_views(dest, what), what
+        )
     if threads <= 1 or len(jobs) <= 1:
         return sum(job() for job in jobs)
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -415,7 +481,9 @@ def restore(
     for n in names:
         e, t = entries[n], targets[n]
         if dtype_name(t.dtype, n) != e.dtype or tuple(t.shape) != tuple(e.shape):
-            raise TensorMismatch(f"tensor {n!r}: commit {lc.id} holds {e.dtype}{list(e.shape)}, the model has {dtype_name(t.dtype, n)}{list(t.shape)}")
+            raise TensorMismatch(
+                f"tensor {n!r}: commit {lc.id} holds {e.dtype}{list(e.shape)}, the model has {dtype_name(t.dtype, n)}{list(t.shape)}"
+            )
     # Everything this restore needs besides tensor bytes is read and validated first, so that
     # a bad config or RNG object is refused before a byte lands in the caller's tensors (§16).
     config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
@@ -428,7 +496,9 @@ def restore(
     state = None
     torch_plan = None
     if optimizer is not None and use_torch_form(lc.id, lc.commit.optimizer, optimizer):
-        torch_plan = plan_torch_restore(store, lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id)
+        torch_plan = plan_torch_restore(
+            store, lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id
+        )
         reads += torch_plan.reads
     elif optimizer is not None:
         state, moment_reads = _plan_optim(lc, names, optimizer, targets)
@@ -437,7 +507,9 @@ def restore(
             _probe_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
     extras_plan = plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}")
     own = _slot(lc, slot, "slot_extra") if slot_extra else 0
-    slot_plan = plan_extras_restore(store, lc.shards[own].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {own}")
+    slot_plan = plan_extras_restore(
+        store, lc.shards[own].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {own}"
+    )
     reads += extras_plan.reads + slot_plan.reads
     nread = _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
     if torch_plan is not None:
@@ -451,8 +523,19 @@ def restore(
         restore_rng(rng_states)
     restored_rng = bool(rng_states)  # a slot saved with rng=False has none
     loaded, slot_loaded = extras_plan.install(), slot_plan.install()
-    return Restored(lc.id, lc.commit.step, lc.commit.data_cursor, config, names, restored_rng, loaded, slot_loaded, nread,
-                    matched.skipped, matched.missing)
+    return Restored(
+        lc.id,
+        lc.commit.step,
+        lc.commit.data_cursor,
+        config,
+        names,
+        restored_rng,
+        loaded,
+        slot_loaded,
+        nread,
+        matched.skipped,
+        matched.missing,
+    )
 
 
 def _slot(lc: LoadedCommit, slot: int | None, what: str) -> int:

@@ -9,6 +9,7 @@ Two helpers that every reader of hostile bytes outside the store shares:
   no recursive parser or walker (``json``, msgspec, our own canonicalisers) ever sees it;
   deep nesting is refused with a typed error, never a ``RecursionError``.
 """
+
 from __future__ import annotations
 
 import os

@@ -11,12 +11,24 @@ reserved prefix. Lists of names a document keeps sorted are strictly increasing.
 The manifest encoder, the torch optimizer form and the extras' state documents all take
 their scalars through :func:`encode_scalar` and :func:`decode_real` here.
 """
+
 from __future__ import annotations
 
 import struct
 from typing import Any, Callable, Sequence
 
-__all__ = ["REAL_PREFIX", "INT_MIN", "INT_MAX", "f64_encode", "f64_decode", "encode_scalar", "decode_real", "is_real", "in_int_range", "sorted_unique"]
+__all__ = [
+    "REAL_PREFIX",
+    "INT_MIN",
+    "INT_MAX",
+    "f64_encode",
+    "f64_decode",
+    "encode_scalar",
+    "decode_real",
+    "is_real",
+    "in_int_range",
+    "sorted_unique",
+]
 
 #: Prefix of a real number inside a value that may also be a string.
 REAL_PREFIX = "f64:"
@@ -35,7 +47,9 @@ def f64_decode(s: str) -> float:
     return struct.unpack(">d", bytes.fromhex(s))[0]
 
 
-def encode_scalar(value: Any, where: str, error: Callable[[str], Exception], *, reserved: Sequence[str] = (REAL_PREFIX,)) -> bool | int | str | None:
+def encode_scalar(
+    value: Any, where: str, error: Callable[[str], Exception], *, reserved: Sequence[str] = (REAL_PREFIX,)
+) -> bool | int | str | None:
     """The canonical form of None, a bool, an int, a float or a str; anything else is refused.
 
     ``error`` builds the caller's typed error from a message naming ``where``; ``reserved``
@@ -45,8 +59,10 @@ def encode_scalar(value: Any, where: str, error: Callable[[str], Exception], *, 
         return value
     if isinstance(value, int):
         if not INT_MIN <= value <= INT_MAX:
-            raise error(f"{where}: integer {value} is outside the 64-bit range the canonical encoding holds "
-                        "(-2^63 <= n < 2^64; SPEC.md §Canonical encoding)")
+            raise error(
+                f"{where}: integer {value} is outside the 64-bit range the canonical encoding holds "
+                "(-2^63 <= n < 2^64; SPEC.md §Canonical encoding)"
+            )
         return int(value)
     if isinstance(value, float):
         return REAL_PREFIX + f64_encode(value)
@@ -65,7 +81,7 @@ def is_real(value: Any) -> bool:
 
 def decode_real(value: str, what: str, error: Callable[[str], Exception]) -> float:
     """The real number a ``"f64:" + F64`` string holds; a malformed one is refused naming ``what``."""
-    text = value[len(REAL_PREFIX):]
+    text = value[len(REAL_PREFIX) :]
     if len(text) != 16 or not _HEX.issuperset(text):
         raise error(f"{what}: malformed real {value!r}")
     return f64_decode(text)

@@ -2,6 +2,7 @@
 what one slot needs (the slot-K selection, SPEC.md §Slices held). Copy, gc and the gc fence
 all take a commit's closure from here, from its manifests alone.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

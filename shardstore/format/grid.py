@@ -24,6 +24,7 @@ contiguous byte range (which is why a column split read every block).
 A tensor of at most ``BLOCK_BYTES`` is one block on both grids, whose payload is a single
 object id, exactly as in format version 1. This module knows nothing of DTensor or processes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -75,6 +76,7 @@ class BlockStore(Protocol):
 
     def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = ...) -> list[str]: ...
 
+
 #: The block bound of format versions 2-4: 4 MiB. Part of the format: changing it changes ids.
 BLOCK_BYTES = 1 << 22
 
@@ -112,8 +114,8 @@ def _split(dtype: str, shape: tuple[int, ...], block_bytes: int) -> tuple[int, i
     item = ITEMSIZES[dtype]
     if math.prod(shape) * item <= block_bytes:
         return -1, 0, 1
-    k = next(k for k in range(len(shape)) if item * math.prod(shape[k + 1:]) <= block_bytes)
-    r = min(shape[k], block_bytes // (item * math.prod(shape[k + 1:])))
+    k = next(k for k in range(len(shape)) if item * math.prod(shape[k + 1 :]) <= block_bytes)
+    r = min(shape[k], block_bytes // (item * math.prod(shape[k + 1 :])))
     return k, r, math.prod(shape[:k]) * -(-shape[k] // r)
 
 
@@ -136,20 +138,26 @@ def grid(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES, ba
         tile = tile_shape(dtype, shape, block_bytes=block_bytes)
         count = _tile_count(shape, tile)
         if count > MAX_BLOCKS:
-            raise GridError(f"a {dtype}{list(shape)} tensor would have {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)")
+            raise GridError(
+                f"a {dtype}{list(shape)} tensor would have {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)"
+            )
         if count == 1:
             return [((0,) * len(shape), shape)]
         runs = [[(j, min(n, d - j)) for j in range(0, d, n)] for d, n in zip(shape, tile)]
         return [(tuple(r[0] for r in combo), tuple(r[1] for r in combo)) for combo in itertools.product(*runs)]
     k, r, count = _split(dtype, shape, block_bytes)
     if count > MAX_BLOCKS:
-        raise GridError(f"a {dtype}{list(shape)} tensor would have {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)")
+        raise GridError(
+            f"a {dtype}{list(shape)} tensor would have {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)"
+        )
     if k < 0:
         return [((0,) * len(shape), shape)]
     out: list[Box] = []
     for outer in _indices(shape[:k]):
         for j in range(0, shape[k], r):
-            out.append((outer + (j,) + (0,) * (len(shape) - k - 1), (1,) * k + (min(r, shape[k] - j),) + shape[k + 1:]))
+            out.append(
+                (outer + (j,) + (0,) * (len(shape) - k - 1), (1,) * k + (min(r, shape[k] - j),) + shape[k + 1 :])
+            )
     return out
 
 
@@ -192,10 +200,14 @@ def payload_blocks(payload: Payload, dtype: str, shape: Sequence[int]) -> list[t
 
 def overlapping(payload: Payload, dtype: str, shape: Sequence[int], region: Box) -> list[int]:
     """Indices of the blocks of ``payload`` that share an element with ``region``."""
-    return [i for i, (_, box, _) in enumerate(payload_blocks(payload, dtype, shape)) if intersect(box, region) is not None]
+    return [
+        i for i, (_, box, _) in enumerate(payload_blocks(payload, dtype, shape)) if intersect(box, region) is not None
+    ]
 
 
-def grid_problems(payload: Payload, dtype: str, shape: Sequence[int], *, bands: bool = False, whole: bool = False) -> list[str]:
+def grid_problems(
+    payload: Payload, dtype: str, shape: Sequence[int], *, bands: bool = False, whole: bool = False
+) -> list[str]:
     """What is wrong with a payload's blocks for a ``dtype`` tensor of ``shape`` (empty: nothing);
     ``bands``: checked against the row-band grid (a manifest of version 2 or 3). ``whole``: one
     object is accepted at any size (a manifest of version 1: format 1 stored every tensor as one
@@ -207,7 +219,9 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int], *, bands: 
         return [f"its {nbytes} bytes would need {count} blocks, more than the limit of {MAX_BLOCKS} (SPEC.md §Limits)"]
     if isinstance(payload, str):  # one object (is_chunked's other case)
         if count > 1 and not whole:
-            return [f"its {nbytes} bytes exceed the {BLOCK_BYTES}-byte block bound, so its payload must be {count} blocks, not one object"]
+            return [
+                f"its {nbytes} bytes exceed the {BLOCK_BYTES}-byte block bound, so its payload must be {count} blocks, not one object"
+            ]
         return []
     blocks = list(payload)
     if count == 1:
@@ -221,16 +235,26 @@ def grid_problems(payload: Payload, dtype: str, shape: Sequence[int], *, bands: 
         if len(b.start) != len(shape) or len(b.shape) != len(shape):
             return [f"block {i} (object {b.object}) has {len(b.start)}/{len(b.shape)} dims for a {len(shape)}-d tensor"]
         if any(n == 0 or s + n > d for s, n, d in zip(b.start, b.shape, shape)):
-            return [f"block {i} (object {b.object}) at {list(b.start)} of extent {list(b.shape)} is empty or lies outside shape {list(shape)}"]
+            return [
+                f"block {i} (object {b.object}) at {list(b.start)} of extent {list(b.shape)} is empty or lies outside shape {list(shape)}"
+            ]
     order = sorted(range(len(blocks)), key=lambda i: tuple(blocks[i].start))
-    pairs = zip(order, order[1:]) if len(blocks) > 512 else ((i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks)))
+    pairs = (
+        zip(order, order[1:])
+        if len(blocks) > 512
+        else ((i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks)))
+    )
     for i, j in pairs:
         a, b = blocks[i], blocks[j]
         if intersect((tuple(a.start), tuple(a.shape)), (tuple(b.start), tuple(b.shape))) is not None:
-            return [f"blocks {min(i, j)} and {max(i, j)} (objects {blocks[min(i, j)].object}, {blocks[max(i, j)].object}) overlap"]
+            return [
+                f"blocks {min(i, j)} and {max(i, j)} (objects {blocks[min(i, j)].object}, {blocks[max(i, j)].object}) overlap"
+            ]
     covered = sum(math.prod(b.shape) for b in blocks)
     if covered != math.prod(shape):
-        return [f"its {len(blocks)} blocks cover {covered} of {math.prod(shape)} elements: they do not tile shape {list(shape)}"]
+        return [
+            f"its {len(blocks)} blocks cover {covered} of {math.prod(shape)} elements: they do not tile shape {list(shape)}"
+        ]
     if len(blocks) != count:
         return [f"its payload lists {len(blocks)} blocks; the canonical grid has {count}"]
     for i, (b, (start, extent)) in enumerate(zip(blocks, canon)):
@@ -256,7 +280,9 @@ def on_bands(entries: Iterable[TensorEntry]) -> bool:
     return False
 
 
-def check_payload(payload: Payload, dtype: str, shape: Sequence[int], what: str, *, bands: bool = False, whole: bool = False) -> None:
+def check_payload(
+    payload: Payload, dtype: str, shape: Sequence[int], what: str, *, bands: bool = False, whole: bool = False
+) -> None:
     """Raise GridError naming ``what`` (tensor and role) if the payload is not the canonical grid
     (``bands``, ``whole``: as for ``grid_problems``)."""
     for msg in grid_problems(payload, dtype, shape, bands=bands, whole=whole):
@@ -271,13 +297,18 @@ def check_stored(store: BlockStore, payload: Payload, dtype: str, shape: Sequenc
     check_stored_all(store, [(payload, dtype, shape, what)])
 
 
-def check_stored_all(store: BlockStore, tensors: Sequence[tuple[Payload, str, Sequence[int], str]], *, threads: int = 16) -> None:
+def check_stored_all(
+    store: BlockStore, tensors: Sequence[tuple[Payload, str, Sequence[int], str]], *, threads: int = 16
+) -> None:
     """``check_stored`` for each (payload, dtype, shape, what), the size queries ``threads`` at
     a time (on S3 each is a HEAD request); the first failure in the given order is raised."""
     checks = []
     for payload, dtype, shape, what in tensors:
         blocks = payload_blocks(payload, dtype, shape)
-        checks += [(oid, box, n, what if len(blocks) == 1 else f"{what}, block {i}", dtype) for i, (oid, box, n) in enumerate(blocks)]
+        checks += [
+            (oid, box, n, what if len(blocks) == 1 else f"{what}, block {i}", dtype)
+            for i, (oid, box, n) in enumerate(blocks)
+        ]
     if not checks:
         return
     size = store.object_size
@@ -295,7 +326,9 @@ def check_stored_all(store: BlockStore, tensors: Sequence[tuple[Payload, str, Se
             )
 
 
-def make_payload(dtype: str, shape: Sequence[int], ids: Sequence[str], *, block_bytes: int = BLOCK_BYTES, bands: bool = False) -> Payload:
+def make_payload(
+    dtype: str, shape: Sequence[int], ids: Sequence[str], *, block_bytes: int = BLOCK_BYTES, bands: bool = False
+) -> Payload:
     """The payload naming ``ids``, the objects of the canonical blocks in order."""
     canon = grid(dtype, shape, block_bytes=block_bytes, bands=bands)
     if len(ids) != len(canon):
@@ -320,12 +353,14 @@ def _block_views(t: torch.Tensor, dtype: str, bands: bool = False) -> list[torch
         view = t[box_slices((start, extent), (0,) * len(shape))]
         if flat is not None and view.is_contiguous():
             lo = _offset(shape, start)
-            view = flat[lo:lo + math.prod(extent)]
+            view = flat[lo : lo + math.prod(extent)]
         out.append(view)
     return out
 
 
-def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2, bands: bool = False) -> list[Payload]:
+def put_payloads(
+    store: BlockStore, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2, bands: bool = False
+) -> list[Payload]:
     """Store each whole tensor as its canonical blocks; return one payload per input, in order.
     ``bands``: on the row-band grid, for a tensor joining the entries of a version 2 or 3
     commit in a metadata-only transition (``on_bands``), which keeps that commit's grid.
@@ -355,19 +390,30 @@ def put_payloads(store: BlockStore, tensors: Sequence[torch.Tensor | StoredPaylo
             out.append(t.payload)
         else:
             assert span is not None  # every tensor that is not a StoredPayload was given a span above
-            out.append(make_payload(dtype_name(t.dtype), tuple(t.shape), ids[span[0]:span[0] + span[1]], bands=bands))
+            out.append(make_payload(dtype_name(t.dtype), tuple(t.shape), ids[span[0] : span[0] + span[1]], bands=bands))
     return out
 
 
 def read_jobs(
-    store: BlockStore, payload: Payload, dtype: str, shape: Sequence[int], local: torch.Tensor, origin: Sequence[int], what: str
+    store: BlockStore,
+    payload: Payload,
+    dtype: str,
+    shape: Sequence[int],
+    local: torch.Tensor,
+    origin: Sequence[int],
+    what: str,
 ) -> list[Callable[[], int]]:
     """Jobs that fill ``local`` (the box of the tensor starting at ``origin``) from the blocks it overlaps."""
     return read_parts(store, payload, dtype, shape, [(local, tuple(origin))], what)
 
 
 def read_parts(
-    store: BlockStore, payload: Payload, dtype: str, shape: Sequence[int], parts: Sequence[tuple[torch.Tensor, Sequence[int]]], what: str
+    store: BlockStore,
+    payload: Payload,
+    dtype: str,
+    shape: Sequence[int],
+    parts: Sequence[tuple[torch.Tensor, Sequence[int]]],
+    what: str,
 ) -> list[Callable[[], int]]:
     """Jobs that fill each ``(view, origin)`` of ``parts`` (disjoint boxes of the tensor, each
     starting at ``origin``: a DTensor's local tensor, SPEC.md §Slices on the grid) from the
@@ -392,7 +438,15 @@ def read_parts(
     return jobs
 
 
-def _job(store: BlockStore, oid: str, box: Box, hits: list[tuple[torch.Tensor, tuple[int, ...], Box]], n: int, dtype: str, what: str) -> Callable[[], int]:
+def _job(
+    store: BlockStore,
+    oid: str,
+    box: Box,
+    hits: list[tuple[torch.Tensor, tuple[int, ...], Box]],
+    n: int,
+    dtype: str,
+    what: str,
+) -> Callable[[], int]:
     def run() -> int:
         try:
             if len(hits) == 1:
@@ -403,7 +457,9 @@ def _job(store: BlockStore, oid: str, box: Box, hits: list[tuple[torch.Tensor, t
                     return n
             buf = store.get_tensor(oid, dtype, box[1], what=what)
         except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
-            raise ObjectNotFound(f"{what}: object {oid} is not in the store ({str(e).removeprefix(what + ': ')}) (SPEC.md §Slices held)") from None
+            raise ObjectNotFound(
+                f"{what}: object {oid} is not in the store ({str(e).removeprefix(what + ': ')}) (SPEC.md §Slices held)"
+            ) from None
         except CorruptObject as e:  # the backends without a streaming read name only the object
             if what in str(e):
                 raise

@@ -6,6 +6,7 @@ path name torch through this stand-in, which imports the real module the first t
 attribute is asked for and keeps each attribute it hands out (so a hot loop pays once).
 Annotations name torch freely: every module here has ``from __future__ import annotations``.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -5,6 +5,7 @@ ref names, tensor names, group names, job ids and storage keys. The rules are de
 ASCII-only so that look-alike Unicode, percent-encoding, NUL, backslashes and dot segments
 cannot express a path outside the store.
 """
+
 from __future__ import annotations
 
 import re

@@ -11,6 +11,7 @@ draw then reads past the key: a crash, or words from outside the state), a 625-w
 ``has_gauss`` of 2, and indexes a 623-word key out of range; Python's ``setstate`` takes version
 2 and truncates words of 2^32 and more to 32 bits, a second spelling of one state.
 """
+
 from __future__ import annotations
 
 import random
@@ -35,7 +36,9 @@ _Word = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 
 class _PyState(msgspec.Struct, forbid_unknown_fields=True):
     version: Literal[3]  # what random.getstate() reports (version 2 is Python 2's)
-    state: Annotated[list[_Word], msgspec.Meta(min_length=_MT_WORDS + 1, max_length=_MT_WORDS + 1)]  # the words, then the position
+    state: Annotated[
+        list[_Word], msgspec.Meta(min_length=_MT_WORDS + 1, max_length=_MT_WORDS + 1)
+    ]  # the words, then the position
     gauss: str | None  # float.hex() text; None when no cached Gaussian
 
 
@@ -66,7 +69,13 @@ def _np_state() -> dict[str, Any]:
     # Written as NumPy reports it: 0.0 when no Gaussian is cached, unless a caller's set_state
     # left a value beside has_gauss 0 (never read by NumPy). Rewriting that value would give
     # the same process state another object id than earlier writers gave it (SPEC.md §10).
-    return {"bit_generator": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss).hex()}
+    return {
+        "bit_generator": name,
+        "key": key.tolist(),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss).hex(),
+    }
 
 
 def _gauss(text: str) -> float:
@@ -117,7 +126,9 @@ def check_rng(states: dict[str, bytes | memoryview], *, raw_kinds: bool = True) 
     since what torch accepts as a raw generator state depends on the torch build."""
     for kind, raw in states.items():
         if len(raw) > MAX_RNG_BYTES:
-            raise ManifestError(f"RNG state {kind!r} is {len(raw)} bytes, over the {MAX_RNG_BYTES}-byte limit (SPEC.md §Limits)")
+            raise ManifestError(
+                f"RNG state {kind!r} is {len(raw)} bytes, over the {MAX_RNG_BYTES}-byte limit (SPEC.md §Limits)"
+            )
         if not raw_kinds and (kind == "torch" or kind.startswith("cuda:")):
             continue
         try:

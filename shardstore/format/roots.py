@@ -12,6 +12,7 @@ learned-state root.
 
 The full root is the commit id: the object id of the commit manifest's canonical bytes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -58,5 +59,13 @@ def learned_root(
 ) -> str:
     """The learned-state root of the given values (see module docstring); ``bands``: of a
     commit of version 2 or 3, whose chunked payloads are on the row-band grid."""
-    doc = learned_state(step=step, data_cursor=data_cursor, config=config, optimizer=optimizer, entries=entries, extras=extras, bands=bands)
+    doc = learned_state(
+        step=step,
+        data_cursor=data_cursor,
+        config=config,
+        optimizer=optimizer,
+        entries=entries,
+        extras=extras,
+        bands=bands,
+    )
     return hash_bytes(encode(doc))

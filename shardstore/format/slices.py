@@ -19,6 +19,7 @@ torch-form state of that shape) that overlap them; a state tensor of another sha
 ``verify --shard K`` checks exactly that; a restore into slot K's own split reads a subset
 of it (it reads the blocks its slices overlap).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -52,7 +53,9 @@ def shard_slice_problems(shard: ShardManifest) -> Iterator[str]:
             yield f"slice of tensor {x.name!r} at {list(x.start)} of extent {list(x.shape)} is not a non-empty box"
 
 
-def commit_slice_problems(shards: Mapping[int, ShardManifest], entries: Mapping[str, TensorEntry]) -> Iterator[tuple[str, str, int]]:
+def commit_slice_problems(
+    shards: Mapping[int, ShardManifest], entries: Mapping[str, TensorEntry]
+) -> Iterator[tuple[str, str, int]]:
     """Rules binding the slots' slices to the commit's entries: (message, tensor, slot).
 
     Every name is a tensor of the commit; every box lies inside its shape; distinct boxes of
@@ -62,11 +65,23 @@ def commit_slice_problems(shards: Mapping[int, ShardManifest], entries: Mapping[
         for x in shard.slices:
             e = entries.get(x.name)
             if e is None:
-                yield f"slot {slot} has a slice of tensor {x.name!r}, which the commit does not hold (SPEC.md §Slices held)", x.name, slot
+                yield (
+                    f"slot {slot} has a slice of tensor {x.name!r}, which the commit does not hold (SPEC.md §Slices held)",
+                    x.name,
+                    slot,
+                )
                 continue
             box = (tuple(x.start), tuple(x.shape))
-            if len(box[0]) != len(e.shape) or len(box[1]) != len(e.shape) or any(s + n > d for s, n, d in zip(box[0], box[1], e.shape)):
-                yield f"slot {slot}'s slice at {list(box[0])} of extent {list(box[1])} lies outside shape {list(e.shape)}", x.name, slot
+            if (
+                len(box[0]) != len(e.shape)
+                or len(box[1]) != len(e.shape)
+                or any(s + n > d for s, n, d in zip(box[0], box[1], e.shape))
+            ):
+                yield (
+                    f"slot {slot}'s slice at {list(box[0])} of extent {list(box[1])} lies outside shape {list(e.shape)}",
+                    x.name,
+                    slot,
+                )
                 continue
             held.setdefault(x.name, {}).setdefault(box, []).append(slot)
     for name, boxes in sorted(held.items()):
@@ -79,7 +94,11 @@ def commit_slice_problems(shards: Mapping[int, ShardManifest], entries: Mapping[
             continue
         covered = sum(math.prod(b[1]) for b, _ in regions)
         if covered != math.prod(entries[name].shape):
-            yield f"the slots' slices cover {covered} of its {math.prod(entries[name].shape)} elements (SPEC.md §Slices held)", name, regions[0][1][0]
+            yield (
+                f"the slots' slices cover {covered} of its {math.prod(entries[name].shape)} elements (SPEC.md §Slices held)",
+                name,
+                regions[0][1][0],
+            )
 
 
 #: Most (box, grid cell) marks ``_clash`` makes per box before it sweeps instead.
@@ -139,7 +158,9 @@ def slot_needs(shards: Mapping[int, ShardManifest], slot: int) -> dict[str, list
     return out
 
 
-def _blocks(payload: Payload, dtype: str, shape: tuple[int, ...], boxes: list[Box] | None, label: str) -> Iterator[tuple[str, int, str]]:
+def _blocks(
+    payload: Payload, dtype: str, shape: tuple[int, ...], boxes: list[Box] | None, label: str
+) -> Iterator[tuple[str, int, str]]:
     blocks = payload_blocks(payload, dtype, shape)
     for i, (oid, box, n) in enumerate(blocks):
         if boxes is None or any(intersect(box, b) is not None for b in boxes):

@@ -4,6 +4,7 @@ A tensor object holds exactly ``numel * itemsize`` bytes and nothing else; dtype
 live in the tensor entry. Conversions here never copy unless the input is not already a
 contiguous CPU tensor.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,19 @@ import blake3
 from ..errors import TensorMismatch
 from .lazy import torch
 
-__all__ = ["ITEMSIZES", "FLOAT_DTYPES", "dtype_name", "torch_dtype", "expected_nbytes", "tensor_bytes", "tensor_from_bytes", "hash_bytes", "new_hasher", "is_dtensor", "same_split"]
+__all__ = [
+    "ITEMSIZES",
+    "FLOAT_DTYPES",
+    "dtype_name",
+    "torch_dtype",
+    "expected_nbytes",
+    "tensor_bytes",
+    "tensor_from_bytes",
+    "hash_bytes",
+    "new_hasher",
+    "is_dtensor",
+    "same_split",
+]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
     raise ImportError("shardstore stores tensors as little-endian bytes and supports little-endian hosts only")
@@ -56,15 +69,23 @@ def dtype_name(dtype: torch.dtype, what: str = "tensor") -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise TensorMismatch(f"{what}: dtype {dtype} is not in the allow-list {sorted(ITEMSIZES)} (SPEC.md §Tensor objects)") from None
+        raise TensorMismatch(
+            f"{what}: dtype {dtype} is not in the allow-list {sorted(ITEMSIZES)} (SPEC.md §Tensor objects)"
+        ) from None
 
 
 def check_storable(t: torch.Tensor, what: str = "tensor") -> str:
     """``dtype_name`` of a tensor that has bytes to store: strided (dense) and not on ``meta``;
     TensorMismatch naming it for a sparse, quantized or nested tensor or one with no data."""
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
-        kind = "a meta" if t.device.type == "meta" else f"a {t.layout}" + (" quantized" if t.is_quantized else "") + (" nested" if t.is_nested else "")
-        raise TensorMismatch(f"{what}: {kind} tensor has no dense bytes to store; only dense tensors are stored (SPEC.md §Tensor objects)")
+        kind = (
+            "a meta"
+            if t.device.type == "meta"
+            else f"a {t.layout}" + (" quantized" if t.is_quantized else "") + (" nested" if t.is_nested else "")
+        )
+        raise TensorMismatch(
+            f"{what}: {kind} tensor has no dense bytes to store; only dense tensors are stored (SPEC.md §Tensor objects)"
+        )
     return dtype_name(t.dtype, what)
 
 
@@ -94,11 +115,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def tensor_from_bytes(buf: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...], what: str) -> torch.Tensor:
+def tensor_from_bytes(
+    buf: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...], what: str
+) -> torch.Tensor:
     """A tensor viewing ``buf`` (no copy); TensorMismatch if the size is wrong."""
     want = expected_nbytes(dtype, shape)
     if len(buf) != want:
-        raise TensorMismatch(f"{what}: object holds {len(buf)} bytes, but {dtype}{list(shape)} needs {want} (SPEC.md §Tensor objects)")
+        raise TensorMismatch(
+            f"{what}: object holds {len(buf)} bytes, but {dtype}{list(shape)} needs {want} (SPEC.md §Tensor objects)"
+        )
     tdtype = torch_dtype(dtype)
     if want == 0:
         return torch.empty(shape, dtype=tdtype)

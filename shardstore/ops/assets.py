@@ -13,6 +13,7 @@ moves them. The pin binds a set to an immutable commit without changing the comm
 a commit a run trains from an import carries its import's set through its parent chain
 (`commit_assets` walks it).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,16 @@ __all__ = ["ASSET_FILES", "AssetFile", "AssetIndex", "read_asset_files", "put_as
 
 #: The files of a Hugging Face tokenizer (and chat template) that travel with the weights.
 ASSET_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
 )
 _MAX_ASSET_BYTES = 64 << 20  # real tokenizer.json files reach ~20 MB
 _MAX_INDEX_BYTES = 64 << 10
@@ -110,7 +119,9 @@ def commit_assets(store: Store, commit: str) -> dict[str, bytes] | None:
                 except ObjectNotFound:
                     raise ObjectNotFound(f"asset {e.name} (object {e.object}) of commit {cid} is missing") from None
                 if len(data) != e.size:
-                    raise ManifestError(f"asset {e.name} (object {e.object}): {len(data)} bytes, its index says {e.size}")
+                    raise ManifestError(
+                        f"asset {e.name} (object {e.object}): {len(data)} bytes, its index says {e.size}"
+                    )
                 out[e.name] = data
             return out
         cid = store.commit(cid).parent

@@ -15,6 +15,7 @@ tensor at a time and in bounded chunks, so memory stays near one tensor. The sta
 keep both norms so that the mirror of a diff is exact: relative L2 change is
 ``|after - before| / |before|``, a derived property.
 """
+
 from __future__ import annotations
 
 import math
@@ -187,7 +188,11 @@ def _entry_changes(x: TensorEntry, y: TensorEntry) -> tuple[str, ...]:
     if (ox is None) != (oy is None):
         out.append("optimizer state")
     elif ox is not None and oy is not None:
-        out += [k for k in ("group", "age", "birth", "moment_dtype", "exp_avg", "exp_avg_sq") if getattr(ox, k) != getattr(oy, k)]
+        out += [
+            k
+            for k in ("group", "age", "birth", "moment_dtype", "exp_avg", "exp_avg_sq")
+            if getattr(ox, k) != getattr(oy, k)
+        ]
     return tuple(out)
 
 
@@ -232,7 +237,9 @@ def _tensor_stats(store: Store, x: TensorEntry, y: TensorEntry) -> dict[str, Ten
         out[role] = _pair_stats(tx, ty)
         del tx, ty
     for key, (a, b) in state_pairs(x.state, y.state).items():  # the torch form's state tensors
-        tx = read_whole(store, a.object, a.dtype, a.shape, what=f"optimizer state {a.key!r} of tensor {x.name!r}")  # blocks too (format 3)
+        tx = read_whole(
+            store, a.object, a.dtype, a.shape, what=f"optimizer state {a.key!r} of tensor {x.name!r}"
+        )  # blocks too (format 3)
         ty = read_whole(store, b.object, b.dtype, b.shape, what=f"optimizer state {b.key!r} of tensor {y.name!r}")
         out[f"state {key}"] = _pair_stats(tx, ty)
         del tx, ty
@@ -277,7 +284,10 @@ def _field_diffs(store: Store, la: LoadedCommit, lb: LoadedCommit) -> list[Field
         va, vb = ra.get((s, kind)), rb.get((s, kind))
         if va != vb:
             out.append(FieldDiff(f"rng.{s}.{kind}", va, vb))
-    sa, sb = _slices(la), _slices(lb)  # what each slot held of sharded tensors (SPEC.md §15e): layout, not learned state
+    sa, sb = (
+        _slices(la),
+        _slices(lb),
+    )  # what each slot held of sharded tensors (SPEC.md §15e): layout, not learned state
     for key in sorted(set(sa) | set(sb)):
         if sa.get(key) != sb.get(key):
             out.append(FieldDiff(f"slices.{key[0]}.{key[1]}", sa.get(key), sb.get(key)))
@@ -289,7 +299,9 @@ def _slices(lc: LoadedCommit) -> dict[tuple[int, str], str]:
     out: dict[tuple[int, str], list[str]] = {}
     for s, shard in lc.shards.items():
         for x in shard.slices:
-            out.setdefault((s, x.name), []).append("[" + ", ".join(f"{a}:{a + n}" for a, n in zip(x.start, x.shape)) + "]")
+            out.setdefault((s, x.name), []).append(
+                "[" + ", ".join(f"{a}:{a + n}" for a, n in zip(x.start, x.shape)) + "]"
+            )
     return {k: " ".join(v) for k, v in out.items()}
 
 
@@ -300,7 +312,9 @@ def _group_diffs(la: LoadedCommit, lb: LoadedCommit) -> list[GroupDiff]:
     for name in sorted(set(ga) | set(gb)):
         x, y = ga.get(name), gb.get(name)
         if x != y:
-            out.append(GroupDiff(name, None if x is None else vars(hyper_of(x)), None if y is None else vars(hyper_of(y))))
+            out.append(
+                GroupDiff(name, None if x is None else vars(hyper_of(x)), None if y is None else vars(hyper_of(y)))
+            )
     ta, tb = (hyper_groups(c.commit.optimizer.torch_optimizer) for c in (la, lb))
     for name in sorted(set(ta) | set(tb)):
         if ta.get(name) != tb.get(name):

@@ -33,6 +33,7 @@ Stale ``tmp/`` files (a local store's interrupted writes, an S3 store's probe ke
 than the grace period and than ``TMP_MIN_AGE`` are removed too. Running gc twice in a row deletes nothing the
 second time.
 """
+
 from __future__ import annotations
 
 import time
@@ -84,8 +85,13 @@ def pinned_objects(store: Store) -> set[str]:
         raise type(e)(f"gc refused: a pin is unreadable, so what it keeps is unknown: {e}") from None
 
 
-def reachable(store: Store, pinned: set[str] | None = None, *, also: Sequence[str] = (),
-              known: tuple[set[str], list[str]] | None = None) -> tuple[set[str], list[str]]:
+def reachable(
+    store: Store,
+    pinned: set[str] | None = None,
+    *,
+    also: Sequence[str] = (),
+    known: tuple[set[str], list[str]] | None = None,
+) -> tuple[set[str], list[str]]:
     """(every object id reachable from a ref or named by a pin, the reachable commit ids in walk order).
 
     ``pinned``: the pinned ids if already read (else the pins are read here). ``also``: more
@@ -98,7 +104,9 @@ def reachable(store: Store, pinned: set[str] | None = None, *, also: Sequence[st
     try:
         heads = store.refs()
     except ShardstoreError as e:
-        raise type(e)(f"gc refused, nothing deleted: {e}; what it keeps is unknown (refs in {store.url}: {store.ref_names()})") from None
+        raise type(e)(
+            f"gc refused, nothing deleted: {e}; what it keeps is unknown (refs in {store.url}: {store.ref_names()})"
+        ) from None
     todo = sorted(set(heads.values())) + sorted(set(also))
     intended = set(also) - set(heads.values())
     while todo:
@@ -112,7 +120,9 @@ def reachable(store: Store, pinned: set[str] | None = None, *, also: Sequence[st
         except ShardstoreError as e:
             if cid in intended:
                 continue  # an intent's commit that lost objects already: its writer will refuse (GcRace)
-            raise type(e)(f"gc refused: commit {cid} is reachable but unreadable, so its closure is unknown: {e}") from None
+            raise type(e)(
+                f"gc refused: commit {cid} is reachable but unreadable, so its closure is unknown: {e}"
+            ) from None
         commits.append(cid)
         objects |= commit_closure(lc).ids()
         parent = lc.commit.parent
@@ -121,7 +131,9 @@ def reachable(store: Store, pinned: set[str] | None = None, *, also: Sequence[st
     return objects | pinned, commits
 
 
-def _marked(store: Store, known: tuple[set[str], list[str]] | None = None, dropped: frozenset[str] = frozenset()) -> tuple[set[str], list[str], int]:
+def _marked(
+    store: Store, known: tuple[set[str], list[str]] | None = None, dropped: frozenset[str] = frozenset()
+) -> tuple[set[str], list[str], int]:
     """One marking pass: pins, then refs, then intents (SPEC.md §19b), leaving out the
     ``dropped`` intents of dead writers; (kept ids, commits, pinned count)."""
     pinned = pinned_objects(store)
@@ -158,7 +170,14 @@ def _named_by_manifest(store: Store, oid: str) -> set[str]:
     return names
 
 
-def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8, progress: Callable[[int], None] | None = None) -> GcResult:
+def gc(
+    store: Store,
+    *,
+    grace_seconds: float,
+    dry_run: bool,
+    threads: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> GcResult:
     """Delete (or with ``dry_run`` only report) unreachable objects older than ``grace_seconds``.
 
     Behind the gc fence (``gc_fence``; SPEC.md §19b): the marker is written before anything
@@ -175,7 +194,14 @@ def gc(store: Store, *, grace_seconds: float, dry_run: bool, threads: int = 8, p
             marker.close()
 
 
-def _gc(store: Store, grace_seconds: float, dry_run: bool, threads: int, marker: GcMarker | None, tick: Callable[[int], None]) -> GcResult:
+def _gc(
+    store: Store,
+    grace_seconds: float,
+    dry_run: bool,
+    threads: int,
+    marker: GcMarker | None,
+    tick: Callable[[int], None],
+) -> GcResult:
     # A dead writer's intent keeps nothing: that writer can never move the ref it announced
     # (gc_fence.dead_intents; a dry run only reports them).
     dropped = dead_intents(store)

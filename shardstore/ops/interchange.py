@@ -18,6 +18,7 @@ re-reads the object to verify it, and commits weights only (no optimizer state) 
 transition ``import`` (pinning the directory's tokenizer files with it), optionally split over slots by contiguous decoder-layer ranges
 (slot 0 also owns every tensor outside ``model.layers.N``: embedding, final norm, head).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,15 @@ from ..checkpoint.slots import AUTO, write_commit
 from ..errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
 from ..format.bounded import check_json_nesting, read_regular_file
 from ..format.grid import payload_blocks, put_payloads
-from ..format.manifest import MAX_MANIFEST_BYTES, Payload, ShardManifest, TensorEntry, decode_config, encode_config, shard_version
+from ..format.manifest import (
+    MAX_MANIFEST_BYTES,
+    Payload,
+    ShardManifest,
+    TensorEntry,
+    decode_config,
+    encode_config,
+    shard_version,
+)
 from ..format.names import check_ref_name, check_tensor_name
 from ..format.tensors import expected_nbytes
 from ..state.module import tensor_profile
@@ -52,8 +61,16 @@ from .safetensors_files import write_file as _write_file
 from .safetensors_files import write_safetensors as _write_safetensors
 from .state_diff import extra_state_view, hyper_groups
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportResult", "Progress", "export_commit", "import_directory", "read_config",
-           "source_dtypes", "split_layers"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "ExportResult",
+    "Progress",
+    "export_commit",
+    "import_directory",
+    "read_config",
+    "source_dtypes",
+    "split_layers",
+]
 
 #: Hugging Face's default shard size ("5GB").
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -139,10 +156,15 @@ def export_commit(
         files.update(plan)
         if len(plan) > 1:
             weight_map = {it.name: fname for fname, its in plan.items() for it in its}
-            index = {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": dict(sorted(weight_map.items()))}
+            index = {
+                "metadata": {"total_size": sum(it.nbytes for it in items)},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
             docs[f"{prefix}.safetensors.index.json"] = json.dumps(index, indent=2).encode() + b"\n"
     if lc.commit.config is not None:
-        config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES), what=f"model config object {lc.commit.config}")
+        config = decode_config(
+            store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES), what=f"model config object {lc.commit.config}"
+        )
         docs["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
     docs.update(commit_assets(store, lc.id) or {})  # the tokenizer files its import carried (shardstore.ops.assets)
     if with_optimizer:
@@ -176,14 +198,19 @@ def _state_sets(lc: Any, entries: list[TensorEntry]) -> dict[str, list[_Item]]:
     for e in entries:
         for t in e.state.tensors if e.state is not None else ():
             out.setdefault(f"optimizer.state.{t.key}", []).append(_Item(e.name, t.dtype, tuple(t.shape), t.object))
-    extras = [_Item(f"{name}.{t.key}", t.dtype, tuple(t.shape), t.object) for name, x in _named_extras(lc) for t in x.tensors]
+    extras = [
+        _Item(f"{name}.{t.key}", t.dtype, tuple(t.shape), t.object) for name, x in _named_extras(lc) for t in x.tensors
+    ]
     return out | ({"extras": extras} if extras else {})
 
 
 def _named_extras(lc: Any) -> list[tuple[str, Any]]:
     """Every extra by its export name: a commit-wide one by its key, slot s's own as ``slot<s>/<key>``
     (``/`` is never in a key, so the two kinds cannot share a name; ``slot0.x`` is a valid key)."""
-    return [*((x.key, x) for x in lc.commit.extras), *((f"slot{s}/{x.key}", x) for s, sh in sorted(lc.shards.items()) for x in sh.extras)]
+    return [
+        *((x.key, x) for x in lc.commit.extras),
+        *((f"slot{s}/{x.key}", x) for s, sh in sorted(lc.shards.items()) for x in sh.extras),
+    ]
 
 
 def _extras_doc(store: Store, lc: Any) -> dict[str, Any]:
@@ -196,16 +223,22 @@ def _optimizer_doc(step: int, optimizer: Any, entries: list[TensorEntry], extras
         "step": step,
         "groups": {g.name: vars(hyper_of(g)) for g in optimizer.groups} | hyper_groups(optimizer.torch_optimizer),
         "tensors": {
-            e.name: {"group": e.optim.group, "birth": e.optim.birth, "age": e.optim.age} for e in entries if e.optim is not None
+            e.name: {"group": e.optim.group, "birth": e.optim.birth, "age": e.optim.age}
+            for e in entries
+            if e.optim is not None
         },
     }
     if optimizer.torch_optimizer is not None:
         doc["class"] = optimizer.torch_optimizer.class_name
         doc["tensors"] = {
-            e.name: {"group": e.state.group, "scalars": {x.key: _unscalar(x.value) for x in e.state.scalars}} for e in entries if e.state is not None
+            e.name: {"group": e.state.group, "scalars": {x.key: _unscalar(x.value) for x in e.state.scalars}}
+            for e in entries
+            if e.state is not None
         }
     if extras:
-        doc["extras"] = extras  # each tensor is named "tensor <dtype>[shape] <id>" here and "<extra>.<i>" in extras.safetensors
+        doc["extras"] = (
+            extras  # each tensor is named "tensor <dtype>[shape] <id>" here and "<extra>.<i>" in extras.safetensors
+        )
     return json.dumps(doc, indent=2).encode() + b"\n"
 
 
@@ -259,14 +292,18 @@ def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
                 sl = f.get_slice(name)
                 st = sl.get_dtype()
                 if st not in _FROM_ST:
-                    raise TensorMismatch(f"tensor {name!r} in {fname}: dtype {st} is not supported (SPEC.md §Tensor objects)")
+                    raise TensorMismatch(
+                        f"tensor {name!r} in {fname}: dtype {st} is not supported (SPEC.md §Tensor objects)"
+                    )
                 if name in out:
                     raise ManifestError(f"tensor {name!r} is in both {out[name][0]} and {fname}")
                 out[name] = (fname, _FROM_ST[st], tuple(int(d) for d in sl.get_shape()))
     if weight_map is not None:
         wrong = sorted(n for n in set(out) | set(weight_map) if weight_map.get(n) != out.get(n, ("",))[0])
         if wrong:
-            raise ManifestError(f"{src_dir}: the index and the files disagree about {len(wrong)} tensors, e.g. {wrong[:3]}")
+            raise ManifestError(
+                f"{src_dir}: the index and the files disagree about {len(wrong)} tensors, e.g. {wrong[:3]}"
+            )
     return out
 
 
@@ -300,7 +337,9 @@ def _check_layout(layout: Sequence[tuple[int, int]], num_layers: int) -> None:
     expect = 0
     for s, (a, b) in enumerate(layout):
         if a != expect or b < a or (b == a and s != 0):
-            raise LayoutError(f"layout {list(layout)}: slot {s}'s range [{a}, {b}) must start at {expect} and be non-empty (slot 0 may be empty)")
+            raise LayoutError(
+                f"layout {list(layout)}: slot {s}'s range [{a}, {b}) must start at {expect} and be non-empty (slot 0 may be empty)"
+            )
         expect = b
     if expect != num_layers:
         raise LayoutError(f"layout {list(layout)} covers layers [0, {expect}) but the model has {num_layers}")
@@ -321,8 +360,9 @@ def _owners(names: list[str], layout: Sequence[tuple[int, int]]) -> dict[str, in
 _WIDENS_TO_F32 = ("bfloat16", "float16", "float32")
 
 
-def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[int, ...], verify: bool,
-                   to: str | None = None) -> Payload:
+def _import_tensor(
+    store: Store, path: str, name: str, dtype: str, shape: tuple[int, ...], verify: bool, to: str | None = None
+) -> Payload:
     """Store one tensor of a safetensors file as its canonical blocks; return its payload.
 
     ``to`` (``"float32"``): a bfloat16/float16 tensor is widened to float32 on the way, one
@@ -338,7 +378,9 @@ def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[
         except SafetensorError as e:
             raise ManifestError(f"tensor {name!r} in {path}: unreadable ({e})") from None
         if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
-            raise TensorMismatch(f"tensor {name!r} in {path}: read {t.dtype}{list(t.shape)}, header says {dtype}{list(shape)}")
+            raise TensorMismatch(
+                f"tensor {name!r} in {path}: read {t.dtype}{list(t.shape)}, header says {dtype}{list(shape)}"
+            )
         if to is not None and t.is_floating_point() and dtype != to:
             t = t.float()  # exact: _stored_dtype admitted only dtypes float32 holds every value of
             dtype = to
@@ -346,7 +388,9 @@ def _import_tensor(store: Store, path: str, name: str, dtype: str, shape: tuple[
         del t
     if verify:
         for oid, _box, nbytes in payload_blocks(payload, dtype, shape):
-            data = store.get(oid, limit=nbytes)  # re-hash what the store now holds (an object already there may be anything)
+            data = store.get(
+                oid, limit=nbytes
+            )  # re-hash what the store now holds (an object already there may be anything)
             if len(data) != nbytes:
                 raise TensorMismatch(f"tensor {name!r}: object {oid} holds {len(data)} bytes")
             del data
@@ -387,7 +431,9 @@ def import_directory(
     encode_config(config)  # refuse an unrepresentable config before writing anything
     tensors = _scan(src_dir)
     if dtype is not None:
-        wide = sorted({d for _, d, _ in tensors.values() if d.startswith(("float", "bfloat")) and d not in _WIDENS_TO_F32})
+        wide = sorted(
+            {d for _, d, _ in tensors.values() if d.startswith(("float", "bfloat")) and d not in _WIDENS_TO_F32}
+        )
         if wide:
             raise TensorMismatch(f"{src_dir}: {wide} tensors cannot be converted to {dtype} exactly")
     files = read_asset_files(src_dir) if assets else {}
@@ -407,7 +453,13 @@ def import_directory(
     parent = current if parent is AUTO else parent
     check_parent(store, parent)
     # no trainer names a profile for an import: it is the floating dtypes the files hold (``tensor_profile``)
-    info = CommitInfo(step=step, job=job, profile=tensor_profile(d for _, d, _ in tensors.values()), config=config, transition="import")
+    info = CommitInfo(
+        step=step,
+        job=job,
+        profile=tensor_profile(d for _, d, _ in tensors.values()),
+        config=config,
+        transition="import",
+    )
     total = sum(expected_nbytes(d, s) for _, d, s in tensors.values())
     started = time.time()
     entries: list[list[TensorEntry]] = [[] for _ in range(nslots)]
@@ -424,8 +476,17 @@ def import_directory(
     shard_ids = [
         store.put_manifest(
             ShardManifest(
-                version=shard_version(entries[s]), job=job, step=step, parent=parent, config=config_id, slot=s, slots=nslots,
-                algorithm="none", groups=(), entries=tuple(entries[s]), rng=(),
+                version=shard_version(entries[s]),
+                job=job,
+                step=step,
+                parent=parent,
+                config=config_id,
+                slot=s,
+                slots=nslots,
+                algorithm="none",
+                groups=(),
+                entries=tuple(entries[s]),
+                rng=(),
             )
         )  # fmt: skip
         for s in range(nslots)
@@ -436,7 +497,14 @@ def import_directory(
         put_assets(store, cid, files)
     if ref is not None:
         store.set_ref(ref, cid, expected=current)
-    record = {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "source": os.path.abspath(src_dir),
-              "source_dtypes": sources, "converted_to": dtype, "assets": sorted(files)}
+    record = {
+        "time": started,
+        "seconds": time.time() - started,
+        "host": socket.gethostname(),
+        "source": os.path.abspath(src_dir),
+        "source_dtypes": sources,
+        "converted_to": dtype,
+        "assets": sorted(files),
+    }
     store.write_journal(cid, record)
     return cid

@@ -9,6 +9,7 @@ file is written through ``replacing``: under a new temporary name created exclus
 planted link is never followed), synced, read back with ``safetensors.safe_open`` and only
 then renamed into place.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,7 +65,11 @@ def _header(items: Sequence[Item]) -> bytes:
     head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for it in items:
-        head[it.name] = {"dtype": TO_ST[it.dtype], "shape": list(it.shape), "data_offsets": [offset, offset + it.nbytes]}
+        head[it.name] = {
+            "dtype": TO_ST[it.dtype],
+            "shape": list(it.shape),
+            "data_offsets": [offset, offset + it.nbytes],
+        }
         offset += it.nbytes
     raw = json.dumps(head, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)
@@ -90,7 +95,9 @@ def replacing(path: str) -> Iterator[tuple[BinaryIO, str]]:
     """
     tmp = ""
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".partial")
+        fd, tmp = tempfile.mkstemp(
+            dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".partial"
+        )
         mask = os.umask(0)
         os.umask(mask)
         os.fchmod(fd, 0o666 & ~mask)  # what open() would have given the file (mkstemp makes it 0600)
@@ -127,12 +134,16 @@ def write_safetensors(store: Store, path: str, items: Sequence[Item], tick: Call
                     kind = CorruptObject if isinstance(e, ObjectTooLarge) else type(e)
                     raise kind(f"tensor {it.name!r}{f', block {i}' if len(blocks) > 1 else ''} ({path}): {e}") from None
                 if len(data) != nbytes:
-                    raise TensorMismatch(f"tensor {it.name!r}: object {oid} holds {len(data)} bytes, entry needs {nbytes}")
+                    raise TensorMismatch(
+                        f"tensor {it.name!r}: object {oid} holds {len(data)} bytes, entry needs {nbytes}"
+                    )
                 view = memoryview(data)
-                for at, start, length in runs(tuple(it.shape), box, itemsize(it.dtype)):  # a row band: one run; a tile: its rows
+                for at, start, length in runs(
+                    tuple(it.shape), box, itemsize(it.dtype)
+                ):  # a row band: one run; a tile: its rows
                     if f.tell() != base + at:
                         f.seek(base + at)
-                    f.write(view[start:start + length])
+                    f.write(view[start : start + length])
                 del data, view
             f.seek(base + it.nbytes)
             tick(it)
@@ -140,7 +151,9 @@ def write_safetensors(store: Store, path: str, items: Sequence[Item], tick: Call
         _check_written(tmp, items)
 
 
-def runs(shape: tuple[int, ...], box: tuple[tuple[int, ...], tuple[int, ...]], item: int) -> Iterator[tuple[int, int, int]]:
+def runs(
+    shape: tuple[int, ...], box: tuple[tuple[int, ...], tuple[int, ...]], item: int
+) -> Iterator[tuple[int, int, int]]:
     """(byte offset in the tensor, byte offset in the block, length) of each contiguous run of
     a block's bytes in the tensor's C-order bytes: one for a row band (SPEC.md §5a, versions
     2-3) or a tile spanning every later dim, one per row of the tile's leading dims otherwise."""

@@ -9,6 +9,7 @@
   (``extra.scheduler.last_epoch: 3 -> 4``); a tensor inside a state shows as
   ``tensor <dtype>[shape] <object id>``, so a changed tensor is a changed value.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -55,16 +56,23 @@ def hyper_groups(spec: TorchOptimizer | None) -> dict[str, dict[str, Any]]:
     """Torch-form groups by name, hyperparameters decoded (reals as floats, tuples as lists)."""
     if spec is None:
         return {}
-    return {g.name: {k: (list(_unhyper(v, [])) if isinstance(v, tuple) else _unhyper(v, None)) for k, v in g.hyper.items()} for g in spec.groups}
+    return {
+        g.name: {k: (list(_unhyper(v, [])) if isinstance(v, tuple) else _unhyper(v, None)) for k, v in g.hyper.items()}
+        for g in spec.groups
+    }
 
 
 def extra_state_view(store: Store, x: ExtraEntry) -> dict[str, Any]:
     """An extra's state for people: decoded, each tensor shown as ``tensor <dtype>[shape] <object id>``."""
     marks = [f"tensor {t.dtype}{list(t.shape)} {t.object}" for t in x.tensors]
-    return read_extra_state(store.get(x.state, limit=MAX_MANIFEST_BYTES), marks, f"state document {x.state} of extra {x.key!r}")  # type: ignore[arg-type]
+    return read_extra_state(
+        store.get(x.state, limit=MAX_MANIFEST_BYTES), marks, f"state document {x.state} of extra {x.key!r}"
+    )  # type: ignore[arg-type]
 
 
-def extras_changes(store: Store, prefix: str, xa: tuple[ExtraEntry, ...], xb: tuple[ExtraEntry, ...]) -> list[tuple[str, Any, Any]]:
+def extras_changes(
+    store: Store, prefix: str, xa: tuple[ExtraEntry, ...], xb: tuple[ExtraEntry, ...]
+) -> list[tuple[str, Any, Any]]:
     """(dotted name, before, after) for every extra, or top-level field of one, that differs."""
     da, db = {x.key: x for x in xa}, {x.key: x for x in xb}
     out: list[tuple[str, Any, Any]] = []

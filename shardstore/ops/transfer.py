@@ -15,6 +15,7 @@ barrier, the commit manifest, a barrier, and only then, optionally, a ref moved 
 compare-and-swap. Objects move concurrently on a bounded thread pool (the S3 backend
 bounds its own requests further).
 """
+
 from __future__ import annotations
 
 import threading
@@ -133,7 +134,9 @@ def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str
     if have is not None:  # present with the wrong size: it cannot hash to its id; replace it
         dst.storage.delete(object_key(oid))
     if not dst.put_with_id(oid, data) and dst.object_size(oid) != len(data):
-        raise CorruptObject(f"{what} object {oid} in {dst.url} has the wrong size and could not be replaced (SPEC.md §19a)")
+        raise CorruptObject(
+            f"{what} object {oid} in {dst.url} has the wrong size and could not be replaced (SPEC.md §19a)"
+        )
     return True, len(data)
 
 
@@ -159,8 +162,9 @@ def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], attempts: int = 4
             time.sleep(0.005 * (attempt + 1))  # the same value under another writer's lock: wait for it
 
 
-def check_copy(src: Store, target: str, *, slot: int | None = None, ref: str | None = None,
-               pins: Sequence[str] = ()) -> tuple[LoadedCommit, dict[str, tuple[str, ...]]]:
+def check_copy(
+    src: Store, target: str, *, slot: int | None = None, ref: str | None = None, pins: Sequence[str] = ()
+) -> tuple[LoadedCommit, dict[str, tuple[str, ...]]]:
     """What ``copy_commit`` checks at the source before it touches the destination: the
     target commit, its slot ``slot``, the ref name and every pin; (the commit, the pins' ids).
     The command line runs it before it creates a destination store."""
@@ -215,8 +219,14 @@ def copy_commit(
     result = CopyResult(lc.id, slot)
     for dep in deps:  # each lands whole (and durable) before the commit that needs it
         done = copy_commit(src, dst, dep, threads=threads, progress=progress)
-        result.objects_copied, result.bytes_copied = result.objects_copied + done.objects_copied, result.bytes_copied + done.bytes_copied
-        result.objects_skipped, result.bytes_skipped = result.objects_skipped + done.objects_skipped, result.bytes_skipped + done.bytes_skipped
+        result.objects_copied, result.bytes_copied = (
+            result.objects_copied + done.objects_copied,
+            result.bytes_copied + done.bytes_copied,
+        )
+        result.objects_skipped, result.bytes_skipped = (
+            result.objects_skipped + done.objects_skipped,
+            result.bytes_skipped + done.bytes_skipped,
+        )
         result.dependencies.append(dep)
 
     budget = _ByteBudget(_IN_FLIGHT_BYTES)
@@ -233,7 +243,10 @@ def copy_commit(
         dst.sync()  # everything in this batch is durable before the next batch names it
 
     extra = sorted({oid for ids in pinned.values() for oid in ids} - set(closure.data))
-    batch([(oid, size, closure.labels.get(oid, "data")) for oid, size in sorted(closure.data.items())] + [(oid, None, "pinned") for oid in extra])
+    batch(
+        [(oid, size, closure.labels.get(oid, "data")) for oid, size in sorted(closure.data.items())]
+        + [(oid, None, "pinned") for oid in extra]
+    )
     batch([(sid, None, "shard manifest") for sid in closure.shards])
     batch([(closure.commit, None, "commit manifest")])
     load_commit(dst, lc.id)  # the destination now holds a structurally valid commit

@@ -25,6 +25,7 @@ whoever holds its bytes. Saving is a collective over the save's process group:
 Restore needs no collective: a rank reads the blocks its local tensor's parts overlap
 (``grid.read_parts``), each verified whole and read once.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,7 +47,18 @@ from .agreement import check_agreement, coverage_problem
 from .exchange import BATCH_BYTES, ExchangeStats, last_exchange, run_plan
 from .placement import local_parts
 
-__all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "is_dtensor", "local_region", "slice_regions", "plan_blocks", "write_dtensors", "entry_slot", "same_split"]
+__all__ = [
+    "BATCH_BYTES",
+    "ExchangeStats",
+    "last_exchange",
+    "is_dtensor",
+    "local_region",
+    "slice_regions",
+    "plan_blocks",
+    "write_dtensors",
+    "entry_slot",
+    "same_split",
+]
 
 
 def local_region(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]:
@@ -76,16 +88,22 @@ _ITEMS = msgspec.json.Decoder(list[_Item])
 _FINGERPRINTS = msgspec.json.Decoder(dict[str, str])
 
 
-def slice_regions(name: str, dtype: str, shape: tuple[int, ...], held: dict[Box, list[int]]) -> list[tuple[Box, list[int]]]:
+def slice_regions(
+    name: str, dtype: str, shape: tuple[int, ...], held: dict[Box, list[int]]
+) -> list[tuple[Box, list[int]]]:
     """The distinct slices of one tensor (sorted) and the ranks holding each; TensorMismatch unless they tile it."""
     regions = sorted(held.items())
     for box, _ in regions:
         if len(box[0]) != len(shape) or any(s < 0 or s + n > d for s, n, d in zip(box[0], box[1], shape)):
-            raise TensorMismatch(f"tensor {name!r}: a slice at {list(box[0])} of extent {list(box[1])} lies outside {list(shape)}")
+            raise TensorMismatch(
+                f"tensor {name!r}: a slice at {list(box[0])} of extent {list(box[1])} lies outside {list(shape)}"
+            )
     for i, (a, _) in enumerate(regions):
-        for b, _ in regions[i + 1:]:
+        for b, _ in regions[i + 1 :]:
             if math.prod(a[1]) and math.prod(b[1]) and intersect(a, b) is not None:
-                raise TensorMismatch(f"tensor {name!r}: slices at {list(a[0])} and {list(b[0])} overlap but are not replicas")
+                raise TensorMismatch(
+                    f"tensor {name!r}: slices at {list(a[0])} and {list(b[0])} overlap but are not replicas"
+                )
     covered = sum(math.prod(b[1]) for b, _ in regions)
     if covered != math.prod(shape):
         raise TensorMismatch(f"tensor {name!r}: its slices cover {covered} of {math.prod(shape)} elements")
@@ -93,7 +111,12 @@ def slice_regions(name: str, dtype: str, shape: tuple[int, ...], held: dict[Box,
 
 
 def plan_blocks(
-    key: str, dtype: str, shape: tuple[int, ...], regions: list[tuple[Box, list[int]]], *, block_bytes: int = BLOCK_BYTES
+    key: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    regions: list[tuple[Box, list[int]]],
+    *,
+    block_bytes: int = BLOCK_BYTES,
 ) -> list[tuple[Box, int, list[tuple[int, Box]]]]:
     """For each canonical block: (box, owner rank, [(source rank, piece box)] of its other pieces).
 
@@ -124,7 +147,9 @@ def plan_blocks(
         owner = pick(best)
         # A piece of another slice the owner holds too (a strided layout: a rank's local
         # tensor is several slices) is copied by the owner itself; the rest are sent.
-        out.append((box, owner, [(owner if owner in regions[ri][1] else pick(ri), c) for ri, c in pieces if ri != best]))
+        out.append(
+            (box, owner, [(owner if owner in regions[ri][1] else pick(ri), c) for ri, c in pieces if ri != best])
+        )
     return out
 
 
@@ -156,7 +181,9 @@ def _items_of(state: SlotState) -> list[tuple[str, str, torch.Tensor]]:
     return sorted(items, key=lambda x: (x[0], x[1]))
 
 
-def write_dtensors(store: Store, state: SlotState | None, *, group: Any = None, threads: int = 2, failure: BaseException | None = None) -> SlotState:
+def write_dtensors(
+    store: Store, state: SlotState | None, *, group: Any = None, threads: int = 2, failure: BaseException | None = None
+) -> SlotState:
     """Write every DTensor of ``state`` (a SlotState) as canonical blocks, collectively over ``group``.
 
     Returns the SlotState this rank's shard manifest records: plain tensors as they were,
@@ -176,7 +203,9 @@ def write_dtensors(store: Store, state: SlotState | None, *, group: Any = None, 
             local, parts = local_region(t, f"{role} of tensor {n!r}")
             locals_[(n, role)] = (local, parts)
             desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), tuple(box for box, _ in parts)))
-        for n, t in sorted(state.tensors.items()):  # plain tensors too: a replicated one (FSDP2's buffers) is written once
+        for n, t in sorted(
+            state.tensors.items()
+        ):  # plain tensors too: a replicated one (FSDP2's buffers) is written once
             if not is_dtensor(t):
                 desc.append(_Item(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), ()))
         raw = b"\x00" + msgspec.json.encode(desc)
@@ -215,7 +244,11 @@ def write_dtensors(store: Store, state: SlotState | None, *, group: Any = None, 
     # what this slot held of tensors another slot may record (SPEC.md §Slices held): the boxes of
     # its DTensor parameters' local parts, and the whole box of each plain tensor several ranks hold
     boxes = [(n, box) for (n, role), (_lt, parts) in locals_.items() if role == "param" for box, _ in parts]
-    boxes += [(n, ((0,) * state.tensors[n].dim(), tuple(state.tensors[n].shape))) for n, rs in replicated.items() if rank in rs]
+    boxes += [
+        (n, ((0,) * state.tensors[n].dim(), tuple(state.tensors[n].shape)))
+        for n, rs in replicated.items()
+        if rank in rs
+    ]
     slices = make_slices(boxes)
     if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
         return replace(_restate(state, {}, set(), drop), slices=slices) if drop else replace(state, slices=slices)
@@ -223,10 +256,16 @@ def write_dtensors(store: Store, state: SlotState | None, *, group: Any = None, 
     if ids is None:  # another rank failed staging or writing its blocks: the commit protocol names it
         return _restate(state, {}, set())
     blocks: dict[tuple[str, str], list[str]] = {}
-    for ((key, _bi, _box, _o, _s, _d), oid) in zip(plans, ids):
+    for (key, _bi, _box, _o, _s, _d), oid in zip(plans, ids):
         blocks.setdefault(key, []).append(oid)
-    payload = {key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()}
-    mine = {n for (n, role), (_, _, held) in union.items() if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank}
+    payload = {
+        key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()
+    }
+    mine = {
+        n
+        for (n, role), (_, _, held) in union.items()
+        if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank
+    }
     return replace(_restate(state, payload, mine, drop), slices=slices)
 
 
@@ -246,8 +285,12 @@ def _fingerprint(state: SlotState, name: str) -> str:
     return h.hexdigest()
 
 
-def _replicas_agree(locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]],
-                    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]], rank: int, group: Any) -> None:
+def _replicas_agree(
+    locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]],
+    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]],
+    rank: int,
+    group: Any,
+) -> None:
     """A box of a DTensor that several ranks hold (a ``Replicate`` placement, or one name on
     several meshes) is written once, split among its holders: they must hold the same bytes,
     else the commit would hold a tensor no rank held. Each holder hashes its copy; on a
@@ -295,7 +338,12 @@ def _replicated_plain(state: SlotState, replicated: dict[str, list[int]], rank: 
     return drop
 
 
-def _restate(state: SlotState, payload: dict[tuple[str, str], StoredPayload], mine: set[str], drop: frozenset[str] | set[str] = frozenset()) -> SlotState:
+def _restate(
+    state: SlotState,
+    payload: dict[tuple[str, str], StoredPayload],
+    mine: set[str],
+    drop: frozenset[str] | set[str] = frozenset(),
+) -> SlotState:
     """The SlotState this slot records: the DTensor entries it records (``mine``) replaced by
     their payloads; plain tensors as they are, but for replicated ones another rank records (``drop``)."""
     tensors = {}
@@ -309,11 +357,20 @@ def _restate(state: SlotState, payload: dict[tuple[str, str], StoredPayload], mi
     for n, po in state.optim.params.items():
         if n not in tensors:
             continue
-        m1 = payload.get((n, "exp_avg"), po.exp_avg) if po.exp_avg is not None and is_dtensor(po.exp_avg) else po.exp_avg
-        m2 = payload.get((n, "exp_avg_sq"), po.exp_avg_sq) if po.exp_avg_sq is not None and is_dtensor(po.exp_avg_sq) else po.exp_avg_sq
+        m1 = (
+            payload.get((n, "exp_avg"), po.exp_avg) if po.exp_avg is not None and is_dtensor(po.exp_avg) else po.exp_avg
+        )
+        m2 = (
+            payload.get((n, "exp_avg_sq"), po.exp_avg_sq)
+            if po.exp_avg_sq is not None and is_dtensor(po.exp_avg_sq)
+            else po.exp_avg_sq
+        )
         ts = po.torch_state
         if ts is not None and any(is_dtensor(m) for m in ts.tensors.values()):
-            ts = replace(ts, tensors={k: payload.get((n, f"state:{k}"), m) if is_dtensor(m) else m for k, m in ts.tensors.items()})
+            ts = replace(
+                ts,
+                tensors={k: payload.get((n, f"state:{k}"), m) if is_dtensor(m) else m for k, m in ts.tensors.items()},
+            )
         params[n] = replace(po, exp_avg=m1, exp_avg_sq=m2, torch_state=ts)
     used = {p.group for p in params.values()}
     optim = replace(

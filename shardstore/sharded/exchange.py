@@ -23,6 +23,7 @@ exchanged and hashed.
 A rank's staging in one batch is at most twice the batch: the blocks it owns (each at most
 once), plus the strips received for them, plus the pieces it sends of other blocks.
 """
+
 from __future__ import annotations
 
 import math
@@ -143,7 +144,9 @@ def _any_failed(error: BaseException | None, group: Any) -> bool:
     return bool(flag.item())
 
 
-def run_plan(store: Store, plans: list, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int) -> list[str] | None:
+def run_plan(
+    store: Store, plans: list, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int
+) -> list[str] | None:
     """Carry out ``plans`` ((key, block index, box, owner, sends, dtype) each, in the same
     order on every rank); return every block's id (all ranks get all ids).
 
@@ -189,7 +192,19 @@ def run_plan(store: Store, plans: list, locals_: dict[Any, Local], rank: int, g:
     return [bytes(row.numpy().tobytes()).hex() for row in table]
 
 
-def _batch(store: Store, batch: list, first: int, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena, writes: WriteBatch) -> list[tuple[int, str]] | None:
+def _batch(
+    store: Store,
+    batch: list,
+    first: int,
+    locals_: dict[Any, Local],
+    rank: int,
+    g: Any,
+    group: Any,
+    threads: int,
+    stats: ExchangeStats,
+    arena: _Arena,
+    writes: WriteBatch,
+) -> list[tuple[int, str]] | None:
     """One batch: what to stage worked out, the arena sized, pieces sent and received, this
     rank's blocks hashed and written; returns (plan index, id) of the blocks it owns, or
     None if another rank failed (staging, before any piece is posted, or writing its blocks)."""
@@ -252,7 +267,18 @@ def _stage(batch: list, first: int, locals_: dict[Any, Local], rank: int, arena:
     return owned, sending, need
 
 
-def _exchange(store: Store, owned: list, sending: list, need: int, g: Any, group: Any, threads: int, stats: ExchangeStats, arena: _Arena, writes: WriteBatch) -> list[tuple[int, str]]:
+def _exchange(
+    store: Store,
+    owned: list,
+    sending: list,
+    need: int,
+    g: Any,
+    group: Any,
+    threads: int,
+    stats: ExchangeStats,
+    arena: _Arena,
+    writes: WriteBatch,
+) -> list[tuple[int, str]]:
     """2. Buffers carved from the arena, sends and receives posted; 3. the blocks hashed and
     written (into the page cache, joining ``writes``: the arena is free again on return)."""
     works, blocks, strips = [], [], []
@@ -290,7 +316,9 @@ def _exchange(store: Store, owned: list, sending: list, need: int, g: Any, group
         dest.copy_(tmp)
     t2 = time.perf_counter()
     stats.transfer_s += t2 - t1
-    written = store.put_tensors([b.detach().reshape(-1) for _, b in blocks], threads=threads, batch=writes) if blocks else []
+    written = (
+        store.put_tensors([b.detach().reshape(-1) for _, b in blocks], threads=threads, batch=writes) if blocks else []
+    )
     stats.write_s += time.perf_counter() - t2
     stats.blocks_written += len(blocks)
     stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in blocks)

@@ -21,6 +21,7 @@ is one part (its local tensor is one box: the format-2 case); a strided one may 
 A ``Partial`` placement holds unreduced values (a sum of the ranks' tensors), not state,
 and is refused. This module knows nothing of blocks or stores.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -59,7 +60,13 @@ def _kind(p: Any) -> str:
     return "other"
 
 
-def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any], what: str = "tensor") -> list[range | torch.Tensor]:
+def dim_indices(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Any],
+    what: str = "tensor",
+) -> list[range | torch.Tensor]:
     """For each dim of a ``shape`` tensor, the global index of each index of the local tensor
     that mesh ``coordinate`` holds under ``placements``: a ``range`` while only ``Shard``
     splits the dim (``Shard.local_shard_size_and_offset``, DTensor's chunk arithmetic), else
@@ -71,7 +78,9 @@ def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Seq
     """
     idx: list[range | torch.Tensor] = [range(int(d)) for d in shape]
     if len(placements) != len(mesh_shape) or len(coordinate) != len(mesh_shape):
-        raise TensorMismatch(f"{what}: {len(placements)} placements for a {len(mesh_shape)}-d mesh (SPEC.md §Slices on the grid)")
+        raise TensorMismatch(
+            f"{what}: {len(placements)} placements for a {len(mesh_shape)}-d mesh (SPEC.md §Slices on the grid)"
+        )
     for mesh_dim, p in enumerate(placements):
         kind = _kind(p)
         if kind == "replicate":
@@ -119,7 +128,9 @@ def parts_of(indices: Sequence[range | torch.Tensor], what: str = "tensor") -> l
     runs = [index_runs(ix) for ix in indices]
     count = math.prod(len(r) for r in runs)
     if count > MAX_PARTS:
-        raise TensorMismatch(f"{what}: its local tensor is {count} separate boxes of the global tensor, more than {MAX_PARTS} (SPEC.md §Slices on the grid)")
+        raise TensorMismatch(
+            f"{what}: its local tensor is {count} separate boxes of the global tensor, more than {MAX_PARTS} (SPEC.md §Slices on the grid)"
+        )
     out: list[Part] = []
     for combo in itertools.product(*runs):
         out.append(((tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo)), tuple(lo for _, lo, _ in combo)))
@@ -143,7 +154,11 @@ def local_parts(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, li
     spec = getattr(t, "_spec", None)
     order = getattr(spec, "shard_order", None)
     if order is not None and not getattr(spec, "use_strided_shard_as_shard_order", False):
-        default = type(spec).compute_default_shard_order(placements) if hasattr(type(spec), "compute_default_shard_order") else order
+        default = (
+            type(spec).compute_default_shard_order(placements)
+            if hasattr(type(spec), "compute_default_shard_order")
+            else order
+        )
         if tuple(order) != tuple(default):
             raise TensorMismatch(
                 f"{what}: DTensor shards in the order {order}, not its placements' left-to-right order; "
@@ -159,12 +174,16 @@ def local_parts(t: torch.Tensor, what: str = "tensor") -> tuple[torch.Tensor, li
     want, origin = compute_local_shape_and_global_offset(shape, mesh, placements)
     got = tuple(len(ix) if isinstance(ix, range) else int(ix.numel()) for ix in indices)
     if tuple(local.shape) != got or tuple(want) != got:
-        raise TensorMismatch(f"{what}: DTensor's local tensor has shape {list(local.shape)}; its placements {placements} give {list(got)} (torch says {list(want)})")
+        raise TensorMismatch(
+            f"{what}: DTensor's local tensor has shape {list(local.shape)}; its placements {placements} give {list(got)} (torch says {list(want)})"
+        )
     if math.prod(got) == 0:
         return local, [((tuple(int(o) for o in origin), got), (0,) * len(got))]
     first = tuple(int(ix[0]) for ix in indices)  # a range or a tensor: its first index
     if first != tuple(int(o) for o in origin):
-        raise TensorMismatch(f"{what}: placements {placements} put this rank's first element at {list(first)}, torch says {list(origin)}")
+        raise TensorMismatch(
+            f"{what}: placements {placements} put this rank's first element at {list(first)}, torch says {list(origin)}"
+        )
     return local, parts_of(indices, what)
 
 

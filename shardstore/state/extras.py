@@ -21,6 +21,7 @@ path (``extra 'scheduler' at $.lr_lambdas[0]``), before anything is written.
 The state is taken (``state_dict()`` called and encoded) when ``capture_extras`` runs, so a
 background save (``AsyncSaver``) stores the state as it was when ``save`` was called.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
@@ -42,7 +43,16 @@ from .stateful import GeneratorState, LoaderState, stateful
 if TYPE_CHECKING:
     from ..store import Store
 
-__all__ = ["CapturedExtra", "capture_extras", "write_extras", "extra_objects", "read_extra_state", "ExtrasRestore", "plan_extras_restore", "extras_rules"]
+__all__ = [
+    "CapturedExtra",
+    "capture_extras",
+    "write_extras",
+    "extra_objects",
+    "read_extra_state",
+    "ExtrasRestore",
+    "plan_extras_restore",
+    "extras_rules",
+]
 
 _TENSOR = "tensor:"
 _MAX_DEPTH = 64
@@ -64,8 +74,10 @@ def _encode_value(value: Any, path: str, tensors: list[torch.Tensor], depth: int
         raise UnsupportedState(f"{where}: nested deeper than {_MAX_DEPTH} levels")
     if isinstance(value, torch.Tensor):
         if is_dtensor(value):  # one process's slice of it: storing that as the whole would be wrong
-            raise UnsupportedState(f"{where}: a DTensor holds only this process's slice; an extra's tensors are stored whole, "
-                                   "by one process (pass full_tensor() or a plain tensor; SPEC.md §Extras)")
+            raise UnsupportedState(
+                f"{where}: a DTensor holds only this process's slice; an extra's tensors are stored whole, "
+                "by one process (pass full_tensor() or a plain tensor; SPEC.md §Extras)"
+            )
         check_storable(value, where)
         tensors.append(value)
         return f"{_TENSOR}{len(tensors) - 1}"
@@ -74,7 +86,9 @@ def _encode_value(value: Any, path: str, tensors: list[torch.Tensor], depth: int
     if isinstance(value, Mapping):
         for k in value:
             if not isinstance(k, str):
-                raise UnsupportedState(f"{where}: key {k!r} is a {type(k).__name__}; state keys must be strings (SPEC.md §Extras)")
+                raise UnsupportedState(
+                    f"{where}: key {k!r} is a {type(k).__name__}; state keys must be strings (SPEC.md §Extras)"
+                )
         return {k: _encode_value(value[k], f"{path}.{k}", tensors, depth + 1, key) for k in sorted(value)}
     np_value = _numpy_scalar(value)
     if np_value is not None:
@@ -150,7 +164,9 @@ def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what
         if value.startswith(_TENSOR):
             i = len(seen)
             if value != f"{_TENSOR}{i}" or i >= len(tensors):
-                raise ManifestError(f"{what}: tensor reference {value!r} is not the next of {len(tensors)} ({_TENSOR}{i} expected)")
+                raise ManifestError(
+                    f"{what}: tensor reference {value!r} is not the next of {len(tensors)} ({_TENSOR}{i} expected)"
+                )
             seen.append(i)
             return tensors[i]
         return value
@@ -200,7 +216,9 @@ class ExtrasRestore:
         return [p[0] for p in self.pending]
 
 
-def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Mapping[str, Any] | None, where: str) -> ExtrasRestore:
+def plan_extras_restore(
+    store: Store, entries: Iterable[ExtraEntry], objects: Mapping[str, Any] | None, where: str
+) -> ExtrasRestore:
     """Check that every requested extra is stored and decodes, and plan its tensor reads; raise before any write."""
     have = {x.key: x for x in entries}
     reads: list[tuple[str, torch.Tensor, str]] = []
@@ -215,7 +233,10 @@ def plan_extras_restore(store: Store, entries: Iterable[ExtraEntry], objects: Ma
         what = f"state document {x.state} of extra {key!r} in {where}"
         raw = bytes(store.get(x.state, limit=MAX_MANIFEST_BYTES))  # re-hashed, bounded
         # a manifest's shapes: the objects' sizes bound the allocations (SPEC.md §Limits)
-        check_stored_all(store, [(t.object, t.dtype, tuple(t.shape), f"tensor {t.key} of extra {key!r} in {where}") for t in x.tensors])
+        check_stored_all(
+            store,
+            [(t.object, t.dtype, tuple(t.shape), f"tensor {t.key} of extra {key!r} in {where}") for t in x.tensors],
+        )
         tensors = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype)) for t in x.tensors]
         decoded = read_extra_state(raw, tensors, what)  # decodes before anything is written (the tensors not yet read)
         if isinstance(obj, (GeneratorState, LoaderState)):  # the state fits this generator (``stateful``)

@@ -12,6 +12,7 @@ are not owned by this process and are skipped, parameters and buffers alike. A c
 module's names are taken without ``torch.compile``'s ``_orig_mod`` segment (``restore_match``),
 so a compiled and a plain model hold the same names.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -43,8 +44,12 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
     for name, t in params.items():
         if t.device.type != "meta":
             out[check_tensor_name(canonical_name(name))] = t
-    if len(out) != sum(t.device.type != "meta" for t in params.values()):  # two names, one without _orig_mod: never merge them
-        raise StateMismatch("the model holds two parameters whose names differ only by '_orig_mod' segments (SPEC.md §16a)")
+    if len(out) != sum(
+        t.device.type != "meta" for t in params.values()
+    ):  # two names, one without _orig_mod: never merge them
+        raise StateMismatch(
+            "the model holds two parameters whose names differ only by '_orig_mod' segments (SPEC.md §16a)"
+        )
     for name, value in model.state_dict(keep_vars=True).items():
         if name in params:
             continue
@@ -70,8 +75,10 @@ def check_held(optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Ten
     for i, g in enumerate(optimizer.param_groups):
         for j, p in enumerate(g["params"]):
             if id(p) not in held and p.device.type != "meta":
-                raise StateMismatch(f"optimizer param group {i}, parameter {j} ({list(p.shape)}) is not among the model's "
-                                    "parameters and buffers; its value and state would not be saved (name it in the model)")
+                raise StateMismatch(
+                    f"optimizer param group {i}, parameter {j} ({list(p.shape)}) is not among the model's "
+                    "parameters and buffers; its value and state would not be saved (name it in the model)"
+                )
 
 
 def tensor_profile(dtypes: Iterable[str]) -> str:

@@ -9,6 +9,7 @@ keyed by tensor name — group, Adam age (updates received) and both moments. Ad
 - any optimizer exposing ``state_export()`` / ``state_import(groups, params)`` with plain
   dicts (shardtrain's shard-local AdamW does), via ``from_export`` / ``into_export``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,11 +20,33 @@ from typing import Any, Protocol
 
 from ..errors import StateMismatch, UnsupportedOptimizer
 from ..format.lazy import torch
-from ..format.manifest import CommitManifest, GroupSpec, HyperGroup, Payload, StateScalar, TensorEntry, f64_decode, f64_encode
+from ..format.manifest import (
+    CommitManifest,
+    GroupSpec,
+    HyperGroup,
+    Payload,
+    StateScalar,
+    TensorEntry,
+    f64_decode,
+    f64_encode,
+)
 from ..format.names import check_group_name
 from ..format.tensors import is_dtensor, same_split, torch_dtype
 
-__all__ = ["Hyper", "ParamOpt", "OptimState", "from_torch", "into_torch", "from_export", "into_export", "group_spec", "hyper_of", "CommitView", "TorchParam"]
+__all__ = [
+    "Hyper",
+    "ParamOpt",
+    "OptimState",
+    "from_torch",
+    "into_torch",
+    "from_export",
+    "into_export",
+    "group_spec",
+    "hyper_of",
+    "CommitView",
+    "TorchParam",
+]
+
 
 class CommitView(Protocol):
     """What restoring optimizer state needs of a loaded commit (``verification.LoadedCommit`` is one)."""
@@ -87,7 +110,9 @@ def group_spec(name: str, h: Hyper) -> GroupSpec:
 
 
 def hyper_of(g: GroupSpec) -> Hyper:
-    return Hyper(f64_decode(g.lr), f64_decode(g.beta1), f64_decode(g.beta2), f64_decode(g.eps), f64_decode(g.weight_decay))
+    return Hyper(
+        f64_decode(g.lr), f64_decode(g.beta1), f64_decode(g.beta2), f64_decode(g.eps), f64_decode(g.weight_decay)
+    )
 
 
 def _algorithm(optimizer: torch.optim.Optimizer) -> str:
@@ -127,7 +152,9 @@ def from_torch(
     for gname, g in zip(_group_names(optimizer, group_names), optimizer.param_groups):
         for flag in ("amsgrad", "maximize"):
             if g.get(flag, False):
-                raise UnsupportedOptimizer(f"param group {gname!r} uses {flag}=True, which the canonical form does not represent")
+                raise UnsupportedOptimizer(
+                    f"param group {gname!r} uses {flag}=True, which the canonical form does not represent"
+                )
         beta1, beta2 = (float(b) for b in g["betas"])
         out.groups[gname] = Hyper(float(g["lr"]), beta1, beta2, float(g["eps"]), float(g["weight_decay"]))
         for p in g["params"]:
@@ -269,29 +296,45 @@ def _plan_optim(
                 old[k] if _reusable(old.get(k), dtype, shape, targets[n]) else _empty_like(targets[n], dtype, shape)
                 for k in ("exp_avg", "exp_avg_sq")
             )
-            reads += [(o.exp_avg, m1, f"exp_avg of {n!r}"), (o.exp_avg_sq, m2, f"exp_avg_sq of {n!r}")]  # payloads: an id or blocks
+            reads += [
+                (o.exp_avg, m1, f"exp_avg of {n!r}"),
+                (o.exp_avg_sq, m2, f"exp_avg_sq of {n!r}"),
+            ]  # payloads: an id or blocks
         state.params[n] = ParamOpt(o.group, o.age, m1, m2)
     return state, reads
 
 
-def _install_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
+def _install_torch(
+    optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None
+) -> None:
     """``into_torch`` checks and sets groups; the moments already read are then installed without another copy."""
-    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
+    bare = OptimState(
+        state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()}
+    )
     into_torch(optimizer, {t: n for n, t in params.items()}, bare, group_names=group_names)
     for n, po in state.params.items():
         if po.exp_avg is None or po.exp_avg_sq is None:
             continue
         p = params[n]
-        m1, m2 = (m if m.device == p.device and m.dtype == p.dtype else m.to(device=p.device, dtype=p.dtype) for m in (po.exp_avg, po.exp_avg_sq))
+        m1, m2 = (
+            m if m.device == p.device and m.dtype == p.dtype else m.to(device=p.device, dtype=p.dtype)
+            for m in (po.exp_avg, po.exp_avg_sq)
+        )
         optimizer.state[p] = {"step": _scalar_step(po.age), "exp_avg": m1, "exp_avg_sq": m2}
 
 
-def _probe_torch(optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None) -> None:
+def _probe_torch(
+    optimizer: Any, params: dict[str, torch.Tensor], state: OptimState, group_names: list[str] | None
+) -> None:
     """Run ``_install_torch``'s checks (algorithm, groups, every tensor's state and group) on a
     stand-in sharing nothing mutable with ``optimizer``, so that a mismatch is raised before a
     byte is read into the caller's tensors (SPEC.md §19b)."""
     probe = copy.copy(optimizer)
-    probe.param_groups = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups]
+    probe.param_groups = [
+        {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups
+    ]
     probe.state = defaultdict(dict)
-    bare = OptimState(state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()})
+    bare = OptimState(
+        state.algorithm, state.groups, {n: ParamOpt(po.group, po.age, None, None) for n, po in state.params.items()}
+    )
     into_torch(probe, {t: n for n, t in params.items()}, bare, group_names=group_names)

@@ -22,6 +22,7 @@ the names of one state differ, and each has one rule here:
   the tied model; a commit holding one name where the model unties two would leave the
   other as it was. Both are refused by name under ``strict=True``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -54,7 +55,9 @@ class RestoreMatch:
     missing: list[str] = field(default_factory=list)  # model tensors the commit does not hold
 
 
-def _declared(model: torch.nn.Module | Mapping[str, torch.Tensor], owned: Mapping[str, torch.Tensor]) -> tuple[set[str], dict[str, str]]:
+def _declared(
+    model: torch.nn.Module | Mapping[str, torch.Tensor], owned: Mapping[str, torch.Tensor]
+) -> tuple[set[str], dict[str, str]]:
     """(every name the model declares, meta tensors and second names included; the second names of
     tied tensors: alias -> the name the tensor is saved under), canonical names."""
     if not isinstance(model, torch.nn.Module):
@@ -93,16 +96,20 @@ def match_names(
     for n in entries:
         c = canonical_name(n)
         if spelled.setdefault(c, n) != n:
-            raise StateMismatch(f"commit {commit_id} holds both {spelled[c]!r} and {n!r}: one tensor once compiled "
-                                f"(the {COMPILED_SEGMENT!r} segment is not part of a name; SPEC.md §16a)")
+            raise StateMismatch(
+                f"commit {commit_id} holds both {spelled[c]!r} and {n!r}: one tensor once compiled "
+                f"(the {COMPILED_SEGMENT!r} segment is not part of a name; SPEC.md §16a)"
+            )
     declared, aliases = _declared(model, owned)
     untied = sorted(a for a in aliases if a in spelled and aliases[a] in spelled)
     if untied and strict:
         a = untied[0]
-        raise StateMismatch(f"the model ties {a!r} to {aliases[a]!r} (one tensor under both names), but commit {commit_id} "
-                            f"holds them as two tensors (saved untied): restoring would discard one of them "
-                            f"({len(untied)} such name(s)); untie the model, or pass strict=False to restore {aliases[a]!r} "
-                            "and skip the other (SPEC.md §16a)")
+        raise StateMismatch(
+            f"the model ties {a!r} to {aliases[a]!r} (one tensor under both names), but commit {commit_id} "
+            f"holds them as two tensors (saved untied): restoring would discard one of them "
+            f"({len(untied)} such name(s)); untie the model, or pass strict=False to restore {aliases[a]!r} "
+            "and skip the other (SPEC.md §16a)"
+        )
     targets = {spelled[c]: t for c, t in owned.items() if c in spelled}
     missing = sorted(c for c in owned if c not in spelled)
     mine = {canonical_name(n) for n in (covered if covered is not None else ())}
@@ -110,16 +117,25 @@ def match_names(
     skipped = sorted(spelled[c] for c in mine if c not in declared or c in untied)
     if strict and missing:
         hint = _tied_hint(missing, owned, entries, spelled)
-        raise StateMismatch(f"commit {commit_id} has no tensors named {missing[:5]} ({len(missing)} missing){hint}; "
-                            "pass strict=False to restore the others and leave these as they are")
+        raise StateMismatch(
+            f"commit {commit_id} has no tensors named {missing[:5]} ({len(missing)} missing){hint}; "
+            "pass strict=False to restore the others and leave these as they are"
+        )
     if strict and skipped:
-        raise StateMismatch(f"commit {commit_id} holds tensors the model does not: {skipped[:5]} ({len(skipped)} unexpected); "
-                            "pass strict=False to skip them, or restore a piece of a model as a name -> tensor mapping "
-                            "(its declared share) or with slot= (SPEC.md §16a)")
+        raise StateMismatch(
+            f"commit {commit_id} holds tensors the model does not: {skipped[:5]} ({len(skipped)} unexpected); "
+            "pass strict=False to skip them, or restore a piece of a model as a name -> tensor mapping "
+            "(its declared share) or with slot= (SPEC.md §16a)"
+        )
     return RestoreMatch(targets, skipped, missing)
 
 
-def _tied_hint(missing: list[str], owned: Mapping[str, torch.Tensor], entries: Mapping[str, TensorEntry], spelled: Mapping[str, str]) -> str:
+def _tied_hint(
+    missing: list[str],
+    owned: Mapping[str, torch.Tensor],
+    entries: Mapping[str, TensorEntry],
+    spelled: Mapping[str, str],
+) -> str:
     """A clause for a missing tensor that a tied save would explain: another tensor of the model of
     the same dtype and shape is in the commit (``lm_head.weight`` beside ``model.embed_tokens.weight``)."""
     for m in missing[:5]:
@@ -127,6 +143,8 @@ def _tied_hint(missing: list[str], owned: Mapping[str, torch.Tensor], entries: M
         for c, other in owned.items():
             e = entries.get(spelled.get(c, ""))
             if c != m and e is not None and e.dtype == dtype_name(t.dtype, m) and tuple(e.shape) == tuple(t.shape):
-                return (f" ({m!r} may have been saved tied to {c!r}, one tensor under both names: tie them in this model "
-                        "before restoring, or pass strict=False to leave it as it is)")
+                return (
+                    f" ({m!r} may have been saved tied to {c!r}, one tensor under both names: tie them in this model "
+                    "before restoring, or pass strict=False to leave it as it is)"
+                )
     return ""

@@ -2,6 +2,7 @@
 (never copies) the named parameters, persistent buffers, optimizer state, RNG and extras a
 slot owns (SPEC.md §Manifests: a shard manifest records one slot).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -31,8 +32,9 @@ class SlotState:
     births: dict[str, int] | None = None
     buffers: set[str] = field(default_factory=set)  # which tensors are persistent buffers
     extra: dict[str, CapturedExtra] = field(default_factory=dict)  # this slot's own extras
-    slices: tuple[Slice, ...] = ()  # the boxes of sharded tensors this slot held (SPEC.md §Slices held; set by the block exchange)
-
+    slices: tuple[
+        Slice, ...
+    ] = ()  # the boxes of sharded tensors this slot held (SPEC.md §Slices held; set by the block exchange)
 
 
 def capture(
@@ -53,7 +55,9 @@ def capture(
     anything with ``state_export()``. ``extra``: this slot's own extras (SPEC.md §Extras).
     """
     tensors, buffers = named_state(model)
-    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, torch.nn.Module):  # a mapping names what the slot owns
+    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(
+        model, torch.nn.Module
+    ):  # a mapping names what the slot owns
         check_held(optimizer, tensors)
     if names is not None:
         missing = sorted(set(names) - set(tensors))
@@ -72,7 +76,9 @@ def capture(
         used = {p.group for p in params.values()}
         groups, torch_groups = ({g: h for g, h in d.items() if g in used} for d in (full.groups, full.torch_groups))
         optim = replace(full, groups=groups, params=params, torch_groups=torch_groups)
-    return SlotState(tensors, optim, capture_rng() if rng else {}, births, buffers & set(tensors), capture_extras(extra))
+    return SlotState(
+        tensors, optim, capture_rng() if rng else {}, births, buffers & set(tensors), capture_extras(extra)
+    )
 
 
 def slot_tensors(state: SlotState) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ through it instead, position included.
 ``stateful(obj)`` gives the object itself when it has ``state_dict()``/``load_state_dict()``,
 else one of the adapters below, else the object (which the caller then refuses).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,12 +41,16 @@ class GeneratorState:
         if not isinstance(sd, dict) or set(sd) != {"device", "state"}:
             raise StateMismatch(f"{self.where}: the stored state is not a generator's ({{'device', 'state'}} expected)")
         if sd["device"] != str(self.generator.device):
-            raise StateMismatch(f"{self.where}: stored from a {sd['device']} generator, restoring into a {self.generator.device} one")
+            raise StateMismatch(
+                f"{self.where}: stored from a {sd['device']} generator, restoring into a {self.generator.device} one"
+            )
         state = sd["state"]
         if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
             raise StateMismatch(f"{self.where}: the stored state is not a 1-d uint8 tensor")
         if state.numel() != self.generator.get_state().numel():
-            raise StateMismatch(f"{self.where}: stored state has {state.numel()} bytes, this generator's has {self.generator.get_state().numel()}")
+            raise StateMismatch(
+                f"{self.where}: stored state has {state.numel()} bytes, this generator's has {self.generator.get_state().numel()}"
+            )
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.check(sd)
@@ -80,7 +85,9 @@ class LoaderState:
         if not isinstance(stored, dict):
             raise StateMismatch("DataLoader: the stored state is not a loader's ({'generators'} expected)")
         if sorted(stored) != sorted(self.parts):
-            raise StateMismatch(f"DataLoader: stored generators at {sorted(stored)}, this loader has them at {sorted(self.parts)}")
+            raise StateMismatch(
+                f"DataLoader: stored generators at {sorted(stored)}, this loader has them at {sorted(self.parts)}"
+            )
         for p, g in self.parts.items():
             g.check(stored[p])
 

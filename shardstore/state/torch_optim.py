@@ -22,6 +22,7 @@ Restore checks everything (class, group names, every parameter's state present a
 same group) before a byte is read, then hands torch's own ``load_state_dict`` a state dict
 built by name, so torch's device and dtype rules for state apply.
 """
+
 from __future__ import annotations
 
 import re
@@ -49,7 +50,18 @@ from ..format.names import check_group_name
 from ..format.tensors import check_storable, dtype_name, is_dtensor, torch_dtype
 from .optim import OptimState, ParamOpt, TorchParam, _group_names  # one group-naming rule for both forms
 
-__all__ = ["REAL_PREFIX", "class_name", "is_adam_form", "capture_torch", "TorchRestore", "plan_torch_restore", "state_objects", "torch_spec", "torch_union", "use_torch_form"]
+__all__ = [
+    "REAL_PREFIX",
+    "class_name",
+    "is_adam_form",
+    "capture_torch",
+    "TorchRestore",
+    "plan_torch_restore",
+    "state_objects",
+    "torch_spec",
+    "torch_union",
+    "use_torch_form",
+]
 
 _SKIP_GROUP_KEYS = ("params", "param_names")
 _STATE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # manifest.StateKey
@@ -61,7 +73,9 @@ def class_name(optimizer: Any) -> str:
     cls = type(optimizer)
     name = f"{cls.__module__}.{cls.__qualname__}"
     if _LABEL.fullmatch(name) is None:
-        raise UnsupportedOptimizer(f"optimizer class {name!r} is not a label (SPEC.md §Names); define it at module level")
+        raise UnsupportedOptimizer(
+            f"optimizer class {name!r} is not a label (SPEC.md §Names); define it at module level"
+        )
     return name
 
 
@@ -100,11 +114,15 @@ def _state_scalar(key: str, value: Any, where: str) -> StateScalar:
         v: Any = bool(item) if dtype == "bool" else (int(item) if not value.is_floating_point() else float(item))
         return StateScalar(key=key, value=_scalar(v, where), dtype=dtype)
     if isinstance(value, str) or not (value is None or isinstance(value, (bool, int, float))):
-        raise UnsupportedOptimizer(f"{where}: a {type(value).__name__} is neither a tensor nor a number (SPEC.md §Optimizer state)")
+        raise UnsupportedOptimizer(
+            f"{where}: a {type(value).__name__} is neither a tensor nor a number (SPEC.md §Optimizer state)"
+        )
     return StateScalar(key=key, value=_scalar(value, where))
 
 
-def capture_torch(optimizer: Any, param_names: Mapping[torch.Tensor, str], *, group_names: list[str] | None = None) -> OptimState:
+def capture_torch(
+    optimizer: Any, param_names: Mapping[torch.Tensor, str], *, group_names: list[str] | None = None
+) -> OptimState:
     """Any torch optimizer in the torch form: class, groups by name, per-parameter state by tensor name.
 
     State tensors are referenced, not copied. Parameters not in ``param_names`` are skipped.
@@ -158,9 +176,12 @@ def param_state(tp: TorchParam, ids: Iterator[Payload]) -> ParamState:
     A state tensor may be a ``StoredPayload`` (a DTensor the block exchange wrote): its
     dtype and shape are the whole tensor's."""
     tensors = tuple(
-        StateTensor(key=k, dtype=dtype_name(t.dtype, k), shape=tuple(t.shape), object=next(ids)) for k, t in sorted(tp.tensors.items())
+        StateTensor(key=k, dtype=dtype_name(t.dtype, k), shape=tuple(t.shape), object=next(ids))
+        for k, t in sorted(tp.tensors.items())
     )
-    return ParamState(group=check_group_name(tp.group), tensors=tensors, scalars=tuple(tp.scalars[k] for k in sorted(tp.scalars)))
+    return ParamState(
+        group=check_group_name(tp.group), tensors=tensors, scalars=tuple(tp.scalars[k] for k in sorted(tp.scalars))
+    )
 
 
 def state_objects(e: TensorEntry) -> Iterator[tuple[str, int, str]]:
@@ -218,9 +239,13 @@ def plan_torch_restore(
     """Check that the commit's torch-form state fits ``optimizer`` and plan its reads; raise before any write."""
     live, spec = class_name(optimizer), optimizer_spec.torch_optimizer
     if spec is None:
-        raise StateMismatch(f"commit {commit_id} holds {optimizer_spec.algorithm} optimizer state but the optimizer is {live}")
+        raise StateMismatch(
+            f"commit {commit_id} holds {optimizer_spec.algorithm} optimizer state but the optimizer is {live}"
+        )
     if spec.class_name != live:
-        raise StateMismatch(f"commit {commit_id} holds {spec.class_name} state but the optimizer is {live}; refusing to install it")
+        raise StateMismatch(
+            f"commit {commit_id} holds {spec.class_name} state but the optimizer is {live}; refusing to install it"
+        )
     groups = {g.name: g for g in spec.groups}
     by_id = {id(t): n for n, t in targets.items()}
     reads: list[tuple[Payload, torch.Tensor, str]] = []
@@ -239,12 +264,16 @@ def plan_torch_restore(
         for p in g["params"]:
             name = by_id.get(id(p))
             if name is None:
-                raise StateMismatch(f"optimizer group {gname!r} holds a parameter that is not among the model's owned tensors")
+                raise StateMismatch(
+                    f"optimizer group {gname!r} holds a parameter that is not among the model's owned tensors"
+                )
             e = entries.get(name)
             if e is None or e.state is None:
                 raise StateMismatch(f"tensor {name!r} has no {spec.class_name} state in commit {commit_id}")
             if e.state.group != gname:
-                raise StateMismatch(f"tensor {name!r} is in group {e.state.group!r} in commit {commit_id} but in {gname!r} here")
+                raise StateMismatch(
+                    f"tensor {name!r} is in group {e.state.group!r} in commit {commit_id} but in {gname!r} here"
+                )
             st: dict[str, Any] = {s.key: _scalar_value(s) for s in e.state.scalars}
             dests += [(st, p, t, f"optimizer state {t.key!r} of {name!r}") for t in e.state.tensors]
             if st or e.state.tensors:
@@ -252,7 +281,9 @@ def plan_torch_restore(
             index += 1
     # every shape only the manifest gives is checked against its objects' sizes, the size
     # queries together, before any state tensor is allocated (SPEC.md §Limits)
-    check_stored_all(store, [(t.object, t.dtype, tuple(t.shape), what) for _, p, t, what in dests if not _sized_by_param(p, t)])
+    check_stored_all(
+        store, [(t.object, t.dtype, tuple(t.shape), what) for _, p, t, what in dests if not _sized_by_param(p, t)]
+    )
     for st, p, t, what in dests:
         st[t.key] = dest = _state_dest(p, t)
         reads.append((t.object, dest, what))

@@ -2,6 +2,7 @@
 objects written in one batch and read straight into tensors (``tensors``), and the fence that
 keeps gc from deleting what a ref is moving to (``gc_fence``; SPEC.md §Store layout, §19b).
 """
+
 from .keys import object_key, pin_key, ref_key
 from .store import Store, open_store
 

@@ -37,6 +37,7 @@ a tag of the host name): gc removes, before it marks, the intents whose writer i
 crashed keeps its commit like a pin until it is removed (``intents/`` is safe to empty
 when no writer runs).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,7 +54,15 @@ from ..backends.base import Storage
 from ..backends.holders import MAX_RECORD, holder_record, holder_state, process_state, read_holder, this_process
 from ..errors import GcRace, ObjectNotFound, ShardstoreError
 from ..format.closure import commit_closure
-from ..format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, CommitManifest, PinManifest, ShardManifest, decode_manifest, encode
+from ..format.manifest import (
+    FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    CommitManifest,
+    PinManifest,
+    ShardManifest,
+    decode_manifest,
+    encode,
+)
 from ..format.names import check_oid
 
 
@@ -70,7 +79,16 @@ class Store(Protocol):
 
     def shard(self, oid: str) -> ShardManifest: ...
 
-__all__ = ["fenced_move", "GcMarker", "intent_objects", "dead_intents", "STALE_SECONDS", "REFRESH_SECONDS", "WAIT_SECONDS"]
+
+__all__ = [
+    "fenced_move",
+    "GcMarker",
+    "intent_objects",
+    "dead_intents",
+    "STALE_SECONDS",
+    "REFRESH_SECONDS",
+    "WAIT_SECONDS",
+]
 
 INTENTS = "intents"
 MARKERS = "gc"
@@ -87,13 +105,17 @@ def _encode_ids(ids: Sequence[str]) -> bytes:
     return encode(PinManifest(version=FORMAT_VERSION, objects=tuple(sorted(set(ids)))))
 
 
-def fenced_move(store: Store, *, commit: str | None = None, objects: Sequence[str] = (), move: Callable[[], None]) -> None:
+def fenced_move(
+    store: Store, *, commit: str | None = None, objects: Sequence[str] = (), move: Callable[[], None]
+) -> None:
     """Run ``move`` (a ref's or pin's compare-and-swap) behind the fence: intent, wait for no
     gc, presence check of what it will name, move, drop the intent (module docstring).
 
     ``commit``: a ref move, checking the commit's closure, or only ``objects`` if given (a slot
     copy holds its slot's closure); no ``commit``: a pin naming ``objects``."""
-    kind, ids = ("c", [commit]) if commit is not None else ("p", list(objects))  # ``objects`` with a commit: what it needs
+    kind, ids = (
+        ("c", [commit]) if commit is not None else ("p", list(objects))
+    )  # ``objects`` with a commit: what it needs
     key = f"{INTENTS}/{kind}-{secrets.token_hex(16)}{_owner_suffix()}"
     store.storage.write_once(key, _encode_ids([check_oid(i, what="object id in an intent") for i in ids]))
     try:
@@ -126,7 +148,12 @@ class _Commit:
 
 def _read(store: Store, cid: str) -> _Commit:
     commit = store.commit(cid)
-    return _Commit(cid, commit, {lay.slot: store.shard(lay.shard) for lay in commit.layout}, {lay.slot: lay.shard for lay in commit.layout})
+    return _Commit(
+        cid,
+        commit,
+        {lay.slot: store.shard(lay.shard) for lay in commit.layout},
+        {lay.slot: lay.shard for lay in commit.layout},
+    )
 
 
 def _missing(store: Store, commit: str | None, objects: Sequence[str]) -> list[str]:
@@ -165,7 +192,9 @@ def _wait_for_no_gc(store: Store) -> None:
         if not live:
             return
         if now - start > WAIT_SECONDS:
-            raise GcRace(f"gc has held {store.url} for over {WAIT_SECONDS:.0f} s ({live[0]}); the ref or pin was not moved")
+            raise GcRace(
+                f"gc has held {store.url} for over {WAIT_SECONDS:.0f} s ({live[0]}); the ref or pin was not moved"
+            )
         time.sleep(_POLL_SECONDS)
 
 
@@ -262,8 +291,10 @@ class GcMarker:
             if since < REFRESH_SECONDS:
                 return
             if since >= STALE_SECONDS / 2:
-                raise GcRace(f"gc stopped: its marker {self.key} went {since:.0f} s without a refresh, so writers may "
-                             f"have taken it for a dead gc's (SPEC.md §19b); run gc again")
+                raise GcRace(
+                    f"gc stopped: its marker {self.key} went {since:.0f} s without a refresh, so writers may "
+                    f"have taken it for a dead gc's (SPEC.md §19b); run gc again"
+                )
             self._touch()
 
     def renew_before_sweep(self) -> bool:

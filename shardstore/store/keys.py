@@ -7,6 +7,7 @@ store's root, built only from validated names and ids.
     pins/<name>                 a PinManifest: objects gc keeps though no commit names them
     journal/<commit id>.json    unhashed notes (times, hosts, durations); never trusted
 """
+
 from __future__ import annotations
 
 from ..format.names import check_oid, check_ref_name

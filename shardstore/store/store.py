@@ -11,6 +11,7 @@ A ``Store`` wraps one ``Storage`` backend and owns the key layout::
 Everything read back is re-hashed before it is used. Names and ids are validated before
 they become keys.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -189,7 +190,9 @@ class Store:
             raise type(e)(f"{what}: {e}") from None
         return tensor_from_bytes(data, dtype, tuple(shape), f"{what} (object {oid})")
 
-    def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = 2, batch: tensors_io.WriteBatch | None = None) -> list[str]:
+    def put_tensors(
+        self, tensors: Sequence[torch.Tensor], *, threads: int = 2, batch: tensors_io.WriteBatch | None = None
+    ) -> list[str]:
         """Store each tensor's bytes as an object; return the ids in order (``store.tensors.put_tensors``).
         With ``batch`` (``write_batch()``), they become durable and visible at ``batch.finish(store.storage)``."""
         return tensors_io.put_tensors(self.storage, tensors, threads=threads, batch=batch)
@@ -214,8 +217,13 @@ class Store:
     def read_into(self, oid: str, dest: torch.Tensor, *, what: str = "tensor") -> None:
         """Fill ``dest`` in place with object ``oid``'s bytes, verifying size and hash
         (``store.tensors.read_into``: straight from the file where the backend allows)."""
-        tensors_io.read_into(self.storage, oid, dest, what=what,
-                             whole=lambda: self.get_tensor(oid, dtype_name(dest.dtype, what), tuple(dest.shape), what=what))
+        tensors_io.read_into(
+            self.storage,
+            oid,
+            dest,
+            what=what,
+            whole=lambda: self.get_tensor(oid, dtype_name(dest.dtype, what), tuple(dest.shape), what=what),
+        )
 
     # -- manifests ---------------------------------------------------------------------
 
@@ -248,12 +256,14 @@ class Store:
         except ObjectNotFound:
             return None
         if len(data) > limit:
-            raise ObjectTooLarge(f"{key} in {self.url} is {len(data)} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
+            raise ObjectTooLarge(
+                f"{key} in {self.url} is {len(data)} bytes, over this reader's limit of {limit} (SPEC.md §Limits)"
+            )
         return data
 
     def _names_under(self, prefix: str) -> list[str]:
         """Ref or pin names under ``prefix`` (lock files of writers in progress excluded), sorted."""
-        return sorted(key[len(prefix) + 1:] for key in self.storage.list(prefix) if not key.endswith(".lock"))
+        return sorted(key[len(prefix) + 1 :] for key in self.storage.list(prefix) if not key.endswith(".lock"))
 
     def _ref_raw(self, name: str) -> bytes | None:
         return self._read_or_none(ref_key(name), limit=4096)  # a ref is 65 bytes; anything near this is malformed
@@ -261,7 +271,9 @@ class Store:
     @staticmethod
     def _parse_ref(name: str, raw: bytes) -> str:
         if len(raw) != _REF_BYTES or not raw.endswith(b"\n"):
-            raise ManifestError(f"ref {name!r} is malformed: expected a commit id and a newline, found {len(raw)} bytes")
+            raise ManifestError(
+                f"ref {name!r} is malformed: expected a commit id and a newline, found {len(raw)} bytes"
+            )
         return check_oid(raw[:64].decode("ascii", "replace"), what=f"commit id in ref {name!r}")
 
     def ref(self, name: str) -> str | None:
@@ -287,7 +299,12 @@ class Store:
         (GcRace if ``new``'s closure, or ``needs``, is not all present: behind the gc fence, SPEC.md §19b)."""
         check_oid(new, what="commit id")
         exp = None if expected is None else (check_oid(expected, what="expected commit id") + "\n").encode()
-        fenced_move(self, commit=new, objects=sorted(needs or ()), move=lambda: self.storage.swap(ref_key(name), exp, (new + "\n").encode()))
+        fenced_move(
+            self,
+            commit=new,
+            objects=sorted(needs or ()),
+            move=lambda: self.storage.swap(ref_key(name), exp, (new + "\n").encode()),
+        )
 
     def delete_ref(self, name: str, *, expected: str) -> None:
         """Delete ref ``name`` if it points at ``expected``: a compare-and-delete, so a ref moved
@@ -309,7 +326,9 @@ class Store:
         try:
             check_oid_prefix(target)
         except Exception:
-            raise TargetNotFound(f"{target!r} is neither a ref in {self.url} nor a commit id or prefix (>= 8 hex digits)") from None
+            raise TargetNotFound(
+                f"{target!r} is neither a ref in {self.url} nor a commit id or prefix (>= 8 hex digits)"
+            ) from None
         if len(target) == 64:
             if not self.has(target):
                 raise TargetNotFound(f"commit {target} is not in {self.url}")

@@ -3,6 +3,7 @@ bytes written as objects in one batch, each hashed once from memory, and an obje
 straight into a tensor, hashed chunk by chunk as it lands. ``Store.put_tensors`` and
 ``Store.read_into`` are these, on the store's backend.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,7 +56,9 @@ class WriteBatch:
                 pass
 
 
-def put_tensors(storage: Storage, tensors: Sequence[torch.Tensor], *, threads: int = 2, batch: WriteBatch | None = None) -> list[str]:
+def put_tensors(
+    storage: Storage, tensors: Sequence[torch.Tensor], *, threads: int = 2, batch: WriteBatch | None = None
+) -> list[str]:
     """Store each tensor's bytes as an object; return the ids in order.
 
     Each tensor's bytes are hashed once, from memory; objects already present are not
@@ -112,7 +115,12 @@ def read_into(storage: Storage, oid: str, dest: torch.Tensor, *, what: str, whol
     unverified bytes.
     """
     dtype_name(dest.dtype, what)  # a dtype outside the allow-list is refused before any byte lands
-    direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.numel() > 0 and not (dest.is_conj() or dest.is_neg())
+    direct = (
+        dest.device.type == "cpu"
+        and dest.is_contiguous()
+        and dest.numel() > 0
+        and not (dest.is_conj() or dest.is_neg())
+    )
     stream = getattr(storage, "read_into", None)
     if stream is None or not direct:
         with torch.no_grad():

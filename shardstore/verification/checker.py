@@ -5,6 +5,7 @@ Rules are written once, as generators of ``Problem`` values, and used two ways:
 first one before any tensor is returned (every load path). A problem carries a typed
 error whose message names the commit, the object and the tensor concerned.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -36,7 +37,12 @@ class Report:
 
 
 def _check_pins(
-    store: Store, report: Report, deep: bool, threads: int, seen: dict[str, Checked], progress: Callable[[int], None] | None
+    store: Store,
+    report: Report,
+    deep: bool,
+    threads: int,
+    seen: dict[str, Checked],
+    progress: Callable[[int], None] | None,
 ) -> None:
     """Every pin parses and every object it names is present (and, deep, hashes to its id)."""
     jobs: list[Job] = []
@@ -56,7 +62,9 @@ def _check_pins(
         if progress is not None:
             progress(found.hashed)
         if found.error is not None:
-            report.problems.append(Problem(type(found.error)(f"{job.what}: object {job.oid}: {found.error}"), None, job.oid))
+            report.problems.append(
+                Problem(type(found.error)(f"{job.what}: object {job.oid}: {found.error}"), None, job.oid)
+            )
 
 
 def verify(
@@ -139,7 +147,9 @@ def verify(
                 err = None
             if err is not None:
                 t = f", tensor {tensor!r}" if tensor else ""
-                report.problems.append(Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor))
+                report.problems.append(
+                    Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor)
+                )
     if targets is None:  # after the commits, so that their own checks of shared objects run first
         _check_pins(store, report, deep, threads, checked, progress)
     return report

@@ -2,6 +2,7 @@
 everything about a commit that can be judged from its manifests alone, before any tensor
 byte is read. ``load_commit`` raises the first problem; ``verify`` collects them all.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -18,14 +19,30 @@ from ..errors import (
 )
 from ..format.canonical import sorted_unique
 from ..format.grid import grid_problems, payload_blocks
-from ..format.manifest import FORMAT_VERSION, CommitManifest, ShardManifest, TensorEntry, banded, shard_version, tensor_payloads
+from ..format.manifest import (
+    FORMAT_VERSION,
+    CommitManifest,
+    ShardManifest,
+    TensorEntry,
+    banded,
+    shard_version,
+    tensor_payloads,
+)
 from ..format.roots import learned_root
 from ..format.slices import commit_slice_problems, shard_slice_problems
 from ..state.extras import extras_rules
 from ..store import Store
 from .rules import commit_rules, shard_rules, state_problems
 
-__all__ = ["Problem", "LoadedCommit", "shard_problems", "commit_problems", "repeated_shards", "load_commit", "read_commit"]
+__all__ = [
+    "Problem",
+    "LoadedCommit",
+    "shard_problems",
+    "commit_problems",
+    "repeated_shards",
+    "load_commit",
+    "read_commit",
+]
 
 #: The algorithms of the canonical Adam form (SPEC.md §9), which a writer names only over Adam groups (§12).
 _ADAM = ("adam", "adamw")
@@ -86,7 +103,10 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
     if shard.algorithm == "none" and shard.groups:
         yield p(ManifestError, "algorithm 'none' with optimizer groups")
     if shard.algorithm in _ADAM and not shard.groups:
-        yield p(ManifestError, f"algorithm {shard.algorithm!r} with no optimizer groups: a writer writes 'none' (SPEC.md §Binding)")
+        yield p(
+            ManifestError,
+            f"algorithm {shard.algorithm!r} with no optimizer groups: a writer writes 'none' (SPEC.md §Binding)",
+        )
     used: set[str] = set()
     for e in shard.entries:
         o = e.optim
@@ -110,7 +130,9 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
             yield p(CursorError, f"Adam age {o.age} > 0 but no moments are stored", e.name)
         if has[0] != (o.moment_dtype is not None):
             yield p(ManifestError, "moment_dtype must be set exactly when moments are present", e.name)
-    whole = shard.version == FORMAT_VERSION  # version 1: a tensor of any size may be one object, as format 1 wrote it (SPEC.md §5a)
+    whole = (
+        shard.version == FORMAT_VERSION
+    )  # version 1: a tensor of any size may be one object, as format 1 wrote it (SPEC.md §5a)
     for e in shard.entries:
         for role, payload, dtype in tensor_payloads(e):
             for msg in grid_problems(payload, dtype, e.shape, bands=banded(shard.version), whole=whole):
@@ -127,7 +149,9 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
         yield p(ManifestError, msg)
 
 
-def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardManifest], shard_ids: dict[int, str]) -> Iterator[Problem]:
+def commit_problems(
+    commit: CommitManifest, cid: str, shards: dict[int, ShardManifest], shard_ids: dict[int, str]
+) -> Iterator[Problem]:
     """Rules binding a commit to its shard manifests, and the learned-state root."""
 
     def p(err: type[ShardstoreError], msg: str, obj: str | None = None, tensor: str | None = None) -> Problem:
@@ -137,15 +161,23 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
 
     versions = {s.version for s in shards.values()}
     if len(shards) == len(commit.layout) and versions and commit.version != max(versions):
-        yield p(ManifestError, f"commit has version {commit.version} but its shard manifests need version {max(versions)} (SPEC.md §Versioning)")
+        yield p(
+            ManifestError,
+            f"commit has version {commit.version} but its shard manifests need version {max(versions)} (SPEC.md §Versioning)",
+        )
     slots = [lay.slot for lay in commit.layout]
     if slots != list(range(len(slots))):
-        yield p(LayoutError, f"layout slots {slots} are not exactly 0..{len(slots) - 1} in order (SPEC.md §Commit manifest)")
+        yield p(
+            LayoutError, f"layout slots {slots} are not exactly 0..{len(slots) - 1} in order (SPEC.md §Commit manifest)"
+        )
     gnames = [g.name for g in commit.optimizer.groups]
     if not sorted_unique(gnames):
         yield p(ManifestError, "optimizer groups are not sorted by name and unique")
     if commit.optimizer.algorithm in _ADAM and not gnames:
-        yield p(ManifestError, f"algorithm {commit.optimizer.algorithm!r} with no optimizer groups: a writer writes 'none' (SPEC.md §Binding)")
+        yield p(
+            ManifestError,
+            f"algorithm {commit.optimizer.algorithm!r} with no optimizer groups: a writer writes 'none' (SPEC.md §Binding)",
+        )
     groups = {g.name: g for g in commit.optimizer.groups}
     for err, msg, obj in commit_rules(commit, shards):  # the torch form and extras (SPEC.md §9a, §9c)
         yield p(err, msg, obj)
@@ -155,7 +187,9 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
             yield p(ManifestError, f"slot {lay.slot}'s tensor list is not sorted and unique")
         for name in lay.tensors:
             if name in owners:
-                yield p(LayoutError, f"owned twice, by slots {owners[name]} and {lay.slot} (SPEC.md §Layout)", tensor=name)
+                yield p(
+                    LayoutError, f"owned twice, by slots {owners[name]} and {lay.slot} (SPEC.md §Layout)", tensor=name
+                )
             else:
                 owners[name] = lay.slot
     all_entries: list[TensorEntry] = []
@@ -177,7 +211,11 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
             binding["algorithm"] = (shard.algorithm, commit.optimizer.algorithm)
         for fieldname, (have, want) in binding.items():
             if have != want:
-                yield p(BindingError, f"shard's {fieldname} is {have!r} but the commit's is {want!r} (SPEC.md §Binding)", sid)
+                yield p(
+                    BindingError,
+                    f"shard's {fieldname} is {have!r} but the commit's is {want!r} (SPEC.md §Binding)",
+                    sid,
+                )
         for g in shard.groups:
             if groups.get(g.name) != g:
                 yield p(BindingError, f"group {g.name!r} differs from the commit's optimizer group of that name", sid)
@@ -186,10 +224,18 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
         if names != list(lay.tensors):
             missing = sorted(set(lay.tensors) - set(names))
             extra = sorted(set(names) - set(lay.tensors))
-            yield p(LayoutError, f"layout of slot {lay.slot} and its shard disagree: in layout only {missing[:5]}, in shard only {extra[:5]}", sid)
+            yield p(
+                LayoutError,
+                f"layout of slot {lay.slot} and its shard disagree: in layout only {missing[:5]}, in shard only {extra[:5]}",
+                sid,
+            )
         if banded(shard.version) and not banded(commit.version) and shard_version(shard.entries, bands=True) > 1:
-            yield p(BindingError, f"shard of version {shard.version} puts chunked payloads on the row-band grid, "
-                    f"but the commit is version {commit.version} (the tile grid): a commit uses one grid (SPEC.md §Versioning)", sid)
+            yield p(
+                BindingError,
+                f"shard of version {shard.version} puts chunked payloads on the row-band grid, "
+                f"but the commit is version {commit.version} (the tile grid): a commit uses one grid (SPEC.md §Versioning)",
+                sid,
+            )
         all_entries.extend(shard.entries)
     if set(groups) - used_groups and len(shards) == len(commit.layout):
         yield p(ManifestError, f"optimizer groups {sorted(set(groups) - used_groups)} are used by no tensor")
@@ -198,10 +244,20 @@ def commit_problems(commit: CommitManifest, cid: str, shards: dict[int, ShardMan
         for msg, tensor, slot in commit_slice_problems(shards, {e.name: e for e in all_entries}):
             yield p(LayoutError, msg, shard_ids.get(slot), tensor)
         c = commit
-        root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=all_entries, extras=c.extras,
-                            bands=banded(c.version))
+        root = learned_root(
+            step=c.step,
+            data_cursor=c.data_cursor,
+            config=c.config,
+            optimizer=c.optimizer,
+            entries=all_entries,
+            extras=c.extras,
+            bands=banded(c.version),
+        )
         if root != commit.learned_root:
-            yield p(ManifestError, f"learned-state root is {commit.learned_root} but the shards give {root} (SPEC.md §Roots)")
+            yield p(
+                ManifestError,
+                f"learned-state root is {commit.learned_root} but the shards give {root} (SPEC.md §Roots)",
+            )
 
 
 def repeated_shards(commit: CommitManifest, cid: str) -> Iterator[Problem]:
@@ -222,7 +278,9 @@ def _sizes_agree(cid: str, entries: Iterable[TensorEntry]) -> Iterator[Problem]:
     """Every entry naming one object implies the same byte size (the object has one size)."""
     sizes: dict[str, tuple[int, str]] = {}
     for e in entries:
-        named = [(oid, n) for _, p, d in tensor_payloads(e) for oid, _box, n in payload_blocks(p, d, e.shape)]  # blocks too
+        named = [
+            (oid, n) for _, p, d in tensor_payloads(e) for oid, _box, n in payload_blocks(p, d, e.shape)
+        ]  # blocks too
         for oid, n in named:
             first = sizes.setdefault(oid, (n, e.name))
             if first[0] != n:
@@ -242,6 +300,7 @@ def read_commit(store: Store, cid: str, found: list[Problem] | None, *, named: s
     problem is appended to ``found`` and None returned when the commit cannot be read as a
     whole (``verify``). ``named`` says which refs or target name the commit, for messages.
     """
+
     def report(problems: Iterable[Problem]) -> bool:
         problems = list(problems)
         if found is None and problems:
@@ -263,7 +322,9 @@ def read_commit(store: Store, cid: str, found: list[Problem] | None, *, named: s
         try:
             shard = store.shard(lay.shard)
         except ShardstoreError as e:
-            report([Problem(type(e)(f"commit {cid}, slot {lay.slot}, shard manifest {lay.shard}: {e}"), cid, lay.shard)])
+            report(
+                [Problem(type(e)(f"commit {cid}, slot {lay.slot}, shard manifest {lay.shard}: {e}"), cid, lay.shard)]
+            )
             continue
         shards[lay.slot] = shard
         ids[lay.slot] = lay.shard
@@ -281,5 +342,3 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
     lc = read_commit(store, cid, None, named=f" (named by {target!r})" if target != cid else "")
     assert lc is not None  # with found=None every problem raises
     return lc
-
-

@@ -2,6 +2,7 @@
 entry implies, hashing to its id (deep), and its content decoding as its load path would
 decode it (model config, RNG states, extras' state documents).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -121,5 +122,3 @@ def content_problem(store: Store, oid: str, rule: str, have: int | None) -> Shar
     except ShardstoreError as e:
         return e
     return None
-
-

@@ -9,6 +9,7 @@ values (for example 1 on assistant tokens and 0 on the prompt). The loss of a st
 so each microbatch's contribution is divided by the whole batch's weight, and splitting a
 batch (including a smaller last microbatch) does not change the update.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,7 +72,7 @@ class Microbatch:
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """This microbatch's part of a (B, T, ...) tensor."""
-        return t[self.start:self.stop, :self.length]
+        return t[self.start : self.stop, : self.length]
 
 
 def split_microbatches(batch: Batch, microbatch_size: int) -> list[Microbatch]:

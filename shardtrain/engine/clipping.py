@@ -10,6 +10,7 @@ float64 additions in the same order: the total norm is bitwise identical everywh
 Clipping then follows `torch.nn.utils.clip_grad_norm_`: gradients are scaled by
 `max_norm / (norm + 1e-6)` when that factor is below 1.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,12 +26,15 @@ __all__ = ["squared_grad_norms", "global_grad_norm", "clip_coefficient", "scale_
 
 def squared_grad_norms(named_params: Mapping[str, torch.nn.Parameter]) -> dict[str, float]:
     """Squared L2 norm of each parameter's gradient, in float64 (0 for a missing gradient)."""
-    return {name: (0.0 if p.grad is None else float(p.grad.detach().double().square().sum()))
-            for name, p in named_params.items()}
+    return {
+        name: (0.0 if p.grad is None else float(p.grad.detach().double().square().sum()))
+        for name, p in named_params.items()
+    }
 
 
-def global_grad_norm(local: Mapping[str, float], canonical_names: Sequence[str], owners: Sequence[int],
-                     *, rank: int, world_size: int) -> float:
+def global_grad_norm(
+    local: Mapping[str, float], canonical_names: Sequence[str], owners: Sequence[int], *, rank: int, world_size: int
+) -> float:
     """The global gradient norm from each slot's `local` squared norms (collective).
 
     `owners[i]` is the slot owning `canonical_names[i]`; `local` must hold exactly the
@@ -47,9 +51,10 @@ def global_grad_norm(local: Mapping[str, float], canonical_names: Sequence[str],
         try:
             dist.all_gather(rows, vec)
         except RuntimeError as exc:
-            raise PeerFailureError(f"slot {rank}: gathering gradient norms failed; a peer died, hung or "
-                                   f"disconnected: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
-                                   ) from exc
+            raise PeerFailureError(
+                f"slot {rank}: gathering gradient norms failed; a peer died, hung or "
+                f"disconnected: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+            ) from exc
     else:
         rows = [vec]
     lists = [r.tolist() for r in rows]

@@ -15,6 +15,7 @@ Both terms of every microbatch are divided by the whole batch's target weight
 (`Batch.total_weight`, replay rows included), so the step loss is a sum over
 microbatches and neither microbatching nor the number of workers changes the update.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,12 +38,20 @@ class DistillTargets:
     def __post_init__(self) -> None:
         r = int(self.replay.sum())
         if self.ref_logprobs.ndim != 3 or self.ref_logprobs.shape[0] != r:
-            raise ValueError(f"reference log-probs of shape {tuple(self.ref_logprobs.shape)} do not cover the "
-                             f"{r} replay rows")
+            raise ValueError(
+                f"reference log-probs of shape {tuple(self.ref_logprobs.shape)} do not cover the {r} replay rows"
+            )
 
 
-def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, total_weight: torch.Tensor,
-                    *, rows: tuple[int, int] = (0, 0), distill: DistillTargets | None = None) -> torch.Tensor:
+def microbatch_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    total_weight: torch.Tensor,
+    *,
+    rows: tuple[int, int] = (0, 0),
+    distill: DistillTargets | None = None,
+) -> torch.Tensor:
     """The microbatch's share of the step loss (a scalar with a graph to `logits`).
 
     `logits` (b, t, V), `targets` and `weights` (b, t) are rows ``rows = (start, stop)``
@@ -60,7 +69,7 @@ def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.
     loss = (ce * new_w.reshape(-1)).sum()
     if bool(replay.any()):
         first = int(distill.replay[:start].sum())  # replay rows before this microbatch
-        ref = distill.ref_logprobs[first:first + int(replay.sum()), :t].to(logits.device)  # (r, t, V)
+        ref = distill.ref_logprobs[first : first + int(replay.sum()), :t].to(logits.device)  # (r, t, V)
         temp = distill.temperature
         student = F.log_softmax(logits[replay] / temp, dim=-1)  # (r, t, V)
         kl = (ref.exp() * (ref - student)).sum(dim=-1)  # (r, t): KL(p_ref || p_student) per position

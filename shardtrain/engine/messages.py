@@ -14,6 +14,7 @@ Header layout (12 int64, little-endian in memory):
     0 magic  1 version  2 kind  3 step  4 microbatch  5 dtype code  6 ndim
     7..10 dims (unused dims are 0)  11 numel (= product of dims)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,7 @@ class MessageHeader:
     shape: tuple[int, ...]
 
     def describe(self) -> str:
-        return (f"{_KIND_NAMES.get(self.kind, f'kind {self.kind}')} of step {self.step} "
-                f"microbatch {self.microbatch}")
+        return f"{_KIND_NAMES.get(self.kind, f'kind {self.kind}')} of step {self.step} microbatch {self.microbatch}"
 
     def encode(self) -> torch.Tensor:
         """The header as a (HEADER_LEN,) int64 tensor."""
@@ -61,8 +61,17 @@ class MessageHeader:
         if not 1 <= len(self.shape) <= MAX_NDIM:
             raise MessageError(f"cannot send a tensor of {len(self.shape)} dimensions (at most {MAX_NDIM})")
         dims = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
-        fields = [MAGIC, VERSION, self.kind, self.step, self.microbatch, _DTYPE_CODES[self.dtype],
-                  len(self.shape), *dims, math.prod(self.shape)]
+        fields = [
+            MAGIC,
+            VERSION,
+            self.kind,
+            self.step,
+            self.microbatch,
+            _DTYPE_CODES[self.dtype],
+            len(self.shape),
+            *dims,
+            math.prod(self.shape),
+        ]
         return torch.tensor(fields, dtype=torch.int64)
 
     @classmethod
@@ -80,8 +89,8 @@ class MessageHeader:
         ndim = f[6]
         if not 1 <= ndim <= MAX_NDIM:
             raise MessageError(f"message header has {ndim} dimensions (1..{MAX_NDIM} allowed)")
-        shape = tuple(f[7:7 + ndim])
-        if any(d < 0 for d in shape) or any(f[7 + ndim:11]):
+        shape = tuple(f[7 : 7 + ndim])
+        if any(d < 0 for d in shape) or any(f[7 + ndim : 11]):
             raise MessageError(f"message header has an invalid shape {tuple(f[7:11])}")
         numel = math.prod(shape)
         if numel != f[11]:
@@ -96,8 +105,10 @@ def check_header(got: MessageHeader, expected: MessageHeader, *, src: int) -> No
     for field in ("kind", "step", "microbatch", "dtype", "shape"):
         g, e = getattr(got, field), getattr(expected, field)
         if g != e:
-            raise MessageError(f"message from slot {src}: expected {expected.describe()} with {field} {e!r}, "
-                               f"got {field} {g!r} ({got.describe()})")
+            raise MessageError(
+                f"message from slot {src}: expected {expected.describe()} with {field} {e!r}, "
+                f"got {field} {g!r} ({got.describe()})"
+            )
 
 
 @dataclasses.dataclass
@@ -114,8 +125,7 @@ class PostedRecv:
 class Channel:
     """One slot's message endpoint; slots are ranks of the default process group."""
 
-    def __init__(self, rank: int, *, timeout: timedelta, max_elements: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, rank: int, *, timeout: timedelta, max_elements: int, device: torch.device | str = "cpu") -> None:
         self.rank = rank
         self.timeout = timeout
         self.max_elements = max_elements
@@ -131,8 +141,10 @@ class Channel:
         """Start sending `tensor` with `header` to slot `dst`; `flush` completes it."""
         assert tuple(tensor.shape) == header.shape and tensor.dtype == header.dtype, (tensor.shape, header)
         if tensor.numel() > self.max_elements:
-            raise MessageError(f"slot {self.rank}: {header.describe()} of {tensor.numel()} elements exceeds "
-                               f"the bound of {self.max_elements}")
+            raise MessageError(
+                f"slot {self.rank}: {header.describe()} of {tensor.numel()} elements exceeds "
+                f"the bound of {self.max_elements}"
+            )
         raw = header.encode().to(self.device)
         payload = tensor.detach().contiguous()
         try:
@@ -145,8 +157,10 @@ class Channel:
     def recv(self, src: int, expected: MessageHeader) -> torch.Tensor:
         """Receive the next message from slot `src`, which must match `expected`."""
         if math.prod(expected.shape) > self.max_elements:
-            raise MessageError(f"slot {self.rank}: expected {expected.describe()} of shape {expected.shape} "
-                               f"exceeds the bound of {self.max_elements} elements")
+            raise MessageError(
+                f"slot {self.rank}: expected {expected.describe()} of shape {expected.shape} "
+                f"exceeds the bound of {self.max_elements} elements"
+            )
         raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._wait_recv(raw, src, expected)
         got = MessageHeader.decode(raw, max_elements=self.max_elements)
@@ -162,8 +176,10 @@ class Channel:
         checks its header and returns its payload. Posted receives from one `src` with one
         kind match that peer's sends in the order they were posted."""
         if math.prod(expected.shape) > self.max_elements:
-            raise MessageError(f"slot {self.rank}: expected {expected.describe()} of shape {expected.shape} "
-                               f"exceeds the bound of {self.max_elements} elements")
+            raise MessageError(
+                f"slot {self.rank}: expected {expected.describe()} of shape {expected.shape} "
+                f"exceeds the bound of {self.max_elements} elements"
+            )
         raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         payload = torch.empty(expected.shape, dtype=expected.dtype, device=self.device)
         try:
@@ -185,8 +201,9 @@ class Channel:
                 self.wait_seconds += time.perf_counter() - t0
             if i == 0:  # the header is checked before the payload is waited for or used
                 check_header(MessageHeader.decode(posted.raw, max_elements=self.max_elements), expected, src=src)
-        self.bytes_received += posted.raw.numel() * posted.raw.element_size() + \
-            posted.payload.numel() * posted.payload.element_size()
+        self.bytes_received += (
+            posted.raw.numel() * posted.raw.element_size() + posted.payload.numel() * posted.payload.element_size()
+        )
         return posted.payload
 
     def settle(self, dst: int, kind: int, microbatch: int) -> None:
@@ -222,9 +239,12 @@ class Channel:
         finally:
             self.wait_seconds += time.perf_counter() - t0
 
-    def _peer_error(self, verb: str, prep: str, peer: int, header: MessageHeader,
-                    exc: BaseException) -> PeerFailureError:
+    def _peer_error(
+        self, verb: str, prep: str, peer: int, header: MessageHeader, exc: BaseException
+    ) -> PeerFailureError:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return PeerFailureError(f"slot {self.rank}: {verb} {header.describe()} {prep} slot {peer} failed "
-                                f"(timeout {self.timeout.total_seconds():g} s); the peer died, hung or "
-                                f"disconnected: {cause}")
+        return PeerFailureError(
+            f"slot {self.rank}: {verb} {header.describe()} {prep} slot {peer} failed "
+            f"(timeout {self.timeout.total_seconds():g} s); the peer died, hung or "
+            f"disconnected: {cause}"
+        )

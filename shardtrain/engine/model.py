@@ -11,6 +11,7 @@ head, each optional. The whole model is simply the piece that has all of them; a
 stage is a piece that has only what its slot owns. Parameter names do not depend on which
 pieces exist (`model.layers.7...` is called that wherever layer 7 lives).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,16 @@ from torch import nn
 
 from shardtrain.errors import ConfigError
 
-__all__ = ["LlamaConfig", "RMSNorm", "KVCache", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer", "Llama",
-           "rotary_tables"]
+__all__ = [
+    "LlamaConfig",
+    "RMSNorm",
+    "KVCache",
+    "LlamaAttention",
+    "LlamaMLP",
+    "LlamaDecoderLayer",
+    "Llama",
+    "rotary_tables",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +53,14 @@ class LlamaConfig:
     head_dim: int | None = None  # None means hidden_size // num_attention_heads
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
@@ -53,13 +68,17 @@ class LlamaConfig:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by "
-                                  f"num_attention_heads {self.num_attention_heads}; give head_dim")
+                raise ConfigError(
+                    f"hidden_size {self.hidden_size} is not divisible by "
+                    f"num_attention_heads {self.num_attention_heads}; give head_dim"
+                )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         assert self.num_key_value_heads is not None and self.head_dim is not None
         if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads {self.num_attention_heads} must be a multiple of "
-                              f"num_key_value_heads {self.num_key_value_heads}")
+            raise ConfigError(
+                f"num_attention_heads {self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         if self.head_dim < 2 or self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
@@ -80,8 +99,15 @@ class LlamaConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The config as a Hugging Face `config.json` dict (`LlamaConfig(**d)` accepts it)."""
         d: dict[str, Any] = dataclasses.asdict(self)
-        d.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
-                 attention_bias=False, mlp_bias=False, attention_dropout=0.0, rope_scaling=None)
+        d.update(
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            attention_dropout=0.0,
+            rope_scaling=None,
+        )
         return d
 
     @classmethod
@@ -130,8 +156,9 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
 
 
-def rotary_tables(config: LlamaConfig, seq_len: int, device: torch.device | str,
-                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    config: LlamaConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine tables of the default RoPE for positions 0..seq_len-1, each (T, D).
 
     Computed on the fly (not a buffer) so that a piece built on the meta device has nothing
@@ -185,8 +212,9 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(c, self.n_kv * d, bias=False)
         self.o_proj = nn.Linear(self.n_heads * d, c, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         """`cos`/`sin` are the tables of x's positions; with `cache`, x follows the cached positions."""
         b, t, _ = x.shape  # (B, T, C)
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -235,8 +263,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache)  # (B, T, C)
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, C)
 
@@ -263,8 +292,9 @@ class Llama(nn.Module):
     complete model.
     """
 
-    def __init__(self, config: LlamaConfig, *, layers: range | None = None,
-                 embedding: bool = True, head: bool = True) -> None:
+    def __init__(
+        self, config: LlamaConfig, *, layers: range | None = None, embedding: bool = True, head: bool = True
+    ) -> None:
         super().__init__()
         layers = range(config.num_hidden_layers) if layers is None else layers
         if layers.step != 1 or not 0 <= layers.start <= layers.stop <= config.num_hidden_layers:
@@ -283,8 +313,9 @@ class Llama(nn.Module):
         """(B, T) token ids -> (B, T, C) hidden states."""
         return self.model.embed_tokens(tokens)
 
-    def layer(self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              cache: KVCache | None = None) -> torch.Tensor:
+    def layer(
+        self, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         """Apply decoder layer `index` (a global index this piece holds) to (B, T, C)."""
         return self.model.layers[str(index)](h, cos, sin, cache)
 

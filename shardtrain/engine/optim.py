@@ -25,6 +25,7 @@ is written out here, in a fixed elementwise order, for each parameter with a gra
     v   = beta2 * v + (1 - beta2) * g * g
     p  -= lr / (1 - beta1**age) * m / (sqrt(v) / sqrt(1 - beta2**age) + eps)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,13 @@ class GroupConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        checks = {"lr": self.lr >= 0, "beta1": 0 <= self.beta1 < 1, "beta2": 0 <= self.beta2 < 1,
-                  "eps": self.eps > 0, "weight_decay": self.weight_decay >= 0}
+        checks = {
+            "lr": self.lr >= 0,
+            "beta1": 0 <= self.beta1 < 1,
+            "beta2": 0 <= self.beta2 < 1,
+            "eps": self.eps > 0,
+            "weight_decay": self.weight_decay >= 0,
+        }
         for field, ok in checks.items():
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok:
@@ -101,9 +107,14 @@ class _State:
 class AdamW:
     """Shard-local AdamW with decoupled weight decay and per-parameter Adam age."""
 
-    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], groups: Mapping[str, GroupConfig],
-                 *, schedule: Schedule | None = None,
-                 group_of: Callable[[str, torch.Tensor], str] = default_group) -> None:
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, torch.nn.Parameter]],
+        groups: Mapping[str, GroupConfig],
+        *,
+        schedule: Schedule | None = None,
+        group_of: Callable[[str, torch.Tensor], str] = default_group,
+    ) -> None:
         self.groups: dict[str, GroupConfig] = dict(groups)
         self.schedule = schedule or Schedule()
         self._group_of = group_of
@@ -117,8 +128,9 @@ class AdamW:
             raise OptimizerStateError(f"parameter {name!r} is already in the optimizer")
         group = self._group_of(name, param) if group is None else group
         if group not in self.groups:
-            raise OptimizerStateError(f"parameter {name!r}: unknown optimizer group {group!r} "
-                                      f"(groups: {sorted(self.groups)})")
+            raise OptimizerStateError(
+                f"parameter {name!r}: unknown optimizer group {group!r} (groups: {sorted(self.groups)})"
+            )
         self._state[name] = _State(param, group)
 
     @property
@@ -147,8 +159,8 @@ class AdamW:
             p.mul_(1.0 - lr * h.weight_decay)
             m.mul_(h.beta1).add_(g, alpha=1.0 - h.beta1)
             v.mul_(h.beta2).addcmul_(g, g, value=1.0 - h.beta2)
-            bias1 = 1.0 - h.beta1 ** s.age
-            bias2 = 1.0 - h.beta2 ** s.age
+            bias1 = 1.0 - h.beta1**s.age
+            bias2 = 1.0 - h.beta2**s.age
             denom = (v.sqrt() / math.sqrt(bias2)).add_(h.eps)
             p.addcdiv_(m, denom, value=-lr / bias1)
         return mult
@@ -161,8 +173,10 @@ class AdamW:
         modify them.
         """
         groups = {name: g.as_dict() for name, g in self.groups.items()}
-        params = {name: {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "age": s.age, "group": s.group}
-                  for name, s in self._state.items()}
+        params = {
+            name: {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "age": s.age, "group": s.group}
+            for name, s in self._state.items()
+        }
         return groups, params
 
     def state_import(self, groups: Mapping[str, Mapping[str, float]], params: Mapping[str, Mapping[str, Any]]) -> None:
@@ -172,15 +186,19 @@ class AdamW:
         before anything is changed, so a rejected import leaves the optimizer as it was.
         """
         try:
-            new_groups = {name: GroupConfig(**{k: g[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")})
-                          for name, g in groups.items()}
+            new_groups = {
+                name: GroupConfig(**{k: g[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")})
+                for name, g in groups.items()
+            }
         except (KeyError, TypeError, ConfigError) as exc:
             raise OptimizerStateError(f"invalid optimizer group in import: {exc}") from exc
         missing = sorted(set(self._state) - set(params))
         unexpected = sorted(set(params) - set(self._state))
         if missing or unexpected:
-            raise OptimizerStateError(f"imported optimizer state does not match the parameters: "
-                                      f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise OptimizerStateError(
+                f"imported optimizer state does not match the parameters: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         staged: dict[str, _State] = {}
         for name, entry in params.items():
             param = self._state[name].param
@@ -196,8 +214,10 @@ class AdamW:
                 for which, t in zip(("exp_avg", "exp_avg_sq"), moments):
                     if not isinstance(t, torch.Tensor) or t.shape != param.shape or t.dtype != param.dtype:
                         got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
-                        raise OptimizerStateError(f"parameter {name!r}: {which} must be a {param.dtype} tensor of "
-                                                  f"shape {tuple(param.shape)}, got {got!r}")
+                        raise OptimizerStateError(
+                            f"parameter {name!r}: {which} must be a {param.dtype} tensor of "
+                            f"shape {tuple(param.shape)}, got {got!r}"
+                        )
                 moments = [t.detach().to(device=param.device, copy=True) for t in moments]
             staged[name] = _State(param, group, age, *moments)
         self.groups = new_groups

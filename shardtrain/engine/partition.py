@@ -10,6 +10,7 @@ parameters, constructed on the meta device and materialised only for what it own
 parameter is initialised from its own generator seeded by a hash of (seed, parameter
 name), so a 1-, 2- or 3-slot build of one config holds bitwise the same values by name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,17 +89,21 @@ class Partition:
             if not isinstance(r, range) or r.step != 1:
                 raise PartitionError(f"slot {slot}: layer range must be a contiguous range, got {r!r}")
             if r.start != expected_start:
-                what = "overlaps the previous slot" if r.start < expected_start else "leaves a gap after the previous slot"
-                raise PartitionError(f"slot {slot}: range [{r.start}, {r.stop}) {what} "
-                                     f"(expected it to start at layer {expected_start})")
+                what = (
+                    "overlaps the previous slot" if r.start < expected_start else "leaves a gap after the previous slot"
+                )
+                raise PartitionError(
+                    f"slot {slot}: range [{r.start}, {r.stop}) {what} (expected it to start at layer {expected_start})"
+                )
             if r.stop < r.start:
                 raise PartitionError(f"slot {slot}: range [{r.start}, {r.stop}) is reversed")
             if r.stop == r.start and slot != 0:
                 raise PartitionError(f"slot {slot}: owns no layers (only slot 0 may be empty)")
             expected_start = r.stop
         if expected_start != self.num_layers:
-            raise PartitionError(f"partition covers layers [0, {expected_start}) but the model has "
-                                 f"{self.num_layers} layers")
+            raise PartitionError(
+                f"partition covers layers [0, {expected_start}) but the model has {self.num_layers} layers"
+            )
 
     @classmethod
     def from_ranges(cls, ranges: Sequence[tuple[int, int]], num_layers: int) -> Partition:
@@ -116,7 +121,9 @@ class Partition:
         cuts = [0, *(_as_int(b, "boundary") for b in boundaries), num_layers]
         for a, b in zip(cuts, cuts[1:]):
             if b < a:
-                raise PartitionError(f"boundaries must be non-decreasing within [0, {num_layers}], got {list(boundaries)}")
+                raise PartitionError(
+                    f"boundaries must be non-decreasing within [0, {num_layers}], got {list(boundaries)}"
+                )
         return cls(num_layers, tuple(range(a, b) for a, b in zip(cuts, cuts[1:])))
 
     @classmethod
@@ -164,8 +171,9 @@ class Partition:
 
     def _check_config(self, config: LlamaConfig) -> None:
         if config.num_hidden_layers != self.num_layers:
-            raise PartitionError(f"partition is for {self.num_layers} layers but the config has "
-                                 f"{config.num_hidden_layers}")
+            raise PartitionError(
+                f"partition is for {self.num_layers} layers but the config has {config.num_hidden_layers}"
+            )
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -194,9 +202,16 @@ def init_parameters_(module: torch.nn.Module, *, seed: int, std: float = 0.02) -
             param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
 
-def build_stage(config: LlamaConfig, partition: Partition, slot: int, *, seed: int,
-                device: torch.device | str = "cpu", init_std: float = 0.02,
-                dtype: torch.dtype = torch.float32) -> Llama:
+def build_stage(
+    config: LlamaConfig,
+    partition: Partition,
+    slot: int,
+    *,
+    seed: int,
+    device: torch.device | str = "cpu",
+    init_std: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+) -> Llama:
     """The piece of the model that slot `slot` owns, initialised deterministically.
 
     Built on the meta device, so constructing it allocates nothing; `to_empty` then
@@ -221,5 +236,4 @@ def build_stage(config: LlamaConfig, partition: Partition, slot: int, *, seed: i
 
 def parameter_inventory(module: torch.nn.Module) -> dict[str, int]:
     """Bytes of real (non-meta) storage behind each named parameter of `module`."""
-    return {name: (0 if p.is_meta else p.untyped_storage().nbytes())
-            for name, p in module.named_parameters()}
+    return {name: (0 if p.is_meta else p.untyped_storage().nbytes()) for name, p in module.named_parameters()}

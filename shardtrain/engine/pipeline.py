@@ -30,6 +30,7 @@ The loss of microbatch k (`shardtrain.engine.loss.microbatch_loss`: cross-entrop
 frozen reference on declared replay rows) is divided by the total weight of the whole batch;
 the step loss is the sum over microbatches, so microbatching does not change the update.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,11 +68,18 @@ class _Segments:
 class Pipeline:
     """Runs slot `slot`'s part of forward and backward; gradients accumulate in the stage."""
 
-    def __init__(self, stage: Llama, partition: Partition, slot: int, *,
-                 timeout: timedelta = timedelta(seconds=300), max_message_elements: int = 1 << 28,
-                 schedule: str = "overlapped",
-                 compute: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
-                 recompute: bool = False) -> None:
+    def __init__(
+        self,
+        stage: Llama,
+        partition: Partition,
+        slot: int,
+        *,
+        timeout: timedelta = timedelta(seconds=300),
+        max_message_elements: int = 1 << 28,
+        schedule: str = "overlapped",
+        compute: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+        recompute: bool = False,
+    ) -> None:
         """`compute` makes the context every forward computation runs in (the numerical
         profile's autocast, `shardtrain.engine.profile.compute_context`); `recompute` runs each
         decoder block under activation checkpointing (`shardtrain.engine.profile.run_block`)."""
@@ -83,8 +91,11 @@ class Pipeline:
         self.partition = partition
         self.slot = slot
         self.num_slots = partition.num_slots
-        if stage.layer_range != partition.layers(slot) or stage.has_embedding != (slot == 0) \
-                or stage.has_head != (slot == 0):
+        if (
+            stage.layer_range != partition.layers(slot)
+            or stage.has_embedding != (slot == 0)
+            or stage.has_head != (slot == 0)
+        ):
             raise ConfigError(f"stage does not match slot {slot} of the partition")
         self.device = next(stage.parameters()).device
         self.dtype = next(stage.parameters()).dtype  # of the activations and gradients sent round the ring
@@ -100,8 +111,10 @@ class Pipeline:
             if not dist.is_initialized():
                 raise ConfigError(f"a {self.num_slots}-slot pipeline needs an initialised process group")
             if dist.get_world_size() != self.num_slots or dist.get_rank() != slot:
-                raise ConfigError(f"slot {slot} of {self.num_slots} must run as rank {slot} of a group of "
-                                  f"{self.num_slots}, not rank {dist.get_rank()} of {dist.get_world_size()}")
+                raise ConfigError(
+                    f"slot {slot} of {self.num_slots} must run as rank {slot} of a group of "
+                    f"{self.num_slots}, not rank {dist.get_rank()} of {dist.get_world_size()}"
+                )
             self.channel = Channel(slot, timeout=timeout, max_elements=max_message_elements, device=self.device)
 
     @property
@@ -132,7 +145,7 @@ class Pipeline:
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._posted = {}
         for i, action in enumerate(plan):
-            self._prefetch(plan[i:i + PREFETCH], mbs, step)
+            self._prefetch(plan[i : i + PREFETCH], mbs, step)
             mb = mbs[action.microbatch]
             if action.kind == FORWARD:
                 saved[mb.index] = self._forward(batch, mb, step)
@@ -219,8 +232,9 @@ class Pipeline:
             self._send(x, (self.slot + 1) % self.num_slots, ACTIVATION, mb, step)
         return _Segments(first, layers, x)
 
-    def _head(self, batch: Batch, mb: Microbatch, step: int, local_last: torch.Tensor,
-              total_weight: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+    def _head(
+        self, batch: Batch, mb: Microbatch, step: int, local_last: torch.Tensor, total_weight: torch.Tensor
+    ) -> tuple[float, torch.Tensor | None]:
         """Slot 0: final norm, head and weighted loss of one microbatch.
 
         Sends the gradient of the last activation back to slot n-1, or returns it when
@@ -238,8 +252,9 @@ class Pipeline:
             # The loss is taken in at least FP32 (as transformers' loss functions do): a bf16
             # log-softmax would round every token's loss to 8 significant bits.
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            loss = microbatch_loss(logits, targets, weights, total_weight, rows=(mb.start, mb.stop),
-                                   distill=self.distill)
+            loss = microbatch_loss(
+                logits, targets, weights, total_weight, rows=(mb.start, mb.stop), distill=self.distill
+            )
         loss.backward()
         assert h.grad is not None
         if self.num_slots > 1:

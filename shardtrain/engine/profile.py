@@ -21,6 +21,7 @@ without it (tests/test_own_model.py checks the learned-state root).
 The label a commit records (its ``profile`` field, SPEC.md §8.3) is the profile's name,
 with ``+recompute`` appended when recomputation is on.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,7 +59,9 @@ def label(profile: Profile | None) -> str:
     return p.name + ("+recompute" if p.recompute else "")
 
 
-def compute_context(profile: Profile | None, device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+def compute_context(
+    profile: Profile | None, device: torch.device
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """A factory of the context every forward computation of `profile` runs in."""
     if profile is None or profile.name == "fp32":
         return contextlib.nullcontext

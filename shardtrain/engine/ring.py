@@ -6,6 +6,7 @@ generation with a KV cache on every stage) and by distillation (the frozen refer
 next-token distributions, on its own message kind so it never meets the student's
 activations). Every slot calls the same methods with the same token ids.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -32,12 +33,17 @@ class Documents(Protocol):
 class Ring:
     """Forward passes of one slot's stage round the ring, with optional per-layer KV caches."""
 
-    def __init__(self, stage: Llama, partition: Partition, slot: int, *, timeout: float, kind: int = ACTIVATION) -> None:
+    def __init__(
+        self, stage: Llama, partition: Partition, slot: int, *, timeout: float, kind: int = ACTIVATION
+    ) -> None:
         self.stage, self.config, self.slot, self.n = stage, stage.config, slot, partition.num_slots
         device = next(stage.parameters()).device
         self.dtype = next(stage.parameters()).dtype  # of the activations sent round the ring
-        self.channel = Channel(slot, timeout=timedelta(seconds=timeout), max_elements=1 << 26,
-                               device=device) if self.n > 1 else None
+        self.channel = (
+            Channel(slot, timeout=timedelta(seconds=timeout), max_elements=1 << 26, device=device)
+            if self.n > 1
+            else None
+        )
         self.calls = 0
         self.kind = kind  # the message kind (and so the tag) of this ring's activations
 
@@ -82,7 +88,11 @@ class Ring:
         while True:
             token = self._share(int(logits[0, -1].argmax()) if logits is not None else -1)
             out.append(token)
-            if token in stop or len(out) >= max_new_tokens or len(prompt) + len(out) >= self.config.max_position_embeddings:
+            if (
+                token in stop
+                or len(out) >= max_new_tokens
+                or len(prompt) + len(out) >= self.config.max_position_embeddings
+            ):
                 return out
             logits = self.forward(torch.tensor([[token]]), caches)
 
@@ -91,7 +101,7 @@ class Ring:
         doc_loss: list[float] = []
         doc_weight: list[float] = []
         for start in range(0, len(indices), batch_size):
-            batch = job.batch_of(indices[start:start + batch_size])
+            batch = job.batch_of(indices[start : start + batch_size])
             logits = self.forward(batch.tokens)
             if logits is None:
                 continue

@@ -38,6 +38,7 @@ embedding backwards until the last head has run (holding each deferred microbatc
 (b, t, C) gradient, and the token ids the embedding's graph keeps) and then applies
 them in microbatch order.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,8 +48,18 @@ from typing import NamedTuple
 
 from shardtrain.errors import ConfigError
 
-__all__ = ["FORWARD", "HEAD", "BACKWARD", "SCHEDULES", "Action", "synchronous", "overlapped", "build", "check",
-           "in_flight"]
+__all__ = [
+    "FORWARD",
+    "HEAD",
+    "BACKWARD",
+    "SCHEDULES",
+    "Action",
+    "synchronous",
+    "overlapped",
+    "build",
+    "check",
+    "in_flight",
+]
 
 FORWARD, HEAD, BACKWARD = "forward", "head", "backward"
 SCHEDULES = ("overlapped", "synchronous")
@@ -80,8 +91,14 @@ def synchronous(num_slots: int, num_microbatches: int) -> Plan:
     """All forwards, then (slot 0) all heads, then all backwards, each in microbatch order."""
     _check_sizes(num_slots, num_microbatches)
     mbs = range(num_microbatches)
-    return tuple(tuple([Action(FORWARD, k) for k in mbs] + ([Action(HEAD, k) for k in mbs] if s == 0 else [])
-                       + [Action(BACKWARD, k) for k in mbs]) for s in range(num_slots))
+    return tuple(
+        tuple(
+            [Action(FORWARD, k) for k in mbs]
+            + ([Action(HEAD, k) for k in mbs] if s == 0 else [])
+            + [Action(BACKWARD, k) for k in mbs]
+        )
+        for s in range(num_slots)
+    )
 
 
 def _simulate(n: int, m: int, priority: tuple[str, ...], limit: int) -> tuple[int, Plan]:
@@ -187,5 +204,6 @@ def in_flight(actions: tuple[Action, ...]) -> int:
 
 def _check_sizes(num_slots: int, num_microbatches: int) -> None:
     if num_slots < 1 or num_microbatches < 1:
-        raise ConfigError(f"a schedule needs at least one slot and one microbatch, got {num_slots} and "
-                          f"{num_microbatches}")
+        raise ConfigError(
+            f"a schedule needs at least one slot and one microbatch, got {num_slots} and {num_microbatches}"
+        )

@@ -6,6 +6,7 @@ order, stop (NonFiniteStep, nothing applied) if either is not finite, clip, and 
 shard-local AdamW at the global step. Every slot calls `step` with
 the same batch; every slot returns the same `StepResult`, bit for bit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,15 @@ class StepResult:
 class Trainer:
     """Drives a slot's pipeline and optimizer; `global_step` counts completed updates."""
 
-    def __init__(self, pipeline: Pipeline, optimizer: AdamW, *, microbatch_size: int,
-                 max_grad_norm: float | None = 1.0, global_step: int = 0) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        optimizer: AdamW,
+        *,
+        microbatch_size: int,
+        max_grad_norm: float | None = 1.0,
+        global_step: int = 0,
+    ) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.pipeline = pipeline
@@ -60,11 +68,14 @@ class Trainer:
         self.optimizer.zero_grad()
         loss = pipe.forward_backward(batch, step=self.global_step, microbatch_size=self.microbatch_size)
         loss = self._share_loss(loss)
-        norm = global_grad_norm(squared_grad_norms(self.params), self.canonical, self.owners,
-                                rank=pipe.slot, world_size=pipe.num_slots)
+        norm = global_grad_norm(
+            squared_grad_norms(self.params), self.canonical, self.owners, rank=pipe.slot, world_size=pipe.num_slots
+        )
         if not (math.isfinite(loss) and math.isfinite(norm)):  # the same on every slot: all stop here
-            raise NonFiniteStep(f"step {self.global_step + 1} (slot {pipe.slot}): the loss is {loss!r} and the global "
-                                f"gradient norm {norm!r}; the update was not applied (SPEC.md §14d)")
+            raise NonFiniteStep(
+                f"step {self.global_step + 1} (slot {pipe.slot}): the loss is {loss!r} and the global "
+                f"gradient norm {norm!r}; the update was not applied (SPEC.md §14d)"
+            )
         coef = clip_coefficient(norm, self.max_grad_norm)
         scale_grads_(list(self.params.values()), coef)
         mult = self.optimizer.step(self.global_step)
@@ -80,6 +91,8 @@ class Trainer:
         try:
             dist.broadcast(t, src=0)
         except RuntimeError as exc:
-            raise PeerFailureError(f"slot {self.pipeline.slot}: receiving the step loss from slot 0 failed: "
-                                   f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}") from exc
+            raise PeerFailureError(
+                f"slot {self.pipeline.slot}: receiving the step loss from slot 0 failed: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+            ) from exc
         return float(t.item())

@@ -9,6 +9,7 @@ evaluation, and 10^6 layers make the planner's layout search (workers × layers�
 hours. Each check here names the field; `load_job` and `decode_job` run them before
 anything reads records, starts a worker, writes or pins.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,6 +26,7 @@ class Job(Protocol):
     model: Any
     recipe: Any
     seed: Any
+
 
 __all__ = ["check_bounds", "BOUNDS"]
 
@@ -66,8 +68,10 @@ def check_bounds(job: Job) -> None:
         owner = m if part == "model" else r.gates if part == "gates" else r
         _count(getattr(owner, attr), name, hi)
     if m.num_attention_heads % m.num_key_value_heads:
-        raise JobError(f"job field model.num_key_value_heads ({m.num_key_value_heads}) must divide "
-                       f"model.num_attention_heads ({m.num_attention_heads}) (SPEC.md §14c)")
+        raise JobError(
+            f"job field model.num_key_value_heads ({m.num_key_value_heads}) must divide "
+            f"model.num_attention_heads ({m.num_attention_heads}) (SPEC.md §14c)"
+        )
     _real(m.rms_norm_eps, "model.rms_norm_eps", lo=0.0, hi=1.0, lo_open=True)
     _real(m.rope_theta, "model.rope_theta", lo=0.0, hi=1e12, lo_open=True)
     for g in r.groups:
@@ -78,14 +82,18 @@ def check_bounds(job: Job) -> None:
         _real(g.eps, f"recipe.groups[{g.name}].eps", lo=0.0, hi=1.0, lo_open=True)
         _real(g.weight_decay, f"recipe.groups[{g.name}].weight_decay", lo=0.0, hi=10.0)
     if r.warmup_steps > r.total_steps:
-        raise JobError(f"job field recipe.warmup_steps ({r.warmup_steps}) exceeds recipe.total_steps "
-                       f"({r.total_steps}) (SPEC.md §14c)")
+        raise JobError(
+            f"job field recipe.warmup_steps ({r.warmup_steps}) exceeds recipe.total_steps "
+            f"({r.total_steps}) (SPEC.md §14c)"
+        )
     _real(r.min_ratio, "recipe.min_ratio", lo=0.0, hi=1.0)
     if r.max_grad_norm is not None:  # null: clipping disabled, explicitly
         _real(r.max_grad_norm, "recipe.max_grad_norm", lo=0.0, hi=1e6, lo_open=True)
     if r.microbatch_size > r.batch_size:
-        raise JobError(f"job field recipe.microbatch_size ({r.microbatch_size}) exceeds recipe.batch_size "
-                       f"({r.batch_size}) (SPEC.md §14c)")
+        raise JobError(
+            f"job field recipe.microbatch_size ({r.microbatch_size}) exceeds recipe.batch_size "
+            f"({r.batch_size}) (SPEC.md §14c)"
+        )
     _real(r.distill.kl_coef, "recipe.distill.kl_coef", lo=0.0, hi=1e6)
     _real(r.distill.temperature, "recipe.distill.temperature", lo=0.01, hi=100.0)
     _real(r.gates.gain_bound, "recipe.gates.gain_bound", lo=-1e6, hi=1e6)

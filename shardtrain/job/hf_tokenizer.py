@@ -17,6 +17,7 @@ generation prompt to the end of the rendering that includes it (the template mus
 prefix-stable, else the conversation is refused). The ids are exactly what
 `apply_chat_template(messages, tokenize=True)` gives.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,16 @@ from shardtrain.engine.model import LlamaConfig
 from shardtrain.errors import JobError
 from shardtrain.job.tokenizer import ByteTokenizer, load_tokenizer
 
-__all__ = ["HF_CONFIG_FILE", "HF_TOKENIZER_FILE", "CHAT_TEMPLATE_FILE", "is_hf_assets", "check_hf_assets",
-           "HFTokenizer", "build_tokenizer", "commit_config_dict"]
+__all__ = [
+    "HF_CONFIG_FILE",
+    "HF_TOKENIZER_FILE",
+    "CHAT_TEMPLATE_FILE",
+    "is_hf_assets",
+    "check_hf_assets",
+    "HFTokenizer",
+    "build_tokenizer",
+    "commit_config_dict",
+]
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
@@ -57,9 +66,13 @@ def check_hf_assets(assets: Mapping[str, bytes], where: str) -> None:
         config = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise JobError(f"{where}: {HF_CONFIG_FILE} is not readable JSON ({exc})") from None
-    if not (isinstance(config, dict) and isinstance(config.get("chat_template"), (str, list)) and config["chat_template"]):
-        raise JobError(f"{where}: no chat template: {CHAT_TEMPLATE_FILE} is missing and {HF_CONFIG_FILE} has no "
-                       f"chat_template; training on chat records needs the model's own template")
+    if not (
+        isinstance(config, dict) and isinstance(config.get("chat_template"), (str, list)) and config["chat_template"]
+    ):
+        raise JobError(
+            f"{where}: no chat template: {CHAT_TEMPLATE_FILE} is missing and {HF_CONFIG_FILE} has no "
+            f"chat_template; training on chat records needs the model's own template"
+        )
 
 
 class HFTokenizer:
@@ -84,8 +97,9 @@ class HFTokenizer:
             try:
                 self._tok: Any = AutoTokenizer.from_pretrained(d, local_files_only=True)
             except Exception as exc:  # transformers raises many kinds (OSError, ValueError, KeyError...)
-                raise JobError(f"the tokenizer assets do not load with transformers' AutoTokenizer: "
-                               f"{type(exc).__name__}: {exc}") from exc
+                raise JobError(
+                    f"the tokenizer assets do not load with transformers' AutoTokenizer: {type(exc).__name__}: {exc}"
+                ) from exc
         if self._tok.eos_token_id is None:
             raise JobError("the tokenizer names no eos token (a generation could never stop)")
         self.vocab_size = len(self._tok)
@@ -102,8 +116,9 @@ class HFTokenizer:
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False) -> str:
         try:
-            text = self._tok.apply_chat_template(list(messages), tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+            text = self._tok.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         except Exception as exc:  # jinja2 errors and transformers' own
             raise JobError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from exc
         assert isinstance(text, str)
@@ -128,10 +143,11 @@ class HFTokenizer:
             if m["role"] != "assistant":
                 continue
             start = self.render(messages[:i], add_generation_prompt=True) if i else ""
-            upto = self.render(messages[:i + 1])
+            upto = self.render(messages[: i + 1])
             if not (upto.startswith(start) and full.startswith(upto)):
-                raise JobError(f"the chat template is not prefix-stable at message {i}; assistant targets cannot "
-                               f"be located")
+                raise JobError(
+                    f"the chat template is not prefix-stable at message {i}; assistant targets cannot be located"
+                )
             spans.append((len(start), len(upto)))
         enc = self._tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])

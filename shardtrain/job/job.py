@@ -17,6 +17,7 @@ themselves). No pickle anywhere.
 records (two training cohorts, the second replaying declared cohort-A records, and
 held-out sets) and a tiny tied Llama.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,13 +41,33 @@ from shardtrain.engine.profile import FP32, Profile
 from shardtrain.errors import ConfigError, JobError
 from shardtrain.job.bounds import check_bounds
 from shardtrain.job.hf_tokenizer import HFTokenizer, build_tokenizer, commit_config_dict
-from shardtrain.job.recipe import F64, CohortReference, Count, Distillation, FileName, GateRecipe, GroupRecipe, Positive, Recipe, _Base
+from shardtrain.job.recipe import (
+    F64,
+    CohortReference,
+    Count,
+    Distillation,
+    FileName,
+    GateRecipe,
+    GroupRecipe,
+    Positive,
+    Recipe,
+    _Base,
+)
 from shardtrain.job.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
 from shardtrain.job.tasks import Record, make_conversations, make_records, record_id
 from shardtrain.job.tokenizer import ByteTokenizer, default_assets
 
-__all__ = ["JOB_FILE", "RECORDS_FILE", "Job", "PreparedJob", "decode_job", "load_job", "prepare_default", "model_spec",
-           "default_config"]
+__all__ = [
+    "JOB_FILE",
+    "RECORDS_FILE",
+    "Job",
+    "PreparedJob",
+    "decode_job",
+    "load_job",
+    "prepare_default",
+    "model_spec",
+    "default_config",
+]
 
 JOB_FILE = "job.json"
 RECORDS_FILE = "records.json"
@@ -56,6 +77,8 @@ _MAX_ASSET_BYTES = 64 << 20  # shardstore.ops.assets' bound: real tokenizer.json
 _VERSION = 1
 
 Hex64 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
 class ModelSpec(_Base):
     """The Llama config, reals as F64 hex."""
 
@@ -164,23 +187,36 @@ def decode_job(raw: bytes, what: str = "job file") -> Job:
 
 
 def model_spec(config: LlamaConfig) -> ModelSpec:
-    return ModelSpec(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                     intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
-                     num_attention_heads=config.num_attention_heads, num_key_value_heads=config.kv_heads,
-                     head_dim=config.dim_per_head, rms_norm_eps=f64_encode(config.rms_norm_eps),
-                     rope_theta=f64_encode(config.rope_theta), max_position_embeddings=config.max_position_embeddings,
-                     tie_word_embeddings=config.tie_word_embeddings)
+    return ModelSpec(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.kv_heads,
+        head_dim=config.dim_per_head,
+        rms_norm_eps=f64_encode(config.rms_norm_eps),
+        rope_theta=f64_encode(config.rope_theta),
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+    )
 
 
 def _config(spec: ModelSpec) -> LlamaConfig:
     try:
-        return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                           intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-                           num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-                           head_dim=spec.head_dim, rms_norm_eps=f64_decode(spec.rms_norm_eps),
-                           rope_theta=f64_decode(spec.rope_theta),
-                           max_position_embeddings=spec.max_position_embeddings,
-                           tie_word_embeddings=spec.tie_word_embeddings)
+        return LlamaConfig(
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            rms_norm_eps=f64_decode(spec.rms_norm_eps),
+            rope_theta=f64_decode(spec.rope_theta),
+            max_position_embeddings=spec.max_position_embeddings,
+            tie_word_embeddings=spec.tie_word_embeddings,
+        )
     except ConfigError as exc:
         raise JobError(f"job model config: {exc}") from exc
 
@@ -215,9 +251,16 @@ class PreparedJob:
         return commit_config_dict(self.config, self.tokenizer)
 
     def groups(self) -> dict[str, GroupConfig]:
-        return {g.name: GroupConfig(lr=f64_decode(g.lr), beta1=f64_decode(g.beta1), beta2=f64_decode(g.beta2),
-                                    eps=f64_decode(g.eps), weight_decay=f64_decode(g.weight_decay))
-                for g in self.job.recipe.groups}
+        return {
+            g.name: GroupConfig(
+                lr=f64_decode(g.lr),
+                beta1=f64_decode(g.beta1),
+                beta2=f64_decode(g.beta2),
+                eps=f64_decode(g.eps),
+                weight_decay=f64_decode(g.weight_decay),
+            )
+            for g in self.job.recipe.groups
+        }
 
     def lr_schedule(self) -> LrSchedule:
         r = self.job.recipe
@@ -297,8 +340,10 @@ def _read_bound(directory: str, asset: Asset, what: str, limit: int) -> bytes:
     except FileNotFoundError:
         raise JobError(f"{what} {asset.name} is missing from {directory}") from None
     if len(data) != asset.size or _hash(data) != asset.blake3:
-        raise JobError(f"{what} {asset.name} differs from the one the job binds: it has {len(data)} bytes hashing "
-                       f"to {_hash(data)}, the job binds {asset.size} bytes hashing to {asset.blake3}")
+        raise JobError(
+            f"{what} {asset.name} differs from the one the job binds: it has {len(data)} bytes hashing "
+            f"to {_hash(data)}, the job binds {asset.size} bytes hashing to {asset.blake3}"
+        )
     return data
 
 
@@ -321,20 +366,26 @@ def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer | HFTokeniz
     seen: set[int] = set(exposed)
     for n, step in enumerate(job.schedule.steps):
         if len(step.docs) != job.recipe.batch_size:
-            raise JobError(f"schedule step {n} has {len(step.docs)} documents, the recipe's batch size is "
-                           f"{job.recipe.batch_size}")
+            raise JobError(
+                f"schedule step {n} has {len(step.docs)} documents, the recipe's batch size is {job.recipe.batch_size}"
+            )
         for d in step.docs:
             if d >= len(records) or d in held:
                 raise JobError(f"schedule step {n} names document {d}, which is not a training record")
         for d in step.replay:
             if d not in step.docs or d not in seen:
-                raise JobError(f"schedule step {n} declares replay of document {d}, which is not in the step or was "
-                               f"not trained in an earlier step (nor declared exposed)")
+                raise JobError(
+                    f"schedule step {n} declares replay of document {d}, which is not in the step or was "
+                    f"not trained in an earlier step (nor declared exposed)"
+                )
         seen.update(step.docs)
     cohorts = {s.cohort for s in job.schedule.steps}
     for ref in job.recipe.distill.references:
-        if ref.cohort not in cohorts or (ref.source == "endpoint") != (ref.of is not None) \
-                or (ref.of is not None and (ref.of not in cohorts or ref.of == ref.cohort)):
+        if (
+            ref.cohort not in cohorts
+            or (ref.source == "endpoint") != (ref.of is not None)
+            or (ref.of is not None and (ref.of not in cohorts or ref.of == ref.cohort))
+        ):
             raise JobError(f"the recipe's reference for cohort {ref.cohort!r} names no earlier cohort of the schedule")
     for s in job.schedule.steps:
         if s.replay and not any(r.cohort == s.cohort for r in job.recipe.distill.references):
@@ -360,7 +411,9 @@ def load_job(path: str | os.PathLike[str]) -> PreparedJob:
     for a in job.tokenizer:
         files[a.name] = _read_bound(directory, a, "tokenizer asset", _MAX_ASSET_BYTES)
     files[job.records.name] = _read_bound(directory, job.records, "records file", _MAX_RECORDS_BYTES)
-    rf: RecordFile = _decode(files[job.records.name], RecordFile, f"records file {job.records.name}", _MAX_RECORDS_BYTES)
+    rf: RecordFile = _decode(
+        files[job.records.name], RecordFile, f"records file {job.records.name}", _MAX_RECORDS_BYTES
+    )
     tok = build_tokenizer(files, tuple(a.name for a in job.tokenizer))
     prepared = PreparedJob(_hash(raw), job, directory, files, tok, rf.records)
     _check(job, rf.records, tok, prepared.config)
@@ -372,13 +425,23 @@ def load_job(path: str | os.PathLike[str]) -> PreparedJob:
 
 def default_config(vocab_size: int) -> LlamaConfig:
     """The embedded tiny Llama: 4 layers, 64 wide, grouped-query attention, tied head."""
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-                       max_position_embeddings=128, tie_word_embeddings=True)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
 
 
-def _step_docs(steps: int, batch_size: int, replay: int, first: int, pool: list[int], cohort: str,
-               offset: int = 0) -> list[Step]:
+def _step_docs(
+    steps: int, batch_size: int, replay: int, first: int, pool: list[int], cohort: str, offset: int = 0
+) -> list[Step]:
     """`steps` updates of `batch_size - replay` new records from index `first`, plus `replay`
     declared replays drawn in a fixed stride from `pool`."""
     new = batch_size - replay
@@ -400,15 +463,34 @@ DEFAULT_INIT_STD = 0.08
 _MAX_PRIOR = 512
 
 
-def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps_b: int = 8, batch_size: int = 8,
-                    microbatch_size: int = 4, replay_per_step: int = 2, eval_per_set: int = 64, data_seed: int = 0,
-                    init_seed: int = 1234, lr: float = DEFAULT_LR, init_std: float = DEFAULT_INIT_STD,
-                    warmup_steps: int | None = None, seed_commit: str | None = None,
-                    seed_config: Mapping[str, Any] | None = None, name: str = "default",
-                    mix: tuple[str, ...] = DEFAULT_MIX, kl_coef: float = 0.5, temperature: float = 1.0,
-                    gain_bound: float = -0.001, retention_bound: float = 0.02, resamples: int = 2000,
-                    retention_per_set: int = 16, assets: Mapping[str, bytes] | None = None,
-                    profile: Profile | None = None, source_dtypes: tuple[str, ...] | None = None) -> str:
+def prepare_default(
+    out_dir: str | os.PathLike[str],
+    *,
+    steps_a: int = 16,
+    steps_b: int = 8,
+    batch_size: int = 8,
+    microbatch_size: int = 4,
+    replay_per_step: int = 2,
+    eval_per_set: int = 64,
+    data_seed: int = 0,
+    init_seed: int = 1234,
+    lr: float = DEFAULT_LR,
+    init_std: float = DEFAULT_INIT_STD,
+    warmup_steps: int | None = None,
+    seed_commit: str | None = None,
+    seed_config: Mapping[str, Any] | None = None,
+    name: str = "default",
+    mix: tuple[str, ...] = DEFAULT_MIX,
+    kl_coef: float = 0.5,
+    temperature: float = 1.0,
+    gain_bound: float = -0.001,
+    retention_bound: float = 0.02,
+    resamples: int = 2000,
+    retention_per_set: int = 16,
+    assets: Mapping[str, bytes] | None = None,
+    profile: Profile | None = None,
+    source_dtypes: tuple[str, ...] | None = None,
+) -> str:
     """Write the embedded default job into `out_dir`; return the job file's path.
 
     Cohort A trains `steps_a` updates of new task records (cycling through `mix`) plus
@@ -440,8 +522,7 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
     # a longer cohort A replays them again, in the same fixed stride).
     n_chat = max(min(steps_a * replay_per_step, _MAX_PRIOR), retention_per_set) if replay_per_step else 0
     prior = make_conversations("prior", n_chat, seed=data_seed)
-    final_chat = make_conversations("final_chat", retention_per_set, seed=data_seed + 1,
-                                    exclude={r.id for r in prior})
+    final_chat = make_conversations("final_chat", retention_per_set, seed=data_seed + 1, exclude={r.id for r in prior})
     records = a + b + prior + held["dev_task"] + held["final_task"] + final_chat
     base_prior, base_dev = len(a) + len(b), len(a) + len(b) + len(prior)
     prior_idx = list(range(base_prior, base_prior + len(prior)))
@@ -455,9 +536,17 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
     sets = [role_set("dev_task", DEVELOPMENT, "task", list(range(base_dev, base_dev + eval_per_set)))]
     if prior_idx:
         sets.append(role_set("dev_retention", DEVELOPMENT, "retention", prior_idx[:retention_per_set]))
-    sets.append(role_set("final_task", FINAL, "task", list(range(base_dev + eval_per_set, base_dev + 2 * eval_per_set))))
-    sets.append(role_set("final_retention", FINAL, "retention",
-                         list(range(base_dev + 2 * eval_per_set, base_dev + 2 * eval_per_set + len(final_chat)))))
+    sets.append(
+        role_set("final_task", FINAL, "task", list(range(base_dev + eval_per_set, base_dev + 2 * eval_per_set)))
+    )
+    sets.append(
+        role_set(
+            "final_retention",
+            FINAL,
+            "retention",
+            list(range(base_dev + 2 * eval_per_set, base_dev + 2 * eval_per_set + len(final_chat))),
+        )
+    )
     schedule = Schedule(version=_VERSION, steps=tuple(steps))
     files = {**assets, RECORDS_FILE: _ENC.encode(RecordFile(version=_VERSION, records=tuple(records)))}
 
@@ -465,31 +554,64 @@ def prepare_default(out_dir: str | os.PathLike[str], *, steps_a: int = 16, steps
         return Asset(name=n, blake3=_hash(files[n]), size=len(files[n]))
 
     def group(n: str, wd: float) -> GroupRecipe:
-        return GroupRecipe(name=n, lr=f64_encode(lr), beta1=f64_encode(0.9), beta2=f64_encode(0.95),
-                           eps=f64_encode(1e-8), weight_decay=f64_encode(wd))
+        return GroupRecipe(
+            name=n,
+            lr=f64_encode(lr),
+            beta1=f64_encode(0.9),
+            beta2=f64_encode(0.95),
+            eps=f64_encode(1e-8),
+            weight_decay=f64_encode(wd),
+        )
 
     refs = []
     if steps_a:
         refs.append(CohortReference(cohort="A", source="seed", of=None))
     if steps_b:
-        refs.append(CohortReference(cohort="B", source="endpoint", of="A") if steps_a else
-                    CohortReference(cohort="B", source="seed", of=None))
+        refs.append(
+            CohortReference(cohort="B", source="endpoint", of="A")
+            if steps_a
+            else CohortReference(cohort="B", source="seed", of=None)
+        )
     total = steps_a + steps_b
     warmup = min(total, max(2, total // 16)) if warmup_steps is None else warmup_steps
-    job = Job(version=_VERSION, name=name, model=model_spec(config),
-              seed=SeedSpec(kind="import" if seed_commit else "init", init_seed=init_seed, commit=seed_commit,
-                            init_std=None if init_std == LEGACY_INIT_STD else f64_encode(init_std),
-                            source_dtypes=source_dtypes), profile=None if profile == FP32 else profile,
-              tokenizer=tuple(asset(n) for n in sorted(assets)), records=asset(RECORDS_FILE),
-              exposed=tuple(prior_idx), sets=tuple(sets), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)),
-              recipe=Recipe(algorithm="adamw", groups=(group("decay", 0.1), group("no_decay", 0.0)),
-                            warmup_steps=warmup, total_steps=max(1, total), min_ratio=f64_encode(0.1),
-                            max_grad_norm=f64_encode(1.0), batch_size=batch_size, microbatch_size=microbatch_size,
-                            distill=Distillation(kl_coef=f64_encode(kl_coef), temperature=f64_encode(temperature),
-                                                 references=tuple(refs)),
-                            gates=GateRecipe(gain_bound=f64_encode(gain_bound),
-                                             retention_bound=f64_encode(retention_bound), resamples=resamples,
-                                             seed=0)))
+    job = Job(
+        version=_VERSION,
+        name=name,
+        model=model_spec(config),
+        seed=SeedSpec(
+            kind="import" if seed_commit else "init",
+            init_seed=init_seed,
+            commit=seed_commit,
+            init_std=None if init_std == LEGACY_INIT_STD else f64_encode(init_std),
+            source_dtypes=source_dtypes,
+        ),
+        profile=None if profile == FP32 else profile,
+        tokenizer=tuple(asset(n) for n in sorted(assets)),
+        records=asset(RECORDS_FILE),
+        exposed=tuple(prior_idx),
+        sets=tuple(sets),
+        schedule=schedule,
+        schedule_id=_hash(_ENC.encode(schedule)),
+        recipe=Recipe(
+            algorithm="adamw",
+            groups=(group("decay", 0.1), group("no_decay", 0.0)),
+            warmup_steps=warmup,
+            total_steps=max(1, total),
+            min_ratio=f64_encode(0.1),
+            max_grad_norm=f64_encode(1.0),
+            batch_size=batch_size,
+            microbatch_size=microbatch_size,
+            distill=Distillation(
+                kl_coef=f64_encode(kl_coef), temperature=f64_encode(temperature), references=tuple(refs)
+            ),
+            gates=GateRecipe(
+                gain_bound=f64_encode(gain_bound),
+                retention_bound=f64_encode(retention_bound),
+                resamples=resamples,
+                seed=0,
+            ),
+        ),
+    )
     files[JOB_FILE] = _ENC.encode(job)
     for n, data in files.items():
         (out / n).write_bytes(data)

@@ -5,6 +5,7 @@ Part of `job.json` (`shardtrain.job.job`), so every value is fixed before traini
 by the job id. Reals are the 16 hex digits of their IEEE-754 bits, like every real in a
 job file; decoding is strict (unknown fields refused).
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal

@@ -17,6 +17,7 @@ set has a **role** and a **kind**:
 - ``task`` sets hold new-task records (the gain and generation gates); ``retention``
   sets hold conversation records (the retention gate).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,8 +31,18 @@ from shardstore import ObjectNotFound, RefConflict, RefNotFound, Store
 from shardtrain.errors import JobError, RoleError
 from shardtrain.job.tasks import Record
 
-__all__ = ["DEVELOPMENT", "FINAL", "EvalSet", "Selection", "set_digest", "check_roles", "select", "selection",
-           "open_finals", "finals_opened"]
+__all__ = [
+    "DEVELOPMENT",
+    "FINAL",
+    "EvalSet",
+    "Selection",
+    "set_digest",
+    "check_roles",
+    "select",
+    "selection",
+    "open_finals",
+    "finals_opened",
+]
 
 DEVELOPMENT, FINAL = "development", "final"
 _VERSION = 1
@@ -51,8 +62,9 @@ class EvalSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     digest: Hex64  # BLAKE3 of the canonical JSON list of the docs' record ids, in order
 
 
-class Selection(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="shardtrain-selection",
-                tag_field="type"):
+class Selection(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="shardtrain-selection", tag_field="type"
+):
     """The record that opens a job's final sets for one candidate commit (an object in the store)."""
 
     version: int
@@ -85,11 +97,15 @@ def check_roles(sets: Sequence[EvalSet], records: Sequence[Record], trained: set
         if set_digest(records, s.docs) != s.digest:
             raise JobError(f"held-out set {s.name!r}: its records do not hash to the digest the job binds")
         if s.kind == "task" or s.role == FINAL:
-            hit = [d for d in s.docs if d in trained or records[d].id in seen_ids or _prompt(records[d]) in seen_prompts]
+            hit = [
+                d for d in s.docs if d in trained or records[d].id in seen_ids or _prompt(records[d]) in seen_prompts
+            ]
             if hit:
-                raise JobError(f"{s.role} {s.kind} set {s.name!r} overlaps the training and replay records (record "
-                               f"{hit[0]}, id {records[hit[0]].id[:12]}, by index, record id or prompt); final sets and "
-                               f"task sets must be disjoint from every trained record")
+                raise JobError(
+                    f"{s.role} {s.kind} set {s.name!r} overlaps the training and replay records (record "
+                    f"{hit[0]}, id {records[hit[0]].id[:12]}, by index, record id or prompt); final sets and "
+                    f"task sets must be disjoint from every trained record"
+                )
         if s.role == FINAL:
             final_docs.update(s.docs)
     for s in sets:
@@ -136,8 +152,10 @@ def select(store: Store, job: str, commit: str) -> str:
     """
     if finals_opened(store, job):
         current = selection(store, job)
-        raise RoleError(f"job {job[:12]}'s final sets were already opened for commit "
-                        f"{current.commit[:12] if current else '?'}; a second selection is refused")
+        raise RoleError(
+            f"job {job[:12]}'s final sets were already opened for commit "
+            f"{current.commit[:12] if current else '?'}; a second selection is refused"
+        )
     raw = _ENC.encode(Selection(version=_VERSION, job=job, commit=commit))
     try:  # what `selection` will read back, checked before it is written and pinned
         msgspec.json.decode(raw, type=Selection)
@@ -149,7 +167,9 @@ def select(store: Store, job: str, commit: str) -> str:
     store.pin(_selection_pin(job), [oid], expected=previous)  # compare-and-swap
     if finals_opened(store, job):  # an opening completed between the check above and the swap: undo it
         store.pin(_selection_pin(job), list(previous or ()), expected=[oid])
-        raise RoleError(f"job {job[:12]}'s final sets were opened while this selection was being written; it is refused")
+        raise RoleError(
+            f"job {job[:12]}'s final sets were opened while this selection was being written; it is refused"
+        )
     return oid
 
 
@@ -157,11 +177,15 @@ def open_finals(store: Store, job: str, candidate: str) -> Selection:
     """Check that `candidate` is the job's selected commit and record that finals were opened."""
     sel = selection(store, job)
     if sel is None:
-        raise RoleError(f"job {job[:12]} has no selection record: run `shardtrain select --store {store.url} "
-                        f"--commit C` before evaluating its final sets")
+        raise RoleError(
+            f"job {job[:12]} has no selection record: run `shardtrain select --store {store.url} "
+            f"--commit C` before evaluating its final sets"
+        )
     if sel.commit != candidate:
-        raise RoleError(f"job {job[:12]} selected commit {sel.commit[:12]}, not {candidate[:12]}; final sets open only "
-                        f"for the selected commit")
+        raise RoleError(
+            f"job {job[:12]} selected commit {sel.commit[:12]}, not {candidate[:12]}; final sets open only "
+            f"for the selected commit"
+        )
     ids = store.pinned(_selection_pin(job))
     opened = store.pinned(_opened_pin(job))
     if opened is not None and set(opened) != set(ids or ()):
@@ -177,6 +201,8 @@ def open_finals(store: Store, job: str, candidate: str) -> Selection:
                 store.unpin(_opened_pin(job), expected=list(ids or ()))
             except (RefConflict, RefNotFound):
                 pass  # not ours any more: the check above raises all the same
-            raise RoleError(f"job {job[:12]}'s selection changed while its final sets were being opened; "
-                            f"the opening was undone (select and the final sets are linearisable, README)")
+            raise RoleError(
+                f"job {job[:12]}'s selection changed while its final sets were being opened; "
+                f"the opening was undone (select and the final sets are linearisable, README)"
+            )
     return sel

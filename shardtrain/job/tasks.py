@@ -6,6 +6,7 @@ the expected answer text, so a loss can be taken on the assistant's tokens only 
 greedy generation can be checked exactly. Generation is a pure function of a seed
 (`random.Random`), so the same arguments always give byte-identical records.
 """
+
 from __future__ import annotations
 
 import random
@@ -13,8 +14,16 @@ import random
 import blake3
 import msgspec
 
-__all__ = ["FAMILIES", "CONVERSATION", "Message", "Record", "make_record", "make_records", "make_conversations",
-           "record_id"]
+__all__ = [
+    "FAMILIES",
+    "CONVERSATION",
+    "Message",
+    "Record",
+    "make_record",
+    "make_records",
+    "make_conversations",
+    "record_id",
+]
 
 FAMILIES = ("lookup", "filter", "total", "sort")
 CONVERSATION = "chat"  # conversation-like records: the replay (and retention) data, not a task family
@@ -98,8 +107,13 @@ def make_conversations(split: str, count: int, *, seed: int, exclude: set[str] |
             break
         prompt, answer = _conversation(rng)
         messages = (Message("user", prompt), Message("assistant", answer))
-        r = Record(id=record_id(CONVERSATION, messages, answer), family=CONVERSATION, split=split, messages=messages,
-                   answer=answer)
+        r = Record(
+            id=record_id(CONVERSATION, messages, answer),
+            family=CONVERSATION,
+            split=split,
+            messages=messages,
+            answer=answer,
+        )
         if r.id not in seen:
             seen.add(r.id)
             out.append(r)
@@ -114,8 +128,9 @@ def make_record(family: str, rng: random.Random, split: str) -> Record:
     return Record(id=record_id(family, messages, answer), family=family, split=split, messages=messages, answer=answer)
 
 
-def make_records(split: str, count: int, *, seed: int, exclude: set[str] | None = None,
-                 mix: tuple[str, ...] = FAMILIES) -> list[Record]:
+def make_records(
+    split: str, count: int, *, seed: int, exclude: set[str] | None = None, mix: tuple[str, ...] = FAMILIES
+) -> list[Record]:
     """`count` records cycling through `mix` (families, repeats weight them); ids in `exclude`
     (and repeats) are redrawn."""
     rng = random.Random(f"shardtrain-tasks-v1:{seed}:{split}")

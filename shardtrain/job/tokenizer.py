@@ -12,6 +12,7 @@ token). They are found by rendering prefixes of the conversation, which requires
 template to be prefix-stable (rendering k+1 messages extends rendering k); a template that
 is not is refused rather than guessed at.
 """
+
 from __future__ import annotations
 
 import re
@@ -53,8 +54,15 @@ _DEC = msgspec.json.Decoder(_Spec)
 
 def default_assets() -> dict[str, bytes]:
     """The embedded tokenizer's asset files, by file name."""
-    spec = _Spec(type="byte-level", version=1, specials=_DEFAULT_SPECIALS, bos="<|bos|>", eos="<|eos|>",
-                 pad="<|pad|>", end="<|end|>")
+    spec = _Spec(
+        type="byte-level",
+        version=1,
+        specials=_DEFAULT_SPECIALS,
+        bos="<|bos|>",
+        eos="<|eos|>",
+        pad="<|pad|>",
+        end="<|end|>",
+    )
     return {TOKENIZER_FILE: _ENC.encode(spec), TEMPLATE_FILE: _DEFAULT_TEMPLATE.encode()}
 
 
@@ -75,7 +83,9 @@ class ByteTokenizer:
         self.bos_id, self.eos_id = self.specials[spec.bos], self.specials[spec.eos]
         self.pad_id, self.end_id = self.specials[spec.pad], self.specials[spec.end]
         # Longest first, so a special token that prefixes another cannot shadow it.
-        self._split = re.compile("(" + "|".join(re.escape(s) for s in sorted(spec.specials, key=len, reverse=True)) + ")")
+        self._split = re.compile(
+            "(" + "|".join(re.escape(s) for s in sorted(spec.specials, key=len, reverse=True)) + ")"
+        )
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False)
         try:
             self._template = env.from_string(template)
@@ -108,8 +118,9 @@ class ByteTokenizer:
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False) -> str:
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token)
+            return self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=self.bos_token
+            )
         except jinja2.TemplateError as exc:
             raise JobError(f"{TEMPLATE_FILE}: rendering failed: {exc}") from exc
 
@@ -128,10 +139,15 @@ class ByteTokenizer:
         done = ""
         for i, m in enumerate(messages):
             before = self.render(messages[:i], add_generation_prompt=m["role"] == "assistant")
-            after = self.render(messages[:i + 1])
+            after = self.render(messages[: i + 1])
             if not before.startswith(done) or not after.startswith(before):
-                raise JobError(f"{TEMPLATE_FILE} is not prefix-stable at message {i}; assistant targets cannot be located")
-            for text, w in ((before[len(done):], 0.0), (after[len(before):], 1.0 if m["role"] == "assistant" else 0.0)):
+                raise JobError(
+                    f"{TEMPLATE_FILE} is not prefix-stable at message {i}; assistant targets cannot be located"
+                )
+            for text, w in (
+                (before[len(done) :], 0.0),
+                (after[len(before) :], 1.0 if m["role"] == "assistant" else 0.0),
+            ):
                 piece = self.encode(text)
                 ids.extend(piece)
                 weights.extend([w] * len(piece))
@@ -145,7 +161,9 @@ def load_tokenizer(assets: Mapping[str, bytes]) -> ByteTokenizer:
         if name not in assets:
             raise JobError(f"tokenizer asset {name} is missing")
         if len(assets[name]) > _MAX_ASSET_BYTES:
-            raise JobError(f"tokenizer asset {name} is {len(assets[name])} bytes, over the {_MAX_ASSET_BYTES}-byte limit")
+            raise JobError(
+                f"tokenizer asset {name} is {len(assets[name])} bytes, over the {_MAX_ASSET_BYTES}-byte limit"
+            )
     try:
         spec = _DEC.decode(assets[TOKENIZER_FILE])
     except msgspec.DecodeError as exc:

@@ -22,6 +22,7 @@ longer than the model's context. Records are bound by digest like the generated 
 The schedule cycles through the training records in file order, ``batch_size -
 replay_per_step`` new ones per update (one epoch by default; ``steps`` for more or fewer).
 """
+
 from __future__ import annotations
 
 import math
@@ -42,13 +43,37 @@ from shardtrain.engine.model import LlamaConfig
 from shardtrain.engine.profile import FP32, Profile
 from shardtrain.errors import ConfigError, JobError
 from shardtrain.job.hf_tokenizer import build_tokenizer, check_hf_assets
-from shardtrain.job.job import _ENC, _VERSION, JOB_FILE, RECORDS_FILE, Asset, Job, RecordFile, Schedule, SeedSpec, Step, _hash, load_job, model_spec, prepare_default
+from shardtrain.job.job import (
+    _ENC,
+    _VERSION,
+    JOB_FILE,
+    RECORDS_FILE,
+    Asset,
+    Job,
+    RecordFile,
+    Schedule,
+    SeedSpec,
+    Step,
+    _hash,
+    load_job,
+    model_spec,
+    prepare_default,
+)
 from shardtrain.job.recipe import CohortReference, Distillation, GateRecipe, GroupRecipe, Recipe
 from shardtrain.job.roles import DEVELOPMENT, FINAL, EvalSet, set_digest
 from shardtrain.job.tasks import CONVERSATION, Message, Record, record_id
 
-__all__ = ["read_records", "UserData", "check_user_data", "prepare_own", "prepare_model", "prepare_seed", "describe",
-           "seed_ref", "DEFAULT_OWN_LR"]
+__all__ = [
+    "read_records",
+    "UserData",
+    "check_user_data",
+    "prepare_own",
+    "prepare_model",
+    "prepare_seed",
+    "describe",
+    "seed_ref",
+    "DEFAULT_OWN_LR",
+]
 
 _MAX_FILE_BYTES = 256 << 20
 _MAX_DEV_TRAIN = 16
@@ -76,15 +101,26 @@ def read_records(path: str, split: str) -> list[tuple[Record, int]]:
         try:
             messages = _DEC.decode(line).messages
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            raise JobError(f"{path}, line {n}: not a {{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} "
-                           f"object: {exc}") from None
+            raise JobError(
+                f'{path}, line {n}: not a {{"messages": [{{"role": ..., "content": ...}}, ...]}} object: {exc}'
+            ) from None
         if not messages or messages[-1].role != "assistant":
             raise JobError(f"{path}, line {n}: the last message must be the assistant's (the answer to train on)")
         if any(not m.role for m in messages):
             raise JobError(f"{path}, line {n}: a message has an empty role")
         answer = messages[-1].content
-        out.append((Record(id=record_id(CONVERSATION, messages, answer), family=CONVERSATION, split=split,
-                           messages=messages, answer=answer), n))
+        out.append(
+            (
+                Record(
+                    id=record_id(CONVERSATION, messages, answer),
+                    family=CONVERSATION,
+                    split=split,
+                    messages=messages,
+                    answer=answer,
+                ),
+                n,
+            )
+        )
     if not out:
         raise JobError(f"records file {path} holds no records")
     return out
@@ -94,13 +130,16 @@ def _prompt(r: Record) -> str:
     return "\n".join(m.content for m in r.messages if m.role != "assistant")
 
 
-def _refuse_overlap(held: list[tuple[Record, int]], path: str, seen: dict[str, tuple[str, int]],
-                    prompts: dict[str, tuple[str, int]]) -> None:
+def _refuse_overlap(
+    held: list[tuple[Record, int]], path: str, seen: dict[str, tuple[str, int]], prompts: dict[str, tuple[str, int]]
+) -> None:
     for r, n in held:
         where = seen.get(r.id) or prompts.get(_prompt(r))
         if where is not None:
-            raise JobError(f"{path}, line {n}: this held-out record is also in {where[0]}, line {where[1]} (same record "
-                           f"or same prompt); held-out sets must be disjoint from the training and replay records")
+            raise JobError(
+                f"{path}, line {n}: this held-out record is also in {where[0]}, line {where[1]} (same record "
+                f"or same prompt); held-out sets must be disjoint from the training and replay records"
+            )
 
 
 @dataclass(frozen=True)
@@ -114,8 +153,14 @@ class UserData:
     final: list[tuple[Record, int]]
 
 
-def check_user_data(config: LlamaConfig, assets: Mapping[str, bytes], records: str, replay: str | None = None,
-                    dev: str | None = None, final: str | None = None) -> UserData:
+def check_user_data(
+    config: LlamaConfig,
+    assets: Mapping[str, bytes],
+    records: str,
+    replay: str | None = None,
+    dev: str | None = None,
+    final: str | None = None,
+) -> UserData:
     """Read every file and check every line (form, overlap, length under the model's tokenizer)."""
     train = read_records(records, "train")
     rep = read_records(replay, "replay") if replay else []
@@ -129,8 +174,9 @@ def check_user_data(config: LlamaConfig, assets: Mapping[str, bytes], records: s
             prompts.setdefault(_prompt(r), (path, n))
     _refuse_overlap(dev_r, dev or "", seen, prompts)
     _refuse_overlap(fin_r, final or "", seen, prompts)
-    _refuse_overlap(fin_r, final or "", {r.id: (dev or "", n) for r, n in dev_r},
-                    {_prompt(r): (dev or "", n) for r, n in dev_r})
+    _refuse_overlap(
+        fin_r, final or "", {r.id: (dev or "", n) for r, n in dev_r}, {_prompt(r): (dev or "", n) for r, n in dev_r}
+    )
     tok = build_tokenizer(assets, tuple(sorted(assets)))
     if tok.vocab_size > config.vocab_size:
         raise JobError(f"the tokenizer has {tok.vocab_size} ids but the model only {config.vocab_size}")
@@ -138,17 +184,36 @@ def check_user_data(config: LlamaConfig, assets: Mapping[str, bytes], records: s
         for r, n in rs:
             length = len(tok.encode_chat(r.as_dicts())[0])
             if length > config.max_position_embeddings:
-                raise JobError(f"{path}, line {n}: {length} tokens, longer than the model's max_position_embeddings "
-                               f"{config.max_position_embeddings}")
+                raise JobError(
+                    f"{path}, line {n}: {length} tokens, longer than the model's max_position_embeddings "
+                    f"{config.max_position_embeddings}"
+                )
     return UserData(records, train, rep, dev_r, fin_r)
 
 
-def prepare_own(out_dir: str | os.PathLike[str], data: UserData, *, config: LlamaConfig, assets: Mapping[str, bytes],
-                seed_commit: str, profile: Profile | None = None, source_dtypes: tuple[str, ...] | None = None,
-                batch_size: int = 8, microbatch_size: int = 4, replay_per_step: int | None = None,
-                steps: int | None = None, lr: float = DEFAULT_OWN_LR, warmup_steps: int | None = None,
-                init_seed: int = 1234, name: str = "own", kl_coef: float = 0.5, temperature: float = 1.0,
-                gain_bound: float = -0.001, retention_bound: float = 0.02, resamples: int = 2000) -> str:
+def prepare_own(
+    out_dir: str | os.PathLike[str],
+    data: UserData,
+    *,
+    config: LlamaConfig,
+    assets: Mapping[str, bytes],
+    seed_commit: str,
+    profile: Profile | None = None,
+    source_dtypes: tuple[str, ...] | None = None,
+    batch_size: int = 8,
+    microbatch_size: int = 4,
+    replay_per_step: int | None = None,
+    steps: int | None = None,
+    lr: float = DEFAULT_OWN_LR,
+    warmup_steps: int | None = None,
+    init_seed: int = 1234,
+    name: str = "own",
+    kl_coef: float = 0.5,
+    temperature: float = 1.0,
+    gain_bound: float = -0.001,
+    retention_bound: float = 0.02,
+    resamples: int = 2000,
+) -> str:
     """Write a job over the user's checked records starting from imported commit `seed_commit`; return job.json's path."""
     train, rep, dev_r, fin_r = data.train, data.replay, data.dev, data.final
     per_step = (2 if rep else 0) if replay_per_step is None else replay_per_step
@@ -169,42 +234,74 @@ def prepare_own(out_dir: str | os.PathLike[str], data: UserData, *, config: Llam
         schedule_steps.append(Step(cohort="A", docs=tuple(fresh + again), replay=tuple(again)))
 
     def role_set(set_name: str, role: str, kind: str, docs: list[int]) -> EvalSet:
-        return EvalSet(name=set_name, role=role, kind=kind, docs=tuple(docs),  # type: ignore[arg-type]
-                       digest=set_digest(all_records, docs))
+        return EvalSet(
+            name=set_name,
+            role=role,
+            kind=kind,
+            docs=tuple(docs),  # type: ignore[arg-type]
+            digest=set_digest(all_records, docs),
+        )
 
     if dev_r:
         sets = [role_set("dev", DEVELOPMENT, "task", list(range(base_dev, base_fin)))]
     else:  # distinct training records (a file may repeat one)
-        first = list({r.id: i for i, r in reversed(list(enumerate(all_records[:len(train)])))}.values())
+        first = list({r.id: i for i, r in reversed(list(enumerate(all_records[: len(train)])))}.values())
         sets = [role_set("dev_train", DEVELOPMENT, "retention", sorted(first)[:_MAX_DEV_TRAIN])]
     if rep:
         sets.append(role_set("dev_replay", DEVELOPMENT, "retention", pool[:_MAX_DEV_TRAIN]))
     if fin_r:
         sets.append(role_set("final", FINAL, "task", list(range(base_fin, base_fin + len(fin_r)))))
     schedule = Schedule(version=_VERSION, steps=tuple(schedule_steps))
-    files: dict[str, bytes] = {**assets, RECORDS_FILE: _ENC.encode(RecordFile(version=_VERSION, records=tuple(all_records)))}
+    files: dict[str, bytes] = {
+        **assets,
+        RECORDS_FILE: _ENC.encode(RecordFile(version=_VERSION, records=tuple(all_records))),
+    }
 
     def asset(n: str) -> Asset:
         return Asset(name=n, blake3=_hash(files[n]), size=len(files[n]))
 
     def group(n: str, wd: float) -> GroupRecipe:
-        return GroupRecipe(name=n, lr=f64_encode(lr), beta1=f64_encode(0.9), beta2=f64_encode(0.95),
-                           eps=f64_encode(1e-8), weight_decay=f64_encode(wd))
+        return GroupRecipe(
+            name=n,
+            lr=f64_encode(lr),
+            beta1=f64_encode(0.9),
+            beta2=f64_encode(0.95),
+            eps=f64_encode(1e-8),
+            weight_decay=f64_encode(wd),
+        )
 
     refs = (CohortReference(cohort="A", source="seed", of=None),) if per_step else ()
     warmup = min(n_steps, max(1, n_steps // 16)) if warmup_steps is None else warmup_steps
-    job = Job(version=_VERSION, name=name, model=model_spec(config),
-              seed=SeedSpec(kind="import", init_seed=init_seed, commit=seed_commit, source_dtypes=source_dtypes),
-              tokenizer=tuple(asset(n) for n in sorted(assets)), records=asset(RECORDS_FILE), exposed=tuple(pool),
-              sets=tuple(sets), schedule=schedule, schedule_id=_hash(_ENC.encode(schedule)),
-              profile=None if profile == FP32 else profile,
-              recipe=Recipe(algorithm="adamw", groups=(group("decay", 0.1), group("no_decay", 0.0)),
-                            warmup_steps=warmup, total_steps=max(1, n_steps), min_ratio=f64_encode(0.1),
-                            max_grad_norm=f64_encode(1.0), batch_size=batch_size, microbatch_size=microbatch_size,
-                            distill=Distillation(kl_coef=f64_encode(kl_coef), temperature=f64_encode(temperature),
-                                                 references=refs),
-                            gates=GateRecipe(gain_bound=f64_encode(gain_bound),
-                                             retention_bound=f64_encode(retention_bound), resamples=resamples, seed=0)))
+    job = Job(
+        version=_VERSION,
+        name=name,
+        model=model_spec(config),
+        seed=SeedSpec(kind="import", init_seed=init_seed, commit=seed_commit, source_dtypes=source_dtypes),
+        tokenizer=tuple(asset(n) for n in sorted(assets)),
+        records=asset(RECORDS_FILE),
+        exposed=tuple(pool),
+        sets=tuple(sets),
+        schedule=schedule,
+        schedule_id=_hash(_ENC.encode(schedule)),
+        profile=None if profile == FP32 else profile,
+        recipe=Recipe(
+            algorithm="adamw",
+            groups=(group("decay", 0.1), group("no_decay", 0.0)),
+            warmup_steps=warmup,
+            total_steps=max(1, n_steps),
+            min_ratio=f64_encode(0.1),
+            max_grad_norm=f64_encode(1.0),
+            batch_size=batch_size,
+            microbatch_size=microbatch_size,
+            distill=Distillation(kl_coef=f64_encode(kl_coef), temperature=f64_encode(temperature), references=refs),
+            gates=GateRecipe(
+                gain_bound=f64_encode(gain_bound),
+                retention_bound=f64_encode(retention_bound),
+                resamples=resamples,
+                seed=0,
+            ),
+        ),
+    )
     files[JOB_FILE] = _ENC.encode(job)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,9 +314,13 @@ def prepare_own(out_dir: str | os.PathLike[str], data: UserData, *, config: Llam
 def describe(job: Any) -> dict[str, Any]:
     """What `prepare` reports about a job: its profile, seed conversion and sets."""
     j = job.job
-    return {"profile": (j.profile.name if j.profile else "fp32"), "recompute": bool(j.profile and j.profile.recompute),
-            "source_dtypes": list(j.seed.source_dtypes or ()), "sets": [s.name for s in j.sets],
-            "tokenizer": [a.name for a in j.tokenizer]}
+    return {
+        "profile": (j.profile.name if j.profile else "fp32"),
+        "recompute": bool(j.profile and j.profile.recompute),
+        "source_dtypes": list(j.seed.source_dtypes or ()),
+        "sets": [s.name for s in j.sets],
+        "tokenizer": [a.name for a in j.tokenizer],
+    }
 
 
 def seed_ref(commit: str) -> str:
@@ -227,9 +328,18 @@ def seed_ref(commit: str) -> str:
     return f"seeds/{commit}"
 
 
-def prepare_model(out_dir: str | os.PathLike[str], *, model_dir: str, store: Store | str, records: str | None = None,
-                  replay: str | None = None, dev: str | None = None, final: str | None = None,
-                  profile: Profile | None = None, **kw: Any) -> str:
+def prepare_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    model_dir: str,
+    store: Store | str,
+    records: str | None = None,
+    replay: str | None = None,
+    dev: str | None = None,
+    final: str | None = None,
+    profile: Profile | None = None,
+    **kw: Any,
+) -> str:
     """`prepare --model`: a job starting from a Hugging Face `save_pretrained` directory.
 
     Reads config.json and the tokenizer asset set (refused without its chat template) and
@@ -256,18 +366,37 @@ def prepare_model(out_dir: str | os.PathLike[str], *, model_dir: str, store: Sto
     if isinstance(store, str):  # opened (and created) only now, once everything was checked
         store = open_store(store, create=True)
     cid = import_directory(store, model_dir, ref=None, dtype="float32")
-    if store.ref(seed_ref(cid)) is None:  # kept from gc until a run's ref names its commits (a second prepare reuses it)
+    if (
+        store.ref(seed_ref(cid)) is None
+    ):  # kept from gc until a run's ref names its commits (a second prepare reuses it)
         store.set_ref(seed_ref(cid), cid, expected=None)
     if data is not None:
-        return prepare_own(out_dir, data, config=config, assets=assets, seed_commit=cid, profile=profile,
-                           source_dtypes=widened, **kw)
-    return prepare_default(out_dir, seed_commit=cid, seed_config=config.to_hf_dict(), assets=assets, profile=profile,
-                           source_dtypes=widened, **kw)
+        return prepare_own(
+            out_dir, data, config=config, assets=assets, seed_commit=cid, profile=profile, source_dtypes=widened, **kw
+        )
+    return prepare_default(
+        out_dir,
+        seed_commit=cid,
+        seed_config=config.to_hf_dict(),
+        assets=assets,
+        profile=profile,
+        source_dtypes=widened,
+        **kw,
+    )
 
 
-def prepare_seed(out_dir: str | os.PathLike[str], *, store: Store, commit: str, records: str | None = None,
-                 replay: str | None = None, dev: str | None = None, final: str | None = None,
-                 profile: Profile | None = None, **kw: Any) -> tuple[str, bool]:
+def prepare_seed(
+    out_dir: str | os.PathLike[str],
+    *,
+    store: Store,
+    commit: str,
+    records: str | None = None,
+    replay: str | None = None,
+    dev: str | None = None,
+    final: str | None = None,
+    profile: Profile | None = None,
+    **kw: Any,
+) -> tuple[str, bool]:
     """`prepare --seed-commit`: a job starting from an imported commit; returns (job path,
     whether the commit carried a tokenizer asset set).
 
@@ -280,16 +409,20 @@ def prepare_seed(out_dir: str | os.PathLike[str], *, store: Store, commit: str, 
         raise JobError(f"commit {lc.id[:12]} has no model config")
     narrow = sorted({e.dtype for e in lc.entries().values() if e.dtype != "float32" and "float" in e.dtype})
     if narrow:
-        raise JobError(f"commit {lc.id[:12]} holds {narrow} weights; the profiles keep FP32 weights: import it with "
-                       f"`shardstore import --dtype float32` or prepare from the directory with --model")
+        raise JobError(
+            f"commit {lc.id[:12]} holds {narrow} weights; the profiles keep FP32 weights: import it with "
+            f"`shardstore import --dtype float32` or prepare from the directory with --model"
+        )
     config = decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
     assets = commit_assets(store, lc.id)
     if assets:
         check_hf_assets(assets, f"commit {lc.id[:12]}'s tokenizer assets")
     if records:
         if not assets:
-            raise JobError(f"commit {lc.id[:12]} carries no tokenizer assets (import the model's directory with its "
-                           f"tokenizer files, or prepare with --model); records cannot be tokenized without them")
+            raise JobError(
+                f"commit {lc.id[:12]} carries no tokenizer assets (import the model's directory with its "
+                f"tokenizer files, or prepare with --model); records cannot be tokenized without them"
+            )
         try:
             llama = LlamaConfig.from_hf_dict(config)
         except ConfigError as exc:
@@ -298,4 +431,6 @@ def prepare_seed(out_dir: str | os.PathLike[str], *, store: Store, commit: str, 
         return prepare_own(out_dir, data, config=llama, assets=assets, seed_commit=lc.id, profile=profile, **kw), True
     if replay or dev or final:
         raise JobError("--replay, --dev and --final need --records")
-    return prepare_default(out_dir, seed_commit=lc.id, seed_config=config, assets=assets, profile=profile, **kw), bool(assets)
+    return prepare_default(out_dir, seed_commit=lc.id, seed_config=config, assets=assets, profile=profile, **kw), bool(
+        assets
+    )

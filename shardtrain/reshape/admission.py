@@ -16,6 +16,7 @@ CPU: the peak resident set size, and its increase over the resident size at admi
 which is what the estimate predicts) and the parameters it held are gathered and written
 to the store's journal for the run's last commit (unhashed, SPEC.md §Journal).
 """
+
 from __future__ import annotations
 
 import os
@@ -136,7 +137,8 @@ def admit(slot: int, estimate: SlotEstimate, device: torch.device) -> tuple[int,
             f"{estimate.activations:,}, bf16 casts {estimate.casts:,}, optimizer scratch {estimate.scratch:,}, reserve "
             f"{estimate.reserve:,}) exceeds the {free:,} bytes free on {device}; "
             f"refused before allocating (layers {estimate.layers[0]}:{estimate.layers[1]}; plan another partition "
-            f"with shardtrain plan, or use more workers)")
+            f"with shardtrain plan, or use more workers)"
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _reset_peak(device)  # the peak recorded later is this worker's own, from here on
@@ -159,5 +161,9 @@ def journal_record(usages: list[Usage]) -> dict[str, Any]:
     baseline, peak and parameters per slot, and each slot's parameter coverage (its share of
     the model's parameters; every parameter has one owner, so the shares sum to 1)."""
     total = sum(u.parameters for u in usages)
-    return {"workers": [{**msgspec.to_builtins(u), "used": u.used, "coverage": u.parameters / total if total else 0.0}
-                        for u in usages]}
+    return {
+        "workers": [
+            {**msgspec.to_builtins(u), "used": u.used, "coverage": u.parameters / total if total else 0.0}
+            for u in usages
+        ]
+    }

@@ -19,6 +19,7 @@ C's slot count. SPEC.md §Transitions states what may change and what must not.
 `identity_check` rebuilds only the new blocks from the store and checks that each maps
 hidden states to themselves bitwise, so the check never needs the whole model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,17 +50,28 @@ def check_append(layers: int, append: object) -> int:
     accepts. Shard manifests, which hold more per tensor, are checked exactly before each is written."""
     if isinstance(append, bool) or not isinstance(append, int) or append < 1:
         raise TransitionError(f"--append must be an int >= 1, got {append!r}")
-    per_layer = sum(len(f'"model.layers.{layers}.{x}",') for x in LAYER_PARAMETER_SUFFIXES)  # a lower bound per new layer
+    per_layer = sum(
+        len(f'"model.layers.{layers}.{x}",') for x in LAYER_PARAMETER_SUFFIXES
+    )  # a lower bound per new layer
     if append * per_layer > MAX_MANIFEST_BYTES:
         most = MAX_MANIFEST_BYTES // per_layer
-        raise TransitionError(f"--append {append}: the names of {append * len(LAYER_PARAMETER_SUFFIXES):,} new tensors alone "
-                              f"exceed the {MAX_MANIFEST_BYTES:,}-byte commit manifest limit (SPEC.md §Limits); at most "
-                              f"{most:,} blocks could ever fit (the shard manifests allow fewer)")
+        raise TransitionError(
+            f"--append {append}: the names of {append * len(LAYER_PARAMETER_SUFFIXES):,} new tensors alone "
+            f"exceed the {MAX_MANIFEST_BYTES:,}-byte commit manifest limit (SPEC.md §Limits); at most "
+            f"{most:,} blocks could ever fit (the shard manifests allow fewer)"
+        )
     return append
 
 
-def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None, partition: Partition | None = None,
-         ref: str | None = None) -> TransitionResult:
+def grow(
+    store: Store,
+    commit: str,
+    append: int,
+    *,
+    copy_from: int | None = None,
+    partition: Partition | None = None,
+    ref: str | None = None,
+) -> TransitionResult:
     """Write the `grow` commit of `commit` with `append` identity blocks copied from `copy_from` (default the last)."""
     started = time.time()
     before = set(store.objects())
@@ -75,7 +87,9 @@ def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None
     if grown.to_hf_dict() != {**config.to_hf_dict(), "num_hidden_layers": layers + append}:
         raise TransitionError("the grown config differs from the commit's in more than the layer count")
     entries = dict(lc.entries())
-    missing = [f"model.layers.{source}.{x}" for x in LAYER_PARAMETER_SUFFIXES if f"model.layers.{source}.{x}" not in entries]
+    missing = [
+        f"model.layers.{source}.{x}" for x in LAYER_PARAMETER_SUFFIXES if f"model.layers.{source}.{x}" not in entries
+    ]
     if missing:
         raise TransitionError(f"commit {lc.id[:12]} has no tensor {missing[0]!r}: not a shardtrain Llama layout")
     taken = [n for n in entries if n.startswith(tuple(f"model.layers.{j}." for j in range(layers, layers + append)))]
@@ -96,8 +110,9 @@ def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None
                 param = zero_ids[key]
             optim = None
             if src.optim is not None:  # trained: a new Adam clock in the source's group
-                optim = OptimEntry(group=src.optim.group, birth=step, age=0, exp_avg=None, exp_avg_sq=None,
-                                   moment_dtype=None)
+                optim = OptimEntry(
+                    group=src.optim.group, birth=step, age=0, exp_avg=None, exp_avg_sq=None, moment_dtype=None
+                )
             name = f"model.layers.{j}.{suffix}"
             entries[name] = TensorEntry(name=name, dtype=src.dtype, shape=src.shape, param=param, optim=optim)
     store.sync()  # the zero projections are durable before a manifest names them
@@ -107,8 +122,15 @@ def grow(store: Store, commit: str, append: int, *, copy_from: int | None = None
     new = load_commit(store, cid)
     move_ref(store, ref, lc.id, cid)
     _journal(store, cid, {"transition": "grow", "append": append, "copy_from": source}, started)
-    return TransitionResult(cid, lc.id, step, new.commit.learned_root, lc.commit.learned_root, partition,
-                            tuple(sorted(set(store.objects()) - before)))
+    return TransitionResult(
+        cid,
+        lc.id,
+        step,
+        new.commit.learned_root,
+        lc.commit.learned_root,
+        partition,
+        tuple(sorted(set(store.objects()) - before)),
+    )
 
 
 @torch.no_grad()

@@ -44,6 +44,7 @@ program over (slots used, layers covered), O(n L^2): the optimum, not a heuristi
 On a tie each slot starts at the earliest layer that achieves the optimum, so the answer
 is deterministic. `for_job` reads the microbatch shape from a prepared job.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,18 @@ from shardtrain.engine.partition import Partition
 from shardtrain.errors import ConfigError
 from shardtrain.job.job import PreparedJob
 
-__all__ = ["ACT_PER_HIDDEN", "ACT_PER_INTERMEDIATE", "DEFAULT_RESERVE", "MemoryModel", "SlotEstimate", "Plan",
-           "for_job", "plan", "parse_bytes", "utilisation"]
+__all__ = [
+    "ACT_PER_HIDDEN",
+    "ACT_PER_INTERMEDIATE",
+    "DEFAULT_RESERVE",
+    "MemoryModel",
+    "SlotEstimate",
+    "Plan",
+    "for_job",
+    "plan",
+    "parse_bytes",
+    "utilisation",
+]
 
 FP32 = 4
 ACT_PER_HIDDEN = 16
@@ -83,8 +94,16 @@ class SlotEstimate:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.grads + self.moments + self.reference + self.activations + self.casts
-                + self.scratch + self.reserve)
+        return (
+            self.weights
+            + self.grads
+            + self.moments
+            + self.reference
+            + self.activations
+            + self.casts
+            + self.scratch
+            + self.reserve
+        )
 
     @property
     def modelled(self) -> int:
@@ -125,8 +144,11 @@ class MemoryModel:
 
     def layer_activations(self, microbatches: int | None = None) -> int:
         tokens = self.microbatch_size * self.seq_len * (self.microbatches if microbatches is None else microbatches)
-        return FP32 * tokens * (ACT_PER_HIDDEN * self.config.hidden_size
-                                + ACT_PER_INTERMEDIATE * self.config.intermediate_size)
+        return (
+            FP32
+            * tokens
+            * (ACT_PER_HIDDEN * self.config.hidden_size + ACT_PER_INTERMEDIATE * self.config.intermediate_size)
+        )
 
     def _largest(self, slot: int, layers: range) -> int:
         """Elements of the slot's largest parameter tensor."""
@@ -136,8 +158,9 @@ class MemoryModel:
 
     def fixed_activations(self) -> int:
         tokens = self.microbatch_size * self.seq_len
-        return FP32 * (tokens * self.microbatches * self.config.hidden_size
-                       + HEAD_COPIES * tokens * self.config.vocab_size)
+        return FP32 * (
+            tokens * self.microbatches * self.config.hidden_size + HEAD_COPIES * tokens * self.config.vocab_size
+        )
 
     def estimate(self, slot: int, layers: range) -> SlotEstimate:
         """The estimate of a slot owning `layers` (and, for slot 0, the embedding and head)."""
@@ -152,21 +175,39 @@ class MemoryModel:
         casts = 0
         if self.autocast:  # bf16 copies: the blocks' weights, and on slot 0 the head's matrix (never recomputed)
             head = self.config.vocab_size * self.config.hidden_size if slot == 0 else 0
-            casts = 2 * (len(layers) * self.layer_parameters() * (1 if self.recompute else self.microbatches)
-                         + head * self.microbatches)
-        return SlotEstimate(slot=slot, layers=(layers.start, layers.stop), parameters=params, weights=b, grads=b,
-                            moments=2 * b, reference=b if self.reference else 0, activations=acts, reserve=self.reserve,
-                            casts=casts, scratch=2 * FP32 * self._largest(slot, layers))
+            casts = 2 * (
+                len(layers) * self.layer_parameters() * (1 if self.recompute else self.microbatches)
+                + head * self.microbatches
+            )
+        return SlotEstimate(
+            slot=slot,
+            layers=(layers.start, layers.stop),
+            parameters=params,
+            weights=b,
+            grads=b,
+            moments=2 * b,
+            reference=b if self.reference else 0,
+            activations=acts,
+            reserve=self.reserve,
+            casts=casts,
+            scratch=2 * FP32 * self._largest(slot, layers),
+        )
 
     def estimates(self, partition: Partition) -> tuple[SlotEstimate, ...]:
         if partition.num_layers != self.config.num_hidden_layers:
-            raise ConfigError(f"partition is for {partition.num_layers} layers, the model has "
-                              f"{self.config.num_hidden_layers}")
+            raise ConfigError(
+                f"partition is for {partition.num_layers} layers, the model has {self.config.num_hidden_layers}"
+            )
         return tuple(self.estimate(s, partition.layers(s)) for s in range(partition.num_slots))
 
 
-def for_job(job: PreparedJob, config: LlamaConfig | None = None, *, reference: bool | None = None,
-            reserve: int = DEFAULT_RESERVE) -> MemoryModel:
+def for_job(
+    job: PreparedJob,
+    config: LlamaConfig | None = None,
+    *,
+    reference: bool | None = None,
+    reserve: int = DEFAULT_RESERVE,
+) -> MemoryModel:
     """The memory model of `job` (its longest scheduled sequence and its batch split), for
     `config` (default the job's; a grown commit's config has more layers). `reference`
     defaults to whether any cohort of the job distils toward a frozen reference."""
@@ -176,10 +217,16 @@ def for_job(job: PreparedJob, config: LlamaConfig | None = None, *, reference: b
     docs = {d for step in job.job.schedule.steps for d in step.docs}
     seq_len = max((len(job.encoded(d)[0]) - 1 for d in docs), default=1)
     profile = job.job.profile
-    return MemoryModel(config or job.config, seq_len=max(1, seq_len), microbatch_size=recipe.microbatch_size,
-                       microbatches=-(-recipe.batch_size // recipe.microbatch_size), reference=reference,
-                       reserve=reserve, autocast=profile is not None and profile.name == "bf16-autocast",
-                       recompute=profile is not None and profile.recompute)
+    return MemoryModel(
+        config or job.config,
+        seq_len=max(1, seq_len),
+        microbatch_size=recipe.microbatch_size,
+        microbatches=-(-recipe.batch_size // recipe.microbatch_size),
+        reference=reference,
+        reserve=reserve,
+        autocast=profile is not None and profile.name == "bf16-autocast",
+        recompute=profile is not None and profile.recompute,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,15 +290,29 @@ def plan(model: MemoryModel, capacities: Sequence[int]) -> Plan:
     return Plan(partition, estimates, caps, best)
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
     """'24GiB', '16 GB', '512MiB', '1048576' -> bytes (binary units for *iB, decimal otherwise)."""
     raw = text.strip().lower().replace(" ", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(number):]
+    unit = raw[len(number) :]
     try:
         value = float(number)
     except ValueError:

@@ -19,6 +19,7 @@ them; they are there so every slot of every commit can be restored the same way.
 what the lifecycle builds each worker's stage from; `write_layout` is the step `grow`
 shares.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,19 @@ from shardtrain.engine.partition import Partition
 from shardtrain.errors import PartitionError, ResumeError, TransitionError
 from shardtrain.job.job import PreparedJob
 
-__all__ = ["TransitionResult", "regroup", "layout_partition", "commit_config", "rng_seed", "derived_rng", "write_layout",
-           "move_ref", "parse_partition", "grown_from", "start_layout"]
+__all__ = [
+    "TransitionResult",
+    "regroup",
+    "layout_partition",
+    "commit_config",
+    "rng_seed",
+    "derived_rng",
+    "write_layout",
+    "move_ref",
+    "parse_partition",
+    "grown_from",
+    "start_layout",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +91,10 @@ def layout_partition(config: LlamaConfig, lc: LoadedCommit) -> Partition:
         partition = Partition.from_ranges(ranges, config.num_hidden_layers)
         for lay in lc.commit.layout:
             if tuple(sorted(partition.owned_parameter_names(config, lay.slot))) != tuple(lay.tensors):
-                raise TransitionError(f"commit {lc.id[:12]}: slot {lay.slot}'s tensors are not those its layers own "
-                                      f"(slot 0 holds the embedding, final norm and head)")
+                raise TransitionError(
+                    f"commit {lc.id[:12]}: slot {lay.slot}'s tensors are not those its layers own "
+                    f"(slot 0 holds the embedding, final norm and head)"
+                )
     except PartitionError as exc:
         raise TransitionError(f"commit {lc.id[:12]}: layout is not a layer partition: {exc}") from exc
     return partition
@@ -88,8 +102,11 @@ def layout_partition(config: LlamaConfig, lc: LoadedCommit) -> Partition:
 
 def grown_from(base: LlamaConfig, config: LlamaConfig | None) -> bool:
     """Whether `config` is `base` with more layers: a grown model (SPEC.md §15a)."""
-    return config is not None and config.num_hidden_layers > base.num_hidden_layers and \
-        dataclasses.replace(config, num_hidden_layers=base.num_hidden_layers) == base
+    return (
+        config is not None
+        and config.num_hidden_layers > base.num_hidden_layers
+        and dataclasses.replace(config, num_hidden_layers=base.num_hidden_layers) == base
+    )
 
 
 def start_layout(job: PreparedJob, store: Store, cid: str | None, world: int) -> tuple[LlamaConfig, Partition]:
@@ -100,9 +117,11 @@ def start_layout(job: PreparedJob, store: Store, cid: str | None, world: int) ->
     if lc is None or lc.commit.transition == "import":
         return job.config, Partition.even(job.config.num_hidden_layers, world)
     if len(lc.shards) != world:
-        raise ResumeError(f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, this group has {world}; "
-                          f"write a repartition commit first (shardtrain regroup --commit {lc.id[:12]} --workers "
-                          f"{world}; shardtrain train without torchrun does this itself)")
+        raise ResumeError(
+            f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, this group has {world}; "
+            f"write a repartition commit first (shardtrain regroup --commit {lc.id[:12]} --workers "
+            f"{world}; shardtrain train without torchrun does this itself)"
+        )
     config, _ = commit_config(store, lc)
     return config, layout_partition(config, lc)
 
@@ -126,21 +145,40 @@ def derived_rng(parent: str, slot: int) -> dict[str, bytes]:
         restore_rng(dict(saved))
 
 
-def write_layout(store: Store, lc: LoadedCommit, entries: Mapping[str, TensorEntry], config: LlamaConfig,
-                 raw_config: Mapping[str, Any], partition: Partition, *, transition: str) -> str:
+def write_layout(
+    store: Store,
+    lc: LoadedCommit,
+    entries: Mapping[str, TensorEntry],
+    config: LlamaConfig,
+    raw_config: Mapping[str, Any],
+    partition: Partition,
+    *,
+    transition: str,
+) -> str:
     """Commit `entries` (all of them) on `partition` with parent `lc`, at its step; return the commit id."""
     c = lc.commit
     slot_names = [partition.owned_parameter_names(config, s) for s in range(partition.num_slots)]
     owned = {n for names in slot_names for n in names}
     if owned != set(entries):
         missing, extra = sorted(owned - set(entries)), sorted(set(entries) - owned)
-        raise TransitionError(f"commit {lc.id[:12]}: the new layout does not cover exactly the commit's tensors: "
-                              f"no entry for {missing[:5]}, no owner for {extra[:5]}")
+        raise TransitionError(
+            f"commit {lc.id[:12]}: the new layout does not cover exactly the commit's tensors: "
+            f"no entry for {missing[:5]}, no owner for {extra[:5]}"
+        )
     own_extras = {s: [x.key for x in sh.extras] for s, sh in lc.shards.items() if sh.extras}
     if own_extras:  # a slot's own extras describe the old layout: there is no slot of the new one to give them to
-        raise TransitionError(f"commit {lc.id[:12]}: slots hold their own extras {own_extras}; a new layout cannot carry them")
-    info = CommitInfo(step=c.step, job=c.job, schedule=c.schedule, profile=c.profile, config=dict(raw_config),
-                      data_cursor=c.data_cursor, transition=transition)
+        raise TransitionError(
+            f"commit {lc.id[:12]}: slots hold their own extras {own_extras}; a new layout cannot carry them"
+        )
+    info = CommitInfo(
+        step=c.step,
+        job=c.job,
+        schedule=c.schedule,
+        profile=c.profile,
+        config=dict(raw_config),
+        data_cursor=c.data_cursor,
+        transition=transition,
+    )
     groups = {g.name: g for g in c.optimizer.groups}
     shard_ids = []
     for slot, names in enumerate(slot_names):
@@ -150,10 +188,23 @@ def write_layout(store: Store, lc: LoadedCommit, entries: Mapping[str, TensorEnt
             rng = {r.kind: r.object for r in lc.shards[slot].rng}
         else:
             rng = {kind: store.put(data) for kind, data in derived_rng(lc.id, slot).items()}
-        shard_ids.append(write_shard_entries(store, mine, groups=[groups[g] for g in used], algorithm=c.optimizer.algorithm,
-                                             rng=rng, info=info, parent=lc.id, slot=slot, slots=partition.num_slots,
-                                             bands=banded(c.version)))  # a version 2 or 3 commit keeps its grid
-    return write_commit(store, shard_ids, info=info, parent=lc.id, extras=c.extras)  # commit-wide extras are layout-free
+        shard_ids.append(
+            write_shard_entries(
+                store,
+                mine,
+                groups=[groups[g] for g in used],
+                algorithm=c.optimizer.algorithm,
+                rng=rng,
+                info=info,
+                parent=lc.id,
+                slot=slot,
+                slots=partition.num_slots,
+                bands=banded(c.version),
+            )
+        )  # a version 2 or 3 commit keeps its grid
+    return write_commit(
+        store, shard_ids, info=info, parent=lc.id, extras=c.extras
+    )  # commit-wide extras are layout-free
 
 
 def move_ref(store: Store, ref: str | None, old: str, new: str) -> None:
@@ -167,12 +218,15 @@ def move_ref(store: Store, ref: str | None, old: str, new: str) -> None:
 
 
 def _journal(store: Store, cid: str, record: dict[str, Any], started: float) -> None:
-    store.write_journal(cid, {**record, "time": started, "seconds": time.time() - started,
-                              "host": socket.gethostname(), "pid": os.getpid()})
+    store.write_journal(
+        cid,
+        {**record, "time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()},
+    )
 
 
-def regroup(store: Store, commit: str, partition: Partition | None = None, *, workers: int | None = None,
-            ref: str | None = None) -> TransitionResult:
+def regroup(
+    store: Store, commit: str, partition: Partition | None = None, *, workers: int | None = None, ref: str | None = None
+) -> TransitionResult:
     """Write the `repartition` commit of `commit` on `partition` (default: `workers` even slots).
 
     ``ref``, if given, moves from `commit` (or from nothing) to the new commit.
@@ -188,12 +242,21 @@ def regroup(store: Store, commit: str, partition: Partition | None = None, *, wo
     cid = write_layout(store, lc, lc.entries(), config, raw, partition, transition="repartition")
     new = load_commit(store, cid)
     if new.commit.learned_root != lc.commit.learned_root:  # cannot happen: the entries are C's own
-        raise TransitionError(f"repartition commit {cid[:12]} has learned-state root {new.commit.learned_root}, "
-                              f"its parent {lc.commit.learned_root}")
+        raise TransitionError(
+            f"repartition commit {cid[:12]} has learned-state root {new.commit.learned_root}, "
+            f"its parent {lc.commit.learned_root}"
+        )
     move_ref(store, ref, lc.id, cid)
     _journal(store, cid, {"transition": "repartition", "slots": [len(lc.shards), partition.num_slots]}, started)
-    return TransitionResult(cid, lc.id, lc.commit.step, new.commit.learned_root, lc.commit.learned_root, partition,
-                            tuple(sorted(set(store.objects()) - before)))
+    return TransitionResult(
+        cid,
+        lc.id,
+        lc.commit.step,
+        new.commit.learned_root,
+        lc.commit.learned_root,
+        partition,
+        tuple(sorted(set(store.objects()) - before)),
+    )
 
 
 def parse_partition(text: str, num_layers: int) -> Partition:
@@ -201,5 +264,7 @@ def parse_partition(text: str, num_layers: int) -> Partition:
     try:
         pairs: Sequence[tuple[int, int]] = [tuple(int(x) for x in part.split(":", 1)) for part in text.split(",")]  # type: ignore[misc]
     except ValueError:
-        raise PartitionError(f"--partition {text!r}: expected START:STOP ranges separated by commas, e.g. 0:3,3:5,5:8") from None
+        raise PartitionError(
+            f"--partition {text!r}: expected START:STOP ranges separated by commas, e.g. 0:3,3:5,5:8"
+        ) from None
     return Partition.from_ranges(pairs, num_layers)

@@ -28,6 +28,7 @@ as the synchronous protocol does. So:
 background thread as phase P (``write shard``, ``write commit``, ``acknowledge``, ``move
 ref``; SPEC.md §15) of the commit at step N begins (the tests' fault injection).
 """
+
 from __future__ import annotations
 
 import os
@@ -65,9 +66,18 @@ def commit_fault_from_env() -> tuple[int, int, str] | None:
 class Committer:
     """Makes one slot's share of a run's commits; `last` is the last durable (step, commit id)."""
 
-    def __init__(self, store: Store, stage: torch.nn.Module, optimizer: Any, *, rank: int,
-                 ref: str, last: tuple[int, str | None], asynchronous: bool = True,
-                 timeout: timedelta = timedelta(seconds=60)) -> None:
+    def __init__(
+        self,
+        store: Store,
+        stage: torch.nn.Module,
+        optimizer: Any,
+        *,
+        rank: int,
+        ref: str,
+        last: tuple[int, str | None],
+        asynchronous: bool = True,
+        timeout: timedelta = timedelta(seconds=60),
+    ) -> None:
         self.store, self.stage, self.optimizer, self.ref = store, stage, optimizer, ref
         self.rank = rank
         self.last = last
@@ -89,8 +99,9 @@ class Committer:
         """Commit this slot's current state as `info` (collective: every slot, same commits)."""
         if self.saver is None:
             try:
-                cid = shardstore.save_distributed(self.store, self.stage, self.optimizer, info=info, ref=self.ref,
-                                                  parent=self.last[1])
+                cid = shardstore.save_distributed(
+                    self.store, self.stage, self.optimizer, info=info, ref=self.ref, parent=self.last[1]
+                )
             except BaseException:
                 self._failed = info.step  # `settle` reads the ref to learn whether it landed anyway
                 raise
@@ -103,8 +114,15 @@ class Committer:
             if fault is not None and (fault[1], fault[2]) == (at, name):
                 os._exit(3)  # a worker lost while its commit is being written
 
-        self.saver.save_distributed(self.stage, self.optimizer, info=info, group=self.group, ref=self.ref,
-                                    parent=self.last[1], on_phase=on_phase)
+        self.saver.save_distributed(
+            self.stage,
+            self.optimizer,
+            info=info,
+            group=self.group,
+            ref=self.ref,
+            parent=self.last[1],
+            on_phase=on_phase,
+        )
         self._in_flight = info.step
 
     def landed(self) -> list[tuple[int, str]]:
@@ -166,4 +184,3 @@ class Committer:
     def _land(self, at: int, cid: str) -> None:
         self.last = (at, cid)
         self._landed.append((at, cid))
-

@@ -31,6 +31,7 @@ family in generation within the demo's budget (docs/DEMO.md).
 
 It reports through `say` (one line at a time); the CLI prints.
 """
+
 from __future__ import annotations
 
 import os
@@ -76,10 +77,20 @@ class DemoResult:
 STEPS_A, STEPS_B, EVERY, BATCH_SIZE, MICROBATCH_SIZE = 700, 12, 50, 32, 8
 
 
-def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepEvent], None] | None = None,
-             steps_a: int = STEPS_A, steps_b: int = STEPS_B, every: int = EVERY, crash_step: int | None = None,
-             workers: int = 2, timeout: float = 60.0, batch_size: int = BATCH_SIZE,
-             microbatch_size: int = MICROBATCH_SIZE) -> DemoResult:
+def run_demo(
+    home: str,
+    *,
+    say: Callable[[str], None],
+    progress: Callable[[StepEvent], None] | None = None,
+    steps_a: int = STEPS_A,
+    steps_b: int = STEPS_B,
+    every: int = EVERY,
+    crash_step: int | None = None,
+    workers: int = 2,
+    timeout: float = 60.0,
+    batch_size: int = BATCH_SIZE,
+    microbatch_size: int = MICROBATCH_SIZE,
+) -> DemoResult:
     started = time.monotonic()
     timings: dict[str, float] = {}
     os.makedirs(home, exist_ok=True)
@@ -93,19 +104,30 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
         raise ValueError(f"the crash step {crash_step} must lie between the resume step {resume_step} and {steps_a}")
 
     t = time.monotonic()
-    job_path = prepare_default(os.path.join(home, "job"), steps_a=steps_a, steps_b=steps_b, batch_size=batch_size,
-                               microbatch_size=microbatch_size)
+    job_path = prepare_default(
+        os.path.join(home, "job"),
+        steps_a=steps_a,
+        steps_b=steps_b,
+        batch_size=batch_size,
+        microbatch_size=microbatch_size,
+    )
     job = load_job(job_path)
-    say(f"prepared job {job.id[:12]}: {len(job.records)} records, {job.num_steps} steps "
+    say(
+        f"prepared job {job.id[:12]}: {len(job.records)} records, {job.num_steps} steps "
         f"(cohort A {steps_a}, cohort B {steps_b} with declared replay), schedule {job.schedule_id[:12]}, "
-        f"tokenizer assets {', '.join(a.name for a in job.job.tokenizer)}")
+        f"tokenizer assets {', '.join(a.name for a in job.job.tokenizer)}"
+    )
     store = shardstore.open_store(store_url)
     timings["prepare"] = time.monotonic() - t
 
     def run(name: str, env: dict[str, str] | None = None, **kw: object) -> dict[int, str]:
         t = time.monotonic()
-        results = train(RunSpec(job=job_path, store=store_url, every=every, progress=progress, **kw),  # type: ignore[arg-type]
-                        workers, timeout=timeout, env=env)
+        results = train(
+            RunSpec(job=job_path, store=store_url, every=every, progress=progress, **kw),  # type: ignore[arg-type]
+            workers,
+            timeout=timeout,
+            env=env,
+        )
         timings[name] = time.monotonic() - t
         return {c.step: c.id for c in results[0].commits}
 
@@ -114,35 +136,47 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     reference, resume_from = ref_commits[steps_a], ref_commits[resume_step]
     say(f"      step {steps_a}: {reference}")
     kl_coef, temp = job.kl()
-    say(f"      loss: CE on new records + {kl_coef:g} * T^2 * KL(reference || student) at T={temp:g} on "
+    say(
+        f"      loss: CE on new records + {kl_coef:g} * T^2 * KL(reference || student) at T={temp:g} on "
         f"{sum(len(s.replay) for s in job.job.schedule.steps[:steps_a])} declared conversation replays, the "
-        f"reference being the seed commit {ref_commits[0][:12]} (restored per slot, no new objects)")
+        f"reference being the seed commit {ref_commits[0][:12]} (restored per slot, no new objects)"
+    )
 
-    say(f"[2/7] fresh group restores step {resume_step} ({resume_from[:12]}); worker 1 is killed during step "
-        f"{crash_step}, after microbatch 0's forward and before the optimizer update")
+    say(
+        f"[2/7] fresh group restores step {resume_step} ({resume_from[:12]}); worker 1 is killed during step "
+        f"{crash_step}, after microbatch 0's forward and before the optimizer update"
+    )
     t = time.monotonic()
     try:
-        run("crash", until=steps_a, resume=resume_from, ref="recovery",
-            env={FAULT_ENV: f"slot=1,step={crash_step},microbatch=0"})
+        run(
+            "crash",
+            until=steps_a,
+            resume=resume_from,
+            ref="recovery",
+            env={FAULT_ENV: f"slot=1,step={crash_step},microbatch=0"},
+        )
         raise AssertionError("the injected fault did not stop the run")
     except RunAborted as exc:
         lines = str(exc).splitlines()
         timings["crash"] = time.monotonic() - t
     for line in lines:
         say(f"      {line}")
-    say(f"      group stopped {timings['crash']:.1f} s after launch; ref 'recovery' is "
-        f"{store.ref('recovery') or 'absent'}: no uncommitted update reached a ref")
+    say(
+        f"      group stopped {timings['crash']:.1f} s after launch; ref 'recovery' is "
+        f"{store.ref('recovery') or 'absent'}: no uncommitted update reached a ref"
+    )
 
     say("[3/7] replacement host fetches only slot 1 of the common commit into its own store")
     host = shardstore.open_store(os.path.join(home, "host2-store"))
     copied = shardstore.copy_commit(store, host, resume_from, slot=1)
     total = sum(store.object_size(o) or 0 for o in commit_closure(shardstore.load_commit(store, resume_from)).data)
-    say(f"      copied {copied.objects_copied} objects, {copied.bytes_copied} bytes (the whole commit's data: "
-        f"{total} bytes)")
+    say(
+        f"      copied {copied.objects_copied} objects, {copied.bytes_copied} bytes (the whole commit's data: "
+        f"{total} bytes)"
+    )
 
     say(f"[4/7] survivor + replacement restore step {resume_step} and replay to step {steps_a} (ref recovery)")
-    rec_commits = run("recovery", until=steps_a, resume=resume_from, ref="recovery",
-                      slot_stores=((1, host.url),))
+    rec_commits = run("recovery", until=steps_a, resume=resume_from, ref="recovery", slot_stores=((1, host.url),))
     recovered = rec_commits[steps_a]
     same = "EQUALS" if recovered == reference else "DIFFERS FROM"
     say(f"      recovered step-{steps_a} commit {recovered} {same} the uninterrupted run's {reference}")
@@ -156,22 +190,32 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     adaptive_ok = _adaptive(store, reference, final, workers, say, timings)
 
     seed = ref_commits[0]
-    say(f"[6/7] development sets through the shards ({workers} workers): seed, step {steps_a}, step {steps_a + steps_b}")
+    say(
+        f"[6/7] development sets through the shards ({workers} workers): seed, step {steps_a}, step {steps_a + steps_b}"
+    )
     t = time.monotonic()
     cases = len(job.eval_set("dev_task"))
-    report = evaluate(EvalSpec(store=store_url, commits=(seed, reference, final), max_new_tokens=16,
-                               cases_per_set=cases), workers, timeout=timeout)
+    report = evaluate(
+        EvalSpec(store=store_url, commits=(seed, reference, final), max_new_tokens=16, cases_per_set=cases),
+        workers,
+        timeout=timeout,
+    )
     timings["evaluate"] = time.monotonic() - t
-    for line in family_table(report.commits, {seed: "seed", reference: f"step {steps_a}",
-                                              final: f"step {steps_a + steps_b}"}):
+    for line in family_table(
+        report.commits, {seed: "seed", reference: f"step {steps_a}", final: f"step {steps_a + steps_b}"}
+    ):
         say(f"      {line}")
     dev_loss = [next(x.loss for x in e.losses if x.name == "dev_task") for e in report.commits]
-    say(f"      development task loss (nats per assistant token): {' -> '.join(f'{v:.3f}' for v in dev_loss)} "
-        f"(seed, step {steps_a}, step {steps_a + steps_b})")
+    say(
+        f"      development task loss (nats per assistant token): {' -> '.join(f'{v:.3f}' for v in dev_loss)} "
+        f"(seed, step {steps_a}, step {steps_a + steps_b})"
+    )
     counts = report.commits[1].family_counts()
     best = max(sorted(counts), key=lambda f: counts[f][0])
-    say(f"      best family after cohort A: {best} {counts[best][0]}/{counts[best][1]} generated answers right "
-        f"(seed {report.commits[0].family_counts().get(best, (0, 0))[0]}/{counts[best][1]}; docs/DEMO.md)")
+    say(
+        f"      best family after cohort A: {best} {counts[best][0]}/{counts[best][1]} generated answers right "
+        f"(seed {report.commits[0].family_counts().get(best, (0, 0))[0]}/{counts[best][1]}; docs/DEMO.md)"
+    )
     thresholds = thresholds_of(job)
     gates = []
     for cand in (reference, final):
@@ -186,8 +230,11 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
     t = time.monotonic()
     sel = select(store, job.id, final)
     say(f"      selection {sel[:16]}: job {job.id[:12]} -> commit {final[:12]}")
-    final_report = evaluate(EvalSpec(store=store_url, commits=(seed, final), max_new_tokens=16, cases_per_set=cases,
-                                     role=FINAL), workers, timeout=timeout)
+    final_report = evaluate(
+        EvalSpec(store=store_url, commits=(seed, final), max_new_tokens=16, cases_per_set=cases, role=FINAL),
+        workers,
+        timeout=timeout,
+    )
     timings["final"] = time.monotonic() - t
     for line in family_table(final_report.commits, {seed: "seed", final: f"step {steps_a + steps_b}"}):
         say(f"      {line}")
@@ -198,14 +245,34 @@ def run_demo(home: str, *, say: Callable[[str], None], progress: Callable[[StepE
         say(f"      {line}")
     say(f"      report {oid[:16]} stored (pinned under gates/)")
     verified = shardstore.verify(store)
-    say(f"shardstore verify {store_url}: {'ok' if verified.ok else 'PROBLEMS'} ({len(verified.commits)} commits, "
-        f"{verified.objects_checked} objects, {verified.bytes_hashed} bytes re-hashed)")
-    return DemoResult(home, store_url, reference, recovered, final, verified.ok, report, final_report, gates,
-                      time.monotonic() - started, timings, adaptive_ok)
+    say(
+        f"shardstore verify {store_url}: {'ok' if verified.ok else 'PROBLEMS'} ({len(verified.commits)} commits, "
+        f"{verified.objects_checked} objects, {verified.bytes_hashed} bytes re-hashed)"
+    )
+    return DemoResult(
+        home,
+        store_url,
+        reference,
+        recovered,
+        final,
+        verified.ok,
+        report,
+        final_report,
+        gates,
+        time.monotonic() - started,
+        timings,
+        adaptive_ok,
+    )
 
 
-def _adaptive(store: shardstore.Store, reference: str, final: str, workers: int, say: Callable[[str], None],
-              timings: dict[str, float]) -> bool:
+def _adaptive(
+    store: shardstore.Store,
+    reference: str,
+    final: str,
+    workers: int,
+    say: Callable[[str], None],
+    timings: dict[str, float],
+) -> bool:
     """Adaptive shards at no training cost: regroup the end of cohort A onto one more worker
     (ref ``wide``), and grow the end of cohort B by one identity block (ref ``grown``)."""
     t = time.monotonic()
@@ -213,18 +280,26 @@ def _adaptive(store: shardstore.Store, reference: str, final: str, workers: int,
     made = regroup(store, reference, workers=workers + 1, ref="wide")
     tensors = {e.param for e in shardstore.load_commit(store, reference).entries().values()}
     same = made.learned_root == made.parent_learned_root
-    say(f"[5a] regroup step {made.step} onto {workers + 1} workers (ref wide): repartition commit {made.commit[:16]}, "
-        f"layers {','.join(f'{r.start}:{r.stop}' for r in made.partition.ranges)}")
-    say(f"      learned-state root {made.learned_root} {'EQUALS' if same else 'DIFFERS FROM'} step {made.step}'s "
+    say(
+        f"[5a] regroup step {made.step} onto {workers + 1} workers (ref wide): repartition commit {made.commit[:16]}, "
+        f"layers {','.join(f'{r.start}:{r.stop}' for r in made.partition.ranges)}"
+    )
+    say(
+        f"      learned-state root {made.learned_root} {'EQUALS' if same else 'DIFFERS FROM'} step {made.step}'s "
         f"{made.parent_learned_root}; {len(set(store.objects()) - before)} new objects (shard manifests, commit, "
-        f"the new slot's RNG), {len(set(made.new_objects) & tensors)} tensor objects written")
+        f"the new slot's RNG), {len(set(made.new_objects) & tensors)} tensor objects written"
+    )
     grown = grow(store, final, 1, ref="grown")
     layers = grown.partition.num_layers
     ok = identity_check(store, grown.commit, range(layers - 1, layers))
-    say(f"[5b] grow step {grown.step} by one block copied from layer {layers - 2} (ref grown): grow commit "
-        f"{grown.commit[:16]}, {layers} layers on {grown.partition.num_slots} workers")
-    say(f"      identity check: new layer {layers - 1} maps its input to itself bitwise: {'yes' if ok else 'NO'}; "
-        f"its new parameters are born at step {grown.step} with Adam age 0")
+    say(
+        f"[5b] grow step {grown.step} by one block copied from layer {layers - 2} (ref grown): grow commit "
+        f"{grown.commit[:16]}, {layers} layers on {grown.partition.num_slots} workers"
+    )
+    say(
+        f"      identity check: new layer {layers - 1} maps its input to itself bitwise: {'yes' if ok else 'NO'}; "
+        f"its new parameters are born at step {grown.step} with Adam age 0"
+    )
     timings["adaptive"] = time.monotonic() - t
     return same and ok
 

@@ -19,6 +19,7 @@ init commit and every cohort endpoint it commits, as each lands.
 probe under ``tmp/`` and every worker must find it; workers whose ``--store`` is a private
 directory of their own host are refused before training, instead of failing mid-commit.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -50,7 +51,11 @@ def _present(store: Store, cid: str) -> bool:
 
 def missing_dependencies(store: Store, job: PreparedJob, start: LoadedCommit | None, until: int) -> list[str]:
     """One line per commit the run needs that ``store`` lacks (see module docstring)."""
-    if job.job.seed.kind == "import" and job.job.seed.commit is not None and (start is None or start.commit.transition != "import"):
+    if (
+        job.job.seed.kind == "import"
+        and job.job.seed.commit is not None
+        and (start is None or start.commit.transition != "import")
+    ):
         if not _present(store, job.job.seed.commit):
             return [f"commit {job.job.seed.commit} (the job's imported seed commit)"]
     if start is None or start.commit.transition == "import":
@@ -71,7 +76,9 @@ def missing_dependencies(store: Store, job: PreparedJob, start: LoadedCommit | N
             try:
                 c = store.commit(cid)
             except ObjectNotFound:
-                missing.append(f"commit {cid} (on the chain from {start.id[:12]} to cohort {cohort}'s reference, {what})")
+                missing.append(
+                    f"commit {cid} (on the chain from {start.id[:12]} to cohort {cohort}'s reference, {what})"
+                )
                 break
             if (want is None and (c.parent is None or c.transition in ("init", "import"))) or c.step == want:
                 if not _present(store, cid):
@@ -86,9 +93,11 @@ def check_dependencies(store: Store, job: PreparedJob, start: LoadedCommit | Non
     missing = missing_dependencies(store, job, start, until)
     if missing:
         target = start.id if start is not None else job.job.seed.commit
-        raise ResumeError(f"store {store.url} lacks commits this run depends on, refused before training: "
-                          f"{'; '.join(missing)}; bring them with: shardstore copy SOURCE_STORE {store.url} {target} "
-                          f"--with-deps (or copy each commit named)")
+        raise ResumeError(
+            f"store {store.url} lacks commits this run depends on, refused before training: "
+            f"{'; '.join(missing)}; bring them with: shardstore copy SOURCE_STORE {store.url} {target} "
+            f"--with-deps (or copy each commit named)"
+        )
 
 
 def pin_references(store: Store, job: PreparedJob, commits: list[str]) -> None:
@@ -128,8 +137,10 @@ def check_shared_store(store: Store, rank: int, world: int) -> None:
             pass  # a stale probe under tmp/ is harmless; gc removes it
     blind = [r for r, f in enumerate(flags) if not int(f.item())]
     if blind:
-        raise ResumeError(f"slot(s) {blind} cannot see the probe slot 0 just wrote to its run store (slot {rank}'s is "
-                          f"{store.url}): the workers were given different stores (a private directory on each host?). "
-                          f"Every commit goes to the run's store, so all nodes need one shared store: pass the same "
-                          f"--store s3://bucket/prefix (or a shared filesystem) on every node; per-host copies are for "
-                          f"restoring only (shardstore copy --shard K, then --slot-store K=DIR)")
+        raise ResumeError(
+            f"slot(s) {blind} cannot see the probe slot 0 just wrote to its run store (slot {rank}'s is "
+            f"{store.url}): the workers were given different stores (a private directory on each host?). "
+            f"Every commit goes to the run's store, so all nodes need one shared store: pass the same "
+            f"--store s3://bucket/prefix (or a shared filesystem) on every node; per-host copies are for "
+            f"restoring only (shardstore copy --shard K, then --slot-store K=DIR)"
+        )

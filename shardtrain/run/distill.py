@@ -19,6 +19,7 @@ forward only (`Ring`, message kind ``REFERENCE``), and slot 0 keeps the referenc
 log-probabilities at the recipe's temperature; `shardtrain.engine.loss` then adds
 ``coef * T**2 * KL(p_ref || p_student)`` on those rows only.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,8 +58,10 @@ def find_reference(store: Store, job: PreparedJob, cohort: str, head: str | None
             break
         cid = c.parent
     what = "the seed" if want is None else f"cohort {ref.of}'s endpoint (step {want})"
-    raise DistillError(f"cohort {cohort}'s reference, {what}, is not on the chain of commits ending at "
-                       f"{head[:12] if head else '(none)'}; it must be committed before cohort {cohort} trains")
+    raise DistillError(
+        f"cohort {cohort}'s reference, {what}, is not on the chain of commits ending at "
+        f"{head[:12] if head else '(none)'}; it must be committed before cohort {cohort} trains"
+    )
 
 
 def reference_steps(job: PreparedJob, start: int, until: int) -> set[int]:
@@ -72,8 +75,9 @@ def reference_steps(job: PreparedJob, start: int, until: int) -> set[int]:
     return out
 
 
-def check_reference_depths(job: PreparedJob, store: Store, head: str | None, start: int, until: int,
-                           workers: int) -> None:
+def check_reference_depths(
+    job: PreparedJob, store: Store, head: str | None, start: int, until: int, workers: int
+) -> None:
     """Refuse, before any worker starts, a run whose cohorts in (start, until] distil toward a
     committed reference too shallow to split over `workers` (each worker builds
     `Partition.even(reference depth, workers)`; README §Distillation). A reference this run
@@ -88,11 +92,15 @@ def check_reference_depths(job: PreparedJob, store: Store, head: str | None, sta
         config_id = store.commit(cid).config
         if config_id is None:
             raise DistillError(f"cohort {cohort}'s reference commit {cid[:12]} has no model config")
-        depth = LlamaConfig.from_hf_dict(decode_config(store.get(config_id, limit=MAX_MANIFEST_BYTES))).num_hidden_layers
+        depth = LlamaConfig.from_hf_dict(
+            decode_config(store.get(config_id, limit=MAX_MANIFEST_BYTES))
+        ).num_hidden_layers
         if depth < workers:
-            raise DistillError(f"cohort {cohort}'s distillation reference {cid[:12]} has {depth} layers, which cannot "
-                               f"be split over {workers} workers (each holds a non-empty share); train with at most "
-                               f"{depth} workers")
+            raise DistillError(
+                f"cohort {cohort}'s distillation reference {cid[:12]} has {depth} layers, which cannot "
+                f"be split over {workers} workers (each holds a non-empty share); train with at most "
+                f"{depth} workers"
+            )
 
 
 def reference_bytes(config: LlamaConfig, num_slots: int, slot: int) -> int:
@@ -107,8 +115,17 @@ def reference_bytes(config: LlamaConfig, num_slots: int, slot: int) -> int:
 class Reference:
     """One slot's share of a frozen reference commit, run forward-only round the ring."""
 
-    def __init__(self, store: Store, commit: str, *, slot: int, num_slots: int, device: torch.device,
-                 timeout: float, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        store: Store,
+        commit: str,
+        *,
+        slot: int,
+        num_slots: int,
+        device: torch.device,
+        timeout: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         """`dtype` is the stage's, and must be the reference commit's (restore refuses any other):
         float32 in training, float64 in parity tests."""
         lc = load_commit(store, commit)
@@ -138,8 +155,9 @@ class Reference:
 class Distiller:
     """Per step: the reference its cohort names (restored once per reference) and the step's targets."""
 
-    def __init__(self, job: PreparedJob, store: Store, *, slot: int, num_slots: int, device: torch.device,
-                 timeout: float) -> None:
+    def __init__(
+        self, job: PreparedJob, store: Store, *, slot: int, num_slots: int, device: torch.device, timeout: float
+    ) -> None:
         self.job, self.store = job, store
         self.slot, self.num_slots, self.device, self.timeout = slot, num_slots, device, timeout
         self.coef, self.temperature = job.kl()
@@ -154,8 +172,9 @@ class Distiller:
         assert commit is not None
         if self.reference is None or self.reference.commit != commit:
             self.reference = None  # drop the previous cohort's reference before building the next
-            self.reference = Reference(self.store, commit, slot=self.slot, num_slots=self.num_slots,
-                                       device=self.device, timeout=self.timeout)
+            self.reference = Reference(
+                self.store, commit, slot=self.slot, num_slots=self.num_slots, device=self.device, timeout=self.timeout
+            )
         replay = set(s.replay)
         mask = torch.tensor([d in replay for d in s.docs], dtype=torch.bool)  # (B,)
         if mask.shape[0] != batch.tokens.shape[0]:

@@ -13,6 +13,7 @@ no worker builds the whole model. Activations go round the same ring as in train
 - **Paired bootstrap**: documents are resampled with replacement, the same documents for
   both commits, and the one-sided 95% bounds of the per-token loss difference reported.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,19 @@ from shardtrain.reshape.planner import for_job
 from shardtrain.run.lifecycle import DETERMINISTIC_ENV, commit_config, gate
 from shardtrain.workers.launch import WorkerContext, launch_local
 
-__all__ = ["EvalSpec", "SetLoss", "Case", "CommitEval", "Comparison", "EvalReport", "Ring", "evaluate",
-           "evaluate_worker", "job_from_store", "paired_bootstrap"]
+__all__ = [
+    "EvalSpec",
+    "SetLoss",
+    "Case",
+    "CommitEval",
+    "Comparison",
+    "EvalReport",
+    "Ring",
+    "evaluate",
+    "evaluate_worker",
+    "job_from_store",
+    "paired_bootstrap",
+]
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,9 @@ class EvalReport(msgspec.Struct, frozen=True):
     comparisons: tuple[Comparison, ...]
 
 
-def paired_bootstrap(base: SetLoss, new: SetLoss, *, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+def paired_bootstrap(
+    base: SetLoss, new: SetLoss, *, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
     """(difference, lower, upper) of new minus base per-token loss, one-sided 95% bounds."""
     bl, bw = np.asarray(base.doc_loss), np.asarray(base.doc_weight)
     nl, nw = np.asarray(new.doc_loss), np.asarray(new.doc_weight)
@@ -128,8 +142,10 @@ def job_from_store(store: Store, job_id: str, directory: str) -> PreparedJob:
     try:
         raw = bytes(store.get(job_id))
     except shardstore.ObjectNotFound:
-        raise JobError(f"job {job_id[:12]}'s files are not in {store.url} (the commit was copied here without "
-                       f"--pin jobs/{job_id}, or gc removed them after that pin was dropped); pass --prepared JOB") from None
+        raise JobError(
+            f"job {job_id[:12]}'s files are not in {store.url} (the commit was copied here without "
+            f"--pin jobs/{job_id}, or gc removed them after that pin was dropped); pass --prepared JOB"
+        ) from None
     path = os.path.join(directory, JOB_FILE)
     with open(path, "wb") as f:
         f.write(raw)
@@ -199,14 +215,23 @@ def evaluate_worker(ctx: WorkerContext, spec: EvalSpec) -> EvalReport:
             if es.kind != "task":
                 continue  # generation is checked on task answers only
             name = es.name
-            for i in es.docs[:spec.cases_per_set]:
+            for i in es.docs[: spec.cases_per_set]:
                 rec = job.records[i]
                 prompt = tok.encode_prompt(rec.as_dicts()[:-1])
                 out = ring.generate(prompt, max_new_tokens=spec.max_new_tokens, stop={tok.end_id, tok.eos_id})
                 generated += len(out)
                 text = tok.decode([t for t in out if t not in (tok.end_id, tok.eos_id)])
-                cases.append(Case(name, rec.family, rec.messages[0].content, rec.answer, text, tuple(out),
-                                  text.strip() == rec.answer))
+                cases.append(
+                    Case(
+                        name,
+                        rec.family,
+                        rec.messages[0].content,
+                        rec.answer,
+                        text,
+                        tuple(out),
+                        text.strip() == rec.answer,
+                    )
+                )
         rate = generated / max(time.perf_counter() - t0, 1e-9)
         results.append(CommitEval(cid, step, tuple(losses), tuple(cases), rate))
     comparisons = []
@@ -221,8 +246,9 @@ def evaluate_worker(ctx: WorkerContext, spec: EvalSpec) -> EvalReport:
     return report
 
 
-def evaluate(spec: EvalSpec, workers: int | None = None, *, timeout: float = 60.0,
-             in_process: bool = False) -> EvalReport:
+def evaluate(
+    spec: EvalSpec, workers: int | None = None, *, timeout: float = 60.0, in_process: bool = False
+) -> EvalReport:
     """Evaluate `spec.commits` with `workers` processes (default: the first commit's slot count).
 
     `in_process` (one worker only) runs in this process without a process group.

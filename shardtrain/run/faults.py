@@ -4,6 +4,7 @@ middle of an update and check that the group resumes to the uninterrupted run's 
 
 Nothing here runs unless the environment variable is set.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,11 +53,21 @@ def fault_from_env() -> list[Fault]:
             once = parts.get("once")
             if once is not None and os.path.exists(once):
                 continue
-            out.append(Fault(-1 if parts["slot"] == "*" else int(parts["slot"]), int(parts["step"]),
-                             int(parts["microbatch"]), once, parts.get("host") == "1", parts.get("hang") == "1"))
+            out.append(
+                Fault(
+                    -1 if parts["slot"] == "*" else int(parts["slot"]),
+                    int(parts["step"]),
+                    int(parts["microbatch"]),
+                    once,
+                    parts.get("host") == "1",
+                    parts.get("hang") == "1",
+                )
+            )
         except (ValueError, KeyError) as exc:
-            raise JobError(f"{FAULT_ENV}={raw!r}: expected slot=S,step=N,microbatch=M[,attempt=A][,once=PATH]"
-                           f"[,host=1][,hang=1] (';' between faults)") from exc
+            raise JobError(
+                f"{FAULT_ENV}={raw!r}: expected slot=S,step=N,microbatch=M[,attempt=A][,once=PATH]"
+                f"[,host=1][,hang=1] (';' between faults)"
+            ) from exc
     return out
 
 

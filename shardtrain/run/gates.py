@@ -18,6 +18,7 @@ Thresholds, resample count and seed come from the job's recipe, fixed before tra
 never from the command line. The report is stored as an object and pinned as
 ``gates/<job id>/<report id>`` so gc keeps it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -88,12 +89,24 @@ def gate_report(report: EvalReport, thresholds: Thresholds, *, baseline: str, ca
         if b.kind == "task":
             rows.append(GateRow("gain", b.name, diff, upper, thresholds.gain_bound, upper < thresholds.gain_bound))
         else:
-            rows.append(GateRow("retention", b.name, diff, upper, thresholds.retention_bound,
-                                upper <= thresholds.retention_bound))
+            rows.append(
+                GateRow(
+                    "retention", b.name, diff, upper, thresholds.retention_bound, upper <= thresholds.retention_bound
+                )
+            )
     gained = float(cand.correct - base.correct)
     rows.append(GateRow("generation", f"{len(cand.cases)} answers", gained, gained, 0.0, gained >= 0))
-    return GateReport(_VERSION, report.job, report.role, base.commit, cand.commit, thresholds.resamples,
-                      thresholds.seed, tuple(rows), all(r.passed for r in rows))
+    return GateReport(
+        _VERSION,
+        report.job,
+        report.role,
+        base.commit,
+        cand.commit,
+        thresholds.resamples,
+        thresholds.seed,
+        tuple(rows),
+        all(r.passed for r in rows),
+    )
 
 
 def write_gate_report(store: Store, report: GateReport) -> str:
@@ -106,17 +119,23 @@ def write_gate_report(store: Store, report: GateReport) -> str:
 
 def render_gates(report: GateReport, base: CommitEval | None = None, cand: CommitEval | None = None) -> list[str]:
     """The gates as a table (with generated-correct counts when the evaluations are given)."""
-    lines = [f"{report.role} gates: candidate {report.candidate[:12]} vs baseline {report.baseline[:12]} "
-             f"({report.resamples} paired-bootstrap resamples, seed {report.seed})",
-             f"  {'gate':<11} {'set':<16} {'cand-base':>10} {'upper 95%':>10} {'threshold':>10}  result"]
+    lines = [
+        f"{report.role} gates: candidate {report.candidate[:12]} vs baseline {report.baseline[:12]} "
+        f"({report.resamples} paired-bootstrap resamples, seed {report.seed})",
+        f"  {'gate':<11} {'set':<16} {'cand-base':>10} {'upper 95%':>10} {'threshold':>10}  result",
+    ]
     for r in report.rows:
         if r.gate == "generation":
             counts = f" ({cand.correct if cand else '?'} vs {base.correct if base else '?'} correct)"
-            lines.append(f"  {r.gate:<11} {r.set:<16} {r.value:>+10.0f} {'':>10} {'>= 0':>10}  "
-                         f"{'pass' if r.passed else 'FAIL'}{counts}")
+            lines.append(
+                f"  {r.gate:<11} {r.set:<16} {r.value:>+10.0f} {'':>10} {'>= 0':>10}  "
+                f"{'pass' if r.passed else 'FAIL'}{counts}"
+            )
         else:
             op = "<" if r.gate == "gain" else "<="
-            lines.append(f"  {r.gate:<11} {r.set:<16} {r.value:>+10.4f} {r.bound:>+10.4f} {op + f'{r.threshold:+.3f}':>10}  "
-                         f"{'pass' if r.passed else 'FAIL'}")
+            lines.append(
+                f"  {r.gate:<11} {r.set:<16} {r.value:>+10.4f} {r.bound:>+10.4f} {op + f'{r.threshold:+.3f}':>10}  "
+                f"{'pass' if r.passed else 'FAIL'}"
+            )
     lines.append(f"  all gates: {'PASS' if report.passed else 'FAIL'}")
     return lines

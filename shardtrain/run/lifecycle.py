@@ -36,6 +36,7 @@ exit abruptly after that microbatch's forward, once any commit it has in flight 
 landed (the fault injection used by the demo and the tests; ``SHARDTRAIN_COMMIT_FAULT``
 in ``shardtrain.run.committer`` loses a worker while a commit is being written).
 """
+
 from __future__ import annotations
 
 import os
@@ -64,7 +65,15 @@ from shardtrain.engine.profile import compute_context
 from shardtrain.engine.profile import label as profile_label
 from shardtrain.engine.schedule import build as build_schedule
 from shardtrain.engine.trainer import Trainer
-from shardtrain.errors import AdmissionError, JobError, LaunchError, ResumeError, RunAborted, ShardtrainError, WorkerFailedError
+from shardtrain.errors import (
+    AdmissionError,
+    JobError,
+    LaunchError,
+    ResumeError,
+    RunAborted,
+    ShardtrainError,
+    WorkerFailedError,
+)
 from shardtrain.job.hf_tokenizer import commit_config_dict
 from shardtrain.job.job import PreparedJob, load_job
 from shardtrain.reshape import admission
@@ -76,8 +85,22 @@ from shardtrain.run.distill import Distiller, check_reference_depths, reference_
 from shardtrain.run.faults import FAULT_ENV, Fault, fault_from_env, inject_fault
 from shardtrain.workers.launch import WorkerContext, launch_local
 
-__all__ = ["DETERMINISTIC_ENV", "FAULT_ENV", "PROFILE", "RunSpec", "StepEvent", "RunResult", "train", "train_worker",
-           "check_commit", "open_start", "store_job_files", "gate", "Fault", "fault_from_env"]
+__all__ = [
+    "DETERMINISTIC_ENV",
+    "FAULT_ENV",
+    "PROFILE",
+    "RunSpec",
+    "StepEvent",
+    "RunResult",
+    "train",
+    "train_worker",
+    "check_commit",
+    "open_start",
+    "store_job_files",
+    "gate",
+    "Fault",
+    "fault_from_env",
+]
 
 T = TypeVar("T")
 PROFILE = "fp32"
@@ -174,8 +197,9 @@ def gate(what: str, rank: int, world: int, fn: Callable[[], T]) -> T:
     if err is not None:
         raise err
     if failed:
-        raise ResumeError(f"slot {rank}: slot(s) {failed} could not {what}; nothing was trained "
-                          f"(their own errors name the cause)")
+        raise ResumeError(
+            f"slot {rank}: slot(s) {failed} could not {what}; nothing was trained (their own errors name the cause)"
+        )
     return out
 
 
@@ -205,15 +229,19 @@ def check_commit(job: PreparedJob, store: Store, lc: LoadedCommit, *, until: int
     if c.transition == "import":
         return  # weights only: no job, schedule or optimizer state to match
     if c.job != job.id:
-        raise ResumeError(f"commit {short} was made by job {c.job[:12]}, not by this job {job.id[:12]} "
-                          f"(a different job file, records, schedule or tokenizer asset); refusing to resume")
+        raise ResumeError(
+            f"commit {short} was made by job {c.job[:12]}, not by this job {job.id[:12]} "
+            f"(a different job file, records, schedule or tokenizer asset); refusing to resume"
+        )
     if c.schedule != job.schedule_id:
         raise ResumeError(f"commit {short} follows schedule {c.schedule}, the job's is {job.schedule_id}")
     if c.step > until:
         raise ResumeError(f"commit {short} is at step {c.step}, past --until {until}")
     if c.data_cursor != job.cursor(c.step):
-        raise ResumeError(f"commit {short} has data cursor {c.data_cursor}, the job's schedule gives "
-                          f"{job.cursor(c.step)} at step {c.step}")
+        raise ResumeError(
+            f"commit {short} has data cursor {c.data_cursor}, the job's schedule gives "
+            f"{job.cursor(c.step)} at step {c.step}"
+        )
 
 
 def open_start(job: PreparedJob, store: Store, target: str | None, *, until: int) -> LoadedCommit | None:
@@ -230,9 +258,11 @@ def check_ref(store: Store, ref: str, start: str | None) -> None:
     current = store.ref(ref)
     if current is not None and current != start:
         step = store.commit(current).step
-        raise ResumeError(f"ref {ref!r} points at commit {current[:12]} (step {step}), not at this run's start "
-                          f"{start[:12] if start else '(fresh)'}; continuing would move it elsewhere: pass --resume "
-                          f"{ref} or choose another --ref")
+        raise ResumeError(
+            f"ref {ref!r} points at commit {current[:12]} (step {step}), not at this run's start "
+            f"{start[:12] if start else '(fresh)'}; continuing would move it elsewhere: pass --resume "
+            f"{ref} or choose another --ref"
+        )
 
 
 #: Tries at pinning a job another run of the same job is pinning at the same moment (~2 s in all).
@@ -277,8 +307,9 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     config, partition = gate("read the start commit's layout", rank, world, lambda: start_layout(job, own, cid, world))
     estimate = for_job(job, config).estimate(rank, partition.layers(rank))
     free, baseline = gate("admit its slot", rank, world, lambda: admission.admit(rank, estimate, ctx.device))
-    stage = build_stage(config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device,
-                        init_std=job.init_std())
+    stage = build_stage(
+        config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device, init_std=job.init_std()
+    )
     optimizer = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
 
     def restore() -> LoadedCommit | None:
@@ -308,17 +339,37 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     step = 0 if lc is None or lc.commit.transition == "import" else lc.commit.step
     parent = None if lc is None else lc.id
     compute = compute_context(job.job.profile, ctx.device)  # the profile's autocast (or none), forward passes only
-    pipe = Pipeline(stage, partition, rank, timeout=timedelta(seconds=spec.message_timeout), schedule=spec.schedule,
-                    compute=compute, recompute=bool(job.job.profile and job.job.profile.recompute))
-    committer = Committer(store, stage, optimizer, rank=rank, ref=spec.ref, last=(step, parent),
-                          asynchronous=spec.async_commits, timeout=timedelta(seconds=spec.message_timeout))
+    pipe = Pipeline(
+        stage,
+        partition,
+        rank,
+        timeout=timedelta(seconds=spec.message_timeout),
+        schedule=spec.schedule,
+        compute=compute,
+        recompute=bool(job.job.profile and job.job.profile.recompute),
+    )
+    committer = Committer(
+        store,
+        stage,
+        optimizer,
+        rank=rank,
+        ref=spec.ref,
+        last=(step, parent),
+        asynchronous=spec.async_commits,
+        timeout=timedelta(seconds=spec.message_timeout),
+    )
     faults = {(f.step, f.microbatch): f for f in fault_from_env() if f.slot in (rank, -1)}
     if faults:
         pipe.after_forward = lambda s, m: (committer.settle(), inject_fault(faults[s, m])) if (s, m) in faults else None
     distiller = Distiller(job, store, slot=rank, num_slots=world, device=ctx.device, timeout=spec.message_timeout)
     must_commit = reference_steps(job, step, spec.until)  # endpoints a later cohort of this run distils toward
-    trainer = Trainer(pipe, optimizer, microbatch_size=job.job.recipe.microbatch_size,
-                      max_grad_norm=job.max_grad_norm(), global_step=step)
+    trainer = Trainer(
+        pipe,
+        optimizer,
+        microbatch_size=job.job.recipe.microbatch_size,
+        max_grad_norm=job.max_grad_norm(),
+        global_step=step,
+    )
     hf = commit_config_dict(config, job.tokenizer)
     profile = profile_label(job.job.profile)
     commits: list[CommitRecord] = []
@@ -327,13 +378,26 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     usage_at: dict[int, tuple[list[admission.Usage], float]] = {}  # per commit step: every worker's usage, when
 
     def usage() -> admission.Usage:
-        return admission.Usage(slot=rank, estimate=estimate.total, free=free, baseline=baseline,
-                               peak=admission.peak_bytes(ctx.device), parameters=sum(p.numel() for p in stage.parameters()),
-                               parameter_bytes=sum(parameter_inventory(stage).values()))
+        return admission.Usage(
+            slot=rank,
+            estimate=estimate.total,
+            free=free,
+            baseline=baseline,
+            peak=admission.peak_bytes(ctx.device),
+            parameters=sum(p.numel() for p in stage.parameters()),
+            parameter_bytes=sum(parameter_inventory(stage).values()),
+        )
 
     def commit(at: int, transition: str) -> None:
-        info = CommitInfo(step=at, job=job.id, schedule=job.schedule_id, profile=profile, config=hf,
-                          data_cursor=job.cursor(at), transition=transition)
+        info = CommitInfo(
+            step=at,
+            job=job.id,
+            schedule=job.schedule_id,
+            profile=profile,
+            config=hf,
+            data_cursor=job.cursor(at),
+            transition=transition,
+        )
         started = time.perf_counter()
         committer.commit(info)
         usage_at[at] = admission.gather_usage(usage(), rank, world), started  # collective: all commit at `at`
@@ -344,14 +408,17 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         new = committer.drain() if wait else committer.landed()
         commits.extend(CommitRecord(at, cid) for at, cid in new)
         for at, cid in new:  # every commit's journal (unhashed): when it landed, the step's loss, and
-            if rank == 0:    # each worker's actual peak and parameter coverage at the commit
+            if rank == 0:  # each worker's actual peak and parameter coverage at the commit
                 record: dict[str, object] = {"time": time.time(), "step": at, "loss": losses.get(at)}
                 if at in usage_at:
                     usages, started = usage_at.pop(at)
                     # From the commit call to its landing as seen here: the save itself with synchronous
                     # commits, the time in flight (overlapping training) with background ones.
-                    record.update(admission.journal_record(usages), commit_seconds=time.perf_counter() - started,
-                                  commit_mode="background" if spec.async_commits else "synchronous")
+                    record.update(
+                        admission.journal_record(usages),
+                        commit_seconds=time.perf_counter() - started,
+                        commit_mode="background" if spec.async_commits else "synchronous",
+                    )
                 store.write_journal(cid, record)  # shardstore log --oneline shows its time and loss
         return new[-1] if new else None
 
@@ -379,8 +446,18 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
                 pin_references(store, job, [made[1]])
             steps.append(StepRecord(step, r.loss, r.grad_norm, _tokens(batch), seconds))
             if rank == 0 and spec.progress is not None:
-                spec.progress(StepEvent(step, spec.until, r.loss, r.grad_norm, _tokens(batch), seconds,
-                                        made[1] if made else None, made[0] if made else None))
+                spec.progress(
+                    StepEvent(
+                        step,
+                        spec.until,
+                        r.loss,
+                        r.grad_norm,
+                        _tokens(batch),
+                        seconds,
+                        made[1] if made else None,
+                        made[0] if made else None,
+                    )
+                )
         landed(wait=True)  # nothing is left in flight
         committer.close()
     except (ShardtrainError, shardstore.ShardstoreError, RuntimeError) as exc:
@@ -388,23 +465,48 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         cause = cause.split(" This is typically caused")[0]  # Gloo's advice is not about this run
         last = committer.settle()  # a commit in flight has landed or failed (its error is not the cause)
         where = f"commit {last[1]}" if last[1] else "no commit"
-        raise RunAborted(f"slot {rank}: run aborted during step {step} ({type(exc).__name__}: {cause}); the last "
-                         f"committed step is {last[0]} ({where}); later updates were not committed and no ref "
-                         f"names them; resume with --resume {last[1] or '(fresh)'}") from exc
+        raise RunAborted(
+            f"slot {rank}: run aborted during step {step} ({type(exc).__name__}: {cause}); the last "
+            f"committed step is {last[0]} ({where}); later updates were not committed and no ref "
+            f"names them; resume with --resume {last[1] or '(fresh)'}"
+        ) from exc
     final = usage()
     if spec.out_dir is not None:
-        result = RunResult(rank=rank, job=job.id, start_step=start[0], start_commit=start[1], commits=tuple(commits),
-                           steps=tuple(steps), parameters=final.parameters, parameter_bytes=final.parameter_bytes,
-                           peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                           seconds=time.monotonic() - started, estimate_bytes=estimate.total,
-                           used_bytes=final.used, restore_seconds=restore_seconds)
+        result = RunResult(
+            rank=rank,
+            job=job.id,
+            start_step=start[0],
+            start_commit=start[1],
+            commits=tuple(commits),
+            steps=tuple(steps),
+            parameters=final.parameters,
+            parameter_bytes=final.parameter_bytes,
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            seconds=time.monotonic() - started,
+            estimate_bytes=estimate.total,
+            used_bytes=final.used,
+            restore_seconds=restore_seconds,
+        )
         with open(os.path.join(spec.out_dir, f"rank{rank}.json"), "wb") as f:
             f.write(msgspec.json.encode(result))
 
 
-_REJECTIONS = ("ResumeError", "JobError", "CommitProtocolError", "CorruptObject", "ObjectNotFound", "BindingError",
-               "TensorMismatch", "StateMismatch", "ManifestError", "TargetNotFound", "CursorError", "LayoutError",
-               "AdmissionError", "TransitionError")
+_REJECTIONS = (
+    "ResumeError",
+    "JobError",
+    "CommitProtocolError",
+    "CorruptObject",
+    "ObjectNotFound",
+    "BindingError",
+    "TensorMismatch",
+    "StateMismatch",
+    "ManifestError",
+    "TargetNotFound",
+    "CursorError",
+    "LayoutError",
+    "AdmissionError",
+    "TransitionError",
+)
 
 
 def _raise_failure(err: WorkerFailedError) -> None:
@@ -420,8 +522,14 @@ def _raise_failure(err: WorkerFailedError) -> None:
     raise err
 
 
-def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[str, str] | None = None,
-          join_timeout: float = 900.0) -> list[RunResult]:
+def train(
+    spec: RunSpec,
+    workers: int = 2,
+    *,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    join_timeout: float = 900.0,
+) -> list[RunResult]:
     """Launch `workers` local processes to run `spec`; return every worker's result.
 
     Checks what can be checked without tensors first (job files, the start commit's
@@ -438,20 +546,29 @@ def train(spec: RunSpec, workers: int = 2, *, timeout: float = 60.0, env: dict[s
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
     check_dependencies(store, job, lc, spec.until)
     check_ref(store, spec.ref, None if lc is None else lc.id)
-    check_reference_depths(job, store, None if lc is None else lc.id, 0 if lc is None else lc.commit.step, spec.until,
-                           workers)  # a reference no worker could build is refused here, not inside step 1
+    check_reference_depths(
+        job, store, None if lc is None else lc.id, 0 if lc is None else lc.commit.step, spec.until, workers
+    )  # a reference no worker could build is refused here, not inside step 1
     if lc is not None and lc.commit.transition != "import" and len(lc.shards) != workers:
         if spec.slot_stores:
-            raise ResumeError(f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, not {workers}, and slots "
-                              f"are restored from their own stores: run shardtrain regroup first, then copy --shard")
+            raise ResumeError(
+                f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, not {workers}, and slots "
+                f"are restored from their own stores: run shardtrain regroup first, then copy --shard"
+            )
         made = regroup(store, lc.id, workers=workers, ref=spec.ref if store.ref(spec.ref) == lc.id else None)
         spec, lc = RunSpec(**{**spec.__dict__, "resume": made.commit}), load_commit(store, made.commit)
     store_job_files(job, store)
     with tempfile.TemporaryDirectory(prefix="shardtrain-run-") as out:
         run = RunSpec(**{**spec.__dict__, "out_dir": out})
         try:
-            launch_local(train_worker, workers, (run,), timeout=timedelta(seconds=timeout),
-                         env={**DETERMINISTIC_ENV, **(env or {})}, join_timeout=join_timeout)
+            launch_local(
+                train_worker,
+                workers,
+                (run,),
+                timeout=timedelta(seconds=timeout),
+                env={**DETERMINISTIC_ENV, **(env or {})},
+                join_timeout=join_timeout,
+            )
         except WorkerFailedError as exc:
             _raise_failure(exc)
         return _read_results(out, workers)

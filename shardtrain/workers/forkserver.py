@@ -28,6 +28,7 @@ What a spawned worker would see and a forked one must see too:
 `SHARDTRAIN_START_METHOD=spawn` turns the server off; platforms without the forkserver
 method always spawn.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -43,8 +44,20 @@ from typing import Any
 __all__ = ["IMPORT_TIME_PREFIXES", "PRELOAD", "StdStreams", "adopt", "child_environment", "context", "start"]
 
 #: Variables whose effect is fixed when the interpreter starts or torch is imported.
-IMPORT_TIME_PREFIXES = ("ATEN_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_", "PYTHON",
-                        "LD_", "CUDA_", "NCCL_")
+IMPORT_TIME_PREFIXES = (
+    "ATEN_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+    "TORCH_",
+    "PYTORCH_",
+    "PYTHON",
+    "LD_",
+    "CUDA_",
+    "NCCL_",
+)
 #: Modules the server imports once for every worker it forks.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "msgspec", "blake3", "shardstore", "shardtrain")
 
@@ -62,8 +75,10 @@ def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def _enabled() -> bool:
-    return (os.environ.get("SHARDTRAIN_START_METHOD", "forkserver") != "spawn"
-            and "forkserver" in multiprocessing.get_all_start_methods())
+    return (
+        os.environ.get("SHARDTRAIN_START_METHOD", "forkserver") != "spawn"
+        and "forkserver" in multiprocessing.get_all_start_methods()
+    )
 
 
 def start(env: Mapping[str, str] | None = None, preload: tuple[str, ...] = PRELOAD) -> bool:
@@ -74,8 +89,11 @@ def start(env: Mapping[str, str] | None = None, preload: tuple[str, ...] = PRELO
     variables shares the server.
     """
     global _server_env
-    if (not _enabled() or multiprocessing.parent_process() is not None
-            or getattr(multiprocessing.current_process(), "_inheriting", False)):
+    if (
+        not _enabled()
+        or multiprocessing.parent_process() is not None
+        or getattr(multiprocessing.current_process(), "_inheriting", False)
+    ):
         return False  # a worker (or one still unpickling its target) never starts a server
     full = child_environment(env)
     with _lock:

@@ -15,6 +15,7 @@ except the spawn arguments, which is how `multiprocessing` starts a function. A 
 that a signal kills (native code calling abort) is reported with the signal's name and
 whether its function had already returned, and prints every thread's Python stack.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,8 +66,9 @@ def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str |
     """Initialise the default process group from torchrun's environment variables."""
     missing = [v for v in _ENV_VARS if v not in os.environ]
     if missing:
-        raise LaunchError(f"missing launch environment variables {missing}; start workers with torchrun "
-                          f"or shardtrain.launch_local")
+        raise LaunchError(
+            f"missing launch environment variables {missing}; start workers with torchrun or shardtrain.launch_local"
+        )
     try:
         rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
         int(os.environ["MASTER_PORT"])
@@ -99,8 +101,14 @@ def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str |
             # each node's agent counts only its own workers' failures, so after one node's
             # worker dies (or a replacement node joins) the nodes hold different counts.
             use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                 is_master=not use_agent and rank == 0, timeout=timeout, multi_tenant=not use_agent)
+            base = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world,
+                is_master=not use_agent and rank == 0,
+                timeout=timeout,
+                multi_tenant=not use_agent,
+            )
             store = dist.PrefixStore(attempt_prefix(base, rank, world, timeout), base)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return WorkerContext(rank, world, local, backend, device, timeout)
@@ -135,16 +143,19 @@ def attempt_prefix(store: dist.Store, rank: int, world: int, timeout: timedelta,
                         welcomed[r] = nonce
             if waiting:
                 if time.monotonic() > deadline:
-                    raise LaunchError(f"rank 0: ranks {sorted(waiting)} did not join this attempt's group within "
-                                      f"{timeout.total_seconds():.0f} s")
+                    raise LaunchError(
+                        f"rank 0: ranks {sorted(waiting)} did not join this attempt's group within "
+                        f"{timeout.total_seconds():.0f} s"
+                    )
                 time.sleep(poll)
     else:
         nonce = secrets.token_hex(16)
         store.set(f"{root}/join/{rank}", nonce)
         while not store.check([f"{root}/welcome/{nonce}"]):
             if time.monotonic() > deadline:
-                raise LaunchError(f"rank {rank}: rank 0 of this attempt did not answer within "
-                                  f"{timeout.total_seconds():.0f} s")
+                raise LaunchError(
+                    f"rank {rank}: rank 0 of this attempt did not answer within {timeout.total_seconds():.0f} s"
+                )
             time.sleep(poll)
         token = store.get(f"{root}/welcome/{nonce}").decode()
         store.set(f"{root}/ack/{token}/{rank}", nonce)
@@ -157,8 +168,9 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def run_worker(fn: Callable[..., T], *args: Any, timeout: timedelta = timedelta(seconds=300),
-               backend: str | None = None) -> T:
+def run_worker(
+    fn: Callable[..., T], *args: Any, timeout: timedelta = timedelta(seconds=300), backend: str | None = None
+) -> T:
     """`fn(ctx, *args)` inside an initialised process group (the torchrun entry)."""
     ctx = init_from_env(timeout=timeout, backend=backend)
     result = fn(ctx, *args)
@@ -196,12 +208,22 @@ def _environ(extra: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _child_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, port: int,
-                timeout_s: float, backend: str | None, error_path: str, env: Mapping[str, str],
-                streams: forkserver.StdStreams | None) -> None:
+def _child_main(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    backend: str | None,
+    error_path: str,
+    env: Mapping[str, str],
+    streams: forkserver.StdStreams | None,
+) -> None:
     forkserver.adopt(env, streams)  # what a spawned worker would have inherited
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     # A worker killed by a signal (an abort in native code, a segfault) leaves no Python
     # error to report; this prints every thread's Python stack to its stderr first.
     faulthandler.enable(all_threads=True)
@@ -241,10 +263,17 @@ def _describe_exit(code: int, finished: bool = False) -> str:
     return f"finished its work, then {how} while shutting down" if finished else how
 
 
-def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *,
-                 timeout: timedelta = timedelta(seconds=300), join_timeout: float = 900.0,
-                 failure_grace: float | None = None, env: Mapping[str, str] | None = None,
-                 backend: str | None = None) -> None:
+def launch_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout: timedelta = timedelta(seconds=300),
+    join_timeout: float = 900.0,
+    failure_grace: float | None = None,
+    env: Mapping[str, str] | None = None,
+    backend: str | None = None,
+) -> None:
     """Run `fn(ctx, *args)` in `world_size` fresh processes forming one process group.
 
     `fn` must be importable by module name (it is pickled by reference). Workers are forked
@@ -262,10 +291,25 @@ def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="shardtrain-launch-") as tmp:
         errors = [os.path.join(tmp, f"error-{rank}.txt") for rank in range(world_size)]
-        procs = [ctx.Process(target=_child_main, name=f"shardtrain-worker-{rank}",
-                             args=(fn, args, rank, world_size, port, timeout.total_seconds(), backend, errors[rank],
-                                   child_env, streams))
-                 for rank in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_child_main,
+                name=f"shardtrain-worker-{rank}",
+                args=(
+                    fn,
+                    args,
+                    rank,
+                    world_size,
+                    port,
+                    timeout.total_seconds(),
+                    backend,
+                    errors[rank],
+                    child_env,
+                    streams,
+                ),
+            )
+            for rank in range(world_size)
+        ]
         with _environ(dict(env or {})):
             for p in procs:
                 p.start()
@@ -291,7 +335,10 @@ def launch_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] 
                     failures[rank] = f"terminated: did not finish in time (exit code {p.exitcode})"
                 elif p.exitcode != 0:
                     path = Path(errors[rank])
-                    failures[rank] = (path.read_text().strip() if path.exists() else
-                                      _describe_exit(p.exitcode, os.path.exists(errors[rank] + ".finished")))
+                    failures[rank] = (
+                        path.read_text().strip()
+                        if path.exists()
+                        else _describe_exit(p.exitcode, os.path.exists(errors[rank] + ".finished"))
+                    )
         if failures:
             raise WorkerFailedError(failures)

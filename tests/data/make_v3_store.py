@@ -8,6 +8,7 @@ is small). Commit ``adam`` (version 2: chunked parameter and Adam moments) and i
     .venv/bin/python tests/data/make_v3_store.py /tmp/v3store && \
         tar -C /tmp/v3store -czf tests/data/v3_store.tar.gz .
 """
+
 from __future__ import annotations
 
 import sys

@@ -6,6 +6,7 @@ Kept apart from ``S3Storage`` so that the backend module holds the storage proto
 its read path; everything here works through the backend's request surface, named by the
 ``Requester`` protocol below (bounded concurrency and retries in ``_call``), and is internal.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -87,7 +88,9 @@ async def multipart_upload(storage: Requester, key: str, view: memoryview) -> bo
     try:
         parts = await gather(part(i + 1, s) for i, s in enumerate(range(0, len(view), storage.part_size)))
         cond = {"IfNoneMatch": "*"} if await storage._conditions() else {}
-        await storage._call("complete_multipart_upload", key, Key=full, UploadId=uid, MultipartUpload={"Parts": parts}, **cond)
+        await storage._call(
+            "complete_multipart_upload", key, Key=full, UploadId=uid, MultipartUpload={"Parts": parts}, **cond
+        )
         return True
     except S3Error as e:
         await storage._abort(key, uid)
@@ -109,7 +112,9 @@ async def probe_conditions(storage: Requester) -> tuple[bool, str]:
             await storage._call("put_object", key, Key=full, Body=b"probe", IfNoneMatch="*")
         except S3Error as e:
             if e.code == "NoSuchBucket":
-                raise StorageError(f"cannot open store {storage.url}: bucket {storage.bucket!r} does not exist") from None
+                raise StorageError(
+                    f"cannot open store {storage.url}: bucket {storage.bucket!r} does not exist"
+                ) from None
             return False, f"a create-only write (If-None-Match: *) was refused: {e}"
         stale = '"00000000000000000000000000000000"'
         for what, method, cond in (

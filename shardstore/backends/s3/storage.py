@@ -36,6 +36,7 @@ in order as they arrive, so verifying a download costs no second pass; ``read_in
 lands the ranges straight in the caller's buffer (a tensor on restore) and
 ``hash_object`` (deep verify) holds at most ``concurrency`` + 1 ranges of an object at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,7 +68,9 @@ _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
 #: CopyObject's limit; larger objects cannot be refreshed by copying them onto themselves.
 _MAX_COPY_BYTES = 5 * 1024**3
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
-_RETRY_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"})
+_RETRY_CODES = frozenset(
+    {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"}
+)
 
 
 def _show(value: bytes | None) -> str:
@@ -108,7 +111,12 @@ class S3Storage:
             raise StorageError(f"not an S3 store URL: {url!r}: {self.bucket!r} is not a valid bucket name")
         self.prefix = "/".join(check_key(prefix.strip("/")).split("/")) if prefix.strip("/") else ""
         self.multipart_threshold = 4 * part_size if multipart_threshold is None else max(part_size, multipart_threshold)
-        self.part_size, self.concurrency, self.attempts, self.backoff = part_size, max(1, concurrency), max(1, attempts), backoff
+        self.part_size, self.concurrency, self.attempts, self.backoff = (
+            part_size,
+            max(1, concurrency),
+            max(1, attempts),
+            backoff,
+        )
         options = dict(storage_options)
         config = dict(options.pop("config_kwargs", None) or {})
         config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
@@ -181,7 +189,9 @@ class S3Storage:
                 if not isinstance(answer, dict):
                     if isinstance(e, self._client_side):  # no credentials, an invalid bucket name...
                         text = " ".join(str(e).split())  # one line: botocore's messages span several
-                        raise StorageError(f"{method} {key!r} in store {self.url}: {type(e).__name__}: {text}") from None
+                        raise StorageError(
+                            f"{method} {key!r} in store {self.url}: {type(e).__name__}: {text}"
+                        ) from None
                     raise
                 err = answer.get("Error", {})
                 status = int(answer.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
@@ -240,7 +250,9 @@ class S3Storage:
         def sized(total: int) -> memoryview:
             nonlocal buf
             if limit is not None and total > limit:
-                raise ObjectTooLarge(f"{key} in store {self.url} is {total} bytes, over this reader's limit of {limit} (SPEC.md §Limits)")
+                raise ObjectTooLarge(
+                    f"{key} in store {self.url} is {total} bytes, over this reader's limit of {limit} (SPEC.md §Limits)"
+                )
             buf = bytearray(total)
             return memoryview(buf)
 
@@ -299,7 +311,9 @@ class S3Storage:
             except _S3Error as e:
                 raise self._fail("read", key, e) from None
             if len(data) != end - start:
-                raise StorageError(f"read {key!r} in store {self.url}: range {start}-{end - 1} returned {len(data)} bytes")
+                raise StorageError(
+                    f"read {key!r} in store {self.url}: range {start}-{end - 1} returned {len(data)} bytes"
+                )
             if dest is None:
                 return memoryview(data)
             dest[start:end] = data  # landed now; only the in-order hashing waits
@@ -406,7 +420,9 @@ class S3Storage:
         except _S3Error as h:
             if h.status != 404:
                 raise self._fail("stat", key, h) from None
-            raise StorageError(f"write {key!r} in store {self.url}: the server answered {e} but holds no such object") from None
+            raise StorageError(
+                f"write {key!r} in store {self.url}: the server answered {e} but holds no such object"
+            ) from None
         await self._refresh(key, int(head["ContentLength"]))
         return False  # already there; same name, same bytes
 
@@ -445,7 +461,9 @@ class S3Storage:
             now = None if got is None else got[1]
             if e.retried and now == new:
                 return  # our earlier attempt landed; its answer was lost
-            raise RefConflict(f"{key}: compare-and-swap lost in {self.url}: expected {_show(expected)}, found {_show(now)}") from None
+            raise RefConflict(
+                f"{key}: compare-and-swap lost in {self.url}: expected {_show(expected)}, found {_show(now)}"
+            ) from None
 
     def delete(self, key: str) -> None:
         self._run(self._delete, key)
@@ -456,8 +474,10 @@ class S3Storage:
     async def _delete_if(self, key: str, expected: bytes) -> None:
         """Read the value and its ETag, then ``DeleteObject`` with ``If-Match: <etag>``."""
         if not await self._conditions():
-            raise StorageError(f"refusing to delete {key} in store {self.url}: the server does not honour conditional "
-                               f"requests ({self.conditional_reason or 'disabled by the caller'})")
+            raise StorageError(
+                f"refusing to delete {key} in store {self.url}: the server does not honour conditional "
+                f"requests ({self.conditional_reason or 'disabled by the caller'})"
+            )
         got = await self._get_or_none(key)
         current = None if got is None else got[1]
         if got is None or current != expected:

@@ -14,6 +14,7 @@ Options on ``Base`` and why:
 - ``kw_only=True``: fields are named at every construction site.
 - ``tag_field="type"``: one decoder reads any manifest and says which kind it is.
 """
+
 from __future__ import annotations
 
 from ..canonical import f64_decode, f64_encode

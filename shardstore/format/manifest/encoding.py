@@ -7,6 +7,7 @@ repr. Decoding is strict: the byte size is bounded before parsing, unknown types
 and fields are refused, every constrained field is checked, and the bytes must re-encode to
 themselves (a manifest has exactly one valid spelling).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -57,14 +58,18 @@ def check_writable(data: bytes, what: str) -> bytes:
     """``data`` if a reader will accept its size; else ObjectTooLarge, so that a writer refuses
     before writing what it (and every reader) could never read back (SPEC.md §Limits, §15a)."""
     if len(data) > MAX_MANIFEST_BYTES:
-        raise ObjectTooLarge(f"{what}: {len(data):,} bytes, over the {MAX_MANIFEST_BYTES:,}-byte limit every reader enforces "
-                             "(SPEC.md §Limits); refused before it is written")
+        raise ObjectTooLarge(
+            f"{what}: {len(data):,} bytes, over the {MAX_MANIFEST_BYTES:,}-byte limit every reader enforces "
+            "(SPEC.md §Limits); refused before it is written"
+        )
     return data
 
 
 def _check_bytes(data: bytes | memoryview, what: str) -> bytes:
     if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{what}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte manifest limit (SPEC.md §Limits)")
+        raise ManifestError(
+            f"{what}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte manifest limit (SPEC.md §Limits)"
+        )
     return bytes(data)
 
 
@@ -91,7 +96,9 @@ def decode(data: bytes | memoryview, what: str = "manifest") -> Manifest:
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{what}: malformed {header.type} manifest: {e}") from None
     if encode(obj) != raw:
-        raise ManifestError(f"{what}: {header.type} manifest is not in canonical encoding (SPEC.md §Canonical encoding)")
+        raise ManifestError(
+            f"{what}: {header.type} manifest is not in canonical encoding (SPEC.md §Canonical encoding)"
+        )
     if isinstance(obj, ShardManifest) and obj.version not in (legal := legal_versions(obj.entries, obj.slices)):
         raise ManifestError(
             f"{what}: shard manifest of version {obj.version} must be version {' or '.join(map(str, legal))}: version 4 "

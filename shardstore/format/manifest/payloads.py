@@ -5,14 +5,33 @@ A manifest carries the lowest version that can express it, so state that uses no
 encodes (and hashes) exactly as before: verify, gc, copy and the version rule all go through
 ``tensor_payloads`` / ``state_payloads`` here, so a new kind of tensor is one line.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
 from ..tensors import expected_nbytes
-from .schema import CHUNKED_VERSION, FORMAT_VERSION, STATE_CHUNKED_VERSION, TILE_VERSION, ExtraEntry, Payload, Slice, TensorEntry
+from .schema import (
+    CHUNKED_VERSION,
+    FORMAT_VERSION,
+    STATE_CHUNKED_VERSION,
+    TILE_VERSION,
+    ExtraEntry,
+    Payload,
+    Slice,
+    TensorEntry,
+)
 
-__all__ = ["extra_objects", "is_chunked", "tensor_payloads", "state_payloads", "shard_version", "legal_versions", "banded"]
+__all__ = [
+    "extra_objects",
+    "is_chunked",
+    "tensor_payloads",
+    "state_payloads",
+    "shard_version",
+    "legal_versions",
+    "banded",
+]
+
 
 def is_chunked(payload: "Payload | None") -> bool:
     return payload is not None and not isinstance(payload, str)
@@ -45,7 +64,9 @@ def _any_chunked(entries: "tuple[TensorEntry, ...] | list[TensorEntry]") -> bool
     )
 
 
-def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices: "tuple[Slice, ...]" = (), *, bands: bool = False) -> int:
+def shard_version(
+    entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices: "tuple[Slice, ...]" = (), *, bands: bool = False
+) -> int:
     """The version a writer gives these entries (and a shard manifest's slices): 4 iff any
     payload is chunked (the tile grid), else 3 iff slices are recorded, else 1. The
     learned-state document passes entries only.
@@ -62,7 +83,9 @@ def shard_version(entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices
     return CHUNKED_VERSION if any(is_chunked(p) for e in entries for _, p, _ in tensor_payloads(e)) else FORMAT_VERSION
 
 
-def legal_versions(entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices: "tuple[Slice, ...]" = ()) -> tuple[int, ...]:
+def legal_versions(
+    entries: "tuple[TensorEntry, ...] | list[TensorEntry]", slices: "tuple[Slice, ...]" = ()
+) -> tuple[int, ...]:
     """The versions a reader accepts for these entries: the writer's, and the version 2 or 3
     that wrote them on the row-band grid (which grid the payloads follow is checked by the
     version found: ``banded``)."""

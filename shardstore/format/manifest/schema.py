@@ -7,6 +7,7 @@ Options on ``Base`` and why:
 - ``kw_only=True``: fields are named at every construction site.
 - ``tag_field="type"``: one decoder reads any manifest and says which kind it is.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
@@ -280,5 +281,3 @@ class PinManifest(Base, tag="pin", tag_field="type"):
 
 
 Manifest = Union[StoreConfig, ShardManifest, CommitManifest, PinManifest]
-
-
