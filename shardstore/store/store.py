@@ -14,14 +14,13 @@ they become keys.
 
 from __future__ import annotations
 
-import inspect
 import json
 import random
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
-from ..backends.base import Buffer, Storage
+from ..backends.base import Buffer, HashedReads, Storage
 from ..backends.location import open_storage
 from ..errors import (
     CorruptObject,
@@ -67,10 +66,6 @@ class Store:
     def __init__(self, storage: Storage, *, create: bool = True) -> None:
         self.storage = storage
         self.url = storage.url
-        try:
-            self._read_takes_limit = "limit" in inspect.signature(storage.read).parameters
-        except (TypeError, ValueError):
-            self._read_takes_limit = False
         self.config = self._open_config(create)
 
     def __repr__(self) -> str:
@@ -153,9 +148,8 @@ class Store:
         otherwise the size is checked, then the bytes are read and hashed.
         """
         key = object_key(oid)
-        stream = getattr(self.storage, "read_hashed", None)
-        if stream is not None:
-            data, got = stream(key, new_hasher) if limit is None else stream(key, new_hasher, limit)
+        if isinstance(self.storage, HashedReads):
+            data, got = self.storage.read_hashed(key, new_hasher, limit)
             return data, str(got)
         if limit is not None:
             self._check_size(oid, limit)
@@ -207,9 +201,8 @@ class Store:
         ``threads``: BLAKE3's own threads for this one object (1 when objects are hashed in a pool).
         """
         key = object_key(oid)
-        stream = getattr(self.storage, "hash_object", None)
-        if stream is not None:
-            got, n = stream(key, lambda: new_hasher(threads), threads=threads)
+        if isinstance(self.storage, HashedReads):
+            got, n = self.storage.hash_object(key, lambda: new_hasher(threads), threads=threads)
             return str(got), int(n)
         data = self.storage.read(key)
         return hash_bytes(data, threads=threads), len(data)
@@ -248,11 +241,9 @@ class Store:
 
     def _read_or_none(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
         """The bytes at a ref or pin key, or None if it is absent; ObjectTooLarge past ``limit``,
-        before allocating where the backend's ``read`` takes a limit (local, S3, fsspec)."""
+        before allocating (``Storage.read``'s limit), and checked again here after the read."""
         try:
-            if self._read_takes_limit:
-                return bytes(self.storage.read(key, limit=limit))  # type: ignore[call-arg]
-            data = bytes(self.storage.read(key))
+            data = bytes(self.storage.read(key, limit=limit))
         except ObjectNotFound:
             return None
         if len(data) > limit:
