@@ -17,7 +17,7 @@ from ..errors import (
 )
 from ..store import Store
 from .commits import Problem, read_commit
-from .objects import Checked, Job, check_objects, content_problem, object_jobs
+from .objects import Checked, ContentRule, Job, check_objects, content_problem, object_jobs
 
 __all__ = ["Report", "verify"]
 
@@ -104,7 +104,7 @@ def verify(
     seen_commits: set[str] = set()
     seen_objects: set[str] = set()  # shard manifests counted
     checked: dict[str, Checked] = {}  # object id -> what checking it found (each object read once)
-    contents: set[tuple[str, str]] = set()  # (object id, content rule) already decoded
+    contents: set[tuple[str, ContentRule]] = set()  # (object id, content rule) already decoded
     while todo:
         cid = todo.pop(0)
         if cid in seen_commits:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from ..errors import (
     CorruptObject,
@@ -22,7 +23,40 @@ from ..state.extras import extra_objects, read_extra_state
 from ..store import Store
 from .commits import LoadedCommit
 
-__all__ = ["Job", "Checked", "object_jobs", "check_objects", "content_problem"]
+__all__ = [
+    "Job",
+    "Checked",
+    "ContentRule",
+    "ModelConfigContent",
+    "RngContent",
+    "StateDocumentContent",
+    "object_jobs",
+    "check_objects",
+    "content_problem",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfigContent:
+    """Decode the object as a model config (SPEC.md §7)."""
+
+
+@dataclass(frozen=True)
+class RngContent:
+    """Decode the object as the RNG state of generator ``kind`` (SPEC.md §10)."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class StateDocumentContent:
+    """Decode the object as an extra's state document holding ``tensors`` placeholders (SPEC.md §Extras)."""
+
+    tensors: int
+
+
+#: How verify decodes an object's content, as its load path would.
+ContentRule = ModelConfigContent | RngContent | StateDocumentContent
 
 
 class Job(NamedTuple):
@@ -32,22 +66,25 @@ class Job(NamedTuple):
     size: int | None  # the byte size its entry implies (None: not implied by an entry)
     tensor: str | None  # the tensor entry naming it, for messages
     what: str
-    rule: str | None  # how its content is decoded: None, "config", "rng:<kind>" or "extra:<tensors>"
+    rule: ContentRule | None  # how its content is decoded (None: bytes only, a tensor payload)
+
+
+def _extra_jobs(extras: Any, where: str) -> Iterator[Job]:
+    for oid, size, what, placeholders in extra_objects(extras, where):
+        yield Job(oid, size, None, what, None if placeholders is None else StateDocumentContent(placeholders))
 
 
 def object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
     """One job for every object the commit references (an object named twice: two jobs)."""
     if lc.commit.config is not None:
-        yield Job(lc.commit.config, None, None, "model config", "config")
-    for oid, size, what, rule in extra_objects(lc.commit.extras, ""):
-        yield Job(oid, size, None, what, rule)
+        yield Job(lc.commit.config, None, None, "model config", ModelConfigContent())
+    yield from _extra_jobs(lc.commit.extras, "")
     needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices held)
     for s, shard in sorted(lc.shards.items()):
         if slot is None or s == slot:
             for r in shard.rng:
-                yield Job(r.object, None, None, f"RNG state {r.kind} of slot {s}", f"rng:{r.kind}")
-            for oid, size, what, rule in extra_objects(shard.extras, f" of slot {s}"):
-                yield Job(oid, size, None, what, rule)
+                yield Job(r.object, None, None, f"RNG state {r.kind} of slot {s}", RngContent(r.kind))
+            yield from _extra_jobs(shard.extras, f" of slot {s}")
         for e in shard.entries:
             if needs is not None and e.name not in needs:
                 continue
@@ -106,19 +143,19 @@ def _check_object(store: Store, oid: str, deep: bool, threads: int = 1) -> Check
         return Checked(e, None, 0)
 
 
-def content_problem(store: Store, oid: str, rule: str, have: int | None) -> ShardstoreError | None:
-    """Decode a model config or RNG object as its load path will (bounded first): what a
-    restore would refuse, verify reports (SPEC.md §17)."""
-    limit = MAX_RNG_BYTES if rule.startswith("rng:") else MAX_MANIFEST_BYTES
+def content_problem(store: Store, oid: str, rule: ContentRule, have: int | None) -> ShardstoreError | None:
+    """Decode a model config, RNG state or state document as its load path will (bounded
+    first): what a restore would refuse, verify reports (SPEC.md §17)."""
+    limit = MAX_RNG_BYTES if isinstance(rule, RngContent) else MAX_MANIFEST_BYTES
     if have is not None and have > limit:
         return ObjectTooLarge(f"{have} bytes, over the {limit}-byte limit of its kind (SPEC.md §Limits)")
     try:
-        if rule == "config":
-            decode_config(store.get(oid, limit=MAX_MANIFEST_BYTES), what="model config")
-        elif rule.startswith("extra:"):  # a state document, with placeholders for its tensors (SPEC.md §Extras)
-            read_extra_state(store.get(oid, limit=MAX_MANIFEST_BYTES), [None] * int(rule[6:]), "state document")  # type: ignore[list-item]
+        if isinstance(rule, ModelConfigContent):
+            decode_config(store.get(oid, limit=limit), what="model config")
+        elif isinstance(rule, StateDocumentContent):  # with placeholders for its tensors
+            read_extra_state(store.get(oid, limit=limit), [None] * rule.tensors, "state document")  # type: ignore[list-item]
         else:
-            check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)}, raw_kinds=False)
+            check_rng({rule.kind: store.get(oid, limit=limit)}, raw_kinds=False)
     except ShardstoreError as e:
         return e
     return None

@@ -97,9 +97,11 @@ def banded(version: int) -> bool:
     return version < TILE_VERSION
 
 
-def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[str, int | None, str, str | None]]:
-    """(object id, byte size or None, what, verify's content rule) of every object the extras name (verify, copy, gc)."""
+def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[str, int | None, str, int | None]]:
+    """(object id, byte size or None, what, placeholders) of every object the extras name
+    (verify, copy, gc): placeholders is a state document's number of tensors (verify decodes
+    it with that many), None for a tensor."""
     for x in extras:
-        yield x.state, None, f"state document of extra {x.key!r}{where}", f"extra:{len(x.tensors)}"
+        yield x.state, None, f"state document of extra {x.key!r}{where}", len(x.tensors)
         for t in x.tensors:
             yield t.object, expected_nbytes(t.dtype, t.shape), f"tensor {t.key} of extra {x.key!r}{where}", None
