@@ -3,7 +3,7 @@
 A writer that could not read ``/proc/<pid>/stat`` of a gc's or a lock holder's process
 (another user under ``hidepid=2``, a private /proc) took the live process for dead: it
 moved a ref while that gc deleted, or took over (and ``refs --break-lock`` removed) a live
-writer's ref lock. A process that exists but cannot be inspected is alive; only "no such
+writer's ref lock; a gc so placed dropped a live writer's intent. A process that exists but cannot be inspected is alive; only "no such
 process" (or a readable start time that differs: a reused pid) is dead.
 """
 
@@ -59,10 +59,14 @@ def test_a_live_process_whose_stat_cannot_be_read_is_alive_for_locks_and_gc_mark
     store, a, b = _store(str(tmp_path))
     me = holder_record()  # taken before the stat is hidden: the record a live holder wrote
     marker = gc_fence.GcMarker(store)  # a live gc's marker
+    intent = f"intents/c-{'a' * 32}{gc_fence._owner_suffix()}"  # a live writer's intent
+    store.storage.write_once(intent, gc_fence._encode_ids([a]))
     dead = _reaped_child_record()
     _hide_own_stat(monkeypatch)
     assert holder_state(read_holder(me)) == "alive"  # was "dead"
     assert holder_state(dead) == "dead"  # kill(pid, 0): no such process
+    assert gc_fence.dead_intents(store) == []  # gc keeps a live writer's intent (it dropped it before)
+    store.storage.delete(intent)
     # a writer waits for the live gc instead of moving the ref while it deletes
     done: list[BaseException | None] = []
 
