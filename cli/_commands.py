@@ -30,6 +30,7 @@ from ._output import emit as _emit
 from ._output import note
 from ._render import (
     jsonable,
+    marker_doc,
     render_cat,
     render_diff,
     render_log,
@@ -121,6 +122,13 @@ def _open(url: str, *, create: bool = False) -> ss.Store:
     return ss.open_store(url, create=create)
 
 
+def _gc_markers(store: ss.Store) -> list[dict[str, Any]]:
+    """The gc markers present, with holder and age (SPEC.md §19b): a running gc, or one that died."""
+    from shardstore.store.gc_fence import gc_markers
+
+    return [marker_doc(m) for m in gc_markers(store)]
+
+
 def _refs_by_commit(store: ss.Store) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for name in store.ref_names():
@@ -166,6 +174,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         "bytes_hashed": report.bytes_hashed,
         "problems": problems,
         "refs_by_commit": _refs_by_commit(store),
+        "gc_markers": _gc_markers(store),
     }
     _emit(args, doc, render_verify)
     return EXIT_OK if report.ok else EXIT_PROBLEMS
@@ -379,7 +388,7 @@ def cmd_refs(args: argparse.Namespace) -> int:
     pins: dict[str, list[str]] = {
         n: list(ids) for n, ids in _readable("pin", store.pin_names(), store.pinned, broken).items()
     }
-    doc: dict[str, Any] = {"refs": refs, "pins": pins}
+    doc: dict[str, Any] = {"refs": refs, "pins": pins, "gc_markers": _gc_markers(store)}
     if broken:
         doc["broken"] = broken
     _emit(args, doc, render_refs)

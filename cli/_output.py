@@ -5,20 +5,25 @@ document with ``--json`` (the same encoding for every command of both tools), el
 text its render function makes of that same document, so the two outputs never disagree.
 `fail` reports an error the same way (a JSON document or one line, on stderr) and returns
 the exit code. Progress and diagnostics (`note`) go to stderr and never with ``--json``'s
-document on stdout.
+document on stdout; `diagnostics` turns the library's typed warnings (a ref move waiting
+for a gc, ``GcWait``) into such notes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from shardstore.store.gc_fence import GcWait
 
 from ._render import jsonable
 
-__all__ = ["emit", "fail", "note"]
+__all__ = ["emit", "fail", "note", "diagnostics"]
 
 
 def emit(args: argparse.Namespace, doc: Any, render: Callable[[Any], str]) -> None:
@@ -48,3 +53,22 @@ def fail(prog: str, args: argparse.Namespace | None, error: BaseException, code:
 def note(message: str) -> None:
     """A diagnostic line for people, on stderr."""
     print(message, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def diagnostics(prog: str, *, quiet: bool = False) -> Iterator[None]:
+    """Within: each ``GcWait`` the library warns (a ref move or pin change waiting for a gc,
+    SPEC.md §19b) is one ``PROG: note: ...`` line on stderr (none with ``--quiet``); other
+    warnings show as Python shows them."""
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        warnings.simplefilter("always", GcWait)
+        shown = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
+            if not issubclass(category, GcWait):
+                shown(message, category, *rest, **kw)
+            elif not quiet:
+                note(f"{prog}: note: {message}")
+
+        warnings.showwarning = show
+        yield

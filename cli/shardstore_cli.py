@@ -42,7 +42,7 @@ from ._commands import (
     parse_size,
 )
 from ._help import HelpFormatter
-from ._output import fail, note
+from ._output import diagnostics, fail, note
 
 __all__ = ["EPILOG", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "build_parser", "main"]
 
@@ -191,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not hasattr(args, name):  # a plugin subcommand without the common options
                 setattr(args, name, False)
         apply_storage_options(args)
-        return int(args.func(args))
+        with diagnostics(f"shardstore {args.command}", quiet=args.quiet):
+            return int(args.func(args))
     except UsageError as e:
         e.parser.print_usage(sys.stderr)
         note(f"{e.parser.prog}: error: {e}")

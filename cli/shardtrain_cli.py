@@ -32,7 +32,7 @@ from shardtrain.errors import (
     TransitionError,
 )
 
-from ._output import emit, fail, note
+from ._output import diagnostics, emit, fail, note
 from ._render import jsonable
 from ._train_render import (
     render_demo,
@@ -650,7 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shardstore.backends.options import ENV, environment_with
 
             os.environ[ENV] = environment_with(args.storage_option)
-        return int(args.func(args))
+        with diagnostics(f"shardtrain {args.command}"):
+            return int(args.func(args))
     except RunAborted as exc:
         return _fail(args, exc, EXIT_ABORTED)
     except (

@@ -26,7 +26,7 @@ from shardstore.ops.gc import GcResult, gc
 from shardstore.ops.transfer import DEFAULT_THREADS, CopyResult, check_copy, copy_commit
 
 from ._output import emit, fail, note
-from ._render import render_copy, render_gc, render_unpin
+from ._render import marker_doc, render_copy, render_gc, render_unpin
 
 __all__ = ["register", "parse_duration", "cmd_copy", "cmd_gc"]
 
@@ -110,6 +110,12 @@ def register(subparsers: Any) -> None:
         default=3600.0,
         metavar="DURATION",
         help="keep objects younger than this (default 1h)",
+    )
+    g.add_argument(
+        "--break-marker",
+        metavar="NONCE",
+        help="only remove gc marker gc/NONCE left by a gc that is gone (`shardstore refs` lists markers); "
+        "refused while that gc runs on this host",
     )
     _common(g)
     g.set_defaults(func=cmd_gc, parser=g)
@@ -200,7 +206,8 @@ def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     args.command_name = "gc"
-
+    if getattr(args, "break_marker", None) is not None:
+        return _break_marker(args)
     if args.grace == 0 and not args.dry_run and not args.quiet:
         note(
             "shardstore gc: warning: --grace 0 can delete the objects of a save in progress (written, not yet "
@@ -212,6 +219,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
         with _bar(args, "gc", unit=" objects") as bar:  # unreachable objects examined, then deleted
             result = gc(store, grace_seconds=args.grace, dry_run=args.dry_run, progress=bar.update)
         _print_gc(args, result)
+        return EXIT_OK
+
+    return _run(args, body)
+
+
+def _break_marker(args: argparse.Namespace) -> int:
+    """``gc --break-marker NONCE``: remove a gc marker whose gc is gone (SPEC.md §19b), never a running one's."""
+    from shardstore.store.gc_fence import break_gc_marker
+
+    if args.dry_run:
+        return _usage(args, "--break-marker removes one marker and collects nothing: it takes no --dry-run")
+
+    def body() -> int:
+        info = break_gc_marker(ss.open_store(args.store, create=False), args.break_marker)
+        doc = marker_doc(info) | {"removed": True}
+        emit(args, doc, lambda d: f"removed gc marker {d['description']}")
         return EXIT_OK
 
     return _run(args, body)

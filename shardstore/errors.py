@@ -93,7 +93,7 @@ class RefConflict(ShardstoreError):
 
 
 class GcRace(ShardstoreError):
-    """A ref or pin was not moved because a concurrent gc removed objects it would name (or held the store too long)."""
+    """A ref or pin was not moved because a concurrent gc removed objects it would name (or held the store too long), or a running gc's marker was not removed."""
 
 
 class TargetNotFound(ShardstoreError):
