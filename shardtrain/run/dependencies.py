@@ -10,7 +10,7 @@ A run that resumes at commit C needs, besides C's own closure:
 - every commit on C's chain down to those references (the walk reads their manifests).
 
 `missing_dependencies` lists what of that the store lacks, with what each commit is for;
-`check_dependencies` refuses (ResumeError, exit 4) naming them and the command that brings
+`check_dependencies` refuses (ResumeError, exit 5) naming them and the command that brings
 them: ``shardstore copy SOURCE STORE C --with-deps``, which copies C with the commits the
 pin ``references/<job id>`` names. A run keeps that pin (`pin_references`): the seed, the
 init commit and every cohort endpoint it commits, as each lands.
