@@ -116,7 +116,7 @@ def _refs_by_commit(store: ss.Store) -> dict[str, list[str]]:
 
 
 def _check_slot(store: ss.Store, targets: list[str], slot: int) -> None:
-    """``--shard K`` names a slot of every commit asked for (or every ref's commit), as ``copy --shard`` requires."""
+    """``--slot K`` names a slot of every commit asked for (or every ref's commit), as ``copy --slot`` requires."""
     heads = [store.resolve(t) for t in targets] if targets else sorted(set(store.refs().values()))
     for cid in heads:
         n = len(store.commit(cid).layout)
@@ -125,13 +125,13 @@ def _check_slot(store: ss.Store, targets: list[str], slot: int) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if args.shard is not None and args.shard < 0:
-        raise UsageError(f"--shard must be a slot number >= 0, got {args.shard}", args.parser)
+    if args.slot is not None and args.slot < 0:
+        raise UsageError(f"--slot must be a slot number >= 0, got {args.slot}", args.parser)
     store = _open(args.store)
-    if args.shard is not None:
-        _check_slot(store, args.targets, args.shard)
+    if args.slot is not None:
+        _check_slot(store, args.targets, args.slot)
     with _bar(args, "verify") as bar:
-        report = ss.verify(store, args.targets or None, deep=not args.quick, slot=args.shard, progress=bar.update)
+        report = ss.verify(store, args.targets or None, deep=not args.quick, slot=args.slot, progress=bar.update)
     problems = [
         {"kind": p.kind, "object": p.object, "tensor": p.tensor, "commit": p.commit, "message": str(p.error)}
         for p in report.problems
@@ -139,7 +139,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     doc = {
         "ok": report.ok,
         "deep": not args.quick,
-        "slot": args.shard,
+        "slot": args.slot,
         "commits": report.commits,
         "objects_checked": report.objects_checked,
         "bytes_hashed": report.bytes_hashed,

@@ -41,9 +41,11 @@ from .exit_codes import SHARDSTORE, Exit, epilog
 
 __all__ = ["EPILOG", "build_parser", "main"]
 
-EPILOG = "targets: a ref name (main), a full commit id, or a unique id prefix of at least 8 hex digits.\n\n" + epilog(
-    SHARDSTORE
+_TARGETS = (
+    "targets: a ref name (main), a full commit id, or a unique id prefix of at least 8 hex digits, each\n"
+    "optionally followed by git's ancestry suffixes: main~1 or main^ (the parent), main~2, <commit>^.\n"
 )
+EPILOG = _TARGETS + "\n" + epilog(SHARDSTORE)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,7 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         "targets", nargs="*", metavar="TARGET", help="commits to check (default: everything reachable from refs)"
     )
     p.add_argument("--quick", action="store_true", help="check structure and object sizes only; do not re-hash")
-    p.add_argument("--shard", type=int, metavar="K", help="check only the objects of slot K")
+    p.add_argument(
+        "--slot",
+        "--shard",
+        dest="slot",
+        type=int,
+        metavar="K",
+        help="check only the objects of slot K (--shard: old name)",
+    )
     p = add("diff", cmd_diff, "what changed from commit A to commit B")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")

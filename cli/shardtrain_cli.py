@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_slot_store,
         action="append",
         metavar="SLOT=STORE",
-        help="restore that slot from its own copy of the commit (shardstore copy --shard)",
+        help="restore that slot from its own copy of the commit (shardstore copy --slot)",
     )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent peer counts as lost")
     p.add_argument(

@@ -64,7 +64,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("src", metavar="SRC", help="source store path or URL")
     p.add_argument("dst", metavar="DST", help="destination store path or URL (created if absent)")
     p.add_argument("target", metavar="TARGET", help="ref name, commit id or unique id prefix in SRC")
-    p.add_argument("--shard", type=int, metavar="K", help="copy only what slot K needs to restore")
+    p.add_argument(
+        "--slot",
+        "--shard",
+        dest="slot",
+        type=int,
+        metavar="K",
+        help="copy only what slot K needs to restore (--shard: old name)",
+    )
     p.add_argument("--ref", metavar="NAME", help="afterwards move ref NAME in DST to the commit")
     p.add_argument(
         "--pin",
@@ -129,19 +136,19 @@ def _usage(args: argparse.Namespace, message: str) -> NoReturn:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    if args.shard is not None and args.shard < 0:
-        _usage(args, f"--shard must be a slot number >= 0, got {args.shard}")
+    if args.slot is not None and args.slot < 0:
+        _usage(args, f"--slot must be a slot number >= 0, got {args.slot}")
     if args.threads < 1:
         _usage(args, f"--threads must be >= 1, got {args.threads}")
     src = ss.open_store(args.src, create=False)
-    check_copy(src, args.target, slot=args.shard, ref=args.ref, pins=args.pin or ())  # before DST is created
+    check_copy(src, args.target, slot=args.slot, ref=args.ref, pins=args.pin or ())  # before DST is created
     dst = ss.open_store(args.dst, create=True)
     with bar(args, "copy") as progress:
         result = copy_commit(
             src,
             dst,
             args.target,
-            slot=args.shard,
+            slot=args.slot,
             ref=args.ref,
             pins=args.pin,
             threads=args.threads,

@@ -142,5 +142,5 @@ def check_shared_store(store: Store, rank: int, world: int) -> None:
             f"{store.url}): the workers were given different stores (a private directory on each host?). "
             f"Every commit goes to the run's store, so all nodes need one shared store: pass the same "
             f"--store s3://bucket/prefix (or a shared filesystem) on every node; per-host copies are for "
-            f"restoring only (shardstore copy --shard K, then --slot-store K=DIR)"
+            f"restoring only (shardstore copy --slot K, then --slot-store K=DIR)"
         )
