@@ -73,7 +73,7 @@ def test_development_by_default_and_finals_only_after_selection(run: SimpleNames
                 "1",
             ]
         )
-        == 4
+        == 5
     )
     select(run.store, run.job.id, run.commits[0])
     with pytest.raises(RoleError, match="not .*final sets open only for the selected commit"):
@@ -164,7 +164,7 @@ def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace
             "2",
         ]
     )
-    assert code == (0 if expected.passed else 5)
+    assert code == (0 if expected.passed else 3)  # a failed gate: problems found (SPEC.md §23)
     reports = [n for n in run.store.pin_names() if n.startswith(f"gates/{run.job.id}/")]
     assert len(reports) == 1
     from shardtrain.run.gates import GateReport
