@@ -2,8 +2,8 @@
 
 Each handler is ``cmd_<name>(args) -> int``: it builds one JSON-able document from the
 library's results, prints it (``--json``) or its text rendering (``shardstore_cli._render``) on stdout,
-and returns an exit code of the table in ``shardstore_cli.shardstore_cli.EPILOG``. Errors propagate as
-shardstore's typed errors; ``main`` maps them to exit codes.
+and returns an exit code of the one table (``shardstore_cli.exit_codes``). Errors propagate as
+shardstore's typed errors; ``main`` maps them to exit codes by that table.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import re
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardstore.format.names import check_ref_name
 from shardstore.format.tensors import expected_nbytes
 
+from ._output import bar as _bar
 from ._output import emit as _emit
 from ._output import note
 from ._render import (
@@ -39,18 +39,13 @@ from ._render import (
     render_show,
     render_verify,
 )
+from .exit_codes import Exit
 
 __all__ = [
-    "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "UsageError",
+    "UsageError",
     "cmd_verify", "cmd_diff", "cmd_log", "cmd_show", "cmd_cat", "cmd_refs", "cmd_export", "cmd_import",
     "parse_size", "parse_layout", "add_storage_option", "apply_storage_options",
 ]  # fmt: skip
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_PROBLEMS = 3
-EXIT_NOT_FOUND = 4
 
 
 class UsageError(Exception):
@@ -67,22 +62,6 @@ class UsageError(Exception):
 def _note(args: argparse.Namespace, message: str) -> None:
     if not args.quiet and not args.json:
         note(message)
-
-
-def _bar(args: argparse.Namespace, desc: str, total: int | None = None) -> tqdm:
-    """A byte progress bar on stderr, only on a terminal and without --quiet: drawn at once and left in
-    place at the end (a bar that waits a second and erases itself is never seen on a fast run)."""
-    disable = args.quiet or not sys.stderr.isatty()
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=disable,
-        file=sys.stderr,
-        leave=True,
-    )
 
 
 def _progress(bar: tqdm) -> Callable[[str, int, int], None]:
@@ -145,7 +124,7 @@ def _refs_by_commit(store: ss.Store) -> dict[str, list[str]]:
 
 
 def _check_slot(store: ss.Store, targets: list[str], slot: int) -> None:
-    """``--shard K`` names a slot of every commit asked for (or every ref's commit), as ``copy --shard`` requires."""
+    """``--slot K`` names a slot of every commit asked for (or every ref's commit), as ``copy --slot`` requires."""
     heads = [store.resolve(t) for t in targets] if targets else sorted(set(store.refs().values()))
     for cid in heads:
         n = len(store.commit(cid).layout)
@@ -154,13 +133,13 @@ def _check_slot(store: ss.Store, targets: list[str], slot: int) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if args.shard is not None and args.shard < 0:
-        raise UsageError(f"--shard must be a slot number >= 0, got {args.shard}", args.parser)
+    if args.slot is not None and args.slot < 0:
+        raise UsageError(f"--slot must be a slot number >= 0, got {args.slot}", args.parser)
     store = _open(args.store)
-    if args.shard is not None:
-        _check_slot(store, args.targets, args.shard)
+    if args.slot is not None:
+        _check_slot(store, args.targets, args.slot)
     with _bar(args, "verify") as bar:
-        report = ss.verify(store, args.targets or None, deep=not args.quick, slot=args.shard, progress=bar.update)
+        report = ss.verify(store, args.targets or None, deep=not args.quick, slot=args.slot, progress=bar.update)
     problems = [
         {"kind": p.kind, "object": p.object, "tensor": p.tensor, "commit": p.commit, "message": str(p.error)}
         for p in report.problems
@@ -168,7 +147,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     doc = {
         "ok": report.ok,
         "deep": not args.quick,
-        "slot": args.shard,
+        "slot": args.slot,
         "commits": report.commits,
         "objects_checked": report.objects_checked,
         "bytes_hashed": report.bytes_hashed,
@@ -177,7 +156,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         "gc_markers": _gc_markers(store),
     }
     _emit(args, doc, render_verify)
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return Exit.OK if report.ok else Exit.PROBLEMS
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -201,7 +180,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         return text + "".join(f"\n  same     {name}" for name in d.unchanged) if args.all and not d.empty else text
 
     _emit(args, doc, render)
-    return EXIT_OK
+    return Exit.OK
 
 
 def _default_target(store: ss.Store, parser: argparse.ArgumentParser) -> str:
@@ -241,7 +220,7 @@ def cmd_log(args: argparse.Namespace) -> int:
         {"commits": commits, "missing_parent": missing},
         render_log_oneline if getattr(args, "oneline", False) else render_log,
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 def _journal_note(store: ss.Store, cid: str) -> dict[str, Any]:
@@ -329,7 +308,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         "dtypes": dict(sorted(dtypes.items())),
     }
     _emit(args, jsonable(doc), render_show)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
@@ -362,7 +341,7 @@ def cmd_cat(args: argparse.Namespace) -> int:
                     f"object {oid} ({len(data)} bytes) is not a manifest, a model config or JSON (a tensor or RNG state?)"
                 ) from None
     _emit(args, {"id": oid, "kind": kind, "value": jsonable(value)}, render_cat)
-    return EXIT_OK
+    return Exit.OK
 
 
 def _readable(kind: str, names: Any, read: Any, broken: list[str]) -> dict[str, Any]:
@@ -394,7 +373,7 @@ def cmd_refs(args: argparse.Namespace) -> int:
     _emit(args, doc, render_refs)
     for line in broken:  # the others are listed above; the store is still damaged: exit 1
         note(f"shardstore refs: error: {line}")
-    return EXIT_ERROR if broken else EXIT_OK
+    return Exit.ERROR if broken else Exit.OK
 
 
 def _break_lock(args: argparse.Namespace, store: ss.Store) -> int:
@@ -412,7 +391,7 @@ def _break_lock(args: argparse.Namespace, store: ss.Store) -> int:
     _emit(
         args, {"ref": name, "lock_removed": True, "holder": holder}, lambda d: f"removed the lock of ref {name} ({who})"
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 _SIZE = re.compile(r"^(\d+)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)
@@ -467,7 +446,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         return "\n".join([head, *(f"  {os.path.join(d['out_dir'], f)}" for f in d["files"])])
 
     _emit(args, doc, render)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -503,4 +482,4 @@ def cmd_import(args: argparse.Namespace) -> int:
         args,
         f"imported {doc['tensors']} tensors ({doc['bytes']} bytes) into {doc['slots']} slot(s); ref {args.ref} -> {cid}",
     )
-    return EXIT_OK
+    return Exit.OK

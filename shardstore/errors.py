@@ -97,7 +97,7 @@ class GcRace(ShardstoreError):
 
 
 class TargetNotFound(ShardstoreError):
-    """A target (ref name, commit id or id prefix) that names no commit, or names several."""
+    """A target (ref name, commit id or id prefix, with any ~N / ^ suffixes) that names no commit, or names several."""
 
 
 class StateMismatch(ShardstoreError):

@@ -244,7 +244,11 @@ def test_exit_codes_not_found_usage_error(base, tmp_path, capsys):
         assert "usage:" in capsys.readouterr().err
     assert main(["--help"]) == 0
     help_text = capsys.readouterr().out
-    assert "exit codes:" in help_text and "4  target not found" in help_text and "3  verify found problems" in help_text
+    assert (
+        "exit codes:" in help_text
+        and "4   not found" in help_text
+        and "3   the check ran and found problems" in help_text
+    )
 
 
 def test_import_export_round_trip_through_cli(tmp_path):

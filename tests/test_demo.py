@@ -133,7 +133,7 @@ def test_cli_refuses_before_training(tmp_path: Path) -> None:
         "--until",
         "9",
     )
-    assert bad.returncode == 4 and "JobError: --until 9 is outside the job's schedule of 3 steps" in bad.stderr
+    assert bad.returncode == 5 and "JobError: --until 9 is outside the job's schedule of 3 steps" in bad.stderr
     missing = _cli(
         "-m",
         "shardstore_cli.shardtrain_cli",

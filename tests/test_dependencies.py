@@ -34,7 +34,7 @@ def test_resume_needs_the_frozen_reference_and_copy_brings_it(
     capsys.readouterr()
     assert shardstore_main(["copy", a, b, "main", "--ref", "main"]) == 0  # the commit alone
     assert (
-        shardtrain_main(["train", "--prepared", job, "--store", b, "--until", "4", "--resume", "main", "--quiet"]) == 4
+        shardtrain_main(["train", "--prepared", job, "--store", b, "--until", "4", "--resume", "main", "--quiet"]) == 5
     )
     err = capsys.readouterr().err
     assert f"commit {endpoint} (cohort B's frozen reference" in err or f"commit {endpoint} (on the chain" in err, err

@@ -256,12 +256,12 @@ def test_every_value_is_bounded_when_the_job_is_loaded(
 
 
 def test_train_refuses_a_bad_value_before_it_opens_the_store(job_path: str, tmp_path: Path) -> None:
-    """`shardtrain train` on a job whose temperature is NaN exits 4 and writes nothing at all."""
+    """`shardtrain train` on a job whose temperature is NaN exits 5 (refused) and writes nothing at all."""
     from shardstore_cli.shardtrain_cli import main
 
     job = load_job(job_path).job
     path = _copy(job_path, tmp_path)
     path.write_bytes(_ENC.encode(_bad(job, "recipe.distill.temperature", _NAN)))
     store = tmp_path / "store"
-    assert main(["train", "--prepared", str(path), "--store", str(store), "--until", "1", "--quiet"]) == 4
+    assert main(["train", "--prepared", str(path), "--store", str(store), "--until", "1", "--quiet"]) == 5
     assert not store.exists()

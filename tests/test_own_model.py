@@ -185,7 +185,7 @@ def test_prepare_refuses_bad_input_before_writing(own: dict[str, str], tmp_path:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(_record(1, 2)) + "\n" + '{"messages": [{"role": "user"}]}\n')
     args = _prepare(own, out, store, records=False) + ["--records", str(bad)]
-    assert shardtrain_main(args) == 4
+    assert shardtrain_main(args) == 5
     assert f"{bad}, line 2" in capsys.readouterr().err
     overlap = _write_jsonl(
         tmp_path / "dev.jsonl",
@@ -195,14 +195,14 @@ def test_prepare_refuses_bad_input_before_writing(own: dict[str, str], tmp_path:
         ],
     )
     args = _prepare(own, out, store, records=False) + ["--records", own["train"], "--dev", overlap]
-    assert shardtrain_main(args) == 4
+    assert shardtrain_main(args) == 5
     err = capsys.readouterr().err
     assert f"{overlap}, line 2" in err and f"{own['train']}, line 4" in err
     no_template = tmp_path / "no-template"
     shutil.copytree(own["model"], no_template)
     os.unlink(no_template / "chat_template.jinja")
     args = [a if a != own["model"] else str(no_template) for a in _prepare(own, out, store)]
-    assert shardtrain_main(args) == 4
+    assert shardtrain_main(args) == 5
     assert "chat_template.jinja is missing" in capsys.readouterr().err
     assert not out.exists() and not store.exists()  # refused before anything was written
 

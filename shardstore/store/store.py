@@ -48,7 +48,7 @@ from ..format.manifest import (
     decode_manifest,
     encode,
 )
-from ..format.names import check_oid, check_oid_prefix
+from ..format.names import check_oid, check_oid_prefix, split_revision
 from ..format.tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
 from . import tensors as tensors_io
 from .gc_fence import fenced_move
@@ -305,9 +305,29 @@ class Store:
         self.storage.delete_if(ref_key(name), (check_oid(expected, what="expected commit id") + "\n").encode())
 
     def resolve(self, target: str) -> str:
-        """A commit id from a ref name, a full commit id, or a unique id prefix (>= 8 hex digits)."""
+        """A commit id from a ref name, a full commit id, or a unique id prefix (>= 8 hex digits),
+        each optionally followed by git's ancestry suffixes (``main~1``, ``main^``, ``<id>~3``;
+        SPEC.md §Refs), resolved through parent links. TargetNotFound if the history is shorter."""
         if not isinstance(target, str) or not target:
             raise TargetNotFound(f"empty target {target!r}")
+        base, back = split_revision(target)
+        if back == 0:
+            return self._resolve_name(base)
+        cid = self._resolve_name(base)
+        for k in range(back):
+            parent = self.commit(cid).parent
+            if parent is None:
+                raise TargetNotFound(
+                    f"{target!r} names no commit: the history of {base!r} is {k + 1} commits long "
+                    f"(commit {cid} has no parent)"
+                )
+            cid = parent
+        if not self.has(cid):
+            raise TargetNotFound(f"{target!r} names commit {cid}, which is not in {self.url}")
+        return cid
+
+    def _resolve_name(self, target: str) -> str:
+        """A commit id from a ref name, a full commit id, or a unique id prefix (>= 8 hex digits)."""
         try:
             value = self.ref(target)
         except InvalidName:

@@ -17,7 +17,7 @@ from ..errors import (
 )
 from ..store import Store
 from .commits import Problem, read_commit
-from .objects import Checked, ContentRule, Job, check_objects, content_problem, object_jobs
+from .objects import Checked, ContentRule, ExpectedObject, check_objects, content_problem, expected_objects
 
 __all__ = ["Report", "verify"]
 
@@ -45,7 +45,7 @@ def _check_pins(
     progress: Callable[[int], None] | None,
 ) -> None:
     """Every pin parses and every object it names is present (and, deep, hashes to its id)."""
-    jobs: list[Job] = []
+    expected: list[ExpectedObject] = []
     for name in store.pin_names():
         try:
             ids = store.pinned(name) or ()
@@ -55,15 +55,15 @@ def _check_pins(
         for oid in ids:
             if oid not in seen:
                 seen[oid] = Checked(None, None, 0)
-                jobs.append(Job(oid, None, None, f"object pinned by {name!r}", None))
-    for job, found in zip(jobs, check_objects(store, jobs, deep, threads)):
+                expected.append(ExpectedObject(oid, None, None, f"object pinned by {name!r}", None))
+    for want, found in zip(expected, check_objects(store, expected, deep, threads)):
         report.objects_checked += 1
         report.bytes_hashed += found.hashed
         if progress is not None:
             progress(found.hashed)
         if found.error is not None:
             report.problems.append(
-                Problem(type(found.error)(f"{job.what}: object {job.oid}: {found.error}"), None, job.oid)
+                Problem(type(found.error)(f"{want.what}: object {want.oid}: {found.error}"), None, want.oid)
             )
 
 
@@ -122,9 +122,9 @@ def verify(
             if lay.shard not in seen_objects:
                 report.objects_checked += 1
                 seen_objects.add(lay.shard)
-        jobs = list(object_jobs(lc, slot))
-        fresh: dict[str, Job] = {}
-        for j in jobs:
+        expected = list(expected_objects(lc, slot))
+        fresh: dict[str, ExpectedObject] = {}
+        for j in expected:
             if j.oid not in checked and j.oid not in fresh:
                 fresh[j.oid] = j
         for oid, result in zip(fresh, check_objects(store, list(fresh.values()), deep, threads)):
@@ -133,7 +133,7 @@ def verify(
             report.bytes_hashed += result.hashed
             if progress is not None:
                 progress(result.hashed)
-        for oid, size, tensor, what, rule in jobs:
+        for oid, size, tensor, what, rule in expected:
             # an object's own problem once, where it is first seen; every entry's rules always
             own, have, _ = checked[oid]
             if own is not None:

@@ -24,13 +24,13 @@ from ..store import Store
 from .commits import LoadedCommit
 
 __all__ = [
-    "Job",
+    "ExpectedObject",
     "Checked",
     "ContentRule",
     "ModelConfigContent",
     "RngContent",
     "StateDocumentContent",
-    "object_jobs",
+    "expected_objects",
     "check_objects",
     "content_problem",
 ]
@@ -59,7 +59,7 @@ class StateDocumentContent:
 ContentRule = ModelConfigContent | RngContent | StateDocumentContent
 
 
-class Job(NamedTuple):
+class ExpectedObject(NamedTuple):
     """One object a commit references, and what its entry expects of it."""
 
     oid: str
@@ -69,27 +69,29 @@ class Job(NamedTuple):
     rule: ContentRule | None  # how its content is decoded (None: bytes only, a tensor payload)
 
 
-def _extra_jobs(extras: Any, where: str) -> Iterator[Job]:
+def _extra_objects(extras: Any, where: str) -> Iterator[ExpectedObject]:
     for oid, size, what, placeholders in extra_objects(extras, where):
-        yield Job(oid, size, None, what, None if placeholders is None else StateDocumentContent(placeholders))
+        yield ExpectedObject(
+            oid, size, None, what, None if placeholders is None else StateDocumentContent(placeholders)
+        )
 
 
-def object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
-    """One job for every object the commit references (an object named twice: two jobs)."""
+def expected_objects(lc: LoadedCommit, slot: int | None) -> Iterator[ExpectedObject]:
+    """One `ExpectedObject` for every object the commit references (an object named twice: two)."""
     if lc.commit.config is not None:
-        yield Job(lc.commit.config, None, None, "model config", ModelConfigContent())
-    yield from _extra_jobs(lc.commit.extras, "")
+        yield ExpectedObject(lc.commit.config, None, None, "model config", ModelConfigContent())
+    yield from _extra_objects(lc.commit.extras, "")
     needs = slot_needs(lc.shards, slot) if slot is not None else None  # the slot-K selection (SPEC.md §Slices held)
     for s, shard in sorted(lc.shards.items()):
         if slot is None or s == slot:
             for r in shard.rng:
-                yield Job(r.object, None, None, f"RNG state {r.kind} of slot {s}", RngContent(r.kind))
-            yield from _extra_jobs(shard.extras, f" of slot {s}")
+                yield ExpectedObject(r.object, None, None, f"RNG state {r.kind} of slot {s}", RngContent(r.kind))
+            yield from _extra_objects(shard.extras, f" of slot {s}")
         for e in shard.entries:
             if needs is not None and e.name not in needs:
                 continue
             for oid, n, what in entry_objects(e, needs[e.name] if needs is not None else None):
-                yield Job(oid, n, e.name, what, None)
+                yield ExpectedObject(oid, n, e.name, what, None)
 
 
 class Checked(NamedTuple):
@@ -100,22 +102,22 @@ class Checked(NamedTuple):
     hashed: int  # bytes hashed
 
 
-def check_objects(store: Store, jobs: list[Job], deep: bool, threads: int) -> list[Checked]:
-    """``_check_object`` for each job, in the jobs' order, ``threads`` objects at a time.
+def check_objects(store: Store, expected: list[ExpectedObject], deep: bool, threads: int) -> list[Checked]:
+    """``_check_object`` for each expected object, in their order, ``threads`` objects at a time.
 
     The largest objects start first, so that the pool does not end on one big object while
     the other threads idle. Each object is hashed by one thread, unless there are fewer
     objects than threads: then each gets its share of BLAKE3's own threads.
     """
     threads = max(1, threads)
-    each = max(1, threads // len(jobs)) if jobs else 1
-    order = sorted(range(len(jobs)), key=lambda i: -(jobs[i].size or 0))
-    results: list[Checked] = [Checked(None, None, 0)] * len(jobs)
+    each = max(1, threads // len(expected)) if expected else 1
+    order = sorted(range(len(expected)), key=lambda i: -(expected[i].size or 0))
+    results: list[Checked] = [Checked(None, None, 0)] * len(expected)
 
     def one(i: int) -> None:
-        results[i] = _check_object(store, jobs[i].oid, deep, each)
+        results[i] = _check_object(store, expected[i].oid, deep, each)
 
-    if threads == 1 or len(jobs) <= 1:
+    if threads == 1 or len(expected) <= 1:
         for i in order:
             one(i)
     else:

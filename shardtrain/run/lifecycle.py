@@ -600,7 +600,7 @@ def train(
         if spec.slot_stores:
             raise ResumeError(
                 f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, not {workers}, and slots "
-                f"are restored from their own stores: run shardtrain regroup first, then copy --shard"
+                f"are restored from their own stores: run shardtrain regroup first, then copy --slot"
             )
         made = regroup(store, lc.id, workers=workers, ref=spec.ref if store.ref(spec.ref) == lc.id else None)
         spec, lc = RunSpec(**{**spec.__dict__, "resume": made.commit}), load_commit(store, made.commit)

@@ -13,6 +13,11 @@ Options on ``Base`` and why:
 - ``forbid_unknown_fields=True``: a reader never silently drops data it does not understand.
 - ``kw_only=True``: fields are named at every construction site.
 - ``tag_field="type"``: one decoder reads any manifest and says which kind it is.
+
+Modules: `schema` (the Structs, field constraints and limits), `payloads` (which fields hold
+tensor objects; the version rule) and `encoding` (canonical bytes and strict decoding). Inside
+`shardstore.format`, above `tensors` and `canonical` and below `grid`: imports only those,
+`names`, `bounded` and `shardstore.errors` (checked by import-linter).
 """
 
 from __future__ import annotations
