@@ -7,7 +7,8 @@ in thread or process mode — work unchanged. DCP calls, and what each does here
    new commit's parent and the value its compare-and-swap will expect.
 2. ``prepare_local_plan`` (every rank): refuses, before anything is written, a chunk the format
    cannot hold (a dtype outside §5's list, a non-strided tensor).
-3. ``prepare_global_plan`` (coordinator): refuses two chunks that would share a tensor entry name.
+3. ``prepare_global_plan`` (coordinator): refuses two chunks that would share a tensor entry name,
+   and a key path the DCP document could not hold.
 4. ``write_data`` (every rank): each tensor chunk becomes the blocks of its own canonical grid
    (§5a: an unchanged chunk is the same objects, written again for nothing), each bytes item one
    object of its bytes; all hashed once, written create-only, then one durability barrier. It
@@ -41,7 +42,14 @@ from torch.futures import Future
 from ..checkpoint.info import CommitInfo, check_info, check_parent
 from ..checkpoint.slots import write_commit, write_shard_entries
 from ..errors import CommitProtocolError, InvalidName, ManifestError, TensorMismatch, UnsupportedState
-from ..format.dcp import DCP_EXTRA, BytesItem, chunk_entry_name, document_problems, encode_document
+from ..format.dcp import (
+    DCP_EXTRA,
+    BytesItem,
+    check_planner_strings,
+    chunk_entry_name,
+    document_problems,
+    encode_document,
+)
 from ..format.grid import put_payloads
 from ..format.manifest import MAX_DIM, MAX_NDIM, Block, ExtraEntry, Payload, StateTensor, TensorEntry
 from ..format.names import check_ref_name
@@ -170,6 +178,10 @@ class StoreWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         seen: dict[str, str] = {}
         for plan in plans:
+            if isinstance(plan.planner_data, Mapping):  # DefaultSavePlanner's flattening map
+                check_planner_strings(
+                    {k: v for k, v in plan.planner_data.items() if isinstance(k, str) and isinstance(v, (tuple, list))}
+                )
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     continue
@@ -230,11 +242,12 @@ class StoreWriter(StorageWriter):
         if written:
             (fqn, offsets), (slot, _) = next(iter(written.items()))
             raise UnsupportedState(f"rank {slot} wrote DCP item {fqn!r} at {offsets}, which the metadata does not list")
+        raw = encode_document(doc)  # UnsupportedState for a string no state document may hold
         by_name = {e.name: e for es in entries for e in es}
         problems = document_problems(doc, by_name, tensors)
         if problems or len(by_name) != sum(map(len, entries)):
             raise ManifestError(f"DCP document of this save: {(problems or ['two chunks share an entry name'])[0]}")
-        extra = ExtraEntry(key=DCP_EXTRA, state=store.put(encode_document(doc)), tensors=tuple(tensors))
+        extra = ExtraEntry(key=DCP_EXTRA, state=store.put(raw), tensors=tuple(tensors))
         store.sync()
         info = CommitInfo(
             step=self.info.step,

@@ -58,6 +58,7 @@ __all__ = [
     "DcpDocument",
     "chunk_entry_name",
     "encode_document",
+    "check_planner_strings",
     "decode_document",
     "dcp_extra",
     "document_problems",
@@ -164,15 +165,28 @@ def _user_strings(doc: DcpDocument) -> Iterator[tuple[str, str]]:
             yield f"storage_meta.modules[{i}]", value
 
 
+def _refuse_reserved(where: str, value: str) -> None:
+    if value.startswith(_RESERVED):
+        raise UnsupportedState(
+            f"DCP metadata {where}: string {value[:24]!r} starts with a prefix state documents reserve "
+            f"({REAL_PREFIX!r}, {TENSOR_PREFIX!r}; SPEC.md §Extras)"
+        )
+
+
+def check_planner_strings(planner_data: Mapping[str, Sequence[str | int]]) -> None:
+    """UnsupportedState for a key path of a flattening map (a ``SavePlan``'s ``planner_data``)
+    that the document could not hold: checked while planning, before anything is written."""
+    for fqn, path in planner_data.items():
+        for i, part in enumerate(path):
+            if isinstance(part, str):
+                _refuse_reserved(f"planner_data[{fqn!r}][{i}]", part)
+
+
 def encode_document(doc: DcpDocument) -> bytes:
     """The canonical bytes of ``doc`` (a valid §9c state document); UnsupportedState naming the
     field for a string it cannot hold, ObjectTooLarge past the manifest limit."""
     for where, value in _user_strings(doc):
-        if value.startswith(_RESERVED):
-            raise UnsupportedState(
-                f"DCP metadata {where}: string {value[:24]!r} starts with a prefix state documents reserve "
-                f"({REAL_PREFIX!r}, {TENSOR_PREFIX!r}; SPEC.md §Extras)"
-            )
+        _refuse_reserved(where, value)
     try:
         raw = _ENCODER.encode(doc)
     except (msgspec.EncodeError, UnicodeEncodeError) as e:
