@@ -171,6 +171,24 @@ def test_commits_chain_and_verify_log_diff_show_them(tmp_path, capsys):
     assert f"{DCP_EXTRA} (commit-wide): DCP metadata: 10 tensors in 10 chunks, 5 bytes items" in capsys.readouterr().out
 
 
+def test_gc_keeps_and_copy_carries_everything_a_dcp_commit_needs(tmp_path):
+    """The document and the bytes items are in the commit's closure (SPEC.md §19a): gc keeps them,
+    copy carries them, and the copy loads."""
+    root, other = str(tmp_path / "store"), str(tmp_path / "copy")
+    dcp.save({"w": torch.arange(10.0), "n": {"a": 1}}, storage_writer=StoreWriter(root))
+    dcp.save({"w": torch.arange(10.0) + 1, "n": {"a": 2}}, storage_writer=StoreWriter(root, ref="gone"))
+    store = ss.open_store(root, create=False)
+    store.delete_ref("gone", expected=store.ref("gone"))
+    before = set(store.objects())
+    ss.gc(store, grace_seconds=0, dry_run=False)
+    assert len(set(store.objects())) == len(before) - 4  # the other commit, its shard manifest, w and n's bytes
+    assert ss.verify(store).ok
+    ss.copy_commit(store, ss.open_store(other), "main", ref="main")
+    got = {"w": torch.zeros(10), "n": {"a": 0}}
+    dcp.load(got, storage_reader=StoreReader(other))
+    assert torch.equal(got["w"], torch.arange(10.0)) and got["n"] == {"a": 1}
+
+
 def test_checkpoint_id_names_the_ref_and_the_target(tmp_path):
     root = str(tmp_path / "store")
     writer = StoreWriter(root, ref=None)
