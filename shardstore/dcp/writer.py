@@ -26,12 +26,13 @@ returns DCP's bytes as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -45,6 +46,7 @@ from ..errors import CommitProtocolError, InvalidName, ManifestError, TensorMism
 from ..format.dcp import (
     DCP_EXTRA,
     BytesItem,
+    DcpDocument,
     check_planner_strings,
     chunk_entry_name,
     document_problems,
@@ -72,7 +74,7 @@ class Written:
     as DCP gathers them on the coordinator. ``payload``: one object id, or the blocks as
     (start, shape, object id); a bytes item is a 1-d ``uint8`` payload of one object."""
 
-    kind: str  # "tensor" or "bytes"
+    kind: Literal["tensor", "bytes"]
     dtype: str
     shape: tuple[int, ...]
     payload: str | tuple[tuple[tuple[int, ...], tuple[int, ...], str], ...]
@@ -217,31 +219,22 @@ class StoreWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         store = self.handle.open(create=True)
         started = time.time()
-        written = _gather(results)
-        entries: list[list[TensorEntry]] = [[] for _ in results]
-        doc = document_of(metadata, lambda fqn, offsets, whole: chunk_entry_name(fqn, offsets, whole))
-        for fqn, item in sorted(doc.items.items()):
-            if isinstance(item, BytesItem):
-                continue
-            for c in item.chunks:
-                slot, w = _take(written, fqn, tuple(c.offsets), "tensor")
-                if (w.dtype, w.shape) != (item.dtype, tuple(c.sizes)):
-                    raise TensorMismatch(
-                        f"DCP tensor {fqn!r}, chunk at {list(c.offsets)}: rank {slot} wrote {w.dtype}{list(w.shape)}, "
-                        f"the plan says {item.dtype}{list(c.sizes)}"
-                    )
-                entries[slot].append(
-                    TensorEntry(
-                        name=c.entry, dtype=item.dtype, shape=tuple(c.sizes), param=w.manifest_payload(), optim=None
-                    )
-                )
-        tensors = [
-            StateTensor(key=str(i), dtype="uint8", shape=w.shape, object=w.payload)  # type: ignore[arg-type]
-            for i, (_, w) in enumerate(_take(written, fqn, None, "bytes") for fqn in _bytes_keys(doc))
-        ]
-        if written:
-            (fqn, offsets), (slot, _) = next(iter(written.items()))
-            raise UnsupportedState(f"rank {slot} wrote DCP item {fqn!r} at {offsets}, which the metadata does not list")
+        doc = document_of(metadata, chunk_entry_name)
+        entries, tensors = _match(doc, _gather(results), len(results))
+        cid = self._commit(store, doc, entries, tensors)
+        if self.ref is not None:  # last: every rank's data is durable and the commit checked (SPEC.md §15)
+            store.set_ref(self.ref, cid, expected=self._parent)
+        self.last_commit = cid
+        metadata.storage_data = storage_data_of(doc)
+        store.write_journal(
+            cid,
+            {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()},
+        )
+
+    def _commit(
+        self, store: Store, doc: DcpDocument, entries: list[list[TensorEntry]], tensors: list[StateTensor]
+    ) -> str:
+        """The document, one shard manifest per slot, and the commit manifest (read back and checked)."""
         raw = encode_document(doc)  # UnsupportedState for a string no state document may hold
         by_name = {e.name: e for es in entries for e in es}
         problems = document_problems(doc, by_name, tensors)
@@ -249,28 +242,22 @@ class StoreWriter(StorageWriter):
             raise ManifestError(f"DCP document of this save: {(problems or ['two chunks share an entry name'])[0]}")
         extra = ExtraEntry(key=DCP_EXTRA, state=store.put(raw), tensors=tuple(tensors))
         store.sync()
-        info = CommitInfo(
-            step=self.info.step,
-            job=self.info.job,
-            data_cursor=self.info.data_cursor,
-            profile=tensor_profile(e.dtype for e in by_name.values()),
-        )
-        parent = self._parent
+        info = dataclasses.replace(self.info, profile=tensor_profile(e.dtype for e in by_name.values()))
         shard_ids = [
             write_shard_entries(
-                store, es, groups=[], algorithm="none", rng={}, info=info, parent=parent, slot=i, slots=len(entries)
+                store,
+                es,
+                groups=[],
+                algorithm="none",
+                rng={},
+                info=info,
+                parent=self._parent,
+                slot=i,
+                slots=len(entries),
             )
             for i, es in enumerate(entries)
         ]
-        cid = write_commit(store, shard_ids, info=info, parent=parent, extras=(extra,))
-        if self.ref is not None:
-            store.set_ref(self.ref, cid, expected=parent)
-        self.last_commit = cid
-        metadata.storage_data = storage_data_of(doc)
-        store.write_journal(
-            cid,
-            {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()},
-        )
+        return write_commit(store, shard_ids, info=info, parent=self._parent, extras=(extra,))
 
     # -- the pieces --------------------------------------------------------------------
 
@@ -336,6 +323,38 @@ def _gather(results: list[list[WriteResult]]) -> dict[tuple[str, tuple[int, ...]
     return out
 
 
+def _match(
+    doc: DcpDocument, written: dict[tuple[str, tuple[int, ...] | None], tuple[int, Written]], slots: int
+) -> tuple[list[list[TensorEntry]], list[StateTensor]]:
+    """Every item of the document matched to what a rank wrote for it: each slot's tensor entries
+    (its chunks) and the extra's tensors (the bytes items, in key order). An item no rank wrote,
+    or a write no item lists, is refused: nothing is committed without its data, or dropped."""
+    entries: list[list[TensorEntry]] = [[] for _ in range(slots)]
+    for fqn, item in sorted(doc.items.items()):
+        if isinstance(item, BytesItem):
+            continue
+        for c in item.chunks:
+            slot, w = _take(written, fqn, tuple(c.offsets), "tensor")
+            if (w.dtype, w.shape) != (item.dtype, tuple(c.sizes)):
+                raise TensorMismatch(
+                    f"DCP tensor {fqn!r}, chunk at {list(c.offsets)}: rank {slot} wrote {w.dtype}{list(w.shape)}, "
+                    f"the plan says {item.dtype}{list(c.sizes)}"
+                )
+            entry = TensorEntry(
+                name=c.entry, dtype=item.dtype, shape=tuple(c.sizes), param=w.manifest_payload(), optim=None
+            )
+            entries[slot].append(entry)
+    keys = [fqn for fqn, item in sorted(doc.items.items()) if isinstance(item, BytesItem)]  # their "tensor:<i>" order
+    tensors = [
+        StateTensor(key=str(i), dtype="uint8", shape=w.shape, object=w.payload)  # type: ignore[arg-type]
+        for i, (_, w) in enumerate(_take(written, fqn, None, "bytes") for fqn in keys)
+    ]
+    if written:
+        (fqn, offsets), (slot, _) = next(iter(written.items()))
+        raise UnsupportedState(f"rank {slot} wrote DCP item {fqn!r} at {offsets}, which the metadata does not list")
+    return entries, tensors
+
+
 def _take(
     written: dict[tuple[str, tuple[int, ...] | None], tuple[int, Written]],
     fqn: str,
@@ -349,8 +368,3 @@ def _take(
             "wrote it: refused rather than committed without it"
         )
     return got
-
-
-def _bytes_keys(doc: Any) -> list[str]:
-    """The bytes items' keys in the order of their ``"tensor:<i>"`` references (key order)."""
-    return [fqn for fqn, item in sorted(doc.items.items()) if isinstance(item, BytesItem)]
