@@ -5,13 +5,16 @@ One group of 3 processes (``gloo_group.run_group``) serves every check:
 
 - ranks 0 and 1, as a group of their own: FSDP2 (``dtensor_models.Net``) trains 2 AdamW steps
   and ``dcp.save``s ``get_state_dict(model, opt)`` through ``StoreWriter`` (``c2``); the same
-  state through ``dcp.async_save`` in thread mode and in process mode (refs ``thread``,
-  ``process``); then once per DCP call and rank that runs it, a ``StoreWriter`` that fails
+  state through ``dcp.async_save`` in thread mode (ref ``thread``); then once per DCP call and
+  rank that runs it, a ``StoreWriter`` that fails
   there (as DCP's own ``FaultyStorageWriter`` tests do), a ref moved by someone else during
   the save, and a failing ref move;
 - all 3 ranks: FSDP2 over 3 ranks (10 rows: 4, 4, 2) ``dcp.load``s ``c2`` through
   ``StoreReader``, each rank counting the object bytes it read;
 - rank 2 alone (``no_dist``): a plain model loads it.
+
+``async_save`` in process mode starts a fresh interpreter per rank (about 20 s), so it has a
+2-rank group of its own, marked ``long``.
 
 The model's ``fc1.weight`` is 10 x 131072 float32: each rank's chunk of it is 2.5 MiB, one
 object, so which chunks a rank's load plan overlaps decides exactly which objects it reads.
