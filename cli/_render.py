@@ -248,9 +248,7 @@ def render_show(doc: dict[str, Any]) -> str:
     out.append(f"{'extras'.ljust(width)}  {len(xs) or '-'}")
     for x in xs:
         where = "commit-wide" if x["slot"] is None else f"slot {x['slot']}"
-        out.append(
-            f"{''.ljust(width)}  {x['key']} ({where}): " + ", ".join(f"{k} {_num(v)}" for k, v in x["state"].items())
-        )
+        out.append(f"{''.ljust(width)}  {x['key']} ({where}): " + _extra_summary(x))
     rows = [
         [s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"]), s["objects"]]
         for s in doc["layout"]
@@ -260,6 +258,19 @@ def render_show(doc: dict[str, Any]) -> str:
     out.append("")
     out.append(table(["slot", "shard manifest", "tensors", "parameters", "bytes", "tensor objects"], rows))
     return "\n".join(out)
+
+
+def _extra_summary(x: dict[str, Any]) -> str:
+    """An extra's state on one line; a DCP document (SPEC.md §9d) as what it holds, not in full."""
+    from shardstore.format.dcp import DCP_EXTRA
+
+    state = x["state"]
+    if x["key"] == DCP_EXTRA and x["slot"] is None and isinstance(state.get("items"), dict):
+        items = state["items"].values()
+        tensors = [i for i in items if isinstance(i, dict) and i.get("kind") == "tensor"]
+        chunks = sum(len(i.get("chunks", [])) for i in tensors)
+        return f"DCP metadata: {len(tensors)} tensors in {chunks} chunks, {len(items) - len(tensors)} bytes items"
+    return ", ".join(f"{k} {_num(v)}" for k, v in state.items())
 
 
 def render_refs(doc: dict[str, Any]) -> str:

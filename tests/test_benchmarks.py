@@ -129,3 +129,21 @@ def test_mesh_benchmark_smoke(tmp_path) -> None:
         "<!-- bench_mesh:begin -->" in text and "copy --shard K reads" in text and "where each rank's save went" in text
     )
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-mesh-")]  # scratch removed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("SHARDSTORE_SLOW"), reason="two more spawned processes (~30 s); SHARDSTORE_SLOW=1 runs it"
+)
+def test_dcp_benchmark_smoke(tmp_path) -> None:
+    """Two Gloo processes save and load FSDP2 state through StoreWriter/StoreReader and DCP's
+    FileSystemWriter/Reader; a load that differs exits non-zero; the half-frozen save writes the
+    changed half and manifests only. Behind the slow marker: tests/test_dcp_distributed.py runs these paths."""
+    results = tmp_path / "RESULTS.md"
+    args = ["--mib", "32", "--reps", "1", "--warm", "--dir", str(tmp_path), "--results", str(results)]
+    done = _run(["benchmarks/bench_dcp.py", *args])
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    assert "<!-- bench_dcp:begin -->" in text and "| dcp.save → FileSystemWriter |" in text
+    assert "the changed half is 48.00 MiB" in text and "| the frozen half written zero times" in text
+    assert "KiB beyond it | yes |" in text

@@ -7,7 +7,10 @@
 - per extra (commit-wide ``extra.<key>``, a slot's own ``slot_extra.<slot>.<key>``): added or
   removed (the state document's id), or each top-level field of its state that differs
   (``extra.scheduler.last_epoch: 3 -> 4``); a tensor inside a state shows as
-  ``tensor <dtype>[shape] <object id>``, so a changed tensor is a changed value.
+  ``tensor <dtype>[shape] <object id>``, so a changed tensor is a changed value; a DCP
+  commit's document (the extra ``torch.distributed.checkpoint``, SPEC.md §9d) item by item
+  (``dcp.<fqn>``: a bytes item's object, a tensor's dtype, size or chunks), its chunks' bytes
+  being tensor entries that ``diff`` compares itself.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ShardstoreError
+from ..format.dcp import DCP_EXTRA
 from ..format.manifest import MAX_MANIFEST_BYTES, ExtraEntry, ParamState, StateTensor, TorchOptimizer
 from ..state.extras import read_extra_state
 from ..state.torch_optim import _unhyper
@@ -88,7 +92,22 @@ def extras_changes(
         except ShardstoreError:
             out.append((f"{prefix}.{key}", a.state, b.state))  # not decodable: the ids say it changed
             continue
+        if key == DCP_EXTRA:  # one line per DCP item, not the whole document (SPEC.md §9d)
+            ia, ib = va.pop("items", {}), vb.pop("items", {})
+            for fqn in sorted(set(ia) | set(ib)):
+                if ia.get(fqn, _MISSING) != ib.get(fqn, _MISSING):
+                    out.append((f"dcp.{fqn}", _dcp_item(ia.get(fqn)), _dcp_item(ib.get(fqn))))
         for k in sorted(set(va) | set(vb)):
             if va.get(k, _MISSING) != vb.get(k, _MISSING):
                 out.append((f"{prefix}.{key}.{k}", va.get(k), vb.get(k)))
     return out
+
+
+def _dcp_item(item: Any) -> Any:
+    """A DCP document's item for people: ``bytes uint8[n] <object id>``, or a tensor's dtype, size and chunks."""
+    if not isinstance(item, dict):
+        return item
+    if item.get("kind") == "bytes":
+        return "bytes " + str(item.get("object", "")).removeprefix("tensor ")
+    chunks = [f"{c.get('offsets')}+{c.get('sizes')}" for c in item.get("chunks", [])]
+    return f"{item.get('dtype')}{item.get('size')} chunks {' '.join(chunks)}"

@@ -32,7 +32,7 @@ import msgspec
 
 from ..errors import ManifestError, StateMismatch, UnsupportedState
 from ..format.bounded import check_json_nesting
-from ..format.canonical import REAL_PREFIX, decode_real, encode_scalar, in_int_range, is_real
+from ..format.canonical import REAL_PREFIX, TENSOR_PREFIX, decode_real, encode_scalar, in_int_range, is_real
 from ..format.grid import check_stored_all
 from ..format.lazy import torch
 from ..format.manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, check_writable, extra_objects, is_chunked
@@ -54,7 +54,7 @@ __all__ = [
     "extras_rules",
 ]
 
-_TENSOR = "tensor:"
+_TENSOR = TENSOR_PREFIX
 _MAX_DEPTH = 64
 _ENC = msgspec.json.Encoder(order="sorted")
 

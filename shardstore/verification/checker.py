@@ -17,6 +17,7 @@ from ..errors import (
 )
 from ..store import Store
 from .commits import Problem, read_commit
+from .dcp import dcp_problems
 from .objects import Checked, ContentRule, ExpectedObject, check_objects, content_problem, expected_objects
 
 __all__ = ["Report", "verify"]
@@ -150,6 +151,7 @@ def verify(
                 report.problems.append(
                     Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor)
                 )
+        report.problems += dcp_problems(store, lc)  # a DCP commit's document against its entries (SPEC.md §9d)
     if targets is None:  # after the commits, so that their own checks of shared objects run first
         _check_pins(store, report, deep, threads, checked, progress)
     return report
