@@ -83,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("verify", cmd_verify, "check commits and every object they reach; report every problem")
     p.add_argument(
-        "targets", nargs="*", metavar="TARGET", help="commits to check (default: everything reachable from refs)"
+        "targets",
+        nargs="*",
+        metavar="TARGET",
+        help="commits to check (default: everything reachable from refs and pins)",
     )
     p.add_argument("--quick", action="store_true", help="check structure and object sizes only; do not re-hash")
     p.add_argument(

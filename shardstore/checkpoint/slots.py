@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
-from ..format.grid import on_bands, payload_blocks, put_payloads, read_parts
+from ..format.grid import check_reads, on_bands, payload_blocks, put_payloads, read_parts
 from ..format.manifest import (
     MAX_MANIFEST_BYTES,
     CommitManifest,
@@ -421,12 +421,15 @@ class SaveCall:
 
 def _read_all(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], threads: int) -> int:
     """Fill each destination (its local slice, for a DTensor) from the blocks its payload has
-    there (a single object: all of it); return the bytes read. Every block is verified."""
+    there (a single object: all of it); return the bytes read. Every block's size is checked
+    before the first is read (a wrong-sized one is refused with nothing written), and every
+    block is verified as it lands."""
     jobs = []
     for payload, dest, what in reads:  # a DTensor's local tensor may be several boxes (SPEC.md §Slices on the grid)
         jobs += read_parts(
             store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), part_views(dest, what), what
         )
+    check_reads(store, jobs, threads=max(threads, 16))  # a size query each (a HEAD on S3), before any byte lands
     if threads <= 1 or len(jobs) <= 1:
         return sum(job() for job in jobs)
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -464,8 +467,9 @@ def restore(
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;
     benchmarks/RESULTS.md, "design measurements", has the queue depth's figures) and hashed
-    as they land; if a corrupt object
-    raises, tensors read before it hold restored values and it may hold unverified bytes,
+    as they land. Every object's size is checked first: a missing or wrong-sized one is refused
+    before any byte is written. Only a hash can tell an object of the right size is corrupt: if
+    one raises, tensors read before it hold restored values and it may hold unverified bytes,
     so a failed restore must be repeated or abandoned, never trained from.
     """
     lc = load_commit(store, target)

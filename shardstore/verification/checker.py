@@ -16,7 +16,7 @@ from ..errors import (
     TensorMismatch,
 )
 from ..store import Store
-from .commits import Problem, read_commit
+from .commits import Problem, pinned_commits, read_commit
 from .dcp import dcp_problems
 from .objects import Checked, ContentRule, ExpectedObject, check_objects, content_problem, expected_objects
 
@@ -44,8 +44,10 @@ def _check_pins(
     threads: int,
     seen: dict[str, Checked],
     progress: Callable[[int], None] | None,
+    commits: set[str],
 ) -> None:
-    """Every pin parses and every object it names is present (and, deep, hashes to its id)."""
+    """Every pin parses and every object it names is present (and, deep, hashes to its id);
+    ``commits``: the pinned commits already checked as commits (with their closures)."""
     expected: list[ExpectedObject] = []
     for name in store.pin_names():
         try:
@@ -54,7 +56,7 @@ def _check_pins(
             report.problems.append(Problem(type(e)(f"pin {name!r}: {e}"), None, None))
             continue
         for oid in ids:
-            if oid not in seen:
+            if oid not in seen and oid not in commits:
                 seen[oid] = Checked(None, None, 0)
                 expected.append(ExpectedObject(oid, None, None, f"object pinned by {name!r}", None))
     for want, found in zip(expected, check_objects(store, expected, deep, threads)):
@@ -68,6 +70,22 @@ def _check_pins(
             )
 
 
+def _readable_pins(store: Store) -> dict[str, tuple[str, ...]]:
+    """Every pin that parses (``_check_pins`` reports the others)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name in store.pin_names():
+        try:
+            out[name] = store.pinned(name) or ()
+        except ShardstoreError:
+            continue
+    return out
+
+
+def _pinned_label(p: Problem, pins: list[str]) -> Problem:
+    """A problem of a commit that pins name and no ref does, saying which pins name it."""
+    return Problem(type(p.error)(f"pinned by {', '.join(map(repr, pins))}: {p.error}"), p.commit, p.object, p.tensor)
+
+
 def verify(
     store: Store,
     targets: Iterable[str] | None = None,
@@ -77,8 +95,8 @@ def verify(
     threads: int = 2,
     progress: Callable[[int], None] | None = None,
 ) -> Report:
-    """Check commits (default: every commit reachable from refs, with their present parents,
-    and every pinned object).
+    """Check commits (default: every commit a ref or pin names, with their present parents,
+    and every other pinned object; SPEC.md §14a, §17).
 
     ``deep`` re-hashes every object; otherwise only structure and sizes are checked.
     ``slot`` limits object checks to one slot's closure. Every problem is reported,
@@ -88,6 +106,7 @@ def verify(
     report = Report()
     todo: list[str] = []
     named_by: dict[str, list[str]] = {}  # commit id -> the refs naming it, for messages
+    pinned_by: dict[str, list[str]] = {}  # commit id -> the pins naming it
     if targets is None:
         for name in store.ref_names():
             try:
@@ -98,6 +117,8 @@ def verify(
             if cid is not None:
                 todo.append(cid)
                 named_by.setdefault(cid, []).append(name)
+        pinned_by = pinned_commits(store, _readable_pins(store), threads=threads)
+        todo += [cid for cid in pinned_by if cid not in named_by]  # a pinned commit keeps its closure (§14a)
         follow_parents = True
     else:
         todo = [store.resolve(t) for t in targets]
@@ -152,6 +173,10 @@ def verify(
                     Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor)
                 )
         report.problems += dcp_problems(store, lc)  # a DCP commit's document against its entries (SPEC.md §9d)
+    only_pinned = {cid: pins for cid, pins in pinned_by.items() if cid not in named_by}
+    report.problems = [
+        _pinned_label(p, only_pinned[p.commit]) if p.commit in only_pinned else p for p in report.problems
+    ]
     if targets is None:  # after the commits, so that their own checks of shared objects run first
-        _check_pins(store, report, deep, threads, checked, progress)
+        _check_pins(store, report, deep, threads, checked, progress, set(pinned_by))
     return report
