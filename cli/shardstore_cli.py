@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import shardstore as ss
-from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
+from shardstore.errors import RefNotFound, ShardstoreError, StorageOptionError, TargetNotFound
 
 from ._commands import (
     EXIT_ERROR,
@@ -52,7 +52,8 @@ targets: a ref name (main), a full commit id, or a unique id prefix of at least 
 exit codes:
   0  success; for verify: no problems found
   1  any other error (unreadable store, I/O error, corrupt manifest outside verify)
-  2  usage error (bad arguments)
+  2  usage error (bad arguments, or a bad storage option: --storage-option, SHARDSTORE_STORAGE_OPTIONS,
+     the store URL's query)
   3  verify found problems (each is listed with its object, tensor and commit)
   4  target not found (no such ref, commit id or unique prefix)
 """
@@ -200,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     except (TargetNotFound, RefNotFound) as e:
         return _fail(args, e, EXIT_NOT_FOUND)
+    except StorageOptionError as e:  # --storage-option, SHARDSTORE_STORAGE_OPTIONS or the URL's query
+        return _fail(args, e, EXIT_USAGE)
     except ShardstoreError as e:
         return _fail(args, e, EXIT_ERROR)
     except BrokenPipeError:  # stdout closed early (| head): not an error

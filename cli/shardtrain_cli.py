@@ -52,7 +52,8 @@ EPILOG = """\
 exit codes:
   0  success
   1  any other error
-  2  usage error (bad arguments)
+  2  usage error (bad arguments, or a bad storage option: --storage-option, SHARDSTORE_STORAGE_OPTIONS,
+     the store URL's query)
   3  a worker was lost, or a step's loss or gradient norm was not finite (NonFiniteStep), and the
      run aborted (the message names the last committed step)
   4  refused before training: the job, a tokenizer asset, the records or the start commit
@@ -649,8 +650,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.storage_option:  # the environment carries them to every store and every worker
             from shardstore.backends.options import ENV, environment_with
 
-            os.environ[ENV] = environment_with(args.storage_option)
+            try:
+                os.environ[ENV] = environment_with(args.storage_option)
+            except ValueError as exc:  # not KEY=VALUE
+                return _fail(args, exc, EXIT_USAGE)
         return int(args.func(args))
+    except shardstore.StorageOptionError as exc:  # --storage-option, SHARDSTORE_STORAGE_OPTIONS or the URL's query
+        return _fail(args, exc, EXIT_USAGE)
     except RunAborted as exc:
         return _fail(args, exc, EXIT_ABORTED)
     except (
