@@ -434,3 +434,39 @@ def test_own_model_end_to_end(own: dict[str, str], tmp_path: Path, capsys) -> No
     report = json.loads(capsys.readouterr().out)
     assert [c["commit"] for c in report["commits"]] == [seed, c2] and report["comparisons"]
     assert {s["name"] for s in report["commits"][0]["losses"]} == {"dev", "dev_replay"}
+
+
+@pytest.mark.parametrize(
+    "template, named",
+    [
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + TEMPLATE,
+            "did not finish rendering one conversation within 0.5 s of CPU time",
+        ),
+        ("{% for i in range(2000) %}{{ messages[0]['content'] * 1000 }}{% endfor %}" + TEMPLATE, "characters, over"),
+    ],
+    ids=["loop", "output"],
+)
+def test_prepare_refuses_a_chat_template_that_loops(
+    template: str, named: str, own: dict[str, str], tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Regression (issue 30, left from earlier rounds): nested range(100000) loops ran 10^10
+    times and prepare (and everything that renders the template) hung. A rendering now has a
+    CPU budget (here 0.5 s) and an output bound (here 1 MiB characters)."""
+    import time
+
+    import shardtrain.job.rendering as rendering
+
+    monkeypatch.setattr(rendering, "RENDER_CPU_SECONDS", 0.5)
+    monkeypatch.setattr(rendering, "MAX_RENDER_CHARS", 1 << 20)
+    out, store = tmp_path / "job", tmp_path / "store"
+    model = tmp_path / "model"
+    shutil.copytree(own["model"], model)
+    (model / "chat_template.jinja").write_text(template)
+    args = [a if a != own["model"] else str(model) for a in _prepare(own, out, store)]
+    began = time.monotonic()
+    assert shardtrain_main(args) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("shardtrain: error: JobError: the chat template ") and named in err, err
+    assert not out.exists() and not store.exists()
+    assert time.monotonic() - began < 60  # the loop alone would run for hours
