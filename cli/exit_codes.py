@@ -66,8 +66,13 @@ TABLE: tuple[Row, ...] = (
     Row(
         Exit.USAGE,
         "usage error",
-        {SHARDSTORE: "bad arguments, or a value out of range such as a negative slot", SHARDTRAIN: "bad arguments"},
-        ("shardstore_cli._commands:UsageError",),
+        {
+            SHARDSTORE: "bad arguments, a value out of range such as a negative slot, or a bad storage option "
+            "(an unknown name, a wrong type or value, key without secret: from --storage-option, "
+            "SHARDSTORE_STORAGE_OPTIONS or the store URL's query)",
+            SHARDTRAIN: "bad arguments, or a bad storage option",
+        },
+        ("shardstore_cli._commands:UsageError", "shardstore.errors:StorageOptionError"),
     ),
     Row(
         Exit.PROBLEMS,

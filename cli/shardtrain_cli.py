@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import shardstore
 from shardtrain.errors import JobError
 
+from ._commands import UsageError
 from ._output import diagnostics, emit, fail, note
 from ._render import jsonable
 from ._train_render import (
@@ -627,7 +628,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.storage_option:  # the environment carries them to every store and every worker
             from shardstore.backends.options import ENV, environment_with
 
-            os.environ[ENV] = environment_with(args.storage_option)
+            try:
+                os.environ[ENV] = environment_with(args.storage_option)
+            except ValueError as exc:  # not KEY=VALUE: a usage error, like any bad argument
+                raise UsageError(str(exc), args.parser) from None
         with diagnostics(f"shardtrain {args.command}"):
             return int(args.func(args))
     except (Exception, KeyboardInterrupt) as exc:  # the exit-code table decides; an error it does not name is raised

@@ -12,6 +12,7 @@ __all__ = [
     "InvalidName",
     "StoreConfigError",
     "StorageError",
+    "StorageOptionError",
     "ObjectNotFound",
     "CorruptObject",
     "ManifestError",
@@ -46,6 +47,10 @@ class StoreConfigError(ShardstoreError):
 
 class StorageError(ShardstoreError):
     """The backend failed to read, write, list or delete (I/O error, permission, server error)."""
+
+
+class StorageOptionError(StorageError):
+    """A storage option is unknown, of the wrong type or value, or half of a credential (README "Storage options")."""
 
 
 class ObjectNotFound(ShardstoreError):

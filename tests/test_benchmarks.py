@@ -60,6 +60,13 @@ def test_checkpoint_benchmark_smoke(tmp_path) -> None:
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-ckpt-")]  # scratch removed
 
 
+def test_slice_check_benchmark_smoke() -> None:
+    """Both layouts, one small size, this tree: each case checks its slices are accepted."""
+    done = _run(["benchmarks/bench_slices.py", "--sizes", "200", "--reps", "1"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| rows | 200 | this tree |" in done.stdout and "| mixed | 200 | this tree |" in done.stdout
+
+
 def test_s3_benchmark_smoke() -> None:
     done = _run(["benchmarks/bench_s3.py", "--mib", "4", "--repeat", "1"])
     assert done.returncode == 0, done.stderr[-2000:]

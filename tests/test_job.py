@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import msgspec
@@ -265,3 +266,20 @@ def test_train_refuses_a_bad_value_before_it_opens_the_store(job_path: str, tmp_
     store = tmp_path / "store"
     assert main(["train", "--prepared", str(path), "--store", str(store), "--until", "1", "--quiet"]) == 5
     assert not store.exists()
+
+
+def test_a_byte_tokenizer_template_that_loops_is_refused_within_its_cpu_budget(monkeypatch) -> None:
+    """Regression (issue 30): a bound template with nested range(100000) loops hung every
+    command that rendered it; now a rendering stops after its CPU budget (here 0.3 s)."""
+    import shardtrain.job.rendering as rendering
+
+    monkeypatch.setattr(rendering, "RENDER_CPU_SECONDS", 0.3)
+    assets = default_assets()
+    loop = b"{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    tok = load_tokenizer({**assets, TEMPLATE_FILE: loop + assets[TEMPLATE_FILE]})
+    with pytest.raises(JobError, match=r"chat_template.jinja did not finish rendering .* within 0.3 s of CPU time"):
+        tok.encode_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}])
+    tok = load_tokenizer(assets)  # and a template that does not loop renders as before, signal handler restored
+    assert tok.encode_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}])[0]
+    assert signal.getsignal(signal.SIGVTALRM) == signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_VIRTUAL) == (0.0, 0.0)

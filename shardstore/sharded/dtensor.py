@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..errors import TensorMismatch
 from ..format.grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
-from ..format.slices import make_slices
+from ..format.slices import Gap, Overlap, make_slices, tiling_defect
 from ..format.tensors import dtype_name, is_dtensor, new_hasher, same_split, tensor_bytes, torch_dtype
 from ..state.slot import SlotState
 from ..store import Store
@@ -98,15 +98,16 @@ def slice_regions(
             raise TensorMismatch(
                 f"tensor {name!r}: a slice at {list(box[0])} of extent {list(box[1])} lies outside {list(shape)}"
             )
-    for i, (a, _) in enumerate(regions):
-        for b, _ in regions[i + 1 :]:
-            if math.prod(a[1]) and math.prod(b[1]) and intersect(a, b) is not None:
-                raise TensorMismatch(
-                    f"tensor {name!r}: slices at {list(a[0])} and {list(b[0])} overlap but are not replicas"
-                )
-    covered = sum(math.prod(b[1]) for b, _ in regions)
-    if covered != math.prod(shape):
-        raise TensorMismatch(f"tensor {name!r}: its slices cover {covered} of {math.prod(shape)} elements")
+    defect = tiling_defect([b for b, _ in regions], shape)
+    if isinstance(defect, Overlap):
+        a, b = regions[defect.first][0], regions[defect.second][0]
+        raise TensorMismatch(f"tensor {name!r}: slices at {list(a[0])} and {list(b[0])} overlap but are not replicas")
+    if isinstance(defect, Gap):
+        covered = sum(math.prod(b[1]) for b, _ in regions)
+        raise TensorMismatch(
+            f"tensor {name!r}: its slices cover {covered} of {math.prod(shape)} elements; "
+            f"none covers the element at {list(defect.element)}"
+        )
     return regions
 
 
