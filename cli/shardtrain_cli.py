@@ -631,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 os.environ[ENV] = environment_with(args.storage_option)
             except ValueError as exc:  # not KEY=VALUE: a usage error, like any bad argument
-                raise UsageError(str(exc), args.parser) from None
+                raise UsageError(str(exc), getattr(args, "parser", None)) from None  # type: ignore[arg-type]
         with diagnostics(f"shardtrain {args.command}"):
             return int(args.func(args))
     except (Exception, KeyboardInterrupt) as exc:  # the exit-code table decides; an error it does not name is raised
