@@ -132,3 +132,21 @@ def test_break_marker_removes_a_marker_unless_its_gc_runs(store: ss.Store, capsy
     assert shardstore_main(["gc", store.url, "--break-marker", "../refs/main"]) == 4
     assert shardstore_main(["gc", store.url, "--break-marker", "0" * 32, "--dry-run"]) == 2
     assert store.ref("main") is not None
+
+
+@pytest.mark.parametrize("lost", ["tensor", "shard manifest"])
+def test_a_pin_naming_a_commit_checks_its_closure_is_present(store: ss.Store, lost: str) -> None:
+    """A pin keeps a commit's whole closure (SPEC.md §14a), so the fence checks that closure
+    before the pin moves, as it does for a ref: a gc that took part of it while the pin was
+    being set (``copy --with-deps`` racing ``gc --grace 0``) makes the pin refuse. Before, only
+    the pinned ids themselves were checked, and the pin named an incomplete commit."""
+    from shardstore.store import object_key
+
+    cid, _ = _commits(store)
+    lc = ss.load_commit(store, cid)
+    shard = lc.commit.layout[0].shard
+    gone = shard if lost == "shard manifest" else lc.shards[0].entries[0].param
+    os.remove(os.path.join(store.url, object_key(gone)))
+    with pytest.raises(ss.GcRace, match="pin"):
+        store.pin("deps", [cid], expected=None)
+    assert store.pinned("deps") is None

@@ -178,8 +178,10 @@ def _read(store: Store, cid: str) -> _Commit:
 
 
 def _missing(store: Store, commit: str | None, objects: Sequence[str]) -> list[str]:
-    if commit is None or objects:
-        ids = sorted(set(objects) | ({commit} if commit else set()))
+    if commit is None:  # a pin: what it names, and the closure of each commit among them (SPEC.md §14a)
+        ids = sorted(set(objects).union(*(_pinned_closure(store, oid) for oid in set(objects))))
+    elif objects:
+        ids = sorted(set(objects) | {commit})
     else:
         if not store.has(commit):
             return [commit]  # never written, or taken by a gc: a ref never names a missing commit
@@ -192,6 +194,21 @@ def _missing(store: Store, commit: str | None, objects: Sequence[str]) -> list[s
     with ThreadPoolExecutor(max_workers=8) as pool:  # a HEAD each on S3
         present = list(pool.map(store.has, ids))
     return [oid for oid, ok in zip(ids, present) if not ok]
+
+
+def _pinned_closure(store: Store, oid: str) -> set[str]:
+    """The closure of ``oid`` if it is a commit (a pinned commit keeps its whole closure, as gc
+    keeps it), else nothing more. Only an object small enough to be a manifest is read, bounded;
+    GcRace if it is a commit whose shard manifests a gc already took."""
+    size = store.object_size(oid)
+    if size is None or size > MAX_MANIFEST_BYTES:
+        return set()  # absent (the presence check names it) or too large to be a commit
+    try:
+        return set(commit_closure(_read(store, oid)).ids())
+    except ObjectNotFound as e:  # a commit, but a shard manifest of it is gone
+        raise GcRace(f"pinned commit {oid} in {store.url} no longer loads ({e}); the pin was not moved") from None
+    except ShardstoreError:
+        return set()  # not a commit: a pin may name any object
 
 
 @dataclass(frozen=True)
