@@ -12,6 +12,7 @@ __all__ = [
     "InvalidName",
     "StoreConfigError",
     "StorageError",
+    "TierError",
     "ObjectNotFound",
     "CorruptObject",
     "ManifestError",
@@ -46,6 +47,10 @@ class StoreConfigError(ShardstoreError):
 
 class StorageError(ShardstoreError):
     """The backend failed to read, write, list or delete (I/O error, permission, server error)."""
+
+
+class TierError(StorageError):
+    """A memory tier that cannot be used: not a private directory of this user, or not writable."""
 
 
 class ObjectNotFound(ShardstoreError):
