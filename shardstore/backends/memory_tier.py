@@ -126,6 +126,13 @@ class MemoryTier:
         """Keep ``data`` as ``oid`` (the caller knows it hashes to ``oid``); a no-op if present."""
         self.storage.write_once(self._key(oid), data)
 
+    def discard(self, oid: str) -> None:
+        """Drop this tier's copy of ``oid`` (a reader found it corrupt: the next fill replaces it)."""
+        try:
+            self.storage.delete(self._key(oid))
+        except ShardstoreError:
+            pass
+
     def objects(self) -> list[str]:
         out = []
         for key in self.storage.list("objects"):

@@ -10,7 +10,8 @@ asked, so a corrupt copy costs a read from the store, never a wrong byte. Object
 and objects read from below the first tier and verified, are also kept in the ``fill`` tier
 (write-through, read-allocate), so that the first tier holds what this process last wrote
 or read. ``read_bytes`` counts the bytes of objects read from each tier (``memory``,
-``peers``, ``store``).
+``peers``, ``store``), each object once, under the tier that first served it: after a restore
+the three add up to the bytes of the distinct objects it needed.
 
 Verification costs one hash of a tier's copy before it is handed on, and the store hashes
 what it receives again (the ``Storage`` protocol gives it no way to know the bytes were
@@ -105,6 +106,7 @@ class TieredStorage:
         self.fill = fill
         self.read_bytes = dict.fromkeys(TIER_NAMES, 0)
         self.rejected: list[str] = []  # copies set aside: what, where, and why
+        self._counted: set[str] = set()  # objects already counted (a manifest is read several times)
         self._lock = threading.Lock()
         try:
             self._durable_limit = "limit" in inspect.signature(durable.read).parameters
@@ -121,13 +123,20 @@ class TieredStorage:
         with self._lock:
             return dict(self.read_bytes)
 
-    def _count(self, tier: str, n: int) -> None:
+    def _count(self, tier: str, oid: str, n: int) -> None:
         with self._lock:
-            self.read_bytes[tier] = self.read_bytes.get(tier, 0) + n
+            if oid not in self._counted:
+                self._counted.add(oid)
+                self.read_bytes[tier] = self.read_bytes.get(tier, 0) + n
 
     def _reject(self, tier: CopyTier, oid: str, why: str) -> None:
+        """Set a copy aside, naming where it came from; a tier that can drop it does (so that the
+        verified copy read next takes its place)."""
         with self._lock:
             self.rejected.append(f"object {oid}: the copy from {tier.where(oid)} {why}; not used")
+        discard = getattr(tier, "discard", None)
+        if discard is not None:
+            discard(oid)
 
     def _keep(self, oid: str, data: Buffer) -> None:
         """Keep a verified copy in the fill tier; a cache that cannot take it is no error."""
@@ -166,11 +175,11 @@ class TieredStorage:
         if oid is not None:
             got = self._copy(oid, None, limit)
             if got is not None:
-                self._count(got[0].name, len(got[1]))
+                self._count(got[0].name, oid, len(got[1]))
                 return got[1]
         data = self.durable.read(key, limit=limit) if self._durable_limit else self.durable.read(key)  # type: ignore[call-arg]
         if oid is not None:
-            self._count("store", len(data))
+            self._count("store", oid, len(data))
         return data
 
     def read_hashed(self, key: str, hasher: Callable[[], Any], limit: int | None = None) -> tuple[Buffer, str]:
@@ -178,7 +187,7 @@ class TieredStorage:
         if oid is not None:
             got = self._copy(oid, None, limit)
             if got is not None:
-                self._count(got[0].name, len(got[1]))
+                self._count(got[0].name, oid, len(got[1]))
                 return got[1], oid
         stream = getattr(self.durable, "read_hashed", None)
         if stream is not None:
@@ -189,7 +198,7 @@ class TieredStorage:
             h.update(data)
             digest = h.hexdigest()
         if oid is not None:
-            self._count("store", len(data))
+            self._count("store", oid, len(data))
             if digest == oid:
                 self._keep(oid, data)
         return data, str(digest)
@@ -205,13 +214,13 @@ class TieredStorage:
                 out[:] = view
                 if consume is not None:
                     consume(out)
-                self._count(got[0].name, len(out))
+                self._count(got[0].name, oid, len(out))
                 return len(out)
         stream = getattr(self.durable, "read_into", None)
         if stream is None:
             data = self.durable.read(key)
             if oid is not None:
-                self._count("store", len(data))
+                self._count("store", oid, len(data))
             if len(data) != len(out):
                 return len(data)
             out[:] = memoryview(data).cast("B")
@@ -228,7 +237,7 @@ class TieredStorage:
 
         n = stream(key, out, both)
         if oid is not None and n == len(out):
-            self._count("store", n)
+            self._count("store", oid, n)
             if h is not None and h.hexdigest() == oid:
                 self._keep(oid, out)
         return n
