@@ -1,4 +1,4 @@
-"""A memory tier: one slot's latest committed objects in host-local memory (SPEC.md §Memory tier).
+"""A memory tier: one slot's latest committed objects in host-local memory (SPEC.md §19c).
 
 A cache of the durable store, never the record: a directory (by default on ``/dev/shm``,
 named for the store and the user) that outlives the worker process, so that a worker
@@ -76,7 +76,7 @@ def _private_dir(path: str) -> str:
         raise TierError(f"memory tier {path} is not a directory (a symbolic link or a file); refusing to use it")
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:
         raise TierError(
-            f"memory tier {path} belongs to another user or others may write it; refusing to use it (SPEC.md §Memory tier)"
+            f"memory tier {path} belongs to another user or others may write it; refusing to use it (SPEC.md §19c)"
         )
     return path
 
