@@ -13,6 +13,7 @@ and a host of three.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 import shardstore
+from shardstore_cli.shardtrain_cli import main as shardtrain_main
 from shardtrain.errors import RunAborted
 from shardtrain.job.job import prepare_default
 from shardtrain.run.lifecycle import FAULT_ENV, RunResult, RunSpec, train
@@ -115,6 +117,28 @@ def test_a_corrupt_object_in_a_memory_tier_is_read_from_the_store(two: SimpleNam
         f"object {victim}: the copy from memory tier {Path(two.tiers[1]).resolve() / 'slot1'} does not hash to its "
         f"id (its bytes hash to {shardstore.format.tensors.hash_bytes(bytes(data))}); not used",
     )
+
+
+def test_the_command_line_reports_restore_bytes_by_tier(
+    two: SimpleNamespace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tiers = [a for slot, path in sorted(two.tiers.items()) for a in ("--memory-tier", f"{slot}={path}")]
+    argv = ["train", "--prepared", two.job, "--store", two.url, "--until", "4", "--memory-tier-commits", "2", *tiers]
+    # Restart at step 4 (nothing left to train): both tiers hold it, so no object is read from the store.
+    assert shardtrain_main([*argv, "--resume", two.commits[4], "--ref", "cli-json", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [w["restore"]["store"] for w in doc] == [0, 0] and all(w["restore"]["memory"] > 0 for w in doc)
+    assert set(doc[0]["restore"]) == {"memory", "peers", "store"} and doc[0]["restore_rejected"] == []
+    assert shardtrain_main([*argv, "--resume", two.commits[4], "--ref", "cli-text"]) == 0
+    err = capsys.readouterr().err
+    for w in doc:
+        kib = f"{w['restore']['memory'] / 1024:.1f} KiB" if w["restore"]["memory"] < 2**20 else "MiB"
+        assert f"worker {w['rank']}: restored its slot of {two.commits[4][:12]} reading " in err and kib in err
+    assert err.count("0 B from peers and 0 B from the store") == 2
+    # Options no worker could use are refused before any starts.
+    assert shardtrain_main([*argv, "--resume", two.commits[4], "--memory-tier", "7=/tmp/x", "--quiet"]) == 4
+    assert "there is no slot 7 among 2 workers" in capsys.readouterr().err
+    assert shardtrain_main([*argv, "--resume", two.commits[4], "--peer-replicas", "-1", "--quiet"]) == 4
 
 
 @pytest.mark.long
