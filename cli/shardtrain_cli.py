@@ -114,6 +114,8 @@ def _tier_options(args: argparse.Namespace) -> dict[str, object]:
 
     given = args.memory_tier or []
     roots = [path for slot, path in given if slot is None]
+    if None in roots and len(given) > 1:
+        raise JobError("--memory-tier off turns every tier off: give it alone")
     return {
         "memory_tier": roots[-1] if roots else AUTO_TIER,
         "memory_tiers": tuple((slot, path) for slot, path in given if slot is not None),

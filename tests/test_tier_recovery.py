@@ -97,6 +97,9 @@ def test_a_worker_lost_mid_update_restarts_from_its_memory_tier(two: SimpleNames
         assert r.restore.store == 0 and r.restore.peers == 0 and r.restore.memory > 0, r.restore
         assert not r.restore_rejected and not r.tier_errors
         assert r.tier_bytes > 0
+    # The journal says what each worker's host held in memory for it when the step-4 commit was asked for.
+    record = json.loads((Path(two.url) / "journal" / f"{two.commits[4]}.json").read_bytes())
+    assert all(w["tier_bytes"] > 0 and w["replica_bytes"] > 0 for w in record["workers"]), record
 
 
 def test_a_corrupt_object_in_a_memory_tier_is_read_from_the_store(two: SimpleNamespace) -> None:
@@ -120,25 +123,42 @@ def test_a_corrupt_object_in_a_memory_tier_is_read_from_the_store(two: SimpleNam
 
 
 def test_the_command_line_reports_restore_bytes_by_tier(
-    two: SimpleNamespace, capsys: pytest.CaptureFixture[str]
+    two: SimpleNamespace, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    tiers = [a for slot, path in sorted(two.tiers.items()) for a in ("--memory-tier", f"{slot}={path}")]
-    argv = ["train", "--prepared", two.job, "--store", two.url, "--until", "4", "--memory-tier-commits", "2", *tiers]
-    # Restart at step 4 (nothing left to train): both tiers hold it, so no object is read from the store.
+    hosts = {slot: str(tmp_path / f"host{slot}") for slot in two.tiers}  # copies: the module's tiers stay as they are
+    for slot, path in two.tiers.items():
+        shutil.copytree(path, hosts[slot])
+    tiers = [a for slot, path in sorted(hosts.items()) for a in ("--memory-tier", f"{slot}={path}")]
+    base = ["train", "--prepared", two.job, "--store", two.url, "--until", "5"]
+    argv = [*base, "--memory-tier-commits", "2", *tiers]
+    # Restart at step 4: both tiers hold it, so no object is read from the store.
     assert shardtrain_main([*argv, "--resume", two.commits[4], "--ref", "cli-json", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [w["restore"]["store"] for w in doc] == [0, 0] and all(w["restore"]["memory"] > 0 for w in doc)
     assert set(doc[0]["restore"]) == {"memory", "peers", "store"} and doc[0]["restore_rejected"] == []
+    # The new step-5 commit's journal says the same per worker (what a torchrun group leaves to read).
+    record = json.loads((Path(two.url) / "journal" / f"{doc[0]['commits'][-1]['id']}.json").read_bytes())
+    got = [(w["restore_memory"], w["restore_peers"], w["restore_store"]) for w in record["workers"]]
+    assert got == [(w["restore"]["memory"], 0, 0) for w in doc]
     assert shardtrain_main([*argv, "--resume", two.commits[4], "--ref", "cli-text"]) == 0
     err = capsys.readouterr().err
     for w in doc:
         kib = f"{w['restore']['memory'] / 1024:.1f} KiB" if w["restore"]["memory"] < 2**20 else "MiB"
         assert f"worker {w['rank']}: restored its slot of {two.commits[4][:12]} reading " in err and kib in err
     assert err.count("0 B from peers and 0 B from the store") == 2
+    # Without a tier everything comes from the store, and is counted there.
+    assert (
+        shardtrain_main([*base, "--resume", two.commits[4], "--ref", "cli-off", "--memory-tier", "off", "--json"]) == 0
+    )
+    off = json.loads(capsys.readouterr().out)
+    assert all(w["restore"]["memory"] == w["restore"]["peers"] == 0 < w["restore"]["store"] for w in off)
+    assert [w["restore"]["store"] for w in off] == [w["restore"]["memory"] for w in doc]  # the same objects
     # Options no worker could use are refused before any starts.
     assert shardtrain_main([*argv, "--resume", two.commits[4], "--memory-tier", "7=/tmp/x", "--quiet"]) == 4
     assert "there is no slot 7 among 2 workers" in capsys.readouterr().err
     assert shardtrain_main([*argv, "--resume", two.commits[4], "--peer-replicas", "-1", "--quiet"]) == 4
+    assert shardtrain_main([*argv, "--resume", two.commits[4], "--memory-tier", "off", "--quiet"]) == 4
+    assert "--memory-tier off turns every tier off: give it alone" in capsys.readouterr().err
 
 
 @pytest.mark.long

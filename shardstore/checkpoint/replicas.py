@@ -293,8 +293,9 @@ def fetch_replicas(
     report = ReplicaReport()
     need = own is None or own.holds(commit) is None
     for d in range(1, min(replicas, world - 1) + 1):
-        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(flags, torch.tensor([int(need)], dtype=torch.int64), group=group)
+        dev = _device(group)
+        flags = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+        dist.all_gather(flags, torch.tensor([int(need)], dtype=torch.int64, device=dev), group=group)
         needs = [bool(int(f.item())) for f in flags]
         if not any(needs):
             break

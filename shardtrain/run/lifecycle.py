@@ -425,6 +425,7 @@ def _restore_slot(
 
 def _usage(ctx: WorkerContext, slot: SlotStart) -> admission.Usage:
     """This worker's memory and what it holds now (the journal's and the result's figures)."""
+    tier, replicas = slot.tiers.held_bytes()
     return admission.Usage(
         slot=ctx.rank,
         estimate=slot.estimate.total,
@@ -433,6 +434,11 @@ def _usage(ctx: WorkerContext, slot: SlotStart) -> admission.Usage:
         peak=admission.peak_bytes(ctx.device),
         parameters=sum(p.numel() for p in slot.stage.parameters()),
         parameter_bytes=sum(parameter_inventory(slot.stage).values()),
+        tier_bytes=tier,
+        replica_bytes=replicas,
+        restore_memory=slot.restore_bytes.memory,
+        restore_peers=slot.restore_bytes.peers,
+        restore_store=slot.restore_bytes.store,
     )
 
 
@@ -488,7 +494,7 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
             restore_seconds=slot.restore_seconds,
             restore=slot.restore_bytes,
             restore_rejected=tuple(slot.tiers.rejected),
-            tier_bytes=slot.tiers.held_bytes(),
+            tier_bytes=final.tier_bytes + final.replica_bytes,
             tier_errors=tuple(slot.tiers.errors),
         )
         with open(os.path.join(spec.out_dir, f"rank{rank}.json"), "wb") as f:

@@ -115,9 +115,8 @@ class SlotTiers:
     def reader(self, durable: Store) -> Store:
         """``durable`` with this worker's tiers above it (memory, then peers), every object
         read from the store kept in its own tier."""
-        if self.own is None:
-            return durable
-        self._reader = TieredStorage(durable.storage, [self.own, self.peers], fill=self.own)
+        tiers = [] if self.own is None else [self.own, self.peers]  # no tier: the store's bytes still counted
+        self._reader = TieredStorage(durable.storage, tiers, fill=self.own)
         return Store(self._reader, create=False)
 
     def restored(self, lc: LoadedCommit | None, same_layout: bool) -> RestoreBytes:
@@ -174,14 +173,19 @@ class SlotTiers:
         self.replication.received += report.received
         self.rejected += report.rejected
 
-    def held_bytes(self) -> int:
-        """Bytes this host's tiers of this worker hold now (its own slot's and the replicas it keeps)."""
+    def held_bytes(self) -> tuple[int, int]:
+        """Bytes this host's tiers hold now of this worker's slot, and of the slots it keeps replicas of."""
         if self.own is None:
+            return 0, 0
+        kept = {(self.slot - d) % self.world for d in range(1, self.replicas + 1)} - {self.slot}
+        own, replicas = self._nbytes(self.own), 0
+        for slot in sorted(kept):
+            replicas += self._nbytes(self.tier_for(slot))
+        return own, replicas
+
+    @staticmethod
+    def _nbytes(tier: MemoryTier) -> int:
+        try:
+            return tier.nbytes()
+        except (ShardstoreError, OSError):
             return 0
-        total = 0
-        for slot in {self.slot, *((self.slot - d) % self.world for d in range(1, self.replicas + 1))}:
-            try:
-                total += self.tier_for(slot).nbytes()
-            except (ShardstoreError, OSError):
-                pass
-        return total
