@@ -24,6 +24,11 @@ _EXPORTS: dict[str, str] = {
     "LocalStorage": "shardstore.backends.local",
     "open_storage": "shardstore.backends.location",
     "S3Storage": "shardstore.backends.s3.storage",
+    "MemoryTier": "shardstore.backends.memory_tier",
+    "PeerCopies": "shardstore.backends.tiers",
+    "TieredStorage": "shardstore.backends.tiers",
+    "fetch_replicas": "shardstore.checkpoint.replicas",
+    "replicate": "shardstore.checkpoint.replicas",
     "AsyncSaver": "shardstore.checkpoint.async_save",
     "agree_on_commit": "shardstore.checkpoint.distributed",
     "save_distributed": "shardstore.checkpoint.distributed",
@@ -86,10 +91,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from .backends.fsspec import FsspecStorage  # noqa: F401
     from .backends.local import LocalStorage  # noqa: F401
     from .backends.location import open_storage  # noqa: F401
+    from .backends.memory_tier import MemoryTier  # noqa: F401
     from .backends.s3.storage import S3Storage  # noqa: F401
+    from .backends.tiers import PeerCopies, TieredStorage  # noqa: F401
     from .checkpoint.async_save import AsyncSaver  # noqa: F401
     from .checkpoint.distributed import agree_on_commit, save_distributed  # noqa: F401
     from .checkpoint.info import CommitInfo  # noqa: F401
+    from .checkpoint.replicas import fetch_replicas, replicate  # noqa: F401
     from .checkpoint.slots import (
         AUTO,
         Restored,
