@@ -172,6 +172,7 @@ def test_the_default_root_is_named_for_the_store_and_the_user(monkeypatch: pytes
     monkeypatch.setenv("SHARDSTORE_TIER_ROOT", str(tmp_path))
     a, b = default_tier_root("/data/store-a"), default_tier_root("s3://bucket/store-a")
     assert a != b and os.path.dirname(a) == str(tmp_path) and f"-{os.geteuid()}-" in os.path.basename(a)
-    assert default_tier_root("/data/store-a") == a
+    assert default_tier_root("/data/store-a") == a == default_tier_root("file:///data/store-a")
+    assert default_tier_root("store-a") == default_tier_root(os.path.join(os.getcwd(), "store-a"))
     monkeypatch.delenv("SHARDSTORE_TIER_ROOT")
     assert default_tier_root("/data/store-a").startswith("/dev/shm/" if os.path.isdir("/dev/shm") else "/")

@@ -243,6 +243,8 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
             "4",
             "--every",
             "1",
+            "--memory-tier",
+            str(tmp_path / "plain-memory"),  # not /dev/shm: SHARDSTORE_TIER_ROOT is left out of `base`
             "--quiet",
         ],
         env=base,

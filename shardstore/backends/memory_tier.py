@@ -61,7 +61,9 @@ def default_tier_root(store_url: str) -> str:
     store (a hash of its URL) and the user, under ``$SHARDSTORE_TIER_ROOT``, else ``/dev/shm``
     (memory), else the temp directory."""
     base = os.environ.get(TIER_ROOT_ENV) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    return os.path.join(base, f"shardstore-tier-{os.geteuid()}-{hash_bytes(store_url.encode())[:16]}")
+    url = store_url.removeprefix("file://")
+    url = url if "://" in url else os.path.abspath(url)  # one name for a local store, however it was spelled
+    return os.path.join(base, f"shardstore-tier-{os.geteuid()}-{hash_bytes(url.encode())[:16]}")
 
 
 def _private_dir(path: str) -> str:
