@@ -31,6 +31,7 @@ from ._train_render import (
     render_plan,
     render_prepare,
     render_report,
+    render_restore,
     render_select,
     render_train,
     render_transition,
@@ -71,6 +72,34 @@ def _slot_store(text: str) -> tuple[int, str]:
     if not sep or not slot.isdigit() or not url:
         raise argparse.ArgumentTypeError(f"expected SLOT=STORE, got {text!r}")
     return int(slot), url
+
+
+def _memory_tier(text: str) -> tuple[int | None, str | None]:
+    """``--memory-tier``: ``DIR`` (every host's tier root), ``SLOT=DIR`` (that slot's), or ``off``."""
+    slot, sep, path = text.partition("=")
+    if sep and slot.isdigit():
+        if not path:
+            raise argparse.ArgumentTypeError(f"expected SLOT=DIR, got {text!r}")
+        return int(slot), path
+    if not text:
+        raise argparse.ArgumentTypeError("expected DIR, SLOT=DIR or off")
+    return None, None if text == "off" else text
+
+
+def _tier_options(args: argparse.Namespace) -> dict[str, object]:
+    """RunSpec's tier fields from ``--memory-tier`` (repeatable), ``--peer-replicas`` and ``--memory-tier-commits``."""
+    from shardtrain.run.tiers import AUTO_TIER
+
+    given = args.memory_tier or []
+    roots = [path for slot, path in given if slot is None]
+    if None in roots and len(given) > 1:
+        raise JobError("--memory-tier off turns every tier off: give it alone")
+    return {
+        "memory_tier": roots[-1] if roots else AUTO_TIER,
+        "memory_tiers": tuple((slot, path) for slot, path in given if slot is not None),
+        "peer_replicas": args.peer_replicas,
+        "tier_commits": args.memory_tier_commits,
+    }
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -146,6 +175,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress=None if args.quiet else print_step,
         schedule=args.schedule,
         async_commits=not args.sync_commits,
+        **_tier_options(args),  # type: ignore[arg-type]
     )
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one worker
         from datetime import timedelta
@@ -171,6 +201,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"repartition commit {r0.start_commit} for {args.workers} and resumed from it"
             )
     for r in results:
+        if r.start_commit is not None:
+            note(render_restore(jsonable(r)))
+        for line in r.restore_rejected:
+            note(f"shardtrain: warning: worker {r.rank}: {line}")
         note(
             f"worker {r.rank}: held {r.parameters:,} parameters ({r.parameter_bytes:,} bytes), "
             f"estimated peak {r.estimate_bytes / 2**20:.1f} MiB, actual {r.used_bytes / 2**20:.1f} MiB above "
@@ -517,6 +551,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--sync-commits",
         action="store_true",
         help="wait for each commit in the step loop instead of writing it in the background",
+    )
+    p.add_argument(
+        "--memory-tier",
+        type=_memory_tier,
+        action="append",
+        metavar="DIR|SLOT=DIR|off",
+        help="the host's memory tier, which keeps each slot's last commits for restarts (default: a directory "
+        "under /dev/shm named for the store); SLOT=DIR gives one slot a tier of its own; off: none",
+    )
+    p.add_argument(
+        "--peer-replicas",
+        type=int,
+        metavar="N",
+        help="buddies that keep each slot's committed objects in their memory tier (default 1 with two or "
+        "more workers; 0: none)",
+    )
+    p.add_argument(
+        "--memory-tier-commits",
+        type=int,
+        default=1,
+        metavar="K",
+        help="commits each memory tier keeps (default 1: the latest)",
     )
 
     p = add("evaluate", cmd_evaluate, "held-out loss and greedy generation through the shards")

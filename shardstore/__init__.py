@@ -28,10 +28,13 @@ if TYPE_CHECKING:
     from .backends.fsspec import FsspecStorage
     from .backends.local import LocalStorage
     from .backends.location import open_storage
+    from .backends.memory_tier import MemoryTier
     from .backends.s3.storage import S3Storage
+    from .backends.tiers import PeerCopies, TieredStorage
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.distributed import agree_on_commit, save_distributed
     from .checkpoint.info import CommitInfo
+    from .checkpoint.replicas import fetch_replicas, replicate
     from .checkpoint.slots import (
         AUTO,
         Restored,

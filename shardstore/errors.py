@@ -13,6 +13,7 @@ __all__ = [
     "StoreConfigError",
     "StorageError",
     "StorageOptionError",
+    "TierError",
     "ObjectNotFound",
     "CorruptObject",
     "ManifestError",
@@ -51,6 +52,10 @@ class StorageError(ShardstoreError):
 
 class StorageOptionError(StorageError):
     """A storage option is unknown, of the wrong type or value, or half of a credential (README "Storage options")."""
+
+
+class TierError(StorageError):
+    """A memory tier that cannot be used: not a private directory of this user, or not writable."""
 
 
 class ObjectNotFound(ShardstoreError):

@@ -22,6 +22,8 @@ Backends (each its own module of this package; ``location.open_storage`` picks o
 - ``LocalStorage`` (``backends.local``): a directory, crash-safe; restores read straight into tensors.
 - ``S3Storage`` (``backends.s3``): conditional writes through s3fs's client.
 - ``FsspecStorage`` (``backends.fsspec``): any fsspec filesystem (``memory://`` here).
+- ``TieredStorage`` (``backends.tiers``): any of these with a memory tier and peers' copies
+  above it for object reads, each copy verified against its id (SPEC.md §19c).
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ as the synchronous protocol does. So:
   (``CommitProtocolError`` within the group's timeout): the ref stays on the previous
   commit; `settle` reports which commit is the last durable one for the abort message.
 
+Once a commit is durable, ``after(commit id, group)`` runs (in the background thread, on the
+protocol's group, for background commits): the worker's memory tier holds the commit and sends
+the slot's new objects to its buddies (``shardtrain.run.tiers``). The commit is recorded as
+landed after it.
+
 ``SHARDTRAIN_COMMIT_FAULT=slot=S,step=N,phase=P`` makes slot S exit abruptly from the
 background thread as phase P (``write shard``, ``write commit``, ``acknowledge``, ``move
 ref``; SPEC.md §15) of the commit at step N begins (the tests' fault injection).
@@ -81,8 +86,10 @@ class Committer:
         last: tuple[int, str | None],
         asynchronous: bool = True,
         timeout: timedelta = timedelta(seconds=60),
+        after: Callable[[str, Any], None] | None = None,
     ) -> None:
         self.store, self.stage, self.optimizer, self.ref = store, stage, optimizer, ref
+        self.after = after  # (commit id, the protocol's group) once a commit is durable: the memory tier's fill
         self.rank = rank
         self.last = last
         self.asynchronous = asynchronous
@@ -109,6 +116,8 @@ class Committer:
             except BaseException:
                 self._failed = info.step  # `settle` reads the ref to learn whether it landed anyway
                 raise
+            if self.after is not None:
+                self.after(cid, None)  # every rank, right after the same commit: the default group
             self._land(info.step, cid)
             return
         self._collect()  # at most one in flight: the previous commit lands first and is the parent
@@ -126,6 +135,7 @@ class Committer:
             ref=self.ref,
             parent=self.last[1],
             on_phase=on_phase,
+            then=None if self.after is None else (lambda cid, after=self.after: after(cid, self.group)),
         )
         self._in_flight = info.step
 

@@ -84,6 +84,7 @@ from shardtrain.run.committer import CommitBook, CommitRecord, Committer
 from shardtrain.run.dependencies import check_dependencies, check_shared_store, pin_references
 from shardtrain.run.distill import Distiller, check_reference_depths, reference_steps
 from shardtrain.run.faults import FAULT_ENV, Fault, fault_from_env, inject_fault
+from shardtrain.run.tiers import AUTO_TIER, RestoreBytes, SlotTiers, TierSpec
 from shardtrain.workers.launch import WorkerContext, launch_local
 
 __all__ = [
@@ -105,6 +106,7 @@ __all__ = [
     "gate",
     "Fault",
     "fault_from_env",
+    "check_tiers",
 ]
 
 T = TypeVar("T")
@@ -130,6 +132,15 @@ class RunSpec:
     progress: Callable[[StepEvent], None] | None = None  # called on the coordinator (must be importable)
     schedule: str = "overlapped"  # the pipeline schedule (shardtrain.engine.schedule); not bound: results are identical
     async_commits: bool = True  # write commits in the background from a staged copy (shardtrain.run.committer)
+    memory_tier: str | None = (
+        AUTO_TIER  # every host's memory tier root ('auto': /dev/shm, named for the store; None: none)
+    )
+    memory_tiers: tuple[tuple[int, str], ...] = ()  # (slot, dir): that slot's host's tier root (tests' stand-in hosts)
+    peer_replicas: int | None = None  # buddies holding each slot's objects (None: 1 with >= 2 workers; 0: none)
+    tier_commits: int = 1  # commits each memory tier holds (the closure of the last K)
+
+    def tier_spec(self) -> TierSpec:
+        return TierSpec(self.store, self.memory_tier, self.memory_tiers, self.peer_replicas, self.tier_commits)
 
 
 @dataclass(frozen=True)
@@ -170,6 +181,10 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     estimate_bytes: int = 0  # the planner's estimate of this slot's peak (admission checked it)
     used_bytes: int = 0  # the actual peak above the memory in use at admission (CPU: RSS; CUDA: allocated)
     restore_seconds: float = 0.0  # restoring this worker's slot of the start commit (0: fresh)
+    restore: RestoreBytes = RestoreBytes()  # bytes of objects its start read from each tier (SPEC.md §19c)
+    restore_rejected: tuple[str, ...] = ()  # tier or peer copies refused (verified against their ids): where from
+    tier_bytes: int = 0  # bytes its host's memory tiers held for it at the end (its slot's and the replicas it keeps)
+    tier_errors: tuple[str, ...] = ()  # tier fills or replications that failed (the commits are durable regardless)
 
 
 def start_target(job: PreparedJob, store: Store, spec: RunSpec) -> str | None:
@@ -308,6 +323,8 @@ class SlotStart:
     optimizer: AdamW
     start: LoadedCommit | None
     restore_seconds: float
+    tiers: SlotTiers  # its memory tier and the replicas it keeps
+    restore_bytes: RestoreBytes  # what its restore read from each tier
 
     @property
     def step(self) -> int:
@@ -326,13 +343,18 @@ def start_slot(ctx: WorkerContext, spec: RunSpec) -> SlotStart:
     rank, world = ctx.rank, ctx.world_size
     job = load_job(spec.job)
     store = open_store(spec.store)
-    own = open_store(dict(spec.slot_stores).get(rank, spec.store))
+    durable = open_store(dict(spec.slot_stores).get(rank, spec.store))
     check_shared_store(store, rank, world)  # every commit goes to one store: private ones are refused here
     # One start for the whole group: every worker resolves it, and all must agree (a fresh
     # start included), before anything is restored.
     target = start_target(job, store, spec)
     fresh = gate("agree on a fresh start", rank, world, lambda: _same_on_all(target is None, rank, world))
-    cid = None if fresh else shardstore.agree_on_commit(own, target)  # type: ignore[arg-type]
+    cid = None if fresh else shardstore.agree_on_commit(durable, target)  # type: ignore[arg-type]
+    # Its slot's objects from its memory tier, else from its buddies, else from the store.
+    tiers = gate("open its memory tier", rank, world, lambda: SlotTiers.open(spec.tier_spec(), rank, world))
+    if cid is not None:
+        tiers.fetch(cid)  # collective: a worker whose tier lacks the start gets it from its buddies
+    own = tiers.reader(durable)
     config, partition = gate("read the start commit's layout", rank, world, lambda: start_layout(job, own, cid, world))
     estimate = for_job(job, config).estimate(rank, partition.layers(rank))
     free, baseline = gate("admit its slot", rank, world, lambda: admission.admit(rank, estimate, ctx.device))
@@ -348,8 +370,23 @@ def start_slot(ctx: WorkerContext, spec: RunSpec) -> SlotStart:
         lambda: _restore_slot(job, store, own, cid, spec, rank, world, stage, optimizer),
     )
     restore_seconds = time.perf_counter() - t_restore if lc is not None else 0.0
+    same_layout = lc is not None and lc.commit.transition != "import" and len(lc.shards) == world
+    restored = tiers.restored(lc, same_layout)
     return SlotStart(
-        job, store, own, config, partition, estimate, free, baseline, stage, optimizer, lc, restore_seconds
+        job,
+        store,
+        own,
+        config,
+        partition,
+        estimate,
+        free,
+        baseline,
+        stage,
+        optimizer,
+        lc,
+        restore_seconds,
+        tiers,
+        restored,
     )
 
 
@@ -388,6 +425,7 @@ def _restore_slot(
 
 def _usage(ctx: WorkerContext, slot: SlotStart) -> admission.Usage:
     """This worker's memory and what it holds now (the journal's and the result's figures)."""
+    tier, replicas = slot.tiers.held_bytes()
     return admission.Usage(
         slot=ctx.rank,
         estimate=slot.estimate.total,
@@ -396,6 +434,11 @@ def _usage(ctx: WorkerContext, slot: SlotStart) -> admission.Usage:
         peak=admission.peak_bytes(ctx.device),
         parameters=sum(p.numel() for p in slot.stage.parameters()),
         parameter_bytes=sum(parameter_inventory(slot.stage).values()),
+        tier_bytes=tier,
+        replica_bytes=replicas,
+        restore_memory=slot.restore_bytes.memory,
+        restore_peers=slot.restore_bytes.peers,
+        restore_store=slot.restore_bytes.store,
     )
 
 
@@ -407,8 +450,9 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
     torch.set_num_threads(1)
     rank, world = ctx.rank, ctx.world_size
     slot = start_slot(ctx, spec)
+    written = slot.tiers.writer(slot.store)  # every object it commits is kept in its memory tier as well
     committer = Committer(
-        slot.store,
+        written,
         slot.stage,
         slot.optimizer,
         rank=rank,
@@ -416,6 +460,7 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         last=(slot.step, slot.parent),
         asynchronous=spec.async_commits,
         timeout=timedelta(seconds=spec.message_timeout),
+        after=lambda cid, group: slot.tiers.landed(written, cid, group),
     )
     book = CommitBook(committer, slot.store, rank=rank, world=world, usage=lambda: _usage(ctx, slot))
     try:
@@ -447,6 +492,10 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
             estimate_bytes=slot.estimate.total,
             used_bytes=final.used,
             restore_seconds=slot.restore_seconds,
+            restore=slot.restore_bytes,
+            restore_rejected=tuple(slot.tiers.rejected),
+            tier_bytes=final.tier_bytes + final.replica_bytes,
+            tier_errors=tuple(slot.tiers.errors),
         )
         with open(os.path.join(spec.out_dir, f"rank{rank}.json"), "wb") as f:
             f.write(msgspec.json.encode(result))
@@ -589,6 +638,7 @@ def train(
     if spec.every is not None and spec.every < 1:
         raise JobError(f"--every must be >= 1, got {spec.every}")
     build_schedule(spec.schedule, 1, 1)  # an unknown schedule is refused before any worker starts
+    check_tiers(spec, workers)
     store = open_store(spec.store)
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
     check_dependencies(store, job, lc, spec.until)
@@ -619,6 +669,20 @@ def train(
         except WorkerFailedError as exc:
             raise_failure(exc)
         return _read_results(out, workers)
+
+
+def check_tiers(spec: RunSpec, workers: int) -> None:
+    """Refuse tier options no worker could use before any starts: a slot outside the group, a
+    negative replica count, a tier holding no commit, a directory that is not this user's own."""
+    if spec.tier_commits < 1:
+        raise JobError(f"a memory tier holds at least one commit, not {spec.tier_commits}")
+    if spec.peer_replicas is not None and spec.peer_replicas < 0:
+        raise JobError(f"--peer-replicas must be >= 0, got {spec.peer_replicas}")
+    for slot, _dir in spec.memory_tiers:
+        if not 0 <= slot < workers:
+            raise JobError(f"--memory-tier {slot}=...: there is no slot {slot} among {workers} workers")
+    for slot in range(workers):  # makes each directory (0700) or refuses it (TierError)
+        SlotTiers.open(spec.tier_spec(), slot, workers)
 
 
 def _read_results(out: str, workers: int) -> list[RunResult]:
