@@ -154,10 +154,16 @@ def test_the_command_line_reports_restore_bytes_by_tier(
     assert all(w["restore"]["memory"] == w["restore"]["peers"] == 0 < w["restore"]["store"] for w in off)
     assert [w["restore"]["store"] for w in off] == [w["restore"]["memory"] for w in doc]  # the same objects
     # Options no worker could use are refused before any starts.
-    assert shardtrain_main([*argv, "--resume", two.commits[4], "--memory-tier", "7=/tmp/x", "--quiet"]) == 4
+    assert (
+        shardtrain_main([*argv, "--resume", two.commits[4], "--memory-tier", "7=/tmp/x", "--quiet"]) == 5
+    )  # refused (the one exit-code table)
     assert "there is no slot 7 among 2 workers" in capsys.readouterr().err
-    assert shardtrain_main([*argv, "--resume", two.commits[4], "--peer-replicas", "-1", "--quiet"]) == 4
-    assert shardtrain_main([*argv, "--resume", two.commits[4], "--memory-tier", "off", "--quiet"]) == 4
+    assert (
+        shardtrain_main([*argv, "--resume", two.commits[4], "--peer-replicas", "-1", "--quiet"]) == 5
+    )  # refused (the one exit-code table)
+    assert (
+        shardtrain_main([*argv, "--resume", two.commits[4], "--memory-tier", "off", "--quiet"]) == 5
+    )  # refused (the one exit-code table)
     assert "--memory-tier off turns every tier off: give it alone" in capsys.readouterr().err
 
 
