@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -74,6 +74,7 @@ from ..state.torch_optim import (
     torch_union,
     use_torch_form,
 )
+from ..state.wrapped import inner_optimizers, split_group_names
 from ..store import Store
 from ..verification.commits import LoadedCommit, load_commit, shard_problems
 from .info import CommitInfo, check_info, check_parent
@@ -493,18 +494,8 @@ def restore(
         rng_states = {r.kind: store.get(r.object, limit=MAX_RNG_BYTES) for r in lc.shards[s].rng}
         check_rng(rng_states)
     reads = [(entries[n].param, targets[n], f"tensor {n!r}") for n in names]
-    state = None
-    torch_plan = None
-    if optimizer is not None and use_torch_form(lc.id, lc.commit.optimizer, optimizer):
-        torch_plan = plan_torch_restore(
-            store, lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id
-        )
-        reads += torch_plan.reads
-    elif optimizer is not None:
-        state, moment_reads = _plan_optim(lc, names, optimizer, targets)
-        reads += moment_reads
-        if not hasattr(optimizer, "state_import"):
-            _probe_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
+    optim_plans = [] if optimizer is None else _plan_optimizers(store, lc, optimizer, targets, names, group_names)
+    reads += [r for plan in optim_plans for r in plan.reads]
     extras_plan = plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}")
     own = _slot(lc, slot, "slot_extra") if slot_extra else 0
     slot_plan = plan_extras_restore(
@@ -512,13 +503,8 @@ def restore(
     )
     reads += extras_plan.reads + slot_plan.reads
     nread = _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
-    if torch_plan is not None:
-        torch_plan.install()
-    elif optimizer is not None and state is not None:
-        if hasattr(optimizer, "state_import"):
-            into_export(optimizer, state, [n for n in names if n in state.params])
-        else:
-            _install_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
+    for plan in optim_plans:
+        plan.install()
     if rng_states is not None:
         restore_rng(rng_states)
     restored_rng = bool(rng_states)  # a slot saved with rng=False has none
@@ -536,6 +522,55 @@ def restore(
         matched.skipped,
         matched.missing,
     )
+
+
+@dataclass
+class _OptimPlan:
+    """One (inner) optimizer's checked restore: the reads that fill its state, then ``install``."""
+
+    reads: list[tuple[Payload, torch.Tensor, str]]
+    install: Callable[[], None]
+
+
+def _plan_optimizers(
+    store: Store,
+    lc: LoadedCommit,
+    optimizer: Any,
+    targets: dict[str, torch.Tensor],
+    names: list[str],
+    group_names: list[str] | None,
+) -> list[_OptimPlan]:
+    """Plan the optimizer's restore, checked before any read: a wrapper's optimizers each get
+    their own groups (``g0``, ``g1``, ... counted across them) and parameters (SPEC.md §9d)."""
+    inner = inner_optimizers(optimizer)
+    plans = []
+    for o, gn in zip(inner, split_group_names(inner, group_names)):
+        own = names
+        if len(inner) > 1:  # each restores the parameters it holds
+            held = {id(p) for g in o.param_groups for p in g["params"]}
+            own = [n for n in names if id(targets[n]) in held]
+        plans.append(_plan_optimizer(store, lc, o, {n: targets[n] for n in own}, own, gn))
+    return plans
+
+
+def _plan_optimizer(
+    store: Store,
+    lc: LoadedCommit,
+    optimizer: Any,
+    targets: dict[str, torch.Tensor],
+    names: list[str],
+    group_names: list[str] | None,
+) -> _OptimPlan:
+    if use_torch_form(lc.id, lc.commit.optimizer, optimizer):
+        torch_plan = plan_torch_restore(
+            store, lc.commit.optimizer, lc.entries(), optimizer, targets, group_names, lc.id
+        )
+        return _OptimPlan(torch_plan.reads, torch_plan.install)
+    state, moment_reads = _plan_optim(lc, names, optimizer, targets)
+    if hasattr(optimizer, "state_import"):
+        return _OptimPlan(moment_reads, lambda: into_export(optimizer, state, [n for n in names if n in state.params]))
+    _probe_torch(optimizer, targets, state, group_names)
+    return _OptimPlan(moment_reads, lambda: _install_torch(optimizer, targets, state, group_names))
 
 
 def _slot(lc: LoadedCommit, slot: int | None, what: str) -> int:
