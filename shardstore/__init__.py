@@ -35,6 +35,9 @@ _EXPORTS: dict[str, str] = {
     "restore": "shardstore.checkpoint.slots",
     "save": "shardstore.checkpoint.slots",
     "save_slots": "shardstore.checkpoint.slots",
+    "save_state_dict": "shardstore.checkpoint.state_dict",
+    "read_state_dict": "shardstore.checkpoint.state_dict",
+    "load_state_dict_into": "shardstore.checkpoint.state_dict",
     "write_commit": "shardstore.checkpoint.slots",
     "write_shard": "shardstore.checkpoint.slots",
     "write_shard_entries": "shardstore.checkpoint.slots",
@@ -100,6 +103,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         write_shard,
         write_shard_entries,
     )  # noqa: F401
+    from .checkpoint.state_dict import load_state_dict_into, read_state_dict, save_state_dict  # noqa: F401
     from .format.manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode  # noqa: F401
     from .format.roots import learned_root  # noqa: F401
     from .ops.gc import GcResult, gc  # noqa: F401

@@ -91,6 +91,7 @@ __all__ = [
     "save",
     "SaveCall",
     "restore",
+    "read_into",
     "AUTO",
 ]
 
@@ -420,7 +421,7 @@ class SaveCall:
         return cls.of(bound.arguments)
 
 
-def _read_all(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], threads: int) -> int:
+def read_into(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], threads: int) -> int:
     """Fill each destination (its local slice, for a DTensor) from the blocks its payload has
     there (a single object: all of it); return the bytes read. Every block is verified."""
     jobs = []
@@ -502,7 +503,7 @@ def restore(
         store, lc.shards[own].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {own}"
     )
     reads += extras_plan.reads + slot_plan.reads
-    nread = _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
+    nread = read_into(store, reads, threads)  # straight into the destinations, every byte hashed
     for plan in optim_plans:
         plan.install()
     if rng_states is not None:

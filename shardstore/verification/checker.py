@@ -17,7 +17,7 @@ from ..errors import (
 )
 from ..store import Store
 from .commits import Problem, read_commit
-from .objects import Checked, Job, check_objects, content_problem, object_jobs
+from .objects import Checked, Job, check_objects, content_problem, object_jobs, tree_problem
 
 __all__ = ["Report", "verify"]
 
@@ -150,6 +150,8 @@ def verify(
                 report.problems.append(
                     Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor)
                 )
+        if slot is None and (err := tree_problem(store, lc)) is not None:
+            report.problems.append(Problem(type(err)(f"commit {cid}: {err}"), cid, None))
     if targets is None:  # after the commits, so that their own checks of shared objects run first
         _check_pins(store, report, deep, threads, checked, progress)
     return report

@@ -11,18 +11,20 @@ from typing import NamedTuple
 
 from ..errors import (
     CorruptObject,
+    ManifestError,
     ObjectNotFound,
     ObjectTooLarge,
     ShardstoreError,
 )
-from ..format.manifest import MAX_MANIFEST_BYTES, decode_config
+from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, decode_config
 from ..format.rng import MAX_RNG_BYTES, check_rng
 from ..format.slices import entry_objects, slot_needs
+from ..state.documents import read_tree, tensor_refs
 from ..state.extras import extra_objects, read_extra_state
 from ..store import Store
 from .commits import LoadedCommit
 
-__all__ = ["Job", "Checked", "object_jobs", "check_objects", "content_problem"]
+__all__ = ["Job", "Checked", "object_jobs", "check_objects", "content_problem", "tree_problem"]
 
 
 class Job(NamedTuple):
@@ -32,7 +34,7 @@ class Job(NamedTuple):
     size: int | None  # the byte size its entry implies (None: not implied by an entry)
     tensor: str | None  # the tensor entry naming it, for messages
     what: str
-    rule: str | None  # how its content is decoded: None, "config", "rng:<kind>" or "extra:<tensors>"
+    rule: str | None  # how its content is decoded: None, "config", "rng:<kind>", "extra:<tensors>" or "tree"
 
 
 def object_jobs(lc: LoadedCommit, slot: int | None) -> Iterator[Job]:
@@ -115,10 +117,34 @@ def content_problem(store: Store, oid: str, rule: str, have: int | None) -> Shar
     try:
         if rule == "config":
             decode_config(store.get(oid, limit=MAX_MANIFEST_BYTES), what="model config")
+        elif rule == "tree":  # a state dict's tree (SPEC.md §9e)
+            read_tree(store.get(oid, limit=MAX_MANIFEST_BYTES), "state dict tree")
         elif rule.startswith("extra:"):  # a state document, with placeholders for its tensors (SPEC.md §Extras)
             read_extra_state(store.get(oid, limit=MAX_MANIFEST_BYTES), [None] * int(rule[6:]), "state document")  # type: ignore[list-item]
         else:
             check_rng({rule[4:]: store.get(oid, limit=MAX_RNG_BYTES)}, raw_kinds=False)
     except ShardstoreError as e:
         return e
+    return None
+
+
+def tree_problem(store: Store, lc: LoadedCommit) -> ShardstoreError | None:
+    """A state dict's tree must reference exactly the commit's tensor entries (SPEC.md §9e);
+    None when it does, or when the commit has no tree or its document is itself unreadable
+    (``content_problem`` reports that)."""
+    tree = next((x for x in lc.commit.extras if x.key == TREE_KEY), None)
+    if tree is None:
+        return None
+    try:
+        names = tensor_refs(read_tree(store.get(tree.state, limit=MAX_MANIFEST_BYTES), "state dict tree"))
+    except ShardstoreError:
+        return None
+    entries = set(lc.entries())
+    if sorted(names) != sorted(entries):
+        stray = sorted(set(names) - entries)[:3]
+        unnamed = sorted(entries - set(names))[:3]
+        return ManifestError(
+            f"its state dict tree {tree.state} and its tensor entries disagree: the tree names {stray} that are not "
+            f"entries, and entries {unnamed} are not in the tree (SPEC.md §9e)"
+        )
     return None

@@ -1,0 +1,230 @@
+"""State dicts as frameworks hand them over (SPEC.md §9e): ``save_state_dict``, ``read_state_dict``
+(the ``torch.load`` of a commit) and ``load_state_dict_into`` (DCP's in-place load).
+
+Lightning's ``CheckpointIO``, DCP-style trainers and hand-written loops hold their state as
+one nested dict — model weights, optimizer ``state_dict()``s with integer keys, scheduler
+states, loop counters, hyperparameters holding paths and dtypes. A commit of such a dict
+holds each tensor as a tensor entry named by its key path (``optimizer_states/0/state/3/exp_avg``;
+``documents.tree_name``), written, chunked, deduplicated, exchanged across ranks and verified
+exactly as a model's parameters are, and the rest of the dict as its *tree*: a state document
+in the commit-wide extra ``state_dict`` whose typed values come back as exactly what they
+were, without pickle (``documents.encode_tree``). Such a commit verifies, logs, diffs (tensors
+by entry name, every other value by key path) and is collected like any other::
+
+    cid = shardstore.save_state_dict(store, checkpoint, step=checkpoint["global_step"])
+    checkpoint = shardstore.read_state_dict(store, "main")         # fresh tensors, on the CPU
+    shardstore.load_state_dict_into(store, model.state_dict())     # into existing tensors, in place
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from ..errors import StateMismatch, TensorMismatch
+from ..format.grid import check_stored_all
+from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, TensorEntry
+from ..format.tensors import dtype_name, is_dtensor, torch_dtype
+from ..state.documents import TensorRef, encode_tree, fill_tree, read_tree, tensor_refs, tree_name
+from ..state.extras import CapturedExtra
+from ..state.module import tensor_profile
+from ..state.slot import SlotState
+from ..store import Store
+from ..verification.commits import LoadedCommit, load_commit
+from .distributed import commit_state
+from .info import CommitInfo
+from .slots import AUTO, read_into, save_slots
+
+__all__ = ["save_state_dict", "read_state_dict", "load_state_dict_into"]
+
+
+def save_state_dict(
+    store: Store,
+    state_dict: Mapping[Any, Any],
+    *,
+    step: int | None = None,
+    ref: str | None = "main",
+    job: str = "default",
+    config: Mapping[Any, Any] | None = None,
+    data_cursor: int | None = None,
+    parent: str | None = AUTO,
+    transition: str = "train",
+    profile: str | None = None,
+    group: Any = None,
+    threads: int = 2,
+) -> str:
+    """Commit a nested state dict and move ``ref``; return the commit id (SPEC.md §9e).
+
+    Tensors anywhere (plain or DTensor); dicts and OrderedDicts with string or integer keys,
+    lists, tuples, None, bool, int, float, str, ``torch.Size``/``dtype``/``device`` and
+    ``pathlib`` paths, each coming back as exactly its type and value; anything else is refused
+    by its key path (``UnsupportedState``) before anything is written. ``step``: the global step
+    to record (default 0: a state dict carries its own counters). ``group``: a process group
+    every rank of which calls this with its own share (DTensors are written by the block
+    exchange, plain tensors and every other value must be equal on all ranks); by default the
+    save is collective over the default group exactly when the state dict holds a DTensor, and
+    otherwise made by this process alone (as Lightning's rank 0 saves).
+    """
+    document, tensors = encode_tree(state_dict, "state dict")
+    tree = CapturedExtra(TREE_KEY, document, [])
+    if profile is None:
+        profile = tensor_profile(dtype_name(t.dtype, n) for n, t in tensors.items())
+    info = CommitInfo(
+        step=0 if step is None else step,
+        job=job,
+        profile=profile,
+        config=config,
+        data_cursor=data_cursor,
+        transition=transition,
+    )
+    if group is not None or any(is_dtensor(t) for t in tensors.values()):
+        return commit_state(
+            store,
+            lambda: SlotState(dict(tensors)),
+            info=info,
+            group=group,
+            ref=ref,
+            parent=parent,
+            threads=threads,
+            extra={TREE_KEY: tree},
+        )
+    return save_slots(
+        store, [SlotState(dict(tensors))], info=info, ref=ref, parent=parent, threads=threads, extra={TREE_KEY: tree}
+    )
+
+
+def _tree(store: Store, lc: LoadedCommit) -> Any:
+    """The commit's tree, strictly decoded, its tensor references exactly the commit's entries."""
+    x = next((x for x in lc.commit.extras if x.key == TREE_KEY), None)
+    if x is None:
+        raise StateMismatch(
+            f"commit {lc.id} holds no state dict tree (it was not made by save_state_dict); restore it into a "
+            "model and optimizer with shardstore.restore (SPEC.md §9e)"
+        )
+    what = f"state dict tree {x.state} of commit {lc.id}"
+    value = read_tree(store.get(x.state, limit=MAX_MANIFEST_BYTES), what)
+    names, entries = tensor_refs(value), lc.entries()
+    if sorted(names) != sorted(entries):
+        raise StateMismatch(
+            f"{what} names tensors {sorted(set(names) - set(entries))[:3]} the commit lacks, or the commit holds "
+            f"tensors {sorted(set(entries) - set(names))[:3]} the tree does not name (SPEC.md §9e)"
+        )
+    return value
+
+
+def read_state_dict(
+    store: Store, target: str = "main", *, map_location: str | torch.device | None = None, threads: int = 8
+) -> Any:
+    """The state dict commit ``target`` holds, with fresh tensors (the ``torch.load`` of a commit).
+
+    Every object is verified as it is read; tensors come back on the CPU, or on
+    ``map_location``. A commit not made by ``save_state_dict`` is refused (``StateMismatch``).
+    """
+    lc = load_commit(store, target)
+    value = _tree(store, lc)
+    entries = lc.entries()
+    # a manifest's shapes: the objects' sizes bound the allocations, checked first (SPEC.md §Limits)
+    check_stored_all(store, [(e.param, e.dtype, tuple(e.shape), f"tensor {n!r}") for n, e in sorted(entries.items())])
+    fresh = {n: torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype)) for n, e in entries.items()}
+    read_into(store, [(entries[n].param, fresh[n], f"tensor {n!r}") for n in sorted(fresh)], threads)
+    if map_location is not None:
+        fresh = {n: t.to(map_location) for n, t in fresh.items()}
+    return fill_tree(value, fresh.__getitem__)
+
+
+def load_state_dict_into(
+    store: Store, state_dict: MutableMapping[Any, Any], target: str = "main", *, threads: int = 8
+) -> str:
+    """Load commit ``target`` into ``state_dict`` in place; return the commit id.
+
+    Each stored tensor is read into the tensor at the same key path (a DTensor: only its
+    local share, from the blocks that overlaps), which must have the entry's dtype and
+    (global) shape; every other stored value replaces the one at its path in the caller's
+    dicts and lists (a tuple's items must already be equal). Everything — the tree, each
+    destination, every tensor of ``state_dict`` having a stored value — is checked before the
+    first byte is written (``StateMismatch`` / ``TensorMismatch``, naming the key path).
+    """
+    lc = load_commit(store, target)
+    value = _tree(store, lc)
+    entries = lc.entries()
+    dests: dict[str, torch.Tensor] = {}
+    sets: list[tuple[Any, Any, Any]] = []
+    _match(state_dict, value, "$", (), entries, dests, sets)
+    for path, keys, _t in _tensors_at(state_dict, "$", ()):
+        if not all(type(k) in (str, int) for k in keys) or tree_name(keys) not in dests:
+            raise StateMismatch(f"commit {lc.id} holds no tensor at {path}, which the state dict has (SPEC.md §9e)")
+    read_into(store, [(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests)], threads)
+    for container, key, v in sets:
+        container[key] = v
+    return lc.id
+
+
+def _holds_tensor(v: Any) -> bool:
+    return isinstance(v, TensorRef) or (
+        isinstance(v, (dict, list, tuple)) and any(_holds_tensor(x) for x in (v.values() if isinstance(v, dict) else v))
+    )
+
+
+def _match(
+    dst: Any,
+    stored: Any,
+    path: str,
+    keys: tuple[Any, ...],
+    entries: Mapping[str, TensorEntry],
+    dests: dict[str, torch.Tensor],
+    sets: list[tuple[Any, Any, Any]],
+) -> None:
+    """Pair each stored tensor with its destination and each stored value with its place; raise before any write."""
+    if isinstance(stored, TensorRef):
+        e = entries[stored.name]
+        if not isinstance(dst, torch.Tensor):
+            raise StateMismatch(
+                f"state dict at {path}: the commit holds a tensor there, the state dict a {type(dst).__name__}"
+            )
+        if dtype_name(dst.dtype, path) != e.dtype or tuple(dst.shape) != tuple(e.shape):
+            raise TensorMismatch(
+                f"state dict at {path}: the commit holds {e.dtype}{list(e.shape)}, the destination is "
+                f"{dtype_name(dst.dtype, path)}{list(dst.shape)}"
+            )
+        dests[stored.name] = dst
+        return
+    if isinstance(stored, dict):
+        if not isinstance(dst, MutableMapping):
+            raise StateMismatch(
+                f"state dict at {path}: the commit holds a dict there, the state dict a {type(dst).__name__}"
+            )
+        for k, v in stored.items():
+            where = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
+            if _holds_tensor(v):
+                if k not in dst:
+                    raise StateMismatch(f"state dict at {where}: missing; the commit holds tensors there")
+                _match(dst[k], v, where, (*keys, k), entries, dests, sets)
+            else:
+                sets.append((dst, k, v))
+        return
+    if not isinstance(dst, (list, tuple)) or len(dst) != len(stored):
+        raise StateMismatch(
+            f"state dict at {path}: the commit holds a {type(stored).__name__} of {len(stored)} there, the state "
+            f"dict a {type(dst).__name__}" + (f" of {len(dst)}" if isinstance(dst, (list, tuple)) else "")
+        )
+    for i, v in enumerate(stored):
+        if _holds_tensor(v):
+            _match(dst[i], v, f"{path}[{i}]", (*keys, i), entries, dests, sets)
+        elif isinstance(dst, list):
+            sets.append((dst, i, v))
+        elif dst[i] != v:
+            raise StateMismatch(f"state dict at {path}[{i}]: an item of a tuple differs from the commit's ({v!r})")
+
+
+def _tensors_at(value: Any, path: str, keys: tuple[Any, ...], depth: int = 0) -> Any:
+    """(path, key path, tensor) of every tensor in a caller's state dict."""
+    if isinstance(value, torch.Tensor):
+        yield path, keys, value
+    elif depth < 128 and isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _tensors_at(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]", (*keys, k), depth + 1)
+    elif depth < 128 and isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors_at(v, f"{path}[{i}]", (*keys, i), depth + 1)
