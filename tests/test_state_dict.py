@@ -159,12 +159,16 @@ def test_in_place_load_fills_the_callers_tensors_after_checking_everything(tmp_p
         shardstore.load_state_dict_into(store, wrong, cid)
     assert not weight.any()
     extra = {**target, "stray": torch.zeros(2)}  # a tensor the commit does not hold
-    with pytest.raises(StateMismatch, match=r"holds no tensor at \$\.stray"):
+    with pytest.raises(StateMismatch, match=r"holds no value at \$\.stray"):
         shardstore.load_state_dict_into(store, extra, cid)
     assert not weight.any()
     assert shardstore.load_state_dict_into(store, target, cid) == cid
     assert target["state_dict"]["0.weight"] is weight  # in place
-    same(ck, target)  # tensors filled, every other value set
+    same(ck["state_dict"], target["state_dict"])
+    same(ck["optimizer_states"], target["optimizer_states"])  # tensors filled, param_groups replaced
+    key = next(iter(ck["callbacks"]))
+    assert set(target["callbacks"][key]) == {"best_k_models", "best_model_score", "kth_value"}  # what it asked for
+    same({k: ck["callbacks"][key][k] for k in target["callbacks"][key]}, target["callbacks"][key])
 
 
 def test_diff_names_changed_keys_by_path_and_gc_keeps_what_refs_name(tmp_path, capsys):
@@ -276,6 +280,7 @@ def _group_body(rank: int, world: int, root: str) -> dict:
         "optim": {
             "state": {0: {"exp_avg": distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]), "step": torch.zeros(())}}
         },
+        "epoch": 0,
     }
     shardstore.load_state_dict_into(store, dst, cid)
     local = dst["model"]["w"].to_local()

@@ -27,7 +27,7 @@ from ..errors import StateMismatch, TensorMismatch
 from ..format.grid import check_stored_all
 from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, TensorEntry
 from ..format.tensors import dtype_name, is_dtensor, torch_dtype
-from ..state.documents import TensorRef, encode_tree, fill_tree, read_tree, tensor_refs, tree_name
+from ..state.documents import TensorRef, encode_tree, fill_tree, read_tree, tensor_refs
 from ..state.extras import CapturedExtra
 from ..state.module import tensor_profile
 from ..state.slot import SlotState
@@ -137,52 +137,58 @@ def read_state_dict(
 def load_state_dict_into(
     store: Store, state_dict: MutableMapping[Any, Any], target: str = "main", *, threads: int = 8
 ) -> str:
-    """Load commit ``target`` into ``state_dict`` in place; return the commit id.
+    """Load commit ``target`` into ``state_dict`` in place, as DCP's ``load`` does; return the commit id.
 
-    Each stored tensor is read into the tensor at the same key path (a DTensor: only its
-    local share, from the blocks that overlaps), which must have the entry's dtype and
-    (global) shape; every other stored value replaces the one at its path in the caller's
-    dicts and lists (a tuple's items must already be equal). Everything — the tree, each
-    destination, every tensor of ``state_dict`` having a stored value — is checked before the
-    first byte is written (``StateMismatch`` / ``TensorMismatch``, naming the key path).
+    The caller's dict says what to load: each of its tensors is filled from the stored tensor
+    at the same key path (a DTensor: only its local share, from the blocks that overlaps),
+    which must exist with its dtype and (global) shape; each of its other values is replaced
+    by the stored value at that path, where the commit has one (an item of a tuple cannot be
+    replaced: it must already be equal). Stored values the dict has no place for are left out.
+    Everything is checked before the first byte is written (``StateMismatch`` /
+    ``TensorMismatch``, naming the key path).
     """
     lc = load_commit(store, target)
     value = _tree(store, lc)
     entries = lc.entries()
     dests: dict[str, torch.Tensor] = {}
     sets: list[tuple[Any, Any, Any]] = []
-    _match(state_dict, value, "$", (), entries, dests, sets)
-    for path, keys, _t in _tensors_at(state_dict, "$", ()):
-        if not all(type(k) in (str, int) for k in keys) or tree_name(keys) not in dests:
-            raise StateMismatch(f"commit {lc.id} holds no tensor at {path}, which the state dict has (SPEC.md §9e)")
+    _match(state_dict, value, "$", entries, dests, sets, None)
     read_into(store, [(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests)], threads)
     for container, key, v in sets:
         container[key] = v
     return lc.id
 
 
-def _holds_tensor(v: Any) -> bool:
-    return isinstance(v, TensorRef) or (
-        isinstance(v, (dict, list, tuple)) and any(_holds_tensor(x) for x in (v.values() if isinstance(v, dict) else v))
-    )
+def _holds_tensor(v: Any, depth: int = 0) -> bool:
+    if isinstance(v, (torch.Tensor, TensorRef)):
+        return True
+    if depth > 128:
+        return False
+    items = v.values() if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
+    return any(_holds_tensor(x, depth + 1) for x in items)
 
 
 def _match(
     dst: Any,
     stored: Any,
     path: str,
-    keys: tuple[Any, ...],
     entries: Mapping[str, TensorEntry],
     dests: dict[str, torch.Tensor],
     sets: list[tuple[Any, Any, Any]],
+    place: tuple[Any, Any] | None,
 ) -> None:
-    """Pair each stored tensor with its destination and each stored value with its place; raise before any write."""
-    if isinstance(stored, TensorRef):
+    """Pair each of the caller's tensors with its stored tensor, and each of its other values
+    with the stored value replacing it (at ``place``: its container and key); raise before any write."""
+    if not _holds_tensor(dst):
+        if place is not None:
+            sets.append((*place, stored))
+        elif dst != stored:
+            raise StateMismatch(f"state dict at {path}: an item of a tuple differs from the commit's ({stored!r})")
+        return
+    if isinstance(dst, torch.Tensor):
+        if not isinstance(stored, TensorRef):
+            raise StateMismatch(f"state dict at {path}: a tensor, where the commit holds a {type(stored).__name__}")
         e = entries[stored.name]
-        if not isinstance(dst, torch.Tensor):
-            raise StateMismatch(
-                f"state dict at {path}: the commit holds a tensor there, the state dict a {type(dst).__name__}"
-            )
         if dtype_name(dst.dtype, path) != e.dtype or tuple(dst.shape) != tuple(e.shape):
             raise TensorMismatch(
                 f"state dict at {path}: the commit holds {e.dtype}{list(e.shape)}, the destination is "
@@ -190,41 +196,20 @@ def _match(
             )
         dests[stored.name] = dst
         return
-    if isinstance(stored, dict):
-        if not isinstance(dst, MutableMapping):
-            raise StateMismatch(
-                f"state dict at {path}: the commit holds a dict there, the state dict a {type(dst).__name__}"
-            )
-        for k, v in stored.items():
+    if isinstance(dst, Mapping):
+        if not isinstance(stored, dict):
+            raise StateMismatch(f"state dict at {path}: a dict, where the commit holds a {type(stored).__name__}")
+        for k, v in dst.items():
             where = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
-            if _holds_tensor(v):
-                if k not in dst:
-                    raise StateMismatch(f"state dict at {where}: missing; the commit holds tensors there")
-                _match(dst[k], v, where, (*keys, k), entries, dests, sets)
-            else:
-                sets.append((dst, k, v))
+            if k in stored:
+                _match(v, stored[k], where, entries, dests, sets, (dst, k) if isinstance(dst, MutableMapping) else None)
+            elif _holds_tensor(v):
+                raise StateMismatch(f"commit holds no value at {where}, where the state dict has tensors (SPEC.md §9e)")
         return
-    if not isinstance(dst, (list, tuple)) or len(dst) != len(stored):
+    if not isinstance(stored, (list, tuple)) or len(stored) != len(dst):
         raise StateMismatch(
-            f"state dict at {path}: the commit holds a {type(stored).__name__} of {len(stored)} there, the state "
-            f"dict a {type(dst).__name__}" + (f" of {len(dst)}" if isinstance(dst, (list, tuple)) else "")
+            f"state dict at {path}: a {type(dst).__name__} of {len(dst)}, where the commit holds a "
+            f"{type(stored).__name__}" + (f" of {len(stored)}" if isinstance(stored, (list, tuple)) else "")
         )
-    for i, v in enumerate(stored):
-        if _holds_tensor(v):
-            _match(dst[i], v, f"{path}[{i}]", (*keys, i), entries, dests, sets)
-        elif isinstance(dst, list):
-            sets.append((dst, i, v))
-        elif dst[i] != v:
-            raise StateMismatch(f"state dict at {path}[{i}]: an item of a tuple differs from the commit's ({v!r})")
-
-
-def _tensors_at(value: Any, path: str, keys: tuple[Any, ...], depth: int = 0) -> Any:
-    """(path, key path, tensor) of every tensor in a caller's state dict."""
-    if isinstance(value, torch.Tensor):
-        yield path, keys, value
-    elif depth < 128 and isinstance(value, Mapping):
-        for k, v in value.items():
-            yield from _tensors_at(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]", (*keys, k), depth + 1)
-    elif depth < 128 and isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _tensors_at(v, f"{path}[{i}]", (*keys, i), depth + 1)
+    for i, (v, w) in enumerate(zip(dst, stored)):
+        _match(v, w, f"{path}[{i}]", entries, dests, sets, (dst, i) if isinstance(dst, list) else None)
