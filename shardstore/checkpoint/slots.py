@@ -150,11 +150,7 @@ def write_shard(
                 )
             if has_moments and po.exp_avg.dtype != po.exp_avg_sq.dtype:
                 raise TensorMismatch(f"tensor {n!r}: Adam moments have different dtypes")
-            birth = info.step - po.age if state.births is None or n not in state.births else state.births[n]
-            if birth < 0 or birth + po.age != info.step:
-                raise CursorError(
-                    f"tensor {n!r}: Adam age {po.age} with birth {birth} does not reach global step {info.step} (SPEC.md §Optimizer state)"
-                )
+            birth = _birth(n, po, state, info)
             optim = OptimEntry(
                 group=po.group,
                 birth=birth,
@@ -200,6 +196,32 @@ def write_shard(
     sid = store.put_manifest(shard)
     store.sync()
     return sid
+
+
+def _birth(name: str, po: ParamOpt, state: SlotState, info: CommitInfo) -> int:
+    """The step at which a parameter's Adam clock started: ``step - age`` unless the slot records
+    births; CursorError if that is not a step the commit's global step can follow (SPEC.md §9)."""
+    recorded = state.births is not None and name in state.births
+    birth = state.births[name] if recorded else info.step - po.age  # type: ignore[index]
+    if birth < 0 or birth + po.age != info.step:
+        hint = (
+            f"births[{name!r}] + age must equal step"
+            if recorded
+            else f"step= is the global step, at least every parameter's Adam age (the optimizer's step count): pass "
+            f"the number of optimizer steps taken, here at least {po.age}"
+        )
+        raise CursorError(
+            f"tensor {name!r}: Adam age {po.age} with birth {birth} does not reach global step {info.step}; {hint} "
+            "(SPEC.md §9)"
+        )
+    return birth
+
+
+def check_cursors(state: SlotState, info: CommitInfo) -> None:
+    """Every Adam-form parameter's cursor against the commit's step, before anything is written."""
+    for name, po in sorted(state.optim.params.items()):
+        if po.torch_state is None and name in state.tensors:
+            _birth(name, po, state, info)
 
 
 def write_shard_entries(
@@ -337,6 +359,8 @@ def save_slots(
         parent = current
     check_parent(store, parent)  # before any object is written
     n = len(states)
+    for s in states:  # a step below an Adam age is refused before the first object (SPEC.md §9, §19b)
+        check_cursors(s, info)
     extras = write_extras(store, capture_extras(extra), threads=threads)  # made durable by write_shard's barrier
     shard_ids = [
         write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)
