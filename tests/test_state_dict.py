@@ -122,6 +122,7 @@ class Custom:
         ({"opt": {True: 1}}, r"\$\.opt: key True is a bool"),
         ({"fn": Custom()}, r"\$\.fn: a test_state_dict\.Custom"),
         ({"big": 2**64}, r"\$\.big: integer"),
+        ({"s": "\ud800"}, r"state dict: a string is not valid Unicode"),
     ],
 )
 def test_what_cannot_be_held_is_refused_by_key_path_before_a_write(tmp_path, value, path):
@@ -239,6 +240,7 @@ def test_the_tree_vector(tmp_path):
     assert store.get(tree.state) == VECTOR_TREE
     assert tree.state == blake3.blake3(VECTOR_TREE).hexdigest() == VECTOR_TREE_ID
     assert cid == VECTOR_COMMIT_ID
+    assert shardstore.read_state_dict(store, cid, map_location="meta")["w"].device.type == "meta"
     # the tensors are the §24 vector's objects: layer.bias [0.5, -1.0] and its exp_avg
     entries = shardstore.load_commit(store, cid).entries()
     assert entries["w"].param == "2289f11e7346cf789fa7f35974d30ed0420e97ec8527c2314adee1030be1fef4"

@@ -220,7 +220,7 @@ def encode_state(state: Mapping[str, Any], label: str) -> tuple[bytes, list[Any]
     """An extra's state document (§9c) and the tensors it references, by index (not copied)."""
     enc = _Encoder(label, typed=False)
     doc = enc.value(state, "$", (), 0)
-    return check_writable(_ENC.encode(doc), f"state document of {label}"), enc.tensors
+    return check_writable(_json(doc, label), f"state document of {label}"), enc.tensors
 
 
 def encode_tree(state: Mapping[Any, Any], label: str) -> tuple[bytes, dict[str, Any]]:
@@ -229,7 +229,14 @@ def encode_tree(state: Mapping[Any, Any], label: str) -> tuple[bytes, dict[str, 
         raise UnsupportedState(f"{label}: a state dict is a dict or an OrderedDict, not a {type(state).__name__}")
     enc = _Encoder(label, typed=True)
     doc = {"tree": enc.value(state, "$", (), 0)}  # a JSON object whatever the state dict's type (§9c)
-    return check_writable(_ENC.encode(doc), f"tree of {label}"), enc.named
+    return check_writable(_json(doc, label), f"tree of {label}"), enc.named
+
+
+def _json(doc: Any, label: str) -> bytes:
+    try:
+        return _ENC.encode(doc)
+    except UnicodeEncodeError as e:  # a lone surrogate in a key or string: not representable as UTF-8
+        raise UnsupportedState(f"{label}: a string is not valid Unicode text ({e.reason} at {e.start})") from None
 
 
 # -- reading ---------------------------------------------------------------------------------------
