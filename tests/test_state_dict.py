@@ -95,6 +95,37 @@ def test_a_lightning_checkpoint_round_trips_type_exact(tmp_path):
     torch.optim.AdamW(torch.nn.Linear(3, 4).parameters()).load_state_dict(back["optimizer_states"][0])
 
 
+def test_a_checkpoint_lightning_itself_dumps_round_trips_type_exact(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch", reason="Lightning's own checkpoint dict under test")
+
+    class Tiny(pl.LightningModule):
+        def __init__(self, root: pathlib.Path = pathlib.Path("/data"), dtype: torch.dtype = torch.bfloat16) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, i):
+            return self.layer(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3)), batch_size=4)
+    trainer = pl.Trainer(
+        max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        default_root_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    trainer.fit(Tiny(), data)
+    ck = trainer._checkpoint_connector.dump_checkpoint()  # what CheckpointIO.save_checkpoint is handed
+    store = shardstore.open_store(tmp_path / "s")
+    shardstore.save_state_dict(store, ck, step=ck["global_step"])
+    back = shardstore.read_state_dict(store, "main")
+    same(ck, back)
+    assert back["hyper_parameters"] == {"root": pathlib.Path("/data"), "dtype": torch.bfloat16}
+
+
 def test_saving_the_same_dict_twice_gives_the_same_commit(tmp_path):
     store = shardstore.open_store(tmp_path / "s")
     ck = lightning_checkpoint()
@@ -172,7 +203,7 @@ def test_in_place_load_fills_the_callers_tensors_after_checking_everything(tmp_p
     same({k: ck["callbacks"][key][k] for k in target["callbacks"][key]}, target["callbacks"][key])
 
 
-def test_diff_names_changed_keys_by_path_and_gc_keeps_what_refs_name(tmp_path, capsys):
+def test_diff_by_key_path_log_gc_and_copy(tmp_path, capsys):
     store = shardstore.open_store(tmp_path / "s")
     ck = lightning_checkpoint()
     a = shardstore.save_state_dict(store, ck, step=8)
@@ -199,6 +230,9 @@ def test_diff_names_changed_keys_by_path_and_gc_keeps_what_refs_name(tmp_path, c
     assert shardstore.verify(store).ok
     same(shardstore.read_state_dict(store, b), ck)
     assert shardstore.read_state_dict(store, a)["epoch"] == 1
+    other = shardstore.open_store(tmp_path / "copy")
+    shardstore.copy_commit(store, other, b, ref="main")  # the tree travels with the commit's closure
+    same(shardstore.read_state_dict(other, "main"), ck)
 
 
 def test_a_commit_without_a_tree_is_not_read_as_one(tmp_path):
