@@ -5,6 +5,7 @@ into fresh tensors or into a caller's own (DTensors: their share only)."""
 from __future__ import annotations
 
 import pathlib
+import re
 from collections import OrderedDict, defaultdict, namedtuple
 
 import blake3
@@ -357,3 +358,25 @@ def test_verify_refuses_a_tree_that_does_not_match_its_commit(tmp_path):
         assert not report.ok and any("state dict tree" in str(p.error) for p in report.problems), (what, report)
         with pytest.raises((StateMismatch, shardstore.ManifestError)):
             shardstore.read_state_dict(store, cid)
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        (b'{"tree":{"p":["type:path","WindowsPath","x"]}}', "a WindowsPath cannot be made here"),
+        (b'{"tree":{"p":["type:path","PosixPath","a//b"]}}', "not the canonical tree"),
+        (b'{"tree":{"d":["type:dtype","__class__"]}}', "is not a torch dtype"),
+        (b'{"tree":{"d":["type:device","foo"]}}', "is not a device"),
+        (b'{"tree":{"t":["type:bogus"]}}', "unknown kind"),
+        (b'{"tree":{"s":"type:x"}}', "reserved prefix outside a typed value"),
+        (b'{"tree":{"s":["type:dict",[1,2],[0,3]]}}', "not the canonical tree"),  # pairs out of order
+        (b'{"tree":{"w":["type:tensor","v"]}}', "names tensor 'v', its path gives 'w'"),
+        (b'{"tree":{"x":1.5}}', "plain JSON real"),
+        (b'{"other":{}}', "a tree document is"),
+    ],
+)
+def test_a_hostile_tree_is_refused_with_a_typed_error(doc, says):
+    from shardstore.state.documents import read_tree
+
+    with pytest.raises(shardstore.ManifestError, match=re.escape(says)):
+        read_tree(doc, "tree")

@@ -377,7 +377,10 @@ def _decode_tag(kind: str, args: list[Any], what: str, depth: int) -> Any:
         except RuntimeError:
             raise bad(f"{one[:32]!r} is not a device") from None
     if kind == "path" and len(args) == 2 and args[0] in _PATHS and isinstance(args[1], str):
-        return getattr(pathlib, args[0])(args[1])
+        try:
+            return getattr(pathlib, args[0])(args[1])
+        except (NotImplementedError, TypeError, ValueError):  # a WindowsPath on this system, or a NUL in it
+            raise bad(f"a {args[0]} cannot be made here") from None
     if kind == "tensor" and isinstance(one, str):
         if not _TENSOR_NAME.fullmatch(one):
             raise bad("not a tensor name")
