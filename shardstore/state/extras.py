@@ -16,7 +16,9 @@ state has exactly one document. Tuples come back as lists, NumPy scalars as Pyth
 numbers, and tensors as CPU tensors (``load_state_dict`` moves what it needs). Anything else
 — a function, a generator, a set, an instance of a custom class, a non-string key, a string
 that starts with a reserved prefix — is refused with ``UnsupportedState`` naming the key
-path (``extra 'scheduler' at $.lr_lambdas[0]``), before anything is written.
+path (``extra 'scheduler' at $.lr_lambdas[0]``), before anything is written. The document's
+encoder and decoder are ``documents`` (``encode_state`` / ``read_state``), which also writes
+the tree of a state dict: the commit-wide extra ``state_dict`` is reserved for that (SPEC.md §9e).
 
 The state is taken (``state_dict()`` called and encoded) when ``capture_extras`` runs, so a
 background save (``AsyncSaver``) stores the state as it was when ``save`` was called.
