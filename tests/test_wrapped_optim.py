@@ -67,12 +67,17 @@ def _container(parts):
 
 
 def test_torchtitan_container_is_captured_whole_and_restores_into_both_forms(tmp_path):
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
     parts = _parts()
     container = _container(parts)
     assert len(container.optimizers) == 2  # one per model part
-    _step(parts, container)
+    schedulers = LRSchedulersContainer(container, lambda step: 1.0 / (step + 1))
+    for _ in range(2):
+        _step(parts, container, n=1)
+        schedulers.step()
     store = shardstore.open_store(tmp_path / "s")
-    cid = shardstore.save(store, torch.nn.ModuleList(parts), container, step=2, rng=False)
+    cid = shardstore.save(store, torch.nn.ModuleList(parts), container, step=2, rng=False, extra={"lr": schedulers})
     entries = shardstore.load_commit(store, cid).entries()
     # every parameter's Adam state is in the commit (before: the container's own empty state, none of it)
     assert sorted(entries) == ["0.bias", "0.weight", "1.bias", "1.weight"]
@@ -80,9 +85,11 @@ def test_torchtitan_container_is_captured_whole_and_restores_into_both_forms(tmp
 
     fresh = _parts(seed=5)  # wrapped form: a new container over new parts
     wrapped = _container(fresh)
-    shardstore.restore(store, cid, torch.nn.ModuleList(fresh), wrapped)
+    fresh_schedulers = LRSchedulersContainer(wrapped, lambda step: 1.0 / (step + 1))
+    shardstore.restore(store, cid, torch.nn.ModuleList(fresh), wrapped, extra={"lr": fresh_schedulers})
     for a, b in zip(container.optimizers, wrapped.optimizers):
         _same_state(a, b)
+    assert fresh_schedulers.state_dict() == schedulers.state_dict() == {"last_epoch": 2}
     plain_parts = _parts(seed=6)  # plain form: one AdamW whose groups are the container's, in order
     plain = torch.optim.AdamW([{"params": p.parameters()} for p in plain_parts], lr=0.5)
     shardstore.restore(store, cid, torch.nn.ModuleList(plain_parts), plain)
@@ -98,7 +105,10 @@ def test_torchtitan_container_is_captured_whole_and_restores_into_both_forms(tmp
     )
     _same_state(reference, plain)
     # and the plain form's save is the same commit: the container was saved as what it wraps
-    assert shardstore.save(store, torch.nn.ModuleList(plain_parts), plain, step=2, rng=False, ref=None) == cid
+    again = shardstore.save(
+        store, torch.nn.ModuleList(plain_parts), plain, step=2, rng=False, ref=None, extra={"lr": schedulers}
+    )
+    assert again == cid
 
 
 def _shift(opt, by):
@@ -163,6 +173,15 @@ def test_accelerated_scheduler_and_prepared_loader_round_trip(tmp_path, accelera
     assert s2.get_last_lr() == expected_lr and s2.state_dict() == sched.state_dict()
     assert l2.iteration == 2
     assert [b[0].tolist() for b in l2] == expected
+    # a loader that skips its first batches (accelerate's skip_first_batches, to resume mid-epoch) too
+    skipping = accelerator.skip_first_batches(loader, 1)
+    cid = shardstore.save(store, model, opt, step=3, slot_extra={"loader": skipping})
+    rest = [b[0].tolist() for b in skipping]
+    into = accelerator.skip_first_batches(l2, 1)
+    list(into)  # one epoch further on: without the restore its order would be another
+    assert [b[0].tolist() for b in accelerator.skip_first_batches(l2, 1)] != rest
+    shardstore.restore(store, cid, m2, o2, slot_extra={"loader": into})
+    assert [b[0].tolist() for b in into] == rest and len(rest) == 2
 
 
 # -- Lightning: LightningOptimizer ----------------------------------------------------------------
