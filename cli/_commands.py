@@ -437,7 +437,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     with _bar(args, "export") as bar:
         result = export_commit(
             store, args.target, args.out_dir, with_optimizer=args.with_optimizer,
-            max_shard_bytes=args.max_shard_size, overwrite=args.force, progress=_progress(bar),
+            max_shard_bytes=args.max_shard_size, overwrite=args.force, weights_only=args.weights_only,
+            progress=_progress(bar),
         )  # fmt: skip
     doc = jsonable(result)
 

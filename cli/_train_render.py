@@ -26,6 +26,8 @@ def render_prepare(doc: dict[str, Any]) -> str:
     if "profile" in doc:  # what the job computes in, and what it starts from (``describe``)
         label = doc["profile"] + ("+recompute" if doc.get("recompute") else "")
         text += f"\nprofile {label}\nseed {doc.get('seed') or '(fresh init)'}"
+    if doc.get("seed_store"):
+        text += f"\nseed store {doc['seed_store']}"
     return text
 
 

@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--with-optimizer", action="store_true", help="also write the Adam moments and optimizer.json")
     p.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="export a commit that holds no model config: the safetensors files without config.json "
+        "(refused otherwise, since transformers cannot load such a directory)",
+    )
+    p.add_argument(
         "--max-shard-size",
         type=parse_size,
         default=5 * 10**9,

@@ -109,8 +109,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     if args.model and args.seed_commit:
         raise JobError("give --model or --seed-commit, not both")
-    if (args.model or args.seed_commit) and not args.seed_store:
-        raise JobError("--model and --seed-commit need --seed-store (the store the start commit is in, or goes to)")
+    if args.seed_commit and not args.seed_store:
+        raise JobError("--seed-commit needs --seed-store (the store the start commit is in)")
+    chosen = args.model and not args.seed_store
+    if chosen:  # the import goes next to the job, and the output says where (train from it with --store)
+        args.seed_store = os.path.join(args.out, "store")
     if not (args.model or args.seed_commit) and (args.records or args.replay or args.dev or args.final):
         raise JobError("--records, --replay, --dev and --final need --model (or --seed-commit with tokenizer assets)")
     profile = Profile(name=args.profile, recompute=args.recompute) if args.profile != "fp32" or args.recompute else None
@@ -155,7 +158,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         "steps": job.num_steps,
         "seed": job.job.seed.commit,
         **describe(job),
+        **({"seed_store": args.seed_store} if args.model or args.seed_commit else {}),
     }
+    if chosen and not args.quiet:
+        print(
+            f"shardtrain: note: no --seed-store: the model was imported into {args.seed_store}, next to the job; "
+            f"train from it with --store {args.seed_store}",
+            file=sys.stderr,
+        )
     emit(args, doc, render_prepare)
     return Exit.OK
 
@@ -488,7 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-seed", type=int, default=0, help="seed of the generated records and their schedule")
     p.add_argument("--init-seed", type=int, default=1234, help="seed of the model's initial weights")
     p.add_argument("--lr", type=float, help="peak learning rate (default: the embedded default's, docs/DEMO.md)")
-    p.add_argument("--seed-store", help="store holding --seed-commit, or receiving --model's import")
+    p.add_argument(
+        "--seed-store",
+        help="store holding --seed-commit, or receiving --model's import (default for --model: OUT/store)",
+    )
     p.add_argument(
         "--seed-commit",
         help="start from this imported Llama commit (weights only) instead of a fresh init; "
@@ -498,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         metavar="HF_DIR",
         help="start from a Hugging Face save_pretrained directory: its weights "
-        "(widened to float32) are imported into --seed-store and its tokenizer files bound",
+        "(widened to float32) are imported into --seed-store (default OUT/store) and its tokenizer files bound",
     )
     p.add_argument("--records", metavar="TRAIN.jsonl", help='your training records, {"messages": [...]} per line')
     p.add_argument("--replay", metavar="FILE.jsonl", help="declared replay records (distilled toward the seed)")

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         write_shard,
         write_shard_entries,
     )
+    from .checkpoint.state_dict import load_state_dict_into, read_state_dict, save_state_dict
     from .format.manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode
     from .format.roots import learned_root
     from .ops.gc import GcResult, gc

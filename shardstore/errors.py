@@ -111,7 +111,7 @@ class TargetNotFound(ShardstoreError):
 
 
 class StateMismatch(ShardstoreError):
-    """The model or optimizer being restored into does not match the commit (missing names, groups)."""
+    """What a commit holds does not match what it is restored or exported into (missing names, groups, a model config)."""
 
 
 class UnsupportedOptimizer(ShardstoreError):

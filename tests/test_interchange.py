@@ -107,7 +107,7 @@ def test_hand_written_safetensors_match_the_library(store, tmp_path):
         "h.f64": torch.randn(3, dtype=torch.float64),
     }
     ss.save(store, tensors, step=0, rng=False)
-    export_commit(store, "main", str(tmp_path / "out"))
+    export_commit(store, "main", str(tmp_path / "out"), weights_only=True)  # no model config: the files alone
     path = tmp_path / "out" / "model.safetensors"
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -202,7 +202,7 @@ def test_import_widens_bf16_and_carries_tokenizer_assets(store, tmp_path):
     assert commit_assets(store, cid) == files and store.pinned(assets_pin(cid))
     gc(store, grace_seconds=0, dry_run=False)
     child = ss.save(store, {n: torch.zeros(1) for n in ("w",)}, step=1, parent=cid, rng=False, ref=None)
-    out = export_commit(store, child, str(tmp_path / "out-child"))
+    out = export_commit(store, child, str(tmp_path / "out-child"), weights_only=True)  # the child has no config
     assert set(files) <= set(out.files) and "notes.txt" not in out.files
     assert all((tmp_path / "out-child" / n).read_bytes() == d for n, d in files.items())
     export_commit(store, cid, str(tmp_path / "out"))

@@ -62,3 +62,11 @@ def test_quickstart_tour_runs_twice_with_equal_commit_ids(tmp_path):
         assert out.returncode == 0, out.stdout + out.stderr
         outs.append(re.findall(r"^commit ([0-9a-f]{64})", out.stdout, re.M))
     assert len(outs[0]) == 2 and outs[0] == outs[1]
+
+
+def test_readme_state_dict_example_runs(tmp_path):
+    block = re.search(r"## Saving a state dict\s.*?```python\n(.*?)```", README, re.S).group(1)
+    code = block.replace("/tmp/readme-state-dict", str(tmp_path / "store"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"commit [0-9a-f]{64} tensors \['optimizer_states/0/state/0/exp_avg', ", out.stdout), out.stdout

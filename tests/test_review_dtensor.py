@@ -374,16 +374,19 @@ def test_an_oversized_or_corrupt_block_is_refused_naming_tensor_and_block(chunke
             with pytest.raises(ss.TensorMismatch, match=r"tensor 'weight', block 1.*holds 20971520 bytes"):
                 ss.restore(store, cid, {"weight": dest, "bias": torch.zeros(10)}, threads=1)
         with pytest.raises(ss.CorruptObject, match=r"tensor 'weight', block 1.*over this reader's limit"):
-            export_commit(store, cid, str(tmp_path / "big"))
+            export_commit(store, cid, str(tmp_path / "big"), weights_only=True)
         _damage(root, victim, good[:100] + bytes([good[100] ^ 1]) + good[101:])
         dest = torch.zeros(131072, 10).t()
         with pytest.raises(ss.CorruptObject, match=r"tensor 'weight', block 1"):
             ss.restore(store, cid, {"weight": dest, "bias": torch.zeros(10)}, threads=1)
         with pytest.raises(ss.CorruptObject, match=r"tensor 'weight', block 1"):
-            export_commit(store, cid, str(tmp_path / "bad"))
+            export_commit(store, cid, str(tmp_path / "bad"), weights_only=True)
         cli = [sys.executable, "-m", "shardstore_cli.shardstore_cli"]
         p = subprocess.run(
-            [*cli, "export", str(root), cid, str(tmp_path / "cli")], capture_output=True, text=True, timeout=120
+            [*cli, "export", str(root), cid, str(tmp_path / "cli"), "--weights-only"],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert p.returncode == 1 and "Traceback" not in p.stderr and "tensor 'weight', block 1" in p.stderr, p.stderr
         p = subprocess.run([*cli, "verify", str(root)], capture_output=True, text=True, timeout=120)

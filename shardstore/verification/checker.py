@@ -18,7 +18,15 @@ from ..errors import (
 from ..store import Store
 from .commits import Problem, pinned_commits, read_commit
 from .dcp import dcp_problems
-from .objects import Checked, ContentRule, ExpectedObject, check_objects, content_problem, expected_objects
+from .objects import (
+    Checked,
+    ContentRule,
+    ExpectedObject,
+    check_objects,
+    content_problem,
+    expected_objects,
+    tree_problem,
+)
 
 __all__ = ["Report", "verify"]
 
@@ -173,6 +181,8 @@ def verify(
                     Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor)
                 )
         report.problems += dcp_problems(store, lc)  # a DCP commit's document against its entries (SPEC.md §9d)
+        if slot is None and (err := tree_problem(store, lc)) is not None:
+            report.problems.append(Problem(type(err)(f"commit {cid}: {err}"), cid, None))
     only_pinned = {cid: pins for cid, pins in pinned_by.items() if cid not in named_by}
     report.problems = [
         _pinned_label(p, only_pinned[p.commit]) if p.commit in only_pinned else p for p in report.problems

@@ -12,13 +12,15 @@ from typing import Any, NamedTuple
 
 from ..errors import (
     CorruptObject,
+    ManifestError,
     ObjectNotFound,
     ObjectTooLarge,
     ShardstoreError,
 )
-from ..format.manifest import MAX_MANIFEST_BYTES, decode_config
+from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, decode_config
 from ..format.rng import MAX_RNG_BYTES, check_rng
 from ..format.slices import entry_objects, slot_needs
+from ..state.documents import read_tree, tensor_refs
 from ..state.extras import extra_objects, read_extra_state
 from ..store import Store
 from .commits import LoadedCommit
@@ -30,9 +32,11 @@ __all__ = [
     "ModelConfigContent",
     "RngContent",
     "StateDocumentContent",
+    "TreeContent",
     "expected_objects",
     "check_objects",
     "content_problem",
+    "tree_problem",
 ]
 
 
@@ -55,8 +59,13 @@ class StateDocumentContent:
     tensors: int
 
 
+@dataclass(frozen=True)
+class TreeContent:
+    """Decode the object as a state dict's tree (the commit-wide extra ``state_dict``, SPEC.md §9e)."""
+
+
 #: How verify decodes an object's content, as its load path would.
-ContentRule = ModelConfigContent | RngContent | StateDocumentContent
+ContentRule = ModelConfigContent | RngContent | StateDocumentContent | TreeContent
 
 
 class ExpectedObject(NamedTuple):
@@ -70,10 +79,12 @@ class ExpectedObject(NamedTuple):
 
 
 def _extra_objects(extras: Any, where: str) -> Iterator[ExpectedObject]:
+    trees = {x.state for x in extras if x.key == TREE_KEY} if not where else set()  # commit-wide only
     for oid, size, what, placeholders in extra_objects(extras, where):
-        yield ExpectedObject(
-            oid, size, None, what, None if placeholders is None else StateDocumentContent(placeholders)
-        )
+        rule: ContentRule | None = None
+        if placeholders is not None:
+            rule = TreeContent() if oid in trees else StateDocumentContent(placeholders)
+        yield ExpectedObject(oid, size, None, what, rule)
 
 
 def expected_objects(lc: LoadedCommit, slot: int | None) -> Iterator[ExpectedObject]:
@@ -154,10 +165,34 @@ def content_problem(store: Store, oid: str, rule: ContentRule, have: int | None)
     try:
         if isinstance(rule, ModelConfigContent):
             decode_config(store.get(oid, limit=limit), what="model config")
+        elif isinstance(rule, TreeContent):  # a state dict's tree (SPEC.md §9e)
+            read_tree(store.get(oid, limit=limit), "state dict tree")
         elif isinstance(rule, StateDocumentContent):  # with placeholders for its tensors
             read_extra_state(store.get(oid, limit=limit), [None] * rule.tensors, "state document")  # type: ignore[list-item]
         else:
             check_rng({rule.kind: store.get(oid, limit=limit)}, raw_kinds=False)
     except ShardstoreError as e:
         return e
+    return None
+
+
+def tree_problem(store: Store, lc: LoadedCommit) -> ShardstoreError | None:
+    """A state dict's tree must reference exactly the commit's tensor entries (SPEC.md §9f);
+    None when it does, or when the commit has no tree or its document is itself unreadable
+    (``content_problem`` reports that)."""
+    tree = next((x for x in lc.commit.extras if x.key == TREE_KEY), None)
+    if tree is None:
+        return None
+    try:
+        names = tensor_refs(read_tree(store.get(tree.state, limit=MAX_MANIFEST_BYTES), "state dict tree"))
+    except ShardstoreError:
+        return None
+    entries = set(lc.entries())
+    if sorted(names) != sorted(entries):
+        stray = sorted(set(names) - entries)[:3]
+        unnamed = sorted(entries - set(names))[:3]
+        return ManifestError(
+            f"its state dict tree {tree.state} and its tensor entries disagree: the tree names {stray} that are not "
+            f"entries, and entries {unnamed} are not in the tree (SPEC.md §9f)"
+        )
     return None

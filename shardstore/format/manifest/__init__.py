@@ -24,7 +24,16 @@ from __future__ import annotations
 
 from ..canonical import f64_decode, f64_encode
 from .encoding import check_writable, decode, decode_config, decode_manifest, encode, encode_config
-from .payloads import banded, extra_objects, is_chunked, legal_versions, shard_version, state_payloads, tensor_payloads
+from .payloads import (
+    TREE_KEY,
+    banded,
+    extra_objects,
+    is_chunked,
+    legal_versions,
+    shard_version,
+    state_payloads,
+    tensor_payloads,
+)
 from .schema import (
     CHUNKED_VERSION,
     DTYPE_NAMES,
@@ -99,6 +108,7 @@ __all__ = [
     "Block",
     "Payload",
     "extra_objects",
+    "TREE_KEY",
     "is_chunked",
     "tensor_payloads",
     "state_payloads",

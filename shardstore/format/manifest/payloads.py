@@ -24,6 +24,7 @@ from .schema import (
 
 __all__ = [
     "extra_objects",
+    "TREE_KEY",
     "is_chunked",
     "tensor_payloads",
     "state_payloads",
@@ -95,6 +96,10 @@ def legal_versions(
 def banded(version: int) -> bool:
     """Whether a manifest of ``version`` puts its chunked payloads on the row-band grid (2, 3)."""
     return version < TILE_VERSION
+
+
+#: The commit-wide extra holding a state dict's tree (SPEC.md §9f): its document is read by the tree's grammar.
+TREE_KEY = "state_dict"
 
 
 def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[str, int | None, str, int | None]]:
