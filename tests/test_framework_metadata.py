@@ -83,5 +83,7 @@ def test_prepare_with_a_model_and_no_seed_store_imports_next_to_the_job(own, tmp
     store = shardstore.open_store(where, create=False)
     seed = next(line.split()[1] for line in captured.out.splitlines() if line.startswith("seed "))
     assert store.ref(f"seeds/{seed}") == seed
-    assert shardtrain_main(["prepare", "--out", str(tmp_path / "j2"), "--seed-commit", seed]) == 4
+    assert (
+        shardtrain_main(["prepare", "--out", str(tmp_path / "j2"), "--seed-commit", seed]) == 5
+    )  # refused (the one exit-code table)
     assert "--seed-commit needs --seed-store" in capsys.readouterr().err

@@ -228,7 +228,7 @@ def test_prepare_refuses_held_out_records_longer_than_the_context(
                          {"role": "assistant", "content": "80"}]}  # fmt: skip
     held = _write_jsonl(tmp_path / f"{split}.jsonl", [_record(39, 9), long])
     args = _prepare(own, out, store, records=False) + ["--records", own["train"], f"--{split}", held]
-    assert shardtrain_main(args) == 4
+    assert shardtrain_main(args) == 5  # refused (the one exit-code table)
     err = capsys.readouterr().err
     assert f"{held}, line 2: " in err and "longer than the model's max_position_embeddings 64" in err, err
     assert err.count("\n") == 1 and not out.exists() and not store.exists()
@@ -255,7 +255,7 @@ def test_prepare_refuses_a_config_outside_the_job_bounds_before_writing(
     out, store = tmp_path / "job", tmp_path / "store"
     model = _model_with(own, tmp_path / "model", **changes)
     args = [a if a != own["model"] else model for a in _prepare(own, out, store)]
-    assert shardtrain_main(args) == 4
+    assert shardtrain_main(args) == 5  # refused (the one exit-code table)
     err = capsys.readouterr().err
     assert named in err and err.count("\n") == 1, err
     assert not out.exists() and not store.exists()
@@ -279,7 +279,7 @@ def test_prepare_refuses_bad_rope_settings_with_a_typed_error(
     out, store = tmp_path / "job", tmp_path / "store"
     model = _model_with(own, tmp_path / "model", **{"rope_parameters": None, "rope_scaling": None, **changes})
     args = [a if a != own["model"] else model for a in _prepare(own, out, store)]
-    assert shardtrain_main(args) == 4
+    assert shardtrain_main(args) == 5  # refused (the one exit-code table)
     err = capsys.readouterr().err
     assert err.startswith("shardtrain: error: JobError: ") and named in err and err.count("\n") == 1, err
     assert not out.exists() and not store.exists()
@@ -496,7 +496,7 @@ def test_prepare_refuses_a_chat_template_that_loops(
     (model / "chat_template.jinja").write_text(template)
     args = [a if a != own["model"] else str(model) for a in _prepare(own, out, store)]
     began = time.monotonic()
-    assert shardtrain_main(args) == 4
+    assert shardtrain_main(args) == 5  # refused (the one exit-code table)
     err = capsys.readouterr().err
     assert err.startswith("shardtrain: error: JobError: the chat template ") and named in err, err
     assert not out.exists() and not store.exists()
