@@ -66,7 +66,9 @@ def test_export_of_a_commit_without_a_model_config_is_refused_before_writing(tmp
     with pytest.raises(StateMismatch, match=r"holds no model config.*weights_only=True \(--weights-only\)"):
         export_commit(store, cid, str(out))
     assert not out.exists()
-    assert shardstore_main(["export", str(tmp_path / "s"), cid, str(out)]) == 1
+    assert (
+        shardstore_main(["export", str(tmp_path / "s"), cid, str(out)]) == 5
+    )  # refused (StateMismatch: the one exit-code table)
     assert "holds no model config" in capsys.readouterr().err and not out.exists()
     assert shardstore_main(["export", str(tmp_path / "s"), cid, str(out), "--weights-only"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
