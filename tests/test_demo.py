@@ -111,6 +111,7 @@ def _reachable(s) -> set[str]:  # type: ignore[no-untyped-def]
     return seen
 
 
+@pytest.mark.long  # ~12 s: .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_cli_refuses_before_training(tmp_path: Path) -> None:
     prep = _cli(
         "-m",

@@ -122,6 +122,7 @@ def test_a_corrupt_object_in_a_memory_tier_is_read_from_the_store(two: SimpleNam
     )
 
 
+@pytest.mark.long  # ~25 s: .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_the_command_line_reports_restore_bytes_by_tier(
     two: SimpleNamespace, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
