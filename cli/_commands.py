@@ -85,6 +85,11 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_slot_option(p: argparse.ArgumentParser, what: str) -> None:
+    """``--slot K`` (``--shard K``, its old name, kept as an alias): ``what`` slot K's objects."""
+    p.add_argument("--slot", "--shard", dest="slot", type=int, metavar="K", help=f"{what} (--shard: old name)")
+
+
 def apply_storage_options(args: argparse.Namespace) -> None:
     """Make ``--storage-option`` reach every store this process (and any worker it starts) opens."""
     from shardstore.backends.options import ENV, environment_with

@@ -22,6 +22,7 @@ import shardstore as ss
 
 from ._commands import (
     UsageError,
+    add_slot_option,
     add_storage_option,
     apply_storage_options,
     cmd_cat,
@@ -89,14 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="commits to check (default: everything reachable from refs and pins)",
     )
     p.add_argument("--quick", action="store_true", help="check structure and object sizes only; do not re-hash")
-    p.add_argument(
-        "--slot",
-        "--shard",
-        dest="slot",
-        type=int,
-        metavar="K",
-        help="check only the objects of slot K (--shard: old name)",
-    )
+    add_slot_option(p, "check only the objects of slot K")
     p = add("diff", cmd_diff, "what changed from commit A to commit B")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")

@@ -50,6 +50,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the ``copy``, ``gc`` and ``unpin`` subcommands to the main parser's subparsers."""
+    from ._commands import add_slot_option
     from ._help import HelpFormatter
     from .shardstore_cli import EPILOG  # the one exit-code table (imported here: shardstore_cli calls register)
 
@@ -64,14 +65,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("src", metavar="SRC", help="source store path or URL")
     p.add_argument("dst", metavar="DST", help="destination store path or URL (created if absent)")
     p.add_argument("target", metavar="TARGET", help="ref name, commit id or unique id prefix in SRC")
-    p.add_argument(
-        "--slot",
-        "--shard",
-        dest="slot",
-        type=int,
-        metavar="K",
-        help="copy only what slot K needs to restore (--shard: old name)",
-    )
+    add_slot_option(p, "copy only what slot K needs to restore")
     p.add_argument("--ref", metavar="NAME", help="afterwards move ref NAME in DST to the commit")
     p.add_argument(
         "--pin",
