@@ -20,6 +20,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_checkpoint_benchmark_smoke(tmp_path) -> None:
     results = tmp_path / "RESULTS.md"
     results.write_text("# results\n")
@@ -67,6 +68,7 @@ def test_slice_check_benchmark_smoke() -> None:
     assert "| rows | 200 | this tree |" in done.stdout and "| mixed | 200 | this tree |" in done.stdout
 
 
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_s3_benchmark_smoke() -> None:
     done = _run(["benchmarks/bench_s3.py", "--mib", "4", "--repeat", "1"])
     assert done.returncode == 0, done.stderr[-2000:]

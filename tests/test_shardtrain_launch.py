@@ -139,6 +139,7 @@ def test_a_worker_waits_for_threads_it_left_running(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["late-0.txt", "late-1.txt"]
 
 
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_run_worker_teardown_leaves_no_group_threads(tmp_path: Path) -> None:
     """After `run_worker` returns, the group's native threads are gone, even when the worker
     imported torch._dynamo after the group existed (a torch optimizer does). Left running,
@@ -172,6 +173,7 @@ def test_run_worker_teardown_leaves_no_group_threads(tmp_path: Path) -> None:
         assert not {"pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv"} & set(left), left
 
 
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_torchrun_path_matches_the_local_launcher(tmp_path: Path) -> None:
     """Two workers under torchrun train bitwise like one worker under the local launcher."""
     (tmp_path / "torchrun").mkdir()

@@ -102,6 +102,7 @@ def test_a_worker_lost_mid_update_restarts_from_its_memory_tier(two: SimpleNames
     assert all(w["tier_bytes"] > 0 and w["replica_bytes"] > 0 for w in record["workers"]), record
 
 
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_a_corrupt_object_in_a_memory_tier_is_read_from_the_store(two: SimpleNamespace) -> None:
     store = shardstore.open_store(two.url)
     lc = shardstore.load_commit(store, two.commits[2])
