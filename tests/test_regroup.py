@@ -144,6 +144,15 @@ def test_cli_regroup_grow_and_plan(adaptive_run: SimpleNamespace, capsys: pytest
     assert main(["plan", "--prepared", run.job, "--workers", "2", "--memory", "1GiB,3GiB", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
     assert len(planned["slots"]) == 2 and planned["max_utilisation"] == max(s["utilisation"] for s in planned["slots"])
+    # The memory tiers' host memory, per slot: (K + 1) commits of its own slot and of its buddy's.
+    tier_args = ["--memory-tier-commits", "2", "--peer-replicas", "1"]
+    assert main(["plan", "--prepared", run.job, "--workers", "2", "--memory", "1GiB,3GiB", "--json", *tier_args]) == 0
+    tiered = json.loads(capsys.readouterr().out)
+    stored = [12 * s["parameters"] for s in tiered["slots"]]  # float32 weights and both Adam moments
+    assert [s["tier"] for s in tiered["slots"]] == [3 * (stored[0] + stored[1])] * 2
+    assert [s["estimate"] for s in tiered["slots"]] == [s["estimate"] for s in planned["slots"]]
+    assert main(["plan", "--prepared", run.job, "--workers", "2", "--memory", "1GiB", *tier_args]) == 0
+    assert "host tiers" in capsys.readouterr().out
     assert (
         main(
             [

@@ -101,6 +101,11 @@ class SlotTiers:
     def replicas(self) -> int:
         return 0 if self.own is None else self.spec.buddies(self.world)
 
+    @property
+    def kept_commits(self) -> int:
+        """Commits this worker's tier keeps (0: it has none)."""
+        return 0 if self.own is None else self.spec.keep
+
     # -- the start ------------------------------------------------------------------------
 
     def fetch(self, commit: str, group: Any = None) -> None:
