@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -501,6 +502,14 @@ def test_storage_options_at_save_are_refused_as_lightning_does(tmp_path: Path) -
     (tmp_path / "file").write_text("")
     with pytest.raises(StorageError, match="marker file could not be written"):
         ShardstoreCheckpointIO(tmp_path / "store").save_checkpoint({"w": torch.ones(1)}, tmp_path / "file" / "x.ckpt")
+
+
+def test_the_plugin_crosses_to_another_process_as_its_url(tmp_path: Path) -> None:
+    """Spawning strategies copy the Trainer and its plugins: the store goes as its URL and opens there."""
+    io = ShardstoreCheckpointIO(tmp_path / "store", prefix="runs/a")
+    io.save_checkpoint({"global_step": 5, "w": torch.ones(2)}, tmp_path / "x.ckpt")
+    clone = copy.deepcopy(io)  # what pickling for a spawned process does: __getstate__ / __setstate__
+    assert clone.load_checkpoint(tmp_path / "x.ckpt")["global_step"] == 5 and clone.ref_for("x.ckpt") == "runs/a/x.ckpt"
 
 
 # -- packaging ---------------------------------------------------------------------------------------
