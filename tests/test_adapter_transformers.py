@@ -197,9 +197,11 @@ def check_bitwise(root: Path, status: dict[str, int]) -> None:
     assert_same_tensors(*(load_file(str(root / f"{r}.safetensors")) for r in ("uninterrupted", "resumed")))
     assert a["checkpoints"] == [[K, f"a/checkpoint-{K}"], [N, f"a/checkpoint-{N}"]]
     assert b["checkpoints"] == [[K, f"b/checkpoint-{K}"], [N, f"b/checkpoint-{N}"]]
-    refs = ss.open_store(str(root / "store")).refs()
+    store = ss.open_store(str(root / "store"))
+    refs = store.refs()
     assert refs[f"a/checkpoint-{K}"] == refs[f"b/checkpoint-{K}"]  # the same state: one commit
     assert refs[f"a/checkpoint-{N}"] == refs[f"b/checkpoint-{N}"]
+    assert store.commit(refs[f"b/checkpoint-{N}"]).parent == refs[f"b/checkpoint-{K}"]  # the run's history
     assert a["output_dir"] == b["output_dir"] == []  # no checkpoint folder, trainer_state.json or pickle
 
 
