@@ -206,7 +206,9 @@ def spec_valid(doc: Any) -> bool:
             and all(
                 _keys(r, {"kind", "object"})
                 and _s(r["object"], OID)
-                and re.match(r"^(python|numpy|torch|cuda:[0-9]{1,4})$", r["kind"] if type(r["kind"]) is str else "")
+                and re.match(
+                    r"^(python|numpy|torch|cuda:(0|[1-9][0-9]{0,3}))$", r["kind"] if type(r["kind"]) is str else ""
+                )
                 is not None
                 and "\n" not in r["kind"]
                 for r in doc["rng"]
