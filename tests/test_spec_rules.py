@@ -3,7 +3,7 @@ project's own encoders, so the text and the code cannot drift apart (issue 26, B
 
 - §7: how a string is written (which characters are escaped, and how) and the order of
   object keys (by UTF-8 bytes, which is code-point order), on every code point;
-- §14b: how a gate report writes a real (msgspec's float text).
+- docs/SHARDTRAIN-FORMATS.md §1: how a gate report writes a real (msgspec's float text).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_key_order_is_code_point_order_not_utf16():
 
 
 def spec_real(x: float) -> str:
-    """A gate report's real by SPEC.md §14b: Python's shortest round-trip digits, written in
+    """A gate report's real by docs/SHARDTRAIN-FORMATS.md §1: Python's shortest round-trip digits, written in
     plain notation when the decimal exponent e of the first digit is -5 <= e < 16 (with at
     least one digit after the point), else as d[.ddd]e<e> (no "+", no leading zeros)."""
     if x == 0:
@@ -134,7 +134,7 @@ def test_gate_report_reals_follow_spec(x):
 
 
 def test_new_slot_rng_seed_is_spelled_as_spec_says():
-    """SPEC.md §15a's seed of a new slot's RNG, byte-exact: the ASCII message with the commit id
+    """SPEC.md §15.1's seed of a new slot's RNG, byte-exact: the ASCII message with the commit id
     as hex text and k in decimal, BLAKE2b with an 8-byte digest, little-endian, mod 2^32."""
     import hashlib
 

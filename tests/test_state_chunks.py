@@ -1,4 +1,4 @@
-"""Chunked torch-form optimizer state (format 3) and large extras/buffers (SPEC.md §5a, §9a-§9c).
+"""Chunked torch-form optimizer state (format 3) and large extras/buffers (SPEC.md §5.1, §9.1-§9.3).
 
 Pure tests, no processes: the format-3 vector recomputed from SPEC.md with ``json``,
 ``array`` and ``blake3`` only; a version-2 store whose large state tensor is one object
@@ -29,7 +29,7 @@ ROWS, COLS = (
     3,
     524288,
 )  # float32 rows of 2 MiB: tiles of columns 0-262143 and the rest (row bands 0-1 and 2 in version 3)
-TILES = [((0, 0), (ROWS, COLS // 2)), ((0, COLS // 2), (ROWS, COLS // 2))]  # SPEC.md §5a, version 4
+TILES = [((0, 0), (ROWS, COLS // 2)), ((0, COLS // 2), (ROWS, COLS // 2))]  # SPEC.md §5.1, version 4
 BANDS = [((0, 0), (2, COLS)), ((2, 0), (1, COLS))]  # versions 2 and 3
 N = 4096  # the slot-K selection's uint8 [N, N]: 2 x 2 tiles
 HYPER = {"dampening": 0, "foreach": None, "lr": "f64:3fb999999999999a", "maximize": False, "momentum": "f64:3feccccccccccccd",
@@ -238,7 +238,7 @@ def test_a_large_extra_tensor_is_one_object_and_a_large_buffer_is_chunked():
         ss.load_commit(store, bad)
 
 
-# -- slices (format 3, SPEC.md §15e): the chunked vector's w held by two slots, rows 0-1 and row 2 ---------
+# -- slices (format 3, SPEC.md §15.5): the chunked vector's w held by two slots, rows 0-1 and row 2 ---------
 
 
 def _slice_manifests(boxes, version: int) -> list[bytes]:
@@ -476,7 +476,7 @@ def test_export_and_diff_read_chunked_state_block_by_block(tmp_path):
         (
             [[(0, 1), (3000, 1)], [(1, 2999), (3001, 1095)]],
             [{0, 1, 2, 3}, {0, 1, 2, 3}],
-        ),  # strided (SPEC.md §15d parts)
+        ),  # strided (SPEC.md §15.4 parts)
     ],
     ids=["dim0x3", "dim1x2", "2x2", "dim0x2-replicated", "strided-parts"],
 )

@@ -16,7 +16,7 @@ The estimate of a slot is a sum of named terms (bytes), each a count of FP32 ten
   before any backward, so all of them are in flight); slot 0 adds the embedding output
   per microbatch and the head's logits, log-softmax and their gradient for one microbatch
   (the head runs one microbatch at a time);
-- ``casts`` (the ``bf16-autocast`` profile, SPEC.md §15f): autocast's bfloat16 copy of
+- ``casts`` (the ``bf16-autocast`` profile, docs/SHARDTRAIN-FORMATS.md §5): autocast's bfloat16 copy of
   every weight a matrix product uses (2 bytes per parameter), kept by each microbatch's
   graph for its backward, so once per microbatch in flight; with recomputation the
   blocks' copies once (a recomputed block casts its weights again, one block at a time),
