@@ -550,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="local workers (default 2); resuming a commit laid out for "
-        "another count first writes its repartition commit (SPEC.md §15a)",
+        "another count first writes its repartition commit (SPEC.md §15.1)",
     )
     p.add_argument("--ref", default="main", help="the ref that follows this run (default main)")
     p.add_argument(

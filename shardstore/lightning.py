@@ -7,7 +7,7 @@ it. Importing ``shardstore`` never imports Lightning; importing this module does
 
 **What a save stores.** Lightning hands ``save_checkpoint`` one dict — weights, optimizer and
 scheduler ``state_dict()``s, loops' progress, callbacks' state, epoch, global step,
-hyperparameters. It becomes one commit through ``save_state_dict`` (SPEC.md §9f): each tensor a
+hyperparameters. It becomes one commit through ``save_state_dict`` (SPEC.md §9.6): each tensor a
 tensor entry named by its key path, everything else the commit's tree, read back as exactly
 its type and value; nothing is pickled. Lightning's ``AttributeDict`` and ``argparse.Namespace``
 inside the dict are stored as dicts and come back as themselves (their key paths are listed
@@ -266,7 +266,7 @@ class ShardstoreCheckpointIO(CheckpointIO):
             step=step if type(step) is int and step >= 0 else 0,
             ref=ref,
             job=self.job,
-            parent=None,  # each checkpoint stands alone: deleting its ref frees it (SPEC.md §19a)
+            parent=None,  # each checkpoint stands alone: deleting its ref frees it (SPEC.md §19.1)
             threads=self.threads,
         )
         marker = _Marker(

@@ -4,7 +4,7 @@
 ``Trainer`` saves a checkpoint as a directory of files — ``model.safetensors``, pickled
 ``optimizer.pt``/``scheduler.pt``/``scaler.pt``/``rng_state.pth`` and ``trainer_state.json`` —
 and resumes by reading them back. Here each checkpoint is one commit of the store instead,
-made by ``save_state_dict`` (SPEC.md §9f) from one nested dict, its *tree*::
+made by ``save_state_dict`` (SPEC.md §9.6) from one nested dict, its *tree*::
 
     {"kind": "transformers.Trainer", "version": 1,
      "model": model.state_dict(),               # every tensor a tensor entry (model/...)
@@ -197,7 +197,7 @@ class ShardstoreTrainerMixin:
                         self.state.stateful_callbacks[name] = cb_state
         parent = self._last_commit
         if self.args.save_total_limit or (parent is not None and not self.store.has(parent)):
-            parent = None  # a rotated checkpoint must not be kept by its successor's parent link (SPEC.md §19a)
+            parent = None  # a rotated checkpoint must not be kept by its successor's parent link (SPEC.md §19.1)
         cid = save_state_dict(
             self.store, self._checkpoint_tree(), step=step, ref=self.checkpoint_ref(step), job=self.job, parent=parent
         )

@@ -246,7 +246,7 @@ def test_every_value_is_bounded_when_the_job_is_loaded(
     job_path: str, tmp_path: Path, what: str, value: object, field: str
 ) -> None:
     """Issue 24: non-finite or out-of-range reals and unbounded sizes are refused by `load_job`
-    (JobError naming the field, SPEC.md §14c) — before this, every one of them loaded."""
+    (JobError naming the field, docs/SHARDTRAIN-FORMATS.md §2) — before this, every one of them loaded."""
     job = load_job(job_path).job
     path = _copy(job_path, tmp_path)
     path.write_bytes(_ENC.encode(_bad(job, what, value)))

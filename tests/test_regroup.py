@@ -63,7 +63,7 @@ def test_repartition_commits_keep_the_learned_state_root_and_write_no_tensor_obj
     lc3, lc1 = load_commit(run.store, run.to3.commit), load_commit(run.store, run.to3.parent)
     assert [r.object for r in lc3.shards[1].rng] == [r.object for r in lc1.shards[1].rng]
     assert {r.kind for r in lc3.shards[2].rng} == {"python", "numpy", "torch"}
-    # SPEC.md §15a: s = BLAKE2b-64("shardtrain-rng-v1:<parent>:<slot>") little-endian mod 2**32, torch's state after manual_seed(s).
+    # SPEC.md §15.1: s = BLAKE2b-64("shardtrain-rng-v1:<parent>:<slot>") little-endian mod 2**32, torch's state after manual_seed(s).
     digest = hashlib.blake2b(f"shardtrain-rng-v1:{run.to3.parent}:2".encode(), digest_size=8).digest()
     seed = int.from_bytes(digest, "little") % 2**32
     assert rng_seed(run.to3.parent, 2) == seed != rng_seed(run.to3.parent, 1)

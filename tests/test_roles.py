@@ -235,7 +235,7 @@ def _open_proc(
 
 @pytest.mark.parametrize("paused", ["open", "select"])
 def test_select_and_gate_final_in_two_processes_never_strand_the_job(tmp_path: Path, paused: str) -> None:
-    """Issue 24 (README §Roles, "select and the final sets"): `select` of commit B against the
+    """Issue 24 (README §Distillation, "select and the final sets"): `select` of commit B against the
     opening of the final sets (`gate --final`, `evaluate --final`) for the selected commit A,
     in two processes, each interleaving forced: one process stops inside its critical
     section while the other runs whole. The intended outcome: the two are linearisable —

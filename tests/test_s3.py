@@ -177,7 +177,7 @@ def test_ref_write_whose_answer_was_lost(s3_server: S3Server) -> None:  # noqa: 
     storage, proxy = proxied(s3_server)
     store = ss.Store(storage)
     a, b = store.put(b"a"), store.put(b"b")
-    # The first put of a ref move is its gc-fence intent (SPEC.md §19b): the fault hits the ref's.
+    # The first put of a ref move is its gc-fence intent (SPEC.md §19.2): the fault hits the ref's.
     proxy.faults["put_object"] = [None, ("after", ReadTimeoutError(endpoint_url="http://127.0.0.1"))]
     store.set_ref("main", a, expected=None)  # landed, answer lost, retry got 412, re-read shows ours
     assert store.ref("main") == a
@@ -373,7 +373,7 @@ def test_a_corrupt_object_on_s3_is_caught_by_every_streamed_read(s3_server: S3Se
     )
     with pytest.raises(ss.CorruptObject, match=six):
         store.get(six)
-    # A saved 6 MiB weight is two blocks (4 MiB + 2 MiB, SPEC.md §5a): a corrupt block is
+    # A saved 6 MiB weight is two blocks (4 MiB + 2 MiB, SPEC.md §5.1): a corrupt block is
     # caught by restore, verify and copy.
     model = torch.nn.Linear(1024, 1536, bias=False)
     cid = ss.save(store, model, step=1, rng=False)

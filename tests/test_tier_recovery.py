@@ -1,4 +1,4 @@
-"""Recovery without a storage read, end to end over real Gloo (SPEC.md §19c).
+"""Recovery without a storage read, end to end over real Gloo (SPEC.md §19.3).
 
 Each worker gets a memory tier of its own (``RunSpec.memory_tiers``: slot -> directory), which
 is how one machine stands in for separate hosts: losing a "host" is deleting its directory.

@@ -1,5 +1,5 @@
 """Wrapper optimizers are saved as what they wrap, and no optimizer is saved holding less than
-its own ``state_dict()`` (SPEC.md §9e; ``shardstore/state/wrapped.py``).
+its own ``state_dict()`` (SPEC.md §9.5; ``shardstore/state/wrapped.py``).
 
 The frameworks' own classes, really imported: torchtitan's ``OptimizersContainer`` (several
 inner optimizers), accelerate's ``AcceleratedOptimizer``, ``AcceleratedScheduler`` and

@@ -1,5 +1,5 @@
 """What a commit is about besides its tensors (``CommitInfo``), and the checks a writer or a
-restore runs before its first write (SPEC.md §19b, "arguments before
+restore runs before its first write (SPEC.md §19.2, "arguments before
 writes" and "validate before write").
 
 - ``check_info``: a commit's non-tensor fields (job id, step, cursor, labels, transition,

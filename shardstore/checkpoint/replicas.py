@@ -1,5 +1,5 @@
 """Peer replicas: each slot's committed objects held in a buddy's memory tier, and sent back
-to a worker whose own tier lacks them (SPEC.md §19c).
+to a worker whose own tier lacks them (SPEC.md §19.3).
 
 Slot ``i``'s buddies are slots ``i+1 .. i+N`` (mod the group's size; ``N`` replicas). Both
 directions are one exchange, ``shift``: every rank of the group sends one offer to the rank

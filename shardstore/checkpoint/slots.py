@@ -112,7 +112,7 @@ class Restored:
     extras: list[str] = field(default_factory=list)  # commit-wide extras loaded
     slot_extras: list[str] = field(default_factory=list)  # the slot's own extras loaded
     bytes_read: int = 0
-    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5a)."""
+    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5.1)."""
     skipped: list[str] = field(default_factory=list)  # strict=False: commit tensors the model does not hold
     missing: list[str] = field(
         default_factory=list
@@ -240,7 +240,7 @@ def write_shard_entries(
     """Write a shard manifest naming objects already in the store; return its id.
 
     For transitions that move or keep tensors without touching their bytes (a new layout
-    naming the same objects, SPEC.md §15a): ``entries`` are taken as they are
+    naming the same objects, SPEC.md §15.1): ``entries`` are taken as they are
     (sorted by name here), ``rng`` maps an RNG kind to an existing object id. Every named
     object must already be present (checked by existence; no payload byte is read), and
     the manifest must pass the shard rules before it is written. ``bands``: whether the
@@ -250,7 +250,7 @@ def write_shard_entries(
     leaves on the tile grid).
     """
     check_info(info)
-    # every object a payload names: one id, or each block of a chunked payload (SPEC.md §5a)
+    # every object a payload names: one id, or each block of a chunked payload (SPEC.md §5.1)
     named = [oid for e in entries for _, p, d in tensor_payloads(e) for oid, _box, _n in payload_blocks(p, d, e.shape)]
     named += [oid for e in entries for oid, _, _ in state_objects(e)]
     named += list(rng.values())
@@ -359,7 +359,7 @@ def save_slots(
         parent = current
     check_parent(store, parent)  # before any object is written
     n = len(states)
-    for s in states:  # a step below an Adam age is refused before the first object (SPEC.md §9, §19b)
+    for s in states:  # a step below an Adam age is refused before the first object (SPEC.md §9, §19.2)
         check_cursors(s, info)
     extras = write_extras(store, capture_extras(extra), threads=threads)  # made durable by write_shard's barrier
     shard_ids = [
@@ -481,7 +481,7 @@ def restore(
     Only tensors the model owns (non-meta parameters and persistent buffers) are read,
     whatever layout wrote them; every byte read is verified. DTensor parameters and moments
     (FSDP2, tensor parallelism, any mesh) are filled in their local slices, from the blocks
-    those overlap (SPEC.md §5a). ``strict`` (SPEC.md §16a, ``restore_match``): every owned tensor
+    those overlap (SPEC.md §5.1). ``strict`` (SPEC.md §16.1, ``restore_match``): every owned tensor
     is in the commit and every commit tensor the restore covers (all of them for a module, slot
     ``slot``'s with ``slot=``, a mapping's own names) is in the model, tied weights alike; False:
     restore what both hold, naming the rest in ``skipped`` / ``missing``. ``extra`` / ``slot_extra``:
@@ -518,7 +518,7 @@ def restore(
     # a bad config or RNG object is refused before a byte lands in the caller's tensors (§16).
     config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
     rng_states = None
-    if rng or rng is None and (slot is not None or len(lc.shards) == 1):  # None: when the slot is known (SPEC.md §16a)
+    if rng or rng is None and (slot is not None or len(lc.shards) == 1):  # None: when the slot is known (SPEC.md §16.1)
         s = _slot(lc, slot, "RNG")
         rng_states = {r.kind: store.get(r.object, limit=MAX_RNG_BYTES) for r in lc.shards[s].rng}
         check_rng(rng_states)
@@ -570,7 +570,7 @@ def _plan_optimizers(
     group_names: list[str] | None,
 ) -> list[_OptimPlan]:
     """Plan the optimizer's restore, checked before any read: a wrapper's optimizers each get
-    their own groups (``g0``, ``g1``, ... counted across them) and parameters (SPEC.md §9e)."""
+    their own groups (``g0``, ``g1``, ... counted across them) and parameters (SPEC.md §9.5)."""
     inner = inner_optimizers(optimizer)
     plans = []
     for o, gn in zip(inner, split_group_names(inner, group_names)):

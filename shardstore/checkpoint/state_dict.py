@@ -1,4 +1,4 @@
-"""State dicts as frameworks hand them over (SPEC.md §9f): ``save_state_dict``, ``read_state_dict``
+"""State dicts as frameworks hand them over (SPEC.md §9.6): ``save_state_dict``, ``read_state_dict``
 (the ``torch.load`` of a commit) and ``load_state_dict_into`` (DCP's in-place load).
 
 Lightning's ``CheckpointIO``, DCP-style trainers and hand-written loops hold their state as
@@ -55,7 +55,7 @@ def save_state_dict(
     group: Any = None,
     threads: int = 2,
 ) -> str:
-    """Commit a nested state dict and move ``ref``; return the commit id (SPEC.md §9f).
+    """Commit a nested state dict and move ``ref``; return the commit id (SPEC.md §9.6).
 
     Tensors anywhere (plain or DTensor); dicts and OrderedDicts with string or integer keys,
     lists, tuples, None, bool, int, float, str, ``torch.Size``/``dtype``/``device`` and
@@ -101,7 +101,7 @@ def _tree(store: Store, lc: LoadedCommit) -> Any:
     if x is None:
         raise StateMismatch(
             f"commit {lc.id} holds no state dict tree (it was not made by save_state_dict); restore it into a "
-            "model and optimizer with shardstore.restore (SPEC.md §9f)"
+            "model and optimizer with shardstore.restore (SPEC.md §9.6)"
         )
     what = f"state dict tree {x.state} of commit {lc.id}"
     value = read_tree(store.get(x.state, limit=MAX_MANIFEST_BYTES), what)
@@ -109,7 +109,7 @@ def _tree(store: Store, lc: LoadedCommit) -> Any:
     if sorted(names) != sorted(entries):
         raise StateMismatch(
             f"{what} names tensors {sorted(set(names) - set(entries))[:3]} the commit lacks, or the commit holds "
-            f"tensors {sorted(set(entries) - set(names))[:3]} the tree does not name (SPEC.md §9f)"
+            f"tensors {sorted(set(entries) - set(names))[:3]} the tree does not name (SPEC.md §9.6)"
         )
     return value
 
@@ -204,7 +204,9 @@ def _match(
             if k in stored:
                 _match(v, stored[k], where, entries, dests, sets, (dst, k) if isinstance(dst, MutableMapping) else None)
             elif _holds_tensor(v):
-                raise StateMismatch(f"commit holds no value at {where}, where the state dict has tensors (SPEC.md §9f)")
+                raise StateMismatch(
+                    f"commit holds no value at {where}, where the state dict has tensors (SPEC.md §9.6)"
+                )
         return
     if not isinstance(stored, (list, tuple)) or len(stored) != len(dst):
         raise StateMismatch(

@@ -175,7 +175,7 @@ def _items_of(state: SlotState) -> list[tuple[str, str, torch.Tensor]]:
             m = getattr(po, role)
             if m is not None and is_dtensor(m):
                 items.append((n, role, m))
-        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9a), by key
+        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9.1), by key
         for k, m in sorted(ts.tensors.items()) if ts is not None else ():
             if is_dtensor(m):
                 items.append((n, f"state:{k}", m))

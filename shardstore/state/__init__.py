@@ -1,4 +1,4 @@
-"""Adapters from live torch objects to stored state, and back (SPEC.md §9-§9c, §16a).
+"""Adapters from live torch objects to stored state, and back (SPEC.md §9-§9.3, §16.1).
 
 `module` (parameters and persistent buffers), `optim` (Adam's canonical form), `torch_optim`
 (any torch optimizer whose state is tensors and numbers), `extras` and `stateful` (anything

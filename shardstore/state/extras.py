@@ -18,7 +18,7 @@ numbers, and tensors as CPU tensors (``load_state_dict`` moves what it needs). A
 that starts with a reserved prefix — is refused with ``UnsupportedState`` naming the key
 path (``extra 'scheduler' at $.lr_lambdas[0]``), before anything is written. The document's
 encoder and decoder are ``documents`` (``encode_state`` / ``read_state``), which also writes
-the tree of a state dict: the commit-wide extra ``state_dict`` is reserved for that (SPEC.md §9f).
+the tree of a state dict: the commit-wide extra ``state_dict`` is reserved for that (SPEC.md §9.6).
 
 The state is taken (``state_dict()`` called and encoded) when ``capture_extras`` runs, so a
 background save (``AsyncSaver``) stores the state as it was when ``save`` was called.
@@ -73,7 +73,7 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
             continue
         if key == TREE_KEY:
             raise UnsupportedState(
-                f"extra key {TREE_KEY!r} is reserved for the tree of a state dict (save_state_dict; SPEC.md §9f)"
+                f"extra key {TREE_KEY!r} is reserved for the tree of a state dict (save_state_dict; SPEC.md §9.6)"
             )
         obj = stateful(obj)  # a torch.Generator or DataLoader: its generators' states (``stateful``)
         fn = getattr(obj, "state_dict", None)
@@ -129,7 +129,7 @@ def plan_extras_restore(
         x = have.get(key)
         if key == TREE_KEY:
             raise UnsupportedState(
-                f"extra {key!r} is the tree of a state dict: read it with read_state_dict (SPEC.md §9f)"
+                f"extra {key!r} is the tree of a state dict: read it with read_state_dict (SPEC.md §9.6)"
             )
         if x is None:
             raise StateMismatch(f"{where} holds no extra {key!r} (extras: {sorted(have)}; SPEC.md §Extras)")
@@ -159,7 +159,7 @@ def extras_rules(extras: tuple[ExtraEntry, ...]) -> Iterator[str]:
         yield "extras are not sorted by key and unique (SPEC.md §Extras)"
     for x in extras:
         if x.key == TREE_KEY and x.tensors:
-            yield f"extra {x.key!r} is a state dict's tree, whose tensors are tensor entries; it lists {len(x.tensors)} of its own (SPEC.md §9f)"
+            yield f"extra {x.key!r} is a state dict's tree, whose tensors are tensor entries; it lists {len(x.tensors)} of its own (SPEC.md §9.6)"
         if [t.key for t in x.tensors] != [str(i) for i in range(len(x.tensors))]:
             yield f"extra {x.key!r}: tensor keys are not 0, 1, ... in order"
         for t in x.tensors:

@@ -328,7 +328,7 @@ def _probe_torch(
 ) -> None:
     """Run ``_install_torch``'s checks (algorithm, groups, every tensor's state and group) on a
     stand-in sharing nothing mutable with ``optimizer``, so that a mismatch is raised before a
-    byte is read into the caller's tensors (SPEC.md §19b)."""
+    byte is read into the caller's tensors (SPEC.md §19.2)."""
     probe = copy.copy(optimizer)
     probe.param_groups = [
         {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups

@@ -186,7 +186,7 @@ def _decode(data: bytes, kind: type[Any], what: str, limit: int) -> Any:
 def decode_job(raw: bytes, what: str = "job file") -> Job:
     """Strictly decode job file bytes (bounded, canonical, known version, every value in bounds)."""
     job = _decode(raw, Job, what, _MAX_JOB_BYTES)
-    check_bounds(job)  # SPEC.md §14c: before anything reads records, starts a worker, writes or pins
+    check_bounds(job)  # docs/SHARDTRAIN-FORMATS.md §2: before anything reads records, starts a worker, writes or pins
     return job
 
 

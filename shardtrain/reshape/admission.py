@@ -14,7 +14,7 @@ for every slot, or ``slot=bytes,...`` for some.
 After training, each worker's actual peak (CUDA: `torch.cuda.max_memory_allocated`;
 CPU: the peak resident set size, and its increase over the resident size at admission,
 which is what the estimate predicts) and the parameters it held are gathered and written
-to the store's journal for the run's last commit (unhashed, SPEC.md §Journal).
+to the store's journal for the run's last commit (unhashed, SPEC.md §19.2).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     peak: int  # peak resident bytes (CPU) or peak allocated bytes (CUDA)
     parameters: int  # elements this worker held
     parameter_bytes: int
-    tier_bytes: int = 0  # bytes its host's memory tier held of its own slot (SPEC.md §19c)
+    tier_bytes: int = 0  # bytes its host's memory tier held of its own slot (SPEC.md §19.3)
     replica_bytes: int = 0  # bytes its host's memory tier held of the slots it is buddy of
     tier_estimate: int = 0  # the planner's bound on those two together (`SlotEstimate.tier`)
     restore_memory: int = 0  # bytes of objects its start's restore read from its memory tier

@@ -16,7 +16,7 @@ The estimate of a slot is a sum of named terms (bytes), each a count of FP32 ten
   before any backward, so all of them are in flight); slot 0 adds the embedding output
   per microbatch and the head's logits, log-softmax and their gradient for one microbatch
   (the head runs one microbatch at a time);
-- ``casts`` (the ``bf16-autocast`` profile, SPEC.md §15f): autocast's bfloat16 copy of
+- ``casts`` (the ``bf16-autocast`` profile, docs/SHARDTRAIN-FORMATS.md §5): autocast's bfloat16 copy of
   every weight a matrix product uses (2 bytes per parameter), kept by each microbatch's
   graph for its backward, so once per microbatch in flight; with recomputation the
   blocks' copies once (a recomputed block casts its weights again, one block at a time),
@@ -92,7 +92,7 @@ class SlotEstimate:
     casts: int = 0  # bf16-autocast's weight copies
     scratch: int = 0  # AdamW's per-tensor temporaries
     # Host memory, not the device's: what the memory tiers on this worker's host hold at most, its
-    # own slot's stored state and that of the slots it keeps replicas of (SPEC.md §19c), each for
+    # own slot's stored state and that of the slots it keeps replicas of (SPEC.md §19.3), each for
     # the commits a tier keeps plus the one being written. Not in `total` (the device's peak): on
     # the CPU admission adds it, on an accelerator it is checked against the host's memory.
     tier: int = 0

@@ -101,7 +101,7 @@ def layout_partition(config: LlamaConfig, lc: LoadedCommit) -> Partition:
 
 
 def grown_from(base: LlamaConfig, config: LlamaConfig | None) -> bool:
-    """Whether `config` is `base` with more layers: a grown model (SPEC.md §15a)."""
+    """Whether `config` is `base` with more layers: a grown model (SPEC.md §15.1)."""
     return (
         config is not None
         and config.num_hidden_layers > base.num_hidden_layers

@@ -181,7 +181,7 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     estimate_bytes: int = 0  # the planner's estimate of this slot's peak (admission checked it)
     used_bytes: int = 0  # the actual peak above the memory in use at admission (CPU: RSS; CUDA: allocated)
     restore_seconds: float = 0.0  # restoring this worker's slot of the start commit (0: fresh)
-    restore: RestoreBytes = RestoreBytes()  # bytes of objects its start read from each tier (SPEC.md §19c)
+    restore: RestoreBytes = RestoreBytes()  # bytes of objects its start read from each tier (SPEC.md §19.3)
     restore_rejected: tuple[str, ...] = ()  # tier or peer copies refused (verified against their ids): where from
     tier_bytes: int = 0  # bytes its host's memory tiers held for it at the end (its slot's and the replicas it keeps)
     tier_errors: tuple[str, ...] = ()  # tier fills or replications that failed (the commits are durable regardless)
@@ -691,7 +691,7 @@ def check_tiers(spec: RunSpec, workers: int) -> None:
 
 
 def _read_results(out: str, workers: int) -> list[RunResult]:
-    """Every worker's result file; LaunchError naming the worker if one does not decode (SPEC.md §14d)."""
+    """Every worker's result file; LaunchError naming the worker if one does not decode (docs/SHARDTRAIN-FORMATS.md §3)."""
     results = []
     for r in range(workers):
         try:

@@ -389,7 +389,7 @@ class S3Storage:
     async def _refresh(self, key: str, size: int) -> bool:
         """Make ``LastModified`` now by copying the object onto itself (server side, no bytes
         move here); False if it vanished meanwhile. CopyObject stops at 5 GiB: a larger object
-        keeps its time (SPEC.md §19a states the residual race)."""
+        keeps its time (SPEC.md §19.1 states the residual race)."""
         if size > _MAX_COPY_BYTES:
             return True
         source = {"Bucket": self.bucket, "Key": self._full(key)}
@@ -427,7 +427,7 @@ class S3Storage:
         """A create-only write answered 412 ("already there"): believe it only after a HEAD
         finds the object, since a commit naming an object the server never stored would be
         acknowledged with a hole in it; then refresh it, as every writer relying on a present
-        object does (SPEC.md §19a)."""
+        object does (SPEC.md §19.1)."""
         try:
             head = await self._call("head_object", key, Key=self._full(key))
         except _S3Error as h:
