@@ -10,7 +10,7 @@ import torch
 from shardstore import open_store
 from shardtrain.engine.model import LlamaConfig
 from shardtrain.errors import AdmissionError
-from shardtrain.job.job import prepare_default
+from shardtrain.job.default_job import prepare_default
 from shardtrain.reshape.admission import FREE_MEMORY_ENV, admit, free_memory
 from shardtrain.reshape.planner import MemoryModel
 from shardtrain.run.lifecycle import RunSpec, train
