@@ -219,6 +219,17 @@ def test_multipart_race_lost_at_completion_is_already_exists(s3_server: S3Server
     assert make_client(s3_server).list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
 
 
+def test_multipart_412_without_the_object_is_refused_not_taken_as_stored(s3_server: S3Server) -> None:  # noqa: F811
+    """A completion answered 412 is "already there" only once a HEAD finds the object (the
+    request layer hands the 412 back to the storage, which confirms it, as for a single put)."""
+    storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=5 * MiB)
+    proxy.faults["complete_multipart_upload"] = [client_error(412, "PreconditionFailed", "CompleteMultipartUpload")]
+    with pytest.raises(StorageError, match="holds no such object"):
+        storage.write_once("objects/dd/big", b"\x03" * (6 * MiB))
+    assert not storage.exists("objects/dd/big")
+    assert "abort_multipart_upload" in [n for n, _ in proxy.calls]
+
+
 def test_failed_multipart_upload_is_aborted(s3_server: S3Server) -> None:  # noqa: F811
     storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=5 * MiB)
     proxy.faults["upload_part"] = [None, client_error(400, "InvalidRequest", "UploadPart")]
