@@ -105,7 +105,8 @@ def _tier_options(args: argparse.Namespace) -> dict[str, object]:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from shardtrain.engine.profile import Profile
-    from shardtrain.job.job import load_job, prepare_default
+    from shardtrain.job.default_job import prepare_default
+    from shardtrain.job.job import load_job
     from shardtrain.job.user_job import describe, prepare_model, prepare_seed
 
     if args.model and args.seed_commit:

@@ -11,7 +11,7 @@ from shardstore import open_store
 from shardtrain.engine.model import LlamaConfig
 from shardtrain.engine.partition import Partition
 from shardtrain.errors import AdmissionError, ConfigError
-from shardtrain.job.job import prepare_default
+from shardtrain.job.default_job import prepare_default
 from shardtrain.reshape.admission import FREE_MEMORY_ENV, admit, free_memory
 from shardtrain.reshape.planner import MemoryModel
 from shardtrain.run.lifecycle import RunSpec, train

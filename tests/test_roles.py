@@ -13,7 +13,8 @@ import shardstore
 from shardstore_cli.shardtrain_cli import main
 from shardtrain.engine.partition import Partition, build_stage
 from shardtrain.errors import JobError, RoleError
-from shardtrain.job.job import JOB_FILE, load_job, prepare_default
+from shardtrain.job.default_job import prepare_default
+from shardtrain.job.job import JOB_FILE, load_job
 from shardtrain.job.roles import DEVELOPMENT, FINAL, finals_opened, select, selection, set_digest
 from shardtrain.run.evaluate import EvalSpec, evaluate
 from shardtrain.run.lifecycle import store_job_files

@@ -14,7 +14,7 @@ from shardtrain import Partition, build_stage
 from shardtrain.engine.pipeline import Pipeline
 from shardtrain.engine.schedule import BACKWARD, FORWARD, HEAD, Action, build, check, in_flight, overlapped, synchronous
 from shardtrain.errors import ConfigError
-from shardtrain.job.job import prepare_default
+from shardtrain.job.default_job import prepare_default
 from shardtrain.run.lifecycle import RunSpec, train
 
 

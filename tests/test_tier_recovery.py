@@ -24,7 +24,7 @@ import pytest
 import shardstore
 from shardstore_cli.shardtrain_cli import main as shardtrain_main
 from shardtrain.errors import RunAborted
-from shardtrain.job.job import prepare_default
+from shardtrain.job.default_job import prepare_default
 from shardtrain.run.lifecycle import FAULT_ENV, RunResult, RunSpec, train
 
 # Whole runs killed and recovered (~50 s on 2 cores): .ci/run's long step, for the test budget.

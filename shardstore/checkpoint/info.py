@@ -8,8 +8,8 @@ writes" and "validate before write").
   manifest id);
 - ``check_parent``: the parent a commit will name is a commit of the store.
 
-(A restore's check of a torch optimizer against the commit, before any read, is
-``optim._probe_torch``.)
+(A restore's checks of the caller's model, optimizer and extras against the commit, before
+any read, are its plan phase: ``checkpoint.restore``.)
 """
 
 from __future__ import annotations

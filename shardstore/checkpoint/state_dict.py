@@ -30,12 +30,14 @@ from ..format.tensors import dtype_name, is_dtensor, torch_dtype
 from ..state.documents import TensorRef, encode_tree, fill_tree, read_tree, tensor_refs
 from ..state.extras import CapturedExtra
 from ..state.module import tensor_profile
+from ..state.plan import ReadItem, RestorePlan
 from ..state.slot import SlotState
 from ..store import Store
 from ..verification.commits import LoadedCommit, load_commit
 from .distributed import commit_state
 from .info import CommitInfo
-from .slots import AUTO, read_into, save_slots
+from .restore import read_plan
+from .slots import AUTO, save_slots
 
 __all__ = ["save_state_dict", "read_state_dict", "load_state_dict_into"]
 
@@ -128,7 +130,7 @@ def read_state_dict(
     # a manifest's shapes: the objects' sizes bound the allocations, checked first (SPEC.md §Limits)
     check_stored_all(store, [(e.param, e.dtype, tuple(e.shape), f"tensor {n!r}") for n, e in sorted(entries.items())])
     fresh = {n: torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype)) for n, e in entries.items()}
-    read_into(store, [(entries[n].param, fresh[n], f"tensor {n!r}") for n in sorted(fresh)], threads)
+    read_plan(store, _reads(entries, fresh), threads)
     if map_location is not None:
         fresh = {n: t.to(map_location) for n, t in fresh.items()}
     return fill_tree(value, fresh.__getitem__)
@@ -153,10 +155,15 @@ def load_state_dict_into(
     dests: dict[str, torch.Tensor] = {}
     sets: list[tuple[Any, Any, Any]] = []
     _match(state_dict, value, "$", entries, dests, sets, None)
-    read_into(store, [(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests)], threads)
+    read_plan(store, _reads(entries, dests), threads)
     for container, key, v in sets:
         container[key] = v
     return lc.id
+
+
+def _reads(entries: Mapping[str, TensorEntry], dests: Mapping[str, torch.Tensor]) -> RestorePlan:
+    """Each destination read from its tensor entry, nothing to install (the caller places them)."""
+    return RestorePlan(tuple(ReadItem(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests)))
 
 
 def _holds_tensor(v: Any, depth: int = 0) -> bool:

@@ -49,7 +49,7 @@ from ..state.torch_optim import state_objects
 from ..store import Store, object_key
 from ..store.gc_fence import GcMarker, dead_intents, intent_objects
 from ..verification.commits import load_commit, pinned_commits
-from .transfer import _pool_map, commit_closure
+from .transfer import commit_closure, pool_map
 
 __all__ = ["GcResult", "reachable", "pinned_objects", "gc", "TMP_MIN_AGE"]
 
@@ -255,7 +255,7 @@ def _gc(
         return oid, None if mtime is None else now - mtime, store.storage.size(key)
 
     old: dict[str, int] = {}
-    for oid, seconds, size in _pool_map(age, garbage, threads):
+    for oid, seconds, size in pool_map(age, garbage, threads):
         if seconds is None or size is None:
             continue  # gone since the listing
         if seconds < grace_seconds:
@@ -292,7 +292,7 @@ def _gc(
             tick(1)
             return gone
 
-        done = _pool_map(deleted, sorted(old), threads)
+        done = pool_map(deleted, sorted(old), threads)
         result.deleted = {oid: old[oid] for oid, gone in zip(sorted(old), done) if gone}
         result.kept_young += [oid for oid, gone in zip(sorted(old), done) if not gone]
     result.tmp_deleted = _clean_tmp(store, now, max(grace_seconds, TMP_MIN_AGE), dry_run)

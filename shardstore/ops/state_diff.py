@@ -26,7 +26,7 @@ from ..format.dcp import DCP_EXTRA
 from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, ExtraEntry, ParamState, StateTensor, TorchOptimizer
 from ..state.documents import TensorRef, read_tree
 from ..state.extras import read_extra_state
-from ..state.torch_optim import _unhyper
+from ..state.torch_optim import decode_value
 from ..store import Store
 
 __all__ = ["state_changes", "state_pairs", "hyper_groups", "extras_changes", "extra_state_view", "tree_changes"]
@@ -65,10 +65,7 @@ def hyper_groups(spec: TorchOptimizer | None) -> dict[str, dict[str, Any]]:
     """Torch-form groups by name, hyperparameters decoded (reals as floats, tuples as lists)."""
     if spec is None:
         return {}
-    return {
-        g.name: {k: (list(_unhyper(v, [])) if isinstance(v, tuple) else _unhyper(v, None)) for k, v in g.hyper.items()}
-        for g in spec.groups
-    }
+    return {g.name: {k: decode_value(v, like=[]) for k, v in g.hyper.items()} for g in spec.groups}
 
 
 def extra_state_view(store: Store, x: ExtraEntry) -> dict[str, Any]:

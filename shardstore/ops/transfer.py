@@ -31,7 +31,7 @@ from ..format.names import check_ref_name
 from ..store import Store, object_key
 from ..verification.commits import LoadedCommit, load_commit
 
-__all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
+__all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit", "pool_map"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -62,7 +62,10 @@ class CopyResult:
             self.bytes_skipped += n
 
 
-def _pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]:
+def pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]:
+    """``fn`` of each item, in order, ``threads`` at a time (copy's and gc's object work, a
+    request each on S3); the first failure is raised once the calls already running end, and
+    no further call starts."""
     items = list(items)
     if threads <= 1 or len(items) <= 1:
         return [fn(x) for x in items]
@@ -238,7 +241,7 @@ def copy_commit(
                 progress(done[1])
             return done
 
-        for copied, n in _pool_map(one, jobs, threads):
+        for copied, n in pool_map(one, jobs, threads):
             result._add(copied, n)
         dst.sync()  # everything in this batch is durable before the next batch names it
 

@@ -34,7 +34,7 @@ from shardstore.format.tensors import torch_dtype
 from shardtrain.engine.model import LlamaDecoderLayer, rotary_tables
 from shardtrain.engine.partition import LAYER_PARAMETER_SUFFIXES, Partition
 from shardtrain.errors import TransitionError
-from shardtrain.reshape.regroup import TransitionResult, _journal, commit_config, move_ref, write_layout
+from shardtrain.reshape.regroup import TransitionResult, commit_config, journal_transition, move_ref, write_layout
 
 __all__ = ["ZEROED_SUFFIXES", "check_append", "grow", "identity_check"]
 
@@ -126,7 +126,7 @@ def grow(
     cid = write_layout(store, lc, entries, grown, grown_raw, partition, transition="grow")
     new = load_commit(store, cid)
     move_ref(store, ref, lc.id, cid)
-    _journal(store, cid, {"transition": "grow", "append": append, "copy_from": source}, started)
+    journal_transition(store, cid, {"transition": "grow", "append": append, "copy_from": source}, started)
     return TransitionResult(
         cid,
         lc.id,

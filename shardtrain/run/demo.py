@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 import shardstore
 from shardtrain.errors import RunAborted
-from shardtrain.job.job import load_job, prepare_default
+from shardtrain.job.default_job import prepare_default
+from shardtrain.job.job import load_job
 from shardtrain.job.roles import FINAL, select
 from shardtrain.reshape.grow import grow, identity_check
 from shardtrain.reshape.regroup import regroup
