@@ -77,10 +77,9 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         try:
             obj = torch.load(value, weights_only=True)
-        except Exception as exc:  # torch raises UnpicklingError, or RuntimeError for a non-pickle
+        except Exception as exc:  # torch raises UnpicklingError (a global it refuses, or no pickle at all)
             raise UnsupportedState(
-                f"DCP bytes item {fqn!r}: not a pickle of plain values (weights-only unpickling refused it: "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); it was not unpickled"
+                f"DCP bytes item {fqn!r}: not a pickle of plain values ({_why(exc)}); refused, it was not unpickled"
             ) from None
         if not self.flatten_state_dict:
             self.state_dict[fqn] = obj
@@ -125,8 +124,10 @@ class ShardstoreCheckpointManager(BaseCheckpointManager):
             self.async_mode = self.async_mode.lower()  # type: ignore[assignment]
             if self.async_mode not in _ASYNC_MODES:
                 raise ValueError(f"Invalid async_mode: {self.async_mode} (one of {', '.join(_ASYNC_MODES)})")
-            check_ref_name(_ref_name(self.ref_prefix, 0))
-            check_info(CommitInfo(step=0, job=self.job))
+            if self.thread_count < 1:
+                raise ValueError(f"thread_count must be at least 1, got {self.thread_count}")
+            check_ref_name(_ref_name(self.ref_prefix, 0))  # InvalidName, before any save
+            check_info(CommitInfo(step=0, job=self.job))  # ManifestError for a job id no commit can hold
 
     def __init__(
         self,
@@ -204,7 +205,14 @@ class ShardstoreCheckpointManager(BaseCheckpointManager):
                 return False  # a fresh start
             model_only = self.initial_load_model_only
             states = self._states_to_load(model_only)
-            _typed(lambda: dcp.load(states, checkpoint_id=self.initial_load_path, planner=WeightsOnlyLoadPlanner()))
+            _typed(
+                lambda: dcp.load(
+                    states,
+                    checkpoint_id=self.initial_load_path,
+                    planner=WeightsOnlyLoadPlanner(),
+                    process_group=self.pg,
+                )
+            )
         else:
             load_step, name = found
             store = self._open()
@@ -358,6 +366,13 @@ class ShardstoreCheckpointManager(BaseCheckpointManager):
         if MODEL in states:
             flat.update(states[MODEL].state_dict())
         return flat
+
+
+def _why(exc: Exception) -> str:
+    """The line of torch's weights-only error that names what it refused (``Unsupported global: ...``)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "WeightsUnpickler error" in line]
+    return (named or lines or [type(exc).__name__])[0].split(" was not an allowed global")[0]
 
 
 def _ref_name(prefix: str, step: int) -> str:
