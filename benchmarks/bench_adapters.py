@@ -9,10 +9,9 @@ interleaved, ``--reps`` times (each repetition in another order):
   restore: the plugin's ``load_checkpoint`` then ``load_state_dict`` of the module and the
   optimizer (what ``fit(ckpt_path=...)`` does before training), page cache dropped first;
 - **Hugging Face Trainer**: ``Trainer._save_checkpoint`` (safetensors weights, ``optimizer.pt``,
-  scheduler, RNG, ``trainer_state.json``) against ``shardstore.transformers.ShardstoreTrainer``'s;
-  restore: ``_load_from_checkpoint`` + ``_load_optimizer_and_scheduler`` against the adapter's
-  resume path, page cache dropped first (when the adapter is installed: it is skipped with a
-  line saying so otherwise).
+  scheduler, RNG, ``trainer_state.json``) against ``shardstore.transformers.ShardstoreTrainer``'s
+  (a commit); restore: ``train(resume_from_checkpoint=...)`` of each, Trainer's own resume path,
+  with the one step left to train (the same work on both sides), page cache dropped first.
 
 Then the frozen half: half the layers stop training, one more step, and a second save of
 each: the bytes it writes (the new checkpoint's files; the store's new objects) against the
@@ -179,6 +178,114 @@ def lightning(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str, A
     return {"times": times, "second": second, "changed": changed, "state": state}
 
 
+# -- the Hugging Face Trainer ------------------------------------------------------------------
+
+
+def hugging_face(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str, Any] | None:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+        from transformers.utils import logging as hf_logging
+
+        from shardstore.transformers import ShardstoreTrainer
+    except ImportError as e:  # the adapter not installed: said in the table
+        return {"skipped": str(e)}
+    hf_logging.set_verbosity_error()
+    layers = max(1, round((args.mib - 48) / 145))  # ~145 MiB of state a layer, ~48 MiB the embeddings and head
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=2048,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            max_position_embeddings=64,
+        )
+        return LlamaForCausalLM(config)
+
+    class Tokens(torch.utils.data.Dataset):
+        ids = torch.randint(0, 2048, (64, 16), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    def arguments(out: str, steps: int) -> Any:
+        return TrainingArguments(
+            out,
+            max_steps=steps,
+            save_strategy="no",
+            per_device_train_batch_size=2,
+            use_cpu=True,
+            report_to="none",
+            disable_tqdm=True,
+            logging_strategy="no",
+        )
+
+    out = os.path.join(work, "hf")
+    trainers = {
+        "Trainer (safetensors + optimizer.pt)": Trainer(model=model(), args=arguments(out, 1), train_dataset=Tokens()),
+        "ShardstoreTrainer": ShardstoreTrainer(
+            model=model(), args=arguments(out + "-ss", 1), train_dataset=Tokens(), store=os.path.join(work, "hf-store")
+        ),
+    }
+    for t in trainers.values():
+        t.train()
+    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": []} for m in trainers}
+    for rep in range(args.reps):
+        for name in rotated(list(trainers), rep):
+            t = trainers[name]
+            step = 100 + rep
+            t.state.global_step = step
+            times[name]["save"].append(_timed(lambda t=t: t._save_checkpoint(t.model, None)))
+            target = (
+                t.checkpoint_ref(step) if isinstance(t, ShardstoreTrainer) else os.path.join(out, f"checkpoint-{step}")
+            )
+            with torch.no_grad():
+                for p in t.model.parameters():
+                    p.zero_()
+            _drop(drop_ok)
+            # Trainer's own resume: load everything, then the one step left (the same for both)
+            t.args.max_steps = step + 1
+            times[name]["restore"].append(_timed(lambda t=t, target=target: t.train(resume_from_checkpoint=target)))
+        # Both trainers started equal and each resumed its own checkpoint and took the same step:
+        # a restore that lost anything leaves the two apart.
+        a, b = (_state(t.model, t.optimizer) for t in trainers.values())
+        if not _same(a, b):
+            raise SystemExit("Hugging Face Trainer: the two resumed runs differ (a restore lost state)")
+    # the frozen half: half the parameters stop training, one more step, a second save of each
+    second: dict[str, int] = {}
+    changed = 0
+    for name, t in trainers.items():
+        m = t.model
+        frozen = [m.model.embed_tokens, *m.model.layers[: max(1, layers // 2)]]
+        for module in frozen:
+            for p in module.parameters():
+                p.requires_grad_(False)
+        t.optimizer.zero_grad(set_to_none=True)
+        t.state.global_step = 999  # the first of the two saves
+        t._save_checkpoint(m, None)
+        batch = Tokens()[0]
+        m(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+        t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        changed = sum(3 * p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
+        t.state.global_step = 1000
+        if isinstance(t, ShardstoreTrainer):
+            before = _store_bytes(t.store)
+            t._save_checkpoint(m, None)
+            second[name] = _store_bytes(t.store) - before
+        else:
+            t._save_checkpoint(m, None)
+            second[name] = _tree_bytes(os.path.join(out, "checkpoint-1000"))
+    state = sum(3 * p.numel() * p.element_size() for p in trainers["ShardstoreTrainer"].model.parameters())
+    return {"times": times, "second": second, "changed": changed, "state": state}
+
+
 # -- tables ------------------------------------------------------------------------------------
 
 
@@ -221,22 +328,31 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="bench-adapters-", dir=os.path.dirname(ROOT))
     rows: list[str] = []
     targets: list[str] = []
+    state = ""
     try:
         got = lightning(args, work, drop_ok)
         r, t = _rows("Lightning", got, "ShardstoreCheckpointIO", "TorchCheckpointIO (torch.save)")
         rows += r
         targets += t
-        state = got["state"]
+        state = f"Lightning {got['state'] / MIB:.0f} MiB ({_layers(args.mib)} layers of {WIDTH}×{WIDTH} float32)"
+        hf = hugging_face(args, work, drop_ok)
+        if hf is None or "skipped" in hf:
+            rows.append(f"| Hugging Face Trainer | skipped: {hf['skipped'] if hf else 'no adapter'} | | | |")
+        else:
+            r, t = _rows("Hugging Face Trainer", hf, "ShardstoreTrainer", "Trainer (safetensors + optimizer.pt)")
+            rows += r
+            targets += t
+            state += f", Hugging Face {hf['state'] / MIB:.0f} MiB (a Llama of 1024 wide)"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = [
         f"`python benchmarks/bench_adapters.py --mib {args.mib} --reps {args.reps}`",
         "",
         f"commit {commit()}; {os.cpu_count()} cores ({platform.processor() or platform.machine()}); load average "
-        f"{start} at the start, {load()} at the end; torch {torch.__version__}; state {state / MIB:.0f} MiB "
-        f"({_layers(args.mib)} layers of {WIDTH}×{WIDTH} float32, both AdamW moments).",
+        f"{start} at the start, {load()} at the end; torch {torch.__version__}; training state (weights and both "
+        f"AdamW moments): {state}.",
         "Page cache before each restore: " + ("dropped (as root)." if drop_ok else "NOT dropped (warm)."),
-        "Medians of the repetitions (min–max), interleaved; every restore compared bitwise with the state saved.",
+        "Medians of the repetitions (min–max), interleaved. Lightning: every restore compared bitwise with the state saved; Hugging Face: the two trainers, equal before, compared bitwise after each resumed its own checkpoint and took the step left.",
         "",
         "| framework | checkpoint | save s | restore s | second save, half frozen: MiB written |",
         "|---|---|---|---|---|",
