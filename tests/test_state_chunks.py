@@ -525,7 +525,7 @@ def test_slice_check_agrees_with_the_pairwise_check(marks, monkeypatch):
     from hypothesis import strategies as st
 
     from shardstore.format.grid import intersect
-    from shardstore.format.slices import _clash, commit_slice_problems
+    from shardstore.format.slices import commit_slice_problems, overlapping_pair
 
     @st.composite
     def case(draw):
@@ -555,7 +555,7 @@ def test_slice_check_agrees_with_the_pairwise_check(marks, monkeypatch):
         inside = sorted(
             {b for bs in by_slot.values() for n, b in bs if n == "w" and all(a + e <= d for a, e, d in zip(*b, shape))}
         )
-        pair = _clash(inside, len(shape))
+        pair = overlapping_pair(inside, len(shape))
         if pair is not None:  # the pair it names shares an element
             assert pair[0] < pair[1] and intersect(inside[pair[0]], inside[pair[1]]) is not None
 

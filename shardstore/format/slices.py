@@ -30,7 +30,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from .grid import Box, intersect, payload_blocks
 from .manifest import Payload, ShardManifest, Slice, TensorEntry, state_payloads, tensor_payloads
 
-__all__ = ["make_slices", "shard_slice_problems", "commit_slice_problems", "slot_needs", "entry_objects"]
+__all__ = [
+    "make_slices",
+    "overlapping_pair",
+    "shard_slice_problems",
+    "commit_slice_problems",
+    "slot_needs",
+    "entry_objects",
+]
 
 
 def make_slices(boxes: Iterable[tuple[str, Box]]) -> tuple[Slice, ...]:
@@ -86,7 +93,7 @@ def commit_slice_problems(
             held.setdefault(x.name, {}).setdefault(box, []).append(slot)
     for name, boxes in sorted(held.items()):
         regions = sorted(boxes.items())
-        pair = _clash([b for b, _ in regions], len(entries[name].shape))
+        pair = overlapping_pair([b for b, _ in regions], len(entries[name].shape))
         if pair is not None:
             a, b = regions[pair[0]][0], regions[pair[1]][0]
             yield (f"slices at {list(a[0])} (slots {boxes[a]}) and {list(b[0])} (slots {boxes[b]}) overlap but are not the same box "
@@ -101,11 +108,11 @@ def commit_slice_problems(
             )
 
 
-#: Most (box, grid cell) marks ``_clash`` makes per box before it sweeps instead.
+#: Most (box, grid cell) marks ``overlapping_pair`` makes per box before it sweeps instead.
 _MARKS_PER_BOX = 4
 
 
-def _clash(boxes: list[Box], ndim: int) -> tuple[int, int] | None:
+def overlapping_pair(boxes: list[Box], ndim: int) -> tuple[int, int] | None:
     """Indices ``i < j`` of two distinct boxes (of ``ndim`` dims, inside the tensor) that share
     an element, or None if they are pairwise disjoint; empty boxes share none.
 
