@@ -210,3 +210,19 @@ def test_a_strided_split_costs_its_split_factor_not_the_mesh(monkeypatch):
     assert [len(w) for w in want] == [8, 8, 0]  # the last rank's chunk of the last TP chunk is empty
     for c, w in zip(coords, want):
         assert list(dim_indices((rows, 1), mesh, c, placements)[0]) == w
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_mesh_parts_without_torchs_check_are_the_checked_parts(layout):
+    """``mesh_parts(check=False)`` (a planner working out other ranks' parts, without torch's
+    O(mesh) offset arithmetic) gives every coordinate the parts the checked path gives: empty
+    local tensors included, whose one part sits at torch's offset (the dim's size where the
+    rank holds no index)."""
+    from shardstore.sharded.placement import mesh_parts
+
+    shape, mesh, placements = layout
+    for shape_ in (shape, (0,) + shape[1:]):
+        for coord in itertools.product(*(range(n) for n in mesh)):
+            checked = mesh_parts(shape_, mesh, coord, placements)
+            assert mesh_parts(shape_, mesh, coord, placements, check=False) == checked, (shape_, mesh, coord)

@@ -244,8 +244,13 @@ def mesh_parts(
     indices = dim_indices(shape, mesh_shape, coordinate, placements, what)
     got = tuple(len(ix) if isinstance(ix, range) else int(ix.numel()) for ix in indices)
     empty = math.prod(got) == 0
-    if not check and not empty:
-        return got, parts_of(indices, what)
+    if not check:
+        if not empty:
+            return got, parts_of(indices, what)
+        # torch's offset of an empty local tensor: on each dim, the dim's size where this rank
+        # has no index, else its first index (tests/test_placement.py holds it to torch's own)
+        origin = tuple(d if n == 0 else int(ix[0]) for d, n, ix in zip(shape, got, indices))
+        return got, [((origin, got), (0,) * len(got))]
     want, origin = _compute_local_shape_and_global_offset(shape, tuple(mesh_shape), list(coordinate), placements)
     if tuple(want) != got:
         raise TensorMismatch(
