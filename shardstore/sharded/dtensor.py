@@ -63,6 +63,9 @@ __all__ = [
     "decode_description",
     "PlannedBlock",
     "ExchangePlan",
+    "SliceUnion",
+    "gather_union",
+    "plan_union",
     "plan_exchange",
     "write_dtensors",
     "entry_slot",
@@ -238,6 +241,10 @@ def decode_description(raw: bytes) -> list[Described]:
     return _DESCRIBED.decode(raw[1:])
 
 
+#: (name, role) -> (dtype, global shape, {box: the ranks holding it}): every rank's slices of each DTensor.
+SliceUnion = dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]]
+
+
 #: One canonical block in the plan: ((name, role), block index, box, owner, [(source, piece)], dtype).
 PlannedBlock = tuple[tuple[str, str], int, Box, int, list[tuple[int, Box]], str]
 
@@ -246,7 +253,7 @@ PlannedBlock = tuple[tuple[str, str], int, Box, int, list[tuple[int, Box]], str]
 class ExchangePlan:
     """What every rank computes alike from all ranks' descriptions (SPEC.md §Block exchange, step 2)."""
 
-    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]]
+    union: SliceUnion
     """(name, role) -> (dtype, global shape, {box: the ranks holding it})."""
     plain: dict[str, list[int]]
     """A plain tensor's name -> the ranks holding it whole."""
@@ -262,12 +269,12 @@ class ExchangePlan:
         }
 
 
-def plan_exchange(peers: Sequence[Sequence[Described]]) -> ExchangePlan:
-    """Step 2: the plan from every rank's descriptions (``peers[r]``: rank r's). The same on
-    every rank, and so are its errors: StateMismatch or TensorMismatch naming the tensor, role
-    and ranks where ranks disagree or slices do not tile a tensor."""
+def gather_union(peers: Sequence[Sequence[Described]]) -> tuple[SliceUnion, dict[str, list[int]]]:
+    """Step 2, first half: check that ranks agree on each tensor (StateMismatch or
+    TensorMismatch naming the tensor, role and ranks otherwise) and collect every rank's slices
+    of each DTensor, and the ranks holding each plain tensor. ``peers[r]``: rank r's descriptions."""
     check_agreement(peers)  # dtypes, shapes, plain against DTensor, naming ranks
-    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}
+    union: SliceUnion = {}
     plain: dict[str, list[int]] = {}
     for r, items in enumerate(peers):
         for it in items:
@@ -277,15 +284,29 @@ def plan_exchange(peers: Sequence[Sequence[Described]]) -> ExchangePlan:
             _dtype, _shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
             for box in it.boxes:
                 held.setdefault(box, []).append(r)
+    return union, plain
+
+
+def plan_union(union: SliceUnion, world: int) -> list[PlannedBlock]:
+    """Step 2, second half: each tensor's slices must tile it (TensorMismatch naming the ranks of
+    the ``world`` that hold which slices, and those holding none); every canonical block's owner
+    and pieces, tensor by tensor in (name, role) order. Tensors are planned independently."""
     blocks: list[PlannedBlock] = []
     for (n, role), (dtype, shape, held) in sorted(union.items()):
         try:
             regions = slice_regions(n, dtype, shape, held)
         except TensorMismatch as e:
-            raise TensorMismatch(coverage_problem(n, role, dtype, shape, held, len(peers), str(e))) from None
+            raise TensorMismatch(coverage_problem(n, role, dtype, shape, held, world, str(e))) from None
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
             blocks.append(((n, role), bi, box, owner, sends, dtype))
-    return ExchangePlan(union, plain, blocks)
+    return blocks
+
+
+def plan_exchange(peers: Sequence[Sequence[Described]]) -> ExchangePlan:
+    """Step 2: the plan from every rank's descriptions (``gather_union``, then ``plan_union``).
+    The same on every rank, and so are its errors."""
+    union, plain = gather_union(peers)
+    return ExchangePlan(union, plain, plan_union(union, len(peers)))
 
 
 def write_dtensors(
