@@ -129,3 +129,28 @@ def test_mesh_benchmark_smoke(tmp_path) -> None:
         "<!-- bench_mesh:begin -->" in text and "copy --shard K reads" in text and "where each rank's save went" in text
     )
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-mesh-")]  # scratch removed
+
+
+def test_gpu_check_without_cuda_says_so_and_exits_0() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: gpu_check would run its checks")
+    done = _run(["benchmarks/gpu_check.py"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "needs a CUDA device" in done.stdout and "nothing was checked" in done.stdout
+
+
+@pytest.mark.long
+def test_gpu_check_logic_on_cpu() -> None:
+    """gpu_check.py --device cpu runs every check that does not need CUDA on tiny sizes (three
+    worker processes for the pipeline); each must pass, and the memory check says it is CUDA only."""
+    done = _run(["benchmarks/gpu_check.py", "--device", "cpu"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| check")]
+    assert len(rows) == 6, done.stdout
+    assert not [r for r in rows if r.rstrip().endswith("| **no** |")], done.stdout  # every check run passed
+    ran = [r.split("|")[1].strip() for r in rows if r.rstrip().endswith("| yes |")]
+    assert any(name.startswith("2-worker pipeline, gloo on cpu") for name in ran), ran
+    assert any(name.startswith("bf16-autocast bitwise replay") for name in ran), ran
+    assert sum(name.startswith(("shardstore AsyncSaver", "dcp.async_save")) for name in ran) == 2, ran
