@@ -131,6 +131,23 @@ def test_mesh_benchmark_smoke(tmp_path) -> None:
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-mesh-")]  # scratch removed
 
 
+@pytest.mark.long
+def test_scale_sim_quick(tmp_path) -> None:
+    """bench_scale_sim.py --quick: both systems' metadata path for Llama-3 8B at 64 and 512 ranks,
+    extrapolated from 0 and 1 layers. The script itself checks that its generated descriptions are
+    what ``describe`` gives the sampled ranks' DTensors, and its synthetic DCP plans what
+    ``create_local_plan`` gives them (an assertion error exits non-zero); the tables come out."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n")
+    done = _run(["benchmarks/bench_scale_sim.py", "--quick", "--results", str(results)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = results.read_text()
+    assert "<!-- bench_scale_sim:begin -->" in text and "**Growth exponents**" in text
+    rows = [line for line in text.splitlines() if line.startswith("| Llama-3 8B | 512 (256 × 2) |")]
+    assert [r.split("|")[4].strip() for r in rows] == ["shardstore", "dcp"], rows
+    assert "| Llama-3 8B | shardstore |" in text and "| Llama-3 8B | dcp |" in text  # the exponents' rows
+
+
 def test_gpu_check_without_cuda_says_so_and_exits_0() -> None:
     import torch
 
