@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -485,6 +486,12 @@ class Figures:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def gathered(n: int, sizes: list[int]) -> int:
+    """What one rank receives from ``dtensor._all_gather_bytes`` of these ``n`` messages: each
+    rank's size (an int64), then every message padded to the largest."""
+    return 8 * n + n * max(max(sizes), 1)
+
+
 def ss_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> tuple[Figures, dict[str, Any]]:
     """shardstore's commit at ``n`` ranks (steps 1-7 of the module docstring)."""
     tensors = model.tensors(layers)
@@ -531,11 +538,11 @@ def ss_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> t
             ids.setdefault((name, role), []).append(oid)
             blocks += 1
     shared = {(key, box): rs for key, (_d, _s, held) in plan.union.items() for box, rs in held.items() if len(rs) > 1}
-    fingerprints = Counter(r for rs in shared.values() for r in rs)
-    fp_bytes = sum(
-        c * (len("model.layers.00.post_attention_layernorm.weight\0param\0((0,), (2,))") + 70)
-        for c in fingerprints.values()
-    )  # fmt: skip  label + hex digest per shared slice held
+    held_by: dict[int, dict[str, str]] = {}  # what each rank all-gathers in _replicas_agree: label -> BLAKE3 hex
+    for ((name, role), box), rs in shared.items():
+        for r in rs:
+            held_by.setdefault(r, {})[f"{name}\0{role}\0{box}"] = "0" * 64  # the digest stands in (bytes)
+    fp_bytes = gathered(n, [len(msgspec.json.encode(held_by.get(r, {}))) for r in range(n)]) if shared else 0
     # 4. every rank's shard manifest
     info = ss.CommitInfo(step=STEP, job="scale-sim", profile="fp32", config=model.config(), data_cursor=STEP)
     payload = {key: StoredPayload(make_payload("float32", plan.union[key][1], ids[key]), torch.float32,
@@ -584,7 +591,7 @@ def ss_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> t
     assert report.ok, [str(p) for p in report.problems[:3]]
     fig.stored = sum(shard_sizes) + commit_bytes
     fig.stored_rank = sum(shard_sizes) / n
-    desc_total = sum(len(r) for r in raws)
+    desc_total = gathered(n, [len(r) for r in raws])
     protocol = 6 * 33 * n  # the commit protocol's five 33-byte all-gathers, and agree_on_commit's on restore
     fig.exchanged_rank = desc_total + fp_bytes + 32 * blocks + protocol + commit_bytes
     fig.rank_s = mean(describe_s) + plan_s + write_s / n + mean(ack_s)
@@ -655,13 +662,22 @@ def dcp_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> 
     metadata.storage_data = storage_md
     raw = pickle.dumps(metadata)
     finish_s = time.process_time() - t
+    # _DistWrapper.all_reduce("write", ...) broadcasts finish's result, the whole Metadata, to
+    # every rank: pickled once more on the coordinator, unpickled on every rank
+    t = time.process_time()
+    pickle.dumps(metadata)
+    broadcast_s = time.process_time() - t
+    t = time.process_time()
+    pickle.loads(raw)
+    unpickle_s = time.process_time() - t
     fig.stored = len(raw)
     fig.stored_rank = 0.0
-    fig.exchanged_rank = sum(scattered) / n
+    fig.exchanged_rank = sum(scattered) / n + len(raw)
     fig.coordinator_in = gathered + written
-    fig.coordinator_s = plan_s + finish_s
-    fig.rank_s = mean(local_s)
-    fig.extra = {"local_plan_s": mean(local_s), "global_plan_s": plan_s, "finish_s": finish_s,
+    fig.coordinator_s = plan_s + finish_s + broadcast_s
+    fig.rank_s = mean(local_s) + unpickle_s
+    fig.extra = {"local_plan_s": mean(local_s), "global_plan_s": plan_s, "finish_s": finish_s + broadcast_s,
+                 "unpickle_s": unpickle_s,
                  "local_plan_bytes": gathered / n, "chunks": sum(len(getattr(v, "chunks", ())) for v in
                                                                  metadata.state_dict_metadata.values())}  # fmt: skip
     return fig, raw, metadata
@@ -839,11 +855,11 @@ def tables(points: dict[tuple[str, int], tuple[dict[str, Figures], int]], ns: li
                      f"{secs(e['write_shard_s'])} | {secs(e['ack_s'])} | {secs(e['old_ack_s'])} | {secs(e['verify_s'])} | "
                      f"{e['blocks']:.0f} | {human(e['descriptions'])} |")  # fmt: skip
     lines += ["", "**DCP's save path, split** (CPU s)", "",
-              "| model | N | create_local_plan (per rank) | create_global_plan + prepare_global_plan | finish (storage_data + pickle) | local plan pickled (per rank) | chunks in Metadata |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| model | N | create_local_plan (per rank) | the Metadata broadcast, unpickled (per rank) | create_global_plan + prepare_global_plan | finish (storage_data, pickled for the file and the broadcast) | local plan pickled (per rank) | chunks in Metadata |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for (key, n), (figs, _k) in points.items():
         e = figs["dcp"].extra
-        lines.append(f"| {MODELS[key].name} | {n} | {secs(e['local_plan_s'])} | {secs(e['global_plan_s'])} | "
+        lines.append(f"| {MODELS[key].name} | {n} | {secs(e['local_plan_s'])} | {secs(e['unpickle_s'])} | {secs(e['global_plan_s'])} | "
                      f"{secs(e['finish_s'])} | {human(e['local_plan_bytes'])} | {e['chunks']:.0f} |")  # fmt: skip
     return lines
 
@@ -885,10 +901,11 @@ def head(args: argparse.Namespace, loads: tuple[str, str], wall: float, check: s
         f"load average (1/5/15 min) {loads[0]} at the start, {loads[1]} at the end; {wall:.0f} s wall; "
         f"torch {torch.__version__}; Python {platform.python_version()}.",
         "One process, no tensor bytes (see the script's docstring for what runs and what stands in). "
-        "Times are CPU seconds of the process; per-rank times are means over ranks 0, N/2+1 and N−1; "
-        'the restore is into N/2 ranks, dp only. "received per rank (save)": shardstore\'s all-gathered '
+        "Times are CPU seconds of the process; per-rank save times are means over ranks 0, N/2+1 and N−1, "
+        "restore times over the first and last of the N/2 ranks restored into (dp only); ≈0: a time "
+        'extrapolated below zero (noise). "received per rank (save)": shardstore\'s all-gathered '
         "descriptions, replica fingerprints, block-id table, protocol ids and the commit manifest read back; "
-        "DCP's scattered global plan. \"coordinator receives/reads\": shardstore's shard manifests read by "
+        "DCP's scattered global plan and the Metadata it broadcasts when the save ends (`_DistWrapper.all_reduce`). \"coordinator receives/reads\": shardstore's shard manifests read by "
         "write_commit (twice: once to build, once to check) and the protocol ids; DCP's gathered local plans "
         "and write results. Rows run on fewer layers than the model has are extrapolated linearly in layers.",
         check,
