@@ -382,11 +382,14 @@ def main(
     markers: tuple[str, str, str],
     mib_help: str,
     argv: list[str] | None = None,
+    options: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> int:
-    """The command line both sharded benchmarks share: run ``worker`` on ``world`` processes,
+    """The command line the sharded benchmarks share: run ``worker`` on ``world`` processes,
     print ``table`` of their results and, with ``--results``, write it between ``markers``
-    (begin, end, section) of that file."""
+    (begin, end, section) of that file. ``options`` adds a benchmark's own arguments."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if options is not None:
+        options(ap)
     ap.add_argument("--mib", type=int, default=256, help=mib_help)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir beside the repository)")

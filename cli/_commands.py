@@ -2,8 +2,8 @@
 
 Each handler is ``cmd_<name>(args) -> int``: it builds one JSON-able document from the
 library's results, prints it (``--json``) or its text rendering (``shardstore_cli._render``) on stdout,
-and returns an exit code of the table in ``shardstore_cli.shardstore_cli.EPILOG``. Errors propagate as
-shardstore's typed errors; ``main`` maps them to exit codes.
+and returns an exit code of the one table (``shardstore_cli.exit_codes``). Errors propagate as
+shardstore's typed errors; ``main`` maps them to exit codes by that table.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import re
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,10 +25,12 @@ from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
 from shardstore.format.names import check_ref_name
 from shardstore.format.tensors import expected_nbytes
 
+from ._output import bar as _bar
 from ._output import emit as _emit
 from ._output import note
 from ._render import (
     jsonable,
+    marker_doc,
     render_cat,
     render_diff,
     render_log,
@@ -38,18 +39,13 @@ from ._render import (
     render_show,
     render_verify,
 )
+from .exit_codes import Exit
 
 __all__ = [
-    "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "UsageError",
+    "UsageError",
     "cmd_verify", "cmd_diff", "cmd_log", "cmd_show", "cmd_cat", "cmd_refs", "cmd_export", "cmd_import",
     "parse_size", "parse_layout", "add_storage_option", "apply_storage_options",
 ]  # fmt: skip
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_PROBLEMS = 3
-EXIT_NOT_FOUND = 4
 
 
 class UsageError(Exception):
@@ -66,22 +62,6 @@ class UsageError(Exception):
 def _note(args: argparse.Namespace, message: str) -> None:
     if not args.quiet and not args.json:
         note(message)
-
-
-def _bar(args: argparse.Namespace, desc: str, total: int | None = None) -> tqdm:
-    """A byte progress bar on stderr, only on a terminal and without --quiet: drawn at once and left in
-    place at the end (a bar that waits a second and erases itself is never seen on a fast run)."""
-    disable = args.quiet or not sys.stderr.isatty()
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=disable,
-        file=sys.stderr,
-        leave=True,
-    )
 
 
 def _progress(bar: tqdm) -> Callable[[str, int, int], None]:
@@ -105,6 +85,11 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_slot_option(p: argparse.ArgumentParser, what: str) -> None:
+    """``--slot K`` (``--shard K``, its old name, kept as an alias): ``what`` slot K's objects."""
+    p.add_argument("--slot", "--shard", dest="slot", type=int, metavar="K", help=f"{what} (--shard: old name)")
+
+
 def apply_storage_options(args: argparse.Namespace) -> None:
     """Make ``--storage-option`` reach every store this process (and any worker it starts) opens."""
     from shardstore.backends.options import ENV, environment_with
@@ -119,6 +104,13 @@ def apply_storage_options(args: argparse.Namespace) -> None:
 
 def _open(url: str, *, create: bool = False) -> ss.Store:
     return ss.open_store(url, create=create)
+
+
+def _gc_markers(store: ss.Store) -> list[dict[str, Any]]:
+    """The gc markers present, with holder and age (SPEC.md §19b): a running gc, or one that died."""
+    from shardstore.store.gc_fence import gc_markers
+
+    return [marker_doc(m) for m in gc_markers(store)]
 
 
 def _refs_by_commit(store: ss.Store) -> dict[str, list[str]]:
@@ -137,7 +129,7 @@ def _refs_by_commit(store: ss.Store) -> dict[str, list[str]]:
 
 
 def _check_slot(store: ss.Store, targets: list[str], slot: int) -> None:
-    """``--shard K`` names a slot of every commit asked for (or every ref's commit), as ``copy --shard`` requires."""
+    """``--slot K`` names a slot of every commit asked for (or every ref's commit), as ``copy --slot`` requires."""
     heads = [store.resolve(t) for t in targets] if targets else sorted(set(store.refs().values()))
     for cid in heads:
         n = len(store.commit(cid).layout)
@@ -146,13 +138,13 @@ def _check_slot(store: ss.Store, targets: list[str], slot: int) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if args.shard is not None and args.shard < 0:
-        raise UsageError(f"--shard must be a slot number >= 0, got {args.shard}", args.parser)
+    if args.slot is not None and args.slot < 0:
+        raise UsageError(f"--slot must be a slot number >= 0, got {args.slot}", args.parser)
     store = _open(args.store)
-    if args.shard is not None:
-        _check_slot(store, args.targets, args.shard)
+    if args.slot is not None:
+        _check_slot(store, args.targets, args.slot)
     with _bar(args, "verify") as bar:
-        report = ss.verify(store, args.targets or None, deep=not args.quick, slot=args.shard, progress=bar.update)
+        report = ss.verify(store, args.targets or None, deep=not args.quick, slot=args.slot, progress=bar.update)
     problems = [
         {"kind": p.kind, "object": p.object, "tensor": p.tensor, "commit": p.commit, "message": str(p.error)}
         for p in report.problems
@@ -160,15 +152,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     doc = {
         "ok": report.ok,
         "deep": not args.quick,
-        "slot": args.shard,
+        "slot": args.slot,
         "commits": report.commits,
         "objects_checked": report.objects_checked,
         "bytes_hashed": report.bytes_hashed,
         "problems": problems,
         "refs_by_commit": _refs_by_commit(store),
+        "gc_markers": _gc_markers(store),
     }
     _emit(args, doc, render_verify)
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return Exit.OK if report.ok else Exit.PROBLEMS
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -192,7 +185,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         return text + "".join(f"\n  same     {name}" for name in d.unchanged) if args.all and not d.empty else text
 
     _emit(args, doc, render)
-    return EXIT_OK
+    return Exit.OK
 
 
 def _default_target(store: ss.Store, parser: argparse.ArgumentParser) -> str:
@@ -232,7 +225,7 @@ def cmd_log(args: argparse.Namespace) -> int:
         {"commits": commits, "missing_parent": missing},
         render_log_oneline if getattr(args, "oneline", False) else render_log,
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 def _journal_note(store: ss.Store, cid: str) -> dict[str, Any]:
@@ -320,7 +313,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         "dtypes": dict(sorted(dtypes.items())),
     }
     _emit(args, jsonable(doc), render_show)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
@@ -353,7 +346,7 @@ def cmd_cat(args: argparse.Namespace) -> int:
                     f"object {oid} ({len(data)} bytes) is not a manifest, a model config or JSON (a tensor or RNG state?)"
                 ) from None
     _emit(args, {"id": oid, "kind": kind, "value": jsonable(value)}, render_cat)
-    return EXIT_OK
+    return Exit.OK
 
 
 def _readable(kind: str, names: Any, read: Any, broken: list[str]) -> dict[str, Any]:
@@ -379,13 +372,13 @@ def cmd_refs(args: argparse.Namespace) -> int:
     pins: dict[str, list[str]] = {
         n: list(ids) for n, ids in _readable("pin", store.pin_names(), store.pinned, broken).items()
     }
-    doc: dict[str, Any] = {"refs": refs, "pins": pins}
+    doc: dict[str, Any] = {"refs": refs, "pins": pins, "gc_markers": _gc_markers(store)}
     if broken:
         doc["broken"] = broken
     _emit(args, doc, render_refs)
     for line in broken:  # the others are listed above; the store is still damaged: exit 1
         note(f"shardstore refs: error: {line}")
-    return EXIT_ERROR if broken else EXIT_OK
+    return Exit.ERROR if broken else Exit.OK
 
 
 def _break_lock(args: argparse.Namespace, store: ss.Store) -> int:
@@ -403,7 +396,7 @@ def _break_lock(args: argparse.Namespace, store: ss.Store) -> int:
     _emit(
         args, {"ref": name, "lock_removed": True, "holder": holder}, lambda d: f"removed the lock of ref {name} ({who})"
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 _SIZE = re.compile(r"^(\d+)\s*([KMGT]i?B?|B)?$", re.IGNORECASE)
@@ -449,7 +442,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     with _bar(args, "export") as bar:
         result = export_commit(
             store, args.target, args.out_dir, with_optimizer=args.with_optimizer,
-            max_shard_bytes=args.max_shard_size, overwrite=args.force, progress=_progress(bar),
+            max_shard_bytes=args.max_shard_size, overwrite=args.force, weights_only=args.weights_only,
+            progress=_progress(bar),
         )  # fmt: skip
     doc = jsonable(result)
 
@@ -458,7 +452,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         return "\n".join([head, *(f"  {os.path.join(d['out_dir'], f)}" for f in d["files"])])
 
     _emit(args, doc, render)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -494,4 +488,4 @@ def cmd_import(args: argparse.Namespace) -> int:
         args,
         f"imported {doc['tensors']} tensors ({doc['bytes']} bytes) into {doc['slots']} slot(s); ref {args.ref} -> {cid}",
     )
-    return EXIT_OK
+    return Exit.OK

@@ -91,6 +91,7 @@ def render_verify(doc: dict[str, Any]) -> str:
         f"{human_bytes(doc['bytes_hashed'])} hashed"
     )
     n = len(doc["problems"])
+    out += render_gc_markers(doc.get("gc_markers", []))
     out.append(f"ok: {summary}" if n == 0 else f"FAILED: {n} problem(s) in {summary}")
     return "\n".join(out)
 
@@ -247,9 +248,7 @@ def render_show(doc: dict[str, Any]) -> str:
     out.append(f"{'extras'.ljust(width)}  {len(xs) or '-'}")
     for x in xs:
         where = "commit-wide" if x["slot"] is None else f"slot {x['slot']}"
-        out.append(
-            f"{''.ljust(width)}  {x['key']} ({where}): " + ", ".join(f"{k} {_num(v)}" for k, v in x["state"].items())
-        )
+        out.append(f"{''.ljust(width)}  {x['key']} ({where}): " + _extra_summary(x))
     rows = [
         [s["slot"], s["shard"][:16], s["tensors"], s["elements"], human_bytes(s["bytes"]), s["objects"]]
         for s in doc["layout"]
@@ -261,10 +260,52 @@ def render_show(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _extra_summary(x: dict[str, Any]) -> str:
+    """An extra's state on one line; a DCP document (SPEC.md §9d) as what it holds, not in full."""
+    from shardstore.format.dcp import DCP_EXTRA
+
+    state = x["state"]
+    if x["key"] == DCP_EXTRA and x["slot"] is None and isinstance(state.get("items"), dict):
+        items = state["items"].values()
+        tensors = [i for i in items if isinstance(i, dict) and i.get("kind") == "tensor"]
+        chunks = sum(len(i.get("chunks", [])) for i in tensors)
+        return f"DCP metadata: {len(tensors)} tensors in {chunks} chunks, {len(items) - len(tensors)} bytes items"
+    return ", ".join(f"{k} {_num(v)}" for k, v in state.items())
+
+
 def render_refs(doc: dict[str, Any]) -> str:
     lines = [f"{cid}  {name}" for name, cid in doc["refs"].items()]
     lines += [f"pin {name}: {len(ids)} objects kept by gc" for name, ids in doc.get("pins", {}).items()]
+    lines += render_gc_markers(doc.get("gc_markers", []))
     return "\n".join(lines)
+
+
+def marker_doc(m: Any) -> dict[str, Any]:
+    """A gc marker (``gc_fence.MarkerInfo``) as ``refs``, ``verify`` and ``gc --break-marker`` report it."""
+    return {
+        "marker": m.key,
+        "nonce": m.nonce,
+        "holder": m.holder,
+        "holder_state": m.state,
+        "created": m.created,
+        "age_seconds": None if m.age is None else round(m.age, 3),
+        "idle_seconds": round(m.idle, 3),
+        "stale": m.stale,
+        "blocks_writers": m.blocks,
+        "description": m.describe(),
+    }
+
+
+def render_gc_markers(markers: list[dict[str, Any]]) -> list[str]:
+    """One line per gc marker present, and how to remove one that blocks although its gc is gone."""
+    lines = [f"gc marker {m['description']}" for m in markers]
+    blocking = [m for m in markers if m["blocks_writers"] and m["holder_state"] != "alive"]
+    if blocking:
+        lines.append(
+            f"  ref moves wait while a gc marker blocks; if its gc is gone: "
+            f"shardstore gc STORE --break-marker {blocking[0]['nonce']}"
+        )
+    return lines
 
 
 def render_cat(doc: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ __all__ = [
     "render_transition",
     "render_plan",
     "render_demo",
+    "render_restore",
 ]
 
 
@@ -25,12 +26,31 @@ def render_prepare(doc: dict[str, Any]) -> str:
     if "profile" in doc:  # what the job computes in, and what it starts from (``describe``)
         label = doc["profile"] + ("+recompute" if doc.get("recompute") else "")
         text += f"\nprofile {label}\nseed {doc.get('seed') or '(fresh init)'}"
+    if doc.get("seed_store"):
+        text += f"\nseed store {doc['seed_store']}"
     return text
 
 
 def render_train(doc: list[dict[str, Any]]) -> str:
     """The commits the run made (slot 0's record; every worker's is the same)."""
     return "\n".join(f"step {c['step']}: {c['id']}" for c in doc[0]["commits"])
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def render_restore(worker: dict[str, Any]) -> str:
+    """Where one worker's restore read its start commit's objects from, in words."""
+    got = worker["restore"]
+    return (
+        f"worker {worker['rank']}: restored its slot of {worker['start_commit'][:12]} reading "
+        f"{_size(got['memory'])} from its memory tier, {_size(got['peers'])} from peers and "
+        f"{_size(got['store'])} from the store"
+    )
 
 
 def render_report(doc: dict[str, Any]) -> str:

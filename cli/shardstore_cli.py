@@ -3,8 +3,8 @@
 Modelled on git and restic: one subcommand per task, a store given as a local path or an
 fsspec URL, targets given as a ref name, a full commit id or a unique id prefix (>= 8 hex
 digits), ``--json`` on every command for scripts, data on stdout, diagnostics and
-progress bars (tqdm, only on a terminal, never with ``--quiet``) on stderr, and a
-documented exit-code table (SPEC.md §Exit codes). Each subcommand's handler is
+progress bars (tqdm, only on a terminal, never with ``--quiet``) on stderr, and the
+exit-code table both command lines share (``exit_codes``, SPEC.md §Exit codes). Each subcommand's handler is
 ``args.func(args) -> int``; ``shardstore_cli.store_commands.register(subparsers)``, when that module
 exists, adds more subcommands (copy, gc, unpin) the same way.
 """
@@ -19,15 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import shardstore as ss
-from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
 
 from ._commands import (
-    EXIT_ERROR,
-    EXIT_NOT_FOUND,
-    EXIT_OK,
-    EXIT_PROBLEMS,
-    EXIT_USAGE,
     UsageError,
+    add_slot_option,
     add_storage_option,
     apply_storage_options,
     cmd_cat,
@@ -42,20 +37,16 @@ from ._commands import (
     parse_size,
 )
 from ._help import HelpFormatter
-from ._output import fail, note
+from ._output import diagnostics, fail, note
+from .exit_codes import SHARDSTORE, Exit, epilog
 
-__all__ = ["EPILOG", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_PROBLEMS", "EXIT_NOT_FOUND", "build_parser", "main"]
+__all__ = ["EPILOG", "build_parser", "main"]
 
-EPILOG = """\
-targets: a ref name (main), a full commit id, or a unique id prefix of at least 8 hex digits.
-
-exit codes:
-  0  success; for verify: no problems found
-  1  any other error (unreadable store, I/O error, corrupt manifest outside verify)
-  2  usage error (bad arguments)
-  3  verify found problems (each is listed with its object, tensor and commit)
-  4  target not found (no such ref, commit id or unique prefix)
-"""
+_TARGETS = (
+    "targets: a ref name (main), a full commit id, or a unique id prefix of at least 8 hex digits, each\n"
+    "optionally followed by git's ancestry suffixes: main~1 or main^ (the parent), main~2, <commit>^.\n"
+)
+EPILOG = _TARGETS + "\n" + epilog(SHARDSTORE)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,10 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("verify", cmd_verify, "check commits and every object they reach; report every problem")
     p.add_argument(
-        "targets", nargs="*", metavar="TARGET", help="commits to check (default: everything reachable from refs)"
+        "targets",
+        nargs="*",
+        metavar="TARGET",
+        help="commits to check (default: everything reachable from refs and pins)",
     )
     p.add_argument("--quick", action="store_true", help="check structure and object sizes only; do not re-hash")
-    p.add_argument("--shard", type=int, metavar="K", help="check only the objects of slot K")
+    add_slot_option(p, "check only the objects of slot K")
     p = add("diff", cmd_diff, "what changed from commit A to commit B")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
@@ -126,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TARGET")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--with-optimizer", action="store_true", help="also write the Adam moments and optimizer.json")
+    p.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="export a commit that holds no model config: the safetensors files without config.json "
+        "(refused otherwise, since transformers cannot load such a directory)",
+    )
     p.add_argument(
         "--max-shard-size",
         type=parse_size,
@@ -170,10 +170,6 @@ def _register_plugins(sub: Any) -> None:
     store_commands.register(sub)
 
 
-def _fail(args: argparse.Namespace | None, error: BaseException, code: int) -> int:
-    return fail("shardstore", args, error, code)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code (see EPILOG)."""
     parser = build_parser()
@@ -186,29 +182,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.targets.extend(extra)
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
-            return EXIT_USAGE
+            return Exit.USAGE
         for name in ("json", "quiet"):
             if not hasattr(args, name):  # a plugin subcommand without the common options
                 setattr(args, name, False)
         apply_storage_options(args)
-        return int(args.func(args))
+        with diagnostics(f"shardstore {args.command}", quiet=args.quiet):
+            return int(args.func(args))
     except UsageError as e:
         e.parser.print_usage(sys.stderr)
         note(f"{e.parser.prog}: error: {e}")
-        return EXIT_USAGE
+        return Exit.USAGE
     except SystemExit as e:  # --help, --version
-        return e.code if isinstance(e.code, int) else EXIT_USAGE
-    except (TargetNotFound, RefNotFound) as e:
-        return _fail(args, e, EXIT_NOT_FOUND)
-    except ShardstoreError as e:
-        return _fail(args, e, EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else Exit.USAGE
     except BrokenPipeError:  # stdout closed early (| head): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
-    except OSError as e:
-        return _fail(args, e, EXIT_ERROR)
-    except KeyboardInterrupt:
-        return 130
+        return Exit.OK
+    except (Exception, KeyboardInterrupt) as e:  # the exit-code table decides; an error it does not name is raised
+        return fail("shardstore", args, e)
 
 
 if __name__ == "__main__":

@@ -17,75 +17,54 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import shardstore
-from shardtrain.errors import (
-    AdmissionError,
-    DistillError,
-    JobError,
-    PartitionError,
-    ResumeError,
-    RoleError,
-    RunAborted,
-    ShardtrainError,
-    TransitionError,
-)
+from shardtrain.errors import JobError
 
-from ._output import emit, fail, note
+from ._commands import UsageError
+from ._output import diagnostics, emit, fail, note
 from ._render import jsonable
 from ._train_render import (
     render_demo,
     render_plan,
     render_prepare,
     render_report,
+    render_restore,
     render_select,
     render_train,
     render_transition,
 )
+from .exit_codes import SHARDTRAIN, Exit, epilog
+
+if TYPE_CHECKING:
+    from shardtrain.engine.model import LlamaConfig
+    from shardtrain.engine.partition import Partition
+    from shardtrain.reshape.planner import MemoryModel
+    from shardtrain.reshape.regroup import TransitionResult
+    from shardtrain.run.lifecycle import StepEvent
 
 __all__ = ["EPILOG", "main", "print_step", "print_commit"]
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ABORTED, EXIT_REFUSED, EXIT_GATE_FAILED = 0, 1, 2, 3, 4, 5
-
-EPILOG = """\
-exit codes:
-  0  success
-  1  any other error
-  2  usage error (bad arguments)
-  3  a worker was lost, or a step's loss or gradient norm was not finite (NonFiniteStep), and the
-     run aborted (the message names the last committed step)
-  4  refused before training: the job, a tokenizer asset, the records or the start commit
-     do not match (another job, a corrupt or mismatched shard, workers naming different commits);
-     evaluate --final without a matching selection record; a second selection after finals were opened;
-     a worker's estimated memory exceeds what it has free (AdmissionError); a regroup/grow
-     cannot be made from that commit (TransitionError) or a partition cannot be made (PartitionError);
-     a job value out of bounds (JobError naming the field); a distillation reference too shallow
-     to split over the workers (DistillError)
-  5  gate: at least one gate failed (the table and the stored report say which)
-"""
+EPILOG = epilog(SHARDTRAIN)
 
 
-def print_step(event: object) -> None:
+def print_step(e: StepEvent) -> None:
     """Progress line of one update (called on the coordinator worker)."""
-    e = event  # a shardtrain.run.lifecycle.StepEvent
-    rate = e.tokens / e.seconds if e.seconds > 0 else 0.0  # type: ignore[attr-defined]
-    line = (
-        f"step {e.step:>4}/{e.until}  loss {e.loss:.4f}  grad norm {e.grad_norm:.3f}  "  # type: ignore[attr-defined]
-        f"{rate:,.0f} tok/s"
-    )
-    if e.commit:  # type: ignore[attr-defined]
-        line += f"  committed {e.commit[:16]}"  # type: ignore[attr-defined]
-        at = getattr(e, "commit_step", None)
-        if at is not None and at != e.step:  # type: ignore[attr-defined]
-            line += f" (step {at})"
+    rate = e.tokens / e.seconds if e.seconds > 0 else 0.0
+    line = f"step {e.step:>4}/{e.until}  loss {e.loss:.4f}  grad norm {e.grad_norm:.3f}  {rate:,.0f} tok/s"
+    if e.commit:
+        line += f"  committed {e.commit[:16]}"
+        if e.commit_step is not None and e.commit_step != e.step:
+            line += f" (step {e.commit_step})"
     print(line, file=sys.stderr, flush=True)  # progress as it happens (in a worker): not a document
 
 
-def print_commit(event: object) -> None:
+def print_commit(e: StepEvent) -> None:
     """Progress line only when an update was committed (the demo's quieter progress)."""
-    if getattr(event, "commit", None):
-        print_step(event)
+    if e.commit:
+        print_step(e)
 
 
 def _slot_store(text: str) -> tuple[int, str]:
@@ -95,6 +74,34 @@ def _slot_store(text: str) -> tuple[int, str]:
     return int(slot), url
 
 
+def _memory_tier(text: str) -> tuple[int | None, str | None]:
+    """``--memory-tier``: ``DIR`` (every host's tier root), ``SLOT=DIR`` (that slot's), or ``off``."""
+    slot, sep, path = text.partition("=")
+    if sep and slot.isdigit():
+        if not path:
+            raise argparse.ArgumentTypeError(f"expected SLOT=DIR, got {text!r}")
+        return int(slot), path
+    if not text:
+        raise argparse.ArgumentTypeError("expected DIR, SLOT=DIR or off")
+    return None, None if text == "off" else text
+
+
+def _tier_options(args: argparse.Namespace) -> dict[str, object]:
+    """RunSpec's tier fields from ``--memory-tier`` (repeatable), ``--peer-replicas`` and ``--memory-tier-commits``."""
+    from shardtrain.run.tiers import AUTO_TIER
+
+    given = args.memory_tier or []
+    roots = [path for slot, path in given if slot is None]
+    if None in roots and len(given) > 1:
+        raise JobError("--memory-tier off turns every tier off: give it alone")
+    return {
+        "memory_tier": roots[-1] if roots else AUTO_TIER,
+        "memory_tiers": tuple((slot, path) for slot, path in given if slot is not None),
+        "peer_replicas": args.peer_replicas,
+        "tier_commits": args.memory_tier_commits,
+    }
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from shardtrain.engine.profile import Profile
     from shardtrain.job.job import load_job, prepare_default
@@ -102,14 +109,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     if args.model and args.seed_commit:
         raise JobError("give --model or --seed-commit, not both")
-    if (args.model or args.seed_commit) and not args.seed_store:
-        raise JobError("--model and --seed-commit need --seed-store (the store the start commit is in, or goes to)")
+    if args.seed_commit and not args.seed_store:
+        raise JobError("--seed-commit needs --seed-store (the store the start commit is in)")
+    chosen = args.model and not args.seed_store
+    if chosen:  # the import goes next to the job, and the output says where (train from it with --store)
+        args.seed_store = os.path.join(args.out, "store")
     if not (args.model or args.seed_commit) and (args.records or args.replay or args.dev or args.final):
         raise JobError("--records, --replay, --dev and --final need --model (or --seed-commit with tokenizer assets)")
     profile = Profile(name=args.profile, recompute=args.recompute) if args.profile != "fp32" or args.recompute else None
     files = {"records": args.records, "replay": args.replay, "dev": args.dev, "final": args.final}
+    kw: dict[str, Any]  # the job's options, by the name prepare_default / prepare_own take them
     if args.records:  # the user's data: one epoch unless --steps, an own-model learning rate unless --lr
-        kw: dict[str, object] = {
+        kw = {
             "batch_size": args.batch_size,
             "microbatch_size": args.microbatch_size,
             "init_seed": args.init_seed,
@@ -127,10 +138,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         }
     kw.update({} if args.lr is None else {"lr": args.lr})
     if args.model:
-        path = prepare_model(args.out, model_dir=args.model, store=args.seed_store, profile=profile, **files, **kw)  # type: ignore[arg-type]
+        path = prepare_model(args.out, model_dir=args.model, store=args.seed_store, profile=profile, **files, **kw)
     elif args.seed_commit:
         store = shardstore.open_store(args.seed_store, create=False)
-        path, carried = prepare_seed(args.out, store=store, commit=args.seed_commit, profile=profile, **files, **kw)  # type: ignore[arg-type]
+        path, carried = prepare_seed(args.out, store=store, commit=args.seed_commit, profile=profile, **files, **kw)
         if not carried and not args.quiet:
             print(
                 f"shardtrain: note: commit {args.seed_commit} carries no tokenizer assets; the job binds the embedded "
@@ -138,7 +149,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     else:
-        path = prepare_default(args.out, profile=profile, **kw)  # type: ignore[arg-type]
+        path = prepare_default(args.out, profile=profile, **kw)
     job = load_job(path)
     doc = {
         "job": path,
@@ -147,9 +158,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         "steps": job.num_steps,
         "seed": job.job.seed.commit,
         **describe(job),
+        **({"seed_store": args.seed_store} if args.model or args.seed_commit else {}),
     }
+    if chosen and not args.quiet:
+        print(
+            f"shardtrain: note: no --seed-store: the model was imported into {args.seed_store}, next to the job; "
+            f"train from it with --store {args.seed_store}",
+            file=sys.stderr,
+        )
     emit(args, doc, render_prepare)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -167,6 +185,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress=None if args.quiet else print_step,
         schedule=args.schedule,
         async_commits=not args.sync_commits,
+        **_tier_options(args),  # type: ignore[arg-type]
     )
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one worker
         from datetime import timedelta
@@ -176,13 +195,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         for k, v in DETERMINISTIC_ENV.items():
             os.environ.setdefault(k, v)  # ATEN_CPU_CAPABILITY is read at torch import: set it for torchrun too
         run_worker(train_worker, spec, timeout=timedelta(seconds=args.timeout))
-        return EXIT_OK
+        return Exit.OK
     t = time.monotonic()
     results = train(spec, args.workers, timeout=args.timeout)
     r0 = results[0]
     emit(args, results, render_train)
     if args.json:
-        return EXIT_OK
+        return Exit.OK
     if r0.start_commit is not None and args.resume not in (None, "auto"):
         store = shardstore.open_store(args.store)
         start = store.commit(r0.start_commit)
@@ -192,6 +211,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"repartition commit {r0.start_commit} for {args.workers} and resumed from it"
             )
     for r in results:
+        if r.start_commit is not None:
+            note(render_restore(jsonable(r)))
+        for line in r.restore_rejected:
+            note(f"shardtrain: warning: worker {r.rank}: {line}")
         note(
             f"worker {r.rank}: held {r.parameters:,} parameters ({r.parameter_bytes:,} bytes), "
             f"estimated peak {r.estimate_bytes / 2**20:.1f} MiB, actual {r.used_bytes / 2**20:.1f} MiB above "
@@ -201,7 +224,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{len(r0.steps)} updates in {time.monotonic() - t:.1f} s; ref {args.ref} -> "
         f"{r0.commits[-1].id if r0.commits else '(unchanged)'}"
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -218,7 +241,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     )
     report = evaluate(spec, args.workers, timeout=args.timeout)
     emit(args, report, render_report)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_select(args: argparse.Namespace) -> int:
@@ -228,7 +251,7 @@ def cmd_select(args: argparse.Namespace) -> int:
     lc = shardstore.load_commit(store, args.commit)
     oid = select(store, lc.commit.job, lc.id)
     emit(args, {"selection": oid, "job": lc.commit.job, "commit": lc.id}, render_select)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -260,7 +283,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         )
 
     emit(args, {"report": oid, "gates": gates}, render)
-    return EXIT_OK if gates.passed else EXIT_GATE_FAILED
+    return Exit.OK if gates.passed else Exit.PROBLEMS
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -274,16 +297,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say(f"shardtrain demo in {home}")
     result = run_demo(home, say=say, progress=None if args.quiet else print_commit)
     emit(args, {**jsonable(result, keep_nonfinite=True), "equal": result.equal}, render_demo)
-    return EXIT_OK if result.equal and result.verify_ok and result.adaptive_ok else EXIT_ERROR
+    return Exit.OK if result.equal and result.verify_ok and result.adaptive_ok else Exit.ERROR
 
 
-def _memory_model(args: argparse.Namespace, config: object = None) -> object:
+def _memory_model(args: argparse.Namespace, config: LlamaConfig | None = None) -> MemoryModel:
     from shardtrain.job.job import load_job
     from shardtrain.reshape.planner import for_job
 
     if not args.prepared:
         raise JobError("--plan needs --prepared JOB (its sequence length and batch split)")
-    return for_job(load_job(args.prepared), config, reference=True if getattr(args, "reference", False) else None)  # type: ignore[arg-type]
+    return for_job(load_job(args.prepared), config, reference=True if getattr(args, "reference", False) else None)
 
 
 def _capacities(args: argparse.Namespace, workers: int) -> list[int]:
@@ -299,20 +322,20 @@ def _capacities(args: argparse.Namespace, workers: int) -> list[int]:
     return caps
 
 
-def _layout(args: argparse.Namespace, config: object, workers: int | None) -> object:
+def _layout(args: argparse.Namespace, config: LlamaConfig, workers: int | None) -> Partition | None:
     """The partition for a regroup or grow: --partition, --plan, or None (even)."""
     from shardtrain.engine.partition import Partition
     from shardtrain.reshape.planner import plan
     from shardtrain.reshape.regroup import parse_partition
 
     if args.partition:
-        return parse_partition(args.partition, config.num_hidden_layers)  # type: ignore[attr-defined]
+        return parse_partition(args.partition, config.num_hidden_layers)
     if args.plan:
         n = workers or (len(args.memory.split(",")) if args.memory else None)
         if not n:
             raise JobError("--plan needs --workers N")
-        return plan(_memory_model(args, config), _capacities(args, n)).partition  # type: ignore[arg-type]
-    return Partition.even(config.num_hidden_layers, workers) if workers else None  # type: ignore[attr-defined]
+        return plan(_memory_model(args, config), _capacities(args, n)).partition
+    return Partition.even(config.num_hidden_layers, workers) if workers else None
 
 
 def _transition_ref(store: shardstore.Store, args: argparse.Namespace) -> str | None:
@@ -322,10 +345,10 @@ def _transition_ref(store: shardstore.Store, args: argparse.Namespace) -> str | 
     return str(args.commit) if args.commit in store.ref_names() else None
 
 
-def _warn_unnamed(ref: str | None, made: object) -> None:
+def _warn_unnamed(ref: str | None, made: TransitionResult) -> None:
     if ref is None:
         note(
-            f"shardtrain: warning: no ref names the new commit {made.commit} (--commit was not a ref and no --ref "  # type: ignore[attr-defined]
+            f"shardtrain: warning: no ref names the new commit {made.commit} (--commit was not a ref and no --ref "
             "was given): `shardstore gc` will remove it; name it with `--ref NAME` next time"
         )
 
@@ -337,23 +360,22 @@ def cmd_regroup(args: argparse.Namespace) -> int:
     lc = shardstore.load_commit(store, args.commit)
     config, _ = commit_config(store, lc)
     ref = _transition_ref(store, args)
-    made = regroup(store, lc.id, _layout(args, config, args.workers), workers=args.workers, ref=ref)  # type: ignore[arg-type]
+    made = regroup(store, lc.id, _layout(args, config, args.workers), workers=args.workers, ref=ref)
     emit(args, _transition_json(made), lambda doc: render_transition("repartition", doc))
     _warn_unnamed(ref, made)
-    return EXIT_OK
+    return Exit.OK
 
 
-def _transition_json(made: object) -> dict[str, object]:
-    m = made
+def _transition_json(m: TransitionResult) -> dict[str, object]:
     return {
         "commit": m.commit,
         "parent": m.parent,
         "step": m.step,
-        "learned_root": m.learned_root,  # type: ignore[attr-defined]
-        "parent_learned_root": m.parent_learned_root,  # type: ignore[attr-defined]
+        "learned_root": m.learned_root,
+        "parent_learned_root": m.parent_learned_root,
         "partition": [[r.start, r.stop] for r in m.partition.ranges],
         "new_objects": len(m.new_objects),
-    }  # type: ignore[attr-defined]
+    }
 
 
 def cmd_grow(args: argparse.Namespace) -> int:
@@ -373,7 +395,7 @@ def cmd_grow(args: argparse.Namespace) -> int:
         lc.id,
         args.append,
         copy_from=args.copy_from,
-        partition=_layout(args, grown, args.workers),  # type: ignore[arg-type]
+        partition=_layout(args, grown, args.workers),
         ref=ref,
     )
     new = range(config.num_hidden_layers, config.num_hidden_layers + args.append)
@@ -390,7 +412,7 @@ def cmd_grow(args: argparse.Namespace) -> int:
         ),
     )
     _warn_unnamed(ref, made)
-    return EXIT_OK if ok else EXIT_ERROR
+    return Exit.OK if ok else Exit.ERROR
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -403,7 +425,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise JobError("--commit needs --store")
         store = shardstore.open_store(args.store, create=False)
         config, _ = commit_config(store, shardstore.load_commit(store, args.commit))
-    chosen = plan(_memory_model(args, config), _capacities(args, args.workers))  # type: ignore[arg-type]
+    chosen = plan(_memory_model(args, config), _capacities(args, args.workers))
     rows = [
         {
             "slot": e.slot,
@@ -435,7 +457,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "shardtrain: warning: no contiguous assignment fits these capacities (workers would refuse at "
             "admission): add workers or memory"
         )
-    return EXIT_OK
+    return Exit.OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -446,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command")
 
-    def add(name: str, func: object, help: str) -> argparse.ArgumentParser:
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help, epilog=EPILOG, formatter_class=HelpFormatter)
         p.set_defaults(func=func)
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -476,7 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-seed", type=int, default=0, help="seed of the generated records and their schedule")
     p.add_argument("--init-seed", type=int, default=1234, help="seed of the model's initial weights")
     p.add_argument("--lr", type=float, help="peak learning rate (default: the embedded default's, docs/DEMO.md)")
-    p.add_argument("--seed-store", help="store holding --seed-commit, or receiving --model's import")
+    p.add_argument(
+        "--seed-store",
+        help="store holding --seed-commit, or receiving --model's import (default for --model: OUT/store)",
+    )
     p.add_argument(
         "--seed-commit",
         help="start from this imported Llama commit (weights only) instead of a fresh init; "
@@ -486,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         metavar="HF_DIR",
         help="start from a Hugging Face save_pretrained directory: its weights "
-        "(widened to float32) are imported into --seed-store and its tokenizer files bound",
+        "(widened to float32) are imported into --seed-store (default OUT/store) and its tokenizer files bound",
     )
     p.add_argument("--records", metavar="TRAIN.jsonl", help='your training records, {"messages": [...]} per line')
     p.add_argument("--replay", metavar="FILE.jsonl", help="declared replay records (distilled toward the seed)")
@@ -526,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_slot_store,
         action="append",
         metavar="SLOT=STORE",
-        help="restore that slot from its own copy of the commit (shardstore copy --shard)",
+        help="restore that slot from its own copy of the commit (shardstore copy --slot)",
     )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent peer counts as lost")
     p.add_argument(
@@ -539,6 +564,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--sync-commits",
         action="store_true",
         help="wait for each commit in the step loop instead of writing it in the background",
+    )
+    p.add_argument(
+        "--memory-tier",
+        type=_memory_tier,
+        action="append",
+        metavar="DIR|SLOT=DIR|off",
+        help="the host's memory tier, which keeps each slot's last commits for restarts (default: a directory "
+        "under /dev/shm named for the store); SLOT=DIR gives one slot a tier of its own; off: none",
+    )
+    p.add_argument(
+        "--peer-replicas",
+        type=int,
+        metavar="N",
+        help="buddies that keep each slot's committed objects in their memory tier (default 1 with two or "
+        "more workers; 0: none)",
+    )
+    p.add_argument(
+        "--memory-tier-commits",
+        type=int,
+        default=1,
+        metavar="K",
+        help="commits each memory tier keeps (default 1: the latest)",
     )
 
     p = add("evaluate", cmd_evaluate, "held-out loss and greedy generation through the shards")
@@ -637,41 +684,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code (``exit_codes.TABLE``, SPEC.md §Exit codes)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        return exc.code if isinstance(exc.code, int) else Exit.USAGE
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
-        return EXIT_USAGE
+        return Exit.USAGE
     try:
         if args.storage_option:  # the environment carries them to every store and every worker
             from shardstore.backends.options import ENV, environment_with
 
-            os.environ[ENV] = environment_with(args.storage_option)
-        return int(args.func(args))
-    except RunAborted as exc:
-        return _fail(args, exc, EXIT_ABORTED)
-    except (
-        JobError,
-        ResumeError,
-        RoleError,
-        AdmissionError,
-        TransitionError,
-        PartitionError,
-        DistillError,
-        shardstore.ShardstoreError,
-    ) as exc:
-        return _fail(args, exc, EXIT_REFUSED)
-    except (ShardtrainError, OSError, ValueError) as exc:
-        return _fail(args, exc, EXIT_ERROR)
-    except KeyboardInterrupt:
-        return 130
-
-
-def _fail(args: argparse.Namespace, error: BaseException, code: int) -> int:
-    return fail("shardtrain", args, error, code)
+            try:
+                os.environ[ENV] = environment_with(args.storage_option)
+            except ValueError as exc:  # not KEY=VALUE: a usage error, like any bad argument
+                raise UsageError(str(exc), getattr(args, "parser", None)) from None  # type: ignore[arg-type]
+        with diagnostics(f"shardtrain {args.command}"):
+            return int(args.func(args))
+    except (Exception, KeyboardInterrupt) as exc:  # the exit-code table decides; an error it does not name is raised
+        return fail("shardtrain", args, exc)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """``shardstore copy`` and ``shardstore gc``: moving commits between stores, and reclaiming space.
 
 ``register(subparsers)`` adds both subcommands to the main parser (``shardstore_cli.shardstore_cli``
-calls it when this module exists). Each handler returns the exit code of the documented
-table (SPEC.md §Exit codes): 0 ok, 1 error, 2 usage, 4 target not found. Data goes to
+calls it when this module exists). Each handler returns `Exit.OK` or raises; ``main`` maps the
+error to its exit code by the one table (``exit_codes``, SPEC.md §Exit codes). Data goes to
 stdout (human text, or one JSON document with ``--json``), diagnostics to stderr, and a
 byte progress bar (tqdm) to stderr only on a terminal and without ``--quiet``.
 
@@ -14,23 +14,18 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
-from collections.abc import Callable
-from typing import Any
-
-from tqdm import tqdm
+from typing import Any, NoReturn
 
 import shardstore as ss
-from shardstore.errors import RefNotFound, ShardstoreError, TargetNotFound
 from shardstore.ops.gc import GcResult, gc
 from shardstore.ops.transfer import DEFAULT_THREADS, CopyResult, check_copy, copy_commit
 
-from ._output import emit, fail, note
-from ._render import render_copy, render_gc, render_unpin
+from ._output import bar, emit, note
+from ._render import marker_doc, render_copy, render_gc, render_unpin
+from .exit_codes import Exit
 
 __all__ = ["register", "parse_duration", "cmd_copy", "cmd_gc"]
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 4
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 
@@ -55,6 +50,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the ``copy``, ``gc`` and ``unpin`` subcommands to the main parser's subparsers."""
+    from ._commands import add_slot_option
     from ._help import HelpFormatter
     from .shardstore_cli import EPILOG  # the one exit-code table (imported here: shardstore_cli calls register)
 
@@ -69,7 +65,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("src", metavar="SRC", help="source store path or URL")
     p.add_argument("dst", metavar="DST", help="destination store path or URL (created if absent)")
     p.add_argument("target", metavar="TARGET", help="ref name, commit id or unique id prefix in SRC")
-    p.add_argument("--shard", type=int, metavar="K", help="copy only what slot K needs to restore")
+    add_slot_option(p, "copy only what slot K needs to restore")
     p.add_argument("--ref", metavar="NAME", help="afterwards move ref NAME in DST to the commit")
     p.add_argument(
         "--pin",
@@ -111,6 +107,12 @@ def register(subparsers: Any) -> None:
         metavar="DURATION",
         help="keep objects younger than this (default 1h)",
     )
+    g.add_argument(
+        "--break-marker",
+        metavar="NONCE",
+        help="only remove gc marker gc/NONCE left by a gc that is gone (`shardstore refs` lists markers); "
+        "refused while that gc runs on this host",
+    )
     _common(g)
     g.set_defaults(func=cmd_gc, parser=g)
     u = subparsers.add_parser(
@@ -127,58 +129,34 @@ def register(subparsers: Any) -> None:
     u.set_defaults(func=cmd_unpin, parser=u)
 
 
-def _run(args: argparse.Namespace, body: Callable[[], int]) -> int:
-    try:
-        return body()
-    except (TargetNotFound, RefNotFound) as e:
-        return _fail(args, e, EXIT_NOT_FOUND)
-    except (ShardstoreError, OSError) as e:
-        return _fail(args, e, EXIT_ERROR)
+def _usage(args: argparse.Namespace, message: str) -> NoReturn:
+    from ._commands import UsageError
 
-
-def _fail(args: argparse.Namespace, error: BaseException, code: int) -> int:
-    return fail(f"shardstore {args.command_name}", args, error, code)
-
-
-def _usage(args: argparse.Namespace, message: str) -> int:
-    note(f"shardstore {args.command_name}: error: {message}")
-    return EXIT_USAGE
-
-
-def _bar(args: argparse.Namespace, desc: str, unit: str = "B") -> tqdm:
-    """As ``_commands._bar``: on a terminal only, without --quiet, drawn at once and left in place."""
-    disable = bool(getattr(args, "quiet", False)) or not sys.stderr.isatty()
-    scale = {"unit_scale": True, "unit_divisor": 1024} if unit == "B" else {}
-    return tqdm(desc=desc, unit=unit, disable=disable, file=sys.stderr, leave=True, **scale)
+    raise UsageError(message, args.parser)
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    args.command_name = "copy"
-    if args.shard is not None and args.shard < 0:
-        return _usage(args, f"--shard must be a slot number >= 0, got {args.shard}")
+    if args.slot is not None and args.slot < 0:
+        _usage(args, f"--slot must be a slot number >= 0, got {args.slot}")
     if args.threads < 1:
-        return _usage(args, f"--threads must be >= 1, got {args.threads}")
-
-    def body() -> int:
-        src = ss.open_store(args.src, create=False)
-        check_copy(src, args.target, slot=args.shard, ref=args.ref, pins=args.pin or ())  # before DST is created
-        dst = ss.open_store(args.dst, create=True)
-        with _bar(args, "copy") as bar:
-            result = copy_commit(
-                src,
-                dst,
-                args.target,
-                slot=args.shard,
-                ref=args.ref,
-                pins=args.pin,
-                threads=args.threads,
-                progress=bar.update,
-                with_deps=args.with_deps,
-            )
-        _print_copy(args, result)
-        return EXIT_OK
-
-    return _run(args, body)
+        _usage(args, f"--threads must be >= 1, got {args.threads}")
+    src = ss.open_store(args.src, create=False)
+    check_copy(src, args.target, slot=args.slot, ref=args.ref, pins=args.pin or ())  # before DST is created
+    dst = ss.open_store(args.dst, create=True)
+    with bar(args, "copy") as progress:
+        result = copy_commit(
+            src,
+            dst,
+            args.target,
+            slot=args.slot,
+            ref=args.ref,
+            pins=args.pin,
+            threads=args.threads,
+            progress=progress.update,
+            with_deps=args.with_deps,
+        )
+    _print_copy(args, result)
+    return Exit.OK
 
 
 def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
@@ -199,35 +177,38 @@ def _print_copy(args: argparse.Namespace, r: CopyResult) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    args.command_name = "gc"
-
+    if getattr(args, "break_marker", None) is not None:
+        return _break_marker(args)
     if args.grace == 0 and not args.dry_run and not args.quiet:
         note(
             "shardstore gc: warning: --grace 0 can delete the objects of a save in progress (written, not yet "
             "named by a ref); use it only when no writer is running on this store"
         )
+    store = ss.open_store(args.store, create=False)
+    with bar(args, "gc", unit=" objects") as progress:  # unreachable objects examined, then deleted
+        result = gc(store, grace_seconds=args.grace, dry_run=args.dry_run, progress=progress.update)
+    _print_gc(args, result)
+    return Exit.OK
 
-    def body() -> int:
-        store = ss.open_store(args.store, create=False)
-        with _bar(args, "gc", unit=" objects") as bar:  # unreachable objects examined, then deleted
-            result = gc(store, grace_seconds=args.grace, dry_run=args.dry_run, progress=bar.update)
-        _print_gc(args, result)
-        return EXIT_OK
 
-    return _run(args, body)
+def _break_marker(args: argparse.Namespace) -> int:
+    """``gc --break-marker NONCE``: remove a gc marker whose gc is gone (SPEC.md §19b), never a running one's."""
+    from shardstore.store.gc_fence import break_gc_marker
+
+    if args.dry_run:
+        _usage(args, "--break-marker removes one marker and collects nothing: it takes no --dry-run")
+    info = break_gc_marker(ss.open_store(args.store, create=False), args.break_marker)
+    doc = marker_doc(info) | {"removed": True}
+    emit(args, doc, lambda d: f"removed gc marker {d['description']}")
+    return Exit.OK
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:
-    args.command_name = "unpin"
-
-    def body() -> int:
-        store = ss.open_store(args.store, create=False)
-        held = store.pinned(args.name)
-        store.unpin(args.name)
-        emit(args, {"unpinned": args.name, "objects": len(held or ())}, render_unpin)
-        return EXIT_OK
-
-    return _run(args, body)
+    store = ss.open_store(args.store, create=False)
+    held = store.pinned(args.name)
+    store.unpin(args.name)
+    emit(args, {"unpinned": args.name, "objects": len(held or ())}, render_unpin)
+    return Exit.OK
 
 
 def _print_gc(args: argparse.Namespace, r: GcResult) -> None:

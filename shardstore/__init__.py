@@ -8,7 +8,9 @@ SPEC.md at the repository root is the normative description.
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import errors as _errors
@@ -16,50 +18,60 @@ from .errors import *  # noqa: F401,F403 (the error classes, torch-free)
 
 __version__ = "0.1.0"
 
-#: Where each public name lives. Names load on first use (PEP 562), so ``import shardstore``
-#: (and the command line's store-only commands) does not import torch until something needs it.
-_EXPORTS: dict[str, str] = {
-    "Storage": "shardstore.backends.base",
-    "FsspecStorage": "shardstore.backends.fsspec",
-    "LocalStorage": "shardstore.backends.local",
-    "open_storage": "shardstore.backends.location",
-    "S3Storage": "shardstore.backends.s3.storage",
-    "AsyncSaver": "shardstore.checkpoint.async_save",
-    "agree_on_commit": "shardstore.checkpoint.distributed",
-    "save_distributed": "shardstore.checkpoint.distributed",
-    "CommitInfo": "shardstore.checkpoint.info",
-    "AUTO": "shardstore.checkpoint.slots",
-    "Restored": "shardstore.checkpoint.slots",
-    "SlotState": "shardstore.state.slot",
-    "capture": "shardstore.state.slot",
-    "restore": "shardstore.checkpoint.slots",
-    "save": "shardstore.checkpoint.slots",
-    "save_slots": "shardstore.checkpoint.slots",
-    "write_commit": "shardstore.checkpoint.slots",
-    "write_shard": "shardstore.checkpoint.slots",
-    "write_shard_entries": "shardstore.checkpoint.slots",
-    "CommitManifest": "shardstore.format.manifest",
-    "LearnedState": "shardstore.format.manifest",
-    "ShardManifest": "shardstore.format.manifest",
-    "StoreConfig": "shardstore.format.manifest",
-    "TensorEntry": "shardstore.format.manifest",
-    "decode": "shardstore.format.manifest",
-    "encode": "shardstore.format.manifest",
-    "learned_root": "shardstore.format.roots",
-    "GcResult": "shardstore.ops.gc",
-    "gc": "shardstore.ops.gc",
-    "CopyResult": "shardstore.ops.transfer",
-    "copy_commit": "shardstore.ops.transfer",
-    "Store": "shardstore.store",
-    "open_store": "shardstore.store",
-    "LoadedCommit": "shardstore.verification.commits",
-    "Problem": "shardstore.verification.commits",
-    "Report": "shardstore.verification.checker",
-    "load_commit": "shardstore.verification.commits",
-    "verify": "shardstore.verification.checker",
-}
+if TYPE_CHECKING:
+    # The one list of the public names besides the error classes. Type checkers and IDEs import
+    # them from here; at run time `__getattr__` loads each on first use (PEP 562), from the module
+    # this block names, so ``import shardstore`` (and the command line's store-only commands) does
+    # not import torch until something needs it. `_exports` reads this block (as lazy_loader's
+    # ``attach_stub`` reads a stub): a name added here is public, lazily loaded and in `__all__`.
+    from .backends.base import Storage
+    from .backends.fsspec import FsspecStorage
+    from .backends.local import LocalStorage
+    from .backends.location import open_storage
+    from .backends.memory_tier import MemoryTier
+    from .backends.s3.storage import S3Storage
+    from .backends.tiers import PeerCopies, TieredStorage
+    from .checkpoint.async_save import AsyncSaver
+    from .checkpoint.distributed import agree_on_commit, save_distributed
+    from .checkpoint.info import CommitInfo
+    from .checkpoint.replicas import fetch_replicas, replicate
+    from .checkpoint.slots import (
+        AUTO,
+        Restored,
+        restore,
+        save,
+        save_slots,
+        write_commit,
+        write_shard,
+        write_shard_entries,
+    )
+    from .checkpoint.state_dict import load_state_dict_into, read_state_dict, save_state_dict
+    from .format.manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode
+    from .format.roots import learned_root
+    from .ops.gc import GcResult, gc
+    from .ops.transfer import CopyResult, copy_commit
+    from .state.slot import SlotState, capture
+    from .store import Store, open_store
+    from .verification.checker import Report, verify
+    from .verification.commits import LoadedCommit, Problem, load_commit
 
-__all__ = sorted([*_EXPORTS, *_errors.__all__])  # noqa: PLE0605 (built from the table above)
+
+def _exports() -> dict[str, str]:
+    """Public name -> the module it is loaded from: the imports of the ``if TYPE_CHECKING:`` block above."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    return {
+        alias.asname or alias.name: f"{__name__}.{node.module}"
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+#: Where each public name lives (read from the block above, the one list).
+_EXPORTS: dict[str, str] = _exports()
+
+__all__ = sorted([*_EXPORTS, *_errors.__all__])  # noqa: PLE0605 (built from the list above)
 
 
 def __getattr__(name: str) -> Any:
@@ -79,32 +91,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
-    from .backends.base import Storage  # noqa: F401
-    from .backends.fsspec import FsspecStorage  # noqa: F401
-    from .backends.local import LocalStorage  # noqa: F401
-    from .backends.location import open_storage  # noqa: F401
-    from .backends.s3.storage import S3Storage  # noqa: F401
-    from .checkpoint.async_save import AsyncSaver  # noqa: F401
-    from .checkpoint.distributed import agree_on_commit, save_distributed  # noqa: F401
-    from .checkpoint.info import CommitInfo  # noqa: F401
-    from .checkpoint.slots import (
-        AUTO,
-        Restored,
-        restore,
-        save,
-        save_slots,
-        write_commit,
-        write_shard,
-        write_shard_entries,
-    )  # noqa: F401
-    from .format.manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode  # noqa: F401
-    from .format.roots import learned_root  # noqa: F401
-    from .ops.gc import GcResult, gc  # noqa: F401
-    from .ops.transfer import CopyResult, copy_commit  # noqa: F401
-    from .state.slot import SlotState, capture  # noqa: F401
-    from .store import Store, open_store  # noqa: F401
-    from .verification.checker import Report, verify  # noqa: F401
-    from .verification.commits import LoadedCommit, Problem, load_commit  # noqa: F401

@@ -12,6 +12,8 @@ __all__ = [
     "InvalidName",
     "StoreConfigError",
     "StorageError",
+    "StorageOptionError",
+    "TierError",
     "ObjectNotFound",
     "CorruptObject",
     "ManifestError",
@@ -46,6 +48,14 @@ class StoreConfigError(ShardstoreError):
 
 class StorageError(ShardstoreError):
     """The backend failed to read, write, list or delete (I/O error, permission, server error)."""
+
+
+class StorageOptionError(StorageError):
+    """A storage option is unknown, of the wrong type or value, or half of a credential (README "Storage options")."""
+
+
+class TierError(StorageError):
+    """A memory tier that cannot be used: not a private directory of this user, or not writable."""
 
 
 class ObjectNotFound(ShardstoreError):
@@ -93,15 +103,15 @@ class RefConflict(ShardstoreError):
 
 
 class GcRace(ShardstoreError):
-    """A ref or pin was not moved because a concurrent gc removed objects it would name (or held the store too long)."""
+    """A ref or pin was not moved because a concurrent gc removed objects it would name (or held the store too long), or a running gc's marker was not removed."""
 
 
 class TargetNotFound(ShardstoreError):
-    """A target (ref name, commit id or id prefix) that names no commit, or names several."""
+    """A target (ref name, commit id or id prefix, with any ~N / ^ suffixes) that names no commit, or names several."""
 
 
 class StateMismatch(ShardstoreError):
-    """The model or optimizer being restored into does not match the commit (missing names, groups)."""
+    """What a commit holds does not match what it is restored or exported into (missing names, groups, a model config)."""
 
 
 class UnsupportedOptimizer(ShardstoreError):

@@ -17,6 +17,7 @@ __all__ = [
     "OptimizerStateError",
     "LaunchError",
     "WorkerFailedError",
+    "qualified_name",
     "JobError",
     "ResumeError",
     "RunAborted",
@@ -63,10 +64,24 @@ class LaunchError(ShardtrainError):
 class WorkerFailedError(ShardtrainError):
     """One or more locally launched worker processes failed or did not finish in time."""
 
-    def __init__(self, failures: dict[int, str]) -> None:
+    def __init__(self, failures: dict[int, str], raised: dict[int, tuple[str, ...]] | None = None) -> None:
         self.failures = dict(sorted(failures.items()))
+        # rank -> the qualified names of the class of the exception that worker raised and of
+        # its bases (its MRO); absent for a worker that died or hung without raising one.
+        self.raised = dict(sorted((raised or {}).items()))
         lines = [f"rank {rank}: {msg}" for rank, msg in self.failures.items()]
         super().__init__("worker processes failed:\n" + "\n".join(lines))
+
+    def ranks_raising(self, *classes: type[BaseException]) -> list[int]:
+        """The ranks whose exception was an instance of one of ``classes`` (judged by the
+        classes the worker recorded, as `isinstance` would)."""
+        names = {qualified_name(c) for c in classes}
+        return [rank for rank, mro in self.raised.items() if names.intersection(mro)]
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualName`` of a class: how a worker records the classes of what it raised."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class JobError(ShardtrainError, ValueError):

@@ -7,6 +7,16 @@ import uuid
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: same kernels in tests and their workers
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# Default memory tiers (shardtrain.run.tiers) go under a directory of this session, not /dev/shm:
+# set before the forkserver below starts, so every worker the suite forks inherits it.
+_TIER_ROOT = tempfile.mkdtemp(prefix="shardstore-test-tiers-")
+os.environ.setdefault("SHARDSTORE_TIER_ROOT", _TIER_ROOT)
+atexit.register(shutil.rmtree, _TIER_ROOT, True)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

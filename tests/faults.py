@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardstore.backends.base import Buffer, Storage
-from shardstore.errors import ObjectNotFound, RefConflict
+from shardstore.errors import ObjectNotFound, ObjectTooLarge, RefConflict
 
 __all__ = [
     "OpLog",
@@ -109,9 +109,9 @@ class OpLog:
         if self.hook is not None:
             self.hook(n, op, key)
 
-    def read(self, key: str) -> Buffer:
+    def read(self, key: str, limit: int | None = None) -> Buffer:
         self._op("read", key)
-        return self.inner.read(key)
+        return self.inner.read(key, limit)
 
     def size(self, key: str) -> int | None:
         self._op("size", key)
@@ -311,10 +311,14 @@ class PowerLossStorage:
             raise PowerCut(f"power cut before {what} {key} (step {n})")
 
     # reads see the running process's view
-    def read(self, key: str) -> Buffer:
+    def read(self, key: str, limit: int | None = None) -> Buffer:
         with self._lock:
             if key not in self.visible:
                 raise ObjectNotFound(f"{key} is missing from store {self.url}")
+            if limit is not None and len(self.visible[key]) > limit:
+                raise ObjectTooLarge(
+                    f"{key} in {self.url} is {len(self.visible[key])} bytes, over the limit of {limit}"
+                )
             return self.visible[key]
 
     def size(self, key: str) -> int | None:

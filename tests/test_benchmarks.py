@@ -20,6 +20,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_checkpoint_benchmark_smoke(tmp_path) -> None:
     results = tmp_path / "RESULTS.md"
     results.write_text("# results\n")
@@ -60,6 +61,14 @@ def test_checkpoint_benchmark_smoke(tmp_path) -> None:
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-ckpt-")]  # scratch removed
 
 
+def test_slice_check_benchmark_smoke() -> None:
+    """Both layouts, one small size, this tree: each case checks its slices are accepted."""
+    done = _run(["benchmarks/bench_slices.py", "--sizes", "200", "--reps", "1"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| rows | 200 | this tree |" in done.stdout and "| mixed | 200 | this tree |" in done.stdout
+
+
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_s3_benchmark_smoke() -> None:
     done = _run(["benchmarks/bench_s3.py", "--mib", "4", "--repeat", "1"])
     assert done.returncode == 0, done.stderr[-2000:]
@@ -171,3 +180,21 @@ def test_gpu_check_logic_on_cpu() -> None:
     assert any(name.startswith("2-worker pipeline, gloo on cpu") for name in ran), ran
     assert any(name.startswith("bf16-autocast bitwise replay") for name in ran), ran
     assert sum(name.startswith(("shardstore AsyncSaver", "dcp.async_save")) for name in ran) == 2, ran
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("SHARDSTORE_SLOW"), reason="two more spawned processes (~30 s); SHARDSTORE_SLOW=1 runs it"
+)
+def test_dcp_benchmark_smoke(tmp_path) -> None:
+    """Two Gloo processes save and load FSDP2 state through StoreWriter/StoreReader and DCP's
+    FileSystemWriter/Reader; a load that differs exits non-zero; the half-frozen save writes the
+    changed half and manifests only. Behind the slow marker: tests/test_dcp_distributed.py runs these paths."""
+    results = tmp_path / "RESULTS.md"
+    args = ["--mib", "32", "--reps", "1", "--warm", "--dir", str(tmp_path), "--results", str(results)]
+    done = _run(["benchmarks/bench_dcp.py", *args])
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    assert "<!-- bench_dcp:begin -->" in text and "| dcp.save → FileSystemWriter |" in text
+    assert "the changed half is 48.00 MiB" in text and "| the frozen half written zero times" in text
+    assert "KiB beyond it | yes |" in text

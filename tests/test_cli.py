@@ -214,7 +214,7 @@ def test_inspection_commands(base, capsys):
     assert cat["kind"] == "ShardManifest" and cat["value"]["slot"] == 1 and cat["id"] == info["shard1"]
     assert json.loads(out("cat", s, "main"))["type"] == "commit"
     assert out("refs", s) == f"{info['head']}  main\n"
-    assert json.loads(out("refs", s, "--json")) == {"refs": {"main": info["head"]}, "pins": {}}
+    assert json.loads(out("refs", s, "--json")) == {"refs": {"main": info["head"]}, "pins": {}, "gc_markers": []}
     assert out("diff", s, "main", "main").strip().endswith("no differences")
     assert "layout: 1 slot(s) -> 2 slot(s)" in out("diff", s, info["first"], "main", "--stats")
     assert [c["id"] for c in json.loads(out("log", s, "-n", "1", "--json"))["commits"]] == [info["head"]]
@@ -244,7 +244,11 @@ def test_exit_codes_not_found_usage_error(base, tmp_path, capsys):
         assert "usage:" in capsys.readouterr().err
     assert main(["--help"]) == 0
     help_text = capsys.readouterr().out
-    assert "exit codes:" in help_text and "4  target not found" in help_text and "3  verify found problems" in help_text
+    assert (
+        "exit codes:" in help_text
+        and "4   not found" in help_text
+        and "3   the check ran and found problems" in help_text
+    )
 
 
 def test_import_export_round_trip_through_cli(tmp_path):
@@ -311,7 +315,7 @@ def test_pins_listed_and_removed_through_the_cli(tmp_path, capsys):
     job = store.put(b"a job file")
     store.pin("jobs/j1", [job], expected=None)
     assert shardstore_cli.main(["refs", store_path, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"refs": {"main": cid}, "pins": {"jobs/j1": [job]}}
+    assert json.loads(capsys.readouterr().out) == {"refs": {"main": cid}, "pins": {"jobs/j1": [job]}, "gc_markers": []}
     assert (
         shardstore_cli.main(["refs", store_path]) == 0
         and "pin jobs/j1: 1 objects kept by gc" in capsys.readouterr().out

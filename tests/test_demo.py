@@ -31,6 +31,11 @@ def test_demo_recovers_the_uninterrupted_commit_and_leaves_a_verified_store(tmp_
     # The group is lost in cohort A's last commit interval: the survivor names that interval's start.
     assert f"the last committed step is {STEPS_A - EVERY}" in out and "worker 1: exited with code 3" in out
     assert "ref 'recovery' is absent: no uncommitted update reached a ref" in out
+    # Recovery without a storage read: the survivor from its memory tier, the replacement from its buddy.
+    assert "bytes the recovery's restore read from the store: 0" in out
+    assert re.search(
+        r"worker 1 restored step \d+: 0 bytes from its memory tier, [1-9]\d* from peers, 0 from the store", out
+    )
     assert "shardstore verify" in out and ": ok (" in out
     wide = [line for line in out.splitlines() if line.strip().startswith("learned-state root")]
     assert len(wide) == 1 and re.search(r" EQUALS step \d+'s ", wide[0]) and ", 0 tensor objects written" in wide[0]
@@ -106,6 +111,7 @@ def _reachable(s) -> set[str]:  # type: ignore[no-untyped-def]
     return seen
 
 
+@pytest.mark.long  # ~12 s: .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_cli_refuses_before_training(tmp_path: Path) -> None:
     prep = _cli(
         "-m",
@@ -133,7 +139,7 @@ def test_cli_refuses_before_training(tmp_path: Path) -> None:
         "--until",
         "9",
     )
-    assert bad.returncode == 4 and "JobError: --until 9 is outside the job's schedule of 3 steps" in bad.stderr
+    assert bad.returncode == 5 and "JobError: --until 9 is outside the job's schedule of 3 steps" in bad.stderr
     missing = _cli(
         "-m",
         "shardstore_cli.shardtrain_cli",

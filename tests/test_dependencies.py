@@ -34,7 +34,7 @@ def test_resume_needs_the_frozen_reference_and_copy_brings_it(
     capsys.readouterr()
     assert shardstore_main(["copy", a, b, "main", "--ref", "main"]) == 0  # the commit alone
     assert (
-        shardtrain_main(["train", "--prepared", job, "--store", b, "--until", "4", "--resume", "main", "--quiet"]) == 4
+        shardtrain_main(["train", "--prepared", job, "--store", b, "--until", "4", "--resume", "main", "--quiet"]) == 5
     )
     err = capsys.readouterr().err
     assert f"commit {endpoint} (cohort B's frozen reference" in err or f"commit {endpoint} (on the chain" in err, err
@@ -57,6 +57,7 @@ def _shared_store_worker(ctx: WorkerContext, root: str) -> None:
     check_shared_store(ss.open_store(f"{root}/shared"), ctx.rank, ctx.world_size)
 
 
+@pytest.mark.long  # ~16 s: .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_workers_with_private_run_stores_are_refused(tmp_path: Path) -> None:
     launch_local(_shared_store_worker, 2, (str(tmp_path),), timeout=timedelta(seconds=30))  # one store: accepted
     shared = ss.open_store(str(tmp_path / "shared"))

@@ -188,14 +188,10 @@ def test_gc_on_memory_and_s3(s3_server: S3Server) -> None:  # noqa: F811
 
 
 def run_cli(argv: list[str]) -> int:
-    import argparse
+    """In this process, through the command line's ``main`` (which maps errors to exit codes)."""
+    from shardstore_cli.shardstore_cli import main
 
-    from shardstore_cli.store_commands import register
-
-    parser = argparse.ArgumentParser(prog="shardstore")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return main(argv)
 
 
 def test_parse_duration() -> None:
@@ -231,9 +227,7 @@ def test_cli_gc_handler(tmp_path: Any, capsys: Any) -> None:
     assert f"deleted  {garbage}" in capsys.readouterr().out and not store.has(garbage)
     assert run_cli(["gc", str(tmp_path / "not-a-store")]) == 1
     assert "StoreConfigError" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        run_cli(["gc", path, "--grace", "soon"])
-    assert e.value.code == 2
+    assert run_cli(["gc", path, "--grace", "soon"]) == 2
 
 
 def test_cli_gc_through_main_cli(tmp_path: Any) -> None:
@@ -321,3 +315,59 @@ def test_a_pin_never_hides_a_commit_problem_and_never_exceeds_the_limits(tmp_pat
     with pytest.raises(ss.ManifestError, match="exceed the limit"):
         store.pin("big", ids, expected=None)
     assert store.pinned("big") is None  # nothing unreadable was written
+
+
+def seed_and_run(src: ss.Store) -> tuple[str, str]:
+    """A seed commit pinned by ``references/default`` and a run two commits past it (ref main):
+    what shardtrain leaves in a run's store. (seed id, head id)."""
+    model, opt = model_and_opt(11)
+    seed = ss.save(src, model, opt, step=1, rng=False, ref=None, parent=None)
+    src.pin("references/default", [seed], expected=None)
+    head = seed
+    for step in (2, 3):
+        with torch.no_grad():
+            model[0].weight.add_(step)
+        head = ss.save(src, model, opt, step=step, rng=False, ref="main", parent=head)
+    return seed, head
+
+
+def test_a_pinned_commit_keeps_its_closure_after_copy_with_deps(tmp_path: Any) -> None:
+    """Issue 30, defect 2: a commit a pin names (copy --with-deps's references pin) keeps its
+    whole closure, though no ref reaches it (the copied head's parent is absent)."""
+    src, dst = ss.open_store(str(tmp_path / "src")), ss.open_store(str(tmp_path / "dst"))
+    seed, head = seed_and_run(src)
+    done = ss.copy_commit(src, dst, "main", ref="main", with_deps=True)
+    assert done.dependencies == [seed] and not dst.has(src.commit(head).parent or "")
+    seed_closure = commit_closure(ss.load_commit(dst, seed)).ids()
+    age_everything(dst, 2 * HOUR)
+    result = gc(dst, grace_seconds=HOUR, dry_run=False)
+    assert result.deleted == {} and seed in result.commits
+    assert all(dst.has(o) for o in seed_closure)
+    assert ss.verify(dst, [seed]).ok and ss.verify(dst).ok
+
+
+def test_a_pinned_commit_whose_closure_is_unreadable_stops_gc(tmp_path: Any) -> None:
+    store = ss.open_store(str(tmp_path / "s"))
+    seed, _ = seed_and_run(store)
+    garbage = store.put(b"garbage")
+    store.storage.delete(object_key(store.commit(seed).layout[0].shard))
+    age_everything(store, 2 * HOUR)
+    with pytest.raises(ObjectNotFound, match=rf"gc refused: commit {seed} \(pinned by 'references/default'\)"):
+        gc(store, grace_seconds=0, dry_run=False)
+    assert store.has(garbage)
+
+
+def test_verify_reports_a_pinned_commit_whose_closure_is_incomplete(tmp_path: Any) -> None:
+    """Issue 30, defect 2: ``verify STORE`` checks a commit a pin names as it checks one a ref
+    names, so a dependency that lost an object is reported, not passed as a present pinned object."""
+    store = ss.open_store(str(tmp_path / "s"))
+    seed, head = seed_and_run(store)
+    lost = min(
+        set(commit_closure(ss.load_commit(store, seed)).data) - commit_closure(ss.load_commit(store, head)).ids()
+    )
+    store.storage.delete(object_key(lost))
+    store.delete_ref("main", expected=head)  # only the pin names the seed now
+    problems = ss.verify(store).problems
+    assert [p.kind for p in problems] == ["ObjectNotFound"], problems
+    assert problems[0].commit == seed and problems[0].object == lost
+    assert f"commit {seed}" in str(problems[0]) and "pinned by 'references/default'" in str(problems[0])

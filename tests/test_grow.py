@@ -181,7 +181,7 @@ def test_a_reference_too_shallow_for_the_workers_is_refused_before_they_start(ad
     """Issue 24: grow the 4-layer distillation job in cohort A (step 2) by one block, then train
     on 5 workers: cohort A's reference (the 4-layer seed) cannot be split 5 ways. That
     was found inside step 1 after every worker started (RunAborted, exit 3, advising a resume
-    that failed the same way); now `train` refuses it first (DistillError, exit 4) and
+    that failed the same way); now `train` refuses it first (DistillError, exit 5) and
     writes nothing."""
     from shardstore_cli.shardtrain_cli import main
 
@@ -207,7 +207,7 @@ def test_a_reference_too_shallow_for_the_workers_is_refused_before_they_start(ad
         "grown5",
         "--quiet",
     ]
-    assert main(argv) == 4
+    assert main(argv) == 5
     assert (set(run.dstore.objects()), run.dstore.refs()) == before
 
 
@@ -215,7 +215,7 @@ def test_evaluate_checks_the_commits_belong_to_the_prepared_job_before_any_worke
     adaptive_run: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 24: `evaluate --prepared JOB` with another job's commit is refused (ResumeError,
-    exit 4) in the launcher; before, workers started and built their stages first."""
+    exit 5) in the launcher; before, workers started and built their stages first."""
     import sys
 
     from shardtrain.errors import ResumeError

@@ -19,10 +19,10 @@ from shardstore.ops.interchange import export_commit, import_directory, split_la
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_llama(path: Path, *, tied: bool, seed: int = 0, **save: object) -> torch.nn.Module:
+def tiny_llama(path: Path, *, tied: bool, seed: int = 0, vocab_size: int = 128, **save: object) -> torch.nn.Module:
     """A tiny random Llama saved with save_pretrained (offline)."""
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, tie_word_embeddings=tied,
     )  # fmt: skip
     torch.manual_seed(seed)
@@ -107,7 +107,7 @@ def test_hand_written_safetensors_match_the_library(store, tmp_path):
         "h.f64": torch.randn(3, dtype=torch.float64),
     }
     ss.save(store, tensors, step=0, rng=False)
-    export_commit(store, "main", str(tmp_path / "out"))
+    export_commit(store, "main", str(tmp_path / "out"), weights_only=True)  # no model config: the files alone
     path = tmp_path / "out" / "model.safetensors"
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -202,7 +202,7 @@ def test_import_widens_bf16_and_carries_tokenizer_assets(store, tmp_path):
     assert commit_assets(store, cid) == files and store.pinned(assets_pin(cid))
     gc(store, grace_seconds=0, dry_run=False)
     child = ss.save(store, {n: torch.zeros(1) for n in ("w",)}, step=1, parent=cid, rng=False, ref=None)
-    out = export_commit(store, child, str(tmp_path / "out-child"))
+    out = export_commit(store, child, str(tmp_path / "out-child"), weights_only=True)  # the child has no config
     assert set(files) <= set(out.files) and "notes.txt" not in out.files
     assert all((tmp_path / "out-child" / n).read_bytes() == d for n, d in files.items())
     export_commit(store, cid, str(tmp_path / "out"))
@@ -214,3 +214,49 @@ def test_import_widens_bf16_and_carries_tokenizer_assets(store, tmp_path):
     (tmp_path / "f64" / "config.json").write_text("{}")
     with pytest.raises(ss.TensorMismatch, match="float64"):  # widening must be exact: float64 is refused
         import_directory(store, str(tmp_path / "f64"), dtype="float32")
+
+
+@pytest.fixture
+def copied_child(store, tmp_path) -> tuple[str, str, dict[str, torch.Tensor]]:
+    """A commit trained from an import (whose tokenizer set the import pins), copied alone to
+    another store: (that store's path, the commit, its weights). Its parent stays behind."""
+    from safetensors.torch import load_file
+
+    from shardstore.format.manifest import MAX_MANIFEST_BYTES, decode_config
+    from shardstore_cli.shardstore_cli import main as shardstore_main
+
+    tiny_llama(tmp_path / "hf", tied=True, seed=3, vocab_size=288)  # room for the embedded byte tokenizer
+    (tmp_path / "hf" / "tokenizer.json").write_bytes(b'{"fake": 1}')
+    imported = import_directory(store, str(tmp_path / "hf"), dtype="float32")
+    config = decode_config(store.get(ss.load_commit(store, imported).commit.config, limit=MAX_MANIFEST_BYTES))
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    child = ss.save(store, weights, step=1, parent=imported, config=config, ref="main", rng=False)
+    assert "tokenizer.json" in export_commit(store, child, str(tmp_path / "here")).files  # the parent's set
+    dst = str(tmp_path / "dst")
+    assert shardstore_main(["copy", store.url, dst, "main", "--ref", "main"]) == 0
+    assert not ss.open_store(dst).has(imported)  # the parent is a pointer, not part of the closure (SPEC.md §19a)
+    return dst, child, weights
+
+
+def test_a_copied_commit_without_its_history_exports(copied_child, tmp_path):
+    """Issue 30, defect 6: looking for the asset set ends at the absent parent instead of failing."""
+    from safetensors.torch import load_file
+
+    from shardstore_cli.shardstore_cli import main as shardstore_main
+
+    dst, _, weights = copied_child
+    out = tmp_path / "out"
+    assert shardstore_main(["export", dst, "main", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # no set reachable
+    back = load_file(str(out / "model.safetensors"))
+    assert set(back) == set(weights) and all(torch.equal(back[k], weights[k]) for k in weights)
+
+
+def test_a_copied_commit_without_its_history_seeds_a_job(copied_child, tmp_path):
+    """Issue 30, defect 6: `shardtrain prepare --seed-commit` walks the same chain, and ends there too."""
+    from shardstore_cli.shardtrain_cli import main as shardtrain_main
+
+    dst, child, _ = copied_child
+    job = tmp_path / "job"
+    assert shardtrain_main(["prepare", "--out", str(job), "--seed-store", dst, "--seed-commit", child, "--quiet"]) == 0
+    assert json.loads((job / "job.json").read_text())["seed"]["commit"] == child

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import msgspec
@@ -256,12 +257,29 @@ def test_every_value_is_bounded_when_the_job_is_loaded(
 
 
 def test_train_refuses_a_bad_value_before_it_opens_the_store(job_path: str, tmp_path: Path) -> None:
-    """`shardtrain train` on a job whose temperature is NaN exits 4 and writes nothing at all."""
+    """`shardtrain train` on a job whose temperature is NaN exits 5 (refused) and writes nothing at all."""
     from shardstore_cli.shardtrain_cli import main
 
     job = load_job(job_path).job
     path = _copy(job_path, tmp_path)
     path.write_bytes(_ENC.encode(_bad(job, "recipe.distill.temperature", _NAN)))
     store = tmp_path / "store"
-    assert main(["train", "--prepared", str(path), "--store", str(store), "--until", "1", "--quiet"]) == 4
+    assert main(["train", "--prepared", str(path), "--store", str(store), "--until", "1", "--quiet"]) == 5
     assert not store.exists()
+
+
+def test_a_byte_tokenizer_template_that_loops_is_refused_within_its_cpu_budget(monkeypatch) -> None:
+    """Regression (issue 30): a bound template with nested range(100000) loops hung every
+    command that rendered it; now a rendering stops after its CPU budget (here 0.3 s)."""
+    import shardtrain.job.rendering as rendering
+
+    monkeypatch.setattr(rendering, "RENDER_CPU_SECONDS", 0.3)
+    assets = default_assets()
+    loop = b"{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    tok = load_tokenizer({**assets, TEMPLATE_FILE: loop + assets[TEMPLATE_FILE]})
+    with pytest.raises(JobError, match=r"chat_template.jinja did not finish rendering .* within 0.3 s of CPU time"):
+        tok.encode_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}])
+    tok = load_tokenizer(assets)  # and a template that does not loop renders as before, signal handler restored
+    assert tok.encode_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}])[0]
+    assert signal.getsignal(signal.SIGVTALRM) == signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_VIRTUAL) == (0.0, 0.0)

@@ -53,8 +53,18 @@ def _fresh(lc) -> str:
     return ss.save(store, model, step=0, rng=False)
 
 
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """``got`` (read from the store) within 4 float32 ulps of ``want`` (``_expected``'s recomputation).
+
+    Not bitwise: the AdamW and SGD updates are recomputed here with this process's CPU kernels,
+    which may round a fused update's last bit otherwise than the machine that wrote the store
+    (measured: under ATEN_CPU_CAPABILITY=default). That the bytes read are the bytes written is
+    what ``verify`` (every object re-hashed) and the pinned learned-state roots establish."""
+    return got.dtype == want.dtype and got.shape == want.shape and torch.allclose(got, want, rtol=2**-22, atol=0.0)
+
+
 def _expected():
-    """The state ``make_v3_store.py`` saved, recomputed (CPU AdamW and SGD steps are deterministic)."""
+    """The state ``make_v3_store.py`` saved, recomputed (to the last bits of this CPU's kernels: ``_close``)."""
     model = LegacyModel()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.w.grad, model.b.grad = model.w.detach() / 4, torch.ones(5)
@@ -93,14 +103,14 @@ def test_a_version_2_and_3_store_reads_and_verifies_as_written(legacy):
     model = LegacyModel()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ss.restore(store, ADAM, model, opt)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in adam_state.items())
-    assert torch.equal(opt.state[model.w]["exp_avg"], adam_moments["exp_avg"])
-    assert torch.equal(opt.state[model.w]["exp_avg_sq"], adam_moments["exp_avg_sq"])
+    assert all(_close(model.state_dict()[k], v) for k, v in adam_state.items())
+    assert _close(opt.state[model.w]["exp_avg"], adam_moments["exp_avg"])
+    assert _close(opt.state[model.w]["exp_avg_sq"], adam_moments["exp_avg_sq"])
     model = LegacyModel()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ss.restore(store, SGD, model, sgd)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in sgd_state.items())
-    assert torch.equal(sgd.state[model.w]["momentum_buffer"], momentum)
+    assert all(_close(model.state_dict()[k], v) for k, v in sgd_state.items())
+    assert _close(sgd.state[model.w]["momentum_buffer"], momentum)
     # the same state saved now is version 4 on the tile grid: other ids, the same values back
     fresh = ss.open_store(f"memory://legacy-{id(store)}")
     cid = ss.save(fresh, model, sgd, step=2, job="legacy", rng=False)
@@ -126,8 +136,8 @@ def test_tools_work_on_a_version_2_and_3_store(legacy, tmp_path):
     (_, _), (sgd_state, momentum) = _expected()
     d = diff(store, ADAM, SGD)
     assert [t.name for t in d.tensors] == ["b", "w"]
-    export_commit(store, SGD, str(tmp_path / "out"), with_optimizer=False)
-    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["w"], sgd_state["w"])
+    export_commit(store, SGD, str(tmp_path / "out"), with_optimizer=False, weights_only=True)
+    assert _close(load_file(str(tmp_path / "out" / "model.safetensors"))["w"], sgd_state["w"])
     dst = ss.open_store(str(tmp_path / "copy"))
     ss.copy_commit(store, dst, SGD, ref="main")
     assert ss.verify(dst).ok

@@ -7,9 +7,12 @@ namespace; each host has its own address on the private bridge (10.23.0.0/24) an
 local directory; nothing outside the namespaces is contacted. Host 1 and host 2 train
 under `torchrun --nnodes 2` (a c10d rendezvous on host 1) with `--store s3://...`; host
 2's worker is killed during an update together with its agent (the whole host is lost);
-host 3, a fresh namespace with an empty directory, copies only its slot's objects from
-S3 (`shardstore copy --shard 1`) and joins; the group resumes from the run's ref and
-reaches the commit id of an uninterrupted run. Skips (saying why) where namespaces cannot
+host 3, a fresh namespace with an empty directory, can copy only its slot's objects from
+S3 (`shardstore copy --shard 1`, checked) and joins; the group resumes from the run's ref and
+reaches the commit id of an uninterrupted run. Each host's memory tier is a directory of its
+own (`--memory-tier`), lost with the host: host 1 restores slot 0 from its tier and host 3
+restores slot 1 from host 1's replica, and the first commit after the loss records, in its
+journal, that neither read a byte from S3 (SPEC.md §19c). Skips (saying why) where namespaces cannot
 be made: not root, no `ip`. Every namespace is removed at the end, pass or fail.
 """
 
@@ -42,6 +45,17 @@ boto3.client("s3", endpoint_url="http://{S3_ADDR}:{S3_PORT}").create_bucket(Buck
 print("ready", flush=True)
 while True:
     time.sleep(60)
+"""
+
+
+#: Prints the journal note of the first commit made after the commit given (read from S3).
+_FIRST_JOURNAL = f"""
+import sys, shardstore
+s = shardstore.open_store("s3://{BUCKET}/run", create=False, endpoint_url="http://{S3_ADDR}:{S3_PORT}")
+cid = s.ref("main")
+while s.commit(cid).parent != sys.argv[1]:
+    cid = s.commit(cid).parent
+print(bytes(s.storage.read(f"journal/{{cid}}.json")).decode())
 """
 
 
@@ -132,6 +146,7 @@ def network() -> Iterator[Network]:
 
 
 def _agent(job: str, host: int, *extra: str) -> list[str]:
+    tier = str(Path(job).parent.parent / "memory")  # the host's own directory, lost with it
     return [
         sys.executable,
         "-m",
@@ -172,6 +187,8 @@ def _agent(job: str, host: int, *extra: str) -> list[str]:
         "auto",
         "--timeout",
         "20",
+        "--memory-tier",
+        tier,
         *extra,
     ]
 
@@ -226,6 +243,8 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
             "4",
             "--every",
             "1",
+            "--memory-tier",
+            str(tmp_path / "plain-memory"),  # not /dev/shm: SHARDSTORE_TIER_ROOT is left out of `base`
             "--quiet",
         ],
         env=base,
@@ -289,7 +308,7 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
     phases["host 3 fetched slot 1"] = time.monotonic() - started
     three = network.start(
         hosts[3],
-        _agent(str(dirs[3] / "job" / "job.json"), 3, "--slot-store", f"1={dirs[3] / 'slot1'}"),
+        _agent(str(dirs[3] / "job" / "job.json"), 3),  # its slot from host 1's replica, not from S3
         env(3),
         tmp_path / "host3.log",
     )
@@ -331,5 +350,18 @@ def test_host_lost_and_replaced_across_namespaces(network: Network, tmp_path: Pa
     assert check.returncode == 0, check.stderr
     refs = json.loads(check.stdout)["refs_by_commit"]
     assert refs.get(plain_store.ref("main")) == ["main"], (refs, plain_store.ref("main"), logs)
+    # The group after the loss restored without reading S3: slot 0 from host 1's memory tier,
+    # slot 1 (host 3, an empty tier) from host 1's replica; the first commit it made says so.
+    journal = subprocess.run(
+        ["ip", "netns", "exec", hosts[3], sys.executable, "-c", _FIRST_JOURNAL, fetched["commit"]],
+        env=env(3),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert journal.returncode == 0, journal.stderr
+    record = json.loads(journal.stdout)
+    got = [(w["restore_memory"] > 0, w["restore_peers"] > 0, w["restore_store"]) for w in record["workers"]]
+    assert got == [(True, False, 0), (False, True, 0)], record
     phases["checked"] = time.monotonic() - started
     print("multi-host run: " + ", ".join(f"{k} at {v:.1f} s" for k, v in phases.items()))

@@ -117,7 +117,7 @@ def test_read_only_commands_never_write(
         ["diff", url, a, b, "--stats"],
         ["cat", url, cat_id],
         ["refs", url],
-        ["export", url, "main", str(tmp_path / "out"), "--with-optimizer"],
+        ["export", url, "main", str(tmp_path / "out"), "--with-optimizer", "--weights-only"],
         ["gc", url, "--dry-run", "--grace", "0"],
     ):
         code = main(argv)

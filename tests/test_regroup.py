@@ -167,10 +167,10 @@ def test_cli_regroup_grow_and_plan(adaptive_run: SimpleNamespace, capsys: pytest
     out = capsys.readouterr().out
     assert "identity check of layers 4..5: every new block maps its input to itself bitwise" in out
     assert "layout 3 workers, layers 0:2,2:4,4:6" in out
-    # A partition that cannot be made is a refused transition: exit 4, as the help lists (was 1; issue 24).
-    assert main(["regroup", "--store", run.url, "--commit", run.u[2], "--partition", "0:1,2:4"]) == 4
+    # A partition that cannot be made is a refused transition: exit 5, as the help lists (issue 24; 4 before issue 35).
+    assert main(["regroup", "--store", run.url, "--commit", run.u[2], "--partition", "0:1,2:4"]) == 5
     assert "PartitionError" in capsys.readouterr().err
-    assert main(["grow", "--store", run.url, "--commit", run.u[2], "--append", "1", "--copy-from", "7"]) == 4
+    assert main(["grow", "--store", run.url, "--commit", run.u[2], "--append", "1", "--copy-from", "7"]) == 5
     assert (
         main(
             [

@@ -47,6 +47,7 @@ from faults import (
     slots_snapshot,
     snapshot,
 )
+from sweeps import DENSITIES
 
 import shardstore as ss
 from shardstore.backends.local import LocalStorage
@@ -185,14 +186,21 @@ def _reference_ops(tmp_path: Any, plan: dict[str, Any]) -> OpLog:
     return holder[0]
 
 
-def test_kill_before_every_storage_operation(tmp_path: Any, plan: dict[str, Any]) -> None:
+@pytest.mark.parametrize("density", DENSITIES)
+def test_kill_before_every_storage_operation(tmp_path: Any, plan: dict[str, Any], density: str) -> None:
+    """A kill before each storage operation (CI's long step), or before every third one and on
+    each side of both swaps (the test command): the ref is on the old commit or the new one."""
     ops = _reference_ops(tmp_path, plan)
     labels = {lab for _, _, lab in ops.log if lab}
     assert {"object", "shard manifest", "commit manifest", "ref", "journal"} <= labels
     assert sum(op == "sync" for op, _, _ in ops.log) >= 6 and sum(op == "swap" for op, _, _ in ops.log) == 2
     n = len(ops.log)
+    swaps = [i for i, (op, _, _) in enumerate(ops.log) if op == "swap"]
+    points = range(n + 1)
+    if density == "sample" and not SLOW:
+        points = sorted({*range(0, n + 1, 3), n, *(s + d for s in swaps for d in (0, 1))})
     outcomes = []
-    for k in range(n + 1):
+    for k in points:
         root = _fresh(tmp_path, plan, f"k{k}")
         status = _fork(lambda: _saves(root, plan, lambda inner: OpLog(inner, kill_at(k))))
         if k < n:
@@ -202,9 +210,9 @@ def test_kill_before_every_storage_operation(tmp_path: Any, plan: dict[str, Any]
         outcomes.append(_check_after_crash(root, plan, STEPS - 1)["ref"])
         shutil.rmtree(root)
     # the ref moved exactly at the two swaps, no earlier and no later
-    swaps = [i for i, (op, _, _) in enumerate(ops.log) if op == "swap"]
-    assert outcomes == [0] * (swaps[0] + 1) + [1] * (swaps[1] - swaps[0]) + [2] * (n - swaps[1])
-    print(f"storage-op kill points: {n + 1}")
+    expected = [0] * (swaps[0] + 1) + [1] * (swaps[1] - swaps[0]) + [2] * (n - swaps[1])
+    assert outcomes == [expected[k] for k in points]
+    print(f"storage-op kill points: {len(points)} of {n + 1}")
 
 
 def _syscall_count(tmp_path: Any, plan: dict[str, Any]) -> list[str]:

@@ -158,6 +158,7 @@ def _cases(reference: dict[str, Any]) -> list[dict[str, Any]]:
     return cases
 
 
+@pytest.mark.long  # a sweep of kills, ~12 s: .ci/run's second step
 def test_kill_one_rank_inside_save_distributed(tmp_path: Any, reference: dict[str, Any]) -> None:
     c1, c2 = reference["c1"], reference["c2"]
     outcomes: dict[str | None, int] = {}

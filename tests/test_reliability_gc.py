@@ -401,13 +401,16 @@ def test_gc_drops_the_intents_of_dead_writers_only(tmp_path) -> None:
         store.storage.write_once = real
     assert seen[0].startswith("intents/c-") and seen[0].endswith(mine)
     # gc markers: the same holder record
-    record = json.loads(dead_marker[3:])
-    for text, dead_here in (
-        (dead_marker, True),
-        ("gc " + json.dumps({**record, "boot": record["boot"][::-1]}), False),
-        (f"gc {record['host']} {record['pid']}\n", False),
-        (gc_fence._marker_text().decode(), False),
+    doc = json.loads(dead_marker[3:])
+    record = doc["holder"]
+    for text, state in (
+        (dead_marker, "dead"),
+        ("gc " + json.dumps({**doc, "holder": {**record, "boot": record["boot"][::-1]}}), "unknown"),
+        ("gc " + json.dumps(record), "dead"),  # the previous version's marker: a holder record, no time
+        (f"gc {record['host']} {record['pid']}\n", "unknown"),
+        (gc_fence._marker_text().decode(), "alive"),
     ):
         store.storage.write_once("gc/probe", text.encode())
-        assert gc_fence._dead_here(store, "gc/probe") is dead_here, text
+        (info,) = gc_fence.gc_markers(store)
+        assert info.state == state and info.blocks is (state != "dead"), text
         store.storage.delete("gc/probe")

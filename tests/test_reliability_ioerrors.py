@@ -22,6 +22,7 @@ import torch
 from botocore.exceptions import ClientError, ReadTimeoutError
 from conftest import TinyNet, make_optimizer, train_steps
 from faults import FaultyOs, OpLog, S3FaultClient, fast_dir, frozen_slots, patch_local_os
+from sweeps import DENSITIES, stride
 
 import shardstore as ss
 import shardstore.backends.local as storage_mod
@@ -94,7 +95,8 @@ def _local_case(plan: dict[str, Any], k: int, err: int, monkeypatch: Any) -> str
     return outcome
 
 
-def test_local_io_error_at_every_system_call(plan: dict[str, Any], monkeypatch: Any) -> None:
+@pytest.mark.parametrize("density", DENSITIES)
+def test_local_io_error_at_every_system_call(plan: dict[str, Any], monkeypatch: Any, density: str) -> None:
     root = os.path.join(plan["scratch"], "count")
     shutil.copytree(plan["base"], root)
     counter = FaultyOs(fsync=False)
@@ -104,8 +106,9 @@ def test_local_io_error_at_every_system_call(plan: dict[str, Any], monkeypatch: 
         ss.save_slots(store, plan["states"][j], info=plan["infos"][j], threads=1)
     calls = list(counter.calls)
     cases = [(k, e) for k in range(len(calls)) for e in ERRNOS]
-    if not SLOW:  # CI: every third call, each errno in turn
-        cases = [(k, ERRNOS[(k // 3) % 3]) for k in range(0, len(calls), 3)]
+    if not SLOW:  # every third call (CI's long step) or ninth (the test command), each errno in turn
+        step = stride(density, dense=3)
+        cases = [(k, ERRNOS[(k // step) % 3]) for k in range(0, len(calls), step)]
     outcomes: dict[str, int] = {}
     for k, err in cases:
         o = _local_case(plan, k, err, monkeypatch)
@@ -199,12 +202,15 @@ def _s3_case(server: S3Server, plan: dict[str, Any], k: int | None, fault: str) 
     return outcome, len(proxy.calls)
 
 
-def test_s3_error_at_every_request(s3_server: S3Server, plan: dict[str, Any]) -> None:  # noqa: F811
+@pytest.mark.parametrize("density", DENSITIES)
+def test_s3_error_at_every_request(s3_server: S3Server, plan: dict[str, Any], density: str) -> None:  # noqa: F811
     _, n = _s3_case(s3_server, plan, None, "500")
     kinds = list(FAULTS)
     cases = [(k, f) for k in range(n) for f in kinds]
-    if not SLOW:  # CI: every ninth request (the gc fence added requests to every ref move), the fault kinds in turn
-        cases = [(k, kinds[(k // 9) % len(kinds)]) for k in range(0, n, 9)]
+    if not SLOW:  # every ninth request (CI's long step; the gc fence added requests to every ref move) or
+        # 27th (the test command), the fault kinds in turn
+        step = stride(density, dense=9)
+        cases = [(k, kinds[(k // step) % len(kinds)]) for k in range(0, n, step)]
     outcomes: dict[str, int] = {}
     for k, f in cases:
         o, _ = _s3_case(s3_server, plan, k, f)

@@ -135,14 +135,14 @@ def _llama_commit(tmp_path: Any, layers: int = 2) -> tuple[ss.Store, str]:
 
 def test_grow_bounds_append_before_allocating(tmp_path: Any, capsys: Any) -> None:
     """``--append 100000000`` died of MemoryError (checked by hand under ``ulimit -v``); now it is
-    refused from the layer count alone, exit 4, nothing written."""
+    refused from the layer count alone, exit 5, nothing written."""
     from shardstore_cli.shardtrain_cli import main
 
     store, cid = _llama_commit(tmp_path)
     before = set(store.objects())
     code = main(["grow", "--store", store.url, "--commit", cid, "--append", "100000000"])
     err = capsys.readouterr().err
-    assert code == 4, err
+    assert code == 5, err
     assert "TransitionError: --append 100000000" in err and "commit manifest limit" in err
     assert set(store.objects()) == before
 
@@ -152,7 +152,7 @@ def test_a_manifest_over_the_readers_limit_is_refused_before_it_is_written(
 ) -> None:
     """``grow --append 43000`` wrote a 67.5 MB shard manifest that its own read-back then refused,
     leaving it behind. With the limit made small (the same rule, without writing 64 MiB), the
-    first shard manifest over it is refused (ObjectTooLarge, exit 4) and no object over it exists."""
+    first shard manifest over it is refused (ObjectTooLarge, exit 5) and no object over it exists."""
     import shardstore.format.manifest.encoding as manifest  # the writer's check reads the limit there
     from shardstore_cli.shardtrain_cli import main
 
@@ -164,7 +164,7 @@ def test_a_manifest_over_the_readers_limit_is_refused_before_it_is_written(
     monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", limit)
     code = main(["grow", "--store", store.url, "--commit", cid, "--append", "8"])
     err = capsys.readouterr().err
-    assert code == 4, err
+    assert code == 5, err
     assert "ObjectTooLarge: shard manifest of slot 0" in err and "refused before it is written" in err
     new = set(store.objects()) - before  # the zero projections and the grown config (gc collects them), no manifest
     assert [

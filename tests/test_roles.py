@@ -73,7 +73,7 @@ def test_development_by_default_and_finals_only_after_selection(run: SimpleNames
                 "1",
             ]
         )
-        == 4
+        == 5
     )
     select(run.store, run.job.id, run.commits[0])
     with pytest.raises(RoleError, match="not .*final sets open only for the selected commit"):
@@ -87,7 +87,7 @@ def test_development_by_default_and_finals_only_after_selection(run: SimpleNames
     assert finals_opened(run.store, run.job.id)
     with pytest.raises(RoleError, match="already opened .* a second selection is refused"):
         select(run.store, run.job.id, run.commits[0])
-    assert main(["select", "--store", run.url, "--commit", run.commits[0]]) == 4
+    assert main(["select", "--store", run.url, "--commit", run.commits[0]]) == 5
     assert selection(run.store, run.job.id) == sel
     # The selection object is pinned, so gc keeps it.
     assert set(run.store.pinned(f"selections/{run.job.id}") or ()) <= set(run.store.objects())
@@ -164,7 +164,7 @@ def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace
             "2",
         ]
     )
-    assert code == (0 if expected.passed else 5)
+    assert code == (0 if expected.passed else 3)  # a failed gate: problems found (SPEC.md §23)
     reports = [n for n in run.store.pin_names() if n.startswith(f"gates/{run.job.id}/")]
     assert len(reports) == 1
     from shardtrain.run.gates import GateReport
@@ -177,7 +177,7 @@ def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace
         assert (got.gate, got.set, got.threshold, got.passed) == (want.gate, want.set, want.threshold, want.passed)
         assert got.bound == pytest.approx(want.bound, rel=1e-5, abs=1e-7)
     assert [r.threshold for r in stored.rows] == [-0.001, 0.02, 0.0]
-    assert main(["gate", "--store", run.url, "--baseline", base, "--candidate", cand, "--final", "--workers", "1"]) == 4
+    assert main(["gate", "--store", run.url, "--baseline", base, "--candidate", cand, "--final", "--workers", "1"]) == 5
 
 
 def _select_proc(

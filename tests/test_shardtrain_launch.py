@@ -23,6 +23,9 @@ from shardtrain_helpers import (
 )
 
 from shardtrain import LaunchError, WorkerFailedError, free_port, init_from_env, launch_local
+from shardtrain.errors import ResumeError, RunAborted, qualified_name
+from shardtrain.run.lifecycle import raise_failure
+from shardtrain.workers.launch import WorkerContext
 
 HELPERS = Path(__file__).with_name("shardtrain_helpers.py")
 
@@ -59,8 +62,46 @@ def test_worker_exceptions_reach_the_caller() -> None:
         launch_local(failing_worker, 2, (1,), env=DETERMINISTIC_ENV, timeout=timedelta(seconds=30), join_timeout=90)
     assert list(info.value.failures) == [1]
     assert info.value.failures[1].startswith("ValueError: boom on rank 1")
+    # What it raised is recorded by class, for routing: a ValueError, not a LaunchError.
+    assert info.value.ranks_raising(ValueError) == [1] and info.value.ranks_raising(LaunchError) == []
     with pytest.raises(LaunchError):
         launch_local(failing_worker, 0)
+
+
+class StartRefused(ResumeError):
+    """A refusal class the lifecycle does not list by name: routed by its base."""
+
+
+class ResumeErrorLookalike(ValueError):
+    """Named like a refusal, but no ResumeError."""
+
+
+def _refusing_worker(ctx: WorkerContext) -> None:
+    raise StartRefused(f"slot {ctx.rank} refuses its start")
+
+
+def _mro(cls: type) -> tuple[str, ...]:
+    return tuple(qualified_name(c) for c in cls.__mro__)
+
+
+def test_failures_are_routed_by_the_class_raised_not_by_the_text() -> None:
+    """Before, the lifecycle routed by the first word of each worker's text: a subclass of
+    ResumeError raised by every worker was not a refused start, and a ValueError whose class
+    name began with "ResumeError" was one."""
+    with pytest.raises(WorkerFailedError) as info:
+        launch_local(_refusing_worker, 1, env=DETERMINISTIC_ENV, timeout=timedelta(seconds=30), join_timeout=90)
+    assert info.value.ranks_raising(ResumeError) == [0] and info.value.ranks_raising(RunAborted) == []
+    with pytest.raises(ResumeError, match="slot 0 refuses its start"):
+        raise_failure(info.value)
+    lookalike = WorkerFailedError(
+        {0: "ResumeErrorLookalike: no", 1: "ResumeErrorLookalike: no"},
+        {0: _mro(ResumeErrorLookalike), 1: _mro(ResumeErrorLookalike)},
+    )
+    with pytest.raises(WorkerFailedError):
+        raise_failure(lookalike)
+    lost = WorkerFailedError({0: "RunAborted: slot 0: run aborted", 1: "exited with code 3"}, {0: _mro(RunAborted)})
+    with pytest.raises(RunAborted, match="worker 1: exited with code 3"):
+        raise_failure(lost)
 
 
 def test_a_worker_killed_by_a_signal_is_named_with_its_python_stack_and_when(capfd: pytest.CaptureFixture[str]) -> None:
@@ -98,6 +139,7 @@ def test_a_worker_waits_for_threads_it_left_running(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["late-0.txt", "late-1.txt"]
 
 
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_run_worker_teardown_leaves_no_group_threads(tmp_path: Path) -> None:
     """After `run_worker` returns, the group's native threads are gone, even when the worker
     imported torch._dynamo after the group existed (a torch optimizer does). Left running,
@@ -131,6 +173,7 @@ def test_run_worker_teardown_leaves_no_group_threads(tmp_path: Path) -> None:
         assert not {"pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv"} & set(left), left
 
 
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
 def test_torchrun_path_matches_the_local_launcher(tmp_path: Path) -> None:
     """Two workers under torchrun train bitwise like one worker under the local launcher."""
     (tmp_path / "torchrun").mkdir()

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from shardstore import ObjectNotFound, RefConflict, Store, open_store
-from shardstore.errors import CorruptObject
+from shardstore.backends.base import BatchedWrites, HashedReads, Storage, StreamedReads
+from shardstore.errors import CorruptObject, ObjectTooLarge
 from shardstore.format.tensors import hash_bytes
 from shardstore.store import object_key
 
@@ -30,11 +31,27 @@ FAKE = "ab" + "0" * 62
 
 
 class StorageConformance:
-    """The contract every backend must keep. Subclasses provide ``store``."""
+    """The contract every backend must keep. Subclasses provide ``store`` and the optional
+    fast paths (``backends.base``'s Protocols) they are documented to offer."""
+
+    FAST_PATHS: frozenset[type] = frozenset()
 
     @pytest.fixture
     def store(self) -> Store:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def test_offers_exactly_its_documented_fast_paths(self, store: Store) -> None:
+        s = store.storage
+        assert isinstance(s, Storage)
+        offered = {p for p in (HashedReads, StreamedReads, BatchedWrites) if isinstance(s, p)}
+        assert offered == self.FAST_PATHS
+
+    def test_read_refuses_past_its_limit_before_allocating(self, store: Store) -> None:
+        s = store.storage
+        s.write_once("objects/ab/" + FAKE, b"x" * 100)
+        assert bytes(s.read("objects/ab/" + FAKE, limit=100)) == b"x" * 100
+        with pytest.raises(ObjectTooLarge):
+            s.read("objects/ab/" + FAKE, limit=99)
 
     def test_create_only_objects(self, store: Store) -> None:
         s = store.storage
@@ -188,6 +205,8 @@ class TestMemory(StorageConformance):
 
 
 class TestLocal(StorageConformance):
+    FAST_PATHS = frozenset({HashedReads, StreamedReads, BatchedWrites})
+
     @pytest.fixture
     def store(self, tmp_path: Any) -> Store:
         return open_store(str(tmp_path / "store"))
@@ -231,6 +250,8 @@ def _race_worker(url: str, me: int, rounds: int, barrier: Any, results: Any) -> 
 
 
 class TestS3(StorageConformance):
+    FAST_PATHS = frozenset({HashedReads, StreamedReads})
+
     @pytest.fixture
     def store(self, s3_server: S3Server) -> Store:  # noqa: F811
         return open_store(s3_server.url(), **s3_server.options)

@@ -77,3 +77,73 @@ def test_options_reach_the_backend(
     assert main(argv) == 0, capsys.readouterr().err
     assert main(["refs", url, "--storage-option", "nonsense"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_aws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No credentials, profile or endpoint from this machine, and no instance-role lookup."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv(ENV, "{}")  # restored at teardown: main() sets it for this process
+
+
+@pytest.mark.parametrize(
+    "option, named",
+    [
+        ("part_size=abc", "part_size: Expected `int`, got `str`"),
+        ("concurrency=abc", "concurrency: Expected `int`, got `str`"),
+        ("config_kwargs=5", "config_kwargs: Expected `object | null`, got `int`"),
+        ("client_kwargs=5", "client_kwargs: Expected `object | null`, got `int`"),
+        ("endpoint_url=notaurl", "endpoint_url 'notaurl' is not a URL"),
+        ("key=AKIAEXAMPLE", "key is given without secret"),
+        ("secret=s3cr3t", "secret is given without key"),
+        ("profile=no-such-profile", "ProfileNotFound: The config profile (no-such-profile) could not be found"),
+        ("config_kwargs.no_such_setting=1", "TypeError: Got unexpected keyword argument 'no_such_setting'"),
+    ],
+)
+def test_bad_storage_options_are_one_typed_line_and_exit_2(
+    option: str, named: str, no_aws: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression (issue 30, defect 9): each was a Python traceback from the first request."""
+    code = main(["refs", "s3://bucket/run", "--storage-option", option])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("shardstore: error: StorageOptionError: ") and err.count("\n") == 1, err
+    assert named in err, err
+
+
+@pytest.mark.parametrize(
+    "value, named",
+    [
+        ('{"part_size": "abc"}', "part_size: Expected `int`, got `str`"),
+        ('{"client_kwargs": 5}', "client_kwargs: Expected `object | null`, got `int`"),
+        ('{"key": 5, "secret": "s"}', "key: Expected `str | null`, got `int`"),
+        ('{"conditional": "no"}', "conditional: Expected `bool | null`, got `str`"),
+        ("[1]", "must be a JSON object"),
+    ],
+)
+def test_a_wrong_type_in_the_environment_is_one_typed_line_and_exit_2(
+    value: str, named: str, no_aws: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(ENV, value)
+    code = main(["refs", "s3://bucket/run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("shardstore: error: StorageOptionError: ") and err.count("\n") == 1, err
+    assert named in err, err
+
+
+def test_shardtrain_refuses_a_bad_storage_option_alike(
+    tmp_path: Any, no_aws: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardstore_cli.shardtrain_cli import main as shardtrain
+
+    argv = ["prepare", "--out", str(tmp_path / "job"), "--seed-store", "s3://bucket/seeds", "--seed-commit", "0" * 64]
+    code = shardtrain([*argv, "--storage-option", "part_size=abc"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("shardtrain: error: StorageOptionError: ") and err.count("\n") == 1, err
+    assert "part_size: Expected `int`, got `str`" in err
+    assert shardtrain([*argv, "--storage-option", "nonsense"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+    assert not (tmp_path / "job").exists()

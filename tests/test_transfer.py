@@ -190,15 +190,10 @@ def test_missing_slot_and_target_are_named(tmp_path: Any) -> None:
 
 
 def run_cli(argv: list[str]) -> int:
-    """The handlers through a tiny parser of our own (the main CLI is tested through a subprocess)."""
-    import argparse
+    """In this process, through the command line's ``main`` (which maps errors to exit codes)."""
+    from shardstore_cli.shardstore_cli import main
 
-    from shardstore_cli.store_commands import register
-
-    parser = argparse.ArgumentParser(prog="shardstore")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return main(argv)
 
 
 def test_cli_copy_handler(tmp_path: Any, capsys: Any) -> None:

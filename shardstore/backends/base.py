@@ -5,28 +5,33 @@ compare-and-swap, delete, list, modification time, and a durability barrier. Key
 '/'-separated relative names built by the store from validated parts and checked again
 here (``check_key``) before they become a path or URL.
 
-Optional fast paths a backend may also offer; the store uses each one when present and
-falls back to ``read`` plus hashing otherwise (the results are the same):
-- ``read_into(key, out, consume) -> size``: fill ``out`` only if the object has exactly
-  ``len(out)`` bytes, calling ``consume`` on each chunk in order as it lands;
-- ``hash_object(key, hasher, *, threads) -> (hex digest, size)``: stream the object through
-  ``hasher()`` (which runs ``threads`` threads of its own) without holding it whole;
-- ``read_hashed(key, hasher, limit=None) -> (bytes, hex digest)``: read and hash in one pass,
-  refusing (ObjectTooLarge) an object over ``limit`` bytes before allocating it;
-- ``begin_write`` / ``end_writes``: batched create-only writes with one durability barrier.
+Optional fast paths a backend may also offer, each a Protocol of its own that the store
+tests with ``isinstance``; it uses each one when present and falls back to ``read`` plus
+hashing otherwise (the results are the same):
+- ``StreamedReads.read_into(key, out, consume) -> size``: fill ``out`` only if the object has
+  exactly ``len(out)`` bytes, calling ``consume`` on each chunk in order as it lands;
+- ``HashedReads.hash_object(key, hasher, *, threads) -> (hex digest, size)``: stream the
+  object through ``hasher()`` (which runs ``threads`` threads of its own) without holding it
+  whole; ``HashedReads.read_hashed(key, hasher, limit=None) -> (bytes, hex digest)``: read
+  and hash in one pass, refusing (ObjectTooLarge) an object over ``limit`` bytes before
+  allocating it;
+- ``BatchedWrites.begin_write`` / ``end_writes``: batched create-only writes with one
+  durability barrier.
 
 Backends (each its own module of this package; ``location.open_storage`` picks one by URL):
 - ``LocalStorage`` (``backends.local``): a directory, crash-safe; restores read straight into tensors.
 - ``S3Storage`` (``backends.s3``): conditional writes through s3fs's client.
 - ``FsspecStorage`` (``backends.fsspec``): any fsspec filesystem (``memory://`` here).
+- ``TieredStorage`` (``backends.tiers``): any of these with a memory tier and peers' copies
+  above it for object reads, each copy verified against its id (SPEC.md §19c).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Buffer", "Storage", "show_ref_value"]
+__all__ = ["BatchedWrites", "Buffer", "HashedReads", "Storage", "StreamedReads", "show_ref_value"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -38,9 +43,9 @@ class Storage(Protocol):
 
     url: str
 
-    def read(self, key: str) -> Buffer:
-        """The bytes at ``key``; ObjectNotFound if absent. Backends may take ``limit=`` too:
-        ObjectTooLarge past it, before allocating (the store passes it when accepted)."""
+    def read(self, key: str, limit: int | None = None) -> Buffer:
+        """The bytes at ``key``; ObjectNotFound if absent; ObjectTooLarge if they are more than
+        ``limit`` bytes, refused before allocating them (SPEC.md §Limits)."""
         ...
 
     def size(self, key: str) -> int | None:
@@ -83,6 +88,49 @@ class Storage(Protocol):
 
     def sync(self) -> None:
         """Make every completed ``write_once`` durable before anything references it."""
+        ...
+
+
+@runtime_checkable
+class HashedReads(Protocol):
+    """A backend's optional fast path for reads that verify: it hashes while the bytes stream
+    in, so the store never reads an object twice (local files, S3)."""
+
+    def read_hashed(self, key: str, hasher: Callable[[], Any], limit: int | None = None) -> tuple[Buffer, str]:
+        """The bytes at ``key`` (into memory of their own) and the hex digest of ``hasher()``
+        fed with them; ObjectTooLarge past ``limit``, before allocating."""
+        ...
+
+    def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
+        """(hex digest of ``hasher()`` fed with the bytes at ``key``, their size), streamed
+        without holding the object in memory (verify)."""
+        ...
+
+
+@runtime_checkable
+class StreamedReads(Protocol):
+    """A backend's optional fast path for restores: it reads an object straight into the
+    caller's buffer (a tensor's own memory), handing each piece to ``consume`` (the hasher)."""
+
+    def read_into(self, key: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int:
+        """Read the bytes at ``key`` into ``out``; return the object's size (a size other than
+        ``len(out)`` is returned without reading, for the caller to refuse)."""
+        ...
+
+
+@runtime_checkable
+class BatchedWrites(Protocol):
+    """A backend's optional fast path for saves of many objects (local files): each object is
+    written to a temporary file with writeback started, and the batch is made durable with one
+    barrier and then linked into place, the crash ordering of ``write_once`` + ``sync``."""
+
+    def begin_write(self, key: str, data: Buffer) -> str | None:
+        """Write ``data`` for ``key`` to a temporary file; its path, or None if ``key`` exists."""
+        ...
+
+    def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
+        """Make the (key, temporary path) files durable, then link each into place; per key,
+        True if this batch created it."""
         ...
 
 

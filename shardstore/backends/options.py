@@ -14,6 +14,12 @@ A backend gets keyword options (for S3: ``endpoint_url``, ``key``/``secret``/``t
    from ``--storage-option KEY=VALUE`` (repeatable; VALUE is JSON when it parses as JSON,
    else a string; ``a.b=v`` sets key ``b`` inside option ``a``).
 
+Before a backend is made, the merged options are checked (``check_s3_options``): every name
+is one ``S3Storage`` or s3fs takes, the options whose type is known have it (``part_size``
+an integer, ``client_kwargs`` an object...), ``endpoint_url`` is a URL botocore accepts, and
+``key`` and ``secret`` come together. Anything else is a ``StorageOptionError`` naming the
+option, never a traceback from the first request.
+
 Credentials stay where botocore looks for them (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_DEFAULT_REGION``,
 ``AWS_ENDPOINT_URL``, instance roles) unless an option names them.
@@ -23,10 +29,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 from urllib.parse import parse_qsl
 
-from ..errors import StorageError
+import msgspec
+
+from ..errors import StorageOptionError
 
 __all__ = ["ENV", "URL_OPTIONS", "parse_option", "merge", "resolve", "check_s3_options", "environment_with"]
 
@@ -76,7 +85,7 @@ def merge(options: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[st
         return out
     inner = out.get(path[0])
     if inner is not None and not isinstance(inner, dict):
-        raise StorageError(f"storage option {path[0]!r} is {inner!r}, not an object: cannot set {'.'.join(path)}")
+        raise StorageOptionError(f"storage option {path[0]!r} is {inner!r}, not an object: cannot set {'.'.join(path)}")
     out[path[0]] = merge(dict(inner or {}), path[1:], value)
     return out
 
@@ -88,9 +97,9 @@ def _from_env() -> dict[str, Any]:
     try:
         value = json.loads(raw)
     except ValueError as e:
-        raise StorageError(f"{ENV} is not valid JSON: {e}") from None
+        raise StorageOptionError(f"{ENV} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
-        raise StorageError(f"{ENV} must be a JSON object of storage options, got {type(value).__name__}")
+        raise StorageOptionError(f"{ENV} must be a JSON object of storage options, got {type(value).__name__}")
     return value
 
 
@@ -101,7 +110,7 @@ def resolve(url: str, explicit: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if sep and "://" in base:
         for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
             if key not in URL_OPTIONS:
-                raise StorageError(
+                raise StorageOptionError(
                     f"store URL {url!r}: {key!r} cannot be given in the URL (only {', '.join(URL_OPTIONS)} can); "
                     f"pass it as --storage-option {key}=VALUE, open_store(url, {key}=...) or in {ENV}"
                 )
@@ -116,9 +125,41 @@ def resolve(url: str, explicit: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 _S3FS_EXTRA = frozenset({"profile", "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
 
 
+class _Typed(msgspec.Struct):
+    """The options whose type is known (``S3Storage``'s and s3fs's), as JSON gives them;
+    a wrong one would fail only at the first request, deep in botocore. Others pass as given."""
+
+    conditional: bool | None = None
+    part_size: int = 0
+    multipart_threshold: int | None = None
+    concurrency: int = 0
+    attempts: int = 0
+    backoff: float = 0.0
+    endpoint_url: str | None = None
+    key: str | None = None
+    secret: str | None = None
+    token: str | None = None
+    profile: str | None = None
+    username: str | None = None
+    password: str | None = None
+    anon: bool = False
+    use_ssl: bool = True
+    requester_pays: bool = False
+    version_aware: bool = False
+    default_block_size: int | None = None
+    max_concurrency: int = 1
+    client_kwargs: dict[str, Any] | None = None
+    config_kwargs: dict[str, Any] | None = None
+    s3_additional_kwargs: dict[str, Any] | None = None
+
+
+_WHERE = f"(from --storage-option, {ENV}, the store URL or open_store's keywords)"
+
+
 def check_s3_options(url: str, options: dict[str, Any]) -> None:
-    """StorageError naming any option neither ``S3Storage`` nor s3fs takes (s3fs would
-    silently keep an unknown one, so a misspelt ``endpoint_url`` would reach AWS instead)."""
+    """StorageOptionError naming any option neither ``S3Storage`` nor s3fs takes (s3fs would
+    silently keep an unknown one, so a misspelt ``endpoint_url`` would reach AWS instead), one
+    of the wrong type, an ``endpoint_url`` botocore would refuse, or a key without its secret."""
     import inspect
 
     import s3fs
@@ -135,7 +176,27 @@ def check_s3_options(url: str, options: dict[str, Any]) -> None:
     known -= {"self", "url", "loop", "asynchronous"}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise StorageError(
+        raise StorageOptionError(
             f"cannot open store {url!r}: unknown storage option(s) {', '.join(unknown)} "
             f"(known: {', '.join(sorted(known))})"
         )
+    try:
+        typed = msgspec.convert(options, _Typed)
+    except msgspec.ValidationError as e:  # "Expected `int`, got `str` - at `$.part_size`"
+        m = re.fullmatch(r"(.*) - at `\$\.?(.*)`", str(e))
+        what, name = (m[1], m[2]) if m else (str(e), "?")
+        raise StorageOptionError(f"cannot open store {url!r}: storage option {name}: {what} {_WHERE}") from None
+    if (typed.key is None) != (typed.secret is None):
+        given, missing = ("key", "secret") if typed.secret is None else ("secret", "key")
+        raise StorageOptionError(
+            f"cannot open store {url!r}: storage option {given} is given without {missing} {_WHERE}; "
+            "give both, or neither to use the credentials botocore finds (AWS_ACCESS_KEY_ID, a profile, a role)"
+        )
+    if typed.endpoint_url is not None:
+        from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
+
+        if not (is_valid_endpoint_url(typed.endpoint_url) or is_valid_ipv6_endpoint_url(typed.endpoint_url)):
+            raise StorageOptionError(
+                f"cannot open store {url!r}: storage option endpoint_url {typed.endpoint_url!r} is not a URL "
+                f"with a scheme and a host (e.g. http://127.0.0.1:9000) {_WHERE}"
+            )

@@ -16,8 +16,9 @@ before the rename. A later writer that finds the lock held judges the holder:
   over safely — under ``flock`` on the lock file (so two writers never both take it), it
   checks that the path still names the same file holding the same record, removes it and
   creates its own lock as usual;
-- **alive**, or **not judgeable** (another host, another boot or namespace, an old lock
-  without a record, or a lock caught after its value was written): ``RefConflict`` naming
+- **alive** (including a process that exists but cannot be inspected: another user's under
+  ``hidepid``, ``backends.holders``), or **not judgeable** (another host, another boot or
+  namespace, an old lock without a record, or a lock caught after its value was written): ``RefConflict`` naming
   the holder and the command that clears it, ``shardstore refs STORE --break-lock NAME``,
   to run only once no writer of that ref is running.
 

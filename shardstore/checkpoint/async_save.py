@@ -206,6 +206,7 @@ class AsyncSaver:
         rng: bool = True,
         group_names: list[str] | None = None,
         on_phase: Callable[[str], None] | None = None,
+        then: Callable[[str], None] | None = None,
     ) -> None:
         """Snapshot this rank's state now (DTensors as their local slices) and run
         ``save_distributed`` on it in the background; every rank of ``group`` must call this.
@@ -215,7 +216,10 @@ class AsyncSaver:
         would otherwise interleave with training's. ``wait`` returns the commit id.
         Stateful extras are not taken here (pass them to ``shardstore.save_distributed``).
         ``on_phase`` is called in the background thread as each protocol phase begins
-        (``commit_state``).
+        (``commit_state``). ``then(commit id)``, if given, runs in the background thread once the
+        commit is durable, before ``wait`` returns it (e.g. copies of the commit's objects sent
+        to peers over ``group``: the same thread, so in the same order on every rank); an error
+        it raises is the save's error.
         """
         if group is None:
             raise StateMismatch(
@@ -223,17 +227,23 @@ class AsyncSaver:
             )
         self._collect()
         snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
-        self._future = self._pool.submit(
-            commit_state,
-            self.store,
-            lambda: snap,
-            info=info,
-            group=group,
-            ref=ref,
-            parent=parent,
-            threads=self.threads,
-            on_phase=on_phase,
-        )
+
+        def run() -> str:
+            cid = commit_state(
+                self.store,
+                lambda: snap,
+                info=info,
+                group=group,
+                ref=ref,
+                parent=parent,
+                threads=self.threads,
+                on_phase=on_phase,
+            )
+            if then is not None:
+                then(cid)
+            return cid
+
+        self._future = self._pool.submit(run)
 
     @property
     def pending(self) -> bool:

@@ -24,12 +24,12 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
-from ..format.grid import on_bands, payload_blocks, put_payloads, read_parts
+from ..format.grid import check_reads, on_bands, payload_blocks, put_payloads, read_parts
 from ..format.manifest import (
     MAX_MANIFEST_BYTES,
     CommitManifest,
@@ -74,6 +74,7 @@ from ..state.torch_optim import (
     torch_union,
     use_torch_form,
 )
+from ..state.wrapped import inner_optimizers, split_group_names
 from ..store import Store
 from ..verification.commits import LoadedCommit, load_commit, shard_problems
 from .info import CommitInfo, check_info, check_parent
@@ -90,6 +91,7 @@ __all__ = [
     "save",
     "SaveCall",
     "restore",
+    "read_into",
     "AUTO",
 ]
 
@@ -148,11 +150,7 @@ def write_shard(
                 )
             if has_moments and po.exp_avg.dtype != po.exp_avg_sq.dtype:
                 raise TensorMismatch(f"tensor {n!r}: Adam moments have different dtypes")
-            birth = info.step - po.age if state.births is None or n not in state.births else state.births[n]
-            if birth < 0 or birth + po.age != info.step:
-                raise CursorError(
-                    f"tensor {n!r}: Adam age {po.age} with birth {birth} does not reach global step {info.step} (SPEC.md §Optimizer state)"
-                )
+            birth = _birth(n, po, state, info)
             optim = OptimEntry(
                 group=po.group,
                 birth=birth,
@@ -198,6 +196,32 @@ def write_shard(
     sid = store.put_manifest(shard)
     store.sync()
     return sid
+
+
+def _birth(name: str, po: ParamOpt, state: SlotState, info: CommitInfo) -> int:
+    """The step at which a parameter's Adam clock started: ``step - age`` unless the slot records
+    births; CursorError if that is not a step the commit's global step can follow (SPEC.md §9)."""
+    recorded = state.births is not None and name in state.births
+    birth = state.births[name] if recorded else info.step - po.age  # type: ignore[index]
+    if birth < 0 or birth + po.age != info.step:
+        hint = (
+            f"births[{name!r}] + age must equal step"
+            if recorded
+            else f"step= is the global step, at least every parameter's Adam age (the optimizer's step count): pass "
+            f"the number of optimizer steps taken, here at least {po.age}"
+        )
+        raise CursorError(
+            f"tensor {name!r}: Adam age {po.age} with birth {birth} does not reach global step {info.step}; {hint} "
+            "(SPEC.md §9)"
+        )
+    return birth
+
+
+def check_cursors(state: SlotState, info: CommitInfo) -> None:
+    """Every Adam-form parameter's cursor against the commit's step, before anything is written."""
+    for name, po in sorted(state.optim.params.items()):
+        if po.torch_state is None and name in state.tensors:
+            _birth(name, po, state, info)
 
 
 def write_shard_entries(
@@ -335,6 +359,8 @@ def save_slots(
         parent = current
     check_parent(store, parent)  # before any object is written
     n = len(states)
+    for s in states:  # a step below an Adam age is refused before the first object (SPEC.md §9, §19b)
+        check_cursors(s, info)
     extras = write_extras(store, capture_extras(extra), threads=threads)  # made durable by write_shard's barrier
     shard_ids = [
         write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)
@@ -419,14 +445,17 @@ class SaveCall:
         return cls.of(bound.arguments)
 
 
-def _read_all(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], threads: int) -> int:
+def read_into(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], threads: int) -> int:
     """Fill each destination (its local slice, for a DTensor) from the blocks its payload has
-    there (a single object: all of it); return the bytes read. Every block is verified."""
+    there (a single object: all of it); return the bytes read. Every block's size is checked
+    before the first is read (a wrong-sized one is refused with nothing written), and every
+    block is verified as it lands."""
     jobs = []
     for payload, dest, what in reads:  # a DTensor's local tensor may be several boxes (SPEC.md §Slices on the grid)
         jobs += read_parts(
             store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), part_views(dest, what), what
         )
+    check_reads(store, jobs, threads=max(threads, 16))  # a size query each (a HEAD on S3), before any byte lands
     if threads <= 1 or len(jobs) <= 1:
         return sum(job() for job in jobs)
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -464,8 +493,9 @@ def restore(
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;
     benchmarks/RESULTS.md, "design measurements", has the queue depth's figures) and hashed
-    as they land; if a corrupt object
-    raises, tensors read before it hold restored values and it may hold unverified bytes,
+    as they land. Every object's size is checked first: a missing or wrong-sized one is refused
+    before any byte is written. Only a hash can tell an object of the right size is corrupt: if
+    one raises, tensors read before it hold restored values and it may hold unverified bytes,
     so a failed restore must be repeated or abandoned, never trained from.
     """
     lc = load_commit(store, target)
@@ -493,32 +523,17 @@ def restore(
         rng_states = {r.kind: store.get(r.object, limit=MAX_RNG_BYTES) for r in lc.shards[s].rng}
         check_rng(rng_states)
     reads = [(entries[n].param, targets[n], f"tensor {n!r}") for n in names]
-    state = None
-    torch_plan = None
-    if optimizer is not None and use_torch_form(lc.id, lc.commit.optimizer, optimizer):
-        torch_plan = plan_torch_restore(
-            store, lc.commit.optimizer, entries, optimizer, {n: targets[n] for n in names}, group_names, lc.id
-        )
-        reads += torch_plan.reads
-    elif optimizer is not None:
-        state, moment_reads = _plan_optim(lc, names, optimizer, targets)
-        reads += moment_reads
-        if not hasattr(optimizer, "state_import"):
-            _probe_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
+    optim_plans = [] if optimizer is None else _plan_optimizers(store, lc, optimizer, targets, names, group_names)
+    reads += [r for plan in optim_plans for r in plan.reads]
     extras_plan = plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}")
     own = _slot(lc, slot, "slot_extra") if slot_extra else 0
     slot_plan = plan_extras_restore(
         store, lc.shards[own].extras if slot_extra else (), slot_extra, f"commit {lc.id}, slot {own}"
     )
     reads += extras_plan.reads + slot_plan.reads
-    nread = _read_all(store, reads, threads)  # straight into the destinations, every byte hashed
-    if torch_plan is not None:
-        torch_plan.install()
-    elif optimizer is not None and state is not None:
-        if hasattr(optimizer, "state_import"):
-            into_export(optimizer, state, [n for n in names if n in state.params])
-        else:
-            _install_torch(optimizer, {n: targets[n] for n in names}, state, group_names)
+    nread = read_into(store, reads, threads)  # straight into the destinations, every byte hashed
+    for plan in optim_plans:
+        plan.install()
     if rng_states is not None:
         restore_rng(rng_states)
     restored_rng = bool(rng_states)  # a slot saved with rng=False has none
@@ -536,6 +551,55 @@ def restore(
         matched.skipped,
         matched.missing,
     )
+
+
+@dataclass
+class _OptimPlan:
+    """One (inner) optimizer's checked restore: the reads that fill its state, then ``install``."""
+
+    reads: list[tuple[Payload, torch.Tensor, str]]
+    install: Callable[[], None]
+
+
+def _plan_optimizers(
+    store: Store,
+    lc: LoadedCommit,
+    optimizer: Any,
+    targets: dict[str, torch.Tensor],
+    names: list[str],
+    group_names: list[str] | None,
+) -> list[_OptimPlan]:
+    """Plan the optimizer's restore, checked before any read: a wrapper's optimizers each get
+    their own groups (``g0``, ``g1``, ... counted across them) and parameters (SPEC.md §9e)."""
+    inner = inner_optimizers(optimizer)
+    plans = []
+    for o, gn in zip(inner, split_group_names(inner, group_names)):
+        own = names
+        if len(inner) > 1:  # each restores the parameters it holds
+            held = {id(p) for g in o.param_groups for p in g["params"]}
+            own = [n for n in names if id(targets[n]) in held]
+        plans.append(_plan_optimizer(store, lc, o, {n: targets[n] for n in own}, own, gn))
+    return plans
+
+
+def _plan_optimizer(
+    store: Store,
+    lc: LoadedCommit,
+    optimizer: Any,
+    targets: dict[str, torch.Tensor],
+    names: list[str],
+    group_names: list[str] | None,
+) -> _OptimPlan:
+    if use_torch_form(lc.id, lc.commit.optimizer, optimizer):
+        torch_plan = plan_torch_restore(
+            store, lc.commit.optimizer, lc.entries(), optimizer, targets, group_names, lc.id
+        )
+        return _OptimPlan(torch_plan.reads, torch_plan.install)
+    state, moment_reads = _plan_optim(lc, names, optimizer, targets)
+    if hasattr(optimizer, "state_import"):
+        return _OptimPlan(moment_reads, lambda: into_export(optimizer, state, [n for n in names if n in state.params]))
+    _probe_torch(optimizer, targets, state, group_names)
+    return _OptimPlan(moment_reads, lambda: _install_torch(optimizer, targets, state, group_names))
 
 
 def _slot(lc: LoadedCommit, slot: int | None, what: str) -> int:

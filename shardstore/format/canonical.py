@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 __all__ = [
     "REAL_PREFIX",
+    "TENSOR_PREFIX",
     "INT_MIN",
     "INT_MAX",
     "f64_encode",
@@ -32,6 +33,8 @@ __all__ = [
 
 #: Prefix of a real number inside a value that may also be a string.
 REAL_PREFIX = "f64:"
+#: Prefix of a reference to a tensor inside a state document (``"tensor:<i>"``, SPEC.md §Extras).
+TENSOR_PREFIX = "tensor:"
 #: The integers the canonical JSON encoder writes as integers (SPEC.md §Canonical encoding, §Limits).
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1
 _HEX = frozenset("0123456789abcdef")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -56,6 +56,8 @@ __all__ = [
     "check_payload",
     "check_stored",
     "check_stored_all",
+    "check_reads",
+    "BlockRead",
     "make_payload",
     "put_payloads",
     "read_jobs",
@@ -314,20 +316,38 @@ def check_stored_all(
             (oid, box, n, what if len(blocks) == 1 else f"{what}, block {i}", dtype)
             for i, (oid, box, n) in enumerate(blocks)
         ]
+    _check_sizes(store, checks, threads, "refused before allocating (SPEC.md §Limits)")
+
+
+def check_reads(store: BlockStore, reads: Sequence[BlockRead], *, threads: int = 16) -> None:
+    """Before the first of ``reads`` runs: every block they read is in the store with the byte
+    size its box implies, so that a missing or wrong-sized object is refused before any byte
+    lands in a destination (SPEC.md §16), not after the blocks read before it. One size query
+    per object, ``threads`` at a time; ObjectNotFound or TensorMismatch naming the tensor, the
+    block and the object."""
+    checks = [(r.oid, r.box, r.n, r.what, r.dtype) for r in reads]
+    _check_sizes(store, checks, threads, "refused before any byte was written into a destination (SPEC.md §16)")
+
+
+def _check_sizes(
+    store: BlockStore, checks: Sequence[tuple[str, Box, int, str, str]], threads: int, refused: str
+) -> None:
+    """(object, box, bytes it needs, label, dtype) each: one size query per distinct object."""
     if not checks:
         return
-    size = store.object_size
-    if len(checks) == 1:
-        sizes = [size(checks[0][0])]
+    oids = list(dict.fromkeys(c[0] for c in checks))
+    if len(oids) == 1:
+        sizes = {oids[0]: store.object_size(oids[0])}
     else:
-        with ThreadPoolExecutor(max_workers=min(threads, len(checks))) as pool:
-            sizes = list(pool.map(size, [c[0] for c in checks]))
-    for (oid, box, n, label, dtype), have in zip(checks, sizes):
+        with ThreadPoolExecutor(max_workers=min(threads, len(oids))) as pool:
+            sizes = dict(zip(oids, pool.map(store.object_size, oids)))
+    for oid, box, n, label, dtype in checks:
+        have = sizes[oid]
         if have is None:
-            raise ObjectNotFound(f"{label}: object {oid} is not in the store")
+            raise ObjectNotFound(f"{label}: object {oid} is not in the store; {refused}")
         if have != n:
             raise TensorMismatch(
-                f"{label}: object {oid} holds {have} bytes, but {dtype}{list(box[1])} needs {n}; refused before allocating (SPEC.md §Limits)"
+                f"{label}: object {oid} holds {have} bytes, but {dtype}{list(box[1])} needs {n}; {refused}"
             )
 
 
@@ -407,7 +427,7 @@ def read_jobs(
     local: torch.Tensor,
     origin: Sequence[int],
     what: str,
-) -> list[Callable[[], int]]:
+) -> list[BlockRead]:
     """Jobs that fill ``local`` (the box of the tensor starting at ``origin``) from the blocks it overlaps."""
     return read_parts(store, payload, dtype, shape, [(local, tuple(origin))], what)
 
@@ -419,7 +439,7 @@ def read_parts(
     shape: Sequence[int],
     parts: Sequence[tuple[torch.Tensor, Sequence[int]]],
     what: str,
-) -> list[Callable[[], int]]:
+) -> list[BlockRead]:
     """Jobs that fill each ``(view, origin)`` of ``parts`` (disjoint boxes of the tensor, each
     starting at ``origin``: a DTensor's local tensor, SPEC.md §Slices on the grid) from the
     blocks they overlap.
@@ -430,7 +450,7 @@ def read_parts(
     size and each common box copied. A block is never read in part: its id covers all its bytes.
     """
     regions = [(view, (tuple(o), tuple(view.shape))) for view, o in parts]
-    jobs: list[Callable[[], int]] = []
+    jobs: list[BlockRead] = []
     for i, (oid, box, n) in enumerate(payload_blocks(payload, dtype, shape)):
         hits = []
         for view, region in regions:
@@ -439,28 +459,35 @@ def read_parts(
                 hits.append((view, region[0], common))
         if hits:
             label = what if not is_chunked(payload) else f"{what}, block {i}"
-            jobs.append(_job(store, oid, box, hits, n, dtype, label))
+            jobs.append(BlockRead(store, oid, box, tuple(hits), n, dtype, label))
     return jobs
 
 
-def _job(
-    store: BlockStore,
-    oid: str,
-    box: Box,
-    hits: list[tuple[torch.Tensor, tuple[int, ...], Box]],
-    n: int,
-    dtype: str,
-    what: str,
-) -> Callable[[], int]:
-    def run() -> int:
+@dataclass(frozen=True, eq=False)  # holds destination tensors: compared by identity
+class BlockRead:
+    """One block a read fills destinations from: its object, its box in the tensor, its byte
+    size and where it lands (``hits``: each destination view, its origin and the common box).
+    Calling it reads the block whole, verified against its id, and returns the bytes read;
+    ``check_reads`` checks a list of them before any runs."""
+
+    store: BlockStore
+    oid: str
+    box: Box
+    hits: tuple[tuple[torch.Tensor, tuple[int, ...], Box], ...]
+    n: int
+    dtype: str
+    what: str
+
+    def __call__(self) -> int:
+        store, oid, box, what = self.store, self.oid, self.box, self.what
         try:
-            if len(hits) == 1:
-                local, origin, common = hits[0]
+            if len(self.hits) == 1:
+                local, origin, common = self.hits[0]
                 dest = local[box_slices(common, origin)]
                 if common == box and dest.is_contiguous():
                     store.read_into(oid, dest, what=what)
-                    return n
-            buf = store.get_tensor(oid, dtype, box[1], what=what)
+                    return self.n
+            buf = store.get_tensor(oid, self.dtype, box[1], what=what)
         except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
             raise ObjectNotFound(
                 f"{what}: object {oid} is not in the store ({str(e).removeprefix(what + ': ')}) (SPEC.md §Slices held)"
@@ -470,11 +497,9 @@ def _job(
                 raise
             raise CorruptObject(f"{what}: {e}") from None
         with torch.no_grad():
-            for local, origin, common in hits:
+            for local, origin, common in self.hits:
                 local[box_slices(common, origin)].copy_(buf[box_slices(common, box[0])])
-        return n
-
-    return run
+        return self.n
 
 
 def read_whole(store: BlockStore, payload: Payload, dtype: str, shape: Sequence[int], what: str) -> torch.Tensor:

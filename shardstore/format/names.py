@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import InvalidName
+from ..errors import InvalidName, TargetNotFound
 
 __all__ = [
     "OID_PATTERN",
@@ -24,6 +24,7 @@ __all__ = [
     "check_tensor_name",
     "check_group_name",
     "check_key",
+    "split_revision",
 ]
 
 OID_PATTERN = r"^[0-9a-f]{64}$"
@@ -39,6 +40,9 @@ _GROUP = re.compile(GROUP_NAME_PATTERN)
 _REF_SEGMENT = re.compile(REF_SEGMENT_PATTERN)
 _KEY_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 MAX_REF_DEPTH = 4
+#: A target and git's ancestry suffixes (SPEC.md §Refs): ``main~2``, ``main^``, ``<commit>^^``, ``main~1^``.
+_REVISION = re.compile(r"(?P<base>[^~^]+)(?P<suffixes>(?:[~^][0-9]*)+)")
+_SUFFIX = re.compile(r"([~^])([0-9]*)")
 
 
 def check_oid(oid: object, what: str = "object id") -> str:
@@ -97,3 +101,25 @@ def check_key(key: str) -> str:
         if _KEY_SEGMENT.fullmatch(seg) is None:
             raise InvalidName(f"invalid storage key {key!r}: bad segment {seg!r}")
     return key
+
+
+def split_revision(target: str) -> tuple[str, int]:
+    """``(base, n)``: the target without its ancestry suffixes, and how many parents back they go.
+
+    As in git: ``~N`` is N parents back (``~`` alone, one), ``^`` or ``^1`` the parent, ``^0`` the
+    commit itself; suffixes add up (``main~2^`` is ``main~3``). A commit has at most one parent, so
+    ``^N`` for N >= 2 names no commit: TargetNotFound. A target without suffixes is ``(target, 0)``;
+    ref names cannot hold ``~`` or ``^`` (§Names), so the split is never ambiguous.
+    """
+    m = _REVISION.fullmatch(target)
+    if m is None:
+        return target, 0
+    n = 0
+    for op, digits in _SUFFIX.findall(m["suffixes"]):
+        k = int(digits) if digits else 1
+        if op == "^" and k > 1:
+            raise TargetNotFound(
+                f"{target!r}: a commit has at most one parent, so ^{k} names no commit (SPEC.md §Refs)"
+            )
+        n += k
+    return m["base"], n

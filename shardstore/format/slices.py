@@ -22,19 +22,21 @@ of it (it reads the blocks its slices overlap).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from .grid import Box, intersect, payload_blocks
 from .manifest import Payload, ShardManifest, Slice, TensorEntry, state_payloads, tensor_payloads
 
 __all__ = [
     "make_slices",
-    "overlapping_pair",
     "shard_slice_problems",
     "commit_slice_problems",
+    "Overlap",
+    "Gap",
+    "tiling_defect",
     "slot_needs",
     "entry_objects",
 ]
@@ -93,61 +95,125 @@ def commit_slice_problems(
             held.setdefault(x.name, {}).setdefault(box, []).append(slot)
     for name, boxes in sorted(held.items()):
         regions = sorted(boxes.items())
-        pair = overlapping_pair([b for b, _ in regions], len(entries[name].shape))
-        if pair is not None:
-            a, b = regions[pair[0]][0], regions[pair[1]][0]
+        defect = tiling_defect([b for b, _ in regions], entries[name].shape)
+        if isinstance(defect, Overlap):
+            a, b = regions[defect.first][0], regions[defect.second][0]
             yield (f"slices at {list(a[0])} (slots {boxes[a]}) and {list(b[0])} (slots {boxes[b]}) overlap but are not the same box "
                    "(SPEC.md §Slices held)"), name, boxes[b][0]  # fmt: skip
-            continue
-        covered = sum(math.prod(b[1]) for b, _ in regions)
-        if covered != math.prod(entries[name].shape):
+        elif isinstance(defect, Gap):
+            covered = sum(math.prod(b[1]) for b, _ in regions)
             yield (
-                f"the slots' slices cover {covered} of its {math.prod(entries[name].shape)} elements (SPEC.md §Slices held)",
+                f"the slots' slices cover {covered} of its {math.prod(entries[name].shape)} elements; "
+                f"none covers the element at {list(defect.element)} (SPEC.md §Slices held)",
                 name,
                 regions[0][1][0],
             )
 
 
-#: Most (box, grid cell) marks ``overlapping_pair`` makes per box before it sweeps instead.
-_MARKS_PER_BOX = 4
+@dataclass(frozen=True)
+class Overlap:
+    """Two distinct boxes that share an element: their indices, ``first < second``."""
+
+    first: int
+    second: int
 
 
-def overlapping_pair(boxes: list[Box], ndim: int) -> tuple[int, int] | None:
-    """Indices ``i < j`` of two distinct boxes (of ``ndim`` dims, inside the tensor) that share
-    an element, or None if they are pairwise disjoint; empty boxes share none.
+@dataclass(frozen=True)
+class Gap:
+    """An element of the tensor (its index) that no box covers."""
 
-    Not pairwise (a 64 MiB manifest holds ~800,000 slices): the starts and ends of the boxes
-    on each dim cut the tensor into a grid of cells, each box is a block of whole cells, and
-    two boxes overlap exactly when they share a cell. The slices of a DTensor on any mesh are
-    one cell each, so marking cells costs O(n log n). Boxes that span many cells (not a mesh's
-    split) are checked by a sweep along the dim with the most cuts instead."""
-    live = [i for i, b in enumerate(boxes) if all(n > 0 for n in b[1])]
-    if len(live) < 2:
+    element: tuple[int, ...]
+
+
+#: The field of the tiling fingerprint: the Mersenne prime 2^127 - 1.
+_P = (1 << 127) - 1
+
+
+def tiling_defect(boxes: Sequence[Box], shape: Sequence[int]) -> Overlap | Gap | None:
+    """None if the distinct ``boxes`` (each inside ``shape``) are pairwise disjoint and cover
+    every element of the tensor; else a witness: two boxes that overlap, or an element none
+    covers. Empty boxes cover nothing and overlap nothing.
+
+    Not pairwise (a 64 MiB manifest holds ~800,000 slices), and not by a sweep along one dim
+    (quadratic when many boxes span that dim: full-width rows above half-height columns).
+    Time O(n·d) for n boxes of d dims when they tile, by a fingerprint. Write ``H_c(x) = [x >= c]``;
+    the indicator of a box ``[a, b)`` on each dim ``k`` is ``prod_k (H_a(x_k) - H_b(x_k))``,
+    and functions ``prod_k H_{c_k}(x_k)`` of distinct corners are linearly independent. So the
+    boxes tile the tensor exactly when the sum of their indicators equals the tensor's,
+    exactly when the multilinear polynomial ``sum_i prod_k (y[k, a_ik] - y[k, b_ik]) -
+    prod_k (y[k, 0] - y[k, d_k])``, one variable per dim and coordinate, is zero. Evaluated
+    at a point drawn from the operating system's randomness (a manifest's author cannot know
+    it), a nonzero polynomial of degree d (at most 16) vanishes with probability at most
+    d / (2^127 - 1) (Schwartz–Zippel): below 2^-122, and a true tiling always evaluates to 0.
+
+    A nonzero value is proof of a defect and leads to its witness deterministically: clipped
+    to two halves of a region, the polynomial is the sum of its halves' (on the cut dim,
+    ``y[a] - y[b] = (y[a] - y[c]) + (y[c] - y[b])``), so one half evaluates nonzero too. The
+    search halves the region at a median face of the boxes in it until no face cuts it; there
+    every box in it covers it whole and the value is (boxes - 1) times a product, so it holds
+    none (a gap) or two or more (an overlap). Each step costs the boxes meeting the region."""
+    if math.prod(shape) == 0:
+        return None  # every box inside is empty
+    spans = [(tuple(start), tuple(s + n for s, n in zip(start, extent))) for start, extent in boxes]
+    whole = (tuple(0 for _ in shape), tuple(shape))
+    y = _values([{0, d, *(lo[k] for lo, _ in spans), *(hi[k] for _, hi in spans)} for k, d in enumerate(shape)])
+    excess = (sum(_term(lo, hi, y) for lo, hi in spans) - _term(*whole, y)) % _P
+    if excess == 0:
         return None
-    cuts = [sorted({x for i in live for x in (boxes[i][0][k], boxes[i][0][k] + boxes[i][1][k])}) for k in range(ndim)]
-    where = [{x: p for p, x in enumerate(c)} for c in cuts]
-    spans = [
-        [range(where[k][boxes[i][0][k]], where[k][boxes[i][0][k] + boxes[i][1][k]]) for k in range(ndim)] for i in live
-    ]
-    if sum(math.prod(len(r) for r in sp) for sp in spans) <= _MARKS_PER_BOX * len(live):
-        owner: dict[tuple[int, ...], int] = {}
-        for i, sp in zip(live, spans):
-            for cell in itertools.product(*sp):
-                j = owner.setdefault(cell, i)
-                if j != i:
-                    return min(i, j), max(i, j)
-        return None
-    k = max(range(ndim), key=lambda d: len(cuts[d]))
-    active: list[tuple[int, int]] = []  # (end on dim k, box index): boxes the sweep is inside
-    for i in sorted(live, key=lambda i: boxes[i][0][k]):
-        start = boxes[i][0][k]
-        while active and active[0][0] <= start:
-            heapq.heappop(active)
-        for _, j in active:
-            if intersect(boxes[i], boxes[j]) is not None:
-                return min(i, j), max(i, j)
-        heapq.heappush(active, (start + boxes[i][1][k], i))
-    return None
+    live = [i for i, (lo, hi) in enumerate(spans) if all(a < b for a, b in zip(lo, hi))]
+    return _locate(spans, live, whole, y)
+
+
+def _values(coords: list[set[int]]) -> list[dict[int, int]]:
+    """A value in [0, _P) drawn at random for every coordinate of every dim."""
+    raw = os.urandom(16 * sum(len(c) for c in coords))
+    it = (int.from_bytes(raw[i : i + 16], "little") % _P for i in range(0, len(raw), 16))
+    return [{c: next(it) for c in sorted(cs)} for cs in coords]
+
+
+def _term(lo: Sequence[int], hi: Sequence[int], y: list[dict[int, int]]) -> int:
+    """``prod_k (y[k, lo_k] - y[k, hi_k])`` mod _P: a box's term in the fingerprint."""
+    out = 1
+    for k, (a, b) in enumerate(zip(lo, hi)):
+        out = out * (y[k][a] - y[k][b]) % _P
+    return out
+
+
+def _locate(
+    spans: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    live: list[int],
+    region: tuple[tuple[int, ...], tuple[int, ...]],
+    y: list[dict[int, int]],
+) -> Overlap | Gap:
+    """The witness in ``region``, whose fingerprint is nonzero (see tiling_defect)."""
+    while True:
+        lo, hi = region
+        live = [i for i in live if all(a < r and b > q for a, b, q, r in zip(*spans[i], lo, hi))]
+        faces = [sorted({c for i in live for c in (spans[i][0][k], spans[i][1][k]) if q < c < r})
+                 for k, (q, r) in enumerate(zip(lo, hi))]  # fmt: skip
+        k = max(range(len(faces)), key=lambda k: len(faces[k]), default=None)
+        if k is None or not faces[k]:  # one cell: each box in it covers it, and there are not exactly 1
+            return Gap(lo) if not live else Overlap(live[0], live[1])
+        cut = faces[k][len(faces[k]) // 2]
+        lower = (lo, hi[:k] + (cut,) + hi[k + 1 :])
+        # the upper half's fingerprint is the region's minus the lower half's: nonzero if this one is 0
+        region = lower if _clipped_excess(spans, live, lower, y) else (lo[:k] + (cut,) + lo[k + 1 :], hi)
+
+
+def _clipped_excess(
+    spans: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    live: list[int],
+    region: tuple[tuple[int, ...], tuple[int, ...]],
+    y: list[dict[int, int]],
+) -> int:
+    """The fingerprint of ``region``: the boxes of ``live`` that meet it, clipped to it."""
+    lo, hi = region
+    total = -_term(lo, hi, y)
+    for i in live:
+        a, b = spans[i]
+        if all(p < r and q > s for p, q, s, r in zip(a, b, lo, hi)):
+            total += _term(tuple(map(max, a, lo)), tuple(map(min, b, hi)), y)
+    return total % _P
 
 
 def slot_needs(shards: Mapping[int, ShardManifest], slot: int) -> dict[str, list[Box] | None]:

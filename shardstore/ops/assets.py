@@ -11,7 +11,7 @@ object, the canonical encoding of ``{"type": "assets", "version": 1, "files": [{
 holds the index and every file (SPEC.md §14a), so gc keeps them and ``copy --pin``
 moves them. The pin binds a set to an immutable commit without changing the commit's id:
 a commit a run trains from an import carries its import's set through its parent chain
-(`commit_assets` walks it).
+(`commit_assets` walks it, as far as the store holds it).
 """
 
 from __future__ import annotations
@@ -104,7 +104,10 @@ def _index_of(store: Store, commit: str, ids: tuple[str, ...]) -> AssetIndex:
 
 
 def commit_assets(store: Store, commit: str) -> dict[str, bytes] | None:
-    """The asset set of `commit` or of its nearest ancestor that has one (None: no set), verified."""
+    """The asset set of `commit` or of its nearest ancestor that has one (None: no set), verified.
+
+    An ancestor absent from `store` ends the walk with no set: a copy brings a commit without
+    its history (the parent is a pointer, SPEC.md §19a), and such a commit is valid."""
     cid: str | None = commit
     for _ in range(_MAX_CHAIN):
         if cid is None:
@@ -124,5 +127,8 @@ def commit_assets(store: Store, commit: str) -> dict[str, bytes] | None:
                     )
                 out[e.name] = data
             return out
-        cid = store.commit(cid).parent
+        parent = store.commit(cid).parent
+        if parent is not None and not store.has(parent):
+            return None  # a copied commit's history stayed behind: nothing further to search
+        cid = parent
     raise ManifestError(f"commit {commit}'s parent chain is longer than {_MAX_CHAIN}")

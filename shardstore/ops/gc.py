@@ -1,8 +1,9 @@
 """Garbage collection: delete objects no ref can reach, never one a save may still need (SPEC.md §Store layout).
 
-*Reachable* objects: every commit a ref names, its parents that are present (recursively),
-and each of those commits' closures (shard manifests, model config, tensor, moment and RNG
-objects), plus every object a pin names (the object only: a pin is not followed). Anything
+*Reachable* objects: every commit a ref or a pin names, its parents that are present
+(recursively; an absent parent ends the walk, as a copy brings no history), and each of
+those commits' closures (shard manifests, model config, tensor, moment and RNG objects),
+plus every other object a pin names (the object only; SPEC.md §14a). Anything
 else is garbage, with two exceptions that protect saves in progress,
 whose objects are written before any ref names them:
 
@@ -16,8 +17,8 @@ run (``gc_fence.dead_intents``: they can never move a ref), take the time every 
 measured against, list the objects, then mark from the pins, intents and refs — twice, the second pass walking only
 what moved — then sweep, then delete the marker (SPEC.md §19a). Objects written after the
 listing are not candidates. gc is conservative: a ref that names a missing commit, a pin
-or intent that does not parse, or a present commit or shard manifest that does not
-decode, stops it before anything is deleted, because its reachability cannot be known.
+or intent that does not parse, a pinned commit whose closure does not read, or a present
+commit or shard manifest that does not decode, stops it before anything is deleted, because its reachability cannot be known.
 A save that finds an old unreachable object already present (content addressing skips
 the write) refreshes its mtime, so gc sees it as young; gc also re-reads each object's
 mtime as it deletes it (locally: after renaming it away, so no refresh falls between).
@@ -37,7 +38,7 @@ second time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ObjectNotFound, ShardstoreError
@@ -47,7 +48,7 @@ from ..state.extras import extra_objects
 from ..state.torch_optim import state_objects
 from ..store import Store, object_key
 from ..store.gc_fence import GcMarker, dead_intents, intent_objects
-from ..verification.commits import load_commit
+from ..verification.commits import load_commit, pinned_commits
 from .transfer import _pool_map, commit_closure
 
 __all__ = ["GcResult", "reachable", "pinned_objects", "gc", "TMP_MIN_AGE"]
@@ -77,12 +78,17 @@ class GcResult:
         return sum(self.deleted.values())
 
 
-def pinned_objects(store: Store) -> set[str]:
-    """Every object id a pin names; refuses (typed) if a pin does not parse."""
+def _pins(store: Store) -> dict[str, tuple[str, ...]]:
+    """Every pin and its ids; refuses (typed) if a pin does not parse."""
     try:
-        return {oid for ids in store.pins().values() for oid in ids}
+        return store.pins()
     except ShardstoreError as e:
         raise type(e)(f"gc refused: a pin is unreadable, so what it keeps is unknown: {e}") from None
+
+
+def pinned_objects(store: Store) -> set[str]:
+    """Every object id a pin names; refuses (typed) if a pin does not parse."""
+    return {oid for ids in _pins(store).values() for oid in ids}
 
 
 def reachable(
@@ -91,27 +97,36 @@ def reachable(
     *,
     also: Sequence[str] = (),
     known: tuple[set[str], list[str]] | None = None,
+    held: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[set[str], list[str]]:
-    """(every object id reachable from a ref or named by a pin, the reachable commit ids in walk order).
+    """(every object id reachable from a ref or pin, the reachable commit ids in walk order).
 
-    ``pinned``: the pinned ids if already read (else the pins are read here). ``also``: more
-    commits to walk (intents' commits; a missing one is skipped: its writer will refuse).
+    A commit a ref or pin names is walked with its closure and its present parents (SPEC.md
+    §14a, §19a); any other pinned object is kept itself. ``pinned``: the pinned ids if
+    already read, with ``held``, the commits among them and the pins naming each
+    (``pinned_commits``); else the pins are read here. ``also``: more commits to walk
+    (intents' commits; one that no longer loads is skipped: its writer will refuse).
     ``known``: a walk already done (objects, commits); only commits it has not seen are walked."""
     if pinned is None:
-        pinned = pinned_objects(store)
+        pins = _pins(store)
+        pinned = {oid for ids in pins.values() for oid in ids}
+        held = pinned_commits(store, pins)
+    held = held or {}
     objects: set[str] = set(known[0]) if known else set()
     commits: list[str] = list(known[1]) if known else []
+    seen = set(commits)
     try:
         heads = store.refs()
     except ShardstoreError as e:
         raise type(e)(
             f"gc refused, nothing deleted: {e}; what it keeps is unknown (refs in {store.url}: {store.ref_names()})"
         ) from None
-    todo = sorted(set(heads.values())) + sorted(set(also))
-    intended = set(also) - set(heads.values())
+    named = set(heads.values()) | set(held)
+    todo = sorted(set(heads.values())) + sorted(set(held) - set(heads.values())) + sorted(set(also) - named)
+    intended = set(also) - named
     while todo:
         cid = todo.pop(0)
-        if cid in objects:
+        if cid in seen:
             continue
         try:
             if not store.has(cid):
@@ -120,25 +135,36 @@ def reachable(
         except ShardstoreError as e:
             if cid in intended:
                 continue  # an intent's commit that lost objects already: its writer will refuse (GcRace)
+            by = f" (pinned by {', '.join(map(repr, held[cid]))})" if cid in held else ""
             raise type(e)(
-                f"gc refused: commit {cid} is reachable but unreadable, so its closure is unknown: {e}"
+                f"gc refused: commit {cid}{by} is reachable but unreadable, so its closure is unknown: {e}"
+                + ("; copy it again (shardstore copy ... --with-deps) or remove the pin" if by else "")
             ) from None
+        seen.add(cid)
         commits.append(cid)
         objects |= commit_closure(lc).ids()
         parent = lc.commit.parent
-        if parent is not None and parent not in objects and store.has(parent):
-            todo.append(parent)
+        if parent is not None and parent not in seen and store.has(parent):
+            todo.append(parent)  # an absent parent ends the walk: a copy brings no history (SPEC.md §19a)
     return objects | pinned, commits
 
 
 def _marked(
-    store: Store, known: tuple[set[str], list[str]] | None = None, dropped: frozenset[str] = frozenset()
+    store: Store,
+    known: tuple[set[str], list[str]] | None = None,
+    dropped: frozenset[str] = frozenset(),
+    kinds: dict[str, bool] | None = None,
 ) -> tuple[set[str], list[str], int]:
     """One marking pass: pins, then refs, then intents (SPEC.md §19b), leaving out the
-    ``dropped`` intents of dead writers; (kept ids, commits, pinned count)."""
-    pinned = pinned_objects(store)
+    ``dropped`` intents of dead writers; (kept ids, commits, pinned count). A commit a pin
+    or a pin's intent names is walked like a ref's; ``kinds`` caches which pinned objects
+    are commits across passes."""
+    pins = _pins(store)
+    pinned = {oid for ids in pins.values() for oid in ids}
     commits, objects = intent_objects(store, dropped)
-    keep, walked = reachable(store, pinned | objects, also=commits, known=known)
+    held = pinned_commits(store, pins, kinds)
+    intended = list(pinned_commits(store, {"an intent": objects}, kinds))  # a pin being set to a commit
+    keep, walked = reachable(store, pinned | objects, also=commits + intended, known=known, held=held)
     return keep, walked, len(pinned)
 
 
@@ -212,12 +238,13 @@ def _gc(
     now = time.time()  # taken before the first listing or ref read: ages are measured against it
     cutoff = now - grace_seconds
     listed = sorted(store.objects())
-    keep, commits, npinned = _marked(store, dropped=skip)
+    kinds: dict[str, bool] = {}  # which pinned objects are commits (an id's bytes never change)
+    keep, commits, npinned = _marked(store, dropped=skip, kinds=kinds)
     # Look again (refs, pins and intents that moved while the first pass walked): a writer
     # behind the fence is kept by either pass; this one narrows what the sweep even tries.
-    keep, commits, npinned = _marked(store, (keep, commits), skip)
+    keep, commits, npinned = _marked(store, (keep, commits), skip, kinds)
     if marker is not None and marker.renew_before_sweep():  # marking took a while: look once more
-        keep, commits, npinned = _marked(store, (keep, commits), skip)
+        keep, commits, npinned = _marked(store, (keep, commits), skip, kinds)
     result = GcResult(dry_run, grace_seconds, commits, len(keep), npinned, intents_dropped=dropped)
     garbage = [oid for oid in listed if oid not in keep]
 

@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 
 from ..checkpoint.info import CommitInfo, check_info, check_parent
 from ..checkpoint.slots import AUTO, write_commit
-from ..errors import InvalidName, LayoutError, ManifestError, StorageError, TensorMismatch
+from ..errors import InvalidName, LayoutError, ManifestError, StateMismatch, StorageError, TensorMismatch
 from ..format.bounded import check_json_nesting, read_regular_file
 from ..format.grid import payload_blocks, put_payloads
 from ..format.manifest import (
@@ -130,15 +130,25 @@ def export_commit(
     with_optimizer: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    weights_only: bool = False,
     progress: Progress | None = None,
 ) -> ExportResult:
     """Write commit ``target`` as a Hugging Face style directory (see the module docstring).
 
-    Refuses (StorageError) to replace existing files unless ``overwrite``.
+    Refuses (StorageError) to replace existing files unless ``overwrite``. A commit without a
+    model config is refused (StateMismatch) before anything is written: without ``config.json``
+    the directory is not one transformers can load; ``weights_only`` writes its safetensors
+    files (and, with ``with_optimizer``, the optimizer's) all the same.
     """
     if max_shard_bytes < 1:
         raise ValueError("max_shard_bytes must be positive")
     lc = load_commit(store, target)
+    if lc.commit.config is None and not weights_only:
+        raise StateMismatch(
+            f"commit {lc.id} holds no model config, so its export would lack config.json and transformers could not "
+            "load the directory; save with config= (a Hugging Face config.to_dict()), or export with weights_only=True "
+            "(--weights-only) to write the safetensors files alone"
+        )
     entries = sorted(lc.entries().values(), key=lambda e: e.name)
     sets = {"model": [_Item(e.name, e.dtype, tuple(e.shape), e.param) for e in entries]}
     if with_optimizer:

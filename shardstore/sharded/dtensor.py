@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..errors import TensorMismatch
 from ..format.grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
-from ..format.slices import make_slices, overlapping_pair
+from ..format.slices import Gap, Overlap, make_slices, tiling_defect
 from ..format.tensors import dtype_name, is_dtensor, new_hasher, same_split, tensor_bytes, torch_dtype
 from ..state.slot import SlotState
 from ..store import Store
@@ -111,13 +111,16 @@ def slice_regions(
             raise TensorMismatch(
                 f"tensor {name!r}: a slice at {list(box[0])} of extent {list(box[1])} lies outside {list(shape)}"
             )
-    pair = overlapping_pair([box for box, _ in regions], len(shape))  # a sweep, not every pair: ranks are many
-    if pair is not None:
-        a, b = regions[pair[0]][0], regions[pair[1]][0]
+    defect = tiling_defect([b for b, _ in regions], shape)
+    if isinstance(defect, Overlap):
+        a, b = regions[defect.first][0], regions[defect.second][0]
         raise TensorMismatch(f"tensor {name!r}: slices at {list(a[0])} and {list(b[0])} overlap but are not replicas")
-    covered = sum(math.prod(b[1]) for b, _ in regions)
-    if covered != math.prod(shape):
-        raise TensorMismatch(f"tensor {name!r}: its slices cover {covered} of {math.prod(shape)} elements")
+    if isinstance(defect, Gap):
+        covered = sum(math.prod(b[1]) for b, _ in regions)
+        raise TensorMismatch(
+            f"tensor {name!r}: its slices cover {covered} of {math.prod(shape)} elements; "
+            f"none covers the element at {list(defect.element)}"
+        )
     return regions
 
 

@@ -16,7 +16,9 @@ state has exactly one document. Tuples come back as lists, NumPy scalars as Pyth
 numbers, and tensors as CPU tensors (``load_state_dict`` moves what it needs). Anything else
 — a function, a generator, a set, an instance of a custom class, a non-string key, a string
 that starts with a reserved prefix — is refused with ``UnsupportedState`` naming the key
-path (``extra 'scheduler' at $.lr_lambdas[0]``), before anything is written.
+path (``extra 'scheduler' at $.lr_lambdas[0]``), before anything is written. The document's
+encoder and decoder are ``documents`` (``encode_state`` / ``read_state``), which also writes
+the tree of a state dict: the commit-wide extra ``state_dict`` is reserved for that (SPEC.md §9f).
 
 The state is taken (``state_dict()`` called and encoded) when ``capture_extras`` runs, so a
 background save (``AsyncSaver``) stores the state as it was when ``save`` was called.
@@ -28,16 +30,13 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from ..errors import ManifestError, StateMismatch, UnsupportedState
-from ..format.bounded import check_json_nesting
-from ..format.canonical import REAL_PREFIX, decode_real, encode_scalar, in_int_range, is_real
+from ..errors import StateMismatch, UnsupportedState
 from ..format.grid import check_stored_all
 from ..format.lazy import torch
-from ..format.manifest import MAX_MANIFEST_BYTES, ExtraEntry, StateTensor, check_writable, extra_objects, is_chunked
+from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, ExtraEntry, StateTensor, extra_objects, is_chunked
 from ..format.names import check_group_name
-from ..format.tensors import check_storable, dtype_name, is_dtensor, torch_dtype
+from ..format.tensors import dtype_name, torch_dtype
+from .documents import encode_state, read_state
 from .stateful import GeneratorState, LoaderState, stateful
 
 if TYPE_CHECKING:
@@ -54,10 +53,6 @@ __all__ = [
     "extras_rules",
 ]
 
-_TENSOR = "tensor:"
-_MAX_DEPTH = 64
-_ENC = msgspec.json.Encoder(order="sorted")
-
 
 @dataclass
 class CapturedExtra:
@@ -68,53 +63,6 @@ class CapturedExtra:
     tensors: list[torch.Tensor]
 
 
-def _encode_value(value: Any, path: str, tensors: list[torch.Tensor], depth: int, key: str) -> Any:
-    where = f"extra {key!r} at {path}"
-    if depth > _MAX_DEPTH:
-        raise UnsupportedState(f"{where}: nested deeper than {_MAX_DEPTH} levels")
-    if isinstance(value, torch.Tensor):
-        if is_dtensor(value):  # one process's slice of it: storing that as the whole would be wrong
-            raise UnsupportedState(
-                f"{where}: a DTensor holds only this process's slice; an extra's tensors are stored whole, "
-                "by one process (pass full_tensor() or a plain tensor; SPEC.md §Extras)"
-            )
-        check_storable(value, where)
-        tensors.append(value)
-        return f"{_TENSOR}{len(tensors) - 1}"
-    if isinstance(value, (list, tuple)):
-        return [_encode_value(v, f"{path}[{i}]", tensors, depth + 1, key) for i, v in enumerate(value)]
-    if isinstance(value, Mapping):
-        for k in value:
-            if not isinstance(k, str):
-                raise UnsupportedState(
-                    f"{where}: key {k!r} is a {type(k).__name__}; state keys must be strings (SPEC.md §Extras)"
-                )
-        return {k: _encode_value(value[k], f"{path}.{k}", tensors, depth + 1, key) for k in sorted(value)}
-    np_value = _numpy_scalar(value)
-    if np_value is not None:
-        return _encode_value(np_value, path, tensors, depth, key)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return encode_scalar(value, where, UnsupportedState, reserved=(REAL_PREFIX, _TENSOR))
-    raise UnsupportedState(
-        f"{where}: a {type(value).__module__}.{type(value).__qualname__} is not storable without pickle "
-        "(allowed: null, bool, int, float, str, list, dict with str keys, tensor; SPEC.md §Extras)"
-    )
-
-
-def _numpy_scalar(value: Any) -> bool | int | float | None:
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        return None
-    if isinstance(value, np.bool_):
-        return bool(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    return None
-
-
 def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
     """Take every extra's state now (``state_dict()``, encoded); tensors are referenced, not copied."""
     out: dict[str, CapturedExtra] = {}
@@ -123,6 +71,10 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
         if isinstance(obj, CapturedExtra):
             out[key] = obj
             continue
+        if key == TREE_KEY:
+            raise UnsupportedState(
+                f"extra key {TREE_KEY!r} is reserved for the tree of a state dict (save_state_dict; SPEC.md §9f)"
+            )
         obj = stateful(obj)  # a torch.Generator or DataLoader: its generators' states (``stateful``)
         fn = getattr(obj, "state_dict", None)
         if not callable(fn):
@@ -130,9 +82,8 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
         state = fn()
         if not isinstance(state, Mapping):
             raise UnsupportedState(f"extra {key!r}: state_dict() returned a {type(state).__name__}, not a dict")
-        tensors: list[torch.Tensor] = []
-        doc = _encode_value(state, "$", tensors, 0, key)
-        out[key] = CapturedExtra(key, check_writable(_ENC.encode(doc), f"state document of extra {key!r}"), tensors)
+        document, tensors = encode_state(state, f"extra {key!r}")
+        out[key] = CapturedExtra(key, document, tensors)
     return out
 
 
@@ -149,58 +100,9 @@ def write_extras(store: Store, captured: Mapping[str, CapturedExtra], *, threads
     return tuple(entries)
 
 
-def _decode_value(value: Any, tensors: list[torch.Tensor], seen: list[int], what: str, depth: int = 0) -> Any:
-    if depth > _MAX_DEPTH:  # the encoder's rule, value for value (a leaf too)
-        raise ManifestError(f"{what}: nested deeper than {_MAX_DEPTH} levels (SPEC.md §Limits)")
-    if isinstance(value, float):
-        raise ManifestError(f"{what}: holds a plain JSON real; reals must be f64 strings (SPEC.md §Extras)")
-    if isinstance(value, int) and not in_int_range(value):
-        # the writer refuses these (``_encode_value``); a reader that let them through would hand
-        # load_state_dict a number no saved state could hold (SPEC.md §Extras, §Limits)
-        raise ManifestError(f"{what}: integer {value} is outside the 64-bit range -2^63 <= n < 2^64 (SPEC.md §Extras)")
-    if isinstance(value, str):
-        if is_real(value):
-            return decode_real(value, what, ManifestError)
-        if value.startswith(_TENSOR):
-            i = len(seen)
-            if value != f"{_TENSOR}{i}" or i >= len(tensors):
-                raise ManifestError(
-                    f"{what}: tensor reference {value!r} is not the next of {len(tensors)} ({_TENSOR}{i} expected)"
-                )
-            seen.append(i)
-            return tensors[i]
-        return value
-    if isinstance(value, list):
-        return [_decode_value(v, tensors, seen, what, depth + 1) for v in value]
-    if isinstance(value, dict):
-        return {k: _decode_value(value[k], tensors, seen, what, depth + 1) for k in sorted(value)}
-    return value
-
-
 def read_extra_state(raw: bytes | memoryview, tensors: list[torch.Tensor], what: str) -> dict[str, Any]:
     """Strictly decode a state document (bounded, canonical, every tensor referenced once, in order)."""
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{what}: {len(raw)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit (SPEC.md §Limits)")
-    raw = bytes(raw)
-    # the encoder's depth counts containers below the top-level object: 64 levels are 65 brackets;
-    # checked before msgspec or the walk below sees it, so deeper is refused, never a RecursionError
-    check_json_nesting(raw, _MAX_DEPTH + 1, what)
-    try:
-        doc = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ManifestError(f"{what}: not a state document ({type(e).__name__}: {e})") from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{what}: a state document is a JSON object")
-    if _ENC.encode(doc) != raw:
-        raise ManifestError(f"{what}: not in canonical encoding (SPEC.md §Canonical encoding)")
-    seen: list[int] = []
-    try:
-        out = _decode_value(doc, tensors, seen, what)
-    except RecursionError:
-        raise ManifestError(f"{what}: nested too deeply") from None
-    if len(seen) != len(tensors):
-        raise ManifestError(f"{what}: references {len(seen)} of its {len(tensors)} tensors")
-    return out
+    return read_state(raw, tensors, what)
 
 
 @dataclass
@@ -225,6 +127,10 @@ def plan_extras_restore(
     pending = []
     for key, obj in sorted((objects or {}).items()):
         x = have.get(key)
+        if key == TREE_KEY:
+            raise UnsupportedState(
+                f"extra {key!r} is the tree of a state dict: read it with read_state_dict (SPEC.md §9f)"
+            )
         if x is None:
             raise StateMismatch(f"{where} holds no extra {key!r} (extras: {sorted(have)}; SPEC.md §Extras)")
         obj = stateful(obj)
@@ -252,6 +158,8 @@ def extras_rules(extras: tuple[ExtraEntry, ...]) -> Iterator[str]:
     if any(a >= b for a, b in zip(keys, keys[1:])):
         yield "extras are not sorted by key and unique (SPEC.md §Extras)"
     for x in extras:
+        if x.key == TREE_KEY and x.tensors:
+            yield f"extra {x.key!r} is a state dict's tree, whose tensors are tensor entries; it lists {len(x.tensors)} of its own (SPEC.md §9f)"
         if [t.key for t in x.tensors] != [str(i) for i in range(len(x.tensors))]:
             yield f"extra {x.key!r}: tensor keys are not 0, 1, ... in order"
         for t in x.tensors:

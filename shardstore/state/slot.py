@@ -1,6 +1,8 @@
 """One slot's state as a commit takes it: ``SlotState`` and ``capture``, which references
 (never copies) the named parameters, persistent buffers, optimizer state, RNG and extras a
-slot owns (SPEC.md §Manifests: a shard manifest records one slot).
+slot owns (SPEC.md §Manifests: a shard manifest records one slot). A wrapper optimizer is
+captured as what it wraps, and every captured optimizer is held to its own ``state_dict()``
+(``wrapped``, SPEC.md §9e).
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from typing import Any
 
 import torch
 
-from ..errors import StateMismatch
+from ..errors import StateMismatch, UnsupportedOptimizer
 from ..format.manifest import Slice
 from ..format.rng import capture_rng
 from .extras import CapturedExtra, capture_extras
 from .module import check_held, named_state
 from .optim import OptimState, from_export, from_torch
 from .torch_optim import capture_torch, is_adam_form
+from .wrapped import check_captured, inner_optimizers, split_group_names
 
 __all__ = ["SlotState", "capture", "slot_tensors"]
 
@@ -51,27 +54,23 @@ def capture(
 
     ``model`` is a module (its non-meta parameters and persistent buffers) or a name → tensor
     mapping; ``names`` restricts to a subset (to split one process's state into several
-    slots). ``optimizer``: any torch optimizer whose state is tensors and numbers, or
-    anything with ``state_export()``. ``extra``: this slot's own extras (SPEC.md §Extras).
+    slots). ``optimizer``: any torch optimizer whose state is tensors and numbers, anything with
+    ``state_export()``, or a wrapper of those (``wrapped``: saved as what it wraps). ``extra``: this slot's own extras (SPEC.md §Extras).
     """
     tensors, buffers = named_state(model)
-    if isinstance(optimizer, torch.optim.Optimizer) and isinstance(
-        model, torch.nn.Module
-    ):  # a mapping names what the slot owns
-        check_held(optimizer, tensors)
+    inner = inner_optimizers(optimizer) if optimizer is not None else []  # a wrapper: what it wraps (SPEC.md §9e)
+    if isinstance(model, torch.nn.Module):  # a mapping names what the slot owns
+        for o in inner:
+            if isinstance(o, torch.optim.Optimizer):
+                check_held(o, tensors)
     if names is not None:
         missing = sorted(set(names) - set(tensors))
         if missing:
             raise StateMismatch(f"names not among the model's parameters: {missing[:5]}")
         tensors = {n: tensors[n] for n in names}
     optim = OptimState()
-    if optimizer is not None:
-        if hasattr(optimizer, "state_export"):
-            full = from_export(optimizer)
-        elif isinstance(optimizer, torch.optim.Optimizer) and not is_adam_form(optimizer):
-            full = capture_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
-        else:
-            full = from_torch(optimizer, {t: n for n, t in tensors.items()}, group_names=group_names)
+    if inner:
+        full = _merge([_capture_one(o, tensors, g) for o, g in zip(inner, split_group_names(inner, group_names))])
         params = {n: full.params[n] for n in tensors if n in full.params}
         used = {p.group for p in params.values()}
         groups, torch_groups = ({g: h for g, h in d.items() if g in used} for d in (full.groups, full.torch_groups))
@@ -79,6 +78,37 @@ def capture(
     return SlotState(
         tensors, optim, capture_rng() if rng else {}, births, buffers & set(tensors), capture_extras(extra)
     )
+
+
+def _capture_one(optimizer: Any, tensors: dict[str, torch.Tensor], group_names: list[str] | None) -> OptimState:
+    """One (inner) optimizer's state for ``tensors``, held to its own ``state_dict()`` (``check_captured``)."""
+    if hasattr(optimizer, "state_export"):
+        return from_export(optimizer)
+    by_tensor = {t: n for n, t in tensors.items()}
+    if isinstance(optimizer, torch.optim.Optimizer) and not is_adam_form(optimizer):
+        state = capture_torch(optimizer, by_tensor, group_names=group_names)
+    else:
+        state = from_torch(optimizer, by_tensor, group_names=group_names)
+    check_captured(optimizer, state, tensors)
+    return state
+
+
+def _merge(states: list[OptimState]) -> OptimState:
+    """Several wrapped optimizers as one: their groups and parameters together (one algorithm and class)."""
+    if len(states) == 1:
+        return states[0]
+    kinds = sorted({f"{s.algorithm} {s.class_name or ''}".strip() for s in states})
+    if len(kinds) > 1:
+        raise UnsupportedOptimizer(
+            f"the wrapped optimizers are of different kinds ({kinds}); a commit holds one optimizer algorithm and "
+            "class (save them as separate commits or slots; SPEC.md §9e)"
+        )
+    out = OptimState(states[0].algorithm, class_name=states[0].class_name)
+    for s in states:
+        out.groups.update(s.groups)
+        out.torch_groups.update(s.torch_groups)
+        out.params.update(s.params)
+    return out
 
 
 def slot_tensors(state: SlotState) -> list[torch.Tensor]:

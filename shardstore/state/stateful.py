@@ -8,7 +8,11 @@ sampler hold (``DataLoader(generator=g)``, ``RandomSampler(generator=g)``), stor
 attribute paths: ``{"generators": {"generator": {...}, "sampler.generator": {...}}}``. A
 loader's position *within* an epoch lives in its iterator, not in the loader, and is not
 captured: a loader with ``state_dict()`` (torchdata's ``StatefulDataLoader``) is stored
-through it instead, position included.
+through it instead, position included. accelerate's prepared loaders (``DataLoaderShard``,
+``DataLoaderDispatcher``) around a plain ``DataLoader`` have a ``state_dict()`` that cannot
+work (``_stateless_adapter``): they are stored as a loader is, with accelerate's epoch counter
+``iteration`` beside the generators (``{"generators": {...}, "iteration": 1}``); around a
+``StatefulDataLoader`` their own ``state_dict()`` is used.
 
 ``stateful(obj)`` gives the object itself when it has ``state_dict()``/``load_state_dict()``,
 else one of the adapters below, else the object (which the caller then refuses).
@@ -24,7 +28,13 @@ from ..format.lazy import torch
 __all__ = ["GeneratorState", "LoaderState", "stateful"]
 
 #: Attribute paths of a DataLoader where a generator that decides its order may live.
-_LOADER_PATHS = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
+#: ``batch_sampler.batch_sampler.sampler.generator``: under accelerate's ``BatchSamplerShard``.
+_LOADER_PATHS = (
+    "generator",
+    "sampler.generator",
+    "batch_sampler.sampler.generator",
+    "batch_sampler.batch_sampler.sampler.generator",
+)
 
 
 class GeneratorState:
@@ -76,14 +86,22 @@ class LoaderState:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.parts = {p: GeneratorState(g, f"DataLoader.{p}") for p, g in _generators(loader).items()}
+        # accelerate's loaders count epochs in ``iteration`` and hand it to the sampler's set_epoch
+        self.epochs = isinstance(getattr(loader, "iteration", None), int)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generators": {p: g.state_dict() for p, g in self.parts.items()}}
+        out: dict[str, Any] = {"generators": {p: g.state_dict() for p, g in self.parts.items()}}
+        if self.epochs:
+            out["iteration"] = self.loader.iteration
+        return out
 
     def check(self, sd: Any) -> None:
-        stored = sd.get("generators") if isinstance(sd, dict) and set(sd) == {"generators"} else None
+        keys = {"generators", "iteration"} if self.epochs else {"generators"}
+        stored = sd.get("generators") if isinstance(sd, dict) and set(sd) == keys else None
         if not isinstance(stored, dict):
-            raise StateMismatch("DataLoader: the stored state is not a loader's ({'generators'} expected)")
+            raise StateMismatch(f"DataLoader: the stored state is not this loader's ({sorted(keys)} expected)")
+        if self.epochs and (isinstance(sd["iteration"], bool) or not isinstance(sd["iteration"], int)):
+            raise StateMismatch("DataLoader: the stored iteration is not an integer")
         if sorted(stored) != sorted(self.parts):
             raise StateMismatch(
                 f"DataLoader: stored generators at {sorted(stored)}, this loader has them at {sorted(self.parts)}"
@@ -95,10 +113,23 @@ class LoaderState:
         self.check(sd)
         for p, g in self.parts.items():
             g.generator.set_state(sd["generators"][p]["state"])
+        if self.epochs:
+            self.loader.iteration = sd["iteration"]
+
+
+def _stateless_adapter(obj: Any) -> bool:
+    """accelerate's ``DataLoaderShard`` / ``DataLoaderDispatcher`` around a plain ``DataLoader``:
+    its ``state_dict()`` returns ``dl_state_dict``, which accelerate sets only around a loader
+    with a ``state_dict()`` of its own (torchdata's ``StatefulDataLoader``), so here it raises
+    ``AttributeError: 'DataLoader' object has no attribute 'dl_state_dict'``."""
+    base = getattr(obj, "base_dataloader", None)
+    return isinstance(base, torch.utils.data.DataLoader) and not callable(getattr(base, "state_dict", None))
 
 
 def stateful(obj: Any) -> Any:
     """``obj`` if it has ``state_dict()``, else a Generator or DataLoader adapter, else ``obj``."""
+    if _stateless_adapter(obj):
+        return LoaderState(obj)
     if callable(getattr(obj, "state_dict", None)):
         return obj
     if isinstance(obj, torch.Generator):

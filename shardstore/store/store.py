@@ -14,14 +14,13 @@ they become keys.
 
 from __future__ import annotations
 
-import inspect
 import json
 import random
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
-from ..backends.base import Buffer, Storage
+from ..backends.base import Buffer, HashedReads, Storage
 from ..backends.location import open_storage
 from ..errors import (
     CorruptObject,
@@ -49,7 +48,7 @@ from ..format.manifest import (
     decode_manifest,
     encode,
 )
-from ..format.names import check_oid, check_oid_prefix
+from ..format.names import check_oid, check_oid_prefix, split_revision
 from ..format.tensors import dtype_name, expected_nbytes, hash_bytes, new_hasher, tensor_bytes, tensor_from_bytes
 from . import tensors as tensors_io
 from .gc_fence import fenced_move
@@ -67,10 +66,6 @@ class Store:
     def __init__(self, storage: Storage, *, create: bool = True) -> None:
         self.storage = storage
         self.url = storage.url
-        try:
-            self._read_takes_limit = "limit" in inspect.signature(storage.read).parameters
-        except (TypeError, ValueError):
-            self._read_takes_limit = False
         self.config = self._open_config(create)
 
     def __repr__(self) -> str:
@@ -153,9 +148,8 @@ class Store:
         otherwise the size is checked, then the bytes are read and hashed.
         """
         key = object_key(oid)
-        stream = getattr(self.storage, "read_hashed", None)
-        if stream is not None:
-            data, got = stream(key, new_hasher) if limit is None else stream(key, new_hasher, limit)
+        if isinstance(self.storage, HashedReads):
+            data, got = self.storage.read_hashed(key, new_hasher, limit)
             return data, str(got)
         if limit is not None:
             self._check_size(oid, limit)
@@ -207,9 +201,8 @@ class Store:
         ``threads``: BLAKE3's own threads for this one object (1 when objects are hashed in a pool).
         """
         key = object_key(oid)
-        stream = getattr(self.storage, "hash_object", None)
-        if stream is not None:
-            got, n = stream(key, lambda: new_hasher(threads), threads=threads)
+        if isinstance(self.storage, HashedReads):
+            got, n = self.storage.hash_object(key, lambda: new_hasher(threads), threads=threads)
             return str(got), int(n)
         data = self.storage.read(key)
         return hash_bytes(data, threads=threads), len(data)
@@ -248,11 +241,9 @@ class Store:
 
     def _read_or_none(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
         """The bytes at a ref or pin key, or None if it is absent; ObjectTooLarge past ``limit``,
-        before allocating where the backend's ``read`` takes a limit (local, S3, fsspec)."""
+        before allocating (``Storage.read``'s limit), and checked again here after the read."""
         try:
-            if self._read_takes_limit:
-                return bytes(self.storage.read(key, limit=limit))  # type: ignore[call-arg]
-            data = bytes(self.storage.read(key))
+            data = bytes(self.storage.read(key, limit=limit))
         except ObjectNotFound:
             return None
         if len(data) > limit:
@@ -314,9 +305,29 @@ class Store:
         self.storage.delete_if(ref_key(name), (check_oid(expected, what="expected commit id") + "\n").encode())
 
     def resolve(self, target: str) -> str:
-        """A commit id from a ref name, a full commit id, or a unique id prefix (>= 8 hex digits)."""
+        """A commit id from a ref name, a full commit id, or a unique id prefix (>= 8 hex digits),
+        each optionally followed by git's ancestry suffixes (``main~1``, ``main^``, ``<id>~3``;
+        SPEC.md §Refs), resolved through parent links. TargetNotFound if the history is shorter."""
         if not isinstance(target, str) or not target:
             raise TargetNotFound(f"empty target {target!r}")
+        base, back = split_revision(target)
+        if back == 0:
+            return self._resolve_name(base)
+        cid = self._resolve_name(base)
+        for k in range(back):
+            parent = self.commit(cid).parent
+            if parent is None:
+                raise TargetNotFound(
+                    f"{target!r} names no commit: the history of {base!r} is {k + 1} commits long "
+                    f"(commit {cid} has no parent)"
+                )
+            cid = parent
+        if not self.has(cid):
+            raise TargetNotFound(f"{target!r} names commit {cid}, which is not in {self.url}")
+        return cid
+
+    def _resolve_name(self, target: str) -> str:
+        """A commit id from a ref name, a full commit id, or a unique id prefix (>= 8 hex digits)."""
         try:
             value = self.ref(target)
         except InvalidName:

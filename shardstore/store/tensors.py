@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ..backends.base import Storage
+from ..backends.base import BatchedWrites, Storage, StreamedReads
 from ..errors import CorruptObject
 from ..format.lazy import torch
 from ..format.tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes
@@ -43,7 +43,8 @@ class WriteBatch:
     def finish(self, storage: Storage, *, threads: int = 2) -> None:
         """fsync every pending tmp file and link it into place (the backend's ``end_writes``)."""
         if self.pending:  # only a batched backend (begin_write / end_writes) leaves writes pending
-            storage.end_writes(self.pending, threads=max(1, threads))  # type: ignore[attr-defined]
+            assert isinstance(storage, BatchedWrites)
+            storage.end_writes(self.pending, threads=max(1, threads))
         self.pending = []  # on failure they stay, for abandon
 
     def abandon(self) -> None:
@@ -68,9 +69,6 @@ def put_tensors(
     then fsynced together and linked into place, the crash ordering of ``put``. With
     ``batch``, the files join it instead and become durable and visible at its ``finish``.
     """
-    begin = getattr(storage, "begin_write", None)
-    end = getattr(storage, "end_writes", None)
-    batched = begin is not None and end is not None
     own = batch is None
     wb = WriteBatch() if batch is None else batch
     share = max(1, threads)
@@ -79,14 +77,14 @@ def put_tensors(
         view = tensor_bytes(t)  # no copy for a contiguous CPU tensor
         oid = hash_bytes(view, threads=share if len(view) >= _BIG_TENSOR_BYTES else 1)
         key = object_key(oid)
-        if not batched:
+        if not isinstance(storage, BatchedWrites):
             storage.write_once(key, view)
             return oid
         with wb.lock:
             if oid in wb.claimed:  # equal tensors in one batch: one write
                 return oid
             wb.claimed.add(oid)
-        tmp = begin(key, view)
+        tmp = storage.begin_write(key, view)
         if tmp is not None:
             with wb.lock:
                 wb.pending.append((key, tmp))
@@ -121,15 +119,14 @@ def read_into(storage: Storage, oid: str, dest: torch.Tensor, *, what: str, whol
         and dest.numel() > 0
         and not (dest.is_conj() or dest.is_neg())
     )
-    stream = getattr(storage, "read_into", None)
-    if stream is None or not direct:
+    if not isinstance(storage, StreamedReads) or not direct:
         with torch.no_grad():
             dest.copy_(whole())
         return
     flat = dest.detach().reshape(-1).view(torch.uint8)
     out = memoryview(flat.numpy())
     h = new_hasher()
-    n = stream(object_key(oid), out, h.update)
+    n = storage.read_into(object_key(oid), out, h.update)
     if n != len(out):
         # wrong size: corrupt or a mismatched entry; let the hashing path name which
         with torch.no_grad():

@@ -16,8 +16,17 @@ from ..errors import (
     TensorMismatch,
 )
 from ..store import Store
-from .commits import Problem, read_commit
-from .objects import Checked, Job, check_objects, content_problem, object_jobs
+from .commits import Problem, pinned_commits, read_commit
+from .dcp import dcp_problems
+from .objects import (
+    Checked,
+    ContentRule,
+    ExpectedObject,
+    check_objects,
+    content_problem,
+    expected_objects,
+    tree_problem,
+)
 
 __all__ = ["Report", "verify"]
 
@@ -43,9 +52,11 @@ def _check_pins(
     threads: int,
     seen: dict[str, Checked],
     progress: Callable[[int], None] | None,
+    commits: set[str],
 ) -> None:
-    """Every pin parses and every object it names is present (and, deep, hashes to its id)."""
-    jobs: list[Job] = []
+    """Every pin parses and every object it names is present (and, deep, hashes to its id);
+    ``commits``: the pinned commits already checked as commits (with their closures)."""
+    expected: list[ExpectedObject] = []
     for name in store.pin_names():
         try:
             ids = store.pinned(name) or ()
@@ -53,18 +64,34 @@ def _check_pins(
             report.problems.append(Problem(type(e)(f"pin {name!r}: {e}"), None, None))
             continue
         for oid in ids:
-            if oid not in seen:
+            if oid not in seen and oid not in commits:
                 seen[oid] = Checked(None, None, 0)
-                jobs.append(Job(oid, None, None, f"object pinned by {name!r}", None))
-    for job, found in zip(jobs, check_objects(store, jobs, deep, threads)):
+                expected.append(ExpectedObject(oid, None, None, f"object pinned by {name!r}", None))
+    for want, found in zip(expected, check_objects(store, expected, deep, threads)):
         report.objects_checked += 1
         report.bytes_hashed += found.hashed
         if progress is not None:
             progress(found.hashed)
         if found.error is not None:
             report.problems.append(
-                Problem(type(found.error)(f"{job.what}: object {job.oid}: {found.error}"), None, job.oid)
+                Problem(type(found.error)(f"{want.what}: object {want.oid}: {found.error}"), None, want.oid)
             )
+
+
+def _readable_pins(store: Store) -> dict[str, tuple[str, ...]]:
+    """Every pin that parses (``_check_pins`` reports the others)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name in store.pin_names():
+        try:
+            out[name] = store.pinned(name) or ()
+        except ShardstoreError:
+            continue
+    return out
+
+
+def _pinned_label(p: Problem, pins: list[str]) -> Problem:
+    """A problem of a commit that pins name and no ref does, saying which pins name it."""
+    return Problem(type(p.error)(f"pinned by {', '.join(map(repr, pins))}: {p.error}"), p.commit, p.object, p.tensor)
 
 
 def verify(
@@ -76,8 +103,8 @@ def verify(
     threads: int = 2,
     progress: Callable[[int], None] | None = None,
 ) -> Report:
-    """Check commits (default: every commit reachable from refs, with their present parents,
-    and every pinned object).
+    """Check commits (default: every commit a ref or pin names, with their present parents,
+    and every other pinned object; SPEC.md §14a, §17).
 
     ``deep`` re-hashes every object; otherwise only structure and sizes are checked.
     ``slot`` limits object checks to one slot's closure. Every problem is reported,
@@ -87,6 +114,7 @@ def verify(
     report = Report()
     todo: list[str] = []
     named_by: dict[str, list[str]] = {}  # commit id -> the refs naming it, for messages
+    pinned_by: dict[str, list[str]] = {}  # commit id -> the pins naming it
     if targets is None:
         for name in store.ref_names():
             try:
@@ -97,6 +125,8 @@ def verify(
             if cid is not None:
                 todo.append(cid)
                 named_by.setdefault(cid, []).append(name)
+        pinned_by = pinned_commits(store, _readable_pins(store), threads=threads)
+        todo += [cid for cid in pinned_by if cid not in named_by]  # a pinned commit keeps its closure (§14a)
         follow_parents = True
     else:
         todo = [store.resolve(t) for t in targets]
@@ -104,7 +134,7 @@ def verify(
     seen_commits: set[str] = set()
     seen_objects: set[str] = set()  # shard manifests counted
     checked: dict[str, Checked] = {}  # object id -> what checking it found (each object read once)
-    contents: set[tuple[str, str]] = set()  # (object id, content rule) already decoded
+    contents: set[tuple[str, ContentRule]] = set()  # (object id, content rule) already decoded
     while todo:
         cid = todo.pop(0)
         if cid in seen_commits:
@@ -122,9 +152,9 @@ def verify(
             if lay.shard not in seen_objects:
                 report.objects_checked += 1
                 seen_objects.add(lay.shard)
-        jobs = list(object_jobs(lc, slot))
-        fresh: dict[str, Job] = {}
-        for j in jobs:
+        expected = list(expected_objects(lc, slot))
+        fresh: dict[str, ExpectedObject] = {}
+        for j in expected:
             if j.oid not in checked and j.oid not in fresh:
                 fresh[j.oid] = j
         for oid, result in zip(fresh, check_objects(store, list(fresh.values()), deep, threads)):
@@ -133,7 +163,7 @@ def verify(
             report.bytes_hashed += result.hashed
             if progress is not None:
                 progress(result.hashed)
-        for oid, size, tensor, what, rule in jobs:
+        for oid, size, tensor, what, rule in expected:
             # an object's own problem once, where it is first seen; every entry's rules always
             own, have, _ = checked[oid]
             if own is not None:
@@ -150,6 +180,13 @@ def verify(
                 report.problems.append(
                     Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor)
                 )
+        report.problems += dcp_problems(store, lc)  # a DCP commit's document against its entries (SPEC.md §9d)
+        if slot is None and (err := tree_problem(store, lc)) is not None:
+            report.problems.append(Problem(type(err)(f"commit {cid}: {err}"), cid, None))
+    only_pinned = {cid: pins for cid, pins in pinned_by.items() if cid not in named_by}
+    report.problems = [
+        _pinned_label(p, only_pinned[p.commit]) if p.commit in only_pinned else p for p in report.problems
+    ]
     if targets is None:  # after the commits, so that their own checks of shared objects run first
-        _check_pins(store, report, deep, threads, checked, progress)
+        _check_pins(store, report, deep, threads, checked, progress, set(pinned_by))
     return report

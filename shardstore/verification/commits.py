@@ -5,7 +5,8 @@ byte is read. ``load_commit`` raises the first problem; ``verify`` collects them
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import (
@@ -14,6 +15,7 @@ from ..errors import (
     GridError,
     LayoutError,
     ManifestError,
+    ObjectNotFound,
     ShardstoreError,
     TensorMismatch,
 )
@@ -21,10 +23,12 @@ from ..format.canonical import sorted_unique
 from ..format.grid import grid_problems, payload_blocks
 from ..format.manifest import (
     FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
     CommitManifest,
     ShardManifest,
     TensorEntry,
     banded,
+    decode_manifest,
     shard_version,
     tensor_payloads,
 )
@@ -42,6 +46,7 @@ __all__ = [
     "repeated_shards",
     "load_commit",
     "read_commit",
+    "pinned_commits",
 ]
 
 #: The algorithms of the canonical Adam form (SPEC.md §9), which a writer names only over Adam groups (§12).
@@ -342,3 +347,45 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
     lc = read_commit(store, cid, None, named=f" (named by {target!r})" if target != cid else "")
     assert lc is not None  # with found=None every problem raises
     return lc
+
+
+def _is_commit(store: Store, oid: str) -> bool | None:
+    """Whether object ``oid`` is a commit manifest (its bytes decode as one); None if it is absent."""
+    size = store.object_size(oid)
+    if size is None:
+        return None
+    if size > MAX_MANIFEST_BYTES:
+        return False  # no reader accepts a manifest this large
+    try:
+        raw = store.get(oid, verify=False, limit=MAX_MANIFEST_BYTES)  # a rotted commit still names its closure
+    except ObjectNotFound:
+        return None
+    try:
+        decode_manifest(raw, CommitManifest, what=f"object {oid}")
+    except ShardstoreError:
+        return False  # a job file, a tokenizer, tensor bytes: kept as the object it is
+    return True
+
+
+def pinned_commits(
+    store: Store, pins: Mapping[str, Iterable[str]], known: dict[str, bool] | None = None, *, threads: int = 4
+) -> dict[str, list[str]]:
+    """The commits among the objects ``pins`` (pin name → object ids) name, each with the
+    names of the pins naming it: a pinned commit keeps its whole closure, as one a ref names
+    does (SPEC.md §14a), so gc walks it and ``verify`` checks it.
+
+    An object is a commit if it is present, at most ``MAX_MANIFEST_BYTES`` and decodes as a
+    commit manifest (every other pinned object is read once, bounded; an absent one is left
+    out: there is nothing of it to keep or check). ``known`` caches that verdict by object
+    id across calls (an object's bytes never change)."""
+    names: dict[str, list[str]] = {}
+    for name in sorted(pins):
+        for oid in pins[name]:
+            names.setdefault(oid, []).append(name)
+    cache: dict[str, bool] = {} if known is None else known
+    fresh = [oid for oid in sorted(names) if oid not in cache]
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # a GET each on S3; at most threads × 64 MiB held
+        for oid, verdict in zip(fresh, pool.map(lambda o: _is_commit(store, o), fresh)):
+            if verdict is not None:
+                cache[oid] = verdict
+    return {oid: names[oid] for oid in sorted(names) if cache.get(oid, False)}

@@ -60,10 +60,20 @@ class LlamaConfig:
             "num_hidden_layers",
             "num_attention_heads",
             "max_position_embeddings",
+            "num_key_value_heads",
+            "head_dim",
         ):
             value = getattr(self, name)
+            if value is None and name in ("num_key_value_heads", "head_dim"):
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(
+                f"LlamaConfig.tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}"
+            )
+        for name in ("rms_norm_eps", "rope_theta"):
+            object.__setattr__(self, name, _real(name, getattr(self, name)))
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
@@ -81,9 +91,9 @@ class LlamaConfig:
             )
         if self.head_dim < 2 or self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+        if not self.rms_norm_eps > 0:
             raise ConfigError(f"rms_norm_eps must be positive and finite, got {self.rms_norm_eps!r}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+        if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta must be positive and finite, got {self.rope_theta!r}")
 
     @property
@@ -127,18 +137,39 @@ class LlamaConfig:
         # transformers >= 5 nests RoPE settings under rope_parameters; older ones use rope_scaling.
         for key in ("rope_parameters", "rope_scaling"):
             rope = d.get(key)
+            if rope is not None and not isinstance(rope, dict):
+                raise ConfigError(f"{key} must be an object or null, got {_shown(rope)}")
             if rope:
                 if rope.get("rope_type", rope.get("type", "default")) != "default":
-                    raise ConfigError(f"only default rotary embeddings are supported, got {key}={rope!r}")
+                    raise ConfigError(f"only default rotary embeddings are supported, got {key}={_shown(rope)}")
                 rope_theta = rope.get("rope_theta", rope_theta)
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in fields and k != "rope_theta"}
         if rope_theta is not None:
-            kwargs["rope_theta"] = float(rope_theta)
+            kwargs["rope_theta"] = _real("rope_theta", rope_theta)
         try:
             return cls(**kwargs)
         except TypeError as exc:  # a required field is missing
             raise ConfigError(f"incomplete Llama config: {exc}") from exc
+
+
+def _shown(value: Any) -> str:
+    """A config value as an error message shows it: its repr, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _real(name: str, value: Any) -> float:
+    """A config's real number as a float: an int or a float (not a bool), finite once converted."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number, got {_shown(value)}")
+    try:
+        x = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        x = math.inf
+    if not math.isfinite(x):
+        raise ConfigError(f"{name} must be finite, got {_shown(value)}")
+    return x
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,8 @@ inside `tokenizer_config.json`). A prepared job binds every one of them by hash
 writes them to a private temporary directory and loads it with
 `transformers.AutoTokenizer.from_pretrained` (local files only, nothing downloaded), so
 tokenization, special tokens and chat rendering are the `tokenizers`/`transformers`
-implementations and the model's own template, not a re-implementation.
+implementations and the model's own template, not a re-implementation. Each rendering is
+bounded in CPU time and size (`shardtrain.job.rendering`): a template that loops is refused.
 
 Target weights are assistant-only, as for the embedded byte tokenizer: the conversation is
 rendered once with the model's chat template (`apply_chat_template`) and tokenized once,
@@ -28,6 +29,7 @@ from typing import Any
 
 from shardtrain.engine.model import LlamaConfig
 from shardtrain.errors import JobError
+from shardtrain.job.rendering import bounded_render
 from shardtrain.job.tokenizer import ByteTokenizer, load_tokenizer
 
 __all__ = [
@@ -115,14 +117,17 @@ class HFTokenizer:
         return {k: v for k, v in out.items() if v is not None}
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False) -> str:
-        try:
-            text = self._tok.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except Exception as exc:  # jinja2 errors and transformers' own
-            raise JobError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from exc
-        assert isinstance(text, str)
-        return text
+        def render() -> str:
+            try:
+                text = self._tok.apply_chat_template(
+                    list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+            except Exception as exc:  # jinja2 errors and transformers' own
+                raise JobError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from exc
+            assert isinstance(text, str)
+            return text
+
+        return bounded_render(render, "the chat template")
 
     def encode(self, text: str) -> list[int]:
         """Ids of already rendered text (special tokens in it become their ids; none are added)."""

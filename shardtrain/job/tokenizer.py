@@ -22,6 +22,7 @@ import jinja2.sandbox
 import msgspec
 
 from shardtrain.errors import JobError
+from shardtrain.job.rendering import bounded_render
 
 __all__ = ["TOKENIZER_FILE", "TEMPLATE_FILE", "ByteTokenizer", "default_assets", "load_tokenizer"]
 
@@ -117,12 +118,15 @@ class ByteTokenizer:
         return "".join(out)
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = False) -> str:
-        try:
-            return self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=self.bos_token
-            )
-        except jinja2.TemplateError as exc:
-            raise JobError(f"{TEMPLATE_FILE}: rendering failed: {exc}") from exc
+        def render() -> str:
+            try:
+                return self._template.render(
+                    messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=self.bos_token
+                )
+            except jinja2.TemplateError as exc:
+                raise JobError(f"{TEMPLATE_FILE}: rendering failed: {exc}") from exc
+
+        return bounded_render(render, TEMPLATE_FILE)
 
     def encode_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of `messages` followed by the generation prompt."""

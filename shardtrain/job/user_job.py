@@ -16,8 +16,8 @@
 
 Every line of every file is read and checked before anything is written: a line that is
 not such an object is refused naming its file and line, and so is a held-out record that
-is also a training or replay record (by content, or by prompt text), or a training record
-longer than the model's context. Records are bound by digest like the generated ones.
+is also a training or replay record (by content, or by prompt text), or a record of any
+file longer than the model's context. Records are bound by digest like the generated ones.
 
 The schedule cycles through the training records in file order, ``batch_size -
 replay_per_step`` new ones per update (one epoch by default; ``steps`` for more or fewer).
@@ -29,7 +29,6 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -55,9 +54,12 @@ from shardtrain.job.job import (
     SeedSpec,
     Step,
     _hash,
-    load_job,
+    check_job_files,
+    default_job_files,
     model_spec,
     prepare_default,
+    with_seed_commit,
+    write_job,
 )
 from shardtrain.job.recipe import CohortReference, Distillation, GateRecipe, GroupRecipe, Recipe
 from shardtrain.job.roles import DEVELOPMENT, FINAL, EvalSet, set_digest
@@ -68,6 +70,7 @@ __all__ = [
     "UserData",
     "check_user_data",
     "prepare_own",
+    "own_job_files",
     "prepare_model",
     "prepare_seed",
     "describe",
@@ -76,6 +79,8 @@ __all__ = [
 ]
 
 _MAX_FILE_BYTES = 256 << 20
+#: The seed commit a job made before its import names while it is checked (no check reads it).
+_NOT_YET = "0" * 64
 _MAX_DEV_TRAIN = 16
 #: Peak learning rate of a job over the user's own model (a fine-tuning rate, not the toy's).
 DEFAULT_OWN_LR = 1e-4
@@ -180,8 +185,8 @@ def check_user_data(
     tok = build_tokenizer(assets, tuple(sorted(assets)))
     if tok.vocab_size > config.vocab_size:
         raise JobError(f"the tokenizer has {tok.vocab_size} ids but the model only {config.vocab_size}")
-    for path, rs in ((records, train), (replay or "", rep)):
-        for r, n in rs:
+    for path, rs in ((records, train), (replay or "", rep), (dev or "", dev_r), (final or "", fin_r)):
+        for r, n in rs:  # held-out records too: evaluate scores and generates them within the context
             length = len(tok.encode_chat(r.as_dicts())[0])
             if length > config.max_position_embeddings:
                 raise JobError(
@@ -191,8 +196,13 @@ def check_user_data(
     return UserData(records, train, rep, dev_r, fin_r)
 
 
-def prepare_own(
-    out_dir: str | os.PathLike[str],
+def prepare_own(out_dir: str | os.PathLike[str], data: UserData, **kw: Any) -> str:
+    """Write a job over the user's checked records (`own_job_files`, ``kw`` its options) into
+    `out_dir` once it checks out; return job.json's path."""
+    return write_job(out_dir, own_job_files(data, **kw))
+
+
+def own_job_files(
     data: UserData,
     *,
     config: LlamaConfig,
@@ -213,8 +223,9 @@ def prepare_own(
     gain_bound: float = -0.001,
     retention_bound: float = 0.02,
     resamples: int = 2000,
-) -> str:
-    """Write a job over the user's checked records starting from imported commit `seed_commit`; return job.json's path."""
+) -> dict[str, bytes]:
+    """A job over the user's checked records starting from imported commit `seed_commit`:
+    job.json and the files it binds, by name (nothing written)."""
     train, rep, dev_r, fin_r = data.train, data.replay, data.dev, data.final
     per_step = (2 if rep else 0) if replay_per_step is None else replay_per_step
     if per_step and not rep:
@@ -303,12 +314,7 @@ def prepare_own(
         ),
     )
     files[JOB_FILE] = _ENC.encode(job)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for n, data in files.items():
-        (out / n).write_bytes(data)
-    load_job(out / JOB_FILE)  # what was written verifies
-    return str(out / JOB_FILE)
+    return files
 
 
 def describe(job: Any) -> dict[str, Any]:
@@ -342,8 +348,9 @@ def prepare_model(
 ) -> str:
     """`prepare --model`: a job starting from a Hugging Face `save_pretrained` directory.
 
-    Reads config.json and the tokenizer asset set (refused without its chat template) and
-    checks every record file before anything is written; then imports the weights into
+    Reads config.json and the tokenizer asset set (refused without its chat template),
+    checks every record file, and makes and checks the whole job (every value in its bounds,
+    `check_job_files`) before anything is written; then imports the weights into
     `store` (a store or its URL, opened only then), widened to float32 one tensor at a time, with the asset set pinned to the
     import commit (`shardstore.ops.assets`) and the commit kept by the ref ``seeds/<commit id>``
     (so gc cannot take it before a run starts from it), and writes the job: over the user's records
@@ -363,6 +370,12 @@ def prepare_model(
     if data is None and (replay or dev or final):
         raise JobError("--replay, --dev and --final need --records")
     widened = tuple(d for d in source_dtypes(model_dir) if d in ("bfloat16", "float16")) or None
+    common = {"assets": assets, "seed_commit": _NOT_YET, "profile": profile, "source_dtypes": widened, **kw}
+    if data is not None:
+        files = own_job_files(data, config=config, **common)
+    else:
+        files = default_job_files(seed_config=config.to_hf_dict(), **common)
+    check_job_files(files, out_dir)  # the whole job, before the first write: the import's id is all it lacks
     if isinstance(store, str):  # opened (and created) only now, once everything was checked
         store = open_store(store, create=True)
     cid = import_directory(store, model_dir, ref=None, dtype="float32")
@@ -370,19 +383,7 @@ def prepare_model(
         store.ref(seed_ref(cid)) is None
     ):  # kept from gc until a run's ref names its commits (a second prepare reuses it)
         store.set_ref(seed_ref(cid), cid, expected=None)
-    if data is not None:
-        return prepare_own(
-            out_dir, data, config=config, assets=assets, seed_commit=cid, profile=profile, source_dtypes=widened, **kw
-        )
-    return prepare_default(
-        out_dir,
-        seed_commit=cid,
-        seed_config=config.to_hf_dict(),
-        assets=assets,
-        profile=profile,
-        source_dtypes=widened,
-        **kw,
-    )
+    return write_job(out_dir, with_seed_commit(files, cid))
 
 
 def prepare_seed(

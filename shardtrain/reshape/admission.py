@@ -45,6 +45,11 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     peak: int  # peak resident bytes (CPU) or peak allocated bytes (CUDA)
     parameters: int  # elements this worker held
     parameter_bytes: int
+    tier_bytes: int = 0  # bytes its host's memory tier held of its own slot (SPEC.md §19c)
+    replica_bytes: int = 0  # bytes its host's memory tier held of the slots it is buddy of
+    restore_memory: int = 0  # bytes of objects its start's restore read from its memory tier
+    restore_peers: int = 0  # ... from its buddies' replicas
+    restore_store: int = 0  # ... from the durable store
 
     @property
     def used(self) -> int:
@@ -147,7 +152,20 @@ def admit(slot: int, estimate: SlotEstimate, device: torch.device) -> tuple[int,
 
 def gather_usage(mine: Usage, rank: int, world: int) -> list[Usage]:
     """Every worker's `Usage`, in slot order (a collective when world > 1)."""
-    fields = ("slot", "estimate", "free", "baseline", "peak", "parameters", "parameter_bytes")
+    fields = (
+        "slot",
+        "estimate",
+        "free",
+        "baseline",
+        "peak",
+        "parameters",
+        "parameter_bytes",
+        "tier_bytes",
+        "replica_bytes",
+        "restore_memory",
+        "restore_peers",
+        "restore_store",
+    )
     row = torch.tensor([getattr(mine, f) for f in fields], dtype=torch.int64)
     if world == 1:
         return [mine]

@@ -24,6 +24,11 @@ as the synchronous protocol does. So:
   (``CommitProtocolError`` within the group's timeout): the ref stays on the previous
   commit; `settle` reports which commit is the last durable one for the abort message.
 
+Once a commit is durable, ``after(commit id, group)`` runs (in the background thread, on the
+protocol's group, for background commits): the worker's memory tier holds the commit and sends
+the slot's new objects to its buddies (``shardtrain.run.tiers``). The commit is recorded as
+landed after it.
+
 ``SHARDTRAIN_COMMIT_FAULT=slot=S,step=N,phase=P`` makes slot S exit abruptly from the
 background thread as phase P (``write shard``, ``write commit``, ``acknowledge``, ``move
 ref``; SPEC.md §15) of the commit at step N begins (the tests' fault injection).
@@ -32,17 +37,21 @@ ref``; SPEC.md §15) of the commit at step N begins (the tests' fault injection)
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 import shardstore
 from shardstore import CommitInfo, Store
 from shardtrain.errors import JobError
+from shardtrain.reshape import admission
 
-__all__ = ["COMMIT_FAULT_ENV", "Committer", "commit_fault_from_env"]
+__all__ = ["COMMIT_FAULT_ENV", "CommitBook", "CommitRecord", "Committer", "commit_fault_from_env"]
 
 COMMIT_FAULT_ENV = "SHARDTRAIN_COMMIT_FAULT"
 _PHASES = ("read parent", "write shard", "write commit", "acknowledge", "move ref")
@@ -77,8 +86,10 @@ class Committer:
         last: tuple[int, str | None],
         asynchronous: bool = True,
         timeout: timedelta = timedelta(seconds=60),
+        after: Callable[[str, Any], None] | None = None,
     ) -> None:
         self.store, self.stage, self.optimizer, self.ref = store, stage, optimizer, ref
+        self.after = after  # (commit id, the protocol's group) once a commit is durable: the memory tier's fill
         self.rank = rank
         self.last = last
         self.asynchronous = asynchronous
@@ -105,6 +116,8 @@ class Committer:
             except BaseException:
                 self._failed = info.step  # `settle` reads the ref to learn whether it landed anyway
                 raise
+            if self.after is not None:
+                self.after(cid, None)  # every rank, right after the same commit: the default group
             self._land(info.step, cid)
             return
         self._collect()  # at most one in flight: the previous commit lands first and is the parent
@@ -122,6 +135,7 @@ class Committer:
             ref=self.ref,
             parent=self.last[1],
             on_phase=on_phase,
+            then=None if self.after is None else (lambda cid, after=self.after: after(cid, self.group)),
         )
         self._in_flight = info.step
 
@@ -184,3 +198,56 @@ class Committer:
     def _land(self, at: int, cid: str) -> None:
         self.last = (at, cid)
         self._landed.append((at, cid))
+
+
+class CommitRecord(msgspec.Struct, frozen=True):
+    """A commit a worker saw land: the step it holds and its id."""
+
+    step: int
+    id: str
+
+
+class CommitBook:
+    """A worker's commit bookkeeping around its `Committer`: every commit's usage gathered from
+    all workers when it is asked for, and, once it lands, its record and its journal entry.
+
+    The journal (unhashed; SPEC.md §14d) says when a commit landed, its step's loss, each
+    worker's actual peak and parameter coverage, and how long the commit took from the call
+    to its landing: the save itself for synchronous commits, the time in flight (overlapping
+    training) for background ones. Only rank 0 writes it.
+    """
+
+    def __init__(
+        self, committer: Committer, store: Store, *, rank: int, world: int, usage: Callable[[], admission.Usage]
+    ) -> None:
+        self.committer, self.store, self.rank, self.world, self.usage = committer, store, rank, world, usage
+        self.commits: list[CommitRecord] = []  # what landed, in order
+        self.losses: dict[int, float] = {}  # step -> its loss (slot 0 computes it)
+        self._usage_at: dict[int, tuple[list[admission.Usage], float]] = {}  # per commit step: usages, when
+
+    def commit(self, info: CommitInfo) -> None:
+        """Ask for a commit of `info` (collective: every worker commits at the same steps)."""
+        started = time.perf_counter()
+        self.committer.commit(info)
+        self._usage_at[info.step] = admission.gather_usage(self.usage(), self.rank, self.world), started
+
+    def landed(self, wait: bool = False) -> tuple[int, str] | None:
+        """Record and journal what landed since the last call (waiting for the commit in flight
+        if `wait`); return the last (step, commit id) that landed, or None."""
+        new = self.committer.drain() if wait else self.committer.landed()
+        self.commits.extend(CommitRecord(at, cid) for at, cid in new)
+        if self.rank == 0:
+            for at, cid in new:
+                self._journal(at, cid)
+        return new[-1] if new else None
+
+    def _journal(self, at: int, cid: str) -> None:
+        record: dict[str, object] = {"time": time.time(), "step": at, "loss": self.losses.get(at)}
+        if at in self._usage_at:
+            usages, started = self._usage_at.pop(at)
+            record.update(
+                admission.journal_record(usages),
+                commit_seconds=time.perf_counter() - started,
+                commit_mode="background" if self.committer.asynchronous else "synchronous",
+            )
+        self.store.write_journal(cid, record)  # shardstore log --oneline shows its time and loss

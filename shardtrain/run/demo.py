@@ -9,10 +9,12 @@
    early, so the replay is short) and worker 1 is killed during a later update, after a
    microbatch's forward and before the optimizer step; the survivor aborts naming the
    last committed step, and no ref names the lost work;
-4. a replacement host receives only slot 1's objects (`copy_commit(..., slot=1)` into its
-   own store); the survivor and the replacement restore the common commit, replay to the
-   end of cohort A on ref `recovery`, and the recovered commit id is compared with the
-   uninterrupted one;
+4. the host of slot 1 is lost with its memory tier (each worker has a tier directory of its
+   own, standing in for separate hosts; SPEC.md §19c); the survivor restores the common
+   commit from its memory tier, the replacement from its buddy's replica of slot 1 (slot
+   0's host), neither reading an object from the store; they replay to the end of cohort A
+   on ref `recovery`, and the recovered commit id is compared with the uninterrupted one,
+   next to the bytes each worker's restore read from each tier;
 5. cohort B (new records plus declared replay of cohort A) continues `main`; the end of
    cohort A is regrouped onto one more worker (a repartition commit with the same
    learned-state root, no tensor object written) and the end of cohort B grown by one
@@ -35,12 +37,12 @@ It reports through `say` (one line at a time); the CLI prints.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import shardstore
-from shardstore.ops.transfer import commit_closure
 from shardtrain.errors import RunAborted
 from shardtrain.job.job import load_job, prepare_default
 from shardtrain.job.roles import FINAL, select
@@ -48,7 +50,7 @@ from shardtrain.reshape.grow import grow, identity_check
 from shardtrain.reshape.regroup import regroup
 from shardtrain.run.evaluate import CommitEval, EvalReport, EvalSpec, evaluate
 from shardtrain.run.gates import GateReport, gate_report, render_gates, thresholds_of, write_gate_report
-from shardtrain.run.lifecycle import FAULT_ENV, RunSpec, StepEvent, train
+from shardtrain.run.lifecycle import FAULT_ENV, RunResult, RunSpec, StepEvent, train
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -67,6 +69,7 @@ class DemoResult:
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     adaptive_ok: bool = True  # the repartition kept the learned-state root and the grown blocks are the identity
+    recovery_restore: list[RunResult] = field(default_factory=list)  # the recovery's workers (bytes read per tier)
 
     @property
     def equal(self) -> bool:
@@ -119,17 +122,19 @@ def run_demo(
     )
     store = shardstore.open_store(store_url)
     timings["prepare"] = time.monotonic() - t
+    # Each worker's memory tier in a directory of its own, as if each ran on a host of its own;
+    # two commits kept, so the group can restart from the commit before the last.
+    tiers = tuple((s, os.path.join(home, f"memory-host{s + 1}")) for s in range(workers))
+    last: list[RunResult] = []
 
     def run(name: str, env: dict[str, str] | None = None, **kw: object) -> dict[int, str]:
         t = time.monotonic()
-        results = train(
-            RunSpec(job=job_path, store=store_url, every=every, progress=progress, **kw),  # type: ignore[arg-type]
-            workers,
-            timeout=timeout,
-            env=env,
-        )
+        spec = RunSpec(
+            job=job_path, store=store_url, every=every, progress=progress, memory_tiers=tiers, tier_commits=2, **kw
+        )  # type: ignore[arg-type]
+        last[:] = train(spec, workers, timeout=timeout, env=env)
         timings[name] = time.monotonic() - t
-        return {c.step: c.id for c in results[0].commits}
+        return {c.step: c.id for c in last[0].commits}
 
     say(f"[1/7] uninterrupted run: steps 0-{steps_a} on {workers} workers, committing every {every} (ref main)")
     ref_commits = run("uninterrupted", until=steps_a, ref="main")
@@ -166,20 +171,26 @@ def run_demo(
         f"{store.ref('recovery') or 'absent'}: no uncommitted update reached a ref"
     )
 
-    say("[3/7] replacement host fetches only slot 1 of the common commit into its own store")
-    host = shardstore.open_store(os.path.join(home, "host2-store"))
-    copied = shardstore.copy_commit(store, host, resume_from, slot=1)
-    total = sum(store.object_size(o) or 0 for o in commit_closure(shardstore.load_commit(store, resume_from)).data)
     say(
-        f"      copied {copied.objects_copied} objects, {copied.bytes_copied} bytes (the whole commit's data: "
-        f"{total} bytes)"
+        f"[3/7] host 2 (slot 1) is lost with its memory tier {tiers[1][1]}; its replacement starts with an "
+        f"empty tier, and slot 0's host holds slot 1's replica"
     )
+    shutil.rmtree(tiers[1][1])
 
     say(f"[4/7] survivor + replacement restore step {resume_step} and replay to step {steps_a} (ref recovery)")
-    rec_commits = run("recovery", until=steps_a, resume=resume_from, ref="recovery", slot_stores=((1, host.url),))
+    rec_commits = run("recovery", until=steps_a, resume=resume_from, ref="recovery")
+    recovery = list(last)
     recovered = rec_commits[steps_a]
     same = "EQUALS" if recovered == reference else "DIFFERS FROM"
+    for r in recovery:
+        b = r.restore
+        say(
+            f"      worker {r.rank} restored step {resume_step}: {b.memory} bytes from its memory tier, {b.peers} "
+            f"from peers, {b.store} from the store"
+            + (f" ({len(r.restore_rejected)} copies refused)" if r.restore_rejected else "")
+        )
     say(f"      recovered step-{steps_a} commit {recovered} {same} the uninterrupted run's {reference}")
+    say(f"      bytes the recovery's restore read from the store: {sum(r.restore.store for r in recovery)}")
     if recovered == reference:
         say("      (identical weights, Adam moments and ages, data cursor, RNG states, parent and job binding)")
 
@@ -262,6 +273,7 @@ def run_demo(
         time.monotonic() - started,
         timings,
         adaptive_ok,
+        recovery,
     )
 
 

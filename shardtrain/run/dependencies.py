@@ -10,7 +10,7 @@ A run that resumes at commit C needs, besides C's own closure:
 - every commit on C's chain down to those references (the walk reads their manifests).
 
 `missing_dependencies` lists what of that the store lacks, with what each commit is for;
-`check_dependencies` refuses (ResumeError, exit 4) naming them and the command that brings
+`check_dependencies` refuses (ResumeError, exit 5) naming them and the command that brings
 them: ``shardstore copy SOURCE STORE C --with-deps``, which copies C with the commits the
 pin ``references/<job id>`` names. A run keeps that pin (`pin_references`): the seed, the
 init commit and every cohort endpoint it commits, as each lands.
@@ -142,5 +142,5 @@ def check_shared_store(store: Store, rank: int, world: int) -> None:
             f"{store.url}): the workers were given different stores (a private directory on each host?). "
             f"Every commit goes to the run's store, so all nodes need one shared store: pass the same "
             f"--store s3://bucket/prefix (or a shared filesystem) on every node; per-host copies are for "
-            f"restoring only (shardstore copy --shard K, then --slot-store K=DIR)"
+            f"restoring only (shardstore copy --slot K, then --slot-store K=DIR)"
         )

@@ -72,6 +72,7 @@ from shardtrain.errors import (
     ResumeError,
     RunAborted,
     ShardtrainError,
+    TransitionError,
     WorkerFailedError,
 )
 from shardtrain.job.hf_tokenizer import commit_config_dict
@@ -79,10 +80,11 @@ from shardtrain.job.job import PreparedJob, load_job
 from shardtrain.reshape import admission
 from shardtrain.reshape.planner import for_job
 from shardtrain.reshape.regroup import grown_from, regroup, start_layout
-from shardtrain.run.committer import Committer
+from shardtrain.run.committer import CommitBook, CommitRecord, Committer
 from shardtrain.run.dependencies import check_dependencies, check_shared_store, pin_references
 from shardtrain.run.distill import Distiller, check_reference_depths, reference_steps
 from shardtrain.run.faults import FAULT_ENV, Fault, fault_from_env, inject_fault
+from shardtrain.run.tiers import AUTO_TIER, RestoreBytes, SlotTiers, TierSpec
 from shardtrain.workers.launch import WorkerContext, launch_local
 
 __all__ = [
@@ -94,12 +96,17 @@ __all__ = [
     "RunResult",
     "train",
     "train_worker",
+    "start_slot",
+    "raise_failure",
+    "REFUSALS",
+    "SlotStart",
     "check_commit",
     "open_start",
     "store_job_files",
     "gate",
     "Fault",
     "fault_from_env",
+    "check_tiers",
 ]
 
 T = TypeVar("T")
@@ -125,6 +132,15 @@ class RunSpec:
     progress: Callable[[StepEvent], None] | None = None  # called on the coordinator (must be importable)
     schedule: str = "overlapped"  # the pipeline schedule (shardtrain.engine.schedule); not bound: results are identical
     async_commits: bool = True  # write commits in the background from a staged copy (shardtrain.run.committer)
+    memory_tier: str | None = (
+        AUTO_TIER  # every host's memory tier root ('auto': /dev/shm, named for the store; None: none)
+    )
+    memory_tiers: tuple[tuple[int, str], ...] = ()  # (slot, dir): that slot's host's tier root (tests' stand-in hosts)
+    peer_replicas: int | None = None  # buddies holding each slot's objects (None: 1 with >= 2 workers; 0: none)
+    tier_commits: int = 1  # commits each memory tier holds (the closure of the last K)
+
+    def tier_spec(self) -> TierSpec:
+        return TierSpec(self.store, self.memory_tier, self.memory_tiers, self.peer_replicas, self.tier_commits)
 
 
 @dataclass(frozen=True)
@@ -139,11 +155,6 @@ class StepEvent:
     seconds: float
     commit: str | None  # a commit that became durable (acknowledged, ref moved) by the end of this update
     commit_step: int | None = None  # the step that commit holds (earlier than `step` for a background commit)
-
-
-class CommitRecord(msgspec.Struct, frozen=True):
-    step: int
-    id: str
 
 
 class StepRecord(msgspec.Struct, frozen=True):
@@ -170,6 +181,10 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     estimate_bytes: int = 0  # the planner's estimate of this slot's peak (admission checked it)
     used_bytes: int = 0  # the actual peak above the memory in use at admission (CPU: RSS; CUDA: allocated)
     restore_seconds: float = 0.0  # restoring this worker's slot of the start commit (0: fresh)
+    restore: RestoreBytes = RestoreBytes()  # bytes of objects its start read from each tier (SPEC.md §19c)
+    restore_rejected: tuple[str, ...] = ()  # tier or peer copies refused (verified against their ids): where from
+    tier_bytes: int = 0  # bytes its host's memory tiers held for it at the end (its slot's and the replicas it keeps)
+    tier_errors: tuple[str, ...] = ()  # tier fills or replications that failed (the commits are durable regardless)
 
 
 def start_target(job: PreparedJob, store: Store, spec: RunSpec) -> str | None:
@@ -290,20 +305,56 @@ def _tokens(batch: Any) -> int:
     return int(torch.where(batch.weights > 0, pos, 0).amax(dim=1).sum())
 
 
-def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
-    """One slot of `train` (started by `launch_local` or under torchrun)."""
-    started = time.monotonic()
-    torch.set_num_threads(1)
+@dataclass
+class SlotStart:
+    """What a worker's start phase settled: its job and stores, the commit the whole group
+    agreed to start from (None: a fresh start), its admitted memory, and its slot of the model
+    and optimizer, restored."""
+
+    job: PreparedJob
+    store: Store  # the run's store: every commit goes here
+    own: Store  # where this slot's start is read from (the run's store or the slot's own copy)
+    config: LlamaConfig
+    partition: Any
+    estimate: Any  # the planner's SlotEstimate of this slot, which admission checked
+    free: int
+    baseline: int
+    stage: torch.nn.Module
+    optimizer: AdamW
+    start: LoadedCommit | None
+    restore_seconds: float
+    tiers: SlotTiers  # its memory tier and the replicas it keeps
+    restore_bytes: RestoreBytes  # what its restore read from each tier
+
+    @property
+    def step(self) -> int:
+        """Updates complete at the start (an imported model starts at 0)."""
+        lc = self.start
+        return 0 if lc is None or lc.commit.transition == "import" else lc.commit.step
+
+    @property
+    def parent(self) -> str | None:
+        return None if self.start is None else self.start.id
+
+
+def start_slot(ctx: WorkerContext, spec: RunSpec) -> SlotStart:
+    """A worker's start: agree with the group on one start commit, admit the slot's memory,
+    build the slot and restore it (collective: every worker runs it)."""
     rank, world = ctx.rank, ctx.world_size
     job = load_job(spec.job)
     store = open_store(spec.store)
-    own = open_store(dict(spec.slot_stores).get(rank, spec.store))
+    durable = open_store(dict(spec.slot_stores).get(rank, spec.store))
     check_shared_store(store, rank, world)  # every commit goes to one store: private ones are refused here
     # One start for the whole group: every worker resolves it, and all must agree (a fresh
     # start included), before anything is restored.
     target = start_target(job, store, spec)
     fresh = gate("agree on a fresh start", rank, world, lambda: _same_on_all(target is None, rank, world))
-    cid = None if fresh else shardstore.agree_on_commit(own, target)  # type: ignore[arg-type]
+    cid = None if fresh else shardstore.agree_on_commit(durable, target)  # type: ignore[arg-type]
+    # Its slot's objects from its memory tier, else from its buddies, else from the store.
+    tiers = gate("open its memory tier", rank, world, lambda: SlotTiers.open(spec.tier_spec(), rank, world))
+    if cid is not None:
+        tiers.fetch(cid)  # collective: a worker whose tier lacks the start gets it from its buddies
+    own = tiers.reader(durable)
     config, partition = gate("read the start commit's layout", rank, world, lambda: start_layout(job, own, cid, world))
     estimate = for_job(job, config).estimate(rank, partition.layers(rank))
     free, baseline = gate("admit its slot", rank, world, lambda: admission.admit(rank, estimate, ctx.device))
@@ -311,213 +362,258 @@ def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
         config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device, init_std=job.init_std()
     )
     optimizer = AdamW(stage.named_parameters(), job.groups(), schedule=job.lr_schedule())
-
-    def restore() -> LoadedCommit | None:
-        lc = open_start(job, own, cid, until=spec.until)
-        if rank == 0:
-            check_ref(store, spec.ref, cid)
-            check_dependencies(store, job, lc, spec.until)  # frozen references, the seed: before any update
-        if lc is None:
-            _seed_rng(job, rank)
-        elif lc.commit.transition == "import":
-            # weights only; AdamW starts at the first update. The stage is a piece of the imported
-            # model: its parameters by name are its declared share (a strict restore of the module
-            # would refuse the other stages' tensors as unexpected)
-            shardstore.restore(own, lc.id, dict(stage.named_parameters()), rng=False)
-            _seed_rng(job, rank)
-        else:
-            same_layout = len(lc.shards) == world and bool(lc.shards[rank].rng)
-            piece = stage if same_layout else dict(stage.named_parameters())  # slot=rank covers exactly the stage
-            shardstore.restore(own, lc.id, piece, optimizer, rng=same_layout, slot=rank if same_layout else None)
-            if not same_layout:
-                _seed_rng(job, rank)
-        return lc
-
     t_restore = time.perf_counter()
-    lc = gate("restore the start commit", rank, world, restore)
-    restore_seconds = time.perf_counter() - t_restore if lc is not None else 0.0
-    step = 0 if lc is None or lc.commit.transition == "import" else lc.commit.step
-    parent = None if lc is None else lc.id
-    compute = compute_context(job.job.profile, ctx.device)  # the profile's autocast (or none), forward passes only
-    pipe = Pipeline(
-        stage,
-        partition,
+    lc = gate(
+        "restore the start commit",
         rank,
-        timeout=timedelta(seconds=spec.message_timeout),
-        schedule=spec.schedule,
-        compute=compute,
-        recompute=bool(job.job.profile and job.job.profile.recompute),
+        world,
+        lambda: _restore_slot(job, store, own, cid, spec, rank, world, stage, optimizer),
     )
-    committer = Committer(
+    restore_seconds = time.perf_counter() - t_restore if lc is not None else 0.0
+    same_layout = lc is not None and lc.commit.transition != "import" and len(lc.shards) == world
+    restored = tiers.restored(lc, same_layout)
+    return SlotStart(
+        job,
         store,
+        own,
+        config,
+        partition,
+        estimate,
+        free,
+        baseline,
         stage,
         optimizer,
+        lc,
+        restore_seconds,
+        tiers,
+        restored,
+    )
+
+
+def _restore_slot(
+    job: PreparedJob,
+    store: Store,
+    own: Store,
+    cid: str | None,
+    spec: RunSpec,
+    rank: int,
+    world: int,
+    stage: torch.nn.Module,
+    optimizer: AdamW,
+) -> LoadedCommit | None:
+    """Restore this slot of the start commit `cid` (None: seed the RNG for a fresh start)."""
+    lc = open_start(job, own, cid, until=spec.until)
+    if rank == 0:
+        check_ref(store, spec.ref, cid)
+        check_dependencies(store, job, lc, spec.until)  # frozen references, the seed: before any update
+    if lc is None:
+        _seed_rng(job, rank)
+    elif lc.commit.transition == "import":
+        # weights only; AdamW starts at the first update. The stage is a piece of the imported
+        # model: its parameters by name are its declared share (a strict restore of the module
+        # would refuse the other stages' tensors as unexpected)
+        shardstore.restore(own, lc.id, dict(stage.named_parameters()), rng=False)
+        _seed_rng(job, rank)
+    else:
+        same_layout = len(lc.shards) == world and bool(lc.shards[rank].rng)
+        piece = stage if same_layout else dict(stage.named_parameters())  # slot=rank covers exactly the stage
+        shardstore.restore(own, lc.id, piece, optimizer, rng=same_layout, slot=rank if same_layout else None)
+        if not same_layout:
+            _seed_rng(job, rank)
+    return lc
+
+
+def _usage(ctx: WorkerContext, slot: SlotStart) -> admission.Usage:
+    """This worker's memory and what it holds now (the journal's and the result's figures)."""
+    tier, replicas = slot.tiers.held_bytes()
+    return admission.Usage(
+        slot=ctx.rank,
+        estimate=slot.estimate.total,
+        free=slot.free,
+        baseline=slot.baseline,
+        peak=admission.peak_bytes(ctx.device),
+        parameters=sum(p.numel() for p in slot.stage.parameters()),
+        parameter_bytes=sum(parameter_inventory(slot.stage).values()),
+        tier_bytes=tier,
+        replica_bytes=replicas,
+        restore_memory=slot.restore_bytes.memory,
+        restore_peers=slot.restore_bytes.peers,
+        restore_store=slot.restore_bytes.store,
+    )
+
+
+def train_worker(ctx: WorkerContext, spec: RunSpec) -> None:
+    """One slot of `train` (started by `launch_local` or under torchrun), in three phases: the
+    start (`start_slot`: agree, admit, restore), the step loop (`_step_loop`, committing
+    through a `CommitBook`), and the worker's result."""
+    started = time.monotonic()
+    torch.set_num_threads(1)
+    rank, world = ctx.rank, ctx.world_size
+    slot = start_slot(ctx, spec)
+    written = slot.tiers.writer(slot.store)  # every object it commits is kept in its memory tier as well
+    committer = Committer(
+        written,
+        slot.stage,
+        slot.optimizer,
         rank=rank,
         ref=spec.ref,
-        last=(step, parent),
+        last=(slot.step, slot.parent),
         asynchronous=spec.async_commits,
         timeout=timedelta(seconds=spec.message_timeout),
+        after=lambda cid, group: slot.tiers.landed(written, cid, group),
     )
-    faults = {(f.step, f.microbatch): f for f in fault_from_env() if f.slot in (rank, -1)}
-    if faults:
-        pipe.after_forward = lambda s, m: (committer.settle(), inject_fault(faults[s, m])) if (s, m) in faults else None
-    distiller = Distiller(job, store, slot=rank, num_slots=world, device=ctx.device, timeout=spec.message_timeout)
-    must_commit = reference_steps(job, step, spec.until)  # endpoints a later cohort of this run distils toward
-    trainer = Trainer(
-        pipe,
-        optimizer,
-        microbatch_size=job.job.recipe.microbatch_size,
-        max_grad_norm=job.max_grad_norm(),
-        global_step=step,
-    )
-    hf = commit_config_dict(config, job.tokenizer)
-    profile = profile_label(job.job.profile)
-    commits: list[CommitRecord] = []
-    steps: list[StepRecord] = []
-
-    usage_at: dict[int, tuple[list[admission.Usage], float]] = {}  # per commit step: every worker's usage, when
-
-    def usage() -> admission.Usage:
-        return admission.Usage(
-            slot=rank,
-            estimate=estimate.total,
-            free=free,
-            baseline=baseline,
-            peak=admission.peak_bytes(ctx.device),
-            parameters=sum(p.numel() for p in stage.parameters()),
-            parameter_bytes=sum(parameter_inventory(stage).values()),
-        )
-
-    def commit(at: int, transition: str) -> None:
-        info = CommitInfo(
-            step=at,
-            job=job.id,
-            schedule=job.schedule_id,
-            profile=profile,
-            config=hf,
-            data_cursor=job.cursor(at),
-            transition=transition,
-        )
-        started = time.perf_counter()
-        committer.commit(info)
-        usage_at[at] = admission.gather_usage(usage(), rank, world), started  # collective: all commit at `at`
-
-    losses: dict[int, float] = {}  # step -> its loss (slot 0 computes it), for the commits' journal
-
-    def landed(wait: bool = False) -> tuple[int, str] | None:
-        new = committer.drain() if wait else committer.landed()
-        commits.extend(CommitRecord(at, cid) for at, cid in new)
-        for at, cid in new:  # every commit's journal (unhashed): when it landed, the step's loss, and
-            if rank == 0:  # each worker's actual peak and parameter coverage at the commit
-                record: dict[str, object] = {"time": time.time(), "step": at, "loss": losses.get(at)}
-                if at in usage_at:
-                    usages, started = usage_at.pop(at)
-                    # From the commit call to its landing as seen here: the save itself with synchronous
-                    # commits, the time in flight (overlapping training) with background ones.
-                    record.update(
-                        admission.journal_record(usages),
-                        commit_seconds=time.perf_counter() - started,
-                        commit_mode="background" if spec.async_commits else "synchronous",
-                    )
-                store.write_journal(cid, record)  # shardstore log --oneline shows its time and loss
-        return new[-1] if new else None
-
-    start = (step, parent)
+    book = CommitBook(committer, slot.store, rank=rank, world=world, usage=lambda: _usage(ctx, slot))
     try:
-        if lc is None:
-            commit(0, "init")
-            landed(wait=True)  # the start of the chain, before a cohort distils toward the seed
-        if rank == 0 and step == 0 and committer.last[1] is not None:  # the seed: what copy --with-deps brings
-            pin_references(store, job, [committer.last[1]])
-        while step < spec.until:
-            t0 = time.perf_counter()
-            batch = job.batch(step)
-            with compute():  # the frozen reference's pass, under the profile's computation like the student's
-                pipe.distill = distiller.targets(step, batch, committer.last[1])
-            r = trainer.step(batch)
-            seconds = time.perf_counter() - t0  # the update alone, not the commit after it
-            step += 1
-            losses[step] = r.loss
-            if step == spec.until or (spec.every and step % spec.every == 0) or step in must_commit:
-                commit(step, "train")
-            # A reference endpoint must be on the chain before the next cohort distils toward it.
-            made = landed(wait=step == spec.until or step in must_commit)
-            if rank == 0 and step in must_commit and made is not None:
-                pin_references(store, job, [made[1]])
-            steps.append(StepRecord(step, r.loss, r.grad_norm, _tokens(batch), seconds))
-            if rank == 0 and spec.progress is not None:
-                spec.progress(
-                    StepEvent(
-                        step,
-                        spec.until,
-                        r.loss,
-                        r.grad_norm,
-                        _tokens(batch),
-                        seconds,
-                        made[1] if made else None,
-                        made[0] if made else None,
-                    )
-                )
-        landed(wait=True)  # nothing is left in flight
-        committer.close()
+        steps = _step_loop(ctx, spec, slot, book)
     except (ShardtrainError, shardstore.ShardstoreError, RuntimeError) as exc:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         cause = cause.split(" This is typically caused")[0]  # Gloo's advice is not about this run
         last = committer.settle()  # a commit in flight has landed or failed (its error is not the cause)
+        step = max(book.losses, default=slot.step)  # updates complete when it failed (the loop records each)
         where = f"commit {last[1]}" if last[1] else "no commit"
         raise RunAborted(
             f"slot {rank}: run aborted during step {step} ({type(exc).__name__}: {cause}); the last "
             f"committed step is {last[0]} ({where}); later updates were not committed and no ref "
             f"names them; resume with --resume {last[1] or '(fresh)'}"
         ) from exc
-    final = usage()
     if spec.out_dir is not None:
+        final = _usage(ctx, slot)
         result = RunResult(
             rank=rank,
-            job=job.id,
-            start_step=start[0],
-            start_commit=start[1],
-            commits=tuple(commits),
+            job=slot.job.id,
+            start_step=slot.step,
+            start_commit=slot.parent,
+            commits=tuple(book.commits),
             steps=tuple(steps),
             parameters=final.parameters,
             parameter_bytes=final.parameter_bytes,
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             seconds=time.monotonic() - started,
-            estimate_bytes=estimate.total,
+            estimate_bytes=slot.estimate.total,
             used_bytes=final.used,
-            restore_seconds=restore_seconds,
+            restore_seconds=slot.restore_seconds,
+            restore=slot.restore_bytes,
+            restore_rejected=tuple(slot.tiers.rejected),
+            tier_bytes=final.tier_bytes + final.replica_bytes,
+            tier_errors=tuple(slot.tiers.errors),
         )
         with open(os.path.join(spec.out_dir, f"rank{rank}.json"), "wb") as f:
             f.write(msgspec.json.encode(result))
 
 
-_REJECTIONS = (
-    "ResumeError",
-    "JobError",
-    "CommitProtocolError",
-    "CorruptObject",
-    "ObjectNotFound",
-    "BindingError",
-    "TensorMismatch",
-    "StateMismatch",
-    "ManifestError",
-    "TargetNotFound",
-    "CursorError",
-    "LayoutError",
-    "AdmissionError",
-    "TransitionError",
+def _step_loop(ctx: WorkerContext, spec: RunSpec, slot: SlotStart, book: CommitBook) -> list[StepRecord]:
+    """Train from the start to ``spec.until``, committing at the run's commit steps and at the
+    end; return every update's numbers. Nothing is in flight when it returns."""
+    rank, world, job, committer = ctx.rank, ctx.world_size, slot.job, book.committer
+    step = slot.step
+    pipe = Pipeline(
+        slot.stage,
+        slot.partition,
+        rank,
+        timeout=timedelta(seconds=spec.message_timeout),
+        schedule=spec.schedule,
+        compute=compute_context(job.job.profile, ctx.device),  # the profile's autocast (or none), forward only
+        recompute=bool(job.job.profile and job.job.profile.recompute),
+    )
+    faults = {(f.step, f.microbatch): f for f in fault_from_env() if f.slot in (rank, -1)}
+    if faults:
+        pipe.after_forward = lambda s, m: (committer.settle(), inject_fault(faults[s, m])) if (s, m) in faults else None
+    distiller = Distiller(job, slot.store, slot=rank, num_slots=world, device=ctx.device, timeout=spec.message_timeout)
+    must_commit = reference_steps(job, step, spec.until)  # endpoints a later cohort of this run distils toward
+    trainer = Trainer(
+        pipe,
+        slot.optimizer,
+        microbatch_size=job.job.recipe.microbatch_size,
+        max_grad_norm=job.max_grad_norm(),
+        global_step=step,
+    )
+    hf, profile = commit_config_dict(slot.config, job.tokenizer), profile_label(job.job.profile)
+
+    def commit(at: int, transition: str) -> None:
+        book.commit(
+            CommitInfo(
+                step=at,
+                job=job.id,
+                schedule=job.schedule_id,
+                profile=profile,
+                config=hf,
+                data_cursor=job.cursor(at),
+                transition=transition,
+            )
+        )
+
+    steps: list[StepRecord] = []
+    if slot.start is None:
+        commit(0, "init")
+        book.landed(wait=True)  # the start of the chain, before a cohort distils toward the seed
+    if rank == 0 and step == 0 and committer.last[1] is not None:  # the seed: what copy --with-deps brings
+        pin_references(slot.store, job, [committer.last[1]])
+    while step < spec.until:
+        t0 = time.perf_counter()
+        batch = job.batch(step)
+        with pipe.compute():  # the frozen reference's pass, under the profile's computation like the student's
+            pipe.distill = distiller.targets(step, batch, committer.last[1])
+        r = trainer.step(batch)
+        seconds = time.perf_counter() - t0  # the update alone, not the commit after it
+        step += 1
+        book.losses[step] = r.loss
+        if step == spec.until or (spec.every and step % spec.every == 0) or step in must_commit:
+            commit(step, "train")
+        # A reference endpoint must be on the chain before the next cohort distils toward it.
+        made = book.landed(wait=step == spec.until or step in must_commit)
+        if rank == 0 and step in must_commit and made is not None:
+            pin_references(slot.store, job, [made[1]])
+        steps.append(StepRecord(step, r.loss, r.grad_norm, _tokens(batch), seconds))
+        if rank == 0 and spec.progress is not None:
+            spec.progress(
+                StepEvent(
+                    step,
+                    spec.until,
+                    r.loss,
+                    r.grad_norm,
+                    _tokens(batch),
+                    seconds,
+                    made[1] if made else None,
+                    made[0] if made else None,
+                )
+            )
+    book.landed(wait=True)  # nothing is left in flight
+    committer.close()
+    return steps
+
+
+#: What a worker raises when it refuses its start (a wrong commit, job, store, layout): the
+#: whole group refusing these is a refused start (`ResumeError`), not a lost worker.
+REFUSALS: tuple[type[BaseException], ...] = (
+    ResumeError,
+    JobError,
+    AdmissionError,
+    TransitionError,
+    shardstore.CommitProtocolError,
+    shardstore.CorruptObject,
+    shardstore.ObjectNotFound,
+    shardstore.BindingError,
+    shardstore.TensorMismatch,
+    shardstore.StateMismatch,
+    shardstore.ManifestError,
+    shardstore.TargetNotFound,
+    shardstore.CursorError,
+    shardstore.LayoutError,
 )
 
 
-def _raise_failure(err: WorkerFailedError) -> None:
-    """A lost worker becomes `RunAborted`; a refused start `ResumeError`; anything else stays as is."""
+def raise_failure(err: WorkerFailedError) -> None:
+    """A lost worker becomes `RunAborted`; a refused admission `AdmissionError`; a start every
+    worker refused `ResumeError`; anything else stays as is. Routed by the classes each worker
+    recorded for what it raised (`WorkerFailedError.ranks_raising`), not by its text."""
     firsts = {rank: (msg.splitlines()[0] if msg else "") for rank, msg in err.failures.items()}
-    lines = [f if f.startswith(("RunAborted", *_REJECTIONS)) else f"worker {r}: {f}" for r, f in firsts.items()]
-    if any(f.startswith("RunAborted") for f in firsts.values()):
+    known = set(err.ranks_raising(RunAborted, *REFUSALS))
+    lines = [f if r in known else f"worker {r}: {f}" for r, f in firsts.items()]
+    if err.ranks_raising(RunAborted):
         raise RunAborted("\n".join(lines)) from err
-    if any(f.startswith("AdmissionError") for f in firsts.values()):
+    if err.ranks_raising(AdmissionError):
         raise AdmissionError("\n".join(lines)) from err
-    if all(f.startswith(_REJECTIONS) for f in firsts.values()):
+    if set(err.ranks_raising(*REFUSALS)) == set(firsts):
         raise ResumeError("\n".join(lines)) from err
     raise err
 
@@ -542,6 +638,7 @@ def train(
     if spec.every is not None and spec.every < 1:
         raise JobError(f"--every must be >= 1, got {spec.every}")
     build_schedule(spec.schedule, 1, 1)  # an unknown schedule is refused before any worker starts
+    check_tiers(spec, workers)
     store = open_store(spec.store)
     lc = open_start(job, store, start_target(job, store, spec), until=spec.until)
     check_dependencies(store, job, lc, spec.until)
@@ -553,7 +650,7 @@ def train(
         if spec.slot_stores:
             raise ResumeError(
                 f"commit {lc.id[:12]} is laid out for {len(lc.shards)} workers, not {workers}, and slots "
-                f"are restored from their own stores: run shardtrain regroup first, then copy --shard"
+                f"are restored from their own stores: run shardtrain regroup first, then copy --slot"
             )
         made = regroup(store, lc.id, workers=workers, ref=spec.ref if store.ref(spec.ref) == lc.id else None)
         spec, lc = RunSpec(**{**spec.__dict__, "resume": made.commit}), load_commit(store, made.commit)
@@ -570,8 +667,22 @@ def train(
                 join_timeout=join_timeout,
             )
         except WorkerFailedError as exc:
-            _raise_failure(exc)
+            raise_failure(exc)
         return _read_results(out, workers)
+
+
+def check_tiers(spec: RunSpec, workers: int) -> None:
+    """Refuse tier options no worker could use before any starts: a slot outside the group, a
+    negative replica count, a tier holding no commit, a directory that is not this user's own."""
+    if spec.tier_commits < 1:
+        raise JobError(f"a memory tier holds at least one commit, not {spec.tier_commits}")
+    if spec.peer_replicas is not None and spec.peer_replicas < 0:
+        raise JobError(f"--peer-replicas must be >= 0, got {spec.peer_replicas}")
+    for slot, _dir in spec.memory_tiers:
+        if not 0 <= slot < workers:
+            raise JobError(f"--memory-tier {slot}=...: there is no slot {slot} among {workers} workers")
+    for slot in range(workers):  # makes each directory (0700) or refuses it (TierError)
+        SlotTiers.open(spec.tier_spec(), slot, workers)
 
 
 def _read_results(out: str, workers: int) -> list[RunResult]:

@@ -10,7 +10,9 @@ variables for each, and waits for them.
 `launch_local` never kills a worker the moment another one fails: survivors are given
 `failure_grace` to notice the failure themselves (the pipeline's timeouts guarantee they
 do) and report their own error, and only then are stragglers terminated. Each worker's
-error (class, message, traceback) comes back through a text file; nothing is pickled
+error comes back through a JSON file: its text (class, message, traceback) and the
+qualified names of its class and bases, which callers route by (`WorkerFailedError.ranks_raising`),
+never by parsing the text; nothing is pickled
 except the spawn arguments, which is how `multiprocessing` starts a function. A worker
 that a signal kills (native code calling abort) is reported with the signal's name and
 whether its function had already returned, and prints every thread's Python stack.
@@ -22,6 +24,7 @@ import contextlib
 import dataclasses
 import faulthandler
 import importlib
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -41,12 +44,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardtrain.errors import LaunchError, WorkerFailedError
+from shardtrain.errors import LaunchError, WorkerFailedError, qualified_name
 from shardtrain.workers import forkserver
 
 __all__ = ["WorkerContext", "init_from_env", "attempt_prefix", "shutdown", "run_worker", "launch_local", "free_port"]
 
 T = TypeVar("T")
+#: The most bytes of a worker's error report read back (a traceback, not a log).
+_MAX_REPORT = 1 << 20
 _ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -240,7 +245,11 @@ def _child_main(
     try:
         run_worker(work, *args, timeout=timedelta(seconds=timeout_s), backend=backend)
     except BaseException as exc:  # report every failure to the launcher, then exit at once
-        Path(error_path).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        report = {
+            "raised": [qualified_name(c) for c in type(exc).__mro__],  # what the launcher routes by
+            "text": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+        }
+        Path(error_path).write_text(json.dumps(report))
         os._exit(1)
     # Leave as a forked multiprocessing child does, without interpreter shutdown: the work is
     # done, its files are closed and the group is destroyed. Shutdown would only tear down
@@ -254,6 +263,19 @@ def _child_main(
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
+
+
+def _read_report(path: str) -> tuple[str, tuple[str, ...]] | None:
+    """A worker's error report (`_child_main` writes it): its text and the classes of what it
+    raised; None where the worker left none (it died without raising)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.loads(f.read(_MAX_REPORT))
+        return str(doc["text"]).strip(), tuple(str(c) for c in doc["raised"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its error report could not be read ({exc})", ()
 
 
 def _describe_exit(code: int, finished: bool = False) -> str:
@@ -318,6 +340,7 @@ def launch_local(
                 p.start()
         deadline = time.monotonic() + join_timeout
         failures: dict[int, str] = {}
+        raised: dict[int, tuple[str, ...]] = {}
         try:
             while any(p.exitcode is None for p in procs):
                 now = time.monotonic()
@@ -337,11 +360,10 @@ def launch_local(
                         p.join()
                     failures[rank] = f"terminated: did not finish in time (exit code {p.exitcode})"
                 elif p.exitcode != 0:
-                    path = Path(errors[rank])
-                    failures[rank] = (
-                        path.read_text().strip()
-                        if path.exists()
-                        else _describe_exit(p.exitcode, os.path.exists(errors[rank] + ".finished"))
-                    )
+                    report = _read_report(errors[rank])
+                    if report is None:
+                        failures[rank] = _describe_exit(p.exitcode, os.path.exists(errors[rank] + ".finished"))
+                    else:
+                        failures[rank], raised[rank] = report
         if failures:
-            raise WorkerFailedError(failures)
+            raise WorkerFailedError(failures, raised)

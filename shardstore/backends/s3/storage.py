@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 
 import fsspec.asyn
 
-from ...errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
+from ...errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError, StorageOptionError
 from ...format.names import check_key
 from ..base import Buffer
 from .requests import S3Error as _S3Error
@@ -164,11 +164,24 @@ class S3Storage:
     def _fail(self, op: str, key: str, e: _S3Error) -> StorageError:
         return StorageError(f"{op} {key!r} in store {self.url}: server answered {e}")
 
+    async def _client(self) -> Any:
+        """s3fs's botocore client, made on first use; a client that cannot be made from the
+        options (a profile that does not exist, a ``config_kwargs`` botocore refuses) is a
+        StorageOptionError, not a traceback from inside aiobotocore."""
+        try:
+            return await self.fs.set_session()
+        except (self._client_side, ValueError, TypeError) as e:
+            text = " ".join(str(e).split())
+            raise StorageOptionError(
+                f"cannot open store {self.url!r}: no S3 client can be made from its storage options: "
+                f"{type(e).__name__}: {text}"
+            ) from None
+
     async def _call(self, method: str, key: str, **kwargs: Any) -> Any:
         """One request with bounded retries of transient failures. ``get_object`` returns (response, body)."""
         if self._sem is None:  # created on the loop thread, the only thread that touches it
             self._sem = asyncio.Semaphore(self.concurrency)
-        client = await self.fs.set_session()
+        client = await self._client()
         last: BaseException | None = None
         for attempt in range(self.attempts):
             if attempt:

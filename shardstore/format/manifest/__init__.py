@@ -13,13 +13,27 @@ Options on ``Base`` and why:
 - ``forbid_unknown_fields=True``: a reader never silently drops data it does not understand.
 - ``kw_only=True``: fields are named at every construction site.
 - ``tag_field="type"``: one decoder reads any manifest and says which kind it is.
+
+Modules: `schema` (the Structs, field constraints and limits), `payloads` (which fields hold
+tensor objects; the version rule) and `encoding` (canonical bytes and strict decoding). Inside
+`shardstore.format`, above `tensors` and `canonical` and below `grid`: imports only those,
+`names`, `bounded` and `shardstore.errors` (checked by import-linter).
 """
 
 from __future__ import annotations
 
 from ..canonical import f64_decode, f64_encode
 from .encoding import check_writable, decode, decode_config, decode_manifest, encode, encode_config
-from .payloads import banded, extra_objects, is_chunked, legal_versions, shard_version, state_payloads, tensor_payloads
+from .payloads import (
+    TREE_KEY,
+    banded,
+    extra_objects,
+    is_chunked,
+    legal_versions,
+    shard_version,
+    state_payloads,
+    tensor_payloads,
+)
 from .schema import (
     CHUNKED_VERSION,
     DTYPE_NAMES,
@@ -94,6 +108,7 @@ __all__ = [
     "Block",
     "Payload",
     "extra_objects",
+    "TREE_KEY",
     "is_chunked",
     "tensor_payloads",
     "state_payloads",

@@ -128,8 +128,14 @@ def _config_to_canonical(value: Any, path: str, depth: int = 0) -> Any:
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
-            if not isinstance(k, str):
-                raise ManifestError(f"model config: key {k!r} at {path} is not a string")
+            # an integer key is its decimal text, as JSON (and so Hugging Face's config.json, whose
+            # loader turns id2label's keys back into integers) writes it; a bool or any other key is refused
+            if type(k) is int:
+                k = str(k)
+                if k in value:
+                    raise ManifestError(f"model config: keys {int(k)} and {k!r} at {path} are both written {k!r}")
+            elif not isinstance(k, str):
+                raise ManifestError(f"model config: key {k!r} at {path} is neither a string nor an integer")
             out[k] = _config_to_canonical(v, f"{path}.{k}", depth + 1)
         return out
     return encode_scalar(value, f"model config: value at {path}", ManifestError)

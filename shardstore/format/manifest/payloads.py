@@ -24,6 +24,7 @@ from .schema import (
 
 __all__ = [
     "extra_objects",
+    "TREE_KEY",
     "is_chunked",
     "tensor_payloads",
     "state_payloads",
@@ -97,9 +98,15 @@ def banded(version: int) -> bool:
     return version < TILE_VERSION
 
 
-def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[str, int | None, str, str | None]]:
-    """(object id, byte size or None, what, verify's content rule) of every object the extras name (verify, copy, gc)."""
+#: The commit-wide extra holding a state dict's tree (SPEC.md §9f): its document is read by the tree's grammar.
+TREE_KEY = "state_dict"
+
+
+def extra_objects(extras: Iterable[ExtraEntry], where: str) -> Iterator[tuple[str, int | None, str, int | None]]:
+    """(object id, byte size or None, what, placeholders) of every object the extras name
+    (verify, copy, gc): placeholders is a state document's number of tensors (verify decodes
+    it with that many), None for a tensor."""
     for x in extras:
-        yield x.state, None, f"state document of extra {x.key!r}{where}", f"extra:{len(x.tensors)}"
+        yield x.state, None, f"state document of extra {x.key!r}{where}", len(x.tensors)
         for t in x.tensors:
             yield t.object, expected_nbytes(t.dtype, t.shape), f"tensor {t.key} of extra {x.key!r}{where}", None

@@ -1,0 +1,341 @@
+"""Peer replicas: each slot's committed objects held in a buddy's memory tier, and sent back
+to a worker whose own tier lacks them (SPEC.md §19c).
+
+Slot ``i``'s buddies are slots ``i+1 .. i+N`` (mod the group's size; ``N`` replicas). Both
+directions are one exchange, ``shift``: every rank of the group sends one offer to the rank
+``d`` after it and receives one from the rank ``d`` before it (or the reverse), over
+``torch.distributed`` point-to-point messages on the group given (Gloo on CPU):
+
+1. a header: the commit, the slot whose objects are offered, how many objects;
+2. the offered objects' ids and byte sizes (content addressing: ids, not bytes, first);
+3. the receiver's answer: which of them it lacks;
+4. only those objects' bytes, packed into messages of at most 64 MiB.
+
+``replicate`` runs it once a commit is durable (``shardtrain``'s committer calls it in its
+background thread, on the commit protocol's group): slot ``i`` offers its closure of the
+commit and the buddy keeps what it lacks in its host's tier for slot ``i``, verified against
+each id, and holds the commit there when every object is present. ``fetch_replicas`` runs
+it at a restart, after the group agreed on the commit: a worker whose own tier does not hold
+the commit gets its slot's objects from its buddies into a ``PeerCopies`` tier, which the
+restore reads through ``TieredStorage`` (verifying every object; a wrong one is named with
+the peer that sent it and read from the store instead).
+
+Everything travels as tensors (never pickled objects). Every rank of the group must call
+the same function with the same ``commit``; a rank with nothing to offer sends an empty
+offer.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..backends.base import Buffer
+from ..backends.memory_tier import MemoryTier
+from ..backends.tiers import PeerCopies
+from ..errors import ShardstoreError
+from ..format.names import check_oid
+from ..format.tensors import hash_bytes
+
+__all__ = ["Offer", "ReplicaReport", "buddies", "shift", "replicate", "fetch_replicas"]
+
+#: Bytes of object payload per point-to-point message (a larger object is a message of its own).
+MESSAGE_BYTES = 64 << 20
+#: The most objects one offer may name, and the largest object size it may give.
+_MAX_OBJECTS = 1 << 22
+_MAX_OBJECT_BYTES = 1 << 40
+_HEADER = struct.Struct("<32sqq")  # commit id, slot, object count
+
+
+@dataclass
+class Offer:
+    """What one rank offers another: the objects of ``slot``'s closure of ``commit`` (id,
+    byte size; size -1 for an object the sender does not have)."""
+
+    slot: int = -1
+    commit: str | None = None
+    objects: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the sender has every object of the commit it offers."""
+        return self.commit is not None and all(n >= 0 for _, n in self.objects)
+
+
+@dataclass
+class ReplicaReport:
+    """What one exchange moved for this rank, and the copies it refused (naming the peer)."""
+
+    sent: int = 0  # bytes of objects this rank sent
+    received: int = 0  # bytes of objects it received
+    held: bool = False  # whether the received commit is now held whole by this host's tier
+    rejected: list[str] = field(default_factory=list)
+
+
+def buddies(slot: int, world: int, replicas: int) -> list[int]:
+    """The slots holding ``slot``'s replicas: the next ``replicas`` slots round the ring, never itself."""
+    return [(slot + d) % world for d in range(1, min(replicas, world - 1) + 1)]
+
+
+def _device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _owned(raw: bytes | memoryview, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A tensor that owns its memory holding ``raw`` (see ``distributed._pack`` for why not frombuffer)."""
+    src = np.frombuffer(raw, dtype=np.uint8)
+    t = torch.empty(len(src), dtype=torch.uint8)
+    t.numpy()[:] = src
+    return t if dtype == torch.uint8 else t.view(dtype)
+
+
+def _exchange(group: Any, send: torch.Tensor | None, to: int, recv: torch.Tensor | None, frm: int) -> None:
+    """Send ``send`` to group rank ``to`` and receive ``recv`` from ``frm`` at once (either may be None)."""
+    dev = _device(group)
+    ops = []
+    out = None if send is None else send.to(dev)
+    into = None if recv is None else (recv if dev.type == "cpu" else torch.empty_like(recv, device=dev))
+    if out is not None and out.numel():
+        ops.append(dist.P2POp(dist.isend, out, dist.get_global_rank(group, to) if group else to, group=group))
+    if into is not None and into.numel():
+        ops.append(dist.P2POp(dist.irecv, into, dist.get_global_rank(group, frm) if group else frm, group=group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if recv is not None and into is not None and into is not recv:
+        recv.copy_(into.cpu())
+
+
+def _messages(sizes: list[int]) -> list[list[int]]:
+    """Indexes of ``sizes`` packed in order into messages of at most ``MESSAGE_BYTES`` (one object
+    larger than that is a message of its own); both ends compute the same packing."""
+    out: list[list[int]] = []
+    total = MESSAGE_BYTES
+    for i, n in enumerate(sizes):
+        if not out or total + n > MESSAGE_BYTES:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
+
+
+def shift(
+    group: Any,
+    offer: Offer,
+    *,
+    to: int,
+    frm: int,
+    fetch: Callable[[str], Buffer | None],
+    lacks: Callable[[Offer, str], bool],
+    land: Callable[[Offer, str, memoryview], None],
+    limit: int = _MAX_OBJECT_BYTES,
+) -> tuple[Offer, int, int]:
+    """Send ``offer`` to rank ``to`` and receive rank ``frm``'s (module docstring: header, ids,
+    answer, bytes). Objects of the incoming offer that the receiver ``lacks`` (at most ``limit``
+    bytes in all) come in and are handed to ``land`` unverified; the sender reads each with
+    ``fetch`` (an object gone meanwhile is sent as zeros, which its receiver rejects). Returns
+    the offer received and the bytes sent and received. Collective over ``group``: every rank
+    calls it, with ``to`` and ``frm`` matching its peers'."""
+    # 1. headers
+    mine = _owned(_HEADER.pack(bytes.fromhex(offer.commit or "0" * 64), offer.slot, len(offer.objects)))
+    theirs = torch.empty(_HEADER.size, dtype=torch.uint8)
+    _exchange(group, mine, to, theirs, frm)
+    raw_commit, slot, count = _HEADER.unpack(theirs.numpy().tobytes())
+    if not 0 <= count <= _MAX_OBJECTS:
+        raise ShardstoreError(f"peer rank {frm} offered {count} objects, over the limit of {_MAX_OBJECTS}")
+    commit = raw_commit.hex() if any(raw_commit) else None
+    # 2. ids and sizes
+    ids_out = _owned(b"".join(bytes.fromhex(o) for o, _ in offer.objects))
+    sizes_out = torch.tensor([n for _, n in offer.objects], dtype=torch.int64)
+    ids_in, sizes_in = torch.empty(32 * count, dtype=torch.uint8), torch.empty(count, dtype=torch.int64)
+    _exchange(group, ids_out, to, ids_in, frm)
+    _exchange(group, sizes_out, to, sizes_in, frm)
+    raw_ids = ids_in.numpy().tobytes()
+    got = Offer(slot, commit, [])
+    for i, n in enumerate(sizes_in.tolist()):
+        if not -1 <= n <= _MAX_OBJECT_BYTES:
+            raise ShardstoreError(f"peer rank {frm} offered an object of {n} bytes")
+        got.objects.append((check_oid(raw_ids[32 * i : 32 * i + 32].hex(), what=f"object id from rank {frm}"), n))
+    # 3. answers: which offered objects the receiver lacks
+    want_in, budget = [], limit
+    for oid, n in got.objects:
+        take = 0 <= n <= budget and lacks(got, oid)
+        budget -= n if take else 0
+        want_in.append(take)
+    answer_in = torch.empty(len(offer.objects), dtype=torch.uint8)
+    _exchange(group, torch.tensor(want_in, dtype=torch.uint8), frm, answer_in, to)
+    asked = [i for i, w in enumerate(answer_in.tolist()) if w]
+    if any(offer.objects[i][1] < 0 for i in asked):
+        raise ShardstoreError(f"rank {to} asked for objects this rank does not have")
+    wanted_in = [i for i, w in enumerate(want_in) if w]
+    # 4. bytes, message by message
+    msgs_out = [[asked[j] for j in m] for m in _messages([offer.objects[i][1] for i in asked])]
+    msgs_in = [[wanted_in[j] for j in m] for m in _messages([got.objects[i][1] for i in wanted_in])]
+    sent = received = 0
+    for k in range(max(len(msgs_out), len(msgs_in))):
+        out = None if k >= len(msgs_out) else _pack(offer, msgs_out[k], fetch)
+        into = None
+        if k < len(msgs_in):
+            into = torch.empty(sum(got.objects[i][1] for i in msgs_in[k]), dtype=torch.uint8)
+        _exchange(group, out, to, into, frm)
+        sent += 0 if out is None else out.numel()
+        if into is not None:
+            view, off = memoryview(into.numpy()), 0
+            for i in msgs_in[k]:
+                oid, n = got.objects[i]
+                land(got, oid, view[off : off + n])
+                off += n
+            received += off
+    return got, sent, received
+
+
+def _pack(offer: Offer, message: list[int], fetch: Callable[[str], Buffer | None]) -> torch.Tensor:
+    """One message's objects, back to back (zeros for one that cannot be read now)."""
+    out = torch.zeros(sum(offer.objects[i][1] for i in message), dtype=torch.uint8)
+    flat, off = out.numpy(), 0
+    for i in message:
+        oid, n = offer.objects[i]
+        data = _try_value(lambda: fetch(oid))
+        if data is not None and len(data) == n:
+            flat[off : off + n] = np.frombuffer(data, dtype=np.uint8)
+        off += n
+    return out
+
+
+def replicate(
+    group: Any,
+    *,
+    slot: int,
+    commit: str,
+    objects: Iterable[str],
+    own: MemoryTier,
+    tier_for: Callable[[int], MemoryTier],
+    replicas: int = 1,
+) -> ReplicaReport:
+    """After ``commit`` is durable: offer this slot's closure ``objects`` (from its own tier
+    ``own``) to its buddies, and keep what the slots before it offer in ``tier_for(their slot)``
+    (this host's tier of that slot), each object verified; hold the commit there when whole.
+    Collective over ``group`` (every rank, the same ``commit``)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    offer = Offer(slot, commit, [(o, _size(own, o)) for o in sorted(set(objects))])
+    report = ReplicaReport()
+    for d in range(1, min(replicas, world - 1) + 1):
+        peer = (rank - d) % world  # the slot whose replica this rank keeps at distance d
+        tiers: dict[int, MemoryTier | None] = {}
+
+        def tier(got: Offer, _peer: int = peer) -> MemoryTier | None:
+            if got.slot != _peer or got.commit != commit:
+                return None  # only the slot the ring says, of this commit
+            if _peer not in tiers:
+                tiers[_peer] = _try_value(lambda: tier_for(_peer))
+            return tiers[_peer]
+
+        def lacks(got: Offer, oid: str) -> bool:
+            t = tier(got)
+            return t is not None and not t.has(oid)
+
+        def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
+            t = tier(got)
+            if hash_bytes(data) != oid:
+                report.rejected.append(f"object {oid} from peer slot {_peer} does not hash to its id; not kept")
+            elif t is not None:
+                _try(lambda: t.put(oid, data))
+
+        got, sent, received = shift(
+            group, offer, to=(rank + d) % world, frm=peer, fetch=own.fetch, lacks=lacks, land=land
+        )
+        report.sent += sent
+        report.received += received
+        t = tier(got)
+        if t is not None and got.complete and all(t.has(o) for o, _ in got.objects):
+            _try(lambda: t.hold(commit, [o for o, _ in got.objects]))
+            report.held = True
+    return report
+
+
+def _size(tier: MemoryTier, oid: str) -> int:
+    n = tier.size(oid)
+    return -1 if n is None else n
+
+
+def _try(fn: Callable[[], object]) -> None:
+    """A cache write that fails (a full tmpfs) leaves the cache short, never the run failed."""
+    try:
+        fn()
+    except (ShardstoreError, OSError):
+        pass
+
+
+def fetch_replicas(
+    group: Any,
+    *,
+    slot: int,
+    commit: str,
+    own: MemoryTier | None,
+    tier_for: Callable[[int], MemoryTier],
+    replicas: int = 1,
+) -> tuple[PeerCopies, ReplicaReport]:
+    """At a restart, after the group agreed on ``commit``: every rank whose own tier does not
+    hold ``commit`` for its slot gets the objects it lacks from its buddies (slot + 1, ...),
+    each buddy offering its host's tier of that slot (``tier_for``). Returns the copies,
+    unverified (``TieredStorage`` verifies each before use). Collective over ``group``."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    copies = PeerCopies()
+    report = ReplicaReport()
+    need = own is None or own.holds(commit) is None
+    for d in range(1, min(replicas, world - 1) + 1):
+        dev = _device(group)
+        flags = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+        dist.all_gather(flags, torch.tensor([int(need)], dtype=torch.int64, device=dev), group=group)
+        needs = [bool(int(f.item())) for f in flags]
+        if not any(needs):
+            break
+        asker = (rank - d) % world  # the rank whose buddy at distance d this rank is
+        offer = Offer()
+        if needs[asker]:
+            held = _try_value(lambda: tier_for(asker).holds(commit))
+            if held is not None:
+                tier = tier_for(asker)
+                offer = Offer(asker, commit, [(o, _size(tier, o)) for o in held])
+        source = tier_for(asker) if offer.commit is not None else None
+        peer = (rank + d) % world
+
+        def lacks(got: Offer, oid: str) -> bool:
+            return (
+                need and got.commit == commit and got.slot == slot
+                and (own is None or not own.has(oid)) and copies.fetch(oid) is None
+            )  # fmt: skip
+
+        def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
+            copies.add(oid, data, _peer)
+
+        got, sent, received = shift(
+            group,
+            offer,
+            to=asker,
+            frm=peer,
+            fetch=(lambda oid: source.fetch(oid)) if source is not None else (lambda oid: None),
+            lacks=lacks,
+            land=land,
+        )
+        report.sent += sent
+        report.received += received
+        if need and got.complete and got.commit == commit and got.slot == slot:
+            need = False
+    return copies, report
+
+
+def _try_value(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except (ShardstoreError, OSError):
+        return None

@@ -1,0 +1,215 @@
+"""State dicts as frameworks hand them over (SPEC.md §9f): ``save_state_dict``, ``read_state_dict``
+(the ``torch.load`` of a commit) and ``load_state_dict_into`` (DCP's in-place load).
+
+Lightning's ``CheckpointIO``, DCP-style trainers and hand-written loops hold their state as
+one nested dict — model weights, optimizer ``state_dict()``s with integer keys, scheduler
+states, loop counters, hyperparameters holding paths and dtypes. A commit of such a dict
+holds each tensor as a tensor entry named by its key path (``optimizer_states/0/state/3/exp_avg``;
+``documents.tree_name``), written, chunked, deduplicated, exchanged across ranks and verified
+exactly as a model's parameters are, and the rest of the dict as its *tree*: a state document
+in the commit-wide extra ``state_dict`` whose typed values come back as exactly what they
+were, without pickle (``documents.encode_tree``). Such a commit verifies, logs, diffs (tensors
+by entry name, every other value by key path) and is collected like any other::
+
+    cid = shardstore.save_state_dict(store, checkpoint, step=checkpoint["global_step"])
+    checkpoint = shardstore.read_state_dict(store, "main")         # fresh tensors, on the CPU
+    shardstore.load_state_dict_into(store, model.state_dict())     # into existing tensors, in place
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from ..errors import StateMismatch, TensorMismatch
+from ..format.grid import check_stored_all
+from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, TensorEntry
+from ..format.tensors import dtype_name, is_dtensor, torch_dtype
+from ..state.documents import TensorRef, encode_tree, fill_tree, read_tree, tensor_refs
+from ..state.extras import CapturedExtra
+from ..state.module import tensor_profile
+from ..state.slot import SlotState
+from ..store import Store
+from ..verification.commits import LoadedCommit, load_commit
+from .distributed import commit_state
+from .info import CommitInfo
+from .slots import AUTO, read_into, save_slots
+
+__all__ = ["save_state_dict", "read_state_dict", "load_state_dict_into"]
+
+
+def save_state_dict(
+    store: Store,
+    state_dict: Mapping[Any, Any],
+    *,
+    step: int | None = None,
+    ref: str | None = "main",
+    job: str = "default",
+    config: Mapping[Any, Any] | None = None,
+    data_cursor: int | None = None,
+    parent: str | None = AUTO,
+    transition: str = "train",
+    profile: str | None = None,
+    group: Any = None,
+    threads: int = 2,
+) -> str:
+    """Commit a nested state dict and move ``ref``; return the commit id (SPEC.md §9f).
+
+    Tensors anywhere (plain or DTensor); dicts and OrderedDicts with string or integer keys,
+    lists, tuples, None, bool, int, float, str, ``torch.Size``/``dtype``/``device`` and
+    ``pathlib`` paths, each coming back as exactly its type and value; anything else is refused
+    by its key path (``UnsupportedState``) before anything is written. ``step``: the global step
+    to record (default 0: a state dict carries its own counters). ``group``: a process group
+    every rank of which calls this with its own share (DTensors are written by the block
+    exchange, plain tensors and every other value must be equal on all ranks); by default the
+    save is collective over the default group exactly when the state dict holds a DTensor, and
+    otherwise made by this process alone (as Lightning's rank 0 saves).
+    """
+    document, tensors = encode_tree(state_dict, "state dict")
+    tree = CapturedExtra(TREE_KEY, document, [])
+    if profile is None:
+        profile = tensor_profile(dtype_name(t.dtype, n) for n, t in tensors.items())
+    info = CommitInfo(
+        step=0 if step is None else step,
+        job=job,
+        profile=profile,
+        config=config,
+        data_cursor=data_cursor,
+        transition=transition,
+    )
+    if group is not None or any(is_dtensor(t) for t in tensors.values()):
+        return commit_state(
+            store,
+            lambda: SlotState(dict(tensors)),
+            info=info,
+            group=group,
+            ref=ref,
+            parent=parent,
+            threads=threads,
+            extra={TREE_KEY: tree},
+        )
+    return save_slots(
+        store, [SlotState(dict(tensors))], info=info, ref=ref, parent=parent, threads=threads, extra={TREE_KEY: tree}
+    )
+
+
+def _tree(store: Store, lc: LoadedCommit) -> Any:
+    """The commit's tree, strictly decoded, its tensor references exactly the commit's entries."""
+    x = next((x for x in lc.commit.extras if x.key == TREE_KEY), None)
+    if x is None:
+        raise StateMismatch(
+            f"commit {lc.id} holds no state dict tree (it was not made by save_state_dict); restore it into a "
+            "model and optimizer with shardstore.restore (SPEC.md §9f)"
+        )
+    what = f"state dict tree {x.state} of commit {lc.id}"
+    value = read_tree(store.get(x.state, limit=MAX_MANIFEST_BYTES), what)
+    names, entries = tensor_refs(value), lc.entries()
+    if sorted(names) != sorted(entries):
+        raise StateMismatch(
+            f"{what} names tensors {sorted(set(names) - set(entries))[:3]} the commit lacks, or the commit holds "
+            f"tensors {sorted(set(entries) - set(names))[:3]} the tree does not name (SPEC.md §9f)"
+        )
+    return value
+
+
+def read_state_dict(
+    store: Store, target: str = "main", *, map_location: str | torch.device | None = None, threads: int = 8
+) -> Any:
+    """The state dict commit ``target`` holds, with fresh tensors (the ``torch.load`` of a commit).
+
+    Every object is verified as it is read; tensors come back on the CPU, or on
+    ``map_location``. A commit not made by ``save_state_dict`` is refused (``StateMismatch``).
+    """
+    lc = load_commit(store, target)
+    value = _tree(store, lc)
+    entries = lc.entries()
+    # a manifest's shapes: the objects' sizes bound the allocations, checked first (SPEC.md §Limits)
+    check_stored_all(store, [(e.param, e.dtype, tuple(e.shape), f"tensor {n!r}") for n, e in sorted(entries.items())])
+    fresh = {n: torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype)) for n, e in entries.items()}
+    read_into(store, [(entries[n].param, fresh[n], f"tensor {n!r}") for n in sorted(fresh)], threads)
+    if map_location is not None:
+        fresh = {n: t.to(map_location) for n, t in fresh.items()}
+    return fill_tree(value, fresh.__getitem__)
+
+
+def load_state_dict_into(
+    store: Store, state_dict: MutableMapping[Any, Any], target: str = "main", *, threads: int = 8
+) -> str:
+    """Load commit ``target`` into ``state_dict`` in place, as DCP's ``load`` does; return the commit id.
+
+    The caller's dict says what to load: each of its tensors is filled from the stored tensor
+    at the same key path (a DTensor: only its local share, from the blocks that overlaps),
+    which must exist with its dtype and (global) shape; each of its other values is replaced
+    by the stored value at that path, where the commit has one (an item of a tuple cannot be
+    replaced: it must already be equal). Stored values the dict has no place for are left out.
+    Everything is checked before the first byte is written (``StateMismatch`` /
+    ``TensorMismatch``, naming the key path).
+    """
+    lc = load_commit(store, target)
+    value = _tree(store, lc)
+    entries = lc.entries()
+    dests: dict[str, torch.Tensor] = {}
+    sets: list[tuple[Any, Any, Any]] = []
+    _match(state_dict, value, "$", entries, dests, sets, None)
+    read_into(store, [(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests)], threads)
+    for container, key, v in sets:
+        container[key] = v
+    return lc.id
+
+
+def _holds_tensor(v: Any, depth: int = 0) -> bool:
+    if isinstance(v, (torch.Tensor, TensorRef)):
+        return True
+    if depth > 128:
+        return False
+    items = v.values() if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
+    return any(_holds_tensor(x, depth + 1) for x in items)
+
+
+def _match(
+    dst: Any,
+    stored: Any,
+    path: str,
+    entries: Mapping[str, TensorEntry],
+    dests: dict[str, torch.Tensor],
+    sets: list[tuple[Any, Any, Any]],
+    place: tuple[Any, Any] | None,
+) -> None:
+    """Pair each of the caller's tensors with its stored tensor, and each of its other values
+    with the stored value replacing it (at ``place``: its container and key); raise before any write."""
+    if not _holds_tensor(dst):
+        if place is not None:
+            sets.append((*place, stored))
+        elif dst != stored:
+            raise StateMismatch(f"state dict at {path}: an item of a tuple differs from the commit's ({stored!r})")
+        return
+    if isinstance(dst, torch.Tensor):
+        if not isinstance(stored, TensorRef):
+            raise StateMismatch(f"state dict at {path}: a tensor, where the commit holds a {type(stored).__name__}")
+        e = entries[stored.name]
+        if dtype_name(dst.dtype, path) != e.dtype or tuple(dst.shape) != tuple(e.shape):
+            raise TensorMismatch(
+                f"state dict at {path}: the commit holds {e.dtype}{list(e.shape)}, the destination is "
+                f"{dtype_name(dst.dtype, path)}{list(dst.shape)}"
+            )
+        dests[stored.name] = dst
+        return
+    if isinstance(dst, Mapping):
+        if not isinstance(stored, dict):
+            raise StateMismatch(f"state dict at {path}: a dict, where the commit holds a {type(stored).__name__}")
+        for k, v in dst.items():
+            where = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
+            if k in stored:
+                _match(v, stored[k], where, entries, dests, sets, (dst, k) if isinstance(dst, MutableMapping) else None)
+            elif _holds_tensor(v):
+                raise StateMismatch(f"commit holds no value at {where}, where the state dict has tensors (SPEC.md §9f)")
+        return
+    if not isinstance(stored, (list, tuple)) or len(stored) != len(dst):
+        raise StateMismatch(
+            f"state dict at {path}: a {type(dst).__name__} of {len(dst)}, where the commit holds a "
+            f"{type(stored).__name__}" + (f" of {len(stored)}" if isinstance(stored, (list, tuple)) else "")
+        )
+    for i, (v, w) in enumerate(zip(dst, stored)):
+        _match(v, w, f"{path}[{i}]", entries, dests, sets, (dst, i) if isinstance(dst, list) else None)

@@ -1,0 +1,178 @@
+"""The memory tier (``backends.memory_tier``) and the tiers above a store (``backends.tiers``):
+what a tier holds and evicts over many commits, where its directory may live, and reads served
+memory → peers → store with every copy verified against its id and counted per tier."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TinyNet, make_optimizer, train_steps
+
+import shardstore as ss
+from shardstore.backends.memory_tier import MemoryTier, default_tier_root
+from shardstore.backends.tiers import PeerCopies, TieredStorage
+from shardstore.errors import TierError
+from shardstore.format.closure import commit_closure
+
+
+def _tiered(store: ss.Store, *tiers: object, fill: MemoryTier | None = None) -> tuple[ss.Store, TieredStorage]:
+    storage = TieredStorage(store.storage, list(tiers), fill=fill)  # type: ignore[arg-type]
+    return ss.Store(storage, create=False), storage
+
+
+def _closure(store: ss.Store, cid: str) -> set[str]:
+    return commit_closure(ss.load_commit(store, cid), slot=0).ids()
+
+
+def _flip(tier: MemoryTier, oid: str) -> None:
+    path = Path(tier.dir) / "objects" / oid[:2] / oid
+    os.chmod(path, 0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_the_tier_holds_the_closure_of_the_last_k_commits_over_many_commits(tmp_path: Path, keep: int) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    tier = MemoryTier(str(tmp_path / "tier"), 0, keep=keep)
+    writer, _ = _tiered(store, tier, fill=tier)  # write-through: every object a commit writes lands in the tier
+    model, opt = TinyNet(), None
+    opt = make_optimizer(model)
+    closures: list[set[str]] = []
+    for step in range(1, 7):
+        train_steps(model, opt, 1, seed=step)
+        cid = ss.save(writer, model, opt, step=step)
+        closures.append(_closure(store, cid))
+        held = tier.hold(cid, closures[-1])
+        want = set().union(*closures[-keep:])
+        assert set(tier.objects()) == want  # older commits' objects evicted, nothing of the last K missing
+        assert held == tier.nbytes() == sum(store.object_size(o) or 0 for o in want)
+        assert [h.commit for h in tier.held()][-1] == cid and len(tier.held()) == min(step, keep)
+    assert len(closures[0] - set(tier.objects())) > 0  # the first commit's changed tensors are gone
+
+
+def test_restore_reads_memory_first_and_a_corrupt_copy_costs_a_store_read(tmp_path: Path) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    tier = MemoryTier(str(tmp_path / "tier"), 0)
+    model = TinyNet()
+    opt = make_optimizer(model)
+    train_steps(model, opt, 2)
+    writer, _ = _tiered(store, tier, fill=tier)
+    cid = ss.save(writer, model, opt, step=2)
+    tier.hold(cid, _closure(store, cid))
+    # From memory: every object, none from the store.
+    reader, counted = _tiered(store, tier, fill=tier)
+    fresh = TinyNet(seed=5)
+    ss.restore(reader, cid, fresh, make_optimizer(fresh))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert counted.counts()["store"] == 0 and counted.counts()["memory"] > 0 and not counted.rejected
+    # A flipped byte in the tier's copy: detected against the id, read from the store, named.
+    victim = ss.load_commit(store, cid).shards[0].entries[0].param
+    _flip(tier, victim)
+    reader, counted = _tiered(store, tier, fill=tier)
+    again = TinyNet(seed=6)
+    ss.restore(reader, cid, again, make_optimizer(again))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert counted.counts()["store"] == store.object_size(victim)
+    assert len(counted.rejected) == 1 and victim in counted.rejected[0] and tier.dir in counted.rejected[0]
+    assert "does not hash to its id" in counted.rejected[0]
+    # The verified copy from the store replaced the corrupt one: the next restore reads memory only.
+    reader, counted = _tiered(store, tier, fill=tier)
+    ss.restore(reader, cid, TinyNet(seed=7))
+    assert counted.counts()["store"] == 0 and not counted.rejected
+
+
+def test_a_peer_copy_is_used_only_if_it_hashes_to_its_id_and_the_peer_is_named(tmp_path: Path) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    model = TinyNet()
+    cid = ss.save(store, model, step=1)
+    lc = ss.load_commit(store, cid)
+    good, bad = lc.shards[0].entries[0].param, lc.shards[0].entries[1].param
+    peers = PeerCopies()
+    peers.add(good, bytes(store.get(good)), peer=1)
+    wrong = bytearray(store.get(bad))
+    wrong[0] ^= 0xFF
+    peers.add(bad, bytes(wrong), peer=2)
+    empty = MemoryTier(str(tmp_path / "tier"), 0)
+    reader, counted = _tiered(store, empty, peers, fill=empty)
+    ss.restore(reader, cid, TinyNet(seed=3))
+    counts = counted.counts()
+    assert counts["peers"] == store.object_size(good)
+    assert counts["store"] > store.object_size(bad) and counts["memory"] == 0  # the rest, manifests included
+    assert counted.rejected == [
+        f"object {bad}: the copy from peer slot 2 does not hash to its id (its bytes hash to "
+        f"{ss.format.tensors.hash_bytes(bytes(wrong))}); not used"
+    ]
+    assert empty.has(good) and empty.has(bad)  # both verified copies now kept in memory
+
+
+def test_a_tier_copy_of_the_wrong_size_is_refused_before_it_lands(tmp_path: Path) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    cid = ss.save(store, TinyNet(), step=1)
+    oid = ss.load_commit(store, cid).shards[0].entries[0].param
+    peers = PeerCopies()
+    peers.add(oid, bytes(store.get(oid)) + b"\0", peer=0)
+    reader, counted = _tiered(store, peers)
+    dest = torch.empty(store.object_size(oid) // 4, dtype=torch.float32)
+    reader.read_into(oid, dest)
+    assert counted.counts() == {"memory": 0, "peers": 0, "store": dest.numel() * 4}
+    assert "has " in counted.rejected[0] and "not the" in counted.rejected[0]
+
+
+def test_every_write_goes_to_the_store_and_objects_also_to_the_tier(tmp_path: Path) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    tier = MemoryTier(str(tmp_path / "tier"), 0)
+    writer, _ = _tiered(store, tier, fill=tier)
+    cid = ss.save(writer, TinyNet(), step=1, ref="main")
+    assert store.ref("main") == cid  # refs are the durable store's
+    assert ss.verify(store).ok
+    assert _closure(store, cid) <= set(tier.objects())
+    assert not (Path(tier.dir) / "refs").exists()
+
+
+def test_a_tier_directory_must_be_private_to_this_user(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    with pytest.raises(TierError, match="others may write it"):
+        MemoryTier(str(shared), 0)
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(TierError, match="not a directory"):
+        MemoryTier(str(tmp_path / "link"), 0)
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(TierError):
+        MemoryTier(str(tmp_path / "file"), 0)
+    with pytest.raises(TierError, match="at least one commit"):
+        MemoryTier(str(tmp_path / "ok"), 0, keep=0)
+
+
+def test_an_index_that_does_not_decode_is_no_index(tmp_path: Path) -> None:
+    tier = MemoryTier(str(tmp_path / "tier"), 3)
+    oid = "ab" * 32
+    tier.put(oid, b"x")  # its id is wrong on purpose: the index is what is checked here
+    tier.hold("cd" * 32, [oid])
+    assert tier.holds("cd" * 32) == (oid,)
+    index = Path(tier.dir) / "held.json"
+    for raw in (
+        b"{",
+        b'{"version": 1, "commits": [{"commit": "../x", "objects": []}]}',
+        b'{"version": 9, "commits": []}',
+    ):
+        index.write_bytes(raw)
+        assert tier.held() == () and tier.holds("cd" * 32) is None
+
+
+def test_the_default_root_is_named_for_the_store_and_the_user(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SHARDSTORE_TIER_ROOT", str(tmp_path))
+    a, b = default_tier_root("/data/store-a"), default_tier_root("s3://bucket/store-a")
+    assert a != b and os.path.dirname(a) == str(tmp_path) and f"-{os.geteuid()}-" in os.path.basename(a)
+    assert default_tier_root("/data/store-a") == a == default_tier_root("file:///data/store-a")
+    assert default_tier_root("store-a") == default_tier_root(os.path.join(os.getcwd(), "store-a"))
+    monkeypatch.delenv("SHARDSTORE_TIER_ROOT")
+    assert default_tier_root("/data/store-a").startswith("/dev/shm/" if os.path.isdir("/dev/shm") else "/")

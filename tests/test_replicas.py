@@ -1,0 +1,116 @@
+"""Peer replicas over a real 3-process Gloo group (``checkpoint.replicas``): each slot's committed
+objects land in its buddy's memory tier, only new objects move at the next commit, a worker
+whose tier is gone gets its slot back from its buddy, and a buddy that sends wrong bytes is
+caught by the reader's verification and named."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from gloo_group import run_group
+
+from shardstore.backends.memory_tier import MemoryTier
+from shardstore.backends.tiers import TieredStorage
+from shardstore.checkpoint.replicas import buddies, fetch_replicas, replicate
+from shardstore.format.tensors import hash_bytes
+from shardstore.store import open_store
+
+C1, C2 = "c1" * 32, "c2" * 32
+
+
+def _objects(rank: int, n: int, version: int = 0) -> dict[str, bytes]:
+    """Slot ``rank``'s objects: ``n`` payloads, the last one changed in ``version`` 1."""
+    datas = [bytes([rank, i]) * (1000 + i) for i in range(n)]
+    if version:
+        datas[-1] = b"changed" + datas[-1]
+    return {hash_bytes(d): d for d in datas}
+
+
+def _body(rank: int, world: int, home: str) -> dict:
+    roots = {r: os.path.join(home, f"host{r}") for r in range(world)}
+    own = MemoryTier(roots[rank], rank)
+    tier_for = lambda slot: MemoryTier(roots[rank], slot)  # noqa: E731 - this host's tier of a slot
+    out: dict = {}
+    # commit 1: every slot's objects go to its buddy
+    first = _objects(rank, 4)
+    for oid, data in first.items():
+        own.put(oid, data)
+    own.hold(C1, first)
+    r1 = replicate(None, slot=rank, commit=C1, objects=first, own=own, tier_for=tier_for)
+    # commit 2: one object changed, so one object's bytes move
+    second = _objects(rank, 4, version=1)
+    for oid, data in second.items():
+        own.put(oid, data)
+    own.hold(C2, second)
+    r2 = replicate(None, slot=rank, commit=C2, objects=second, own=own, tier_for=tier_for)
+    before = (rank - 1) % world
+    out["first"] = [r1.sent, r1.received, r1.held]
+    out["second"] = [r2.sent, r2.received, r2.held, len(second.keys() - first.keys())]
+    out["replica"] = sorted(tier_for(before).objects())
+    out["replica_holds"] = tier_for(before).holds(C2) is not None
+    out["expected_replica"] = sorted(_objects(before, 4, version=1))
+    # slot 1's host is lost: its replacement has an empty tier and gets slot 1 from slot 2's host
+    if rank == 1:
+        own = MemoryTier(os.path.join(home, "replacement1"), 1)
+    copies, report = fetch_replicas(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
+    out["fetched"] = sorted(oid for oid in second if copies.fetch(oid) is not None)
+    out["fetch_received"] = report.received
+    # slot 2's host now holds a corrupt replica of slot 1: the replacement's reader refuses it
+    bad = max(second, key=lambda o: len(second[o])) if rank == 1 else None
+    if rank == 2:
+        victim = max(_objects(1, 4, version=1).items(), key=lambda kv: len(kv[1]))[0]
+        path = Path(tier_for(1).dir) / "objects" / victim[:2] / victim
+        os.chmod(path, 0o644)
+        path.write_bytes(b"X" + path.read_bytes()[1:])
+    if rank == 1:
+        own = MemoryTier(os.path.join(home, "replacement1b"), 1)
+    copies, _ = fetch_replicas(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
+    if rank == 1:
+        store = open_store(os.path.join(home, "store1"))  # the durable copy, for the rejected object
+        for data in second.values():
+            store.put(data)
+        reader = TieredStorage(store.storage, [own, copies], fill=own)
+        for oid, data in second.items():
+            assert bytes(reader.read(f"objects/{oid[:2]}/{oid}")) == data
+        out["counts"] = reader.counts()
+        out["rejected"] = reader.rejected
+        out["bad"] = bad
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    home = tmp_path_factory.mktemp("replicas")
+    return run_group(_body, 3, home, str(home))
+
+
+def test_buddies_are_the_next_slots_round_the_ring() -> None:
+    assert buddies(0, 3, 1) == [1] and buddies(2, 3, 1) == [0] and buddies(1, 3, 5) == [2, 0]
+    assert buddies(0, 1, 1) == []
+
+
+def test_each_slot_is_held_by_its_buddy_and_only_new_objects_move(ranks: list[dict]) -> None:
+    one = sum(len(d) for d in _objects(0, 4).values())
+    for r in ranks:
+        assert r["first"] == [one, one, True]  # every object once, held whole
+        assert r["replica"] == r["expected_replica"] and r["replica_holds"]  # the old version evicted
+        sent, received, held, new = r["second"]
+        assert new == 1 and held
+        assert sent == received == len(b"changed") + 2 * 1003  # the changed object only
+
+
+def test_a_replacement_with_an_empty_tier_gets_its_slot_from_its_buddy(ranks: list[dict]) -> None:
+    assert ranks[1]["fetched"] == sorted(_objects(1, 4, version=1))
+    assert ranks[1]["fetch_received"] == sum(len(d) for d in _objects(1, 4, version=1).values())
+    assert ranks[0]["fetched"] == ranks[2]["fetched"] == []  # their own tiers hold the commit
+
+
+def test_a_buddy_sending_wrong_bytes_is_named_and_the_store_read_instead(ranks: list[dict]) -> None:
+    r = ranks[1]
+    bad = r["bad"]
+    assert r["counts"]["store"] == len(_objects(1, 4, version=1)[bad])
+    assert r["counts"]["peers"] == sum(len(d) for d in _objects(1, 4, version=1).values()) - r["counts"]["store"]
+    assert len(r["rejected"]) == 1
+    assert r["rejected"][0].startswith(f"object {bad}: the copy from peer slot 2 does not hash to its id")

@@ -1,0 +1,382 @@
+"""The dict-level API (SPEC.md §9f; ``shardstore/checkpoint/state_dict.py``, ``state/documents.py``):
+a nested state dict as frameworks hand it over, saved without pickle and read back type-exact,
+into fresh tensors or into a caller's own (DTensors: their share only)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from collections import OrderedDict, defaultdict, namedtuple
+
+import blake3
+import numpy as np
+import pytest
+import torch
+from gloo_group import run_group
+
+import shardstore
+from shardstore.errors import StateMismatch, TensorMismatch, UnsupportedState
+from shardstore.ops.diff import diff
+from shardstore_cli.shardstore_cli import main as shardstore_main
+
+
+def same(a, b, path="$"):
+    """Type-exact equality: every container and leaf of the same type, tensors bitwise with their dtype."""
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b) if isinstance(a, OrderedDict) else a.keys() == b.keys(), path
+        for k in a:
+            same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def lightning_checkpoint() -> dict:
+    """The dict Lightning's ``CheckpointIO.save_checkpoint`` is handed (its keys and value types)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    adam = torch.optim.AdamW(model[0].parameters(), lr=1e-3, betas=(0.9, 0.95))
+    sgd = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(adam, step_size=2, gamma=0.5)
+    for _ in range(2):
+        model(torch.randn(5, 3)).square().sum().backward()
+        adam.step(), sgd.step(), sched.step()
+    return {
+        "epoch": 1,
+        "global_step": 8,
+        "pytorch-lightning_version": "2.6.6",
+        "state_dict": model.state_dict(),  # an OrderedDict, BatchNorm's int64 counter included
+        "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 2, "completed": 1}}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min'}": {
+                "best_model_score": torch.tensor(0.25),
+                "best_k_models": {"/tmp/run/epoch=0-step=8.ckpt": torch.tensor(0.25)},
+                "dirpath": "/tmp/run",
+                "kth_value": torch.tensor(float("inf")),
+            }
+        },
+        "optimizer_states": [adam.state_dict(), sgd.state_dict()],  # integer keys, tuples, 0-d step tensors
+        "lr_schedulers": [sched.state_dict()],
+        "hyper_parameters": {
+            "root": pathlib.Path("/data/shards"),
+            "dtype": torch.bfloat16,
+            "device": torch.device("cpu"),
+            "shape": torch.Size([4, 2]),
+            "betas": (0.9, 0.95),
+            "layers": [3, 4, 2],
+            "note": "f64:not a real",  # a string with a reserved prefix
+            "warmup": None,
+            "lr": 1e-3,
+            "flag": True,
+        },
+    }
+
+
+def test_a_lightning_checkpoint_round_trips_type_exact(tmp_path):
+    ck = lightning_checkpoint()
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, ck, step=ck["global_step"])
+    back = shardstore.read_state_dict(store, "main")
+    same(ck, back)
+    assert not any(back["state_dict"][k] is ck["state_dict"][k] for k in ck["state_dict"])  # fresh tensors
+    lc = shardstore.load_commit(store, cid)
+    assert lc.commit.step == 8
+    # every tensor is a tensor entry named by its key path; the rest is the commit's tree
+    entries = lc.entries()
+    assert "state_dict/0.weight" in entries and "optimizer_states/0/state/0/exp_avg" in entries
+    assert "optimizer_states/1/state/0/momentum_buffer" in entries
+    assert shardstore.verify(store).ok
+    # loading it the frameworks' way: torch's own load_state_dict takes what came back
+    torch.optim.AdamW(torch.nn.Linear(3, 4).parameters()).load_state_dict(back["optimizer_states"][0])
+
+
+def test_a_checkpoint_lightning_itself_dumps_round_trips_type_exact(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch", reason="Lightning's own checkpoint dict under test")
+
+    class Tiny(pl.LightningModule):
+        def __init__(self, root: pathlib.Path = pathlib.Path("/data"), dtype: torch.dtype = torch.bfloat16) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, i):
+            return self.layer(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3)), batch_size=4)
+    trainer = pl.Trainer(
+        max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        default_root_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    trainer.fit(Tiny(), data)
+    ck = trainer._checkpoint_connector.dump_checkpoint()  # what CheckpointIO.save_checkpoint is handed
+    store = shardstore.open_store(tmp_path / "s")
+    shardstore.save_state_dict(store, ck, step=ck["global_step"])
+    back = shardstore.read_state_dict(store, "main")
+    same(ck, back)
+    assert back["hyper_parameters"] == {"root": pathlib.Path("/data"), "dtype": torch.bfloat16}
+
+
+def test_saving_the_same_dict_twice_gives_the_same_commit(tmp_path):
+    store = shardstore.open_store(tmp_path / "s")
+    ck = lightning_checkpoint()
+    a = shardstore.save_state_dict(store, ck, step=8, ref=None)
+    reordered = dict(reversed(list(ck.items())))  # a dict's order is not its value; an OrderedDict's is
+    assert shardstore.save_state_dict(store, reordered, step=8, ref=None) == a
+    flipped = {**ck, "state_dict": OrderedDict(reversed(list(ck["state_dict"].items())))}
+    assert shardstore.save_state_dict(store, flipped, step=8, ref=None) != a
+
+
+Point = namedtuple("Point", "x y")
+
+
+class Custom:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("value", "path"),
+    [
+        ({"a": {"b": {1, 2}}}, r"\$\.a\.b: a builtins\.set"),
+        ({"a": [np.float32(1.0)]}, r"\$\.a\[0\]: a numpy\.float32"),
+        ({"a": Point(1, 2)}, r"\$\.a: a test_state_dict\.Point"),
+        ({"a": defaultdict(int)}, r"\$\.a: a collections\.defaultdict"),
+        ({"opt": {True: 1}}, r"\$\.opt: key True is a bool"),
+        ({"fn": Custom()}, r"\$\.fn: a test_state_dict\.Custom"),
+        ({"big": 2**64}, r"\$\.big: integer"),
+        ({"s": "\ud800"}, r"state dict: a string is not valid Unicode"),
+    ],
+)
+def test_what_cannot_be_held_is_refused_by_key_path_before_a_write(tmp_path, value, path):
+    store = shardstore.open_store(tmp_path / "s")
+    value["w"] = torch.ones(2)
+    before = sorted(p for p in (tmp_path / "s").rglob("*") if p.is_file())
+    with pytest.raises(UnsupportedState, match=path):
+        shardstore.save_state_dict(store, value)
+    assert sorted(p for p in (tmp_path / "s").rglob("*") if p.is_file()) == before
+
+
+def test_in_place_load_fills_the_callers_tensors_after_checking_everything(tmp_path):
+    ck = lightning_checkpoint()
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, ck)
+    target = {
+        "state_dict": OrderedDict((k, torch.zeros_like(v)) for k, v in ck["state_dict"].items()),
+        "optimizer_states": [
+            {
+                "state": {i: {k: torch.zeros_like(v) for k, v in st.items()} for i, st in o["state"].items()},
+                "param_groups": [{}],
+            }
+            for o in ck["optimizer_states"]
+        ],
+        "callbacks": {k: {"best_k_models": {}} for k in ck["callbacks"]},
+    }
+    weight = target["state_dict"]["0.weight"]
+    target["callbacks"][next(iter(ck["callbacks"]))]["best_k_models"] = {
+        "/tmp/run/epoch=0-step=8.ckpt": torch.zeros(())
+    }
+    target["callbacks"][next(iter(ck["callbacks"]))].update(best_model_score=torch.zeros(()), kth_value=torch.zeros(()))
+    # a destination of the wrong shape is refused before any tensor is written
+    wrong = {**target, "state_dict": OrderedDict(target["state_dict"], **{"2.bias": torch.zeros(3)})}
+    with pytest.raises(TensorMismatch, match=r"\$\.state_dict\.2\.bias: the commit holds float32\[2\]"):
+        shardstore.load_state_dict_into(store, wrong, cid)
+    assert not weight.any()
+    extra = {**target, "stray": torch.zeros(2)}  # a tensor the commit does not hold
+    with pytest.raises(StateMismatch, match=r"holds no value at \$\.stray"):
+        shardstore.load_state_dict_into(store, extra, cid)
+    assert not weight.any()
+    assert shardstore.load_state_dict_into(store, target, cid) == cid
+    assert target["state_dict"]["0.weight"] is weight  # in place
+    same(ck["state_dict"], target["state_dict"])
+    same(ck["optimizer_states"], target["optimizer_states"])  # tensors filled, param_groups replaced
+    key = next(iter(ck["callbacks"]))
+    assert set(target["callbacks"][key]) == {"best_k_models", "best_model_score", "kth_value"}  # what it asked for
+    same({k: ck["callbacks"][key][k] for k in target["callbacks"][key]}, target["callbacks"][key])
+
+
+def test_diff_by_key_path_log_gc_and_copy(tmp_path, capsys):
+    store = shardstore.open_store(tmp_path / "s")
+    ck = lightning_checkpoint()
+    a = shardstore.save_state_dict(store, ck, step=8)
+    ck["epoch"] = 2
+    ck["optimizer_states"][0]["param_groups"][0]["lr"] = 2.5e-4
+    ck["hyper_parameters"]["root"] = pathlib.Path("/data/other")
+    with torch.no_grad():
+        ck["state_dict"]["2.bias"].add_(1)
+    b = shardstore.save_state_dict(store, ck, step=9)
+    d = diff(store, a, b)
+    fields = {f.name: (f.before, f.after) for f in d.fields}
+    assert fields["state_dict.epoch"] == (1, 2)
+    assert fields["state_dict.optimizer_states[0].param_groups[0].lr"] == (5e-4, 2.5e-4)
+    assert fields["state_dict.hyper_parameters.root"] == ("/data/shards", "/data/other")
+    assert [t.name for t in d.tensors] == ["state_dict/2.bias"]
+    assert {f.name for f in diff(store, b, a).fields} == set(fields)
+    capsys.readouterr()
+    assert shardstore_main(["diff", str(tmp_path / "s"), a, b]) == 0
+    shown = capsys.readouterr().out
+    assert "state_dict.epoch" in shown and "state_dict/2.bias" in shown, shown
+    assert shardstore_main(["log", str(tmp_path / "s"), "main"]) == 0
+    assert a in capsys.readouterr().out
+    shardstore.gc(store, grace_seconds=0, dry_run=False)
+    assert shardstore.verify(store).ok
+    same(shardstore.read_state_dict(store, b), ck)
+    assert shardstore.read_state_dict(store, a)["epoch"] == 1
+    other = shardstore.open_store(tmp_path / "copy")
+    shardstore.copy_commit(store, other, b, ref="main")  # the tree travels with the commit's closure
+    same(shardstore.read_state_dict(other, "main"), ck)
+
+
+def test_a_commit_without_a_tree_is_not_read_as_one(tmp_path):
+    store = shardstore.open_store(tmp_path / "s")
+    model = torch.nn.Linear(2, 2)
+    cid = shardstore.save(store, model, step=0)
+    with pytest.raises(StateMismatch, match="not made by save_state_dict"):
+        shardstore.read_state_dict(store, cid)
+    with pytest.raises(UnsupportedState, match="reserved"):  # the tree's key is not an extra's
+        shardstore.save(store, model, step=0, extra={"state_dict": torch.optim.SGD(model.parameters(), lr=0.1)})
+
+
+# -- the encoding, pinned (SPEC.md §9f, §24) ----------------------------------------------------------
+
+VECTOR_TREE = (
+    b'{"tree":{"betas":["type:tuple","f64:3feccccccccccccd","f64:3feff7ced916872b"],'
+    b'"dtype":["type:dtype","bfloat16"],"note":["type:str","747970653a"],'
+    b'"root":["type:path","PosixPath","/data"],'
+    b'"state":["type:dict",[0,{"exp_avg":["type:tensor","state/0/exp_avg"],"step":3}]],'
+    b'"w":["type:tensor","w"]}}'
+)
+
+
+def vector_state() -> dict:
+    return {
+        "w": torch.tensor([0.5, -1.0]),
+        "state": {0: {"exp_avg": torch.tensor([0.0625, -0.125]), "step": 3}},
+        "betas": (0.9, 0.999),
+        "root": pathlib.PosixPath("/data"),
+        "dtype": torch.bfloat16,
+        "note": "type:",
+    }
+
+
+def test_the_tree_vector(tmp_path):
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, vector_state(), ref=None)
+    tree = next(x for x in store.commit(cid).extras if x.key == "state_dict")
+    assert store.get(tree.state) == VECTOR_TREE
+    assert tree.state == blake3.blake3(VECTOR_TREE).hexdigest() == VECTOR_TREE_ID
+    assert cid == VECTOR_COMMIT_ID
+    assert shardstore.read_state_dict(store, cid, map_location="meta")["w"].device.type == "meta"
+    # the tensors are the §24 vector's objects: layer.bias [0.5, -1.0] and its exp_avg
+    entries = shardstore.load_commit(store, cid).entries()
+    assert entries["w"].param == "2289f11e7346cf789fa7f35974d30ed0420e97ec8527c2314adee1030be1fef4"
+    assert entries["state/0/exp_avg"].param == "8cd6577c6625c0ac665d39a0817e9a25c34be0850a389b9f4c85dc8612c4b0cd"
+
+
+#: SPEC.md §24 ("state dict tree"): the tree document's id and the commit's (job default, step 0, one slot, no RNG)
+VECTOR_TREE_ID = "71621f43379dea5184816399980d492fc7d0103bb940d26ec9039f3fe78f0873"
+VECTOR_COMMIT_ID = "304be9ac342277526efeb94c630f256e0abd292c40016f10a555a9a7fc35c473"
+
+
+# -- in a process group: DTensors through the block exchange -----------------------------------------
+
+
+def _group_body(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(12.0).reshape(6, 2)
+    moment = full / 8
+    sd = {
+        "model": {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.tensor([1.0, 2.0])},
+        "optim": {"state": {0: {"exp_avg": distribute_tensor(moment, mesh, [Shard(0)]), "step": torch.tensor(3.0)}}},
+        "epoch": 4,
+    }
+    store = shardstore.open_store(root)
+    cid = shardstore.save_state_dict(store, sd, step=4)
+    out = {"cid": cid}
+    if rank == 0:
+        back = shardstore.read_state_dict(store, cid)
+        out["full"] = torch.equal(back["model"]["w"], full) and torch.equal(
+            back["optim"]["state"][0]["exp_avg"], moment
+        )
+        out["types"] = [type(back["optim"]["state"]).__name__, type(back["model"]["w"]).__name__, back["epoch"]]
+        out["verify"] = shardstore.verify(store).ok
+    dst = {
+        "model": {"w": distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]), "b": torch.zeros(2)},
+        "optim": {
+            "state": {0: {"exp_avg": distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]), "step": torch.zeros(())}}
+        },
+        "epoch": 0,
+    }
+    shardstore.load_state_dict_into(store, dst, cid)
+    local = dst["model"]["w"].to_local()
+    out["share"] = torch.equal(local, full[rank * 3 : rank * 3 + 3]) and dst["epoch"] == 4
+    try:
+        shardstore.save_state_dict(store, {**sd, "epoch": rank}, step=5)  # ranks disagree on a value
+        out["disagree"] = "saved"
+    except shardstore.CommitProtocolError as e:
+        out["disagree"] = str(e)
+    out["head"] = store.ref("main")
+    return out
+
+
+def test_dtensors_in_a_process_group_go_through_the_block_exchange(tmp_path):
+    got = run_group(_group_body, 2, tmp_path, str(tmp_path / "s"))
+    assert got[0]["cid"] == got[1]["cid"]
+    assert got[0]["full"] and got[0]["types"] == ["dict", "Tensor", 4] and got[0]["verify"]
+    assert got[0]["share"] and got[1]["share"]
+    assert all("phase 'acknowledge' failed on rank(s) [1]" in g["disagree"] for g in got), got
+    assert "commit-wide extras ['state_dict'] differ from rank 0's" in got[1]["disagree"]
+    assert got[0]["head"] == got[0]["cid"]  # the ref stayed where it was
+
+
+def test_verify_refuses_a_tree_that_does_not_match_its_commit(tmp_path):
+    from shardstore.format.manifest import ExtraEntry
+
+    store = shardstore.open_store(tmp_path / "s")
+    base = shardstore.load_commit(store, shardstore.save(store, {"w": torch.ones(2)}, step=0, rng=False, ref=None))
+    info = shardstore.CommitInfo(step=0, profile="fp32")
+    forged = {
+        "ghost": b'{"tree":{"ghost":["type:tensor","ghost"]}}',  # names a tensor the commit lacks
+        "uncanonical": b'{"tree":{"w":["type:tensor","w"],"x":["type:dict",["a",1]]}}',  # str keys: an object
+    }
+    for what, doc in forged.items():
+        tree = ExtraEntry(key="state_dict", state=store.put(doc), tensors=())
+        cid = shardstore.write_commit(store, list(base.shard_ids.values()), info=info, parent=None, extras=(tree,))
+        report = shardstore.verify(store, [cid])
+        assert not report.ok and any("state dict tree" in str(p.error) for p in report.problems), (what, report)
+        with pytest.raises((StateMismatch, shardstore.ManifestError)):
+            shardstore.read_state_dict(store, cid)
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        (b'{"tree":{"p":["type:path","WindowsPath","x"]}}', "a WindowsPath cannot be made here"),
+        (b'{"tree":{"p":["type:path","PosixPath","a//b"]}}', "not the canonical tree"),
+        (b'{"tree":{"d":["type:dtype","__class__"]}}', "is not a torch dtype"),
+        (b'{"tree":{"d":["type:device","foo"]}}', "is not a device"),
+        (b'{"tree":{"t":["type:bogus"]}}', "unknown kind"),
+        (b'{"tree":{"s":"type:x"}}', "reserved prefix outside a typed value"),
+        (b'{"tree":{"s":["type:dict",[1,2],[0,3]]}}', "not the canonical tree"),  # pairs out of order
+        (b'{"tree":{"w":["type:tensor","v"]}}', "names tensor 'v', its path gives 'w'"),
+        (b'{"tree":{"x":1.5}}', "plain JSON real"),
+        (b'{"other":{}}', "a tree document is"),
+    ],
+)
+def test_a_hostile_tree_is_refused_with_a_typed_error(doc, says):
+    from shardstore.state.documents import read_tree
+
+    with pytest.raises(shardstore.ManifestError, match=re.escape(says)):
+        read_tree(doc, "tree")
