@@ -77,6 +77,7 @@ import math
 import os
 import pickle
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -87,6 +88,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -105,7 +107,9 @@ import shardstore as ss
 from shardstore.checkpoint.distributed import acknowledge
 from shardstore.checkpoint.slots import write_commit, write_shard
 from shardstore.errors import ObjectNotFound
-from shardstore.format.grid import StoredPayload, grid, make_payload
+from shardstore.format.grid import StoredPayload, grid, intersect, make_payload
+from shardstore.format.manifest import encode_config
+from shardstore.format.rng import capture_rng
 from shardstore.format.slices import make_slices
 from shardstore.format.tensors import expected_nbytes, hash_bytes, torch_dtype
 from shardstore.sharded.dtensor import (
@@ -120,11 +124,22 @@ from shardstore.sharded.dtensor import (
 from shardstore.sharded.placement import mesh_parts
 from shardstore.state.optim import Hyper, OptimState, ParamOpt
 from shardstore.state.slot import SlotState
-from shardstore.store import Store, object_key
+from shardstore.store import Store, object_key, ref_key
 from shardstore.verification.commits import load_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_block  # noqa: E402
+from _s3_requests import (  # noqa: E402
+    GET_RATE,
+    PUT_RATE,
+    READ,
+    SAVE_OVERHEAD,
+    WRITE,
+    Tally,
+    dcp_writes,
+    requests_for,
+    s3fs_write,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_scale_sim:begin -->", "<!-- bench_scale_sim:end -->"
@@ -228,82 +243,108 @@ def samples(n: int) -> list[int]:
 class CountingStorage:
     """A ``Storage`` (backends.base) in memory: manifests, refs and the config are held and
     returned; tensor objects exist as (id, size) only (``register``) and reading one is an
-    error (a path that would need tensor bytes shows up). Requests and bytes are counted."""
+    error (a path that would need tensor bytes shows up). Bytes are counted, and each call is
+    tallied (``tally``, under ``tally.phase``) as the S3 requests S3Storage would send for it
+    (``_s3_requests.requests_for``; it reads with ``read_hashed``, as S3Storage does)."""
 
     url = "count://sim"
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
         self.virtual: dict[str, int] = {}
-        self.requests: Counter[str] = Counter()
+        self.tally = Tally()
         self.read_bytes = 0
         self.written_bytes = 0
 
+    def _size(self, key: str) -> int | None:
+        return len(self.data[key]) if key in self.data else self.virtual.get(key)
+
     def register(self, key: str, size: int) -> None:
+        """A tensor object its owner writes in the block exchange (a create-only write)."""
+        self.tally.add(key, requests_for("write_once", size=size, found=key in self.virtual))
         self.virtual[key] = size
 
     def read(self, key: str, limit: int | None = None) -> bytes:
-        self.requests["GET"] += 1
         if key in self.virtual:
             raise AssertionError(f"{key}: a tensor object was read; the simulation holds no tensor bytes")
         if key not in self.data:
+            self.tally.add(key, requests_for("read", found=False))
             raise ObjectNotFound(f"{key} is missing from store {self.url}")
+        self.tally.add(key, requests_for("read", size=len(self.data[key])))
         self.read_bytes += len(self.data[key])
         return self.data[key]
 
+    def read_hashed(self, key: str, hasher: Any, limit: int | None = None) -> tuple[bytes, str]:
+        data = self.read(key, limit)
+        h = hasher()
+        h.update(data)
+        return data, h.hexdigest()
+
+    def hash_object(self, key: str, hasher: Any, *, threads: int = 1) -> tuple[str, int]:
+        data, digest = self.read_hashed(key, hasher)
+        return digest, len(data)
+
     def size(self, key: str) -> int | None:
-        self.requests["HEAD"] += 1
-        return len(self.data[key]) if key in self.data else self.virtual.get(key)
+        self.tally.add(key, requests_for("size"))
+        return self._size(key)
 
     def exists(self, key: str) -> bool:
-        self.requests["HEAD"] += 1
-        return key in self.data or key in self.virtual
+        self.tally.add(key, requests_for("exists"))
+        return self._size(key) is not None
 
     def touch(self, key: str) -> int | None:
-        return self.size(key)
+        n = self._size(key)
+        self.tally.add(key, requests_for("touch", size=n or 0, found=n is not None))
+        return n
 
     def write_once(self, key: str, data: Any) -> bool:
-        self.requests["PUT"] += 1
-        if key in self.data or key in self.virtual:
+        found = self._size(key) is not None
+        self.tally.add(key, requests_for("write_once", size=len(memoryview(data).cast("B")), found=found))
+        if found:
             return False
         self.data[key] = bytes(data)
         self.written_bytes += len(self.data[key])
         return True
 
     def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
-        self.requests["PUT"] += 1
+        self.tally.add(key, requests_for("swap_new" if expected is None else "swap"))
         if self.data.get(key) != expected:
             raise ss.RefConflict(f"{key}: changed")
         self.data[key] = bytes(new)
 
     def delete(self, key: str) -> None:
+        self.tally.add(key, requests_for("delete"))
         self.data.pop(key, None)
 
     def delete_if(self, key: str, expected: bytes) -> None:
+        self.tally.add(key, requests_for("delete_if"))
         if self.data.get(key) != expected:
             raise ss.RefConflict(f"{key}: changed")
         del self.data[key]
 
     def list(self, prefix: str) -> Iterator[str]:
-        self.requests["LIST"] += 1
-        return iter(sorted(k for k in (*self.data, *self.virtual) if k.startswith(prefix.rstrip("/") + "/")))
+        keys = sorted(k for k in (*self.data, *self.virtual) if k.startswith(prefix.rstrip("/") + "/"))
+        self.tally.add(prefix.rstrip("/") + "/", requests_for("list", keys=len(keys)))
+        return iter(keys)
 
     def mtime(self, key: str) -> float | None:
-        return 0.0 if key in self.data or key in self.virtual else None
+        self.tally.add(key, requests_for("mtime"))
+        return 0.0 if self._size(key) is not None else None
 
     def sync(self) -> None:
         return None
 
 
 class StandInStore(Store):
-    """The real Store over a ``CountingStorage``, but a tensor read checks the object's size and
-    moves no byte: ``read_into`` leaves the destination as it is, ``get_tensor`` returns an empty
+    """The real Store over a ``CountingStorage``, but a tensor read checks the object's size,
+    is tallied as the GETs it would send, and moves no byte: ``read_into`` leaves the destination as it is, ``get_tensor`` returns an empty
     tensor of ``fake`` (a ``FakeTensorMode``). Restore's plan (which blocks, into which views)
     runs unchanged; ``first_read`` is the CPU time of its first block read (restore plans every
     read before it runs one)."""
 
     fake: Any = None
     reads = 0
+    read_tensor_bytes = 0
     first_read: float | None = None
     stop = False  # raise PlanDone at the first read
 
@@ -312,10 +353,13 @@ class StandInStore(Store):
             self.first_read = time.process_time()
             if self.stop:
                 raise PlanDone
-        have = self.object_size(oid)
+        key = object_key(oid)
+        have = self.storage._size(key)  # the read's own size check: no request of its own
         if have != nbytes:
             raise ss.TensorMismatch(f"{what}: object {oid} is {have} bytes, {nbytes} wanted")
+        self.storage.tally.add(key, requests_for("read_into", size=nbytes))  # what S3Storage's read sends
         self.reads += 1
+        self.read_tensor_bytes += nbytes
 
     def read_into(self, oid: str, dest: torch.Tensor, *, what: str = "tensor") -> None:
         self._check(oid, dest.numel() * dest.element_size(), what)
@@ -484,6 +528,7 @@ class Figures:
     coordinator_s: float = 0.0
     restore_rank_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    fixed: dict[str, Any] = field(default_factory=dict)  # not extrapolated in layers: the K-layer run's
 
 
 def gathered(n: int, sizes: list[int]) -> int:
@@ -492,8 +537,12 @@ def gathered(n: int, sizes: list[int]) -> int:
     return 8 * n + n * max(max(sizes), 1)
 
 
-def ss_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> tuple[Figures, dict[str, Any]]:
-    """shardstore's commit at ``n`` ranks (steps 1-7 of the module docstring)."""
+def ss_save(
+    model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled, *, rng: bool = False
+) -> tuple[Figures, dict[str, Any]]:
+    """shardstore's commit at ``n`` ranks (steps 1-7 of the module docstring). ``rng``: every
+    shard manifest names its rank's RNG objects (``rank_rng``), as ``save_distributed`` does by
+    default; off, as in the tables (DCP's state dict has none)."""
     tensors = model.tensors(layers)
     fig = Figures()
     # 1. descriptions of every rank (generated), the sampled ranks' from real DTensors
@@ -528,7 +577,9 @@ def ss_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> t
         pieces += sum(1 + len(sends) for *_x, sends, _d in planned) * len(keys)
     # 3. the exchange's stand-ins: would-be block ids (the canonical grid's), registered with their sizes
     storage = CountingStorage()
+    storage.tally.phase = "create"
     store = Store(storage)
+    storage.tally.phase = "blocks"
     ids: dict[tuple[str, str], list[str]] = {}
     blocks = 0
     for (name, role), (dtype, shape, _held) in sorted(union.items()):
@@ -552,8 +603,15 @@ def ss_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> t
         recorded.setdefault(slot, []).append(name)
     param_boxes = [(name, shape, kind) for name, shape, kind in tensors]
     shard_ids, shard_sizes, write_s = [], [], 0.0
+    labels = {
+        ref_key("main"): "the ref",
+        object_key(hash_bytes(encode_config(model.config()))): "the model config object",
+    }
+    storage.tally.phase = "shard"
     for r in range(n):
         mine = sorted(recorded.get(r, []))
+        states = rank_rng(r) if rng else {}
+        labels.update({object_key(hash_bytes(v)): f"the {k} RNG object" for k, v in states.items()})
         t = time.process_time()
         params = {nm: ParamOpt(group_of(payload[(nm, "param")].shape), STEP, payload[(nm, "exp_avg")],
                                payload[(nm, "exp_avg_sq")]) for nm in mine}  # fmt: skip
@@ -562,25 +620,32 @@ def ss_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> t
             {nm: payload[(nm, "param")] for nm in mine},
             OptimState("adamw", {g: h for g, h in HYPER.items() if g in used}, params),
             slices=make_slices((nm, b) for nm, shape, kind in param_boxes for b in boxes.of(shape, kind)[r]),
+            rng=states,
         )
         sid = write_shard(store, state, info=info, parent=None, slot=r, slots=n)
         write_s += time.process_time() - t
         shard_ids.append(sid)
+        labels[object_key(sid)] = "a shard manifest"
         shard_sizes.append(len(storage.data[object_key(sid)]))
-    # 5. the coordinator
+    # 5. the coordinator (commit_state reads the ref twice: the parent, and the value to swap from)
+    storage.tally.phase = "commit"
     before = storage.read_bytes
     t = time.process_time()
+    store.ref("main"), store.ref("main")
     cid = write_commit(store, shard_ids, info=info, parent=None)
     store.set_ref("main", cid, expected=None)
     fig.coordinator_s = time.process_time() - t
+    objects = len(storage.virtual) + sum(1 for k in storage.data if k.startswith("objects/"))
     fig.coordinator_in = (storage.read_bytes - before) + sum(33 * n for _ in range(5))
     commit_bytes = len(storage.data[object_key(cid)])
     # 6. acknowledgements, and what acknowledging cost before (load_commit on every rank)
     ack_s, old_ack_s = [], []
+    storage.tally.phase = "ack"
     for r in samples(n):
         t = time.process_time()
         acknowledge(store, cid, slot=r, shard=shard_ids[r])
         ack_s.append(time.process_time() - t)
+    storage.tally.phase = "check"  # not the commit's: a comparison, and verify
     t = time.process_time()
     load_commit(store, cid)
     old_ack_s.append(time.process_time() - t)
@@ -598,9 +663,19 @@ def ss_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> t
     fig.extra = {
         "describe_s": mean(describe_s), "plan_s": plan_s, "write_shard_s": write_s / n, "ack_s": mean(ack_s),
         "old_ack_s": old_ack_s[0], "verify_s": verify_s, "descriptions": desc_total, "blocks": blocks, "pieces": pieces,
-        "commit_bytes": commit_bytes, "shard_max": max(shard_sizes),
+        "commit_bytes": commit_bytes, "shard_max": max(shard_sizes), "s3_objects": objects,
     }  # fmt: skip
-    return fig, {"store": store, "storage": storage, "cid": cid}
+    return fig, {"store": store, "storage": storage, "cid": cid, "ids": ids, "labels": labels}
+
+
+def rank_rng(rank: int) -> dict[str, bytes]:
+    """Rank ``rank``'s RNG objects as a trainer leaves them: Python's and NumPy's seeded per rank
+    (distinct objects), torch's seeded alike on every rank (DTensor's random ops need one seed
+    across an SPMD mesh: one object, which every rank writes). Sets this process's generators."""
+    random.seed(rank)
+    np.random.seed(rank)
+    torch.manual_seed(0)
+    return capture_rng(cuda=False)
 
 
 # -- DCP ---------------------------------------------------------------------------------------------------
@@ -624,6 +699,14 @@ def dcp_items(model: Llama, layers: int, boxes: Boxes, rank: int) -> list[WriteI
     return items
 
 
+def item_bytes(item: WriteItem) -> int:
+    """The bytes FileSystemWriter writes for ``item``: its chunk (not the whole tensor, which is
+    what ``WriteItem.tensor_storage_size`` counts) through ``torch.save``; 64 for a bytes item."""
+    if item.tensor_data is None:
+        return 64
+    return math.prod(item.tensor_data.chunk.sizes) * 4 + SAVE_OVERHEAD
+
+
 def dcp_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> tuple[Figures, bytes, Any]:
     fig = Figures()
     local_s, coordinator = real.local_plan_s, real.coordinator
@@ -645,11 +728,12 @@ def dcp_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> 
     global_plans = writer.prepare_global_plan(global_plans)
     plan_s = time.process_time() - t
     scattered = [len(pickle.dumps(p)) for p in global_plans]
-    results = []
+    results, file_chunks = [], []
     for r, plan in enumerate(global_plans):
         off, out = 0, []
+        file_chunks.append([item_bytes(it) - SAVE_OVERHEAD for it in plan.items if it.tensor_data is not None])
         for it in plan.items:
-            length = it.tensor_storage_size() or 64
+            length = item_bytes(it)
             out.append(WriteResult(index=it.index, size_in_bytes=length,
                                    storage_data=_StorageInfo(f"__{r}_0.distcp", off, length)))  # fmt: skip
             off += length
@@ -679,7 +763,9 @@ def dcp_save(model: Llama, layers: int, n: int, boxes: Boxes, real: Sampled) -> 
     fig.extra = {"local_plan_s": mean(local_s), "global_plan_s": plan_s, "finish_s": finish_s + broadcast_s,
                  "unpickle_s": unpickle_s,
                  "local_plan_bytes": gathered / n, "chunks": sum(len(getattr(v, "chunks", ())) for v in
-                                                                 metadata.state_dict_metadata.values())}  # fmt: skip
+                                                                 metadata.state_dict_metadata.values()),
+                 }  # fmt: skip
+    fig.fixed["file_chunks"] = file_chunks
     return fig, raw, metadata
 
 
@@ -707,17 +793,21 @@ def sample_restores(
         with as_rank(r, target) as dm:
             dts = rank_dtensors(model, layers, target, dm, store.fake)
             params = {name: d["param"] for name, d in dts.items()}
-            before, reads0 = storage.read_bytes, store.reads
+            before, reads0, bytes0 = storage.read_bytes, store.reads, store.read_tensor_bytes
             store.first_read, store.stop = None, i > 0
+            storage.tally.phase = f"restore {i}"  # the first sampled rank's is whole: its reads run
             t = time.process_time()
             try:
+                store.resolve("main")  # agree_on_commit: each rank resolves the target
                 done = ss.restore(store, saved["cid"], params, Importer(), rng=False, threads=1)
                 assert len(done.tensors) == len(params), (len(done.tensors), len(params))
                 ss_fig.extra["restore_blocks"] = store.reads - reads0
+                ss_fig.extra["s3_restore_rank_bytes"] = store.read_tensor_bytes - bytes0
             except PlanDone:
                 pass
             ss_s.append((store.first_read or time.process_time()) - t)
             ss_in.append(storage.read_bytes - before)
+            storage.tally.phase = "check"
             sd = dcp_state_dict(model, layers, dts)
             t = time.process_time()
             metadata = pickle.loads(raw)  # every rank reads the whole .metadata (FileSystemReader.read_metadata)
@@ -726,8 +816,118 @@ def sample_restores(
             plan = planner.create_local_plan()
             dcp_s.append(time.process_time() - t)
             assert plan.items
+            if i == 0:  # the files and byte ranges its reads take (FileSystemReader.read_data groups them by file)
+                dcp_fig.fixed["read_ranges"] = [
+                    (sd_.relative_path, sd_.offset, sd_.length)
+                    for sd_ in (metadata.storage_data[item.storage_index] for item in plan.items)
+                ]
     ss_fig.restore_rank_s, ss_fig.restore_rank_in = mean(ss_s), mean(ss_in)
     dcp_fig.restore_rank_s, dcp_fig.restore_rank_in = mean(dcp_s), len(raw)
+
+
+# -- the S3 request budget (bench_s3_requests.py) -----------------------------------------------------
+
+#: The phases of a commit whose requests are counted whole (every rank's, or the coordinator's);
+#: "ack" ran on the sampled ranks and stands for all N.
+SAVE_PHASES = ("blocks", "shard", "commit")
+RATE_CLASSES = {"W": WRITE, "R": READ}
+
+
+def s3_figures(model: Llama, layers: int, n: int, saved: dict[str, Any], fig: Figures) -> None:
+    """shardstore's S3 requests per commit and per restore, from the tally of the storage calls
+    (``CountingStorage``): per method and rate class, on ``objects/`` and elsewhere, the
+    coordinator's, and the key S3 cannot split that takes the most (its requests, summed over
+    the ranks that send them: the commit manifest every rank reads back, a block every restoring
+    rank reads)."""
+    storage: CountingStorage = saved["storage"]
+    tally, per_ack = storage.tally, n / len(samples(n))
+    save: Counter[tuple[str, str]] = Counter()
+    for phase in SAVE_PHASES:
+        save.update(tally.classes(phase))
+    save.update({k: v * per_ack for k, v in tally.classes("ack").items()})
+    restore = tally.classes("restore 0")  # one restoring rank's, whole
+    coordinator = tally.classes("commit")
+    out: dict[str, float] = {}
+    for label, got in (("save", save), ("restore_rank", restore), ("coordinator", coordinator)):
+        for m in (*RATE_CLASSES["W"], *RATE_CLASSES["R"]):
+            out[f"{label}_{m}"] = sum(v for (mm, _c), v in got.items() if mm == m)
+        for rate, methods in RATE_CLASSES.items():
+            out[f"{label}_{rate}"] = sum(v for (m, _c), v in got.items() if m in methods)
+            out[f"{label}_objects_{rate}"] = sum(v for (m, c), v in got.items() if m in methods and c == "objects")
+    keys: dict[str, list[float]] = {}
+    for phase, times in [(p, 1.0) for p in SAVE_PHASES] + [("ack", per_ack)]:
+        for key, (w, r) in tally.per_key(phase).items():
+            keys.setdefault(key, [0.0, 0.0])
+            keys[key][0] += w * times
+            keys[key][1] += r * times
+    hot = max(keys, key=lambda k: max(keys[k][0] / PUT_RATE, keys[k][1] / GET_RATE))
+    out["save_hot_W"], out["save_hot_R"] = keys[hot]
+    fig.fixed["save_hot"] = _what(hot, saved)
+    mine = tally.per_key("restore 0")
+    readers = block_readers(model, layers, n, saved["ids"], [k for k in mine if k in storage.virtual])
+    spread = {k: (w * readers.get(k, n // 2), r * readers.get(k, n // 2)) for k, (w, r) in mine.items()}
+    hot = max(spread, key=lambda k: max(spread[k][0] / PUT_RATE, spread[k][1] / GET_RATE))
+    out["restore_hot_W"], out["restore_hot_R"] = spread[hot]
+    fig.fixed["restore_hot"] = _what(hot, saved)
+    fig.extra.update({f"s3_{k}": v for k, v in out.items()})
+
+
+def _what(key: str, saved: dict[str, Any]) -> str:
+    """What a hot key holds, in words."""
+    if key == object_key(saved["cid"]):
+        return "the commit manifest"
+    if key in saved["storage"].virtual:
+        return "a tensor block"
+    return saved["labels"].get(key, key.split("/", 1)[0] + "/")
+
+
+def block_readers(
+    model: Llama, layers: int, n: int, ids: dict[tuple[str, str], list[str]], keys: list[str]
+) -> dict[str, int]:
+    """How many of the n/2 restoring ranks (dp only) read each block of ``keys``: those whose
+    part of its tensor meets the block."""
+    target = Boxes(model, Mesh((n // 2,), dp_only=True))
+    where = {object_key(oid): (name, bi) for (name, _role), oids in ids.items() for bi, oid in enumerate(oids)}
+    shapes = {name: (shape, kind) for name, shape, kind in model.tensors(layers)}
+    grids: dict[tuple[int, ...], list] = {}
+    out = {}
+    for key in keys:
+        name, bi = where[key]
+        shape, kind = shapes[name]
+        box = grids.setdefault(shape, grid("float32", shape))[bi]
+        out[key] = sum(1 for parts in target.of(shape, kind) if any(intersect(box, b) is not None for b in parts))
+    return out
+
+
+def dcp_s3_figures(n: int, raw: bytes, fig: Figures) -> None:
+    """DCP through ``FsspecWriter`` / ``FsspecReader`` on s3fs (default block size): the objects
+    a save writes (a file per rank, and the .metadata), the requests writing each file takes
+    (``_s3_requests.s3fs_write``), and what one restoring rank reads: the .metadata whole, and
+    the byte ranges of its load plan, file by file, through s3fs's read-ahead cache (a GET for
+    each range the last GET's window, the range and one block after it, does not hold)."""
+    import s3fs
+
+    block = s3fs.S3FileSystem.default_block_size
+    data = Counter[str]()
+    for chunks in fig.fixed.pop("file_chunks"):
+        data.update(s3fs_write(dcp_writes(chunks), block))
+    ranges = fig.fixed.pop("read_ranges")
+    files: dict[str, list[tuple[int, int]]] = {}
+    for path, offset, length in ranges:
+        files.setdefault(path, []).append((offset, length))
+    gets = 0
+    for spans in files.values():
+        lo = hi = -1
+        for offset, length in spans:
+            if not (lo <= offset and offset + length <= hi):
+                gets += 1
+                lo, hi = offset, offset + length + block
+    fig.extra.update({
+        "s3_objects": n + 1, "s3_data_PUT": data["PUT"], "s3_data_POST": data["POST"],
+        "s3_restore_rank_GET": gets + math.ceil(len(raw) / block), "s3_restore_rank_HEAD": len(files) + 1,
+        "s3_meta_bytes": len(raw),
+    })  # fmt: skip
+    fig.fixed["files_read"] = len(files)
 
 
 # -- one model at one N; layers and extrapolation --------------------------------------------------------
@@ -737,26 +937,33 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def simulate(model: Llama, n: int, layers: int, boxes: Boxes | None = None) -> dict[str, Figures]:
+def simulate(
+    model: Llama, n: int, layers: int, boxes: Boxes | None = None, *, requests: bool = False
+) -> dict[str, Figures]:
     """Both systems at ``n`` ranks with ``layers`` decoder layers. Python's cyclic garbage
     collector is off while it runs: this process holds every rank's metadata (N times what a
-    rank holds), and full collections over it would charge each step with a cost no rank has."""
+    rank holds), and full collections over it would charge each step with a cost no rank has.
+    ``requests``: RNG objects in every shard manifest, and the S3 request budget's figures
+    (``s3_figures``, ``dcp_s3_figures``) in each system's ``extra`` and ``fixed``."""
     gc.collect()
     gc.disable()
     try:
-        return _simulate(model, n, layers, boxes or Boxes(model, save_mesh(n, model.tp)))
+        return _simulate(model, n, layers, boxes or Boxes(model, save_mesh(n, model.tp)), requests)
     finally:
         gc.enable()
 
 
-def _simulate(model: Llama, n: int, layers: int, boxes: Boxes) -> dict[str, Figures]:
+def _simulate(model: Llama, n: int, layers: int, boxes: Boxes, requests: bool = False) -> dict[str, Figures]:
     t = time.process_time()
     real = sample_saves(model, layers, boxes.mesh)
-    ss_fig, saved = ss_save(model, layers, n, boxes, real)
+    ss_fig, saved = ss_save(model, layers, n, boxes, real, rng=requests)
     t1 = time.process_time()
     dcp_fig, raw, _metadata = dcp_save(model, layers, n, boxes, real)
     t2 = time.process_time()
     sample_restores(model, layers, n, saved, raw, ss_fig, dcp_fig)
+    if requests:
+        s3_figures(model, layers, n, saved, ss_fig)
+        dcp_s3_figures(n, raw, dcp_fig)
     print(f"  {model.name}, {n} ranks, {layers} layers: CPU s: samples + shardstore {t1 - t:.1f}, dcp {t2 - t1:.1f}, "
           f"restores {time.process_time() - t2:.1f}", file=sys.stderr, flush=True)  # fmt: skip
     return {"shardstore": ss_fig, "dcp": dcp_fig}
@@ -769,21 +976,24 @@ def extrapolate(zero: Figures, some: Figures, k: int, total: int) -> Figures:
         return a + (b - a) * total / k
 
     out = Figures(**{f.name: line(getattr(zero, f.name), getattr(some, f.name))
-                     for f in dataclasses.fields(Figures) if f.name != "extra"})  # fmt: skip
+                     for f in dataclasses.fields(Figures) if f.name not in ("extra", "fixed")})  # fmt: skip
     out.extra = {key: line(zero.extra.get(key, 0.0), v) for key, v in some.extra.items()}
+    out.fixed = dict(some.fixed)
     return out
 
 
-def run_point(model: Llama, n: int, budget: int, max_layers: int) -> tuple[dict[str, Figures], int]:
+def run_point(
+    model: Llama, n: int, budget: int, max_layers: int, *, requests: bool = False
+) -> tuple[dict[str, Figures], int]:
     """Both systems at ``n`` ranks: the whole model if it has at most ``max_layers`` layers and
     n x tensors fits ``budget``, else extrapolated from 0 and K layers (K <= ``max_layers``).
-    Returns the figures and K (= L when whole)."""
+    Returns the figures and K (= L when whole). ``requests``: see ``simulate``."""
     per_layer = 9
     if model.layers <= max_layers and n * (3 + per_layer * model.layers) <= budget:
-        return simulate(model, n, model.layers), model.layers
+        return simulate(model, n, model.layers, requests=requests), model.layers
     k = max(1, min(model.layers, max_layers, (budget // n - 3) // per_layer))
     boxes = Boxes(model, save_mesh(n, model.tp))  # every rank's parts, shared by both runs
-    zero, some = simulate(model, n, 0, boxes), simulate(model, n, k, boxes)
+    zero, some = simulate(model, n, 0, boxes, requests=requests), simulate(model, n, k, boxes, requests=requests)
     return {s: extrapolate(zero[s], some[s], k, model.layers) for s in zero}, k
 
 

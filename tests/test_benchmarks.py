@@ -157,6 +157,25 @@ def test_scale_sim_quick(tmp_path) -> None:
     assert "| Llama-3 8B | shardstore |" in text and "| Llama-3 8B | dcp |" in text  # the exponents' rows
 
 
+@pytest.mark.long
+def test_s3_request_budget_quick(tmp_path) -> None:
+    """bench_s3_requests.py --quick: a save, a second save, a restore and DCP's save and load on 2
+    Gloo ranks against moto, counted by the server; the script exits non-zero unless the server's
+    count equals what each rank's storage calls predict (the rule its extrapolation applies), and
+    it extrapolates 8B at 64 ranks through bench_scale_sim."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n")
+    done = _run(["benchmarks/bench_s3_requests.py", "--quick", "--results", str(results)])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    text = results.read_text()
+    assert "<!-- bench_s3_requests:begin -->" in text
+    want = {"open": "yes", "commit 1": "yes", "commit 2": "yes", "restore": "yes", "dcp save": "—", "dcp load": "—"}
+    rows = [line for line in text.splitlines() if line.startswith("| 2 | ") and line.split("|")[2].strip() in want]
+    assert {r.split("|")[2].strip(): r.rstrip().rsplit("|", 2)[1].strip() for r in rows} == want, rows
+    assert any(line.startswith("| Llama-3 8B | 64 |") for line in text.splitlines())
+    assert any(line.startswith("| Llama-3 8B | 64 → 32 |") for line in text.splitlines())
+
+
 def test_gpu_check_without_cuda_says_so_and_exits_0() -> None:
     import torch
 
