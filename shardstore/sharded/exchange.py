@@ -39,7 +39,7 @@ from ..format.tensors import expected_nbytes, torch_dtype
 from ..store import Store
 from ..store.tensors import WriteBatch
 
-__all__ = ["BATCH_BYTES", "ExchangeStats", "last_exchange", "run_plan"]
+__all__ = ["BATCH_BYTES", "ExchangeStats", "Local", "last_exchange", "run_plan"]
 
 #: Most bytes of blocks one batch of the exchange assembles (a rank stages at most twice
 #: this beyond its own slices while saving).
