@@ -73,6 +73,35 @@ def test_objects_are_invisible_until_their_batch_is_durable(store: ss.Store) -> 
     assert not os.path.exists(tmp)
 
 
+def test_a_batch_is_durable_when_it_ends_its_directories_fsynced_at_once(store: ss.Store, monkeypatch) -> None:
+    """``end_writes`` fsyncs the directories its links went into (``threads`` at a time), so a
+    batch is durable without a later ``sync()``; a failed directory fsync raises StorageError
+    and leaves the directory for the next ``sync()`` to retry."""
+    import shardstore.backends.local as local
+
+    synced: list[str] = []
+    real = local.fsync_dir
+    monkeypatch.setattr(local, "fsync_dir", lambda d: (synced.append(d), real(d)))
+    ts = [torch.full((100,), float(i)) for i in range(6)]
+    ids = store.put_tensors(ts, threads=2)
+    root = store.storage.root
+    want = {os.path.join(root, "objects", oid[:2]) for oid in ids} | {os.path.join(root, "objects")}
+    assert set(synced) == want and len(synced) == len(want)  # each once, before put_tensors returned
+    synced.clear()
+    store.sync()
+    assert synced == []  # nothing left for the barrier: the batch made them durable itself
+
+    def broken(d: str) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(local, "fsync_dir", broken)
+    with pytest.raises(ss.StorageError, match="sync .*Input/output error"):
+        store.put_tensors([torch.full((100,), 99.0)], threads=1)
+    monkeypatch.setattr(local, "fsync_dir", lambda d: (synced.append(d), real(d)))
+    store.sync()
+    assert os.path.join(root, "objects") in synced  # not known durable: retried by the next barrier
+
+
 def test_a_failed_fsync_publishes_nothing_and_cleans_up(store: ss.Store, monkeypatch) -> None:
     ts = [torch.randn(1000) for _ in range(4)]
 
