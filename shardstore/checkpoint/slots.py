@@ -22,14 +22,13 @@ import os
 import socket
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ..errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
-from ..format.grid import check_reads, on_bands, payload_blocks, put_payloads, read_parts
+from ..format.grid import check_reads, on_bands, payload_blocks, put_payloads, read_parts, run_reads
 from ..format.manifest import (
     MAX_MANIFEST_BYTES,
     CommitManifest,
@@ -86,6 +85,7 @@ __all__ = [
     "Restored",
     "write_shard",
     "write_shard_entries",
+    "shard_entries_manifest",
     "write_commit",
     "save_slots",
     "save",
@@ -249,6 +249,38 @@ def write_shard_entries(
     grid and version; None: judged from the payloads, which a payload valid on both grids
     leaves on the tile grid).
     """
+    shard = shard_entries_manifest(
+        store,
+        entries,
+        groups=groups,
+        algorithm=algorithm,
+        rng=rng,
+        info=info,
+        parent=parent,
+        slot=slot,
+        slots=slots,
+        bands=bands,
+    )
+    sid = store.put_manifest(shard)
+    store.sync()
+    return sid
+
+
+def shard_entries_manifest(
+    store: Store,
+    entries: list[TensorEntry],
+    *,
+    groups: list[GroupSpec],
+    algorithm: str,
+    rng: Mapping[str, str],
+    info: CommitInfo,
+    parent: str | None,
+    slot: int,
+    slots: int,
+    bands: bool | None = None,
+) -> ShardManifest:
+    """The shard manifest ``write_shard_entries`` writes, checked (its named objects present, the
+    shard rules) but not written: for a writer that makes several durable at one barrier."""
     check_info(info)
     # every object a payload names: one id, or each block of a chunked payload (SPEC.md §5a)
     named = [oid for e in entries for _, p, d in tensor_payloads(e) for oid, _box, _n in payload_blocks(p, d, e.shape)]
@@ -277,9 +309,7 @@ def write_shard_entries(
     )
     for problem in shard_problems(shard, hash_bytes(encode(shard))):  # a reader's rules, before it is written
         raise problem.error
-    sid = store.put_manifest(shard)
-    store.sync()
-    return sid
+    return shard
 
 
 def write_commit(
@@ -456,10 +486,7 @@ def read_into(store: Store, reads: list[tuple[Payload, torch.Tensor, str]], thre
             store, payload, dtype_name(dest.dtype, what), tuple(dest.shape), part_views(dest, what), what
         )
     check_reads(store, jobs, threads=max(threads, 16))  # a size query each (a HEAD on S3), before any byte lands
-    if threads <= 1 or len(jobs) <= 1:
-        return sum(job() for job in jobs)
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        return sum(pool.map(lambda job: job(), jobs))
+    return run_reads(jobs, threads=threads)
 
 
 def restore(
