@@ -129,8 +129,8 @@ class BatchedWrites(Protocol):
         ...
 
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
-        """Make the (key, temporary path) files durable, then link each into place; per key,
-        True if this batch created it."""
+        """Make the (key, temporary path) files durable, then link each into place, and make
+        the links durable too (``threads`` waits at a time); per key, True if this batch created it."""
         ...
 
 

@@ -24,7 +24,6 @@ A restore is three phases over one plan type (``state.plan``: a ``RestorePlan`` 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import StateMismatch, TensorMismatch
-from ..format.grid import check_reads, read_parts
+from ..format.grid import check_reads, read_parts, run_reads
 from ..format.manifest import MAX_MANIFEST_BYTES, decode_config
 from ..format.rng import MAX_RNG_BYTES, check_rng, restore_rng
 from ..format.tensors import dtype_name
@@ -151,10 +150,7 @@ def read_plan(store: Store, plan: RestorePlan, threads: int) -> int:
         dtype = dtype_name(item.dest.dtype, item.what)
         jobs += read_parts(store, item.payload, dtype, shape, part_views(item.dest, item.what), item.what)
     check_reads(store, jobs, threads=max(threads, 16))  # a size query each (a HEAD on S3), before any byte lands
-    if threads <= 1 or len(jobs) <= 1:
-        return sum(job() for job in jobs)
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        return sum(pool.map(lambda job: job(), jobs))
+    return run_reads(jobs, threads=threads)
 
 
 def _match_tensors(lc: LoadedCommit, model: Any, slot: int | None, strict: bool) -> RestoreMatch:

@@ -60,6 +60,7 @@ __all__ = [
     "check_parent",
     "write_shard",
     "write_shard_entries",
+    "shard_entries_manifest",
     "write_commit",
     "save_slots",
     "save",
@@ -201,6 +202,38 @@ def write_shard_entries(
     grid and version; None: judged from the payloads, which a payload valid on both grids
     leaves on the tile grid).
     """
+    shard = shard_entries_manifest(
+        store,
+        entries,
+        groups=groups,
+        algorithm=algorithm,
+        rng=rng,
+        info=info,
+        parent=parent,
+        slot=slot,
+        slots=slots,
+        bands=bands,
+    )
+    sid = store.put_manifest(shard)
+    store.sync()
+    return sid
+
+
+def shard_entries_manifest(
+    store: Store,
+    entries: list[TensorEntry],
+    *,
+    groups: list[GroupSpec],
+    algorithm: str,
+    rng: Mapping[str, str],
+    info: CommitInfo,
+    parent: str | None,
+    slot: int,
+    slots: int,
+    bands: bool | None = None,
+) -> ShardManifest:
+    """The shard manifest ``write_shard_entries`` writes, checked (its named objects present, the
+    shard rules) but not written: for a writer that makes several durable at one barrier."""
     check_info(info)
     # every object a payload names: one id, or each block of a chunked payload (SPEC.md §5.1)
     named = [oid for e in entries for _, p, d in tensor_payloads(e) for oid, _box, _n in payload_blocks(p, d, e.shape)]
@@ -229,9 +262,7 @@ def write_shard_entries(
     )
     for problem in shard_problems(shard, hash_bytes(encode(shard))):  # a reader's rules, before it is written
         raise problem.error
-    sid = store.put_manifest(shard)
-    store.sync()
-    return sid
+    return shard
 
 
 def write_commit(

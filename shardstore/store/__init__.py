@@ -7,6 +7,6 @@ Above `backends`: imports only `shardstore.backends`, `shardstore.format` and
 """
 
 from .keys import object_key, pin_key, ref_key
-from .store import Store, open_store
+from .store import Store, manifest_bytes, open_store
 
-__all__ = ["Store", "open_store", "object_key", "ref_key", "pin_key"]
+__all__ = ["Store", "open_store", "manifest_bytes", "object_key", "ref_key", "pin_key"]

@@ -54,7 +54,7 @@ from . import tensors as tensors_io
 from .gc_fence import fenced_move
 from .keys import object_key, pin_key, ref_key
 
-__all__ = ["Store", "open_store", "object_key", "ref_key", "pin_key"]
+__all__ = ["Store", "open_store", "manifest_bytes", "object_key", "ref_key", "pin_key"]
 
 M = TypeVar("M")
 _REF_BYTES = 65
@@ -191,6 +191,11 @@ class Store:
         With ``batch`` (``write_batch()``), they become durable and visible at ``batch.finish(store.storage)``."""
         return tensors_io.put_tensors(self.storage, tensors, threads=threads, batch=batch)
 
+    def put_all(self, datas: Sequence[Buffer], *, threads: int = 2) -> list[str]:
+        """Store each of ``datas`` as an object, as one batch (``put_tensors``: one durability
+        barrier for all of them, ``threads`` at a time); return the ids in order."""
+        return tensors_io.put_tensors(self.storage, datas, threads=threads)
+
     def write_batch(self) -> tensors_io.WriteBatch:
         """A batch of object writes made durable together (``store.tensors.WriteBatch``)."""
         return tensors_io.WriteBatch()
@@ -221,8 +226,7 @@ class Store:
     # -- manifests ---------------------------------------------------------------------
 
     def put_manifest(self, manifest: ShardManifest | CommitManifest) -> str:
-        what = f"shard manifest of slot {manifest.slot}" if isinstance(manifest, ShardManifest) else "commit manifest"
-        return self.put(check_writable(encode(manifest), what))  # never write what no reader accepts
+        return self.put(manifest_bytes(manifest))
 
     def get_manifest(self, oid: str, kind: type[M]) -> M:
         data = self.get(oid, limit=MAX_MANIFEST_BYTES)
@@ -450,6 +454,12 @@ class Store:
             self.storage.write_once(f"journal/{check_oid(commit)}.json", json.dumps(record, sort_keys=True).encode())
         except (ShardstoreError, OSError, ValueError, TypeError):
             pass
+
+
+def manifest_bytes(manifest: ShardManifest | CommitManifest) -> bytes:
+    """A shard or commit manifest's canonical bytes, refused (ManifestError) if no reader would accept them."""
+    what = f"shard manifest of slot {manifest.slot}" if isinstance(manifest, ShardManifest) else "commit manifest"
+    return check_writable(encode(manifest), what)  # never write what no reader accepts
 
 
 def open_store(url: str, *, create: bool = True, **storage_options: object) -> Store:
