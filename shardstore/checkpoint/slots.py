@@ -55,7 +55,7 @@ from ..format.roots import learned_root
 from ..format.tensors import dtype_name, hash_bytes
 from ..sharded.placement import part_views
 from ..state.extras import capture_extras, plan_extras_restore, write_extras
-from ..state.module import named_state, tensor_profile
+from ..state.module import named_state, tensor_profile, unwrap_module
 from ..state.optim import (
     ParamOpt,
     _install_torch,
@@ -479,7 +479,7 @@ def restore(
     """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
 
     Only tensors the model owns (non-meta parameters and persistent buffers) are read,
-    whatever layout wrote them; every byte read is verified. DTensor parameters and moments
+    whatever layout wrote them (a data-parallel wrapper: the module it wraps, ``unwrap_module``); every byte read is verified. DTensor parameters and moments
     (FSDP2, tensor parallelism, any mesh) are filled in their local slices, from the blocks
     those overlap (SPEC.md §5a). ``strict`` (SPEC.md §16a, ``restore_match``): every owned tensor
     is in the commit and every commit tensor the restore covers (all of them for a module, slot
@@ -500,6 +500,7 @@ def restore(
     """
     lc = load_commit(store, target)
     entries = lc.entries()
+    model = unwrap_module(model)  # a data-parallel wrapper: the module it wraps (SPEC.md §Buffers)
     owned = named_state(model)[0]  # owned parameters and persistent buffers (SPEC.md §Buffers)
     if not isinstance(model, torch.nn.Module):
         covered = None  # a name -> tensor mapping is a declared share: it covers its own names
@@ -534,10 +535,10 @@ def restore(
     nread = read_into(store, reads, threads)  # straight into the destinations, every byte hashed
     for plan in optim_plans:
         plan.install()
-    if rng_states is not None:
+    loaded, slot_loaded = extras_plan.install(), slot_plan.install()
+    if rng_states is not None:  # last: an extra's load may draw random numbers (a loader's new iterator, ``stateful``)
         restore_rng(rng_states)
     restored_rng = bool(rng_states)  # a slot saved with rng=False has none
-    loaded, slot_loaded = extras_plan.install(), slot_plan.install()
     return Restored(
         lc.id,
         lc.commit.step,
