@@ -97,7 +97,7 @@ def accelerator_objects(accelerator: Any, extra: Mapping[str, Any] | None = None
     caller's own commit-wide ``extra`` beside them."""
     if getattr(accelerator, "num_processes", 1) != 1:
         raise UnsupportedState(
-            f"save_accelerator_state: the accelerator runs {accelerator.num_processes} processes; each rank's RNG "
+            f"shardstore.accelerate: the accelerator runs {accelerator.num_processes} processes; each rank's RNG "
             "and data loader position need a slot of their own, which this recipe does not write (use "
             "shardstore.save_distributed)"
         )

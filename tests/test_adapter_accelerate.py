@@ -316,6 +316,19 @@ def test_a_plain_prepared_loader_mid_epoch_is_refused(tmp_path, prepared):
     assert store.ref("main") is None and _files(tmp_path / "s") == before  # nothing written
     list(it)  # the epoch ends: between epochs the loader is whole again (its generators and epoch counter)
     shardstore.save(store, model, opt, step=0, slot_extra={"loader": loader})
+    # accelerate's SkipDataLoader (skip_first_batches of a loader over an iterable dataset) alike
+    from accelerate.data_loader import skip_first_batches
+
+    class Numbers(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.arange(8.0))
+
+    skipping = skip_first_batches(torch.utils.data.DataLoader(Numbers(), batch_size=2), 1)
+    assert type(skipping).__name__ == "SkipDataLoader"
+    it = iter(skipping)
+    next(it)
+    with pytest.raises(UnsupportedState, match=r"extra 'loader': accelerate\.data_loader\.SkipDataLoader around a"):
+        shardstore.save(store, model, opt, step=0, slot_extra={"loader": skipping})
 
 
 def test_a_stateful_loader_whose_sampler_keeps_no_state_is_refused_mid_epoch(tmp_path, prepared):

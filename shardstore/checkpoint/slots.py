@@ -489,7 +489,8 @@ def restore(
     optimizer) before any write. ``rng``: restore the RNG states of ``slot`` (default: the only
     slot of a 1-slot commit); None (the default) restores them when the slot is known and has
     any, True requires the slot to be known (StateMismatch for a multi-slot commit without
-    ``slot=``), False leaves the process's RNG alone (``Restored.rng_restored`` says which).
+    ``slot=``), False leaves the process's RNG alone (``Restored.rng_restored`` says which); it is set
+    last, after the extras are loaded (a restored loader makes its iterator, which may draw a seed).
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;
     benchmarks/RESULTS.md, "design measurements", has the queue depth's figures) and hashed

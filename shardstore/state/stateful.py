@@ -108,7 +108,7 @@ class LoaderState:
         self.epochs = isinstance(getattr(loader, "iteration", None), int)
 
     def state_dict(self) -> dict[str, Any]:
-        if self.epochs and _iterating(self.loader):
+        if _iterating(self.loader):  # an accelerate loader a loop is inside (only those are listed there)
             raise UnsupportedState(
                 f"{_label(self.loader)} around a plain DataLoader is being iterated: its position within the epoch "
                 "lives in its iterator and cannot be saved; save between epochs, or build the loader as torchdata's "
