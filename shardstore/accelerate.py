@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint.slots import AUTO, Restored, restore, save
+from .checkpoint.restore import Restored, restore
+from .checkpoint.slots import AUTO, save
 from .errors import StateMismatch, UnsupportedState
 from .state.module import unwrap_module
 from .store import Store

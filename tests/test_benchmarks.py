@@ -140,6 +140,67 @@ def test_mesh_benchmark_smoke(tmp_path) -> None:
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-mesh-")]  # scratch removed
 
 
+@pytest.mark.long
+def test_scale_sim_quick(tmp_path) -> None:
+    """bench_scale_sim.py --quick: both systems' metadata path for Llama-3 8B at 64 and 512 ranks,
+    extrapolated from 0 and 1 layers. The script itself checks that its generated descriptions are
+    what ``describe`` gives the sampled ranks' DTensors, and its synthetic DCP plans what
+    ``create_local_plan`` gives them (an assertion error exits non-zero); the tables come out."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n")
+    done = _run(["benchmarks/bench_scale_sim.py", "--quick", "--results", str(results)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = results.read_text()
+    assert "<!-- bench_scale_sim:begin -->" in text and "**Growth exponents**" in text
+    rows = [line for line in text.splitlines() if line.startswith("| Llama-3 8B | 512 (256 × 2) |")]
+    assert [r.split("|")[4].strip() for r in rows] == ["shardstore", "dcp"], rows
+    assert "| Llama-3 8B | shardstore |" in text and "| Llama-3 8B | dcp |" in text  # the exponents' rows
+
+
+@pytest.mark.long
+def test_s3_request_budget_quick(tmp_path) -> None:
+    """bench_s3_requests.py --quick: a save, a second save, a restore and DCP's save and load on 2
+    Gloo ranks against moto, counted by the server; the script exits non-zero unless the server's
+    count equals what each rank's storage calls predict (the rule its extrapolation applies), and
+    it extrapolates 8B at 64 ranks through bench_scale_sim."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n")
+    done = _run(["benchmarks/bench_s3_requests.py", "--quick", "--results", str(results)])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    text = results.read_text()
+    assert "<!-- bench_s3_requests:begin -->" in text
+    want = {"open": "yes", "commit 1": "yes", "commit 2": "yes", "restore": "yes", "dcp save": "—", "dcp load": "—"}
+    rows = [line for line in text.splitlines() if line.startswith("| 2 | ") and line.split("|")[2].strip() in want]
+    assert {r.split("|")[2].strip(): r.rstrip().rsplit("|", 2)[1].strip() for r in rows} == want, rows
+    assert any(line.startswith("| Llama-3 8B | 64 |") for line in text.splitlines())
+    assert any(line.startswith("| Llama-3 8B | 64 → 32 |") for line in text.splitlines())
+
+
+def test_gpu_check_without_cuda_says_so_and_exits_0() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: gpu_check would run its checks")
+    done = _run(["benchmarks/gpu_check.py"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "needs a CUDA device" in done.stdout and "nothing was checked" in done.stdout
+
+
+@pytest.mark.long
+def test_gpu_check_logic_on_cpu() -> None:
+    """gpu_check.py --device cpu runs every check that does not need CUDA on tiny sizes (three
+    worker processes for the pipeline); each must pass, and the memory check says it is CUDA only."""
+    done = _run(["benchmarks/gpu_check.py", "--device", "cpu"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| check")]
+    assert len(rows) == 6, done.stdout
+    assert not [r for r in rows if r.rstrip().endswith("| **no** |")], done.stdout  # every check run passed
+    ran = [r.split("|")[1].strip() for r in rows if r.rstrip().endswith("| yes |")]
+    assert any(name.startswith("2-worker pipeline, gloo on cpu") for name in ran), ran
+    assert any(name.startswith("bf16-autocast bitwise replay") for name in ran), ran
+    assert sum(name.startswith(("shardstore AsyncSaver", "dcp.async_save")) for name in ran) == 2, ran
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("SHARDSTORE_SLOW"), reason="two more spawned processes (~30 s); SHARDSTORE_SLOW=1 runs it"
@@ -156,3 +217,20 @@ def test_dcp_benchmark_smoke(tmp_path) -> None:
     assert "<!-- bench_dcp:begin -->" in text and "| dcp.save → FileSystemWriter |" in text
     assert "the changed half is 48.00 MiB" in text and "| the frozen half written zero times" in text
     assert "KiB beyond it | yes |" in text
+
+
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
+def test_peer_recovery_benchmark_smoke(tmp_path) -> None:
+    """Both group sizes, tiny state: each method's restore is checked bitwise inside the script
+    (a mismatch exits non-zero) and recovering through peers reads no tensor byte from the store."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n")
+    args = ["benchmarks/bench_peer_recovery.py", "--mib", "48", "--reps", "1", "--warm", "--results", str(results)]
+    done = _run(args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    for world in (2, 3):
+        row = next(r for r in text.splitlines() if r.startswith(f"| {world} workers: 0 tensor bytes"))
+        assert row.rstrip().endswith("| yes |"), row
+        assert f"| {world} | " in text and "| peers |" in text and "| S3 |" in text
+    assert "On paper" in text and "| 70 B | 64 |" in text

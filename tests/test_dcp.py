@@ -1,6 +1,6 @@
 """``shardstore.dcp`` in one process: DCP's ``save``/``load`` through ``StoreWriter``/``StoreReader``,
 the DCP document (``format.dcp``), what a second save writes, what a partial read reads, the
-command line on DCP commits, refusals and damage (SPEC.md §9d). The multi-rank cases (FSDP2,
+command line on DCP commits, refusals and damage (SPEC.md §9.4). The multi-rank cases (FSDP2,
 resharding, async saves, failures on every rank) are ``tests/test_dcp_distributed.py``.
 """
 
@@ -81,7 +81,7 @@ def test_save_and_load_round_trip_every_kind_of_value(tmp_path):
     assert reader.read_metadata() == saved  # dcp.save's Metadata, storage_data included, read back equal
     lc = ss.load_commit(store, "main")
     entries = lc.entries()
-    assert entries["model.big"].param[1].shape == (550, 1000) and len(entries["model.big"].param) == 2  # §5a tiles
+    assert entries["model.big"].param[1].shape == (550, 1000) and len(entries["model.big"].param) == 2  # §5.1 tiles
     assert chunk_entry_name("model.layer weight", (0,), True) in entries
     assert chunk_entry_name("model.layer weight", (0,), True).startswith("dcp/")
     assert lc.commit.step == 7 and lc.commit.parent is None and lc.commit.transition == "train"
@@ -172,7 +172,7 @@ def test_commits_chain_and_verify_log_diff_show_them(tmp_path, capsys):
 
 
 def test_gc_keeps_and_copy_carries_everything_a_dcp_commit_needs(tmp_path):
-    """The document and the bytes items are in the commit's closure (SPEC.md §19a): gc keeps them,
+    """The document and the bytes items are in the commit's closure (SPEC.md §19.1): gc keeps them,
     copy carries them, and the copy loads."""
     root, other = str(tmp_path / "store"), str(tmp_path / "copy")
     dcp.save({"w": torch.arange(10.0), "n": {"a": 1}}, storage_writer=StoreWriter(root))
@@ -261,7 +261,7 @@ def test_loads_are_refused_for_other_commits_and_damaged_objects(tmp_path):
 
 def test_a_document_that_disagrees_with_its_commit_is_refused(tmp_path):
     """A commit whose DCP document maps a chunk to an entry of another shape: verify reports it and
-    the reader refuses it before reading a tensor byte (SPEC.md §9d, §17)."""
+    the reader refuses it before reading a tensor byte (SPEC.md §9.4, §17)."""
     root = str(tmp_path / "store")
     dcp.save({"a": torch.ones(2), "b": torch.ones(3)}, storage_writer=StoreWriter(root))
     store = ss.open_store(root, create=False)

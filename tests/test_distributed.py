@@ -178,3 +178,40 @@ def test_protocol_buffers_own_their_memory():
     assert _unpack(t) == (_OK, oid)
     assert _pack(_FAIL, None).untyped_storage().resizable()
     assert _unpack(_pack(_FAIL, None)) == (_FAIL, None)
+
+
+def test_acknowledging_reads_the_commit_manifest_not_every_shard_manifest():
+    """Regression (issue 33): each rank acknowledged by loading the whole commit, every slot's
+    shard manifest with every rule, so a save on N ranks read N² shard manifests (at 16,384
+    ranks, the whole commit's metadata on every rank). The coordinator checks every rule
+    before it names the commit (SPEC.md §15, step 4); a rank now reads back the commit
+    manifest, verified against its id, and nothing else."""
+    from faults import OpLog
+
+    from shardstore.backends.location import open_storage
+    from shardstore.checkpoint.distributed import commit_state
+    from shardstore.state.slot import capture
+    from shardstore.store.keys import object_key
+
+    phase = [""]
+    reads: list[tuple[str, str]] = []
+    log = OpLog(open_storage("memory://ack-reads"), hook=lambda n, op, key: reads.append((phase[0], key)))
+    store = ss.Store(log)
+    model = TinyNet(seed=1)
+    opt = make_optimizer(model)
+    train_steps(model, opt, 1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cid = commit_state(
+            store,
+            lambda: capture(model, opt),
+            info=ss.CommitInfo(step=1),
+            on_phase=lambda name: phase.__setitem__(0, name),
+        )
+    finally:
+        dist.destroy_process_group()
+    shard = store.commit(cid).layout[0].shard
+    read_at = {key for p, key in reads if p == "acknowledge"}
+    assert object_key(cid) in read_at  # the commit manifest is read back
+    assert object_key(shard) not in read_at  # its shard manifests are not (phase "write commit" checked them)
+    assert object_key(shard) in {key for p, key in reads if p == "write commit"}

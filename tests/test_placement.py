@@ -177,3 +177,52 @@ def test_blocks_from_strided_layouts_and_restores_into_them(layout, bound, data)
     assert sorted(got) == want and len(got) == len(set(got))  # each overlapping block once, no other
     assert nread == sum(math.prod(boxes[i][1]) for i in want) * 8
     assert torch.equal(local, _local_by_torch(whole, mesh, coords[r], placements))
+
+
+def test_strided_and_chunked_ranges_are_what_dtensor_splits():
+    """A strided split of a range is worked out piece by piece (``torch.chunk``'s arithmetic at
+    both cuts); the answer is DTensor's own ``_split_tensor``'s, for every size, split factor,
+    mesh size and coordinate, uneven and empty chunks included; ``Shard`` likewise."""
+    for n, sf, m in itertools.product(range(0, 23), range(1, 5), range(1, 6)):
+        full = torch.arange(n).reshape(n, 1)
+        for c in range(m):
+            for p in (_StridedShard(0, split_factor=sf), Shard(0)):
+                got = dim_indices((n, 1), (m,), (c,), (p,))[0]
+                want = _local_by_torch(full, (m,), (c,), (p,)).reshape(-1).tolist()
+                assert list(got) == want, (n, sf, m, c, p)
+
+
+def test_a_strided_split_costs_its_split_factor_not_the_mesh(monkeypatch):
+    """Regression: a rank's indices on a strided dim came from ``_split_tensor`` of the whole
+    dim into every rank's chunk (Llama-3 405B's 128,256-row embedding under FSDP2 x TP on
+    2,048 x 8 ranks: 16,384 pieces and 2,048 concatenations, on every rank, for every strided
+    tensor). Now no split of the whole dim is made, and the answer is the one it gave."""
+    rows, mesh = 128256, (2048, 8)
+    placements = (_StridedShard(0, split_factor=8), Shard(0))
+    coords = [(0, 0), (1543, 1), (2047, 7)]
+    full = torch.arange(rows).reshape(rows, 1)
+    want = [_local_by_torch(full, mesh, c, placements).reshape(-1).tolist() for c in coords]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole dim was split for every rank of the mesh")
+
+    monkeypatch.setattr(_StridedShard, "_split_tensor", refuse)
+    assert [len(w) for w in want] == [8, 8, 0]  # the last rank's chunk of the last TP chunk is empty
+    for c, w in zip(coords, want):
+        assert list(dim_indices((rows, 1), mesh, c, placements)[0]) == w
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_mesh_parts_without_torchs_check_are_the_checked_parts(layout):
+    """``mesh_parts(check=False)`` (a planner working out other ranks' parts, without torch's
+    O(mesh) offset arithmetic) gives every coordinate the parts the checked path gives: empty
+    local tensors included, whose one part sits at torch's offset (the dim's size where the
+    rank holds no index)."""
+    from shardstore.sharded.placement import mesh_parts
+
+    shape, mesh, placements = layout
+    for shape_ in (shape, (0,) + shape[1:]):
+        for coord in itertools.product(*(range(n) for n in mesh)):
+            checked = mesh_parts(shape_, mesh, coord, placements)
+            assert mesh_parts(shape_, mesh, coord, placements, check=False) == checked, (shape_, mesh, coord)

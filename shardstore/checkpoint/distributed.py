@@ -1,4 +1,4 @@
-"""The commit protocol over a ``torch.distributed`` process group (SPEC.md §Commit protocol).
+"""The commit protocol over a ``torch.distributed`` process group (SPEC.md §15).
 
 Each rank is one slot. Phases, each closed by a collective so that every rank learns of
 any failure instead of hanging:
@@ -6,7 +6,8 @@ any failure instead of hanging:
 1. the coordinator (rank 0) reads the ref's current commit, the parent, and broadcasts it;
 2. every rank writes its objects and shard manifest and all ranks gather the shard ids;
 3. the coordinator writes the commit manifest and broadcasts its id;
-4. every rank reads the commit back, checks that its own slot names its own shard, and
+4. every rank reads the commit manifest back (not every shard manifest: the coordinator
+   checked those in phase 3), checks that its own slot names its own shard, and
    acknowledges the commit id; the coordinator checks that all acknowledgements agree;
 5. only then does the coordinator move the ref (compare-and-swap), and says so.
 
@@ -29,11 +30,10 @@ from ..sharded.dtensor import write_dtensors
 from ..state.extras import capture_extras, write_extras
 from ..state.slot import SlotState, capture
 from ..store import Store
-from ..verification.commits import load_commit
 from .info import CommitInfo
 from .slots import AUTO, write_commit, write_shard
 
-__all__ = ["save_distributed", "commit_state", "agree_on_commit"]
+__all__ = ["save_distributed", "commit_state", "acknowledge", "agree_on_commit"]
 
 _OK, _FAIL, _NONE = 1, 2, 3
 #: The phases of ``save_distributed``; before "move ref" completes nobody has moved the ref.
@@ -210,15 +210,7 @@ def commit_state(
     assert cid is not None
 
     def ack() -> str:
-        lc = load_commit(store, cid)
-        if lc.shard_ids.get(rank) != my_shard:
-            raise CommitProtocolError(f"commit {cid} does not name this rank's shard {my_shard} for slot {rank}")
-        if extra is not None and lc.commit.extras != mine[0]:
-            have, want = [x.key for x in mine[0]], [x.key for x in lc.commit.extras]
-            raise CommitProtocolError(
-                f"rank {rank}'s commit-wide extras {have} differ from rank 0's {want} in commit {cid}"
-            )
-        return lc.id
+        return acknowledge(store, cid, slot=rank, shard=my_shard, extras=mine[0] if extra is not None else None)
 
     got, _ = _phase(group, "acknowledge", begin("acknowledge", ack))
     acks = {oid for _, oid in got}
@@ -233,6 +225,26 @@ def commit_state(
         return cid
 
     _phase(group, "move ref", begin("move ref", move_ref if coordinator else (lambda: None)))
+    return cid
+
+
+def acknowledge(store: Store, cid: str, *, slot: int, shard: str, extras: tuple[ExtraEntry, ...] | None = None) -> str:
+    """Phase 4 on one rank: read commit ``cid``'s manifest back (verified against its id), check
+    that it names ``shard`` for ``slot`` and, if given, that its commit-wide extras are
+    ``extras``; return ``cid``. CommitProtocolError otherwise.
+
+    The commit manifest alone: the coordinator checked every rule on every shard manifest
+    before naming the commit (phase 3), so a rank reads O(slots + tensors), not every slot's
+    shard manifest (N ranks doing that would read N^2 of them; SPEC.md §15)."""
+    commit = store.commit(cid)
+    named = next((lay.shard for lay in commit.layout if lay.slot == slot), None)
+    if named != shard:
+        raise CommitProtocolError(f"commit {cid} does not name this rank's shard {shard} for slot {slot}")
+    if extras is not None and commit.extras != extras:
+        have, want = [x.key for x in extras], [x.key for x in commit.extras]
+        raise CommitProtocolError(
+            f"rank {slot}'s commit-wide extras {have} differ from rank 0's {want} in commit {cid}"
+        )
     return cid
 
 

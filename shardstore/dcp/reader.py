@@ -2,7 +2,7 @@
 
 ``dcp.load(state_dict, storage_reader=StoreReader("store/", target="main"))`` works unchanged, into
 any split DCP's planner can plan (FSDP2 on another number of ranks, tensor parallelism, one
-process). DCP calls, and what each does here (SPEC.md §9d, §16):
+process). DCP calls, and what each does here (SPEC.md §9.4, §16):
 
 1. ``read_metadata`` (every rank): resolves ``target`` to a commit, reads and checks the commit,
    its shard manifests and its DCP document (structure, binding, learned-state root, the
@@ -12,7 +12,7 @@ process). DCP calls, and what each does here (SPEC.md §9d, §16):
    (a ref moved between their reads): every rank loads one commit or none.
 3. ``read_data`` (every rank): before any byte lands in a caller's tensor, checks every read
    against its chunk and the sizes of the objects it needs; then reads only the blocks of each
-   chunk its read items overlap (§5a), each verified against its id as it lands, and hands
+   chunk its read items overlap (§5.1), each verified against its id as it lands, and hands
    bytes items to the planner as they are (DCP's planner ``torch.load``s them, in the caller's
    process: shardstore never unpickles anything).
 """
@@ -96,14 +96,14 @@ class StoreReader(StorageReader):
         if x is None:
             raise StateMismatch(
                 f"commit {lc.id} (target {self.target!r}) was not written through torch.distributed.checkpoint: "
-                "it has no DCP document (SPEC.md §9d); restore it with shardstore.restore"
+                "it has no DCP document (SPEC.md §9.4); restore it with shardstore.restore"
             )
         what = f"DCP document {x.state} of commit {lc.id}"
         doc = decode_document(store.get(x.state, limit=MAX_MANIFEST_BYTES), what)
         entries = lc.entries()
         problems = document_problems(doc, entries, x.tensors)
         if problems:
-            raise ManifestError(f"{what}: {problems[0]} (SPEC.md §9d)")
+            raise ManifestError(f"{what}: {problems[0]} (SPEC.md §9.4)")
         refs = {t.key: t for t in x.tensors}
         self._chunks = {
             (fqn, tuple(c.offsets)): entries[c.entry]
@@ -199,7 +199,7 @@ class StoreReader(StorageReader):
         if t is None:
             raise StateMismatch(f"commit {self.commit} holds no bytes item {r.storage_index.fqn!r}")
         n = int(t.shape[0])
-        data = bytes(store.get(t.object, limit=n))  # type: ignore[arg-type]  (one object: SPEC.md §9c)
+        data = bytes(store.get(t.object, limit=n))  # type: ignore[arg-type]  (one object: SPEC.md §9.3)
         if len(data) != n:
             raise TensorMismatch(
                 f"DCP bytes item {r.storage_index.fqn!r}: object {t.object} holds {len(data)} bytes, not {n}"

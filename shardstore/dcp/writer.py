@@ -1,7 +1,7 @@
 """``StoreWriter``: a ``torch.distributed.checkpoint`` storage writer whose every save is a commit.
 
 ``dcp.save(state_dict, storage_writer=StoreWriter("store/", ref="main"))`` — and ``dcp.async_save``
-in thread or process mode — work unchanged. DCP calls, and what each does here (SPEC.md §9d, §15):
+in thread or process mode — work unchanged. DCP calls, and what each does here (SPEC.md §9.4, §15):
 
 1. ``set_up_storage_writer`` (every rank): opens the store; the coordinator reads ``ref``, the
    new commit's parent and the value its compare-and-swap will expect.
@@ -10,7 +10,7 @@ in thread or process mode — work unchanged. DCP calls, and what each does here
 3. ``prepare_global_plan`` (coordinator): refuses two chunks that would share a tensor entry name,
    and a key path the DCP document could not hold.
 4. ``write_data`` (every rank): each tensor chunk becomes the blocks of its own canonical grid
-   (§5a: an unchanged chunk is the same objects, written again for nothing), each bytes item one
+   (§5.1: an unchanged chunk is the same objects, written again for nothing), each bytes item one
    object of its bytes; all hashed once, written create-only, then one durability barrier. It
    returns, per item, what it wrote; DCP gathers those on the coordinator only if every rank
    succeeded.
@@ -191,7 +191,7 @@ class StoreWriter(StorageWriter):
                 where = f"{item.index.fqn!r} at {list(item.index.offset or ())}"
                 if seen.setdefault(name, where) != where:
                     raise UnsupportedState(
-                        f"DCP chunks {seen[name]} and {where} would both be tensor entry {name!r} (SPEC.md §9d)"
+                        f"DCP chunks {seen[name]} and {where} would both be tensor entry {name!r} (SPEC.md §9.4)"
                     )
         return plans
 

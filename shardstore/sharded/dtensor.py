@@ -28,9 +28,11 @@ Restore needs no collective: a rank reads the blocks its local tensor's parts ov
 
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -44,7 +46,7 @@ from ..format.tensors import dtype_name, is_dtensor, new_hasher, same_split, ten
 from ..state.slot import SlotState
 from ..store import Store
 from .agreement import check_agreement, coverage_problem
-from .exchange import BATCH_BYTES, ExchangeStats, last_exchange, run_plan
+from .exchange import BATCH_BYTES, ExchangeStats, Local, PlannedBlock, last_exchange, run_plan
 from .placement import local_parts
 
 __all__ = [
@@ -55,6 +57,16 @@ __all__ = [
     "local_region",
     "slice_regions",
     "plan_blocks",
+    "Described",
+    "describe",
+    "encode_description",
+    "decode_description",
+    "PlannedBlock",
+    "ExchangePlan",
+    "SliceUnion",
+    "gather_union",
+    "plan_union",
+    "plan_exchange",
     "write_dtensors",
     "entry_slot",
     "same_split",
@@ -74,8 +86,9 @@ def entry_slot(name: str, holders: list[int]) -> int:
     return holders[zlib.crc32(name.encode()) % len(holders)]
 
 
-class _Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One DTensor as one rank holds it (the description exchanged in step 1)."""
+class Described(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One DTensor as one rank holds it (the description exchanged in step 1); role ``plain``
+    for a plain tensor (no boxes)."""
 
     name: str
     role: str
@@ -84,7 +97,7 @@ class _Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (start, extent) of each part of its local tensor
 
 
-_ITEMS = msgspec.json.Decoder(list[_Item])
+_DESCRIBED = msgspec.json.Decoder(list[Described])
 _FINGERPRINTS = msgspec.json.Decoder(dict[str, str])
 
 
@@ -134,9 +147,10 @@ def plan_blocks(
         used[ri] += 1
         return ranks[(turn + used[ri] - 1) % len(ranks)]
 
+    near = _slices_near(regions, len(shape))
     out = []
     for bi, box in enumerate(grid(dtype, shape, block_bytes=block_bytes)):
-        pieces = [(ri, c) for ri, (reg, _) in enumerate(regions) if (c := intersect(box, reg)) is not None]
+        pieces = [(ri, c) for ri in near(box) if (c := intersect(box, regions[ri][0])) is not None]
         if not pieces:  # an empty tensor: one empty block, written by a holder of the first slice
             out.append((box, pick(0), []))
             continue
@@ -152,6 +166,28 @@ def plan_blocks(
             (box, owner, [(owner if owner in regions[ri][1] else pick(ri), c) for ri, c in pieces if ri != best])
         )
     return out
+
+
+def _slices_near(regions: list[tuple[Box, list[int]]], ndim: int) -> Callable[[Box], list[int]]:
+    """A lookup of the slices that may share an element with a box, in increasing index: those
+    whose extent on one dim (the one with the most distinct starts) can reach the box's, found
+    by bisection of their sorted starts. So a plan costs about one lookup per block and per
+    piece, not blocks x slices (16,384 ranks' slices of a tensor of 256 blocks: 4 million
+    intersections before). Empty slices share no element and are never returned."""
+    live = [ri for ri, (reg, _) in enumerate(regions) if math.prod(reg[1]) > 0]
+    if ndim == 0 or len(live) < 2:
+        return lambda box: live
+    k = max(range(ndim), key=lambda d: len({regions[ri][0][0][d] for ri in live}))
+    order = sorted(live, key=lambda ri: regions[ri][0][0][k])
+    starts = [regions[ri][0][0][k] for ri in order]
+    reach = max(regions[ri][0][1][k] for ri in live)  # the longest extent on dim k
+
+    def near(box: Box) -> list[int]:
+        lo, hi = box[0][k], box[0][k] + box[1][k]
+        # a slice starting at s with extent e <= reach overlaps [lo, hi) on dim k only if lo - reach < s < hi
+        return sorted(order[bisect.bisect_right(starts, lo - reach) : bisect.bisect_left(starts, hi)])
+
+    return near
 
 
 def _all_gather_bytes(raw: bytes, group: Any) -> list[bytes]:
@@ -175,11 +211,101 @@ def _items_of(state: SlotState) -> list[tuple[str, str, torch.Tensor]]:
             m = getattr(po, role)
             if m is not None and is_dtensor(m):
                 items.append((n, role, m))
-        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9a), by key
+        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9.1), by key
         for k, m in sorted(ts.tensors.items()) if ts is not None else ():
             if is_dtensor(m):
                 items.append((n, f"state:{k}", m))
     return sorted(items, key=lambda x: (x[0], x[1]))
+
+
+def describe(state: SlotState) -> tuple[dict[tuple[str, str], Local], list[Described]]:
+    """Step 1 on one rank: its DTensors' local tensors and parts by (name, role), and the
+    descriptions it sends: every DTensor's boxes, and every plain tensor (a replicated one,
+    FSDP2's buffers, is written once). TensorMismatch for a placement that is not supported."""
+    locals_: dict[tuple[str, str], Local] = {}
+    desc = []
+    for n, role, t in _items_of(state):
+        local, parts = local_region(t, f"{role} of tensor {n!r}")
+        locals_[(n, role)] = (local, parts)
+        desc.append(Described(n, role, dtype_name(t.dtype, n), tuple(t.shape), tuple(box for box, _ in parts)))
+    for n, t in sorted(state.tensors.items()):
+        if not is_dtensor(t):
+            desc.append(Described(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), ()))
+    return locals_, desc
+
+
+def encode_description(desc: Sequence[Described]) -> bytes:
+    """What a rank all-gathers in step 1: a status byte 0 and its descriptions as JSON (never pickled)."""
+    return b"\x00" + msgspec.json.encode(list(desc))
+
+
+def decode_description(raw: bytes) -> list[Described]:
+    """A peer's descriptions from what it sent (``encode_description``; strict: unknown fields refused)."""
+    return _DESCRIBED.decode(raw[1:])
+
+
+#: (name, role) -> (dtype, global shape, {box: the ranks holding it}): every rank's slices of each DTensor.
+SliceUnion = dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]]
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """What every rank computes alike from all ranks' descriptions (SPEC.md §Block exchange, step 2)."""
+
+    union: SliceUnion
+    """(name, role) -> (dtype, global shape, {box: the ranks holding it})."""
+    plain: dict[str, list[int]]
+    """A plain tensor's name -> the ranks holding it whole."""
+    blocks: list[PlannedBlock]
+    """Every canonical block of every DTensor, in (name, role) then block order."""
+
+    def recorders(self) -> dict[str, int]:
+        """The slot whose shard manifest records each sharded parameter's entry (step 4)."""
+        return {
+            n: entry_slot(n, sorted({r for rs in held.values() for r in rs}))
+            for (n, role), (_, _, held) in self.union.items()
+            if role == "param"
+        }
+
+
+def gather_union(peers: Sequence[Sequence[Described]]) -> tuple[SliceUnion, dict[str, list[int]]]:
+    """Step 2, first half: check that ranks agree on each tensor (StateMismatch or
+    TensorMismatch naming the tensor, role and ranks otherwise) and collect every rank's slices
+    of each DTensor, and the ranks holding each plain tensor. ``peers[r]``: rank r's descriptions."""
+    check_agreement(peers)  # dtypes, shapes, plain against DTensor, naming ranks
+    union: SliceUnion = {}
+    plain: dict[str, list[int]] = {}
+    for r, items in enumerate(peers):
+        for it in items:
+            if it.role == "plain":
+                plain.setdefault(it.name, []).append(r)
+                continue
+            _dtype, _shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
+            for box in it.boxes:
+                held.setdefault(box, []).append(r)
+    return union, plain
+
+
+def plan_union(union: SliceUnion, world: int) -> list[PlannedBlock]:
+    """Step 2, second half: each tensor's slices must tile it (TensorMismatch naming the ranks of
+    the ``world`` that hold which slices, and those holding none); every canonical block's owner
+    and pieces, tensor by tensor in (name, role) order. Tensors are planned independently."""
+    blocks: list[PlannedBlock] = []
+    for (n, role), (dtype, shape, held) in sorted(union.items()):
+        try:
+            regions = slice_regions(n, dtype, shape, held)
+        except TensorMismatch as e:
+            raise TensorMismatch(coverage_problem(n, role, dtype, shape, held, world, str(e))) from None
+        for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
+            blocks.append(PlannedBlock((n, role), bi, box, owner, sends, dtype))
+    return blocks
+
+
+def plan_exchange(peers: Sequence[Sequence[Described]]) -> ExchangePlan:
+    """Step 2: the plan from every rank's descriptions (``gather_union``, then ``plan_union``).
+    The same on every rank, and so are its errors."""
+    union, plain = gather_union(peers)
+    return ExchangePlan(union, plain, plan_union(union, len(peers)))
 
 
 def write_dtensors(
@@ -195,21 +321,12 @@ def write_dtensors(
     commit protocol fails naming that rank), so none waits.
     """
     rank = dist.get_rank(group)
-    locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]] = {}
-    desc = []
+    locals_: dict[tuple[str, str], Local] = {}
     try:
         if failure is not None:
             raise failure
-        for n, role, t in _items_of(state):
-            local, parts = local_region(t, f"{role} of tensor {n!r}")
-            locals_[(n, role)] = (local, parts)
-            desc.append(_Item(n, role, dtype_name(t.dtype, n), tuple(t.shape), tuple(box for box, _ in parts)))
-        for n, t in sorted(
-            state.tensors.items()
-        ):  # plain tensors too: a replicated one (FSDP2's buffers) is written once
-            if not is_dtensor(t):
-                desc.append(_Item(n, "plain", dtype_name(t.dtype, n), tuple(t.shape), ()))
-        raw = b"\x00" + msgspec.json.encode(desc)
+        locals_, desc = describe(state)
+        raw = encode_description(desc)
     except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
         failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
     gathered = _all_gather_bytes(raw, group)
@@ -218,29 +335,11 @@ def write_dtensors(
         raise failure
     if failed:  # a peer's failure fails the commit (the protocol phase names that rank); no exchange
         return _restate(state, {}, set())
-    peers = [_ITEMS.decode(g[1:]) for g in gathered]
-    check_agreement(peers)  # the same answer on every rank: dtypes, shapes, plain against DTensor, naming ranks
-    union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]] = {}
-    plain: dict[str, list[int]] = {}
-    for r, items in enumerate(peers):
-        for it in items:
-            if it.role == "plain":
-                plain.setdefault(it.name, []).append(r)
-                continue
-            dtype, shape, held = union.setdefault((it.name, it.role), (it.dtype, it.shape, {}))
-            for box in it.boxes:
-                held.setdefault(box, []).append(r)
+    plan = plan_exchange([decode_description(g) for g in gathered])
+    union = plan.union
     g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    plans = []
-    for (n, role), (dtype, shape, held) in sorted(union.items()):
-        try:
-            regions = slice_regions(n, dtype, shape, held)
-        except TensorMismatch as e:
-            raise TensorMismatch(coverage_problem(n, role, dtype, shape, held, len(peers), str(e))) from None
-        for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
-            plans.append(((n, role), bi, box, owner, sends, dtype))
     _replicas_agree(locals_, union, rank, group)
-    replicated = {n: rs for n, rs in plain.items() if len(rs) > 1}
+    replicated = {n: rs for n, rs in plan.plain.items() if len(rs) > 1}
     drop = _replicated_plain(state, replicated, rank, group)
     # what this slot held of tensors another slot may record (SPEC.md §Slices held): the boxes of
     # its DTensor parameters' local parts, and the whole box of each plain tensor several ranks hold
@@ -251,22 +350,18 @@ def write_dtensors(
         if rank in rs
     ]
     slices = make_slices(boxes)
-    if not plans:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
+    if not plan.blocks:  # no rank holds a DTensor (the same answer on every rank): nothing to exchange
         return replace(_restate(state, {}, set(), drop), slices=slices) if drop else replace(state, slices=slices)
-    ids = run_plan(store, plans, locals_, rank, g, group, threads)
+    ids = run_plan(store, plan.blocks, locals_, rank, g, group, threads)
     if ids is None:  # another rank failed staging or writing its blocks: the commit protocol names it
         return _restate(state, {}, set())
     blocks: dict[tuple[str, str], list[str]] = {}
-    for (key, _bi, _box, _o, _s, _d), oid in zip(plans, ids):
-        blocks.setdefault(key, []).append(oid)
+    for b, oid in zip(plan.blocks, ids):
+        blocks.setdefault(b.key, []).append(oid)
     payload = {
         key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()
     }
-    mine = {
-        n
-        for (n, role), (_, _, held) in union.items()
-        if role == "param" and entry_slot(n, sorted({r for rs in held.values() for r in rs})) == rank
-    }
+    mine = {n for n, slot in plan.recorders().items() if slot == rank}
     return replace(_restate(state, payload, mine, drop), slices=slices)
 
 

@@ -66,7 +66,7 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
         t.device.type != "meta" for t in params.values()
     ):  # two names, one without _orig_mod: never merge them
         raise StateMismatch(
-            "the model holds two parameters whose names differ only by '_orig_mod' segments (SPEC.md §16a)"
+            "the model holds two parameters whose names differ only by '_orig_mod' segments (SPEC.md §16.1)"
         )
     for name, value in model.state_dict(keep_vars=True).items():
         if name in params:

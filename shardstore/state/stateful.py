@@ -1,4 +1,4 @@
-"""Extras for objects that hold state without ``state_dict()``: ``torch.Generator`` and ``DataLoader`` (SPEC.md §9c).
+"""Extras for objects that hold state without ``state_dict()``: ``torch.Generator`` and ``DataLoader`` (SPEC.md §9.3).
 
 A ``torch.Generator``'s state is a ``uint8`` tensor (``get_state()`` / ``set_state()``), so
 it is stored like any extra's tensor, without pickle, as the state document

@@ -107,7 +107,7 @@ class Store:
 
         The one way a writer relies on an object it did not write (copy finding it at the
         destination, a save or import deduplicating against it): the refresh makes gc's
-        grace period protect it until a manifest names it (SPEC.md §19a). Backends without
+        grace period protect it until a manifest names it (SPEC.md §19.1). Backends without
         ``touch`` (test wrappers) fall back to ``size``."""
         key = object_key(oid)
         touch = getattr(self.storage, "touch", None)
@@ -287,7 +287,7 @@ class Store:
 
     def set_ref(self, name: str, new: str, *, expected: str | None, needs: set[str] | None = None) -> None:
         """Move ref ``name`` from ``expected`` (None: must not exist) to ``new``; RefConflict otherwise
-        (GcRace if ``new``'s closure, or ``needs``, is not all present: behind the gc fence, SPEC.md §19b)."""
+        (GcRace if ``new``'s closure, or ``needs``, is not all present: behind the gc fence, SPEC.md §19.2)."""
         check_oid(new, what="commit id")
         exp = None if expected is None else (check_oid(expected, what="expected commit id") + "\n").encode()
         fenced_move(
@@ -386,7 +386,7 @@ class Store:
         so that a concurrent change of the same pin raises RefConflict and changes nothing
         instead of being overwritten (``add_to_pin`` does the whole loop)."""
         new, exp = self._pin_bytes(name, objects), None if expected is None else self._pin_bytes(name, expected)
-        added = sorted(set(objects) - set(expected or ()))  # behind the gc fence (SPEC.md §19b), like set_ref
+        added = sorted(set(objects) - set(expected or ()))  # behind the gc fence (SPEC.md §19.2), like set_ref
         fenced_move(self, objects=added, move=lambda: self.storage.swap(pin_key(name), exp, new))
 
     def add_to_pin(self, name: str, objects: Sequence[str], *, attempts: int = 20) -> tuple[str, ...]:
@@ -445,7 +445,7 @@ class Store:
 
         Written after the ref moved, so no failure here (a full disk, a server error, a
         ``journal`` that is a symbolic link, an unencodable note) is raised: raising would
-        report a commit that is in as a failed save (SPEC.md §Journal)."""
+        report a commit that is in as a failed save (SPEC.md §19.2)."""
         try:
             self.storage.write_once(f"journal/{check_oid(commit)}.json", json.dumps(record, sort_keys=True).encode())
         except (ShardstoreError, OSError, ValueError, TypeError):

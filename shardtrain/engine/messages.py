@@ -130,6 +130,11 @@ class Channel:
         self.timeout = timeout
         self.max_elements = max_elements
         self.device = torch.device(device)
+        # Gloo moves host tensors only (no point-to-point for CUDA tensors): a CUDA slot whose
+        # group is Gloo (two workers sharing one device, which NCCL refuses) stages each
+        # message through host memory. NCCL, and every CPU slot, send tensors where they are.
+        gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+        self.wire = torch.device("cpu") if gloo and self.device.type != "cpu" else self.device
         self.bytes_sent = 0
         self.bytes_received = 0
         self.wait_seconds = 0.0  # time spent blocked in receives (how well a schedule overlaps)
@@ -145,8 +150,8 @@ class Channel:
                 f"slot {self.rank}: {header.describe()} of {tensor.numel()} elements exceeds "
                 f"the bound of {self.max_elements}"
             )
-        raw = header.encode().to(self.device)
-        payload = tensor.detach().contiguous()
+        raw = header.encode().to(self.wire)
+        payload = tensor.detach().to(self.wire).contiguous()
         try:
             for t in (raw, payload):
                 self._pending.append((dist.isend(t, dst, tag=header.kind), header, dst, raw, payload))
@@ -161,14 +166,14 @@ class Channel:
                 f"slot {self.rank}: expected {expected.describe()} of shape {expected.shape} "
                 f"exceeds the bound of {self.max_elements} elements"
             )
-        raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
         self._wait_recv(raw, src, expected)
         got = MessageHeader.decode(raw, max_elements=self.max_elements)
         check_header(got, expected, src=src)
-        payload = torch.empty(expected.shape, dtype=expected.dtype, device=self.device)
+        payload = torch.empty(expected.shape, dtype=expected.dtype, device=self.wire)
         self._wait_recv(payload, src, expected)
         self.bytes_received += raw.numel() * raw.element_size() + payload.numel() * payload.element_size()
-        return payload
+        return payload.to(self.device)
 
     def post(self, src: int, expected: MessageHeader) -> PostedRecv:
         """Post the receive of the next message from `src` now, so that it can land while this
@@ -180,8 +185,8 @@ class Channel:
                 f"slot {self.rank}: expected {expected.describe()} of shape {expected.shape} "
                 f"exceeds the bound of {self.max_elements} elements"
             )
-        raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        payload = torch.empty(expected.shape, dtype=expected.dtype, device=self.device)
+        raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
+        payload = torch.empty(expected.shape, dtype=expected.dtype, device=self.wire)
         try:
             works = (dist.irecv(raw, src, tag=expected.kind), dist.irecv(payload, src, tag=expected.kind))
         except RuntimeError as exc:
@@ -204,7 +209,7 @@ class Channel:
         self.bytes_received += (
             posted.raw.numel() * posted.raw.element_size() + posted.payload.numel() * posted.payload.element_size()
         )
-        return posted.payload
+        return posted.payload.to(self.device)
 
     def settle(self, dst: int, kind: int, microbatch: int) -> None:
         """Complete and release the sends of (`dst`, `kind`, `microbatch`), which the caller

@@ -88,6 +88,9 @@ def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str |
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # An NCCL group also gets Gloo for host tensors: the step loss, the gradient norms and the
+    # commit protocol's ids are CPU tensors, which NCCL's collectives refuse.
+    spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
     if not dist.is_initialized():
         # Importing torch._dynamo while a group exists (torch 2.13 does it lazily, e.g. when
         # a torch optimizer is built) leaves a reference that keeps the group alive after
@@ -96,7 +99,7 @@ def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str |
         # active exception"). Imported before the group, it holds none.
         importlib.import_module("torch._dynamo")
         if "TORCHELASTIC_RUN_ID" not in os.environ:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(spec, init_method="env://", rank=rank, world_size=world, timeout=timeout)
         else:
             # Under torchrun the workers' store outlives a failed attempt (the agent of node
             # rank 0 keeps one TCPStore for every rendezvous round); a restarted group that
@@ -115,7 +118,7 @@ def init_from_env(*, timeout: timedelta = timedelta(seconds=300), backend: str |
                 multi_tenant=not use_agent,
             )
             store = dist.PrefixStore(attempt_prefix(base, rank, world, timeout), base)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(spec, store=store, rank=rank, world_size=world, timeout=timeout)
     return WorkerContext(rank, world, local, backend, device, timeout)
 
 
