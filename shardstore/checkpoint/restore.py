@@ -37,7 +37,7 @@ from ..format.rng import MAX_RNG_BYTES, check_rng, restore_rng
 from ..format.tensors import dtype_name
 from ..sharded.placement import part_views
 from ..state.extras import plan_extras_restore
-from ..state.module import named_state
+from ..state.module import named_state, unwrap_module
 from ..state.optim import plan_adam_restore
 from ..state.plan import ReadItem, RestorePlan
 from ..state.restore_match import RestoreMatch, match_names
@@ -86,7 +86,7 @@ def restore(
     """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
 
     Only tensors the model owns (non-meta parameters and persistent buffers) are read,
-    whatever layout wrote them; every byte read is verified. DTensor parameters and moments
+    whatever layout wrote them (a data-parallel wrapper: the module it wraps, ``unwrap_module``); every byte read is verified. DTensor parameters and moments
     (FSDP2, tensor parallelism, any mesh) are filled in their local slices, from the blocks
     those overlap (SPEC.md §5.1). ``strict`` (SPEC.md §16.1, ``restore_match``): every owned tensor
     is in the commit and every commit tensor the restore covers (all of them for a module, slot
@@ -96,7 +96,8 @@ def restore(
     optimizer) before any write. ``rng``: restore the RNG states of ``slot`` (default: the only
     slot of a 1-slot commit); None (the default) restores them when the slot is known and has
     any, True requires the slot to be known (StateMismatch for a multi-slot commit without
-    ``slot=``), False leaves the process's RNG alone (``Restored.rng_restored`` says which).
+    ``slot=``), False leaves the process's RNG alone (``Restored.rng_restored`` says which); it is set
+    last, after the extras are loaded (a restored loader makes its iterator, which may draw a seed).
     Bytes are read straight into the parameters and into the optimizer's existing moment
     tensors (``threads`` objects at a time: reads wait on the disk, so more than the cores;
     benchmarks/RESULTS.md, "design measurements", has the queue depth's figures) and hashed
@@ -109,6 +110,7 @@ def restore(
     # that a bad config, RNG object or optimizer is refused before a byte lands in the caller's
     # tensors (SPEC.md §16, §19.2)
     lc = load_commit(store, target)
+    model = unwrap_module(model)  # a data-parallel wrapper: the module it wraps (``state.module``)
     matched = _match_tensors(lc, model, slot, strict)
     names = sorted(matched.targets)
     config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
@@ -117,9 +119,10 @@ def restore(
         [
             _tensor_plan(lc, matched.targets, names),
             *([] if optimizer is None else _optimizer_plans(store, lc, optimizer, matched.targets, names, group_names)),
-            RestorePlan(installs=(partial(restore_rng, rng_states),) if rng_states else ()),
             plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}"),
             _slot_extras_plan(store, lc, slot, slot_extra),
+            # last: an extra's load may draw random numbers (a restored loader makes its iterator, ``stateful``)
+            RestorePlan(installs=(partial(restore_rng, rng_states),) if rng_states else ()),
         ]
     )
     nread = read_plan(store, plan, threads)  # 2. read: straight into the destinations, every byte hashed

@@ -39,7 +39,7 @@ from ..format.names import check_group_name
 from ..format.tensors import dtype_name, torch_dtype
 from .documents import encode_state, read_state
 from .plan import ReadItem, RestorePlan
-from .stateful import GeneratorState, LoaderState, stateful
+from .stateful import GeneratorState, LoaderState, PreparedLoaderState, stateful
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -80,7 +80,10 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
         fn = getattr(obj, "state_dict", None)
         if not callable(fn):
             raise UnsupportedState(f"extra {key!r}: a {type(obj).__name__} has no state_dict() (SPEC.md §Extras)")
-        state = fn()
+        try:
+            state = fn()
+        except UnsupportedState as e:  # an adapter that cannot take the object whole (``stateful``)
+            raise UnsupportedState(f"extra {key!r}: {e}") from None
         if not isinstance(state, Mapping):
             raise UnsupportedState(f"extra {key!r}: state_dict() returned a {type(state).__name__}, not a dict")
         document, tensors = encode_state(state, f"extra {key!r}")
@@ -135,7 +138,7 @@ def plan_extras_restore(
         )
         tensors = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype)) for t in x.tensors]
         decoded = read_extra_state(raw, tensors, what)  # decodes before anything is written (the tensors not yet read)
-        if isinstance(obj, (GeneratorState, LoaderState)):  # the state fits this generator (``stateful``)
+        if isinstance(obj, (GeneratorState, LoaderState, PreparedLoaderState)):  # the state fits (``stateful``)
             obj.check(decoded)
         reads += [ReadItem(t.object, dest, f"tensor {t.key} of extra {key!r}") for t, dest in zip(x.tensors, tensors)]
         installs.append(partial(_load, obj, raw, tensors, what))
