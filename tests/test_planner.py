@@ -101,6 +101,10 @@ def test_parse_bytes() -> None:
 _MEASURE = r"""
 import json, sys
 import torch
+try:  # where triton is installed (torchtitan's tests need it) torch imports it lazily, ~90 MB; a worker
+    import triton  # noqa: F401  has it before admission (workers.launch preloads torch._dynamo)
+except ImportError:
+    pass
 torch.set_num_threads(1)
 from shardtrain.engine.batch import Batch
 from shardtrain.job.job import load_job
