@@ -129,7 +129,9 @@ def worker(rank: int, port: int, world: int, args: argparse.Namespace, work: str
         own = tier(rank)
         through = ss.Store(TieredStorage(local.storage, [own], fill=own), create=False)
         cid = ss.save_distributed(through, model, opt, info=ss.CommitInfo(step=1), rng=False)
-        ids = commit_closure(ss.load_commit(local, cid), slot=rank).ids()
+        # read through the tier, as shardtrain's committer does: the other slots' shard manifests
+        # (part of this slot's closure) land in it too, so the replica it offers is complete
+        ids = commit_closure(ss.load_commit(through, cid), slot=rank).ids()
         own.hold(cid, ids)
         replicate(None, slot=rank, commit=cid, objects=ids, own=own, tier_for=tier, replicas=1)
         if rank == 0:

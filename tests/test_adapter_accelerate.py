@@ -153,6 +153,7 @@ def _wait(p: subprocess.Popen) -> None:
 # -- resume through accelerate's own loop, in a fresh process --------------------------------------
 
 
+@pytest.mark.long  # fresh processes: .ci/run's second step, for the test command's 8 minutes
 def test_resumes_bitwise_mid_epoch_in_a_fresh_process(tmp_path):
     pytest.importorskip("accelerate")
     pytest.importorskip("torchdata.stateful_dataloader")

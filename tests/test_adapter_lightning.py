@@ -206,6 +206,7 @@ def _resumed(tmp: str) -> None:
     c.save_checkpoint(f"{tmp}/b/final.ckpt")
 
 
+@pytest.mark.long  # fresh processes: .ci/run's second step, for the test command's 8 minutes
 def test_interrupted_and_resumed_in_a_fresh_process_is_bitwise_the_uninterrupted_run(tmp_path: Path) -> None:
     tmp = str(tmp_path)
     in_fresh_processes((_uninterrupted_and_interrupted, (tmp,)), (_resumed, (tmp,)))

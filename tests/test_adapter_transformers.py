@@ -205,6 +205,7 @@ def check_bitwise(root: Path, status: dict[str, int]) -> None:
     assert a["output_dir"] == b["output_dir"] == []  # no checkpoint folder, trainer_state.json or pickle
 
 
+@pytest.mark.long  # fresh processes: .ci/run's second step, for the test command's 8 minutes
 def test_resume_in_a_fresh_process_is_bitwise_mid_epoch(tmp_path: Path) -> None:
     _launch(["zygote", str(tmp_path), "interrupted", "resumed", "uninterrupted"])
     check_bitwise(tmp_path, json.loads((tmp_path / "status.json").read_text()))
