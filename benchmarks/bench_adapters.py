@@ -190,7 +190,7 @@ def hugging_face(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str
     except ImportError as e:  # the adapter not installed: said in the table
         return {"skipped": str(e)}
     hf_logging.set_verbosity_error()
-    layers = max(1, round((args.mib - 48) / 145))  # ~145 MiB of state a layer, ~48 MiB the embeddings and head
+    layers = max(1, -(-(args.mib - 48) // 145))  # at least --mib: ~145 MiB of state a layer, ~48 MiB the rest
 
     def model() -> Any:
         torch.manual_seed(0)
