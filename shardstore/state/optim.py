@@ -19,7 +19,7 @@ import copy
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import StateMismatch, UnsupportedOptimizer
 from ..format.lazy import torch
@@ -44,6 +44,8 @@ __all__ = [
     "into_torch",
     "from_export",
     "into_export",
+    "ExportsState",
+    "ImportsState",
     "group_spec",
     "hyper_of",
     "CommitView",
@@ -227,7 +229,28 @@ def into_torch(
                 }
 
 
-def from_export(exporter: Any) -> OptimState:
+@runtime_checkable
+class ExportsState(Protocol):
+    """An optimizer that hands over its state in the canonical form itself (shardtrain's AdamW).
+
+    ``state_export()`` returns ``(groups, params)``: each group name to its hyperparameters
+    (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``), each parameter name to its
+    ``group``, ``age`` and moments (``exp_avg``, ``exp_avg_sq``: tensors, or absent before
+    its first update). Save takes that instead of reading ``state_dict()``.
+    """
+
+    def state_export(self) -> tuple[Mapping[str, Mapping[str, Any]], Mapping[str, Mapping[str, Any]]]: ...
+
+
+@runtime_checkable
+class ImportsState(Protocol):
+    """An optimizer that takes the canonical form back (``state_import(groups, params)``, the
+    shapes ``ExportsState`` gives); restore installs through it instead of ``load_state_dict``."""
+
+    def state_import(self, groups: dict[str, dict[str, float]], params: dict[str, dict[str, Any]]) -> None: ...
+
+
+def from_export(exporter: ExportsState) -> OptimState:
     """Canonical state of an optimizer exposing ``state_export() -> (groups, params)``."""
     groups, params = exporter.state_export()
     out = OptimState(algorithm=getattr(exporter, "algorithm", "adamw"))
@@ -240,7 +263,7 @@ def from_export(exporter: Any) -> OptimState:
     return out
 
 
-def into_export(importer: Any, state: OptimState, names: list[str]) -> None:
+def into_export(importer: ImportsState, state: OptimState, names: list[str]) -> None:
     """Install canonical state into an optimizer exposing ``state_import(groups, params)``."""
     groups = {
         n: {"lr": h.lr, "beta1": h.beta1, "beta2": h.beta2, "eps": h.eps, "weight_decay": h.weight_decay}
@@ -302,7 +325,7 @@ def plan_adam_restore(
         for k, m in (("exp_avg", po.exp_avg), ("exp_avg_sq", po.exp_avg_sq))
         if m is not None
     )
-    if hasattr(optimizer, "state_import"):
+    if isinstance(optimizer, ImportsState):
         held = [n for n in names if n in state.params]
         return RestorePlan(reads, (lambda: into_export(optimizer, state, held),))
     _probe_torch(optimizer, targets, state, group_names)
@@ -313,7 +336,7 @@ def _adam_state(lc: CommitView, names: list[str], optimizer: Any, targets: dict[
     """The commit's canonical state of ``names``, each moment a destination tensor to read into."""
     entries = lc.entries()
     state = OptimState(lc.commit.optimizer.algorithm, {g.name: hyper_of(g) for g in lc.commit.optimizer.groups})
-    live = getattr(optimizer, "state", None) if not hasattr(optimizer, "state_import") else None
+    live = None if isinstance(optimizer, ImportsState) else getattr(optimizer, "state", None)
     for n in names:
         o = entries[n].optim
         if o is None:

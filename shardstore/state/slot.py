@@ -18,7 +18,7 @@ from ..format.manifest import Slice
 from ..format.rng import capture_rng
 from .extras import CapturedExtra, capture_extras
 from .module import check_held, named_state
-from .optim import OptimState, from_export, from_torch
+from .optim import ExportsState, OptimState, from_export, from_torch
 from .torch_optim import capture_torch, is_adam_form
 from .wrapped import check_captured, inner_optimizers, split_group_names
 
@@ -82,7 +82,7 @@ def capture(
 
 def _capture_one(optimizer: Any, tensors: dict[str, torch.Tensor], group_names: list[str] | None) -> OptimState:
     """One (inner) optimizer's state for ``tensors``, held to its own ``state_dict()`` (``check_captured``)."""
-    if hasattr(optimizer, "state_export"):
+    if isinstance(optimizer, ExportsState):
         return from_export(optimizer)
     by_tensor = {t: n for n, t in tensors.items()}
     if isinstance(optimizer, torch.optim.Optimizer) and not is_adam_form(optimizer):

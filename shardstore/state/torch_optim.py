@@ -49,7 +49,13 @@ from ..format.manifest import (
 )
 from ..format.names import check_group_name
 from ..format.tensors import check_storable, dtype_name, is_dtensor, torch_dtype
-from .optim import OptimState, ParamOpt, TorchParam, param_group_names  # one group-naming rule for both forms
+from .optim import (
+    ImportsState,
+    OptimState,
+    ParamOpt,
+    TorchParam,
+    param_group_names,
+)  # one group-naming rule for both forms
 from .plan import ReadItem, RestorePlan
 
 __all__ = [
@@ -308,6 +314,6 @@ def use_torch_form(commit_id: str, spec: OptimizerSpec, optimizer: Any) -> bool:
     if spec.algorithm == "torch" and not isinstance(optimizer, torch.optim.Optimizer):
         name = spec.torch_optimizer.class_name if spec.torch_optimizer else "torch"
         raise StateMismatch(f"commit {commit_id} holds {name} state; it restores into that torch optimizer class only")
-    if hasattr(optimizer, "state_import"):
+    if isinstance(optimizer, ImportsState):
         return False
     return spec.algorithm == "torch" or (isinstance(optimizer, torch.optim.Optimizer) and not is_adam_form(optimizer))

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import StateMismatch, UnsupportedOptimizer
 from ..format.lazy import torch
 from ..format.names import check_group_name
-from .optim import OptimState
+from .optim import ExportsState, OptimState
 
 __all__ = ["WrapsOptimizer", "WrapsOptimizers", "inner_optimizers", "split_group_names", "check_captured"]
 
@@ -48,7 +48,7 @@ class WrapsOptimizers(Protocol):
 
 
 def _is_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer) or hasattr(obj, "state_export")
+    return isinstance(obj, (torch.optim.Optimizer, ExportsState))
 
 
 def _wrapped(obj: Any) -> list[Any] | None:
