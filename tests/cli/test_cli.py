@@ -25,7 +25,7 @@ from conftest import TinyNet, make_optimizer, train_steps
 import shardstore as ss
 from shardstore_cli import shardstore_cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

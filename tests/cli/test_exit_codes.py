@@ -21,7 +21,7 @@ import pytest
 
 from shardstore_cli.exit_codes import SHARDSTORE, SHARDTRAIN, TABLE, Exit, code_of, epilog
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPEC = (REPO / "SPEC.md").read_text()
 README = (REPO / "README.md").read_text()
 ROWS = {int(r.code): r for r in TABLE}

@@ -95,7 +95,7 @@ def tmp_path(tmp_path: Any) -> Any:  # noqa: F811 - hundreds of stores: keep the
 @pytest.fixture(autouse=True)
 def no_disk_waits(monkeypatch: Any) -> None:
     """Process kills lose nothing the page cache holds, so fsync need not reach the disk here
-    (it is still called and counted; power loss is tests/test_reliability_powerloss.py)."""
+    (it is still called and counted; power loss is tests/reliability/test_reliability_powerloss.py)."""
     patch_local_os(monkeypatch, FaultyOs(fsync=False))
 
 

@@ -3,7 +3,7 @@
 Two ranks (separate spawned processes over Gloo) each own half of a TinyNet and commit
 step 1 (c1) and then step 2 (c2) with ``save_distributed``. In each case one rank, the
 victim, SIGKILLs itself just before its k-th Storage call (an ``OpLog`` wrapper, as in
-tests/test_reliability_crash.py) or just before its k-th collective of the commit
+tests/reliability/test_reliability_crash.py) or just before its k-th collective of the commit
 protocol. Then:
 
 - the survivor raises ``CommitProtocolError`` naming a protocol phase, within the group

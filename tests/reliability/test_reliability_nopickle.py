@@ -24,7 +24,7 @@ import shardstore as ss
 from shardstore.format.manifest import encode
 from shardstore.format.rng import restore_rng
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FORBIDDEN = {
     ("pickle", "load"),
     ("pickle", "loads"),
@@ -43,7 +43,7 @@ def _weights_only_dcp_bytes(path: str, f: ast.Attribute, node: ast.Call) -> bool
     loads DCP's bytes items — non-tensor values DCP itself pickled at save, which DCP's default
     planner would unpickle in full — with ``torch.load(..., weights_only=True)``, torch's
     restricted unpickler, so a pickle naming any class or function is refused (tested in
-    tests/test_adapter_torchtitan.py). Any other ``torch.load`` anywhere, or this one without
+    tests/shardstore/test_adapter_torchtitan.py). Any other ``torch.load`` anywhere, or this one without
     ``weights_only=True``, fails the scan."""
     return (
         os.path.relpath(path, ROOT) == os.path.join("shardstore", "torchtitan.py")

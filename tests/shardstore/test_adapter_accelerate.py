@@ -7,7 +7,7 @@ The resume test runs a tiny loop (gradient accumulation, dropout, a shuffled tor
 uninterrupted; stopped mid-epoch (in its second epoch) with ``save_accelerator_state``; and
 resumed from that commit with ``load_accelerator_state``. Every parameter and optimizer state
 tensor, the counters, the next batches and the next random numbers must be equal bit for bit.
-This file is also the script those processes run (``python tests/test_adapter_accelerate.py``).
+This file is also the script those processes run (``python tests/shardstore/test_adapter_accelerate.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import shardstore
 from shardstore.errors import StateMismatch, UnsupportedState
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: What the trainer's workers pin (shardtrain.run.lifecycle.DETERMINISTIC_ENV): the CPU vendor must not matter.
 DETERMINISTIC_ENV = {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 

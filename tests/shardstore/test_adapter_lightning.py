@@ -38,7 +38,7 @@ from shardstore_cli.shardstore_cli import main as shardstore_main
 from shardtrain.run.lifecycle import DETERMINISTIC_ENV
 from shardtrain.workers import forkserver
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 EPOCHS = 3  # of 4 steps each
 
@@ -515,7 +515,7 @@ def test_the_plugin_crosses_to_another_process_as_its_url(tmp_path: Path) -> Non
 
 
 def test_the_plugin_is_lightnings_checkpoint_io() -> None:
-    # that importing shardstore imports no Lightning: tests/test_adapters_layer.py
+    # that importing shardstore imports no Lightning: tests/shardstore/test_adapters_layer.py
     assert pl.Trainer(plugins=[ShardstoreCheckpointIO("memory://x")], logger=False).strategy.checkpoint_io
 
 

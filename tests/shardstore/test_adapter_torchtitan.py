@@ -51,7 +51,7 @@ from shardstore.torchtitan import ShardstoreCheckpointManager  # noqa: E402
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIM, HEADS, VOCAB, SEQ, BATCH = 16, 2, 64, 8, 2
 STEPS, STOP = 4, 2  # the uninterrupted run's length; where the interrupted one stops (a checkpoint step)
 
@@ -368,7 +368,7 @@ def test_async_mode_saves_in_a_thread(tmp_path):
 
 def test_the_manager_module_imports_torchtitan():
     """``shardstore.torchtitan`` imports torchtitan (this module does: ``from shardstore.torchtitan
-    import ...`` above); that ``import shardstore`` does not: tests/test_adapters_layer.py."""
+    import ...`` above); that ``import shardstore`` does not: tests/shardstore/test_adapters_layer.py."""
     assert "torchtitan" in sys.modules
 
 

@@ -36,7 +36,7 @@ from shardstore.format.closure import commit_closure
 from shardstore.transformers import ShardstoreTrainer, ShardstoreTrainerMixin
 from shardtrain.run.lifecycle import DETERMINISTIC_ENV
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 N, K = 9, 5  # steps of the run, and the checkpoint it is interrupted after (epoch 0 of 6 steps)
 
 
@@ -435,7 +435,7 @@ def test_a_trainer_that_skips_an_override_fails_at_once(trained: Any, tmp_path: 
 
 
 def test_the_adapter_is_a_trainer_with_the_mixin_first() -> None:
-    # that importing shardstore imports no transformers: tests/test_adapters_layer.py
+    # that importing shardstore imports no transformers: tests/shardstore/test_adapters_layer.py
     import shardstore.transformers as mod
 
     assert mod.ShardstoreTrainer.__mro__[1] is ShardstoreTrainerMixin and issubclass(mod.ShardstoreTrainer, Trainer)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # framework (top-level import names) -> the one shardstore module that may import it
 ADAPTERS = {
     ("lightning", "pytorch_lightning"): "lightning.py",

@@ -195,7 +195,7 @@ def test_late_parameter_keeps_its_own_clock(store):
 
 
 def test_amsgrad_goes_to_the_torch_form(store):
-    """Refused before issue 13; now held as any torch optimizer (tests/test_trainer_state.py restores it)."""
+    """Refused before issue 13; now held as any torch optimizer (tests/shardstore/state/test_trainer_state.py restores it)."""
     model = TinyNet()
     opt = torch.optim.Adam(model.parameters(), amsgrad=True)
     cid = ss.save(store, model, opt, step=0)

@@ -1,7 +1,7 @@
 """``shardstore.dcp`` in one process: DCP's ``save``/``load`` through ``StoreWriter``/``StoreReader``,
 the DCP document (``format.dcp``), what a second save writes, what a partial read reads, the
 command line on DCP commits, refusals and damage (SPEC.md §9.4). The multi-rank cases (FSDP2,
-resharding, async saves, failures on every rank) are ``tests/test_dcp_distributed.py``.
+resharding, async saves, failures on every rank) are ``tests/shardstore/dcp/test_dcp_distributed.py``.
 """
 
 from __future__ import annotations

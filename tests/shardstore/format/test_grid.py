@@ -169,7 +169,7 @@ def _independent_ids(n_rows: int, cols: int, boxes, version: int) -> tuple[list[
 
 def test_the_version_2_chunked_vector_is_unchanged():
     """Format 2's vector (float32 [3, 524288] on the row-band grid: rows 0-1, row 2) stays
-    pinned, recomputed from SPEC.md alone; ``tests/test_legacy_store.py`` reads a store of it."""
+    pinned, recomputed from SPEC.md alone; ``tests/shardstore/format/test_legacy_store.py`` reads a store of it."""
     boxes = [((0, 0), (2, 524288)), ((2, 0), (1, 524288))]
     assert grid("float32", (3, 524288), bands=True) == boxes
     ids, shard_id, root = _independent_ids(3, 524288, boxes, 2)

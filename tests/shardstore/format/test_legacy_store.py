@@ -85,7 +85,7 @@ def _expected():
 @pytest.fixture(scope="module")
 def legacy(tmp_path_factory):
     root = tmp_path_factory.mktemp("legacy") / "store"
-    with tarfile.open(Path(__file__).parent / "data" / "v3_store.tar.gz") as tar:
+    with tarfile.open(Path(__file__).resolve().parents[2] / "data" / "v3_store.tar.gz") as tar:
         tar.extractall(root, filter="data")
     return ss.open_store(str(root), create=False), root
 

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover
     from s3_server import S3Server, s3_server  # type: ignore[no-redef]  # noqa: F401
 
 HOUR = 3600.0
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def model_and_opt(seed: int) -> tuple[torch.nn.Module, torch.optim.AdamW]:

@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover
     from s3_server import S3Server, s3_server  # type: ignore[no-redef]  # noqa: F401
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SLOT0 = ["a.bias", "a.weight"]
 SLOT1 = ["b.bias", "b.weight"]
 

@@ -18,7 +18,7 @@ part):
 The model's ``fc1.weight`` is 10 x 131072 float32 (5 MiB: two column tiles of 10 x 65536,
 SPEC.md §5.1), so every row split above cuts both tiles and the exchange moves pieces between
 ranks; and every rank restoring a row split of it reads both tiles (a tensor of two tiles
-cannot serve a row split and a column split both; ``tests/test_dtensor_mesh.py`` measures the
+cannot serve a row split and a column split both; ``tests/shardstore/sharded/test_dtensor_mesh.py`` measures the
 reads of a 64 MiB weight of 4 x 4 tiles at each rank's share).
 """
 
@@ -226,7 +226,7 @@ def _readme_example(root: str) -> str:
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     code = re.search(r"## From torch.distributed.checkpoint to shardstore.*?```python\n(.*?)```", readme, re.S).group(1)
     for line in ('dist.init_process_group("gloo")\n', "dist.destroy_process_group()\n"):
         assert line in code

@@ -375,7 +375,7 @@ def test_a_commit_version_3_by_slices_alone_and_its_transition():
 
 
 def _init_commit(version: int, layout: list[dict], learned_root: str, optimizer: dict) -> str:
-    """A chunked vector's commit id from SPEC.md §24's values (as ``tests/test_grid.py``'s): step 0,
+    """A chunked vector's commit id from SPEC.md §24's values (as ``tests/shardstore/format/test_grid.py``'s): step 0,
     job ``vector-job``, profile ``fp32``, transition ``init``, no schedule, data cursor, config or parent."""
     doc = {"config": None, "data_cursor": None, "job": "vector-job", "layout": layout, "learned_root": learned_root, "optimizer": optimizer,
            "parent": None, "profile": "fp32", "schedule": None, "step": 0, "transition": "init", "type": "commit", "version": version}  # fmt: skip
@@ -410,7 +410,7 @@ def test_state_and_slices_full_roots_from_the_values_spec_states():
     assert full["slices", 3] == "3619a549d4809ab6789dfde2ec70c3fbb81169b85b84beb862ff27275b0b13c6"
     assert (
         full["learned", 3] == "87487da2a3effa47abfb07096475c38002236244ce7345bf9bad31c401de7302"
-    )  # the version-2 vector's (tests/test_grid.py)
+    )  # the version-2 vector's (tests/shardstore/format/test_grid.py)
     assert full["learned", 4] == SLICES_LEARNED_ROOT
 
 

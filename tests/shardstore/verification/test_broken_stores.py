@@ -19,7 +19,7 @@ import pytest
 
 from shardstore_cli.shardstore_cli import main
 
-DATA = Path(__file__).parent / "data" / "broken"
+DATA = Path(__file__).resolve().parents[2] / "data" / "broken"
 ARCHIVES = sorted(DATA.glob("*.tar.gz"))
 CASES = ("flipped-byte", "missing-object", "forged-manifest", "orphan-shard", "missing-commit")
 

@@ -42,7 +42,7 @@ from shardstore_cli.shardtrain_cli import main as shardtrain_main  # noqa: E402
 from shardtrain.run.lifecycle import DETERMINISTIC_ENV  # noqa: E402
 from shardtrain.workers.launch import WorkerContext, launch_local  # noqa: E402
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (Path(__file__).resolve().parents[3] / "README.md").read_text()
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

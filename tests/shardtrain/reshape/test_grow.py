@@ -231,7 +231,7 @@ def test_evaluate_checks_the_commits_belong_to_the_prepared_job_before_any_worke
 
 def _as_format_1(store: shardstore.Store, cid: str) -> str:
     """Commit ``cid`` (one slot) as format 1's writer left such a state: every payload one object
-    of its whole bytes, whatever its size, in version-1 manifests (``tests/test_legacy_store.py``)."""
+    of its whole bytes, whatever its size, in version-1 manifests (``tests/shardstore/format/test_legacy_store.py``)."""
     import msgspec
 
     from shardstore.format.grid import read_whole

@@ -282,7 +282,7 @@ def test_the_job_is_pinned_and_survives_gc(run: SimpleNamespace, tmp_path: Path)
     shutil.copytree(run.home / "store", copy)
     store = open_store(str(copy))
     result = gc(store, grace_seconds=0, dry_run=False)
-    # with the commits the run depends on, pinned as references/<job id> (tests/test_dependencies.py)
+    # with the commits the run depends on, pinned as references/<job id> (tests/shardtrain/run/test_dependencies.py)
     pinned = {o for ids in store.pins().values() for o in ids}
     assert bound <= pinned and len(pinned - bound) >= 1 and result.pinned_objects == len(pinned)
     assert not pinned & set(result.deleted)

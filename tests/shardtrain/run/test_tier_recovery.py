@@ -28,7 +28,7 @@ from shardtrain.job.default_job import prepare_default
 from shardtrain.run.lifecycle import FAULT_ENV, RunResult, RunSpec, train
 
 # Whole runs killed and recovered (~50 s on 2 cores): .ci/run's long step, for the test budget.
-# The tiers' parts stay in the test command: tests/test_memory_tier.py, tests/test_replicas.py.
+# The tiers' parts stay in the test command: tests/shardstore/backends/test_memory_tier.py, tests/shardstore/checkpoint/test_replicas.py.
 pytestmark = pytest.mark.long
 
 TIMEOUT = 30.0

@@ -27,7 +27,10 @@ from shardtrain.errors import ResumeError, RunAborted, qualified_name
 from shardtrain.run.lifecycle import raise_failure
 from shardtrain.workers.launch import WorkerContext
 
-HELPERS = Path(__file__).with_name("shardtrain_helpers.py")
+# tests/shardtrain_helpers.py, a script here; run from the repository root (its directory, tests/, holds
+# tests/shardtrain/, which would hide the shardtrain package from a process that has only tests/ on its path).
+REPO = Path(__file__).resolve().parents[3]
+HELPERS = REPO / "tests" / "shardtrain_helpers.py"
 
 
 def test_missing_torchrun_variables_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,7 +153,7 @@ def test_run_worker_teardown_leaves_no_group_threads(tmp_path: Path) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code],
-            cwd=HELPERS.parent,
+            cwd=REPO,
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -179,7 +182,7 @@ def test_torchrun_path_matches_the_local_launcher(tmp_path: Path) -> None:
     (tmp_path / "torchrun").mkdir()
     (tmp_path / "local").mkdir()
     ranges = [(0, 2), (2, 4)]
-    env = {**os.environ, **DETERMINISTIC_ENV}
+    env = {**os.environ, **DETERMINISTIC_ENV, "PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable,
         "-m",
