@@ -1,6 +1,7 @@
 """Metadata as frameworks produce it (issue 34, item 4): a Hugging Face ``config.to_dict()`` as
 ``config=``, the step ≥ Adam age rule saying what to pass, ``export`` refusing a commit it
-cannot make a whole directory of, and ``shardtrain prepare --model`` without ``--seed-store``."""
+cannot make a whole directory of. ``shardtrain prepare --model`` without ``--seed-store``
+(same issue) is tested with the model it needs, in tests/shardtrain/job/test_own_model.py."""
 
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_own_model import own  # noqa: F401  (the save_pretrained directory fixture)
 
 import shardstore
 from shardstore.errors import CursorError, ManifestError, StateMismatch
 from shardstore.ops.interchange import export_commit
 from shardstore_cli.shardstore_cli import main as shardstore_main
-from shardstore_cli.shardtrain_cli import main as shardtrain_main
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face configs under test")
 
@@ -72,20 +71,3 @@ def test_export_of_a_commit_without_a_model_config_is_refused_before_writing(tmp
     assert "holds no model config" in capsys.readouterr().err and not out.exists()
     assert shardstore_main(["export", str(tmp_path / "s"), cid, str(out), "--weights-only"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
-
-
-def test_prepare_with_a_model_and_no_seed_store_imports_next_to_the_job(own, tmp_path, capsys):  # noqa: F811
-    out = tmp_path / "job"
-    args = ["prepare", "--out", str(out), "--model", own["model"], "--records", own["train"], "--steps", "1"]
-    assert shardtrain_main([*args, "--batch-size", "4", "--microbatch-size", "2"]) == 0
-    captured = capsys.readouterr()
-    where = str(out / "store")
-    assert f"imported into {where}, next to the job; train from it with --store {where}" in captured.err
-    assert f"seed store {where}" in captured.out
-    store = shardstore.open_store(where, create=False)
-    seed = next(line.split()[1] for line in captured.out.splitlines() if line.startswith("seed "))
-    assert store.ref(f"seeds/{seed}") == seed
-    assert (
-        shardtrain_main(["prepare", "--out", str(tmp_path / "j2"), "--seed-commit", seed]) == 5
-    )  # refused (the one exit-code table)
-    assert "--seed-commit needs --seed-store" in capsys.readouterr().err

@@ -501,3 +501,20 @@ def test_prepare_refuses_a_chat_template_that_loops(
     assert err.startswith("shardtrain: error: JobError: the chat template ") and named in err, err
     assert not out.exists() and not store.exists()
     assert time.monotonic() - began < 60  # the loop alone would run for hours
+
+
+def test_prepare_with_a_model_and_no_seed_store_imports_next_to_the_job(own, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "job"
+    args = ["prepare", "--out", str(out), "--model", own["model"], "--records", own["train"], "--steps", "1"]
+    assert shardtrain_main([*args, "--batch-size", "4", "--microbatch-size", "2"]) == 0
+    captured = capsys.readouterr()
+    where = str(out / "store")
+    assert f"imported into {where}, next to the job; train from it with --store {where}" in captured.err
+    assert f"seed store {where}" in captured.out
+    store = shardstore.open_store(where, create=False)
+    seed = next(line.split()[1] for line in captured.out.splitlines() if line.startswith("seed "))
+    assert store.ref(f"seeds/{seed}") == seed
+    assert (
+        shardtrain_main(["prepare", "--out", str(tmp_path / "j2"), "--seed-commit", seed]) == 5
+    )  # refused (the one exit-code table)
+    assert "--seed-commit needs --seed-store" in capsys.readouterr().err
