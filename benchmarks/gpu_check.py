@@ -355,7 +355,7 @@ def _ckpt_row(name: str, nbytes: int, blocked: float, total: float, restored: fl
 
 def check_memory(device: torch.device, s: Sizes) -> list[Row]:
     if device.type != "cuda":
-        return [Row("peak device memory against the planner", "skipped: CUDA only (tests/test_planner.py checks the "
+        return [Row("peak device memory against the planner", "skipped: CUDA only (tests/shardtrain/reshape/test_planner.py checks the "
                     "CPU estimate against the peak resident set)", None)]  # fmt: skip
     rows = []
     for recompute in (False, True):

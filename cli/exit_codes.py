@@ -1,7 +1,7 @@
 """The exit codes of both command lines, ``shardstore`` and ``shardtrain``: one table, one meaning a code.
 
 SPEC.md §23 prints this table, each ``--help`` prints the rows of its tool (`epilog`, built
-from the table, so help and table cannot drift), and tests/test_exit_codes.py checks that
+from the table, so help and table cannot drift), and tests/cli/test_exit_codes.py checks that
 README.md and SPEC.md say what the table says. A command returns `Exit.OK` or
 `Exit.PROBLEMS` itself; an error it raises gets the code of the row whose classes it is an
 instance of (`code_of`): the specific rows first, the catch-all row `Exit.ERROR` last.

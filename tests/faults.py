@@ -1,4 +1,4 @@
-"""Fault-injecting storage for the reliability tests (tests/test_reliability_*.py).
+"""Fault-injecting storage for the reliability tests (tests/reliability/).
 
 Four tools, each small enough to read in one sitting:
 

@@ -1,5 +1,5 @@
 """A storage stand-in that counts the bytes of objects read through it (the storage layer's
-view of what a restore or a copy costs): ``tests/test_dtensor_mesh.py`` bounds each rank's
+view of what a restore or a copy costs): ``tests/shardstore/sharded/test_dtensor_mesh.py`` bounds each rank's
 reads by its share with it."""
 
 from __future__ import annotations

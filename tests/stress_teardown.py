@@ -16,8 +16,11 @@ torch optimizer does it), holds a reference to the group.
     --exit launcher   the local launcher's worker entry, which also skips interpreter
                       shutdown once the work is done (the default)
 
-    python tests/stress_teardown.py --rounds 600 --exit old
-    python tests/stress_teardown.py --rounds 600 --exit shutdown
+    PYTHONPATH=. python tests/stress_teardown.py --rounds 600 --exit old
+    PYTHONPATH=. python tests/stress_teardown.py --rounds 600 --exit shutdown
+
+(from the repository root: a script's own directory, tests/, holds tests/shardstore/ and
+tests/shardtrain/, which hide the packages unless the root is on the path too)
 
 `--buffers frombuffer` puts back the commit protocol's old `torch.frombuffer` buffers,
 first suspected; they were not the cause. Workers are forked from this process; for the

@@ -82,7 +82,7 @@ def test_s3_benchmark_smoke() -> None:
 def test_dtensor_benchmark_smoke(tmp_path) -> None:
     """Two Gloo processes save and restore one FSDP2 tensor both ways; a restore that differs exits non-zero.
 
-    Behind the slow marker: tests/test_dtensor.py already runs these code paths, and the
+    Behind the slow marker: tests/shardstore/sharded/test_dtensor.py already runs these code paths, and the
     suite's time budget is shared."""
     results = tmp_path / "RESULTS.md"
     done = _run(
@@ -208,7 +208,7 @@ def test_gpu_check_logic_on_cpu() -> None:
 def test_dcp_benchmark_smoke(tmp_path) -> None:
     """Two Gloo processes save and load FSDP2 state through StoreWriter/StoreReader and DCP's
     FileSystemWriter/Reader; a load that differs exits non-zero; the half-frozen save writes the
-    changed half and manifests only. Behind the slow marker: tests/test_dcp_distributed.py runs these paths."""
+    changed half and manifests only. Behind the slow marker: tests/shardstore/dcp/test_dcp_distributed.py runs these paths."""
     results = tmp_path / "RESULTS.md"
     args = ["--mib", "32", "--reps", "1", "--warm", "--dir", str(tmp_path), "--results", str(results)]
     done = _run(["benchmarks/bench_dcp.py", *args])

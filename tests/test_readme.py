@@ -1,6 +1,6 @@
 """The README's commands and example run as written.
 
-The "Train your own model" section runs in tests/test_own_model.py (its end-to-end test
+The "Train your own model" section runs in tests/shardtrain/job/test_own_model.py (its end-to-end test
 executes the section's commands on a model built there), so it is not run twice.
 """
 

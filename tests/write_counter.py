@@ -1,5 +1,5 @@
 """A storage stand-in that counts the bytes of objects written through it (the storage layer's
-view of what a save costs): ``tests/test_dcp.py`` measures a second save with half the state
+view of what a save costs): ``tests/shardstore/dcp/test_dcp.py`` measures a second save with half the state
 frozen with it."""
 
 from __future__ import annotations

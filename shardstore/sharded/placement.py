@@ -248,7 +248,7 @@ def mesh_parts(
         if not empty:
             return got, parts_of(indices, what)
         # torch's offset of an empty local tensor: on each dim, the dim's size where this rank
-        # has no index, else its first index (tests/test_placement.py holds it to torch's own)
+        # has no index, else its first index (tests/shardstore/sharded/test_placement.py holds it to torch's own)
         origin = tuple(d if n == 0 else int(ix[0]) for d, n, ix in zip(shape, got, indices))
         return got, [((origin, got), (0,) * len(got))]
     want, origin = _compute_local_shape_and_global_offset(shape, tuple(mesh_shape), list(coordinate), placements)

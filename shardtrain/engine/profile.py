@@ -16,7 +16,7 @@ forward runs under `torch.utils.checkpoint.checkpoint` (``use_reentrant=False``)
 keeps only the block's input and runs the block again during backward, with the same
 autocast state. The recomputed forward is the same sequence of kernels on the same
 inputs, so gradients, and with them every learned value, are bitwise those of the run
-without it (tests/test_own_model.py checks the learned-state root).
+without it (tests/shardtrain/job/test_own_model.py checks the learned-state root).
 
 The label a commit records (its ``profile`` field, SPEC.md §8.3) is the profile's name,
 with ``+recompute`` appended when recomputation is on.

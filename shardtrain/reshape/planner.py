@@ -30,7 +30,7 @@ The estimate of a slot is a sum of named terms (bytes), each a count of FP32 ten
   the model's size (kernels, allocator arenas, autograd's engine): measured on the 2-core
   development VM as 84-85 MiB of peak RSS beyond the modelled terms, above the resident
   size of a fresh process that has imported torch and loaded its job (the baseline the
-  admission check takes); 80 MiB is the default (``tests/test_planner.py`` checks the
+  admission check takes); 80 MiB is the default (``tests/shardtrain/reshape/test_planner.py`` checks the
   whole estimate against a measured peak). Workers the local launcher forks from its
   forkserver, which has already imported torch and touched much of it, pay about 50 MiB
   less (a 1-worker run of the default job used 54 MB above admission against a 107 MB

@@ -1,6 +1,6 @@
 """How ``tests/data/broken/`` was made: small broken stores, each with the exact ``verify`` output
 expected of it (restic's ``testdata`` for its checker; issue 35, item 8). Kept for provenance:
-``tests/test_broken_stores.py`` unpacks the checked-in archives and compares ``verify``'s output
+``tests/shardstore/verification/test_broken_stores.py`` unpacks the checked-in archives and compares ``verify``'s output
 with the ``.txt`` beside each; it never runs this script.
 
 Two clean bases hold the same state, one commit on ref ``main`` (job ``broken``, step 1, no

@@ -1,7 +1,7 @@
 """How ``tests/data/v3_store.tar.gz`` was made (kept for provenance; it needs shardstore from
 before format version 4, commit 3066e75 or earlier, whose writers used the row-band grid).
 
-The state: ``legacy_state()`` in ``tests/test_legacy_store.py`` (mostly zeros, so the archive
+The state: ``legacy_state()`` in ``tests/shardstore/format/test_legacy_store.py`` (mostly zeros, so the archive
 is small). Commit ``adam`` (version 2: chunked parameter and Adam moments) and its child
 ``sgd`` (version 3: a chunked torch-form ``momentum_buffer``), ref ``main`` on ``sgd``.
 
@@ -17,7 +17,7 @@ import torch
 
 import shardstore as ss
 
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/shardstore/format")
 from test_legacy_store import LegacyModel  # noqa: E402
 
 
