@@ -21,8 +21,9 @@ thread each.
 - load into the same FSDP2 model (zeroed first; the page cache dropped as root, unless
   ``--warm``): ``dcp.load`` through ``StoreReader(thread_count=1)`` (every block read verified
   against its id) against ``FileSystemReader`` (which reads on the calling thread: it has no
-  thread count), each then ``set_state_dict``; and ``StoreReader(thread_count=T)`` beside them; every local slice is compared with the values it must hold (outside the
-  timing; a mismatch exits non-zero).
+  thread count), each then ``set_state_dict``; and ``StoreReader(thread_count=T)`` and
+  ``StoreReader()`` (its default thread count: default against default) beside them; every local
+  slice is compared with the values it must hold (outside the timing; a mismatch exits non-zero).
 
     python benchmarks/bench_dcp.py [--mib 256] [--reps 3] [--threads 2] [--results benchmarks/RESULTS.md]
 """
@@ -30,6 +31,7 @@ thread each.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -51,6 +53,14 @@ RESAVES = ("half frozen: dcp.save → StoreWriter (same store)", "half frozen: d
 LOADS = ("dcp.load ← StoreReader, 1 thread (verifies every block)", "dcp.load ← FileSystemReader")
 #: StoreReader at the writers' thread count as well (FileSystemReader has no thread count: it reads on one).
 THREADED = "dcp.load ← StoreReader, --threads threads"
+#: StoreReader as constructed without a thread_count, against FileSystemReader as constructed: default vs default.
+DEFAULT = "dcp.load ← StoreReader, its default thread_count"
+
+
+def _default_threads() -> int:
+    from shardstore.dcp import StoreReader
+
+    return int(inspect.signature(StoreReader).parameters["thread_count"].default)
 
 
 def _build(layers: int, mesh) -> tuple[torch.nn.Module, torch.optim.AdamW]:
@@ -114,7 +124,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
             for name, fn in db.rotated(list(zip(SAVES, (ss_save, lambda: fs_save(fs_dir)))), rep):
                 timer(name, fn)
 
-            loads = [(LOADS[0], 1), (LOADS[1], 0), (THREADED, args.threads)]
+            loads = [(LOADS[0], 1), (LOADS[1], 0), (THREADED, args.threads), (DEFAULT, -1)]
             for name, threads in db.rotated(loads, rep):
                 db.zero(*dest)
                 db.drop(rank, drop)
@@ -122,7 +132,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str,
 
                 def load(threads: int = threads) -> None:
                     sd = state(*dest)
-                    reader = StoreReader(ss_dir, thread_count=threads) if threads else dcp.FileSystemReader(fs_dir)
+                    if threads < 0:  # as constructed without a thread_count
+                        reader: dcp.StorageReader = StoreReader(ss_dir)
+                    else:
+                        reader = StoreReader(ss_dir, thread_count=threads) if threads else dcp.FileSystemReader(fs_dir)
                     dcp.load(sd, storage_reader=reader)
                     set_state_dict(*dest, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
@@ -167,11 +180,15 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
         ("**second save, half frozen**", RESAVES),
     ):
         lines += [title, "", *db.method_table(results, *pair, total), ""]
-        if pair == LOADS:  # StoreReader at the writers' thread count too, beside the one-thread pair
-            ts = db.slowest(results, THREADED)
-            med = statistics.median(ts)
-            row = f"| StoreReader, {args.threads} threads | {med:.3f} ({min(ts):.3f}–{max(ts):.3f}) | {total / med / 1e9:.2f}"
-            lines.insert(-1, f"{row} | {db.ratio(results, THREADED, LOADS[1]):.2f} |")
+        if pair == LOADS:  # StoreReader at the writers' thread count and at its default too, beside the pair
+            for name, label in (
+                (THREADED, f"{args.threads} threads"),
+                (DEFAULT, f"default ({_default_threads()} threads)"),
+            ):
+                ts = db.slowest(results, name)
+                med = statistics.median(ts)
+                row = f"| StoreReader, {label} | {med:.3f} ({min(ts):.3f}–{max(ts):.3f}) | {total / med / 1e9:.2f}"
+                lines.insert(-1, f"{row} | {db.ratio(results, name, LOADS[1]):.2f} |")
     changed = sum(r["changed"] for r in results)
     written = [sum(r["written"][i] for r in results) for i in range(len(results[0]["written"]))]
     lines.append(
@@ -181,6 +198,7 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
         f"{(total - changed) / db.MIB:.2f} MiB (FileSystemWriter writes all {total / db.MIB:.0f} MiB again)."
     )
     save, load = db.ratio(results, *SAVES), db.ratio(results, *LOADS)
+    threaded, default = db.ratio(results, THREADED, LOADS[1]), db.ratio(results, DEFAULT, LOADS[1])
     frozen_written = max(0, statistics.median(written) - changed)
     lines += [
         "",
@@ -190,6 +208,9 @@ def _table(results: list[dict], args: argparse.Namespace, drop: bool, loads: tup
         "|---|---|---|",
         f"| save ≥ 1.0× FileSystemWriter (median) | {save:.2f}× | {db.met(save >= 1.0)} |",
         f"| load ≥ 1.0× FileSystemReader (median), both on one thread | {load:.2f}× | {db.met(load >= 1.0)} |",
+        f"| load ≥ 1.0× FileSystemReader (median), at {args.threads} threads | {threaded:.2f}× | {db.met(threaded >= 1.0)} |",
+        f"| load ≥ 1.0× FileSystemReader (median), each as constructed by default (StoreReader "
+        f"{_default_threads()} threads, FileSystemReader the calling thread) | {default:.2f}× | {db.met(default >= 1.0)} |",
         f"| the frozen half written zero times (bytes written beyond the changed half: manifests only) | "
         f"{frozen_written / 1024:.1f} KiB beyond it | {db.met(frozen_written < 1 << 20)} |",
     ]

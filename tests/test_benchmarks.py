@@ -215,6 +215,7 @@ def test_dcp_benchmark_smoke(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     text = results.read_text()
     assert "<!-- bench_dcp:begin -->" in text and "| dcp.save → FileSystemWriter |" in text
+    assert "| StoreReader, default (" in text and "each as constructed by default" in text  # default vs default
     assert "the changed half is 48.00 MiB" in text and "| the frozen half written zero times" in text
     assert "KiB beyond it | yes |" in text
 

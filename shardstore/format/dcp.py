@@ -37,9 +37,11 @@ from .manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
     Base,
+    Block,
     Dim,
     DType,
     ExtraEntry,
+    Payload,
     StateTensor,
     TensorEntry,
     TensorName,
@@ -62,6 +64,8 @@ __all__ = [
     "decode_document",
     "dcp_extra",
     "document_problems",
+    "tiling_problem",
+    "whole_payload",
 ]
 
 #: The key of the commit-wide extra whose state document is a DCP commit's ``DcpDocument``.
@@ -268,3 +272,68 @@ def _item_problems(fqn: str, item: TensorItem, entries: Mapping[str, TensorEntry
         elif e.optim is not None or e.state is not None or e.kind != "param":
             out.append(f"{where}: entry {c.entry!r} carries optimizer state or is a buffer; a chunk is plain bytes")
     return out
+
+
+#: Pairs of chunks ``tiling_problem`` compares at most for one tensor: a forged document's
+#: chunk list (up to MAX_ENTRIES) must not make the check quadratic without bound.
+MAX_TILING_PAIRS = 1 << 24
+
+
+def _volume(sizes: Sequence[int]) -> int:
+    n = 1
+    for d in sizes:
+        n *= int(d)
+    return n
+
+
+def tiling_problem(item: TensorItem) -> str | None:
+    """What keeps ``item``'s chunks from tiling its tensor exactly (None: they tile it): every
+    chunk of its dims and inside its size, no two sharing an element, their elements together
+    its size's. Pure arithmetic on the document: nothing is allocated by the tensor's size."""
+    size = tuple(item.size)
+    boxes = []
+    for c in item.chunks:
+        if not len(c.offsets) == len(c.sizes) == len(size):
+            return f"the chunk at {list(c.offsets)} has {len(c.sizes)} dims, the tensor {len(size)}"
+        if any(o + n > d for o, n, d in zip(c.offsets, c.sizes, size)):
+            return f"the chunk at {list(c.offsets)} of extent {list(c.sizes)} lies outside size {list(size)}"
+        if _volume(c.sizes):
+            boxes.append((tuple(c.offsets), tuple(c.sizes)))
+    covered, total = sum(_volume(n) for _, n in boxes), _volume(size)
+    if covered != total:
+        return f"its chunks hold {covered} elements, the tensor {total}: {'a gap' if covered < total else 'an overlap'}"
+    if not size:
+        return None  # a 0-d tensor: one element, in the one chunk that holds it
+    # equal volumes: the chunks tile the tensor exactly if no two overlap; swept along dim 0
+    boxes.sort()
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    pairs = 0
+    for start, extent in boxes:
+        active = [b for b in active if b[0][0] + b[1][0] > start[0]]
+        for o, n in active:
+            pairs += 1
+            if pairs > MAX_TILING_PAIRS:
+                return f"its {len(boxes)} chunks need more than {MAX_TILING_PAIRS} comparisons (SPEC.md §Limits)"
+            if all(a < b + m and b < a + k for a, k, b, m in zip(start, extent, o, n)):
+                return f"the chunks at {list(o)} and {list(start)} overlap (and so leave a gap)"
+        active.append((start, extent))
+    return None
+
+
+def whole_payload(item: TensorItem, entries: Mapping[str, TensorEntry]) -> Payload:
+    """The payload of ``item``'s whole tensor: each chunk's blocks (its entry's payload, on the
+    chunk's own grid) moved to the chunk's offsets, in the document's chunk order. The caller
+    has checked ``tiling_problem`` and ``document_problems``: the blocks tile the tensor."""
+    if len(item.chunks) == 1 and tuple(item.chunks[0].sizes) == tuple(item.size):
+        return entries[item.chunks[0].entry].param  # the whole tensor in one chunk: its own grid
+    out: list[Block] = []
+    for c in item.chunks:
+        param = entries[c.entry].param
+        if isinstance(param, str):
+            out.append(Block(start=tuple(c.offsets), shape=tuple(c.sizes), object=param))
+            continue
+        for b in param:
+            out.append(
+                Block(start=tuple(o + s for o, s in zip(c.offsets, b.start)), shape=tuple(b.shape), object=b.object)
+            )
+    return tuple(out)

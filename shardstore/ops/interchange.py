@@ -36,6 +36,7 @@ from ..checkpoint.info import CommitInfo, check_info, check_parent
 from ..checkpoint.slots import AUTO, write_commit
 from ..errors import InvalidName, LayoutError, ManifestError, StateMismatch, StorageError, TensorMismatch
 from ..format.bounded import check_json_nesting, read_regular_file
+from ..format.dcp import TensorItem, dcp_extra, decode_document, document_problems, tiling_problem, whole_payload
 from ..format.grid import payload_blocks, put_payloads
 from ..format.manifest import (
     MAX_MANIFEST_BYTES,
@@ -138,7 +139,8 @@ def export_commit(
     Refuses (StorageError) to replace existing files unless ``overwrite``. A commit without a
     model config is refused (StateMismatch) before anything is written: without ``config.json``
     the directory is not one transformers can load; ``weights_only`` writes its safetensors
-    files (and, with ``with_optimizer``, the optimizer's) all the same.
+    files (and, with ``with_optimizer``, the optimizer's) all the same. A DCP commit's tensors are
+    written whole under their keys (``_dcp_items``), or the export is refused before anything is.
     """
     if max_shard_bytes < 1:
         raise ValueError("max_shard_bytes must be positive")
@@ -150,7 +152,7 @@ def export_commit(
             "(--weights-only) to write the safetensors files alone"
         )
     entries = sorted(lc.entries().values(), key=lambda e: e.name)
-    sets = {"model": [_Item(e.name, e.dtype, tuple(e.shape), e.param) for e in entries]}
+    sets = {"model": _dcp_items(store, lc) if dcp_extra(lc.commit.extras) else _entry_items(entries)}
     if with_optimizer:
         for role in ("exp_avg", "exp_avg_sq") if lc.commit.optimizer.algorithm != "torch" else ():
             sets[f"optimizer.{role}"] = [
@@ -199,7 +201,33 @@ def export_commit(
         _write_safetensors(store, os.path.join(out_dir, fname), items, tick)
     for fname, raw in docs.items():
         _write_file(os.path.join(out_dir, fname), raw)
-    return ExportResult(lc.id, out_dir, tuple(names), len(entries), total, len(files) > len(sets))
+    return ExportResult(lc.id, out_dir, tuple(names), len(sets["model"]), total, len(files) > len(sets))
+
+
+def _entry_items(entries: list[TensorEntry]) -> list[_Item]:
+    return [_Item(e.name, e.dtype, tuple(e.shape), e.param) for e in entries]
+
+
+def _dcp_items(store: Store, lc: Any) -> list[_Item]:
+    """A DCP commit's tensors (SPEC.md §9.4), each whole under its key: its chunks' blocks moved
+    to their offsets, once the document holds to its commit and every tensor's chunks tile it
+    exactly (checked for all before anything is created; StateMismatch naming the tensor)."""
+    x = dcp_extra(lc.commit.extras)
+    what = f"DCP document {x.state} of commit {lc.id}"
+    doc = decode_document(store.get(x.state, limit=MAX_MANIFEST_BYTES), what)
+    entries = lc.entries()
+    problems = document_problems(doc, entries, x.tensors)
+    if problems:
+        raise ManifestError(f"{what}: {problems[0]} (SPEC.md §9.4)")
+    items = sorted((fqn, item) for fqn, item in doc.items.items() if isinstance(item, TensorItem))
+    for fqn, item in items:
+        problem = "safetensors reserves the key for its header" if fqn == "__metadata__" else tiling_problem(item)
+        if problem is not None:
+            raise StateMismatch(
+                f"DCP tensor {fqn!r} of commit {lc.id} cannot be exported whole: {problem} (SPEC.md §19.2); "
+                "nothing was written"
+            )
+    return [_Item(fqn, item.dtype, tuple(item.size), whole_payload(item, entries)) for fqn, item in items]
 
 
 def _state_sets(lc: Any, entries: list[TensorEntry]) -> dict[str, list[_Item]]:

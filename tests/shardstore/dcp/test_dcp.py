@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from read_counter import ReadCounter
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 from write_counter import WriteCounter
@@ -26,6 +27,7 @@ from shardstore.backends.local import LocalStorage
 from shardstore.dcp import StoreReader, StoreWriter
 from shardstore.format.dcp import DCP_EXTRA, chunk_entry_name, dcp_extra, decode_document
 from shardstore.format.manifest import ExtraEntry
+from shardstore.ops.interchange import export_commit
 from shardstore_cli import shardstore_cli
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -241,6 +243,78 @@ def test_commits_chain_and_verify_log_diff_show_them(tmp_path, capsys):
     assert "dcp.step: bytes uint8" in out and "dcp.note" not in out  # the bytes item that changed, by its key
     assert main(["show", root, "main"]) == 0
     assert f"{DCP_EXTRA} (commit-wide): DCP metadata: 10 tensors in 10 chunks, 5 bytes items" in capsys.readouterr().out
+
+
+def _with_document(store: ss.Store, items: dict) -> str:
+    """A commit of the store's ``main`` shards whose DCP document lists ``items`` (fqn -> (size,
+    [(offsets, entry name)])), each chunk's sizes its entry's: a split DCP's planner did not make."""
+    lc = ss.load_commit(store, "main")
+    doc = json.loads(bytes(store.get(dcp_extra(lc.commit.extras).state)))
+    entries = lc.entries()
+    doc["items"] = {
+        fqn: doc["items"][chunks[0][1]]
+        | {"size": size, "chunks": [{"entry": e, "offsets": o, "sizes": list(entries[e].shape)} for o, e in chunks]}
+        for fqn, (size, chunks) in items.items()
+    }
+    doc["planner_data"] = None
+    forged = store.put(_canonical(doc))
+    extra = ExtraEntry(key=DCP_EXTRA, state=forged, tensors=())
+    return ss.write_commit(
+        store,
+        [lc.shard_ids[i] for i in sorted(lc.shard_ids)],
+        info=ss.CommitInfo(step=0, profile="fp32"),
+        parent=None,
+        extras=(extra,),
+    )
+
+
+def test_export_writes_each_tensor_whole_from_its_chunks(tmp_path):
+    """``export`` of a DCP commit: every tensor under its key, bitwise, whatever split its chunks
+    came in (one whole chunk; rows; columns, each chunk itself two tiles); the bytes items are
+    no tensor of model.safetensors (SPEC.md §19.2)."""
+    root, out = str(tmp_path / "store"), tmp_path / "out"
+    state = _state()
+    dcp.save(state, storage_writer=StoreWriter(root))
+    assert shardstore_cli.main(["export", root, "main", str(out), "--weights-only"]) == 0
+    got = load_file(out / "model.safetensors")
+    want = {f"model.{k}": v for k, v in state["model"].items()}
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in want.items())
+
+    wide = torch.randn(1100, 2000, generator=torch.Generator().manual_seed(3))  # each column half: 2 tiles
+    root = str(tmp_path / "split")
+    halves = {"r0": torch.arange(4.0), "r1": torch.arange(4.0) + 4, "c0": wide[:, :1000], "c1": wide[:, 1000:]}
+    dcp.save(halves, storage_writer=StoreWriter(root))
+    store = ss.open_store(root, create=False)
+    cid = _with_document(
+        store, {"v": ([8], [([0], "r0"), ([4], "r1")]), "w": ([1100, 2000], [([0, 1000], "c1"), ([0, 0], "c0")])}
+    )
+    assert ss.verify(store, [cid]).ok
+    assert shardstore_cli.main(["export", root, cid, str(out), "--weights-only", "--force"]) == 0
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == ["v", "w"] and torch.equal(got["v"], torch.arange(8.0)) and torch.equal(got["w"], wide)
+
+
+@pytest.mark.parametrize(
+    "chunks, said",
+    [
+        ([([0], "a"), ([4], "b")], "its chunks hold 8 elements, the tensor 10: a gap"),
+        ([([0], "a"), ([2], "b")], "the chunks at \\[0\\] and \\[2\\] overlap"),
+    ],
+)
+def test_export_refuses_by_name_a_tensor_its_chunks_do_not_tile(tmp_path, chunks, said):
+    """A DCP commit whose chunks of a tensor leave a gap or overlap (valid: DCP reads what a load
+    plan asks for) exports nothing: a typed error naming the tensor, no directory (SPEC.md §19.2)."""
+    root, out = str(tmp_path / "store"), tmp_path / "out"
+    dcp.save({"a": torch.arange(4.0), "b": torch.arange(4.0), "ok": torch.ones(2)}, storage_writer=StoreWriter(root))
+    store = ss.open_store(root, create=False)
+    cid = _with_document(store, {"ok": ([2], [([0], "ok")]), "w": ([10 if "gap" in said else 8], chunks)})
+    assert ss.verify(store, [cid]).ok
+    with pytest.raises(ss.StateMismatch, match=f"DCP tensor 'w' of commit {cid} cannot be exported whole: {said}"):
+        export_commit(store, cid, str(out), weights_only=True)
+    assert not out.exists()
+    assert shardstore_cli.main(["export", root, cid, str(out), "--weights-only"]) != 0
+    assert not out.exists()
 
 
 def test_gc_keeps_and_copy_carries_everything_a_dcp_commit_needs(tmp_path):

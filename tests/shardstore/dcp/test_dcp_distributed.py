@@ -22,7 +22,9 @@ object, so which chunks a rank's load plan overlaps decides exactly which object
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import warnings
 from datetime import timedelta
 
@@ -43,6 +45,7 @@ import shardstore as ss
 from shardstore.backends.local import LocalStorage
 from shardstore.dcp import StoreReader, StoreWriter
 from shardstore.format.dcp import dcp_extra
+from shardstore_cli import shardstore_cli
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
@@ -144,6 +147,15 @@ def _save_two(rank: int, root: str, tmp: str, pair, async_pair) -> dict:
     f.result(timeout=300)
     out["thread"] = store.ref("thread")
     out["faults"] = _faults(rank, root, sd, pair)
+    # one more step, saved on top of c2 (ref c3, set to c2 first: the save's parent), "extra.step" 3
+    if rank == 0:
+        store.set_ref("c3", out["c2"], expected=None)
+        out["reference"] = f"{tmp}/reference.safetensors"
+    dist.barrier(group=pair)
+    _train(m, opt, 1, seed=2)
+    sd = _state(m, opt) | {"extra": {"step": 3, "note": "dcp"}}
+    dcp.save(sd, storage_writer=StoreWriter(root, ref="c3", step=3), process_group=pair)
+    out["c3"] = store.ref("c3")
     return out
 
 
@@ -298,6 +310,31 @@ def test_fsdp2_save_is_one_commit_that_verifies(runs):
     names = {s: sorted(e.name for e in lc.shards[s].entries) for s in lc.shards}
     assert "model.fc1.weight:0:0" in names[0] and "model.fc1.weight:5:0" in names[1]  # each rank's own chunk
     assert ss.verify(store).ok
+
+
+def test_the_command_line_verifies_logs_diffs_and_exports_fsdp2_commits(runs, tmp_path, capsys):
+    """``verify``, ``log``, ``diff`` and ``export`` on the 2-rank FSDP2 commits: the export holds
+    every tensor of the state dict whole, under its DCP key, bitwise what was saved (SPEC.md §19.2)."""
+    store, results = runs
+    two = results[0]["two"]
+    c2, c3, root = two["c2"], two["c3"], store.url
+    main = shardstore_cli.main
+    capsys.readouterr()
+    assert main(["verify", root]) == 0 and capsys.readouterr().out.startswith("ok: ")
+    assert main(["log", root, "c3", "--json"]) == 0
+    assert [c["id"] for c in json.loads(capsys.readouterr().out)["commits"]] == [c3, c2]
+    assert main(["diff", root, c2, c3]) == 0
+    said = capsys.readouterr().out
+    assert "model.fc1.weight:0:0" in said and "model.fc1.weight:5:0" in said and "dcp.extra.step" in said, said
+    out = tmp_path / "export"
+    assert main(["export", root, c2, str(out), "--weights-only"]) == 0
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    got = load_file(out / "model.safetensors")
+    got = {k.replace("optim.state.", "optim.", 1): v for k, v in got.items()}  # DCP's key of _flatten_optim's
+    want = load_file(two["reference"])
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in want.items())
+    assert got["model.fc1.weight"].shape == (10, 131072)  # two ranks' chunks, one tensor
 
 
 def test_async_save_in_thread_mode_makes_the_same_commit(runs):
