@@ -104,10 +104,12 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 class _Clock:
-    """Wall time spent inside the calls it wraps, summed (a wrapped call inside another counts once)."""
+    """Wall time and the process's CPU time (all its threads) spent inside the calls it wraps,
+    summed (a wrapped call inside another counts once)."""
 
     def __init__(self) -> None:
         self.spent = 0.0
+        self.cpu = 0.0
         self._depth = 0
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -116,11 +118,12 @@ class _Clock:
             if self._depth:
                 return fn(*args, **kwargs)
             self._depth += 1
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.spent += time.perf_counter() - t0
+                self.cpu += time.process_time() - c0
                 self._depth -= 1
 
         return timed
@@ -186,7 +189,7 @@ def lightning(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str, A
         "TorchCheckpointIO (torch.save)": TorchCheckpointIO(),
         "ShardstoreCheckpointIO": ShardstoreCheckpointIO(os.path.join(work, "lightning-store")),
     }
-    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": [], "call": []} for m in ios}
+    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": [], "cpu": [], "call": []} for m in ios}
     for rep in range(args.reps):
         for name in rotated(list(ios), rep):
             io = ios[name]
@@ -203,7 +206,9 @@ def lightning(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str, A
                 module.load_state_dict(ckpt["state_dict"])
                 opt.load_state_dict(ckpt["optimizer_states"][0])
 
+            c0 = time.process_time()
             times[name]["restore"].append(_timed(restore))
+            times[name]["cpu"].append(time.process_time() - c0)
             times[name]["call"].append(times[name]["restore"][-1])  # the restore is the whole call
             if not _same(_state(module, opt), saved):
                 raise SystemExit(f"Lightning, {name}: the restore differs from the state saved")
@@ -292,7 +297,7 @@ def hugging_face(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str
             setattr(t, method, clock.wrap(getattr(t, method)))
     load_from_json = TrainerState.__dict__["load_from_json"]  # Trainer.train reads trainer_state.json itself too
     TrainerState.load_from_json = classmethod(clock.wrap(load_from_json.__func__))
-    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": [], "call": []} for m in trainers}
+    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": [], "cpu": [], "call": []} for m in trainers}
     try:
         for rep in range(args.reps):
             for name in rotated(list(trainers), rep):
@@ -311,10 +316,11 @@ def hugging_face(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str
                 _drop(drop_ok)
                 # Trainer's own resume: load everything, then the one step left (the same for both)
                 t.args.max_steps = step + 1
-                clock.spent = 0.0
+                clock.spent = clock.cpu = 0.0
                 call = _timed(lambda t=t, target=target: t.train(resume_from_checkpoint=target))
                 times[name]["call"].append(call)
                 times[name]["restore"].append(clock.spent)
+                times[name]["cpu"].append(clock.cpu)
             # Both trainers started equal and each resumed its own checkpoint and took the same step:
             # a restore that lost anything leaves the two apart.
             a, b = (_state(t.model, t.optimizer) for t in trainers.values())
@@ -358,19 +364,21 @@ def _rows(framework: str, result: dict[str, Any], ours: str, peer: str) -> tuple
     lines = []
     med = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in result["times"].items()}
     for m, t in result["times"].items():
-        s, r, c = t["save"], t["restore"], t["call"]
+        s, r, u, c = t["save"], t["restore"], t["cpu"], t["call"]
         lines.append(
             f"| {framework} | {m} | {statistics.median(s):.2f} ({min(s):.2f}–{max(s):.2f}) | "
-            f"{statistics.median(r):.2f} ({min(r):.2f}–{max(r):.2f}) | "
+            f"{statistics.median(r):.2f} ({min(r):.2f}–{max(r):.2f}) | {statistics.median(u):.2f} | "
             f"{statistics.median(c):.2f} ({min(c):.2f}–{max(c):.2f}) | {result['second'][m] / MIB:.1f} |"
         )
     save = med[peer]["save"] / med[ours]["save"]
     restore = med[peer]["restore"] / med[ours]["restore"]
+    cpu = med[peer]["cpu"] / med[ours]["cpu"]
     frozen = result["second"][ours]
     changed = result["changed"]
     targets = [
         f"| {framework}: save ≥ 1.0× {peer} | {save:.2f}× | {'yes' if save >= 1 else '**no**'} |",
         f"| {framework}: restore ≥ 1.0× {peer} | {restore:.2f}× | {'yes' if restore >= 1 else '**no**'} |",
+        f"| {framework}: restore CPU time, {peer} ÷ ours (no target; robust to load) | {cpu:.2f}× | — |",
         f"| {framework}: the second save writes the frozen half zero times | {frozen / MIB:.1f} MiB written for a "
         f"{changed / MIB:.1f} MiB changed half ({peer}: {result['second'][peer] / MIB:.1f} MiB) | "
         f"{'yes' if frozen < changed + 8 * MIB else '**no**'} |",
@@ -403,7 +411,7 @@ def main() -> int:
         state = f"Lightning {got['state'] / MIB:.0f} MiB ({_layers(args.mib)} layers of {WIDTH}×{WIDTH} float32)"
         hf = hugging_face(args, work, drop_ok)
         if hf is None or "skipped" in hf:
-            rows.append(f"| Hugging Face Trainer | skipped: {hf['skipped'] if hf else 'no adapter'} | | | | |")
+            rows.append(f"| Hugging Face Trainer | skipped: {hf['skipped'] if hf else 'no adapter'} | | | | | |")
         else:
             r, t = _rows("Hugging Face Trainer", hf, "ShardstoreTrainer", "Trainer (safetensors + optimizer.pt)")
             rows += r
@@ -425,8 +433,12 @@ def main() -> int:
         "Trainer loads a checkpoint through and the adapter's overrides of them (RESUME in the script), summed. "
         "The whole call (Trainer's setup, the resume, the one step left, finalising) is its own column.",
         "",
-        "| framework | checkpoint | save s | restore s | whole call s | second save, half frozen: MiB written |",
-        "|---|---|---|---|---|---|",
+        "Restore CPU s: the process's CPU time (every thread) over the same span, median; on a loaded machine the "
+        "figure the load moves least.",
+        "",
+        "| framework | checkpoint | save s | restore s | restore CPU s | whole call s | second save, half frozen: "
+        "MiB written |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
         "**targets** (issue 31, item 5)",
