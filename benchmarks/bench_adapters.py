@@ -11,7 +11,11 @@ interleaved, ``--reps`` times (each repetition in another order):
 - **Hugging Face Trainer**: ``Trainer._save_checkpoint`` (safetensors weights, ``optimizer.pt``,
   scheduler, RNG, ``trainer_state.json``) against ``shardstore.transformers.ShardstoreTrainer``'s
   (a commit); restore: ``train(resume_from_checkpoint=...)`` of each, Trainer's own resume path,
-  with the one step left to train (the same work on both sides), page cache dropped first.
+  with the one step left to train (the same work on both sides), page cache dropped first. The
+  restore time is that of the resume's own work inside that call: the methods through which
+  Trainer loads a checkpoint (``RESUME``: on each side the ones its resume runs through, summed,
+  outermost calls only); the whole call (Trainer's setup, the resume, one training step) is a
+  column of its own.
 
 Then the frozen half: half the layers stop training, one more step, and a second save of
 each: the bytes it writes (the new checkpoint's files; the store's new objects) against the
@@ -23,6 +27,7 @@ changed half. Every restore is compared bitwise with the state saved.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import platform
@@ -42,6 +47,28 @@ import shardstore as ss
 
 MIB = 1 << 20
 WIDTH = 1024  # each layer a WIDTH x WIDTH float32 matrix: 4 MiB, 12 MiB of training state with its moments
+# The methods a resume does its work in (transformers 5.24.0), timed inside ``train(resume_from_checkpoint=...)``:
+# Trainer's reads of the checkpoint directory, and the adapter's overrides of them (the commit is read once,
+# by ``_read_tree``). What else ``train`` does (building the optimizer and data loader, the Accelerator's
+# preparation, the training step, finalising) is the same on both sides and is not restore.
+RESUME = {
+    "Trainer": (
+        "_load_from_checkpoint",  # model.safetensors into the model
+        "_load_optimizer_and_scheduler",  # optimizer.pt, scheduler.pt
+        "_load_scaler",
+        "_load_rng_state",  # rng_state.pth
+        "_init_training_state",  # trainer_state.json (and the callbacks' state)
+    ),
+    "ShardstoreTrainer": (
+        "_resolve",  # the ref
+        "_read_tree",  # the commit, every object verified
+        "_load_resumed_model",
+        "_load_optimizer_and_scheduler",
+        "_load_scaler",
+        "_load_rng_state",
+        "_init_training_state",
+    ),
+}
 MARKERS = (
     "<!-- bench_adapters:begin -->",
     "<!-- bench_adapters:end -->",
@@ -74,6 +101,32 @@ def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+class _Clock:
+    """Wall time and the process's CPU time (all its threads) spent inside the calls it wraps,
+    summed (a wrapped call inside another counts once)."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self.cpu = 0.0
+        self._depth = 0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - t0
+                self.cpu += time.process_time() - c0
+                self._depth -= 1
+
+        return timed
 
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -136,7 +189,7 @@ def lightning(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str, A
         "TorchCheckpointIO (torch.save)": TorchCheckpointIO(),
         "ShardstoreCheckpointIO": ShardstoreCheckpointIO(os.path.join(work, "lightning-store")),
     }
-    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": []} for m in ios}
+    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": [], "cpu": [], "call": []} for m in ios}
     for rep in range(args.reps):
         for name in rotated(list(ios), rep):
             io = ios[name]
@@ -153,7 +206,10 @@ def lightning(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str, A
                 module.load_state_dict(ckpt["state_dict"])
                 opt.load_state_dict(ckpt["optimizer_states"][0])
 
+            c0 = time.process_time()
             times[name]["restore"].append(_timed(restore))
+            times[name]["cpu"].append(time.process_time() - c0)
+            times[name]["call"].append(times[name]["restore"][-1])  # the restore is the whole call
             if not _same(_state(module, opt), saved):
                 raise SystemExit(f"Lightning, {name}: the restore differs from the state saved")
     # the frozen half: one more step, then a second save of each
@@ -183,7 +239,7 @@ def lightning(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str, A
 
 def hugging_face(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str, Any] | None:
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+        from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerState, TrainingArguments
         from transformers.utils import logging as hf_logging
 
         from shardstore.transformers import ShardstoreTrainer
@@ -235,28 +291,43 @@ def hugging_face(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str
     }
     for t in trainers.values():
         t.train()
-    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": []} for m in trainers}
-    for rep in range(args.reps):
-        for name in rotated(list(trainers), rep):
-            t = trainers[name]
-            step = 100 + rep
-            t.state.global_step = step
-            times[name]["save"].append(_timed(lambda t=t: t._save_checkpoint(t.model, None)))
-            target = (
-                t.checkpoint_ref(step) if isinstance(t, ShardstoreTrainer) else os.path.join(out, f"checkpoint-{step}")
-            )
-            with torch.no_grad():
-                for p in t.model.parameters():
-                    p.zero_()
-            _drop(drop_ok)
-            # Trainer's own resume: load everything, then the one step left (the same for both)
-            t.args.max_steps = step + 1
-            times[name]["restore"].append(_timed(lambda t=t, target=target: t.train(resume_from_checkpoint=target)))
-        # Both trainers started equal and each resumed its own checkpoint and took the same step:
-        # a restore that lost anything leaves the two apart.
-        a, b = (_state(t.model, t.optimizer) for t in trainers.values())
-        if not _same(a, b):
-            raise SystemExit("Hugging Face Trainer: the two resumed runs differ (a restore lost state)")
+    clock = _Clock()
+    for t in trainers.values():  # each instance's resume methods, timed (an instance attribute shadows the class's)
+        for method in RESUME[type(t).__name__]:
+            setattr(t, method, clock.wrap(getattr(t, method)))
+    load_from_json = TrainerState.__dict__["load_from_json"]  # Trainer.train reads trainer_state.json itself too
+    TrainerState.load_from_json = classmethod(clock.wrap(load_from_json.__func__))
+    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": [], "cpu": [], "call": []} for m in trainers}
+    try:
+        for rep in range(args.reps):
+            for name in rotated(list(trainers), rep):
+                t = trainers[name]
+                step = 100 + rep
+                t.state.global_step = step
+                times[name]["save"].append(_timed(lambda t=t: t._save_checkpoint(t.model, None)))
+                target = (
+                    t.checkpoint_ref(step)
+                    if isinstance(t, ShardstoreTrainer)
+                    else os.path.join(out, f"checkpoint-{step}")
+                )
+                with torch.no_grad():
+                    for p in t.model.parameters():
+                        p.zero_()
+                _drop(drop_ok)
+                # Trainer's own resume: load everything, then the one step left (the same for both)
+                t.args.max_steps = step + 1
+                clock.spent = clock.cpu = 0.0
+                call = _timed(lambda t=t, target=target: t.train(resume_from_checkpoint=target))
+                times[name]["call"].append(call)
+                times[name]["restore"].append(clock.spent)
+                times[name]["cpu"].append(clock.cpu)
+            # Both trainers started equal and each resumed its own checkpoint and took the same step:
+            # a restore that lost anything leaves the two apart.
+            a, b = (_state(t.model, t.optimizer) for t in trainers.values())
+            if not _same(a, b):
+                raise SystemExit("Hugging Face Trainer: the two resumed runs differ (a restore lost state)")
+    finally:
+        TrainerState.load_from_json = load_from_json
     # the frozen half: half the parameters stop training, one more step, a second save of each
     second: dict[str, int] = {}
     changed = 0
@@ -293,18 +364,21 @@ def _rows(framework: str, result: dict[str, Any], ours: str, peer: str) -> tuple
     lines = []
     med = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in result["times"].items()}
     for m, t in result["times"].items():
-        s, r = t["save"], t["restore"]
+        s, r, u, c = t["save"], t["restore"], t["cpu"], t["call"]
         lines.append(
             f"| {framework} | {m} | {statistics.median(s):.2f} ({min(s):.2f}–{max(s):.2f}) | "
-            f"{statistics.median(r):.2f} ({min(r):.2f}–{max(r):.2f}) | {result['second'][m] / MIB:.1f} |"
+            f"{statistics.median(r):.2f} ({min(r):.2f}–{max(r):.2f}) | {statistics.median(u):.2f} | "
+            f"{statistics.median(c):.2f} ({min(c):.2f}–{max(c):.2f}) | {result['second'][m] / MIB:.1f} |"
         )
     save = med[peer]["save"] / med[ours]["save"]
     restore = med[peer]["restore"] / med[ours]["restore"]
+    cpu = med[peer]["cpu"] / med[ours]["cpu"]
     frozen = result["second"][ours]
     changed = result["changed"]
     targets = [
         f"| {framework}: save ≥ 1.0× {peer} | {save:.2f}× | {'yes' if save >= 1 else '**no**'} |",
         f"| {framework}: restore ≥ 1.0× {peer} | {restore:.2f}× | {'yes' if restore >= 1 else '**no**'} |",
+        f"| {framework}: restore CPU time, {peer} ÷ ours (no target; robust to load) | {cpu:.2f}× | — |",
         f"| {framework}: the second save writes the frozen half zero times | {frozen / MIB:.1f} MiB written for a "
         f"{changed / MIB:.1f} MiB changed half ({peer}: {result['second'][peer] / MIB:.1f} MiB) | "
         f"{'yes' if frozen < changed + 8 * MIB else '**no**'} |",
@@ -337,7 +411,7 @@ def main() -> int:
         state = f"Lightning {got['state'] / MIB:.0f} MiB ({_layers(args.mib)} layers of {WIDTH}×{WIDTH} float32)"
         hf = hugging_face(args, work, drop_ok)
         if hf is None or "skipped" in hf:
-            rows.append(f"| Hugging Face Trainer | skipped: {hf['skipped'] if hf else 'no adapter'} | | | |")
+            rows.append(f"| Hugging Face Trainer | skipped: {hf['skipped'] if hf else 'no adapter'} | | | | | |")
         else:
             r, t = _rows("Hugging Face Trainer", hf, "ShardstoreTrainer", "Trainer (safetensors + optimizer.pt)")
             rows += r
@@ -354,8 +428,17 @@ def main() -> int:
         "Page cache before each restore: " + ("dropped (as root)." if drop_ok else "NOT dropped (warm)."),
         "Medians of the repetitions (min–max), interleaved. Lightning: every restore compared bitwise with the state saved; Hugging Face: the two trainers, equal before, compared bitwise after each resumed its own checkpoint and took the step left.",
         "",
-        "| framework | checkpoint | save s | restore s | second save, half frozen: MiB written |",
-        "|---|---|---|---|---|",
+        "Restore: Lightning, the plugin's load_checkpoint and the module's and optimizer's load_state_dict (the "
+        "whole call); Hugging Face, the resume's own work inside train(resume_from_checkpoint=...): the methods "
+        "Trainer loads a checkpoint through and the adapter's overrides of them (RESUME in the script), summed. "
+        "The whole call (Trainer's setup, the resume, the one step left, finalising) is its own column.",
+        "",
+        "Restore CPU s: the process's CPU time (every thread) over the same span, median; on a loaded machine the "
+        "figure the load moves least.",
+        "",
+        "| framework | checkpoint | save s | restore s | restore CPU s | whole call s | second save, half frozen: "
+        "MiB written |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
         "**targets** (issue 31, item 5)",

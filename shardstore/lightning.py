@@ -180,8 +180,10 @@ class ShardstoreCheckpointIO(CheckpointIO):
     ``prefix``: the ref segments every checkpoint's ref starts with (one prefix per run or
     checkpoint directory, as a directory per run). ``root``: when given, a checkpoint's ref names
     its path under ``root`` (one segment per directory, ``filename="{epoch}/model"`` templates);
-    by default only its file name. ``job``: the job id of the commits. ``threads``: reader and
-    writer threads.
+    by default only its file name. ``job``: the job id of the commits. ``threads``: writer
+    threads (hashing and writing a save). ``read_threads``: objects in flight when loading
+    (reads wait on the disk, so more than the cores: 8 was the deepest queue worth having,
+    benchmarks/RESULTS.md "Design measurements").
     """
 
     def __init__(
@@ -193,6 +195,7 @@ class ShardstoreCheckpointIO(CheckpointIO):
         job: str = "lightning",
         storage_options: Mapping[str, Any] | None = None,
         threads: int = 4,
+        read_threads: int = 8,
     ) -> None:
         super().__init__()
         check_ref_name(prefix)
@@ -203,6 +206,7 @@ class ShardstoreCheckpointIO(CheckpointIO):
         self.root = None if root is None else _absolute(_text(root)).rstrip("/")
         self.job = job
         self.threads = threads
+        self.read_threads = read_threads
         self._handle = StoreHandle(store_or_url, storage_options)
 
     @property
@@ -282,7 +286,7 @@ class ShardstoreCheckpointIO(CheckpointIO):
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"map_location is a torch.device or its name, not a {type(map_location).__name__}")
         commit = self.resolve(path)
-        state = read_state_dict(self.store, commit, map_location=map_location, threads=self.threads)
+        state = read_state_dict(self.store, commit, map_location=map_location, threads=self.read_threads)
         return _from_tree(state, commit)
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -323,10 +323,15 @@ class ShardstoreTrainerMixin:
         # to the methods below. The model is loaded here, and the loop gets the resume's token.
         r = self._resume
         if r is not None:  # (again on each retry of auto_find_batch_size: the loop starts over)
-            _load_model(self.model, r.tree["model"], r.commit)
+            self._load_resumed_model(r)
             r.applied, r.checked = {"model"}, False
             kwargs["resume_from_checkpoint"] = r.token
         return super()._inner_training_loop(*args, **kwargs)  # type: ignore[misc]
+
+    def _load_resumed_model(self, r: _Resume) -> None:
+        """The resume's weights into the model as built: this adapter's ``Trainer._load_from_checkpoint``
+        (one method, so that the resume's work is the methods named in this section)."""
+        _load_model(self.model, r.tree["model"], r.commit)
 
     def _init_training_state(
         self,

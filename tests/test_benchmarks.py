@@ -235,3 +235,27 @@ def test_peer_recovery_benchmark_smoke(tmp_path) -> None:
         assert row.rstrip().endswith("| yes |"), row
         assert f"| {world} | " in text and "| peers |" in text and "| S3 |" in text
     assert "On paper" in text and "| 70 B | 64 |" in text
+
+
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
+def test_adapters_benchmark_smoke(tmp_path) -> None:
+    """Lightning's and the Hugging Face Trainer's own checkpoints against the adapters, tiny: every
+    restore is checked bitwise inside the script (a mismatch exits non-zero); the Hugging Face restore
+    is timed as the resume's own work, apart from the whole train() call, and the second save with
+    half frozen writes the changed half only."""
+    pytest.importorskip("lightning.pytorch", reason="the Lightning adapter's benchmark")
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n")
+    done = _run(["benchmarks/bench_adapters.py", "--mib", "24", "--reps", "1", "--warm", "--results", str(results)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    assert "<!-- bench_adapters:begin -->" in text and "| restore s | restore CPU s | whole call s |" in text
+    for row in ("| Lightning | ShardstoreCheckpointIO |", "| Hugging Face Trainer | ShardstoreTrainer |"):
+        assert row in text, text
+    hf = next(r for r in text.splitlines() if r.startswith("| Hugging Face Trainer | ShardstoreTrainer |"))
+    cells = hf.split("|")
+    restore, cpu, call = (float(cells[i].split()[0]) for i in (4, 5, 6))
+    assert 0 < restore < call and cpu > 0, hf  # the resume is part of the call, not all of it
+    for framework in ("Lightning", "Hugging Face Trainer"):
+        row = next(r for r in text.splitlines() if r.startswith(f"| {framework}: the second save writes"))
+        assert row.rstrip().endswith("| yes |"), row

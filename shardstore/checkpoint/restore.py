@@ -142,17 +142,20 @@ def restore(
     )
 
 
-def read_plan(store: Store, plan: RestorePlan, threads: int) -> int:
+def read_plan(store: Store, plan: RestorePlan, threads: int, *, sizes_checked: bool = False) -> int:
     """Fill each read item's destination (its local slice, for a DTensor) from the blocks its
     payload has there (a single object: all of it); return the bytes read. Every block's size
     is checked before the first is read (a wrong-sized one is refused with nothing written),
-    and every block is verified as it lands."""
+    and every block is verified as it lands. ``sizes_checked``: the caller has already checked
+    the size of every object the plan reads (``check_stored_all``, before allocating fresh
+    destinations for them), so it is not asked again: one size query per object (a HEAD on S3)."""
     jobs = []
     for item in plan.reads:  # a DTensor's local tensor may be several boxes (SPEC.md §Slices on the grid)
         shape = tuple(item.dest.shape)
         dtype = dtype_name(item.dest.dtype, item.what)
         jobs += read_parts(store, item.payload, dtype, shape, part_views(item.dest, item.what), item.what)
-    check_reads(store, jobs, threads=max(threads, 16))  # a size query each (a HEAD on S3), before any byte lands
+    if not sizes_checked:
+        check_reads(store, jobs, threads=max(threads, 16))  # a size query each (a HEAD on S3), before any byte lands
     return run_reads(jobs, threads=threads)
 
 

@@ -130,7 +130,7 @@ def read_state_dict(
     # a manifest's shapes: the objects' sizes bound the allocations, checked first (SPEC.md §Limits)
     check_stored_all(store, [(e.param, e.dtype, tuple(e.shape), f"tensor {n!r}") for n, e in sorted(entries.items())])
     fresh = {n: torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype)) for n, e in entries.items()}
-    read_plan(store, _reads(entries, fresh), threads)
+    read_plan(store, _reads(entries, fresh), threads, sizes_checked=True)  # whole tensors: the objects just checked
     if map_location is not None:
         fresh = {n: t.to(map_location) for n, t in fresh.items()}
     return fill_tree(value, fresh.__getitem__)

@@ -96,6 +96,25 @@ def test_a_lightning_checkpoint_round_trips_type_exact(tmp_path):
     torch.optim.AdamW(torch.nn.Linear(3, 4).parameters()).load_state_dict(back["optimizer_states"][0])
 
 
+def test_read_state_dict_asks_each_objects_size_once(tmp_path, monkeypatch):
+    """The sizes bound the fresh tensors' allocation, checked once: not again before the reads
+    (on S3 each check is a HEAD request, one round trip per object)."""
+    store = shardstore.open_store(tmp_path / "s")
+    shardstore.save_state_dict(store, lightning_checkpoint())
+    asked: defaultdict[str, int] = defaultdict(int)
+    size = store.object_size
+
+    def counted(oid):
+        asked[oid] += 1
+        return size(oid)
+
+    monkeypatch.setattr(store, "object_size", counted)
+    back = shardstore.read_state_dict(store, "main")
+    payloads = {e.param for e in shardstore.load_commit(store, "main").entries().values()}
+    assert payloads <= set(asked) and max(asked.values()) == 1, dict(asked)
+    same(lightning_checkpoint(), back)
+
+
 def test_a_checkpoint_lightning_itself_dumps_round_trips_type_exact(tmp_path):
     pl = pytest.importorskip("lightning.pytorch", reason="Lightning's own checkpoint dict under test")
 
