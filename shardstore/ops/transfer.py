@@ -29,7 +29,7 @@ from ..errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from ..format.closure import Closure, commit_closure
 from ..format.names import check_ref_name
 from ..store import Store, object_key
-from ..verification.commits import LoadedCommit, load_commit
+from ..verification.commits import LoadedCommit, load_commit, read_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit", "pool_map"]
 
@@ -102,15 +102,23 @@ class _ByteBudget:
 
 
 def _copy_object(
-    src: Store, dst: Store, oid: str, size: int | None, what: str, budget: _ByteBudget | None = None
+    src: Store,
+    dst: Store,
+    oid: str,
+    size: int | None,
+    what: str,
+    budget: _ByteBudget | None = None,
+    absent: bool = False,
 ) -> tuple[bool, int]:
     """Copy one object unless ``dst`` has it whole; verify the bytes received before writing them.
 
     An object already at ``dst`` is refreshed (``Store.ensure``: gc then treats it as just
     written) and its size checked against its entry (or, where the format fixes none, against
     the source's): a torn or truncated object there is replaced by the verified source bytes
-    instead of being trusted (SPEC.md §19.1)."""
-    have = dst.ensure(oid)
+    instead of being trusted (SPEC.md §19.1). ``absent``: a listing of ``dst`` just found no
+    such object, so it is written without looking first (a create-only write: one that
+    appeared meanwhile is found by the write itself, and refreshed there)."""
+    have = None if absent else dst.ensure(oid)
     if have is not None:
         want = size if size is not None else src.object_size(oid)
         if want is None or have == want:
@@ -234,9 +242,18 @@ def copy_commit(
 
     budget = _ByteBudget(_IN_FLIGHT_BYTES)
 
-    def batch(jobs: list[tuple[str, int | None, str]]) -> None:
+    listed = dst.lists_sizes()
+
+    def batch(jobs: list[tuple[str, int | None, str]], *, manifests: bool = False) -> None:
+        # Where the destination answers for many objects at once (S3: listings), ask once for the
+        # whole batch, so that an object it lacks costs its write alone, not a HEAD first; a lone
+        # manifest (new in nearly every copy, a few KiB) is written without looking at all.
+        present = dst.object_sizes(oid for oid, _, _ in jobs) if listed and len(jobs) > 1 else None
+        blind = listed and manifests and len(jobs) == 1
+
         def one(job: tuple[str, int | None, str]) -> tuple[bool, int]:
-            done = _copy_object(src, dst, *job, budget=budget)
+            absent = blind or (present is not None and job[0] not in present)
+            done = _copy_object(src, dst, *job, budget=budget, absent=absent)
             if progress is not None:
                 progress(done[1])
             return done
@@ -250,9 +267,9 @@ def copy_commit(
         [(oid, size, closure.labels.get(oid, "data")) for oid, size in sorted(closure.data.items())]
         + [(oid, None, "pinned") for oid in extra]
     )
-    batch([(sid, None, "shard manifest") for sid in closure.shards])
-    batch([(closure.commit, None, "commit manifest")])
-    load_commit(dst, lc.id)  # the destination now holds a structurally valid commit
+    batch([(sid, None, "shard manifest") for sid in closure.shards], manifests=True)
+    batch([(closure.commit, None, "commit manifest")], manifests=True)
+    read_commit(dst, lc.id, None)  # the destination now holds a structurally valid commit (by id: no ref look-up)
     if ref is not None:
         _move_ref(dst, ref, lc.id, closure.ids())
         result.ref = ref

@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..backends.base import Buffer, HashedReads, Storage
+from ..backends.base import Buffer, HashedReads, ListedSizes, Storage
 from ..backends.location import open_storage
 from ..errors import (
     CorruptObject,
@@ -162,6 +163,26 @@ class Store:
             name = key.rsplit("/", 1)[-1]
             if len(name) == 64:
                 yield name
+
+    def object_sizes(self, oids: Iterable[str], *, threads: int = 8) -> dict[str, int]:
+        """The byte sizes of those of ``oids`` that are present (an absent one is left out): one
+        set of listings where the backend has them (``ListedSizes``: S3, a page answers for up to
+        a thousand objects), else a ``size`` each, ``threads`` at a time."""
+        ids = sorted(set(oids))
+        if isinstance(self.storage, ListedSizes):
+            listed = self.storage.sizes([object_key(o) for o in ids])
+            return {o: listed[object_key(o)] for o in ids if object_key(o) in listed}
+        if threads > 1 and len(ids) > 1:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                sizes = list(pool.map(self.object_size, ids))
+        else:
+            sizes = [self.object_size(o) for o in ids]
+        return {o: n for o, n in zip(ids, sizes) if n is not None}
+
+    def lists_sizes(self) -> bool:
+        """Whether ``object_sizes`` asks the backend once for many objects (``ListedSizes``) rather
+        than once per object: then asking ahead saves a request per object."""
+        return isinstance(self.storage, ListedSizes)
 
     def sync(self) -> None:
         self.storage.sync()

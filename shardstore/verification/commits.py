@@ -298,12 +298,22 @@ def _sizes_agree(cid: str, entries: Iterable[TensorEntry]) -> Iterator[Problem]:
                 )  # fmt: skip
 
 
-def read_commit(store: Store, cid: str, found: list[Problem] | None, *, named: str = "") -> LoadedCommit | None:
+def read_commit(
+    store: Store,
+    cid: str,
+    found: list[Problem] | None,
+    *,
+    named: str = "",
+    shards_read: Mapping[str, ShardManifest] | None = None,
+) -> LoadedCommit | None:
     """Read commit ``cid`` and its shard manifests, checking each structurally.
 
     With ``found`` None, the first problem is raised (``load_commit``); otherwise every
     problem is appended to ``found`` and None returned when the commit cannot be read as a
     whole (``verify``). ``named`` says which refs or target name the commit, for messages.
+    ``shards_read``: shard manifests the caller already read back from ``store`` (verified
+    against their ids), by id: checked here as they are, not read again (the commit that names
+    them is always read).
     """
 
     def report(problems: Iterable[Problem]) -> bool:
@@ -325,7 +335,8 @@ def read_commit(store: Store, cid: str, found: list[Problem] | None, *, named: s
     ids: dict[int, str] = {}
     for lay in commit.layout:
         try:
-            shard = store.shard(lay.shard)
+            known = None if shards_read is None else shards_read.get(lay.shard)
+            shard = known if known is not None else store.shard(lay.shard)
         except ShardstoreError as e:
             report(
                 [Problem(type(e)(f"commit {cid}, slot {lay.slot}, shard manifest {lay.shard}: {e}"), cid, lay.shard)]

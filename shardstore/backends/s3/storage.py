@@ -51,7 +51,7 @@ from typing import Any
 from ...errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from ...format.names import check_key
 from ..base import Buffer
-from .requests import multipart_upload, probe_conditions
+from .requests import listed_sizes, multipart_upload, probe_conditions
 from .transport import S3Error, S3Transport
 
 __all__ = ["S3Storage", "DEFAULT_PART_SIZE", "DEFAULT_CONCURRENCY", "DEFAULT_ATTEMPTS"]
@@ -304,6 +304,11 @@ class S3Storage:
 
     def exists(self, key: str) -> bool:
         return self.transport.run(self._head, key) is not None
+
+    def sizes(self, keys: list[str]) -> dict[str, int]:
+        """The sizes of those of ``keys`` that are present, from listing pages (``requests.listed_sizes``:
+        never more requests than keys, one per lane where the keys are dense)."""
+        return self.transport.run(listed_sizes, self.transport, list(keys))
 
     def mtime(self, key: str) -> float | None:
         head = self.transport.run(self._head, key)

@@ -1,0 +1,141 @@
+"""How many requests the S3 backend sends (counted on its transport, never timed).
+
+A commit's small requests cost as much as its data on S3 (a round trip each), so these pin
+the request budget: presence checks of many objects read listing pages instead of a HEAD
+per object (``requests.listed_sizes``), a copy writes the objects a listing found absent
+without looking first, and a commit of N objects costs N writes and a fixed number of
+requests around them.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import torch
+
+import shardstore as ss
+from shardstore.backends.s3 import requests as s3_requests
+from shardstore.backends.s3.storage import S3Storage
+from shardstore.ops.transfer import commit_closure, copy_commit
+
+try:
+    from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)
+except ImportError:  # pragma: no cover
+    from s3_server import S3Server, s3_server  # type: ignore[no-redef]  # noqa: F401
+
+
+class Counted:
+    """Counts the requests a storage's transport sends, by aiobotocore method (retries included)."""
+
+    def __init__(self, storage: S3Storage, *, drop: tuple[str, ...] = ()) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+        real = storage.transport.call
+
+        async def call(method: str, key: str, **kw: Any) -> Any:
+            self.calls[method] += 1
+            kw = {k: v for k, v in kw.items() if k not in drop}  # a server that ignores these parameters
+            self.sent.append((method, {k: v for k, v in kw.items() if k != "Body"}))
+            return await real(method, key, **kw)
+
+        storage.transport.call = call  # type: ignore[method-assign]
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.sent.clear()
+
+
+def _storage(server: S3Server, **kw: Any) -> S3Storage:
+    return S3Storage(server.url(), conditional=True, backoff=0.001, skip_instance_cache=True, **kw, **server.options)
+
+
+def _keys(n: int) -> list[str]:
+    return [f"objects/{i % 7:02x}/{i:064x}" for i in range(n)]
+
+
+def test_sizes_of_many_keys_come_from_one_listing(s3_server: S3Server) -> None:  # noqa: F811
+    storage = _storage(s3_server)
+    keys = _keys(12)
+    for i, key in enumerate(keys[:8]):
+        storage.write_once(key, b"x" * i)
+    counted = Counted(storage)
+    assert storage.sizes(keys + ["objects/zz/not-there"]) == {key: i for i, key in enumerate(keys[:8])}
+    assert counted.calls == {"list_objects_v2": 1}  # 13 keys: one lane, one page (not 13 HEADs)
+    assert storage.sizes([]) == {}
+
+
+@pytest.mark.parametrize("ignores_start", [False, True], ids=["start-after", "server-ignores-start-after"])
+def test_sizes_walk_pages_and_lanes_exactly(
+    s3_server: S3Server,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    ignores_start: bool,
+) -> None:
+    """Pages of 3 keys and lanes of 4: every key is resolved, present or absent, across page
+    and lane boundaries, in no more requests than keys asked about (a HEAD each); a server
+    that ignores StartAfter still gets the right answer, paging on from where it is."""
+    monkeypatch.setattr(s3_requests, "PAGE_KEYS", 3)
+    monkeypatch.setattr(s3_requests, "LANE_KEYS", 4)
+    storage = _storage(s3_server, concurrency=3)
+    keys = _keys(30)
+    present = {k: 3 + i for i, k in enumerate(keys) if i % 3 != 1}
+    for key, n in present.items():
+        storage.write_once(key, b"y" * n)
+    asked = [k for i, k in enumerate(keys) if i % 5 != 0] + ["objects/00/absent", "objects/ff/absent"]
+    counted = Counted(storage, drop=("StartAfter",) if ignores_start else ())
+    got = storage.sizes(asked)
+    assert got == {k: n for k, n in present.items() if k in asked}
+    lists = [kw for method, kw in counted.sent if method == "list_objects_v2"]
+    assert set(counted.calls) == {"list_objects_v2"}
+    if not ignores_start:
+        assert len(lists) <= len(asked)
+        assert all(kw["MaxKeys"] == 3 for kw in lists)
+        assert len({kw["StartAfter"] for kw in lists if "StartAfter" in kw}) >= 3  # three lanes walked
+
+
+def _commit(store: ss.Store, n: int) -> str:
+    g = torch.Generator().manual_seed(n)
+    return ss.save(store, {f"w{i}": torch.randn(64 + i, generator=g) for i in range(n)}, step=0, rng=False)
+
+
+def test_copy_to_s3_costs_a_write_per_object_and_a_fixed_rest(
+    s3_server: S3Server,  # noqa: F811
+    tmp_path: Any,
+) -> None:
+    """A commit of N objects copied to a fresh S3 store: N + 2 manifest writes, no HEAD (a
+    listing finds the objects absent, a create-only write is its own check), and a fixed number
+    of requests for the barriers' structural check, the fence and the ref, whatever N is."""
+    local = ss.open_store(str(tmp_path / "src"))
+    totals = {}
+    for n in (6, 18):
+        cid = _commit(local, n)
+        objects = len(commit_closure(ss.load_commit(local, cid)).ids())
+        dst = ss.open_store(s3_server.url(), **s3_server.options)
+        counted = Counted(dst.storage)  # type: ignore[arg-type]
+        copy_commit(local, dst, cid, ref="main")
+        assert dst.ref("main") == cid
+        calls = counted.calls
+        assert calls["head_object"] == 0, calls
+        assert calls["put_object"] == objects + 2, calls  # every object, the intent and the ref
+        assert calls["list_objects_v2"] <= 3, calls  # the objects' presence, gc markers, the fence's check
+        totals[n] = sum(calls.values()) - objects
+    assert totals[6] == totals[18], totals  # the rest does not grow with the number of objects
+    assert totals[6] <= 10, totals
+
+
+def test_save_to_s3_checks_its_closure_with_listings(s3_server: S3Server) -> None:  # noqa: F811
+    """A save's own requests: its objects (create-only, no look first), the manifests read back
+    once each (by id, never as a ref name first), and the gc fence's presence check of the
+    closure it just read back as listing pages, not a HEAD per object nor a third read of
+    the manifests."""
+    store = ss.open_store(s3_server.url(), **s3_server.options)
+    counted = Counted(store.storage)  # type: ignore[arg-type]
+    cid = _commit(store, 12)
+    calls = dict(counted.calls)
+    objects = len(commit_closure(ss.load_commit(store, cid)).ids())
+    assert "head_object" not in calls, calls
+    assert calls["put_object"] == objects + 3, calls  # every object, the intent, the ref, the journal
+    assert calls["get_object"] == 3, calls  # the ref before the save, the shard manifest and the commit read back
+    assert calls["list_objects_v2"] == 2, calls  # gc markers, the closure's presence
+    assert sum(calls.values()) == objects + 9, calls
