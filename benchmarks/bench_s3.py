@@ -19,10 +19,10 @@ the S3 backend's requests in flight; s3fs's ``batch_size``, the files it moves a
 No object here is large enough for either side's multipart or ranged transfers.
 
 Each repetition runs both sides back to back, alternating which goes first, after one
-untimed warm-up of each (connections, and the probe of the server's request conditions,
-which runs once per process and bucket). A ratio is shardstore's speed over s3fs's in the
-same repetition; the table gives the median ratio with its range, the median speeds, and
-the HTTP requests each side sent per operation (counted on each client's botocore
+untimed warm-up of each (connections). A ratio is shardstore's speed over s3fs's in the
+same repetition; the table gives the median ratio with its range (of wall time, and of
+the whole process's CPU time, which a loaded machine disturbs less), the median speeds,
+and the HTTP requests each side sent per operation (counted on each client's botocore
 ``before-send`` event, retries included). Numbers against moto measure client and server
 overhead in one Python process, not S3 itself.
 
@@ -82,12 +82,13 @@ class Requests:
         op = str(kwargs.get("event_name", "")).rsplit(".", 1)[-1]
         self.counts[op] += 1
 
-    def during(self, fn: Callable[[], None]) -> tuple[float, collections.Counter[str]]:
+    def during(self, fn: Callable[[], None]) -> tuple[float, float, collections.Counter[str]]:
+        """(seconds, CPU seconds of this whole process: both clients' threads and the server's, requests)."""
         before = collections.Counter(self.counts)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        took = time.perf_counter() - t
-        return took, self.counts - before
+        took, cpu = time.perf_counter() - t, time.process_time() - c
+        return took, cpu, self.counts - before
 
 
 def _client(fs: Any) -> Any:
@@ -122,6 +123,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="bench-s3-")
     load_before = _load()
     times: dict[str, list[float]] = collections.defaultdict(list)
+    cpus: dict[str, list[float]] = collections.defaultdict(list)
     requests: dict[str, collections.Counter[str]] = {}
     try:
         host, port = server.get_host_and_port()
@@ -179,8 +181,9 @@ def main() -> None:
         for op, *sides in cases:
             for i in range(args.repeat):
                 for who, counter, fn in sides if i % 2 == 0 else sides[::-1]:
-                    took, sent = counter.during(fn)
+                    took, cpu, sent = counter.during(fn)
                     times[f"{op} {who}"].append(took)
+                    cpus[f"{op} {who}"].append(cpu)
                     requests[f"{op} {who}"] = sent
 
         # not timed: the round trip is whole (every object re-hashed from a fresh local copy)
@@ -202,17 +205,26 @@ def main() -> None:
         f"{platform.python_version()}, {os.cpu_count()} cpus; load average (1/5 min) {load_before} at the start, "
         f"{_load()} at the end; {args.repeat} interleaved repetitions, {args.threads} objects in flight on each side.",
         "",
-        "| operation | shardstore MB/s (median) | s3fs MB/s (median) | ratio, median (min–max) | requests: shardstore | requests: s3fs |",
-        "|---|---|---|---|---|---|",
+        "| operation | shardstore MB/s (median) | s3fs MB/s (median) | speed ratio, median (min–max) "
+        "| CPU ratio, median (min–max) | requests: shardstore | requests: s3fs |",
+        "|---|---|---|---|---|---|---|",
     ]
     for op in ("upload", "download"):
         a, b = times[f"{op} shardstore"], times[f"{op} s3fs"]
         ratios = [y / x for x, y in zip(a, b)]
+        work = [y / x for x, y in zip(cpus[f"{op} shardstore"], cpus[f"{op} s3fs"])]
         lines.append(
             f"| {op} | {mb / statistics.median(a):.1f} | {mb / statistics.median(b):.1f} | "
             f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) | "
+            f"{statistics.median(work):.2f} ({min(work):.2f}–{max(work):.2f}) | "
             f"{_show(requests[f'{op} shardstore'])} | {_show(requests[f'{op} s3fs'])} |"
         )
+    lines += [
+        "",
+        "Ratios are s3fs's time over shardstore's in the same repetition (above 1: shardstore faster); the "
+        "CPU ratio is the same for the CPU time of the whole process (both clients and the in-process server), "
+        "which a loaded machine disturbs less than wall time.",
+    ]
     text = "\n".join(lines)
     print(text)
     if args.results:

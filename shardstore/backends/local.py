@@ -40,6 +40,8 @@ from .ref_locks import break_lock, take_lock
 
 __all__ = ["LocalStorage"]
 _CHUNK = 8 << 20
+#: Directories fsynced at once by ``sync`` (a batch's object directories share journal commits).
+_SYNC_THREADS = 8
 _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
@@ -437,13 +439,31 @@ class LocalStorage:
                 yield f"{rel}/{name}"
 
     def sync(self) -> None:
+        """fsync every directory a write linked into since the last ``sync``: the object
+        directories of a batch together (their fsyncs share the file system's journal commits),
+        deeper ones before the directories that hold them."""
         with self._lock:
-            dirty, self._dirty = sorted(self._dirty, key=len, reverse=True), set()
-        for i, d in enumerate(dirty):
+            dirty, self._dirty = self._dirty, set()
+        by_depth: dict[int, list[str]] = {}
+        for d in dirty:
+            by_depth.setdefault(d.count(os.sep), []).append(d)
+
+        def one(d: str) -> str | None:
             try:
                 if os.path.isdir(d):
                     fsync_dir(d)
             except OSError as e:
+                return f"sync {d} in store {self.root}: {e.strerror or e}"
+            return None
+
+        for depth in sorted(by_depth, reverse=True):
+            level = sorted(by_depth[depth])
+            if len(level) > 1:
+                with ThreadPoolExecutor(max_workers=min(_SYNC_THREADS, len(level))) as pool:
+                    failed = [f for f in pool.map(one, level) if f is not None]
+            else:
+                failed = [f for f in map(one, level) if f is not None]
+            if failed:
                 with self._lock:
-                    self._dirty.update(dirty[i:])  # still not durable: the next sync() retries them
-                raise StorageError(f"sync {d} in store {self.root}: {e.strerror or e}") from None
+                    self._dirty.update(dirty)  # still not durable: the next sync() retries them all
+                raise StorageError(failed[0]) from None

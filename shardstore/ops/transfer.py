@@ -29,6 +29,7 @@ from ..errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from ..format.closure import Closure, commit_closure
 from ..format.names import check_ref_name
 from ..store import Store, object_key
+from ..store.tensors import WriteBatch
 from ..verification.commits import LoadedCommit, load_commit, read_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit", "pool_map"]
@@ -76,6 +77,9 @@ def pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]:
         pool.shutdown(wait=True, cancel_futures=True)  # on the first failure, start nothing new
 
 
+#: Files a copy's batch fsyncs at once at its durability barrier.
+_FSYNC_THREADS = 8
+
 #: Bytes of objects held in memory at once by a copy's threads (beyond one object larger than this).
 _IN_FLIGHT_BYTES = 1 << 30
 
@@ -109,6 +113,7 @@ def _copy_object(
     what: str,
     budget: _ByteBudget | None = None,
     absent: bool = False,
+    batch: WriteBatch | None = None,
 ) -> tuple[bool, int]:
     """Copy one object unless ``dst`` has it whole; verify the bytes received before writing them.
 
@@ -117,7 +122,8 @@ def _copy_object(
     the source's): a torn or truncated object there is replaced by the verified source bytes
     instead of being trusted (SPEC.md §19.1). ``absent``: a listing of ``dst`` just found no
     such object, so it is written without looking first (a create-only write: one that
-    appeared meanwhile is found by the write itself, and refreshed there)."""
+    appeared meanwhile is found by the write itself, and refreshed there). ``batch``: written
+    into it (``Store.put_with_id``), durable and visible when the caller finishes it."""
     have = None if absent else dst.ensure(oid)
     if have is not None:
         want = size if size is not None else src.object_size(oid)
@@ -127,13 +133,15 @@ def _copy_object(
     if budget is not None:
         budget.acquire(need)
     try:
-        return _fetch_and_put(src, dst, oid, size, what, have)
+        return _fetch_and_put(src, dst, oid, size, what, have, batch)
     finally:
         if budget is not None:
             budget.release(need)
 
 
-def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str, have: int | None) -> tuple[bool, int]:
+def _fetch_and_put(
+    src: Store, dst: Store, oid: str, size: int | None, what: str, have: int | None, batch: WriteBatch | None = None
+) -> tuple[bool, int]:
     data, got = src.read_hashed(oid)  # hashed as it arrives where the backend streams
     if got != oid:
         raise CorruptObject(
@@ -144,7 +152,7 @@ def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str
         raise TensorMismatch(f"{what} object {oid} in {src.url} holds {len(data)} bytes, its entry needs {size}")
     if have is not None:  # present with the wrong size: it cannot hash to its id; replace it
         dst.storage.delete(object_key(oid))
-    if not dst.put_with_id(oid, data) and dst.object_size(oid) != len(data):
+    if not dst.put_with_id(oid, data, batch=batch) and dst.object_size(oid) != len(data):
         raise CorruptObject(
             f"{what} object {oid} in {dst.url} has the wrong size and could not be replaced (SPEC.md §19.1)"
         )
@@ -251,14 +259,23 @@ def copy_commit(
         present = dst.object_sizes(oid for oid, _, _ in jobs) if listed and len(jobs) > 1 else None
         blind = listed and manifests and len(jobs) == 1
 
+        # Locally the objects are written without waiting for the disk each, then made durable together.
+        wb = dst.write_batch()
+
         def one(job: tuple[str, int | None, str]) -> tuple[bool, int]:
             absent = blind or (present is not None and job[0] not in present)
-            done = _copy_object(src, dst, *job, budget=budget, absent=absent)
+            done = _copy_object(src, dst, *job, budget=budget, absent=absent, batch=wb)
             if progress is not None:
                 progress(done[1])
             return done
 
-        for copied, n in pool_map(one, jobs, threads):
+        try:
+            done = pool_map(one, jobs, threads)
+            wb.finish(dst.storage, threads=min(threads, _FSYNC_THREADS))
+        except BaseException:
+            wb.abandon()
+            raise
+        for copied, n in done:
             result._add(copied, n)
         dst.sync()  # everything in this batch is durable before the next batch names it
 

@@ -89,7 +89,7 @@ class Store(Protocol):
 
     def shard(self, oid: str) -> ShardManifest: ...
 
-    def object_sizes(self, oids: Iterable[str], *, threads: int = 8) -> dict[str, int]: ...
+    def present(self, oids: Iterable[str], *, threads: int = 8) -> set[str]: ...
 
 
 __all__ = [
@@ -192,7 +192,7 @@ def _missing(store: Store, commit: str | None, objects: Sequence[str]) -> list[s
             raise GcRace(f"commit {commit} in {store.url} no longer loads ({e}); the ref was not moved") from None
         except ShardstoreError:
             ids = [commit]  # not a commit (the low-level API lets a ref name any object): nothing more to keep
-    present = store.object_sizes(ids)  # S3: listing pages, not a HEAD each (backends.base.ListedSizes)
+    present = store.present(ids)  # S3: listing pages, not a HEAD each (backends.base.ListedSizes)
     return [oid for oid in ids if oid not in present]
 
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..backends.base import Buffer, HashedReads, ListedSizes, Storage
+from ..backends.base import BatchedWrites, Buffer, HashedReads, ListedSizes, Storage
 from ..backends.location import open_storage
 from ..errors import (
     CorruptObject,
@@ -99,9 +99,20 @@ class Store:
         self.storage.write_once(object_key(oid), data)
         return oid
 
-    def put_with_id(self, oid: str, data: Buffer) -> bool:
-        """Store ``data`` under an id the caller already computed (e.g. while copying). True if written."""
-        return self.storage.write_once(object_key(oid), data)
+    def put_with_id(self, oid: str, data: Buffer, *, batch: tensors_io.WriteBatch | None = None) -> bool:
+        """Store ``data`` under an id the caller already computed (e.g. while copying). True if written.
+
+        With ``batch`` (``write_batch()``) on a backend with batched writes (local), the object is
+        written without waiting for the disk and becomes durable and visible at ``batch.finish``."""
+        key = object_key(oid)
+        if batch is None or not isinstance(self.storage, BatchedWrites):
+            return self.storage.write_once(key, data)
+        tmp = self.storage.begin_write(key, data)
+        if tmp is None:
+            return False  # present (and refreshed)
+        with batch.lock:
+            batch.pending.append((key, tmp))
+        return True
 
     def ensure(self, oid: str) -> int | None:
         """The size of object ``oid`` if present (None if absent), made young again first.
@@ -178,6 +189,19 @@ class Store:
         else:
             sizes = [self.object_size(o) for o in ids]
         return {o: n for o, n in zip(ids, sizes) if n is not None}
+
+    def present(self, oids: Iterable[str], *, threads: int = 8) -> set[str]:
+        """Those of ``oids`` that are present: ``object_sizes``' listings where the backend has
+        them, else ``has`` each, ``threads`` at a time (the gc fence's presence check)."""
+        ids = sorted(set(oids))
+        if isinstance(self.storage, ListedSizes):
+            return set(self.object_sizes(ids))
+        if threads > 1 and len(ids) > 1:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                found = list(pool.map(self.has, ids))
+        else:
+            found = [self.has(o) for o in ids]
+        return {o for o, ok in zip(ids, found) if ok}
 
     def lists_sizes(self) -> bool:
         """Whether ``object_sizes`` asks the backend once for many objects (``ListedSizes``) rather

@@ -108,6 +108,9 @@ class S3Storage:
         options = dict(storage_options)
         config = dict(options.pop("config_kwargs", None) or {})
         config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
+        # An object's bytes are hashed against its id as they arrive (BLAKE3, every byte): the
+        # server's CRC of the response is checked only where asked (``_checksum``: refs, pins...).
+        config.setdefault("response_checksum_validation", "when_required")
         options["config_kwargs"] = config
         self.fs = s3fs.S3FileSystem(**options)
         # every request to the server goes through it, the request layer's too
@@ -154,9 +157,16 @@ class S3Storage:
                 return None
             raise self.transport.fail("stat", key, e) from None
 
+    @staticmethod
+    def _checksum(key: str) -> dict[str, str]:
+        """A GET's checksum mode: an object is hashed against its id by its reader, every byte, so
+        the server's checksum of it is not checked a second time; anything else (a ref, a pin, the
+        config, a gc marker) has no id to be checked against, and the server's checksum is."""
+        return {} if key.startswith("objects/") else {"ChecksumMode": "ENABLED"}
+
     async def _get_or_none(self, key: str) -> tuple[dict[str, Any], bytes] | None:
         try:
-            return await self.transport.call("get_object", key, Key=self.transport.key(key))
+            return await self.transport.call("get_object", key, Key=self.transport.key(key), **self._checksum(key))
         except S3Error as e:
             if e.status == 404:
                 return None
@@ -189,42 +199,35 @@ class S3Storage:
         return self.transport.run(self._stream, key, out, consume)
 
     async def _read(self, key: str, consume: Callable[[memoryview], None] | None, limit: int | None = None) -> Buffer:
-        buf: bytearray | None = None
-
-        def sized(total: int) -> memoryview:
-            nonlocal buf
-            if limit is not None and total > limit:
-                raise ObjectTooLarge(
-                    f"{key} in store {self.url} is {total} bytes, over this reader's limit of {limit} (SPEC.md §Limits)"
-                )
-            buf = bytearray(total)
-            return memoryview(buf)
-
-        await self._stream(key, sized, consume)
-        assert buf is not None
+        resp, first, total = await self._first_range(key)
+        if limit is not None and total > limit:
+            raise ObjectTooLarge(
+                f"{key} in store {self.url} is {total} bytes, over this reader's limit of {limit} (SPEC.md §Limits)"
+            )
+        if total == len(first):  # the whole object in one range: handed back as it arrived, no copy
+            await self._land(memoryview(first), consume)
+            return first
+        buf = bytearray(total)
+        await self._rest(key, resp, first, total, memoryview(buf), consume)
         return buf
 
-    async def _stream(
-        self,
-        key: str,
-        out: memoryview | Callable[[int], memoryview] | None,
-        consume: Callable[[memoryview], None] | None,
-    ) -> int:
-        """GET ``key`` as ``part_size`` ranges, at most ``concurrency`` in flight, handled in order.
+    async def _stream(self, key: str, out: memoryview | None, consume: Callable[[memoryview], None] | None) -> int:
+        """GET ``key`` as ``part_size`` ranges into ``out`` (left untouched unless the object
+        has exactly its size), or with no ``out`` only through ``consume``; returns the object's
+        size (``_rest`` says how the ranges arrive)."""
+        resp, first, total = await self._first_range(key)
+        if out is not None and len(out) != total:
+            return total
+        await self._rest(key, resp, first, total, out, consume)
+        return total
 
-        ``out``: where the bytes go: a buffer (left untouched unless the object has exactly
-        its size), a function of the object's size returning one, or None (ranges are only
-        passed to ``consume``). Each range is copied into ``out`` as soon as it arrives;
-        ``consume`` runs on each range in order, ranges of ``_OFFLOAD_BYTES`` and more in a
-        worker thread so that hashing never stalls the event loop. With no ``out``, at most
-        ``concurrency`` ranges wait while one is consumed. Ranges after the first carry
-        ``If-Match`` on the first one's ETag (when the server sent one): a concurrent
-        overwrite of the key (only a ref can be overwritten) fails the read instead of
-        mixing versions. Returns the object's size.
-        """
+    async def _first_range(self, key: str) -> tuple[dict[str, Any], bytes, int]:
+        """(response, bytes, object size) of the first ``part_size`` range of ``key``."""
         full = self.transport.key(key)
         try:
-            resp, first = await self.transport.call("get_object", key, Key=full, Range=f"bytes=0-{self.part_size - 1}")
+            resp, first = await self.transport.call(
+                "get_object", key, Key=full, Range=f"bytes=0-{self.part_size - 1}", **self._checksum(key)
+            )
         except S3Error as e:
             if e.status == 404:
                 raise ObjectNotFound(f"{key} is missing from store {self.url}") from None
@@ -240,13 +243,41 @@ class S3Storage:
             raise StorageError(f"read {key!r} in store {self.url}: a ranged GET answered 206 without a Content-Range")
         else:
             total = len(first)  # the server sent the whole object (it ignored the range)
-        if callable(out):
-            out = out(total)
-        elif out is not None and len(out) != total:
-            return total
-        dest = out
+        if len(first) > total:
+            raise StorageError(f"read {key!r} in store {self.url}: {len(first)} bytes arrived of a {total}-byte object")
+        return resp, first, total
+
+    @staticmethod
+    async def _land(view: memoryview, consume: Callable[[memoryview], None] | None) -> None:
+        """``consume`` a range that landed: in a worker thread from ``_OFFLOAD_BYTES`` up, so that
+        hashing never stalls the event loop; inline below (a manifest, a small tensor: a thread hop
+        would cost more)."""
+        if consume is not None and len(view) >= _OFFLOAD_BYTES:
+            await asyncio.to_thread(consume, view)
+        elif consume is not None and len(view):
+            consume(view)
+
+    async def _rest(
+        self,
+        key: str,
+        resp: dict[str, Any],
+        first: bytes,
+        total: int,
+        dest: memoryview | None,
+        consume: Callable[[memoryview], None] | None,
+    ) -> None:
+        """The object's ranges after ``first``, at most ``concurrency`` in flight, handled in order.
+
+        ``dest`` (``total`` bytes): where the bytes go, each range copied in as soon as it
+        arrives; None: ranges are only passed to ``consume``, and at most ``concurrency`` wait
+        while one is consumed. ``consume`` runs on each range in order (``_land``). Ranges after
+        the first carry ``If-Match`` on the first one's ETag (when the server sent one): a
+        concurrent overwrite of the key (only a ref can be overwritten) fails the read instead
+        of mixing versions.
+        """
+        full = self.transport.key(key)
         conditions = {"IfMatch": resp["ETag"]} if resp.get("ETag") else {}
-        del resp
+        conditions.update(self._checksum(key))
 
         async def part(start: int) -> memoryview:
             end = min(start + self.part_size, total)
@@ -265,12 +296,6 @@ class S3Storage:
             dest[start:end] = data  # landed now; only the in-order hashing waits
             return dest[start:end]
 
-        async def land(view: memoryview) -> None:
-            if consume is not None and len(view) >= _OFFLOAD_BYTES:
-                await asyncio.to_thread(consume, view)
-            elif consume is not None and len(view):
-                consume(view)  # a manifest or a small tensor: a thread hop would cost more
-
         starts = iter(range(len(first), total, self.part_size))
         ahead: deque[asyncio.Future[memoryview]] = deque()
         try:
@@ -282,21 +307,20 @@ class S3Storage:
             else:
                 head = memoryview(first)
             del first
-            await land(head)
+            await self._land(head, consume)
             del head
             while ahead:
                 view = await ahead.popleft()
                 nxt = next(starts, None)
                 if nxt is not None:
                     ahead.append(asyncio.ensure_future(part(nxt)))
-                await land(view)
+                await self._land(view, consume)
                 del view
         finally:
             for fut in ahead:
                 fut.cancel()
             if ahead:
                 await asyncio.gather(*ahead, return_exceptions=True)
-        return total
 
     def size(self, key: str) -> int | None:
         head = self.transport.run(self._head, key)
@@ -357,7 +381,9 @@ class S3Storage:
             if multipart:
                 await multipart_upload(self.transport, key, view, conditional=conditional)
             else:
-                await self.transport.call("put_object", key, Key=full, Body=bytes(view), **cond)
+                # bytes of their own (a copy's download, a manifest) go as they are; a view (a tensor's memory) is copied
+                body = data if isinstance(data, (bytes, bytearray)) else bytes(view)
+                await self.transport.call("put_object", key, Key=full, Body=body, **cond)
         except S3Error as e:  # multipart_upload raises only a 412 as one
             if e.status == 412:
                 return await self._confirm_present(key, e)
