@@ -10,6 +10,7 @@ requests around them.
 from __future__ import annotations
 
 import collections
+import uuid
 from typing import Any
 
 import pytest
@@ -139,3 +140,25 @@ def test_save_to_s3_checks_its_closure_with_listings(s3_server: S3Server) -> Non
     assert calls["get_object"] == 3, calls  # the ref before the save, the shard manifest and the commit read back
     assert calls["list_objects_v2"] == 2, calls  # gc markers, the closure's presence
     assert sum(calls.values()) == objects + 9, calls
+
+
+def test_the_probe_runs_once_per_filesystem_and_bucket(s3_server: S3Server) -> None:  # noqa: F811
+    """The server's request conditions are probed by the first store written through an s3fs
+    filesystem in a bucket; the next store there (another prefix, the same server and
+    credentials) trusts that answer, and creating it costs one look and one write."""
+    mine = {**s3_server.options, "default_block_size": (5 << 20) + uuid.uuid4().int % 4096}  # a filesystem of its own
+    first = S3Storage(s3_server.url(), **mine)
+    probing = Counted(first)
+    ss.Store(first)
+    assert probing.calls["put_object"] == 4 and probing.calls["delete_object"] == 2, probing.calls  # probe + config
+    assert first.conditional is True
+    second = S3Storage(s3_server.url(), **mine)
+    assert second.fs is first.fs  # fsspec's instance cache: the same options, the same filesystem
+    counted = Counted(second)
+    ss.Store(second)
+    assert dict(counted.calls) == {"get_object": 1, "put_object": 1}, counted.calls  # the config: absent, created
+    assert second.conditional is True
+    other = S3Storage(s3_server.url(), skip_instance_cache=True, **mine)  # another filesystem: probes
+    counted = Counted(other)
+    ss.Store(other)
+    assert counted.calls["put_object"] == 4, counted.calls

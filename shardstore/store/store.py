@@ -80,9 +80,11 @@ class Store:
         if raw is None:
             if not create:
                 raise StoreConfigError(f"{self.url} is not a shardstore store (no config object)")
-            self.storage.write_once("config", encode(StoreConfig(version=FORMAT_VERSION)))
+            mine = encode(StoreConfig(version=FORMAT_VERSION))
+            wrote = self.storage.write_once("config", mine)
             self.storage.sync()
-            raw = self._read_or_none("config", limit=4096)
+            # A config this call created holds exactly ``mine``; one another opener created first is read.
+            raw = mine if wrote else self._read_or_none("config", limit=4096)
             if raw is None:
                 raise StoreConfigError(f"{self.url}: the store config just written cannot be read back")
         try:
