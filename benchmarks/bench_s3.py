@@ -19,7 +19,8 @@ the S3 backend's requests in flight; s3fs's ``batch_size``, the files it moves a
 No object here is large enough for either side's multipart or ranged transfers.
 
 Each repetition runs both sides back to back, alternating which goes first, after one
-untimed warm-up of each (connections). A ratio is shardstore's speed over s3fs's in the
+untimed warm-up of each (connections; the probe of the server's request conditions, which a
+process runs once per bucket). A ratio is shardstore's speed over s3fs's in the
 same repetition; the table gives the median ratio with its range (of wall time, and of
 the whole process's CPU time, which a loaded machine disturbs less), the median speeds,
 and the HTTP requests each side sent per operation (counted on each client's botocore
@@ -153,14 +154,23 @@ def main() -> None:
             uploaded.append(url)
 
         def fs_put() -> None:
-            fs.put(objects_dir, f"{BUCKET}/fs-{uuid.uuid4().hex[:8]}/objects", recursive=True, batch_size=args.threads)
+            prefix = f"{BUCKET}/fs-{uuid.uuid4().hex[:8]}"
+            fs.put(objects_dir, f"{prefix}/objects", recursive=True, batch_size=args.threads)
+            uploaded.append(f"s3://{prefix}")
 
         first = ss.open_store(f"s3://{BUCKET}/warm-{uuid.uuid4().hex[:8]}", **ss_opts)
         ss_count.attach(_client(first.storage.fs))  # type: ignore[attr-defined]
-        ss_upload()  # warm-up (untimed): connections on both sides, the probe on ours
+        ss_upload()  # warm-up (untimed): connections on both sides; the probe ran as ``first`` was opened
         fs_put()
-        remote = ss.open_store(uploaded[-1], **ss_opts)
-        remote_keys = uploaded[-1][len("s3://") :] + "/objects"
+        remote = ss.open_store(uploaded[0], **ss_opts)  # what the downloads read
+        remote_keys = uploaded[0][len("s3://") :] + "/objects"
+        keep = set(uploaded[:1])
+
+        def drop_uploads() -> None:  # untimed: the server holds each size once or twice, not once per repetition
+            for url in uploaded:
+                if url not in keep:
+                    fs.rm(url[len("s3://") :], recursive=True)
+            uploaded[:] = [u for u in uploaded if u in keep]
 
         def ss_download() -> None:
             dst = os.path.join(work, f"dl-{uuid.uuid4().hex[:8]}")
@@ -185,6 +195,7 @@ def main() -> None:
                     times[f"{op} {who}"].append(took)
                     cpus[f"{op} {who}"].append(cpu)
                     requests[f"{op} {who}"] = sent
+                drop_uploads()
 
         # not timed: the round trip is whole (every object re-hashed from a fresh local copy)
         back = ss.open_store(os.path.join(work, "check"))

@@ -162,3 +162,26 @@ def test_the_probe_runs_once_per_filesystem_and_bucket(s3_server: S3Server) -> N
     counted = Counted(other)
     ss.Store(other)
     assert counted.calls["put_object"] == 4, counted.calls
+
+
+def test_copy_from_s3_costs_a_read_per_object(s3_server: S3Server, tmp_path: Any) -> None:  # noqa: F811
+    """A commit of N objects copied out of S3 by its id: N reads and one look for a ref of that
+    name, nothing else (no HEAD: the id is read as a commit while the ref is looked up)."""
+    src = ss.open_store(s3_server.url(), **s3_server.options)
+    cid = _commit(src, 9)
+    objects = len(commit_closure(ss.load_commit(src, cid)).ids())
+    counted = Counted(src.storage)  # type: ignore[arg-type]
+    copy_commit(src, ss.open_store(str(tmp_path / "dst")), cid)
+    assert dict(counted.calls) == {"get_object": objects + 1}, counted.calls
+
+
+def test_a_ref_named_like_a_commit_id_still_wins(tmp_path: Any) -> None:
+    """load_commit reads a full id as a commit while it looks for a ref of that name; a ref of
+    that name still wins (SPEC.md §14), and an id that is not there is still TargetNotFound."""
+    store = ss.open_store(str(tmp_path / "s"))
+    a, b = _commit(store, 2), _commit(store, 3)
+    store.set_ref(a, b, expected=None)
+    assert ss.load_commit(store, a).id == b
+    assert ss.load_commit(store, b).id == b
+    with pytest.raises(ss.TargetNotFound):
+        ss.load_commit(store, "f" * 64)

@@ -27,7 +27,9 @@ from typing import TypeVar
 
 from ..errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from ..format.closure import Closure, commit_closure
+from ..format.manifest import encode
 from ..format.names import check_ref_name
+from ..format.tensors import hash_bytes
 from ..store import Store, object_key
 from ..store.tensors import WriteBatch
 from ..verification.commits import LoadedCommit, load_commit, read_commit
@@ -114,6 +116,7 @@ def _copy_object(
     budget: _ByteBudget | None = None,
     absent: bool = False,
     batch: WriteBatch | None = None,
+    known: bytes | None = None,
 ) -> tuple[bool, int]:
     """Copy one object unless ``dst`` has it whole; verify the bytes received before writing them.
 
@@ -123,7 +126,9 @@ def _copy_object(
     instead of being trusted (SPEC.md §19.1). ``absent``: a listing of ``dst`` just found no
     such object, so it is written without looking first (a create-only write: one that
     appeared meanwhile is found by the write itself, and refreshed there). ``batch``: written
-    into it (``Store.put_with_id``), durable and visible when the caller finishes it."""
+    into it (``Store.put_with_id``), durable and visible when the caller finishes it. ``known``:
+    the object's bytes, already read from ``src`` and hashed to ``oid`` (a manifest the check
+    before the copy decoded), written as they are instead of being read again."""
     have = None if absent else dst.ensure(oid)
     if have is not None:
         want = size if size is not None else src.object_size(oid)
@@ -133,16 +138,23 @@ def _copy_object(
     if budget is not None:
         budget.acquire(need)
     try:
-        return _fetch_and_put(src, dst, oid, size, what, have, batch)
+        return _fetch_and_put(src, dst, oid, size, what, have, batch, known)
     finally:
         if budget is not None:
             budget.release(need)
 
 
 def _fetch_and_put(
-    src: Store, dst: Store, oid: str, size: int | None, what: str, have: int | None, batch: WriteBatch | None = None
+    src: Store,
+    dst: Store,
+    oid: str,
+    size: int | None,
+    what: str,
+    have: int | None,
+    batch: WriteBatch | None = None,
+    known: bytes | None = None,
 ) -> tuple[bool, int]:
-    data, got = src.read_hashed(oid)  # hashed as it arrives where the backend streams
+    data, got = (known, oid) if known is not None else src.read_hashed(oid)  # hashed as it arrives when streamed
     if got != oid:
         raise CorruptObject(
             f"{what} object {oid} read from {src.url} is corrupt: its {len(data)} bytes hash to {got}; "
@@ -159,13 +171,24 @@ def _fetch_and_put(
     return True, len(data)
 
 
-def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], attempts: int = 40) -> None:
-    """Move ``ref`` to ``cid`` by compare-and-swap against the value read just before.
+def _manifest_bytes(lc: LoadedCommit) -> dict[str, bytes]:
+    """The commit's manifests as the check before the copy read them, by id: their canonical
+    encoding, kept only where it hashes to the id (the very bytes that were read and hashed;
+    a manifest whose encoding this version would write differently is read again instead)."""
+    out: dict[str, bytes] = {}
+    for oid, manifest in [(lc.id, lc.commit), *((lc.shard_ids[s], lc.shards[s]) for s in lc.shards)]:
+        raw = encode(manifest)
+        if hash_bytes(raw) == oid:
+            out[oid] = raw
+    return out
+
+
+def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], current: str | None, attempts: int = 40) -> None:
+    """Move ``ref`` to ``cid`` by compare-and-swap against ``current``, its value read just before.
 
     Losing to an identical copy (the ref now holds ``cid``) is success; losing to another
     writer's lock while the value is unchanged is retried; a ref moved elsewhere meanwhile
     is a RefConflict, as for any compare-and-swap."""
-    current = dst.ref(ref)
     for attempt in range(attempts):
         if current == cid:
             return
@@ -249,6 +272,7 @@ def copy_commit(
         result.dependencies.append(dep)
 
     budget = _ByteBudget(_IN_FLIGHT_BYTES)
+    decoded = _manifest_bytes(lc)
 
     listed = dst.lists_sizes()
 
@@ -264,7 +288,7 @@ def copy_commit(
 
         def one(job: tuple[str, int | None, str]) -> tuple[bool, int]:
             absent = blind or (present is not None and job[0] not in present)
-            done = _copy_object(src, dst, *job, budget=budget, absent=absent, batch=wb)
+            done = _copy_object(src, dst, *job, budget=budget, absent=absent, batch=wb, known=decoded.get(job[0]))
             if progress is not None:
                 progress(done[1])
             return done
@@ -286,9 +310,14 @@ def copy_commit(
     )
     batch([(sid, None, "shard manifest") for sid in closure.shards], manifests=True)
     batch([(closure.commit, None, "commit manifest")], manifests=True)
-    read_commit(dst, lc.id, None)  # the destination now holds a structurally valid commit (by id: no ref look-up)
+    # The destination now holds a structurally valid commit: read back by id (no ref look-up), its
+    # manifests together, and the ref's value for the compare-and-swap with them (one round trip on S3).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        current = pool.submit(dst.ref, ref) if ref is not None else None
+        read_commit(dst, lc.id, None, prefetch=closure.shards)
+        was = current.result() if current is not None else None
     if ref is not None:
-        _move_ref(dst, ref, lc.id, closure.ids())
+        _move_ref(dst, ref, lc.id, closure.ids(), was)
         result.ref = ref
     for name, ids in pinned.items():  # the objects are durable at the destination: name them
         dst.add_to_pin(name, ids)  # compare-and-swap: a concurrent writer's objects are kept
