@@ -195,7 +195,9 @@ class S3Storage:
         (in order, off the event loop) rather than in a second pass over the whole object.
         ``limit``: ObjectTooLarge if the server reports more bytes, before allocating them."""
         h = hasher()
-        data = self.transport.run(self._read, key, h.update, limit)
+        data, whole = self.transport.run(self._read_parts, key, h.update, limit)
+        if whole:  # it came in one range, not yet hashed: hashed here, in the caller's thread
+            h.update(data)
         return data, h.hexdigest()
 
     def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
@@ -212,17 +214,28 @@ class S3Storage:
         return self.transport.run(self._stream, key, out, consume)
 
     async def _read(self, key: str, consume: Callable[[memoryview], None] | None, limit: int | None = None) -> Buffer:
+        data, whole = await self._read_parts(key, consume, limit)
+        if whole:
+            await self._land(memoryview(data), consume)
+        return data
+
+    async def _read_parts(
+        self, key: str, consume: Callable[[memoryview], None] | None, limit: int | None = None
+    ) -> tuple[Buffer, bool]:
+        """(the bytes at ``key``, whether they came in one range): an object of one range is handed
+        back as it arrived (no copy) and NOT passed to ``consume``, for the caller to consume in its
+        own thread (no hop to a worker thread and back); the ranges of a larger one are consumed in
+        order as they land (``_rest``). ``limit``: ObjectTooLarge past it, before allocating."""
         resp, first, total = await self._first_range(key)
         if limit is not None and total > limit:
             raise ObjectTooLarge(
                 f"{key} in store {self.url} is {total} bytes, over this reader's limit of {limit} (SPEC.md §Limits)"
             )
-        if total == len(first):  # the whole object in one range: handed back as it arrived, no copy
-            await self._land(memoryview(first), consume)
-            return first
+        if total == len(first):
+            return first, True
         buf = bytearray(total)
         await self._rest(key, resp, first, total, memoryview(buf), consume)
-        return buf
+        return buf, False
 
     async def _stream(self, key: str, out: memoryview | None, consume: Callable[[memoryview], None] | None) -> int:
         """GET ``key`` as ``part_size`` ranges into ``out`` (left untouched unless the object
