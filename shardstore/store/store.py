@@ -207,7 +207,8 @@ class Store:
 
     def lists_sizes(self) -> bool:
         """Whether ``object_sizes`` asks the backend once for many objects (``ListedSizes``) rather
-        than once per object: then asking ahead saves a request per object."""
+        than once per object: then asking ahead saves a request per object. Such a backend (S3)
+        is one where every read is a round trip, so independent reads are worth sending together."""
         return isinstance(self.storage, ListedSizes)
 
     def sync(self) -> None:

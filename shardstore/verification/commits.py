@@ -389,7 +389,7 @@ def _read_together(
             return e
 
     jobs = [(c, True) for c in commits] + [(s, False) for s in shards]
-    if len(jobs) > 1:
+    if len(jobs) > 1 and store.lists_sizes():  # reads are round trips there (S3); locally, one after the other
         with ThreadPoolExecutor(max_workers=min(_READ_THREADS, len(jobs))) as pool:
             results = list(pool.map(one, jobs))
     else:
@@ -402,9 +402,10 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
 
     Raises the first problem found. Reads manifests only (never tensor payloads). A full commit
     id is looked up as a ref (a ref name wins, SPEC.md §14) and read as a commit at once, the
-    reading kept only if no such ref exists: one round trip on S3 where there were three.
+    reading kept only if no such ref exists: one round trip on S3 where there were three
+    (where reads are round trips: ``Store.lists_sizes``).
     """
-    if _FULL_ID.fullmatch(target) is not None:
+    if _FULL_ID.fullmatch(target) is not None and store.lists_sizes():  # reads are round trips (S3)
         with ThreadPoolExecutor(max_workers=2) as pool:
             as_ref = pool.submit(store.ref, target)
             as_id = pool.submit(_read_together, store, [target], [], commit=True)
