@@ -185,3 +185,21 @@ def test_a_ref_named_like_a_commit_id_still_wins(tmp_path: Any) -> None:
     assert ss.load_commit(store, b).id == b
     with pytest.raises(ss.TargetNotFound):
         ss.load_commit(store, "f" * 64)
+
+
+def test_object_reads_skip_the_servers_checksum_and_the_rest_ask_for_it(s3_server: S3Server) -> None:  # noqa: F811
+    """An object is hashed against its id by its reader, every byte, so its GETs do not ask
+    botocore to check the server's CRC as well (response_checksum_validation is when_required);
+    a ref, which has no id to be checked against, asks for it (ChecksumMode=ENABLED)."""
+    store = ss.open_store(s3_server.url(), **s3_server.options)
+    cid = _commit(store, 2)
+    counted = Counted(store.storage)  # type: ignore[arg-type]
+    ss.load_commit(store, "main")
+    gets = [kw for method, kw in counted.sent if method == "get_object"]
+    refs = [kw for kw in gets if "/refs/" in kw["Key"]]
+    objects = [kw for kw in gets if "/objects/" in kw["Key"]]
+    assert refs and objects and cid in objects[0]["Key"]
+    assert all(kw.get("ChecksumMode") == "ENABLED" for kw in refs)
+    assert not any("ChecksumMode" in kw for kw in objects)
+    client = store.storage.transport.run(store.storage.fs.set_session)  # type: ignore[attr-defined]
+    assert client.meta.config.response_checksum_validation == "when_required"
