@@ -203,3 +203,22 @@ def test_object_reads_skip_the_servers_checksum_and_the_rest_ask_for_it(s3_serve
     assert not any("ChecksumMode" in kw for kw in objects)
     client = store.storage.transport.run(store.storage.fs.set_session)  # type: ignore[attr-defined]
     assert client.meta.config.response_checksum_validation == "when_required"
+
+
+def test_restore_from_s3_checks_sizes_with_listings(s3_server: S3Server) -> None:  # noqa: F811
+    """Restore checks every object it will read is there with its size before the first byte
+    lands (SPEC.md §16): on S3 from listing pages, not a HEAD per object; then a read each."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    store = ss.open_store(s3_server.url(), **s3_server.options)
+    cid = ss.save(store, model, opt, step=1, rng=False)
+    objects = len(commit_closure(ss.load_commit(store, cid)).ids())
+    counted = Counted(store.storage)  # type: ignore[arg-type]
+    again = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    ss.restore(store, "main", again, torch.optim.AdamW(again.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert "head_object" not in counted.calls, counted.calls
+    assert counted.calls["list_objects_v2"] == 1, counted.calls
+    assert counted.calls["get_object"] <= objects + 1, counted.calls  # each object once, and the ref
