@@ -138,8 +138,27 @@ def test_save_to_s3_checks_its_closure_with_listings(s3_server: S3Server) -> Non
     assert "head_object" not in calls, calls
     assert calls["put_object"] == objects + 3, calls  # every object, the intent, the ref, the journal
     assert calls["get_object"] == 3, calls  # the ref before the save, the shard manifest and the commit read back
-    assert calls["list_objects_v2"] == 2, calls  # gc markers, the closure's presence
-    assert sum(calls.values()) == objects + 9, calls
+    assert calls["list_objects_v2"] == 3, calls  # the tensors' presence, gc markers, the closure's presence
+    assert sum(calls.values()) == objects + 10, calls
+
+
+def test_a_second_save_to_s3_sends_only_what_changed(s3_server: S3Server) -> None:  # noqa: F811
+    """A save whose tensors are mostly already stored: one listing finds them, each is refreshed
+    (a copy onto itself, for gc's grace period) without its bytes being sent again; only the
+    changed tensor and the new manifests are written."""
+    store = ss.open_store(s3_server.url(), **s3_server.options)
+    g = torch.Generator().manual_seed(7)
+    state = {f"w{i}": torch.randn(256, generator=g) for i in range(10)}
+    first = ss.save(store, state, step=0, rng=False)
+    state["w3"] = state["w3"] + 1
+    counted = Counted(store.storage)  # type: ignore[arg-type]
+    second = ss.save(store, state, step=1, rng=False)
+    assert second != first and store.ref("main") == second
+    calls = counted.calls
+    bodies = [kw["Key"] for method, kw in counted.sent if method == "put_object" and "/objects/" in kw["Key"]]
+    assert len(bodies) == 3, bodies  # w3's new bytes, the shard manifest, the commit manifest
+    assert calls["copy_object"] == 9, calls  # the unchanged tensors, refreshed where they are
+    assert "head_object" not in calls, calls
 
 
 def test_the_probe_runs_once_per_filesystem_and_bucket(s3_server: S3Server) -> None:  # noqa: F811

@@ -18,7 +18,8 @@ hashing otherwise (the results are the same):
 - ``BatchedWrites.begin_write`` / ``end_writes``: batched create-only writes with one
   durability barrier;
 - ``ListedSizes.sizes(keys) -> {key: size}``: which of many keys are present, and their
-  sizes, in fewer requests than a ``size`` each (S3: listings instead of a HEAD per key).
+  sizes, in fewer requests than a ``size`` each (S3: listings instead of a HEAD per key), and
+  ``refresh(key, size)``: ``touch`` of a key found so, without asking its size again.
 
 Backends (each its own module of this package; ``location.open_storage`` picks one by URL):
 - ``LocalStorage`` (``backends.local``): a directory, crash-safe; restores read straight into tensors.
@@ -145,6 +146,11 @@ class ListedSizes(Protocol):
     def sizes(self, keys: list[str]) -> dict[str, int]:
         """The byte sizes of those of ``keys`` that are present; an absent key is left out. As
         current as ``size`` of each key would be."""
+        ...
+
+    def refresh(self, key: str, size: int) -> bool:
+        """``touch`` of a key ``sizes`` just found present with ``size`` bytes, without asking its
+        size again; False if it is gone."""
         ...
 
 

@@ -117,6 +117,7 @@ def _copy_object(
     absent: bool = False,
     batch: WriteBatch | None = None,
     known: bytes | None = None,
+    listed: int | None = None,
 ) -> tuple[bool, int]:
     """Copy one object unless ``dst`` has it whole; verify the bytes received before writing them.
 
@@ -128,8 +129,9 @@ def _copy_object(
     appeared meanwhile is found by the write itself, and refreshed there). ``batch``: written
     into it (``Store.put_with_id``), durable and visible when the caller finishes it. ``known``:
     the object's bytes, already read from ``src`` and hashed to ``oid`` (a manifest the check
-    before the copy decoded), written as they are instead of being read again."""
-    have = None if absent else dst.ensure(oid)
+    before the copy decoded), written as they are instead of being read again. ``listed``: the
+    size a listing of ``dst`` just found it with (refreshed without asking again)."""
+    have = None if absent else dst.ensure(oid, listed=listed)
     if have is not None:
         want = size if size is not None else src.object_size(oid)
         if want is None or have == want:
@@ -288,7 +290,10 @@ def copy_commit(
 
         def one(job: tuple[str, int | None, str]) -> tuple[bool, int]:
             absent = blind or (present is not None and job[0] not in present)
-            done = _copy_object(src, dst, *job, budget=budget, absent=absent, batch=wb, known=decoded.get(job[0]))
+            listed = None if present is None else present.get(job[0])
+            done = _copy_object(
+                src, dst, *job, budget=budget, absent=absent, batch=wb, known=decoded.get(job[0]), listed=listed
+            )
             if progress is not None:
                 progress(done[1])
             return done

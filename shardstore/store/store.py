@@ -116,14 +116,18 @@ class Store:
             batch.pending.append((key, tmp))
         return True
 
-    def ensure(self, oid: str) -> int | None:
+    def ensure(self, oid: str, *, listed: int | None = None) -> int | None:
         """The size of object ``oid`` if present (None if absent), made young again first.
 
         The one way a writer relies on an object it did not write (copy finding it at the
         destination, a save or import deduplicating against it): the refresh makes gc's
         grace period protect it until a manifest names it (SPEC.md §19.1). Backends without
-        ``touch`` (test wrappers) fall back to ``size``."""
+        ``touch`` (test wrappers) fall back to ``size``. ``listed``: the size ``object_sizes``
+        just found it with, on a backend that lists (``ListedSizes``): refreshed without asking
+        its size again (S3: the copy onto itself, no HEAD first)."""
         key = object_key(oid)
+        if listed is not None and isinstance(self.storage, ListedSizes):
+            return listed if self.storage.refresh(key, listed) else None
         touch = getattr(self.storage, "touch", None)
         return touch(key) if touch is not None else self.storage.size(key)
 

@@ -10,8 +10,9 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from ..backends.base import BatchedWrites, Storage, StreamedReads
+from ..backends.base import BatchedWrites, ListedSizes, Storage, StreamedReads
 from ..errors import CorruptObject
 from ..format.lazy import torch
 from ..format.tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes
@@ -72,6 +73,8 @@ def put_tensors(
     own = batch is None
     wb = WriteBatch() if batch is None else batch
     share = max(1, threads)
+    if isinstance(storage, ListedSizes) and not isinstance(storage, BatchedWrites) and len(tensors) > 1:
+        return _put_listed(storage, tensors, share)
 
     def one(t: torch.Tensor) -> str:
         view = tensor_bytes(t)  # no copy for a contiguous CPU tensor
@@ -101,6 +104,40 @@ def put_tensors(
         raise
     if own:
         wb.finish(storage, threads=share)
+    return ids
+
+
+def _put_listed(storage: ListedSizes, tensors: Sequence[torch.Tensor], threads: int) -> list[str]:
+    """``put_tensors`` on a backend that lists (S3): every tensor hashed first, then one
+    presence check for all of them (``ListedSizes.sizes``: listing pages, not a request per
+    object), then the absent ones written (create-only: one that appeared meanwhile is found by
+    the write) and the present ones refreshed (gc's grace period, SPEC.md §19.2) without
+    sending their bytes again. A save whose tensors did not change sends no tensor bytes."""
+    assert isinstance(storage, Storage)
+
+    def hashed(t: torch.Tensor) -> str:
+        view = tensor_bytes(t)  # no copy for a contiguous CPU tensor; any other is copied again to write it
+        return hash_bytes(view, threads=threads if len(view) >= _BIG_TENSOR_BYTES else 1)
+
+    def pool_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        if threads > 1 and len(items) > 1:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                return list(pool.map(fn, items))
+        return [fn(x) for x in items]
+
+    ids = pool_map(hashed, tensors)
+    first = {oid: t for oid, t in reversed(list(zip(ids, tensors)))}  # equal tensors: one write
+    listed = storage.sizes([object_key(oid) for oid in first])
+
+    def put(item: tuple[str, torch.Tensor]) -> None:
+        oid, t = item
+        key = object_key(oid)
+        size = listed.get(key)
+        if size is not None and storage.refresh(key, size):
+            return  # present (an object's name is its bytes' hash), and young again
+        storage.write_once(key, tensor_bytes(t))
+
+    pool_map(put, sorted(first.items()))
     return ids
 
 
