@@ -241,3 +241,24 @@ def test_restore_from_s3_checks_sizes_with_listings(s3_server: S3Server) -> None
     assert "head_object" not in counted.calls, counted.calls
     assert counted.calls["list_objects_v2"] == 1, counted.calls
     assert counted.calls["get_object"] <= objects + 1, counted.calls  # each object once, and the ref
+
+
+def test_a_second_copy_to_s3_refreshes_what_is_there_without_a_head(
+    s3_server: S3Server,  # noqa: F811
+    tmp_path: Any,
+) -> None:
+    """Copying a commit whose objects are mostly at the destination already: the listing finds
+    them with their sizes, each is refreshed (CopyObject) with no HEAD and no bytes sent."""
+    local = ss.open_store(str(tmp_path / "src"))
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(128, generator=g) for i in range(8)}
+    first = ss.save(local, state, step=0, rng=False)
+    state["w0"] = state["w0"] * 2
+    second = ss.save(local, state, step=1, rng=False)
+    dst = ss.open_store(s3_server.url(), **s3_server.options)
+    copy_commit(local, dst, first, ref="main")
+    counted = Counted(dst.storage)  # type: ignore[arg-type]
+    done = copy_commit(local, dst, second, ref="main")
+    assert dst.ref("main") == second and done.objects_skipped == 7 and done.objects_copied == 3
+    assert counted.calls["copy_object"] == 7, counted.calls
+    assert "head_object" not in counted.calls, counted.calls
