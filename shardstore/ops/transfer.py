@@ -13,7 +13,11 @@ ordering, so an interrupted copy never leaves a ref (or a manifest) naming data 
 destination does not hold: data objects, a durability barrier, shard manifests, a
 barrier, the commit manifest, a barrier, and only then, optionally, a ref moved by
 compare-and-swap. Objects move concurrently on a bounded thread pool (the S3 backend
-bounds its own requests further).
+bounds its own requests further). Each request to S3 is a round trip, so a copy asks S3 for
+the presence of a whole batch in one set of listings (an object it lacks costs its write
+alone), writes the manifests it already read and hashed without reading them again, and reads
+the commit back together with the ref it then moves; into a local store, a batch's objects are
+written without an fsync each and made durable together at the batch's barrier.
 """
 
 from __future__ import annotations
@@ -275,15 +279,14 @@ def copy_commit(
 
     budget = _ByteBudget(_IN_FLIGHT_BYTES)
     decoded = _manifest_bytes(lc)
-
-    listed = dst.lists_sizes()
+    lists = dst.lists_sizes()
 
     def batch(jobs: list[tuple[str, int | None, str]], *, manifests: bool = False) -> None:
         # Where the destination answers for many objects at once (S3: listings), ask once for the
         # whole batch, so that an object it lacks costs its write alone, not a HEAD first; a lone
         # manifest (new in nearly every copy, a few KiB) is written without looking at all.
-        present = dst.object_sizes(oid for oid, _, _ in jobs) if listed and len(jobs) > 1 else None
-        blind = listed and manifests and len(jobs) == 1
+        present = dst.object_sizes(oid for oid, _, _ in jobs) if lists and len(jobs) > 1 else None
+        blind = lists and manifests and len(jobs) == 1
 
         # Locally the objects are written without waiting for the disk each, then made durable together.
         wb = dst.write_batch()
