@@ -19,6 +19,7 @@ import torch
 import shardstore as ss
 from shardstore.backends.s3 import requests as s3_requests
 from shardstore.backends.s3.storage import S3Storage
+from shardstore.backends.s3.transport import S3Error
 from shardstore.ops.transfer import commit_closure, copy_commit
 
 try:
@@ -181,6 +182,29 @@ def test_the_probe_runs_once_per_filesystem_and_bucket(s3_server: S3Server) -> N
     counted = Counted(other)
     ss.Store(other)
     assert counted.calls["put_object"] == 4, counted.calls
+
+
+def test_a_refused_probe_is_not_shared_with_the_next_store(s3_server: S3Server) -> None:  # noqa: F811
+    """Only a probe that found the conditions honoured stands for the bucket: a refusal may be
+    the credential's for that one prefix (a prefix-scoped policy) or a transient answer, not the
+    server's, so the next store through the same filesystem probes for itself and moves refs."""
+    mine = {**s3_server.options, "default_block_size": (5 << 20) + uuid.uuid4().int % 4096}  # a filesystem of its own
+    first = S3Storage(s3_server.url(), **mine)
+    real = first.transport.call
+
+    async def denied(method: str, key: str, **kw: Any) -> Any:
+        if key.startswith("tmp/probe-"):
+            raise S3Error(403, "AccessDenied", "not under this prefix", False)
+        return await real(method, key, **kw)
+
+    first.transport.call = denied  # type: ignore[method-assign]
+    with pytest.raises(ss.StorageError, match="AccessDenied"):
+        _commit(ss.Store(first), 2)  # its objects stored, its ref refused
+    second = S3Storage(s3_server.url(), **mine)
+    assert second.fs is first.fs  # the same filesystem and bucket, another prefix
+    store = ss.Store(second)
+    cid = _commit(store, 2)
+    assert store.ref("main") == cid and second.conditional is True
 
 
 def test_copy_from_s3_costs_a_read_per_object(s3_server: S3Server, tmp_path: Any) -> None:  # noqa: F811

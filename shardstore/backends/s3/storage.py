@@ -14,9 +14,10 @@ guarantees the store rests on are request conditions s3fs does not expose:
 
 Before the first write, a probe writes a scratch key under ``tmp/`` twice with ``If-None-Match: *`` and
 once with a stale ``If-Match``, and deletes it once with a stale ``If-Match``, and expects
-412 the second, third and fourth time (a ref or pin is deleted with ``If-Match``); its answer
-holds for every store opened in the same bucket through the same s3fs filesystem (the same
-server, the same credentials), which do not probe again. Opening a store and reading it
+412 the second, third and fourth time (a ref or pin is deleted with ``If-Match``); a probe that
+finds them honoured answers for every store opened in the same bucket through the same s3fs
+filesystem (the same server, the same credentials), which do not probe again (a refusal is
+not shared: it may be a prefix-scoped policy's or a transient error's). Opening a store and reading it
 writes nothing, so a read-only credential can verify. A server that
 ignores the conditions (older MinIO, some gateways) still stores objects (head, then put:
 content addressing makes a lost race harmless) but every ref update is refused with a
@@ -65,9 +66,10 @@ DEFAULT_ATTEMPTS = 5
 #: Ranges at least this large are consumed (hashed) in a worker thread, off the event loop.
 _OFFLOAD_BYTES = 1 << 20
 _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
-#: What the probe found (honoured, reason if not), by s3fs filesystem (``id``: one client, one endpoint,
-#: one set of credentials) and bucket: the server's answer does not depend on the prefix, so the
-#: stores opened under one bucket through one filesystem probe once between them.
+#: Probes that found the conditions honoured, by s3fs filesystem (``id``: one client, one endpoint,
+#: one set of credentials) and bucket: the server's support does not depend on the prefix, so the
+#: stores opened under one bucket through one filesystem probe once between them. A refusal is
+#: kept by its own store only (it may be a prefix-scoped policy's or a transient error's).
 _PROBED: dict[tuple[int, str], tuple[bool, str]] = {}
 #: CopyObject's limit; larger objects cannot be refreshed by copying them onto themselves.
 _MAX_COPY_BYTES = 5 * 1024**3
@@ -150,13 +152,15 @@ class S3Storage:
 
     async def _conditions(self) -> bool:
         """``conditional``, probed when a write first needs it (reads never probe: read-only credentials
-        work), once per s3fs filesystem and bucket (``_PROBED``)."""
+        work), once per s3fs filesystem and bucket where honoured (``_PROBED``)."""
         if self._conditional is None:
             where = (id(self.fs), self.bucket)
             found = _PROBED.get(where)
             if found is None:
                 found = await probe_conditions(self.transport)
-                if _PROBED.setdefault(where, found) is found:
+                # only "honoured" is the server's answer; a refusal may be this prefix's (a policy
+                # scoped to it) or a passing error's, and is not shared: the next store probes again
+                if found[0] and _PROBED.setdefault(where, found) is found:
                     weakref.finalize(self.fs, _PROBED.pop, where, None)  # an id is only unique while its object lives
             if self._conditional is None:  # two writers may probe at once: the first answer stands
                 self._conditional, self.conditional_reason = found
