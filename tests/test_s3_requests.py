@@ -21,11 +21,12 @@ from shardstore.backends.s3 import requests as s3_requests
 from shardstore.backends.s3.storage import S3Storage
 from shardstore.backends.s3.transport import S3Error
 from shardstore.ops.transfer import commit_closure, copy_commit
+from shardstore.store import object_key
 
 try:
-    from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)
+    from tests.s3_server import BUCKET, S3Server, make_client, s3_server  # noqa: F401  (fixture)
 except ImportError:  # pragma: no cover
-    from s3_server import S3Server, s3_server  # type: ignore[no-redef]  # noqa: F401
+    from s3_server import BUCKET, S3Server, make_client, s3_server  # type: ignore[no-redef]  # noqa: F401
 
 
 class Counted:
@@ -286,3 +287,61 @@ def test_a_second_copy_to_s3_refreshes_what_is_there_without_a_head(
     assert dst.ref("main") == second and done.objects_skipped == 7 and done.objects_copied == 3
     assert counted.calls["copy_object"] == 7, counted.calls
     assert "head_object" not in counted.calls, counted.calls
+
+
+def _truncate(server: S3Server, store: ss.Store, oid: str) -> None:
+    """Overwrite object ``oid`` with its bytes less the last 4 (a torn object, written around the store)."""
+    key = store.storage.transport.key(object_key(oid))  # type: ignore[attr-defined]
+    client = make_client(server)
+    data = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    client.put_object(Bucket=BUCKET, Key=key, Body=data[:-4])
+
+
+def test_a_listed_object_of_the_wrong_size_is_replaced_by_copy(
+    s3_server: S3Server,  # noqa: F811
+    tmp_path: Any,
+) -> None:
+    """A copy's listing finds an object at the destination with its size: one of the wrong size
+    (torn) is not refreshed and trusted but replaced by the verified source bytes (SPEC.md §19.1)."""
+    local = ss.open_store(str(tmp_path / "src"))
+    cid = _commit(local, 4)
+    dst = ss.open_store(s3_server.url(), **s3_server.options)
+    copy_commit(local, dst, cid, ref="main")
+    victim = sorted(commit_closure(ss.load_commit(local, cid)).data)[0]
+    _truncate(s3_server, dst, victim)
+    assert not ss.verify(dst, [cid]).ok
+    done = copy_commit(local, dst, cid, ref="main")
+    assert done.objects_copied == 1, done
+    assert dst.object_size(victim) == local.object_size(victim)
+    assert ss.verify(dst, [cid]).ok
+
+
+def test_restore_from_s3_refuses_a_listed_object_of_the_wrong_size(s3_server: S3Server) -> None:  # noqa: F811
+    """Restore's sizes come from a listing on S3: a torn object is still refused before any byte
+    lands in the destination (SPEC.md §16), and the destination keeps its values."""
+    store = ss.open_store(s3_server.url(), **s3_server.options)
+    g = torch.Generator().manual_seed(5)
+    state = {f"w{i}": torch.randn(64, generator=g) for i in range(3)}
+    cid = ss.save(store, state, step=0, rng=False)
+    lc = ss.load_commit(store, cid)
+    victim = next(e.param for e in lc.shards[0].entries if e.name == "w2")
+    _truncate(s3_server, store, victim)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(ss.TensorMismatch):
+        ss.restore(store, "main", into)
+    assert all(torch.count_nonzero(t) == 0 for t in into.values())
+
+
+def test_a_second_copy_of_the_same_commit_to_s3_reports_everything_skipped(
+    s3_server: S3Server,  # noqa: F811
+    tmp_path: Any,
+) -> None:
+    """The manifests a copy writes without looking first (a lone manifest, a create-only write)
+    were already there: they are counted as skipped, not as copied (the write found them)."""
+    local = ss.open_store(str(tmp_path / "src"))
+    cid = _commit(local, 3)
+    dst = ss.open_store(s3_server.url(), **s3_server.options)
+    first = copy_commit(local, dst, cid, ref="main")
+    again = copy_commit(local, dst, cid, ref="main")
+    assert again.objects_copied == 0 and again.bytes_copied == 0, again
+    assert again.objects_skipped == first.objects_copied, (first, again)

@@ -170,11 +170,12 @@ def _fetch_and_put(
         raise TensorMismatch(f"{what} object {oid} in {src.url} holds {len(data)} bytes, its entry needs {size}")
     if have is not None:  # present with the wrong size: it cannot hash to its id; replace it
         dst.storage.delete(object_key(oid))
-    if not dst.put_with_id(oid, data, batch=batch) and dst.object_size(oid) != len(data):
+    wrote = dst.put_with_id(oid, data, batch=batch)
+    if not wrote and dst.object_size(oid) != len(data):
         raise CorruptObject(
             f"{what} object {oid} in {dst.url} has the wrong size and could not be replaced (SPEC.md §19.1)"
         )
-    return True, len(data)
+    return wrote, len(data)  # not written: the create-only write found it there whole (counted as skipped)
 
 
 def _manifest_bytes(lc: LoadedCommit) -> dict[str, bytes]:
