@@ -345,3 +345,17 @@ def test_a_second_copy_of_the_same_commit_to_s3_reports_everything_skipped(
     again = copy_commit(local, dst, cid, ref="main")
     assert again.objects_copied == 0 and again.bytes_copied == 0, again
     assert again.objects_skipped == first.objects_copied, (first, again)
+
+
+def test_a_save_to_s3_replaces_a_listed_tensor_object_of_the_wrong_size(s3_server: S3Server) -> None:  # noqa: F811
+    """A save's listing finds its unchanged tensors with their sizes: one of the wrong size (torn)
+    is not refreshed and named by the new commit but replaced by the bytes just hashed."""
+    store = ss.open_store(s3_server.url(), **s3_server.options)
+    g = torch.Generator().manual_seed(9)
+    state = {f"w{i}": torch.randn(64, generator=g) for i in range(3)}
+    ss.save(store, state, step=0, rng=False)
+    victim = next(e.param for e in ss.load_commit(store, "main").shards[0].entries if e.name == "w1")
+    _truncate(s3_server, store, victim)
+    second = ss.save(store, state, step=1, rng=False)
+    assert store.object_size(victim) == 64 * 4
+    assert ss.verify(store, [second]).ok

@@ -112,7 +112,8 @@ def _put_listed(storage: ListedSizes, tensors: Sequence[torch.Tensor], threads: 
     presence check for all of them (``ListedSizes.sizes``: listing pages, not a request per
     object), then the absent ones written (create-only: one that appeared meanwhile is found by
     the write) and the present ones refreshed (gc's grace period, SPEC.md §19.2) without
-    sending their bytes again. A save whose tensors did not change sends no tensor bytes."""
+    sending their bytes again; one listed with the wrong size (a torn object) is replaced. A
+    save whose tensors did not change sends no tensor bytes."""
     assert isinstance(storage, Storage)
 
     def hashed(t: torch.Tensor) -> str:
@@ -132,9 +133,11 @@ def _put_listed(storage: ListedSizes, tensors: Sequence[torch.Tensor], threads: 
     def put(item: tuple[str, torch.Tensor]) -> None:
         oid, t = item
         key = object_key(oid)
-        size = listed.get(key)
-        if size is not None and storage.refresh(key, size):
+        size, want = listed.get(key), t.numel() * t.element_size()
+        if size == want and storage.refresh(key, size):
             return  # present (an object's name is its bytes' hash), and young again
+        if size is not None and size != want:  # torn: it cannot hash to its id; replaced, as copy does (SPEC.md §19.1)
+            storage.delete(key)
         storage.write_once(key, tensor_bytes(t))
 
     pool_map(put, sorted(first.items()))
