@@ -332,7 +332,7 @@ def read_commit(
     known: dict[str, ShardManifest] = dict(shards_read or {})
     early = [] if commit_read is not None else sorted(set(prefetch) - set(known))
     if early:
-        read = _read_together(store, [cid], early, commit=True)
+        read = _read_together(store, [cid], early)
         got: CommitManifest | ShardstoreError = read.pop(cid)  # type: ignore[assignment]
     else:
         read = {}
@@ -347,7 +347,7 @@ def read_commit(
     if report(repeated_shards(commit, cid)):
         return None
     later = sorted({lay.shard for lay in commit.layout} - set(known) - set(read))
-    read.update(_read_together(store, [], later, commit=False))
+    read.update(_read_together(store, [], later))
     shards: dict[int, ShardManifest] = {}
     ids: dict[int, str] = {}
     for lay in commit.layout:
@@ -376,7 +376,7 @@ _READ_THREADS = 8
 
 
 def _read_together(
-    store: Store, commits: list[str], shards: list[str], *, commit: bool
+    store: Store, commits: list[str], shards: list[str]
 ) -> dict[str, CommitManifest | ShardManifest | ShardstoreError]:
     """Each of ``commits`` (commit manifests) and ``shards`` (shard manifests) read, or the typed
     error reading it raised; several at once when there are several."""
@@ -408,7 +408,7 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
     if _FULL_ID.fullmatch(target) is not None and store.lists_sizes():  # reads are round trips (S3)
         with ThreadPoolExecutor(max_workers=2) as pool:
             as_ref = pool.submit(store.ref, target)
-            as_id = pool.submit(_read_together, store, [target], [], commit=True)
+            as_id = pool.submit(_read_together, store, [target], [])
             value = as_ref.result()  # a ref that does not parse raises, as resolve does
             guess = as_id.result()[target]
         if value is None and isinstance(guess, CommitManifest):

@@ -120,8 +120,8 @@ async def listed_sizes(transport: S3Transport, keys: list[str]) -> dict[str, int
 
     The sorted keys are split into lanes (at most ``transport.concurrency``, each of at least
     ``LANE_KEYS`` keys) walked at once. A lane asks for the page that starts at its first
-    unresolved key (``StartAfter`` that key less its last character: no other key lies in
-    between); every key of the lane up to the page's last key is then resolved, present or
+    unresolved key (``StartAfter`` that key less its last character, so that the key itself is
+    listed; a page that ends before it, on keys that sort between the two, is paged on); every key of the lane up to the page's last key is then resolved, present or
     not, and the next request starts at the first key after it. So each request resolves at
     least one key: never more requests than keys (a HEAD each), and one per lane where the
     keys are dense in the store (a fresh prefix, a commit's objects just written). A listing
