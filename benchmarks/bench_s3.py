@@ -1,34 +1,54 @@
 """Upload and download throughput of a commit through the S3 backend, against plain s3fs.
 
 Not a test. Starts a moto S3 server on 127.0.0.1 (the same server the tests use), saves
-one commit of float32 tensors (a mix of small, medium and multipart-sized objects) to a
-local store, then measures, on the same bytes and in the same run:
+one commit of float32 tensors (a mix of 1, 4 and 16 MiB tensors; the 16 MiB ones are
+stored as 4 MiB blocks, SPEC.md §5.1) to a local store, then measures, on the same bytes
+and in the same run:
 
-- shardstore upload: ``copy_commit(local, s3)`` (create-only conditional puts, multipart
-  above the part size, every object re-hashed before it is written);
-- plain s3fs put: ``S3FileSystem.put`` of the local store's object files, recursively;
-- shardstore download: ``copy_commit(s3, fresh local)`` (concurrent ranged GETs, hashed in
-  order as the ranges stream in);
-- plain s3fs get: ``S3FileSystem.get`` of the same keys to a fresh directory.
+- shardstore upload: ``open_store(s3://…)`` of a fresh prefix + ``copy_commit(local, s3,
+  ref="main")`` (create-only conditional puts, every object re-hashed before it is
+  written, the commit protocol's barriers, the gc fence and the ref's compare-and-swap);
+- plain s3fs put: ``S3FileSystem.put`` of the local store's object files (the same
+  objects, the same bytes), recursively, to a fresh prefix;
+- shardstore download: ``copy_commit(s3, fresh local store)`` (every object hashed as it
+  arrives, fsynced into the local store);
+- plain s3fs get: ``S3FileSystem.get`` of the same keys to a fresh directory; and, as a
+  reference row, the same followed by an fsync of every file and directory (``--threads``
+  at a time): the durability the store's download gives every object before a manifest
+  names it, which plain get does not.
 
-Each cell is the best of ``--repeat`` runs, each into a fresh prefix or directory.
-Prints one table; the server is stopped at the end. Numbers against moto measure client
-overhead on top of a Python HTTP server, not S3 itself.
+Same concurrency on both sides: ``--threads`` objects at a time (copy's thread pool and
+the S3 backend's requests in flight; s3fs's ``batch_size``, the files it moves at once).
+No object here is large enough for either side's multipart or ranged transfers.
 
-    python benchmarks/bench_s3.py [--mib 96] [--repeat 3]
+Each repetition runs both sides back to back, alternating which goes first, after one
+untimed warm-up of each (connections; the probe of the server's request conditions, which a
+process runs once per bucket). A ratio is shardstore's speed over s3fs's in the
+same repetition; the table gives the median ratio with its range (of wall time, and of
+the whole process's CPU time, which a loaded machine disturbs less), the median speeds,
+and the HTTP requests each side sent per operation (counted on each client's botocore
+``before-send`` event, retries included). Numbers against moto measure client and server
+overhead in one Python process, not S3 itself.
+
+    python benchmarks/bench_s3.py [--mib 96] [--repeat 5] [--threads 16] [--results benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import platform
 import shutil
+import statistics
+import subprocess
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import s3fs
 import torch
@@ -54,19 +74,50 @@ def make_state(total_mib: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def best(repeat: int, fn: Callable[[], None]) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
+class Requests:
+    """HTTP requests a botocore client sends, by operation (its ``before-send`` event: one per attempt)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def attach(self, client: Any) -> None:
+        client.meta.events.register("before-send.s3", self._count)
+
+    def _count(self, request: Any = None, **kwargs: Any) -> None:
+        op = str(kwargs.get("event_name", "")).rsplit(".", 1)[-1]
+        self.counts[op] += 1
+
+    def during(self, fn: Callable[[], None]) -> tuple[float, float, collections.Counter[str]]:
+        """(seconds, CPU seconds of this whole process: both clients' threads and the server's, requests)."""
+        before = collections.Counter(self.counts)
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        took, cpu = time.perf_counter() - t, time.process_time() - c
+        return took, cpu, self.counts - before
+
+
+def _client(fs: Any) -> Any:
+    """The aiobotocore client s3fs made for ``fs`` (made now if it was not yet)."""
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, fs.set_session)
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{one:.2f}/{five:.2f}"
+
+
+def _show(counts: collections.Counter[str]) -> str:
+    return f"{sum(counts.values())} (" + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ")"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=96, help="payload size in MiB (default 96)")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (default 5)")
+    ap.add_argument("--threads", type=int, default=16, help="objects in flight on each side (default 16)")
+    ap.add_argument("--results", help="write the table into this RESULTS.md (its bench_s3 block)")
     args = ap.parse_args()
 
     from moto.server import ThreadedMotoServer
@@ -75,16 +126,23 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     work = tempfile.mkdtemp(prefix="bench-s3-")
+    load_before = _load()
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    cpus: dict[str, list[float]] = collections.defaultdict(list)
+    requests: dict[str, collections.Counter[str]] = {}
     try:
         host, port = server.get_host_and_port()
-        opts = {
+        opts: dict[str, Any] = {
             "endpoint_url": f"http://{host}:{port}",
             "key": "bench",
             "secret": "bench",
             "client_kwargs": {"region_name": "us-east-1"},
         }
+        ss_opts = {**opts, "concurrency": args.threads}
         fs = s3fs.S3FileSystem(**opts)
         fs.call_s3("create_bucket", Bucket=BUCKET)
+        fs_count, ss_count = Requests(), Requests()
+        fs_count.attach(_client(fs))
 
         local = ss.open_store(os.path.join(work, "src"))
         cid = ss.save(local, make_state(args.mib), step=0, rng=False)
@@ -96,29 +154,65 @@ def main() -> None:
 
         def ss_upload() -> None:
             url = f"s3://{BUCKET}/ss-{uuid.uuid4().hex[:8]}"
-            copy_commit(local, ss.open_store(url, **opts), cid, ref="main")
+            copy_commit(local, ss.open_store(url, **ss_opts), cid, ref="main", threads=args.threads)
             uploaded.append(url)
 
         def fs_put() -> None:
-            fs.put(objects_dir, f"{BUCKET}/fs-{uuid.uuid4().hex[:8]}/objects", recursive=True)
+            prefix = f"{BUCKET}/fs-{uuid.uuid4().hex[:8]}"
+            fs.put(objects_dir, f"{prefix}/objects", recursive=True, batch_size=args.threads)
+            uploaded.append(f"s3://{prefix}")
 
-        up_ss = best(args.repeat, ss_upload)
-        up_fs = best(args.repeat, fs_put)
-        remote = ss.open_store(uploaded[-1], **opts)
-        remote_keys = uploaded[-1][len("s3://") :] + "/objects"
+        first = ss.open_store(f"s3://{BUCKET}/warm-{uuid.uuid4().hex[:8]}", **ss_opts)
+        ss_count.attach(_client(first.storage.fs))  # type: ignore[attr-defined]
+        ss_upload()  # warm-up (untimed): connections on both sides; the probe ran as ``first`` was opened
+        fs_put()
+        remote = ss.open_store(uploaded[0], **ss_opts)  # what the downloads read
+        remote_keys = uploaded[0][len("s3://") :] + "/objects"
+        keep = set(uploaded[:1])
+
+        def drop_uploads() -> None:  # untimed: the server holds each size once or twice, not once per repetition
+            for url in uploaded:
+                if url not in keep:
+                    fs.rm(url[len("s3://") :], recursive=True)
+            uploaded[:] = [u for u in uploaded if u in keep]
 
         def ss_download() -> None:
             dst = os.path.join(work, f"dl-{uuid.uuid4().hex[:8]}")
-            copy_commit(remote, ss.open_store(dst), cid)
+            copy_commit(remote, ss.open_store(dst), cid, threads=args.threads)
             shutil.rmtree(dst)
 
         def fs_get() -> None:
             dst = os.path.join(work, f"get-{uuid.uuid4().hex[:8]}")
-            fs.get(remote_keys, dst, recursive=True)
+            fs.get(remote_keys, dst, recursive=True, batch_size=args.threads)
             shutil.rmtree(dst)
 
-        down_ss = best(args.repeat, ss_download)
-        down_fs = best(args.repeat, fs_get)
+        def fs_get_fsync() -> None:
+            # the durability a store's download owes its readers: every file and directory fsynced
+            dst = os.path.join(work, f"getf-{uuid.uuid4().hex[:8]}")
+            fs.get(remote_keys, dst, recursive=True, batch_size=args.threads)
+            files = [os.path.join(d, f) for d, _, names in os.walk(dst) for f in names]
+            dirs = [d for d, _, _ in os.walk(dst)]
+            with ThreadPoolExecutor(max_workers=args.threads) as pool:
+                list(pool.map(_fsync, files))
+                list(pool.map(_fsync, dirs))
+            shutil.rmtree(dst)
+
+        ss_download()
+        fs_get()
+        cases = (
+            ("upload", ("shardstore", ss_count, ss_upload), ("s3fs", fs_count, fs_put)),
+            ("download", ("shardstore", ss_count, ss_download), ("s3fs", fs_count, fs_get)),
+            ("download", ("shardstore", ss_count, ss_download), ("s3fs + fsync", fs_count, fs_get_fsync)),
+        )
+        for op, *sides in cases:
+            peer = sides[1][0]
+            for i in range(args.repeat):
+                for who, counter, fn in sides if i % 2 == 0 else sides[::-1]:
+                    took, cpu, sent = counter.during(fn)
+                    times[f"{op} {who} vs {peer}"].append(took)
+                    cpus[f"{op} {who} vs {peer}"].append(cpu)
+                    requests[f"{op} {who}"] = sent
+                drop_uploads()
 
         # not timed: the round trip is whole (every object re-hashed from a fresh local copy)
         back = ss.open_store(os.path.join(work, "check"))
@@ -131,19 +225,79 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     mb = nbytes / 1e6
-    print(
-        f"# {n_objects} objects, {nbytes / MiB:.1f} MiB, moto {_version('moto')} on 127.0.0.1, s3fs {s3fs.__version__}, "
-        f"python {platform.python_version()}, {os.cpu_count()} cpus; best of {args.repeat}"
-    )
-    print(f"{'operation':<10} {'shardstore MB/s':>16} {'s3fs MB/s':>10} {'ratio':>6}")
-    for name, a, b in (("upload", up_ss, up_fs), ("download", down_ss, down_fs)):
-        print(f"{name:<10} {mb / a:>16.1f} {mb / b:>10.1f} {b / a:>6.2f}")
+    lines = [
+        f"`python benchmarks/bench_s3.py --mib {args.mib} --repeat {args.repeat} --threads {args.threads}`",
+        "",
+        f"commit {_commit()}; {n_objects} objects, {nbytes / MiB:.1f} MiB; moto {_version('moto')} on 127.0.0.1 "
+        f"(in process), s3fs {s3fs.__version__}, aiobotocore {_version('aiobotocore')}, python "
+        f"{platform.python_version()}, {os.cpu_count()} cpus; load average (1/5 min) {load_before} at the start, "
+        f"{_load()} at the end; {args.repeat} interleaved repetitions, {args.threads} objects in flight on each side.",
+        "",
+        "| operation | shardstore MB/s (median) | s3fs MB/s (median) | speed ratio, median (min–max) "
+        "| CPU ratio, median (min–max) | requests: shardstore | requests: s3fs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for op, peer, label in (
+        ("upload", "s3fs", "upload"),
+        ("download", "s3fs", "download"),
+        ("download", "s3fs + fsync", "download vs s3fs get + fsync of each file"),
+    ):
+        a, b = times[f"{op} shardstore vs {peer}"], times[f"{op} {peer} vs {peer}"]
+        ratios = [y / x for x, y in zip(a, b)]
+        work = [y / x for x, y in zip(cpus[f"{op} shardstore vs {peer}"], cpus[f"{op} {peer} vs {peer}"])]
+        lines.append(
+            f"| {label} | {mb / statistics.median(a):.1f} | {mb / statistics.median(b):.1f} | "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) | "
+            f"{statistics.median(work):.2f} ({min(work):.2f}–{max(work):.2f}) | "
+            f"{_show(requests[f'{op} shardstore'])} | {_show(requests[f'{op} {peer}'])} |"
+        )
+    lines += [
+        "",
+        "Ratios are s3fs's time over shardstore's in the same repetition (above 1: shardstore faster); the "
+        "CPU ratio is the same for the CPU time of the whole process (both clients and the in-process server), "
+        "which a loaded machine disturbs less than wall time. The last row is a reference, not the target: a "
+        "download into a store makes every object durable (fsync) before a manifest names it, plain s3fs get "
+        "does not (and this benchmark deletes its files before the kernel writes them back).",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.results:
+        from _results import write_block
+
+        write_block(
+            args.results,
+            "<!-- bench_s3:begin -->",
+            "<!-- bench_s3:end -->",
+            "## S3 throughput (moto server on 127.0.0.1)",
+            text,
+        )
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _version(dist: str) -> str:
     from importlib.metadata import version
 
     return version(dist)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 if __name__ == "__main__":

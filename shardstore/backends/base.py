@@ -16,7 +16,10 @@ hashing otherwise (the results are the same):
   and hash in one pass, refusing (ObjectTooLarge) an object over ``limit`` bytes before
   allocating it;
 - ``BatchedWrites.begin_write`` / ``end_writes``: batched create-only writes with one
-  durability barrier.
+  durability barrier;
+- ``ListedSizes.sizes(keys) -> {key: size}``: which of many keys are present, and their
+  sizes, in fewer requests than a ``size`` each (S3: listings instead of a HEAD per key), and
+  ``refresh(key, size)``: ``touch`` of a key found so, without asking its size again.
 
 Backends (each its own module of this package; ``location.open_storage`` picks one by URL):
 - ``LocalStorage`` (``backends.local``): a directory, crash-safe; restores read straight into tensors.
@@ -31,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["BatchedWrites", "Buffer", "HashedReads", "Storage", "StreamedReads", "show_ref_value"]
+__all__ = ["BatchedWrites", "Buffer", "HashedReads", "ListedSizes", "Storage", "StreamedReads", "show_ref_value"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -131,6 +134,23 @@ class BatchedWrites(Protocol):
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
         """Make the (key, temporary path) files durable, then link each into place, and make
         the links durable too (``threads`` waits at a time); per key, True if this batch created it."""
+        ...
+
+
+@runtime_checkable
+class ListedSizes(Protocol):
+    """A backend's optional fast path for presence checks of many objects at once (the gc
+    fence's check of a commit's closure, copy's look at the destination): on S3 a HEAD per
+    object is a round trip each, a listing page answers for up to a thousand keys."""
+
+    def sizes(self, keys: list[str]) -> dict[str, int]:
+        """The byte sizes of those of ``keys`` that are present; an absent key is left out. As
+        current as ``size`` of each key would be."""
+        ...
+
+    def refresh(self, key: str, size: int) -> bool:
+        """``touch`` of a key ``sizes`` just found present with ``size`` bytes, without asking its
+        size again; False if it is gone."""
         ...
 
 

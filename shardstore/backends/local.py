@@ -41,6 +41,8 @@ from .ref_locks import break_lock, take_lock
 
 __all__ = ["LocalStorage"]
 _CHUNK = 8 << 20
+#: Directories fsynced at once by ``sync`` (a batch's object directories share journal commits).
+_SYNC_THREADS = 8
 _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
@@ -442,9 +444,13 @@ class LocalStorage:
                 yield f"{rel}/{name}"
 
     def sync(self) -> None:
+        """fsync every directory a write linked into since the last ``sync``: the object
+        directories of a batch together, ``_SYNC_THREADS`` at a time (their fsyncs share the file
+        system's journal commits), deepest first. Their order does not matter to the protocol:
+        nothing names what they hold until ``sync`` has returned."""
         with self._lock:
             dirty, self._dirty = sorted(self._dirty, key=len, reverse=True), set()
-        self._sync_dirs(dirty, 1)
+        self._sync_dirs(dirty, _SYNC_THREADS)
 
     def _sync_dirs(self, dirs: list[str], threads: int) -> None:
         """fsync each directory of ``dirs`` that still exists, ``threads`` at a time; on a failure

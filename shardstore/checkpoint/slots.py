@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
+from ..format.closure import commit_closure
 from ..format.grid import on_bands, payload_blocks, put_payloads
 from ..format.manifest import (
     CommitManifest,
@@ -51,7 +52,7 @@ from ..state.optim import ParamOpt, group_spec
 from ..state.slot import SlotState, capture, slot_tensors
 from ..state.torch_optim import param_state, state_objects, torch_spec, torch_union
 from ..store import Store
-from ..verification.commits import load_commit, shard_problems
+from ..verification.commits import LoadedCommit, read_commit, shard_problems
 from .info import CommitInfo, check_info, check_parent
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "write_shard_entries",
     "shard_entries_manifest",
     "write_commit",
+    "write_loaded_commit",
     "save_slots",
     "save",
     "SaveCall",
@@ -269,6 +271,14 @@ def write_commit(
     store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()
 ) -> str:
     """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]) and ``extras`` (written, durable); return its id."""
+    return write_loaded_commit(store, shard_ids, info=info, parent=parent, extras=extras).id
+
+
+def write_loaded_commit(
+    store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()
+) -> LoadedCommit:
+    """``write_commit``, returning the commit as read back and checked (its closure is known
+    without reading its manifests again: the ref move's gc fence checks it as it stands)."""
     check_parent(store, parent)
     shards = [store.shard(s) for s in shard_ids]
     groups: dict[str, Any] = {}
@@ -318,8 +328,11 @@ def write_commit(
     )
     cid = store.put_manifest(commit)
     store.sync()
-    load_commit(store, cid)  # every rule holds before anyone is told the id
-    return cid
+    # every rule holds before anyone is told the id: the commit read back, with the shard
+    # manifests read back above (by id: a full id is never taken for a ref name)
+    lc = read_commit(store, cid, None, shards_read=dict(zip(shard_ids, shards)))
+    assert lc is not None  # with found=None every problem raises
+    return lc
 
 
 def save_slots(
@@ -348,9 +361,10 @@ def save_slots(
     shard_ids = [
         write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)
     ]
-    cid = write_commit(store, shard_ids, info=info, parent=parent, extras=extras)
-    if ref is not None:
-        store.set_ref(ref, cid, expected=current)
+    lc = write_loaded_commit(store, shard_ids, info=info, parent=parent, extras=extras)
+    cid = lc.id
+    if ref is not None:  # the fence checks the closure just written and read back (no manifest read again)
+        store.set_ref(ref, cid, expected=current, needs=commit_closure(lc).ids())
     store.write_journal(
         cid, {"time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()}
     )

@@ -329,8 +329,8 @@ def check_reads(store: BlockStore, reads: Sequence[BlockRead], *, threads: int =
     """Before the first of ``reads`` runs: every block they read is in the store with the byte
     size its box implies, so that a missing or wrong-sized object is refused before any byte
     lands in a destination (SPEC.md §16), not after the blocks read before it. One size query
-    per object, ``threads`` at a time; ObjectNotFound or TensorMismatch naming the tensor, the
-    block and the object."""
+    per object, ``threads`` at a time (on S3 listing pages for all of them); ObjectNotFound or
+    TensorMismatch naming the tensor, the block and the object."""
     checks = [(r.oid, r.box, r.n, r.what, r.dtype) for r in reads]
     _check_sizes(store, checks, threads, "refused before any byte was written into a destination (SPEC.md §16)")
 
@@ -338,17 +338,22 @@ def check_reads(store: BlockStore, reads: Sequence[BlockRead], *, threads: int =
 def _check_sizes(
     store: BlockStore, checks: Sequence[tuple[str, Box, int, str, str]], threads: int, refused: str
 ) -> None:
-    """(object, box, bytes it needs, label, dtype) each: one size query per distinct object."""
+    """(object, box, bytes it needs, label, dtype) each: one size query per distinct object, or
+    one set of listings for all of them where the store has them (``Store.object_sizes`` on S3)."""
     if not checks:
         return
     oids = list(dict.fromkeys(c[0] for c in checks))
-    if len(oids) == 1 or threads <= 1:
+    sizes: dict[str, int | None]
+    listed = getattr(store, "lists_sizes", None)  # a store answering for many objects at once (S3)
+    if len(oids) > 1 and listed is not None and listed():
+        sizes = dict(store.object_sizes(oids))  # type: ignore[attr-defined]
+    elif len(oids) == 1 or threads <= 1:
         sizes = {oid: store.object_size(oid) for oid in oids}
     else:
         with ThreadPoolExecutor(max_workers=min(threads, len(oids))) as pool:
             sizes = dict(zip(oids, pool.map(store.object_size, oids)))
     for oid, box, n, label, dtype in checks:
-        have = sizes[oid]
+        have = sizes.get(oid)
         if have is None:
             raise ObjectNotFound(f"{label}: object {oid} is not in the store; {refused}")
         if have != n:

@@ -13,7 +13,11 @@ ordering, so an interrupted copy never leaves a ref (or a manifest) naming data 
 destination does not hold: data objects, a durability barrier, shard manifests, a
 barrier, the commit manifest, a barrier, and only then, optionally, a ref moved by
 compare-and-swap. Objects move concurrently on a bounded thread pool (the S3 backend
-bounds its own requests further).
+bounds its own requests further). Each request to S3 is a round trip, so a copy asks S3 for
+the presence of a whole batch in one set of listings (an object it lacks costs its write
+alone), writes the manifests it already read and hashed without reading them again, and reads
+the commit back together with the ref it then moves; into a local store, a batch's objects are
+written without an fsync each and made durable together at the batch's barrier.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ from typing import TypeVar
 
 from ..errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
 from ..format.closure import Closure, commit_closure
+from ..format.manifest import encode
 from ..format.names import check_ref_name
+from ..format.tensors import hash_bytes
 from ..store import Store, object_key
-from ..verification.commits import LoadedCommit, load_commit
+from ..store.tensors import WriteBatch
+from ..verification.commits import LoadedCommit, load_commit, read_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit", "pool_map"]
 
@@ -76,6 +83,9 @@ def pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]:
         pool.shutdown(wait=True, cancel_futures=True)  # on the first failure, start nothing new
 
 
+#: Files a copy's batch fsyncs at once at its durability barrier.
+_FSYNC_THREADS = 8
+
 #: Bytes of objects held in memory at once by a copy's threads (beyond one object larger than this).
 _IN_FLIGHT_BYTES = 1 << 30
 
@@ -102,15 +112,30 @@ class _ByteBudget:
 
 
 def _copy_object(
-    src: Store, dst: Store, oid: str, size: int | None, what: str, budget: _ByteBudget | None = None
+    src: Store,
+    dst: Store,
+    oid: str,
+    size: int | None,
+    what: str,
+    budget: _ByteBudget | None = None,
+    absent: bool = False,
+    batch: WriteBatch | None = None,
+    known: bytes | None = None,
+    listed: int | None = None,
 ) -> tuple[bool, int]:
     """Copy one object unless ``dst`` has it whole; verify the bytes received before writing them.
 
     An object already at ``dst`` is refreshed (``Store.ensure``: gc then treats it as just
     written) and its size checked against its entry (or, where the format fixes none, against
     the source's): a torn or truncated object there is replaced by the verified source bytes
-    instead of being trusted (SPEC.md §19.1)."""
-    have = dst.ensure(oid)
+    instead of being trusted (SPEC.md §19.1). ``absent``: a listing of ``dst`` just found no
+    such object, so it is written without looking first (a create-only write: one that
+    appeared meanwhile is found by the write itself, and refreshed there). ``batch``: written
+    into it (``Store.put_with_id``), durable and visible when the caller finishes it. ``known``:
+    the object's bytes, already read from ``src`` and hashed to ``oid`` (a manifest the check
+    before the copy decoded), written as they are instead of being read again. ``listed``: the
+    size a listing of ``dst`` just found it with (refreshed without asking again)."""
+    have = None if absent else dst.ensure(oid, listed=listed)
     if have is not None:
         want = size if size is not None else src.object_size(oid)
         if want is None or have == want:
@@ -119,14 +144,23 @@ def _copy_object(
     if budget is not None:
         budget.acquire(need)
     try:
-        return _fetch_and_put(src, dst, oid, size, what, have)
+        return _fetch_and_put(src, dst, oid, size, what, have, batch, known)
     finally:
         if budget is not None:
             budget.release(need)
 
 
-def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str, have: int | None) -> tuple[bool, int]:
-    data, got = src.read_hashed(oid)  # hashed as it arrives where the backend streams
+def _fetch_and_put(
+    src: Store,
+    dst: Store,
+    oid: str,
+    size: int | None,
+    what: str,
+    have: int | None,
+    batch: WriteBatch | None = None,
+    known: bytes | None = None,
+) -> tuple[bool, int]:
+    data, got = (known, oid) if known is not None else src.read_hashed(oid)  # hashed as it arrives when streamed
     if got != oid:
         raise CorruptObject(
             f"{what} object {oid} read from {src.url} is corrupt: its {len(data)} bytes hash to {got}; "
@@ -136,20 +170,32 @@ def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str
         raise TensorMismatch(f"{what} object {oid} in {src.url} holds {len(data)} bytes, its entry needs {size}")
     if have is not None:  # present with the wrong size: it cannot hash to its id; replace it
         dst.storage.delete(object_key(oid))
-    if not dst.put_with_id(oid, data) and dst.object_size(oid) != len(data):
+    wrote = dst.put_with_id(oid, data, batch=batch)
+    if not wrote and dst.object_size(oid) != len(data):
         raise CorruptObject(
             f"{what} object {oid} in {dst.url} has the wrong size and could not be replaced (SPEC.md §19.1)"
         )
-    return True, len(data)
+    return wrote, len(data)  # not written: the create-only write found it there whole (counted as skipped)
 
 
-def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], attempts: int = 40) -> None:
-    """Move ``ref`` to ``cid`` by compare-and-swap against the value read just before.
+def _manifest_bytes(lc: LoadedCommit) -> dict[str, bytes]:
+    """The commit's manifests as the check before the copy read them, by id: their canonical
+    encoding, kept only where it hashes to the id (the very bytes that were read and hashed;
+    a manifest whose encoding this version would write differently is read again instead)."""
+    out: dict[str, bytes] = {}
+    for oid, manifest in [(lc.id, lc.commit), *((lc.shard_ids[s], lc.shards[s]) for s in lc.shards)]:
+        raw = encode(manifest)
+        if hash_bytes(raw) == oid:
+            out[oid] = raw
+    return out
+
+
+def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], current: str | None, attempts: int = 40) -> None:
+    """Move ``ref`` to ``cid`` by compare-and-swap against ``current``, its value read just before.
 
     Losing to an identical copy (the ref now holds ``cid``) is success; losing to another
     writer's lock while the value is unchanged is retried; a ref moved elsewhere meanwhile
     is a RefConflict, as for any compare-and-swap."""
-    current = dst.ref(ref)
     for attempt in range(attempts):
         if current == cid:
             return
@@ -233,15 +279,36 @@ def copy_commit(
         result.dependencies.append(dep)
 
     budget = _ByteBudget(_IN_FLIGHT_BYTES)
+    decoded = _manifest_bytes(lc)
+    lists = dst.lists_sizes()
 
-    def batch(jobs: list[tuple[str, int | None, str]]) -> None:
+    def batch(jobs: list[tuple[str, int | None, str]], *, manifests: bool = False) -> None:
+        # Where the destination answers for many objects at once (S3: listings), ask once for the
+        # whole batch, so that an object it lacks costs its write alone, not a HEAD first; a lone
+        # manifest (new in nearly every copy, a few KiB) is written without looking at all.
+        present = dst.object_sizes(oid for oid, _, _ in jobs) if lists and len(jobs) > 1 else None
+        blind = lists and manifests and len(jobs) == 1
+
+        # Locally the objects are written without waiting for the disk each, then made durable together.
+        wb = dst.write_batch()
+
         def one(job: tuple[str, int | None, str]) -> tuple[bool, int]:
-            done = _copy_object(src, dst, *job, budget=budget)
+            absent = blind or (present is not None and job[0] not in present)
+            listed = None if present is None else present.get(job[0])
+            done = _copy_object(
+                src, dst, *job, budget=budget, absent=absent, batch=wb, known=decoded.get(job[0]), listed=listed
+            )
             if progress is not None:
                 progress(done[1])
             return done
 
-        for copied, n in pool_map(one, jobs, threads):
+        try:
+            done = pool_map(one, jobs, threads)
+            wb.finish(dst.storage, threads=min(threads, _FSYNC_THREADS))
+        except BaseException:
+            wb.abandon()
+            raise
+        for copied, n in done:
             result._add(copied, n)
         dst.sync()  # everything in this batch is durable before the next batch names it
 
@@ -250,11 +317,16 @@ def copy_commit(
         [(oid, size, closure.labels.get(oid, "data")) for oid, size in sorted(closure.data.items())]
         + [(oid, None, "pinned") for oid in extra]
     )
-    batch([(sid, None, "shard manifest") for sid in closure.shards])
-    batch([(closure.commit, None, "commit manifest")])
-    load_commit(dst, lc.id)  # the destination now holds a structurally valid commit
+    batch([(sid, None, "shard manifest") for sid in closure.shards], manifests=True)
+    batch([(closure.commit, None, "commit manifest")], manifests=True)
+    # The destination now holds a structurally valid commit: read back by id (no ref look-up), its
+    # manifests together, and the ref's value for the compare-and-swap with them (one round trip on S3).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        current = pool.submit(dst.ref, ref) if ref is not None else None
+        read_commit(dst, lc.id, None, prefetch=closure.shards)
+        was = current.result() if current is not None else None
     if ref is not None:
-        _move_ref(dst, ref, lc.id, closure.ids())
+        _move_ref(dst, ref, lc.id, closure.ids(), was)
         result.ref = ref
     for name, ids in pinned.items():  # the objects are durable at the destination: name them
         dst.add_to_pin(name, ids)  # compare-and-swap: a concurrent writer's objects are kept

@@ -56,8 +56,7 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,6 +88,8 @@ class Store(Protocol):
     def commit(self, oid: str) -> CommitManifest: ...
 
     def shard(self, oid: str) -> ShardManifest: ...
+
+    def present(self, oids: Iterable[str], *, threads: int = 8) -> set[str]: ...
 
 
 __all__ = [
@@ -191,9 +192,8 @@ def _missing(store: Store, commit: str | None, objects: Sequence[str]) -> list[s
             raise GcRace(f"commit {commit} in {store.url} no longer loads ({e}); the ref was not moved") from None
         except ShardstoreError:
             ids = [commit]  # not a commit (the low-level API lets a ref name any object): nothing more to keep
-    with ThreadPoolExecutor(max_workers=8) as pool:  # a HEAD each on S3
-        present = list(pool.map(store.has, ids))
-    return [oid for oid, ok in zip(ids, present) if not ok]
+    present = store.present(ids)  # S3: listing pages, not a HEAD each (backends.base.ListedSizes)
+    return [oid for oid in ids if oid not in present]
 
 
 def _pinned_closure(store: Store, oid: str) -> set[str]:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..backends.base import Buffer, HashedReads, Storage
+from ..backends.base import BatchedWrites, Buffer, HashedReads, ListedSizes, Storage
 from ..backends.location import open_storage
 from ..errors import (
     CorruptObject,
@@ -79,9 +80,11 @@ class Store:
         if raw is None:
             if not create:
                 raise StoreConfigError(f"{self.url} is not a shardstore store (no config object)")
-            self.storage.write_once("config", encode(StoreConfig(version=FORMAT_VERSION)))
+            mine = encode(StoreConfig(version=FORMAT_VERSION))
+            wrote = self.storage.write_once("config", mine)
             self.storage.sync()
-            raw = self._read_or_none("config", limit=4096)
+            # A config this call created holds exactly ``mine``; one another opener created first is read.
+            raw = mine if wrote else self._read_or_none("config", limit=4096)
             if raw is None:
                 raise StoreConfigError(f"{self.url}: the store config just written cannot be read back")
         try:
@@ -98,18 +101,33 @@ class Store:
         self.storage.write_once(object_key(oid), data)
         return oid
 
-    def put_with_id(self, oid: str, data: Buffer) -> bool:
-        """Store ``data`` under an id the caller already computed (e.g. while copying). True if written."""
-        return self.storage.write_once(object_key(oid), data)
+    def put_with_id(self, oid: str, data: Buffer, *, batch: tensors_io.WriteBatch | None = None) -> bool:
+        """Store ``data`` under an id the caller already computed (e.g. while copying). True if written.
 
-    def ensure(self, oid: str) -> int | None:
+        With ``batch`` (``write_batch()``) on a backend with batched writes (local), the object is
+        written without waiting for the disk and becomes durable and visible at ``batch.finish``."""
+        key = object_key(oid)
+        if batch is None or not isinstance(self.storage, BatchedWrites):
+            return self.storage.write_once(key, data)
+        tmp = self.storage.begin_write(key, data)
+        if tmp is None:
+            return False  # present (and refreshed)
+        with batch.lock:
+            batch.pending.append((key, tmp))
+        return True
+
+    def ensure(self, oid: str, *, listed: int | None = None) -> int | None:
         """The size of object ``oid`` if present (None if absent), made young again first.
 
         The one way a writer relies on an object it did not write (copy finding it at the
         destination, a save or import deduplicating against it): the refresh makes gc's
         grace period protect it until a manifest names it (SPEC.md §19.1). Backends without
-        ``touch`` (test wrappers) fall back to ``size``."""
+        ``touch`` (test wrappers) fall back to ``size``. ``listed``: the size ``object_sizes``
+        just found it with, on a backend that lists (``ListedSizes``): refreshed without asking
+        its size again (S3: the copy onto itself, no HEAD first)."""
         key = object_key(oid)
+        if listed is not None and isinstance(self.storage, ListedSizes):
+            return listed if self.storage.refresh(key, listed) else None
         touch = getattr(self.storage, "touch", None)
         return touch(key) if touch is not None else self.storage.size(key)
 
@@ -162,6 +180,40 @@ class Store:
             name = key.rsplit("/", 1)[-1]
             if len(name) == 64:
                 yield name
+
+    def object_sizes(self, oids: Iterable[str], *, threads: int = 8) -> dict[str, int]:
+        """The byte sizes of those of ``oids`` that are present (an absent one is left out): one
+        set of listings where the backend has them (``ListedSizes``: S3, a page answers for up to
+        a thousand objects), else a ``size`` each, ``threads`` at a time."""
+        ids = sorted(set(oids))
+        if isinstance(self.storage, ListedSizes):
+            listed = self.storage.sizes([object_key(o) for o in ids])
+            return {o: listed[object_key(o)] for o in ids if object_key(o) in listed}
+        if threads > 1 and len(ids) > 1:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                sizes = list(pool.map(self.object_size, ids))
+        else:
+            sizes = [self.object_size(o) for o in ids]
+        return {o: n for o, n in zip(ids, sizes) if n is not None}
+
+    def present(self, oids: Iterable[str], *, threads: int = 8) -> set[str]:
+        """Those of ``oids`` that are present: ``object_sizes``' listings where the backend has
+        them, else ``has`` each, ``threads`` at a time (the gc fence's presence check)."""
+        ids = sorted(set(oids))
+        if isinstance(self.storage, ListedSizes):
+            return set(self.object_sizes(ids))
+        if threads > 1 and len(ids) > 1:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                found = list(pool.map(self.has, ids))
+        else:
+            found = [self.has(o) for o in ids]
+        return {o for o, ok in zip(ids, found) if ok}
+
+    def lists_sizes(self) -> bool:
+        """Whether ``object_sizes`` asks the backend once for many objects (``ListedSizes``) rather
+        than once per object: then asking ahead saves a request per object. Such a backend (S3)
+        is one where every read is a round trip, so independent reads are worth sending together."""
+        return isinstance(self.storage, ListedSizes)
 
     def sync(self) -> None:
         self.storage.sync()

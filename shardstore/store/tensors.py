@@ -10,8 +10,9 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from ..backends.base import BatchedWrites, Buffer, Storage, StreamedReads
+from ..backends.base import BatchedWrites, Buffer, ListedSizes, Storage, StreamedReads
 from ..errors import CorruptObject
 from ..format.grid import staging
 from ..format.lazy import torch
@@ -74,6 +75,8 @@ def put_tensors(
     own = batch is None
     wb = WriteBatch() if batch is None else batch
     share = max(1, threads)
+    if isinstance(storage, ListedSizes) and not isinstance(storage, BatchedWrites) and len(tensors) > 1:
+        return _put_listed(storage, tensors, share)
     stage = staging()
     batched = isinstance(storage, BatchedWrites)  # once: a runtime Protocol check is slow
 
@@ -121,6 +124,48 @@ def _gathered(t: torch.Tensor, stage: Staging) -> memoryview:
             buf.copy_(t.detach())
             return memoryview(buf.reshape(-1).view(torch.uint8).numpy())
     return tensor_bytes(t)
+
+
+def _put_listed(storage: ListedSizes, tensors: Sequence[torch.Tensor | Buffer], threads: int) -> list[str]:
+    """``put_tensors`` on a backend that lists (S3): every tensor hashed first, then one
+    presence check for all of them (``ListedSizes.sizes``: listing pages, not a request per
+    object), then the absent ones written (create-only: one that appeared meanwhile is found by
+    the write) and the present ones refreshed (gc's grace period, SPEC.md §19.2) without
+    sending their bytes again; one listed with the wrong size (a torn object) is replaced. A
+    save whose tensors did not change sends no tensor bytes."""
+    assert isinstance(storage, Storage)
+
+    def view_of(t: torch.Tensor | Buffer) -> memoryview:
+        # no copy for a contiguous CPU tensor or a buffer; any other tensor is copied again to write it
+        return tensor_bytes(t) if isinstance(t, torch.Tensor) else memoryview(t).cast("B")
+
+    def hashed(t: torch.Tensor | Buffer) -> str:
+        view = view_of(t)
+        return hash_bytes(view, threads=threads if len(view) >= _BIG_TENSOR_BYTES else 1)
+
+    def pool_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        if threads > 1 and len(items) > 1:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                return list(pool.map(fn, items))
+        return [fn(x) for x in items]
+
+    ids = pool_map(hashed, tensors)
+    first = {oid: t for oid, t in reversed(list(zip(ids, tensors)))}  # equal tensors: one write
+    listed = storage.sizes([object_key(oid) for oid in first])
+
+    def put(item: tuple[str, torch.Tensor | Buffer]) -> None:
+        oid, t = item
+        key = object_key(oid)
+        want = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else memoryview(t).nbytes
+        size = listed.get(key)
+        if size == want and storage.refresh(key, size):
+            return  # present (an object's name is its bytes' hash), and young again
+        if size is not None and size != want:  # torn: it cannot hash to its id; replaced, as copy does (SPEC.md §19.1)
+            storage.delete(key)
+        storage.write_once(key, view_of(t))
+
+    pool_map(put, sorted(first.items()))
+    return ids
 
 
 def read_into(storage: Storage, oid: str, dest: torch.Tensor, *, what: str, whole: Callable[[], torch.Tensor]) -> None:

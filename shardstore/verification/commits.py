@@ -5,6 +5,7 @@ byte is read. ``load_commit`` raises the first problem; ``verify`` collects them
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -298,12 +299,26 @@ def _sizes_agree(cid: str, entries: Iterable[TensorEntry]) -> Iterator[Problem]:
                 )  # fmt: skip
 
 
-def read_commit(store: Store, cid: str, found: list[Problem] | None, *, named: str = "") -> LoadedCommit | None:
+def read_commit(
+    store: Store,
+    cid: str,
+    found: list[Problem] | None,
+    *,
+    named: str = "",
+    shards_read: Mapping[str, ShardManifest] | None = None,
+    commit_read: CommitManifest | None = None,
+    prefetch: Iterable[str] = (),
+) -> LoadedCommit | None:
     """Read commit ``cid`` and its shard manifests, checking each structurally.
 
     With ``found`` None, the first problem is raised (``load_commit``); otherwise every
     problem is appended to ``found`` and None returned when the commit cannot be read as a
     whole (``verify``). ``named`` says which refs or target name the commit, for messages.
+    ``shards_read``: shard manifests the caller already read back from ``store`` (verified
+    against their ids), by id: checked here as they are, not read again; ``commit_read``: the
+    same for the commit. ``prefetch``: ids of shard manifests the commit is expected to name,
+    read together with it (on S3 one round trip for all instead of one after the other). The
+    shard manifests still to be read after the commit are read together too.
     """
 
     def report(problems: Iterable[Problem]) -> bool:
@@ -314,23 +329,41 @@ def read_commit(store: Store, cid: str, found: list[Problem] | None, *, named: s
             found.extend(problems)
         return bool(problems)
 
-    try:
-        commit = store.commit(cid)
-    except ShardstoreError as e:
-        report([Problem(type(e)(f"commit {cid}{named}: {e}"), cid, cid)])
+    known: dict[str, ShardManifest] = dict(shards_read or {})
+    early = [] if commit_read is not None else sorted(set(prefetch) - set(known))
+    if early:
+        read = _read_together(store, [cid], early)
+        got: CommitManifest | ShardstoreError = read.pop(cid)  # type: ignore[assignment]
+    else:
+        read = {}
+        try:
+            got = commit_read if commit_read is not None else store.commit(cid)
+        except ShardstoreError as e:
+            got = e
+    if isinstance(got, ShardstoreError):
+        report([Problem(type(got)(f"commit {cid}{named}: {got}"), cid, cid)])
         return None
+    commit = got
     if report(repeated_shards(commit, cid)):
         return None
+    later = sorted({lay.shard for lay in commit.layout} - set(known) - set(read))
+    read.update(_read_together(store, [], later))
     shards: dict[int, ShardManifest] = {}
     ids: dict[int, str] = {}
     for lay in commit.layout:
-        try:
-            shard = store.shard(lay.shard)
-        except ShardstoreError as e:
+        shard = known[lay.shard] if lay.shard in known else read[lay.shard]
+        if isinstance(shard, ShardstoreError):
             report(
-                [Problem(type(e)(f"commit {cid}, slot {lay.slot}, shard manifest {lay.shard}: {e}"), cid, lay.shard)]
+                [
+                    Problem(
+                        type(shard)(f"commit {cid}, slot {lay.slot}, shard manifest {lay.shard}: {shard}"),
+                        cid,
+                        lay.shard,
+                    )
+                ]
             )
             continue
+        assert isinstance(shard, ShardManifest)
         shards[lay.slot] = shard
         ids[lay.slot] = lay.shard
         report(shard_problems(shard, lay.shard, cid))
@@ -338,15 +371,57 @@ def read_commit(store: Store, cid: str, found: list[Problem] | None, *, named: s
     return LoadedCommit(cid, commit, shards, ids)
 
 
+#: Manifests read at once by ``read_commit`` (a round trip each on S3).
+_READ_THREADS = 8
+
+
+def _read_together(
+    store: Store, commits: list[str], shards: list[str]
+) -> dict[str, CommitManifest | ShardManifest | ShardstoreError]:
+    """Each of ``commits`` (commit manifests) and ``shards`` (shard manifests) read, or the typed
+    error reading it raised; several at once when there are several."""
+
+    def one(job: tuple[str, bool]) -> CommitManifest | ShardManifest | ShardstoreError:
+        oid, is_commit = job
+        try:
+            return store.commit(oid) if is_commit else store.shard(oid)
+        except ShardstoreError as e:
+            return e
+
+    jobs = [(c, True) for c in commits] + [(s, False) for s in shards]
+    if len(jobs) > 1 and store.lists_sizes():  # reads are round trips there (S3); locally, one after the other
+        with ThreadPoolExecutor(max_workers=min(_READ_THREADS, len(jobs))) as pool:
+            results = list(pool.map(one, jobs))
+    else:
+        results = [one(j) for j in jobs]
+    return {oid: r for (oid, _), r in zip(jobs, results)}
+
+
 def load_commit(store: Store, target: str) -> LoadedCommit:
     """Resolve ``target``, read and structurally verify the commit and all its shard manifests.
 
-    Raises the first problem found. Reads manifests only (never tensor payloads).
+    Raises the first problem found. Reads manifests only (never tensor payloads). A full commit
+    id is looked up as a ref (a ref name wins, SPEC.md §14) and read as a commit at once, the
+    reading kept only if no such ref exists: one round trip on S3 where there were three
+    (where reads are round trips: ``Store.lists_sizes``).
     """
-    cid = store.resolve(target)
+    if _FULL_ID.fullmatch(target) is not None and store.lists_sizes():  # reads are round trips (S3)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            as_ref = pool.submit(store.ref, target)
+            as_id = pool.submit(_read_together, store, [target], [])
+            value = as_ref.result()  # a ref that does not parse raises, as resolve does
+            guess = as_id.result()[target]
+        if value is None and isinstance(guess, CommitManifest):
+            lc = read_commit(store, target, None, commit_read=guess)
+            assert lc is not None
+            return lc
+    cid = store.resolve(target)  # a ref, a prefix, a suffix; or a full id that did not read as a commit
     lc = read_commit(store, cid, None, named=f" (named by {target!r})" if target != cid else "")
     assert lc is not None  # with found=None every problem raises
     return lc
+
+
+_FULL_ID = re.compile(r"[0-9a-f]{64}")
 
 
 def _is_commit(store: Store, oid: str) -> bool | None:

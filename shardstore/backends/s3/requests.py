@@ -1,5 +1,6 @@
 """Request-level pieces of the S3 backend that take several requests (SPEC.md §19): the
-concurrent multipart upload and the probe of the server's request conditions.
+concurrent multipart upload, the probe of the server's request conditions, and the sizes of
+many keys read from listings instead of a HEAD each.
 
 Kept apart from ``S3Storage`` so that the backend module holds the storage protocol and its
 read path; everything here reaches the server through the storage's ``S3Transport``
@@ -9,13 +10,19 @@ read path; everything here reaches the server through the storage's ``S3Transpor
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from typing import Any
 
 from ...errors import StorageError
 from .transport import S3Error, S3Transport
 
-__all__ = ["gather", "multipart_upload", "probe_conditions"]
+__all__ = ["gather", "listed_sizes", "multipart_upload", "probe_conditions"]
+
+#: Keys a listing page holds at most (ListObjectsV2's own limit).
+PAGE_KEYS = 1000
+#: A lane of a listing walk gets at least this many of the keys asked about.
+LANE_KEYS = 64
 
 
 async def gather(coros: Any) -> list[Any]:
@@ -105,3 +112,52 @@ async def probe_conditions(transport: S3Transport) -> tuple[bool, str]:
             await transport.call("delete_object", key, Key=full)
         except Exception:
             pass  # a stale probe under tmp/ is harmless; gc removes it
+
+
+async def listed_sizes(transport: S3Transport, keys: list[str]) -> dict[str, int]:
+    """The sizes of those of ``keys`` (store keys) that are present, read from ListObjectsV2
+    pages instead of a HEAD each.
+
+    The sorted keys are split into lanes (at most ``transport.concurrency``, each of at least
+    ``LANE_KEYS`` keys) walked at once. A lane asks for the page that starts at its first
+    unresolved key (``StartAfter`` that key less its last character, so that the key itself is
+    listed; a page that ends before it, on keys that sort between the two, is paged on); every key of the lane up to the page's last key is then resolved, present or
+    not, and the next request starts at the first key after it. So each request resolves at
+    least one key: never more requests than keys (a HEAD each), and one per lane where the
+    keys are dense in the store (a fresh prefix, a commit's objects just written). A listing
+    is as current as a HEAD on S3 (strong read-after-write consistency, which the gc fence
+    relies on for ``gc/`` already, SPEC.md §19.2)."""
+    full = {transport.key(k): k for k in keys}
+    order = sorted(full)  # byte order of ASCII keys: the order the server lists them in
+    if not order:
+        return {}
+    prefix = os.path.commonprefix(order)
+    lanes = max(1, min(transport.concurrency, len(order) // LANE_KEYS))
+    step = -(-len(order) // lanes)
+    found: dict[str, int] = {}
+
+    async def walk(lane: list[str]) -> None:
+        i, token = 0, ""
+        while i < len(lane):
+            where = {"ContinuationToken": token} if token else {"StartAfter": lane[i][:-1]}
+            try:
+                page = await transport.call("list_objects_v2", full[lane[i]], Prefix=prefix, MaxKeys=PAGE_KEYS, **where)
+            except S3Error as e:
+                raise transport.fail("list", full[lane[i]], e) from None
+            contents = page.get("Contents") or []
+            for entry in contents:
+                key = full.get(str(entry["Key"]))
+                if key is not None:
+                    found[key] = int(entry["Size"])
+            if not page.get("IsTruncated"):
+                return  # the listing ended: every key after the start was seen
+            last = str(contents[-1]["Key"]) if contents else ""
+            if last < lane[i]:  # an empty page, or a server that ignored StartAfter: page on from there
+                token = str(page["NextContinuationToken"])
+                continue
+            token = ""
+            while i < len(lane) and lane[i] <= last:
+                i += 1
+
+    await gather(walk(order[i : i + step]) for i in range(0, len(order), step))
+    return found

@@ -14,8 +14,11 @@ guarantees the store rests on are request conditions s3fs does not expose:
 
 Before the first write, a probe writes a scratch key under ``tmp/`` twice with ``If-None-Match: *`` and
 once with a stale ``If-Match``, and deletes it once with a stale ``If-Match``, and expects
-412 the second, third and fourth time (a ref or pin is deleted with ``If-Match``); opening a
-store and reading it writes nothing, so a read-only credential can verify. A server that
+412 the second, third and fourth time (a ref or pin is deleted with ``If-Match``); a probe that
+finds them honoured answers for every store opened in the same bucket through the same s3fs
+filesystem (the same server, the same credentials), which do not probe again (a refusal is
+not shared: it may be a prefix-scoped policy's or a transient error's). Opening a store and reading it
+writes nothing, so a read-only credential can verify. A server that
 ignores the conditions (older MinIO, some gateways) still stores objects (head, then put:
 content addressing makes a lost race harmless) but every ref update is refused with a
 StorageError: a compare-and-swap that is not one would silently lose commits.
@@ -44,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,7 +55,7 @@ from typing import Any
 from ...errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from ...format.names import check_key
 from ..base import Buffer
-from .requests import multipart_upload, probe_conditions
+from .requests import listed_sizes, multipart_upload, probe_conditions
 from .transport import S3Error, S3Transport
 
 __all__ = ["S3Storage", "DEFAULT_PART_SIZE", "DEFAULT_CONCURRENCY", "DEFAULT_ATTEMPTS"]
@@ -62,6 +66,11 @@ DEFAULT_ATTEMPTS = 5
 #: Ranges at least this large are consumed (hashed) in a worker thread, off the event loop.
 _OFFLOAD_BYTES = 1 << 20
 _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
+#: Probes that found the conditions honoured, by s3fs filesystem (``id``: one client, one endpoint,
+#: one set of credentials) and bucket: the server's support does not depend on the prefix, so the
+#: stores opened under one bucket through one filesystem probe once between them. A refusal is
+#: kept by its own store only (it may be a prefix-scoped policy's or a transient error's).
+_PROBED: dict[tuple[int, str], tuple[bool, str]] = {}
 #: CopyObject's limit; larger objects cannot be refreshed by copying them onto themselves.
 _MAX_COPY_BYTES = 5 * 1024**3
 
@@ -108,6 +117,9 @@ class S3Storage:
         options = dict(storage_options)
         config = dict(options.pop("config_kwargs", None) or {})
         config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
+        # An object's bytes are hashed against its id as they arrive (BLAKE3, every byte): the
+        # server's CRC of the response is checked only where asked (``_checksum``: refs, pins...).
+        config.setdefault("response_checksum_validation", "when_required")
         options["config_kwargs"] = config
         self.fs = s3fs.S3FileSystem(**options)
         # every request to the server goes through it, the request layer's too
@@ -139,11 +151,19 @@ class S3Storage:
         self._conditional = value
 
     async def _conditions(self) -> bool:
-        """``conditional``, probed when a write first needs it (reads never probe: read-only credentials work)."""
+        """``conditional``, probed when a write first needs it (reads never probe: read-only credentials
+        work), once per s3fs filesystem and bucket where honoured (``_PROBED``)."""
         if self._conditional is None:
-            ok, reason = await probe_conditions(self.transport)
+            where = (id(self.fs), self.bucket)
+            found = _PROBED.get(where)
+            if found is None:
+                found = await probe_conditions(self.transport)
+                # only "honoured" is the server's answer; a refusal may be this prefix's (a policy
+                # scoped to it) or a passing error's, and is not shared: the next store probes again
+                if found[0] and _PROBED.setdefault(where, found) is found:
+                    weakref.finalize(self.fs, _PROBED.pop, where, None)  # an id is only unique while its object lives
             if self._conditional is None:  # two writers may probe at once: the first answer stands
-                self._conditional, self.conditional_reason = ok, reason
+                self._conditional, self.conditional_reason = found
         return bool(self._conditional)
 
     async def _head(self, key: str) -> dict[str, Any] | None:
@@ -154,9 +174,16 @@ class S3Storage:
                 return None
             raise self.transport.fail("stat", key, e) from None
 
+    @staticmethod
+    def _checksum(key: str) -> dict[str, str]:
+        """A GET's checksum mode: an object is hashed against its id by its reader, every byte, so
+        the server's checksum of it is not checked a second time; anything else (a ref, a pin, the
+        config, a gc marker) has no id to be checked against, and the server's checksum is."""
+        return {} if key.startswith("objects/") else {"ChecksumMode": "ENABLED"}
+
     async def _get_or_none(self, key: str) -> tuple[dict[str, Any], bytes] | None:
         try:
-            return await self.transport.call("get_object", key, Key=self.transport.key(key))
+            return await self.transport.call("get_object", key, Key=self.transport.key(key), **self._checksum(key))
         except S3Error as e:
             if e.status == 404:
                 return None
@@ -172,7 +199,9 @@ class S3Storage:
         (in order, off the event loop) rather than in a second pass over the whole object.
         ``limit``: ObjectTooLarge if the server reports more bytes, before allocating them."""
         h = hasher()
-        data = self.transport.run(self._read, key, h.update, limit)
+        data, whole = self.transport.run(self._read_parts, key, h.update, limit)
+        if whole:  # it came in one range, not yet hashed: hashed here, in the caller's thread
+            h.update(data)
         return data, h.hexdigest()
 
     def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
@@ -189,42 +218,46 @@ class S3Storage:
         return self.transport.run(self._stream, key, out, consume)
 
     async def _read(self, key: str, consume: Callable[[memoryview], None] | None, limit: int | None = None) -> Buffer:
-        buf: bytearray | None = None
+        data, whole = await self._read_parts(key, consume, limit)
+        if whole:
+            await self._land(memoryview(data), consume)
+        return data
 
-        def sized(total: int) -> memoryview:
-            nonlocal buf
-            if limit is not None and total > limit:
-                raise ObjectTooLarge(
-                    f"{key} in store {self.url} is {total} bytes, over this reader's limit of {limit} (SPEC.md §Limits)"
-                )
-            buf = bytearray(total)
-            return memoryview(buf)
+    async def _read_parts(
+        self, key: str, consume: Callable[[memoryview], None] | None, limit: int | None = None
+    ) -> tuple[Buffer, bool]:
+        """(the bytes at ``key``, whether they came in one range): an object of one range is handed
+        back as it arrived (no copy) and NOT passed to ``consume``, for the caller to consume in its
+        own thread (no hop to a worker thread and back); the ranges of a larger one are consumed in
+        order as they land (``_rest``). ``limit``: ObjectTooLarge past it, before allocating."""
+        resp, first, total = await self._first_range(key)
+        if limit is not None and total > limit:
+            raise ObjectTooLarge(
+                f"{key} in store {self.url} is {total} bytes, over this reader's limit of {limit} (SPEC.md §Limits)"
+            )
+        if total == len(first):
+            return first, True
+        buf = bytearray(total)
+        await self._rest(key, resp, first, total, memoryview(buf), consume)
+        return buf, False
 
-        await self._stream(key, sized, consume)
-        assert buf is not None
-        return buf
+    async def _stream(self, key: str, out: memoryview | None, consume: Callable[[memoryview], None] | None) -> int:
+        """GET ``key`` as ``part_size`` ranges into ``out`` (left untouched unless the object
+        has exactly its size), or with no ``out`` only through ``consume``; returns the object's
+        size (``_rest`` says how the ranges arrive)."""
+        resp, first, total = await self._first_range(key)
+        if out is not None and len(out) != total:
+            return total
+        await self._rest(key, resp, first, total, out, consume)
+        return total
 
-    async def _stream(
-        self,
-        key: str,
-        out: memoryview | Callable[[int], memoryview] | None,
-        consume: Callable[[memoryview], None] | None,
-    ) -> int:
-        """GET ``key`` as ``part_size`` ranges, at most ``concurrency`` in flight, handled in order.
-
-        ``out``: where the bytes go: a buffer (left untouched unless the object has exactly
-        its size), a function of the object's size returning one, or None (ranges are only
-        passed to ``consume``). Each range is copied into ``out`` as soon as it arrives;
-        ``consume`` runs on each range in order, ranges of ``_OFFLOAD_BYTES`` and more in a
-        worker thread so that hashing never stalls the event loop. With no ``out``, at most
-        ``concurrency`` ranges wait while one is consumed. Ranges after the first carry
-        ``If-Match`` on the first one's ETag (when the server sent one): a concurrent
-        overwrite of the key (only a ref can be overwritten) fails the read instead of
-        mixing versions. Returns the object's size.
-        """
+    async def _first_range(self, key: str) -> tuple[dict[str, Any], bytes, int]:
+        """(response, bytes, object size) of the first ``part_size`` range of ``key``."""
         full = self.transport.key(key)
         try:
-            resp, first = await self.transport.call("get_object", key, Key=full, Range=f"bytes=0-{self.part_size - 1}")
+            resp, first = await self.transport.call(
+                "get_object", key, Key=full, Range=f"bytes=0-{self.part_size - 1}", **self._checksum(key)
+            )
         except S3Error as e:
             if e.status == 404:
                 raise ObjectNotFound(f"{key} is missing from store {self.url}") from None
@@ -240,13 +273,41 @@ class S3Storage:
             raise StorageError(f"read {key!r} in store {self.url}: a ranged GET answered 206 without a Content-Range")
         else:
             total = len(first)  # the server sent the whole object (it ignored the range)
-        if callable(out):
-            out = out(total)
-        elif out is not None and len(out) != total:
-            return total
-        dest = out
+        if len(first) > total:
+            raise StorageError(f"read {key!r} in store {self.url}: {len(first)} bytes arrived of a {total}-byte object")
+        return resp, first, total
+
+    @staticmethod
+    async def _land(view: memoryview, consume: Callable[[memoryview], None] | None) -> None:
+        """``consume`` a range that landed: in a worker thread from ``_OFFLOAD_BYTES`` up, so that
+        hashing never stalls the event loop; inline below (a manifest, a small tensor: a thread hop
+        would cost more)."""
+        if consume is not None and len(view) >= _OFFLOAD_BYTES:
+            await asyncio.to_thread(consume, view)
+        elif consume is not None and len(view):
+            consume(view)
+
+    async def _rest(
+        self,
+        key: str,
+        resp: dict[str, Any],
+        first: bytes,
+        total: int,
+        dest: memoryview | None,
+        consume: Callable[[memoryview], None] | None,
+    ) -> None:
+        """The object's ranges after ``first``, at most ``concurrency`` in flight, handled in order.
+
+        ``dest`` (``total`` bytes): where the bytes go, each range copied in as soon as it
+        arrives; None: ranges are only passed to ``consume``, and at most ``concurrency`` wait
+        while one is consumed. ``consume`` runs on each range in order (``_land``). Ranges after
+        the first carry ``If-Match`` on the first one's ETag (when the server sent one): a
+        concurrent overwrite of the key (only a ref can be overwritten) fails the read instead
+        of mixing versions.
+        """
+        full = self.transport.key(key)
         conditions = {"IfMatch": resp["ETag"]} if resp.get("ETag") else {}
-        del resp
+        conditions.update(self._checksum(key))
 
         async def part(start: int) -> memoryview:
             end = min(start + self.part_size, total)
@@ -265,12 +326,6 @@ class S3Storage:
             dest[start:end] = data  # landed now; only the in-order hashing waits
             return dest[start:end]
 
-        async def land(view: memoryview) -> None:
-            if consume is not None and len(view) >= _OFFLOAD_BYTES:
-                await asyncio.to_thread(consume, view)
-            elif consume is not None and len(view):
-                consume(view)  # a manifest or a small tensor: a thread hop would cost more
-
         starts = iter(range(len(first), total, self.part_size))
         ahead: deque[asyncio.Future[memoryview]] = deque()
         try:
@@ -282,21 +337,20 @@ class S3Storage:
             else:
                 head = memoryview(first)
             del first
-            await land(head)
+            await self._land(head, consume)
             del head
             while ahead:
                 view = await ahead.popleft()
                 nxt = next(starts, None)
                 if nxt is not None:
                     ahead.append(asyncio.ensure_future(part(nxt)))
-                await land(view)
+                await self._land(view, consume)
                 del view
         finally:
             for fut in ahead:
                 fut.cancel()
             if ahead:
                 await asyncio.gather(*ahead, return_exceptions=True)
-        return total
 
     def size(self, key: str) -> int | None:
         head = self.transport.run(self._head, key)
@@ -305,12 +359,21 @@ class S3Storage:
     def exists(self, key: str) -> bool:
         return self.transport.run(self._head, key) is not None
 
+    def sizes(self, keys: list[str]) -> dict[str, int]:
+        """The sizes of those of ``keys`` that are present, from listing pages (``requests.listed_sizes``:
+        never more requests than keys, one per lane where the keys are dense)."""
+        return self.transport.run(listed_sizes, self.transport, list(keys))
+
     def mtime(self, key: str) -> float | None:
         head = self.transport.run(self._head, key)
         return None if head is None else float(head["LastModified"].timestamp())
 
     def touch(self, key: str) -> int | None:
         return self.transport.run(self._touch, key)
+
+    def refresh(self, key: str, size: int) -> bool:
+        """``touch`` of a key a listing found with ``size`` bytes: the copy onto itself alone, no HEAD."""
+        return self.transport.run(self._refresh, key, size)
 
     async def _touch(self, key: str) -> int | None:
         head = await self._head(key)
@@ -352,7 +415,9 @@ class S3Storage:
             if multipart:
                 await multipart_upload(self.transport, key, view, conditional=conditional)
             else:
-                await self.transport.call("put_object", key, Key=full, Body=bytes(view), **cond)
+                # bytes of their own (a copy's download, a manifest) go as they are; a view (a tensor's memory) is copied
+                body = data if isinstance(data, (bytes, bytearray)) else bytes(view)
+                await self.transport.call("put_object", key, Key=full, Body=body, **cond)
         except S3Error as e:  # multipart_upload raises only a 412 as one
             if e.status == 412:
                 return await self._confirm_present(key, e)

@@ -139,6 +139,24 @@ def test_corrupt_source_object_is_never_written(tmp_path: Any) -> None:
     copy_commit(src, dst, cid, slot=0)  # slot 0 does not need the corrupt object
 
 
+def test_a_failed_copy_into_a_local_store_leaves_nothing_of_its_batch(tmp_path: Any) -> None:
+    """A local destination gets a batch's objects written without an fsync each and made durable
+    and visible together at the batch's barrier: a copy that fails in the batch (a corrupt
+    source object) leaves none of the batch's objects and no temporary file behind."""
+    model, opt = two_slot_model(3)
+    src = ss.open_store(str(tmp_path / "a"))
+    cid = save_two_slots(src, model, opt)
+    victim = ss.load_commit(src, cid).shards[1].entries[0].param
+    path = tmp_path / "a" / object_key(victim)
+    path.chmod(0o644)
+    path.write_bytes(b"\0" + path.read_bytes()[1:])
+    dst = ss.open_store(str(tmp_path / "b"))
+    with pytest.raises(CorruptObject):
+        copy_commit(src, dst, cid, threads=1)  # one at a time: the objects before the corrupt one are written first
+    assert list(dst.objects()) == []
+    assert not os.listdir(tmp_path / "b" / "tmp")
+
+
 def test_a_corrupt_block_is_named_by_tensor_role_and_block(tmp_path: Any) -> None:
     """Regression: copy named a corrupt object "data object <id>" only; now the tensor, role
     and block, as verify names them."""
