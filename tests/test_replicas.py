@@ -33,6 +33,16 @@ def _body(rank: int, world: int, home: str) -> dict:
     # Messages of two objects each: every exchange below takes several messages, so the
     # pipeline (the next message packed, the last one landed, while one travels) is exercised.
     replicas.MESSAGE_BYTES = 4096
+    # Count the tier reads into memory of their own: a sender reads each object straight into
+    # the message it packs, so replicating and fetching take none.
+    whole_reads = [0]
+    fetch = MemoryTier.fetch
+
+    def counted_fetch(self: MemoryTier, oid: str) -> bytes | None:
+        whole_reads[0] += 1
+        return fetch(self, oid)
+
+    MemoryTier.fetch = counted_fetch  # type: ignore[method-assign]  # this spawned process only
     roots = {r: os.path.join(home, f"host{r}") for r in range(world)}
     own = MemoryTier(roots[rank], rank)
     tier_for = lambda slot: MemoryTier(roots[rank], slot)  # noqa: E731 - this host's tier of a slot
@@ -71,6 +81,7 @@ def _body(rank: int, world: int, home: str) -> dict:
     if rank == 1:
         own = MemoryTier(os.path.join(home, "replacement1b"), 1)
     copies, _ = fetch_replicas(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
+    out["whole_reads"] = whole_reads[0]
     if rank == 1:
         store = open_store(os.path.join(home, "store1"))  # the durable copy, for the rejected object
         for data in second.values():
@@ -118,3 +129,8 @@ def test_a_buddy_sending_wrong_bytes_is_named_and_the_store_read_instead(ranks: 
     assert r["counts"]["peers"] == sum(len(d) for d in _objects(1, 4, version=1).values()) - r["counts"]["store"]
     assert len(r["rejected"]) == 1
     assert r["rejected"][0].startswith(f"object {bad}: the copy from peer slot 2 does not hash to its id")
+
+
+def test_senders_read_objects_straight_into_the_messages(ranks: list[dict]) -> None:
+    assert [r["whole_reads"] for r in ranks] == [0, 0, 0]
+    assert all(r["first"][0] > 0 for r in ranks) and ranks[1]["fetch_received"] > 0  # bytes did move
