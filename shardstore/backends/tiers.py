@@ -36,7 +36,7 @@ from ..format.names import check_oid
 from ..format.tensors import hash_bytes, new_hasher
 from .base import BatchedWrites, Buffer, HashedReads, Storage, StreamedReads
 
-__all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES"]
+__all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES", "VerifiedCopies"]
 
 #: The tiers a read is counted under, in the order they are asked.
 TIER_NAMES = ("memory", "peers", "store")
@@ -60,6 +60,17 @@ class CopyTier(Protocol):
 
 
 @runtime_checkable
+class VerifiedCopies(Protocol):
+    """A tier's optional mark: copies this process hashed to their ids itself as they arrived,
+    held in its own memory since (nothing else can have changed them), so the reader does not
+    hash them again."""
+
+    def verified(self, oid: str) -> bool:
+        """Whether this tier's copy of ``oid`` was verified against ``oid`` when it was added."""
+        ...
+
+
+@runtime_checkable
 class StagedCopies(Protocol):
     """A tier's optional fast path: its copy of an object read into a buffer the reader gives."""
 
@@ -71,15 +82,23 @@ class StagedCopies(Protocol):
 
 class PeerCopies:
     """Objects a peer sent (``checkpoint.replicas``), held in this process's memory until the
-    restore that asked for them is done; each remembers the slot that sent it."""
+    restore that asked for them is done; each remembers the slot that sent it, and whether it
+    was verified against its id as it arrived (``fetch_replicas`` hashes each object while the
+    next message travels, so the restore only copies it)."""
 
     name = "peers"
 
     def __init__(self) -> None:
-        self._objects: dict[str, tuple[Buffer, int]] = {}
+        self._objects: dict[str, tuple[Buffer, int, bool]] = {}
 
-    def add(self, oid: str, data: Buffer, peer: int) -> None:
-        self._objects[check_oid(oid)] = (data, peer)
+    def add(self, oid: str, data: Buffer, peer: int, *, verified: bool = False) -> None:
+        """Keep ``data`` as ``oid``'s copy from ``peer``; ``verified``: the caller hashed exactly
+        these bytes to ``oid`` and hands over the only reference to them."""
+        self._objects[check_oid(oid)] = (data, peer, verified)
+
+    def verified(self, oid: str) -> bool:
+        got = self._objects.get(oid)
+        return got is not None and got[2]
 
     def fetch(self, oid: str) -> Buffer | None:
         got = self._objects.get(oid)
@@ -93,7 +112,7 @@ class PeerCopies:
         return len(self._objects)
 
     def nbytes(self) -> int:
-        return sum(len(d) for d, _ in self._objects.values())
+        return sum(len(d) for d, _, _ in self._objects.values())
 
     def clear(self) -> None:
         self._objects.clear()
@@ -172,6 +191,8 @@ class TieredStorage:
         if limit is not None and len(data) > limit:
             self._reject(tier, oid, f"has {len(data)} bytes, over its reader's limit of {limit}")
             return False
+        if isinstance(tier, VerifiedCopies) and tier.verified(oid):
+            return True  # hashed to its id as it arrived, in this process's memory since
         got = hash_bytes(data)
         if got != oid:
             self._reject(tier, oid, f"does not hash to its id (its bytes hash to {got})")

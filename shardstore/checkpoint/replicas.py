@@ -23,8 +23,10 @@ commit and the buddy keeps what it lacks in its host's tier for slot ``i``, veri
 each id, and holds the commit there when every object is present. ``fetch_replicas`` runs
 it at a restart, after the group agreed on the commit: a worker whose own tier does not hold
 the commit gets its slot's objects from its buddies into a ``PeerCopies`` tier, which the
-restore reads through ``TieredStorage`` (verifying every object; a wrong one is named with
-the peer that sent it and read from the store instead).
+restore reads through ``TieredStorage``. Each object is verified against its id as it lands
+(hashed on the helper thread while the next message travels, and not again by the restore);
+a wrong one is refused, named with the peer that sent it, and the restore reads it from the
+store instead.
 
 Everything travels as tensors (never pickled objects). Every rank of the group must call
 the same function with the same ``commit``; a rank with nothing to offer sends an empty
@@ -338,8 +340,9 @@ def fetch_replicas(
 ) -> tuple[PeerCopies, ReplicaReport]:
     """At a restart, after the group agreed on ``commit``: every rank whose own tier does not
     hold ``commit`` for its slot gets the objects it lacks from its buddies (slot + 1, ...),
-    each buddy offering its host's tier of that slot (``tier_for``). Returns the copies,
-    unverified (``TieredStorage`` verifies each before use). Collective over ``group``."""
+    each buddy offering its host's tier of that slot (``tier_for``). Returns the copies, each
+    verified against its id as it landed, and the report (``rejected``: the copies refused,
+    each naming its peer). Collective over ``group``."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     copies = PeerCopies()
     report = ReplicaReport()
@@ -368,7 +371,16 @@ def fetch_replicas(
             )  # fmt: skip
 
         def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
-            copies.add(oid, data, _peer)
+            # Verified here, on the helper thread while the next message travels, and only here:
+            # the restore copies a verified copy without hashing it again (backends.tiers).
+            digest = hash_bytes(data)
+            if digest != oid:
+                report.rejected.append(
+                    f"object {oid}: the copy from peer slot {_peer} does not hash to its id "
+                    f"(its bytes hash to {digest}); not used"
+                )
+                return
+            copies.add(oid, data, _peer, verified=True)  # its message buffer is this object's alone
 
         got, sent, received = shift(
             group,
