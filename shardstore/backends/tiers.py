@@ -46,7 +46,8 @@ _STAGE_BYTES = 8 << 20
 
 
 class CopyTier(Protocol):
-    """A tier above the store: copies of some objects, unverified until a reader hashes them."""
+    """A tier above the store: copies of some objects, each hashed to its id before it is used
+    (by the reader, or as it arrived where the tier is ``VerifiedCopies``)."""
 
     name: str  # "memory" or "peers": what its reads are counted under
 
