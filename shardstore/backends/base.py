@@ -15,6 +15,10 @@ hashing otherwise (the results are the same):
   whole; ``HashedReads.read_hashed(key, hasher, limit=None) -> (bytes, hex digest)``: read
   and hash in one pass, refusing (ObjectTooLarge) an object over ``limit`` bytes before
   allocating it;
+- ``HashedReadsInto.read_into_hashed(key, out) -> (size, hex digest)``: ``read_into`` that
+  hashes what it put in ``out`` itself and returns the digest, for a backend that must know it
+  (``TieredStorage`` verifies a tier's copy before handing it on): the store then compares that
+  digest with the id instead of hashing the bytes a second time;
 - ``BatchedWrites.begin_write`` / ``end_writes``: batched create-only writes with one
   durability barrier;
 - ``ListedSizes.sizes(keys) -> {key: size}``: which of many keys are present, and their
@@ -34,7 +38,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["BatchedWrites", "Buffer", "HashedReads", "ListedSizes", "Storage", "StreamedReads", "show_ref_value"]
+__all__ = [
+    "BatchedWrites",
+    "Buffer",
+    "HashedReads",
+    "HashedReadsInto",
+    "ListedSizes",
+    "Storage",
+    "StreamedReads",
+    "show_ref_value",
+]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -118,6 +131,18 @@ class StreamedReads(Protocol):
     def read_into(self, key: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int:
         """Read the bytes at ``key`` into ``out``; return the object's size (a size other than
         ``len(out)`` is returned without reading, for the caller to refuse)."""
+        ...
+
+
+@runtime_checkable
+class HashedReadsInto(Protocol):
+    """A backend's optional fast path for restores that verify: it fills the caller's buffer and
+    hashes the bytes it put there, once, so that every byte is hashed exactly once on its way in."""
+
+    def read_into_hashed(self, key: str, out: memoryview) -> tuple[int, str]:
+        """Read the bytes at ``key`` into ``out`` and return (their size, the BLAKE3 hex digest of
+        the bytes now in ``out``); a size other than ``len(out)`` is returned with an empty digest,
+        without reading, for the caller to refuse."""
         ...
 
 

@@ -118,6 +118,17 @@ class MemoryTier:
         except ShardstoreError:  # unreadable (an I/O error, a symbolic link): not a copy
             return None
 
+    def fetch_into(self, oid: str, out: memoryview) -> int | None:
+        """Read this tier's copy of ``oid`` into ``out`` (unverified) if it has exactly
+        ``len(out)`` bytes; its size (another size: nothing read), or None if it holds no
+        readable copy (``backends.tiers.StagedCopies``)."""
+        try:
+            return self.storage.read_into(self._key(oid), out)
+        except (ObjectNotFound, InvalidName):
+            return None
+        except ShardstoreError:  # unreadable (an I/O error, a symbolic link): not a copy
+            return None
+
     def size(self, oid: str) -> int | None:
         return self.storage.size(self._key(oid))
 

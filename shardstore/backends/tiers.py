@@ -13,31 +13,41 @@ or read. ``read_bytes`` counts the bytes of objects read from each tier (``memor
 ``peers``, ``store``), each object once, under the tier that first served it: after a restore
 the three add up to the bytes of the distinct objects it needed.
 
-Verification costs one hash of a tier's copy before it is handed on, and the store hashes
-what it receives again (the ``Storage`` protocol gives it no way to know the bytes were
-checked); a copy read from the durable backend is hashed once more only to decide whether to
-keep it in the fill tier.
+Every byte is hashed exactly once on its way into a caller's tensor: ``read_into_hashed``
+(the ``HashedReadsInto`` fast path the store uses for restores) hashes a tier's copy before
+handing it on and returns that digest, which the store compares with the id instead of hashing
+again; a copy read from the durable backend is hashed as it lands, and that one digest both
+verifies it and decides whether it is kept in the fill tier. A tier that can read a copy into
+a buffer it is given (``StagedCopies``: the memory tier's files) reads it into a buffer this
+thread reuses from object to object, not into memory of its own each time (allocating and
+faulting in fresh pages cost more than the read), where it is hashed and then copied out.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from ..errors import InvalidName, ShardstoreError
 from ..format.names import check_oid
 from ..format.tensors import hash_bytes, new_hasher
 from .base import BatchedWrites, Buffer, HashedReads, Storage, StreamedReads
 
-__all__ = ["CopyTier", "PeerCopies", "TieredStorage", "TIER_NAMES"]
+__all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES", "VerifiedCopies"]
 
 #: The tiers a read is counted under, in the order they are asked.
 TIER_NAMES = ("memory", "peers", "store")
+#: The largest copy read into a thread's reused staging buffer (two grid blocks, SPEC.md §6);
+#: a larger object (format version 1) is read into memory of its own.
+_STAGE_BYTES = 8 << 20
 
 
 class CopyTier(Protocol):
-    """A tier above the store: copies of some objects, unverified until a reader hashes them."""
+    """A tier above the store: copies of some objects, each hashed to its id before it is used
+    (by the reader, or as it arrived where the tier is ``VerifiedCopies``)."""
 
     name: str  # "memory" or "peers": what its reads are counted under
 
@@ -50,17 +60,46 @@ class CopyTier(Protocol):
         ...
 
 
+@runtime_checkable
+class VerifiedCopies(Protocol):
+    """A tier's optional mark: copies this process hashed to their ids itself as they arrived,
+    held in its own memory since (nothing else can have changed them), so the reader does not
+    hash them again."""
+
+    def verified(self, oid: str) -> bool:
+        """Whether this tier's copy of ``oid`` was verified against ``oid`` when it was added."""
+        ...
+
+
+@runtime_checkable
+class StagedCopies(Protocol):
+    """A tier's optional fast path: its copy of an object read into a buffer the reader gives."""
+
+    def fetch_into(self, oid: str, out: memoryview) -> int | None:
+        """Read this tier's copy of ``oid`` into ``out`` if it has exactly ``len(out)`` bytes;
+        return its size (another size: nothing read), or None if the tier holds no readable copy."""
+        ...
+
+
 class PeerCopies:
     """Objects a peer sent (``checkpoint.replicas``), held in this process's memory until the
-    restore that asked for them is done; each remembers the slot that sent it."""
+    restore that asked for them is done; each remembers the slot that sent it, and whether it
+    was verified against its id as it arrived (``fetch_replicas`` hashes each object while the
+    next message travels, so the restore only copies it)."""
 
     name = "peers"
 
     def __init__(self) -> None:
-        self._objects: dict[str, tuple[Buffer, int]] = {}
+        self._objects: dict[str, tuple[Buffer, int, bool]] = {}
 
-    def add(self, oid: str, data: Buffer, peer: int) -> None:
-        self._objects[check_oid(oid)] = (data, peer)
+    def add(self, oid: str, data: Buffer, peer: int, *, verified: bool = False) -> None:
+        """Keep ``data`` as ``oid``'s copy from ``peer``; ``verified``: the caller hashed exactly
+        these bytes to ``oid`` and hands over the only reference to them."""
+        self._objects[check_oid(oid)] = (data, peer, verified)
+
+    def verified(self, oid: str) -> bool:
+        got = self._objects.get(oid)
+        return got is not None and got[2]
 
     def fetch(self, oid: str) -> Buffer | None:
         got = self._objects.get(oid)
@@ -74,7 +113,7 @@ class PeerCopies:
         return len(self._objects)
 
     def nbytes(self) -> int:
-        return sum(len(d) for d, _ in self._objects.values())
+        return sum(len(d) for d, _, _ in self._objects.values())
 
     def clear(self) -> None:
         self._objects.clear()
@@ -107,6 +146,7 @@ class TieredStorage:
         self.rejected: list[str] = []  # copies set aside: what, where, and why
         self._counted: set[str] = set()  # objects already counted (a manifest is read several times)
         self._lock = threading.Lock()
+        self._stages = threading.local()  # each reading thread's staging buffer (``_stage``)
 
     def __repr__(self) -> str:
         return f"TieredStorage({self.durable!r}, {[t.name for t in self.tiers]})"
@@ -143,26 +183,71 @@ class TieredStorage:
 
     # -- object reads, tier by tier -----------------------------------------------------
 
+    def _verified(self, tier: CopyTier, oid: str, data: Buffer, size: int | None, limit: int | None) -> bool:
+        """Whether ``data``, ``tier``'s copy of ``oid``, may be used: it has ``size`` bytes (if
+        given), at most ``limit``, and hashes to ``oid``; a copy that fails is rejected, named."""
+        if size is not None and len(data) != size:
+            self._reject(tier, oid, f"has {len(data)} bytes, not the {size} its reader expects")
+            return False
+        if limit is not None and len(data) > limit:
+            self._reject(tier, oid, f"has {len(data)} bytes, over its reader's limit of {limit}")
+            return False
+        if isinstance(tier, VerifiedCopies) and tier.verified(oid):
+            return True  # hashed to its id as it arrived, in this process's memory since
+        got = hash_bytes(data)
+        if got != oid:
+            self._reject(tier, oid, f"does not hash to its id (its bytes hash to {got})")
+            return False
+        return True
+
     def _copy(self, oid: str, size: int | None, limit: int | None) -> tuple[CopyTier, Buffer] | None:
         """The first tier's copy of ``oid`` that hashes to it (and, if given, has ``size`` bytes,
-        at most ``limit``); copies that do not are rejected, naming where they came from."""
+        at most ``limit``), in memory of its own; copies that do not are rejected, naming where
+        they came from."""
         for tier in self.tiers:
             data = tier.fetch(oid)
-            if data is None:
-                continue
-            if size is not None and len(data) != size:
-                self._reject(tier, oid, f"has {len(data)} bytes, not the {size} its reader expects")
-                continue
-            if limit is not None and len(data) > limit:
-                self._reject(tier, oid, f"has {len(data)} bytes, over its reader's limit of {limit}")
-                continue
-            got = hash_bytes(data)
-            if got != oid:
-                self._reject(tier, oid, f"does not hash to its id (its bytes hash to {got})")
+            if data is None or not self._verified(tier, oid, data, size, limit):
                 continue
             if tier is not self.fill:
                 self._keep(oid, data)
             return tier, data
+        return None
+
+    def _stage(self, n: int) -> memoryview:
+        """``n`` bytes of this thread's staging buffer (grown as needed, reused from read to read);
+        memory of its own past ``_STAGE_BYTES``."""
+        if n > _STAGE_BYTES:
+            return memoryview(np.empty(n, dtype=np.uint8))
+        buf = getattr(self._stages, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = np.empty(max(n, 1 << 22), dtype=np.uint8)  # one grid block at least
+            self._stages.buf = buf
+        return memoryview(buf)[:n]
+
+    def _copy_into(self, oid: str, out: memoryview) -> CopyTier | None:
+        """Fill ``out`` from the first tier whose copy of ``oid`` has ``len(out)`` bytes and hashes
+        to it, verified before a byte of it is copied into ``out``; None if no tier has one."""
+        for tier in self.tiers:
+            if isinstance(tier, StagedCopies):
+                stage = self._stage(len(out))
+                n = tier.fetch_into(oid, stage)
+                if n is None:
+                    continue
+                if n != len(out):
+                    self._reject(tier, oid, f"has {n} bytes, not the {len(out)} its reader expects")
+                    continue
+                data: Buffer = stage
+            else:
+                got = tier.fetch(oid)
+                if got is None:
+                    continue
+                data = got
+            if not self._verified(tier, oid, data, len(out), None):
+                continue
+            out[:] = memoryview(data).cast("B")
+            if tier is not self.fill:
+                self._keep(oid, out)
+            return tier
         return None
 
     def read(self, key: str, limit: int | None = None) -> Buffer:
@@ -197,42 +282,42 @@ class TieredStorage:
                 self._keep(oid, data)
         return data, str(digest)
 
-    def read_into(self, key: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int:
-        """Fill ``out`` when the object has exactly ``len(out)`` bytes (the ``Storage`` fast path),
-        from the first tier with a verified copy, else from the durable backend."""
+    def read_into_hashed(self, key: str, out: memoryview) -> tuple[int, str]:
+        """Fill ``out`` when the object has exactly ``len(out)`` bytes (the ``HashedReadsInto``
+        fast path), from the first tier with a verified copy, else from the durable backend;
+        return its size and the digest of the bytes now in ``out``, each byte hashed once."""
         oid = _object_id(key)
         if oid is not None:
-            got = self._copy(oid, len(out), None)
-            if got is not None:
-                view = memoryview(got[1]).cast("B")
-                out[:] = view
-                if consume is not None:
-                    consume(out)
-                self._count(got[0].name, oid, len(out))
-                return len(out)
-        if not isinstance(self.durable, StreamedReads):
+            tier = self._copy_into(oid, out)
+            if tier is not None:
+                self._count(tier.name, oid, len(out))
+                return len(out), oid  # the digest _copy_into just compared with the id
+        if isinstance(self.durable, StreamedReads):
+            h = new_hasher()
+            n = self.durable.read_into(key, out, h.update)
+            if n != len(out):
+                return n, ""
+            digest = h.hexdigest()
+        else:
             data = self.durable.read(key)
-            if oid is not None:
-                self._count("store", oid, len(data))
-            if len(data) != len(out):
-                return len(data)
+            n = len(data)
+            if n != len(out):
+                return n, ""
             out[:] = memoryview(data).cast("B")
-            if consume is not None:
-                consume(out)
-            return len(out)
-        h = new_hasher() if oid is not None and self.fill is not None else None
-
-        def both(chunk: memoryview) -> None:
-            if consume is not None:
-                consume(chunk)
-            if h is not None:
-                h.update(chunk)
-
-        n = self.durable.read_into(key, out, both)
-        if oid is not None and n == len(out):
+            digest = hash_bytes(out)
+        if oid is not None:
             self._count("store", oid, n)
-            if h is not None and h.hexdigest() == oid:
+            if digest == oid:
                 self._keep(oid, out)
+        return n, digest
+
+    def read_into(self, key: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int:
+        """Fill ``out`` when the object has exactly ``len(out)`` bytes (the ``StreamedReads`` fast
+        path), as ``read_into_hashed`` does, and hand ``out`` to ``consume`` once filled. The
+        store uses ``read_into_hashed``, which spares it this second pass."""
+        n, _ = self.read_into_hashed(key, out)
+        if n == len(out) and consume is not None:
+            consume(out)
         return n
 
     # -- everything else is the durable backend's -----------------------------------------

@@ -11,14 +11,22 @@ directions are one exchange, ``shift``: every rank of the group sends one offer 
 3. the receiver's answer: which of them it lacks;
 4. only those objects' bytes, packed into messages of at most 64 MiB.
 
+The bytes phase keeps the transport busy and the memory still: the sender reads each object
+from its tier straight into one of two message buffers it reuses (while one travels, the other
+is packed), never into memory of its own first; a receiver that copies out what lands (a buddy
+keeping a replica in its tier) reuses two receive buffers the same way. Only ``fetch_replicas``
+receives into fresh buffers, since the restore reads the copies from them.
+
 ``replicate`` runs it once a commit is durable (``shardtrain``'s committer calls it in its
 background thread, on the commit protocol's group): slot ``i`` offers its closure of the
 commit and the buddy keeps what it lacks in its host's tier for slot ``i``, verified against
 each id, and holds the commit there when every object is present. ``fetch_replicas`` runs
 it at a restart, after the group agreed on the commit: a worker whose own tier does not hold
 the commit gets its slot's objects from its buddies into a ``PeerCopies`` tier, which the
-restore reads through ``TieredStorage`` (verifying every object; a wrong one is named with
-the peer that sent it and read from the store instead).
+restore reads through ``TieredStorage``. Each object is verified against its id as it lands
+(hashed on the helper thread while the next message travels, and not again by the restore);
+a wrong one is refused, named with the peer that sent it, and the restore reads it from the
+store instead.
 
 Everything travels as tensors (never pickled objects). Every rank of the group must call
 the same function with the same ``commit``; a rank with nothing to offer sends an empty
@@ -37,7 +45,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..backends.base import Buffer
 from ..backends.memory_tier import MemoryTier
 from ..backends.tiers import PeerCopies
 from ..errors import ShardstoreError
@@ -135,17 +142,20 @@ def shift(
     *,
     to: int,
     frm: int,
-    fetch: Callable[[str], Buffer | None],
+    fetch_into: Callable[[str, memoryview], int | None],
     lacks: Callable[[Offer, str], bool],
     land: Callable[[Offer, str, memoryview], None],
     limit: int = _MAX_OBJECT_BYTES,
+    copies_out: bool = False,
 ) -> tuple[Offer, int, int]:
     """Send ``offer`` to rank ``to`` and receive rank ``frm``'s (module docstring: header, ids,
     answer, bytes). Objects of the incoming offer that the receiver ``lacks`` (at most ``limit``
     bytes in all) come in and are handed to ``land`` unverified; the sender reads each with
-    ``fetch`` (an object gone meanwhile is sent as zeros, which its receiver rejects). Returns
-    the offer received and the bytes sent and received. Collective over ``group``: every rank
-    calls it, with ``to`` and ``frm`` matching its peers'."""
+    ``fetch_into`` straight into the message (its size back; an object gone meanwhile, or of
+    another size, is sent as zeros, which its receiver rejects). ``copies_out``: ``land`` keeps
+    nothing it is handed past its return, so the receive buffers are reused. Returns the offer
+    received and the bytes sent and received. Collective over ``group``: every rank calls it,
+    with ``to`` and ``frm`` matching its peers'."""
     # 1. headers
     mine = _owned(_HEADER.pack(bytes.fromhex(offer.commit or "0" * 64), offer.slot, len(offer.objects)))
     theirs = torch.empty(_HEADER.size, dtype=torch.uint8)
@@ -184,9 +194,15 @@ def shift(
     msgs_out = [[asked[j] for j in m] for m in _messages([offer.objects[i][1] for i in asked])]
     msgs_in = [[wanted_in[j] for j in m] for m in _messages([got.objects[i][1] for i in wanted_in])]
     sent = received = 0
+    outboxes: list[torch.Tensor | None] = [None, None]  # message k is packed into outboxes[k % 2]
+    inboxes: list[torch.Tensor | None] = [None, None]  # and received into inboxes[k % 2] (copies_out)
 
     def pack(k: int) -> torch.Tensor | None:
-        return None if k >= len(msgs_out) else _pack(offer, msgs_out[k], fetch)
+        if k >= len(msgs_out):
+            return None
+        n = sum(offer.objects[i][1] for i in msgs_out[k])
+        outboxes[k % 2] = _box(outboxes[k % 2], n)
+        return _pack(offer, msgs_out[k], fetch_into, outboxes[k % 2][:n])  # type: ignore[index]
 
     def unpack(k: int, into: torch.Tensor) -> int:
         view, off = memoryview(into.numpy()), 0
@@ -205,7 +221,12 @@ def shift(
             packed = helper.submit(pack, k + 1) if k + 1 < rounds else packed
             into = None
             if k < len(msgs_in):
-                into = torch.empty(sum(got.objects[i][1] for i in msgs_in[k]), dtype=torch.uint8)
+                n = sum(got.objects[i][1] for i in msgs_in[k])
+                if copies_out:  # free again: message k-2's landing was waited for last round
+                    inboxes[k % 2] = _box(inboxes[k % 2], n)
+                    into = inboxes[k % 2][:n]  # type: ignore[index]
+                else:
+                    into = torch.empty(n, dtype=torch.uint8)
             _exchange(group, out, to, into, frm)
             sent += 0 if out is None else out.numel()
             if landed is not None:
@@ -218,15 +239,21 @@ def shift(
     return got, sent, received
 
 
-def _pack(offer: Offer, message: list[int], fetch: Callable[[str], Buffer | None]) -> torch.Tensor:
-    """One message's objects, back to back (zeros for one that cannot be read now)."""
-    out = torch.zeros(sum(offer.objects[i][1] for i in message), dtype=torch.uint8)
-    flat, off = out.numpy(), 0
+def _box(box: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``box`` if it holds ``n`` bytes, else a buffer that does (a message is at most
+    ``MESSAGE_BYTES`` unless one object is larger, so a box is allocated about once)."""
+    return box if box is not None and box.numel() >= n else torch.empty(max(n, 1), dtype=torch.uint8)
+
+
+def _pack(
+    offer: Offer, message: list[int], fetch_into: Callable[[str, memoryview], int | None], out: torch.Tensor
+) -> torch.Tensor:
+    """One message's objects read back to back into ``out`` (zeros for one that cannot be read now)."""
+    flat, off = memoryview(out.numpy()), 0
     for i in message:
         oid, n = offer.objects[i]
-        data = _try_value(lambda: fetch(oid))
-        if data is not None and len(data) == n:
-            flat[off : off + n] = np.frombuffer(data, dtype=np.uint8)
+        if _try_value(lambda: fetch_into(oid, flat[off : off + n])) != n:
+            out[off : off + n].zero_()
         off += n
     return out
 
@@ -271,7 +298,14 @@ def replicate(
                 _try(lambda: t.put(oid, data))
 
         got, sent, received = shift(
-            group, offer, to=(rank + d) % world, frm=peer, fetch=own.fetch, lacks=lacks, land=land
+            group,
+            offer,
+            to=(rank + d) % world,
+            frm=peer,
+            fetch_into=own.fetch_into,
+            lacks=lacks,
+            land=land,
+            copies_out=True,  # land hashes each object and writes it to this host's tier
         )
         report.sent += sent
         report.received += received
@@ -306,8 +340,9 @@ def fetch_replicas(
 ) -> tuple[PeerCopies, ReplicaReport]:
     """At a restart, after the group agreed on ``commit``: every rank whose own tier does not
     hold ``commit`` for its slot gets the objects it lacks from its buddies (slot + 1, ...),
-    each buddy offering its host's tier of that slot (``tier_for``). Returns the copies,
-    unverified (``TieredStorage`` verifies each before use). Collective over ``group``."""
+    each buddy offering its host's tier of that slot (``tier_for``). Returns the copies, each
+    verified against its id as it landed, and the report (``rejected``: the copies refused,
+    each naming its peer). Collective over ``group``."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     copies = PeerCopies()
     report = ReplicaReport()
@@ -336,14 +371,23 @@ def fetch_replicas(
             )  # fmt: skip
 
         def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
-            copies.add(oid, data, _peer)
+            # Verified here, on the helper thread while the next message travels, and only here:
+            # the restore copies a verified copy without hashing it again (backends.tiers).
+            digest = hash_bytes(data)
+            if digest != oid:
+                report.rejected.append(
+                    f"object {oid}: the copy from peer slot {_peer} does not hash to its id "
+                    f"(its bytes hash to {digest}); not used"
+                )
+                return
+            copies.add(oid, data, _peer, verified=True)  # its message buffer is this object's alone
 
         got, sent, received = shift(
             group,
             offer,
             to=asker,
             frm=peer,
-            fetch=(lambda oid: source.fetch(oid)) if source is not None else (lambda oid: None),
+            fetch_into=source.fetch_into if source is not None else (lambda oid, out: None),
             lacks=lacks,
             land=land,
         )

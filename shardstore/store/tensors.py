@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..backends.base import BatchedWrites, Buffer, ListedSizes, Storage, StreamedReads
+from ..backends.base import BatchedWrites, Buffer, HashedReadsInto, ListedSizes, Storage, StreamedReads
 from ..errors import CorruptObject
 from ..format.grid import staging
 from ..format.lazy import torch
@@ -183,20 +183,24 @@ def read_into(storage: Storage, oid: str, dest: torch.Tensor, *, what: str, whol
         and dest.numel() > 0
         and not (dest.is_conj() or dest.is_neg())
     )
-    if not isinstance(storage, StreamedReads) or not direct:
+    hashed = isinstance(storage, HashedReadsInto)
+    if not (hashed or isinstance(storage, StreamedReads)) or not direct:
         with torch.no_grad():
             dest.copy_(whole())
         return
     flat = dest.detach().reshape(-1).view(torch.uint8)
     out = memoryview(flat.numpy())
-    h = new_hasher()
-    n = storage.read_into(object_key(oid), out, h.update)
+    if hashed:  # the backend hashed what it put in ``out`` (a tier verifies its copies): once, not twice
+        n, got = storage.read_into_hashed(object_key(oid), out)
+    else:
+        h = new_hasher()
+        n = storage.read_into(object_key(oid), out, h.update)
+        got = h.hexdigest()
     if n != len(out):
         # wrong size: corrupt or a mismatched entry; let the hashing path name which
         with torch.no_grad():
             dest.copy_(whole())
         return
-    got = h.hexdigest()
     if got != oid:
         raise CorruptObject(f"{what}: object {oid} is corrupt: its {n} bytes hash to {got} (SPEC.md §Objects)")
     bump = getattr(torch.autograd.graph, "increment_version", None)

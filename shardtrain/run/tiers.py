@@ -110,12 +110,14 @@ class SlotTiers:
 
     def fetch(self, commit: str, group: Any = None) -> None:
         """Collective at a start from ``commit``: a worker whose tier does not hold it gets its
-        slot's objects from its buddies (unverified until read)."""
+        slot's objects from its buddies (each verified against its id as it lands; a wrong one
+        is named in ``rejected`` and read from the store)."""
         if self.replicas == 0:
             return
         self.peers, report = fetch_replicas(
             group, slot=self.slot, commit=commit, own=self.own, tier_for=self.tier_for, replicas=self.replicas
         )
+        self.rejected += report.rejected  # copies refused as they arrived, each naming its peer
 
     def reader(self, durable: Store) -> Store:
         """``durable`` with this worker's tiers above it (memory, then peers), every object

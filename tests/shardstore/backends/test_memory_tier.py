@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
+import blake3
 import pytest
 import torch
 from conftest import TinyNet, make_optimizer, train_steps
@@ -121,6 +123,50 @@ def test_a_tier_copy_of_the_wrong_size_is_refused_before_it_lands(tmp_path: Path
     reader.read_into(oid, dest)
     assert counted.counts() == {"memory": 0, "peers": 0, "store": dest.numel() * 4}
     assert "has " in counted.rejected[0] and "not the" in counted.rejected[0]
+
+
+class _CountingBlake3:
+    """BLAKE3 with the bytes it is fed counted (class-wide ``hashed``): shardstore's one hasher."""
+
+    AUTO = blake3.blake3.AUTO
+    hashed = 0
+
+    def __init__(self, data: object = None, **kwargs: object) -> None:
+        self._h = blake3.blake3(**kwargs)
+        if data is not None:
+            self.update(data)
+
+    def update(self, data: object) -> _CountingBlake3:
+        type(self).hashed += memoryview(data).nbytes  # type: ignore[arg-type]
+        self._h.update(data)
+        return self
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+@pytest.mark.parametrize("source", ["memory", "peers", "store"])
+def test_each_byte_read_through_the_tiers_is_hashed_exactly_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    cid = ss.save(store, TinyNet(), step=1)
+    oid = ss.load_commit(store, cid).shards[0].entries[0].param
+    tier = MemoryTier(str(tmp_path / "tier"), 0)
+    peers = PeerCopies()
+    if source == "memory":
+        tier.put(oid, store.get(oid))
+    elif source == "peers":
+        peers.add(oid, bytes(store.get(oid)), peer=1)
+    reader, counted = _tiered(store, tier, peers, fill=tier)  # fill: a store read is kept in memory too
+    dest = torch.empty(store.object_size(oid) // 4, dtype=torch.float32)
+    monkeypatch.setattr(ss.format.tensors, "blake3", SimpleNamespace(blake3=_CountingBlake3))
+    monkeypatch.setattr(_CountingBlake3, "hashed", 0)
+    reader.read_into(oid, dest)
+    assert _CountingBlake3.hashed == dest.numel() * 4  # verified once on its way in, not once per layer
+    assert counted.counts()[source] == dest.numel() * 4 and not counted.rejected
+    assert torch.equal(dest.view(torch.uint8), torch.frombuffer(bytearray(store.get(oid)), dtype=torch.uint8))
+    assert tier.has(oid)  # a copy from below the memory tier was kept there (read-allocate)
 
 
 def test_every_write_goes_to_the_store_and_objects_also_to_the_tier(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
+import blake3
 import pytest
 from gloo_group import run_group
 
@@ -15,6 +17,7 @@ from shardstore.backends.memory_tier import MemoryTier
 from shardstore.backends.tiers import TieredStorage
 from shardstore.checkpoint import replicas
 from shardstore.checkpoint.replicas import buddies, fetch_replicas, replicate
+from shardstore.format import tensors
 from shardstore.format.tensors import hash_bytes
 from shardstore.store import open_store
 
@@ -29,10 +32,44 @@ def _objects(rank: int, n: int, version: int = 0) -> dict[str, bytes]:
     return {hash_bytes(d): d for d in datas}
 
 
+def _count_hashing() -> list[int]:
+    """From now on in this process, the bytes shardstore's BLAKE3 is fed (``[0]``)."""
+    hashed = [0]
+
+    class Counting:
+        AUTO = blake3.blake3.AUTO
+
+        def __init__(self, data: object = None, **kwargs: object) -> None:
+            self._h = blake3.blake3(**kwargs)
+            if data is not None:
+                self.update(data)
+
+        def update(self, data: object) -> Counting:
+            hashed[0] += memoryview(data).nbytes  # type: ignore[arg-type]
+            self._h.update(data)
+            return self
+
+        def hexdigest(self) -> str:
+            return self._h.hexdigest()
+
+    tensors.blake3 = SimpleNamespace(blake3=Counting)  # type: ignore[attr-defined]  # this spawned process only
+    return hashed
+
+
 def _body(rank: int, world: int, home: str) -> dict:
     # Messages of two objects each: every exchange below takes several messages, so the
     # pipeline (the next message packed, the last one landed, while one travels) is exercised.
     replicas.MESSAGE_BYTES = 4096
+    # Count the tier reads into memory of their own: a sender reads each object straight into
+    # the message it packs, so replicating and fetching take none.
+    whole_reads = [0]
+    fetch = MemoryTier.fetch
+
+    def counted_fetch(self: MemoryTier, oid: str) -> bytes | None:
+        whole_reads[0] += 1
+        return fetch(self, oid)
+
+    MemoryTier.fetch = counted_fetch  # type: ignore[method-assign]  # this spawned process only
     roots = {r: os.path.join(home, f"host{r}") for r in range(world)}
     own = MemoryTier(roots[rank], rank)
     tier_for = lambda slot: MemoryTier(roots[rank], slot)  # noqa: E731 - this host's tier of a slot
@@ -58,9 +95,20 @@ def _body(rank: int, world: int, home: str) -> dict:
     # slot 1's host is lost: its replacement has an empty tier and gets slot 1 from slot 2's host
     if rank == 1:
         own = MemoryTier(os.path.join(home, "replacement1"), 1)
+    hashed = _count_hashing()
     copies, report = fetch_replicas(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
     out["fetched"] = sorted(oid for oid in second if copies.fetch(oid) is not None)
     out["fetch_received"] = report.received
+    out["hashed_fetching"] = hashed[0]
+    if rank == 1:  # the restore's reads of those copies: each copied into its tensor, none hashed again
+        hashed[0] = 0
+        reader = TieredStorage(open_store(os.path.join(home, "empty1")).storage, [own, copies], fill=own)
+        for oid, data in second.items():
+            into = bytearray(len(data))
+            assert reader.read_into_hashed(f"objects/{oid[:2]}/{oid}", memoryview(into)) == (len(data), oid)
+            assert into == data
+        out["hashed_restoring"] = hashed[0]
+        out["restore_counts"] = reader.counts()
     # slot 2's host now holds a corrupt replica of slot 1: the replacement's reader refuses it
     bad = max(second, key=lambda o: len(second[o])) if rank == 1 else None
     if rank == 2:
@@ -70,7 +118,8 @@ def _body(rank: int, world: int, home: str) -> dict:
         path.write_bytes(b"X" + path.read_bytes()[1:])
     if rank == 1:
         own = MemoryTier(os.path.join(home, "replacement1b"), 1)
-    copies, _ = fetch_replicas(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
+    copies, report = fetch_replicas(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
+    out["whole_reads"] = whole_reads[0]
     if rank == 1:
         store = open_store(os.path.join(home, "store1"))  # the durable copy, for the rejected object
         for data in second.values():
@@ -79,7 +128,7 @@ def _body(rank: int, world: int, home: str) -> dict:
         for oid, data in second.items():
             assert bytes(reader.read(f"objects/{oid[:2]}/{oid}")) == data
         out["counts"] = reader.counts()
-        out["rejected"] = reader.rejected
+        out["rejected"] = report.rejected + reader.rejected  # refused as it landed, naming the peer
         out["bad"] = bad
     return out
 
@@ -118,3 +167,15 @@ def test_a_buddy_sending_wrong_bytes_is_named_and_the_store_read_instead(ranks: 
     assert r["counts"]["peers"] == sum(len(d) for d in _objects(1, 4, version=1).values()) - r["counts"]["store"]
     assert len(r["rejected"]) == 1
     assert r["rejected"][0].startswith(f"object {bad}: the copy from peer slot 2 does not hash to its id")
+
+
+def test_senders_read_objects_straight_into_the_messages(ranks: list[dict]) -> None:
+    assert [r["whole_reads"] for r in ranks] == [0, 0, 0]
+    assert all(r["first"][0] > 0 for r in ranks) and ranks[1]["fetch_received"] > 0  # bytes did move
+
+
+def test_each_fetched_byte_is_hashed_once_as_it_lands_and_not_again_by_the_restore(ranks: list[dict]) -> None:
+    r = ranks[1]
+    assert r["fetch_received"] > 0 and r["hashed_fetching"] == r["fetch_received"]
+    assert r["hashed_restoring"] == 0 and r["restore_counts"]["peers"] == r["fetch_received"]
+    assert ranks[0]["hashed_fetching"] == ranks[2]["hashed_fetching"] == 0  # senders hash nothing
