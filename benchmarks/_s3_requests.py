@@ -52,7 +52,9 @@ __all__ = [
     "RecordingStorage",
     "CountingServer",
     "mark",
+    "retried",
     "s3fs_write",
+    "s3fs_file",
     "dcp_writes",
     "SAVE_OVERHEAD",
     "floor_seconds",
@@ -281,15 +283,16 @@ def _method(environ: dict[str, Any]) -> str:
 
 class CountingServer:
     """moto's S3 server on 127.0.0.1 behind a WSGI layer that tallies each request it answers
-    (method as S3's rate classes count it, key under the bucket, phase). A worker names the
-    phase with ``mark(endpoint, name)`` (a POST to ``/__phase__/<name>``, answered here)."""
+    (method as S3's rate classes count it, key under the bucket, phase), and each answer's
+    status (``status``: (phase, method, status) -> answers). A worker names the phase with
+    ``mark(endpoint, name)`` (a POST to ``/__phase__/<name>``, answered here)."""
 
     def __init__(self, bucket: str) -> None:
         from moto.server import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-        self.bucket, self.tally, self.status = bucket, Tally(), Counter[tuple[str, int]]()
+        self.bucket, self.tally, self.status = bucket, Tally(), Counter[tuple[str, str, int]]()
         app = DomainDispatcherApplication(create_backend_app)
         self._server = make_server("127.0.0.1", 0, self._wrap(app), threaded=True)
         host, port = self._server.server_address[:2]
@@ -308,11 +311,13 @@ class CountingServer:
             parts = path.lstrip("/").split("/", 1)
             key = parts[1] if len(parts) == 2 and parts[0] == self.bucket else ""
 
+            phase = self.tally.phase
+
             def start(status: str, headers: list, *rest: Any) -> Any:
-                self.status[(method, int(status.split()[0]))] += 1
+                self.status[(phase, method, int(status.split()[0]))] += 1
                 return start_response(status, headers, *rest)
 
-            self.tally.add(key, Counter({method: 1}))
+            self.tally.add(key, Counter({method: 1}), phase)
             return app(environ, start)
 
         return counted
@@ -320,6 +325,12 @@ class CountingServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._thread.join()
+
+
+def retried(status: Counter[tuple[str, str, int]], phase: str) -> Counter[str]:
+    """Answers in ``phase`` that S3Storage retries (a server error, or 409 ConditionalRequestConflict;
+    the save or restore went on, so each was retried), by method."""
+    return Counter({m: n for (p, m, code), n in status.items() if p == phase and (code >= 500 or code == 409)})
 
 
 def mark(endpoint: str, phase: str) -> None:
@@ -342,6 +353,13 @@ def s3fs_write(writes: list[int], block: int) -> Counter[str]:
     if parts == 0:
         return Counter(PUT=1)
     return Counter(POST=2, PUT=parts + (1 if buffered else 0))
+
+
+def s3fs_file(size: int, block: int) -> Counter[str]:
+    """``s3fs_write`` of a file written in writes much smaller than ``block`` (DCP's items at scale)."""
+    if size < block:
+        return Counter(PUT=1)
+    return Counter(POST=2, PUT=math.ceil(size / block))
 
 
 def dcp_writes(chunks: list[int]) -> list[int]:
