@@ -53,6 +53,7 @@ __all__ = [
     "CountingServer",
     "mark",
     "retried",
+    "watch_lost",
     "s3fs_write",
     "s3fs_file",
     "dcp_writes",
@@ -291,7 +292,8 @@ class CountingServer:
         from moto.server import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+        # a line per request otherwise, and a traceback for each 500 (counted in ``status``)
+        logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
         self.bucket, self.tally, self.status = bucket, Tally(), Counter[tuple[str, str, int]]()
         app = DomainDispatcherApplication(create_backend_app)
         self._server = make_server("127.0.0.1", 0, self._wrap(app), threaded=True)
@@ -318,7 +320,11 @@ class CountingServer:
                 return start_response(status, headers, *rest)
 
             self.tally.add(key, Counter({method: 1}), phase)
-            return app(environ, start)
+            try:
+                return app(environ, start)
+            except Exception:  # werkzeug answers 500 itself (moto's in-memory backend is not safe
+                self.status[(phase, method, 500)] += 1  # under concurrent writes to one key)
+                raise
 
         return counted
 
@@ -331,6 +337,25 @@ def retried(status: Counter[tuple[str, str, int]], phase: str) -> Counter[str]:
     """Answers in ``phase`` that S3Storage retries (a server error, or 409 ConditionalRequestConflict;
     the save or restore went on, so each was retried), by method."""
     return Counter({m: n for (p, m, code), n in status.items() if p == phase and (code >= 500 or code == 409)})
+
+
+#: botocore's operation names as S3's rate classes count them.
+_OPERATIONS = {"PutObject": "PUT", "UploadPart": "PUT", "CopyObject": "COPY", "UploadPartCopy": "COPY",
+               "CreateMultipartUpload": "POST", "CompleteMultipartUpload": "POST", "DeleteObjects": "POST",
+               "DeleteObject": "DELETE", "AbortMultipartUpload": "DELETE", "GetObject": "GET", "HeadObject": "HEAD",
+               "ListObjectsV2": "LIST"}  # fmt: skip
+
+
+def watch_lost(client: Any, tally: Tally) -> None:
+    """Tally under ``tally.phase`` each request of ``client`` (botocore's) that ended without an
+    answer (a connection error, a timeout: botocore's ``after-call-error`` event). S3Storage
+    retries them; the server may have answered the lost one, so it can count it twice."""
+
+    def lost(event_name: str = "", **_kw: Any) -> None:
+        op = event_name.rsplit(".", 1)[-1]
+        tally.add("", Counter({_OPERATIONS.get(op, op): 1}))
+
+    client.meta.events.register("after-call-error.s3", lost)
 
 
 def mark(endpoint: str, phase: str) -> None:
