@@ -2,7 +2,7 @@
 
 One FSDP2 model (``fully_shard`` over 2 ranks, dim-0 slices) of ``--mib`` MiB of float32
 parameters in bias-free Linear weights of 2048 x 2048 (16 MiB each). On the tile grid (SPEC.md
-§5a, format version 4) each is 2 x 2 tiles of 1024 x 1024 (4 MiB), so a rank's row half is 2
+§5.1, format version 4) each is 2 x 2 tiles of 1024 x 1024 (4 MiB), so a rank's row half is 2
 whole tiles and so is a column half: every restore below should read exactly its share. AdamW
 takes one step so both moments exist, then every parameter and moment is filled with values
 drawn from its name (``_dist_bench.fill``): the checkpoint is 3 x ``--mib`` MiB. Both ranks run

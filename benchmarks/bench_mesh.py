@@ -7,7 +7,7 @@ with ``parallelize_module`` (even layers ``ColwiseParallel``: weight ``Shard(0)`
 weight is ``(_StridedShard(0, sf=2), Shard(0))`` and a Rowwise one ``(Shard(0), Shard(1))``.
 AdamW takes one step so both moments exist; then every parameter and moment is filled with
 values drawn from its name (``_dist_bench.fill``): the checkpoint is 3 x ``--mib`` MiB. On the
-tile grid (SPEC.md §5a, format version 4) a 4096 x 4096 float32 tensor is 4 x 4 tiles of
+tile grid (SPEC.md §5.1, format version 4) a 4096 x 4096 float32 tensor is 4 x 4 tiles of
 1024 x 1024 (4 MiB), so every split below (quarters of rows, quarters of columns, half by half)
 is whole tiles: each rank should read its share and no more. Smaller sides (``--mib`` under
 128) have tiles the 4-way splits cut, and tensors of one block that every rank reads whole, so

@@ -573,7 +573,7 @@ def ss_save(
         t = time.process_time()
         planned = plan_union({key: union[key]}, n)
         plan_s += (time.process_time() - t) * len(keys)
-        pieces += sum(1 + len(sends) for *_x, sends, _d in planned) * len(keys)
+        pieces += sum(1 + len(b.sends) for b in planned) * len(keys)
     # 3. the exchange's stand-ins: would-be block ids (the canonical grid's), registered with their sizes
     storage = CountingStorage()
     storage.tally.phase = "create"

@@ -1,4 +1,4 @@
-"""Time of the commit slice check (SPEC.md §15e) against a linear pass over the same slices.
+"""Time of the commit slice check (SPEC.md §15.5) against a linear pass over the same slices.
 
 Every reader of a commit with slices (verify, show, copy, gc, restore) checks that the
 distinct slices of each tensor are disjoint and cover it. Two layouts, each an exact cover

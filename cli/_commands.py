@@ -107,7 +107,7 @@ def _open(url: str, *, create: bool = False) -> ss.Store:
 
 
 def _gc_markers(store: ss.Store) -> list[dict[str, Any]]:
-    """The gc markers present, with holder and age (SPEC.md §19b): a running gc, or one that died."""
+    """The gc markers present, with holder and age (SPEC.md §19.2): a running gc, or one that died."""
     from shardstore.store.gc_fence import gc_markers
 
     return [marker_doc(m) for m in gc_markers(store)]
@@ -216,7 +216,9 @@ def cmd_log(args: argparse.Namespace) -> int:
         commits.append(
             {"id": cid, "step": c.step, "transition": c.transition, "learned_root": c.learned_root, "parent": c.parent}
         )
-        if getattr(args, "oneline", False):  # the journal's time and loss: advisory notes, never trusted (SPEC.md §19b)
+        if getattr(
+            args, "oneline", False
+        ):  # the journal's time and loss: advisory notes, never trusted (SPEC.md §19.2)
             note = _journal_note(store, cid)
             commits[-1].update(time=note.get("time"), loss=note.get("loss"))
         cid = c.parent

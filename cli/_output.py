@@ -67,7 +67,7 @@ def note(message: str) -> None:
 @contextlib.contextmanager
 def diagnostics(prog: str, *, quiet: bool = False) -> Iterator[None]:
     """Within: each ``GcWait`` the library warns (a ref move or pin change waiting for a gc,
-    SPEC.md §19b) is one ``PROG: note: ...`` line on stderr (none with ``--quiet``); other
+    SPEC.md §19.2) is one ``PROG: note: ...`` line on stderr (none with ``--quiet``); other
     warnings show as Python shows them."""
     with warnings.catch_warnings():  # restores the filters and showwarning on exit
         warnings.simplefilter("always", GcWait)

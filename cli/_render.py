@@ -261,7 +261,7 @@ def render_show(doc: dict[str, Any]) -> str:
 
 
 def _extra_summary(x: dict[str, Any]) -> str:
-    """An extra's state on one line; a DCP document (SPEC.md §9d) as what it holds, not in full."""
+    """An extra's state on one line; a DCP document (SPEC.md §9.4) as what it holds, not in full."""
     from shardstore.format.dcp import DCP_EXTRA
 
     state = x["state"]

@@ -97,14 +97,21 @@ def render_transition(kind: str, doc: dict[str, Any]) -> str:
 
 
 def render_plan(doc: dict[str, Any]) -> str:
-    lines = ["slot  layers   parameters      estimate      capacity  utilisation"]
+    tiers = any(r.get("tier") for r in doc["slots"])
+    lines = ["slot  layers   parameters      estimate      capacity  utilisation" + ("   host tiers" if tiers else "")]
     for r in doc["slots"]:
         lines.append(
             f"{r['slot']:>4}  {r['layers'][0]:>2}:{r['layers'][1]:<3}  {r['parameters']:>11,}  "
             f"{r['estimate'] / 2**20:>9.1f} MiB  {r['capacity'] / 2**20:>9.0f} MiB  {r['utilisation']:>10.1%}"
+            + (f"  {r['tier'] / 2**20:>7.1f} MiB" if tiers else "")
         )
     ranges = ",".join(f"{a}:{b}" for a, b in doc["partition"])
     lines.append(f"--partition {ranges}  (highest utilisation {doc['max_utilisation']:.1%})")
+    if tiers:
+        lines.append(
+            "host tiers: host memory the memory tiers hold at most for the slot and the replicas it keeps "
+            "(checked at admission; on the CPU it adds to the estimate)"
+        )
     return "\n".join(lines)
 
 

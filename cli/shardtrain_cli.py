@@ -13,6 +13,7 @@ coordinator worker (slot 0) through ``print_step``, which the workers receive by
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -104,7 +105,8 @@ def _tier_options(args: argparse.Namespace) -> dict[str, object]:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from shardtrain.engine.profile import Profile
-    from shardtrain.job.job import load_job, prepare_default
+    from shardtrain.job.default_job import prepare_default
+    from shardtrain.job.job import load_job
     from shardtrain.job.user_job import describe, prepare_model, prepare_seed
 
     if args.model and args.seed_commit:
@@ -425,7 +427,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise JobError("--commit needs --store")
         store = shardstore.open_store(args.store, create=False)
         config, _ = commit_config(store, shardstore.load_commit(store, args.commit))
-    chosen = plan(_memory_model(args, config), _capacities(args, args.workers))
+    model = _memory_model(args, config)
+    if args.memory_tier_commits < 0 or (args.peer_replicas or 0) < 0:
+        raise JobError("--memory-tier-commits and --peer-replicas must be >= 0")
+    buddies = (1 if args.workers >= 2 else 0) if args.peer_replicas is None else args.peer_replicas
+    model = dataclasses.replace(model, tier_commits=args.memory_tier_commits, replicas=buddies)
+    chosen = plan(model, _capacities(args, args.workers))
     rows = [
         {
             "slot": e.slot,
@@ -438,6 +445,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "reference": e.reference,
             "activations": e.activations,
             "reserve": e.reserve,
+            "tier": e.tier,
             "capacity": c,
             "utilisation": u,
         }
@@ -543,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="local workers (default 2); resuming a commit laid out for "
-        "another count first writes its repartition commit (SPEC.md §15a)",
+        "another count first writes its repartition commit (SPEC.md §15.1)",
     )
     p.add_argument("--ref", default="main", help="the ref that follows this run (default main)")
     p.add_argument(
@@ -676,6 +684,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--reference",
         action="store_true",
         help="count a frozen reference model's share (default: whether the job distils)",
+    )
+    p.add_argument(
+        "--memory-tier-commits",
+        type=int,
+        default=1,
+        metavar="K",
+        help="commits each worker's memory tier keeps (as train's option; 0: no memory tier); host memory, "
+        "in the tier column",
+    )
+    p.add_argument(
+        "--peer-replicas",
+        type=int,
+        metavar="N",
+        help="buddies keeping each slot's objects in their host's tier (as train's: default 1 with two or more "
+        "workers)",
     )
 
     p = add("demo", cmd_demo, "the main job: train, lose a worker, recover exactly, continue, evaluate")

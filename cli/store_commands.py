@@ -192,7 +192,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _break_marker(args: argparse.Namespace) -> int:
-    """``gc --break-marker NONCE``: remove a gc marker whose gc is gone (SPEC.md §19b), never a running one's."""
+    """``gc --break-marker NONCE``: remove a gc marker whose gc is gone (SPEC.md §19.2), never a running one's."""
     from shardstore.store.gc_fence import break_gc_marker
 
     if args.dry_run:

@@ -35,16 +35,8 @@ if TYPE_CHECKING:
     from .checkpoint.distributed import agree_on_commit, save_distributed
     from .checkpoint.info import CommitInfo
     from .checkpoint.replicas import fetch_replicas, replicate
-    from .checkpoint.slots import (
-        AUTO,
-        Restored,
-        restore,
-        save,
-        save_slots,
-        write_commit,
-        write_shard,
-        write_shard_entries,
-    )
+    from .checkpoint.restore import Restored, restore
+    from .checkpoint.slots import AUTO, save, save_slots, write_commit, write_shard, write_shard_entries
     from .checkpoint.state_dict import load_state_dict_into, read_state_dict, save_state_dict
     from .format.manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode
     from .format.roots import learned_root

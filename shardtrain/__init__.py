@@ -57,7 +57,8 @@ from shardtrain.errors import (
     TransitionError,
     WorkerFailedError,
 )
-from shardtrain.job.job import PreparedJob, load_job, prepare_default
+from shardtrain.job.default_job import prepare_default
+from shardtrain.job.job import PreparedJob, load_job
 from shardtrain.reshape.grow import identity_check
 from shardtrain.reshape.planner import MemoryModel, Plan, SlotEstimate, plan
 from shardtrain.reshape.regroup import TransitionResult  # regroup() and grow() stay in their modules: same names

@@ -113,4 +113,4 @@ class DistillError(ShardtrainError):
 
 
 class NonFiniteStep(ShardtrainError):
-    """A step's loss or global gradient norm was not finite: the update was not applied (SPEC.md §14d)."""
+    """A step's loss or global gradient norm was not finite: the update was not applied (docs/SHARDTRAIN-FORMATS.md §3)."""

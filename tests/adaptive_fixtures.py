@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from shardstore import copy_commit, open_store
-from shardtrain.job.job import prepare_default
+from shardtrain.job.default_job import prepare_default
 from shardtrain.reshape.grow import grow
 from shardtrain.reshape.regroup import regroup
 from shardtrain.run.lifecycle import RunSpec, train

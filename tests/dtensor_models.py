@@ -2,7 +2,7 @@
 training loop: one definition, so every test module splits the same tensors.
 
 ``fc1.weight`` is ``rows`` x ``wide`` float32 (by default 10 x 131072, 5 MiB: two column
-tiles of 10 x 65536, SPEC.md §5a), so every split the tests use cuts a block and the exchange
+tiles of 10 x 65536, SPEC.md §5.1), so every split the tests use cuts a block and the exchange
 moves pieces.
 """
 

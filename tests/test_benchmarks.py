@@ -218,3 +218,20 @@ def test_dcp_benchmark_smoke(tmp_path) -> None:
     assert "<!-- bench_dcp:begin -->" in text and "| dcp.save → FileSystemWriter |" in text
     assert "the changed half is 48.00 MiB" in text and "| the frozen half written zero times" in text
     assert "KiB beyond it | yes |" in text
+
+
+@pytest.mark.long  # .ci/run's second step (the README's test command keeps its 8 minutes)
+def test_peer_recovery_benchmark_smoke(tmp_path) -> None:
+    """Both group sizes, tiny state: each method's restore is checked bitwise inside the script
+    (a mismatch exits non-zero) and recovering through peers reads no tensor byte from the store."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n")
+    args = ["benchmarks/bench_peer_recovery.py", "--mib", "48", "--reps", "1", "--warm", "--results", str(results)]
+    done = _run(args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    for world in (2, 3):
+        row = next(r for r in text.splitlines() if r.startswith(f"| {world} workers: 0 tensor bytes"))
+        assert row.rstrip().endswith("| yes |"), row
+        assert f"| {world} | " in text and "| peers |" in text and "| S3 |" in text
+    assert "On paper" in text and "| 70 B | 64 |" in text

@@ -252,7 +252,7 @@ def test_two_slot_commit_continues_bitwise_in_a_fresh_model(store, trained):
 
 
 def test_write_shard_entries_relays_existing_objects_without_reading_them(store, trained):
-    """A new layout of a commit's entries (SPEC.md §15a): same learned-state root; missing objects
+    """A new layout of a commit's entries (SPEC.md §15.1): same learned-state root; missing objects
     and entries that break the shard rules are refused before a manifest is written."""
     import msgspec
 

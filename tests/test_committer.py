@@ -17,7 +17,7 @@ import pytest
 import shardstore
 from shardstore import open_store
 from shardtrain.errors import JobError, RunAborted
-from shardtrain.job.job import prepare_default
+from shardtrain.job.default_job import prepare_default
 from shardtrain.run.committer import COMMIT_FAULT_ENV
 from shardtrain.run.lifecycle import RunSpec, train
 

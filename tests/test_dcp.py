@@ -1,6 +1,6 @@
 """``shardstore.dcp`` in one process: DCP's ``save``/``load`` through ``StoreWriter``/``StoreReader``,
 the DCP document (``format.dcp``), what a second save writes, what a partial read reads, the
-command line on DCP commits, refusals and damage (SPEC.md §9d). The multi-rank cases (FSDP2,
+command line on DCP commits, refusals and damage (SPEC.md §9.4). The multi-rank cases (FSDP2,
 resharding, async saves, failures on every rank) are ``tests/test_dcp_distributed.py``.
 """
 
@@ -81,7 +81,7 @@ def test_save_and_load_round_trip_every_kind_of_value(tmp_path):
     assert reader.read_metadata() == saved  # dcp.save's Metadata, storage_data included, read back equal
     lc = ss.load_commit(store, "main")
     entries = lc.entries()
-    assert entries["model.big"].param[1].shape == (550, 1000) and len(entries["model.big"].param) == 2  # §5a tiles
+    assert entries["model.big"].param[1].shape == (550, 1000) and len(entries["model.big"].param) == 2  # §5.1 tiles
     assert chunk_entry_name("model.layer weight", (0,), True) in entries
     assert chunk_entry_name("model.layer weight", (0,), True).startswith("dcp/")
     assert lc.commit.step == 7 and lc.commit.parent is None and lc.commit.transition == "train"
@@ -146,6 +146,78 @@ def test_a_read_of_part_of_a_chunk_reads_only_the_tiles_it_overlaps(tmp_path):
         reader.read_data(LoadPlan([bad]), _Planner({"part": part}))
 
 
+def _column_tiled(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """8 MiB of float32 (4 MiB of bfloat16) whose grid cuts its columns in two (SPEC.md §5.1): each
+    tile is [8, 131072], rows 512 KiB apart in the tensor, so no tile is contiguous in a target of its shape."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 262144, generator=g).to(dtype)
+
+
+class _Recording(_Planner):
+    def __init__(self, targets: dict) -> None:
+        super().__init__(targets)
+        self.committed: list[str] = []
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        self.committed.append(item.dest_index.fqn)
+
+
+def _whole_reads(reader: StoreReader, names: list[str]) -> LoadPlan:
+    md = reader.read_metadata()
+    items = []
+    for fqn in names:
+        size = md.state_dict_metadata[fqn].size
+        zero = torch.Size([0] * len(size))
+        items.append(
+            ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn), zero, MetadataIndex(fqn, zero), zero, torch.Size(size))
+        )
+    return LoadPlan(items)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_tiles_strided_in_their_target_are_read_through_a_reused_buffer(tmp_path, monkeypatch, threads):
+    """A tile that is not one byte range of its target goes through its thread's one reused buffer
+    (never memory of its own per block: bench_dcp), and every target still gets its own bytes."""
+    root = str(tmp_path / "store")
+    state = {"a": _column_tiled(1), "b": _column_tiled(2), "c": _column_tiled(3, torch.bfloat16)}
+    dcp.save(state, storage_writer=StoreWriter(root))
+    entries = ss.load_commit(ss.open_store(root, create=False), "main").entries()
+    assert all(len(entries[k].param) == 2 for k in ("a", "b")) and isinstance(entries["c"].param, str)
+
+    def no_fresh_memory(self, oid, dtype, shape, *, what="tensor"):
+        raise AssertionError(f"{what}: read into memory of its own")
+
+    monkeypatch.setattr(ss.Store, "get_tensor", no_fresh_memory)
+    got = {k: torch.full_like(v, -1) for k, v in state.items()}
+    dcp.load(got, storage_reader=StoreReader(root, thread_count=threads))
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_a_corrupt_tile_strided_in_its_target_lands_nowhere(tmp_path):
+    """The buffered path verifies a tile before any of its bytes is copied into the target: a byte
+    flipped in the second tile of a tensor is refused naming its object, that tile's columns keep
+    what the target held, and nothing is committed to the planner."""
+    root = str(tmp_path / "store")
+    state = {"w": _column_tiled(4)}
+    dcp.save(state, storage_writer=StoreWriter(root))
+    store = ss.open_store(root, create=False)
+    second = ss.load_commit(store, "main").entries()["w"].param[1]
+    assert tuple(second.start) == (0, 131072)
+    path = Path(root) / "objects" / second.object[:2] / second.object
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # same size: only the hash can tell
+    path.write_bytes(bytes(data))
+    reader = StoreReader(root, thread_count=1)
+    plan = _whole_reads(reader, ["w"])
+    target = torch.full_like(state["w"], -1)
+    planner = _Recording({"w": target})
+    with pytest.raises(ss.CorruptObject, match=f"DCP chunk 'w', block 1.*{second.object}"):
+        reader.read_data(plan, planner)
+    assert torch.equal(target[:, :131072], state["w"][:, :131072])  # the first tile, verified, landed
+    assert bool((target[:, 131072:] == -1).all())  # not one byte of the corrupt tile
+    assert planner.committed == []
+
+
 def test_commits_chain_and_verify_log_diff_show_them(tmp_path, capsys):
     root = str(tmp_path / "store")
     state = _state()
@@ -172,7 +244,7 @@ def test_commits_chain_and_verify_log_diff_show_them(tmp_path, capsys):
 
 
 def test_gc_keeps_and_copy_carries_everything_a_dcp_commit_needs(tmp_path):
-    """The document and the bytes items are in the commit's closure (SPEC.md §19a): gc keeps them,
+    """The document and the bytes items are in the commit's closure (SPEC.md §19.1): gc keeps them,
     copy carries them, and the copy loads."""
     root, other = str(tmp_path / "store"), str(tmp_path / "copy")
     dcp.save({"w": torch.arange(10.0), "n": {"a": 1}}, storage_writer=StoreWriter(root))
@@ -261,7 +333,7 @@ def test_loads_are_refused_for_other_commits_and_damaged_objects(tmp_path):
 
 def test_a_document_that_disagrees_with_its_commit_is_refused(tmp_path):
     """A commit whose DCP document maps a chunk to an entry of another shape: verify reports it and
-    the reader refuses it before reading a tensor byte (SPEC.md §9d, §17)."""
+    the reader refuses it before reading a tensor byte (SPEC.md §9.4, §17)."""
     root = str(tmp_path / "store")
     dcp.save({"a": torch.ones(2), "b": torch.ones(3)}, storage_writer=StoreWriter(root))
     store = ss.open_store(root, create=False)

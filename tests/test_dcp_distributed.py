@@ -1,5 +1,5 @@
 """``shardstore.dcp`` under real Gloo groups: DCP's own save and load, FSDP2, resharding,
-async saves and a failure injected at every call on every rank (SPEC.md §9d).
+async saves and a failure injected at every call on every rank (SPEC.md §9.4).
 
 One group of 3 processes (``gloo_group.run_group``) serves every check:
 

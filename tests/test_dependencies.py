@@ -18,6 +18,7 @@ from shardtrain.run.dependencies import REFERENCES_PIN, check_shared_store
 from shardtrain.workers.launch import WorkerContext, launch_local
 
 
+@pytest.mark.long  # fresh processes: .ci/run's second step, for the test command's 8 minutes
 def test_resume_needs_the_frozen_reference_and_copy_brings_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -16,7 +16,7 @@ part):
   trains on (``resumed3``).
 
 The model's ``fc1.weight`` is 10 x 131072 float32 (5 MiB: two column tiles of 10 x 65536,
-SPEC.md §5a), so every row split above cuts both tiles and the exchange moves pieces between
+SPEC.md §5.1), so every row split above cuts both tiles and the exchange moves pieces between
 ranks; and every rank restoring a row split of it reads both tiles (a tensor of two tiles
 cannot serve a row split and a column split both; ``tests/test_dtensor_mesh.py`` measures the
 reads of a 64 MiB weight of 4 x 4 tiles at each rank's share).
@@ -299,7 +299,7 @@ def test_fsdp2_save_is_the_trained_state_and_continues_bitwise(runs):
     c2 = ss.load_commit(store, two[0]["c2"])
     assert (
         c2.commit.version == 4 and len(c2.entries()["fc1.weight"].param) == 2
-    )  # 4: the tile grid (SPEC.md §5a); slices recorded
+    )  # 4: the tile grid (SPEC.md §5.1); slices recorded
 
 
 def test_fsdp2_on_three_ranks_and_a_plain_model_restore_it_bitwise(runs):
@@ -329,7 +329,7 @@ def test_one_learned_state_root_and_one_set_of_objects_for_every_split(runs):
     roots = {k: store.commit(c).learned_root for k, c in commits.items()}
     assert len(set(roots.values())) == 1, roots
     # The full root binds the layout, and each rank's shard manifest records the slices it held
-    # (SPEC.md §15e): FSDP2 and the two TP splits on 2 ranks are three commits of one learned state.
+    # (SPEC.md §15.5): FSDP2 and the two TP splits on 2 ranks are three commits of one learned state.
     assert len(set(commits.values())) == len(commits)
     objects = {k: _tensor_objects(store, c) for k, c in commits.items()}
     assert all(o == objects["1 process"] for o in objects.values())

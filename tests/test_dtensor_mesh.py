@@ -221,7 +221,7 @@ def _memory_check(rank: int, store: ss.Store, world_mesh) -> list[dict]:
     return out
 
 
-READ = (4096, 4096)  # 64 MiB float32: 4 x 4 tiles of 1024 x 1024 (SPEC.md §5a, version 4)
+READ = (4096, 4096)  # 64 MiB float32: 4 x 4 tiles of 1024 x 1024 (SPEC.md §5.1, version 4)
 
 
 def _read_checks(rank: int, store: ss.Store, mesh, world_mesh) -> dict:
@@ -291,7 +291,7 @@ def test_fsdp2_on_tensor_parallel_restores_into_any_mesh_bitwise(runs):
     c = ss.load_commit(store, model[0]["c2d"])
     assert (
         c.commit.version == 4 and len(c.entries()["fc1.weight"].param) == 2
-    )  # 4: the tile grid (SPEC.md §5a); slices recorded
+    )  # 4: the tile grid (SPEC.md §5.1); slices recorded
     assert ss.verify(store).ok
 
 

@@ -1,5 +1,5 @@
 """Any torch optimizer's DTensor state over real Gloo groups: SGD with momentum and Adagrad
-under FSDP2, saved without gathering and restored into any split (SPEC.md §9a, §5a, §15b).
+under FSDP2, saved without gathering and restored into any split (SPEC.md §9.1, §5.1, §15.2).
 
 One group of 3 processes serves every check:
 
@@ -13,7 +13,7 @@ One group of 3 processes serves every check:
   optimizer step on the restored DTensor state.
 
 ``fc1.weight`` is 2048 x 2048 float32 (16 MiB), so its momentum buffer and Adagrad's ``sum``
-are chunked (2 x 2 tiles of 1024 x 1024, SPEC.md §5a) and the 3-rank split cuts tiles. The SGD commit is also
+are chunked (2 x 2 tiles of 1024 x 1024, SPEC.md §5.1) and the 3-rank split cuts tiles. The SGD commit is also
 copied with ``copy_commit(slot=1)`` (``copy --shard 1``) and restored from that partial copy.
 """
 

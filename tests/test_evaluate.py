@@ -8,7 +8,8 @@ import torch
 from shardtrain import Partition, Pipeline, build_stage
 from shardtrain.engine.model import KVCache
 from shardtrain.engine.ring import Ring
-from shardtrain.job.job import load_job, prepare_default
+from shardtrain.job.default_job import prepare_default
+from shardtrain.job.job import load_job
 from shardtrain.run.evaluate import SetLoss, paired_bootstrap
 
 

@@ -3,7 +3,7 @@
 A gc killed after writing its marker on another host, boot or pid namespace left
 ``gc/<nonce>``, and every later ref move elsewhere waited its own 10 minutes, silently;
 nothing reported or removed the marker. Now a marker records when it was written and ages
-out once, by its own times (SPEC.md §19b); a waiting writer says what it waits for
+out once, by its own times (SPEC.md §19.2); a waiting writer says what it waits for
 (``GcWait``, printed by the command lines); ``refs`` and ``verify`` report markers with
 holder and age; ``shardstore gc STORE --break-marker NONCE`` removes one unless its gc runs.
 """
@@ -136,7 +136,7 @@ def test_break_marker_removes_a_marker_unless_its_gc_runs(store: ss.Store, capsy
 
 @pytest.mark.parametrize("lost", ["tensor", "shard manifest"])
 def test_a_pin_naming_a_commit_checks_its_closure_is_present(store: ss.Store, lost: str) -> None:
-    """A pin keeps a commit's whole closure (SPEC.md §14a), so the fence checks that closure
+    """A pin keeps a commit's whole closure (SPEC.md §14.1), so the fence checks that closure
     before the pin moves, as it does for a ref: a gc that took part of it while the pin was
     being set (``copy --with-deps`` racing ``gc --grace 0``) makes the pin refuse. Before, only
     the pinned ids themselves were checked, and the pin named an incomplete commit."""

@@ -65,7 +65,7 @@ MiB = 1 << 20
     ],
 )
 def test_row_band_grid_vectors(dtype, shape, boxes):
-    """The grid of versions 2 and 3, still what their stores are checked against (SPEC.md §5a)."""
+    """The grid of versions 2 and 3, still what their stores are checked against (SPEC.md §5.1)."""
     assert BLOCK_BYTES == 4 * MiB
     assert grid(dtype, shape, bands=True) == boxes
     assert block_count(dtype, shape, bands=True) == len(boxes)
@@ -95,7 +95,7 @@ def _tiles(shape, tile):
     ],
 )
 def test_tile_grid_vectors(dtype, shape, tile):
-    """The tile grid of version 4 (SPEC.md §5a): the tile shape, and the blocks it gives in C order."""
+    """The tile grid of version 4 (SPEC.md §5.1): the tile shape, and the blocks it gives in C order."""
     assert tile_shape(dtype, shape) == tile
     boxes = grid(dtype, shape)
     assert boxes == (

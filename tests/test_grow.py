@@ -227,3 +227,57 @@ def test_evaluate_checks_the_commits_belong_to_the_prepared_job_before_any_worke
     monkeypatch.setattr(ev, "launch_local", lambda *a, **k: pytest.fail("a worker was started"))
     with pytest.raises(ResumeError, match=f"commit {d2[:12]} was made by job"):
         ev.evaluate(ev.EvalSpec(store=run.dstore.url, commits=(d2,), job=run.job), 2)
+
+
+def _as_format_1(store: shardstore.Store, cid: str) -> str:
+    """Commit ``cid`` (one slot) as format 1's writer left such a state: every payload one object
+    of its whole bytes, whatever its size, in version-1 manifests (``tests/test_legacy_store.py``)."""
+    import msgspec
+
+    from shardstore.format.grid import read_whole
+    from shardstore.format.manifest import FORMAT_VERSION, is_chunked
+    from shardstore.format.roots import learned_root
+
+    lc = load_commit(store, cid)
+    (shard,) = lc.shards.values()
+    entries = []
+    for e in shard.entries:
+        if is_chunked(e.param):
+            whole = read_whole(store, e.param, e.dtype, tuple(e.shape), what=e.name)
+            e = msgspec.structs.replace(e, param=store.put_tensors([whole])[0])
+        entries.append(e)
+    sid = store.put_manifest(msgspec.structs.replace(shard, version=FORMAT_VERSION, entries=tuple(entries)))
+    c = lc.commit
+    root = learned_root(step=c.step, data_cursor=c.data_cursor, config=c.config, optimizer=c.optimizer, entries=entries)
+    layout = (msgspec.structs.replace(c.layout[0], shard=sid),)
+    return store.put_manifest(msgspec.structs.replace(c, version=FORMAT_VERSION, layout=layout, learned_root=root))
+
+
+def test_a_grow_of_a_format_1_commit_keeps_version_1_with_a_zero_projection_over_the_block_bound() -> None:
+    """SPEC.md §5.1 (issue 35, item 6): a transition keeps its parent's grid, and version 1's is one
+    object per tensor, whatever its size. A format-1 commit whose ``o_proj`` is 1040 x 1040 float32
+    (4,326,400 bytes, over the 4 MiB bound) grows into a version-1 commit whose new zero projection
+    is one object of 4,326,400 zero bytes. Before, the zero projection was cut into row bands and the
+    grow failed on its own shard manifest (GridError: the copied ``q_proj``, one object over the
+    bound, in a manifest the bands made version 2)."""
+    import blake3
+
+    from shardtrain.engine.model import LlamaConfig
+
+    config = LlamaConfig(vocab_size=8, hidden_size=1040, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=1)  # fmt: skip
+    store = shardstore.open_store("memory://grow-format-1")
+    stage = build_stage(config, Partition.even(1, 1), 0, seed=0)
+    saved = shardstore.save(store, stage, step=0, config=config.to_hf_dict(), rng=False, ref=None, transition="init")
+    parent = _as_format_1(store, saved)
+    assert store.commit(parent).version == 1 and shardstore.verify(store, [parent]).ok
+    grown = grow(store, parent, 1).commit
+    lc = load_commit(store, grown)
+    assert lc.commit.version == 1 and {s.version for s in lc.shards.values()} == {1}
+    o_proj = lc.entries()["model.layers.1.self_attn.o_proj.weight"]
+    assert o_proj.param == blake3.blake3(bytes(1040 * 1040 * 4)).hexdigest()  # one object: the zero bytes
+    assert (
+        lc.entries()["model.layers.1.self_attn.q_proj.weight"].param
+        == lc.entries()["model.layers.0.self_attn.q_proj.weight"].param
+    )
+    assert shardstore.verify(store, [grown]).ok and identity_check(store, grown, range(1, 2))

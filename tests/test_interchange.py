@@ -234,7 +234,7 @@ def copied_child(store, tmp_path) -> tuple[str, str, dict[str, torch.Tensor]]:
     assert "tokenizer.json" in export_commit(store, child, str(tmp_path / "here")).files  # the parent's set
     dst = str(tmp_path / "dst")
     assert shardstore_main(["copy", store.url, dst, "main", "--ref", "main"]) == 0
-    assert not ss.open_store(dst).has(imported)  # the parent is a pointer, not part of the closure (SPEC.md §19a)
+    assert not ss.open_store(dst).has(imported)  # the parent is a pointer, not part of the closure (SPEC.md §19.1)
     return dst, child, weights
 
 

@@ -9,7 +9,8 @@ import msgspec
 import pytest
 
 from shardtrain.errors import JobError
-from shardtrain.job.job import JOB_FILE, RECORDS_FILE, decode_job, load_job, prepare_default
+from shardtrain.job.default_job import prepare_default
+from shardtrain.job.job import JOB_FILE, RECORDS_FILE, decode_job, load_job
 from shardtrain.job.tasks import FAMILIES
 from shardtrain.job.tokenizer import TEMPLATE_FILE, TOKENIZER_FILE, default_assets, load_tokenizer
 
@@ -147,7 +148,8 @@ def test_the_recipe_names_a_reference_for_every_cohort_that_replays(job_path: st
 def test_the_seed_binds_its_initialisation_scale(job_path: str, tmp_path: Path) -> None:
     """`init_std` is bound by the job id; the legacy 0.02 is omitted, so older job files keep their bytes."""
     from shardtrain.engine.partition import Partition, build_stage
-    from shardtrain.job.job import DEFAULT_INIT_STD, LEGACY_INIT_STD
+    from shardtrain.job.default_job import DEFAULT_INIT_STD
+    from shardtrain.job.job import LEGACY_INIT_STD
 
     job = load_job(job_path)
     assert job.init_std() == DEFAULT_INIT_STD != LEGACY_INIT_STD
@@ -246,7 +248,7 @@ def test_every_value_is_bounded_when_the_job_is_loaded(
     job_path: str, tmp_path: Path, what: str, value: object, field: str
 ) -> None:
     """Issue 24: non-finite or out-of-range reals and unbounded sizes are refused by `load_job`
-    (JobError naming the field, SPEC.md §14c) — before this, every one of them loaded."""
+    (JobError naming the field, docs/SHARDTRAIN-FORMATS.md §2) — before this, every one of them loaded."""
     job = load_job(job_path).job
     path = _copy(job_path, tmp_path)
     path.write_bytes(_ENC.encode(_bad(job, what, value)))

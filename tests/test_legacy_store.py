@@ -297,7 +297,7 @@ def _format1_reads(rank: int, world: int, root: str, cid: str) -> dict:
 def test_a_format_1_store_with_tensors_over_the_block_bound_reads_and_verifies(tmp_path):
     """Format 1 stored a parameter, buffer or moment of any size as one object; since format 2
     (commit 583f349) such a version-1 manifest was refused with GridError ("must be 2 blocks, not
-    one object"), so these stores no longer read. They read again (SPEC.md §5a, §22): load,
+    one object"), so these stores no longer read. They read again (SPEC.md §5.1, §22): load,
     verify, restore (plain and into DTensors on 2 ranks), diff, copy."""
     from gloo_group import run_group
 

@@ -22,7 +22,8 @@ import shardstore
 from shardstore import BindingError, ObjectNotFound, copy_commit, open_store
 from shardstore.ops.transfer import commit_closure
 from shardtrain.errors import JobError, ResumeError, RunAborted
-from shardtrain.job.job import JOB_FILE, decode_job, load_job, prepare_default
+from shardtrain.job.default_job import prepare_default
+from shardtrain.job.job import JOB_FILE, decode_job, load_job
 from shardtrain.job.tokenizer import TEMPLATE_FILE
 from shardtrain.run.evaluate import EvalSpec, evaluate
 from shardtrain.run.lifecycle import FAULT_ENV, RunSpec, train

@@ -12,7 +12,7 @@ S3 (`shardstore copy --shard 1`, checked) and joins; the group resumes from the 
 reaches the commit id of an uninterrupted run. Each host's memory tier is a directory of its
 own (`--memory-tier`), lost with the host: host 1 restores slot 0 from its tier and host 3
 restores slot 1 from host 1's replica, and the first commit after the loss records, in its
-journal, that neither read a byte from S3 (SPEC.md §19c). Skips (saying why) where namespaces cannot
+journal, that neither read a byte from S3 (SPEC.md §19.3). Skips (saying why) where namespaces cannot
 be made: not root, no `ip`. Every namespace is removed at the end, pass or fail.
 """
 

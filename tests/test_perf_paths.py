@@ -17,7 +17,7 @@ import torch
 from conftest import TinyNet, make_optimizer, train_steps
 
 import shardstore as ss
-from shardstore.format.tensors import hash_bytes, tensor_bytes
+from shardstore.format.tensors import dtype_name, hash_bytes, tensor_bytes
 from shardstore.store import object_key
 
 
@@ -71,6 +71,50 @@ def test_objects_are_invisible_until_their_batch_is_durable(store: ss.Store) -> 
     assert store.storage.end_writes([(key, tmp)]) == [True]
     assert store.has(oid) and store.storage.begin_write(key, data) is None
     assert not os.path.exists(tmp)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_strided_tiles_gathered_through_one_reused_buffer_keep_their_own_bytes(any_store: ss.Store, threads) -> None:
+    """Each thread gathers the strided tensors it writes into one buffer it reuses (bench_dcp):
+    every object must still hold its own tensor's bytes, not a later one's."""
+    g = torch.Generator().manual_seed(3)
+    wide = [torch.randn(40, 64, generator=g).to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.int64)]
+    views = [w[:, k : k + 16] for w in wide for k in (0, 16, 32)]  # column slices: never contiguous
+    assert not any(v.is_contiguous() for v in views)
+    ids = any_store.put_tensors(views, threads=threads)
+    assert ids == [hash_bytes(tensor_bytes(v.contiguous())) for v in views]
+    for v, oid in zip(views, ids):
+        got = any_store.get_tensor(oid, dtype_name(v.dtype), tuple(v.shape))
+        assert torch.equal(got, v)
+
+
+def test_a_batch_is_durable_when_it_ends_its_directories_fsynced_at_once(store: ss.Store, monkeypatch) -> None:
+    """``end_writes`` fsyncs the directories its links went into (``threads`` at a time), so a
+    batch is durable without a later ``sync()``; a failed directory fsync raises StorageError
+    and leaves the directory for the next ``sync()`` to retry."""
+    import shardstore.backends.local as local
+
+    synced: list[str] = []
+    real = local.fsync_dir
+    monkeypatch.setattr(local, "fsync_dir", lambda d: (synced.append(d), real(d)))
+    ts = [torch.full((100,), float(i)) for i in range(6)]
+    ids = store.put_tensors(ts, threads=2)
+    root = store.storage.root
+    want = {os.path.join(root, "objects", oid[:2]) for oid in ids} | {os.path.join(root, "objects")}
+    assert set(synced) == want and len(synced) == len(want)  # each once, before put_tensors returned
+    synced.clear()
+    store.sync()
+    assert synced == []  # nothing left for the barrier: the batch made them durable itself
+
+    def broken(d: str) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(local, "fsync_dir", broken)
+    with pytest.raises(ss.StorageError, match="sync .*Input/output error"):
+        store.put_tensors([torch.full((100,), 99.0)], threads=1)
+    monkeypatch.setattr(local, "fsync_dir", lambda d: (synced.append(d), real(d)))
+    store.sync()
+    assert os.path.join(root, "objects") in synced  # not known durable: retried by the next barrier
 
 
 def test_a_failed_fsync_publishes_nothing_and_cleans_up(store: ss.Store, monkeypatch) -> None:

@@ -101,6 +101,10 @@ def test_parse_bytes() -> None:
 _MEASURE = r"""
 import json, sys
 import torch
+try:  # where triton is installed (torchtitan's tests need it) torch imports it lazily, ~90 MB; a worker
+    import triton  # noqa: F401  has it before admission (workers.launch preloads torch._dynamo)
+except ImportError:
+    pass
 torch.set_num_threads(1)
 from shardtrain.engine.batch import Batch
 from shardtrain.job.job import load_job
@@ -136,7 +140,7 @@ SLOW = bool(os.environ.get("SHARDSTORE_SLOW"))
     ids=["tiny-default", "width-256"],
 )
 def test_estimate_is_within_25_percent_of_the_measured_peak_rss_increase(tmp_path: Path, width: int | None) -> None:
-    from shardtrain.job.job import default_config, prepare_default
+    from shardtrain.job.default_job import default_config, prepare_default
     from shardtrain.job.tokenizer import default_assets, load_tokenizer
 
     seed_config = None
@@ -188,7 +192,8 @@ def test_the_profile_changes_the_estimate_by_its_casts_and_recomputation(tmp_pat
     )
     assert c.activations < a.activations and a.total < b.total
     from shardtrain.engine.profile import Profile
-    from shardtrain.job.job import load_job, prepare_default
+    from shardtrain.job.default_job import prepare_default
+    from shardtrain.job.job import load_job
     from shardtrain.reshape.planner import for_job
 
     job = load_job(

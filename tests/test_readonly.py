@@ -20,8 +20,7 @@ import shardstore as ss
 import shardstore.store
 from shardstore.backends.base import Buffer
 from shardstore.backends.options import ENV
-from shardstore.backends.s3.requests import S3Error
-from shardstore.backends.s3.storage import S3Storage
+from shardstore.backends.s3.transport import S3Error, S3Transport
 from shardstore.errors import StorageError
 from shardstore_cli.shardstore_cli import main
 
@@ -157,15 +156,15 @@ def test_verify_on_s3_with_a_read_only_credential(
         "delete_objects",
     }
     sent: list[str] = []
-    real_call = S3Storage._call
+    real_call = S3Transport.call
 
-    async def read_only_call(self: S3Storage, method: str, key: str, **kw: Any) -> Any:
+    async def read_only_call(self: S3Transport, method: str, key: str, **kw: Any) -> Any:
         sent.append(method)
         if method in writes:
             raise S3Error(403, "AccessDenied", "this credential may only read", False)
         return await real_call(self, method, key, **kw)
 
-    monkeypatch.setattr(S3Storage, "_call", read_only_call)
+    monkeypatch.setattr(S3Transport, "call", read_only_call)
     monkeypatch.setenv(ENV, json.dumps(s3_server.options))  # how every store below is reached
     assert main(["verify", url]) == 0
     capsys.readouterr()

@@ -63,7 +63,7 @@ def test_repartition_commits_keep_the_learned_state_root_and_write_no_tensor_obj
     lc3, lc1 = load_commit(run.store, run.to3.commit), load_commit(run.store, run.to3.parent)
     assert [r.object for r in lc3.shards[1].rng] == [r.object for r in lc1.shards[1].rng]
     assert {r.kind for r in lc3.shards[2].rng} == {"python", "numpy", "torch"}
-    # SPEC.md §15a: s = BLAKE2b-64("shardtrain-rng-v1:<parent>:<slot>") little-endian mod 2**32, torch's state after manual_seed(s).
+    # SPEC.md §15.1: s = BLAKE2b-64("shardtrain-rng-v1:<parent>:<slot>") little-endian mod 2**32, torch's state after manual_seed(s).
     digest = hashlib.blake2b(f"shardtrain-rng-v1:{run.to3.parent}:2".encode(), digest_size=8).digest()
     seed = int.from_bytes(digest, "little") % 2**32
     assert rng_seed(run.to3.parent, 2) == seed != rng_seed(run.to3.parent, 1)
@@ -144,6 +144,15 @@ def test_cli_regroup_grow_and_plan(adaptive_run: SimpleNamespace, capsys: pytest
     assert main(["plan", "--prepared", run.job, "--workers", "2", "--memory", "1GiB,3GiB", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
     assert len(planned["slots"]) == 2 and planned["max_utilisation"] == max(s["utilisation"] for s in planned["slots"])
+    # The memory tiers' host memory, per slot: (K + 1) commits of its own slot and of its buddy's.
+    tier_args = ["--memory-tier-commits", "2", "--peer-replicas", "1"]
+    assert main(["plan", "--prepared", run.job, "--workers", "2", "--memory", "1GiB,3GiB", "--json", *tier_args]) == 0
+    tiered = json.loads(capsys.readouterr().out)
+    stored = [12 * s["parameters"] for s in tiered["slots"]]  # float32 weights and both Adam moments
+    assert [s["tier"] for s in tiered["slots"]] == [3 * (stored[0] + stored[1])] * 2
+    assert [s["estimate"] for s in tiered["slots"]] == [s["estimate"] for s in planned["slots"]]
+    assert main(["plan", "--prepared", run.job, "--workers", "2", "--memory", "1GiB", *tier_args]) == 0
+    assert "host tiers" in capsys.readouterr().out
     assert (
         main(
             [

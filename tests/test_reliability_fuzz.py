@@ -206,7 +206,9 @@ def spec_valid(doc: Any) -> bool:
             and all(
                 _keys(r, {"kind", "object"})
                 and _s(r["object"], OID)
-                and re.match(r"^(python|numpy|torch|cuda:[0-9]{1,4})$", r["kind"] if type(r["kind"]) is str else "")
+                and re.match(
+                    r"^(python|numpy|torch|cuda:(0|[1-9][0-9]{0,3}))$", r["kind"] if type(r["kind"]) is str else ""
+                )
                 is not None
                 and "\n" not in r["kind"]
                 for r in doc["rng"]
@@ -349,7 +351,7 @@ def test_huge_claimed_shape_is_refused_by_size(tmp_path: Any) -> None:
     )
     bad = store.put(encode(commit))
     report = ss.verify(store, [bad])
-    # format 2: so big a tensor would need more blocks than a payload may list (SPEC.md §5a)
+    # format 2: so big a tensor would need more blocks than a payload may list (SPEC.md §5.1)
     assert [p.kind for p in report.problems] == ["GridError", "TensorMismatch"]
     with pytest.raises((ss.TensorMismatch, ss.GridError)):
         ss.restore(store, bad, {"w": torch.zeros(4)})

@@ -292,7 +292,7 @@ def test_gc_grace_zero_in_a_loop_against_background_commits(tmp_path: Any) -> No
 
 
 def test_the_gc_fence_each_side(tmp_path: Any) -> None:
-    """The two halves of the fence, deterministically (SPEC.md §19a's table): gc at grace 0
+    """The two halves of the fence, deterministically (SPEC.md §19.1's table): gc at grace 0
     keeps the closure of a commit an intent names though no ref does yet; a writer that
     finds a gc marker waits for it, then refuses (GcRace, ref unmoved) if that gc took part
     of its closure, and a dry run writes no marker."""
@@ -340,7 +340,7 @@ def test_the_gc_fence_each_side(tmp_path: Any) -> None:
 def test_gc_drops_the_intents_of_dead_writers_only(tmp_path) -> None:
     """An intent left by a writer that died (killed between its intent and its ref move)
     kept its commit forever. Its key names its writer (pid, start time, boot id, pid
-    namespace, a tag of the host name, SPEC.md §19b): gc drops the intents of dead writers
+    namespace, a tag of the host name, SPEC.md §19.2): gc drops the intents of dead writers
     and collects what only they kept; a running writer's intent, one naming another boot
     (another machine sharing the host name) or another pid namespace, and one named without
     its writer keep their commits. The same holder decides a gc marker: a dead gc's is

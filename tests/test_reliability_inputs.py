@@ -122,7 +122,7 @@ def test_bad_store_urls_are_one_line_errors(capsys: Any, url: str) -> None:
 def test_cat_of_a_big_tensor_object_is_refused_without_reading_it(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
     store = ss.open_store(str(tmp_path / "store"))
     big = torch.zeros((64 << 20) // 4 + 1)  # one element past the manifest limit
-    # one object of that size (a saved tensor this big is 4 MiB blocks, SPEC.md §5a)
+    # one object of that size (a saved tensor this big is 4 MiB blocks, SPEC.md §5.1)
     oid = store.put_tensor(big)
     store.sync()
     reads: list[str] = []

@@ -178,7 +178,7 @@ def _s3_case(server: S3Server, plan: dict[str, Any], k: int | None, fault: str) 
     url = server.url()
     ss.Store(_s3_storage(server, url))  # the store config, written without faults
     storage = _s3_storage(server, url)
-    real = storage._run(storage.fs.set_session)
+    real = storage.transport.run(storage.fs.set_session)
     exc, repeat = FAULTS[fault]()
     proxy = S3FaultClient(real, at=k, fault=exc, repeat=repeat)
 
@@ -224,7 +224,7 @@ def test_s3_412_for_an_absent_object_is_not_taken_as_already_there(s3_server: S3
     url = s3_server.url()
     ss.Store(_s3_storage(s3_server, url))
     storage = _s3_storage(s3_server, url)
-    real = storage._run(storage.fs.set_session)
+    real = storage.transport.run(storage.fs.set_session)
     proxy = S3FaultClient(real, at=0, fault=_err(412, "PreconditionFailed"), ops=("put_object",))
 
     async def set_session(*_a: Any, **_k: Any) -> Any:

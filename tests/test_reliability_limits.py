@@ -1,8 +1,8 @@
 """Limits a writer enforced and a reader did not (issue 25, hostile input).
 
 - An extra's state document 100 levels deep, or holding 10^30 or -2^64, passed ``verify``
-  and reached ``load_state_dict``: SPEC.md §9c/§20's limits (64 levels, -2^63 <= n < 2^64)
-  held only at save. The same integer range, written by the torch form (§9a), is checked
+  and reached ``load_state_dict``: SPEC.md §9.3/§20's limits (64 levels, -2^63 <= n < 2^64)
+  held only at save. The same integer range, written by the torch form (§9.1), is checked
   on reading too.
 - ``shardtrain grow --append K`` allocated before bounding K, and a shard manifest over
   the 64 MiB a reader accepts was written (and left behind) before its read-back failed.

@@ -141,7 +141,7 @@ def test_two_trainers_share_a_store(tmp_path: Any) -> None:
 
 def _fake_ids(n: int, salt: str, root: str) -> list[str]:
     """``n`` small objects written straight into the layout of the local store at ``root`` (no
-    fsync: only their ids matter); a pin names present objects (the gc fence checks, SPEC.md §19b)."""
+    fsync: only their ids matter); a pin names present objects (the gc fence checks, SPEC.md §19.2)."""
     from shardstore.format.tensors import hash_bytes
     from shardstore.store import object_key
 

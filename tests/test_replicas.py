@@ -13,6 +13,7 @@ from gloo_group import run_group
 
 from shardstore.backends.memory_tier import MemoryTier
 from shardstore.backends.tiers import TieredStorage
+from shardstore.checkpoint import replicas
 from shardstore.checkpoint.replicas import buddies, fetch_replicas, replicate
 from shardstore.format.tensors import hash_bytes
 from shardstore.store import open_store
@@ -29,6 +30,9 @@ def _objects(rank: int, n: int, version: int = 0) -> dict[str, bytes]:
 
 
 def _body(rank: int, world: int, home: str) -> dict:
+    # Messages of two objects each: every exchange below takes several messages, so the
+    # pipeline (the next message packed, the last one landed, while one travels) is exercised.
+    replicas.MESSAGE_BYTES = 4096
     roots = {r: os.path.join(home, f"host{r}") for r in range(world)}
     own = MemoryTier(roots[rank], rank)
     tier_for = lambda slot: MemoryTier(roots[rank], slot)  # noqa: E731 - this host's tier of a slot

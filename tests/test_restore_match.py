@@ -140,7 +140,7 @@ def test_restore_restores_rng_when_the_commit_holds_it_unless_told_not_to() -> N
 
 
 def test_a_generator_and_a_loader_holding_one_are_extras_without_pickle() -> None:
-    """Their state is the generators' uint8 state tensors (get_state / set_state); SPEC.md §9c."""
+    """Their state is the generators' uint8 state tensors (get_state / set_state); SPEC.md §9.3."""
     from torch.utils.data import DataLoader, TensorDataset
 
     store, model = _store(), _net(0)

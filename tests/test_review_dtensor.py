@@ -1,4 +1,4 @@
-"""Adversarial checks of sharded state (SPEC.md §5a, §15b, §15d, §20): edge splits, dtypes and
+"""Adversarial checks of sharded state (SPEC.md §5.1, §15.2, §15.4, §20): edge splits, dtypes and
 local-tensor layouts stored bitwise or refused, forged and damaged chunked payloads refused
 naming tensor and block, bounded before anything is allocated, on restore and in the tools.
 
@@ -294,7 +294,7 @@ def test_a_forged_shape_is_refused_without_listing_its_grid(chunked, monkeypatch
     was not that grid: before, load_commit and verify called grid() on the forged shape.
 
     As one object the entry is a version-1 manifest, where a tensor of any size may be one
-    object (what format 1 wrote, SPEC.md §5a): restore refuses it by shape and verify by its
+    object (what format 1 wrote, SPEC.md §5.1): restore refuses it by shape and verify by its
     object's size instead, before anything is allocated."""
     store, _, cid, _ = chunked
     listed: list[tuple] = []

@@ -13,7 +13,8 @@ import shardstore
 from shardstore_cli.shardtrain_cli import main
 from shardtrain.engine.partition import Partition, build_stage
 from shardtrain.errors import JobError, RoleError
-from shardtrain.job.job import JOB_FILE, load_job, prepare_default
+from shardtrain.job.default_job import prepare_default
+from shardtrain.job.job import JOB_FILE, load_job
 from shardtrain.job.roles import DEVELOPMENT, FINAL, finals_opened, select, selection, set_digest
 from shardtrain.run.evaluate import EvalSpec, evaluate
 from shardtrain.run.lifecycle import store_job_files
@@ -235,7 +236,7 @@ def _open_proc(
 
 @pytest.mark.parametrize("paused", ["open", "select"])
 def test_select_and_gate_final_in_two_processes_never_strand_the_job(tmp_path: Path, paused: str) -> None:
-    """Issue 24 (README §Roles, "select and the final sets"): `select` of commit B against the
+    """Issue 24 (README §Distillation, "select and the final sets"): `select` of commit B against the
     opening of the final sets (`gate --final`, `evaluate --final`) for the selected commit A,
     in two processes, each interleaving forced: one process stops inside its critical
     section while the other runs whole. The intended outcome: the two are linearisable —

@@ -81,7 +81,7 @@ def proxied(
     storage = S3Storage(
         url or server.url(), conditional=True, backoff=0.001, skip_instance_cache=True, **kw, **server.options
     )
-    real = storage._run(storage.fs.set_session)
+    real = storage.transport.run(storage.fs.set_session)
     proxy = ProxyClient(real, strip_conditions=strip)
 
     async def set_session(*_a: Any, **_k: Any) -> Any:
@@ -124,7 +124,7 @@ def test_requests_carry_conditions(s3_server: S3Server) -> None:  # noqa: F811
 
 def test_server_without_conditional_writes_refuses_ref_updates(s3_server: S3Server) -> None:  # noqa: F811
     storage, proxy = proxied(s3_server, strip=True)
-    storage.conditional, storage.conditional_reason = storage._run(probe_conditions, storage)
+    storage.conditional, storage.conditional_reason = storage.transport.run(probe_conditions, storage.transport)
     assert storage.conditional is False
     assert "second create-only write" in storage.conditional_reason
     store = ss.Store(storage)
@@ -139,7 +139,7 @@ def test_server_ignoring_conditional_deletes_refuses_ref_and_pin_deletes(s3_serv
     """A server that honours If-Match on PutObject but not on DeleteObject (S3 before conditional
     deletes, some gateways) would let a ref delete remove a value swapped in meanwhile."""
     storage, proxy = proxied(s3_server, strip=("delete_object",))
-    storage.conditional, storage.conditional_reason = storage._run(probe_conditions, storage)
+    storage.conditional, storage.conditional_reason = storage.transport.run(probe_conditions, storage.transport)
     assert storage.conditional is False and "a delete with a stale If-Match" in storage.conditional_reason
     storage.conditional = True  # as if trusted: the delete still goes out with its If-Match
     store = ss.Store(storage)
@@ -177,7 +177,7 @@ def test_ref_write_whose_answer_was_lost(s3_server: S3Server) -> None:  # noqa: 
     storage, proxy = proxied(s3_server)
     store = ss.Store(storage)
     a, b = store.put(b"a"), store.put(b"b")
-    # The first put of a ref move is its gc-fence intent (SPEC.md §19b): the fault hits the ref's.
+    # The first put of a ref move is its gc-fence intent (SPEC.md §19.2): the fault hits the ref's.
     proxy.faults["put_object"] = [None, ("after", ReadTimeoutError(endpoint_url="http://127.0.0.1"))]
     store.set_ref("main", a, expected=None)  # landed, answer lost, retry got 412, re-read shows ours
     assert store.ref("main") == a
@@ -217,6 +217,17 @@ def test_multipart_race_lost_at_completion_is_already_exists(s3_server: S3Server
     assert storage.write_once("objects/bb/big", data) is False
     bucket, prefix = s3_server.url().split("/")[2], storage.prefix
     assert make_client(s3_server).list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
+
+
+def test_multipart_412_without_the_object_is_refused_not_taken_as_stored(s3_server: S3Server) -> None:  # noqa: F811
+    """A completion answered 412 is "already there" only once a HEAD finds the object (the
+    request layer hands the 412 back to the storage, which confirms it, as for a single put)."""
+    storage, proxy = proxied(s3_server, part_size=5 * MiB, multipart_threshold=5 * MiB)
+    proxy.faults["complete_multipart_upload"] = [client_error(412, "PreconditionFailed", "CompleteMultipartUpload")]
+    with pytest.raises(StorageError, match="holds no such object"):
+        storage.write_once("objects/dd/big", b"\x03" * (6 * MiB))
+    assert not storage.exists("objects/dd/big")
+    assert "abort_multipart_upload" in [n for n, _ in proxy.calls]
 
 
 def test_failed_multipart_upload_is_aborted(s3_server: S3Server) -> None:  # noqa: F811
@@ -283,14 +294,14 @@ def test_downloads_hash_ranges_in_order_as_they_stream(s3_server: S3Server) -> N
         return [int(kw["Range"].split("=")[1].split("-")[0]) for n, kw in proxy.calls if n == "get_object"]
 
     asked: list[str] = []  # every range requested, including those still queued for the semaphore
-    real_call = storage._call
+    real_call = storage.transport.call
 
     async def counting_call(method: str, k: str, **kw: Any) -> Any:
         if method == "get_object":
             asked.append(kw["Range"])
         return await real_call(method, k, **kw)
 
-    storage._call = counting_call  # type: ignore[method-assign]
+    storage.transport.call = counting_call  # type: ignore[method-assign]
     seen = bytearray()
     gets_at_hash: list[int] = []  # how many ranges had been requested when each range was consumed
     hashed_on: set[int] = set()
@@ -313,7 +324,7 @@ def test_downloads_hash_ranges_in_order_as_they_stream(s3_server: S3Server) -> N
     # at most `concurrency` look-ahead GETs have been requested, long before the last
     assert gets_at_hash[0] <= 1 + 2 < len(asked) == 5
     assert proxy.max_in_flight <= 2
-    assert storage._run(loop_thread) not in hashed_on  # 5 MiB ranges are hashed off the event loop
+    assert storage.transport.run(loop_thread) not in hashed_on  # 5 MiB ranges are hashed off the event loop
     later = [kw for n, kw in proxy.calls if n == "get_object"][1:]
     assert later and all(kw.get("IfMatch") for kw in later)  # one version of the object, or an error
 
@@ -373,7 +384,7 @@ def test_a_corrupt_object_on_s3_is_caught_by_every_streamed_read(s3_server: S3Se
     )
     with pytest.raises(ss.CorruptObject, match=six):
         store.get(six)
-    # A saved 6 MiB weight is two blocks (4 MiB + 2 MiB, SPEC.md §5a): a corrupt block is
+    # A saved 6 MiB weight is two blocks (4 MiB + 2 MiB, SPEC.md §5.1): a corrupt block is
     # caught by restore, verify and copy.
     model = torch.nn.Linear(1024, 1536, bias=False)
     cid = ss.save(store, model, step=1, rng=False)

@@ -14,7 +14,7 @@ from shardtrain import Partition, build_stage
 from shardtrain.engine.pipeline import Pipeline
 from shardtrain.engine.schedule import BACKWARD, FORWARD, HEAD, Action, build, check, in_flight, overlapped, synchronous
 from shardtrain.errors import ConfigError
-from shardtrain.job.job import prepare_default
+from shardtrain.job.default_job import prepare_default
 from shardtrain.run.lifecycle import RunSpec, train
 
 
@@ -84,7 +84,7 @@ def test_one_process_schedules_are_bitwise_identical(tied: bool) -> None:
     assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.long)])  # 3: the test budget
 def test_workers_commit_identical_ids_with_either_schedule(tmp_path: Path, workers: int) -> None:
     """Several steps, a partial last microbatch (5 rows in microbatches of 2), a commit every
     step; the synchronous run also commits synchronously, the overlapped one in the background."""

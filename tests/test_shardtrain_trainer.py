@@ -1,4 +1,4 @@
-"""The trainer's update (shardtrain.trainer): a non-finite step is never applied (issue 24, SPEC.md §14d)."""
+"""The trainer's update (shardtrain.trainer): a non-finite step is never applied (issue 24, docs/SHARDTRAIN-FORMATS.md §3)."""
 
 from __future__ import annotations
 

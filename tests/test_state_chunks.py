@@ -1,4 +1,4 @@
-"""Chunked torch-form optimizer state (format 3) and large extras/buffers (SPEC.md §5a, §9a-§9c).
+"""Chunked torch-form optimizer state (format 3) and large extras/buffers (SPEC.md §5.1, §9.1-§9.3).
 
 Pure tests, no processes: the format-3 vector recomputed from SPEC.md with ``json``,
 ``array`` and ``blake3`` only; a version-2 store whose large state tensor is one object
@@ -29,7 +29,7 @@ ROWS, COLS = (
     3,
     524288,
 )  # float32 rows of 2 MiB: tiles of columns 0-262143 and the rest (row bands 0-1 and 2 in version 3)
-TILES = [((0, 0), (ROWS, COLS // 2)), ((0, COLS // 2), (ROWS, COLS // 2))]  # SPEC.md §5a, version 4
+TILES = [((0, 0), (ROWS, COLS // 2)), ((0, COLS // 2), (ROWS, COLS // 2))]  # SPEC.md §5.1, version 4
 BANDS = [((0, 0), (2, COLS)), ((2, 0), (1, COLS))]  # versions 2 and 3
 N = 4096  # the slot-K selection's uint8 [N, N]: 2 x 2 tiles
 HYPER = {"dampening": 0, "foreach": None, "lr": "f64:3fb999999999999a", "maximize": False, "momentum": "f64:3feccccccccccccd",
@@ -238,7 +238,7 @@ def test_a_large_extra_tensor_is_one_object_and_a_large_buffer_is_chunked():
         ss.load_commit(store, bad)
 
 
-# -- slices (format 3, SPEC.md §15e): the chunked vector's w held by two slots, rows 0-1 and row 2 ---------
+# -- slices (format 3, SPEC.md §15.5): the chunked vector's w held by two slots, rows 0-1 and row 2 ---------
 
 
 def _slice_manifests(boxes, version: int) -> list[bytes]:
@@ -298,6 +298,80 @@ SLICES_VECTORS = (
 )
 #: The slices vector's learned-state root (version 4): that of ``w`` saved alone by one slot.
 SLICES_LEARNED_ROOT = "80df4c4f57d26f1eb1ab15139ad8e4888aa847775ec577f57c9194f1cbb2f773"
+
+
+# -- slices alone (SPEC.md §24, issue 35): a commit whose highest shard manifests are version 3 only
+# because they record slices is version 3, and a transition of it, recording none, is version 1 -------
+
+
+def _small_slices_vector() -> dict[str, str]:
+    """The small slices vector's ids from SPEC.md's values alone: the first vector's ``layer.weight``
+    (float32 [2, 3], one object) held by two slots, slot 0 row 0 (it records the entry), slot 1 row 1;
+    then its repartition into one slot."""
+    enc = lambda d: json.dumps(d, sort_keys=True, separators=(",", ":")).encode()  # noqa: E731
+    h = lambda d: blake3.blake3(enc(d)).hexdigest()  # noqa: E731
+    entry = {"dtype": "float32", "name": "layer.weight", "optim": None, "param": blake3.blake3(array("f", [0, 0.25, 0.5, 0.75, 1.0, 1.25]).tobytes()).hexdigest(),
+             "shape": [2, 3]}  # fmt: skip
+    base = {"algorithm": "none", "config": None, "groups": [], "job": "vector-job", "parent": None, "rng": [], "slots": 2,
+            "step": 0, "type": "shard", "version": 3}  # fmt: skip
+    s0 = h(
+        base | {"slot": 0, "entries": [entry], "slices": [{"name": "layer.weight", "shape": [1, 3], "start": [0, 0]}]}
+    )
+    s1 = h(base | {"slot": 1, "entries": [], "slices": [{"name": "layer.weight", "shape": [1, 3], "start": [1, 0]}]})
+    none = {"algorithm": "none", "groups": []}
+    learned = h({"config": None, "data_cursor": None, "optimizer": none, "step": 0, "tensors": [entry], "type": "learned",
+                 "version": 1})  # fmt: skip
+    commit = {"config": None, "data_cursor": None, "job": "vector-job", "learned_root": learned, "optimizer": none,
+              "parent": None, "profile": "fp32", "schedule": None, "step": 0, "transition": "init", "type": "commit", "version": 3,
+              "layout": [{"shard": s0, "slot": 0, "tensors": ["layer.weight"]}, {"shard": s1, "slot": 1, "tensors": []}]}  # fmt: skip
+    cid = h(commit)
+    moved = h(base | {"slot": 0, "slots": 1, "entries": [entry], "parent": cid, "version": 1})
+    child = h(commit | {"layout": [{"shard": moved, "slot": 0, "tensors": ["layer.weight"]}], "parent": cid,
+                        "transition": "repartition", "version": 1})  # fmt: skip
+    return {"shard 0": s0, "shard 1": s1, "learned": learned, "commit": cid, "moved shard": moved, "moved": child}
+
+
+#: SPEC.md §24's small slices vector.
+SMALL_SLICES_VECTOR = {
+    "shard 0": "ed5995acd1b85893197b9b167b9c655361af96abef0c9afea9f1df672fbea2cd",
+    "shard 1": "1dae62ee9c1e8b36eebd2c7d9d100360fa856979451b71cfd97270fff510a1ce",
+    "learned": "b654bff7fcd81044a0a747587af2f8b3b859b81779d05378d34c9722bd8254f2",
+    "commit": "41f0af61c342dda85cb8569e5b8049336a5556f7e482f963963bc6336daba01a",
+    "moved shard": "fc9e192ff5877e8614514c8822926689e76c7be389178a2dc418e08dcb5c1970",
+    "moved": "557a5037bf696bc2c26873cabf55f493920c895c5053826043ea96b02ab9e530",
+}
+
+
+def test_a_commit_version_3_by_slices_alone_and_its_transition():
+    """SPEC.md §5.1's version rule for commits (issue 35, item 6, contradiction a): a commit is the
+    highest version of its shard manifests', so one whose shard manifests are version 3 only
+    because they record slices is version 3 (its learned-state document is version 1); a
+    transition keeps its grid and records no slices, so its repartition is version 1 with the same
+    learned-state root. Ids from SPEC.md's values alone, then from the writer."""
+    from shardstore.checkpoint.slots import write_shard_entries
+    from shardstore.format.manifest import banded
+    from shardstore.format.slices import make_slices
+
+    want = _small_slices_vector()
+    assert want == SMALL_SLICES_VECTOR
+    store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
+    w = torch.tensor([[0, 0.25, 0.5], [0.75, 1.0, 1.25]])
+    info = ss.CommitInfo(step=0, job="vector-job", transition="init")
+    states = [ss.SlotState({"layer.weight": w}, slices=make_slices([("layer.weight", ((0, 0), (1, 3)))])),
+              ss.SlotState({}, slices=make_slices([("layer.weight", ((1, 0), (1, 3)))]))]  # fmt: skip
+    cid = ss.save_slots(store, states, info=info, ref=None, parent=None)
+    lc = ss.load_commit(store, cid)
+    assert (lc.commit.version, lc.shards[0].version, lc.shards[1].version) == (3, 3, 3)
+    assert (lc.shard_ids[0], lc.shard_ids[1], lc.commit.learned_root, cid) == (
+        want["shard 0"], want["shard 1"], want["learned"], want["commit"])  # fmt: skip
+    moved = ss.CommitInfo(step=0, job="vector-job", transition="repartition")
+    (entry,) = lc.shards[0].entries
+    sid = write_shard_entries(store, [entry], groups=[], algorithm="none", rng={}, info=moved, parent=cid, slot=0, slots=1,
+                              bands=banded(lc.commit.version))  # fmt: skip
+    child = ss.write_commit(store, [sid], info=moved, parent=cid)
+    assert store.commit(child).version == 1 and store.commit(child).learned_root == lc.commit.learned_root
+    assert (sid, child) == (want["moved shard"], want["moved"])
+    assert ss.verify(store, [cid, child]).ok
 
 
 def _init_commit(version: int, layout: list[dict], learned_root: str, optimizer: dict) -> str:
@@ -402,7 +476,7 @@ def test_export_and_diff_read_chunked_state_block_by_block(tmp_path):
         (
             [[(0, 1), (3000, 1)], [(1, 2999), (3001, 1095)]],
             [{0, 1, 2, 3}, {0, 1, 2, 3}],
-        ),  # strided (SPEC.md §15d parts)
+        ),  # strided (SPEC.md §15.4 parts)
     ],
     ids=["dim0x3", "dim1x2", "2x2", "dim0x2-replicated", "strided-parts"],
 )

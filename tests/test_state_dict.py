@@ -1,4 +1,4 @@
-"""The dict-level API (SPEC.md §9f; ``shardstore/checkpoint/state_dict.py``, ``state/documents.py``):
+"""The dict-level API (SPEC.md §9.6; ``shardstore/checkpoint/state_dict.py``, ``state/documents.py``):
 a nested state dict as frameworks hand it over, saved without pickle and read back type-exact,
 into fresh tensors or into a caller's own (DTensors: their share only)."""
 
@@ -246,7 +246,7 @@ def test_a_commit_without_a_tree_is_not_read_as_one(tmp_path):
         shardstore.save(store, model, step=0, extra={"state_dict": torch.optim.SGD(model.parameters(), lr=0.1)})
 
 
-# -- the encoding, pinned (SPEC.md §9f, §24) ----------------------------------------------------------
+# -- the encoding, pinned (SPEC.md §9.6, §24) ----------------------------------------------------------
 
 VECTOR_TREE = (
     b'{"tree":{"betas":["type:tuple","f64:3feccccccccccccd","f64:3feff7ced916872b"],'

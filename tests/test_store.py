@@ -264,5 +264,11 @@ class StoreMachine(RuleBasedStateMachine):
             assert {k: v.tolist() for k, v in target.items()} == expected
 
 
-StoreMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
+# The test command runs a short machine; .ci/run's long step a longer one (the test budget).
+StoreMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=20, deadline=None)
 test_store_machine = StoreMachine.TestCase
+
+
+@pytest.mark.long
+class TestStoreMachineLong(StoreMachine.TestCase):  # type: ignore[misc, valid-type]
+    settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

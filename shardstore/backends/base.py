@@ -23,7 +23,7 @@ Backends (each its own module of this package; ``location.open_storage`` picks o
 - ``S3Storage`` (``backends.s3``): conditional writes through s3fs's client.
 - ``FsspecStorage`` (``backends.fsspec``): any fsspec filesystem (``memory://`` here).
 - ``TieredStorage`` (``backends.tiers``): any of these with a memory tier and peers' copies
-  above it for object reads, each copy verified against its id (SPEC.md §19c).
+  above it for object reads, each copy verified against its id (SPEC.md §19.3).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Storage(Protocol):
         """Make the object at ``key`` young again (its ``mtime`` becomes now) and return its
         byte size, or None if it is absent. Every writer that relies on an object already
         present calls this first, so that gc's grace period protects it exactly as if the
-        writer had written it (SPEC.md §19a); ``write_once`` does the same when it finds
+        writer had written it (SPEC.md §19.1); ``write_once`` does the same when it finds
         ``key`` present."""
         ...
 
@@ -129,8 +129,8 @@ class BatchedWrites(Protocol):
         ...
 
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
-        """Make the (key, temporary path) files durable, then link each into place; per key,
-        True if this batch created it."""
+        """Make the (key, temporary path) files durable, then link each into place, and make
+        the links durable too (``threads`` waits at a time); per key, True if this batch created it."""
         ...
 
 

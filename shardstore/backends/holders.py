@@ -1,5 +1,5 @@
 """Who holds a lock or an intent: a process named so that another process can tell whether
-it still runs (SPEC.md §14, §19b).
+it still runs (SPEC.md §14, §19.2).
 
 A **holder** is ``{"boot": …, "host": …, "pid": …, "pidns": …, "start": …}``: the host
 name, the process id, the process's start time (field 22 of ``/proc/<pid>/stat``, clock

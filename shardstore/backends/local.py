@@ -3,8 +3,9 @@
 ``LocalStorage`` works through ``os`` directly, because fsspec's local filesystem has no
 fsync, no create-only link and no mmap. Objects are written to ``tmp/`` (writeback
 started per chunk), fsynced as a batch, then hard-linked into place (``link`` fails if the
-name exists, which makes writes create-only and concurrent writers of one object safe);
-directories are fsynced in ``sync()``. A write that finds its object present refreshes the
+name exists, which makes writes create-only and concurrent writers of one object safe),
+and the batch's directories fsynced; a single ``write_once``'s directories are fsynced in
+``sync()``. A write that finds its object present refreshes the
 object's modification time, so gc's grace period protects objects a save in progress
 deduplicated against. Refs move by a lock file (``ref_locks``) renamed over the ref. No path
 component under the root may be a symbolic link. Reads land in memory of their own, hashed
@@ -19,7 +20,7 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -160,10 +161,14 @@ class LocalStorage:
             return None
         tmpdir = self._dir("tmp")
         tmp = os.path.join(tmpdir, secrets.token_hex(16))
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            os.makedirs(tmpdir, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:  # ``tmp`` made only when missing (a mkdir of an existing directory still locks it); the object's at the link
+            fd = _create(tmp)
+        except FileNotFoundError:
+            try:
+                os.makedirs(tmpdir, exist_ok=True)
+                fd = _create(tmp)
+            except OSError as e:
+                raise self._io("write", key, e) from None
         except OSError as e:
             raise self._io("write", key, e) from None
         try:
@@ -187,9 +192,11 @@ class LocalStorage:
         return tmp
 
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
-        """Second half: fsync every tmp file of ``pending`` ((key, tmp path) pairs, in parallel),
-        then link each into place create-only. True for each key this call wrote. The
-        directories become durable at the next ``sync()``, as for ``write_once``."""
+        """Second half: fsync every tmp file of ``pending`` ((key, tmp path) pairs), link each
+        into place create-only, then fsync the directories the links went into: the batch is
+        durable when this returns. True for each key this call wrote. Both rounds of fsyncs
+        run ``threads`` at a time: they wait on the device, and concurrent ones share its cache
+        flushes (one after another, each directory's cost a flush of its own: benchmarks/RESULTS.md, bench_dcp)."""
 
         def fsync(item: tuple[str, str]) -> None:
             key, tmp = item
@@ -202,31 +209,29 @@ class LocalStorage:
             except OSError as e:
                 raise self._io("write", key, e) from None
 
+        dirs: set[str] = set()
         try:
-            if threads > 1 and len(pending) > 1:
-                with ThreadPoolExecutor(max_workers=threads) as pool:
-                    list(pool.map(fsync, pending))
-            else:
-                for item in pending:
-                    fsync(item)
+            _each(fsync, pending, threads)
             written = []
             for key, tmp in pending:
                 path = self._path(key)
                 try:
-                    os.link(tmp, path)
+                    _link(tmp, path)
                     written.append(True)
                 except FileExistsError:
                     freshen(path)
                     written.append(False)  # another writer won; same name means same bytes
                 except OSError as e:
                     raise self._io("write", key, e) from None
-                parent = os.path.dirname(path)
-                with self._lock:
-                    self._dirty.add(parent)
-                    self._dirty.add(os.path.dirname(parent))
+                dirs.update((os.path.dirname(path), os.path.dirname(os.path.dirname(path))))
+        except BaseException:
+            with self._lock:
+                self._dirty.update(dirs)  # names linked before the failure: durable at the next sync()
+            raise
         finally:
             for _key, tmp in pending:
                 unlink_quietly(tmp)
+        self._sync_dirs(sorted(dirs, key=len, reverse=True), threads)
         return written
 
     def _open_read(self, key: str) -> int:
@@ -439,11 +444,53 @@ class LocalStorage:
     def sync(self) -> None:
         with self._lock:
             dirty, self._dirty = sorted(self._dirty, key=len, reverse=True), set()
-        for i, d in enumerate(dirty):
+        self._sync_dirs(dirty, 1)
+
+    def _sync_dirs(self, dirs: list[str], threads: int) -> None:
+        """fsync each directory of ``dirs`` that still exists, ``threads`` at a time; on a failure
+        the ones not known durable go back to the dirty set (the next ``sync()`` retries them)
+        and StorageError names the first that failed."""
+        done: set[str] = set()
+
+        def one(d: str) -> None:
             try:
                 if os.path.isdir(d):
                     fsync_dir(d)
             except OSError as e:
-                with self._lock:
-                    self._dirty.update(dirty[i:])  # still not durable: the next sync() retries them
                 raise StorageError(f"sync {d} in store {self.root}: {e.strerror or e}") from None
+            with self._lock:
+                done.add(d)
+
+        try:
+            _each(one, dirs, threads)
+        except BaseException:
+            with self._lock:
+                self._dirty.update(d for d in dirs if d not in done)
+            raise
+
+
+def _create(path: str) -> int:
+    """A new file at ``path``, opened for writing (FileExistsError if anything is there)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+
+def _link(tmp: str, path: str) -> None:
+    """Link ``tmp`` at ``path``, create-only (FileExistsError if taken), making its directory if missing."""
+    try:
+        os.link(tmp, path)
+    except FileNotFoundError:
+        if not os.path.exists(tmp):
+            raise
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.link(tmp, path)
+
+
+def _each(fn: Callable[[Any], None], items: Sequence[Any], threads: int) -> None:
+    """``fn`` on every item, ``threads`` at a time (in order on the calling thread for one);
+    the first exception is raised once every call has ended."""
+    if threads > 1 and len(items) > 1:
+        with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
+            list(pool.map(fn, items))
+    else:
+        for item in items:
+            fn(item)

@@ -1,4 +1,4 @@
-"""A memory tier: one slot's latest committed objects in host-local memory (SPEC.md §19c).
+"""A memory tier: one slot's latest committed objects in host-local memory (SPEC.md §19.3).
 
 A cache of the durable store, never the record: a directory (by default on ``/dev/shm``,
 named for the store and the user) that outlives the worker process, so that a worker
@@ -8,7 +8,7 @@ under the host's tier root::
     <root>/slot<k>/objects/<id[:2]>/<id>   objects, exactly as in a store (a LocalStorage)
     <root>/slot<k>/held.json               the commits held: each commit's id and its objects
 
-``hold`` records a commit once it is durable (its slot-k closure, SPEC.md §19a) and evicts
+``hold`` records a commit once it is durable (its slot-k closure, SPEC.md §19.1) and evicts
 every object that none of the last ``keep`` commits held names, so the tier's size is
 bounded by the closure of ``keep`` commits. Nothing here is trusted: a reader verifies
 every object against its id before it is used (``backends.tiers``), and an index that does
@@ -78,7 +78,7 @@ def _private_dir(path: str) -> str:
         raise TierError(f"memory tier {path} is not a directory (a symbolic link or a file); refusing to use it")
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:
         raise TierError(
-            f"memory tier {path} belongs to another user or others may write it; refusing to use it (SPEC.md §19c)"
+            f"memory tier {path} belongs to another user or others may write it; refusing to use it (SPEC.md §19.3)"
         )
     return path
 

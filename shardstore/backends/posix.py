@@ -1,6 +1,6 @@
 """The POSIX file primitives the local backend is built from: exact reads that ask for one
 page first, early writeback, directory fsync, quiet close and unlink, and freshening a
-duplicate's modification time (SPEC.md §19, §19a).
+duplicate's modification time (SPEC.md §19, §19.1).
 
 Every call goes through this module's ``os``, as ``LocalStorage``'s do, so the fault tests
 can number and fail each system call of a save (``tests/faults.py``).

@@ -1,5 +1,5 @@
 """Tiers above a durable backend: object reads served from memory, then peers, then the store
-(SPEC.md §19c).
+(SPEC.md §19.3).
 
 ``TieredStorage`` is a ``Storage`` like the others, chosen above them: everything but object
 reads goes to the durable backend (the record: refs, pins, the config, every write), and an

@@ -1,4 +1,4 @@
-"""The commit protocol over a ``torch.distributed`` process group (SPEC.md §Commit protocol).
+"""The commit protocol over a ``torch.distributed`` process group (SPEC.md §15).
 
 Each rank is one slot. Phases, each closed by a collective so that every rank learns of
 any failure instead of hanging:

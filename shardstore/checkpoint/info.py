@@ -1,5 +1,5 @@
 """What a commit is about besides its tensors (``CommitInfo``), and the checks a writer or a
-restore runs before its first write (SPEC.md §19b, "arguments before
+restore runs before its first write (SPEC.md §19.2, "arguments before
 writes" and "validate before write").
 
 - ``check_info``: a commit's non-tensor fields (job id, step, cursor, labels, transition,
@@ -8,8 +8,8 @@ writes" and "validate before write").
   manifest id);
 - ``check_parent``: the parent a commit will name is a commit of the store.
 
-(A restore's check of a torch optimizer against the commit, before any read, is
-``optim._probe_torch``.)
+(A restore's checks of the caller's model, optimizer and extras against the commit, before
+any read, are its plan phase: ``checkpoint.restore``.)
 """
 
 from __future__ import annotations

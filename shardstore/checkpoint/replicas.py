@@ -1,5 +1,5 @@
 """Peer replicas: each slot's committed objects held in a buddy's memory tier, and sent back
-to a worker whose own tier lacks them (SPEC.md §19c).
+to a worker whose own tier lacks them (SPEC.md §19.3).
 
 Slot ``i``'s buddies are slots ``i+1 .. i+N`` (mod the group's size; ``N`` replicas). Both
 directions are one exchange, ``shift``: every rank of the group sends one offer to the rank
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,24 +178,43 @@ def shift(
     if any(offer.objects[i][1] < 0 for i in asked):
         raise ShardstoreError(f"rank {to} asked for objects this rank does not have")
     wanted_in = [i for i, w in enumerate(want_in) if w]
-    # 4. bytes, message by message
+    # 4. bytes, message by message: while message k travels, a helper thread packs message k+1
+    # (reading the objects from the sender's tier) and lands message k-1 (the receiver's
+    # hashing and tier writes), in order, so the transport is never idle waiting for either.
     msgs_out = [[asked[j] for j in m] for m in _messages([offer.objects[i][1] for i in asked])]
     msgs_in = [[wanted_in[j] for j in m] for m in _messages([got.objects[i][1] for i in wanted_in])]
     sent = received = 0
-    for k in range(max(len(msgs_out), len(msgs_in))):
-        out = None if k >= len(msgs_out) else _pack(offer, msgs_out[k], fetch)
-        into = None
-        if k < len(msgs_in):
-            into = torch.empty(sum(got.objects[i][1] for i in msgs_in[k]), dtype=torch.uint8)
-        _exchange(group, out, to, into, frm)
-        sent += 0 if out is None else out.numel()
-        if into is not None:
-            view, off = memoryview(into.numpy()), 0
-            for i in msgs_in[k]:
-                oid, n = got.objects[i]
-                land(got, oid, view[off : off + n])
-                off += n
-            received += off
+
+    def pack(k: int) -> torch.Tensor | None:
+        return None if k >= len(msgs_out) else _pack(offer, msgs_out[k], fetch)
+
+    def unpack(k: int, into: torch.Tensor) -> int:
+        view, off = memoryview(into.numpy()), 0
+        for i in msgs_in[k]:
+            oid, n = got.objects[i]
+            land(got, oid, view[off : off + n])
+            off += n
+        return off
+
+    rounds = max(len(msgs_out), len(msgs_in))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstore-replicas") as helper:
+        packed = helper.submit(pack, 0)
+        landed: Future[int] | None = None
+        for k in range(rounds):
+            out = packed.result()
+            packed = helper.submit(pack, k + 1) if k + 1 < rounds else packed
+            into = None
+            if k < len(msgs_in):
+                into = torch.empty(sum(got.objects[i][1] for i in msgs_in[k]), dtype=torch.uint8)
+            _exchange(group, out, to, into, frm)
+            sent += 0 if out is None else out.numel()
+            if landed is not None:
+                received += landed.result()
+                landed = None
+            if into is not None:
+                landed = helper.submit(unpack, k, into)
+        if landed is not None:
+            received += landed.result()
     return got, sent, received
 
 

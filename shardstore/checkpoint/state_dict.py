@@ -1,4 +1,4 @@
-"""State dicts as frameworks hand them over (SPEC.md §9f): ``save_state_dict``, ``read_state_dict``
+"""State dicts as frameworks hand them over (SPEC.md §9.6): ``save_state_dict``, ``read_state_dict``
 (the ``torch.load`` of a commit) and ``load_state_dict_into`` (DCP's in-place load).
 
 Lightning's ``CheckpointIO``, DCP-style trainers and hand-written loops hold their state as
@@ -30,12 +30,14 @@ from ..format.tensors import dtype_name, is_dtensor, torch_dtype
 from ..state.documents import TensorRef, encode_tree, fill_tree, read_tree, tensor_refs
 from ..state.extras import CapturedExtra
 from ..state.module import tensor_profile
+from ..state.plan import ReadItem, RestorePlan
 from ..state.slot import SlotState
 from ..store import Store
 from ..verification.commits import LoadedCommit, load_commit
 from .distributed import commit_state
 from .info import CommitInfo
-from .slots import AUTO, read_into, save_slots
+from .restore import read_plan
+from .slots import AUTO, save_slots
 
 __all__ = ["save_state_dict", "read_state_dict", "load_state_dict_into"]
 
@@ -55,7 +57,7 @@ def save_state_dict(
     group: Any = None,
     threads: int = 2,
 ) -> str:
-    """Commit a nested state dict and move ``ref``; return the commit id (SPEC.md §9f).
+    """Commit a nested state dict and move ``ref``; return the commit id (SPEC.md §9.6).
 
     Tensors anywhere (plain or DTensor); dicts and OrderedDicts with string or integer keys,
     lists, tuples, None, bool, int, float, str, ``torch.Size``/``dtype``/``device`` and
@@ -101,7 +103,7 @@ def _tree(store: Store, lc: LoadedCommit) -> Any:
     if x is None:
         raise StateMismatch(
             f"commit {lc.id} holds no state dict tree (it was not made by save_state_dict); restore it into a "
-            "model and optimizer with shardstore.restore (SPEC.md §9f)"
+            "model and optimizer with shardstore.restore (SPEC.md §9.6)"
         )
     what = f"state dict tree {x.state} of commit {lc.id}"
     value = read_tree(store.get(x.state, limit=MAX_MANIFEST_BYTES), what)
@@ -109,7 +111,7 @@ def _tree(store: Store, lc: LoadedCommit) -> Any:
     if sorted(names) != sorted(entries):
         raise StateMismatch(
             f"{what} names tensors {sorted(set(names) - set(entries))[:3]} the commit lacks, or the commit holds "
-            f"tensors {sorted(set(entries) - set(names))[:3]} the tree does not name (SPEC.md §9f)"
+            f"tensors {sorted(set(entries) - set(names))[:3]} the tree does not name (SPEC.md §9.6)"
         )
     return value
 
@@ -128,7 +130,7 @@ def read_state_dict(
     # a manifest's shapes: the objects' sizes bound the allocations, checked first (SPEC.md §Limits)
     check_stored_all(store, [(e.param, e.dtype, tuple(e.shape), f"tensor {n!r}") for n, e in sorted(entries.items())])
     fresh = {n: torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype)) for n, e in entries.items()}
-    read_into(store, [(entries[n].param, fresh[n], f"tensor {n!r}") for n in sorted(fresh)], threads)
+    read_plan(store, _reads(entries, fresh), threads)
     if map_location is not None:
         fresh = {n: t.to(map_location) for n, t in fresh.items()}
     return fill_tree(value, fresh.__getitem__)
@@ -153,10 +155,15 @@ def load_state_dict_into(
     dests: dict[str, torch.Tensor] = {}
     sets: list[tuple[Any, Any, Any]] = []
     _match(state_dict, value, "$", entries, dests, sets, None)
-    read_into(store, [(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests)], threads)
+    read_plan(store, _reads(entries, dests), threads)
     for container, key, v in sets:
         container[key] = v
     return lc.id
+
+
+def _reads(entries: Mapping[str, TensorEntry], dests: Mapping[str, torch.Tensor]) -> RestorePlan:
+    """Each destination read from its tensor entry, nothing to install (the caller places them)."""
+    return RestorePlan(tuple(ReadItem(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests)))
 
 
 def _holds_tensor(v: Any, depth: int = 0) -> bool:
@@ -204,7 +211,9 @@ def _match(
             if k in stored:
                 _match(v, stored[k], where, entries, dests, sets, (dst, k) if isinstance(dst, MutableMapping) else None)
             elif _holds_tensor(v):
-                raise StateMismatch(f"commit holds no value at {where}, where the state dict has tensors (SPEC.md §9f)")
+                raise StateMismatch(
+                    f"commit holds no value at {where}, where the state dict has tensors (SPEC.md §9.6)"
+                )
         return
     if not isinstance(stored, (list, tuple)) or len(stored) != len(dst):
         raise StateMismatch(

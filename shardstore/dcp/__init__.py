@@ -1,4 +1,4 @@
-"""shardstore as a ``torch.distributed.checkpoint`` storage layer (SPEC.md §9d).
+"""shardstore as a ``torch.distributed.checkpoint`` storage layer (SPEC.md §9.4).
 
 ``StoreWriter`` (``writer``) makes each ``dcp.save`` / ``dcp.async_save`` a commit whose ref
 moves by compare-and-swap only once every rank's data is durable; ``StoreReader`` (``reader``)

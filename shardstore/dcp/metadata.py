@@ -1,4 +1,4 @@
-"""DCP's ``Metadata`` to and from the canonical DCP document (SPEC.md §9d; ``format.dcp``).
+"""DCP's ``Metadata`` to and from the canonical DCP document (SPEC.md §9.4; ``format.dcp``).
 
 The document holds every field of ``Metadata`` but ``storage_data``, which is the storage
 layer's own (here: which tensor entry holds each chunk, which extra tensor each bytes item);
@@ -52,7 +52,7 @@ def _format_name(fmt: torch.memory_format, fqn: str) -> str:
     for name, value in _FORMATS.items():
         if value == fmt:
             return name
-    raise UnsupportedState(f"DCP tensor {fqn!r}: memory format {fmt} has no name in the DCP document (SPEC.md §9d)")
+    raise UnsupportedState(f"DCP tensor {fqn!r}: memory format {fmt} has no name in the DCP document (SPEC.md §9.4)")
 
 
 def _tensor_item(fqn: str, md: TensorStorageMetadata, name: EntryNamer) -> TensorItem:
@@ -88,7 +88,7 @@ def _planner_data(data: Any) -> dict[str, tuple[str | int, ...]] | None:
     if not ok:
         raise UnsupportedState(
             f"DCP planner_data of type {type(data).__name__} is not a flattening map (key -> tuple of str and int) "
-            "and cannot be stored without pickle (SPEC.md §9d)"
+            "and cannot be stored without pickle (SPEC.md §9.4)"
         )
     return {k: tuple(v) for k, v in data.items()}
 
@@ -112,7 +112,7 @@ def document_of(metadata: Metadata, name: EntryNamer) -> DcpDocument:
         f.name for f in dataclasses.fields(metadata) if f.name not in _KNOWN_FIELDS and getattr(metadata, f.name)
     )
     if unknown:
-        raise UnsupportedState(f"DCP Metadata fields {unknown} are unknown to this version (SPEC.md §9d)")
+        raise UnsupportedState(f"DCP Metadata fields {unknown} are unknown to this version (SPEC.md §9.4)")
     items: dict[str, TensorItem | BytesItem] = {}
     nbytes = 0
     for fqn in sorted(metadata.state_dict_metadata):
@@ -123,7 +123,7 @@ def document_of(metadata: Metadata, name: EntryNamer) -> DcpDocument:
         elif isinstance(md, TensorStorageMetadata):
             items[fqn] = _tensor_item(fqn, md, name)
         else:
-            raise UnsupportedState(f"DCP item {fqn!r}: storage metadata {type(md).__name__} is unknown (SPEC.md §9d)")
+            raise UnsupportedState(f"DCP item {fqn!r}: storage metadata {type(md).__name__} is unknown (SPEC.md §9.4)")
     return DcpDocument(
         version=DOCUMENT_VERSION,
         items=items,

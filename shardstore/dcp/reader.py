@@ -2,7 +2,7 @@
 
 ``dcp.load(state_dict, storage_reader=StoreReader("store/", target="main"))`` works unchanged, into
 any split DCP's planner can plan (FSDP2 on another number of ranks, tensor parallelism, one
-process). DCP calls, and what each does here (SPEC.md §9d, §16):
+process). DCP calls, and what each does here (SPEC.md §9.4, §16):
 
 1. ``read_metadata`` (every rank): resolves ``target`` to a commit, reads and checks the commit,
    its shard manifests and its DCP document (structure, binding, learned-state root, the
@@ -12,7 +12,7 @@ process). DCP calls, and what each does here (SPEC.md §9d, §16):
    (a ref moved between their reads): every rank loads one commit or none.
 3. ``read_data`` (every rank): before any byte lands in a caller's tensor, checks every read
    against its chunk and the sizes of the objects it needs; then reads only the blocks of each
-   chunk its read items overlap (§5a), each verified against its id as it lands, and hands
+   chunk its read items overlap (§5.1), each verified against its id as it lands, and hands
    bytes items to the planner as they are (DCP's planner ``torch.load``s them, in the caller's
    process: shardstore never unpickles anything).
 """
@@ -22,8 +22,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from torch.futures import Future
 
 from ..errors import CommitProtocolError, InvalidName, ManifestError, StateMismatch, TensorMismatch
 from ..format.dcp import BytesItem, dcp_extra, decode_document, document_problems
-from ..format.grid import check_stored_all, overlapping, payload_blocks, read_parts
+from ..format.grid import BlockRead, check_reads, read_parts, run_reads
 from ..format.manifest import MAX_MANIFEST_BYTES, StateTensor, TensorEntry
 from ..format.names import check_oid_prefix, check_ref_name
 from ..format.tensors import torch_dtype
@@ -96,14 +95,14 @@ class StoreReader(StorageReader):
         if x is None:
             raise StateMismatch(
                 f"commit {lc.id} (target {self.target!r}) was not written through torch.distributed.checkpoint: "
-                "it has no DCP document (SPEC.md §9d); restore it with shardstore.restore"
+                "it has no DCP document (SPEC.md §9.4); restore it with shardstore.restore"
             )
         what = f"DCP document {x.state} of commit {lc.id}"
         doc = decode_document(store.get(x.state, limit=MAX_MANIFEST_BYTES), what)
         entries = lc.entries()
         problems = document_problems(doc, entries, x.tensors)
         if problems:
-            raise ManifestError(f"{what}: {problems[0]} (SPEC.md §9d)")
+            raise ManifestError(f"{what}: {problems[0]} (SPEC.md §9.4)")
         refs = {t.key: t for t in x.tensors}
         self._chunks = {
             (fqn, tuple(c.offsets)): entries[c.entry]
@@ -137,21 +136,10 @@ class StoreReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         store = self.handle.open(create=False)
         tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
-        reads = [self._check(r) for r in tensors]  # every read item against its chunk, before any byte lands
-        needed = []
-        for r, e in zip(tensors, reads):
-            blocks = payload_blocks(e.param, e.dtype, e.shape)
-            needed += [
-                (blocks[i][0], e.dtype, blocks[i][1][1], f"DCP chunk {e.name!r}")
-                for i in overlapping(e.param, e.dtype, e.shape, _region(r))
-            ]
-        check_stored_all(store, needed, threads=self.thread_count)  # every object these reads need, of its size
-        blobs = [(r, self._read_bytes(store, r)) for r in plan.items if r.type == LoadItemType.BYTE_IO]  # verified
-        for r, data in blobs:
-            planner.load_bytes(r, io.BytesIO(data))
-        jobs: list[Callable[[], int]] = []
+        jobs: list[BlockRead] = []
         done: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
-        for r, e in zip(tensors, reads):
+        for r in tensors:
+            e = self._check(r)  # every read item against its chunk, before any byte lands
             target = planner.resolve_tensor(r).detach()
             if tuple(target.shape) != tuple(r.lengths):
                 raise TensorMismatch(
@@ -160,16 +148,16 @@ class StoreReader(StorageReader):
                 )
             direct = target.dtype == torch_dtype(e.dtype) and target.device.type == "cpu"
             dest = target if direct else torch.empty(tuple(r.lengths), dtype=torch_dtype(e.dtype))
+            # only the blocks this read overlaps, each read whole, once (SPEC.md §5.1)
             jobs += read_parts(
                 store, e.param, e.dtype, e.shape, [(dest, tuple(r.storage_offsets))], f"DCP chunk {e.name!r}"
             )
             done.append((r, target, None if direct else dest))
-        if self.thread_count > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=self.thread_count) as pool:
-                list(pool.map(lambda job: job(), jobs))
-        else:
-            for job in jobs:
-                job()
+        check_reads(store, jobs, threads=self.thread_count)  # every object these reads need, of its size
+        blobs = [(r, self._read_bytes(store, r)) for r in plan.items if r.type == LoadItemType.BYTE_IO]  # verified
+        for r, data in blobs:
+            planner.load_bytes(r, io.BytesIO(data))
+        run_reads(jobs, threads=self.thread_count)  # each block verified as it lands (SPEC.md §16)
         for r, target, staged in done:
             if staged is not None:
                 target.copy_(staged)  # another dtype or device: torch converts, as FileSystemReader's copy_ does
@@ -199,7 +187,7 @@ class StoreReader(StorageReader):
         if t is None:
             raise StateMismatch(f"commit {self.commit} holds no bytes item {r.storage_index.fqn!r}")
         n = int(t.shape[0])
-        data = bytes(store.get(t.object, limit=n))  # type: ignore[arg-type]  (one object: SPEC.md §9c)
+        data = bytes(store.get(t.object, limit=n))  # type: ignore[arg-type]  (one object: SPEC.md §9.3)
         if len(data) != n:
             raise TensorMismatch(
                 f"DCP bytes item {r.storage_index.fqn!r}: object {t.object} holds {len(data)} bytes, not {n}"

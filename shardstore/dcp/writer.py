@@ -1,7 +1,7 @@
 """``StoreWriter``: a ``torch.distributed.checkpoint`` storage writer whose every save is a commit.
 
 ``dcp.save(state_dict, storage_writer=StoreWriter("store/", ref="main"))`` — and ``dcp.async_save``
-in thread or process mode — work unchanged. DCP calls, and what each does here (SPEC.md §9d, §15):
+in thread or process mode — work unchanged. DCP calls, and what each does here (SPEC.md §9.4, §15):
 
 1. ``set_up_storage_writer`` (every rank): opens the store; the coordinator reads ``ref``, the
    new commit's parent and the value its compare-and-swap will expect.
@@ -10,7 +10,7 @@ in thread or process mode — work unchanged. DCP calls, and what each does here
 3. ``prepare_global_plan`` (coordinator): refuses two chunks that would share a tensor entry name,
    and a key path the DCP document could not hold.
 4. ``write_data`` (every rank): each tensor chunk becomes the blocks of its own canonical grid
-   (§5a: an unchanged chunk is the same objects, written again for nothing), each bytes item one
+   (§5.1: an unchanged chunk is the same objects, written again for nothing), each bytes item one
    object of its bytes; all hashed once, written create-only, then one durability barrier. It
    returns, per item, what it wrote; DCP gathers those on the coordinator only if every rank
    succeeded.
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..checkpoint.info import CommitInfo, check_info, check_parent
-from ..checkpoint.slots import write_commit, write_shard_entries
+from ..checkpoint.slots import shard_entries_manifest, write_commit
 from ..errors import CommitProtocolError, InvalidName, ManifestError, TensorMismatch, UnsupportedState
 from ..format.dcp import (
     DCP_EXTRA,
@@ -57,7 +57,8 @@ from ..format.manifest import MAX_DIM, MAX_NDIM, Block, ExtraEntry, Payload, Sta
 from ..format.names import check_ref_name
 from ..format.tensors import check_storable, dtype_name
 from ..state.module import tensor_profile
-from ..store import Store
+from ..store import Store, manifest_bytes
+from ..store.tensors import WriteBatch
 from .handle import StoreHandle
 from .metadata import document_of, is_whole, storage_data_of
 
@@ -191,7 +192,7 @@ class StoreWriter(StorageWriter):
                 where = f"{item.index.fqn!r} at {list(item.index.offset or ())}"
                 if seen.setdefault(name, where) != where:
                     raise UnsupportedState(
-                        f"DCP chunks {seen[name]} and {where} would both be tensor entry {name!r} (SPEC.md §9d)"
+                        f"DCP chunks {seen[name]} and {where} would both be tensor entry {name!r} (SPEC.md §9.4)"
                     )
         return plans
 
@@ -200,17 +201,24 @@ class StoreWriter(StorageWriter):
         results: list[WriteResult] = []
         batch: list[tuple[WriteItem, torch.Tensor]] = []
         size = 0
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                continue
-            t = self._chunk(item, planner)
-            batch.append((item, t))
-            size += t.numel() * t.element_size()
-            if size >= _BATCH_BYTES:
-                results += self._put_tensors(store, batch)
-                batch, size = [], 0
-        results += self._put_tensors(store, batch)
-        results += self._put_bytes(store, [i for i in plan.items if i.type == WriteItemType.BYTE_IO], planner)
+        writes = store.write_batch()  # every object of this rank durable together, at one barrier
+        try:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                t = self._chunk(item, planner)
+                batch.append((item, t))
+                size += t.numel() * t.element_size()
+                if size >= _BATCH_BYTES:
+                    results += self._put_tensors(store, batch, writes)
+                    batch, size = [], 0
+            results += self._put_tensors(store, batch, writes)
+            results += self._put_bytes(
+                store, [i for i in plan.items if i.type == WriteItemType.BYTE_IO], planner, writes
+            )
+            writes.finish(store.storage, threads=self.thread_count)
+        finally:
+            writes.abandon()  # a failed write leaves no tmp file behind (nothing once finished)
         store.sync()  # every object durable before write_data reports it (SPEC.md §15)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -234,17 +242,16 @@ class StoreWriter(StorageWriter):
     def _commit(
         self, store: Store, doc: DcpDocument, entries: list[list[TensorEntry]], tensors: list[StateTensor]
     ) -> str:
-        """The document, one shard manifest per slot, and the commit manifest (read back and checked)."""
+        """The document and one shard manifest per slot (durable together, at one barrier), then
+        the commit manifest (read back and checked)."""
         raw = encode_document(doc)  # UnsupportedState for a string no state document may hold
         by_name = {e.name: e for es in entries for e in es}
         problems = document_problems(doc, by_name, tensors)
         if problems or len(by_name) != sum(map(len, entries)):
             raise ManifestError(f"DCP document of this save: {(problems or ['two chunks share an entry name'])[0]}")
-        extra = ExtraEntry(key=DCP_EXTRA, state=store.put(raw), tensors=tuple(tensors))
-        store.sync()
         info = dataclasses.replace(self.info, profile=tensor_profile(e.dtype for e in by_name.values()))
-        shard_ids = [
-            write_shard_entries(
+        shards = [
+            shard_entries_manifest(
                 store,
                 es,
                 groups=[],
@@ -257,6 +264,9 @@ class StoreWriter(StorageWriter):
             )
             for i, es in enumerate(entries)
         ]
+        doc_id, *shard_ids = store.put_all([raw, *map(manifest_bytes, shards)], threads=self.thread_count)
+        store.sync()  # all durable before the commit manifest names them (SPEC.md §15)
+        extra = ExtraEntry(key=DCP_EXTRA, state=doc_id, tensors=tuple(tensors))
         return write_commit(store, shard_ids, info=info, parent=self._parent, extras=(extra,))
 
     # -- the pieces --------------------------------------------------------------------
@@ -276,10 +286,12 @@ class StoreWriter(StorageWriter):
         check_storable(t, what)
         return t.detach()
 
-    def _put_tensors(self, store: Store, batch: Sequence[tuple[WriteItem, torch.Tensor]]) -> list[WriteResult]:
+    def _put_tensors(
+        self, store: Store, batch: Sequence[tuple[WriteItem, torch.Tensor]], writes: WriteBatch
+    ) -> list[WriteResult]:
         if not batch:
             return []
-        payloads = put_payloads(store, [t for _, t in batch], threads=self.thread_count)
+        payloads = put_payloads(store, [t for _, t in batch], threads=self.thread_count, batch=writes)
         return [
             WriteResult(
                 index=item.index,
@@ -289,7 +301,9 @@ class StoreWriter(StorageWriter):
             for (item, t), p in zip(batch, payloads)
         ]
 
-    def _put_bytes(self, store: Store, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _put_bytes(
+        self, store: Store, items: Sequence[WriteItem], planner: SavePlanner, writes: WriteBatch
+    ) -> list[WriteResult]:
         blobs = []
         for item in items:
             data = planner.resolve_data(item)
@@ -297,7 +311,7 @@ class StoreWriter(StorageWriter):
             blobs.append(
                 torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             )
-        ids = store.put_tensors(blobs, threads=self.thread_count) if blobs else []
+        ids = store.put_tensors(blobs, threads=self.thread_count, batch=writes) if blobs else []
         return [
             WriteResult(
                 index=item.index, size_in_bytes=b.numel(), storage_data=Written("bytes", "uint8", (b.numel(),), oid)

@@ -8,5 +8,5 @@ payloads); `slices`, `roots` (the learned-state root) and `rng`; `closure` (what
 names) on top. `lazy` imports torch on first use.
 
 The lowest package: imports only `shardstore.errors` (checked by import-linter). Nothing here
-reads or writes a store (SPEC.md §3-§13, §15d-§15e, §20, §22).
+reads or writes a store (SPEC.md §3-§13, §15.4-§15.5, §20, §22).
 """

@@ -1,4 +1,4 @@
-"""What a commit names (SPEC.md §19a): every object a reader of the commit needs, or only
+"""What a commit names (SPEC.md §19.1): every object a reader of the commit needs, or only
 what one slot needs (the slot-K selection, SPEC.md §Slices held). Copy, gc and the gc fence
 all take a commit's closure from here, from its manifests alone.
 """

@@ -1,16 +1,16 @@
-"""The DCP document: how a ``torch.distributed.checkpoint`` save is held as a commit (SPEC.md §9d).
+"""The DCP document: how a ``torch.distributed.checkpoint`` save is held as a commit (SPEC.md §9.4).
 
 A save through ``shardstore.dcp.StoreWriter`` is an ordinary commit, so ``verify``, ``log``,
 ``diff``, ``copy`` and ``gc`` handle it like any other:
 
 - every tensor chunk DCP's planner wrote (one ``WriteItem``: a DTensor's local shard, or a
   whole tensor) is a tensor entry of the shard manifest of the rank that wrote it, named by
-  ``chunk_entry_name``, its payload on the canonical grid of the chunk's own shape (§5a), so an
+  ``chunk_entry_name``, its payload on the canonical grid of the chunk's own shape (§5.1), so an
   unchanged chunk is the same objects at the next save and a read of part of a chunk reads
   only the blocks it overlaps;
 - DCP's ``Metadata`` (``state_dict_metadata`` with its chunks, ``planner_data``,
   ``storage_meta``, ``version``; ``storage_data`` is the chunk → entry map and is rebuilt from
-  it) is the state document (§9c) of the commit-wide extra ``torch.distributed.checkpoint``:
+  it) is the state document (§9.3) of the commit-wide extra ``torch.distributed.checkpoint``:
   the canonical JSON of a ``DcpDocument``;
 - every bytes item (what DCP's planner serialised with ``torch.save``: every non-tensor value
   of the state dict) is one tensor of that extra, a ``uint8`` tensor of exactly its bytes,
@@ -148,7 +148,7 @@ def chunk_entry_name(fqn: str, offsets: Sequence[int], whole: bool) -> str:
 
 def _user_strings(doc: DcpDocument) -> Iterator[tuple[str, str]]:
     """(where, value) of every string value of ``doc`` a caller chose (the rest are names this
-    module writes): as a state document (§9c) none may begin with a reserved prefix."""
+    module writes): as a state document (§9.3) none may begin with a reserved prefix."""
     if doc.dcp_version is not None:
         yield "version", doc.dcp_version
     for fqn, path in (doc.planner_data or {}).items():
@@ -183,7 +183,7 @@ def check_planner_strings(planner_data: Mapping[str, Sequence[str | int]]) -> No
 
 
 def encode_document(doc: DcpDocument) -> bytes:
-    """The canonical bytes of ``doc`` (a valid §9c state document); UnsupportedState naming the
+    """The canonical bytes of ``doc`` (a valid §9.3 state document); UnsupportedState naming the
     field for a string it cannot hold, ObjectTooLarge past the manifest limit."""
     for where, value in _user_strings(doc):
         _refuse_reserved(where, value)
@@ -202,9 +202,9 @@ def decode_document(raw: bytes | memoryview, what: str) -> DcpDocument:
     try:
         doc = _DECODER.decode(raw)
     except msgspec.ValidationError as e:
-        raise ManifestError(f"{what}: not a DCP document of version {DOCUMENT_VERSION}: {e} (SPEC.md §9d)") from None
+        raise ManifestError(f"{what}: not a DCP document of version {DOCUMENT_VERSION}: {e} (SPEC.md §9.4)") from None
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ManifestError(f"{what}: malformed DCP document: {e} (SPEC.md §9d)") from None
+        raise ManifestError(f"{what}: malformed DCP document: {e} (SPEC.md §9.4)") from None
     if _ENCODER.encode(doc) != raw:
         raise ManifestError(f"{what}: DCP document is not in canonical encoding (SPEC.md §Canonical encoding)")
     return doc

@@ -32,12 +32,12 @@ import math
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import CorruptObject, GridError, ObjectNotFound, TensorMismatch
 from .lazy import torch
 from .manifest import MAX_BLOCKS, Block, Payload, TensorEntry, is_chunked, state_payloads, tensor_payloads
-from .tensors import ITEMSIZES, dtype_name, expected_nbytes, is_dtensor, torch_dtype
+from .tensors import ITEMSIZES, Staging, dtype_name, expected_nbytes, is_dtensor, torch_dtype
 
 __all__ = [
     "BlockStore",
@@ -63,6 +63,8 @@ __all__ = [
     "read_jobs",
     "read_parts",
     "read_whole",
+    "run_reads",
+    "staging",
 ]
 
 
@@ -76,11 +78,15 @@ class BlockStore(Protocol):
 
     def get_tensor(self, oid: str, dtype: str, shape: tuple[int, ...], *, what: str) -> torch.Tensor: ...
 
-    def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = ...) -> list[str]: ...
+    def put_tensors(self, tensors: Sequence[torch.Tensor], *, threads: int = ..., batch: Any = ...) -> list[str]: ...
 
 
 #: The block bound of format versions 2-4: 4 MiB. Part of the format: changing it changes ids.
 BLOCK_BYTES = 1 << 22
+
+#: The most a thread's staging buffer holds (``staging``): any block of the grid (at most
+#: ``BLOCK_BYTES``) with room to spare; larger objects (format version 1) are read into memory of their own.
+STAGING_BYTES = 2 * BLOCK_BYTES
 
 #: A box of a tensor: (start index on each dim, extent on each dim).
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -97,7 +103,7 @@ class StoredPayload:
 
 
 def tile_shape(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES) -> tuple[int, ...]:
-    """The extent of the tile grid's first tile (SPEC.md §5a, version 4): the shape, its
+    """The extent of the tile grid's first tile (SPEC.md §5.1, version 4): the shape, its
     largest extent halved (rounded up; the first such dim on a tie) while it exceeds the bound."""
     item = ITEMSIZES[dtype]
     t = [int(d) for d in shape]
@@ -132,7 +138,7 @@ def block_count(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BY
 
 def grid(dtype: str, shape: Sequence[int], *, block_bytes: int = BLOCK_BYTES, bands: bool = False) -> list[Box]:
     """The canonical blocks of a ``dtype`` tensor of ``shape``, in C order of their starts:
-    the tile grid, or with ``bands`` the row-band grid of versions 2 and 3 (SPEC.md §5a).
+    the tile grid, or with ``bands`` the row-band grid of versions 2 and 3 (SPEC.md §5.1).
 
     GridError if there would be more than ``MAX_BLOCKS`` (checked before listing any)."""
     shape = tuple(int(d) for d in shape)
@@ -218,7 +224,7 @@ def grid_problems(
     """What is wrong with a payload's blocks for a ``dtype`` tensor of ``shape`` (empty: nothing);
     ``bands``: checked against the row-band grid (a manifest of version 2 or 3). ``whole``: one
     object is accepted at any size (a manifest of version 1: format 1 stored every tensor as one
-    object, and its stores stay readable, SPEC.md §5a); the block-count limit holds all the same."""
+    object, and its stores stay readable, SPEC.md §5.1); the block-count limit holds all the same."""
     shape = tuple(shape)
     nbytes = expected_nbytes(dtype, shape)
     count = block_count(dtype, shape, bands=bands)
@@ -336,8 +342,8 @@ def _check_sizes(
     if not checks:
         return
     oids = list(dict.fromkeys(c[0] for c in checks))
-    if len(oids) == 1:
-        sizes = {oids[0]: store.object_size(oids[0])}
+    if len(oids) == 1 or threads <= 1:
+        sizes = {oid: store.object_size(oid) for oid in oids}
     else:
         with ThreadPoolExecutor(max_workers=min(threads, len(oids))) as pool:
             sizes = dict(zip(oids, pool.map(store.object_size, oids)))
@@ -384,14 +390,20 @@ def _block_views(t: torch.Tensor, dtype: str, bands: bool = False) -> list[torch
 
 
 def put_payloads(
-    store: BlockStore, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2, bands: bool = False
+    store: BlockStore,
+    tensors: Sequence[torch.Tensor | StoredPayload],
+    *,
+    threads: int = 2,
+    bands: bool = False,
+    batch: Any = None,
 ) -> list[Payload]:
     """Store each whole tensor as its canonical blocks; return one payload per input, in order.
     ``bands``: on the row-band grid, for a tensor joining the entries of a version 2 or 3
     commit in a metadata-only transition (``on_bands``), which keeps that commit's grid.
 
     All blocks go to ``store.put_tensors`` in one batch (hashed once, written once, one
-    durability barrier); ``StoredPayload`` inputs pass through unchanged.
+    durability barrier; with ``batch``, a ``Store.write_batch()``, they join it and become
+    durable at its ``finish``); ``StoredPayload`` inputs pass through unchanged.
     """
 
     views: list[torch.Tensor] = []
@@ -408,7 +420,7 @@ def put_payloads(
         blocks = _block_views(t, dtype_name(t.dtype), bands)
         spans.append((len(views), len(blocks)))
         views += blocks
-    ids = store.put_tensors(views, threads=threads) if views else []
+    ids = store.put_tensors(views, threads=threads, batch=batch) if views else []
     out: list[Payload] = []
     for t, span in zip(tensors, spans):
         if isinstance(t, StoredPayload):
@@ -478,7 +490,9 @@ class BlockRead:
     dtype: str
     what: str
 
-    def __call__(self) -> int:
+    def __call__(self, stage: Staging | None = None) -> int:
+        """Read the block; ``stage`` (``staging()``): the calling thread's buffer for a block that
+        cannot land in place, reused from block to block (None: memory of its own each time)."""
         store, oid, box, what = self.store, self.oid, self.box, self.what
         try:
             if len(self.hits) == 1:
@@ -487,7 +501,11 @@ class BlockRead:
                 if common == box and dest.is_contiguous():
                     store.read_into(oid, dest, what=what)
                     return self.n
-            buf = store.get_tensor(oid, self.dtype, box[1], what=what)
+            buf = stage.take(self.dtype, box[1]) if stage is not None else None
+            if buf is not None:
+                store.read_into(oid, buf, what=what)  # verified (or raised) before any byte is copied out
+            else:
+                buf = store.get_tensor(oid, self.dtype, box[1], what=what)
         except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
             raise ObjectNotFound(
                 f"{what}: object {oid} is not in the store ({str(e).removeprefix(what + ': ')}) (SPEC.md §Slices held)"
@@ -502,6 +520,21 @@ class BlockRead:
         return self.n
 
 
+def staging() -> Staging:
+    """Staging buffers for ``BlockRead`` jobs (one per thread that runs them, at most ``STAGING_BYTES`` each)."""
+    return Staging(STAGING_BYTES)
+
+
+def run_reads(jobs: Sequence[BlockRead], *, threads: int) -> int:
+    """Run ``jobs`` (already checked: ``check_reads``), ``threads`` at a time, each thread
+    staging through one reused buffer; return the bytes read. The first failure is raised."""
+    stage = staging()
+    if threads <= 1 or len(jobs) <= 1:
+        return sum(job(stage) for job in jobs)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return sum(pool.map(lambda job: job(stage), jobs))
+
+
 def read_whole(store: BlockStore, payload: Payload, dtype: str, shape: Sequence[int], what: str) -> torch.Tensor:
     """The whole tensor of a payload, every block verified (a view of the object if it is one)."""
     shape = tuple(shape)
@@ -509,6 +542,5 @@ def read_whole(store: BlockStore, payload: Payload, dtype: str, shape: Sequence[
         return store.get_tensor(payload, dtype, shape, what=what)
     check_stored(store, payload, dtype, shape, what)  # the blocks' sizes bound the allocation
     out = torch.empty(shape, dtype=torch_dtype(dtype))
-    for job in read_jobs(store, payload, dtype, shape, out, (0,) * len(shape), what):
-        job()
+    run_reads(read_jobs(store, payload, dtype, shape, out, (0,) * len(shape), what), threads=1)
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "new_hasher",
     "is_dtensor",
     "same_split",
+    "Staging",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
@@ -163,3 +165,31 @@ def is_dtensor(t: Any) -> bool:
 def same_split(a: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Whether two DTensors live on the same mesh with the same placements."""
     return b is not None and a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements)  # type: ignore[attr-defined]
+
+
+class Staging(threading.local):
+    """Each thread's reusable buffer for tensor bytes on their way between an object and a
+    tensor that cannot take them in place: a block read whole and verified before it is copied
+    into its destination's boxes, or a strided tile gathered before it is hashed and written.
+
+    One allocation per thread (grown to the largest request, never beyond ``limit`` bytes)
+    instead of one per block: a fresh buffer costs its page faults on every block, which
+    made such reads and writes slower than the copy itself (benchmarks/RESULTS.md, bench_dcp).
+    A request over ``limit`` (a whole-tensor object of format version 1) gets None: the caller
+    allocates for it, so no thread keeps more than ``limit`` bytes. The views ``take`` returns
+    are valid until that thread's next ``take``; nothing may keep one.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buf: torch.Tensor | None = None
+
+    def take(self, dtype: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A contiguous ``dtype`` tensor of ``shape`` over this thread's buffer, or None when it
+        holds no bytes or more than ``limit``."""
+        n = expected_nbytes(dtype, shape)
+        if n == 0 or n > self.limit:
+            return None
+        if self.buf is None or self.buf.numel() < n:
+            self.buf = torch.empty(n, dtype=torch.uint8)
+        return self.buf[:n].view(torch_dtype(dtype)).view(shape)

@@ -1,4 +1,4 @@
-"""Tools over whole commits: diff, copy, garbage collection, export and import (SPEC.md §18, §19a).
+"""Tools over whole commits: diff, copy, garbage collection, export and import (SPEC.md §18, §19.1).
 
 `diff` and `state_diff` (what changed between two commits), `transfer` (copying a commit's
 closure between stores), `gc` (deleting what no ref or pin reaches), `interchange` and

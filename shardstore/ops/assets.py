@@ -8,7 +8,7 @@ keeps them, ``export`` gives them back, so a model goes in and comes out whole.
 Each file is an object (named by the BLAKE3 of its bytes, SPEC.md §4). An *asset index*
 object, the canonical encoding of ``{"type": "assets", "version": 1, "files": [{"name",
 "object", "size"}, ...]}`` sorted by name, lists them, and the pin ``assets/<commit id>``
-holds the index and every file (SPEC.md §14a), so gc keeps them and ``copy --pin``
+holds the index and every file (SPEC.md §14.1), so gc keeps them and ``copy --pin``
 moves them. The pin binds a set to an immutable commit without changing the commit's id:
 a commit a run trains from an import carries its import's set through its parent chain
 (`commit_assets` walks it, as far as the store holds it).
@@ -107,7 +107,7 @@ def commit_assets(store: Store, commit: str) -> dict[str, bytes] | None:
     """The asset set of `commit` or of its nearest ancestor that has one (None: no set), verified.
 
     An ancestor absent from `store` ends the walk with no set: a copy brings a commit without
-    its history (the parent is a pointer, SPEC.md §19a), and such a commit is valid."""
+    its history (the parent is a pointer, SPEC.md §19.1), and such a commit is valid."""
     cid: str | None = commit
     for _ in range(_MAX_CHAIN):
         if cid is None:

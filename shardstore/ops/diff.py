@@ -287,7 +287,7 @@ def _field_diffs(store: Store, la: LoadedCommit, lb: LoadedCommit) -> list[Field
     sa, sb = (
         _slices(la),
         _slices(lb),
-    )  # what each slot held of sharded tensors (SPEC.md §15e): layout, not learned state
+    )  # what each slot held of sharded tensors (SPEC.md §15.5): layout, not learned state
     for key in sorted(set(sa) | set(sb)):
         if sa.get(key) != sb.get(key):
             out.append(FieldDiff(f"slices.{key[0]}.{key[1]}", sa.get(key), sb.get(key)))

@@ -3,7 +3,7 @@
 *Reachable* objects: every commit a ref or a pin names, its parents that are present
 (recursively; an absent parent ends the walk, as a copy brings no history), and each of
 those commits' closures (shard manifests, model config, tensor, moment and RNG objects),
-plus every other object a pin names (the object only; SPEC.md §14a). Anything
+plus every other object a pin names (the object only; SPEC.md §14.1). Anything
 else is garbage, with two exceptions that protect saves in progress,
 whose objects are written before any ref names them:
 
@@ -15,7 +15,7 @@ whose objects are written before any ref names them:
 The order is: write the gc marker, drop the intents of writers of this host that no longer
 run (``gc_fence.dead_intents``: they can never move a ref), take the time every age is
 measured against, list the objects, then mark from the pins, intents and refs — twice, the second pass walking only
-what moved — then sweep, then delete the marker (SPEC.md §19a). Objects written after the
+what moved — then sweep, then delete the marker (SPEC.md §19.1). Objects written after the
 listing are not candidates. gc is conservative: a ref that names a missing commit, a pin
 or intent that does not parse, a pinned commit whose closure does not read, or a present
 commit or shard manifest that does not decode, stops it before anything is deleted, because its reachability cannot be known.
@@ -49,7 +49,7 @@ from ..state.torch_optim import state_objects
 from ..store import Store, object_key
 from ..store.gc_fence import GcMarker, dead_intents, intent_objects
 from ..verification.commits import load_commit, pinned_commits
-from .transfer import _pool_map, commit_closure
+from .transfer import commit_closure, pool_map
 
 __all__ = ["GcResult", "reachable", "pinned_objects", "gc", "TMP_MIN_AGE"]
 
@@ -102,7 +102,7 @@ def reachable(
     """(every object id reachable from a ref or pin, the reachable commit ids in walk order).
 
     A commit a ref or pin names is walked with its closure and its present parents (SPEC.md
-    §14a, §19a); any other pinned object is kept itself. ``pinned``: the pinned ids if
+    §14.1, §19.1); any other pinned object is kept itself. ``pinned``: the pinned ids if
     already read, with ``held``, the commits among them and the pins naming each
     (``pinned_commits``); else the pins are read here. ``also``: more commits to walk
     (intents' commits; one that no longer loads is skipped: its writer will refuse).
@@ -145,7 +145,7 @@ def reachable(
         objects |= commit_closure(lc).ids()
         parent = lc.commit.parent
         if parent is not None and parent not in seen and store.has(parent):
-            todo.append(parent)  # an absent parent ends the walk: a copy brings no history (SPEC.md §19a)
+            todo.append(parent)  # an absent parent ends the walk: a copy brings no history (SPEC.md §19.1)
     return objects | pinned, commits
 
 
@@ -155,7 +155,7 @@ def _marked(
     dropped: frozenset[str] = frozenset(),
     kinds: dict[str, bool] | None = None,
 ) -> tuple[set[str], list[str], int]:
-    """One marking pass: pins, then refs, then intents (SPEC.md §19b), leaving out the
+    """One marking pass: pins, then refs, then intents (SPEC.md §19.2), leaving out the
     ``dropped`` intents of dead writers; (kept ids, commits, pinned count). A commit a pin
     or a pin's intent names is walked like a ref's; ``kinds`` caches which pinned objects
     are commits across passes."""
@@ -206,7 +206,7 @@ def gc(
 ) -> GcResult:
     """Delete (or with ``dry_run`` only report) unreachable objects older than ``grace_seconds``.
 
-    Behind the gc fence (``gc_fence``; SPEC.md §19b): the marker is written before anything
+    Behind the gc fence (``gc_fence``; SPEC.md §19.2): the marker is written before anything
     is read and deleted after the last delete; a dry run writes nothing (it deletes nothing).
     ``progress(n)``: called as unreachable objects are examined, and again as they are deleted."""
     tick = progress or (lambda n: None)
@@ -255,7 +255,7 @@ def _gc(
         return oid, None if mtime is None else now - mtime, store.storage.size(key)
 
     old: dict[str, int] = {}
-    for oid, seconds, size in _pool_map(age, garbage, threads):
+    for oid, seconds, size in pool_map(age, garbage, threads):
         if seconds is None or size is None:
             continue  # gone since the listing
         if seconds < grace_seconds:
@@ -292,7 +292,7 @@ def _gc(
             tick(1)
             return gone
 
-        done = _pool_map(deleted, sorted(old), threads)
+        done = pool_map(deleted, sorted(old), threads)
         result.deleted = {oid: old[oid] for oid, gone in zip(sorted(old), done) if gone}
         result.kept_young += [oid for oid, gone in zip(sorted(old), done) if not gone]
     result.tmp_deleted = _clean_tmp(store, now, max(grace_seconds, TMP_MIN_AGE), dry_run)

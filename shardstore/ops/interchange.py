@@ -50,7 +50,7 @@ from ..format.names import check_ref_name, check_tensor_name
 from ..format.tensors import expected_nbytes
 from ..state.module import tensor_profile
 from ..state.optim import hyper_of
-from ..state.torch_optim import _unscalar
+from ..state.torch_optim import decode_value
 from ..store import Store
 from ..verification.commits import load_commit
 from .assets import ASSET_FILES, commit_assets, put_assets, read_asset_files
@@ -241,7 +241,7 @@ def _optimizer_doc(step: int, optimizer: Any, entries: list[TensorEntry], extras
     if optimizer.torch_optimizer is not None:
         doc["class"] = optimizer.torch_optimizer.class_name
         doc["tensors"] = {
-            e.name: {"group": e.state.group, "scalars": {x.key: _unscalar(x.value) for x in e.state.scalars}}
+            e.name: {"group": e.state.group, "scalars": {x.key: decode_value(x.value) for x in e.state.scalars}}
             for e in entries
             if e.state is not None
         }

@@ -1,4 +1,4 @@
-"""Safetensors files written by hand and read back (SPEC.md §Export): the format is an
+"""Safetensors files written by hand and read back (export's rules: SPEC.md §19.2); the format is an
 8-byte little-endian header length, a JSON header, then the data.
 
 ``write_safetensors`` builds the header from the manifests alone, then appends each
@@ -155,7 +155,7 @@ def runs(
     shape: tuple[int, ...], box: tuple[tuple[int, ...], tuple[int, ...]], item: int
 ) -> Iterator[tuple[int, int, int]]:
     """(byte offset in the tensor, byte offset in the block, length) of each contiguous run of
-    a block's bytes in the tensor's C-order bytes: one for a row band (SPEC.md §5a, versions
+    a block's bytes in the tensor's C-order bytes: one for a row band (SPEC.md §5.1, versions
     2-3) or a tile spanning every later dim, one per row of the tile's leading dims otherwise."""
     start, extent = box
     if not shape:

@@ -8,10 +8,10 @@
   removed (the state document's id), or each top-level field of its state that differs
   (``extra.scheduler.last_epoch: 3 -> 4``); a tensor inside a state shows as
   ``tensor <dtype>[shape] <object id>``, so a changed tensor is a changed value; a DCP
-  commit's document (the extra ``torch.distributed.checkpoint``, SPEC.md §9d) item by item
+  commit's document (the extra ``torch.distributed.checkpoint``, SPEC.md §9.4) item by item
   (``dcp.<fqn>``: a bytes item's object, a tensor's dtype, size or chunks), its chunks' bytes
   being tensor entries that ``diff`` compares itself;
-- a state dict's tree (SPEC.md §9f): every value that differs by its key path
+- a state dict's tree (SPEC.md §9.6): every value that differs by its key path
   (``state_dict.epoch: 3 -> 4``, ``state_dict.optimizer_states[0].param_groups[0].lr``); its
   tensors are tensor entries, which ``diff`` compares by name like any other.
 """
@@ -26,7 +26,7 @@ from ..format.dcp import DCP_EXTRA
 from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, ExtraEntry, ParamState, StateTensor, TorchOptimizer
 from ..state.documents import TensorRef, read_tree
 from ..state.extras import read_extra_state
-from ..state.torch_optim import _unhyper
+from ..state.torch_optim import decode_value
 from ..store import Store
 
 __all__ = ["state_changes", "state_pairs", "hyper_groups", "extras_changes", "extra_state_view", "tree_changes"]
@@ -65,10 +65,7 @@ def hyper_groups(spec: TorchOptimizer | None) -> dict[str, dict[str, Any]]:
     """Torch-form groups by name, hyperparameters decoded (reals as floats, tuples as lists)."""
     if spec is None:
         return {}
-    return {
-        g.name: {k: (list(_unhyper(v, [])) if isinstance(v, tuple) else _unhyper(v, None)) for k, v in g.hyper.items()}
-        for g in spec.groups
-    }
+    return {g.name: {k: decode_value(v, like=[]) for k, v in g.hyper.items()} for g in spec.groups}
 
 
 def extra_state_view(store: Store, x: ExtraEntry) -> dict[str, Any]:
@@ -92,7 +89,7 @@ def extras_changes(
         if a is None or b is None:
             out.append((f"{prefix}.{key}", a.state if a else None, b.state if b else None))
             continue
-        if key == TREE_KEY and prefix == "extra":  # a state dict's tree: every value by key path (SPEC.md §9f)
+        if key == TREE_KEY and prefix == "extra":  # a state dict's tree: every value by key path (SPEC.md §9.6)
             try:
                 ta, tb = (read_tree(store.get(x.state, limit=MAX_MANIFEST_BYTES), "state dict tree") for x in (a, b))
             except ShardstoreError:
@@ -105,7 +102,7 @@ def extras_changes(
         except ShardstoreError:
             out.append((f"{prefix}.{key}", a.state, b.state))  # not decodable: the ids say it changed
             continue
-        if key == DCP_EXTRA:  # one line per DCP item, not the whole document (SPEC.md §9d)
+        if key == DCP_EXTRA:  # one line per DCP item, not the whole document (SPEC.md §9.4)
             ia, ib = va.pop("items", {}), vb.pop("items", {})
             for fqn in sorted(set(ia) | set(ib)):
                 if ia.get(fqn, _MISSING) != ib.get(fqn, _MISSING):

@@ -31,7 +31,7 @@ from ..format.names import check_ref_name
 from ..store import Store, object_key
 from ..verification.commits import LoadedCommit, load_commit
 
-__all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit"]
+__all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit", "pool_map"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -62,7 +62,10 @@ class CopyResult:
             self.bytes_skipped += n
 
 
-def _pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]:
+def pool_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> list[R]:
+    """``fn`` of each item, in order, ``threads`` at a time (copy's and gc's object work, a
+    request each on S3); the first failure is raised once the calls already running end, and
+    no further call starts."""
     items = list(items)
     if threads <= 1 or len(items) <= 1:
         return [fn(x) for x in items]
@@ -106,7 +109,7 @@ def _copy_object(
     An object already at ``dst`` is refreshed (``Store.ensure``: gc then treats it as just
     written) and its size checked against its entry (or, where the format fixes none, against
     the source's): a torn or truncated object there is replaced by the verified source bytes
-    instead of being trusted (SPEC.md §19a)."""
+    instead of being trusted (SPEC.md §19.1)."""
     have = dst.ensure(oid)
     if have is not None:
         want = size if size is not None else src.object_size(oid)
@@ -135,7 +138,7 @@ def _fetch_and_put(src: Store, dst: Store, oid: str, size: int | None, what: str
         dst.storage.delete(object_key(oid))
     if not dst.put_with_id(oid, data) and dst.object_size(oid) != len(data):
         raise CorruptObject(
-            f"{what} object {oid} in {dst.url} has the wrong size and could not be replaced (SPEC.md §19a)"
+            f"{what} object {oid} in {dst.url} has the wrong size and could not be replaced (SPEC.md §19.1)"
         )
     return True, len(data)
 
@@ -202,7 +205,7 @@ def copy_commit(
     they name (e.g. shardtrain's ``jobs/<job id>``); each is set in ``dst``, last, to the
     union of what it held there and in ``src``. ``progress`` is called with the byte size
     of each object as it is copied or found present. ``with_deps``: also the commits the
-    commit's job depends on (SPEC.md §14a): the pins ``jobs/<job>`` and ``references/<job>``
+    commit's job depends on (SPEC.md §14.1): the pins ``jobs/<job>`` and ``references/<job>``
     of its job, where ``src`` has them, and the whole closure of every other commit the
     references pin names (a run's seed and frozen distillation references), copied first.
     """
@@ -238,7 +241,7 @@ def copy_commit(
                 progress(done[1])
             return done
 
-        for copied, n in _pool_map(one, jobs, threads):
+        for copied, n in pool_map(one, jobs, threads):
             result._add(copied, n)
         dst.sync()  # everything in this batch is durable before the next batch names it
 

@@ -1,4 +1,4 @@
-"""DTensor state over a process group, written as canonical blocks and never gathered (SPEC.md §15b, §15d).
+"""DTensor state over a process group, written as canonical blocks and never gathered (SPEC.md §15.2, §15.4).
 
 `placement` (a rank's local part as boxes of the global tensor), `exchange` (the block
 exchange: each block staged and written once), `agreement` (whether the ranks agree on each

@@ -46,7 +46,7 @@ from ..format.tensors import dtype_name, is_dtensor, new_hasher, same_split, ten
 from ..state.slot import SlotState
 from ..store import Store
 from .agreement import check_agreement, coverage_problem
-from .exchange import BATCH_BYTES, ExchangeStats, Local, last_exchange, run_plan
+from .exchange import BATCH_BYTES, ExchangeStats, Local, PlannedBlock, last_exchange, run_plan
 from .placement import local_parts
 
 __all__ = [
@@ -211,7 +211,7 @@ def _items_of(state: SlotState) -> list[tuple[str, str, torch.Tensor]]:
             m = getattr(po, role)
             if m is not None and is_dtensor(m):
                 items.append((n, role, m))
-        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9a), by key
+        ts = getattr(po, "torch_state", None)  # any torch optimizer's state tensors (SPEC.md §9.1), by key
         for k, m in sorted(ts.tensors.items()) if ts is not None else ():
             if is_dtensor(m):
                 items.append((n, f"state:{k}", m))
@@ -246,10 +246,6 @@ def decode_description(raw: bytes) -> list[Described]:
 
 #: (name, role) -> (dtype, global shape, {box: the ranks holding it}): every rank's slices of each DTensor.
 SliceUnion = dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]]
-
-
-#: One canonical block in the plan: ((name, role), block index, box, owner, [(source, piece)], dtype).
-PlannedBlock = tuple[tuple[str, str], int, Box, int, list[tuple[int, Box]], str]
 
 
 @dataclass(frozen=True)
@@ -301,7 +297,7 @@ def plan_union(union: SliceUnion, world: int) -> list[PlannedBlock]:
         except TensorMismatch as e:
             raise TensorMismatch(coverage_problem(n, role, dtype, shape, held, world, str(e))) from None
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
-            blocks.append(((n, role), bi, box, owner, sends, dtype))
+            blocks.append(PlannedBlock((n, role), bi, box, owner, sends, dtype))
     return blocks
 
 
@@ -360,8 +356,8 @@ def write_dtensors(
     if ids is None:  # another rank failed staging or writing its blocks: the commit protocol names it
         return _restate(state, {}, set())
     blocks: dict[tuple[str, str], list[str]] = {}
-    for (key, _bi, _box, _o, _s, _d), oid in zip(plan.blocks, ids):
-        blocks.setdefault(key, []).append(oid)
+    for b, oid in zip(plan.blocks, ids):
+        blocks.setdefault(b.key, []).append(oid)
     payload = {
         key: StoredPayload(make_payload(d, s, blocks[key]), torch_dtype(d), s) for key, (d, s, _) in union.items()
     }

@@ -39,7 +39,7 @@ from ..format.tensors import expected_nbytes, torch_dtype
 from ..store import Store
 from ..store.tensors import WriteBatch
 
-__all__ = ["BATCH_BYTES", "ExchangeStats", "Local", "last_exchange", "run_plan"]
+__all__ = ["BATCH_BYTES", "ExchangeStats", "Local", "PlannedBlock", "last_exchange", "run_plan"]
 
 #: Most bytes of blocks one batch of the exchange assembles (a rank stages at most twice
 #: this beyond its own slices while saving).
@@ -49,6 +49,39 @@ _ALIGN = 64  # each staged buffer starts on a 64-byte boundary of the arena (any
 
 #: A rank's local tensor and its parts: (global box, virtual origin) each; ``local[box_slices(piece, origin)]``.
 Local = tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBlock:
+    """One canonical block of the plan, the same on every rank (``dtensor.plan_union``)."""
+
+    key: tuple[str, str]  # (tensor name, role)
+    index: int  # the block's index on its tensor's grid
+    box: Box  # the block's (start, shape) in the global tensor
+    owner: int  # the rank that assembles, hashes and writes it
+    sends: list[tuple[int, Box]]  # its other pieces: (source rank, piece box); source == owner: copied, not sent
+    dtype: str
+
+
+@dataclass(slots=True)
+class _Owned:
+    """A block this rank owns in the batch: where it is assembled and what arrives for it."""
+
+    at: int  # its index in the whole plan
+    box: Box
+    dtype: torch.dtype
+    local: Local
+    view: torch.Tensor | None  # the block as a view of the local tensor, when it is one contiguous box of it
+    arriving: list[tuple[int, int, Box]]  # (tag, source rank, piece box)
+
+
+@dataclass(slots=True)
+class _Send:
+    """A piece this rank sends to a block's owner."""
+
+    tag: int
+    to: int  # the owner's rank in the group
+    view: torch.Tensor  # the piece, a view of the local tensor
 
 
 @dataclass
@@ -145,45 +178,44 @@ def _any_failed(error: BaseException | None, group: Any) -> bool:
 
 
 def run_plan(
-    store: Store, plans: list, locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int
+    store: Store, plans: list[PlannedBlock], locals_: dict[Any, Local], rank: int, g: Any, group: Any, threads: int
 ) -> list[str] | None:
-    """Carry out ``plans`` ((key, block index, box, owner, sends, dtype) each, in the same
-    order on every rank); return every block's id (all ranks get all ids).
+    """Carry out ``plans`` (in the same order on every rank); return every block's id (all
+    ranks get all ids).
 
     A rank whose staging or writing fails (a full disk, a storage error) still tells the
     others, after the batch, and raises; they return None (the commit protocol then fails
     on every rank naming it) instead of waiting for its pieces until the group times out."""
     global _LAST
     stats = _LAST = ExchangeStats()
-    arena = _Arena()
-    writes = store.write_batch()  # every batch's objects become durable together, at the end
+    run = _Exchange(store, rank, g, group, threads, stats, _Arena(), store.write_batch(), locals_)
     ids: list[bytes | None] = [None] * len(plans)
     try:
         i = 0
         while i < len(plans):
             j, size = i, 0
-            while j < len(plans) and (j == i or size + expected_nbytes(plans[j][5], plans[j][2][1]) <= BATCH_BYTES):
-                size += expected_nbytes(plans[j][5], plans[j][2][1])
+            while j < len(plans) and (j == i or size + expected_nbytes(plans[j].dtype, plans[j].box[1]) <= BATCH_BYTES):
+                size += expected_nbytes(plans[j].dtype, plans[j].box[1])
                 j += 1
-            written = _batch(store, plans[i:j], i, locals_, rank, g, group, threads, stats, arena, writes)
+            written = run.batch(plans[i:j], i)
             if written is None:
                 return None
             for k, oid in written:
                 ids[k] = bytes.fromhex(oid)
             i = j
-        stats.arena_bytes = arena.size
-        del arena
+        stats.arena_bytes = run.arena.size
+        run.arena = _Arena()  # the staging is free before the barrier
         error: BaseException | None = None
         t0 = time.perf_counter()
         try:
-            writes.finish(store.storage, threads=threads)  # one fsync barrier for the whole exchange
+            run.writes.finish(store.storage, threads=threads)  # one fsync barrier for the whole exchange
         except Exception as e:  # noqa: BLE001 - a full disk at fsync: every rank learns of it
             error = e
         stats.durable_s += time.perf_counter() - t0
         if _any_failed(error, group):
             return None
     finally:
-        writes.abandon()  # a failed exchange leaves no tmp file behind (nothing once finished)
+        run.writes.abandon()  # a failed exchange leaves no tmp file behind (nothing once finished)
     table = torch.zeros((len(plans), 32), dtype=torch.uint8)
     for k, raw in enumerate(ids):
         if raw is not None:
@@ -192,135 +224,130 @@ def run_plan(
     return [bytes(row.numpy().tobytes()).hex() for row in table]
 
 
-def _batch(
-    store: Store,
-    batch: list,
-    first: int,
-    locals_: dict[Any, Local],
-    rank: int,
-    g: Any,
-    group: Any,
-    threads: int,
-    stats: ExchangeStats,
-    arena: _Arena,
-    writes: WriteBatch,
-) -> list[tuple[int, str]] | None:
-    """One batch: what to stage worked out, the arena sized, pieces sent and received, this
-    rank's blocks hashed and written; returns (plan index, id) of the blocks it owns, or
-    None if another rank failed (staging, before any piece is posted, or writing its blocks)."""
-    error: BaseException | None = None
-    t0 = time.perf_counter()
-    try:
-        owned, sending, need = _stage(batch, first, locals_, rank, arena)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it before a piece is posted
-        error = e
-    stats.stage_s += time.perf_counter() - t0
-    if _any_failed(error, group):
-        return None
-    try:
-        written = _exchange(store, owned, sending, need, g, group, threads, stats, arena, writes)
-    except Exception as e:  # noqa: BLE001 - a full disk, a storage error: every rank learns of it
-        error = e
-    return None if _any_failed(error, group) else written
+@dataclass
+class _Exchange:
+    """One rank's run of a plan: where blocks go, the group, and what the batches share (the
+    staging arena, the write batch made durable at the end, the statistics)."""
 
+    store: Store
+    rank: int
+    g: Any  # group rank -> global rank
+    group: Any
+    threads: int
+    stats: ExchangeStats
+    arena: _Arena
+    writes: WriteBatch
+    locals_: dict[Any, Local]
 
-def _stage(batch: list, first: int, locals_: dict[Any, Local], rank: int, arena: _Arena) -> tuple[list, list, int]:
-    """1. This rank's part of the batch and the bytes it stages; the arena sized (no piece posted)."""
-    owned: list[tuple[int, Box, torch.dtype, Local, torch.Tensor | None, list[tuple[int, int, Box]]]] = []
-    sending: list[tuple[int, int, torch.Tensor]] = []  # (tag, destination, view of the local tensor)
-    need = 0
-    tag = 0  # the same count on every rank: every rank walks the same plans and sends in order
-    for k, (key, _bi, box, owner, sends, dtype_s) in enumerate(batch, start=first):
-        dtype = torch_dtype(dtype_s)
-        item = torch.empty((), dtype=dtype).element_size()
-        if owner == rank:
-            local = locals_[key]
-            own = _own_pieces(box, local[1])
-            view = None
-            if len(own) == 1 and own[0][0] == box:
-                v = local[0][box_slices(box, own[0][1])]
-                view = v if v.is_contiguous() else None
-            if view is None:
-                need += _round(math.prod(box[1]) * item)
-            arriving = []
-            for src, piece in sends:
-                tag += 1
-                if src == rank:  # a slice the owner holds too: copied from its own parts
-                    continue
-                arriving.append((tag - 1, src, piece))
-                if not _contiguous_in(box[1], piece):
-                    need += _round(math.prod(piece[1]) * item)
-            covered = sum(math.prod(c[1]) for c, _ in own) + sum(math.prod(p[1]) for _, _, p in arriving)
-            assert covered == math.prod(box[1]), f"block {box} of {key} is not covered exactly"
-            owned.append((k, box, dtype, local, view, arriving))
-        else:
-            for src, piece in sends:
-                tag += 1
-                if src != rank:
-                    continue
-                lt, parts = locals_[key]
-                view = lt[box_slices(piece, _origin_of(parts, piece))]
-                if not view.is_contiguous():
-                    need += _round(view.numel() * item)
-                sending.append((tag - 1, owner, view))
-    arena.reset(need)
-    return owned, sending, need
+    def batch(self, batch: list[PlannedBlock], first: int) -> list[tuple[int, str]] | None:
+        """One batch: what to stage worked out, the arena sized, pieces sent and received, this
+        rank's blocks hashed and written; returns (plan index, id) of the blocks it owns, or
+        None if another rank failed (staging, before any piece is posted, or writing its blocks)."""
+        error: BaseException | None = None
+        t0 = time.perf_counter()
+        try:
+            owned, sending, need = self.stage(batch, first)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it before a piece is posted
+            error = e
+        self.stats.stage_s += time.perf_counter() - t0
+        if _any_failed(error, self.group):
+            return None
+        try:
+            written = self.exchange(owned, sending, need)
+        except Exception as e:  # noqa: BLE001 - a full disk, a storage error: every rank learns of it
+            error = e
+        return None if _any_failed(error, self.group) else written
 
+    def stage(self, batch: list[PlannedBlock], first: int) -> tuple[list[_Owned], list[_Send], int]:
+        """1. This rank's part of the batch and the bytes it stages; the arena sized (no piece posted)."""
+        owned: list[_Owned] = []
+        sending: list[_Send] = []
+        need = 0
+        tag = 0  # the same count on every rank: every rank walks the same plans and sends in order
+        rank = self.rank
+        for k, b in enumerate(batch, start=first):
+            dtype = torch_dtype(b.dtype)
+            item = torch.empty((), dtype=dtype).element_size()
+            if b.owner == rank:
+                local = self.locals_[b.key]
+                own = _own_pieces(b.box, local[1])
+                view = None
+                if len(own) == 1 and own[0][0] == b.box:
+                    v = local[0][box_slices(b.box, own[0][1])]
+                    view = v if v.is_contiguous() else None
+                if view is None:
+                    need += _round(math.prod(b.box[1]) * item)
+                arriving = []
+                for src, piece in b.sends:
+                    tag += 1
+                    if src == rank:  # a slice the owner holds too: copied from its own parts
+                        continue
+                    arriving.append((tag - 1, src, piece))
+                    if not _contiguous_in(b.box[1], piece):
+                        need += _round(math.prod(piece[1]) * item)
+                covered = sum(math.prod(c[1]) for c, _ in own) + sum(math.prod(p[1]) for _, _, p in arriving)
+                assert covered == math.prod(b.box[1]), f"block {b.box} of {b.key} is not covered exactly"
+                owned.append(_Owned(k, b.box, dtype, local, view, arriving))
+            else:
+                for src, piece in b.sends:
+                    tag += 1
+                    if src != rank:
+                        continue
+                    lt, parts = self.locals_[b.key]
+                    view = lt[box_slices(piece, _origin_of(parts, piece))]
+                    if not view.is_contiguous():
+                        need += _round(view.numel() * item)
+                    sending.append(_Send(tag - 1, b.owner, view))
+        self.arena.reset(need)
+        return owned, sending, need
 
-def _exchange(
-    store: Store,
-    owned: list,
-    sending: list,
-    need: int,
-    g: Any,
-    group: Any,
-    threads: int,
-    stats: ExchangeStats,
-    arena: _Arena,
-    writes: WriteBatch,
-) -> list[tuple[int, str]]:
-    """2. Buffers carved from the arena, sends and receives posted; 3. the blocks hashed and
-    written (into the page cache, joining ``writes``: the arena is free again on return)."""
-    works, blocks, strips = [], [], []
-    t0 = time.perf_counter()
-    for k, box, dtype, (lt, parts), view, arriving in owned:
-        buf = view
-        if buf is None:
-            buf = arena.take(box[1], dtype)
-            for common, vo in _own_pieces(box, parts):
-                buf[box_slices(common, box[0])] = lt[box_slices(common, vo)]
-        for t, src, piece in arriving:
-            dest = buf[box_slices(piece, box[0])]
-            if dest.is_contiguous():  # whole along the block's later dims (rows of it): straight into the block
-                works.append(dist.irecv(dest, src=g(src), group=group, tag=t))
-            else:  # a column strip: into a buffer, then copied into place
-                tmp = arena.take(piece[1], dtype)
-                works.append(dist.irecv(tmp, src=g(src), group=group, tag=t))
-                strips.append((dest, tmp))
-            stats.bytes_received += dest.numel() * dest.element_size()
-        blocks.append((k, buf))
-    for t, dst, view in sending:
-        out = view
-        if not view.is_contiguous():
-            out = arena.take(tuple(view.shape), view.dtype)
-            out.copy_(view)
-        stats.bytes_sent += out.numel() * out.element_size()
-        works.append(dist.isend(out, dst=g(dst), group=group, tag=t))
-    assert arena.off <= need, "staging was under-counted"
-    t1 = time.perf_counter()
-    stats.stage_s += t1 - t0
-    # 3. Everything arrived: the blocks are whole; hash and write them.
-    for w in works:
-        w.wait()
-    for dest, tmp in strips:
-        dest.copy_(tmp)
-    t2 = time.perf_counter()
-    stats.transfer_s += t2 - t1
-    written = (
-        store.put_tensors([b.detach().reshape(-1) for _, b in blocks], threads=threads, batch=writes) if blocks else []
-    )
-    stats.write_s += time.perf_counter() - t2
-    stats.blocks_written += len(blocks)
-    stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in blocks)
-    stats.peak_staged = max(stats.peak_staged, need)
-    return [(k, oid) for (k, _), oid in zip(blocks, written)]
+    def exchange(self, owned: list[_Owned], sending: list[_Send], need: int) -> list[tuple[int, str]]:
+        """2. Buffers carved from the arena, sends and receives posted; 3. the blocks hashed and
+        written (into the page cache, joining ``writes``: the arena is free again on return)."""
+        stats, arena, g, group = self.stats, self.arena, self.g, self.group
+        works, blocks, strips = [], [], []
+        t0 = time.perf_counter()
+        for o in owned:
+            lt, parts = o.local
+            buf = o.view
+            if buf is None:
+                buf = arena.take(o.box[1], o.dtype)
+                for common, vo in _own_pieces(o.box, parts):
+                    buf[box_slices(common, o.box[0])] = lt[box_slices(common, vo)]
+            for t, src, piece in o.arriving:
+                dest = buf[box_slices(piece, o.box[0])]
+                if dest.is_contiguous():  # whole along the block's later dims (rows of it): straight into the block
+                    works.append(dist.irecv(dest, src=g(src), group=group, tag=t))
+                else:  # a column strip: into a buffer, then copied into place
+                    tmp = arena.take(piece[1], o.dtype)
+                    works.append(dist.irecv(tmp, src=g(src), group=group, tag=t))
+                    strips.append((dest, tmp))
+                stats.bytes_received += dest.numel() * dest.element_size()
+            blocks.append((o.at, buf))
+        for s in sending:
+            out = s.view
+            if not out.is_contiguous():
+                out = arena.take(tuple(s.view.shape), s.view.dtype)
+                out.copy_(s.view)
+            stats.bytes_sent += out.numel() * out.element_size()
+            works.append(dist.isend(out, dst=g(s.to), group=group, tag=s.tag))
+        assert arena.off <= need, "staging was under-counted"
+        t1 = time.perf_counter()
+        stats.stage_s += t1 - t0
+        # 3. Everything arrived: the blocks are whole; hash and write them.
+        for w in works:
+            w.wait()
+        for dest, tmp in strips:
+            dest.copy_(tmp)
+        t2 = time.perf_counter()
+        stats.transfer_s += t2 - t1
+        written = (
+            self.store.put_tensors([b.detach().reshape(-1) for _, b in blocks], threads=self.threads, batch=self.writes)
+            if blocks
+            else []
+        )
+        stats.write_s += time.perf_counter() - t2
+        stats.blocks_written += len(blocks)
+        stats.bytes_hashed += sum(b.numel() * b.element_size() for _, b in blocks)
+        stats.peak_staged = max(stats.peak_staged, need)
+        return [(k, oid) for (k, _), oid in zip(blocks, written)]

@@ -1,11 +1,11 @@
 """State documents: a state's values as canonical JSON, its tensors referenced rather than
-inlined (SPEC.md §9c, §9f). One walk writes and reads both grammars:
+inlined (SPEC.md §9.3, §9.6). One walk writes and reads both grammars:
 
-- an **extra's state** (§9c, ``encode_state`` / ``read_state``): string keys; null, booleans,
+- an **extra's state** (§9.3, ``encode_state`` / ``read_state``): string keys; null, booleans,
   64-bit integers, strings, lists and objects; reals as ``"f64:" + F64``; tensors as
   ``"tensor:<i>"`` into the extra's own tensor list. Tuples come back as lists and NumPy
   scalars as Python numbers; strings starting ``f64:`` or ``tensor:`` are refused.
-- a **state dict's tree** (§9f, ``encode_tree`` / ``read_tree``): the same, plus *typed
+- a **state dict's tree** (§9.6, ``encode_tree`` / ``read_tree``): the same, plus *typed
   values* that come back as exactly what they were, each a list whose first item is a tag
   string ``"type:<kind>"`` (a user's string never is one: strings starting with a reserved
   prefix are themselves a typed value): ``tuple``, ``size`` (``torch.Size``), ``dict`` (keys
@@ -16,7 +16,7 @@ inlined (SPEC.md §9c, §9f). One walk writes and reads both grammars:
   commit, by the name its key path gives: ``tree_name``). Anything else — a set, a NumPy
   scalar, an ``int`` subclass, a custom class — is refused by its key path.
 
-A tree is also a well-formed §9c document with no tensors, so a reader that knows only §9c
+A tree is also a well-formed §9.3 document with no tensors, so a reader that knows only §9.3
 reads it without error (and shows the tags as they are).
 """
 
@@ -70,7 +70,7 @@ class TensorRef:
 
 
 def tree_name(keys: tuple[Any, ...]) -> str:
-    """The tensor entry name of the value at key path ``keys`` (SPEC.md §9f): segments joined by
+    """The tensor entry name of the value at key path ``keys`` (SPEC.md §9.6): segments joined by
     ``/``; a string key as itself when it is a plain name (not all digits), else ``_:`` and the
     hex of its UTF-8 (``_:b3-`` and 32 hex digits of its BLAKE3 past 32 bytes); an integer key or
     a list index in decimal, a negative one ``_:-`` and its digits. Distinct paths, distinct names."""
@@ -91,12 +91,12 @@ def _display(path: str, key: Any) -> str:
 
 
 class _Encoder:
-    """One walk over a value; ``typed``: the tree grammar (§9f), else an extra's (§9c)."""
+    """One walk over a value; ``typed``: the tree grammar (§9.6), else an extra's (§9.3)."""
 
     def __init__(self, label: str, typed: bool) -> None:
         self.label, self.typed = label, typed
-        self.tensors: list[Any] = []  # §9c: the extra's tensors, by index
-        self.named: dict[str, Any] = {}  # §9f: the tree's tensors, by entry name
+        self.tensors: list[Any] = []  # §9.3: the extra's tensors, by index
+        self.named: dict[str, Any] = {}  # §9.6: the tree's tensors, by entry name
 
     def fail(self, path: str, msg: str) -> UnsupportedState:
         return UnsupportedState(f"{self.label} at {path}: {msg}")
@@ -114,7 +114,7 @@ class _Encoder:
             for k in v:
                 if not isinstance(k, str):
                     raise self.fail(
-                        path, f"key {k!r} is a {type(k).__name__}; state keys must be strings (SPEC.md §9c)"
+                        path, f"key {k!r} is a {type(k).__name__}; state keys must be strings (SPEC.md §9.3)"
                     )
             return {k: self.value(v[k], f"{path}.{k}", (*keys, k), depth + 1) for k in sorted(v)}
         np_value = _numpy_scalar(v)
@@ -125,7 +125,7 @@ class _Encoder:
         raise self.fail(
             path,
             f"a {type(v).__module__}.{type(v).__qualname__} is not storable without pickle "
-            "(allowed: null, bool, int, float, str, list, dict with str keys, tensor; SPEC.md §9c)",
+            "(allowed: null, bool, int, float, str, list, dict with str keys, tensor; SPEC.md §9.3)",
         )
 
     def tensor(self, t: Any, path: str, keys: tuple[Any, ...]) -> Any:
@@ -134,7 +134,7 @@ class _Encoder:
                 raise self.fail(
                     path,
                     "a DTensor holds only this process's slice; an extra's tensors are stored whole, "
-                    "by one process (pass full_tensor() or a plain tensor; SPEC.md §9c)",
+                    "by one process (pass full_tensor() or a plain tensor; SPEC.md §9.3)",
                 )
             check_storable(t, f"{self.label} at {path}")
             self.tensors.append(t)
@@ -180,13 +180,13 @@ class _Encoder:
             path,
             f"a {kind.__module__}.{kind.__qualname__} is not storable without pickle (allowed: None, bool, int, "
             "float, str, list, tuple, dict, OrderedDict, tensor, torch.Size, torch.dtype, torch.device, a pathlib "
-            "path; exactly those types, so that each comes back as itself; SPEC.md §9f)",
+            "path; exactly those types, so that each comes back as itself; SPEC.md §9.6)",
         )
 
     def mapping(self, v: Mapping[Any, Any], path: str, keys: tuple[Any, ...], depth: int, ordered: bool) -> Any:
         for k in v:
             if type(k) is not str and type(k) is not int:
-                raise self.fail(path, f"key {k!r} is a {type(k).__name__}; keys must be str or int (SPEC.md §9f)")
+                raise self.fail(path, f"key {k!r} is a {type(k).__name__}; keys must be str or int (SPEC.md §9.6)")
         if not ordered and all(type(k) is str for k in v):
             return {k: self.value(v[k], _display(path, k), (*keys, k), depth + 1) for k in sorted(v)}
         items = list(v) if ordered else sorted(v, key=_key_order)
@@ -217,18 +217,18 @@ def _numpy_scalar(value: Any) -> bool | int | float | None:
 
 
 def encode_state(state: Mapping[str, Any], label: str) -> tuple[bytes, list[Any]]:
-    """An extra's state document (§9c) and the tensors it references, by index (not copied)."""
+    """An extra's state document (§9.3) and the tensors it references, by index (not copied)."""
     enc = _Encoder(label, typed=False)
     doc = enc.value(state, "$", (), 0)
     return check_writable(_json(doc, label), f"state document of {label}"), enc.tensors
 
 
 def encode_tree(state: Mapping[Any, Any], label: str) -> tuple[bytes, dict[str, Any]]:
-    """A state dict's tree (§9f) and its tensors by entry name (referenced, not copied)."""
+    """A state dict's tree (§9.6) and its tensors by entry name (referenced, not copied)."""
     if type(state) is not dict and type(state) is not OrderedDict:
         raise UnsupportedState(f"{label}: a state dict is a dict or an OrderedDict, not a {type(state).__name__}")
     enc = _Encoder(label, typed=True)
-    doc = {"tree": enc.value(state, "$", (), 0)}  # a JSON object whatever the state dict's type (§9c)
+    doc = {"tree": enc.value(state, "$", (), 0)}  # a JSON object whatever the state dict's type (§9.3)
     return check_writable(_json(doc, label), f"tree of {label}"), enc.named
 
 
@@ -263,11 +263,11 @@ def _parse(raw: bytes | memoryview, what: str) -> Any:
 
 def _scalar(value: Any, what: str) -> Any:
     if isinstance(value, float):
-        raise ManifestError(f"{what}: holds a plain JSON real; reals must be f64 strings (SPEC.md §9c)")
+        raise ManifestError(f"{what}: holds a plain JSON real; reals must be f64 strings (SPEC.md §9.3)")
     if isinstance(value, int) and not in_int_range(value):
         # the writer refuses these; a reader that let them through would hand load_state_dict a
-        # number no saved state could hold (SPEC.md §9c, §Limits)
-        raise ManifestError(f"{what}: integer {value} is outside the 64-bit range -2^63 <= n < 2^64 (SPEC.md §9c)")
+        # number no saved state could hold (SPEC.md §9.3, §Limits)
+        raise ManifestError(f"{what}: integer {value} is outside the 64-bit range -2^63 <= n < 2^64 (SPEC.md §9.3)")
     if is_real(value):
         return decode_real(value, what, ManifestError)
     return value
@@ -292,7 +292,7 @@ def _decode_state(value: Any, tensors: list[Any], seen: list[int], what: str, de
 
 
 def read_state(raw: bytes | memoryview, tensors: list[Any], what: str) -> dict[str, Any]:
-    """Strictly decode an extra's state document (§9c): bounded, canonical, every tensor referenced once, in order."""
+    """Strictly decode an extra's state document (§9.3): bounded, canonical, every tensor referenced once, in order."""
     if len(raw) <= MAX_MANIFEST_BYTES:
         check_json_nesting(bytes(raw), MAX_DEPTH + 1, what)
     doc = _parse(raw, what)
@@ -307,7 +307,7 @@ def read_state(raw: bytes | memoryview, tensors: list[Any], what: str) -> dict[s
 
 
 def read_tree(raw: bytes | memoryview, what: str) -> Any:
-    """Strictly decode a tree (§9f): its tensors as ``TensorRef``s. The value must re-encode to
+    """Strictly decode a tree (§9.6): its tensors as ``TensorRef``s. The value must re-encode to
     exactly ``raw`` (one state, one document: key order, tags, names all canonical)."""
     doc = _parse(raw, what)
     if set(doc) != {"tree"}:
@@ -320,7 +320,7 @@ def read_tree(raw: bytes | memoryview, what: str) -> Any:
     except UnsupportedState as e:
         raise ManifestError(f"{what}: {e}") from None
     if again != bytes(raw):
-        raise ManifestError(f"{what}: not the canonical tree of its value (SPEC.md §9f)")
+        raise ManifestError(f"{what}: not the canonical tree of its value (SPEC.md §9.6)")
     return value
 
 

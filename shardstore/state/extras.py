@@ -18,7 +18,7 @@ numbers, and tensors as CPU tensors (``load_state_dict`` moves what it needs). A
 that starts with a reserved prefix — is refused with ``UnsupportedState`` naming the key
 path (``extra 'scheduler' at $.lr_lambdas[0]``), before anything is written. The document's
 encoder and decoder are ``documents`` (``encode_state`` / ``read_state``), which also writes
-the tree of a state dict: the commit-wide extra ``state_dict`` is reserved for that (SPEC.md §9f).
+the tree of a state dict: the commit-wide extra ``state_dict`` is reserved for that (SPEC.md §9.6).
 
 The state is taken (``state_dict()`` called and encoded) when ``capture_extras`` runs, so a
 background save (``AsyncSaver``) stores the state as it was when ``save`` was called.
@@ -26,8 +26,9 @@ background save (``AsyncSaver``) stores the state as it was when ``save`` was ca
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StateMismatch, UnsupportedState
@@ -37,7 +38,8 @@ from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, ExtraEntry, StateTen
 from ..format.names import check_group_name
 from ..format.tensors import dtype_name, torch_dtype
 from .documents import encode_state, read_state
-from .stateful import GeneratorState, LoaderState, stateful
+from .plan import ReadItem, RestorePlan
+from .stateful import GeneratorState, LoaderState, PreparedLoaderState, stateful
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -48,7 +50,6 @@ __all__ = [
     "write_extras",
     "extra_objects",
     "read_extra_state",
-    "ExtrasRestore",
     "plan_extras_restore",
     "extras_rules",
 ]
@@ -73,13 +74,16 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
             continue
         if key == TREE_KEY:
             raise UnsupportedState(
-                f"extra key {TREE_KEY!r} is reserved for the tree of a state dict (save_state_dict; SPEC.md §9f)"
+                f"extra key {TREE_KEY!r} is reserved for the tree of a state dict (save_state_dict; SPEC.md §9.6)"
             )
         obj = stateful(obj)  # a torch.Generator or DataLoader: its generators' states (``stateful``)
         fn = getattr(obj, "state_dict", None)
         if not callable(fn):
             raise UnsupportedState(f"extra {key!r}: a {type(obj).__name__} has no state_dict() (SPEC.md §Extras)")
-        state = fn()
+        try:
+            state = fn()
+        except UnsupportedState as e:  # an adapter that cannot take the object whole (``stateful``)
+            raise UnsupportedState(f"extra {key!r}: {e}") from None
         if not isinstance(state, Mapping):
             raise UnsupportedState(f"extra {key!r}: state_dict() returned a {type(state).__name__}, not a dict")
         document, tensors = encode_state(state, f"extra {key!r}")
@@ -105,31 +109,20 @@ def read_extra_state(raw: bytes | memoryview, tensors: list[torch.Tensor], what:
     return read_state(raw, tensors, what)
 
 
-@dataclass
-class ExtrasRestore:
-    """A checked plan: reads into fresh tensors, then ``install`` calls each ``load_state_dict``."""
-
-    reads: list[tuple[str, torch.Tensor, str]]
-    pending: list[tuple[str, Any, bytes, list[torch.Tensor], str]]
-
-    def install(self) -> list[str]:
-        for key, obj, raw, tensors, what in self.pending:
-            obj.load_state_dict(read_extra_state(raw, tensors, what))
-        return [p[0] for p in self.pending]
-
-
 def plan_extras_restore(
     store: Store, entries: Iterable[ExtraEntry], objects: Mapping[str, Any] | None, where: str
-) -> ExtrasRestore:
-    """Check that every requested extra is stored and decodes, and plan its tensor reads; raise before any write."""
+) -> RestorePlan:
+    """Plan loading each of ``objects`` (key -> an object with ``load_state_dict()``) from the
+    extra of its key: check that it is stored and its document decodes, and allocate the tensors
+    it reads into; raise before any write. The installs call each ``load_state_dict`` in key order."""
     have = {x.key: x for x in entries}
-    reads: list[tuple[str, torch.Tensor, str]] = []
-    pending = []
+    reads: list[ReadItem] = []
+    installs: list[Callable[[], None]] = []
     for key, obj in sorted((objects or {}).items()):
         x = have.get(key)
         if key == TREE_KEY:
             raise UnsupportedState(
-                f"extra {key!r} is the tree of a state dict: read it with read_state_dict (SPEC.md §9f)"
+                f"extra {key!r} is the tree of a state dict: read it with read_state_dict (SPEC.md §9.6)"
             )
         if x is None:
             raise StateMismatch(f"{where} holds no extra {key!r} (extras: {sorted(have)}; SPEC.md §Extras)")
@@ -145,11 +138,16 @@ def plan_extras_restore(
         )
         tensors = [torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype)) for t in x.tensors]
         decoded = read_extra_state(raw, tensors, what)  # decodes before anything is written (the tensors not yet read)
-        if isinstance(obj, (GeneratorState, LoaderState)):  # the state fits this generator (``stateful``)
+        if isinstance(obj, (GeneratorState, LoaderState, PreparedLoaderState)):  # the state fits (``stateful``)
             obj.check(decoded)
-        reads += [(t.object, dest, f"tensor {t.key} of extra {key!r}") for t, dest in zip(x.tensors, tensors)]
-        pending.append((key, obj, raw, tensors, what))
-    return ExtrasRestore(reads, pending)
+        reads += [ReadItem(t.object, dest, f"tensor {t.key} of extra {key!r}") for t, dest in zip(x.tensors, tensors)]
+        installs.append(partial(_load, obj, raw, tensors, what))
+    return RestorePlan(tuple(reads), tuple(installs))
+
+
+def _load(obj: Any, raw: bytes, tensors: list[torch.Tensor], what: str) -> None:
+    """An extra's install: its document decoded again around the tensors now read, then loaded."""
+    obj.load_state_dict(read_extra_state(raw, tensors, what))
 
 
 def extras_rules(extras: tuple[ExtraEntry, ...]) -> Iterator[str]:
@@ -159,7 +157,7 @@ def extras_rules(extras: tuple[ExtraEntry, ...]) -> Iterator[str]:
         yield "extras are not sorted by key and unique (SPEC.md §Extras)"
     for x in extras:
         if x.key == TREE_KEY and x.tensors:
-            yield f"extra {x.key!r} is a state dict's tree, whose tensors are tensor entries; it lists {len(x.tensors)} of its own (SPEC.md §9f)"
+            yield f"extra {x.key!r} is a state dict's tree, whose tensors are tensor entries; it lists {len(x.tensors)} of its own (SPEC.md §9.6)"
         if [t.key for t in x.tensors] != [str(i) for i in range(len(x.tensors))]:
             yield f"extra {x.key!r}: tensor keys are not 0, 1, ... in order"
         for t in x.tensors:

@@ -10,7 +10,11 @@ exists to prevent. A second name for the same tensor (a tied weight) is saved on
 the name ``named_parameters`` / ``named_buffers`` gives it. Tensors on the ``meta`` device
 are not owned by this process and are skipped, parameters and buffers alike. A compiled
 module's names are taken without ``torch.compile``'s ``_orig_mod`` segment (``restore_match``),
-so a compiled and a plain model hold the same names.
+so a compiled and a plain model hold the same names. A module inside a data-parallel
+wrapper (``DistributedDataParallel``, ``DataParallel``: what accelerate's ``prepare`` and
+Lightning hand a multi-process run) is saved and restored as the module it wraps
+(``unwrap_module``, as accelerate's ``unwrap_model`` does), so its names carry no ``module.``
+prefix and a wrapped and a plain model hold one commit.
 """
 
 from __future__ import annotations
@@ -23,17 +27,31 @@ from ..errors import StateMismatch, UnsupportedState
 from ..format.names import check_tensor_name
 from .restore_match import canonical_name
 
-__all__ = ["named_state", "check_held", "tensor_profile"]
+__all__ = ["unwrap_module", "named_state", "check_held", "tensor_profile"]
 
 #: Short names of floating dtypes in a profile label (``fp32`` is what shardtrain's profile is called).
 _PROFILE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
 
+#: Wrappers that hold exactly one module (``.module``) and no state of their own: torch's data-parallel
+#: containers. ``torch.compile``'s wrapper is not among them: its names are handled by ``canonical_name``.
+_PARALLEL_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+
+
+def unwrap_module(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> torch.nn.Module | Mapping[str, torch.Tensor]:
+    """The module a data-parallel wrapper holds (through any number of them), else ``model`` itself."""
+    while isinstance(model, _PARALLEL_WRAPPERS):
+        model = model.module
+    return model
+
+
 def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
     """(name → tensor of every owned parameter and persistent buffer, the names that are buffers).
 
-    A mapping is taken as given: every tensor in it is a parameter entry.
+    A mapping is taken as given: every tensor in it is a parameter entry. A data-parallel
+    wrapper is taken as the module it wraps (``unwrap_module``).
     """
+    model = unwrap_module(model)
     if not isinstance(model, torch.nn.Module):
         return {check_tensor_name(n): t for n, t in model.items() if t.device.type != "meta"}, set()
     params = dict(model.named_parameters())
@@ -48,7 +66,7 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
         t.device.type != "meta" for t in params.values()
     ):  # two names, one without _orig_mod: never merge them
         raise StateMismatch(
-            "the model holds two parameters whose names differ only by '_orig_mod' segments (SPEC.md §16a)"
+            "the model holds two parameters whose names differ only by '_orig_mod' segments (SPEC.md §16.1)"
         )
     for name, value in model.state_dict(keep_vars=True).items():
         if name in params:

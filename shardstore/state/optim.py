@@ -8,6 +8,9 @@ keyed by tensor name — group, Adam age (updates received) and both moments. Ad
 - every other torch optimizer through ``torch_optim`` (the *torch form*, algorithm ``torch``);
 - any optimizer exposing ``state_export()`` / ``state_import(groups, params)`` with plain
   dicts (shardtrain's shard-local AdamW does), via ``from_export`` / ``into_export``.
+
+A restore of the Adam form into either is planned by ``plan_adam_restore``: a
+``plan.RestorePlan``, like every other part of a restore, checked before any read.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from ..format.manifest import (
     CommitManifest,
     GroupSpec,
     HyperGroup,
-    Payload,
     StateScalar,
     TensorEntry,
     f64_decode,
@@ -32,6 +34,7 @@ from ..format.manifest import (
 )
 from ..format.names import check_group_name
 from ..format.tensors import is_dtensor, same_split, torch_dtype
+from .plan import ReadItem, RestorePlan
 
 __all__ = [
     "Hyper",
@@ -45,6 +48,8 @@ __all__ = [
     "hyper_of",
     "CommitView",
     "TorchParam",
+    "param_group_names",
+    "plan_adam_restore",
 ]
 
 
@@ -127,7 +132,11 @@ def _algorithm(optimizer: torch.optim.Optimizer) -> str:
     )
 
 
-def _group_names(optimizer: torch.optim.Optimizer, group_names: list[str] | None) -> list[str]:
+def param_group_names(optimizer: Any, group_names: list[str] | None = None) -> list[str]:
+    """The names of a torch optimizer's param groups, in order: ``group_names`` if given (one
+    distinct name per group), else each group's ``name`` key, else ``g<index>``; checked as
+    group names. The one naming rule of both the Adam form and the torch form (SPEC.md §9).
+    """
     n = len(optimizer.param_groups)
     if group_names is not None:
         if len(group_names) != n or len(set(group_names)) != n:
@@ -149,7 +158,7 @@ def from_torch(
     algorithm = _algorithm(optimizer)
     out = OptimState(algorithm=algorithm)
     by_id = {id(p): n for p, n in param_names.items()}
-    for gname, g in zip(_group_names(optimizer, group_names), optimizer.param_groups):
+    for gname, g in zip(param_group_names(optimizer, group_names), optimizer.param_groups):
         for flag in ("amsgrad", "maximize"):
             if g.get(flag, False):
                 raise UnsupportedOptimizer(
@@ -191,7 +200,7 @@ def into_torch(
     if state.algorithm != algorithm:
         raise StateMismatch(f"commit holds {state.algorithm} state but the optimizer is {algorithm}")
     by_id = {id(p): n for p, n in param_names.items()}
-    for gname, g in zip(_group_names(optimizer, group_names), optimizer.param_groups):
+    for gname, g in zip(param_group_names(optimizer, group_names), optimizer.param_groups):
         owned = [p for p in g["params"] if id(p) in by_id]
         if not owned:
             continue
@@ -246,7 +255,7 @@ def into_export(importer: Any, state: OptimState, names: list[str]) -> None:
     importer.state_import(groups, params)
 
 
-# -- restoring Adam/AdamW's canonical form (called by checkpoint.restore) ----------------------
+# -- restoring Adam/AdamW's canonical form, as a restore plan (``plan``) ---------------------------
 
 
 def _reusable(t: Any, dtype: torch.dtype, shape: tuple[int, ...], param: torch.Tensor | None = None) -> bool:
@@ -271,18 +280,39 @@ def _empty_like(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...])
     return torch.empty_like(param, dtype=dtype) if is_dtensor(param) else torch.empty(shape, dtype=dtype)
 
 
-def _plan_optim(
-    lc: CommitView, names: list[str], optimizer: Any, targets: dict[str, torch.Tensor]
-) -> tuple[OptimState, list[tuple[Payload, torch.Tensor, str]]]:
-    """Canonical optimizer state whose moments are destination tensors, and the reads that fill them.
+def plan_adam_restore(
+    lc: CommitView, names: list[str], optimizer: Any, targets: dict[str, torch.Tensor], group_names: list[str] | None
+) -> RestorePlan:
+    """Plan restoring the commit's Adam/AdamW canonical form into ``optimizer`` (a torch
+    Adam/AdamW, or an optimizer with ``state_import``) for the parameters ``names``
+    (``targets``: name -> the caller's parameter), checked before any read: a torch
+    optimizer's algorithm, groups and every parameter's group are checked on a stand-in
+    (``into_torch``'s checks), so a mismatch is refused before a byte lands (SPEC.md §19.2).
 
-    For a torch optimizer, a moment is read into the optimizer's existing state tensor when
-    that has the right dtype, shape and device (restore into an already-built optimizer
-    without allocating); otherwise into a new tensor.
+    A moment is read into the optimizer's existing state tensor when that has the right
+    dtype, shape and device (restore into an already-built optimizer without allocating);
+    otherwise into a new tensor. The install then sets the groups and hands the moments
+    read to the optimizer without another copy.
     """
+    state = _adam_state(lc, names, optimizer, targets)
+    entries = lc.entries()
+    reads = tuple(
+        ReadItem(getattr(entries[n].optim, k), m, f"{k} of {n!r}")  # payloads: an id or blocks
+        for n, po in state.params.items()
+        for k, m in (("exp_avg", po.exp_avg), ("exp_avg_sq", po.exp_avg_sq))
+        if m is not None
+    )
+    if hasattr(optimizer, "state_import"):
+        held = [n for n in names if n in state.params]
+        return RestorePlan(reads, (lambda: into_export(optimizer, state, held),))
+    _probe_torch(optimizer, targets, state, group_names)
+    return RestorePlan(reads, (lambda: _install_torch(optimizer, targets, state, group_names),))
+
+
+def _adam_state(lc: CommitView, names: list[str], optimizer: Any, targets: dict[str, torch.Tensor]) -> OptimState:
+    """The commit's canonical state of ``names``, each moment a destination tensor to read into."""
     entries = lc.entries()
     state = OptimState(lc.commit.optimizer.algorithm, {g.name: hyper_of(g) for g in lc.commit.optimizer.groups})
-    reads: list[tuple[Payload, torch.Tensor, str]] = []
     live = getattr(optimizer, "state", None) if not hasattr(optimizer, "state_import") else None
     for n in names:
         o = entries[n].optim
@@ -296,12 +326,8 @@ def _plan_optim(
                 old[k] if _reusable(old.get(k), dtype, shape, targets[n]) else _empty_like(targets[n], dtype, shape)
                 for k in ("exp_avg", "exp_avg_sq")
             )
-            reads += [
-                (o.exp_avg, m1, f"exp_avg of {n!r}"),
-                (o.exp_avg_sq, m2, f"exp_avg_sq of {n!r}"),
-            ]  # payloads: an id or blocks
         state.params[n] = ParamOpt(o.group, o.age, m1, m2)
-    return state, reads
+    return state
 
 
 def _install_torch(
@@ -328,7 +354,7 @@ def _probe_torch(
 ) -> None:
     """Run ``_install_torch``'s checks (algorithm, groups, every tensor's state and group) on a
     stand-in sharing nothing mutable with ``optimizer``, so that a mismatch is raised before a
-    byte is read into the caller's tensors (SPEC.md §19b)."""
+    byte is read into the caller's tensors (SPEC.md §19.2)."""
     probe = copy.copy(optimizer)
     probe.param_groups = [
         {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()} for g in optimizer.param_groups

@@ -1,4 +1,4 @@
-"""Which of a commit's tensors a restore fills, and which of the model's (SPEC.md §16a).
+"""Which of a commit's tensors a restore fills, and which of the model's (SPEC.md §16.1).
 
 A restore matches the model's tensors to the commit's entries by name. Three things make
 the names of one state differ, and each has one rule here:
@@ -90,7 +90,9 @@ def match_names(
     if any(COMPILED_SEGMENT in n for n in owned):  # a mapping's names are as given (a module's are canonical already)
         canon = {canonical_name(n): t for n, t in owned.items()}
         if len(canon) != len(owned):
-            raise StateMismatch(f"two of the tensors given differ only by {COMPILED_SEGMENT!r} segments (SPEC.md §16a)")
+            raise StateMismatch(
+                f"two of the tensors given differ only by {COMPILED_SEGMENT!r} segments (SPEC.md §16.1)"
+            )
         owned = canon
     spelled: dict[str, str] = {}
     for n in entries:
@@ -98,7 +100,7 @@ def match_names(
         if spelled.setdefault(c, n) != n:
             raise StateMismatch(
                 f"commit {commit_id} holds both {spelled[c]!r} and {n!r}: one tensor once compiled "
-                f"(the {COMPILED_SEGMENT!r} segment is not part of a name; SPEC.md §16a)"
+                f"(the {COMPILED_SEGMENT!r} segment is not part of a name; SPEC.md §16.1)"
             )
     declared, aliases = _declared(model, owned)
     untied = sorted(a for a in aliases if a in spelled and aliases[a] in spelled)
@@ -108,7 +110,7 @@ def match_names(
             f"the model ties {a!r} to {aliases[a]!r} (one tensor under both names), but commit {commit_id} "
             f"holds them as two tensors (saved untied): restoring would discard one of them "
             f"({len(untied)} such name(s)); untie the model, or pass strict=False to restore {aliases[a]!r} "
-            "and skip the other (SPEC.md §16a)"
+            "and skip the other (SPEC.md §16.1)"
         )
     targets = {spelled[c]: t for c, t in owned.items() if c in spelled}
     missing = sorted(c for c in owned if c not in spelled)
@@ -125,7 +127,7 @@ def match_names(
         raise StateMismatch(
             f"commit {commit_id} holds tensors the model does not: {skipped[:5]} ({len(skipped)} unexpected); "
             "pass strict=False to skip them, or restore a piece of a model as a name -> tensor mapping "
-            "(its declared share) or with slot= (SPEC.md §16a)"
+            "(its declared share) or with slot= (SPEC.md §16.1)"
         )
     return RestoreMatch(targets, skipped, missing)
 

@@ -2,7 +2,7 @@
 (never copies) the named parameters, persistent buffers, optimizer state, RNG and extras a
 slot owns (SPEC.md §Manifests: a shard manifest records one slot). A wrapper optimizer is
 captured as what it wraps, and every captured optimizer is held to its own ``state_dict()``
-(``wrapped``, SPEC.md §9e).
+(``wrapped``, SPEC.md §9.5).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def capture(
     ``state_export()``, or a wrapper of those (``wrapped``: saved as what it wraps). ``extra``: this slot's own extras (SPEC.md §Extras).
     """
     tensors, buffers = named_state(model)
-    inner = inner_optimizers(optimizer) if optimizer is not None else []  # a wrapper: what it wraps (SPEC.md §9e)
+    inner = inner_optimizers(optimizer) if optimizer is not None else []  # a wrapper: what it wraps (SPEC.md §9.5)
     if isinstance(model, torch.nn.Module):  # a mapping names what the slot owns
         for o in inner:
             if isinstance(o, torch.optim.Optimizer):
@@ -101,7 +101,7 @@ def _merge(states: list[OptimState]) -> OptimState:
     if len(kinds) > 1:
         raise UnsupportedOptimizer(
             f"the wrapped optimizers are of different kinds ({kinds}); a commit holds one optimizer algorithm and "
-            "class (save them as separate commits or slots; SPEC.md §9e)"
+            "class (save them as separate commits or slots; SPEC.md §9.5)"
         )
     out = OptimState(states[0].algorithm, class_name=states[0].class_name)
     for s in states:
@@ -113,7 +113,7 @@ def _merge(states: list[OptimState]) -> OptimState:
 
 def slot_tensors(state: SlotState) -> list[torch.Tensor]:
     """Every tensor a slot writes, in the order its payloads are listed: by tensor name, each
-    tensor, then its Adam moments, then its torch-form state tensors by key (SPEC.md §5a)."""
+    tensor, then its Adam moments, then its torch-form state tensors by key (SPEC.md §5.1)."""
     flat: list[torch.Tensor] = []
     for n in sorted(state.tensors):
         flat.append(state.tensors[n])

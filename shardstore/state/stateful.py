@@ -1,4 +1,4 @@
-"""Extras for objects that hold state without ``state_dict()``: ``torch.Generator`` and ``DataLoader`` (SPEC.md §9c).
+"""Extras for objects that hold state without ``state_dict()``: ``torch.Generator`` and ``DataLoader`` (SPEC.md §9.3).
 
 A ``torch.Generator``'s state is a ``uint8`` tensor (``get_state()`` / ``set_state()``), so
 it is stored like any extra's tensor, without pickle, as the state document
@@ -8,11 +8,28 @@ sampler hold (``DataLoader(generator=g)``, ``RandomSampler(generator=g)``), stor
 attribute paths: ``{"generators": {"generator": {...}, "sampler.generator": {...}}}``. A
 loader's position *within* an epoch lives in its iterator, not in the loader, and is not
 captured: a loader with ``state_dict()`` (torchdata's ``StatefulDataLoader``) is stored
-through it instead, position included. accelerate's prepared loaders (``DataLoaderShard``,
-``DataLoaderDispatcher``) around a plain ``DataLoader`` have a ``state_dict()`` that cannot
-work (``_stateless_adapter``): they are stored as a loader is, with accelerate's epoch counter
-``iteration`` beside the generators (``{"generators": {...}, "iteration": 1}``); around a
-``StatefulDataLoader`` their own ``state_dict()`` is used.
+through it instead, position included.
+
+accelerate's prepared loaders (``DataLoaderShard``, ``DataLoaderDispatcher``: a loader in
+``base_dataloader`` and an epoch counter ``iteration``) are recognised by that shape, never
+by importing accelerate:
+
+- around a plain ``DataLoader`` their ``state_dict()`` cannot work (``_stateless_adapter``):
+  they are stored as a loader is, with ``iteration`` beside the generators
+  (``{"generators": {...}, "iteration": 1}``), between epochs only. While one is being
+  iterated (it is in its ``gradient_state.dataloader_references``, where accelerate keeps the
+  loaders a loop is inside) its position lives in an iterator no one can read, so a save
+  refuses it (``UnsupportedState``) rather than store the start of its epoch;
+- around a loader with a ``state_dict()`` of its own (``Accelerator(dataloader_config=
+  DataLoaderConfiguration(use_stateful_dataloader=True))``: torchdata's
+  ``StatefulDataLoader``) the loader's state, mid-epoch position included, is stored with
+  ``iteration``: ``{"iteration": 1, "loader": {...}}`` (``PreparedLoaderState``). Mid-epoch, that
+  state resumes the epoch's order only if it holds the sampler's state (torchdata's own
+  samplers) or the sampler replays the same order (``SequentialSampler``, accelerate's
+  ``SeedableRandomSampler`` of that epoch); else torchdata would fast-forward through a new
+  order, and the save is refused. A restored loader gets its iterator back at once, as it
+  had one when saved, so that making it draws its random seed before ``restore`` sets the
+  process's RNG (last), not after.
 
 ``stateful(obj)`` gives the object itself when it has ``state_dict()``/``load_state_dict()``,
 else one of the adapters below, else the object (which the caller then refuses).
@@ -20,12 +37,13 @@ else one of the adapters below, else the object (which the caller then refuses).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from ..errors import StateMismatch
+from ..errors import StateMismatch, UnsupportedState
 from ..format.lazy import torch
 
-__all__ = ["GeneratorState", "LoaderState", "stateful"]
+__all__ = ["GeneratorState", "LoaderState", "PreparedLoaderState", "stateful"]
 
 #: Attribute paths of a DataLoader where a generator that decides its order may live.
 #: ``batch_sampler.batch_sampler.sampler.generator``: under accelerate's ``BatchSamplerShard``.
@@ -90,6 +108,13 @@ class LoaderState:
         self.epochs = isinstance(getattr(loader, "iteration", None), int)
 
     def state_dict(self) -> dict[str, Any]:
+        if _iterating(self.loader):  # an accelerate loader a loop is inside (only those are listed there)
+            raise UnsupportedState(
+                f"{_label(self.loader)} around a plain DataLoader is being iterated: its position within the epoch "
+                "lives in its iterator and cannot be saved; save between epochs, or build the loader as torchdata's "
+                "StatefulDataLoader and prepare it with DataLoaderConfiguration(use_stateful_dataloader=True) "
+                "(SPEC.md §Extras)"
+            )
         out: dict[str, Any] = {"generators": {p: g.state_dict() for p, g in self.parts.items()}}
         if self.epochs:
             out["iteration"] = self.loader.iteration
@@ -117,6 +142,83 @@ class LoaderState:
             self.loader.iteration = sd["iteration"]
 
 
+def _label(obj: Any) -> str:
+    cls = type(obj)  # accelerate's adapters report their base loader's class as __class__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _iterating(loader: Any) -> bool:
+    """Whether an accelerate loop is inside ``loader``: accelerate's ``GradientState`` lists it in
+    ``dataloader_references`` from the start of its ``__iter__`` to the end of its epoch."""
+    refs = getattr(getattr(loader, "gradient_state", None), "dataloader_references", None)
+    return isinstance(refs, list) and any(r is loader for r in refs)
+
+
+#: Where torchdata's ``StatefulDataLoader`` keeps its sampler's state in its ``state_dict()`` (None when
+#: the sampler has none, and torchdata resumes by fast-forwarding through a new iteration of it).
+_SAMPLER_STATE_KEYS = ("_index_sampler_state", "_sampler_iter_state")
+
+
+def _holds_sampler_state(sd: Any, depth: int = 0) -> bool:
+    if not isinstance(sd, Mapping) or depth > 8:
+        return False
+    if any(sd.get(k) is not None for k in _SAMPLER_STATE_KEYS):
+        return True
+    return any(_holds_sampler_state(v, depth + 1) for v in sd.values())  # with workers: under "_snapshot"
+
+
+def _replays(loader: Any) -> bool:
+    """Whether a new iteration of the loader's sampler gives this epoch's order again: a
+    ``SequentialSampler``, or accelerate's ``SeedableRandomSampler`` (seeded by its epoch)."""
+    sampler: Any = getattr(loader, "batch_sampler", None) or getattr(loader, "sampler", None)
+    for _ in range(8):  # BatchSamplerShard / SkipBatchSampler hold a batch sampler, which holds the sampler
+        inner = getattr(sampler, "batch_sampler", None) or getattr(sampler, "sampler", None)
+        if inner is None:
+            break
+        sampler = inner
+    if isinstance(sampler, torch.utils.data.SequentialSampler):
+        return True
+    return isinstance(getattr(sampler, "initial_seed", None), int) and isinstance(getattr(sampler, "epoch", None), int)
+
+
+class PreparedLoaderState:
+    """accelerate's prepared loader around a loader with ``state_dict()`` (torchdata's ``StatefulDataLoader``):
+    that state, mid-epoch position included, and accelerate's epoch counter ``iteration``."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.loader.state_dict()  # accelerate's copy, taken before each batch it yields
+        if _iterating(self.loader) and not _holds_sampler_state(state) and not _replays(self.loader):
+            raise UnsupportedState(
+                f"{_label(self.loader)} is being iterated and its state holds no state of its sampler (a "
+                f"{_label(getattr(self.loader, 'sampler', None))} or one inside its batch sampler), so a resume "
+                "would fast-forward through another order; build the loader as torchdata's StatefulDataLoader "
+                "(its samplers keep their state), or save between epochs (SPEC.md §Extras)"
+            )
+        return {"iteration": self.loader.iteration, "loader": state}
+
+    def check(self, sd: Any) -> None:
+        if not isinstance(sd, dict) or set(sd) != {"iteration", "loader"}:
+            raise StateMismatch(
+                f"{_label(self.loader)}: the stored state is not a prepared loader's ({{'iteration', 'loader'}} expected)"
+            )
+        if isinstance(sd["iteration"], bool) or not isinstance(sd["iteration"], int) or sd["iteration"] < 0:
+            raise StateMismatch(f"{_label(self.loader)}: the stored iteration is not an integer >= 0")
+        if not isinstance(sd["loader"], dict):
+            raise StateMismatch(f"{_label(self.loader)}: the stored loader state is not a dict")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.check(sd)
+        self.loader.load_state_dict(sd["loader"])
+        self.loader.iteration = sd["iteration"]
+        base = self.loader.base_dataloader
+        # The iterator it had when saved, made now (StatefulDataLoader: a state_dict() before __iter__ makes the
+        # iterator the next __iter__ uses), and accelerate's copy of the state, which its load_state_dict leaves stale.
+        self.loader.dl_state_dict = base.state_dict()
+
+
 def _stateless_adapter(obj: Any) -> bool:
     """accelerate's ``DataLoaderShard`` / ``DataLoaderDispatcher`` around a plain ``DataLoader``:
     its ``state_dict()`` returns ``dl_state_dict``, which accelerate sets only around a loader
@@ -126,10 +228,22 @@ def _stateless_adapter(obj: Any) -> bool:
     return isinstance(base, torch.utils.data.DataLoader) and not callable(getattr(base, "state_dict", None))
 
 
+def _stateful_adapter(obj: Any) -> bool:
+    """accelerate's ``DataLoaderShard`` / ``DataLoaderDispatcher`` around a loader with ``state_dict()``."""
+    base = getattr(obj, "base_dataloader", None)
+    return (
+        isinstance(base, torch.utils.data.DataLoader)
+        and callable(getattr(base, "state_dict", None))
+        and isinstance(getattr(obj, "iteration", None), int)
+    )
+
+
 def stateful(obj: Any) -> Any:
     """``obj`` if it has ``state_dict()``, else a Generator or DataLoader adapter, else ``obj``."""
     if _stateless_adapter(obj):
         return LoaderState(obj)
+    if _stateful_adapter(obj):
+        return PreparedLoaderState(obj)
     if callable(getattr(obj, "state_dict", None)):
         return obj
     if isinstance(obj, torch.Generator):

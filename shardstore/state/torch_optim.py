@@ -18,16 +18,17 @@ hyperparameters, Adam age, two moments), unchanged. Every other ``torch.optim.Op
 Anything else in the state (a list, a dict, a string) or a tensor-valued hyperparameter is
 refused with ``UnsupportedOptimizer`` naming the group or parameter and the key.
 
-Restore checks everything (class, group names, every parameter's state present and in the
-same group) before a byte is read, then hands torch's own ``load_state_dict`` a state dict
-built by name, so torch's device and dtype rules for state apply.
+A restore is planned by ``plan_torch_restore`` (a ``plan.RestorePlan``, like every other part
+of a restore): it checks everything (class, group names, every parameter's state present and
+in the same group) before a byte is read, and its install hands torch's own
+``load_state_dict`` a state dict built by name, so torch's device and dtype rules for state
+apply. ``decode_value`` gives a stored hyperparameter or state scalar back as Python.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ManifestError, StateMismatch, UnsupportedOptimizer
@@ -48,15 +49,16 @@ from ..format.manifest import (
 )
 from ..format.names import check_group_name
 from ..format.tensors import check_storable, dtype_name, is_dtensor, torch_dtype
-from .optim import OptimState, ParamOpt, TorchParam, _group_names  # one group-naming rule for both forms
+from .optim import OptimState, ParamOpt, TorchParam, param_group_names  # one group-naming rule for both forms
+from .plan import ReadItem, RestorePlan
 
 __all__ = [
     "REAL_PREFIX",
     "class_name",
     "is_adam_form",
     "capture_torch",
-    "TorchRestore",
     "plan_torch_restore",
+    "decode_value",
     "state_objects",
     "torch_spec",
     "torch_union",
@@ -96,15 +98,18 @@ def _hyper(value: Any, where: str) -> Any:
     return _scalar(value, where)
 
 
-def _unscalar(value: Any) -> Any:
-    return decode_real(value, "optimizer state", ManifestError) if is_real(value) else value
-
-
-def _unhyper(value: Any, live: Any) -> Any:
+def decode_value(value: Any, like: Any = None) -> Any:
+    """A stored torch-form value (a hyperparameter or a state scalar) as Python: each real
+    (``"f64:" + F64``) as a float, a tuple as a list when ``like`` (the live value it
+    replaces) is a list, else as a tuple; ManifestError for a malformed real."""
     if isinstance(value, tuple):
-        seq = [_unscalar(v) for v in value]
-        return list(seq) if isinstance(live, list) else tuple(seq)
-    return _unscalar(value)
+        seq = [_decode_scalar(v) for v in value]
+        return seq if isinstance(like, list) else tuple(seq)
+    return _decode_scalar(value)
+
+
+def _decode_scalar(value: Any) -> Any:
+    return decode_real(value, "optimizer state", ManifestError) if is_real(value) else value
 
 
 def _state_scalar(key: str, value: Any, where: str) -> StateScalar:
@@ -131,7 +136,7 @@ def capture_torch(
     by_id = {id(p): n for p, n in param_names.items()}
     groups: dict[str, HyperGroup] = {}
     params: dict[str, TorchParam] = {}
-    for gname, g in zip(_group_names(optimizer, group_names), optimizer.param_groups):
+    for gname, g in zip(param_group_names(optimizer, group_names), optimizer.param_groups):
         hyper = {}
         for k, v in g.items():
             if k in _SKIP_GROUP_KEYS:
@@ -194,7 +199,7 @@ def state_objects(e: TensorEntry) -> Iterator[tuple[str, int, str]]:
 
 
 def _scalar_value(s: StateScalar) -> Any:
-    v = _unscalar(s.value)
+    v = decode_value(s.value)
     return v if s.dtype is None else torch.tensor(v, dtype=torch_dtype(s.dtype))
 
 
@@ -215,18 +220,6 @@ def _sized_by_param(param: torch.Tensor, t: StateTensor) -> bool:
     return is_dtensor(param) and tuple(param.shape) == tuple(t.shape)
 
 
-@dataclass
-class TorchRestore:
-    """A checked plan: reads into fresh state tensors, then ``install`` loads them with ``load_state_dict``."""
-
-    optimizer: Any
-    reads: list[tuple[Payload, torch.Tensor, str]]
-    state_dict: dict[str, Any]
-
-    def install(self) -> None:
-        self.optimizer.load_state_dict(self.state_dict)
-
-
 def plan_torch_restore(
     store: object,
     optimizer_spec: OptimizerSpec,
@@ -235,8 +228,11 @@ def plan_torch_restore(
     targets: Mapping[str, torch.Tensor],
     group_names: list[str] | None,
     commit_id: str,
-) -> TorchRestore:
-    """Check that the commit's torch-form state fits ``optimizer`` and plan its reads; raise before any write."""
+) -> RestorePlan:
+    """Plan restoring the commit's torch-form state into ``optimizer``: check that it fits (class,
+    group names, every parameter's state present and in the same group) and allocate the state
+    tensors it reads into; raise before any write. The install hands torch's own
+    ``load_state_dict`` a state dict built by name, so torch's device and dtype rules apply."""
     live, spec = class_name(optimizer), optimizer_spec.torch_optimizer
     if spec is None:
         raise StateMismatch(
@@ -248,17 +244,17 @@ def plan_torch_restore(
         )
     groups = {g.name: g for g in spec.groups}
     by_id = {id(t): n for n, t in targets.items()}
-    reads: list[tuple[Payload, torch.Tensor, str]] = []
+    reads: list[ReadItem] = []
     saved_groups: list[dict[str, Any]] = []
     state: dict[int, dict[str, Any]] = {}
     dests: list[tuple[dict[str, Any], torch.Tensor, StateTensor, str]] = []
     index = 0
-    for gname, g in zip(_group_names(optimizer, group_names), optimizer.param_groups):
+    for gname, g in zip(param_group_names(optimizer, group_names), optimizer.param_groups):
         h = groups.get(gname)
         if h is None and g["params"]:
             raise StateMismatch(f"optimizer group {gname!r} is not in commit {commit_id} (groups: {sorted(groups)})")
         saved = {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}  # an empty group saves no hyperparameters
-        saved.update({k: _unhyper(v, g.get(k)) for k, v in (h.hyper.items() if h is not None else ())})
+        saved.update({k: decode_value(v, g.get(k)) for k, v in (h.hyper.items() if h is not None else ())})
         saved["params"] = list(range(index, index + len(g["params"])))
         saved_groups.append(saved)
         for p in g["params"]:
@@ -286,8 +282,9 @@ def plan_torch_restore(
     )
     for st, p, t, what in dests:
         st[t.key] = dest = _state_dest(p, t)
-        reads.append((t.object, dest, what))
-    return TorchRestore(optimizer, reads, {"state": state, "param_groups": saved_groups})
+        reads.append(ReadItem(t.object, dest, what))
+    state_dict = {"state": state, "param_groups": saved_groups}
+    return RestorePlan(tuple(reads), (lambda: optimizer.load_state_dict(state_dict),))
 
 
 def torch_union(shards: Iterable[ShardManifest]) -> TorchOptimizer | None:

@@ -1,5 +1,5 @@
 """What of an optimizer a save must hold: the optimizers a wrapper wraps, and the check that a
-capture took all of each one's ``state_dict()`` (SPEC.md §9e).
+capture took all of each one's ``state_dict()`` (SPEC.md §9.5).
 
 Frameworks hand trainers wrappers, not torch optimizers: accelerate's
 ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer`` wrap one (``.optimizer``),
@@ -84,7 +84,7 @@ def inner_optimizers(optimizer: Any) -> list[Any]:
         if _own_state(obj, inner):
             raise UnsupportedOptimizer(
                 f"optimizer {_label(obj)} wraps {len(inner)} optimizer(s) but holds per-parameter state of its own, "
-                "which saving what it wraps would drop (SPEC.md §9e)"
+                "which saving what it wraps would drop (SPEC.md §9.5)"
             )
         for o in inner:
             walk(o, depth + 1)
@@ -93,7 +93,7 @@ def inner_optimizers(optimizer: Any) -> list[Any]:
     if len(out) > 1 and any(not isinstance(o, torch.optim.Optimizer) for o in out):
         raise UnsupportedOptimizer(
             f"optimizer {_label(optimizer)} wraps {len(out)} optimizers; several are saved together only when each is "
-            "a torch.optim.Optimizer (SPEC.md §9e)"
+            "a torch.optim.Optimizer (SPEC.md §9.5)"
         )
     return out
 
@@ -187,7 +187,7 @@ def check_captured(optimizer: Any, state: OptimState, tensors: Mapping[str, Any]
         if not 0 <= index < len(params):
             raise UnsupportedOptimizer(
                 f"optimizer {label}: its state_dict() holds state for parameter {index}, but its param_groups list "
-                f"{len(params)} parameters; save cannot tell whose state it is (SPEC.md §9e)"
+                f"{len(params)} parameters; save cannot tell whose state it is (SPEC.md §9.5)"
             )
         name = by_id.get(id(params[index]))
         if name is None:
@@ -197,7 +197,7 @@ def check_captured(optimizer: Any, state: OptimState, tensors: Mapping[str, Any]
             raise UnsupportedOptimizer(
                 f"optimizer {label}: its state_dict() holds state {missing[0]!r} of parameter {name!r} that save "
                 f"would not capture (it captured {sorted(_captured_keys(state, name))}); pass the optimizer that "
-                "holds the state, or a wrapper of a known shape (SPEC.md §9e)"
+                "holds the state, or a wrapper of a known shape (SPEC.md §9.5)"
             )
 
 
@@ -210,7 +210,7 @@ def _check_other_form(label: str, sd: Any, state: OptimState) -> None:
         if t.dim() > 0 and _key(t) not in held:
             raise UnsupportedOptimizer(
                 f"optimizer {label}: {path} is a tensor {list(t.shape)} that save would not capture (its state "
-                "lives outside its param_groups' state); pass the optimizer that holds it (SPEC.md §9e)"
+                "lives outside its param_groups' state); pass the optimizer that holds it (SPEC.md §9.5)"
             )
 
 

@@ -1,4 +1,4 @@
-"""The fence between gc and the writers that move refs and pins (SPEC.md §19a, §19b).
+"""The fence between gc and the writers that move refs and pins (SPEC.md §19.1, §19.2).
 
 gc must never delete an object that a ref or pin names *as it stands when the object is
 deleted*, at any grace period, including 0. Reading the refs once and deleting later
@@ -146,7 +146,7 @@ def fenced_move(
             what = f"commit {commit}" if commit is not None else "the pin"
             raise GcRace(
                 f"{len(missing)} object(s) {what} needs are missing from {store.url} (e.g. {missing[0]}): never "
-                f"written, or a gc removed them while they were being written (SPEC.md §19b); the ref or pin was not moved"
+                f"written, or a gc removed them while they were being written (SPEC.md §19.2); the ref or pin was not moved"
             )
         move()
     finally:
@@ -178,7 +178,7 @@ def _read(store: Store, cid: str) -> _Commit:
 
 
 def _missing(store: Store, commit: str | None, objects: Sequence[str]) -> list[str]:
-    if commit is None:  # a pin: what it names, and the closure of each commit among them (SPEC.md §14a)
+    if commit is None:  # a pin: what it names, and the closure of each commit among them (SPEC.md §14.1)
         ids = sorted(set(objects).union(*(_pinned_closure(store, oid) for oid in set(objects))))
     elif objects:
         ids = sorted(set(objects) | {commit})
@@ -330,13 +330,13 @@ def break_gc_marker(store: Store, nonce: str) -> MarkerInfo:
     if info is None:
         raise TargetNotFound(f"gc marker {key} in {store.url} is gone: its gc finished")
     if info.state == "alive":
-        raise GcRace(f"{info.describe()}; not removing a running gc's marker (SPEC.md §19b)")
+        raise GcRace(f"{info.describe()}; not removing a running gc's marker (SPEC.md §19.2)")
     store.storage.delete(key)
     return info
 
 
 class GcWait(UserWarning):
-    """A ref move or pin change waiting for running gcs (the gc fence, SPEC.md §19b): ``markers``
+    """A ref move or pin change waiting for running gcs (the gc fence, SPEC.md §19.2): ``markers``
     are what it waits for, ``waited`` the seconds so far. The library warns; the command lines
     print it on stderr."""
 
@@ -352,7 +352,7 @@ def _notice(store: Store, live: list[MarkerInfo], waited: float) -> None:
     warnings.warn(
         GcWait(
             f"waiting {waited:.0f} s for {len(live)} gc marker(s) in {store.url} before moving a ref or pin "
-            f"(SPEC.md §19b): " + "; ".join(m.describe() for m in live) + f". If that gc is gone, "
+            f"(SPEC.md §19.2): " + "; ".join(m.describe() for m in live) + f". If that gc is gone, "
             f"`shardstore gc STORE --break-marker {nonce}` removes its marker",
             store=store.url,
             markers=tuple(live),
@@ -400,7 +400,7 @@ def _host_tag(host: str) -> str:
 
 def _owner_suffix() -> str:
     """``-<pid>-<start>-<boot>-<ns>-<host>`` naming this process in an intent's key (SPEC.md
-    §19b: boot id as 32 hex digits, pid namespace as its number, a tag of the host name), or
+    §19.2: boot id as 32 hex digits, pid namespace as its number, a tag of the host name), or
     "" where it cannot be named so (no /proc): such an intent is never judged dead."""
     me = this_process()
     boot, ns = (me["boot"] or "").replace("-", ""), (me["pidns"] or "").removeprefix("pid:[").removesuffix("]")
@@ -478,7 +478,7 @@ class GcMarker:
             if since >= STALE_SECONDS / 2:
                 raise GcRace(
                     f"gc stopped: its marker {self.key} went {since:.0f} s without a refresh, so writers may "
-                    f"have taken it for a dead gc's (SPEC.md §19b); run gc again"
+                    f"have taken it for a dead gc's (SPEC.md §19.2); run gc again"
                 )
             self._touch()
 

@@ -54,7 +54,7 @@ from . import tensors as tensors_io
 from .gc_fence import fenced_move
 from .keys import object_key, pin_key, ref_key
 
-__all__ = ["Store", "open_store", "object_key", "ref_key", "pin_key"]
+__all__ = ["Store", "open_store", "manifest_bytes", "object_key", "ref_key", "pin_key"]
 
 M = TypeVar("M")
 _REF_BYTES = 65
@@ -107,7 +107,7 @@ class Store:
 
         The one way a writer relies on an object it did not write (copy finding it at the
         destination, a save or import deduplicating against it): the refresh makes gc's
-        grace period protect it until a manifest names it (SPEC.md §19a). Backends without
+        grace period protect it until a manifest names it (SPEC.md §19.1). Backends without
         ``touch`` (test wrappers) fall back to ``size``."""
         key = object_key(oid)
         touch = getattr(self.storage, "touch", None)
@@ -191,6 +191,11 @@ class Store:
         With ``batch`` (``write_batch()``), they become durable and visible at ``batch.finish(store.storage)``."""
         return tensors_io.put_tensors(self.storage, tensors, threads=threads, batch=batch)
 
+    def put_all(self, datas: Sequence[Buffer], *, threads: int = 2) -> list[str]:
+        """Store each of ``datas`` as an object, as one batch (``put_tensors``: one durability
+        barrier for all of them, ``threads`` at a time); return the ids in order."""
+        return tensors_io.put_tensors(self.storage, datas, threads=threads)
+
     def write_batch(self) -> tensors_io.WriteBatch:
         """A batch of object writes made durable together (``store.tensors.WriteBatch``)."""
         return tensors_io.WriteBatch()
@@ -221,8 +226,7 @@ class Store:
     # -- manifests ---------------------------------------------------------------------
 
     def put_manifest(self, manifest: ShardManifest | CommitManifest) -> str:
-        what = f"shard manifest of slot {manifest.slot}" if isinstance(manifest, ShardManifest) else "commit manifest"
-        return self.put(check_writable(encode(manifest), what))  # never write what no reader accepts
+        return self.put(manifest_bytes(manifest))
 
     def get_manifest(self, oid: str, kind: type[M]) -> M:
         data = self.get(oid, limit=MAX_MANIFEST_BYTES)
@@ -287,7 +291,7 @@ class Store:
 
     def set_ref(self, name: str, new: str, *, expected: str | None, needs: set[str] | None = None) -> None:
         """Move ref ``name`` from ``expected`` (None: must not exist) to ``new``; RefConflict otherwise
-        (GcRace if ``new``'s closure, or ``needs``, is not all present: behind the gc fence, SPEC.md §19b)."""
+        (GcRace if ``new``'s closure, or ``needs``, is not all present: behind the gc fence, SPEC.md §19.2)."""
         check_oid(new, what="commit id")
         exp = None if expected is None else (check_oid(expected, what="expected commit id") + "\n").encode()
         fenced_move(
@@ -386,7 +390,7 @@ class Store:
         so that a concurrent change of the same pin raises RefConflict and changes nothing
         instead of being overwritten (``add_to_pin`` does the whole loop)."""
         new, exp = self._pin_bytes(name, objects), None if expected is None else self._pin_bytes(name, expected)
-        added = sorted(set(objects) - set(expected or ()))  # behind the gc fence (SPEC.md §19b), like set_ref
+        added = sorted(set(objects) - set(expected or ()))  # behind the gc fence (SPEC.md §19.2), like set_ref
         fenced_move(self, objects=added, move=lambda: self.storage.swap(pin_key(name), exp, new))
 
     def add_to_pin(self, name: str, objects: Sequence[str], *, attempts: int = 20) -> tuple[str, ...]:
@@ -445,11 +449,17 @@ class Store:
 
         Written after the ref moved, so no failure here (a full disk, a server error, a
         ``journal`` that is a symbolic link, an unencodable note) is raised: raising would
-        report a commit that is in as a failed save (SPEC.md §Journal)."""
+        report a commit that is in as a failed save (SPEC.md §19.2)."""
         try:
             self.storage.write_once(f"journal/{check_oid(commit)}.json", json.dumps(record, sort_keys=True).encode())
         except (ShardstoreError, OSError, ValueError, TypeError):
             pass
+
+
+def manifest_bytes(manifest: ShardManifest | CommitManifest) -> bytes:
+    """A shard or commit manifest's canonical bytes, refused (ManifestError) if no reader would accept them."""
+    what = f"shard manifest of slot {manifest.slot}" if isinstance(manifest, ShardManifest) else "commit manifest"
+    return check_writable(encode(manifest), what)  # never write what no reader accepts
 
 
 def open_store(url: str, *, create: bool = True, **storage_options: object) -> Store:

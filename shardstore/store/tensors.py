@@ -11,10 +11,11 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ..backends.base import BatchedWrites, Storage, StreamedReads
+from ..backends.base import BatchedWrites, Buffer, Storage, StreamedReads
 from ..errors import CorruptObject
+from ..format.grid import staging
 from ..format.lazy import torch
-from ..format.tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes
+from ..format.tensors import Staging, check_storable, dtype_name, hash_bytes, new_hasher, tensor_bytes
 from .keys import object_key
 
 __all__ = ["WriteBatch", "put_tensors", "read_into"]
@@ -41,7 +42,8 @@ class WriteBatch:
         self.pending: list[tuple[str, str]] = []  # (key, tmp path) awaiting end_writes
 
     def finish(self, storage: Storage, *, threads: int = 2) -> None:
-        """fsync every pending tmp file and link it into place (the backend's ``end_writes``)."""
+        """fsync every pending tmp file, link it into place and fsync the directories the links
+        went into (the backend's ``end_writes``, ``threads`` at a time)."""
         if self.pending:  # only a batched backend (begin_write / end_writes) leaves writes pending
             assert isinstance(storage, BatchedWrites)
             storage.end_writes(self.pending, threads=max(1, threads))
@@ -58,9 +60,9 @@ class WriteBatch:
 
 
 def put_tensors(
-    storage: Storage, tensors: Sequence[torch.Tensor], *, threads: int = 2, batch: WriteBatch | None = None
+    storage: Storage, tensors: Sequence[torch.Tensor | Buffer], *, threads: int = 2, batch: WriteBatch | None = None
 ) -> list[str]:
-    """Store each tensor's bytes as an object; return the ids in order.
+    """Store each tensor's bytes (or each buffer's, as they are) as an object; return the ids in order.
 
     Each tensor's bytes are hashed once, from memory; objects already present are not
     written (unchanged tensors cost no bytes); new ones are written once and never read
@@ -72,12 +74,15 @@ def put_tensors(
     own = batch is None
     wb = WriteBatch() if batch is None else batch
     share = max(1, threads)
+    stage = staging()
+    batched = isinstance(storage, BatchedWrites)  # once: a runtime Protocol check is slow
 
-    def one(t: torch.Tensor) -> str:
-        view = tensor_bytes(t)  # no copy for a contiguous CPU tensor
+    def one(t: torch.Tensor | Buffer) -> str:
+        # no copy for a contiguous CPU tensor or a buffer
+        view = _gathered(t, stage) if isinstance(t, torch.Tensor) else memoryview(t).cast("B")
         oid = hash_bytes(view, threads=share if len(view) >= _BIG_TENSOR_BYTES else 1)
         key = object_key(oid)
-        if not isinstance(storage, BatchedWrites):
+        if not batched:
             storage.write_once(key, view)
             return oid
         with wb.lock:
@@ -102,6 +107,20 @@ def put_tensors(
     if own:
         wb.finish(storage, threads=share)
     return ids
+
+
+def _gathered(t: torch.Tensor, stage: Staging) -> memoryview:
+    """The bytes of ``t``: a view of them for a contiguous CPU tensor (``tensor_bytes``); a
+    strided one (a tile of the grid that is not one byte range of its tensor) gathered into
+    this thread's staging buffer, reused tile after tile, rather than into a new tensor each
+    time. The view is valid until this thread's next call: the object is hashed and written
+    (``begin_write`` and ``write_once`` copy it out) before that."""
+    if t.device.type == "cpu" and not t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        buf = stage.take(check_storable(t), tuple(t.shape))
+        if buf is not None:
+            buf.copy_(t.detach())
+            return memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+    return tensor_bytes(t)
 
 
 def read_into(storage: Storage, oid: str, dest: torch.Tensor, *, what: str, whole: Callable[[], torch.Tensor]) -> None:

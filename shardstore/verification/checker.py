@@ -104,7 +104,7 @@ def verify(
     progress: Callable[[int], None] | None = None,
 ) -> Report:
     """Check commits (default: every commit a ref or pin names, with their present parents,
-    and every other pinned object; SPEC.md §14a, §17).
+    and every other pinned object; SPEC.md §14.1, §17).
 
     ``deep`` re-hashes every object; otherwise only structure and sizes are checked.
     ``slot`` limits object checks to one slot's closure. Every problem is reported,
@@ -126,7 +126,7 @@ def verify(
                 todo.append(cid)
                 named_by.setdefault(cid, []).append(name)
         pinned_by = pinned_commits(store, _readable_pins(store), threads=threads)
-        todo += [cid for cid in pinned_by if cid not in named_by]  # a pinned commit keeps its closure (§14a)
+        todo += [cid for cid in pinned_by if cid not in named_by]  # a pinned commit keeps its closure (§14.1)
         follow_parents = True
     else:
         todo = [store.resolve(t) for t in targets]
@@ -180,7 +180,7 @@ def verify(
                 report.problems.append(
                     Problem(type(err)(f"commit {cid}{t}: {what} object {oid}: {err}"), cid, oid, tensor)
                 )
-        report.problems += dcp_problems(store, lc)  # a DCP commit's document against its entries (SPEC.md §9d)
+        report.problems += dcp_problems(store, lc)  # a DCP commit's document against its entries (SPEC.md §9.4)
         if slot is None and (err := tree_problem(store, lc)) is not None:
             report.problems.append(Problem(type(err)(f"commit {cid}: {err}"), cid, None))
     only_pinned = {cid: pins for cid, pins in pinned_by.items() if cid not in named_by}

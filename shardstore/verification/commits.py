@@ -137,7 +137,7 @@ def shard_problems(shard: ShardManifest, sid: str, commit_id: str | None = None)
             yield p(ManifestError, "moment_dtype must be set exactly when moments are present", e.name)
     whole = (
         shard.version == FORMAT_VERSION
-    )  # version 1: a tensor of any size may be one object, as format 1 wrote it (SPEC.md §5a)
+    )  # version 1: a tensor of any size may be one object, as format 1 wrote it (SPEC.md §5.1)
     for e in shard.entries:
         for role, payload, dtype in tensor_payloads(e):
             for msg in grid_problems(payload, dtype, e.shape, bands=banded(shard.version), whole=whole):
@@ -184,7 +184,7 @@ def commit_problems(
             f"algorithm {commit.optimizer.algorithm!r} with no optimizer groups: a writer writes 'none' (SPEC.md §Binding)",
         )
     groups = {g.name: g for g in commit.optimizer.groups}
-    for err, msg, obj in commit_rules(commit, shards):  # the torch form and extras (SPEC.md §9a, §9c)
+    for err, msg, obj in commit_rules(commit, shards):  # the torch form and extras (SPEC.md §9.1, §9.3)
         yield p(err, msg, obj)
     owners: dict[str, int] = {}
     for lay in commit.layout:
@@ -372,7 +372,7 @@ def pinned_commits(
 ) -> dict[str, list[str]]:
     """The commits among the objects ``pins`` (pin name → object ids) name, each with the
     names of the pins naming it: a pinned commit keeps its whole closure, as one a ref names
-    does (SPEC.md §14a), so gc walks it and ``verify`` checks it.
+    does (SPEC.md §14.1), so gc walks it and ``verify`` checks it.
 
     An object is a commit if it is present, at most ``MAX_MANIFEST_BYTES`` and decodes as a
     commit manifest (every other pinned object is read once, bounded; an absent one is left

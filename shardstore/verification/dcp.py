@@ -1,4 +1,4 @@
-"""Checking a DCP commit's document against the commit (SPEC.md §9d, §17): what
+"""Checking a DCP commit's document against the commit (SPEC.md §9.4, §17): what
 ``shardstore.dcp.StoreReader`` refuses before a load, ``verify`` reports.
 """
 
@@ -28,6 +28,6 @@ def dcp_problems(store: Store, lc: LoadedCommit) -> list[Problem]:
     except ShardstoreError:
         return []  # missing or corrupt: reported by the object checks
     return [
-        Problem(ManifestError(f"{what}: {msg} (SPEC.md §9d)"), lc.id, x.state)
+        Problem(ManifestError(f"{what}: {msg} (SPEC.md §9.4)"), lc.id, x.state)
         for msg in document_problems(doc, lc.entries(), x.tensors)
     ]

@@ -61,7 +61,7 @@ class StateDocumentContent:
 
 @dataclass(frozen=True)
 class TreeContent:
-    """Decode the object as a state dict's tree (the commit-wide extra ``state_dict``, SPEC.md §9e)."""
+    """Decode the object as a state dict's tree (the commit-wide extra ``state_dict``, SPEC.md §9.5)."""
 
 
 #: How verify decodes an object's content, as its load path would.
@@ -165,7 +165,7 @@ def content_problem(store: Store, oid: str, rule: ContentRule, have: int | None)
     try:
         if isinstance(rule, ModelConfigContent):
             decode_config(store.get(oid, limit=limit), what="model config")
-        elif isinstance(rule, TreeContent):  # a state dict's tree (SPEC.md §9e)
+        elif isinstance(rule, TreeContent):  # a state dict's tree (SPEC.md §9.5)
             read_tree(store.get(oid, limit=limit), "state dict tree")
         elif isinstance(rule, StateDocumentContent):  # with placeholders for its tensors
             read_extra_state(store.get(oid, limit=limit), [None] * rule.tensors, "state document")  # type: ignore[list-item]
@@ -177,7 +177,7 @@ def content_problem(store: Store, oid: str, rule: ContentRule, have: int | None)
 
 
 def tree_problem(store: Store, lc: LoadedCommit) -> ShardstoreError | None:
-    """A state dict's tree must reference exactly the commit's tensor entries (SPEC.md §9f);
+    """A state dict's tree must reference exactly the commit's tensor entries (SPEC.md §9.6);
     None when it does, or when the commit has no tree or its document is itself unreadable
     (``content_problem`` reports that)."""
     tree = next((x for x in lc.commit.extras if x.key == TREE_KEY), None)
@@ -193,6 +193,6 @@ def tree_problem(store: Store, lc: LoadedCommit) -> ShardstoreError | None:
         unnamed = sorted(entries - set(names))[:3]
         return ManifestError(
             f"its state dict tree {tree.state} and its tensor entries disagree: the tree names {stray} that are not "
-            f"entries, and entries {unnamed} are not in the tree (SPEC.md §9f)"
+            f"entries, and entries {unnamed} are not in the tree (SPEC.md §9.6)"
         )
     return None

@@ -81,7 +81,7 @@ def shard_rules(shard: ShardManifest) -> Iterator[tuple[type[ManifestError], str
         for x in st.scalars:
             if not in_int_range(
                 x.value
-            ):  # the writer's range (``torch_optim._scalar``), enforced when reading too (SPEC.md §9a)
+            ):  # the writer's range (``torch_optim._scalar``), enforced when reading too (SPEC.md §9.1)
                 yield (
                     ManifestError,
                     f"optimizer state {x.key!r}: integer {x.value} is outside the 64-bit range -2^63 <= n < 2^64",

@@ -1,6 +1,6 @@
 """Numerical profiles: how a job computes, bound into the job and recorded in every commit.
 
-Two profiles, after the seed study's CPU and GPU runs (SPEC.md §Numerical profiles):
+Two profiles, after the seed study's CPU and GPU runs (docs/SHARDTRAIN-FORMATS.md §5):
 
 - ``fp32``: weights, gradients, Adam moments, activations and every computation in FP32.
 - ``bf16-autocast``: weights, gradients and Adam moments stay FP32 (the optimizer, the

@@ -27,7 +27,7 @@ Two schedules, both a pure function of (number of slots, number of microbatches)
   costs are (`check` re-proves it for any schedule).
 
 Why the result is bitwise identical whichever schedule runs (so the schedule is a
-runtime choice, not bound into the job; see SPEC.md §15c): in both, each
+runtime choice, not bound into the job; see docs/SHARDTRAIN-FORMATS.md §4): in both, each
 slot runs its forwards, its heads and its backwards each in microbatch order (`check`
 enforces it), every layer is its own autograd segment whose inputs are the same tensors
 whatever else ran in between, and so every parameter receives the same gradient

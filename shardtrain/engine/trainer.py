@@ -74,7 +74,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(norm)):  # the same on every slot: all stop here
             raise NonFiniteStep(
                 f"step {self.global_step + 1} (slot {pipe.slot}): the loss is {loss!r} and the global "
-                f"gradient norm {norm!r}; the update was not applied (SPEC.md §14d)"
+                f"gradient norm {norm!r}; the update was not applied (docs/SHARDTRAIN-FORMATS.md §3)"
             )
         coef = clip_coefficient(norm, self.max_grad_norm)
         scale_grads_(list(self.params.values()), coef)

@@ -1,4 +1,4 @@
-"""The bounds every value of a job file must meet (SPEC.md §14c), checked when it is decoded.
+"""The bounds every value of a job file must meet (docs/SHARDTRAIN-FORMATS.md §2), checked when it is decoded.
 
 msgspec's schema fixes types and integer ranges as the bytes are parsed; the reals of a
 job file are IEEE-754 bit patterns (16 hex digits), so NaN, ±inf and out-of-range reals
@@ -51,17 +51,19 @@ def _real(hexbits: str, field: str, *, lo: float, hi: float, lo_open: bool = Fal
     x = f64_decode(hexbits)
     if not math.isfinite(x) or x > hi or x < lo or (lo_open and x == lo):
         left = "(" if lo_open else "["
-        raise JobError(f"job field {field} is {x!r}; it must be finite and in {left}{lo:g}, {hi:g}] (SPEC.md §14c)")
+        raise JobError(
+            f"job field {field} is {x!r}; it must be finite and in {left}{lo:g}, {hi:g}] (docs/SHARDTRAIN-FORMATS.md §2)"
+        )
     return x
 
 
 def _count(value: int, field: str, hi: int) -> None:
     if value > hi:
-        raise JobError(f"job field {field} is {value}; at most {hi} (SPEC.md §14c)")
+        raise JobError(f"job field {field} is {value}; at most {hi} (docs/SHARDTRAIN-FORMATS.md §2)")
 
 
 def check_bounds(job: Job) -> None:
-    """Refuse (JobError naming the field) any value of ``job`` outside SPEC.md §14c's bounds."""
+    """Refuse (JobError naming the field) any value of ``job`` outside docs/SHARDTRAIN-FORMATS.md §2's bounds."""
     m, r = job.model, job.recipe
     for name, hi in BOUNDS.items():
         part, attr = name.split(".")
@@ -70,7 +72,7 @@ def check_bounds(job: Job) -> None:
     if m.num_attention_heads % m.num_key_value_heads:
         raise JobError(
             f"job field model.num_key_value_heads ({m.num_key_value_heads}) must divide "
-            f"model.num_attention_heads ({m.num_attention_heads}) (SPEC.md §14c)"
+            f"model.num_attention_heads ({m.num_attention_heads}) (docs/SHARDTRAIN-FORMATS.md §2)"
         )
     _real(m.rms_norm_eps, "model.rms_norm_eps", lo=0.0, hi=1.0, lo_open=True)
     _real(m.rope_theta, "model.rope_theta", lo=0.0, hi=1e12, lo_open=True)
@@ -78,13 +80,15 @@ def check_bounds(job: Job) -> None:
         _real(g.lr, f"recipe.groups[{g.name}].lr", lo=0.0, hi=10.0, lo_open=True)
         for attr in ("beta1", "beta2"):
             if _real(getattr(g, attr), f"recipe.groups[{g.name}].{attr}", lo=0.0, hi=1.0) == 1.0:
-                raise JobError(f"job field recipe.groups[{g.name}].{attr} is 1.0; it must be below 1 (SPEC.md §14c)")
+                raise JobError(
+                    f"job field recipe.groups[{g.name}].{attr} is 1.0; it must be below 1 (docs/SHARDTRAIN-FORMATS.md §2)"
+                )
         _real(g.eps, f"recipe.groups[{g.name}].eps", lo=0.0, hi=1.0, lo_open=True)
         _real(g.weight_decay, f"recipe.groups[{g.name}].weight_decay", lo=0.0, hi=10.0)
     if r.warmup_steps > r.total_steps:
         raise JobError(
             f"job field recipe.warmup_steps ({r.warmup_steps}) exceeds recipe.total_steps "
-            f"({r.total_steps}) (SPEC.md §14c)"
+            f"({r.total_steps}) (docs/SHARDTRAIN-FORMATS.md §2)"
         )
     _real(r.min_ratio, "recipe.min_ratio", lo=0.0, hi=1.0)
     if r.max_grad_norm is not None:  # null: clipping disabled, explicitly
@@ -92,7 +96,7 @@ def check_bounds(job: Job) -> None:
     if r.microbatch_size > r.batch_size:
         raise JobError(
             f"job field recipe.microbatch_size ({r.microbatch_size}) exceeds recipe.batch_size "
-            f"({r.batch_size}) (SPEC.md §14c)"
+            f"({r.batch_size}) (docs/SHARDTRAIN-FORMATS.md §2)"
         )
     _real(r.distill.kl_coef, "recipe.distill.kl_coef", lo=0.0, hi=1e6)
     _real(r.distill.temperature, "recipe.distill.temperature", lo=0.01, hi=100.0)

@@ -13,9 +13,11 @@ reals as the 16 hex digits of their IEEE-754 bits (no float text), strict decodi
 (unknown fields refused, sizes bounded before parsing, bytes must re-encode to
 themselves). No pickle anywhere.
 
-`prepare_default` writes the embedded default: the byte-level tokenizer, generated task
-records (two training cohorts, the second replaying declared cohort-A records, and
-held-out sets) and a tiny tied Llama.
+This module is the format and its reader: the Structs, `decode_job` and `load_job` (every
+bound file read and checked), `check_job_files` / `write_job` (a job checked whole before
+it is written), and the encoding every writer of a job uses (`encode`, `digest`, `VERSION`).
+The jobs themselves are written by `default_job` (the embedded default) and `user_job`
+(a user's own model and records).
 """
 
 from __future__ import annotations
@@ -37,25 +39,14 @@ from shardtrain.engine.batch import Batch
 from shardtrain.engine.model import LlamaConfig
 from shardtrain.engine.optim import GroupConfig
 from shardtrain.engine.optim import Schedule as LrSchedule
-from shardtrain.engine.profile import FP32, Profile
+from shardtrain.engine.profile import Profile
 from shardtrain.errors import ConfigError, JobError
 from shardtrain.job.bounds import check_bounds
 from shardtrain.job.hf_tokenizer import HFTokenizer, build_tokenizer, commit_config_dict
-from shardtrain.job.recipe import (
-    F64,
-    CohortReference,
-    Count,
-    Distillation,
-    FileName,
-    GateRecipe,
-    GroupRecipe,
-    Positive,
-    Recipe,
-    _Base,
-)
-from shardtrain.job.roles import DEVELOPMENT, FINAL, EvalSet, check_roles, set_digest
-from shardtrain.job.tasks import Record, make_conversations, make_records, record_id
-from shardtrain.job.tokenizer import ByteTokenizer, default_assets
+from shardtrain.job.recipe import F64, CohortReference, Count, FileName, JobStruct, Positive, Recipe
+from shardtrain.job.roles import DEVELOPMENT, FINAL, EvalSet, check_roles
+from shardtrain.job.tasks import Record, record_id
+from shardtrain.job.tokenizer import ByteTokenizer
 
 __all__ = [
     "JOB_FILE",
@@ -67,10 +58,17 @@ __all__ = [
     "check_job_files",
     "write_job",
     "with_seed_commit",
-    "prepare_default",
-    "default_job_files",
     "model_spec",
-    "default_config",
+    "encode",
+    "digest",
+    "VERSION",
+    "LEGACY_INIT_STD",
+    "ModelSpec",
+    "SeedSpec",
+    "Asset",
+    "Step",
+    "Schedule",
+    "RecordFile",
 ]
 
 JOB_FILE = "job.json"
@@ -78,12 +76,13 @@ RECORDS_FILE = "records.json"
 _MAX_JOB_BYTES = 16 << 20
 _MAX_RECORDS_BYTES = 256 << 20
 _MAX_ASSET_BYTES = 64 << 20  # shardstore.ops.assets' bound: real tokenizer.json files reach ~20 MB
-_VERSION = 1
+VERSION = 1
+"""The version of job.json, of its schedule and of its records file: a reader refuses any other."""
 
 Hex64 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
 
 
-class ModelSpec(_Base):
+class ModelSpec(JobStruct):
     """The Llama config, reals as F64 hex."""
 
     vocab_size: Positive
@@ -104,7 +103,7 @@ class ModelSpec(_Base):
 LEGACY_INIT_STD = 0.02
 
 
-class SeedSpec(_Base, omit_defaults=True):
+class SeedSpec(JobStruct, omit_defaults=True):
     """Where the weights start: `init` (from `init_seed`, matrices ~ N(0, init_std^2)) or
     `import` (commit `commit`, weights only).
 
@@ -121,7 +120,7 @@ class SeedSpec(_Base, omit_defaults=True):
     source_dtypes: tuple[Annotated[str, Meta(pattern=r"^[a-z0-9]{1,16}$")], ...] | None = None  # widened to float32
 
 
-class Asset(_Base):
+class Asset(JobStruct):
     """A file beside job.json, bound by BLAKE3 and size."""
 
     name: FileName
@@ -129,7 +128,7 @@ class Asset(_Base):
     size: Count
 
 
-class Step(_Base):
+class Step(JobStruct):
     """One update's documents (indices into the records file), and which of them are declared replay."""
 
     cohort: FileName
@@ -137,12 +136,16 @@ class Step(_Base):
     replay: tuple[Count, ...]
 
 
-class Schedule(_Base, tag="shardtrain-schedule", tag_field="type"):
+class Schedule(JobStruct, tag="shardtrain-schedule", tag_field="type"):
+    """Every update's documents, in order (bound into the job by its hash, ``schedule_id``)."""
+
     version: int
     steps: tuple[Step, ...]
 
 
-class Job(_Base, tag="shardtrain-job", tag_field="type", omit_defaults=True):
+class Job(JobStruct, tag="shardtrain-job", tag_field="type", omit_defaults=True):
+    """job.json: everything a run is bound to, each file beside it by hash."""
+
     version: int
     name: FileName
     model: ModelSpec
@@ -157,7 +160,9 @@ class Job(_Base, tag="shardtrain-job", tag_field="type", omit_defaults=True):
     profile: Profile | None = None  # None: fp32 without recomputation (older job files keep their ids)
 
 
-class RecordFile(_Base, tag="shardtrain-records", tag_field="type"):
+class RecordFile(JobStruct, tag="shardtrain-records", tag_field="type"):
+    """The records file beside job.json: every record the schedule and the held-out sets index."""
+
     version: int
     records: tuple[Record, ...]
 
@@ -165,7 +170,14 @@ class RecordFile(_Base, tag="shardtrain-records", tag_field="type"):
 _ENC = msgspec.json.Encoder(order="sorted")
 
 
-def _hash(data: bytes) -> str:
+def encode(value: Any) -> bytes:
+    """The canonical bytes of a job file value (compact JSON, sorted keys): what a reader
+    requires (`decode_job` refuses bytes that do not re-encode to themselves)."""
+    return _ENC.encode(value)
+
+
+def digest(data: bytes) -> str:
+    """The BLAKE3 hex digest of ``data``: how a job binds each file beside it, and its own id."""
     return blake3.blake3(data).hexdigest()
 
 
@@ -178,15 +190,15 @@ def _decode(data: bytes, kind: type[Any], what: str, limit: int) -> Any:
         raise JobError(f"{what}: invalid: {exc}") from None
     if _ENC.encode(obj) != data:
         raise JobError(f"{what}: not in canonical encoding (sorted compact JSON, every field present)")
-    if obj.version != _VERSION:
-        raise JobError(f"{what}: version {obj.version} is not supported (expected {_VERSION})")
+    if obj.version != VERSION:
+        raise JobError(f"{what}: version {obj.version} is not supported (expected {VERSION})")
     return obj
 
 
 def decode_job(raw: bytes, what: str = "job file") -> Job:
     """Strictly decode job file bytes (bounded, canonical, known version, every value in bounds)."""
     job = _decode(raw, Job, what, _MAX_JOB_BYTES)
-    check_bounds(job)  # SPEC.md §14c: before anything reads records, starts a worker, writes or pins
+    check_bounds(job)  # docs/SHARDTRAIN-FORMATS.md §2: before anything reads records, starts a worker, writes or pins
     return job
 
 
@@ -343,10 +355,10 @@ def _read_bound(directory: str, asset: Asset, what: str, limit: int) -> bytes:
             data = f.read(limit + 1)
     except FileNotFoundError:
         raise JobError(f"{what} {asset.name} is missing from {directory}") from None
-    if len(data) != asset.size or _hash(data) != asset.blake3:
+    if len(data) != asset.size or digest(data) != asset.blake3:
         raise JobError(
             f"{what} {asset.name} differs from the one the job binds: it has {len(data)} bytes hashing "
-            f"to {_hash(data)}, the job binds {asset.size} bytes hashing to {asset.blake3}"
+            f"to {digest(data)}, the job binds {asset.size} bytes hashing to {asset.blake3}"
         )
     return data
 
@@ -355,7 +367,7 @@ def _check(job: Job, records: tuple[Record, ...], tok: ByteTokenizer | HFTokeniz
     for r in records:
         if record_id(r.family, r.messages, r.answer) != r.id:
             raise JobError(f"record {r.id} does not hash to its id")
-    if _hash(_ENC.encode(job.schedule)) != job.schedule_id:
+    if digest(_ENC.encode(job.schedule)) != job.schedule_id:
         raise JobError("schedule_id is not the hash of the schedule")
     std = LEGACY_INIT_STD if job.seed.init_std is None else f64_decode(job.seed.init_std)
     if not (std > 0 and math.isfinite(std)):
@@ -425,7 +437,7 @@ def _verified(job: Job, files: dict[str, bytes], directory: str) -> PreparedJob:
         files[job.records.name], RecordFile, f"records file {job.records.name}", _MAX_RECORDS_BYTES
     )
     tok = build_tokenizer(files, tuple(a.name for a in job.tokenizer))
-    prepared = PreparedJob(_hash(files[JOB_FILE]), job, directory, files, tok, rf.records)
+    prepared = PreparedJob(digest(files[JOB_FILE]), job, directory, files, tok, rf.records)
     _check(job, rf.records, tok, prepared.config)
     used = {d for s in job.schedule.steps for d in s.docs} | {d for s in job.sets for d in s.docs}
     for i in sorted(used):  # trained, or scored and generated by evaluate: within the context either way
@@ -441,7 +453,7 @@ def check_job_files(files: Mapping[str, bytes], directory: str | os.PathLike[str
     job = decode_job(raw, "job file")
     for a in (*job.tokenizer, job.records):
         data = files.get(a.name)
-        if data is None or len(data) != a.size or _hash(data) != a.blake3:
+        if data is None or len(data) != a.size or digest(data) != a.blake3:
             raise JobError(f"the job binds a file {a.name} it was not given, or another one")
     return _verified(job, {n: bytes(files[n]) for n in (JOB_FILE, job.records.name, *(a.name for a in job.tokenizer))},
                      os.path.abspath(directory))  # fmt: skip
@@ -464,199 +476,3 @@ def with_seed_commit(files: Mapping[str, bytes], commit: str) -> dict[str, bytes
     job = decode_job(files[JOB_FILE])
     seed = msgspec.structs.replace(job.seed, commit=commit)
     return {**files, JOB_FILE: _ENC.encode(msgspec.structs.replace(job, seed=seed))}
-
-
-def default_config(vocab_size: int) -> LlamaConfig:
-    """The embedded tiny Llama: 4 layers, 64 wide, grouped-query attention, tied head."""
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-
-
-def _step_docs(
-    steps: int, batch_size: int, replay: int, first: int, pool: list[int], cohort: str, offset: int = 0
-) -> list[Step]:
-    """`steps` updates of `batch_size - replay` new records from index `first`, plus `replay`
-    declared replays drawn in a fixed stride from `pool`."""
-    new = batch_size - replay
-    out = []
-    for s in range(steps):
-        fresh = [first + s * new + i for i in range(new)]
-        again = [pool[((offset + s) * replay + i) * 7 % len(pool)] for i in range(replay)] if pool else []
-        out.append(Step(cohort=cohort, docs=tuple(fresh + again), replay=tuple(again)))
-    return out
-
-
-#: The embedded default's task mix (families repeat to weight them): training records are all
-#: `filter`, the family this model learns within the demo's budget; the held-out task sets
-#: keep all four families (docs/DEMO.md).
-DEFAULT_MIX: tuple[str, ...] = ("filter",)
-#: The embedded default's peak learning rate and initialisation scale (docs/DEMO.md).
-DEFAULT_LR = 5e-3
-DEFAULT_INIT_STD = 0.08
-_MAX_PRIOR = 512
-
-
-def prepare_default(out_dir: str | os.PathLike[str], **kw: Any) -> str:
-    """Write the embedded default job (`default_job_files`, ``kw`` its options) into
-    `out_dir` once it checks out; return the job file's path."""
-    return write_job(out_dir, default_job_files(**kw))
-
-
-def default_job_files(
-    *,
-    steps_a: int = 16,
-    steps_b: int = 8,
-    batch_size: int = 8,
-    microbatch_size: int = 4,
-    replay_per_step: int = 2,
-    eval_per_set: int = 64,
-    data_seed: int = 0,
-    init_seed: int = 1234,
-    lr: float = DEFAULT_LR,
-    init_std: float = DEFAULT_INIT_STD,
-    warmup_steps: int | None = None,
-    seed_commit: str | None = None,
-    seed_config: Mapping[str, Any] | None = None,
-    name: str = "default",
-    mix: tuple[str, ...] = DEFAULT_MIX,
-    kl_coef: float = 0.5,
-    temperature: float = 1.0,
-    gain_bound: float = -0.001,
-    retention_bound: float = 0.02,
-    resamples: int = 2000,
-    retention_per_set: int = 16,
-    assets: Mapping[str, bytes] | None = None,
-    profile: Profile | None = None,
-    source_dtypes: tuple[str, ...] | None = None,
-) -> dict[str, bytes]:
-    """The embedded default job: job.json and the files it binds, by name (nothing written).
-
-    Cohort A trains `steps_a` updates of new task records (cycling through `mix`) plus
-    `replay_per_step` declared replays of conversation records the seed counts as already
-    trained (``exposed``), distilled toward the seed. Cohort B trains `steps_b` updates of
-    new task records plus `replay_per_step` declared replays, alternately cohort-A task
-    records and those conversations, distilled toward the committed end of cohort A.
-    Held-out sets: development and final task sets of `eval_per_set` records, a
-    development retention set of exposed conversations and a final retention set of
-    conversations from another generator range, disjoint from every trained record.
-    `seed_commit` (with its model `seed_config`) starts from imported weights instead of
-    a fresh initialisation; `assets` (a model's tokenizer files) replace the embedded
-    byte tokenizer; `profile` is the numerical profile (None: fp32).
-    """
-    if not 0 <= replay_per_step < batch_size:
-        raise JobError(f"replay_per_step must be in [0, {batch_size})")
-    assets = dict(assets) if assets is not None else default_assets()
-    tok = build_tokenizer(assets, tuple(sorted(assets)))
-    config = LlamaConfig.from_hf_dict(dict(seed_config)) if seed_config is not None else default_config(tok.vocab_size)
-    new = batch_size - replay_per_step
-    held = {n: make_records(n, eval_per_set, seed=data_seed) for n in ("dev_task", "final_task")}
-    exclude = {r.id for rs in held.values() for r in rs}
-    a = make_records("A", steps_a * new, seed=data_seed, exclude=exclude, mix=mix)
-    exclude |= {r.id for r in a}
-    b = make_records("B", steps_b * new, seed=data_seed, exclude=exclude, mix=mix)
-    # Distinct conversations for cohort A's replays, at most _MAX_PRIOR (the generator has ~1,000;
-    # a longer cohort A replays them again, in the same fixed stride).
-    n_chat = max(min(steps_a * replay_per_step, _MAX_PRIOR), retention_per_set) if replay_per_step else 0
-    prior = make_conversations("prior", n_chat, seed=data_seed)
-    final_chat = make_conversations("final_chat", retention_per_set, seed=data_seed + 1, exclude={r.id for r in prior})
-    records = a + b + prior + held["dev_task"] + held["final_task"] + final_chat
-    base_prior, base_dev = len(a) + len(b), len(a) + len(b) + len(prior)
-    prior_idx = list(range(base_prior, base_prior + len(prior)))
-    steps = _step_docs(steps_a, batch_size, replay_per_step, 0, prior_idx, "A")
-    pool_b = [x for pair in zip(range(len(a)), prior_idx) for x in pair] if prior_idx else []
-    steps += _step_docs(steps_b, batch_size, replay_per_step, len(a), pool_b, "B")
-
-    def role_set(name_: str, role: str, kind: str, docs: list[int]) -> EvalSet:
-        return EvalSet(name=name_, role=role, kind=kind, docs=tuple(docs), digest=set_digest(records, docs))  # type: ignore[arg-type]
-
-    sets = [role_set("dev_task", DEVELOPMENT, "task", list(range(base_dev, base_dev + eval_per_set)))]
-    if prior_idx:
-        sets.append(role_set("dev_retention", DEVELOPMENT, "retention", prior_idx[:retention_per_set]))
-    sets.append(
-        role_set("final_task", FINAL, "task", list(range(base_dev + eval_per_set, base_dev + 2 * eval_per_set)))
-    )
-    sets.append(
-        role_set(
-            "final_retention",
-            FINAL,
-            "retention",
-            list(range(base_dev + 2 * eval_per_set, base_dev + 2 * eval_per_set + len(final_chat))),
-        )
-    )
-    schedule = Schedule(version=_VERSION, steps=tuple(steps))
-    files = {**assets, RECORDS_FILE: _ENC.encode(RecordFile(version=_VERSION, records=tuple(records)))}
-
-    def asset(n: str) -> Asset:
-        return Asset(name=n, blake3=_hash(files[n]), size=len(files[n]))
-
-    def group(n: str, wd: float) -> GroupRecipe:
-        return GroupRecipe(
-            name=n,
-            lr=f64_encode(lr),
-            beta1=f64_encode(0.9),
-            beta2=f64_encode(0.95),
-            eps=f64_encode(1e-8),
-            weight_decay=f64_encode(wd),
-        )
-
-    refs = []
-    if steps_a:
-        refs.append(CohortReference(cohort="A", source="seed", of=None))
-    if steps_b:
-        refs.append(
-            CohortReference(cohort="B", source="endpoint", of="A")
-            if steps_a
-            else CohortReference(cohort="B", source="seed", of=None)
-        )
-    total = steps_a + steps_b
-    warmup = min(total, max(2, total // 16)) if warmup_steps is None else warmup_steps
-    job = Job(
-        version=_VERSION,
-        name=name,
-        model=model_spec(config),
-        seed=SeedSpec(
-            kind="import" if seed_commit else "init",
-            init_seed=init_seed,
-            commit=seed_commit,
-            init_std=None if init_std == LEGACY_INIT_STD else f64_encode(init_std),
-            source_dtypes=source_dtypes,
-        ),
-        profile=None if profile == FP32 else profile,
-        tokenizer=tuple(asset(n) for n in sorted(assets)),
-        records=asset(RECORDS_FILE),
-        exposed=tuple(prior_idx),
-        sets=tuple(sets),
-        schedule=schedule,
-        schedule_id=_hash(_ENC.encode(schedule)),
-        recipe=Recipe(
-            algorithm="adamw",
-            groups=(group("decay", 0.1), group("no_decay", 0.0)),
-            warmup_steps=warmup,
-            total_steps=max(1, total),
-            min_ratio=f64_encode(0.1),
-            max_grad_norm=f64_encode(1.0),
-            batch_size=batch_size,
-            microbatch_size=microbatch_size,
-            distill=Distillation(
-                kl_coef=f64_encode(kl_coef), temperature=f64_encode(temperature), references=tuple(refs)
-            ),
-            gates=GateRecipe(
-                gain_bound=f64_encode(gain_bound),
-                retention_bound=f64_encode(retention_bound),
-                resamples=resamples,
-                seed=0,
-            ),
-        ),
-    )
-    files[JOB_FILE] = _ENC.encode(job)
-    return files

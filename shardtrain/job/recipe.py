@@ -13,19 +13,35 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-__all__ = ["GroupRecipe", "CohortReference", "Distillation", "GateRecipe", "Recipe"]
+__all__ = [
+    "JobStruct",
+    "F64",
+    "FileName",
+    "Count",
+    "Positive",
+    "GroupRecipe",
+    "CohortReference",
+    "Distillation",
+    "GateRecipe",
+    "Recipe",
+]
 
+# The value types of a job file: a real as its F64 hex, a file name, a count, a positive count.
 F64 = Annotated[str, Meta(pattern=r"^[0-9a-f]{16}$")]
 FileName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]
 Count = Annotated[int, Meta(ge=0, le=2**40)]
 Positive = Annotated[int, Meta(ge=1, le=2**40)]
 
 
-class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Values, strictly decoded: unknown fields are an error, every field is named."""
+class JobStruct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The base of every Struct of a job file (here and in `job`): values, strictly decoded.
+
+    ``frozen``: a decoded job is a value, bound by its hash; ``forbid_unknown_fields``: a field
+    this reader does not know is an error, not ignored; ``kw_only``: every field is named.
+    """
 
 
-class GroupRecipe(_Base):
+class GroupRecipe(JobStruct):
     name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")]
     lr: F64
     beta1: F64
@@ -34,7 +50,7 @@ class GroupRecipe(_Base):
     weight_decay: F64
 
 
-class CohortReference(_Base):
+class CohortReference(JobStruct):
     """The frozen reference of one cohort: the job's seed, or the committed endpoint of cohort `of`."""
 
     cohort: FileName
@@ -42,7 +58,7 @@ class CohortReference(_Base):
     of: FileName | None
 
 
-class Distillation(_Base):
+class Distillation(JobStruct):
     """KL(reference || student) at `temperature` on declared replay records, times `kl_coef` (shardtrain.engine.loss)."""
 
     kl_coef: F64
@@ -50,7 +66,7 @@ class Distillation(_Base):
     references: tuple[CohortReference, ...]
 
 
-class GateRecipe(_Base):
+class GateRecipe(JobStruct):
     """The experiment's gates (shardtrain.run.gates), fixed before training."""
 
     gain_bound: F64  # the new-task upper bound must lie below this (nats per assistant token)
@@ -59,7 +75,7 @@ class GateRecipe(_Base):
     seed: Count  # paired-bootstrap seed
 
 
-class Recipe(_Base):
+class Recipe(JobStruct):
     """The recipe: AdamW groups, warm-up/cosine schedule, clipping, batch split, distillation, gates."""
 
     algorithm: Literal["adamw"]

@@ -41,23 +41,22 @@ from shardstore.ops.assets import commit_assets, read_asset_files
 from shardtrain.engine.model import LlamaConfig
 from shardtrain.engine.profile import FP32, Profile
 from shardtrain.errors import ConfigError, JobError
+from shardtrain.job.default_job import default_job_files, prepare_default
 from shardtrain.job.hf_tokenizer import build_tokenizer, check_hf_assets
 from shardtrain.job.job import (
-    _ENC,
-    _VERSION,
     JOB_FILE,
     RECORDS_FILE,
+    VERSION,
     Asset,
     Job,
     RecordFile,
     Schedule,
     SeedSpec,
     Step,
-    _hash,
     check_job_files,
-    default_job_files,
+    digest,
+    encode,
     model_spec,
-    prepare_default,
     with_seed_commit,
     write_job,
 )
@@ -262,14 +261,14 @@ def own_job_files(
         sets.append(role_set("dev_replay", DEVELOPMENT, "retention", pool[:_MAX_DEV_TRAIN]))
     if fin_r:
         sets.append(role_set("final", FINAL, "task", list(range(base_fin, base_fin + len(fin_r)))))
-    schedule = Schedule(version=_VERSION, steps=tuple(schedule_steps))
+    schedule = Schedule(version=VERSION, steps=tuple(schedule_steps))
     files: dict[str, bytes] = {
         **assets,
-        RECORDS_FILE: _ENC.encode(RecordFile(version=_VERSION, records=tuple(all_records))),
+        RECORDS_FILE: encode(RecordFile(version=VERSION, records=tuple(all_records))),
     }
 
     def asset(n: str) -> Asset:
-        return Asset(name=n, blake3=_hash(files[n]), size=len(files[n]))
+        return Asset(name=n, blake3=digest(files[n]), size=len(files[n]))
 
     def group(n: str, wd: float) -> GroupRecipe:
         return GroupRecipe(
@@ -284,7 +283,7 @@ def own_job_files(
     refs = (CohortReference(cohort="A", source="seed", of=None),) if per_step else ()
     warmup = min(n_steps, max(1, n_steps // 16)) if warmup_steps is None else warmup_steps
     job = Job(
-        version=_VERSION,
+        version=VERSION,
         name=name,
         model=model_spec(config),
         seed=SeedSpec(kind="import", init_seed=init_seed, commit=seed_commit, source_dtypes=source_dtypes),
@@ -293,7 +292,7 @@ def own_job_files(
         exposed=tuple(pool),
         sets=tuple(sets),
         schedule=schedule,
-        schedule_id=_hash(_ENC.encode(schedule)),
+        schedule_id=digest(encode(schedule)),
         profile=None if profile == FP32 else profile,
         recipe=Recipe(
             algorithm="adamw",
@@ -313,7 +312,7 @@ def own_job_files(
             ),
         ),
     )
-    files[JOB_FILE] = _ENC.encode(job)
+    files[JOB_FILE] = encode(job)
     return files
 
 
@@ -355,7 +354,7 @@ def prepare_model(
     import commit (`shardstore.ops.assets`) and the commit kept by the ref ``seeds/<commit id>``
     (so gc cannot take it before a run starts from it), and writes the job: over the user's records
     (`prepare_own`, `kw` its options), or without `records` over the embedded default's
-    generated tasks (`shardtrain.job.prepare_default`) tokenized by the model's tokenizer.
+    generated tasks (`shardtrain.job.default_job.prepare_default`) tokenized by the model's tokenizer.
     """
     from shardstore.ops.interchange import import_directory, read_config, source_dtypes
 

@@ -14,7 +14,7 @@ for every slot, or ``slot=bytes,...`` for some.
 After training, each worker's actual peak (CUDA: `torch.cuda.max_memory_allocated`;
 CPU: the peak resident set size, and its increase over the resident size at admission,
 which is what the estimate predicts) and the parameters it held are gathered and written
-to the store's journal for the run's last commit (unhashed, SPEC.md §Journal).
+to the store's journal for the run's last commit (unhashed, SPEC.md §19.2).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     peak: int  # peak resident bytes (CPU) or peak allocated bytes (CUDA)
     parameters: int  # elements this worker held
     parameter_bytes: int
-    tier_bytes: int = 0  # bytes its host's memory tier held of its own slot (SPEC.md §19c)
+    tier_bytes: int = 0  # bytes its host's memory tier held of its own slot (SPEC.md §19.3)
     replica_bytes: int = 0  # bytes its host's memory tier held of the slots it is buddy of
+    tier_estimate: int = 0  # the planner's bound on those two together (`SlotEstimate.tier`)
     restore_memory: int = 0  # bytes of objects its start's restore read from its memory tier
     restore_peers: int = 0  # ... from its buddies' replicas
     restore_store: int = 0  # ... from the durable store
@@ -132,22 +133,44 @@ def peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def admit(slot: int, estimate: SlotEstimate, device: torch.device) -> tuple[int, int]:
-    """(free bytes, baseline bytes) if `estimate` fits what is free; AdmissionError otherwise."""
+def admit(slot: int, estimate: SlotEstimate, device: torch.device, held: int = 0) -> tuple[int, int]:
+    """(free bytes, baseline bytes) if `estimate` fits what is free; AdmissionError otherwise.
+
+    The memory tiers' share (`estimate.tier`, host memory) counts less what the host's tiers
+    already hold (`held`: a restarted worker's tier keeps its start, and tmpfs pages are not
+    free memory): on the CPU it is added to the device's peak, on an accelerator it is checked
+    against the host's available memory on its own."""
     free = free_memory(device, slot)
-    if estimate.total > free:
+    tier = max(0, estimate.tier - held)
+    need = estimate.total + (tier if device.type == "cpu" else 0)
+    if need > free:
         raise AdmissionError(
-            f"slot {slot}: estimated peak {estimate.total:,} bytes (weights {estimate.weights:,}, grads "
+            f"slot {slot}: estimated peak {need:,} bytes (weights {estimate.weights:,}, grads "
             f"{estimate.grads:,}, Adam moments {estimate.moments:,}, reference {estimate.reference:,}, activations "
             f"{estimate.activations:,}, bf16 casts {estimate.casts:,}, optimizer scratch {estimate.scratch:,}, reserve "
-            f"{estimate.reserve:,}) exceeds the {free:,} bytes free on {device}; "
-            f"refused before allocating (layers {estimate.layers[0]}:{estimate.layers[1]}; plan another partition "
-            f"with shardtrain plan, or use more workers)"
+            f"{estimate.reserve:,}{_tier_terms(estimate, held) if device.type == 'cpu' else ''}) exceeds the "
+            f"{free:,} bytes free on {device}; refused before allocating (layers {estimate.layers[0]}:"
+            f"{estimate.layers[1]}; plan another partition with shardtrain plan, or use more workers)"
         )
+    if device.type != "cpu" and tier:
+        host = free_memory(torch.device("cpu"), slot)
+        if tier > host:
+            raise AdmissionError(
+                f"slot {slot}: the memory tiers on its host would hold {tier:,} more bytes "
+                f"({_tier_terms(estimate, held).lstrip(', ')}) than the {host:,} bytes of host memory available; "
+                f"refused before allocating (keep fewer commits with --memory-tier-commits, fewer --peer-replicas, "
+                f"or --memory-tier on another directory)"
+            )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _reset_peak(device)  # the peak recorded later is this worker's own, from here on
     return free, _current(device)
+
+
+def _tier_terms(estimate: SlotEstimate, held: int) -> str:
+    if not estimate.tier:
+        return ""
+    return f", memory tiers {estimate.tier:,} less {min(held, estimate.tier):,} they hold already"
 
 
 def gather_usage(mine: Usage, rank: int, world: int) -> list[Usage]:
@@ -162,6 +185,7 @@ def gather_usage(mine: Usage, rank: int, world: int) -> list[Usage]:
         "parameter_bytes",
         "tier_bytes",
         "replica_bytes",
+        "tier_estimate",
         "restore_memory",
         "restore_peers",
         "restore_store",

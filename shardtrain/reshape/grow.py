@@ -29,12 +29,12 @@ import torch
 
 from shardstore import Store, TensorEntry, load_commit
 from shardstore.format.grid import put_payloads, read_whole
-from shardstore.format.manifest import MAX_MANIFEST_BYTES, OptimEntry, Payload, banded
+from shardstore.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, OptimEntry, Payload, banded
 from shardstore.format.tensors import torch_dtype
 from shardtrain.engine.model import LlamaDecoderLayer, rotary_tables
 from shardtrain.engine.partition import LAYER_PARAMETER_SUFFIXES, Partition
 from shardtrain.errors import TransitionError
-from shardtrain.reshape.regroup import TransitionResult, _journal, commit_config, move_ref, write_layout
+from shardtrain.reshape.regroup import TransitionResult, commit_config, journal_transition, move_ref, write_layout
 
 __all__ = ["ZEROED_SUFFIXES", "check_append", "grow", "identity_check"]
 
@@ -97,7 +97,9 @@ def grow(
         raise TransitionError(f"commit {lc.id[:12]} already has tensor {taken[0]!r} beyond its {layers} layers")
     step = lc.commit.step
     zero_ids: dict[tuple[str, tuple[int, ...]], Payload] = {}
-    bands = banded(lc.commit.version)  # a version 2 or 3 commit grows on its own grid (SPEC.md §Versioning)
+    # A transition keeps its parent's grid (SPEC.md §Versioning): the row bands of version 2 or 3, and
+    # version 1's one object per tensor whatever its size (a format-1 commit's zero projection may be over 4 MiB).
+    bands, whole = banded(lc.commit.version), lc.commit.version == FORMAT_VERSION
     for j in range(layers, layers + append):
         for suffix in LAYER_PARAMETER_SUFFIXES:
             src = entries[f"model.layers.{source}.{suffix}"]
@@ -106,7 +108,10 @@ def grow(
                 key = (src.dtype, tuple(src.shape))
                 if key not in zero_ids:
                     zeros = torch.zeros(src.shape, dtype=torch_dtype(src.dtype))
-                    zero_ids[key] = put_payloads(store, [zeros], bands=bands)[0]  # canonical blocks if over 4 MiB
+                    if whole:
+                        zero_ids[key] = store.put_tensors([zeros])[0]
+                    else:
+                        zero_ids[key] = put_payloads(store, [zeros], bands=bands)[0]  # canonical blocks if over 4 MiB
                 param = zero_ids[key]
             optim = None
             if src.optim is not None:  # trained: a new Adam clock in the source's group
@@ -121,7 +126,7 @@ def grow(
     cid = write_layout(store, lc, entries, grown, grown_raw, partition, transition="grow")
     new = load_commit(store, cid)
     move_ref(store, ref, lc.id, cid)
-    _journal(store, cid, {"transition": "grow", "append": append, "copy_from": source}, started)
+    journal_transition(store, cid, {"transition": "grow", "append": append, "copy_from": source}, started)
     return TransitionResult(
         cid,
         lc.id,

@@ -16,7 +16,7 @@ The estimate of a slot is a sum of named terms (bytes), each a count of FP32 ten
   before any backward, so all of them are in flight); slot 0 adds the embedding output
   per microbatch and the head's logits, log-softmax and their gradient for one microbatch
   (the head runs one microbatch at a time);
-- ``casts`` (the ``bf16-autocast`` profile, SPEC.md §15f): autocast's bfloat16 copy of
+- ``casts`` (the ``bf16-autocast`` profile, docs/SHARDTRAIN-FORMATS.md §5): autocast's bfloat16 copy of
   every weight a matrix product uses (2 bytes per parameter), kept by each microbatch's
   graph for its backward, so once per microbatch in flight; with recomputation the
   blocks' copies once (a recomputed block casts its weights again, one block at a time),
@@ -91,6 +91,11 @@ class SlotEstimate:
     reserve: int
     casts: int = 0  # bf16-autocast's weight copies
     scratch: int = 0  # AdamW's per-tensor temporaries
+    # Host memory, not the device's: what the memory tiers on this worker's host hold at most, its
+    # own slot's stored state and that of the slots it keeps replicas of (SPEC.md §19.3), each for
+    # the commits a tier keeps plus the one being written. Not in `total` (the device's peak): on
+    # the CPU admission adds it, on an accelerator it is checked against the host's memory.
+    tier: int = 0
 
     @property
     def total(self) -> int:
@@ -123,6 +128,8 @@ class MemoryModel:
     reserve: int = DEFAULT_RESERVE
     autocast: bool = False  # the bf16-autocast profile: bf16 weight copies per forward
     recompute: bool = False  # activation recomputation: blocks keep only their inputs
+    tier_commits: int = 0  # commits each memory tier keeps (0: no memory tier)
+    replicas: int = 0  # buddies each slot's new objects go to (their hosts' tiers keep them)
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "microbatch_size", "microbatches"):
@@ -131,6 +138,10 @@ class MemoryModel:
                 raise ConfigError(f"memory model: {name} must be an int >= 1, got {value!r}")
         if self.reserve < 0:
             raise ConfigError(f"memory model: reserve must be >= 0, got {self.reserve}")
+        for name in ("tier_commits", "replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"memory model: {name} must be an int >= 0, got {value!r}")
 
     def layer_parameters(self) -> int:
         c, i, d = self.config.hidden_size, self.config.intermediate_size, self.config.dim_per_head
@@ -191,14 +202,29 @@ class MemoryModel:
             reserve=self.reserve,
             casts=casts,
             scratch=2 * FP32 * self._largest(slot, layers),
+            tier=self.tier_held(b + 2 * b),
         )
 
+    def tier_held(self, stored: int) -> int:
+        """Bytes a memory tier holds at most of a slot whose commit stores `stored` bytes: the
+        commits it keeps and the one being written (write-through lands a commit's objects before
+        the oldest is evicted); 0 without a tier."""
+        return (self.tier_commits + 1) * stored if self.tier_commits else 0
+
     def estimates(self, partition: Partition) -> tuple[SlotEstimate, ...]:
+        """Every slot's estimate; with peer replicas, each slot's `tier` also counts the slots
+        whose replicas its host keeps (slot s keeps those of s-1, ..., s-replicas, mod the slots)."""
         if partition.num_layers != self.config.num_hidden_layers:
             raise ConfigError(
                 f"partition is for {partition.num_layers} layers, the model has {self.config.num_hidden_layers}"
             )
-        return tuple(self.estimate(s, partition.layers(s)) for s in range(partition.num_slots))
+        own = tuple(self.estimate(s, partition.layers(s)) for s in range(partition.num_slots))
+        n = len(own)
+        buddies = min(self.replicas, n - 1) if self.tier_commits else 0
+        return tuple(
+            dataclasses.replace(e, tier=e.tier + sum(own[(e.slot - d) % n].tier for d in range(1, buddies + 1)))
+            for e in own
+        )
 
 
 def for_job(
@@ -207,10 +233,13 @@ def for_job(
     *,
     reference: bool | None = None,
     reserve: int = DEFAULT_RESERVE,
+    tier_commits: int = 0,
+    replicas: int = 0,
 ) -> MemoryModel:
     """The memory model of `job` (its longest scheduled sequence and its batch split), for
     `config` (default the job's; a grown commit's config has more layers). `reference`
-    defaults to whether any cohort of the job distils toward a frozen reference."""
+    defaults to whether any cohort of the job distils toward a frozen reference;
+    `tier_commits` and `replicas` are the run's memory tier (0: none) and peer replicas."""
     recipe = job.job.recipe
     if reference is None:
         reference = any(job.reference_of(c) is not None for c in {s.cohort for s in job.job.schedule.steps})
@@ -226,6 +255,8 @@ def for_job(
         reserve=reserve,
         autocast=profile is not None and profile.name == "bf16-autocast",
         recompute=profile is not None and profile.recompute,
+        tier_commits=tier_commits,
+        replicas=replicas,
     )
 
 

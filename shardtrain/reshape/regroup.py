@@ -44,6 +44,7 @@ from shardtrain.job.job import PreparedJob
 
 __all__ = [
     "TransitionResult",
+    "journal_transition",
     "regroup",
     "layout_partition",
     "commit_config",
@@ -101,7 +102,7 @@ def layout_partition(config: LlamaConfig, lc: LoadedCommit) -> Partition:
 
 
 def grown_from(base: LlamaConfig, config: LlamaConfig | None) -> bool:
-    """Whether `config` is `base` with more layers: a grown model (SPEC.md §15a)."""
+    """Whether `config` is `base` with more layers: a grown model (SPEC.md §15.1)."""
     return (
         config is not None
         and config.num_hidden_layers > base.num_hidden_layers
@@ -217,7 +218,9 @@ def move_ref(store: Store, ref: str | None, old: str, new: str) -> None:
     store.set_ref(ref, new, expected=current)
 
 
-def _journal(store: Store, cid: str, record: dict[str, Any], started: float) -> None:
+def journal_transition(store: Store, cid: str, record: dict[str, Any], started: float) -> None:
+    """Write transition commit ``cid``'s journal entry: ``record`` (what it did), with when it
+    started, how long it took, the host and the process (the journal: never hashed, SPEC.md §8.3)."""
     store.write_journal(
         cid,
         {**record, "time": started, "seconds": time.time() - started, "host": socket.gethostname(), "pid": os.getpid()},
@@ -247,7 +250,9 @@ def regroup(
             f"its parent {lc.commit.learned_root}"
         )
     move_ref(store, ref, lc.id, cid)
-    _journal(store, cid, {"transition": "repartition", "slots": [len(lc.shards), partition.num_slots]}, started)
+    journal_transition(
+        store, cid, {"transition": "repartition", "slots": [len(lc.shards), partition.num_slots]}, started
+    )
     return TransitionResult(
         cid,
         lc.id,

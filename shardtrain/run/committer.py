@@ -211,7 +211,7 @@ class CommitBook:
     """A worker's commit bookkeeping around its `Committer`: every commit's usage gathered from
     all workers when it is asked for, and, once it lands, its record and its journal entry.
 
-    The journal (unhashed; SPEC.md §14d) says when a commit landed, its step's loss, each
+    The journal (unhashed, advisory; SPEC.md §19.2) says when a commit landed, its step's loss, each
     worker's actual peak and parameter coverage, and how long the commit took from the call
     to its landing: the save itself for synchronous commits, the time in flight (overlapping
     training) for background ones. Only rank 0 writes it.

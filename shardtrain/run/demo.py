@@ -10,7 +10,7 @@
    microbatch's forward and before the optimizer step; the survivor aborts naming the
    last committed step, and no ref names the lost work;
 4. the host of slot 1 is lost with its memory tier (each worker has a tier directory of its
-   own, standing in for separate hosts; SPEC.md §19c); the survivor restores the common
+   own, standing in for separate hosts; SPEC.md §19.3); the survivor restores the common
    commit from its memory tier, the replacement from its buddy's replica of slot 1 (slot
    0's host), neither reading an object from the store; they replay to the end of cohort A
    on ref `recovery`, and the recovered commit id is compared with the uninterrupted one,
@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 import shardstore
 from shardtrain.errors import RunAborted
-from shardtrain.job.job import load_job, prepare_default
+from shardtrain.job.default_job import prepare_default
+from shardtrain.job.job import load_job
 from shardtrain.job.roles import FINAL, select
 from shardtrain.reshape.grow import grow, identity_check
 from shardtrain.reshape.regroup import regroup

@@ -181,7 +181,7 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     estimate_bytes: int = 0  # the planner's estimate of this slot's peak (admission checked it)
     used_bytes: int = 0  # the actual peak above the memory in use at admission (CPU: RSS; CUDA: allocated)
     restore_seconds: float = 0.0  # restoring this worker's slot of the start commit (0: fresh)
-    restore: RestoreBytes = RestoreBytes()  # bytes of objects its start read from each tier (SPEC.md §19c)
+    restore: RestoreBytes = RestoreBytes()  # bytes of objects its start read from each tier (SPEC.md §19.3)
     restore_rejected: tuple[str, ...] = ()  # tier or peer copies refused (verified against their ids): where from
     tier_bytes: int = 0  # bytes its host's memory tiers held for it at the end (its slot's and the replicas it keeps)
     tier_errors: tuple[str, ...] = ()  # tier fills or replications that failed (the commits are durable regardless)
@@ -356,8 +356,12 @@ def start_slot(ctx: WorkerContext, spec: RunSpec) -> SlotStart:
         tiers.fetch(cid)  # collective: a worker whose tier lacks the start gets it from its buddies
     own = tiers.reader(durable)
     config, partition = gate("read the start commit's layout", rank, world, lambda: start_layout(job, own, cid, world))
-    estimate = for_job(job, config).estimate(rank, partition.layers(rank))
-    free, baseline = gate("admit its slot", rank, world, lambda: admission.admit(rank, estimate, ctx.device))
+    # The estimate counts what its host's memory tiers will hold (its slot's commits and the
+    # replicas it keeps), less what they hold already.
+    model = for_job(job, config, tier_commits=tiers.kept_commits, replicas=tiers.replicas)
+    estimate = model.estimates(partition)[rank]
+    held = sum(tiers.held_bytes())
+    free, baseline = gate("admit its slot", rank, world, lambda: admission.admit(rank, estimate, ctx.device, held))
     stage = build_stage(
         config, partition, rank, seed=job.job.seed.init_seed, device=ctx.device, init_std=job.init_std()
     )
@@ -436,6 +440,7 @@ def _usage(ctx: WorkerContext, slot: SlotStart) -> admission.Usage:
         parameter_bytes=sum(parameter_inventory(slot.stage).values()),
         tier_bytes=tier,
         replica_bytes=replicas,
+        tier_estimate=slot.estimate.tier,
         restore_memory=slot.restore_bytes.memory,
         restore_peers=slot.restore_bytes.peers,
         restore_store=slot.restore_bytes.store,
@@ -686,7 +691,7 @@ def check_tiers(spec: RunSpec, workers: int) -> None:
 
 
 def _read_results(out: str, workers: int) -> list[RunResult]:
-    """Every worker's result file; LaunchError naming the worker if one does not decode (SPEC.md §14d)."""
+    """Every worker's result file; LaunchError naming the worker if one does not decode (docs/SHARDTRAIN-FORMATS.md §3)."""
     results = []
     for r in range(workers):
         try:

@@ -1,5 +1,5 @@
 """A worker's memory tier and peer replicas: where they live, how its stores use them, and what
-happens when a commit lands (SPEC.md §19c).
+happens when a commit lands (SPEC.md §19.3).
 
 Each slot's tier is a directory under its host's tier root (``--memory-tier DIR``, or
 ``SLOT=DIR`` for one slot; by default a directory on ``/dev/shm`` named for the store). A
@@ -100,6 +100,11 @@ class SlotTiers:
     @property
     def replicas(self) -> int:
         return 0 if self.own is None else self.spec.buddies(self.world)
+
+    @property
+    def kept_commits(self) -> int:
+        """Commits this worker's tier keeps (0: it has none)."""
+        return 0 if self.own is None else self.spec.keep
 
     # -- the start ------------------------------------------------------------------------
 

@@ -1,59 +1,21 @@
-"""Request-level pieces of the S3 backend (``shardstore.s3``): the server's error answers, which
-failures are transient, the probe of the server's request conditions and the concurrent
-multipart upload (SPEC.md §19).
+"""Request-level pieces of the S3 backend that take several requests (SPEC.md §19): the
+concurrent multipart upload and the probe of the server's request conditions.
 
-Kept apart from ``S3Storage`` so that the backend module holds the storage protocol and
-its read path; everything here works through the backend's request surface, named by the
-``Requester`` protocol below (bounded concurrency and retries in ``_call``), and is internal.
+Kept apart from ``S3Storage`` so that the backend module holds the storage protocol and its
+read path; everything here reaches the server through the storage's ``S3Transport``
+(``transport``: one request with bounded concurrency and retries), the only surface it uses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Any, Protocol
+from typing import Any
 
 from ...errors import StorageError
+from .transport import S3Error, S3Transport
 
-__all__ = ["Requester", "S3Error", "transient_errors", "gather", "multipart_upload", "probe_conditions"]
-
-
-class S3Error(Exception):
-    """A non-retryable error answer from the server (internal; mapped to typed errors by callers)."""
-
-    def __init__(self, status: int, code: str, message: str, retried: bool) -> None:
-        super().__init__(f"{status} {code}: {message}")
-        self.status, self.code, self.retried = status, code, retried
-
-
-class Requester(Protocol):
-    """What the multipart upload and the probe use of the backend (``S3Storage`` is the one):
-    its bucket, part sizes and bounds, and its request plumbing."""
-
-    url: str
-    bucket: str
-    part_size: int
-    concurrency: int
-    conditional: bool
-
-    def _full(self, key: str) -> str: ...
-
-    def _fail(self, op: str, key: str, e: S3Error) -> StorageError: ...
-
-    async def _call(self, method: str, key: str, **kwargs: Any) -> Any: ...
-
-    async def _abort(self, key: str, uid: str) -> None: ...
-
-    async def _confirm_present(self, key: str, e: S3Error) -> bool: ...
-
-
-def transient_errors() -> tuple[type[BaseException], ...]:
-    """Connection-level failures worth retrying (the server never answered)."""
-    import aiohttp
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import HTTPClientError
-
-    return (BotoConnectionError, HTTPClientError, aiohttp.ClientError, asyncio.TimeoutError)
+__all__ = ["gather", "multipart_upload", "probe_conditions"]
 
 
 async def gather(coros: Any) -> list[Any]:
@@ -68,52 +30,60 @@ async def gather(coros: Any) -> list[Any]:
         raise
 
 
-async def multipart_upload(storage: Requester, key: str, view: memoryview) -> bool:
+async def multipart_upload(transport: S3Transport, key: str, view: memoryview, *, conditional: bool) -> None:
     """Upload ``view`` as concurrent ``part_size`` parts, completed with ``If-None-Match: *``
-    when the server honours it; aborted on any failure. True if this call wrote the object."""
-    full = storage._full(key)
+    when ``conditional`` (the server honours it); aborted on any failure. An answer of 412 to
+    the completion (the object is already there) is raised as the ``S3Error`` for the caller
+    to confirm; any other refusal is a StorageError."""
+    full = transport.key(key)
     try:
-        upload = await storage._call("create_multipart_upload", key, Key=full)
+        upload = await transport.call("create_multipart_upload", key, Key=full)
     except S3Error as e:
-        raise storage._fail("start multipart upload of", key, e) from None
+        raise transport.fail("start multipart upload of", key, e) from None
     uid = upload["UploadId"]
-    parts_in_memory = asyncio.Semaphore(storage.concurrency)  # bounds the copies of part bytes
+    parts_in_memory = asyncio.Semaphore(transport.concurrency)  # bounds the copies of part bytes
 
     async def part(number: int, start: int) -> dict[str, Any]:
         async with parts_in_memory:
-            body = bytes(view[start : start + storage.part_size])
-            r = await storage._call("upload_part", key, Key=full, UploadId=uid, PartNumber=number, Body=body)
+            body = bytes(view[start : start + transport.part_size])
+            r = await transport.call("upload_part", key, Key=full, UploadId=uid, PartNumber=number, Body=body)
         return {"PartNumber": number, "ETag": r["ETag"]}
 
     try:
-        parts = await gather(part(i + 1, s) for i, s in enumerate(range(0, len(view), storage.part_size)))
-        cond = {"IfNoneMatch": "*"} if await storage._conditions() else {}
-        await storage._call(
+        parts = await gather(part(i + 1, s) for i, s in enumerate(range(0, len(view), transport.part_size)))
+        cond = {"IfNoneMatch": "*"} if conditional else {}
+        await transport.call(
             "complete_multipart_upload", key, Key=full, UploadId=uid, MultipartUpload={"Parts": parts}, **cond
         )
-        return True
     except S3Error as e:
-        await storage._abort(key, uid)
+        await _abort(transport, key, uid)
         if e.status == 412:
-            return await storage._confirm_present(key, e)
-        raise storage._fail("multipart upload of", key, e) from None
+            raise
+        raise transport.fail("multipart upload of", key, e) from None
     except BaseException:
-        await storage._abort(key, uid)
+        await _abort(transport, key, uid)
         raise
 
 
-async def probe_conditions(storage: Requester) -> tuple[bool, str]:
+async def _abort(transport: S3Transport, key: str, uid: str) -> None:
+    try:
+        await transport.call("abort_multipart_upload", key, Key=transport.key(key), UploadId=uid)
+    except Exception:
+        pass  # best effort; a bucket lifecycle rule reaps the rest
+
+
+async def probe_conditions(transport: S3Transport) -> tuple[bool, str]:
     """Does the server honour If-None-Match / If-Match on PutObject and If-Match on
     DeleteObject? (ok, reason if not; S3Storage's module docstring says why each matters)."""
     key = f"tmp/probe-{secrets.token_hex(8)}"
-    full = storage._full(key)
+    full = transport.key(key)
     try:
         try:
-            await storage._call("put_object", key, Key=full, Body=b"probe", IfNoneMatch="*")
+            await transport.call("put_object", key, Key=full, Body=b"probe", IfNoneMatch="*")
         except S3Error as e:
             if e.code == "NoSuchBucket":
                 raise StorageError(
-                    f"cannot open store {storage.url}: bucket {storage.bucket!r} does not exist"
+                    f"cannot open store {transport.url}: bucket {transport.bucket!r} does not exist"
                 ) from None
             return False, f"a create-only write (If-None-Match: *) was refused: {e}"
         stale = '"00000000000000000000000000000000"'
@@ -123,7 +93,7 @@ async def probe_conditions(storage: Requester) -> tuple[bool, str]:
             ("a delete with a stale If-Match", "delete_object", {"IfMatch": stale}),
         ):
             try:
-                await storage._call(method, key, Key=full, **cond)
+                await transport.call(method, key, Key=full, **cond)
             except S3Error as e:
                 if e.status == 412:
                     continue
@@ -132,6 +102,6 @@ async def probe_conditions(storage: Requester) -> tuple[bool, str]:
         return True, ""
     finally:
         try:
-            await storage._call("delete_object", key, Key=full)
+            await transport.call("delete_object", key, Key=full)
         except Exception:
             pass  # a stale probe under tmp/ is harmless; gc removes it

@@ -20,18 +20,20 @@ ignores the conditions (older MinIO, some gateways) still stores objects (head, 
 content addressing makes a lost race harmless) but every ref update is refused with a
 StorageError: a compare-and-swap that is not one would silently lose commits.
 
-Retries are ours and bounded: botocore's own retries are off (``total_max_attempts=1``)
-unless the caller configures them, so that a retried conditional write is visible here.
-500/502/503/504, SlowDown, 409 ConditionalRequestConflict and connection errors or
-timeouts are retried with jittered exponential backoff; after the last attempt the
-error is a StorageError naming the key. A ref write whose response was lost and whose
-retry then got 412 is re-read: if the ref holds the new value, the first attempt won.
+Every request goes through the storage's ``S3Transport`` (``transport``), and so do the
+request layer's (``requests``: the multipart upload, the probe). Retries are ours and
+bounded: botocore's own retries are off (``total_max_attempts=1``) unless the caller
+configures them, so that a retried conditional write is visible here. 500/502/503/504,
+SlowDown, 409 ConditionalRequestConflict and connection errors or timeouts are retried
+with jittered exponential backoff; after the last attempt the error is a StorageError
+naming the key. A ref write whose response was lost and whose retry then got 412 is
+re-read: if the ref holds the new value, the first attempt won.
 
-Concurrency is bounded by one semaphore per backend (``concurrency`` requests in flight,
-from any number of threads: every call runs on s3fs's event loop). Objects larger than
-``multipart_threshold`` (default 4 parts) upload as concurrent ``part_size`` parts, and
-objects larger than ``part_size`` download as concurrent ranged GETs (``concurrency`` ranges
-ahead of the one being handled). Downloads are hashed as they stream: ranges are hashed
+Concurrency is bounded by one semaphore per backend (the transport's: ``concurrency``
+requests in flight, from any number of threads: every call runs on s3fs's event loop).
+Objects larger than ``multipart_threshold`` (default 4 parts) upload as concurrent
+``part_size`` parts, and objects larger than ``part_size`` download as concurrent ranged
+GETs (``concurrency`` ranges ahead of the one being handled). Downloads are hashed as they stream: ranges are hashed
 in order as they arrive, so verifying a download costs no second pass; ``read_into``
 lands the ranges straight in the caller's buffer (a tensor on restore) and
 ``hash_object`` (deep verify) holds at most ``concurrency`` + 1 ranges of an object at once.
@@ -41,23 +43,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import random
 import re
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
-import fsspec.asyn
-
-from ...errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError, StorageOptionError
+from ...errors import ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from ...format.names import check_key
 from ..base import Buffer
-from .requests import S3Error as _S3Error
-from .requests import multipart_upload, probe_conditions, transient_errors
+from .requests import multipart_upload, probe_conditions
+from .transport import S3Error, S3Transport
 
 __all__ = ["S3Storage", "DEFAULT_PART_SIZE", "DEFAULT_CONCURRENCY", "DEFAULT_ATTEMPTS"]
-
-T = TypeVar("T")
 
 DEFAULT_PART_SIZE = 8 * 1024 * 1024
 DEFAULT_CONCURRENCY = 16
@@ -67,10 +64,6 @@ _OFFLOAD_BYTES = 1 << 20
 _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
 #: CopyObject's limit; larger objects cannot be refreshed by copying them onto themselves.
 _MAX_COPY_BYTES = 5 * 1024**3
-_RETRY_STATUS = frozenset({500, 502, 503, 504})
-_RETRY_CODES = frozenset(
-    {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"}
-)
 
 
 def _show(value: bytes | None) -> str:
@@ -111,22 +104,23 @@ class S3Storage:
             raise StorageError(f"not an S3 store URL: {url!r}: {self.bucket!r} is not a valid bucket name")
         self.prefix = "/".join(check_key(prefix.strip("/")).split("/")) if prefix.strip("/") else ""
         self.multipart_threshold = 4 * part_size if multipart_threshold is None else max(part_size, multipart_threshold)
-        self.part_size, self.concurrency, self.attempts, self.backoff = (
-            part_size,
-            max(1, concurrency),
-            max(1, attempts),
-            backoff,
-        )
+        self.part_size, self.concurrency = part_size, max(1, concurrency)
         options = dict(storage_options)
         config = dict(options.pop("config_kwargs", None) or {})
         config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
         options["config_kwargs"] = config
         self.fs = s3fs.S3FileSystem(**options)
-        self._sem: asyncio.Semaphore | None = None
-        self._transient = transient_errors()
-        from botocore.exceptions import BotoCoreError
-
-        self._client_side: type[BaseException] = BotoCoreError
+        # every request to the server goes through it, the request layer's too
+        self.transport = S3Transport(
+            self.fs,
+            url=self.url,
+            bucket=self.bucket,
+            prefix=self.prefix,
+            part_size=self.part_size,
+            concurrency=self.concurrency,
+            attempts=max(1, attempts),
+            backoff=backoff,
+        )
         self.conditional_reason = ""
         self._conditional = conditional  # None: not probed yet (the first write probes)
 
@@ -137,7 +131,7 @@ class S3Storage:
     def conditional(self) -> bool:
         """Whether the server honours the request conditions (probed on first use; see module docstring)."""
         if self._conditional is None:
-            self._run(self._conditions)
+            self.transport.run(self._conditions)
         return bool(self._conditional)
 
     @conditional.setter
@@ -147,115 +141,52 @@ class S3Storage:
     async def _conditions(self) -> bool:
         """``conditional``, probed when a write first needs it (reads never probe: read-only credentials work)."""
         if self._conditional is None:
-            ok, reason = await probe_conditions(self)
+            ok, reason = await probe_conditions(self.transport)
             if self._conditional is None:  # two writers may probe at once: the first answer stands
                 self._conditional, self.conditional_reason = ok, reason
         return bool(self._conditional)
 
-    # -- plumbing ----------------------------------------------------------------------
-
-    def _full(self, key: str) -> str:
-        key = check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        return fsspec.asyn.sync(self.fs.loop, fn, *args)
-
-    def _fail(self, op: str, key: str, e: _S3Error) -> StorageError:
-        return StorageError(f"{op} {key!r} in store {self.url}: server answered {e}")
-
-    async def _client(self) -> Any:
-        """s3fs's botocore client, made on first use; a client that cannot be made from the
-        options (a profile that does not exist, a ``config_kwargs`` botocore refuses) is a
-        StorageOptionError, not a traceback from inside aiobotocore."""
-        try:
-            return await self.fs.set_session()
-        except (self._client_side, ValueError, TypeError) as e:
-            text = " ".join(str(e).split())
-            raise StorageOptionError(
-                f"cannot open store {self.url!r}: no S3 client can be made from its storage options: "
-                f"{type(e).__name__}: {text}"
-            ) from None
-
-    async def _call(self, method: str, key: str, **kwargs: Any) -> Any:
-        """One request with bounded retries of transient failures. ``get_object`` returns (response, body)."""
-        if self._sem is None:  # created on the loop thread, the only thread that touches it
-            self._sem = asyncio.Semaphore(self.concurrency)
-        client = await self._client()
-        last: BaseException | None = None
-        for attempt in range(self.attempts):
-            if attempt:
-                await asyncio.sleep(self.backoff * (2 ** (attempt - 1)) * (0.5 + random.random()))
-            try:
-                async with self._sem:
-                    resp = await getattr(client, method)(Bucket=self.bucket, **kwargs)
-                    if method == "get_object":
-                        try:
-                            return resp, await resp["Body"].read()
-                        finally:
-                            resp["Body"].close()
-                    return resp
-            except self._transient as e:
-                last = e
-            except Exception as e:
-                answer = getattr(e, "response", None)
-                if not isinstance(answer, dict):
-                    if isinstance(e, self._client_side):  # no credentials, an invalid bucket name...
-                        text = " ".join(str(e).split())  # one line: botocore's messages span several
-                        raise StorageError(
-                            f"{method} {key!r} in store {self.url}: {type(e).__name__}: {text}"
-                        ) from None
-                    raise
-                err = answer.get("Error", {})
-                status = int(answer.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-                code = str(err.get("Code", status))
-                if status in _RETRY_STATUS or code in _RETRY_CODES:
-                    last = e
-                    continue
-                raise _S3Error(status, code, str(err.get("Message", "")), attempt > 0) from None
-        raise StorageError(f"{method} {key!r} in store {self.url} failed after {self.attempts} attempts: {last}")
-
     async def _head(self, key: str) -> dict[str, Any] | None:
         try:
-            return await self._call("head_object", key, Key=self._full(key))
-        except _S3Error as e:
+            return await self.transport.call("head_object", key, Key=self.transport.key(key))
+        except S3Error as e:
             if e.status == 404:
                 return None
-            raise self._fail("stat", key, e) from None
+            raise self.transport.fail("stat", key, e) from None
 
     async def _get_or_none(self, key: str) -> tuple[dict[str, Any], bytes] | None:
         try:
-            return await self._call("get_object", key, Key=self._full(key))
-        except _S3Error as e:
+            return await self.transport.call("get_object", key, Key=self.transport.key(key))
+        except S3Error as e:
             if e.status == 404:
                 return None
-            raise self._fail("read", key, e) from None
+            raise self.transport.fail("read", key, e) from None
 
     # -- Storage protocol --------------------------------------------------------------
 
     def read(self, key: str, limit: int | None = None) -> Buffer:
-        return self._run(self._read, key, None, limit)
+        return self.transport.run(self._read, key, None, limit)
 
     def read_hashed(self, key: str, hasher: Callable[[], Any], limit: int | None = None) -> tuple[Buffer, str]:
         """The bytes at ``key`` and their digest, hashed range by range as the ranges arrive
         (in order, off the event loop) rather than in a second pass over the whole object.
         ``limit``: ObjectTooLarge if the server reports more bytes, before allocating them."""
         h = hasher()
-        data = self._run(self._read, key, h.update, limit)
+        data = self.transport.run(self._read, key, h.update, limit)
         return data, h.hexdigest()
 
     def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
         """(hex digest, size) of the object at ``key``, streamed: at most ``concurrency`` + 1
         ranges are held at once, never the whole object."""
         h = hasher()
-        total = self._run(self._stream, key, None, h.update)
+        total = self.transport.run(self._stream, key, None, h.update)
         return h.hexdigest(), total
 
     def read_into(self, key: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int:
         """Download the object at ``key`` straight into ``out`` when its size is exactly
         ``len(out)``, calling ``consume`` on each range in order as it lands. Returns the
         object's size; when that differs from ``len(out)`` only the first range is fetched."""
-        return self._run(self._stream, key, out, consume)
+        return self.transport.run(self._stream, key, out, consume)
 
     async def _read(self, key: str, consume: Callable[[memoryview], None] | None, limit: int | None = None) -> Buffer:
         buf: bytearray | None = None
@@ -291,16 +222,16 @@ class S3Storage:
         overwrite of the key (only a ref can be overwritten) fails the read instead of
         mixing versions. Returns the object's size.
         """
-        full = self._full(key)
+        full = self.transport.key(key)
         try:
-            resp, first = await self._call("get_object", key, Key=full, Range=f"bytes=0-{self.part_size - 1}")
-        except _S3Error as e:
+            resp, first = await self.transport.call("get_object", key, Key=full, Range=f"bytes=0-{self.part_size - 1}")
+        except S3Error as e:
             if e.status == 404:
                 raise ObjectNotFound(f"{key} is missing from store {self.url}") from None
             if e.status == 416:  # a range of an empty object
                 resp, first = {}, b""
             else:
-                raise self._fail("read", key, e) from None
+                raise self.transport.fail("read", key, e) from None
         rng = str(resp.get("ContentRange") or "")
         status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         if "/" in rng:
@@ -320,9 +251,11 @@ class S3Storage:
         async def part(start: int) -> memoryview:
             end = min(start + self.part_size, total)
             try:
-                _, data = await self._call("get_object", key, Key=full, Range=f"bytes={start}-{end - 1}", **conditions)
-            except _S3Error as e:
-                raise self._fail("read", key, e) from None
+                _, data = await self.transport.call(
+                    "get_object", key, Key=full, Range=f"bytes={start}-{end - 1}", **conditions
+                )
+            except S3Error as e:
+                raise self.transport.fail("read", key, e) from None
             if len(data) != end - start:
                 raise StorageError(
                     f"read {key!r} in store {self.url}: range {start}-{end - 1} returned {len(data)} bytes"
@@ -366,18 +299,18 @@ class S3Storage:
         return total
 
     def size(self, key: str) -> int | None:
-        head = self._run(self._head, key)
+        head = self.transport.run(self._head, key)
         return None if head is None else int(head["ContentLength"])
 
     def exists(self, key: str) -> bool:
-        return self._run(self._head, key) is not None
+        return self.transport.run(self._head, key) is not None
 
     def mtime(self, key: str) -> float | None:
-        head = self._run(self._head, key)
+        head = self.transport.run(self._head, key)
         return None if head is None else float(head["LastModified"].timestamp())
 
     def touch(self, key: str) -> int | None:
-        return self._run(self._touch, key)
+        return self.transport.run(self._touch, key)
 
     async def _touch(self, key: str) -> int | None:
         head = await self._head(key)
@@ -389,67 +322,61 @@ class S3Storage:
     async def _refresh(self, key: str, size: int) -> bool:
         """Make ``LastModified`` now by copying the object onto itself (server side, no bytes
         move here); False if it vanished meanwhile. CopyObject stops at 5 GiB: a larger object
-        keeps its time (SPEC.md §19a states the residual race)."""
+        keeps its time (SPEC.md §19.1 states the residual race)."""
         if size > _MAX_COPY_BYTES:
             return True
-        source = {"Bucket": self.bucket, "Key": self._full(key)}
+        source = {"Bucket": self.bucket, "Key": self.transport.key(key)}
         try:
-            await self._call("copy_object", key, Key=self._full(key), CopySource=source, MetadataDirective="REPLACE")
-        except _S3Error as e:
+            await self.transport.call(
+                "copy_object", key, Key=self.transport.key(key), CopySource=source, MetadataDirective="REPLACE"
+            )
+        except S3Error as e:
             if e.status == 404:
                 return False
-            raise self._fail("refresh", key, e) from None
+            raise self.transport.fail("refresh", key, e) from None
         return True
 
     def write_once(self, key: str, data: Buffer) -> bool:
-        return self._run(self._write_once, key, data)
+        return self.transport.run(self._write_once, key, data)
 
     async def _write_once(self, key: str, data: Buffer) -> bool:
-        full = self._full(key)
+        full = self.transport.key(key)
         view = memoryview(data).cast("B")
         multipart = len(view) > self.multipart_threshold
         conditional = await self._conditions()
         # A multipart upload can only fail its condition after every part is sent: look first.
         if (multipart or not conditional) and await self._touch(key) is not None:
             return False
-        if multipart:
-            return await self._multipart(key, view)
         cond = {"IfNoneMatch": "*"} if conditional else {}
         try:
-            await self._call("put_object", key, Key=full, Body=bytes(view), **cond)
-        except _S3Error as e:
+            if multipart:
+                await multipart_upload(self.transport, key, view, conditional=conditional)
+            else:
+                await self.transport.call("put_object", key, Key=full, Body=bytes(view), **cond)
+        except S3Error as e:  # multipart_upload raises only a 412 as one
             if e.status == 412:
                 return await self._confirm_present(key, e)
-            raise self._fail("write", key, e) from None
+            raise self.transport.fail("write", key, e) from None
         return True
 
-    async def _confirm_present(self, key: str, e: _S3Error) -> bool:
+    async def _confirm_present(self, key: str, e: S3Error) -> bool:
         """A create-only write answered 412 ("already there"): believe it only after a HEAD
         finds the object, since a commit naming an object the server never stored would be
         acknowledged with a hole in it; then refresh it, as every writer relying on a present
-        object does (SPEC.md §19a)."""
+        object does (SPEC.md §19.1)."""
         try:
-            head = await self._call("head_object", key, Key=self._full(key))
-        except _S3Error as h:
+            head = await self.transport.call("head_object", key, Key=self.transport.key(key))
+        except S3Error as h:
             if h.status != 404:
-                raise self._fail("stat", key, h) from None
+                raise self.transport.fail("stat", key, h) from None
             raise StorageError(
                 f"write {key!r} in store {self.url}: the server answered {e} but holds no such object"
             ) from None
         await self._refresh(key, int(head["ContentLength"]))
         return False  # already there; same name, same bytes
 
-    async def _multipart(self, key: str, view: memoryview) -> bool:
-        return await multipart_upload(self, key, view)
-
-    async def _abort(self, key: str, uid: str) -> None:
-        try:
-            await self._call("abort_multipart_upload", key, Key=self._full(key), UploadId=uid)
-        except Exception:
-            pass  # best effort; a bucket lifecycle rule reaps the rest
-
     def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
-        self._run(self._swap, key, expected, new)
+        self.transport.run(self._swap, key, expected, new)
 
     async def _swap(self, key: str, expected: bytes | None, new: bytes) -> None:
         if not await self._conditions():
@@ -466,10 +393,10 @@ class S3Storage:
                 raise RefConflict(f"{key}: expected {_show(expected)}, found {_show(current)}")
             cond = {"IfMatch": got[0]["ETag"]}
         try:
-            await self._call("put_object", key, Key=self._full(key), Body=bytes(new), **cond)
-        except _S3Error as e:
+            await self.transport.call("put_object", key, Key=self.transport.key(key), Body=bytes(new), **cond)
+        except S3Error as e:
             if e.status not in (404, 412):
-                raise self._fail("update", key, e) from None
+                raise self.transport.fail("update", key, e) from None
             got = await self._get_or_none(key)
             now = None if got is None else got[1]
             if e.retried and now == new:
@@ -479,10 +406,10 @@ class S3Storage:
             ) from None
 
     def delete(self, key: str) -> None:
-        self._run(self._delete, key)
+        self.transport.run(self._delete, key)
 
     def delete_if(self, key: str, expected: bytes) -> None:
-        self._run(self._delete_if, key, expected)
+        self.transport.run(self._delete_if, key, expected)
 
     async def _delete_if(self, key: str, expected: bytes) -> None:
         """Read the value and its ETag, then ``DeleteObject`` with ``If-Match: <etag>``."""
@@ -496,34 +423,34 @@ class S3Storage:
         if got is None or current != expected:
             raise RefConflict(f"{key}: expected {_show(expected)}, found {_show(current)}")
         try:
-            await self._call("delete_object", key, Key=self._full(key), IfMatch=got[0]["ETag"])
-        except _S3Error as e:
+            await self.transport.call("delete_object", key, Key=self.transport.key(key), IfMatch=got[0]["ETag"])
+        except S3Error as e:
             if e.status not in (404, 412):
-                raise self._fail("delete", key, e) from None
+                raise self.transport.fail("delete", key, e) from None
             if e.retried and e.status == 404:
                 return  # our earlier attempt landed; its answer was lost
             raise RefConflict(f"{key}: conditional delete lost in {self.url}: it changed since it was read") from None
 
     async def _delete(self, key: str) -> None:
         try:
-            await self._call("delete_object", key, Key=self._full(key))
-        except _S3Error as e:
+            await self.transport.call("delete_object", key, Key=self.transport.key(key))
+        except S3Error as e:
             if e.status != 404:
-                raise self._fail("delete", key, e) from None
+                raise self.transport.fail("delete", key, e) from None
 
     def list(self, prefix: str) -> Iterator[str]:
-        return iter(self._run(self._list, prefix))
+        return iter(self.transport.run(self._list, prefix))
 
     async def _list(self, prefix: str) -> list[str]:
-        base = self._full(prefix) + "/"
+        base = self.transport.key(prefix) + "/"
         skip = len(self.prefix) + 1 if self.prefix else 0
         keys: list[str] = []
         token: dict[str, str] = {}
         while True:
             try:
-                page = await self._call("list_objects_v2", prefix, Prefix=base, **token)
-            except _S3Error as e:
-                raise self._fail("list", prefix, e) from None
+                page = await self.transport.call("list_objects_v2", prefix, Prefix=base, **token)
+            except S3Error as e:
+                raise self.transport.fail("list", prefix, e) from None
             keys.extend(o["Key"][skip:] for o in page.get("Contents", []))
             if not page.get("IsTruncated"):
                 return sorted(keys)

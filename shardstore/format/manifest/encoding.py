@@ -56,7 +56,7 @@ def encode(obj: Base) -> bytes:
 
 def check_writable(data: bytes, what: str) -> bytes:
     """``data`` if a reader will accept its size; else ObjectTooLarge, so that a writer refuses
-    before writing what it (and every reader) could never read back (SPEC.md §Limits, §15a)."""
+    before writing what it (and every reader) could never read back (SPEC.md §Limits, §15.1)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise ObjectTooLarge(
             f"{what}: {len(data):,} bytes, over the {MAX_MANIFEST_BYTES:,}-byte limit every reader enforces "

@@ -98,7 +98,7 @@ def banded(version: int) -> bool:
     return version < TILE_VERSION
 
 
-#: The commit-wide extra holding a state dict's tree (SPEC.md §9f): its document is read by the tree's grammar.
+#: The commit-wide extra holding a state dict's tree (SPEC.md §9.6): its document is read by the tree's grammar.
 TREE_KEY = "state_dict"
 
 

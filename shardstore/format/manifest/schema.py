@@ -65,7 +65,8 @@ StateKey = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")]
 Real = Annotated[str, Meta(pattern=r"^f64:[0-9a-f]{16}$")]
 HyperScalar = Union[bool, int, str, None]  # a str starting "f64:" is a real (SPEC.md §Canonical encoding)
 HyperValue = Union[bool, int, str, None, tuple[HyperScalar, ...]]
-RngKind = Annotated[str, Meta(pattern=r"^(python|numpy|torch|cuda:[0-9]{1,4})$")]
+#: An RNG kind; a CUDA device's number in decimal without leading zeros, as writers write it (one spelling per kind).
+RngKind = Annotated[str, Meta(pattern=r"^(python|numpy|torch|cuda:(0|[1-9][0-9]{0,3}))$")]
 
 
 class Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
