@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     bad = [b for run in runs for b in check(run)]
     fits, fit_rows = dcp_fixed(runs, args.dcp_block * MIB)
-    lines = head(args, (load0, db.load()), time.time() - started) + measured_table(runs)
+    lines = head(args, argv, (load0, db.load()), time.time() - started) + measured_table(runs)
     lines += ["", "DCP's save beyond its data files (s3fs at the measured block size): " + "; ".join(fit_rows)
               + ". Fitted a + b N per method: " + ", ".join(f"{m} {a:.1f} + {b:.2f} N" for m, (a, b) in fits.items() if a or b), ""]  # fmt: skip
     if not args.skip_sim:
@@ -499,12 +499,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def head(args: argparse.Namespace, loads: tuple[str, str], wall: float) -> list[str]:
+def command_options(argv: list[str] | None) -> list[str]:
+    """The options a run was given, less ``--results`` and its file (where the block goes, not
+    what was measured), so that a block records the command that made it."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    out, skip = [], False
+    for a in given:
+        if skip:
+            skip = False
+        elif a == "--results":
+            skip = True
+        elif not a.startswith("--results="):
+            out.append(a)
+    return out
+
+
+def head(args: argparse.Namespace, argv: list[str] | None, loads: tuple[str, str], wall: float) -> list[str]:
     import moto
     import s3fs
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    cmd = "python benchmarks/bench_s3_requests.py" + (" --quick" if args.quick else "")
+    cmd = " ".join(["python benchmarks/bench_s3_requests.py", *command_options(argv)])
     return [
         f"`{cmd}`",
         "",
