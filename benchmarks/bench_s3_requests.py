@@ -43,7 +43,8 @@ GET/HEAD. "S3 floor" is the fewest seconds those rates allow, for one partition 
 prefix before S3 has split it) and for 256 (objects/00 … objects/ff, each its own partition),
 never below what the hottest key takes alone (a key is never split).
 
-    python benchmarks/bench_s3_requests.py [--results benchmarks/RESULTS.md]   # ~25 min on 2 busy cores
+    python benchmarks/bench_s3_requests.py [--results benchmarks/RESULTS.md]   # over 26 min on 2 busy cores
+    python benchmarks/bench_s3_requests.py --models 405B                       # 30 min at load 12-25
     python benchmarks/bench_s3_requests.py --quick                             # 2 ranks, 8B at 64 ranks
 """
 
