@@ -52,7 +52,10 @@ __all__ = [
     "RecordingStorage",
     "CountingServer",
     "mark",
+    "retried",
+    "watch_lost",
     "s3fs_write",
+    "s3fs_file",
     "dcp_writes",
     "SAVE_OVERHEAD",
     "floor_seconds",
@@ -281,15 +284,17 @@ def _method(environ: dict[str, Any]) -> str:
 
 class CountingServer:
     """moto's S3 server on 127.0.0.1 behind a WSGI layer that tallies each request it answers
-    (method as S3's rate classes count it, key under the bucket, phase). A worker names the
-    phase with ``mark(endpoint, name)`` (a POST to ``/__phase__/<name>``, answered here)."""
+    (method as S3's rate classes count it, key under the bucket, phase), and each answer's
+    status (``status``: (phase, method, status) -> answers). A worker names the phase with
+    ``mark(endpoint, name)`` (a POST to ``/__phase__/<name>``, answered here)."""
 
     def __init__(self, bucket: str) -> None:
         from moto.server import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-        self.bucket, self.tally, self.status = bucket, Tally(), Counter[tuple[str, int]]()
+        # a line per request otherwise, and a traceback for each 500 (counted in ``status``)
+        logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
+        self.bucket, self.tally, self.status = bucket, Tally(), Counter[tuple[str, str, int]]()
         app = DomainDispatcherApplication(create_backend_app)
         self._server = make_server("127.0.0.1", 0, self._wrap(app), threaded=True)
         host, port = self._server.server_address[:2]
@@ -308,18 +313,49 @@ class CountingServer:
             parts = path.lstrip("/").split("/", 1)
             key = parts[1] if len(parts) == 2 and parts[0] == self.bucket else ""
 
+            phase = self.tally.phase
+
             def start(status: str, headers: list, *rest: Any) -> Any:
-                self.status[(method, int(status.split()[0]))] += 1
+                self.status[(phase, method, int(status.split()[0]))] += 1
                 return start_response(status, headers, *rest)
 
-            self.tally.add(key, Counter({method: 1}))
-            return app(environ, start)
+            self.tally.add(key, Counter({method: 1}), phase)
+            try:
+                return app(environ, start)
+            except Exception:  # werkzeug answers 500 itself (moto's in-memory backend is not safe
+                self.status[(phase, method, 500)] += 1  # under concurrent writes to one key)
+                raise
 
         return counted
 
     def stop(self) -> None:
         self._server.shutdown()
         self._thread.join()
+
+
+def retried(status: Counter[tuple[str, str, int]], phase: str) -> Counter[str]:
+    """Answers in ``phase`` that S3Storage retries (a server error, or 409 ConditionalRequestConflict;
+    the save or restore went on, so each was retried), by method."""
+    return Counter({m: n for (p, m, code), n in status.items() if p == phase and (code >= 500 or code == 409)})
+
+
+#: botocore's operation names as S3's rate classes count them.
+_OPERATIONS = {"PutObject": "PUT", "UploadPart": "PUT", "CopyObject": "COPY", "UploadPartCopy": "COPY",
+               "CreateMultipartUpload": "POST", "CompleteMultipartUpload": "POST", "DeleteObjects": "POST",
+               "DeleteObject": "DELETE", "AbortMultipartUpload": "DELETE", "GetObject": "GET", "HeadObject": "HEAD",
+               "ListObjectsV2": "LIST"}  # fmt: skip
+
+
+def watch_lost(client: Any, tally: Tally) -> None:
+    """Tally under ``tally.phase`` each request of ``client`` (botocore's) that ended without an
+    answer (a connection error, a timeout: botocore's ``after-call-error`` event). S3Storage
+    retries them; the server may have answered the lost one, so it can count it twice."""
+
+    def lost(event_name: str = "", **_kw: Any) -> None:
+        op = event_name.rsplit(".", 1)[-1]
+        tally.add("", Counter({_OPERATIONS.get(op, op): 1}))
+
+    client.meta.events.register("after-call-error.s3", lost)
 
 
 def mark(endpoint: str, phase: str) -> None:
@@ -342,6 +378,13 @@ def s3fs_write(writes: list[int], block: int) -> Counter[str]:
     if parts == 0:
         return Counter(PUT=1)
     return Counter(POST=2, PUT=parts + (1 if buffered else 0))
+
+
+def s3fs_file(size: int, block: int) -> Counter[str]:
+    """``s3fs_write`` of a file written in writes much smaller than ``block`` (DCP's items at scale)."""
+    if size < block:
+        return Counter(PUT=1)
+    return Counter(POST=2, PUT=math.ceil(size / block))
 
 
 def dcp_writes(chunks: list[int]) -> list[int]:

@@ -12,18 +12,22 @@ per rank (as ``bench_scale_sim.rank_rng``). Phases, every rank, each between bar
 
 - open: ``open_storage`` and ``Store`` (the config read) and the probe of the server's request
   conditions (once per process, at its first write);
-- commit 1 and commit 2: ``save_distributed`` (RNG included, its default), the second after
-  every local value changed (a step's worth of new blocks, the ref moved from commit 1);
-- restore: ``agree_on_commit`` + ``restore`` of commit 2 into the same state under FSDP2 alone
+- commit 1, 2 and 3: ``save_distributed`` (RNG included, its default); the second after every
+  local value changed (a step's worth of new blocks, the ref moved from commit 1), the third
+  with nothing changed (every object already there: frozen tensors' cost);
+- restore: ``agree_on_commit`` + ``restore`` of commit 3 into the same state under FSDP2 alone
   over all N ranks (dp only, as the simulation restores), checked value for value;
 - dcp save and dcp load: ``dcp.save`` through ``FsspecWriter`` (s3fs, block size ``--dcp-block``
-  MiB so that files go multipart at this size) and ``dcp.load`` through ``FsspecReader`` into the
-  same dp-only state, checked.
+  MiB, s3fs's default 50) and ``dcp.load`` through ``FsspecReader`` into the same dp-only state,
+  checked.
 
 Each rank's store sits on a ``RecordingStorage``, which tallies every storage call as the
 requests ``_s3_requests.requests_for`` says S3Storage sends for it. The run fails unless the
 server's count equals that prediction, method by method in every shardstore phase: the rule the
-extrapolation applies to storage calls it cannot send is the one the server confirmed.
+extrapolation applies to storage calls it cannot send is the one the server confirmed. Retries
+are counted apart: moto's in-memory backend fails some concurrent CopyObject calls onto one key
+(the copy that refreshes an object every rank writes) with a 500, which S3Storage retries; and
+requests whose answer the client lost (botocore's ``after-call-error``), which it retries too.
 
 **Extrapolated** (``--models``, ``--sizes``; ``--skip-sim`` leaves it out): ``bench_scale_sim``'s
 simulated commit of each model at each N (its real write_shard, write_commit, ref move behind the
@@ -39,7 +43,8 @@ GET/HEAD. "S3 floor" is the fewest seconds those rates allow, for one partition 
 prefix before S3 has split it) and for 256 (objects/00 … objects/ff, each its own partition),
 never below what the hottest key takes alone (a key is never split).
 
-    python benchmarks/bench_s3_requests.py [--results benchmarks/RESULTS.md]   # ~25 min on 2 busy cores
+    python benchmarks/bench_s3_requests.py [--results benchmarks/RESULTS.md]   # over 26 min on 2 busy cores
+    python benchmarks/bench_s3_requests.py --models 405B                       # 30 min at load 12-25
     python benchmarks/bench_s3_requests.py --quick                             # 2 ranks, 8B at 64 ranks
 """
 
@@ -60,6 +65,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import fsspec.asyn
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -76,7 +82,10 @@ from _s3_requests import (  # noqa: E402
     dcp_writes,
     floor_seconds,
     mark,
+    retried,
+    s3fs_file,
     s3fs_write,
+    watch_lost,
 )
 
 import shardstore as ss  # noqa: E402
@@ -85,12 +94,13 @@ from shardstore.backends.location import open_storage  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_s3_requests:begin -->", "<!-- bench_s3_requests:end -->"
 SECTION = "## The S3 request budget: a commit and a restore, measured on moto and extrapolated to 16,384 ranks (bench_s3_requests)"
-BUCKET = "budget"
+BUCKET = "budget-{}"  # one per measured run: moto's backend is one per process, and blocks are the same at any N
 KEY = "budget"
-SS_PHASES = ("open", "commit 1", "commit 2", "restore")
+SS_PHASES = ("open", "commit 1", "commit 2", "commit 3", "restore")
 DCP_PHASES = ("dcp save", "dcp load")
 METHODS = (*WRITE, *READ)
 MIB = 1 << 20
+BLOCK = 50 * MIB  # s3fs's default block size: its multipart part size and read-ahead
 INTERVAL = 600  # seconds: the checkpoint interval the issue asks about
 
 
@@ -151,19 +161,20 @@ def worker(rank: int, port: int, world: int, endpoint: str, args: argparse.Names
         model, opt = build("2d", args.hidden, args.layers, mesh2d, line)
         dest, dest_opt = build("fsdp", args.hidden, args.layers, mesh2d, line)
         (want,) = db.fill((model, opt), [(dest, dest_opt)])
-        tally = Tally()
+        tally, lost = Tally(), Tally()
 
         def phase(name: str) -> None:
             dist.barrier()
-            tally.phase = name
+            tally.phase = lost.phase = name
             if rank == 0:
                 mark(endpoint, name)
             dist.barrier()
 
         phase("open")
-        storage = RecordingStorage(open_storage(f"s3://{BUCKET}/ss", **opts), tally)
+        storage = RecordingStorage(open_storage(f"s3://{BUCKET.format(world)}/ss", **opts), tally)
         store = ss.Store(storage, create=False)
         assert storage.conditional, storage.inner.conditional_reason
+        watch_lost(fsspec.asyn.sync(storage.inner.fs.loop, storage.inner.fs.set_session), lost)
         phase("commit 1")
         ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=1))
         with torch.no_grad():  # a step's worth of change: every local value
@@ -172,6 +183,9 @@ def worker(rank: int, port: int, world: int, endpoint: str, args: argparse.Names
         want = [w + 1.0 for w in want]
         phase("commit 2")
         cid = ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2))
+        phase("commit 3")  # nothing changed: every object is already there
+        assert ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2)) != cid  # a new commit (its parent)
+        cid = store.ref("main")
         db.zero(dest, dest_opt)
         phase("restore")
         assert ss.agree_on_commit(store, "main") == cid
@@ -180,7 +194,7 @@ def worker(rank: int, port: int, world: int, endpoint: str, args: argparse.Names
         bad = db.mismatches(dest, dest_opt, [w for w in want])
         if bad:
             raise SystemExit(f"rank {rank}: shardstore's restore differs in {bad[:5]}")
-        dcp_url = f"s3://{BUCKET}/dcp"
+        dcp_url = f"s3://{BUCKET.format(world)}/dcp"
         block = {"default_block_size": args.dcp_block * MIB}
         msd, osd = get_state_dict(model, opt)
         chunks = [t.numel() * t.element_size() for t in _tensors({"model": msd, "optim": osd})]  # this rank's items
@@ -197,7 +211,9 @@ def worker(rank: int, port: int, world: int, endpoint: str, args: argparse.Names
         if bad:
             raise SystemExit(f"rank {rank}: dcp.load differs in {bad[:5]}")
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"tally": tally.to_json(), "share": db.share(model, opt), "chunks": chunks}, f)
+            json.dump(
+                {"tally": tally.to_json(), "lost": lost.to_json(), "share": db.share(model, opt), "chunks": chunks}, f
+            )
         dist.barrier()
 
 
@@ -217,7 +233,8 @@ def measure(world: int, args: argparse.Namespace, work: str) -> dict[str, Any]:
     objects each prefix holds at the end and their sizes."""
     import boto3
 
-    server = CountingServer(BUCKET)
+    bucket = BUCKET.format(world)
+    server = CountingServer(bucket)
     try:
         client = boto3.client(
             "s3",
@@ -226,51 +243,63 @@ def measure(world: int, args: argparse.Namespace, work: str) -> dict[str, Any]:
             aws_secret_access_key=KEY,
             region_name="us-east-1",
         )
-        client.create_bucket(Bucket=BUCKET)
-        ss.Store(open_storage(f"s3://{BUCKET}/ss", **options(server.endpoint)))  # the store exists before the job
+        client.create_bucket(Bucket=bucket)
+        ss.Store(open_storage(f"s3://{bucket}/ss", **options(server.endpoint)))  # the store exists before the job
         out = os.path.join(work, f"rank-{world}")
         mark(server.endpoint, "setup")
         db.spawn(worker, world, (world, server.endpoint, args, out))
         mark(server.endpoint, "after")
-        predicted = Tally()
+        predicted, lost = Tally(), Tally()
         shares, chunks = [], []
         for r in range(world):
             doc = json.load(open(f"{out}.{r}"))
             predicted.merge(Tally.from_json(doc["tally"]))
+            lost.merge(Tally.from_json(doc["lost"]))
             shares.append(doc["share"])
             chunks.append(doc["chunks"])
         listed: dict[str, list[int]] = {}
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
             for o in page.get("Contents", []):
                 listed.setdefault(o["Key"].split("/", 1)[0], []).append(o["Size"])
         dcp_files = [
             o["Size"]
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="dcp/")
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="dcp/")
             for o in page.get("Contents", [])
             if o["Key"].endswith(".distcp")
         ]
-        return {"world": world, "server": server.tally, "predicted": predicted, "listed": listed,
+        return {"world": world, "server": server.tally, "status": server.status, "predicted": predicted, "lost": lost, "listed": listed,
                 "dcp_files": dcp_files, "shares": shares, "chunks": chunks}  # fmt: skip
     finally:
         server.stop()
 
 
+def agrees(run: dict[str, Any], phase: str) -> bool:
+    """The server's count in ``phase``, less its error answers (S3Storage retried them), is the
+    prediction, or above it by no more than the requests whose answer the client lost (retried
+    too; the server may or may not have seen the lost attempt), method by method."""
+    got = run["server"].methods(phase)
+    got.subtract(retried(run["status"], phase))
+    want, slack = run["predicted"].methods(phase), run["lost"].methods(phase)
+    return all(want[m] <= got[m] <= want[m] + slack[m] for m in METHODS) and not [m for m in got if m not in METHODS]
+
+
 def check(run: dict[str, Any]) -> list[str]:
     """Where the server's count differs from the storage calls' prediction (shardstore's phases)."""
-    server: Tally = run["server"]
-    predicted: Tally = run["predicted"]
-    bad = []
-    for phase in SS_PHASES:
-        a, b = server.methods(phase), predicted.methods(phase)
-        if a != b:
-            bad.append(f"{run['world']} ranks, {phase}: server {dict(a)}, predicted {dict(b)}")
-    return bad
+    return [
+        f"{run['world']} ranks, {phase}: server {dict(run['server'].methods(phase))} (error answers "
+        f"{dict(retried(run['status'], phase))}, answers lost {dict(run['lost'].methods(phase))}), "
+        f"predicted {dict(run['predicted'].methods(phase))}; answers by status "
+        f"{sorted((m, c, n) for (p, m, c), n in run['status'].items() if p == phase)}"
+        for phase in SS_PHASES
+        if not agrees(run, phase)
+    ]
 
 
 def measured_table(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "**Measured** (moto on 127.0.0.1; requests the server answered, summed over ranks; "
-        '"= storage calls": the same count, method by method, as the prediction from each rank\'s storage calls)',
+        '"= storage calls": the same count, method by method, as the prediction from each rank\'s storage calls, '
+        "less the server's error answers and the requests whose answer the client lost, which S3Storage retried, counted apart)",
         "",
         "| N | phase | "
         + " | ".join(METHODS)
@@ -283,14 +312,15 @@ def measured_table(runs: list[dict[str, Any]]) -> list[str]:
             got = server.methods(phase)
             keys = server.per_key(phase)
             hot = max(keys, key=lambda k: sum(keys[k])) if keys else ""
-            same = "yes" if phase in DCP_PHASES or got == run["predicted"].methods(phase) else "**no**"
-            if phase in DCP_PHASES:
-                same = "—"
+            again = sum(retried(run["status"], phase).values()) + sum(run["lost"].methods(phase).values())
+            same = "—" if phase in DCP_PHASES else ("yes" if agrees(run, phase) else "**no**")
+            if again and phase not in DCP_PHASES:
+                same += f" ({again} retried)"
             lines.append(
                 f"| {run['world']} | {phase} | " + " | ".join(str(got[m]) for m in METHODS) + f" | {sum(got[m] for m in WRITE)} | "
                 f"{sum(got[m] for m in READ)} | {_key_words(hot)} ({sum(keys.get(hot, (0, 0)))}) | {same} |"
             )  # fmt: skip
-    lines += ["", "| N | objects in the store after two commits | DCP's files after one save | DCP's data files (MiB each) |",
+    lines += ["", "| N | objects in the store after the three commits | DCP's files after one save | DCP's data files (MiB each) |",
               "|---|---|---|---|"]  # fmt: skip
     for run in runs:
         listed = run["listed"]
@@ -372,9 +402,10 @@ def extrapolated(args: argparse.Namespace, fits: dict[str, tuple[float, float]])
         many = max(
             floor_seconds(e["s3_save_objects_W"], e["s3_save_objects_R"], 256, hot), floor_seconds(other_w, other_r)
         )
-        dcp_w = (
-            d["s3_data_PUT"] + d["s3_data_POST"] + sum(max(0.0, a + b * n) for m, (a, b) in fits.items() if m in WRITE)
-        )
+        files = s3fs_file(round(d["s3_data_bytes"] / n), BLOCK)
+        meta = s3fs_file(round(figs["dcp"].stored), BLOCK)  # written once, as .metadata.tmp
+        fixed = sum(max(0.0, a + b * n) for m, (a, b) in fits.items() if m in WRITE)
+        dcp_w = n * sum(files.values()) + sum(meta.values()) + fixed
         run = f"{model.layers}" if k == model.layers else f"0, {k} of {model.layers}"
         lines.append(
             f"| {model.name} | {n:,} | {run} | {_n(e['s3_objects'])} | {_n(e['s3_save_PUT'])} | {_n(e['s3_save_COPY'])} | "
@@ -401,8 +432,9 @@ def extrapolated(args: argparse.Namespace, fits: dict[str, tuple[float, float]])
         hot = (e["s3_restore_hot_W"], e["s3_restore_hot_R"])
         one = floor_seconds(0, r, 1, hot)
         many = max(floor_seconds(0, obj, 256, hot), floor_seconds(0, r - obj))
-        dcp_rank = d["s3_restore_rank_GET"] + d["s3_restore_rank_HEAD"]
-        meta_gets = math.ceil(d["s3_meta_bytes"] / (50 * MIB)) * ranks
+        meta_rank = math.ceil(figs["dcp"].stored / BLOCK)  # every rank reads the .metadata whole (and a HEAD)
+        dcp_rank = d["s3_restore_rank_GET"] + figs["dcp"].fixed["files_read"] + meta_rank + 1
+        meta_gets = meta_rank * ranks
         share = 12 * sum(math.prod(shape) for _, shape, _ in model.tensors(model.layers)) / ranks
         lines.append(
             f"| {model.name} | {n:,} → {ranks:,} | {_n(e['s3_restore_rank_GET'])} | {_n(e['s3_restore_rank_HEAD'])} | "
@@ -452,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     bad = [b for run in runs for b in check(run)]
     fits, fit_rows = dcp_fixed(runs, args.dcp_block * MIB)
-    lines = head(args, (load0, db.load()), time.time() - started) + measured_table(runs)
+    lines = head(args, argv, (load0, db.load()), time.time() - started) + measured_table(runs)
     lines += ["", "DCP's save beyond its data files (s3fs at the measured block size): " + "; ".join(fit_rows)
               + ". Fitted a + b N per method: " + ", ".join(f"{m} {a:.1f} + {b:.2f} N" for m, (a, b) in fits.items() if a or b), ""]  # fmt: skip
     if not args.skip_sim:
@@ -468,17 +500,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def head(args: argparse.Namespace, loads: tuple[str, str], wall: float) -> list[str]:
+def command_options(argv: list[str] | None) -> list[str]:
+    """The options a run was given, less ``--results`` and its file (where the block goes, not
+    what was measured), so that a block records the command that made it."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    out, skip = [], False
+    for a in given:
+        if skip:
+            skip = False
+        elif a == "--results":
+            skip = True
+        elif not a.startswith("--results="):
+            out.append(a)
+    return out
+
+
+def head(args: argparse.Namespace, argv: list[str] | None, loads: tuple[str, str], wall: float) -> list[str]:
     import moto
     import s3fs
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    cmd = "python benchmarks/bench_s3_requests.py" + (" --quick" if args.quick else "")
+    cmd = " ".join(["python benchmarks/bench_s3_requests.py", *command_options(argv)])
     return [
         f"`{cmd}`",
         "",
         f"commit {commit.stdout.strip()}; {os.cpu_count()} cores; load average (1/5/15 min) {loads[0]} at the start, "
-        f"WALL s wall; torch {torch.__version__}; moto {moto.__version__}; s3fs {s3fs.__version__}; Python "
+        f"{loads[1]} at the end of the measured runs; WALL s wall; torch {torch.__version__}; moto {moto.__version__}; s3fs {s3fs.__version__}; Python "
         f"{platform.python_version()}. Measured model: {args.layers} block(s) of hidden {args.hidden} "
         f"({args.hidden}², {args.hidden}², 2×{args.hidden}², 2×{args.hidden}² and a norm), float32, AdamW; "
         f"(N/2 × 2) dp × tp mesh.",
