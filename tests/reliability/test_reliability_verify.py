@@ -93,10 +93,10 @@ def test_copy_writes_the_verified_bytes_even_if_the_source_changes_after_hashing
         dst = ss.open_store(str(tmp_path / f"dst-{damage}"))
         real = dst.put_with_id
 
-        def put_after_damage(oid: str, data: Any, damage: str = damage) -> bool:
+        def put_after_damage(oid: str, data: Any, damage: str = damage, **kw: Any) -> bool:
             if oid == w:  # the source's bytes were hashed; now change the file under them
                 _rewrite(src, w, b"\0" * 64 if damage == "rewrite" else b"")
-            return real(oid, data)
+            return real(oid, data, **kw)
 
         dst.put_with_id = put_after_damage  # type: ignore[method-assign]
         pid = os.fork()
