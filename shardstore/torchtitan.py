@@ -242,8 +242,9 @@ class ShardstoreCheckpointManager(BaseCheckpointManager):
         try:
             self.maybe_wait_for_saving()  # an async save in flight lands (or raises) before the manager goes
         finally:
-            if self.stager is not None:
-                self.stager.close()
+            stager = getattr(self, "stager", None)  # absent when the constructor refused before making it
+            if stager is not None:
+                stager.close()
                 self.stager = None
 
     def __del__(self) -> None:
