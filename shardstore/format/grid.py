@@ -379,11 +379,16 @@ def _block_views(t: torch.Tensor, dtype: str, bands: bool = False) -> list[torch
 
 
 def put_payloads(
-    store: BlockStore, tensors: Sequence[torch.Tensor | StoredPayload], *, threads: int = 2, bands: bool = False
+    store: BlockStore,
+    tensors: Sequence[torch.Tensor | StoredPayload],
+    *,
+    threads: int | None = None,
+    bands: bool = False,
 ) -> list[Payload]:
     """Store each whole tensor as its canonical blocks; return one payload per input, in order.
     ``bands``: on the row-band grid, for a tensor joining the entries of a version 2 or 3
     commit in a metadata-only transition (``on_bands``), which keeps that commit's grid.
+    ``threads``: blocks hashed and written at once (None: the store's default).
 
     All blocks go to ``store.put_tensors`` in one batch (hashed once, written once, one
     durability barrier); ``StoredPayload`` inputs pass through unchanged.
@@ -403,7 +408,10 @@ def put_payloads(
         blocks = _block_views(t, dtype_name(t.dtype), bands)
         spans.append((len(views), len(blocks)))
         views += blocks
-    ids = store.put_tensors(views, threads=threads) if views else []
+    if not views:
+        ids: list[str] = []
+    else:
+        ids = store.put_tensors(views) if threads is None else store.put_tensors(views, threads=threads)
     out: list[Payload] = []
     for t, span in zip(tensors, spans):
         if isinstance(t, StoredPayload):
