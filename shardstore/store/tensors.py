@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..backends.base import BatchedWrites, Storage, StreamedReads
 from ..errors import CorruptObject
 from ..format.lazy import torch
-from ..format.tensors import dtype_name, hash_bytes, new_hasher, tensor_bytes
+from ..format.tensors import check_storable, dtype_name, hash_bytes, new_hasher, tensor_bytes
 from .keys import object_key
 
 __all__ = ["WRITE_THREADS", "WriteBatch", "put_tensors", "read_into"]
@@ -72,6 +72,28 @@ class WriteBatch:
                 pass
 
 
+def _gathered(t: torch.Tensor, stage: dict[int, torch.Tensor]) -> torch.Tensor:
+    """``t`` itself, or, for a non-contiguous CPU tensor (a tile of a bigger tensor), its
+    elements in C order in this thread's staging buffer of ``stage``, reused for the next such
+    tensor once this one is hashed and written. Gathering each tile into memory of its own cost
+    a page fault per 4 KiB and, with 8 threads' malloc arenas holding freed tiles, 21-48% of the
+    state in added peak memory; ``stage`` holds at most one buffer per thread, the size of the
+    largest tensor that thread gathered, until the ``put_tensors`` call returns."""
+    check_storable(t)
+    if t.device.type != "cpu" or t.is_contiguous() or t.numel() == 0:
+        return t  # tensor_bytes: no copy, or a device-to-host copy of its own
+    n = t.numel() * t.element_size()
+    me = threading.get_ident()
+    buf = stage.get(me)
+    if buf is None or buf.numel() < n:
+        stage.pop(me, None)  # the smaller one goes first
+        buf = stage[me] = torch.empty(n, dtype=torch.uint8)
+    out = buf[:n].view(t.dtype).view(t.shape)
+    with torch.no_grad():
+        out.copy_(t)
+    return out
+
+
 def put_tensors(
     storage: Storage, tensors: Sequence[torch.Tensor], *, threads: int = WRITE_THREADS, batch: WriteBatch | None = None
 ) -> list[str]:
@@ -90,9 +112,10 @@ def put_tensors(
     share = max(1, threads)
     big = min(share, _cores())
     batched = isinstance(storage, BatchedWrites)  # once: a runtime Protocol check is not free
+    stage: dict[int, torch.Tensor] = {}  # worker thread -> its buffer for gathering tiles
 
     def one(t: torch.Tensor) -> str:
-        view = tensor_bytes(t)  # no copy for a contiguous CPU tensor
+        view = tensor_bytes(_gathered(t, stage))  # no copy for a contiguous CPU tensor
         oid = hash_bytes(view, threads=big if len(view) >= _BIG_TENSOR_BYTES else 1)
         key = object_key(oid)
         if not batched:
