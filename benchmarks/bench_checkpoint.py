@@ -725,10 +725,10 @@ def run_targets(run: Run, want: float = 1.2) -> list[str]:
                 f"{', '.join(f'{r:.2f}' for r in ratios)} | {'yes' if min(ratios) >= want else 'NO'} |"
             )
         nxt = run.samples.get((op, NEXT_SAVE))
-        if nxt:
+        ran = [p for p in peers if (op, p) in run.samples] if nxt else []
+        if nxt and ran:
             ratios, peer = min(
-                (([t / m for t, m in zip(run.samples[(op, p)], nxt)], p) for p in peers if (op, p) in run.samples),
-                key=lambda rp: min(rp[0]),
+                (([t / m for t, m in zip(run.samples[(op, p)], nxt)], p) for p in ran), key=lambda rp: min(rp[0])
             )
             out.append(
                 f"| (not a target) next save, same store, against every peer | {min(ratios):.2f}×, {peer} | "

@@ -96,6 +96,32 @@ def test_checkpoint_benchmark_busy_smoke(tmp_path) -> None:
     assert "torch.save" not in block and "dcp.save" not in block  # not chosen
 
 
+def test_checkpoint_run_targets_with_some_peers_left_out(monkeypatch) -> None:
+    """The run-by-run table of a run whose --methods left out every save peer (or whose next
+    save is missing) names what was run and nothing else. Failed before: min() of nothing
+    (--methods async)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_checkpoint as bench
+
+    class Run:
+        shape = "many"
+        samples = {
+            ("save", "shardstore.save"): [1.0, 2.0],
+            ("save", bench.NEXT_SAVE): [1.0, 4.0],
+            ("restore", "shardstore.restore (verifies every byte)"): [1.0, 1.0],
+            ("restore", "dcp.load"): [3.0, 2.0],
+        }
+
+    rows = [r for r in bench.run_targets(Run(), want=1.0) if r.startswith("| ") and "---" not in r][1:]
+    assert rows == ["| restore ≥ 1.0× every peer in every run | 2.00×, dcp.load | 3.00, 2.00 | yes |"]
+    Run.samples[("save", "torch.save + fsync")] = [2.0, 2.0]
+    rows = [r for r in bench.run_targets(Run(), want=1.0) if r.startswith("| ") and "---" not in r][1:]
+    assert rows[:2] == [
+        "| save ≥ 1.0× every peer in every run | 1.00×, torch.save + fsync | 2.00, 1.00 | yes |",
+        "| (not a target) next save, same store, against every peer | 0.50×, torch.save + fsync | 2.00, 0.50 | — |",
+    ]
+
+
 def test_slice_check_benchmark_smoke() -> None:
     """Both layouts, one small size, this tree: each case checks its slices are accepted."""
     done = _run(["benchmarks/bench_slices.py", "--sizes", "200", "--reps", "1"])
