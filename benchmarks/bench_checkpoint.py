@@ -26,7 +26,16 @@ rotated order), and the tables give medians with min–max. Measured per repetit
   training loop; the first call is reported apart) and of ``dcp.async_save``, and the time
   until each is durable. The state is perturbed before each, so both write everything.
 
-    python benchmarks/bench_checkpoint.py [--scale 1] [--reps 3] [--shapes many,few] [--results benchmarks/RESULTS.md]
+Every save's CPU time (user + system, all threads of this process) is reported beside its
+wall time: on a CPU that training keeps busy, that is what a save pays for. Before the
+first repetition each library saves and loads a tiny state once, untimed, so that no timed
+run pays for loading modules. ``--busy N`` starts N processes that spin on the CPU for the
+whole run (a checkpoint is usually written while training keeps the cores busy) and judges
+saves against every peer at 1.0x instead of 1.2x; its tables go to their own block of
+RESULTS.md. ``--methods`` runs a subset (shardstore is always run).
+
+    python benchmarks/bench_checkpoint.py [--scale 1] [--reps 3] [--shapes many,few] [--busy 0]
+        [--methods limits,fio,shardstore,torch,safetensors,dcp,async] [--results benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import argparse
 import mmap
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -61,6 +71,9 @@ GIB = 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- bench_checkpoint:begin -->", "<!-- bench_checkpoint:end -->"
 SECTION = "## Checkpoint save / restore / verify"
+BUSY_BEGIN, BUSY_END = "<!-- bench_checkpoint_busy:begin -->", "<!-- bench_checkpoint_busy:end -->"
+BUSY_SECTION = "## Checkpoint save / restore / verify on a busy CPU (--busy)"
+METHODS = ("limits", "fio", "shardstore", "torch", "safetensors", "dcp", "async")
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
@@ -175,6 +188,8 @@ def wchar() -> int:
     return 0
 
 
+#: Not a first save into a new store: a training loop's next one, every tensor changed.
+NEXT_SAVE = "shardstore.save, next step (every tensor changed, same store)"
 #: The disk's own rate on the files restore reads: as many readers as restore's threads.
 RESTORE_THREADS = 8
 PARALLEL_READ = f"limit: cold parallel read of the same object files ({RESTORE_THREADS} threads, no hashing)"
@@ -207,6 +222,40 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t = time.perf_counter()
     out = fn()
     return time.perf_counter() - t, out
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far, every thread of it included."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+# -- a busy CPU ----------------------------------------------------------------------------
+
+SPIN = "while True:\n    pass\n"
+
+
+def spinners(n: int) -> list[subprocess.Popen[bytes]]:
+    """``n`` processes that spin on the CPU until stopped (``stop``): training's load, without training."""
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(n)]
+    if procs:
+        print(f"busy: {n} spinning, pids {','.join(str(p.pid) for p in procs)}", file=sys.stderr, flush=True)
+    return procs
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def fsync_path(path: str) -> None:
@@ -244,6 +293,14 @@ class Run:
 
     def add(self, op: str, method: str, seconds: float) -> None:
         self.samples.setdefault((op, method), []).append(seconds)
+
+    def saved(self, method: str, fn: Callable[[], Any]) -> Any:
+        """Run one save: its wall time under ``save`` and its CPU time under ``save CPU``."""
+        c = cpu_seconds()
+        dt, out = timed(fn)
+        self.add("save CPU", method, cpu_seconds() - c)
+        self.add("save", method, dt)
+        return out
 
     def note(self, key: str, value: float) -> None:
         self.notes.setdefault(key, []).append(value)
@@ -340,9 +397,8 @@ class Run:
         store = ss.open_store(path)
         os.sync()
         base = reset_peak()
-        dt, cid = timed(lambda: ss.save(store, self.model, self.opt, step=1, rng=False))
+        self.saved("shardstore.save", lambda: ss.save(store, self.model, self.opt, step=1, rng=False))
         self.note("save peak added / state", (status("VmHWM") - base) / self.nbytes)
-        self.add("save", "shardstore.save", dt)
         before_w, before_du = wchar(), du(os.path.join(path, "objects"))
         dt, cid2 = timed(lambda: ss.save(store, self.model, self.opt, step=2, rng=False))
         self.note("second save: bytes passed to write(2)", wchar() - before_w)
@@ -370,6 +426,11 @@ class Run:
         self.add("verify", "limit: BLAKE3 2 x 1-thread pool on the same bytes", dt)
         dt, _ = timed(lambda: [blake3.blake3(v, max_threads=2).digest() for v in vs])
         self.add("verify", "limit: BLAKE3 max_threads=2 on the same bytes", dt)
+        # a training loop's next checkpoint: every tensor changed, into the store that holds the last one
+        perturb(self.sd)
+        os.sync()
+        self.saved(NEXT_SAVE, lambda: ss.save(store, self.model, self.opt, step=3, rng=False))
+        self.ref = digest(self.sd)
         shutil.rmtree(path)
 
     def torch_save(self) -> None:
@@ -382,8 +443,7 @@ class Run:
                 f.flush()
                 os.fsync(f.fileno())
 
-        dt, _ = timed(save)
-        self.add("save", "torch.save + fsync", dt)
+        self.saved("torch.save + fsync", save)
         self.zero()
         cold()
 
@@ -408,8 +468,7 @@ class Run:
             save_file(self.sd, path)
             fsync_path(path)
 
-        dt, _ = timed(save)
-        self.add("save", "safetensors save_file + fsync", dt)
+        self.saved("safetensors save_file + fsync", save)
         self.zero()
         cold()
 
@@ -429,8 +488,7 @@ class Run:
 
         path = self.path("dcp")
         os.sync()
-        dt, _ = timed(lambda: dcp.save(self.sd, checkpoint_id=path))
-        self.add("save", "dcp.save (default)", dt)
+        self.saved("dcp.save (default)", lambda: dcp.save(self.sd, checkpoint_id=path))
         self.zero()
         cold()
         dt, _ = timed(lambda: dcp.load(self.sd, checkpoint_id=path))
@@ -439,8 +497,10 @@ class Run:
         shutil.rmtree(path)
         path = self.path("dcp2")
         os.sync()
-        dt, _ = timed(lambda: dcp.save(self.sd, storage_writer=dcp.FileSystemWriter(path, thread_count=2)))
-        self.add("save", "dcp.save FileSystemWriter(thread_count=2)", dt)
+        self.saved(
+            "dcp.save FileSystemWriter(thread_count=2)",
+            lambda: dcp.save(self.sd, storage_writer=dcp.FileSystemWriter(path, thread_count=2)),
+        )
         shutil.rmtree(path)
 
     def async_saves(self) -> None:
@@ -485,6 +545,30 @@ class Run:
         self.add("async total", "dcp.async_save + result()", t2 - t0)
         shutil.rmtree(path)
         self.ref = digest(self.sd)
+
+
+def warm_up(work: str) -> None:
+    """Each library saves and loads a tiny state once, untimed: the first call of each loads
+    modules (about 0.5 s for shardstore.save on a busy CPU), which no training loop pays at
+    every checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    model, opt, sd, _ = build_state("many", 0.0001, params=1)
+    d = tempfile.mkdtemp(prefix="warm-", dir=work)
+    try:
+        store = ss.open_store(os.path.join(d, "ss"))
+        cid = ss.save(store, model, opt, step=1, rng=False)
+        ss.restore(store, cid, model, opt)
+        ss.verify(store, [cid])
+        torch.save(sd, os.path.join(d, "t.pt"))
+        torch.load(os.path.join(d, "t.pt"), weights_only=True)
+        save_file(sd, os.path.join(d, "s.safetensors"))
+        load_file(os.path.join(d, "s.safetensors"))
+        dcp.save(sd, checkpoint_id=os.path.join(d, "dcp"))
+        dcp.load(sd, checkpoint_id=os.path.join(d, "dcp"))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # -- reporting ---------------------------------------------------------------------------
@@ -603,10 +687,10 @@ SAVE_PEERS = [
 RESTORE_PEERS = ["torch.load(weights_only) + copy", "safetensors load_file + copy", "dcp.load"]
 
 
-def run_targets(run: Run) -> list[str]:
+def run_targets(run: Run, want: float = 1.2) -> list[str]:
     """Issue 26's targets, judged run by run (not on medians): in every repetition shardstore
-    is at least 1.2x as fast as every peer, and at least 0.8x as fast as the best of fio's
-    figures measured in that same repetition."""
+    is at least ``want`` (1.2; issue 33's busy CPU: 1.0) times as fast as every peer, and at
+    least 0.8x as fast as the best of fio's figures measured in that same repetition."""
     out = [
         f"**targets, run by run** — {run.shape}",
         "",
@@ -637,8 +721,18 @@ def run_targets(run: Run) -> list[str]:
         if worst:
             peer, ratios = worst
             out.append(
-                f"| {op} ≥ 1.2× every peer in every run | {min(ratios):.2f}×, {peer} | "
-                f"{', '.join(f'{r:.2f}' for r in ratios)} | {'yes' if min(ratios) >= 1.2 else 'NO'} |"
+                f"| {op} ≥ {want:.1f}× every peer in every run | {min(ratios):.2f}×, {peer} | "
+                f"{', '.join(f'{r:.2f}' for r in ratios)} | {'yes' if min(ratios) >= want else 'NO'} |"
+            )
+        nxt = run.samples.get((op, NEXT_SAVE))
+        ran = [p for p in peers if (op, p) in run.samples] if nxt else []
+        if nxt and ran:
+            ratios, peer = min(
+                (([t / m for t, m in zip(run.samples[(op, p)], nxt)], p) for p in ran), key=lambda rp: min(rp[0])
+            )
+            out.append(
+                f"| (not a target) next save, same store, against every peer | {min(ratios):.2f}×, {peer} | "
+                f"{', '.join(f'{r:.2f}' for r in ratios)} | — |"
             )
         fio = [v for (o, m), v in run.samples.items() if o == op and m.startswith("limit: fio")]
         if fio:
@@ -697,15 +791,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--params", type=int, default=67, help="parameters of the 'many' shape (x3 tensors with the moments)"
     )
+    ap.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU for the whole run")
+    ap.add_argument("--methods", default=",".join(METHODS), help="which methods to run (shardstore always runs)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir beside the repository)")
     ap.add_argument("--results", default=None, help="write the tables into this RESULTS.md")
     ap.add_argument("--warm", action="store_true", help="never drop the page cache, even as root (smoke runs)")
     args = ap.parse_args(argv)
+    chosen = {m.strip() for m in args.methods.split(",") if m.strip()} | {"shardstore"}
+    if chosen - set(METHODS) or args.busy < 0:
+        ap.error(f"--methods takes {','.join(METHODS)}; --busy takes a count >= 0")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     DROP = not args.warm and can_drop()
     work = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir or os.path.dirname(ROOT))
+    command = f"--scale {args.scale} --reps {args.reps} --shapes {args.shapes} --params {args.params}"
+    if args.busy:
+        command += f" --busy {args.busy}"
+    if chosen != set(METHODS):
+        command += f" --methods {','.join(m for m in METHODS if m in chosen)}"
     lines = [
-        f"`python benchmarks/bench_checkpoint.py --scale {args.scale} --reps {args.reps} --shapes {args.shapes}`",
+        f"`python benchmarks/bench_checkpoint.py {command}`",
         "",
         versions() + ".",
         "",
@@ -717,14 +821,25 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "Ratios are shardstore's speed over the row's (above 1: shardstore faster, or blocks less); medians of "
         f"{args.reps} interleaved runs, min–max in brackets.",
-        "",
     ]
+    head = len(lines)
+    loads = [f"start {load_average()}"]
+    spinning = spinners(args.busy)
     try:
+        warm_up(work)
         for shape in args.shapes.split(","):
             model, opt, sd, nbytes = build_state(shape, args.scale, params=args.params)
             run = Run(shape, model, opt, sd, nbytes, work)
-            methods = [run.limits, run.fio, run.shardstore, run.torch_save, run.safetensors, run.dcp, run.async_saves]
+            methods = [
+                m
+                for name, m in zip(
+                    METHODS,
+                    [run.limits, run.fio, run.shardstore, run.torch_save, run.safetensors, run.dcp, run.async_saves],
+                )
+                if name in chosen
+            ]
             for rep in range(args.reps):
+                loads.append(f"{shape} rep {rep + 1} {load_average()}")
                 k = rep % len(methods)
                 for m in methods[k:] + methods[:k]:
                     print(f"[{shape} rep {rep + 1}/{args.reps}] {m.__name__}", file=sys.stderr, flush=True)
@@ -732,11 +847,13 @@ def main(argv: list[str] | None = None) -> int:
             if run.saver is not None:
                 run.saver.close()
             lines += [
+                "",
                 f"### {shape}: {len(sd)} tensors, {nbytes / GIB:.2f} GiB ({nbytes / len(sd) / MIB:.1f} MiB each)",
                 "",
             ]
             for op, ours, rate in [
                 ("save", "shardstore.save", True),
+                ("save CPU", "shardstore.save", False),
                 ("second save", "shardstore.save, unchanged state", True),
                 ("restore", "shardstore.restore (verifies every byte)", True),
                 ("verify", "shardstore.verify (deep, warm)", True),
@@ -746,16 +863,31 @@ def main(argv: list[str] | None = None) -> int:
             ]:
                 lines += table(run, op, ours, rate)
             lines += targets(run)
-            lines += run_targets(run)
+            lines += run_targets(run, want=1.0 if args.busy else 1.2)
             notes = ", ".join(f"{k}: {statistics.median(v):.3g}" for k, v in run.notes.items())
             lines += [f"Notes (medians): {notes}.", ""]
             del model, opt, sd, run
     finally:
+        loads.append(f"end {load_average()}")
+        stop(spinning)
         shutil.rmtree(work, ignore_errors=True)
+    cpu = (
+        f"CPU: busy, {args.busy} process{'es' if args.busy > 1 else ''} spinning on it for the whole run (`--busy`)"
+        if args.busy
+        else "CPU: not loaded by this script"
+    )
+    lines[head:head] = [
+        f"{cpu}; {os.cpu_count()} cores; load average (1/5/15 min): {', '.join(loads)}.",
+        "`save CPU` rows: CPU seconds (user + system, every thread of this process) during each save; "
+        "their ratio is the method's over shardstore's (above 1: shardstore uses less).",
+    ]
     text = "\n".join(lines)
     print(text)
     if args.results:
-        write_block(args.results, BEGIN, END, SECTION, text)
+        if args.busy:
+            write_block(args.results, BUSY_BEGIN, BUSY_END, BUSY_SECTION, text)
+        else:
+            write_block(args.results, BEGIN, END, SECTION, text)
     return 0
 
 

@@ -61,6 +61,67 @@ def test_checkpoint_benchmark_smoke(tmp_path) -> None:
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bench-ckpt-")]  # scratch removed
 
 
+@pytest.mark.long  # .ci/run's second step
+def test_checkpoint_benchmark_busy_smoke(tmp_path) -> None:
+    """--busy: spinning processes for the run's length, stopped at its end; its own block of
+    RESULTS.md (the quiet block untouched), saying so, with save CPU seconds and the 1.0x
+    run-by-run target; --methods runs the chosen peers and shardstore only."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n\n<!-- bench_checkpoint:begin -->\nquiet\n<!-- bench_checkpoint:end -->\n")
+    args = ["--scale", "0.002", "--params", "1", "--reps", "1", "--shapes", "many", "--warm"]
+    args += ["--busy", "2", "--methods", "safetensors", "--dir", str(tmp_path), "--results", str(results)]
+    done = _run(["benchmarks/bench_checkpoint.py", *args])
+    assert done.returncode == 0, done.stderr[-2000:]
+    pids = [int(p) for p in done.stderr.split("busy: 2 spinning, pids ")[1].split()[0].split(",")]
+    assert len(pids) == 2
+    for pid in pids:  # stopped and reaped: gone, or (pid reused since) not a spinner
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert b"while True" not in f.read()
+        except FileNotFoundError:
+            pass
+    text = results.read_text()
+    assert "<!-- bench_checkpoint:begin -->\nquiet\n<!-- bench_checkpoint:end -->" in text
+    block = text.split("<!-- bench_checkpoint_busy:begin -->")[1].split("<!-- bench_checkpoint_busy:end -->")[0]
+    assert "--busy 2 --methods shardstore,safetensors`" in block
+    assert "CPU: busy, 2 processes spinning on it for the whole run" in block and "load average" in block
+    cpu = block.split("**save CPU** — many")[1].split("\n\n")[1]
+    assert {r.split("|")[1].strip() for r in cpu.splitlines()[2:]} == {
+        "shardstore.save",
+        "shardstore.save, next step (every tensor changed, same store)",
+        "safetensors save_file + fsync",
+    }
+    assert "| (not a target) next save, same store, against every peer |" in block
+    assert "| save ≥ 1.0× every peer in every run |" in block
+    assert "torch.save" not in block and "dcp.save" not in block  # not chosen
+
+
+def test_checkpoint_run_targets_with_some_peers_left_out(monkeypatch) -> None:
+    """The run-by-run table of a run whose --methods left out every save peer (or whose next
+    save is missing) names what was run and nothing else. Failed before: min() of nothing
+    (--methods async)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_checkpoint as bench
+
+    class Run:
+        shape = "many"
+        samples = {
+            ("save", "shardstore.save"): [1.0, 2.0],
+            ("save", bench.NEXT_SAVE): [1.0, 4.0],
+            ("restore", "shardstore.restore (verifies every byte)"): [1.0, 1.0],
+            ("restore", "dcp.load"): [3.0, 2.0],
+        }
+
+    rows = [r for r in bench.run_targets(Run(), want=1.0) if r.startswith("| ") and "---" not in r][1:]
+    assert rows == ["| restore ≥ 1.0× every peer in every run | 2.00×, dcp.load | 3.00, 2.00 | yes |"]
+    Run.samples[("save", "torch.save + fsync")] = [2.0, 2.0]
+    rows = [r for r in bench.run_targets(Run(), want=1.0) if r.startswith("| ") and "---" not in r][1:]
+    assert rows[:2] == [
+        "| save ≥ 1.0× every peer in every run | 1.00×, torch.save + fsync | 2.00, 1.00 | yes |",
+        "| (not a target) next save, same store, against every peer | 0.50×, torch.save + fsync | 2.00, 0.50 | — |",
+    ]
+
+
 def test_slice_check_benchmark_smoke() -> None:
     """Both layouts, one small size, this tree: each case checks its slices are accepted."""
     done = _run(["benchmarks/bench_slices.py", "--sizes", "200", "--reps", "1"])

@@ -41,9 +41,12 @@ from .ref_locks import break_lock, take_lock
 
 __all__ = ["LocalStorage"]
 _CHUNK = 8 << 20
-#: Directories fsynced at once by ``sync`` (a batch's object directories share journal commits).
-_SYNC_THREADS = 8
 _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
+#: Directories fsynced at once by ``sync``. A save's objects land in up to 256 ``objects/xx``
+#: directories, each fsynced at the barrier: one after another that took 1.1-1.7 s on the
+#: development VM (a cache flush each), 8 at a time 0.04-0.11 s, the device merging the
+#: flushes that arrive together (benchmarks/RESULTS.md, "busy CPU").
+_SYNC_THREADS = 8
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
 

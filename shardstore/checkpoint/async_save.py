@@ -50,6 +50,7 @@ from ..state.extras import CapturedExtra, capture_extras
 from ..state.optim import ParamOpt
 from ..state.slot import SlotState, capture, slot_tensors
 from ..store import Store
+from ..store.tensors import WRITE_THREADS
 from .distributed import commit_state
 from .info import CommitInfo
 from .slots import AUTO, SaveCall, save_slots
@@ -86,7 +87,7 @@ class AsyncSaver:
     ``threads``: the hashing/writing threads of the background save (as for ``save``).
     """
 
-    def __init__(self, store: Store, *, threads: int = 2) -> None:
+    def __init__(self, store: Store, *, threads: int = WRITE_THREADS) -> None:
         self.store = store
         self.threads = threads
         self._arena: torch.Tensor | None = None

@@ -30,6 +30,7 @@ from ..sharded.dtensor import write_dtensors
 from ..state.extras import capture_extras, write_extras
 from ..state.slot import SlotState, capture
 from ..store import Store
+from ..store.tensors import WRITE_THREADS
 from .info import CommitInfo
 from .slots import AUTO, write_commit, write_shard
 
@@ -118,7 +119,7 @@ def save_distributed(
     parent: str | None = AUTO,
     rng: bool = True,
     group_names: list[str] | None = None,
-    threads: int = 2,
+    threads: int = WRITE_THREADS,
     extra: Mapping[str, Any] | None = None,
     slot_extra: Mapping[str, Any] | None = None,
 ) -> str:
@@ -148,7 +149,7 @@ def commit_state(
     group: Any = None,
     ref: str | None = "main",
     parent: str | None = AUTO,
-    threads: int = 2,
+    threads: int = WRITE_THREADS,
     extra: Mapping[str, Any] | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> str:

@@ -52,6 +52,7 @@ from ..state.optim import ParamOpt, group_spec
 from ..state.slot import SlotState, capture, slot_tensors
 from ..state.torch_optim import param_state, state_objects, torch_spec, torch_union
 from ..store import Store
+from ..store.tensors import WRITE_THREADS
 from ..verification.commits import LoadedCommit, read_commit, shard_problems
 from .info import CommitInfo, check_info, check_parent
 
@@ -79,7 +80,14 @@ def _config_id(store: Store, config: Mapping[str, Any] | None) -> str | None:
 
 
 def write_shard(
-    store: Store, state: SlotState, *, info: CommitInfo, parent: str | None, slot: int, slots: int, threads: int = 2
+    store: Store,
+    state: SlotState,
+    *,
+    info: CommitInfo,
+    parent: str | None,
+    slot: int,
+    slots: int,
+    threads: int = WRITE_THREADS,
 ) -> str:
     """Write one slot's objects, then (after a durability barrier) its shard manifest; return its id."""
     check_info(info)
@@ -342,7 +350,7 @@ def save_slots(
     info: CommitInfo,
     ref: str | None = "main",
     parent: str | None = AUTO,
-    threads: int = 2,
+    threads: int = WRITE_THREADS,
     extra: Mapping[str, Any] | None = None,
 ) -> str:
     """Commit several slots' states (and commit-wide ``extra``) from one process and move ``ref`` (None: leave refs alone)."""
@@ -385,7 +393,7 @@ def save(
     parent: str | None = AUTO,
     transition: str = "train",
     group_names: list[str] | None = None,
-    threads: int = 2,
+    threads: int = WRITE_THREADS,
     extra: Mapping[str, Any] | None = None,
     slot_extra: Mapping[str, Any] | None = None,
     profile: str | None = None,

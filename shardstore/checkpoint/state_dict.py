@@ -33,6 +33,7 @@ from ..state.module import tensor_profile
 from ..state.plan import ReadItem, RestorePlan
 from ..state.slot import SlotState
 from ..store import Store
+from ..store.tensors import WRITE_THREADS
 from ..verification.commits import LoadedCommit, load_commit
 from .distributed import commit_state
 from .info import CommitInfo
@@ -55,7 +56,7 @@ def save_state_dict(
     transition: str = "train",
     profile: str | None = None,
     group: Any = None,
-    threads: int = 2,
+    threads: int = WRITE_THREADS,
 ) -> str:
     """Commit a nested state dict and move ``ref``; return the commit id (SPEC.md §9.6).
 

@@ -398,13 +398,14 @@ def put_payloads(
     store: BlockStore,
     tensors: Sequence[torch.Tensor | StoredPayload],
     *,
-    threads: int = 2,
+    threads: int | None = None,
     bands: bool = False,
     batch: Any = None,
 ) -> list[Payload]:
     """Store each whole tensor as its canonical blocks; return one payload per input, in order.
     ``bands``: on the row-band grid, for a tensor joining the entries of a version 2 or 3
     commit in a metadata-only transition (``on_bands``), which keeps that commit's grid.
+    ``threads``: blocks hashed and written at once (None: the store's default).
 
     All blocks go to ``store.put_tensors`` in one batch (hashed once, written once, one
     durability barrier; with ``batch``, a ``Store.write_batch()``, they join it and become
@@ -425,7 +426,12 @@ def put_payloads(
         blocks = _block_views(t, dtype_name(t.dtype), bands)
         spans.append((len(views), len(blocks)))
         views += blocks
-    ids = store.put_tensors(views, threads=threads, batch=batch) if views else []
+    if not views:
+        ids: list[str] = []
+    elif threads is None:
+        ids = store.put_tensors(views, batch=batch)
+    else:
+        ids = store.put_tensors(views, threads=threads, batch=batch)
     out: list[Payload] = []
     for t, span in zip(tensors, spans):
         if isinstance(t, StoredPayload):

@@ -45,6 +45,7 @@ from ..format.slices import Gap, Overlap, make_slices, tiling_defect
 from ..format.tensors import dtype_name, is_dtensor, new_hasher, same_split, tensor_bytes, torch_dtype
 from ..state.slot import SlotState
 from ..store import Store
+from ..store.tensors import WRITE_THREADS
 from .agreement import check_agreement, coverage_problem
 from .exchange import BATCH_BYTES, ExchangeStats, Local, PlannedBlock, last_exchange, run_plan
 from .placement import local_parts
@@ -309,7 +310,12 @@ def plan_exchange(peers: Sequence[Sequence[Described]]) -> ExchangePlan:
 
 
 def write_dtensors(
-    store: Store, state: SlotState | None, *, group: Any = None, threads: int = 2, failure: BaseException | None = None
+    store: Store,
+    state: SlotState | None,
+    *,
+    group: Any = None,
+    threads: int = WRITE_THREADS,
+    failure: BaseException | None = None,
 ) -> SlotState:
     """Write every DTensor of ``state`` (a SlotState) as canonical blocks, collectively over ``group``.
 

@@ -37,6 +37,7 @@ from ..format.lazy import torch
 from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, ExtraEntry, StateTensor, extra_objects, is_chunked
 from ..format.names import check_group_name
 from ..format.tensors import dtype_name, torch_dtype
+from ..store.tensors import WRITE_THREADS
 from .documents import encode_state, read_state
 from .plan import ReadItem, RestorePlan
 from .stateful import GeneratorState, LoaderState, PreparedLoaderState, stateful
@@ -91,7 +92,9 @@ def capture_extras(extra: Mapping[str, Any] | None) -> dict[str, CapturedExtra]:
     return out
 
 
-def write_extras(store: Store, captured: Mapping[str, CapturedExtra], *, threads: int = 2) -> tuple[ExtraEntry, ...]:
+def write_extras(
+    store: Store, captured: Mapping[str, CapturedExtra], *, threads: int = WRITE_THREADS
+) -> tuple[ExtraEntry, ...]:
     """Write each extra's tensors and document (no barrier: the caller's comes before any manifest)."""
     entries = []
     for key, c in sorted(captured.items()):

@@ -237,7 +237,11 @@ class Store:
         return tensor_from_bytes(data, dtype, tuple(shape), f"{what} (object {oid})")
 
     def put_tensors(
-        self, tensors: Sequence[torch.Tensor], *, threads: int = 2, batch: tensors_io.WriteBatch | None = None
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        threads: int = tensors_io.WRITE_THREADS,
+        batch: tensors_io.WriteBatch | None = None,
     ) -> list[str]:
         """Store each tensor's bytes as an object; return the ids in order (``store.tensors.put_tensors``).
         With ``batch`` (``write_batch()``), they become durable and visible at ``batch.finish(store.storage)``."""

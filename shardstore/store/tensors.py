@@ -19,11 +19,26 @@ from ..format.lazy import torch
 from ..format.tensors import Staging, check_storable, dtype_name, hash_bytes, new_hasher, tensor_bytes
 from .keys import object_key
 
-__all__ = ["WriteBatch", "put_tensors", "read_into"]
+__all__ = ["WRITE_THREADS", "WriteBatch", "put_tensors", "read_into"]
 
+#: Objects a save hashes and writes at once (the default ``threads`` of every write path), as
+#: restore reads 8 at once. More than the cores on purpose: a small object's time is mostly
+#: the kernel's (creating its file, copying into the page cache, waiting on its fsync), and a
+#: save of many small objects on a CPU that training keeps busy finished sooner the more of
+#: them were in flight: 2 -> 4 -> 8 threads took 4.3, 3.0, 2.2 s for 288 tensors of 1.8 MiB
+#: with two spinning processes on the two cores (benchmarks/RESULTS.md, "busy CPU").
+WRITE_THREADS = 8
 #: Tensors at least this large are hashed with BLAKE3's own threads as well (few big tensors
 #: would otherwise leave cores idle at the end of a batch).
 _BIG_TENSOR_BYTES = 64 << 20
+
+
+def _cores() -> int:
+    """The CPUs this process may run on: BLAKE3's own threads for one big tensor, never more."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 class WriteBatch:
@@ -42,7 +57,7 @@ class WriteBatch:
         self.claimed: set[str] = set()  # ids written (or being written) in this batch: one write each
         self.pending: list[tuple[str, str]] = []  # (key, tmp path) awaiting end_writes
 
-    def finish(self, storage: Storage, *, threads: int = 2) -> None:
+    def finish(self, storage: Storage, *, threads: int = WRITE_THREADS) -> None:
         """fsync every pending tmp file, link it into place and fsync the directories the links
         went into (the backend's ``end_writes``, ``threads`` at a time)."""
         if self.pending:  # only a batched backend (begin_write / end_writes) leaves writes pending
@@ -61,13 +76,18 @@ class WriteBatch:
 
 
 def put_tensors(
-    storage: Storage, tensors: Sequence[torch.Tensor | Buffer], *, threads: int = 2, batch: WriteBatch | None = None
+    storage: Storage,
+    tensors: Sequence[torch.Tensor | Buffer],
+    *,
+    threads: int = WRITE_THREADS,
+    batch: WriteBatch | None = None,
 ) -> list[str]:
     """Store each tensor's bytes (or each buffer's, as they are) as an object; return the ids in order.
 
     Each tensor's bytes are hashed once, from memory; objects already present are not
     written (unchanged tensors cost no bytes); new ones are written once and never read
-    back. Tensors are processed ``threads`` at a time. A backend with ``begin_write`` /
+    back. Tensors are processed ``threads`` at a time (each hashed by one BLAKE3 thread; one of
+    64 MiB or more by as many as there are cores). A backend with ``begin_write`` /
     ``end_writes`` (local) gets one batch: all files written with writeback started,
     then fsynced together and linked into place, the crash ordering of ``put``. With
     ``batch``, the files join it instead and become durable and visible at its ``finish``.
@@ -77,13 +97,14 @@ def put_tensors(
     share = max(1, threads)
     if isinstance(storage, ListedSizes) and not isinstance(storage, BatchedWrites) and len(tensors) > 1:
         return _put_listed(storage, tensors, share)
+    big = min(share, _cores())  # BLAKE3's own threads for one big tensor
     stage = staging()
     batched = isinstance(storage, BatchedWrites)  # once: a runtime Protocol check is slow
 
     def one(t: torch.Tensor | Buffer) -> str:
         # no copy for a contiguous CPU tensor or a buffer
         view = _gathered(t, stage) if isinstance(t, torch.Tensor) else memoryview(t).cast("B")
-        oid = hash_bytes(view, threads=share if len(view) >= _BIG_TENSOR_BYTES else 1)
+        oid = hash_bytes(view, threads=big if len(view) >= _BIG_TENSOR_BYTES else 1)
         key = object_key(oid)
         if not batched:
             storage.write_once(key, view)
