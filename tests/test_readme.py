@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -59,6 +61,7 @@ def test_readme_main_job_is_the_demo():
     assert block.strip().splitlines()[1].split("#")[0].split() == ["shardtrain", "demo", "--home", "/tmp/demo"]
 
 
+@pytest.mark.long  # two fresh interpreters through the whole tour (~10 s): .ci/run's second step
 def test_quickstart_tour_runs_twice_with_equal_commit_ids(tmp_path):
     outs = []
     for i in range(2):

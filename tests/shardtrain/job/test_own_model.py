@@ -336,6 +336,7 @@ def _oracle_worker(ctx: WorkerContext, model_dir: str, job_dir: str, out: str) -
     Path(out).write_text(json.dumps(losses))
 
 
+@pytest.mark.e2e  # trains, replays, exports and evaluates on 2 workers (~20 s): .ci/run's second step
 def test_own_model_end_to_end(own: dict[str, str], tmp_path: Path, capsys) -> None:
     """The README's section run as written (plus a small batch and --json), with every check of issue 22."""
     from safetensors.torch import load_file
