@@ -8,57 +8,22 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from roles_fixtures import eval_role, roles_run  # noqa: F401  (roles_run: the fixture `run`)
 
 import shardstore
 from shardstore_cli.shardtrain_cli import main
-from shardtrain.engine.partition import Partition, build_stage
 from shardtrain.errors import JobError, RoleError
-from shardtrain.job.default_job import prepare_default
 from shardtrain.job.job import JOB_FILE, load_job
 from shardtrain.job.roles import DEVELOPMENT, FINAL, finals_opened, select, selection, set_digest
-from shardtrain.run.evaluate import EvalSpec, evaluate
-from shardtrain.run.lifecycle import store_job_files
 
 _ENC = msgspec.json.Encoder(order="sorted")
 
 
-@pytest.fixture
-def run(tmp_path: Path) -> SimpleNamespace:
-    """A job's files and two commits of it in a store (saved in this process: no training needed)."""
-    job = load_job(
-        prepare_default(
-            tmp_path / "job", steps_a=2, steps_b=1, batch_size=4, replay_per_step=1, eval_per_set=4, retention_per_set=2
-        )
-    )
-    store = shardstore.open_store(str(tmp_path / "store"))
-    store_job_files(job, store)
-    commits = []
-    for step, seed in ((0, 1), (1, 2)):
-        model = build_stage(job.config, Partition.even(job.config.num_hidden_layers, 1), 0, seed=seed)
-        commits.append(
-            shardstore.save(
-                store,
-                model,
-                step=step,
-                job=job.id,
-                config=job.hf_config(),
-                rng=False,
-                transition="init" if step == 0 else "train",
-            )
-        )
-    return SimpleNamespace(job=job, store=store, commits=commits, url=str(tmp_path / "store"))
-
-
-def _eval(run: SimpleNamespace, role: str):  # type: ignore[no-untyped-def]
-    spec = EvalSpec(store=run.url, commits=tuple(run.commits), cases_per_set=1, max_new_tokens=2, role=role)
-    return evaluate(spec, 1, in_process=True)
-
-
 def test_development_by_default_and_finals_only_after_selection(run: SimpleNamespace) -> None:
-    dev = _eval(run, DEVELOPMENT)
+    dev = eval_role(run, DEVELOPMENT)
     assert dev.role == DEVELOPMENT and {s.name for s in dev.commits[0].losses} == {"dev_task", "dev_retention"}
     with pytest.raises(RoleError, match="has no selection record"):
-        _eval(run, FINAL)
+        eval_role(run, FINAL)
     assert (
         main(
             [
@@ -78,12 +43,12 @@ def test_development_by_default_and_finals_only_after_selection(run: SimpleNames
     )
     select(run.store, run.job.id, run.commits[0])
     with pytest.raises(RoleError, match="not .*final sets open only for the selected commit"):
-        _eval(run, FINAL)  # the candidate scored (the last commit) is not the selected one
+        eval_role(run, FINAL)  # the candidate scored (the last commit) is not the selected one
     assert not finals_opened(run.store, run.job.id)
     assert main(["select", "--store", run.url, "--commit", run.commits[1]]) == 0  # not opened yet: may change
     sel = selection(run.store, run.job.id)
     assert sel is not None and sel.commit == run.commits[1] and sel.job == run.job.id
-    final = _eval(run, FINAL)
+    final = eval_role(run, FINAL)
     assert final.role == FINAL and {s.name for s in final.commits[0].losses} == {"final_task", "final_retention"}
     assert finals_opened(run.store, run.job.id)
     with pytest.raises(RoleError, match="already opened .* a second selection is refused"):
@@ -141,44 +106,6 @@ def test_development_retention_may_be_exposed_replay_but_final_sets_never_are(ru
         job.records[d].messages[0].content for n in ("final_task", "final_retention") for d in sets[n].docs
     }
     assert not final_prompts & {job.records[d].messages[0].content for d in trained}
-
-
-def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace) -> None:
-    from shardtrain.run.gates import gate_report, thresholds_of
-
-    base, cand = run.commits
-    expected = gate_report(_eval(run, DEVELOPMENT), thresholds_of(run.job), baseline=base, candidate=cand)
-    code = main(
-        [
-            "gate",
-            "--store",
-            run.url,
-            "--baseline",
-            base,
-            "--candidate",
-            cand,
-            "--workers",
-            "1",
-            "--cases",
-            "1",
-            "--max-new-tokens",
-            "2",
-        ]
-    )
-    assert code == (0 if expected.passed else 3)  # a failed gate: problems found (SPEC.md §23)
-    reports = [n for n in run.store.pin_names() if n.startswith(f"gates/{run.job.id}/")]
-    assert len(reports) == 1
-    from shardtrain.run.gates import GateReport
-
-    stored = msgspec.json.decode(bytes(run.store.get(reports[0].split("/")[-1])), type=GateReport)
-    # The same figures as the in-process evaluation (up to the kernels this process picked),
-    # and the thresholds of the job's recipe.
-    assert (stored.job, stored.baseline, stored.candidate, stored.passed) == (run.job.id, base, cand, expected.passed)
-    for got, want in zip(stored.rows, expected.rows, strict=True):
-        assert (got.gate, got.set, got.threshold, got.passed) == (want.gate, want.set, want.threshold, want.passed)
-        assert got.bound == pytest.approx(want.bound, rel=1e-5, abs=1e-7)
-    assert [r.threshold for r in stored.rows] == [-0.001, 0.02, 0.0]
-    assert main(["gate", "--store", run.url, "--baseline", base, "--candidate", cand, "--final", "--workers", "1"]) == 5
 
 
 def _select_proc(

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import msgspec
 import numpy as np
 import pytest
+from roles_fixtures import eval_role, roles_run  # noqa: F401  (roles_run: the fixture `run`)
 
 import shardstore
+from shardstore_cli.shardtrain_cli import main
+from shardtrain.job.roles import DEVELOPMENT
 from shardtrain.run.evaluate import Case, CommitEval, EvalReport, SetLoss
 from shardtrain.run.gates import GateReport, Thresholds, gate_report, render_gates, write_gate_report
 
@@ -93,3 +99,41 @@ def test_the_report_is_a_pinned_object_and_renders(tmp_path) -> None:  # type: i
     assert msgspec.json.decode(bytes(store.get(oid)), type=GateReport) == g
     table = "\n".join(render_gates(g))
     assert "gain" in table and "retention" in table and "generation" in table and "all gates: PASS" in table
+
+
+def test_gate_command_uses_the_recipe_and_stores_its_report(run: SimpleNamespace) -> None:
+    from shardtrain.run.gates import gate_report, thresholds_of
+
+    base, cand = run.commits
+    expected = gate_report(eval_role(run, DEVELOPMENT), thresholds_of(run.job), baseline=base, candidate=cand)
+    code = main(
+        [
+            "gate",
+            "--store",
+            run.url,
+            "--baseline",
+            base,
+            "--candidate",
+            cand,
+            "--workers",
+            "1",
+            "--cases",
+            "1",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
+    assert code == (0 if expected.passed else 3)  # a failed gate: problems found (SPEC.md §23)
+    reports = [n for n in run.store.pin_names() if n.startswith(f"gates/{run.job.id}/")]
+    assert len(reports) == 1
+    from shardtrain.run.gates import GateReport
+
+    stored = msgspec.json.decode(bytes(run.store.get(reports[0].split("/")[-1])), type=GateReport)
+    # The same figures as the in-process evaluation (up to the kernels this process picked),
+    # and the thresholds of the job's recipe.
+    assert (stored.job, stored.baseline, stored.candidate, stored.passed) == (run.job.id, base, cand, expected.passed)
+    for got, want in zip(stored.rows, expected.rows, strict=True):
+        assert (got.gate, got.set, got.threshold, got.passed) == (want.gate, want.set, want.threshold, want.passed)
+        assert got.bound == pytest.approx(want.bound, rel=1e-5, abs=1e-7)
+    assert [r.threshold for r in stored.rows] == [-0.001, 0.02, 0.0]
+    assert main(["gate", "--store", run.url, "--baseline", base, "--candidate", cand, "--final", "--workers", "1"]) == 5
