@@ -95,9 +95,9 @@ def put_tensors(
     own = batch is None
     wb = WriteBatch() if batch is None else batch
     share = max(1, threads)
-    if isinstance(storage, ListedSizes) and not isinstance(storage, BatchedWrites) and len(tensors) > 1:
-        return _put_listed(storage, tensors, share)
     big = min(share, _cores())  # BLAKE3's own threads for one big tensor
+    if isinstance(storage, ListedSizes) and not isinstance(storage, BatchedWrites) and len(tensors) > 1:
+        return _put_listed(storage, tensors, share, big)
     stage = staging()
     batched = isinstance(storage, BatchedWrites)  # once: a runtime Protocol check is slow
 
@@ -120,17 +120,21 @@ def put_tensors(
         return oid
 
     try:
-        if share > 1 and len(tensors) > 1:
-            with ThreadPoolExecutor(max_workers=share) as pool:
-                ids = list(pool.map(one, tensors))
-        else:
-            ids = [one(t) for t in tensors]
+        ids = _map(one, tensors, share)
     except BaseException:
         wb.abandon()
         raise
     if own:
         wb.finish(storage, threads=share)
     return ids
+
+
+def _map(fn: Callable[[Any], Any], items: Sequence[Any], threads: int) -> list[Any]:
+    """``fn`` of each item in order, ``threads`` at a time (on the calling thread for one)."""
+    if threads > 1 and len(items) > 1:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(fn, items))
+    return [fn(x) for x in items]
 
 
 def _gathered(t: torch.Tensor, stage: Staging) -> memoryview:
@@ -147,7 +151,7 @@ def _gathered(t: torch.Tensor, stage: Staging) -> memoryview:
     return tensor_bytes(t)
 
 
-def _put_listed(storage: ListedSizes, tensors: Sequence[torch.Tensor | Buffer], threads: int) -> list[str]:
+def _put_listed(storage: ListedSizes, tensors: Sequence[torch.Tensor | Buffer], threads: int, big: int) -> list[str]:
     """``put_tensors`` on a backend that lists (S3): every tensor hashed first, then one
     presence check for all of them (``ListedSizes.sizes``: listing pages, not a request per
     object), then the absent ones written (create-only: one that appeared meanwhile is found by
@@ -162,15 +166,9 @@ def _put_listed(storage: ListedSizes, tensors: Sequence[torch.Tensor | Buffer], 
 
     def hashed(t: torch.Tensor | Buffer) -> str:
         view = view_of(t)
-        return hash_bytes(view, threads=threads if len(view) >= _BIG_TENSOR_BYTES else 1)
+        return hash_bytes(view, threads=big if len(view) >= _BIG_TENSOR_BYTES else 1)
 
-    def pool_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-        if threads > 1 and len(items) > 1:
-            with ThreadPoolExecutor(max_workers=threads) as pool:
-                return list(pool.map(fn, items))
-        return [fn(x) for x in items]
-
-    ids = pool_map(hashed, tensors)
+    ids = _map(hashed, tensors, threads)
     first = {oid: t for oid, t in reversed(list(zip(ids, tensors)))}  # equal tensors: one write
     listed = storage.sizes([object_key(oid) for oid in first])
 
@@ -185,7 +183,7 @@ def _put_listed(storage: ListedSizes, tensors: Sequence[torch.Tensor | Buffer], 
             storage.delete(key)
         storage.write_once(key, view_of(t))
 
-    pool_map(put, sorted(first.items()))
+    _map(put, sorted(first.items()), threads)
     return ids
 
 
