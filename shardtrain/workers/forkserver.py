@@ -17,8 +17,10 @@ What a spawned worker would see and a forked one must see too:
   (`ATEN_CPU_CAPABILITY` picks the CPU kernels, hence the bits of every result; the
   `OMP_`/`MKL_` thread settings; `PYTHONHASHSEED`). Those cannot be changed after the
   fork, so `context()` uses the server only when the launch's values of every such variable
-  equal the server's, and falls back to spawn otherwise. A server this module did not start
-  (someone else's forkserver in the same process) is never trusted.
+  equal the server's, and falls back to spawn otherwise (`RUN_TIME_VARIABLES` names the
+  few under those prefixes that torch reads only when called, which `adopt()` covers). A
+  server this module did not start (someone else's forkserver in the same process) is never
+  trusted.
 - **Standard streams.** A forked worker writes to the server's stdout/stderr, which were
   the launcher's at the time the server started (under pytest, a test's capture file).
   The launcher's current descriptors 1 and 2 are passed to each worker (`StdStreams`) and
@@ -41,7 +43,16 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["IMPORT_TIME_PREFIXES", "PRELOAD", "StdStreams", "adopt", "child_environment", "context", "start"]
+__all__ = [
+    "IMPORT_TIME_PREFIXES",
+    "PRELOAD",
+    "RUN_TIME_VARIABLES",
+    "StdStreams",
+    "adopt",
+    "child_environment",
+    "context",
+    "start",
+]
 
 #: Variables whose effect is fixed when the interpreter starts or torch is imported.
 IMPORT_TIME_PREFIXES = (
@@ -58,6 +69,12 @@ IMPORT_TIME_PREFIXES = (
     "CUDA_",
     "NCCL_",
 )
+#: Variables under those prefixes that torch reads when a function runs, not at import: a
+#: forked worker sees the launcher's value through `adopt()` as a spawned one would, so a
+#: difference never forces spawn. `PYTORCH_NVML_BASED_CUDA_CHECK` is read by each
+#: `torch.cuda.is_available()` call, and importing lightning's fabric sets it in the
+#: launcher's environment: counting it made every launch after that import spawn.
+RUN_TIME_VARIABLES = frozenset({"PYTORCH_NVML_BASED_CUDA_CHECK"})
 #: Modules the server imports once for every worker it forks.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "msgspec", "blake3", "shardstore", "shardtrain")
 
@@ -66,7 +83,7 @@ _server_env: dict[str, str] | None = None  # the import-time variables the serve
 
 
 def _import_time(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in RUN_TIME_VARIABLES}
 
 
 def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:

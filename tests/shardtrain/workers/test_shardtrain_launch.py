@@ -219,7 +219,8 @@ def test_forked_workers_see_what_spawned_workers_would(
 ) -> None:
     """Workers forked from the server get the launcher's environment as it is *now* (not the
     server's), the launch's extra variables, and the launcher's current stdout; a launch
-    whose import-time variables differ from the server's is spawned instead."""
+    whose import-time variables differ from the server's is spawned instead, and one that
+    differs only in a variable torch reads at run time (lightning's) is still forked."""
     from shardtrain.workers import forkserver
 
     if not forkserver.start(DETERMINISTIC_ENV):
@@ -227,6 +228,11 @@ def test_forked_workers_see_what_spawned_workers_would(
     assert forkserver.context(DETERMINISTIC_ENV).get_start_method() == "forkserver"
     assert forkserver.context({**DETERMINISTIC_ENV, "OMP_NUM_THREADS": "2"}).get_start_method() == "spawn"
     assert forkserver.context({**DETERMINISTIC_ENV, "ATEN_CPU_CAPABILITY": "avx2"}).get_start_method() == "spawn"
+    nvml = {
+        **DETERMINISTIC_ENV,
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+    }  # what importing lightning sets: read at run time
+    assert forkserver.context(nvml).get_start_method() == "forkserver"
     monkeypatch.setenv("SHARDTRAIN_TEST_SET_AFTER_THE_SERVER", "parent")
     monkeypatch.delenv("SHARDTRAIN_TEST_REMOVED", raising=False)
     names = [
@@ -234,12 +240,13 @@ def test_forked_workers_see_what_spawned_workers_would(
         "SHARDTRAIN_TEST_EXTRA",
         "SHARDTRAIN_TEST_REMOVED",
         "ATEN_CPU_CAPABILITY",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
     ]
     launch_local(
         environment_worker,
         2,
         (str(tmp_path), names),
-        env={**DETERMINISTIC_ENV, "SHARDTRAIN_TEST_EXTRA": "launch"},
+        env={**nvml, "SHARDTRAIN_TEST_EXTRA": "launch"},
         timeout=timedelta(seconds=30),
         join_timeout=90,
     )
@@ -252,6 +259,7 @@ def test_forked_workers_see_what_spawned_workers_would(
                 "SHARDTRAIN_TEST_EXTRA": "launch",
                 "SHARDTRAIN_TEST_REMOVED": None,
                 "ATEN_CPU_CAPABILITY": "default",
+                "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
             },
         }, seen
     out = capfd.readouterr().out
