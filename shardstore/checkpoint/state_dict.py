@@ -118,23 +118,44 @@ def _tree(store: Store, lc: LoadedCommit) -> Any:
 
 
 def read_state_dict(
-    store: Store, target: str = "main", *, map_location: str | torch.device | None = None, threads: int = 8
+    store: Store,
+    target: str = "main",
+    *,
+    map_location: str | torch.device | None = None,
+    threads: int = 8,
+    into: Mapping[Any, Any] | None = None,
+    tensors: bool = True,
 ) -> Any:
     """The state dict commit ``target`` holds, with fresh tensors (the ``torch.load`` of a commit).
 
     Every object is verified as it is read; tensors come back on the CPU, or on
-    ``map_location``. A commit not made by ``save_state_dict`` is refused (``StateMismatch``).
+    ``map_location``. ``into``: tensors the caller already holds, placed as in the state dict
+    (``{"model": model.state_dict()}``), matched as ``load_state_dict_into`` matches its dict
+    (the stored tensor at each one's key path must exist with its dtype and shape; checked
+    before any byte is written): each is filled in place and is the returned dict's tensor at
+    its path, so a model's weights land in the model instead of in a fresh tensor copied over
+    afterwards (``into``'s other values are not used; ``map_location`` moves only the fresh
+    tensors). ``tensors=False``: nothing but the manifests and the tree is read (``into`` is
+    not used), and each tensor stays a ``TensorRef`` (its entry name), for a caller deciding
+    what to read into.
+    A commit not made by ``save_state_dict`` is refused (``StateMismatch``).
     """
     lc = load_commit(store, target)
     value = _tree(store, lc)
+    if not tensors:
+        return value
     entries = lc.entries()
-    # a manifest's shapes: the objects' sizes bound the allocations, checked first (SPEC.md §Limits)
+    dests: dict[str, torch.Tensor] = {}
+    if into is not None and _holds_tensor(into):
+        _match(into, value, "$", entries, dests, [], None)  # the caller's other values are not replaced
+    # a manifest's shapes: the objects' sizes bound the allocations, checked first (SPEC.md §Limits),
+    # and with them those of the objects read into the caller's tensors (before any byte lands, §16)
     check_stored_all(store, [(e.param, e.dtype, tuple(e.shape), f"tensor {n!r}") for n, e in sorted(entries.items())])
-    fresh = {n: torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype)) for n, e in entries.items()}
-    read_plan(store, _reads(entries, fresh), threads, sizes_checked=True)  # whole tensors: the objects just checked
+    fresh = {n: torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype)) for n, e in entries.items() if n not in dests}
+    read_plan(store, _reads(entries, {**fresh, **dests}), threads, sizes_checked=True)  # sizes just checked
     if map_location is not None:
         fresh = {n: t.to(map_location) for n, t in fresh.items()}
-    return fill_tree(value, fresh.__getitem__)
+    return fill_tree(value, {**fresh, **dests}.__getitem__)
 
 
 def load_state_dict_into(
@@ -163,8 +184,28 @@ def load_state_dict_into(
 
 
 def _reads(entries: Mapping[str, TensorEntry], dests: Mapping[str, torch.Tensor]) -> RestorePlan:
-    """Each destination read from its tensor entry, nothing to install (the caller places them)."""
-    return RestorePlan(tuple(ReadItem(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests)))
+    """Each destination read from its tensor entry, nothing to install (the caller places them).
+    A destination that is the very tensor of another one with the same payload (a tied weight
+    under two key paths) is read once."""
+    items: list[ReadItem] = []
+    planned: dict[tuple[Any, ...], Any] = {}  # a plain tensor's memory -> the payload read into it
+    for n in sorted(dests):
+        t, payload = dests[n], entries[n].param
+        alias = _alias(t)
+        if alias is not None and planned.get(alias) == payload:
+            continue
+        if alias is not None:
+            planned.setdefault(alias, payload)
+        items.append(ReadItem(payload, t, f"tensor {n!r}"))
+    return RestorePlan(tuple(items))
+
+
+def _alias(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two plain tensors one destination (the same memory, viewed alike); None for a
+    DTensor or an empty tensor (never merged)."""
+    if is_dtensor(t) or t.numel() == 0:
+        return None
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
 def _holds_tensor(v: Any, depth: int = 0) -> bool:
