@@ -339,9 +339,9 @@ class ShardstoreTrainerMixin:
         The model's names are checked against the commit's first, and each tensor's dtype and
         shape by the read, before any byte lands in the model. Reading in place saves a fresh copy
         of the weights and the copy into the parameters; as with ``shardstore.restore``, a corrupt
-        object found part way leaves the model holding part of the checkpoint (the error says so;
-        the resume is then to be repeated, never trained from). Each retry of ``auto_find_batch_size``
-        reads again: the attempt before may have stepped the optimizer's tensors."""
+        object found part way (``CorruptObject`` out of ``train``) leaves the model holding part of
+        the checkpoint: the resume is to be repeated, never trained from. Each retry of
+        ``auto_find_batch_size`` reads again: the attempt before may have stepped the optimizer's tensors."""
         live = self.model.state_dict()  # the model's own tensors (detached views), as Trainer would load into
         _check_names(live, r.tree["model"], r.commit)
         try:
