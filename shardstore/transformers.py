@@ -17,8 +17,9 @@ made by ``save_state_dict`` (SPEC.md §9.6) from one nested dict, its *tree*::
 does; such a checkpoint exports but does not resume). Checkpoint N of a run is the ref
 ``<prefix>/checkpoint-N`` (Trainer's folder name under the run's ref prefix); nothing is
 written to ``output_dir``. ``train(resume_from_checkpoint=True | ref | commit id)`` reads
-the commit once, verified, and hands each part to Trainer where its own resume path expects
-it, so the data position (Trainer skips the batches ``global_step`` says were consumed), the
+the commit's tree first, then (once the model is built) its tensors in one verified read, the
+weights straight into the model, and hands each part to Trainer where its own resume path
+expects it, so the data position (Trainer skips the batches ``global_step`` says were consumed), the
 RNG reload after that skip and the callbacks' state are Trainer's own code. ``save_total_limit``
 deletes older checkpoint refs as Trainer deletes older folders (the newest and the best are
 kept); those commits have no parent, so ``shardstore gc`` reclaims what only they held.
@@ -78,7 +79,8 @@ _CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
 
 @dataclass
 class _Resume:
-    """A resume in progress: the commit's tree, and which parts Trainer has taken so far."""
+    """A resume in progress: the commit's tree (each tensor a ``TensorRef`` until ``_load_resumed_model``
+    reads them all), and which parts Trainer has taken so far."""
 
     commit: str
     tree: dict[str, Any]
@@ -270,7 +272,7 @@ class ShardstoreTrainerMixin:
         self._resume = None
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             cid = self._resolve(resume_from_checkpoint)
-            self._resume = _Resume(cid, self._read_tree(cid, training=True))
+            self._resume = _Resume(cid, self._read_tree(cid, training=True, tensors=False))  # the bytes come later
             self._last_commit = cid
             stored_bs = self._resume.tree["trainer_state"].get("train_batch_size")
             if stored_bs is not None and self.args.auto_find_batch_size:
@@ -288,9 +290,10 @@ class ShardstoreTrainerMixin:
                     self._delete_ref(name)
         return out
 
-    def _read_tree(self, cid: str, *, training: bool) -> dict[str, Any]:
-        """Commit ``cid``'s tree, every tensor verified as it is read; StateMismatch unless this adapter made it."""
-        tree = read_state_dict(self.store, cid)
+    def _read_tree(self, cid: str, *, training: bool, tensors: bool = True) -> dict[str, Any]:
+        """Commit ``cid``'s tree, every tensor verified as it is read (``tensors=False``: each left a
+        ``TensorRef``, nothing read); StateMismatch unless this adapter made it."""
+        tree = read_state_dict(self.store, cid, tensors=tensors)
         if not isinstance(tree, dict) or tree.get("kind") != KIND or tree.get("version") != VERSION:
             kind = tree.get("kind") if isinstance(tree, dict) else type(tree).__name__
             raise StateMismatch(
@@ -329,9 +332,25 @@ class ShardstoreTrainerMixin:
         return super()._inner_training_loop(*args, **kwargs)  # type: ignore[misc]
 
     def _load_resumed_model(self, r: _Resume) -> None:
-        """The resume's weights into the model as built: this adapter's ``Trainer._load_from_checkpoint``
-        (one method, so that the resume's work is the methods named in this section)."""
-        _load_model(self.model, r.tree["model"], r.commit)
+        """The resume's tensors, read: the weights straight into the model as built (this adapter's
+        ``Trainer._load_from_checkpoint``), the optimizer's, scheduler's and RNG's into fresh tensors
+        the later methods hand over; one read, every byte verified as it lands.
+
+        The model's names are checked against the commit's first, and each tensor's dtype and
+        shape by the read, before any byte lands in the model. Reading in place saves a fresh copy
+        of the weights and the copy into the parameters; as with ``shardstore.restore``, a corrupt
+        object found part way (``CorruptObject`` out of ``train``) leaves the model holding part of
+        the checkpoint: the resume is to be repeated, never trained from. Each retry of
+        ``auto_find_batch_size`` reads again: the attempt before may have stepped the optimizer's tensors."""
+        live = self.model.state_dict()  # the model's own tensors (detached views), as Trainer would load into
+        _check_names(live, r.tree["model"], r.commit)
+        try:
+            r.tree = read_state_dict(self.store, r.commit, into={"model": live})
+        except TensorMismatch as e:  # a weight of another dtype or shape: refused before any byte landed
+            raise TensorMismatch(f"checkpoint {r.commit}: {e}") from None
+        # each tensor is the model's own already (no copy); a module whose state_dict() hands out
+        # copies gets them loaded here, as torch's load_state_dict would
+        self.model.load_state_dict(r.tree["model"], strict=True)
 
     def _init_training_state(
         self,
@@ -464,15 +483,20 @@ class _Guard(TrainerCallback):
             )
 
 
-def _check_model(model: torch.nn.Module, stored: Mapping[str, Any], commit: str) -> dict[str, torch.Tensor]:
-    """The model's state dict, once every name, dtype and shape matches the commit's (else raise, nothing written)."""
-    live = model.state_dict()
+def _check_names(live: Mapping[str, Any], stored: Mapping[str, Any], commit: str) -> None:
+    """StateMismatch unless the model's state dict ``live`` and the commit's model part name the same tensors."""
     missing, unexpected = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
     if missing or unexpected:
         raise StateMismatch(
             f"checkpoint {commit}: the model has tensors the commit lacks {missing[:5]}, or the commit has "
             f"tensors the model lacks {unexpected[:5]}"
         )
+
+
+def _check_model(model: torch.nn.Module, stored: Mapping[str, Any], commit: str) -> dict[str, torch.Tensor]:
+    """The model's state dict, once every name, dtype and shape matches the commit's (else raise, nothing written)."""
+    live = model.state_dict()
+    _check_names(live, stored, commit)
     for name, t in live.items():
         s = stored[name]
         if not isinstance(s, torch.Tensor) or s.dtype != t.dtype or s.shape != t.shape:

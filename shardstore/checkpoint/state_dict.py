@@ -19,12 +19,13 @@ by entry name, every other value by key path) and is collected like any other::
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from ..errors import StateMismatch, TensorMismatch
-from ..format.grid import check_stored_all
+from ..format.grid import check_stored_all, read_parts, staging
 from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, TensorEntry
 from ..format.tensors import dtype_name, is_dtensor, torch_dtype
 from ..state.documents import TensorRef, encode_tree, fill_tree, read_tree, tensor_refs
@@ -118,23 +119,40 @@ def _tree(store: Store, lc: LoadedCommit) -> Any:
 
 
 def read_state_dict(
-    store: Store, target: str = "main", *, map_location: str | torch.device | None = None, threads: int = 8
+    store: Store,
+    target: str = "main",
+    *,
+    map_location: str | torch.device | None = None,
+    threads: int = 8,
+    into: Mapping[Any, Any] | None = None,
+    tensors: bool = True,
 ) -> Any:
     """The state dict commit ``target`` holds, with fresh tensors (the ``torch.load`` of a commit).
 
     Every object is verified as it is read; tensors come back on the CPU, or on
-    ``map_location``. A commit not made by ``save_state_dict`` is refused (``StateMismatch``).
+    ``map_location``. ``into``: tensors the caller already holds, placed as in the state dict
+    (``{"model": model.state_dict()}``), matched as ``load_state_dict_into`` matches its dict
+    (the stored tensor at each one's key path must exist with its dtype and shape; checked
+    before any byte is written): each is filled in place and is the returned dict's tensor at
+    its path, so a model's weights land in the model instead of in a fresh tensor copied over
+    afterwards (``into``'s other values are not used; ``map_location`` moves only the fresh
+    tensors). ``tensors=False``: nothing but the manifests and the tree is read (``into`` is
+    not used), and each tensor stays a ``TensorRef`` (its entry name), for a caller deciding
+    what to read into.
+    A commit not made by ``save_state_dict`` is refused (``StateMismatch``).
     """
     lc = load_commit(store, target)
     value = _tree(store, lc)
+    if not tensors:
+        return value
     entries = lc.entries()
-    # a manifest's shapes: the objects' sizes bound the allocations, checked first (SPEC.md §Limits)
-    check_stored_all(store, [(e.param, e.dtype, tuple(e.shape), f"tensor {n!r}") for n, e in sorted(entries.items())])
-    fresh = {n: torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype)) for n, e in entries.items()}
-    read_plan(store, _reads(entries, fresh), threads, sizes_checked=True)  # whole tensors: the objects just checked
+    dests: dict[str, torch.Tensor] = {}
+    if into is not None and _holds_tensor(into):
+        _match(into, value, "$", entries, dests, [], None)  # the caller's other values are not replaced
+    fresh = _read_all(store, entries, dests, threads)
     if map_location is not None:
         fresh = {n: t.to(map_location) for n, t in fresh.items()}
-    return fill_tree(value, fresh.__getitem__)
+    return fill_tree(value, {**fresh, **dests}.__getitem__)
 
 
 def load_state_dict_into(
@@ -162,9 +180,83 @@ def load_state_dict_into(
     return lc.id
 
 
+def _read_all(
+    store: Store, entries: Mapping[str, TensorEntry], dests: Mapping[str, torch.Tensor], threads: int
+) -> dict[str, torch.Tensor]:
+    """Read every entry: into ``dests`` where it has one, else into a fresh tensor (returned). Each
+    object's size is checked before its fresh tensor is allocated (a manifest's shapes never drive
+    an allocation unchecked, SPEC.md §Limits) and all of them before any byte lands in one of the
+    caller's tensors (§16); every block is verified as it lands.
+
+    A store that answers many sizes at once (S3's listings) is asked once, then everything is
+    read. Elsewhere each size is a query of its own (a stat), and a cold one waits on the disk:
+    the checks run ahead in a pool of their own, and each fresh tensor is allocated and queued
+    for reading once its own objects pass, so the reads start after the first check, not the last.
+    """
+    names = sorted(entries)
+    checks = {n: (entries[n].param, entries[n].dtype, tuple(entries[n].shape), f"tensor {n!r}") for n in names}
+    if store.lists_sizes() or threads <= 1:
+        check_stored_all(store, list(checks.values()))
+        fresh = {n: _empty(entries[n]) for n in names if n not in dests}
+        read_plan(store, _reads(entries, {**fresh, **dests}), threads, sizes_checked=True)  # sizes just checked
+        return fresh
+    fresh: dict[str, torch.Tensor] = {}
+    queued: list[Future[int]] = []
+    stage = staging()
+    with ThreadPoolExecutor(16) as checker, ThreadPoolExecutor(threads) as reader:
+        try:
+            checked: dict[Any, Future[None]] = {}  # (payload, dtype, shape): its check, asked once however many entries
+            for n in names:
+                key = checks[n][:3]
+                if key not in checked:
+                    checked[key] = checker.submit(check_stored_all, store, [checks[n]], threads=1)
+            for n in names:  # in order: the first failure raised
+                checked[checks[n][:3]].result()
+                if n in dests:
+                    continue
+                # allocated on this thread, as read_plan's callers allocate (on the pool's threads it
+                # measured twice the CPU time)
+                e = entries[n]
+                t = fresh[n] = _empty(e)
+                jobs = read_parts(store, e.param, e.dtype, e.shape, [(t, (0,) * t.ndim)], f"tensor {n!r}")
+                queued += [reader.submit(job, stage) for job in jobs]
+            read_plan(store, _reads(entries, dests), threads, sizes_checked=True)  # all checked: the caller's now
+            for f in queued:
+                f.result()
+        except BaseException:
+            for f in [*queued, *checked.values()]:
+                f.cancel()
+            raise
+    return fresh
+
+
+def _empty(e: TensorEntry) -> torch.Tensor:
+    return torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype))
+
+
 def _reads(entries: Mapping[str, TensorEntry], dests: Mapping[str, torch.Tensor]) -> RestorePlan:
-    """Each destination read from its tensor entry, nothing to install (the caller places them)."""
-    return RestorePlan(tuple(ReadItem(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests)))
+    """Each destination read from its tensor entry, nothing to install (the caller places them).
+    A destination that is the very tensor of another one with the same payload (a tied weight
+    under two key paths) is read once."""
+    items: list[ReadItem] = []
+    planned: dict[tuple[Any, ...], Any] = {}  # a plain tensor's memory -> the payload read into it
+    for n in sorted(dests):
+        t, payload = dests[n], entries[n].param
+        alias = _alias(t)
+        if alias is not None and planned.get(alias) == payload:
+            continue
+        if alias is not None:
+            planned.setdefault(alias, payload)
+        items.append(ReadItem(payload, t, f"tensor {n!r}"))
+    return RestorePlan(tuple(items))
+
+
+def _alias(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two plain tensors one destination (the same memory, viewed alike); None for a
+    DTensor or an empty tensor (never merged)."""
+    if is_dtensor(t) or t.numel() == 0:
+        return None
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
 def _holds_tensor(v: Any, depth: int = 0) -> bool:

@@ -223,6 +223,37 @@ def test_in_place_load_fills_the_callers_tensors_after_checking_everything(tmp_p
     same({k: ck["callbacks"][key][k] for k in target["callbacks"][key]}, target["callbacks"][key])
 
 
+def test_read_state_dict_reads_the_callers_tensors_in_place_and_the_rest_fresh(tmp_path, monkeypatch):
+    """``into``: a model's own tensors receive their bytes (a tied weight read once) and stand in the
+    dict returned; everything else comes back fresh; a wrong destination is refused before any write."""
+    ck = lightning_checkpoint()
+    tied = torch.nn.Linear(4, 4, bias=False)
+    ck["tied"] = {"a": tied.weight.detach(), "b": tied.weight.detach()}  # one tensor under two key paths
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, ck)
+    model = OrderedDict((k, torch.zeros_like(v)) for k, v in ck["state_dict"].items())
+    weight = model["0.weight"]
+    wrong = OrderedDict(model, **{"2.bias": torch.zeros(3)})
+    with pytest.raises(TensorMismatch, match=r"\$\.state_dict\.2\.bias: the commit holds float32\[2\]"):
+        shardstore.read_state_dict(store, cid, into={"state_dict": wrong})
+    assert not weight.any()  # nothing written
+    one = torch.zeros(4, 4)
+    reads: list[str] = []
+    read_into = store.read_into
+    monkeypatch.setattr(store, "read_into", lambda oid, dest, **kw: (reads.append(oid), read_into(oid, dest, **kw)))
+    back = shardstore.read_state_dict(store, cid, into={"state_dict": model, "tied": {"a": one, "b": one.view(4, 4)}})
+    same(ck, back)
+    assert all(back["state_dict"][k] is model[k] for k in model) and back["tied"]["a"] is one  # in place
+    assert back["tied"]["b"].data_ptr() == one.data_ptr()
+    assert torch.equal(one, tied.weight)
+    assert reads.count(shardstore.load_commit(store, cid).entries()["tied/a"].param) == 1  # read once, not per path
+    assert back["optimizer_states"][0]["state"][0]["exp_avg"] is not ck["optimizer_states"][0]["state"][0]["exp_avg"]
+    # tensors=False: the tree alone, each tensor named by its entry, no tensor read
+    reads.clear()
+    refs = shardstore.read_state_dict(store, cid, tensors=False)
+    assert not reads and refs["epoch"] == 1 and refs["state_dict"]["0.weight"].name == "state_dict/0.weight"
+
+
 def test_diff_by_key_path_log_gc_and_copy(tmp_path, capsys):
     store = shardstore.open_store(tmp_path / "s")
     ck = lightning_checkpoint()
