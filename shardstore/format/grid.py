@@ -61,7 +61,7 @@ __all__ = [
     "BlockRead",
     "READ_AHEAD_BYTES",
     "READ_AHEAD_THREADS",
-    "ReadsAhead",
+    "ReadAheadStore",
     "make_payload",
     "put_payloads",
     "read_jobs",
@@ -544,12 +544,12 @@ READ_AHEAD_BYTES = 64 << 20
 #: The most reading threads ``run_reads`` reads ahead for. More threads keep as many reads in
 #: flight themselves, and the kernel fills read-ahead pages in 4 KiB folios (a plain read's
 #: later windows use large ones), which cost more CPU to copy out: at 8 threads a restore used
-#: about a quarter more CPU with read-ahead and was no faster (benchmarks/RESULTS.md, "read-ahead").
+#: about a third more CPU with read-ahead and was no faster (benchmarks/RESULTS.md, "read-ahead").
 READ_AHEAD_THREADS = 2
 
 
 @runtime_checkable
-class ReadsAhead(Protocol):
+class ReadAheadStore(Protocol):
     """A store that can start fetching a block before it is read (``Store.read_ahead``: the
     kernel's readahead of a local object); advisory, it changes nothing a read returns."""
 
@@ -568,7 +568,7 @@ class _ReadAhead:
         self.next = 0  # the first job not yet asked for
         self.lock = threading.Lock()
         stores = {id(job.store): job.store for job in jobs}
-        self.able = {k: isinstance(st, ReadsAhead) for k, st in stores.items()}  # once: a Protocol check is slow
+        self.able = {k: isinstance(st, ReadAheadStore) for k, st in stores.items()}  # once: a Protocol check is slow
 
     def __call__(self, i: int) -> None:
         with self.lock:
@@ -578,7 +578,7 @@ class _ReadAhead:
             todo = self.jobs[lo : self.next]
         for job in todo:  # outside the lock: another thread's read does not wait for these calls
             if self.able[id(job.store)]:
-                job.store.read_ahead(job.oid)  # type: ignore[attr-defined]  (ReadsAhead, checked above)
+                job.store.read_ahead(job.oid)  # type: ignore[attr-defined]  (ReadAheadStore, checked above)
 
 
 def staging() -> Staging:
@@ -589,7 +589,7 @@ def staging() -> Staging:
 def run_reads(jobs: Sequence[BlockRead], *, threads: int, window: int | None = None) -> int:
     """Run ``jobs`` (already checked: ``check_reads``), ``threads`` at a time, each thread
     staging through one reused buffer, with ``window`` bytes of blocks asked for ahead of them
-    (``ReadsAhead``; None: ``READ_AHEAD_BYTES`` on up to ``READ_AHEAD_THREADS`` threads, else
+    (``ReadAheadStore``; None: ``READ_AHEAD_BYTES`` on up to ``READ_AHEAD_THREADS`` threads, else
     none; 0: none); return the bytes read. The first failure is raised."""
     stage = staging()
     if len(jobs) <= 1:
