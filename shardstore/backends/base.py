@@ -19,6 +19,9 @@ hashing otherwise (the results are the same):
   hashes what it put in ``out`` itself and returns the digest, for a backend that must know it
   (``TieredStorage`` verifies a tier's copy before handing it on): the store then compares that
   digest with the id instead of hashing the bytes a second time;
+- ``ReadsAhead.read_ahead(key)``: start fetching an object that is about to be read, without
+  waiting for it (local files: the kernel's readahead), so that a reader hashing one object has
+  the next ones' bytes on their way; advisory only, it never fails;
 - ``BatchedWrites.begin_write`` / ``end_writes``: batched create-only writes with one
   durability barrier;
 - ``ListedSizes.sizes(keys) -> {key: size}``: which of many keys are present, and their
@@ -44,6 +47,7 @@ __all__ = [
     "HashedReads",
     "HashedReadsInto",
     "ListedSizes",
+    "ReadsAhead",
     "Storage",
     "StreamedReads",
     "show_ref_value",
@@ -143,6 +147,18 @@ class HashedReadsInto(Protocol):
         """Read the bytes at ``key`` into ``out`` and return (their size, the BLAKE3 hex digest of
         the bytes now in ``out``); a size other than ``len(out)`` is returned with an empty digest,
         without reading, for the caller to refuse."""
+        ...
+
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """A backend's optional fast path for restores of many objects: a reader names the objects it
+    will read next, and the backend starts fetching them while the reader hashes the current one
+    (one reading thread then keeps the device busy, as a long sequential read does)."""
+
+    def read_ahead(self, key: str) -> None:
+        """Start fetching the bytes at ``key`` and return at once; nothing if it cannot (a missing
+        object: the read that follows says so). Never raises, never changes what a read returns."""
         ...
 
 

@@ -36,6 +36,7 @@ from .posix import (
     read_exact,
     start_writeback,
     unlink_quietly,
+    will_need,
 )
 from .ref_locks import break_lock, take_lock
 
@@ -263,6 +264,19 @@ class LocalStorage:
             raise self._io("read", key, e) from None
         finally:
             os.close(fd)
+
+    def read_ahead(self, key: str) -> None:
+        """Have the kernel start reading the object at ``key`` into the page cache (``will_need``)
+        and return at once; nothing for a key that cannot be opened (the read that follows names
+        the failure). The bytes a read returns are still the file's, read and hashed as ever."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except (OSError, InvalidName):
+            return
+        try:
+            will_need(fd)
+        finally:
+            close_quietly(fd)
 
     def hash_object(self, key: str, hasher: Callable[[], Any], *, threads: int = 1) -> tuple[str, int]:
         """(hex digest, size) of the object at ``key``; ``hasher()`` makes a fresh hash object

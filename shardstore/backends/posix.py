@@ -1,6 +1,6 @@
 """The POSIX file primitives the local backend is built from: exact reads that ask for one
-page first, early writeback, directory fsync, quiet close and unlink, and freshening a
-duplicate's modification time (SPEC.md §19, §19.1).
+page first, readahead of a file about to be read, early writeback, directory fsync, quiet
+close and unlink, and freshening a duplicate's modification time (SPEC.md §19, §19.1).
 
 Every call goes through this module's ``os``, as ``LocalStorage``'s do, so the fault tests
 can number and fail each system call of a save (``tests/faults.py``).
@@ -15,6 +15,7 @@ __all__ = [
     "READ_CHUNK",
     "FIRST_READ",
     "start_writeback",
+    "will_need",
     "read_exact",
     "close_quietly",
     "unlink_quietly",
@@ -41,6 +42,15 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     try:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except (AttributeError, OSError):  # pragma: no cover - not Linux
+        pass
+
+
+def will_need(fd: int) -> None:
+    """Ask the kernel to start reading all of ``fd`` into the page cache now (no wait), so a
+    later read finds it there: the reads of the next objects overlap the hashing of this one."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux, or a file system without readahead
         pass
 
 

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import CorruptObject, GridError, ObjectNotFound, TensorMismatch
 from .lazy import torch
@@ -58,6 +59,9 @@ __all__ = [
     "check_stored_all",
     "check_reads",
     "BlockRead",
+    "READ_AHEAD_BYTES",
+    "READ_AHEAD_THREADS",
+    "ReadAheadStore",
     "make_payload",
     "put_payloads",
     "read_jobs",
@@ -531,19 +535,78 @@ class BlockRead:
         return self.n
 
 
+#: Bytes of blocks ``run_reads`` asks the store for ahead of the block each job starts on, when
+#: it reads on at most ``READ_AHEAD_THREADS`` threads. The device then reads the next blocks
+#: while the thread hashes and copies the one that has landed, as a long sequential read of one
+#: file keeps it busy: without it each object's read began cold and ramped its own readahead up
+#: from a few pages, the disk idle while the thread hashed (benchmarks/RESULTS.md, "read-ahead").
+READ_AHEAD_BYTES = 64 << 20
+#: The most reading threads ``run_reads`` reads ahead for. More threads keep as many reads in
+#: flight themselves, and the kernel fills read-ahead pages in 4 KiB folios (a plain read's
+#: later windows use large ones), which cost more CPU to copy out: at 8 threads a restore used
+#: about a third more CPU with read-ahead and was no faster (benchmarks/RESULTS.md, "read-ahead").
+READ_AHEAD_THREADS = 2
+
+
+@runtime_checkable
+class ReadAheadStore(Protocol):
+    """A store that can start fetching a block before it is read (``Store.read_ahead``: the
+    kernel's readahead of a local object); advisory, it changes nothing a read returns."""
+
+    def read_ahead(self, oid: str) -> None: ...
+
+
+class _ReadAhead:
+    """Keeps ``window`` bytes of blocks asked for ahead of the jobs started: when job ``i``
+    starts, every job starting less than ``window`` bytes after it has been asked for (jobs
+    start in order, whatever the thread count)."""
+
+    def __init__(self, jobs: Sequence[BlockRead], window: int) -> None:
+        self.jobs = jobs
+        self.starts = list(itertools.accumulate((job.n for job in jobs), initial=0))
+        self.window = window
+        self.next = 0  # the first job not yet asked for
+        self.lock = threading.Lock()
+        stores = {id(job.store): job.store for job in jobs}
+        self.able = {k: isinstance(st, ReadAheadStore) for k, st in stores.items()}  # once: a Protocol check is slow
+
+    def __call__(self, i: int) -> None:
+        with self.lock:
+            lo, limit = self.next, self.starts[i] + self.window
+            while self.next < len(self.jobs) and self.starts[self.next] < limit:
+                self.next += 1
+            todo = self.jobs[lo : self.next]
+        for job in todo:  # outside the lock: another thread's read does not wait for these calls
+            if self.able[id(job.store)]:
+                job.store.read_ahead(job.oid)  # type: ignore[attr-defined]  (ReadAheadStore, checked above)
+
+
 def staging() -> Staging:
     """Staging buffers for ``BlockRead`` jobs (one per thread that runs them, at most ``STAGING_BYTES`` each)."""
     return Staging(STAGING_BYTES)
 
 
-def run_reads(jobs: Sequence[BlockRead], *, threads: int) -> int:
+def run_reads(jobs: Sequence[BlockRead], *, threads: int, window: int | None = None) -> int:
     """Run ``jobs`` (already checked: ``check_reads``), ``threads`` at a time, each thread
-    staging through one reused buffer; return the bytes read. The first failure is raised."""
+    staging through one reused buffer, with ``window`` bytes of blocks asked for ahead of them
+    (``ReadAheadStore``; None: ``READ_AHEAD_BYTES`` on up to ``READ_AHEAD_THREADS`` threads, else
+    none; 0: none); return the bytes read. The first failure is raised."""
     stage = staging()
-    if threads <= 1 or len(jobs) <= 1:
+    if len(jobs) <= 1:
         return sum(job(stage) for job in jobs)
+    if window is None:
+        window = READ_AHEAD_BYTES if threads <= READ_AHEAD_THREADS else 0
+    ahead = _ReadAhead(jobs, window) if window > 0 else None
+
+    def run(i: int) -> int:
+        if ahead is not None:
+            ahead(i)
+        return jobs[i](stage)
+
+    if threads <= 1:
+        return sum(run(i) for i in range(len(jobs)))
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return sum(pool.map(lambda job: job(stage), jobs))
+        return sum(pool.map(run, range(len(jobs))))
 
 
 def read_whole(store: BlockStore, payload: Payload, dtype: str, shape: Sequence[int], what: str) -> torch.Tensor:

@@ -268,6 +268,10 @@ class Store:
         data = self.storage.read(key)
         return hash_bytes(data, threads=threads), len(data)
 
+    def read_ahead(self, oid: str) -> None:
+        """Start fetching object ``oid``, about to be read, without waiting (``store.tensors.read_ahead``)."""
+        tensors_io.read_ahead(self.storage, oid)
+
     def read_into(self, oid: str, dest: torch.Tensor, *, what: str = "tensor") -> None:
         """Fill ``dest`` in place with object ``oid``'s bytes, verifying size and hash
         (``store.tensors.read_into``: straight from the file where the backend allows)."""

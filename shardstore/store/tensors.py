@@ -12,14 +12,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..backends.base import BatchedWrites, Buffer, HashedReadsInto, ListedSizes, Storage, StreamedReads
+from ..backends.base import BatchedWrites, Buffer, HashedReadsInto, ListedSizes, ReadsAhead, Storage, StreamedReads
 from ..errors import CorruptObject
 from ..format.grid import staging
 from ..format.lazy import torch
 from ..format.tensors import Staging, check_storable, dtype_name, hash_bytes, new_hasher, tensor_bytes
 from .keys import object_key
 
-__all__ = ["WRITE_THREADS", "WriteBatch", "put_tensors", "read_into"]
+__all__ = ["WRITE_THREADS", "WriteBatch", "put_tensors", "read_ahead", "read_into"]
 
 #: Objects a save hashes and writes at once (the default ``threads`` of every write path), as
 #: restore reads 8 at once. More than the cores on purpose: a small object's time is mostly
@@ -185,6 +185,14 @@ def _put_listed(storage: ListedSizes, tensors: Sequence[torch.Tensor | Buffer], 
 
     _map(put, sorted(first.items()), threads)
     return ids
+
+
+def read_ahead(storage: Storage, oid: str) -> None:
+    """Have the backend start fetching object ``oid`` for a ``read_into`` soon after (``ReadsAhead``:
+    local files; nothing on a backend without it). Advisory: what the read returns, and its
+    verification, are unchanged."""
+    if isinstance(storage, ReadsAhead):
+        storage.read_ahead(object_key(oid))
 
 
 def read_into(storage: Storage, oid: str, dest: torch.Tensor, *, what: str, whole: Callable[[], torch.Tensor]) -> None:

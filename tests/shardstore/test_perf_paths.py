@@ -20,7 +20,7 @@ from faults import FaultyOs, patch_local_os
 
 import shardstore as ss
 from shardstore.backends import local
-from shardstore.format.grid import payload_blocks, put_payloads
+from shardstore.format.grid import READ_AHEAD_THREADS, payload_blocks, put_payloads, read_jobs, run_reads
 from shardstore.format.tensors import dtype_name, hash_bytes, tensor_bytes
 from shardstore.store import object_key
 
@@ -311,8 +311,9 @@ def test_restore_into_a_fresh_optimizer_and_noncontiguous_targets(store: ss.Stor
     assert torch.equal(target["mid.weight"], w)
 
 
+@pytest.mark.parametrize("threads", [1, 8])  # 1: with read-ahead (run_reads), 8: without
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_streamed_restore_still_rejects_damaged_objects(store: ss.Store, trained, damage: str) -> None:
+def test_streamed_restore_still_rejects_damaged_objects(store: ss.Store, trained, damage: str, threads: int) -> None:
     model, opt = trained
     cid = ss.save(store, model, opt, step=3)
     oid = ss.load_commit(store, cid).entries()["mid.weight"].param
@@ -327,9 +328,112 @@ def test_streamed_restore_still_rejects_damaged_objects(store: ss.Store, trained
         f.write(raw)
     # a truncated object is refused by its size before any byte is read (SPEC.md §16); a flipped one by its hash
     with pytest.raises(ss.CorruptObject if damage == "flip" else ss.TensorMismatch, match=oid):
-        ss.restore(store, cid, TinyNet(seed=1), make_optimizer(TinyNet(seed=1)))
+        ss.restore(store, cid, TinyNet(seed=1), make_optimizer(TinyNet(seed=1)), threads=threads)
     report = ss.verify(store, [cid])
     assert [p.object for p in report.problems] == [oid]
+
+
+# -- read-ahead ----------------------------------------------------------------------------
+
+
+def _spy_reads(monkeypatch) -> list[tuple[str, str]]:
+    """The local backend's read-aheads and reads, recorded in order as (kind, key); both still run."""
+    events: list[tuple[str, str]] = []
+    ahead, read = local.LocalStorage.read_ahead, local.LocalStorage.read_into
+
+    def spy_ahead(self, key: str) -> None:
+        events.append(("ahead", key))
+        ahead(self, key)
+
+    def spy_read(self, key: str, out, consume=None) -> int:
+        events.append(("read", key))
+        return read(self, key, out, consume)
+
+    monkeypatch.setattr(local.LocalStorage, "read_ahead", spy_ahead)
+    monkeypatch.setattr(local.LocalStorage, "read_into", spy_read)
+    return events
+
+
+def _blocks(store: ss.Store, n: int) -> tuple[list[torch.Tensor], list, list[torch.Tensor]]:
+    """``n`` different 64 KiB tensors stored (one object each), their read jobs into zeroed copies, and the copies."""
+    g = torch.Generator().manual_seed(3)
+    src = [torch.randn(128, 128, generator=g) for _ in range(n)]
+    payloads = put_payloads(store, src)
+    dest = [torch.zeros_like(t) for t in src]
+    jobs = [
+        job
+        for i, (p, d) in enumerate(zip(payloads, dest))
+        for job in read_jobs(store, p, "float32", (128, 128), d, (0, 0), f"t{i}")
+    ]
+    return src, jobs, dest
+
+
+def test_a_one_thread_read_asks_for_the_next_blocks_within_its_window(store: ss.Store, monkeypatch) -> None:
+    """On one thread every block is asked for ahead (the kernel's readahead: ``posix_fadvise``
+    WILLNEED) before it is read, in order, and never more than the window beyond the block being
+    read: with a window of three blocks and a bit, the read of block i finds blocks 0..i+3 asked for."""
+    src, jobs, dest = _blocks(store, 10)
+    keys = [object_key(job.oid) for job in jobs]
+    events = _spy_reads(monkeypatch)
+    advised: list[int] = []
+    real = os.posix_fadvise
+
+    def spy_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append(advice)
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy_fadvise)
+    assert run_reads(jobs, threads=1, window=3 * (64 << 10) + 1) == 10 * (64 << 10)
+    assert all(torch.equal(a, b) for a, b in zip(src, dest))
+    assert [k for kind, k in events if kind == "ahead"] == keys and advised == [os.POSIX_FADV_WILLNEED] * 10
+    for i, key in enumerate(keys):
+        at = events.index(("read", key))
+        assert [k for kind, k in events[:at] if kind == "ahead"] == keys[: min(10, i + 4)], i
+
+
+@pytest.mark.parametrize("threads", [2, READ_AHEAD_THREADS + 1])
+def test_reads_on_more_threads_ask_ahead_only_up_to_the_bound(store: ss.Store, monkeypatch, threads: int) -> None:
+    """Up to ``READ_AHEAD_THREADS`` threads each block is asked for once, before its read; more
+    threads read ahead themselves, and nothing is asked for (the kernel's read-ahead pages cost more
+    CPU to copy out). A window of 0 turns it off."""
+    src, jobs, dest = _blocks(store, 6)
+    events = _spy_reads(monkeypatch)
+    run_reads(jobs, threads=threads)
+    assert all(torch.equal(a, b) for a, b in zip(src, dest))
+    asked = [k for kind, k in events if kind == "ahead"]
+    if threads > READ_AHEAD_THREADS:
+        assert asked == []
+    else:
+        assert sorted(asked) == sorted(object_key(job.oid) for job in jobs)
+        assert all(events.index(("ahead", k)) < events.index(("read", k)) for k in asked)
+    events.clear()
+    run_reads(jobs, threads=1, window=0)
+    assert [kind for kind, _ in events] == ["read"] * 6
+
+
+def test_a_read_ahead_that_fails_changes_nothing(store: ss.Store, trained, monkeypatch, tmp_path) -> None:
+    """Read-ahead is advice: a key that is missing or behind a symbolic link, or a kernel that
+    refuses the advice, is passed over in silence, and the restore reads and verifies as before."""
+    model, opt = trained
+    cid = ss.save(store, model, opt, step=3)
+    storage = store.storage
+    assert storage.read_ahead(object_key("ab" * 32)) is None  # missing
+    used = set(os.listdir(os.path.join(storage.root, "objects")))
+    linked = object_key(next(h for h in (f"{i:02x}" for i in range(256)) if h not in used) * 32)
+    os.symlink(tmp_path, os.path.join(storage.root, *linked.split("/")[:2]))
+    with pytest.raises(ss.InvalidName):
+        storage.read_into(linked, memoryview(bytearray(4)))  # what a read says of it
+    assert storage.read_ahead(linked) is None  # a symbolic link on the way: not followed, and no error
+
+    def refuse(fd: int, offset: int, length: int, advice: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    fresh = TinyNet(seed=1)
+    fresh_opt = make_optimizer(fresh)
+    ss.restore(store, cid, fresh, fresh_opt, threads=1)
+    for (n, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"]), n
 
 
 # -- async save ----------------------------------------------------------------------------
