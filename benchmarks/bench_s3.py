@@ -23,7 +23,11 @@ No object here is large enough for either side's multipart or ranged transfers.
 
 Each repetition runs both sides back to back, alternating which goes first, after one
 untimed warm-up of each (connections; the probe of the server's request conditions, which a
-process runs once per bucket). A ratio is shardstore's speed over s3fs's in the
+process runs once per bucket). What a repetition wrote is removed after it, untimed, on both
+sides (the uploads' prefixes, the downloads' directories): removing is not transferring, and
+removing a store's durable files (blocks allocated and written) costs more than removing files
+the kernel has not yet written back, so timing it would charge each download with the other
+side's durability. A ratio is shardstore's speed over s3fs's in the
 same repetition; the table gives the median ratio with its range (of wall time, and of
 the whole process's CPU time, which a loaded machine disturbs less), the median speeds,
 and the HTTP requests each side sent per operation (counted on each client's botocore
@@ -170,35 +174,43 @@ def main() -> None:
         remote_keys = uploaded[0][len("s3://") :] + "/objects"
         keep = set(uploaded[:1])
 
-        def drop_uploads() -> None:  # untimed: the server holds each size once or twice, not once per repetition
+        downloaded: list[str] = []
+
+        def drop_copies() -> None:
+            # untimed, after each repetition: the server holds each size once or twice, not once per
+            # repetition, and neither side's download is charged with removing what it wrote
             for url in uploaded:
                 if url not in keep:
                     fs.rm(url[len("s3://") :], recursive=True)
             uploaded[:] = [u for u in uploaded if u in keep]
+            for dst in downloaded:
+                shutil.rmtree(dst)
+            downloaded.clear()
 
         def ss_download() -> None:
             dst = os.path.join(work, f"dl-{uuid.uuid4().hex[:8]}")
+            downloaded.append(dst)
             copy_commit(remote, ss.open_store(dst), cid, threads=args.threads)
-            shutil.rmtree(dst)
 
         def fs_get() -> None:
             dst = os.path.join(work, f"get-{uuid.uuid4().hex[:8]}")
+            downloaded.append(dst)
             fs.get(remote_keys, dst, recursive=True, batch_size=args.threads)
-            shutil.rmtree(dst)
 
         def fs_get_fsync() -> None:
             # the durability a store's download owes its readers: every file and directory fsynced
             dst = os.path.join(work, f"getf-{uuid.uuid4().hex[:8]}")
+            downloaded.append(dst)
             fs.get(remote_keys, dst, recursive=True, batch_size=args.threads)
             files = [os.path.join(d, f) for d, _, names in os.walk(dst) for f in names]
             dirs = [d for d, _, _ in os.walk(dst)]
             with ThreadPoolExecutor(max_workers=args.threads) as pool:
                 list(pool.map(_fsync, files))
                 list(pool.map(_fsync, dirs))
-            shutil.rmtree(dst)
 
         ss_download()
         fs_get()
+        drop_copies()
         cases = (
             ("upload", ("shardstore", ss_count, ss_upload), ("s3fs", fs_count, fs_put)),
             ("download", ("shardstore", ss_count, ss_download), ("s3fs", fs_count, fs_get)),
@@ -212,7 +224,7 @@ def main() -> None:
                     times[f"{op} {who} vs {peer}"].append(took)
                     cpus[f"{op} {who} vs {peer}"].append(cpu)
                     requests[f"{op} {who}"] = sent
-                drop_uploads()
+                drop_copies()
 
         # not timed: the round trip is whole (every object re-hashed from a fresh local copy)
         back = ss.open_store(os.path.join(work, "check"))
@@ -257,7 +269,7 @@ def main() -> None:
         "CPU ratio is the same for the CPU time of the whole process (both clients and the in-process server), "
         "which a loaded machine disturbs less than wall time. The last row is a reference, not the target: a "
         "download into a store makes every object durable (fsync) before a manifest names it, plain s3fs get "
-        "does not (and this benchmark deletes its files before the kernel writes them back).",
+        "does not. What each repetition wrote is removed after it, untimed, on both sides.",
     ]
     text = "\n".join(lines)
     print(text)
