@@ -35,8 +35,9 @@ from ..errors import InvalidName, ShardstoreError
 from ..format.names import check_oid
 from ..format.tensors import hash_bytes, new_hasher
 from .base import BatchedWrites, Buffer, HashedReads, Storage, StreamedReads
+from .memory_tier import Kept, MemoryTier
 
-__all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES", "VerifiedCopies"]
+__all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES", "VerifiedCopies", "VerifiedReads"]
 
 #: The tiers a read is counted under, in the order they are asked.
 TIER_NAMES = ("memory", "peers", "store")
@@ -72,6 +73,17 @@ class VerifiedCopies(Protocol):
 
 
 @runtime_checkable
+class VerifiedReads(Protocol):
+    """A tier's optional fast path: a copy this process verified against its id as it arrived
+    and has kept unchanged since, read straight into the reader's buffer (no hashing again)."""
+
+    def read_verified_into(self, oid: str, out: memoryview) -> int | None:
+        """Read the verified copy of ``oid`` into ``out`` if it has exactly ``len(out)`` bytes;
+        its size, or None if the tier holds no such copy now."""
+        ...
+
+
+@runtime_checkable
 class StagedCopies(Protocol):
     """A tier's optional fast path: its copy of an object read into a buffer the reader gives."""
 
@@ -82,41 +94,72 @@ class StagedCopies(Protocol):
 
 
 class PeerCopies:
-    """Objects a peer sent (``checkpoint.replicas``), held in this process's memory until the
-    restore that asked for them is done; each remembers the slot that sent it, and whether it
-    was verified against its id as it arrived (``fetch_replicas`` hashes each object while the
-    next message travels, so the restore only copies it)."""
+    """Objects a peer sent (``checkpoint.replicas``), kept until the restore that asked for them
+    is done; each remembers the slot that sent it, and whether it was verified against its id as
+    it arrived (``fetch_replicas`` hashes each object while the next message travels, so the
+    restore only copies it). A verified copy is held either in this process's memory (``add``)
+    or in the file this process wrote from those bytes into its memory tier (``add_kept``: the
+    tier fills as copies arrive, and the restore reads that file straight into its tensor, as
+    long as it is still the file written, unchanged)."""
 
     name = "peers"
 
     def __init__(self) -> None:
         self._objects: dict[str, tuple[Buffer, int, bool]] = {}
+        self._kept: dict[str, tuple[MemoryTier, Kept, int]] = {}
 
     def add(self, oid: str, data: Buffer, peer: int, *, verified: bool = False) -> None:
         """Keep ``data`` as ``oid``'s copy from ``peer``; ``verified``: the caller hashed exactly
         these bytes to ``oid`` and hands over the only reference to them."""
         self._objects[check_oid(oid)] = (data, peer, verified)
 
+    def add_kept(self, oid: str, tier: MemoryTier, kept: Kept, peer: int) -> None:
+        """``oid``'s copy from ``peer`` is the file ``tier.keep_verified`` wrote (``kept``) from
+        bytes this process hashed to ``oid``."""
+        self._kept[check_oid(oid)] = (tier, kept, peer)
+
     def verified(self, oid: str) -> bool:
         got = self._objects.get(oid)
-        return got is not None and got[2]
+        return oid in self._kept if got is None else got[2]
+
+    def read_verified_into(self, oid: str, out: memoryview) -> int | None:
+        """``VerifiedReads``: a verified copy of ``oid`` put in ``out`` if it has ``len(out)``
+        bytes (a kept file only while it is still the file written, unchanged); None otherwise."""
+        got = self._objects.get(oid)
+        if got is not None:
+            if not got[2] or len(got[0]) != len(out):
+                return None
+            out[:] = memoryview(got[0]).cast("B")
+            return len(out)
+        kept = self._kept.get(oid)
+        return None if kept is None else kept[0].read_kept_into(oid, kept[1], out)
 
     def fetch(self, oid: str) -> Buffer | None:
+        """The copy of ``oid``: in memory, or read from its kept file (only while that is still the
+        file written, unchanged: what ``verified`` vouches for), else None."""
         got = self._objects.get(oid)
-        return None if got is None else got[0]
+        if got is not None:
+            return got[0]
+        kept = self._kept.get(oid)
+        if kept is None:
+            return None
+        buf = bytearray(kept[1].size)
+        return buf if kept[0].read_kept_into(oid, kept[1], memoryview(buf)) == len(buf) else None
 
     def where(self, oid: str) -> str:
-        got = self._objects.get(oid)
-        return "a peer" if got is None else f"peer slot {got[1]}"
+        if oid in self._objects:
+            return f"peer slot {self._objects[oid][1]}"
+        return f"peer slot {self._kept[oid][2]}" if oid in self._kept else "a peer"
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self._objects) + len(self._kept)
 
     def nbytes(self) -> int:
-        return sum(len(d) for d, _, _ in self._objects.values())
+        return sum(len(d) for d, _, _ in self._objects.values()) + sum(k.size for _, k, _ in self._kept.values())
 
     def clear(self) -> None:
         self._objects.clear()
+        self._kept.clear()
 
 
 def _object_id(key: str) -> str | None:
@@ -204,7 +247,7 @@ class TieredStorage:
         """The first tier's copy of ``oid`` that hashes to it (and, if given, has ``size`` bytes,
         at most ``limit``), in memory of its own; copies that do not are rejected, naming where
         they came from."""
-        for tier in self.tiers:
+        for tier in self._ordered(oid):
             data = tier.fetch(oid)
             if data is None or not self._verified(tier, oid, data, size, limit):
                 continue
@@ -212,6 +255,14 @@ class TieredStorage:
                 self._keep(oid, data)
             return tier, data
         return None
+
+    def _ordered(self, oid: str) -> list[CopyTier]:
+        """The tiers to ask for ``oid``: one holding a copy this process verified as it arrived
+        first (the object's bytes, already checked, so the cheapest; and counted under the tier
+        they came from, although they were also written to the fill tier as they arrived), then
+        the rest in their order."""
+        first = [t for t in self.tiers if isinstance(t, VerifiedCopies) and t.verified(oid)]
+        return first + [t for t in self.tiers if t not in first] if first else self.tiers
 
     def _stage(self, n: int) -> memoryview:
         """``n`` bytes of this thread's staging buffer (grown as needed, reused from read to read);
@@ -226,8 +277,13 @@ class TieredStorage:
 
     def _copy_into(self, oid: str, out: memoryview) -> CopyTier | None:
         """Fill ``out`` from the first tier whose copy of ``oid`` has ``len(out)`` bytes and hashes
-        to it, verified before a byte of it is copied into ``out``; None if no tier has one."""
-        for tier in self.tiers:
+        to it, verified before a byte of it is copied into ``out``; None if no tier has one. A copy
+        verified as it arrived is taken first (``_ordered``), read straight into ``out``."""
+        for tier in self._ordered(oid):
+            if isinstance(tier, VerifiedReads) and tier.read_verified_into(oid, out) == len(out):
+                if tier is not self.fill:
+                    self._keep(oid, out)
+                return tier
             if isinstance(tier, StagedCopies):
                 stage = self._stage(len(out))
                 n = tier.fetch_into(oid, stage)
