@@ -36,6 +36,7 @@ offer.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from ..errors import ShardstoreError
 from ..format.names import check_oid
 from ..format.tensors import hash_bytes
 
-__all__ = ["Offer", "ReplicaReport", "buddies", "shift", "replicate", "fetch_replicas"]
+__all__ = ["Offer", "PeerFetch", "ReplicaReport", "buddies", "shift", "replicate", "fetch_replicas", "start_fetch"]
 
 #: Bytes of object payload per point-to-point message (a larger object is a message of its own).
 MESSAGE_BYTES = 64 << 20
@@ -346,12 +347,79 @@ def fetch_replicas(
     """At a restart, after the group agreed on ``commit``: every rank whose own tier does not
     hold ``commit`` for its slot gets the objects it lacks from its buddies (slot + 1, ...),
     each buddy offering its host's tier of that slot (``tier_for``). Returns the copies, each
-    verified against its id as it landed, and the report (``rejected``: the copies refused,
+    verified against its id as it landed (and, with ``own``, written to that tier as it landed:
+    the tier fills while the bytes travel), and the report (``rejected``: the copies refused,
     each naming its peer). Collective over ``group``."""
+    need = own is None or own.holds(commit) is None
+    return _fetch(group, need, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
+
+
+class PeerFetch:
+    """``fetch_replicas`` in flight on a thread of its own (``start_fetch``). A worker whose own
+    tier holds the commit (``needed`` false) restores from that tier meanwhile, while the thread
+    serves its peers' copies; one that needs copies waits first. Nothing else may use the
+    exchange's group until ``wait`` returns (Gloo matches a group's messages in the order its
+    ranks post them)."""
+
+    def __init__(self, needed: bool, run: Callable[[], tuple[PeerCopies, ReplicaReport]]) -> None:
+        self.needed = needed
+        self._result: tuple[PeerCopies, ReplicaReport] | None = None
+        self._error: BaseException | None = None
+        # a daemon thread: a worker that fails meanwhile exits without waiting on its peers
+        self._thread = threading.Thread(target=self._run, args=(run,), name="shardstore-fetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Callable[[], tuple[PeerCopies, ReplicaReport]]) -> None:
+        try:
+            self._result = run()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the waiting thread
+            self._error = e
+
+    def wait(self) -> tuple[PeerCopies, ReplicaReport]:
+        """The copies and the report, once the exchange is over (its error, if it failed)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def start_fetch(
+    group: Any,
+    *,
+    slot: int,
+    commit: str,
+    own: MemoryTier | None,
+    tier_for: Callable[[int], MemoryTier],
+    replicas: int = 1,
+) -> PeerFetch:
+    """``fetch_replicas`` started on a thread of its own (``PeerFetch``), so that a worker whose
+    own tier holds ``commit`` restores from it while it sends its buddies' copies to a worker
+    that lacks them. Collective over ``group``, which nothing else may use until ``wait``."""
+    need = own is None or own.holds(commit) is None
+    cuda = _device(group)  # the caller's device: a new thread's current CUDA device is the first one
+
+    def run() -> tuple[PeerCopies, ReplicaReport]:
+        if cuda.type == "cuda":
+            torch.cuda.set_device(cuda)
+        return _fetch(group, need, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
+
+    return PeerFetch(need, run)
+
+
+def _fetch(
+    group: Any,
+    need: bool,
+    *,
+    slot: int,
+    commit: str,
+    own: MemoryTier | None,
+    tier_for: Callable[[int], MemoryTier],
+    replicas: int,
+) -> tuple[PeerCopies, ReplicaReport]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     copies = PeerCopies()
     report = ReplicaReport()
-    need = own is None or own.holds(commit) is None
     for d in range(1, min(replicas, world - 1) + 1):
         dev = _device(group)
         flags = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
