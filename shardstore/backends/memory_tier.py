@@ -23,7 +23,7 @@ import os
 import secrets
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import msgspec
@@ -131,12 +131,12 @@ class MemoryTier:
         except ShardstoreError:  # unreadable (an I/O error, a symbolic link): not a copy
             return None
 
-    def fetch_into(self, oid: str, out: memoryview) -> int | None:
+    def fetch_into(self, oid: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int | None:
         """Read this tier's copy of ``oid`` into ``out`` (unverified) if it has exactly
-        ``len(out)`` bytes; its size (another size: nothing read), or None if it holds no
-        readable copy (``backends.tiers.StagedCopies``)."""
+        ``len(out)`` bytes, handing each chunk to ``consume`` as it lands; its size (another size:
+        nothing read), or None if it holds no readable copy (``backends.tiers.StagedCopies``)."""
         try:
-            return self.storage.read_into(self._key(oid), out)
+            return self.storage.read_into(self._key(oid), out, consume)
         except (ObjectNotFound, InvalidName):
             return None
         except ShardstoreError:  # unreadable (an I/O error, a symbolic link): not a copy

@@ -18,9 +18,11 @@ Every byte is hashed exactly once on its way into a caller's tensor: ``read_into
 handing it on and returns that digest, which the store compares with the id instead of hashing
 again; a copy read from the durable backend is hashed as it lands, and that one digest both
 verifies it and decides whether it is kept in the fill tier. A tier that can read a copy into
-a buffer it is given (``StagedCopies``: the memory tier's files) reads it into a buffer this
-thread reuses from object to object, not into memory of its own each time (allocating and
-faulting in fresh pages cost more than the read), where it is hashed and then copied out.
+a buffer it is given (``StagedCopies``: the memory tier's files) reads it straight into the
+caller's buffer, hashing each chunk while it is in cache (one copy, no memory of its own); a
+copy that fails there is overwritten by the next tier's or the store's before the read
+returns, so none of its bytes is handed on. A copy this process verified as it arrived from a
+peer and kept unchanged since (``VerifiedReads``) is read into the caller's buffer unhashed.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
-
-import numpy as np
 
 from ..errors import InvalidName, ShardstoreError
 from ..format.names import check_oid
@@ -41,9 +41,6 @@ __all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAME
 
 #: The tiers a read is counted under, in the order they are asked.
 TIER_NAMES = ("memory", "peers", "store")
-#: The largest copy read into a thread's reused staging buffer (two grid blocks, SPEC.md §6);
-#: a larger object (format version 1) is read into memory of its own.
-_STAGE_BYTES = 8 << 20
 
 
 class CopyTier(Protocol):
@@ -87,9 +84,10 @@ class VerifiedReads(Protocol):
 class StagedCopies(Protocol):
     """A tier's optional fast path: its copy of an object read into a buffer the reader gives."""
 
-    def fetch_into(self, oid: str, out: memoryview) -> int | None:
-        """Read this tier's copy of ``oid`` into ``out`` if it has exactly ``len(out)`` bytes;
-        return its size (another size: nothing read), or None if the tier holds no readable copy."""
+    def fetch_into(self, oid: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int | None:
+        """Read this tier's copy of ``oid`` into ``out`` if it has exactly ``len(out)`` bytes,
+        handing each chunk to ``consume`` right after it lands (hash it there); return its size
+        (another size: nothing read), or None if the tier holds no readable copy."""
         ...
 
 
@@ -189,7 +187,6 @@ class TieredStorage:
         self.rejected: list[str] = []  # copies set aside: what, where, and why
         self._counted: set[str] = set()  # objects already counted (a manifest is read several times)
         self._lock = threading.Lock()
-        self._stages = threading.local()  # each reading thread's staging buffer (``_stage``)
 
     def __repr__(self) -> str:
         return f"TieredStorage({self.durable!r}, {[t.name for t in self.tiers]})"
@@ -264,17 +261,6 @@ class TieredStorage:
         first = [t for t in self.tiers if isinstance(t, VerifiedCopies) and t.verified(oid)]
         return first + [t for t in self.tiers if t not in first] if first else self.tiers
 
-    def _stage(self, n: int) -> memoryview:
-        """``n`` bytes of this thread's staging buffer (grown as needed, reused from read to read);
-        memory of its own past ``_STAGE_BYTES``."""
-        if n > _STAGE_BYTES:
-            return memoryview(np.empty(n, dtype=np.uint8))
-        buf = getattr(self._stages, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = np.empty(max(n, 1 << 22), dtype=np.uint8)  # one grid block at least
-            self._stages.buf = buf
-        return memoryview(buf)[:n]
-
     def _copy_into(self, oid: str, out: memoryview) -> CopyTier | None:
         """Fill ``out`` from the first tier whose copy of ``oid`` has ``len(out)`` bytes and hashes
         to it, verified before a byte of it is copied into ``out``; None if no tier has one. A copy
@@ -285,22 +271,25 @@ class TieredStorage:
                     self._keep(oid, out)
                 return tier
             if isinstance(tier, StagedCopies):
-                stage = self._stage(len(out))
-                n = tier.fetch_into(oid, stage)
+                # read straight into the reader's buffer and hashed there, chunk by chunk while in
+                # cache: one copy; a copy that fails is overwritten by the next tier's (or the
+                # store's) before this read returns, so no byte of it is handed on
+                h = new_hasher()
+                n = tier.fetch_into(oid, out, h.update)
                 if n is None:
                     continue
                 if n != len(out):
                     self._reject(tier, oid, f"has {n} bytes, not the {len(out)} its reader expects")
                     continue
-                data: Buffer = stage
+                got_id = h.hexdigest()
+                if got_id != oid:
+                    self._reject(tier, oid, f"does not hash to its id (its bytes hash to {got_id})")
+                    continue
             else:
                 got = tier.fetch(oid)
-                if got is None:
+                if got is None or not self._verified(tier, oid, got, len(out), None):
                     continue
-                data = got
-            if not self._verified(tier, oid, data, len(out), None):
-                continue
-            out[:] = memoryview(data).cast("B")
+                out[:] = memoryview(got).cast("B")
             if tier is not self.fill:
                 self._keep(oid, out)
             return tier
