@@ -14,8 +14,10 @@ directions are one exchange, ``shift``: every rank of the group sends one offer 
 The bytes phase keeps the transport busy and the memory still: the sender reads each object
 from its tier straight into one of two message buffers it reuses (while one travels, the other
 is packed), never into memory of its own first; a receiver that copies out what lands (a buddy
-keeping a replica in its tier) reuses two receive buffers the same way. Only ``fetch_replicas``
-receives into fresh buffers, since the restore reads the copies from them.
+keeping a replica in its tier, or a restarting worker with a tier of its own) reuses two receive
+buffers the same way. Only a restarting worker without a tier receives into fresh buffers, since
+its restore reads the copies from them. A message travels as parts of at most ``PART_BYTES``,
+all in flight at once.
 
 ``replicate`` runs it once a commit is durable (``shardtrain``'s committer calls it in its
 background thread, on the commit protocol's group): slot ``i`` offers its closure of the
@@ -24,9 +26,12 @@ each id, and holds the commit there when every object is present. ``fetch_replic
 it at a restart, after the group agreed on the commit: a worker whose own tier does not hold
 the commit gets its slot's objects from its buddies into a ``PeerCopies`` tier, which the
 restore reads through ``TieredStorage``. Each object is verified against its id as it lands
-(hashed on the helper thread while the next message travels, and not again by the restore);
-a wrong one is refused, named with the peer that sent it, and the restore reads it from the
-store instead.
+(hashed on the helper thread while the next message travels, and not again by the restore)
+and written to the worker's own tier there and then, so the tier fills while the bytes
+travel and the restore reads those files straight into its tensors; a wrong one is refused,
+named with the peer that sent it, and the restore reads it from the store instead.
+``start_fetch`` runs the same exchange on a thread of its own, so that a worker whose tier
+holds the commit restores from it while it sends its buddy's copies.
 
 Everything travels as tensors (never pickled objects). Every rank of the group must call
 the same function with the same ``commit``; a rank with nothing to offer sends an empty
