@@ -54,7 +54,7 @@ from _results import write_block
 
 import shardstore as ss
 from shardstore.backends.memory_tier import MemoryTier
-from shardstore.backends.tiers import PeerCopies, TieredStorage
+from shardstore.backends.tiers import TieredStorage
 from shardstore.checkpoint.replicas import replicate, start_fetch
 from shardstore.format.closure import commit_closure
 from shardstore.format.tensors import hash_bytes
@@ -154,16 +154,15 @@ def worker(rank: int, port: int, world: int, args: argparse.Namespace, work: str
                 mine = tier(rank)
                 mine.clear_partial()
                 f0 = time.perf_counter()
-                # as shardtrain's start does: the exchange in the background; a worker whose tier
-                # holds the commit restores from it meanwhile, one that lacks it waits for its copies
+                # as shardtrain's start does: the exchange in the background, the restore at once (a
+                # worker whose tier holds the commit reads it while it sends its buddy's copies; one
+                # that lacks it reads each copy as soon as it has landed in its tier)
                 fetching = start_fetch(None, slot=rank, commit=cid, own=mine, tier_for=tier, replicas=1)
-                copies, report = fetching.wait() if fetching.needed else (PeerCopies(), None)
-                if report is not None and report.received:
-                    record["fetch"].append((report.received, time.perf_counter() - f0))
-                reader = TieredStorage(local.storage, [mine, copies], fill=mine)
+                reader = TieredStorage(local.storage, [mine, fetching.copies], fill=mine)
                 ss.restore(ss.Store(reader, create=False), cid, model, opt, slot=rank, rng=False)
-                if report is None:
-                    fetching.wait()  # its buddy's copies sent
+                _, report = fetching.wait()
+                if report.received:
+                    record["fetch"].append((report.received, time.perf_counter() - f0))
                 store_bytes = reader.counts()["store"]
             else:
                 src, counter = counted(local if method == "local disk" else remote)

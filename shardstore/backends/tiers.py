@@ -28,7 +28,7 @@ peer and kept unchanged since (``VerifiedReads``) is read into the caller's buff
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import InvalidName, ShardstoreError
@@ -98,31 +98,83 @@ class PeerCopies:
     restore only copies it). A verified copy is held either in this process's memory (``add``)
     or in the file this process wrote from those bytes into its memory tier (``add_kept``: the
     tier fills as copies arrive, and the restore reads that file straight into its tensor, as
-    long as it is still the file written, unchanged)."""
+    long as it is still the file written, unchanged).
+
+    A restore may run while the copies arrive: the objects ``expect``ed are coming, and a read of
+    one of them waits until it has landed (``add``, ``add_kept``), was ``refused``, or the
+    exchange is over (``done``); it then reads whatever the tiers have, the store last."""
 
     name = "peers"
 
-    def __init__(self) -> None:
+    def __init__(self, *, pending: bool = False) -> None:
         self._objects: dict[str, tuple[Buffer, int, bool]] = {}
         self._kept: dict[str, tuple[MemoryTier, Kept, int]] = {}
+        self._coming: set[str] = set()
+        self._arrival = threading.Condition()
+        # pending: an exchange will say what is coming; every read waits until it has (or is over)
+        self._told = threading.Event()
+        if not pending:
+            self._told.set()
+
+    def expect(self, oids: Iterable[str]) -> None:
+        """``oids`` are on their way: a read of one waits for it."""
+        with self._arrival:
+            self._coming.update(oids)
+        self._told.set()
+
+    def _landed(self, oid: str) -> None:
+        with self._arrival:
+            self._coming.discard(oid)
+            self._arrival.notify_all()
+
+    def refused(self, oid: str) -> None:
+        """``oid``'s copy arrived wrong and was not kept: a read waiting for it goes on."""
+        self._landed(oid)
+
+    def done(self) -> None:
+        """The exchange is over (or failed): nothing more is coming."""
+        with self._arrival:
+            self._coming.clear()
+            self._arrival.notify_all()
+        self._told.set()
+
+    def _wait(self, oid: str) -> None:
+        self._told.wait()
+        if oid in self._coming:  # most reads: not (or no longer) coming, no lock taken
+            with self._arrival:
+                while oid in self._coming:
+                    self._arrival.wait()
+
+    def kept_in(self, oid: str) -> MemoryTier | None:
+        """The tier ``oid``'s copy was written to as it arrived (None: it is held in memory)."""
+        got = self._kept.get(oid)
+        return None if got is None else got[0]
+
+    def __contains__(self, oid: str) -> bool:
+        """Whether a copy of ``oid`` has landed (never waits)."""
+        return oid in self._objects or oid in self._kept
 
     def add(self, oid: str, data: Buffer, peer: int, *, verified: bool = False) -> None:
         """Keep ``data`` as ``oid``'s copy from ``peer``; ``verified``: the caller hashed exactly
         these bytes to ``oid`` and hands over the only reference to them."""
         self._objects[check_oid(oid)] = (data, peer, verified)
+        self._landed(oid)
 
     def add_kept(self, oid: str, tier: MemoryTier, kept: Kept, peer: int) -> None:
         """``oid``'s copy from ``peer`` is the file ``tier.keep_verified`` wrote (``kept``) from
         bytes this process hashed to ``oid``."""
         self._kept[check_oid(oid)] = (tier, kept, peer)
+        self._landed(oid)
 
     def verified(self, oid: str) -> bool:
+        self._wait(oid)
         got = self._objects.get(oid)
         return oid in self._kept if got is None else got[2]
 
     def read_verified_into(self, oid: str, out: memoryview) -> int | None:
         """``VerifiedReads``: a verified copy of ``oid`` put in ``out`` if it has ``len(out)``
         bytes (a kept file only while it is still the file written, unchanged); None otherwise."""
+        self._wait(oid)
         got = self._objects.get(oid)
         if got is not None:
             if not got[2] or len(got[0]) != len(out):
@@ -135,6 +187,7 @@ class PeerCopies:
     def fetch(self, oid: str) -> Buffer | None:
         """The copy of ``oid``: in memory, or read from its kept file (only while that is still the
         file written, unchanged: what ``verified`` vouches for), else None."""
+        self._wait(oid)
         got = self._objects.get(oid)
         if got is not None:
             return got[0]
@@ -156,6 +209,7 @@ class PeerCopies:
         return sum(len(d) for d, _, _ in self._objects.values()) + sum(k.size for _, k, _ in self._kept.values())
 
     def clear(self) -> None:
+        self.done()
         self._objects.clear()
         self._kept.clear()
 
@@ -213,6 +267,14 @@ class TieredStorage:
         if discard is not None:
             discard(oid)
 
+    def _keep_from(self, tier: CopyTier, oid: str, data: Buffer) -> None:
+        """``_keep`` a copy ``tier`` served, unless it is in the fill tier already: its own, or a
+        peer's copy written there as it arrived (a second write would only touch its time, and so
+        end the file's standing as the very copy that was verified)."""
+        if tier is self.fill or (isinstance(tier, PeerCopies) and tier.kept_in(oid) is self.fill):
+            return
+        self._keep(oid, data)
+
     def _keep(self, oid: str, data: Buffer) -> None:
         """Keep a verified copy in the fill tier; a cache that cannot take it is no error."""
         if self.fill is not None:
@@ -248,8 +310,7 @@ class TieredStorage:
             data = tier.fetch(oid)
             if data is None or not self._verified(tier, oid, data, size, limit):
                 continue
-            if tier is not self.fill:
-                self._keep(oid, data)
+            self._keep_from(tier, oid, data)
             return tier, data
         return None
 
@@ -267,8 +328,7 @@ class TieredStorage:
         verified as it arrived is taken first (``_ordered``), read straight into ``out``."""
         for tier in self._ordered(oid):
             if isinstance(tier, VerifiedReads) and tier.read_verified_into(oid, out) == len(out):
-                if tier is not self.fill:
-                    self._keep(oid, out)
+                self._keep_from(tier, oid, out)
                 return tier
             if isinstance(tier, StagedCopies):
                 # read straight into the reader's buffer and hashed there, chunk by chunk while in
@@ -290,8 +350,7 @@ class TieredStorage:
                 if got is None or not self._verified(tier, oid, got, len(out), None):
                     continue
                 out[:] = memoryview(got).cast("B")
-            if tier is not self.fill:
-                self._keep(oid, out)
+            self._keep_from(tier, oid, out)
             return tier
         return None
 

@@ -158,6 +158,7 @@ def shift(
     land: Callable[[Offer, str, memoryview], None],
     limit: int = _MAX_OBJECT_BYTES,
     copies_out: bool = False,
+    coming: Callable[[list[str]], None] | None = None,
 ) -> tuple[Offer, int, int]:
     """Send ``offer`` to rank ``to`` and receive rank ``frm``'s (module docstring: header, ids,
     answer, bytes). Objects of the incoming offer that the receiver ``lacks`` (at most ``limit``
@@ -199,6 +200,8 @@ def shift(
     if any(offer.objects[i][1] < 0 for i in asked):
         raise ShardstoreError(f"rank {to} asked for objects this rank does not have")
     wanted_in = [i for i, w in enumerate(want_in) if w]
+    if coming is not None:
+        coming([got.objects[i][0] for i in wanted_in])
     # 4. bytes, message by message: while message k travels, a helper thread packs message k+1
     # (reading the objects from the sender's tier) and lands message k-1 (the receiver's
     # hashing and tier writes), in order, so the transport is never idle waiting for either.
@@ -356,7 +359,8 @@ def fetch_replicas(
     the tier fills while the bytes travel), and the report (``rejected``: the copies refused,
     each naming its peer). Collective over ``group``."""
     need = own is None or own.holds(commit) is None
-    return _fetch(group, need, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
+    copies = PeerCopies()
+    return _fetch(group, need, copies, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
 
 
 class PeerFetch:
@@ -366,8 +370,9 @@ class PeerFetch:
     exchange's group until ``wait`` returns (Gloo matches a group's messages in the order its
     ranks post them)."""
 
-    def __init__(self, needed: bool, run: Callable[[], tuple[PeerCopies, ReplicaReport]]) -> None:
+    def __init__(self, needed: bool, copies: PeerCopies, run: Callable[[], tuple[PeerCopies, ReplicaReport]]) -> None:
         self.needed = needed
+        self.copies = copies  # filled as the copies arrive: a read of one still coming waits for it
         self._result: tuple[PeerCopies, ReplicaReport] | None = None
         self._error: BaseException | None = None
         # a daemon thread: a worker that fails meanwhile exits without waiting on its peers
@@ -403,18 +408,20 @@ def start_fetch(
     that lacks them. Collective over ``group``, which nothing else may use until ``wait``."""
     need = own is None or own.holds(commit) is None
     cuda = _device(group)  # the caller's device: a new thread's current CUDA device is the first one
+    copies = PeerCopies(pending=need)  # its reads wait until the exchange has said what is coming
 
     def run() -> tuple[PeerCopies, ReplicaReport]:
         if cuda.type == "cuda":
             torch.cuda.set_device(cuda)
-        return _fetch(group, need, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
+        return _fetch(group, need, copies, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
 
-    return PeerFetch(need, run)
+    return PeerFetch(need, copies, run)
 
 
 def _fetch(
     group: Any,
     need: bool,
+    copies: PeerCopies,
     *,
     slot: int,
     commit: str,
@@ -422,8 +429,23 @@ def _fetch(
     tier_for: Callable[[int], MemoryTier],
     replicas: int,
 ) -> tuple[PeerCopies, ReplicaReport]:
+    try:
+        return copies, _fetch_rounds(group, need, copies, slot, commit, own, tier_for, replicas)
+    finally:
+        copies.done()  # whatever happened: a read still waiting for a copy goes on to the store
+
+
+def _fetch_rounds(
+    group: Any,
+    need: bool,
+    copies: PeerCopies,
+    slot: int,
+    commit: str,
+    own: MemoryTier | None,
+    tier_for: Callable[[int], MemoryTier],
+    replicas: int,
+) -> ReplicaReport:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    copies = PeerCopies()
     report = ReplicaReport()
     for d in range(1, min(replicas, world - 1) + 1):
         dev = _device(group)
@@ -438,14 +460,15 @@ def _fetch(
             held = _try_value(lambda: tier_for(asker).holds(commit))
             if held is not None:
                 tier = tier_for(asker)
-                offer = Offer(asker, commit, [(o, _size(tier, o)) for o in held])
+                # smallest first: the manifests a restore reads before any tensor arrive first
+                offer = Offer(asker, commit, sorted(((o, _size(tier, o)) for o in held), key=lambda e: (e[1], e[0])))
         source = tier_for(asker) if offer.commit is not None else None
         peer = (rank + d) % world
 
         def lacks(got: Offer, oid: str) -> bool:
             return (
                 need and got.commit == commit and got.slot == slot
-                and (own is None or not own.has(oid)) and copies.fetch(oid) is None
+                and (own is None or not own.has(oid)) and oid not in copies
             )  # fmt: skip
 
         def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
@@ -457,6 +480,7 @@ def _fetch(
                     f"object {oid}: the copy from peer slot {_peer} does not hash to its id "
                     f"(its bytes hash to {digest}); not used"
                 )
+                copies.refused(oid)  # a read waiting for it goes on to the store
                 return
             if own is None:
                 copies.add(oid, data, _peer, verified=True)  # its message buffer is this object's alone
@@ -477,12 +501,13 @@ def _fetch(
             lacks=lacks,
             land=land,
             copies_out=own is not None,  # land writes each copy to this worker's tier: buffers reused
+            coming=copies.expect,  # a read of one of them waits for it (the restore runs meanwhile)
         )
         report.sent += sent
         report.received += received
         if need and got.complete and got.commit == commit and got.slot == slot:
             need = False
-    return copies, report
+    return report
 
 
 def _try_value(fn: Callable[[], Any]) -> Any:

@@ -117,8 +117,8 @@ class SlotTiers:
         to its tier; a wrong one is named in ``rejected`` and read from the store). The exchange
         runs in the background on a group of its own (the start's gates use the default group
         meanwhile): a worker whose tier holds the commit restores from it while it sends its
-        buddies' copies; ``reader`` waits for the copies of a worker that needs them, and
-        ``restored`` for the exchange's end."""
+        buddies' copies, one that lacks it reads each copy as soon as it has landed (``reader``),
+        and ``restored`` waits for the exchange's end."""
         if self.replicas == 0:
             return
         self._fetch_group = dist.new_group(backend=dist.get_backend())
@@ -145,10 +145,10 @@ class SlotTiers:
 
     def reader(self, durable: Store) -> Store:
         """``durable`` with this worker's tiers above it (memory, then peers), every object
-        read from the store kept in its own tier; a worker that needs its buddies' copies
-        waits for them here."""
-        if self._fetching is not None and self._fetching.needed:
-            self._fetched()
+        read from the store kept in its own tier; a read of a copy its buddies are still sending
+        waits for that copy alone."""
+        if self._fetching is not None:
+            self.peers = self._fetching.copies
         tiers = [] if self.own is None else [self.own, self.peers]  # no tier: the store's bytes still counted
         self._reader = TieredStorage(durable.storage, tiers, fill=self.own)
         return Store(self._reader, create=False)

@@ -114,6 +114,12 @@ def _body(rank: int, world: int, home: str) -> dict:
     if rank == 1:
         own = MemoryTier(os.path.join(home, "replacement1c"), 1)
     fetching = start_fetch(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
+    if rank == 1:  # reads at once, while the copies travel: each waits for its copy (the store is empty)
+        reader = TieredStorage(open_store(os.path.join(home, "empty1c")).storage, [own, fetching.copies], fill=own)
+        out["read_while_coming"] = all(
+            bytes(reader.read(f"objects/{oid[:2]}/{oid}")) == data for oid, data in second.items()
+        )
+        out["read_while_coming_counts"] = reader.counts()
     copies, report = fetching.wait()
     out["background"] = [fetching.needed, sorted(oid for oid in second if copies.fetch(oid) is not None)]
     # slot 2's host now holds a corrupt replica of slot 1: the replacement's reader refuses it
@@ -172,6 +178,9 @@ def test_the_exchange_in_the_background_says_who_must_wait_and_brings_the_same_c
     assert [r["background"][0] for r in ranks] == [False, True, False]
     assert ranks[1]["background"][1] == sorted(_objects(1, 4, version=1))
     assert ranks[0]["background"][1] == ranks[2]["background"][1] == []
+    assert ranks[1]["read_while_coming"]  # a read of a copy still on its way waited for it
+    counts = ranks[1]["read_while_coming_counts"]
+    assert counts["store"] == 0 and counts["peers"] == sum(len(d) for d in _objects(1, 4, version=1).values())
 
 
 def test_a_buddy_sending_wrong_bytes_is_named_and_the_store_read_instead(ranks: list[dict]) -> None:
