@@ -31,7 +31,10 @@ and written to the worker's own tier there and then, so the tier fills while the
 travel and the restore reads those files straight into its tensors; a wrong one is refused,
 named with the peer that sent it, and the restore reads it from the store instead.
 ``start_fetch`` runs the same exchange on a thread of its own, so that a worker whose tier
-holds the commit restores from it while it sends its buddy's copies.
+holds the commit restores from it while it sends its buddy's copies, and one that lacks it
+restores while they arrive: the sender offers the smallest objects first (the manifests a
+restore reads before any tensor), and a read of a copy still on its way waits for that copy
+alone (``PeerCopies``).
 
 Everything travels as tensors (never pickled objects). Every rank of the group must call
 the same function with the same ``commit``; a rank with nothing to offer sends an empty
@@ -366,7 +369,8 @@ def fetch_replicas(
 class PeerFetch:
     """``fetch_replicas`` in flight on a thread of its own (``start_fetch``). A worker whose own
     tier holds the commit (``needed`` false) restores from that tier meanwhile, while the thread
-    serves its peers' copies; one that needs copies waits first. Nothing else may use the
+    serves its peers' copies; one that needs copies restores from ``copies`` meanwhile, each
+    read of a copy still on its way waiting for it. Nothing else may use the
     exchange's group until ``wait`` returns (Gloo matches a group's messages in the order its
     ranks post them)."""
 
