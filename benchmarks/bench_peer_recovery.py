@@ -14,8 +14,8 @@ for a host: its memory tier is a directory of its own under /dev/shm), it:
 3. recovers the whole group three ways, interleaved (each repetition in another order),
    every worker's state zeroed first:
    - **peers**: the group's tiers as shardtrain reads them: the lost worker gets its slot's
-     objects from its buddy (``fetch_replicas``, point-to-point over the group), every other
-     worker reads its own tier; each restore reads through ``TieredStorage`` (memory, then
+     objects from its buddy (``start_fetch``, point-to-point over the group, written to its
+     tier as they arrive), every other worker reads its own tier while it sends them; each restore reads through ``TieredStorage`` (memory, then
      peers, then the store; every object verified against its id);
    - **local disk**: every worker restores from the local-disk store, page cache dropped
      first (as root; said in the output when it cannot be);
@@ -25,7 +25,7 @@ for a host: its memory tier is a directory of its own under /dev/shm), it:
 It reports per method the group's restore time (the slowest worker's, between barriers), the
 time to the first resumed update, the lost worker's restore time, and the tensor bytes read
 from the durable store; and the per-hop rate of the buddy's transfer (the lost slot's bytes
-over ``fetch_replicas``' time), from which it works out, on paper, a recovery from peers
+over the exchange's time), from which it works out, on paper, a recovery from peers
 against a recovery from storage for the seed's 1.7 B model and for a 70 B model. Every
 restore is checked bitwise against the state committed.
 
@@ -55,7 +55,7 @@ from _results import write_block
 import shardstore as ss
 from shardstore.backends.memory_tier import MemoryTier
 from shardstore.backends.tiers import TieredStorage
-from shardstore.checkpoint.replicas import fetch_replicas, replicate
+from shardstore.checkpoint.replicas import replicate, start_fetch
 from shardstore.format.closure import commit_closure
 from shardstore.format.tensors import hash_bytes
 
@@ -154,11 +154,15 @@ def worker(rank: int, port: int, world: int, args: argparse.Namespace, work: str
                 mine = tier(rank)
                 mine.clear_partial()
                 f0 = time.perf_counter()
-                copies, report = fetch_replicas(None, slot=rank, commit=cid, own=mine, tier_for=tier, replicas=1)
+                # as shardtrain's start does: the exchange in the background, the restore at once (a
+                # worker whose tier holds the commit reads it while it sends its buddy's copies; one
+                # that lacks it reads each copy as soon as it has landed in its tier)
+                fetching = start_fetch(None, slot=rank, commit=cid, own=mine, tier_for=tier, replicas=1)
+                reader = TieredStorage(local.storage, [mine, fetching.copies], fill=mine)
+                ss.restore(ss.Store(reader, create=False), cid, model, opt, slot=rank, rng=False)
+                _, report = fetching.wait()
                 if report.received:
                     record["fetch"].append((report.received, time.perf_counter() - f0))
-                reader = TieredStorage(local.storage, [mine, copies], fill=mine)
-                ss.restore(ss.Store(reader, create=False), cid, model, opt, slot=rank, rng=False)
                 store_bytes = reader.counts()["store"]
             else:
                 src, counter = counted(local if method == "local disk" else remote)
@@ -244,7 +248,7 @@ def table(runs: dict[int, list[dict]], args: argparse.Namespace, loads: tuple[st
         lines += [
             "",
             f"**On paper.** The buddy's transfer ran at {hop / 1e9:.2f} GB/s per hop here (median of the lost "
-            f"slot's fetches: its bytes over `fetch_replicas`' time, loopback Gloo). A recovery moves one slot's "
+            f"slot's fetches: its bytes over the exchange's time, loopback Gloo). A recovery moves one slot's "
             f"state (float32 weights and both AdamW moments: 12 bytes per parameter) once, from its buddy, while "
             f"a restore from storage moves it at the storage's per-host rate. Recovery of one slot, seconds:",
             "",

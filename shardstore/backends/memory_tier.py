@@ -23,7 +23,8 @@ import os
 import secrets
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import msgspec
 
@@ -33,8 +34,9 @@ from ..format.names import check_oid
 from ..format.tensors import hash_bytes
 from .base import Buffer
 from .local import LocalStorage
+from .posix import close_quietly, read_exact, unlink_quietly
 
-__all__ = ["TIER_ROOT_ENV", "HeldCommit", "MemoryTier", "default_tier_root"]
+__all__ = ["TIER_ROOT_ENV", "HeldCommit", "Kept", "MemoryTier", "default_tier_root"]
 
 #: Overrides where default tier roots are made (``/dev/shm`` when it exists, else the temp dir).
 TIER_ROOT_ENV = "SHARDSTORE_TIER_ROOT"
@@ -54,6 +56,17 @@ class HeldCommit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class _Index(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
     commits: tuple[HeldCommit, ...]
+
+
+class Kept(NamedTuple):
+    """The file a process wrote into a tier from bytes it had hashed to their id itself
+    (``MemoryTier.keep_verified``): which inode, its size and modification time, so that a later
+    read by the same process knows it reads that very file, unchanged since."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
 
 
 def default_tier_root(store_url: str) -> str:
@@ -118,12 +131,12 @@ class MemoryTier:
         except ShardstoreError:  # unreadable (an I/O error, a symbolic link): not a copy
             return None
 
-    def fetch_into(self, oid: str, out: memoryview) -> int | None:
+    def fetch_into(self, oid: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int | None:
         """Read this tier's copy of ``oid`` into ``out`` (unverified) if it has exactly
-        ``len(out)`` bytes; its size (another size: nothing read), or None if it holds no
-        readable copy (``backends.tiers.StagedCopies``)."""
+        ``len(out)`` bytes, handing each chunk to ``consume`` as it lands; its size (another size:
+        nothing read), or None if it holds no readable copy (``backends.tiers.StagedCopies``)."""
         try:
-            return self.storage.read_into(self._key(oid), out)
+            return self.storage.read_into(self._key(oid), out, consume)
         except (ObjectNotFound, InvalidName):
             return None
         except ShardstoreError:  # unreadable (an I/O error, a symbolic link): not a copy
@@ -138,6 +151,54 @@ class MemoryTier:
     def put(self, oid: str, data: Buffer) -> None:
         """Keep ``data`` as ``oid`` (the caller knows it hashes to ``oid``); a no-op if present."""
         self.storage.write_once(self._key(oid), data)
+
+    def keep_verified(self, oid: str, data: Buffer) -> Kept | None:
+        """Write ``data`` (the caller hashed exactly these bytes to ``oid``) as this tier's copy of
+        ``oid`` and return the file's identity (``Kept``); None when a copy was there already (not
+        this process's: a reader verifies it) or another writer linked one first. The file is made
+        whole in ``tmp/`` and linked into place, never written in place afterwards (objects are
+        write-once; a deletion unlinks), so while its identity holds it holds these bytes."""
+        path = os.path.join(self.dir, self._key(oid))
+        if os.path.lexists(path):
+            return None
+        tmpdir = os.path.join(self.dir, "tmp")
+        os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+        tmp = os.path.join(tmpdir, secrets.token_hex(16))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view[: 1 << 30]) :]
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return None
+            finally:
+                unlink_quietly(tmp)
+            st = os.fstat(fd)  # after the link and the unlink, which change only its inode's times
+        finally:
+            close_quietly(fd)
+        return Kept(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def read_kept_into(self, oid: str, kept: Kept, out: memoryview) -> int | None:
+        """Read the copy of ``oid`` this process wrote (``keep_verified`` returned ``kept``) into
+        ``out``, if the file at its place is still that file, unchanged, of ``len(out)`` bytes;
+        its size, or None (another file, changed, gone, unreadable: nothing usable was read)."""
+        try:
+            fd = os.open(os.path.join(self.dir, self._key(oid)), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except (OSError, InvalidName):
+            return None
+        try:
+            st = os.fstat(fd)
+            if Kept(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != kept or st.st_size != len(out):
+                return None
+            n = read_exact(fd, out, None)
+            return n if n == len(out) else None
+        except OSError:
+            return None
+        finally:
+            close_quietly(fd)
 
     def discard(self, oid: str) -> None:
         """Drop this tier's copy of ``oid`` (a reader found it corrupt: the next fill replaces it)."""

@@ -18,31 +18,29 @@ Every byte is hashed exactly once on its way into a caller's tensor: ``read_into
 handing it on and returns that digest, which the store compares with the id instead of hashing
 again; a copy read from the durable backend is hashed as it lands, and that one digest both
 verifies it and decides whether it is kept in the fill tier. A tier that can read a copy into
-a buffer it is given (``StagedCopies``: the memory tier's files) reads it into a buffer this
-thread reuses from object to object, not into memory of its own each time (allocating and
-faulting in fresh pages cost more than the read), where it is hashed and then copied out.
+a buffer it is given (``StagedCopies``: the memory tier's files) reads it straight into the
+caller's buffer, hashing each chunk while it is in cache (one copy, no memory of its own); a
+copy that fails there is overwritten by the next tier's or the store's before the read
+returns, so none of its bytes is handed on. A copy this process verified as it arrived from a
+peer and kept unchanged since (``VerifiedReads``) is read into the caller's buffer unhashed.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
-
-import numpy as np
 
 from ..errors import InvalidName, ShardstoreError
 from ..format.names import check_oid
 from ..format.tensors import hash_bytes, new_hasher
 from .base import BatchedWrites, Buffer, HashedReads, Storage, StreamedReads
+from .memory_tier import Kept, MemoryTier
 
-__all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES", "VerifiedCopies"]
+__all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES", "VerifiedCopies", "VerifiedReads"]
 
 #: The tiers a read is counted under, in the order they are asked.
 TIER_NAMES = ("memory", "peers", "store")
-#: The largest copy read into a thread's reused staging buffer (two grid blocks, SPEC.md §6);
-#: a larger object (format version 1) is read into memory of its own.
-_STAGE_BYTES = 8 << 20
 
 
 class CopyTier(Protocol):
@@ -72,51 +70,148 @@ class VerifiedCopies(Protocol):
 
 
 @runtime_checkable
+class VerifiedReads(Protocol):
+    """A tier's optional fast path: a copy this process verified against its id as it arrived
+    and has kept unchanged since, read straight into the reader's buffer (no hashing again)."""
+
+    def read_verified_into(self, oid: str, out: memoryview) -> int | None:
+        """Read the verified copy of ``oid`` into ``out`` if it has exactly ``len(out)`` bytes;
+        its size, or None if the tier holds no such copy now."""
+        ...
+
+
+@runtime_checkable
 class StagedCopies(Protocol):
     """A tier's optional fast path: its copy of an object read into a buffer the reader gives."""
 
-    def fetch_into(self, oid: str, out: memoryview) -> int | None:
-        """Read this tier's copy of ``oid`` into ``out`` if it has exactly ``len(out)`` bytes;
-        return its size (another size: nothing read), or None if the tier holds no readable copy."""
+    def fetch_into(self, oid: str, out: memoryview, consume: Callable[[memoryview], None] | None = None) -> int | None:
+        """Read this tier's copy of ``oid`` into ``out`` if it has exactly ``len(out)`` bytes,
+        handing each chunk to ``consume`` right after it lands (hash it there); return its size
+        (another size: nothing read), or None if the tier holds no readable copy."""
         ...
 
 
 class PeerCopies:
-    """Objects a peer sent (``checkpoint.replicas``), held in this process's memory until the
-    restore that asked for them is done; each remembers the slot that sent it, and whether it
-    was verified against its id as it arrived (``fetch_replicas`` hashes each object while the
-    next message travels, so the restore only copies it)."""
+    """Objects a peer sent (``checkpoint.replicas``), kept until the restore that asked for them
+    is done; each remembers the slot that sent it, and whether it was verified against its id as
+    it arrived (``fetch_replicas`` hashes each object while the next message travels, so the
+    restore only copies it). A verified copy is held either in this process's memory (``add``)
+    or in the file this process wrote from those bytes into its memory tier (``add_kept``: the
+    tier fills as copies arrive, and the restore reads that file straight into its tensor, as
+    long as it is still the file written, unchanged).
+
+    A restore may run while the copies arrive: the objects ``expect``ed are coming, and a read of
+    one of them waits until it has landed (``add``, ``add_kept``), was ``refused``, or the
+    exchange is over (``done``); it then reads whatever the tiers have, the store last."""
 
     name = "peers"
 
-    def __init__(self) -> None:
+    def __init__(self, *, pending: bool = False) -> None:
         self._objects: dict[str, tuple[Buffer, int, bool]] = {}
+        self._kept: dict[str, tuple[MemoryTier, Kept, int]] = {}
+        self._coming: set[str] = set()
+        self._arrival = threading.Condition()
+        # pending: an exchange will say what is coming; every read waits until it has (or is over)
+        self._told = threading.Event()
+        if not pending:
+            self._told.set()
+
+    def expect(self, oids: Iterable[str]) -> None:
+        """``oids`` are on their way: a read of one waits for it."""
+        with self._arrival:
+            self._coming.update(oids)
+        self._told.set()
+
+    def _landed(self, oid: str) -> None:
+        with self._arrival:
+            self._coming.discard(oid)
+            self._arrival.notify_all()
+
+    def refused(self, oid: str) -> None:
+        """``oid``'s copy arrived wrong and was not kept: a read waiting for it goes on."""
+        self._landed(oid)
+
+    def done(self) -> None:
+        """The exchange is over (or failed): nothing more is coming."""
+        with self._arrival:
+            self._coming.clear()
+            self._arrival.notify_all()
+        self._told.set()
+
+    def _wait(self, oid: str) -> None:
+        self._told.wait()
+        if oid in self._coming:  # most reads: not (or no longer) coming, no lock taken
+            with self._arrival:
+                while oid in self._coming:
+                    self._arrival.wait()
+
+    def kept_in(self, oid: str) -> MemoryTier | None:
+        """The tier ``oid``'s copy was written to as it arrived (None: it is held in memory)."""
+        got = self._kept.get(oid)
+        return None if got is None else got[0]
+
+    def __contains__(self, oid: str) -> bool:
+        """Whether a copy of ``oid`` has landed (never waits)."""
+        return oid in self._objects or oid in self._kept
 
     def add(self, oid: str, data: Buffer, peer: int, *, verified: bool = False) -> None:
         """Keep ``data`` as ``oid``'s copy from ``peer``; ``verified``: the caller hashed exactly
         these bytes to ``oid`` and hands over the only reference to them."""
         self._objects[check_oid(oid)] = (data, peer, verified)
+        self._landed(oid)
+
+    def add_kept(self, oid: str, tier: MemoryTier, kept: Kept, peer: int) -> None:
+        """``oid``'s copy from ``peer`` is the file ``tier.keep_verified`` wrote (``kept``) from
+        bytes this process hashed to ``oid``."""
+        self._kept[check_oid(oid)] = (tier, kept, peer)
+        self._landed(oid)
 
     def verified(self, oid: str) -> bool:
+        self._wait(oid)
         got = self._objects.get(oid)
-        return got is not None and got[2]
+        return oid in self._kept if got is None else got[2]
+
+    def read_verified_into(self, oid: str, out: memoryview) -> int | None:
+        """``VerifiedReads``: a verified copy of ``oid`` put in ``out`` if it has ``len(out)``
+        bytes (a kept file only while it is still the file written, unchanged); None otherwise."""
+        self._wait(oid)
+        got = self._objects.get(oid)
+        if got is not None:
+            if not got[2] or len(got[0]) != len(out):
+                return None
+            out[:] = memoryview(got[0]).cast("B")
+            return len(out)
+        kept = self._kept.get(oid)
+        return None if kept is None else kept[0].read_kept_into(oid, kept[1], out)
 
     def fetch(self, oid: str) -> Buffer | None:
+        """The copy of ``oid``: in memory, or read from its kept file (only while that is still the
+        file written, unchanged: what ``verified`` vouches for), else None."""
+        self._wait(oid)
         got = self._objects.get(oid)
-        return None if got is None else got[0]
+        if got is not None:
+            return got[0]
+        kept = self._kept.get(oid)
+        if kept is None:
+            return None
+        buf = bytearray(kept[1].size)
+        return buf if kept[0].read_kept_into(oid, kept[1], memoryview(buf)) == len(buf) else None
 
     def where(self, oid: str) -> str:
-        got = self._objects.get(oid)
-        return "a peer" if got is None else f"peer slot {got[1]}"
+        if oid in self._objects:
+            return f"peer slot {self._objects[oid][1]}"
+        return f"peer slot {self._kept[oid][2]}" if oid in self._kept else "a peer"
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self._objects) + len(self._kept)
 
     def nbytes(self) -> int:
-        return sum(len(d) for d, _, _ in self._objects.values())
+        return sum(len(d) for d, _, _ in self._objects.values()) + sum(k.size for _, k, _ in self._kept.values())
 
     def clear(self) -> None:
+        self.done()
         self._objects.clear()
+        self._kept.clear()
 
 
 def _object_id(key: str) -> str | None:
@@ -146,7 +241,6 @@ class TieredStorage:
         self.rejected: list[str] = []  # copies set aside: what, where, and why
         self._counted: set[str] = set()  # objects already counted (a manifest is read several times)
         self._lock = threading.Lock()
-        self._stages = threading.local()  # each reading thread's staging buffer (``_stage``)
 
     def __repr__(self) -> str:
         return f"TieredStorage({self.durable!r}, {[t.name for t in self.tiers]})"
@@ -172,6 +266,14 @@ class TieredStorage:
         discard = getattr(tier, "discard", None)
         if discard is not None:
             discard(oid)
+
+    def _keep_from(self, tier: CopyTier, oid: str, data: Buffer) -> None:
+        """``_keep`` a copy ``tier`` served, unless it is in the fill tier already: its own, or a
+        peer's copy written there as it arrived (a second write would only touch its time, and so
+        end the file's standing as the very copy that was verified)."""
+        if tier is self.fill or (isinstance(tier, PeerCopies) and tier.kept_in(oid) is self.fill):
+            return
+        self._keep(oid, data)
 
     def _keep(self, oid: str, data: Buffer) -> None:
         """Keep a verified copy in the fill tier; a cache that cannot take it is no error."""
@@ -204,49 +306,51 @@ class TieredStorage:
         """The first tier's copy of ``oid`` that hashes to it (and, if given, has ``size`` bytes,
         at most ``limit``), in memory of its own; copies that do not are rejected, naming where
         they came from."""
-        for tier in self.tiers:
+        for tier in self._ordered(oid):
             data = tier.fetch(oid)
             if data is None or not self._verified(tier, oid, data, size, limit):
                 continue
-            if tier is not self.fill:
-                self._keep(oid, data)
+            self._keep_from(tier, oid, data)
             return tier, data
         return None
 
-    def _stage(self, n: int) -> memoryview:
-        """``n`` bytes of this thread's staging buffer (grown as needed, reused from read to read);
-        memory of its own past ``_STAGE_BYTES``."""
-        if n > _STAGE_BYTES:
-            return memoryview(np.empty(n, dtype=np.uint8))
-        buf = getattr(self._stages, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = np.empty(max(n, 1 << 22), dtype=np.uint8)  # one grid block at least
-            self._stages.buf = buf
-        return memoryview(buf)[:n]
+    def _ordered(self, oid: str) -> list[CopyTier]:
+        """The tiers to ask for ``oid``: one holding a copy this process verified as it arrived
+        first (the object's bytes, already checked, so the cheapest; and counted under the tier
+        they came from, although they were also written to the fill tier as they arrived), then
+        the rest in their order."""
+        first = [t for t in self.tiers if isinstance(t, VerifiedCopies) and t.verified(oid)]
+        return first + [t for t in self.tiers if t not in first] if first else self.tiers
 
     def _copy_into(self, oid: str, out: memoryview) -> CopyTier | None:
         """Fill ``out`` from the first tier whose copy of ``oid`` has ``len(out)`` bytes and hashes
-        to it, verified before a byte of it is copied into ``out``; None if no tier has one."""
-        for tier in self.tiers:
+        to it, verified before a byte of it is copied into ``out``; None if no tier has one. A copy
+        verified as it arrived is taken first (``_ordered``), read straight into ``out``."""
+        for tier in self._ordered(oid):
+            if isinstance(tier, VerifiedReads) and tier.read_verified_into(oid, out) == len(out):
+                self._keep_from(tier, oid, out)
+                return tier
             if isinstance(tier, StagedCopies):
-                stage = self._stage(len(out))
-                n = tier.fetch_into(oid, stage)
+                # read straight into the reader's buffer and hashed there, chunk by chunk while in
+                # cache: one copy; a copy that fails is overwritten by the next tier's (or the
+                # store's) before this read returns, so no byte of it is handed on
+                h = new_hasher()
+                n = tier.fetch_into(oid, out, h.update)
                 if n is None:
                     continue
                 if n != len(out):
                     self._reject(tier, oid, f"has {n} bytes, not the {len(out)} its reader expects")
                     continue
-                data: Buffer = stage
+                got_id = h.hexdigest()
+                if got_id != oid:
+                    self._reject(tier, oid, f"does not hash to its id (its bytes hash to {got_id})")
+                    continue
             else:
                 got = tier.fetch(oid)
-                if got is None:
+                if got is None or not self._verified(tier, oid, got, len(out), None):
                     continue
-                data = got
-            if not self._verified(tier, oid, data, len(out), None):
-                continue
-            out[:] = memoryview(data).cast("B")
-            if tier is not self.fill:
-                self._keep(oid, out)
+                out[:] = memoryview(got).cast("B")
+            self._keep_from(tier, oid, out)
             return tier
         return None
 

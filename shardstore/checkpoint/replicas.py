@@ -14,8 +14,10 @@ directions are one exchange, ``shift``: every rank of the group sends one offer 
 The bytes phase keeps the transport busy and the memory still: the sender reads each object
 from its tier straight into one of two message buffers it reuses (while one travels, the other
 is packed), never into memory of its own first; a receiver that copies out what lands (a buddy
-keeping a replica in its tier) reuses two receive buffers the same way. Only ``fetch_replicas``
-receives into fresh buffers, since the restore reads the copies from them.
+keeping a replica in its tier, or a restarting worker with a tier of its own) reuses two receive
+buffers the same way. Only a restarting worker without a tier receives into fresh buffers, since
+its restore reads the copies from them. A message travels as parts of at most ``PART_BYTES``,
+all in flight at once.
 
 ``replicate`` runs it once a commit is durable (``shardtrain``'s committer calls it in its
 background thread, on the commit protocol's group): slot ``i`` offers its closure of the
@@ -24,9 +26,15 @@ each id, and holds the commit there when every object is present. ``fetch_replic
 it at a restart, after the group agreed on the commit: a worker whose own tier does not hold
 the commit gets its slot's objects from its buddies into a ``PeerCopies`` tier, which the
 restore reads through ``TieredStorage``. Each object is verified against its id as it lands
-(hashed on the helper thread while the next message travels, and not again by the restore);
-a wrong one is refused, named with the peer that sent it, and the restore reads it from the
-store instead.
+(hashed on the helper thread while the next message travels, and not again by the restore)
+and written to the worker's own tier there and then, so the tier fills while the bytes
+travel and the restore reads those files straight into its tensors; a wrong one is refused,
+named with the peer that sent it, and the restore reads it from the store instead.
+``start_fetch`` runs the same exchange on a thread of its own, so that a worker whose tier
+holds the commit restores from it while it sends its buddy's copies, and one that lacks it
+restores while they arrive: the sender offers the smallest objects first (the manifests a
+restore reads before any tensor), and a read of a copy still on its way waits for that copy
+alone (``PeerCopies``).
 
 Everything travels as tensors (never pickled objects). Every rank of the group must call
 the same function with the same ``commit``; a rank with nothing to offer sends an empty
@@ -36,6 +44,7 @@ offer.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,10 +60,13 @@ from ..errors import ShardstoreError
 from ..format.names import check_oid
 from ..format.tensors import hash_bytes
 
-__all__ = ["Offer", "ReplicaReport", "buddies", "shift", "replicate", "fetch_replicas"]
+__all__ = ["Offer", "PeerFetch", "ReplicaReport", "buddies", "shift", "replicate", "fetch_replicas", "start_fetch"]
 
 #: Bytes of object payload per point-to-point message (a larger object is a message of its own).
 MESSAGE_BYTES = 64 << 20
+#: A message travels as parts of at most this many bytes, all in flight at once: on loopback
+#: Gloo, 16 concurrent 4 MiB messages moved about twice the bytes per second of one of 64 MiB.
+PART_BYTES = 4 << 20
 #: The most objects one offer may name, and the largest object size it may give.
 _MAX_OBJECTS = 1 << 22
 _MAX_OBJECT_BYTES = 1 << 40
@@ -112,9 +124,11 @@ def _exchange(group: Any, send: torch.Tensor | None, to: int, recv: torch.Tensor
     out = None if send is None else send.to(dev)
     into = None if recv is None else (recv if dev.type == "cpu" else torch.empty_like(recv, device=dev))
     if out is not None and out.numel():
-        ops.append(dist.P2POp(dist.isend, out, dist.get_global_rank(group, to) if group else to, group=group))
+        peer = dist.get_global_rank(group, to) if group else to
+        ops += [dist.P2POp(dist.isend, part, peer, group=group) for part in out.split(PART_BYTES)]
     if into is not None and into.numel():
-        ops.append(dist.P2POp(dist.irecv, into, dist.get_global_rank(group, frm) if group else frm, group=group))
+        peer = dist.get_global_rank(group, frm) if group else frm
+        ops += [dist.P2POp(dist.irecv, part, peer, group=group) for part in into.split(PART_BYTES)]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -147,6 +161,7 @@ def shift(
     land: Callable[[Offer, str, memoryview], None],
     limit: int = _MAX_OBJECT_BYTES,
     copies_out: bool = False,
+    coming: Callable[[list[str]], None] | None = None,
 ) -> tuple[Offer, int, int]:
     """Send ``offer`` to rank ``to`` and receive rank ``frm``'s (module docstring: header, ids,
     answer, bytes). Objects of the incoming offer that the receiver ``lacks`` (at most ``limit``
@@ -188,6 +203,8 @@ def shift(
     if any(offer.objects[i][1] < 0 for i in asked):
         raise ShardstoreError(f"rank {to} asked for objects this rank does not have")
     wanted_in = [i for i, w in enumerate(want_in) if w]
+    if coming is not None:
+        coming([got.objects[i][0] for i in wanted_in])
     # 4. bytes, message by message: while message k travels, a helper thread packs message k+1
     # (reading the objects from the sender's tier) and lands message k-1 (the receiver's
     # hashing and tier writes), in order, so the transport is never idle waiting for either.
@@ -341,12 +358,99 @@ def fetch_replicas(
     """At a restart, after the group agreed on ``commit``: every rank whose own tier does not
     hold ``commit`` for its slot gets the objects it lacks from its buddies (slot + 1, ...),
     each buddy offering its host's tier of that slot (``tier_for``). Returns the copies, each
-    verified against its id as it landed, and the report (``rejected``: the copies refused,
+    verified against its id as it landed (and, with ``own``, written to that tier as it landed:
+    the tier fills while the bytes travel), and the report (``rejected``: the copies refused,
     each naming its peer). Collective over ``group``."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    copies = PeerCopies()
-    report = ReplicaReport()
     need = own is None or own.holds(commit) is None
+    copies = PeerCopies()
+    return _fetch(group, need, copies, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
+
+
+class PeerFetch:
+    """``fetch_replicas`` in flight on a thread of its own (``start_fetch``). A worker whose own
+    tier holds the commit (``needed`` false) restores from that tier meanwhile, while the thread
+    serves its peers' copies; one that needs copies restores from ``copies`` meanwhile, each
+    read of a copy still on its way waiting for it. Nothing else may use the
+    exchange's group until ``wait`` returns (Gloo matches a group's messages in the order its
+    ranks post them)."""
+
+    def __init__(self, needed: bool, copies: PeerCopies, run: Callable[[], tuple[PeerCopies, ReplicaReport]]) -> None:
+        self.needed = needed
+        self.copies = copies  # filled as the copies arrive: a read of one still coming waits for it
+        self._result: tuple[PeerCopies, ReplicaReport] | None = None
+        self._error: BaseException | None = None
+        # a daemon thread: a worker that fails meanwhile exits without waiting on its peers
+        self._thread = threading.Thread(target=self._run, args=(run,), name="shardstore-fetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Callable[[], tuple[PeerCopies, ReplicaReport]]) -> None:
+        try:
+            self._result = run()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the waiting thread
+            self._error = e
+
+    def wait(self) -> tuple[PeerCopies, ReplicaReport]:
+        """The copies and the report, once the exchange is over (its error, if it failed)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def start_fetch(
+    group: Any,
+    *,
+    slot: int,
+    commit: str,
+    own: MemoryTier | None,
+    tier_for: Callable[[int], MemoryTier],
+    replicas: int = 1,
+) -> PeerFetch:
+    """``fetch_replicas`` started on a thread of its own (``PeerFetch``), so that a worker whose
+    own tier holds ``commit`` restores from it while it sends its buddies' copies to a worker
+    that lacks them. Collective over ``group``, which nothing else may use until ``wait``."""
+    need = own is None or own.holds(commit) is None
+    cuda = _device(group)  # the caller's device: a new thread's current CUDA device is the first one
+    copies = PeerCopies(pending=need)  # its reads wait until the exchange has said what is coming
+
+    def run() -> tuple[PeerCopies, ReplicaReport]:
+        if cuda.type == "cuda":
+            torch.cuda.set_device(cuda)
+        return _fetch(group, need, copies, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
+
+    return PeerFetch(need, copies, run)
+
+
+def _fetch(
+    group: Any,
+    need: bool,
+    copies: PeerCopies,
+    *,
+    slot: int,
+    commit: str,
+    own: MemoryTier | None,
+    tier_for: Callable[[int], MemoryTier],
+    replicas: int,
+) -> tuple[PeerCopies, ReplicaReport]:
+    try:
+        return copies, _fetch_rounds(group, need, copies, slot, commit, own, tier_for, replicas)
+    finally:
+        copies.done()  # whatever happened: a read still waiting for a copy goes on to the store
+
+
+def _fetch_rounds(
+    group: Any,
+    need: bool,
+    copies: PeerCopies,
+    slot: int,
+    commit: str,
+    own: MemoryTier | None,
+    tier_for: Callable[[int], MemoryTier],
+    replicas: int,
+) -> ReplicaReport:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    report = ReplicaReport()
     for d in range(1, min(replicas, world - 1) + 1):
         dev = _device(group)
         flags = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
@@ -360,14 +464,15 @@ def fetch_replicas(
             held = _try_value(lambda: tier_for(asker).holds(commit))
             if held is not None:
                 tier = tier_for(asker)
-                offer = Offer(asker, commit, [(o, _size(tier, o)) for o in held])
+                # smallest first: the manifests a restore reads before any tensor arrive first
+                offer = Offer(asker, commit, sorted(((o, _size(tier, o)) for o in held), key=lambda e: (e[1], e[0])))
         source = tier_for(asker) if offer.commit is not None else None
         peer = (rank + d) % world
 
         def lacks(got: Offer, oid: str) -> bool:
             return (
                 need and got.commit == commit and got.slot == slot
-                and (own is None or not own.has(oid)) and copies.fetch(oid) is None
+                and (own is None or not own.has(oid)) and oid not in copies
             )  # fmt: skip
 
         def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
@@ -379,8 +484,17 @@ def fetch_replicas(
                     f"object {oid}: the copy from peer slot {_peer} does not hash to its id "
                     f"(its bytes hash to {digest}); not used"
                 )
+                copies.refused(oid)  # a read waiting for it goes on to the store
                 return
-            copies.add(oid, data, _peer, verified=True)  # its message buffer is this object's alone
+            if own is None:
+                copies.add(oid, data, _peer, verified=True)  # its message buffer is this object's alone
+                return
+            # The tier fills as copies arrive: the restore reads this file straight into its tensor.
+            kept = _try_value(lambda: own.keep_verified(oid, data))
+            if kept is not None:
+                copies.add_kept(oid, own, kept, _peer)
+            else:  # the tier could not take it: a copy in memory of its own (the message buffer is reused)
+                copies.add(oid, bytearray(data), _peer, verified=True)
 
         got, sent, received = shift(
             group,
@@ -390,12 +504,14 @@ def fetch_replicas(
             fetch_into=source.fetch_into if source is not None else (lambda oid, out: None),
             lacks=lacks,
             land=land,
+            copies_out=own is not None,  # land writes each copy to this worker's tier: buffers reused
+            coming=copies.expect,  # a read of one of them waits for it (the restore runs meanwhile)
         )
         report.sent += sent
         report.received += received
         if need and got.complete and got.commit == commit and got.slot == slot:
             need = False
-    return copies, report
+    return report
 
 
 def _try_value(fn: Callable[[], Any]) -> Any:

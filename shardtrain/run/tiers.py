@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import torch.distributed as dist
 
 from shardstore import LoadedCommit, Store, load_commit
 from shardstore.backends.memory_tier import MemoryTier, default_tier_root
 from shardstore.backends.tiers import PeerCopies, TieredStorage
-from shardstore.checkpoint.replicas import ReplicaReport, fetch_replicas, replicate
+from shardstore.checkpoint.replicas import PeerFetch, ReplicaReport, replicate, start_fetch
 from shardstore.errors import ShardstoreError
 from shardstore.format.closure import commit_closure
 
@@ -81,6 +82,8 @@ class SlotTiers:
     replication: ReplicaReport = field(default_factory=ReplicaReport)
     errors: list[str] = field(default_factory=list)  # replication that failed (the commit is durable anyway)
     _reader: TieredStorage | None = None
+    _fetching: PeerFetch | None = None  # the start's exchange with its buddies, in flight
+    _fetch_group: Any = None  # the group of its own that exchange runs on
 
     @classmethod
     def open(cls, spec: TierSpec, slot: int, world: int) -> SlotTiers:
@@ -108,27 +111,53 @@ class SlotTiers:
 
     # -- the start ------------------------------------------------------------------------
 
-    def fetch(self, commit: str, group: Any = None) -> None:
+    def fetch(self, commit: str) -> None:
         """Collective at a start from ``commit``: a worker whose tier does not hold it gets its
-        slot's objects from its buddies (each verified against its id as it lands; a wrong one
-        is named in ``rejected`` and read from the store)."""
+        slot's objects from its buddies (each verified against its id as it lands, and written
+        to its tier; a wrong one is named in ``rejected`` and read from the store). The exchange
+        runs in the background on a group of its own (the start's gates use the default group
+        meanwhile): a worker whose tier holds the commit restores from it while it sends its
+        buddies' copies, one that lacks it reads each copy as soon as it has landed (``reader``),
+        and ``restored`` waits for the exchange's end."""
         if self.replicas == 0:
             return
-        self.peers, report = fetch_replicas(
-            group, slot=self.slot, commit=commit, own=self.own, tier_for=self.tier_for, replicas=self.replicas
+        self._fetch_group = dist.new_group(backend=dist.get_backend())
+        self._fetching = start_fetch(
+            self._fetch_group,
+            slot=self.slot,
+            commit=commit,
+            own=self.own,
+            tier_for=self.tier_for,
+            replicas=self.replicas,
         )
+
+    def _fetched(self) -> None:
+        """Wait for the start's exchange (if any is in flight) and take its copies and report."""
+        if self._fetching is None:
+            return
+        fetching, self._fetching = self._fetching, None
+        try:
+            self.peers, report = fetching.wait()
+        finally:
+            dist.destroy_process_group(self._fetch_group)
+            self._fetch_group = None
         self.rejected += report.rejected  # copies refused as they arrived, each naming its peer
 
     def reader(self, durable: Store) -> Store:
         """``durable`` with this worker's tiers above it (memory, then peers), every object
-        read from the store kept in its own tier."""
+        read from the store kept in its own tier; a read of a copy its buddies are still sending
+        waits for that copy alone."""
+        if self._fetching is not None:
+            self.peers = self._fetching.copies
         tiers = [] if self.own is None else [self.own, self.peers]  # no tier: the store's bytes still counted
         self._reader = TieredStorage(durable.storage, tiers, fill=self.own)
         return Store(self._reader, create=False)
 
     def restored(self, lc: LoadedCommit | None, same_layout: bool) -> RestoreBytes:
         """After the restore of ``lc``: hold it in the tier (its slot's closure is there now),
-        drop the peers' copies, and return the bytes read from each tier."""
+        drop the peers' copies, and return the bytes read from each tier (after the start's
+        exchange with its buddies is over)."""
+        self._fetched()
         got = RestoreBytes() if self._reader is None else RestoreBytes(**self._reader.counts())
         if self._reader is not None:
             self.rejected += self._reader.rejected

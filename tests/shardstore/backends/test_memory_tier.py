@@ -222,3 +222,33 @@ def test_the_default_root_is_named_for_the_store_and_the_user(monkeypatch: pytes
     assert default_tier_root("store-a") == default_tier_root(os.path.join(os.getcwd(), "store-a"))
     monkeypatch.delenv("SHARDSTORE_TIER_ROOT")
     assert default_tier_root("/data/store-a").startswith("/dev/shm/" if os.path.isdir("/dev/shm") else "/")
+
+
+def test_a_peer_copy_kept_in_the_tier_as_it_arrived_is_read_unhashed_only_while_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    cid = ss.save(store, TinyNet(), step=1)
+    entries = ss.load_commit(store, cid).shards[0].entries
+    a, b = entries[0].param, entries[1].param
+    tier = MemoryTier(str(tmp_path / "tier"), 0)
+    peers = PeerCopies()
+    for oid in (a, b):  # as fetch_replicas lands them: hashed in its buffer, written to the tier
+        kept = tier.keep_verified(oid, store.get(oid))
+        assert kept is not None and tier.has(oid)
+        peers.add_kept(oid, tier, kept, peer=1)
+    assert tier.keep_verified(a, store.get(a)) is None  # a copy there already is not this call's
+    _flip(tier, b)  # changed in place after it was kept: no longer vouched for
+    monkeypatch.setattr(ss.format.tensors, "blake3", SimpleNamespace(blake3=_CountingBlake3))
+    monkeypatch.setattr(_CountingBlake3, "hashed", 0)
+    reader, counted = _tiered(store, tier, peers, fill=tier)  # the tier first, as a worker reads
+    dest_a = torch.empty(store.object_size(a) // 4, dtype=torch.float32)
+    reader.read_into(a, dest_a)
+    assert _CountingBlake3.hashed == 0  # verified as it arrived; read straight into the tensor
+    assert counted.counts() == {"memory": 0, "peers": dest_a.numel() * 4, "store": 0}
+    dest_b = torch.empty(store.object_size(b) // 4, dtype=torch.float32)
+    reader.read_into(b, dest_b)  # the changed file is hashed, refused, and read from the store
+    assert counted.counts()["store"] == dest_b.numel() * 4
+    assert len(counted.rejected) == 1 and b in counted.rejected[0] and "does not hash to its id" in counted.rejected[0]
+    for oid, dest in ((a, dest_a), (b, dest_b)):
+        assert torch.equal(dest.view(torch.uint8), torch.frombuffer(bytearray(store.get(oid)), dtype=torch.uint8))

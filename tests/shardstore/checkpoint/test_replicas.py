@@ -16,7 +16,7 @@ from gloo_group import run_group
 from shardstore.backends.memory_tier import MemoryTier
 from shardstore.backends.tiers import TieredStorage
 from shardstore.checkpoint import replicas
-from shardstore.checkpoint.replicas import buddies, fetch_replicas, replicate
+from shardstore.checkpoint.replicas import buddies, fetch_replicas, replicate, start_fetch
 from shardstore.format import tensors
 from shardstore.format.tensors import hash_bytes
 from shardstore.store import open_store
@@ -109,6 +109,19 @@ def _body(rank: int, world: int, home: str) -> dict:
             assert into == data
         out["hashed_restoring"] = hashed[0]
         out["restore_counts"] = reader.counts()
+        out["tier_filled"] = sorted(o for o in second if own.has(o))  # written as each copy arrived
+    # the same exchange in the background: a worker whose tier holds the commit need not wait for it
+    if rank == 1:
+        own = MemoryTier(os.path.join(home, "replacement1c"), 1)
+    fetching = start_fetch(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
+    if rank == 1:  # reads at once, while the copies travel: each waits for its copy (the store is empty)
+        reader = TieredStorage(open_store(os.path.join(home, "empty1c")).storage, [own, fetching.copies], fill=own)
+        out["read_while_coming"] = all(
+            bytes(reader.read(f"objects/{oid[:2]}/{oid}")) == data for oid, data in second.items()
+        )
+        out["read_while_coming_counts"] = reader.counts()
+    copies, report = fetching.wait()
+    out["background"] = [fetching.needed, sorted(oid for oid in second if copies.fetch(oid) is not None)]
     # slot 2's host now holds a corrupt replica of slot 1: the replacement's reader refuses it
     bad = max(second, key=lambda o: len(second[o])) if rank == 1 else None
     if rank == 2:
@@ -158,6 +171,16 @@ def test_a_replacement_with_an_empty_tier_gets_its_slot_from_its_buddy(ranks: li
     assert ranks[1]["fetched"] == sorted(_objects(1, 4, version=1))
     assert ranks[1]["fetch_received"] == sum(len(d) for d in _objects(1, 4, version=1).values())
     assert ranks[0]["fetched"] == ranks[2]["fetched"] == []  # their own tiers hold the commit
+    assert ranks[1]["tier_filled"] == ranks[1]["fetched"]  # its tier filled as the copies arrived
+
+
+def test_the_exchange_in_the_background_says_who_must_wait_and_brings_the_same_copies(ranks: list[dict]) -> None:
+    assert [r["background"][0] for r in ranks] == [False, True, False]
+    assert ranks[1]["background"][1] == sorted(_objects(1, 4, version=1))
+    assert ranks[0]["background"][1] == ranks[2]["background"][1] == []
+    assert ranks[1]["read_while_coming"]  # a read of a copy still on its way waited for it
+    counts = ranks[1]["read_while_coming_counts"]
+    assert counts["store"] == 0 and counts["peers"] == sum(len(d) for d in _objects(1, 4, version=1).values())
 
 
 def test_a_buddy_sending_wrong_bytes_is_named_and_the_store_read_instead(ranks: list[dict]) -> None:
