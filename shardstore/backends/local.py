@@ -24,8 +24,6 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from ..errors import InvalidName, ObjectNotFound, ObjectTooLarge, RefConflict, StorageError
 from ..format.names import check_key
 from .base import Buffer, show_ref_value
@@ -42,7 +40,6 @@ from .posix import (
 from .ref_locks import break_lock, take_lock
 
 __all__ = ["LocalStorage"]
-_O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every write goes through the page cache
 _CHUNK = 8 << 20
 _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both of its threads
 #: Directories fsynced at once by ``sync``. A save's objects land in up to 256 ``objects/xx``
@@ -50,14 +47,6 @@ _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both 
 #: development VM (a cache flush each), 8 at a time 0.04-0.11 s, the device merging the
 #: flushes that arrive together (benchmarks/RESULTS.md, "busy CPU").
 _SYNC_THREADS = 8
-#: Objects of at least this many bytes are written with O_DIRECT (``_write_direct``); smaller ones
-#: (manifests, small tensors) through the page cache, where a padded block would cost more than it saves.
-_DIRECT_MIN = 256 << 10
-#: O_DIRECT's alignment of memory, file offsets and lengths: the page size covers every block
-#: device's logical block and DMA alignment (512 bytes on the development VM's disk).
-_DIRECT_ALIGN = 4096
-#: One O_DIRECT write(2): bytes copied into a bounce buffer and sent to the device in one request.
-_DIRECT_CHUNK = 1 << 20
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
 
@@ -70,7 +59,6 @@ class LocalStorage:
         self.url = self.root
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
-        self._direct = _O_DIRECT != 0  # until the file system refuses it (``begin_write``)
 
     def _path(self, key: str) -> str:
         """The file path of ``key``; InvalidName if a directory on the way (``objects/ab``,
@@ -176,60 +164,37 @@ class LocalStorage:
         if os.path.lexists(path):
             freshen(path)
             return None
-        view = memoryview(data).cast("B")
-        direct = self._direct and len(view) >= _DIRECT_MIN
-        tmp = self._new_tmp(key, direct)
-        if tmp is None:  # this file system refuses O_DIRECT: through the page cache from now on
-            direct, tmp = False, self._new_tmp(key, False)
-        assert tmp is not None  # a plain create either succeeds or raises
-        path_, fd = tmp
+        tmpdir = self._dir("tmp")
+        tmp = os.path.join(tmpdir, secrets.token_hex(16))
+        try:  # ``tmp`` made only when missing (a mkdir of an existing directory still locks it); the object's at the link
+            fd = _create(tmp)
+        except FileNotFoundError:
+            try:
+                os.makedirs(tmpdir, exist_ok=True)
+                fd = _create(tmp)
+            except OSError as e:
+                raise self._io("write", key, e) from None
+        except OSError as e:
+            raise self._io("write", key, e) from None
         try:
-            if direct:
-                if not _write_direct(fd, view):  # refused at the first write (EINVAL): as above
-                    self._direct = False
-                    os.close(fd)
-                    os.unlink(path_)
-                    return self.begin_write(key, data)
-            else:
-                off = 0
-                while off < len(view):
-                    n = os.write(fd, view[off : off + _CHUNK])
-                    start_writeback(fd, off, n)
-                    off += n
+            view = memoryview(data).cast("B")
+            off = 0
+            while off < len(view):
+                n = os.write(fd, view[off : off + _CHUNK])
+                start_writeback(fd, off, n)
+                off += n
         except BaseException as e:
             os.close(fd)
-            os.unlink(path_)
+            os.unlink(tmp)
             if isinstance(e, OSError):
                 raise self._io("write", key, e) from None
             raise
         try:
             os.close(fd)
         except OSError as e:
-            unlink_quietly(path_)
+            unlink_quietly(tmp)
             raise self._io("write", key, e) from None
-        return path_
-
-    def _new_tmp(self, key: str, direct: bool) -> tuple[str, int] | None:
-        """A new tmp file for ``key``'s bytes, open for writing (with O_DIRECT if ``direct``); None
-        when the file system refuses O_DIRECT (EINVAL), which also turns it off for this store."""
-        tmpdir = self._dir("tmp")
-        tmp = os.path.join(tmpdir, secrets.token_hex(16))
-        try:  # ``tmp`` made only when missing (a mkdir of an existing directory still locks it); the object's at the link
-            return tmp, _create(tmp, direct)
-        except FileNotFoundError:
-            try:
-                os.makedirs(tmpdir, exist_ok=True)
-                return tmp, _create(tmp, direct)
-            except OSError as e:
-                if direct and e.errno == errno.EINVAL:
-                    self._direct = False
-                    return None
-                raise self._io("write", key, e) from None
-        except OSError as e:
-            if direct and e.errno == errno.EINVAL:
-                self._direct = False
-                return None
-            raise self._io("write", key, e) from None
+        return tmp
 
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
         """Second half: fsync every tmp file of ``pending`` ((key, tmp path) pairs), link each
@@ -513,74 +478,9 @@ class LocalStorage:
             raise
 
 
-def _create(path: str, direct: bool = False) -> int:
+def _create(path: str) -> int:
     """A new file at ``path``, opened for writing (FileExistsError if anything is there)."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if direct else 0), 0o644)
-
-
-class _Bounce:
-    """Page-aligned buffers of ``_DIRECT_CHUNK`` bytes for O_DIRECT writes, shared by every writer
-    thread of the process and kept for its life: one per thread writing at once (a save's
-    ``threads``), each touched once. Memory of its own per call or per thread (a save's pool
-    threads end with it) would pay its page faults again at every save."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.free: list[mmap.mmap] = []
-
-    def take(self) -> mmap.mmap:
-        with self.lock:
-            if self.free:
-                return self.free.pop()
-        return mmap.mmap(-1, _DIRECT_CHUNK)  # anonymous: page-aligned
-
-    def give(self, buf: mmap.mmap) -> None:
-        with self.lock:
-            self.free.append(buf)
-
-
-_BOUNCE = _Bounce()
-
-
-def _write_direct(fd: int, view: memoryview) -> bool:
-    """Write ``view`` to ``fd`` (opened with O_DIRECT) from offset 0; False, with nothing to undo
-    but the file, if the file system refuses the first write (EINVAL).
-
-    The bytes go from memory to the device without a page-cache copy: on the development VM a
-    buffered write's copy into page-cache pages the kernel has just allocated cost up to 5x the
-    copy itself (pages the hypervisor had taken back fault in one by one), and made a save's
-    CPU time vary 3x with what the machine had done before (benchmarks/RESULTS.md, "save path").
-    O_DIRECT wants aligned memory and lengths: each ``_DIRECT_CHUNK`` is copied into a reused
-    page-aligned buffer (memory of a tensor is only 64-byte aligned) and the last is padded
-    with zeros to ``_DIRECT_ALIGN``, then the file is cut back to its size. Durability is
-    unchanged: the object is fsynced with its batch (``end_writes``) before its name is linked.
-    """
-    n = len(view)
-    src = np.frombuffer(view, dtype=np.uint8)
-    buf = _BOUNCE.take()
-    try:
-        dst = np.frombuffer(buf, dtype=np.uint8)
-        out = memoryview(buf)
-        off = 0
-        while off < n:
-            k = min(_DIRECT_CHUNK, n - off)
-            np.copyto(dst[:k], src[off : off + k])  # no GIL held for the copy
-            end = -(-k // _DIRECT_ALIGN) * _DIRECT_ALIGN
-            dst[k:end] = 0
-            done = 0
-            while done < end:
-                try:
-                    done += os.write(fd, out[done:end])
-                except OSError as e:
-                    if e.errno == errno.EINVAL and off == 0 and done == 0:
-                        return False
-                    raise
-            off += k
-    finally:
-        _BOUNCE.give(buf)
-    if n % _DIRECT_ALIGN:
-        os.ftruncate(fd, n)
-    return True
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
 
 def _link(tmp: str, path: str) -> None:
