@@ -254,6 +254,56 @@ def test_read_state_dict_reads_the_callers_tensors_in_place_and_the_rest_fresh(t
     assert not reads and refs["epoch"] == 1 and refs["state_dict"]["0.weight"].name == "state_dict/0.weight"
 
 
+def _load(how, store, cid, into, threads):
+    if how == "read_state_dict":
+        return shardstore.read_state_dict(store, cid, into=into, threads=threads)
+    return shardstore.load_state_dict_into(store, into, cid, threads=threads)
+
+
+@pytest.mark.parametrize("how", ["read_state_dict", "load_state_dict_into"])
+@pytest.mark.parametrize("threads", [1, 8])
+def test_destinations_sharing_memory_with_different_stored_tensors_are_refused_before_any_write(tmp_path, how, threads):
+    """Two key paths whose destinations are one memory (a tied weight) but whose stored tensors
+    differ (a checkpoint of an untied model, or a forged one) cannot both land: read one after the
+    other, the second silently replaced the first (the dict returned claimed the first's value at its
+    path); read at once, a chunked tensor's blocks from both mixed into bytes neither object holds.
+    Refused, naming both, before any byte lands; one memory with one stored tensor is still read once."""
+    g = torch.Generator().manual_seed(5)
+    a, b, z = torch.randn(1100, 1000, generator=g), torch.randn(1100, 1000, generator=g), torch.randn(8, generator=g)
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, {"m": {"a": a, "b": b, "v": b.reshape(-1)[:1000].clone(), "z": z}})
+    t, v, other = torch.zeros(1100, 1000), torch.zeros(1000), torch.zeros(8)
+    for into in (
+        {"m": {"a": t, "b": t, "z": other}},  # one tensor under two paths, two stored tensors
+        {"m": {"a": t, "b": t.view(1100, 1000), "z": other}},  # the same memory viewed alike
+        {"m": {"a": t, "v": t.reshape(-1)[:1000], "z": other}},  # overlapping views of one memory
+    ):
+        with pytest.raises(StateMismatch, match=r"'m/a'.*'m/[bv]'.*share memory"):
+            _load(how, store, cid, into, threads)
+        assert not t.any() and not other.any(), "nothing written before the refusal"
+    # a tensor under two paths whose stored tensors are equal (one payload) is read once, as before
+    cid = shardstore.save_state_dict(store, {"m": {"a": a, "b": a, "v": v, "z": z}})
+    back = _load(how, store, cid, {"m": {"a": t, "b": t, "z": other}}, threads)
+    assert torch.equal(t, a) and torch.equal(other, z)
+    if how == "read_state_dict":
+        assert back["m"]["a"] is t and back["m"]["b"] is t
+
+
+@pytest.mark.parametrize("how", ["read_state_dict", "load_state_dict_into"])
+def test_a_destination_that_cannot_hold_the_bytes_is_refused_before_any_write(tmp_path, how):
+    """A destination on the meta device has no memory (the read wrote nothing and the dict returned
+    held it as if loaded), and one whose elements overlap (an expanded tensor) cannot take distinct
+    bytes (the read failed part way with torch's untyped RuntimeError after the tensors before it had
+    landed): each is refused by its key path before any byte is written into the caller's tensors."""
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, {"m": {"a": torch.full((8,), 7.0), "z": torch.arange(4.0)}})
+    for bad, says in ((torch.empty(4, device="meta"), "meta device"), (torch.zeros(1).expand(4), "overlap")):
+        first = torch.zeros(8)  # sorts before the bad one: read first, were it not checked
+        with pytest.raises(TensorMismatch, match=rf"\$\.m\.z: .*{says}"):
+            _load(how, store, cid, {"m": {"a": first, "z": bad}}, 1)
+        assert not first.any()
+
+
 def test_diff_by_key_path_log_gc_and_copy(tmp_path, capsys):
     store = shardstore.open_store(tmp_path / "s")
     ck = lightning_checkpoint()
