@@ -9,13 +9,16 @@ import re
 from collections import OrderedDict, defaultdict, namedtuple
 
 import blake3
+import msgspec
 import numpy as np
 import pytest
 import torch
 from gloo_group import run_group
 
 import shardstore
+from shardstore.checkpoint import state_dict as state_dict_module
 from shardstore.errors import StateMismatch, TensorMismatch, UnsupportedState
+from shardstore.format.roots import learned_root
 from shardstore.ops.diff import diff
 from shardstore_cli.shardstore_cli import main as shardstore_main
 
@@ -302,6 +305,50 @@ def test_a_destination_that_cannot_hold_the_bytes_is_refused_before_any_write(tm
         with pytest.raises(TensorMismatch, match=rf"\$\.m\.z: .*{says}"):
             _load(how, store, cid, {"m": {"a": first, "z": bad}}, 1)
         assert not first.any()
+
+
+def _forge_shape(store, cid: str, name: str, shape: tuple[int, ...]) -> str:
+    """Commit ``cid`` again with tensor ``name``'s shape replaced in its shard manifest (its object and
+    the tree unchanged), the learned-state root recomputed: a forged manifest that binds correctly."""
+    lc = shardstore.load_commit(store, cid)
+    shard, commit = lc.shards[0], lc.commit
+    entries = tuple(msgspec.structs.replace(e, shape=shape) if e.name == name else e for e in shard.entries)
+    sid = store.put_manifest(msgspec.structs.replace(shard, entries=entries))
+    root = learned_root(
+        step=commit.step,
+        data_cursor=commit.data_cursor,
+        config=commit.config,
+        optimizer=commit.optimizer,
+        entries=entries,
+        extras=commit.extras,
+    )
+    layout = tuple(msgspec.structs.replace(slot, shard=sid) for slot in commit.layout)
+    return store.put_manifest(msgspec.structs.replace(commit, layout=layout, learned_root=root))
+
+
+@pytest.mark.parametrize("threads", [1, 8])
+@pytest.mark.parametrize("shape", [(1 << 20, 1 << 20), (64 << 20,), (32,)])
+def test_a_forged_shape_is_refused_before_its_tensor_is_allocated(tmp_path, monkeypatch, threads, shape):
+    """A shard manifest whose tensor claims a shape its object's size disagrees with (4 TiB, 256 MiB,
+    twice its 64 bytes): refused naming the tensor and the object before a fresh tensor of that shape
+    is allocated and before any byte lands in the caller's tensors, on one thread (all sizes first) and
+    on eight (each size just before its own allocation)."""
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(
+        store, {"m": {"a": torch.ones(16), "b": torch.full((16,), 2.0), "c": torch.full((1000,), 3.0)}}
+    )
+    forged = _forge_shape(store, cid, "m/b", shape)
+    allocated: list[tuple[int, ...]] = []
+    empty = state_dict_module._empty
+    monkeypatch.setattr(state_dict_module, "_empty", lambda e: (allocated.append(tuple(e.shape)), empty(e))[1])
+    with pytest.raises(TensorMismatch, match=r"tensor 'm/b': object \w+ holds 64 bytes, .*refused before allocating"):
+        shardstore.read_state_dict(store, forged, threads=threads)
+    assert shape not in allocated and (1000,) not in allocated  # nothing at or after it
+    a = torch.zeros(16)
+    with pytest.raises(TensorMismatch, match="tensor 'm/b'"):
+        shardstore.read_state_dict(store, forged, threads=threads, into={"m": {"a": a}})
+    assert not a.any()
+    assert shape not in allocated
 
 
 def test_diff_by_key_path_log_gc_and_copy(tmp_path, capsys):
