@@ -494,6 +494,47 @@ def test_a_read_ahead_never_opens_an_object_through_a_symbolic_link(store: ss.St
         store.read_ahead("../" * 3 + "etc/passwd")  # an id is checked before it becomes a path
 
 
+def _returns_within(seconds: float, fn, release: str):
+    """``fn()``'s result, or an AssertionError if it has not returned within ``seconds`` (a thread
+    blocked opening the FIFO at ``release`` is then let go by opening it for writing)."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the test below
+            out["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        fd = os.open(release, os.O_WRONLY | os.O_NONBLOCK)  # the blocked reader's writer: its open returns
+        os.close(fd)
+        worker.join(10)
+        raise AssertionError(f"still blocked after {seconds} s opening the FIFO at {release}")
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out["value"]
+
+
+def test_a_fifo_planted_at_an_object_never_blocks_a_read_ahead_or_a_read(store: ss.Store, tmp_path) -> None:
+    """A named pipe planted at an object's key (an attacker with write access to the store) passes the
+    size check when the object is empty (a pipe's size is 0); opened for reading without O_NONBLOCK it
+    blocked until some writer came: the read-ahead, which promises to return at once, and the read
+    after it hung forever. Both return now, and the read lands only verified bytes."""
+    cid = ss.save_state_dict(store, {"m": {"e": torch.zeros(0), "a": torch.ones(4)}})
+    oid = ss.load_commit(store, cid).entries()["m/e"].param
+    path = os.path.join(store.storage.root, *object_key(oid).split("/"))
+    os.chmod(path, 0o644)
+    os.unlink(path)
+    os.mkfifo(path)
+    assert _returns_within(5, lambda: store.read_ahead(oid), path) is None
+    for threads in (1, 8):
+        back = _returns_within(5, lambda: ss.read_state_dict(store, cid, threads=threads), path)
+        assert back["m"]["e"].shape == (0,) and torch.equal(back["m"]["a"], torch.ones(4))
+
+
 def _calls(storage, monkeypatch) -> list[str]:
     """Every public method of ``storage`` called from now on, by name (each still runs)."""
     calls: list[str] = []
