@@ -52,6 +52,11 @@ _SYNC_THREADS = 8
 _tls = threading.local()
 
 
+#: How an object is opened for reading: never through a symbolic link, and never waiting for a
+#: writer (a named pipe planted at a key would otherwise block the open until one came).
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
 class LocalStorage:
     """A store on a local directory, crash-safe, reading only bytes it hashed (see module docstring)."""
 
@@ -241,8 +246,8 @@ class LocalStorage:
         return written
 
     def _open_read(self, key: str) -> int:
-        try:
-            return os.open(self._path(key), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:  # O_NONBLOCK: a named pipe planted at a key must not block its reader (no effect on a file)
+            return os.open(self._path(key), _READ_FLAGS)
         except FileNotFoundError:
             raise ObjectNotFound(f"{key} is missing from store {self.root}") from None
         except OSError as e:
@@ -270,7 +275,7 @@ class LocalStorage:
         and return at once; nothing for a key that cannot be opened (the read that follows names
         the failure). The bytes a read returns are still the file's, read and hashed as ever."""
         try:
-            fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(self._path(key), _READ_FLAGS)  # a planted named pipe: returns at once too
         except (OSError, InvalidName):
             return
         try:

@@ -133,12 +133,16 @@ def read_state_dict(
     ``map_location``. ``into``: tensors the caller already holds, placed as in the state dict
     (``{"model": model.state_dict()}``), matched as ``load_state_dict_into`` matches its dict
     (the stored tensor at each one's key path must exist with its dtype and shape; checked
-    before any byte is written): each is filled in place and is the returned dict's tensor at
+    before any byte is written, as is that no two of them share memory unless they are one
+    tensor under several key paths holding one stored tensor, read once, and that each has
+    memory of its own for every element): each is filled in place and is the returned dict's tensor at
     its path, so a model's weights land in the model instead of in a fresh tensor copied over
     afterwards (``into``'s other values are not used; ``map_location`` moves only the fresh
     tensors). ``tensors=False``: nothing but the manifests and the tree is read (``into`` is
     not used), and each tensor stays a ``TensorRef`` (its entry name), for a caller deciding
-    what to read into.
+    what to read into. A corrupt object found part way (``CorruptObject``) leaves the caller's
+    tensors read before it filled and the one it was read into holding unverified bytes: the
+    load is to be repeated, those tensors never used.
     A commit not made by ``save_state_dict`` is refused (``StateMismatch``).
     """
     lc = load_commit(store, target)
@@ -149,7 +153,7 @@ def read_state_dict(
     dests: dict[str, torch.Tensor] = {}
     if into is not None and _holds_tensor(into):
         _match(into, value, "$", entries, dests, [], None)  # the caller's other values are not replaced
-    fresh = _read_all(store, entries, dests, threads)
+    fresh = _read_all(store, entries, dests, _reads(entries, dests), threads)
     if map_location is not None:
         fresh = {n: t.to(map_location) for n, t in fresh.items()}
     return fill_tree(value, {**fresh, **dests}.__getitem__)
@@ -166,7 +170,8 @@ def load_state_dict_into(
     by the stored value at that path, where the commit has one (an item of a tuple cannot be
     replaced: it must already be equal). Stored values the dict has no place for are left out.
     Everything is checked before the first byte is written (``StateMismatch`` /
-    ``TensorMismatch``, naming the key path).
+    ``TensorMismatch``, naming the key path), the destinations as for ``read_state_dict``'s
+    ``into``; a corrupt object found part way leaves what ``read_state_dict`` says it leaves.
     """
     lc = load_commit(store, target)
     value = _tree(store, lc)
@@ -181,9 +186,10 @@ def load_state_dict_into(
 
 
 def _read_all(
-    store: Store, entries: Mapping[str, TensorEntry], dests: Mapping[str, torch.Tensor], threads: int
+    store: Store, entries: Mapping[str, TensorEntry], dests: Mapping[str, torch.Tensor], plan: RestorePlan, threads: int
 ) -> dict[str, torch.Tensor]:
-    """Read every entry: into ``dests`` where it has one, else into a fresh tensor (returned). Each
+    """Read every entry: into ``dests`` where it has one (``plan``: their reads, ``_reads``), else
+    into a fresh tensor (returned). Each
     object's size is checked before its fresh tensor is allocated (a manifest's shapes never drive
     an allocation unchecked, SPEC.md §Limits) and all of them before any byte lands in one of the
     caller's tensors (§16); every block is verified as it lands.
@@ -198,7 +204,7 @@ def _read_all(
     if store.lists_sizes() or threads <= 1:
         check_stored_all(store, list(checks.values()))
         fresh = {n: _empty(entries[n]) for n in names if n not in dests}
-        read_plan(store, _reads(entries, {**fresh, **dests}), threads, sizes_checked=True)  # sizes just checked
+        read_plan(store, _reads(entries, fresh) + plan, threads, sizes_checked=True)  # sizes just checked
         return fresh
     fresh: dict[str, torch.Tensor] = {}
     queued: list[Future[int]] = []
@@ -220,7 +226,7 @@ def _read_all(
                 t = fresh[n] = _empty(e)
                 jobs = read_parts(store, e.param, e.dtype, e.shape, [(t, (0,) * t.ndim)], f"tensor {n!r}")
                 queued += [reader.submit(job, stage) for job in jobs]
-            read_plan(store, _reads(entries, dests), threads, sizes_checked=True)  # all checked: the caller's now
+            read_plan(store, plan, threads, sizes_checked=True)  # all checked: the caller's now
             for f in queued:
                 f.result()
         except BaseException:
@@ -237,18 +243,55 @@ def _empty(e: TensorEntry) -> torch.Tensor:
 def _reads(entries: Mapping[str, TensorEntry], dests: Mapping[str, torch.Tensor]) -> RestorePlan:
     """Each destination read from its tensor entry, nothing to install (the caller places them).
     A destination that is the very tensor of another one with the same payload (a tied weight
-    under two key paths) is read once."""
-    items: list[ReadItem] = []
-    planned: dict[tuple[Any, ...], Any] = {}  # a plain tensor's memory -> the payload read into it
-    for n in sorted(dests):
-        t, payload = dests[n], entries[n].param
-        alias = _alias(t)
-        if alias is not None and planned.get(alias) == payload:
-            continue
-        if alias is not None:
-            planned.setdefault(alias, payload)
-        items.append(ReadItem(payload, t, f"tensor {n!r}"))
-    return RestorePlan(tuple(items))
+    under two key paths) is read once. Any other two whose memory overlaps are refused
+    (``StateMismatch`` naming both, before any byte lands): the stored tensors differ, and the one
+    read last would silently replace the other (read at once, the blocks of both would mix into
+    bytes neither object holds), or they view one memory differently, which cannot be checked
+    without reading (conservatively: byte ranges that overlap, however their strides interleave)."""
+    spans = sorted(
+        (str(t.device), t.data_ptr(), t.data_ptr() + _extent(t), n) for n, t in dests.items() if _alias(t) is not None
+    )
+    once: set[str] = set()  # read through another destination: the same view, the same payload
+    reach: tuple[str, int, str] | None = None  # (device, end, name) of the span reaching furthest so far
+    for device, lo, hi, n in spans:
+        if reach is not None and reach[0] == device and lo < reach[1]:
+            m = reach[2]
+            if _alias(dests[m]) != _alias(dests[n]) or entries[m].param != entries[n].param:
+                a, b = sorted((m, n))
+                why = (
+                    "the commit holds different tensors there, and one would overwrite the other"
+                    if entries[m].param != entries[n].param
+                    else "they view it differently"
+                )
+                raise StateMismatch(
+                    f"tensors {a!r} and {b!r}: their destinations share memory, but {why}; nothing was written "
+                    "(SPEC.md §9.6)"
+                )
+            once.add(n)
+        if reach is None or reach[0] != device or hi > reach[1]:
+            reach = (device, hi, n)
+    return RestorePlan(
+        tuple(ReadItem(entries[n].param, dests[n], f"tensor {n!r}") for n in sorted(dests) if n not in once)
+    )
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes from a non-empty plain tensor's first element to the end of its last in memory."""
+    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _unwritable(t: torch.Tensor) -> str | None:
+    """Why the plain tensor ``t`` cannot be read into, or None: on the meta device it has no memory
+    (a read would write nothing), and elements that share memory cannot hold distinct bytes
+    (conservatively: each stride, smallest first, past the reach of the smaller ones)."""
+    if t.device.type == "meta":
+        return "is on the meta device, with no memory to read into"
+    reach = 0
+    for size, stride in sorted(((s, d) for s, d in zip(t.shape, t.stride()) if s > 1), key=lambda x: x[1]):
+        if stride <= reach:
+            return f"has elements that overlap in memory (shape {list(t.shape)}, strides {list(t.stride())})"
+        reach += (size - 1) * stride
+    return None
 
 
 def _alias(t: torch.Tensor) -> tuple[Any, ...] | None:
@@ -294,6 +337,9 @@ def _match(
                 f"state dict at {path}: the commit holds {e.dtype}{list(e.shape)}, the destination is "
                 f"{dtype_name(dst.dtype, path)}{list(dst.shape)}"
             )
+        problem = None if is_dtensor(dst) else _unwritable(dst)
+        if problem is not None:
+            raise TensorMismatch(f"state dict at {path}: the destination {problem}; nothing was written")
         dests[stored.name] = dst
         return
     if isinstance(dst, Mapping):

@@ -571,14 +571,17 @@ class _ReadAhead:
         self.able = {k: isinstance(st, ReadAheadStore) for k, st in stores.items()}  # once: a Protocol check is slow
 
     def __call__(self, i: int) -> None:
+        # the calls inside the lock: a thread starting a job another thread has just claimed waits
+        # until it has been asked for (outside, that thread read it first; on a busy machine most
+        # of a 2-thread read came before its advice). At most a window's worth of calls (open +
+        # fadvise + close each) at the first job, about one per job after it.
         with self.lock:
-            lo, limit = self.next, self.starts[i] + self.window
+            limit = self.starts[i] + self.window
             while self.next < len(self.jobs) and self.starts[self.next] < limit:
+                job = self.jobs[self.next]
+                if self.able[id(job.store)]:
+                    job.store.read_ahead(job.oid)  # type: ignore[attr-defined]  (ReadAheadStore, checked above)
                 self.next += 1
-            todo = self.jobs[lo : self.next]
-        for job in todo:  # outside the lock: another thread's read does not wait for these calls
-            if self.able[id(job.store)]:
-                job.store.read_ahead(job.oid)  # type: ignore[attr-defined]  (ReadAheadStore, checked above)
 
 
 def staging() -> Staging:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -23,6 +24,11 @@ from shardstore.backends import local
 from shardstore.format.grid import READ_AHEAD_THREADS, payload_blocks, put_payloads, read_jobs, run_reads
 from shardstore.format.tensors import dtype_name, hash_bytes, tensor_bytes
 from shardstore.store import object_key
+
+try:
+    from tests.s3_server import S3Server, s3_server  # noqa: F401  (fixture)
+except ImportError:  # pragma: no cover
+    from s3_server import S3Server, s3_server  # type: ignore[no-redef]  # noqa: F401
 
 
 @pytest.fixture
@@ -411,6 +417,28 @@ def test_reads_on_more_threads_ask_ahead_only_up_to_the_bound(store: ss.Store, m
     assert [kind for kind, _ in events] == ["read"] * 6
 
 
+def test_on_two_threads_no_block_is_read_before_it_is_asked_for(store: ss.Store, monkeypatch) -> None:
+    """The thread that claims a stretch of the window asks for its blocks; another thread starting
+    a block of that stretch must not read it before it has been asked for (else the advice comes
+    after the read, and the window's promise, every block within it of a starting read asked for,
+    is false). A slow read-ahead (a busy machine) made the second thread overtake the first."""
+    src, jobs, dest = _blocks(store, 6)
+    events = _spy_reads(monkeypatch)
+    spied = local.LocalStorage.read_ahead
+
+    def slow_ahead(self, key: str) -> None:
+        time.sleep(0.02)
+        spied(self, key)
+
+    monkeypatch.setattr(local.LocalStorage, "read_ahead", slow_ahead)
+    assert run_reads(jobs, threads=2) == 6 * (64 << 10)
+    assert all(torch.equal(a, b) for a, b in zip(src, dest))
+    keys = [object_key(job.oid) for job in jobs]
+    assert sorted(k for kind, k in events if kind == "ahead") == sorted(keys)  # each once
+    late = [k for k in keys if events.index(("read", k)) < events.index(("ahead", k))]
+    assert late == [], f"{len(late)} of 6 blocks read before they were asked for"
+
+
 def test_a_read_ahead_that_fails_changes_nothing(store: ss.Store, trained, monkeypatch, tmp_path) -> None:
     """Read-ahead is advice: a key that is missing or behind a symbolic link, or a kernel that
     refuses the advice, is passed over in silence, and the restore reads and verifies as before."""
@@ -434,6 +462,119 @@ def test_a_read_ahead_that_fails_changes_nothing(store: ss.Store, trained, monke
     ss.restore(store, cid, fresh, fresh_opt, threads=1)
     for (n, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
         assert torch.equal(p, q) and torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"]), n
+
+
+def test_a_read_ahead_never_opens_an_object_through_a_symbolic_link(store: ss.Store, monkeypatch, tmp_path) -> None:
+    """An object file replaced by a symbolic link to a file outside the store (the last component,
+    which ``_path`` does not check): the read-ahead neither follows it nor advises the kernel on the
+    file it names, and the read that follows refuses it by name; a key outside the objects' names
+    never reaches the backend."""
+    src, jobs, dest = _blocks(store, 3)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"\0" * (64 << 10))
+    victim = os.path.join(store.storage.root, *object_key(jobs[1].oid).split("/"))
+    os.chmod(victim, 0o644)
+    os.unlink(victim)
+    os.symlink(outside, victim)
+    advised: list[int] = []
+    real = os.posix_fadvise
+
+    def spy_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append(os.fstat(fd).st_ino)
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy_fadvise)
+    assert store.read_ahead(jobs[1].oid) is None and advised == []
+    store.read_ahead(jobs[0].oid)
+    assert advised == [os.stat(os.path.join(store.storage.root, *object_key(jobs[0].oid).split("/"))).st_ino]
+    with pytest.raises(ss.InvalidName, match="symbolic link"):
+        run_reads(jobs, threads=1)
+    assert outside.stat().st_ino not in advised
+    with pytest.raises(ss.InvalidName):
+        store.read_ahead("../" * 3 + "etc/passwd")  # an id is checked before it becomes a path
+
+
+def _returns_within(seconds: float, fn, release: str):
+    """``fn()``'s result, or an AssertionError if it has not returned within ``seconds`` (a thread
+    blocked opening the FIFO at ``release`` is then let go by opening it for writing)."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the test below
+            out["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        fd = os.open(release, os.O_WRONLY | os.O_NONBLOCK)  # the blocked reader's writer: its open returns
+        os.close(fd)
+        worker.join(10)
+        raise AssertionError(f"still blocked after {seconds} s opening the FIFO at {release}")
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out["value"]
+
+
+def test_a_fifo_planted_at_an_object_never_blocks_a_read_ahead_or_a_read(store: ss.Store, tmp_path) -> None:
+    """A named pipe planted at an object's key (an attacker with write access to the store) passes the
+    size check when the object is empty (a pipe's size is 0); opened for reading without O_NONBLOCK it
+    blocked until some writer came: the read-ahead, which promises to return at once, and the read
+    after it hung forever. Both return now, and the read lands only verified bytes."""
+    cid = ss.save_state_dict(store, {"m": {"e": torch.zeros(0), "a": torch.ones(4)}})
+    oid = ss.load_commit(store, cid).entries()["m/e"].param
+    path = os.path.join(store.storage.root, *object_key(oid).split("/"))
+    os.chmod(path, 0o644)
+    os.unlink(path)
+    os.mkfifo(path)
+    assert _returns_within(5, lambda: store.read_ahead(oid), path) is None
+    for threads in (1, 8):
+        back = _returns_within(5, lambda: ss.read_state_dict(store, cid, threads=threads), path)
+        assert back["m"]["e"].shape == (0,) and torch.equal(back["m"]["a"], torch.ones(4))
+
+
+def _calls(storage, monkeypatch) -> list[str]:
+    """Every public method of ``storage`` called from now on, by name (each still runs)."""
+    calls: list[str] = []
+    for name in dir(storage):
+        method = getattr(storage, name, None)
+        if name.startswith("_") or not callable(method):
+            continue
+
+        def spy(*args, _name=name, _method=method, **kwargs):
+            calls.append(_name)
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(storage, name, spy)
+    return calls
+
+
+def _no_op_read_ahead(store: ss.Store, monkeypatch) -> None:
+    """On a store whose backend cannot read ahead, asking is a no-op (no backend call, no error,
+    for a present, missing or ill-formed id), and reads on 1 thread (read-ahead on) and 8 (off)
+    land the same verified bytes."""
+    assert not isinstance(store.storage, local.LocalStorage)
+    src, jobs, dest = _blocks(store, 4)
+    calls = _calls(store.storage, monkeypatch)
+    for oid in (jobs[0].oid, "ab" * 32, "../escape"):
+        assert store.read_ahead(oid) is None
+    assert calls == []
+    for threads in (1, 8):
+        for d in dest:
+            d.zero_()
+        assert run_reads(jobs, threads=threads) == 4 * (64 << 10)
+        assert all(torch.equal(a, b) for a, b in zip(src, dest)), threads
+    assert "read_ahead" not in calls
+
+
+def test_a_read_ahead_on_a_store_in_memory_is_a_no_op(monkeypatch) -> None:
+    _no_op_read_ahead(ss.open_store(f"memory://shardstore-tests/ahead-{os.getpid()}-{id(monkeypatch)}"), monkeypatch)
+
+
+def test_a_read_ahead_on_s3_is_a_no_op(s3_server: S3Server, monkeypatch) -> None:  # noqa: F811
+    _no_op_read_ahead(ss.open_store(s3_server.url(), **s3_server.options), monkeypatch)
 
 
 # -- async save ----------------------------------------------------------------------------

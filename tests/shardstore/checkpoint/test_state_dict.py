@@ -9,13 +9,16 @@ import re
 from collections import OrderedDict, defaultdict, namedtuple
 
 import blake3
+import msgspec
 import numpy as np
 import pytest
 import torch
 from gloo_group import run_group
 
 import shardstore
+from shardstore.checkpoint import state_dict as state_dict_module
 from shardstore.errors import StateMismatch, TensorMismatch, UnsupportedState
+from shardstore.format.roots import learned_root
 from shardstore.ops.diff import diff
 from shardstore_cli.shardstore_cli import main as shardstore_main
 
@@ -252,6 +255,100 @@ def test_read_state_dict_reads_the_callers_tensors_in_place_and_the_rest_fresh(t
     reads.clear()
     refs = shardstore.read_state_dict(store, cid, tensors=False)
     assert not reads and refs["epoch"] == 1 and refs["state_dict"]["0.weight"].name == "state_dict/0.weight"
+
+
+def _load(how, store, cid, into, threads):
+    if how == "read_state_dict":
+        return shardstore.read_state_dict(store, cid, into=into, threads=threads)
+    return shardstore.load_state_dict_into(store, into, cid, threads=threads)
+
+
+@pytest.mark.parametrize("how", ["read_state_dict", "load_state_dict_into"])
+@pytest.mark.parametrize("threads", [1, 8])
+def test_destinations_sharing_memory_with_different_stored_tensors_are_refused_before_any_write(tmp_path, how, threads):
+    """Two key paths whose destinations are one memory (a tied weight) but whose stored tensors
+    differ (a checkpoint of an untied model, or a forged one) cannot both land: read one after the
+    other, the second silently replaced the first (the dict returned claimed the first's value at its
+    path); read at once, a chunked tensor's blocks from both mixed into bytes neither object holds.
+    Refused, naming both, before any byte lands; one memory with one stored tensor is still read once."""
+    g = torch.Generator().manual_seed(5)
+    a, b, z = torch.randn(1100, 1000, generator=g), torch.randn(1100, 1000, generator=g), torch.randn(8, generator=g)
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, {"m": {"a": a, "b": b, "v": b.reshape(-1)[:1000].clone(), "z": z}})
+    t, v, other = torch.zeros(1100, 1000), torch.zeros(1000), torch.zeros(8)
+    for into in (
+        {"m": {"a": t, "b": t, "z": other}},  # one tensor under two paths, two stored tensors
+        {"m": {"a": t, "b": t.view(1100, 1000), "z": other}},  # the same memory viewed alike
+        {"m": {"a": t, "v": t.reshape(-1)[:1000], "z": other}},  # overlapping views of one memory
+    ):
+        with pytest.raises(StateMismatch, match=r"'m/a'.*'m/[bv]'.*share memory"):
+            _load(how, store, cid, into, threads)
+        assert not t.any() and not other.any(), "nothing written before the refusal"
+    # a tensor under two paths whose stored tensors are equal (one payload) is read once, as before
+    cid = shardstore.save_state_dict(store, {"m": {"a": a, "b": a, "v": v, "z": z}})
+    back = _load(how, store, cid, {"m": {"a": t, "b": t, "z": other}}, threads)
+    assert torch.equal(t, a) and torch.equal(other, z)
+    if how == "read_state_dict":
+        assert back["m"]["a"] is t and back["m"]["b"] is t
+
+
+@pytest.mark.parametrize("how", ["read_state_dict", "load_state_dict_into"])
+def test_a_destination_that_cannot_hold_the_bytes_is_refused_before_any_write(tmp_path, how):
+    """A destination on the meta device has no memory (the read wrote nothing and the dict returned
+    held it as if loaded), and one whose elements overlap (an expanded tensor) cannot take distinct
+    bytes (the read failed part way with torch's untyped RuntimeError after the tensors before it had
+    landed): each is refused by its key path before any byte is written into the caller's tensors."""
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, {"m": {"a": torch.full((8,), 7.0), "z": torch.arange(4.0)}})
+    for bad, says in ((torch.empty(4, device="meta"), "meta device"), (torch.zeros(1).expand(4), "overlap")):
+        first = torch.zeros(8)  # sorts before the bad one: read first, were it not checked
+        with pytest.raises(TensorMismatch, match=rf"\$\.m\.z: .*{says}"):
+            _load(how, store, cid, {"m": {"a": first, "z": bad}}, 1)
+        assert not first.any()
+
+
+def _forge_shape(store, cid: str, name: str, shape: tuple[int, ...]) -> str:
+    """Commit ``cid`` again with tensor ``name``'s shape replaced in its shard manifest (its object and
+    the tree unchanged), the learned-state root recomputed: a forged manifest that binds correctly."""
+    lc = shardstore.load_commit(store, cid)
+    shard, commit = lc.shards[0], lc.commit
+    entries = tuple(msgspec.structs.replace(e, shape=shape) if e.name == name else e for e in shard.entries)
+    sid = store.put_manifest(msgspec.structs.replace(shard, entries=entries))
+    root = learned_root(
+        step=commit.step,
+        data_cursor=commit.data_cursor,
+        config=commit.config,
+        optimizer=commit.optimizer,
+        entries=entries,
+        extras=commit.extras,
+    )
+    layout = tuple(msgspec.structs.replace(slot, shard=sid) for slot in commit.layout)
+    return store.put_manifest(msgspec.structs.replace(commit, layout=layout, learned_root=root))
+
+
+@pytest.mark.parametrize("threads", [1, 8])
+@pytest.mark.parametrize("shape", [(1 << 20, 1 << 20), (64 << 20,), (32,)])
+def test_a_forged_shape_is_refused_before_its_tensor_is_allocated(tmp_path, monkeypatch, threads, shape):
+    """A shard manifest whose tensor claims a shape its object's size disagrees with (4 TiB, 256 MiB,
+    twice its 64 bytes): refused naming the tensor and the object before a fresh tensor of that shape
+    is allocated and before any byte lands in the caller's tensors, on one thread (all sizes first) and
+    on eight (each size just before its own allocation)."""
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(
+        store, {"m": {"a": torch.ones(16), "b": torch.full((16,), 2.0), "c": torch.full((1000,), 3.0)}}
+    )
+    forged = _forge_shape(store, cid, "m/b", shape)
+    allocated: list[tuple[int, ...]] = []
+    empty = state_dict_module._empty
+    monkeypatch.setattr(state_dict_module, "_empty", lambda e: (allocated.append(tuple(e.shape)), empty(e))[1])
+    with pytest.raises(TensorMismatch, match=r"tensor 'm/b': object \w+ holds 64 bytes, .*refused before allocating"):
+        shardstore.read_state_dict(store, forged, threads=threads)
+    assert shape not in allocated and (1000,) not in allocated  # nothing at or after it
+    a = torch.zeros(16)
+    with pytest.raises(TensorMismatch, match="tensor 'm/b'"):
+        shardstore.read_state_dict(store, forged, threads=threads, into={"m": {"a": a}})
+    assert not a.any()
+    assert shape not in allocated
 
 
 def test_diff_by_key_path_log_gc_and_copy(tmp_path, capsys):
