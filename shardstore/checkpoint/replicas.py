@@ -434,84 +434,73 @@ def _fetch(
     replicas: int,
 ) -> tuple[PeerCopies, ReplicaReport]:
     try:
-        return copies, _fetch_rounds(group, need, copies, slot, commit, own, tier_for, replicas)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        report = ReplicaReport()
+        for d in range(1, min(replicas, world - 1) + 1):
+            dev = _device(group)
+            flags = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+            dist.all_gather(flags, torch.tensor([int(need)], dtype=torch.int64, device=dev), group=group)
+            needs = [bool(int(f.item())) for f in flags]
+            if not any(needs):
+                break
+            asker = (rank - d) % world  # the rank whose buddy at distance d this rank is
+            offer = Offer()
+            if needs[asker]:
+                held = _try_value(lambda: tier_for(asker).holds(commit))
+                if held is not None:
+                    tier = tier_for(asker)
+                    # smallest first: the manifests a restore reads before any tensor arrive first
+                    offer = Offer(
+                        asker, commit, sorted(((o, _size(tier, o)) for o in held), key=lambda e: (e[1], e[0]))
+                    )
+            source = tier_for(asker) if offer.commit is not None else None
+            peer = (rank + d) % world
+
+            def lacks(got: Offer, oid: str) -> bool:
+                return (
+                    need and got.commit == commit and got.slot == slot
+                    and (own is None or not own.has(oid)) and oid not in copies
+                )  # fmt: skip
+
+            def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
+                # Verified here, on the helper thread while the next message travels, and only here:
+                # the restore copies a verified copy without hashing it again (backends.tiers).
+                digest = hash_bytes(data)
+                if digest != oid:
+                    report.rejected.append(
+                        f"object {oid}: the copy from peer slot {_peer} does not hash to its id "
+                        f"(its bytes hash to {digest}); not used"
+                    )
+                    copies.refused(oid)  # a read waiting for it goes on to the store
+                    return
+                if own is None:
+                    copies.add(oid, data, _peer, verified=True)  # its message buffer is this object's alone
+                    return
+                # The tier fills as copies arrive: the restore reads this file straight into its tensor.
+                kept = _try_value(lambda: own.keep_verified(oid, data))
+                if kept is not None:
+                    copies.add_kept(oid, own, kept, _peer)
+                else:  # the tier could not take it: a copy in memory of its own (the message buffer is reused)
+                    copies.add(oid, bytearray(data), _peer, verified=True)
+
+            got, sent, received = shift(
+                group,
+                offer,
+                to=asker,
+                frm=peer,
+                fetch_into=source.fetch_into if source is not None else (lambda oid, out: None),
+                lacks=lacks,
+                land=land,
+                copies_out=own is not None,  # land writes each copy to this worker's tier: buffers reused
+                coming=copies.expect,  # a read of one of them waits for it (the restore runs meanwhile)
+            )
+            report.sent += sent
+            report.received += received
+            if need and got.complete and got.commit == commit and got.slot == slot:
+                need = False
+        return copies, report
     finally:
         copies.done()  # whatever happened: a read still waiting for a copy goes on to the store
-
-
-def _fetch_rounds(
-    group: Any,
-    need: bool,
-    copies: PeerCopies,
-    slot: int,
-    commit: str,
-    own: MemoryTier | None,
-    tier_for: Callable[[int], MemoryTier],
-    replicas: int,
-) -> ReplicaReport:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    report = ReplicaReport()
-    for d in range(1, min(replicas, world - 1) + 1):
-        dev = _device(group)
-        flags = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-        dist.all_gather(flags, torch.tensor([int(need)], dtype=torch.int64, device=dev), group=group)
-        needs = [bool(int(f.item())) for f in flags]
-        if not any(needs):
-            break
-        asker = (rank - d) % world  # the rank whose buddy at distance d this rank is
-        offer = Offer()
-        if needs[asker]:
-            held = _try_value(lambda: tier_for(asker).holds(commit))
-            if held is not None:
-                tier = tier_for(asker)
-                # smallest first: the manifests a restore reads before any tensor arrive first
-                offer = Offer(asker, commit, sorted(((o, _size(tier, o)) for o in held), key=lambda e: (e[1], e[0])))
-        source = tier_for(asker) if offer.commit is not None else None
-        peer = (rank + d) % world
-
-        def lacks(got: Offer, oid: str) -> bool:
-            return (
-                need and got.commit == commit and got.slot == slot
-                and (own is None or not own.has(oid)) and oid not in copies
-            )  # fmt: skip
-
-        def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
-            # Verified here, on the helper thread while the next message travels, and only here:
-            # the restore copies a verified copy without hashing it again (backends.tiers).
-            digest = hash_bytes(data)
-            if digest != oid:
-                report.rejected.append(
-                    f"object {oid}: the copy from peer slot {_peer} does not hash to its id "
-                    f"(its bytes hash to {digest}); not used"
-                )
-                copies.refused(oid)  # a read waiting for it goes on to the store
-                return
-            if own is None:
-                copies.add(oid, data, _peer, verified=True)  # its message buffer is this object's alone
-                return
-            # The tier fills as copies arrive: the restore reads this file straight into its tensor.
-            kept = _try_value(lambda: own.keep_verified(oid, data))
-            if kept is not None:
-                copies.add_kept(oid, own, kept, _peer)
-            else:  # the tier could not take it: a copy in memory of its own (the message buffer is reused)
-                copies.add(oid, bytearray(data), _peer, verified=True)
-
-        got, sent, received = shift(
-            group,
-            offer,
-            to=asker,
-            frm=peer,
-            fetch_into=source.fetch_into if source is not None else (lambda oid, out: None),
-            lacks=lacks,
-            land=land,
-            copies_out=own is not None,  # land writes each copy to this worker's tier: buffers reused
-            coming=copies.expect,  # a read of one of them waits for it (the restore runs meanwhile)
-        )
-        report.sent += sent
-        report.received += received
-        if need and got.complete and got.commit == commit and got.slot == slot:
-            need = False
-    return report
 
 
 def _try_value(fn: Callable[[], Any]) -> Any:
