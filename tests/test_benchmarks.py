@@ -8,6 +8,7 @@ compares; `bench_s3.py` verifies its round trip against a moto server it starts 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -233,7 +234,12 @@ def test_s3_request_budget_quick(tmp_path) -> None:
     want = {"open": "yes", "commit 1": "yes", "commit 2": "yes", "commit 3": "yes", "restore": "yes", "dcp save": "—",
             "dcp load": "—"}  # fmt: skip
     rows = [line for line in text.splitlines() if line.startswith("| 2 | ") and line.split("|")[2].strip() in want]
-    assert {r.split("|")[2].strip(): r.rstrip().rsplit("|", 2)[1].strip() for r in rows} == want, rows
+    # "yes (1 retried)": equal once the requests S3Storage retried after losing their answer are
+    # counted apart, as the script does (a loaded machine makes moto drop a connection now and then)
+    got = {
+        r.split("|")[2].strip(): re.sub(r" \(\d+ retried\)$", "", r.rstrip().rsplit("|", 2)[1].strip()) for r in rows
+    }
+    assert got == want, rows
     assert any(line.startswith("| Llama-3 8B | 64 |") for line in text.splitlines())
     assert any(line.startswith("| Llama-3 8B | 64 → 32 |") for line in text.splitlines())
 
