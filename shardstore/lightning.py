@@ -30,7 +30,9 @@ any dtype or shape differs, all of them are (nothing was written), and Lightning
 decides as without ``module``. A module whose ``state_dict()`` hands out copies is read into the
 copies, which Lightning's load then copies in. The weights land before the module's
 ``on_load_checkpoint`` hook sees the checkpoint: a hook that drops a weight from it leaves that
-weight as stored, not as initialised. A corrupt object found part way leaves the module holding
+weight as stored, not as initialised. While the module is attached, every ``load_checkpoint`` of
+this plugin reads into it, as a resume does (``load_from_checkpoint`` never does): to look at a
+checkpoint mid-run, use another plugin or ``read_state_dict``. A corrupt object found part way leaves the module holding
 part of the checkpoint, as ``shardstore.restore`` does: the resume is to be repeated.
 
 **Names.** A checkpoint path names a ref: ``prefix`` (default ``lightning``) and the
@@ -314,11 +316,16 @@ class ShardstoreCheckpointIO(CheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Lightning's checkpoint dict from the commit ``path`` names (``resolve``), tensors fresh on the
-        CPU or on ``map_location`` (a device or its name). Nothing is unpickled, so ``weights_only`` changes nothing."""
+        CPU or on ``map_location`` (a device or its name); with ``module=`` and that module attached to
+        the Trainer loading through this plugin, its weights are the module's own tensors, read into
+        (module docstring). Nothing is unpickled, so ``weights_only`` changes nothing."""
+        return self._load(path, map_location, into_module=True)
+
+    def _load(self, path: Any, map_location: Any, *, into_module: bool) -> dict[str, Any]:
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"map_location is a torch.device or its name, not a {type(map_location).__name__}")
         commit = self.resolve(path)
-        into = self._into(commit, map_location)
+        into = self._into(commit, map_location) if into_module else None
         if into is not None:
             try:
                 state = read_state_dict(self.store, commit, threads=self.read_threads, into=into)
@@ -444,7 +451,9 @@ class ShardstoreCheckpointIO(CheckpointIO):
         from lightning.pytorch.core.saving import _load_state
         from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
-        checkpoint = _pl_migrate_checkpoint(self.load_checkpoint(path, map_location), checkpoint_path=None)
+        # another module than ``module``: never read into that one
+        loaded = self._load(path, map_location, into_module=False)
+        checkpoint = _pl_migrate_checkpoint(loaded, checkpoint_path=None)
         checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
         if issubclass(cls, pl.LightningDataModule):

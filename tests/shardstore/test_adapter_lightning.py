@@ -411,6 +411,20 @@ def test_with_module_a_module_that_cannot_be_read_into_still_resumes(
     assert not any(t.data_ptr() in params for t in got["state_dict"].values())  # the module's own were not read into
 
 
+def test_with_module_load_from_checkpoint_never_reads_into_the_attached_module(
+    trained: SimpleNamespace, tmp_path: Path
+) -> None:
+    first = trained.dir / "epoch=1-step=8.ckpt"
+    model = Net()
+    trainer = resume(trained.store, first, model, 2, tmp_path, module=model)  # attached, loading through the plugin
+    io = trainer.strategy.checkpoint_io
+    before = OrderedDict((k, t.clone()) for k, t in model.state_dict().items())
+    built = io.load_from_checkpoint(Net, trained.dir / "last.ckpt")
+    same(built.state_dict(), trained.model.state_dict())
+    same(model.state_dict(), before)
+    assert not torch.equal(before["net.0.weight"], trained.model.state_dict()["net.0.weight"])  # it would show
+
+
 def test_with_module_a_load_outside_the_modules_trainer_leaves_the_module_alone(trained: SimpleNamespace) -> None:
     model = Net()
     before = OrderedDict((k, t.clone()) for k, t in model.state_dict().items())
