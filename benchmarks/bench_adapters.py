@@ -187,7 +187,8 @@ def lightning(args: argparse.Namespace, work: str, drop_ok: bool) -> dict[str, A
     saved = _state(module, opt)
     ios = {
         "TorchCheckpointIO (torch.save)": TorchCheckpointIO(),
-        "ShardstoreCheckpointIO": ShardstoreCheckpointIO(os.path.join(work, "lightning-store")),
+        # module=: a resume reads the weights into the module's own tensors (shardstore/lightning.py)
+        "ShardstoreCheckpointIO": ShardstoreCheckpointIO(os.path.join(work, "lightning-store"), module=module),
     }
     times: dict[str, dict[str, list[float]]] = {m: {"save": [], "restore": [], "cpu": [], "call": []} for m in ios}
     for rep in range(args.reps):

@@ -17,6 +17,24 @@ exactly is refused by its key path (``UnsupportedState``) before anything is wri
 would: Lightning loads the checkpoint before it builds optimizers, and ``load_state_dict``
 of each optimizer and scheduler takes it from there.
 
+**Reading into the module.** ``ShardstoreCheckpointIO(url, module=model)`` lets a resume skip
+a copy of the weights: Lightning does not hand a ``CheckpointIO`` the module, so it is given
+here. While ``model`` is attached to a Trainer whose strategy loads through this plugin
+(``fit``/``validate``/``test``/``predict`` with ``ckpt_path``), ``load_checkpoint`` reads each
+stored weight the module holds by name (a plain contiguous tensor, on the device a fresh one would
+land on) straight into the module's own tensor (``read_state_dict(..., into=...)``): every dtype
+and shape is checked, and every object's size, before any byte lands; the checkpoint's
+``"state_dict"`` then holds the module's tensors, and Lightning's ``load_state_dict`` copies each
+onto itself, which torch skips. A weight the module lacks, or holds otherwise, is read fresh; if
+any dtype or shape differs, all of them are (nothing was written), and Lightning's own load
+decides as without ``module``. A module whose ``state_dict()`` hands out copies is read into the
+copies, which Lightning's load then copies in. The weights land before the module's
+``on_load_checkpoint`` hook sees the checkpoint: a hook that drops a weight from it leaves that
+weight as stored, not as initialised. While the module is attached, every ``load_checkpoint`` of
+this plugin reads into it, as a resume does (``load_from_checkpoint`` never does): to look at a
+checkpoint mid-run, use another plugin or ``read_state_dict``. A corrupt object found part way leaves the module holding
+part of the checkpoint, as ``shardstore.restore`` does: the resume is to be repeated.
+
 **Names.** A checkpoint path names a ref: ``prefix`` (default ``lightning``) and the
 checkpoint's file name (``.../epoch=0-step=8.ckpt`` → ``lightning/epoch_3d0-step_3d8.ckpt``;
 with ``root=``, the path under ``root``, one segment per directory). Each name is encoded
@@ -64,9 +82,19 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from .checkpoint.state_dict import read_state_dict, save_state_dict
 from .dcp.handle import StoreHandle
-from .errors import InvalidName, ManifestError, RefConflict, RefNotFound, StorageError, TargetNotFound, UnsupportedState
+from .errors import (
+    InvalidName,
+    ManifestError,
+    RefConflict,
+    RefNotFound,
+    StateMismatch,
+    StorageError,
+    TargetNotFound,
+    TensorMismatch,
+    UnsupportedState,
+)
 from .format.names import MAX_REF_DEPTH, check_oid, check_ref_name
-from .state.documents import MAX_DEPTH
+from .state.documents import MAX_DEPTH, TensorRef
 from .store import Store
 
 __all__ = ["ShardstoreCheckpointIO", "encode_segment", "decode_segment", "TYPES_KEY", "MARKER_BYTES"]
@@ -183,7 +211,9 @@ class ShardstoreCheckpointIO(CheckpointIO):
     by default only its file name. ``job``: the job id of the commits. ``threads``: writer
     threads (hashing and writing a save). ``read_threads``: objects in flight when loading
     (reads wait on the disk, so more than the cores: 8 was the deepest queue worth having,
-    benchmarks/RESULTS.md "Design measurements").
+    benchmarks/RESULTS.md "Design measurements"). ``module``: the ``LightningModule`` the Trainer
+    fits; while it is attached to a Trainer loading through this plugin, a resume reads the
+    stored weights straight into its own tensors (module docstring, "Reading into the module").
     """
 
     def __init__(
@@ -196,8 +226,12 @@ class ShardstoreCheckpointIO(CheckpointIO):
         storage_options: Mapping[str, Any] | None = None,
         threads: int = 4,
         read_threads: int = 8,
+        module: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
+        if module is not None and not isinstance(module, pl.LightningModule):
+            raise TypeError(f"module is the LightningModule the Trainer fits, not a {type(module).__name__}")
+        self.module = module
         check_ref_name(prefix)
         self.prefix = prefix
         self._room = MAX_REF_DEPTH - len(prefix.split("/"))
@@ -282,12 +316,54 @@ class ShardstoreCheckpointIO(CheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Lightning's checkpoint dict from the commit ``path`` names (``resolve``), tensors fresh on the
-        CPU or on ``map_location`` (a device or its name). Nothing is unpickled, so ``weights_only`` changes nothing."""
+        CPU or on ``map_location`` (a device or its name); with ``module=`` and that module attached to
+        the Trainer loading through this plugin, its weights are the module's own tensors, read into
+        (module docstring). Nothing is unpickled, so ``weights_only`` changes nothing."""
+        return self._load(path, map_location, into_module=True)
+
+    def _load(self, path: Any, map_location: Any, *, into_module: bool) -> dict[str, Any]:
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"map_location is a torch.device or its name, not a {type(map_location).__name__}")
         commit = self.resolve(path)
+        into = self._into(commit, map_location) if into_module else None
+        if into is not None:
+            try:
+                state = read_state_dict(self.store, commit, threads=self.read_threads, into=into)
+                return _from_tree(state, commit)
+            except (TensorMismatch, StateMismatch):
+                pass  # refused before any byte landed in the module: read it fresh, as without ``module``
         state = read_state_dict(self.store, commit, map_location=map_location, threads=self.read_threads)
         return _from_tree(state, commit)
+
+    def _into(self, commit: str, map_location: Any) -> dict[str, Any] | None:
+        """``{"state_dict": {name: the module's own tensor}}`` for each weight of commit ``commit``
+        the module holds by that name, as a plain contiguous tensor on the device a fresh one would
+        land on; None if there is none, or the module is not
+        attached to a Trainer whose strategy loads through this plugin (a module being fitted)."""
+        module = self.module
+        if module is None:
+            return None
+        trainer = module._trainer  # LightningModule.trainer raises when detached; None is the answer here
+        strategy = getattr(trainer, "strategy", None)
+        # _checkpoint_io: the property would install a TorchCheckpointIO where none is set
+        if strategy is None or strategy.lightning_module is not module or strategy._checkpoint_io is not self:
+            return None
+        device = torch.device("cpu" if map_location is None else map_location)
+        stored = read_state_dict(self.store, commit, tensors=False).get("state_dict")
+        if type(stored) not in (dict, OrderedDict):
+            return None  # not a resume's checkpoint (ddp_spawn hands back a bare state dict)
+        live: dict[str, torch.Tensor] = {}
+        for name, t in module.state_dict().items():
+            s = stored.get(name)
+            if (
+                isinstance(s, TensorRef)
+                and type(t) is torch.Tensor
+                and t.device == device
+                and t.is_contiguous()
+                and t.numel() > 0
+            ):  # its dtype and shape are checked by the read (TensorMismatch: read fresh instead)
+                live[name] = t
+        return {"state_dict": live} if live else None
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the marker at ``path``, then its ref if that still names the marker's commit (a
@@ -375,7 +451,9 @@ class ShardstoreCheckpointIO(CheckpointIO):
         from lightning.pytorch.core.saving import _load_state
         from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
-        checkpoint = _pl_migrate_checkpoint(self.load_checkpoint(path, map_location), checkpoint_path=None)
+        # another module than ``module``: never read into that one
+        loaded = self._load(path, map_location, into_module=False)
+        checkpoint = _pl_migrate_checkpoint(loaded, checkpoint_path=None)
         checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
         if issubclass(cls, pl.LightningDataModule):

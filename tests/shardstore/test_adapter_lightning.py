@@ -317,6 +317,128 @@ def test_load_from_checkpoint_builds_the_module_from_the_store(trained: SimpleNa
     assert io.load_from_checkpoint(Net, commit, lr=0.5).hparams.lr == 0.5  # kwargs override, as Lightning's do
 
 
+# -- module=: a resume reads the weights into the module -------------------------------------------
+
+
+class LoadedIO(ShardstoreCheckpointIO):
+    """Keeps what each load_checkpoint returned, to see where its weights live."""
+
+    loaded: list[dict[str, Any]]
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+        got = super().load_checkpoint(path, map_location, weights_only)
+        self.loaded.append(got)
+        return got
+
+
+class CopyingNet(Net):
+    """A module whose state_dict() hands out copies of its tensors, not views of them."""
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return OrderedDict((k, v.clone()) for k, v in super().state_dict(*args, **kwargs).items())
+
+
+def resume(store: ss.Store, ckpt: Path, model: pl.LightningModule, epochs: int, tmp: Path, **io: Any) -> pl.Trainer:
+    plugin = LoadedIO(store, **io)
+    plugin.loaded = []
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        plugins=[plugin],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=str(tmp),
+    )
+    trainer.fit(model, loader(), ckpt_path=str(ckpt))
+    return trainer
+
+
+def test_with_module_a_resume_reads_the_weights_into_the_modules_own_tensors(
+    trained: SimpleNamespace, tmp_path: Path
+) -> None:
+    last = trained.dir / "last.ckpt"
+    stored = trained.io.load_checkpoint(last)["state_dict"]
+    model = Net()
+    before = {k: (t.data_ptr(), t.clone()) for k, t in model.state_dict().items()}
+    assert all(not torch.equal(t, stored[k]) for k, (_, t) in before.items())  # the bytes must land
+    trainer = resume(trained.store, last, model, EPOCHS, tmp_path, module=model)
+    (got,) = trainer.strategy.checkpoint_io.loaded
+    live = model.state_dict()
+    for k, (ptr, _) in before.items():
+        assert live[k].data_ptr() == ptr  # the module's own storage, never replaced
+        assert got["state_dict"][k].data_ptr() == ptr  # the checkpoint's weight is the module's tensor
+        assert torch.equal(live[k], stored[k]) and live[k].dtype == stored[k].dtype
+    same(model.state_dict(), trained.model.state_dict())
+    # the optimizer's state is read fresh, and restored as ever
+    restored = trainer.optimizers[0].state_dict()["state"]
+    for i, state in trained.io.load_checkpoint(last)["optimizer_states"][0]["state"].items():
+        assert all(torch.equal(restored[i][k], t) for k, t in state.items())
+
+
+def test_with_module_training_on_from_a_resume_is_bitwise_the_resume_without_it(
+    trained: SimpleNamespace, tmp_path: Path
+) -> None:
+    last, runs = trained.dir / "last.ckpt", {}
+    for how in ("fresh", "in place"):
+        model = Net()
+        extra = {"module": model} if how == "in place" else {}
+        trainer = resume(trained.store, last, model, EPOCHS + 1, tmp_path / how.replace(" ", "-"), **extra)
+        assert trainer.global_step == 4 * (EPOCHS + 1)
+        runs[how] = (model.state_dict(), trainer.optimizers[0].state_dict())
+    same(runs["in place"][0], runs["fresh"][0])
+    assert not torch.equal(runs["fresh"][0]["net.0.weight"], trained.model.state_dict()["net.0.weight"])  # it trained
+    for i, state in runs["fresh"][1]["state"].items():
+        assert all(torch.equal(runs["in place"][1]["state"][i][k], t) for k, t in state.items())
+
+
+@pytest.mark.parametrize("kind", ["copies", "float64"])
+def test_with_module_a_module_that_cannot_be_read_into_still_resumes(
+    trained: SimpleNamespace, tmp_path: Path, kind: str
+) -> None:
+    """state_dict() handing out copies: read into them, Lightning copies them in. Another dtype:
+    refused before any byte landed, so read fresh, and torch's load_state_dict converts as ever."""
+    last = trained.dir / "last.ckpt"
+    model = CopyingNet() if kind == "copies" else Net().double()
+    trainer = resume(trained.store, last, model, EPOCHS, tmp_path, module=model)
+    (got,) = trainer.strategy.checkpoint_io.loaded
+    want = trained.model.state_dict()
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, want[k].to(t.dtype)) and t.dtype == (torch.float32 if kind == "copies" else torch.float64)
+        assert got["state_dict"][k].dtype == torch.float32  # as stored
+    params = {p.data_ptr() for p in model.parameters()}
+    assert not any(t.data_ptr() in params for t in got["state_dict"].values())  # the module's own were not read into
+
+
+def test_with_module_load_from_checkpoint_never_reads_into_the_attached_module(
+    trained: SimpleNamespace, tmp_path: Path
+) -> None:
+    first = trained.dir / "epoch=1-step=8.ckpt"
+    model = Net()
+    trainer = resume(trained.store, first, model, 2, tmp_path, module=model)  # attached, loading through the plugin
+    io = trainer.strategy.checkpoint_io
+    before = OrderedDict((k, t.clone()) for k, t in model.state_dict().items())
+    built = io.load_from_checkpoint(Net, trained.dir / "last.ckpt")
+    same(built.state_dict(), trained.model.state_dict())
+    same(model.state_dict(), before)
+    assert not torch.equal(before["net.0.weight"], trained.model.state_dict()["net.0.weight"])  # it would show
+
+
+def test_with_module_a_load_outside_the_modules_trainer_leaves_the_module_alone(trained: SimpleNamespace) -> None:
+    model = Net()
+    before = OrderedDict((k, t.clone()) for k, t in model.state_dict().items())
+    io = ShardstoreCheckpointIO(trained.store, module=model)
+    got = io.load_checkpoint(trained.dir / "last.ckpt")  # not attached to a Trainer: read fresh
+    same(got["state_dict"], trained.model.state_dict())
+    same(model.state_dict(), before)
+    built = io.load_from_checkpoint(Net, trained.dir / "last.ckpt")  # another module: never read into this one
+    same(built.state_dict(), trained.model.state_dict())
+    same(model.state_dict(), before)
+    with pytest.raises(TypeError, match="LightningModule"):
+        ShardstoreCheckpointIO(trained.store, module=torch.nn.Linear(2, 2))
+
+
 # -- names ------------------------------------------------------------------------------------------
 
 NAMES = [
