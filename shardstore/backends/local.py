@@ -30,6 +30,7 @@ from .base import Buffer, show_ref_value
 from .posix import (
     FIRST_READ,
     READ_CHUNK,
+    READ_FLAGS,
     close_quietly,
     freshen,
     fsync_dir,
@@ -50,11 +51,6 @@ _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both 
 _SYNC_THREADS = 8
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
-
-
-#: How an object is opened for reading: never through a symbolic link, and never waiting for a
-#: writer (a named pipe planted at a key would otherwise block the open until one came).
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 class LocalStorage:
@@ -247,7 +243,7 @@ class LocalStorage:
 
     def _open_read(self, key: str) -> int:
         try:  # O_NONBLOCK: a named pipe planted at a key must not block its reader (no effect on a file)
-            return os.open(self._path(key), _READ_FLAGS)
+            return os.open(self._path(key), READ_FLAGS)
         except FileNotFoundError:
             raise ObjectNotFound(f"{key} is missing from store {self.root}") from None
         except OSError as e:
@@ -275,7 +271,7 @@ class LocalStorage:
         and return at once; nothing for a key that cannot be opened (the read that follows names
         the failure). The bytes a read returns are still the file's, read and hashed as ever."""
         try:
-            fd = os.open(self._path(key), _READ_FLAGS)  # a planted named pipe: returns at once too
+            fd = os.open(self._path(key), READ_FLAGS)  # a planted named pipe: returns at once too
         except (OSError, InvalidName):
             return
         try:

@@ -34,7 +34,7 @@ from ..format.names import check_oid
 from ..format.tensors import hash_bytes
 from .base import Buffer
 from .local import LocalStorage
-from .posix import close_quietly, read_exact, unlink_quietly
+from .posix import READ_FLAGS, close_quietly, read_exact, unlink_quietly
 
 __all__ = ["TIER_ROOT_ENV", "HeldCommit", "Kept", "MemoryTier", "default_tier_root"]
 
@@ -186,7 +186,7 @@ class MemoryTier:
         ``out``, if the file at its place is still that file, unchanged, of ``len(out)`` bytes;
         its size, or None (another file, changed, gone, unreadable: nothing usable was read)."""
         try:
-            fd = os.open(os.path.join(self.dir, self._key(oid)), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(os.path.join(self.dir, self._key(oid)), READ_FLAGS)  # a planted named pipe: no wait
         except (OSError, InvalidName):
             return None
         try:

@@ -16,6 +16,7 @@ __all__ = [
     "FIRST_READ",
     "start_writeback",
     "will_need",
+    "READ_FLAGS",
     "read_exact",
     "close_quietly",
     "unlink_quietly",
@@ -34,6 +35,12 @@ READ_CHUNK = 1 << 20
 #: in CPU. A 4 KiB first read, then ``READ_CHUNK`` reads, lets the kernel reach large folios
 #: from the second window on (the measurements: benchmarks/RESULTS.md, "format 2 restore").
 FIRST_READ = 4096
+
+
+#: How an object file is opened for reading: never through a symbolic link, and never waiting
+#: for a writer (a named pipe planted at a key would otherwise block the open until one came;
+#: no effect on a regular file).
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

@@ -252,3 +252,28 @@ def test_a_peer_copy_kept_in_the_tier_as_it_arrived_is_read_unhashed_only_while_
     assert len(counted.rejected) == 1 and b in counted.rejected[0] and "does not hash to its id" in counted.rejected[0]
     for oid, dest in ((a, dest_a), (b, dest_b)):
         assert torch.equal(dest.view(torch.uint8), torch.frombuffer(bytearray(store.get(oid)), dtype=torch.uint8))
+
+
+def test_a_named_pipe_planted_where_a_kept_copy_was_never_blocks_its_read(tmp_path: Path) -> None:
+    """A kept copy replaced by a named pipe is another file: ``read_kept_into`` says so at once
+    (opened without waiting for a writer, as the store's own reads are) instead of blocking."""
+    import threading
+
+    store = ss.open_store(str(tmp_path / "store"))
+    cid = ss.save(store, TinyNet(), step=1)
+    oid = ss.load_commit(store, cid).shards[0].entries[0].param
+    tier = MemoryTier(str(tmp_path / "tier"), 0)
+    kept = tier.keep_verified(oid, store.get(oid))
+    assert kept is not None
+    path = os.path.join(tier.dir, tier._key(oid))
+    os.unlink(path)
+    os.mkfifo(path)
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(tier.read_kept_into(oid, kept, memoryview(bytearray(kept.size)))))
+    t.start()
+    t.join(5)
+    if t.is_alive():  # release the blocked open before failing
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("read_kept_into blocked on a named pipe")
+    assert got == [None]
