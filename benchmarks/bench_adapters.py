@@ -61,7 +61,7 @@ RESUME = {
     ),
     "ShardstoreTrainer": (
         "_resolve",  # the ref
-        "_read_tree",  # the commit, every object verified
+        "_open",  # the commit: its manifests and tree, read and checked once
         "_load_resumed_model",
         "_load_optimizer_and_scheduler",
         "_load_scaler",

@@ -37,7 +37,13 @@ if TYPE_CHECKING:
     from .checkpoint.replicas import fetch_replicas, replicate
     from .checkpoint.restore import Restored, restore
     from .checkpoint.slots import AUTO, save, save_slots, write_commit, write_shard, write_shard_entries
-    from .checkpoint.state_dict import load_state_dict_into, read_state_dict, save_state_dict
+    from .checkpoint.state_dict import (
+        StoredStateDict,
+        load_state_dict_into,
+        open_state_dict,
+        read_state_dict,
+        save_state_dict,
+    )
     from .format.manifest import CommitManifest, LearnedState, ShardManifest, StoreConfig, TensorEntry, decode, encode
     from .format.roots import learned_root
     from .ops.gc import GcResult, gc

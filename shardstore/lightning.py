@@ -80,7 +80,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from .checkpoint.state_dict import read_state_dict, save_state_dict
+from .checkpoint.state_dict import StoredStateDict, open_state_dict, save_state_dict
 from .dcp.handle import StoreHandle
 from .errors import (
     InvalidName,
@@ -325,18 +325,17 @@ class ShardstoreCheckpointIO(CheckpointIO):
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"map_location is a torch.device or its name, not a {type(map_location).__name__}")
         commit = self.resolve(path)
-        into = self._into(commit, map_location) if into_module else None
+        opened = open_state_dict(self.store, commit)  # manifests and tree read once, for the choice and the read
+        into = self._into(opened, map_location) if into_module else None
         if into is not None:
             try:
-                state = read_state_dict(self.store, commit, threads=self.read_threads, into=into)
-                return _from_tree(state, commit)
+                return _from_tree(opened.read(threads=self.read_threads, into=into), commit)
             except (TensorMismatch, StateMismatch):
                 pass  # refused before any byte landed in the module: read it fresh, as without ``module``
-        state = read_state_dict(self.store, commit, map_location=map_location, threads=self.read_threads)
-        return _from_tree(state, commit)
+        return _from_tree(opened.read(map_location=map_location, threads=self.read_threads), commit)
 
-    def _into(self, commit: str, map_location: Any) -> dict[str, Any] | None:
-        """``{"state_dict": {name: the module's own tensor}}`` for each weight of commit ``commit``
+    def _into(self, opened: StoredStateDict, map_location: Any) -> dict[str, Any] | None:
+        """``{"state_dict": {name: the module's own tensor}}`` for each weight of the opened commit
         the module holds by that name, as a plain contiguous tensor on the device a fresh one would
         land on; None if there is none, or the module is not
         attached to a Trainer whose strategy loads through this plugin (a module being fitted)."""
@@ -349,7 +348,7 @@ class ShardstoreCheckpointIO(CheckpointIO):
         if strategy is None or strategy.lightning_module is not module or strategy._checkpoint_io is not self:
             return None
         device = torch.device("cpu" if map_location is None else map_location)
-        stored = read_state_dict(self.store, commit, tensors=False).get("state_dict")
+        stored = opened.tree.get("state_dict") if type(opened.tree) in (dict, OrderedDict) else None
         if type(stored) not in (dict, OrderedDict):
             return None  # not a resume's checkpoint (ddp_spawn hands back a bare state dict)
         live: dict[str, torch.Tensor] = {}

@@ -59,7 +59,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy, compare_trainer_and_checkpoint_args
 
 from .checkpoint.info import CommitInfo, check_info
-from .checkpoint.state_dict import read_state_dict, save_state_dict
+from .checkpoint.state_dict import StoredStateDict, open_state_dict, save_state_dict
 from .errors import StateMismatch, TargetNotFound, TensorMismatch, UnsupportedState
 from .format.names import check_ref_name
 from .format.rng import capture_rng, restore_rng
@@ -80,10 +80,12 @@ _CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
 @dataclass
 class _Resume:
     """A resume in progress: the commit's tree (each tensor a ``TensorRef`` until ``_load_resumed_model``
-    reads them all), and which parts Trainer has taken so far."""
+    reads them all, through ``opened``: the commit as opened, its manifests read once), and which
+    parts Trainer has taken so far."""
 
     commit: str
     tree: dict[str, Any]
+    opened: StoredStateDict
     applied: set[str] = field(default_factory=set)
     checked: bool = False  # the first step of this training loop found every part taken
 
@@ -272,7 +274,8 @@ class ShardstoreTrainerMixin:
         self._resume = None
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             cid = self._resolve(resume_from_checkpoint)
-            self._resume = _Resume(cid, self._read_tree(cid, training=True, tensors=False))  # the bytes come later
+            opened = self._open(cid, training=True)  # the bytes come later
+            self._resume = _Resume(cid, opened.tree, opened)
             self._last_commit = cid
             stored_bs = self._resume.tree["trainer_state"].get("train_batch_size")
             if stored_bs is not None and self.args.auto_find_batch_size:
@@ -290,10 +293,15 @@ class ShardstoreTrainerMixin:
                     self._delete_ref(name)
         return out
 
-    def _read_tree(self, cid: str, *, training: bool, tensors: bool = True) -> dict[str, Any]:
-        """Commit ``cid``'s tree, every tensor verified as it is read (``tensors=False``: each left a
-        ``TensorRef``, nothing read); StateMismatch unless this adapter made it."""
-        tree = read_state_dict(self.store, cid, tensors=tensors)
+    def _read_tree(self, cid: str, *, training: bool) -> dict[str, Any]:
+        """Commit ``cid``'s tree, every tensor verified as it is read; StateMismatch unless this adapter made it."""
+        return self._open(cid, training=training).read()
+
+    def _open(self, cid: str, *, training: bool) -> StoredStateDict:
+        """Commit ``cid`` opened (``open_state_dict``: its tree with each tensor a ``TensorRef``, nothing
+        read yet); StateMismatch unless this adapter made it."""
+        opened = open_state_dict(self.store, cid)
+        tree = opened.tree
         if not isinstance(tree, dict) or tree.get("kind") != KIND or tree.get("version") != VERSION:
             kind = tree.get("kind") if isinstance(tree, dict) else type(tree).__name__
             raise StateMismatch(
@@ -309,7 +317,7 @@ class ShardstoreTrainerMixin:
                 f"checkpoint {cid} lacks {missing}: it was saved with save_only_model=True, and Trainer cannot resume "
                 "from the model alone (export_pretrained exports it)"
             )
-        return tree
+        return opened
 
     def _part(self, checkpoint: str | None, part: str) -> Any:
         """Part ``part`` of the resume in progress if ``checkpoint`` is its token, else None (a directory: Trainer's own)."""
@@ -345,7 +353,7 @@ class ShardstoreTrainerMixin:
         live = self.model.state_dict()  # the model's own tensors (detached views), as Trainer would load into
         _check_names(live, r.tree["model"], r.commit)
         try:
-            r.tree = read_state_dict(self.store, r.commit, into={"model": live})
+            r.tree = r.opened.read(into={"model": live})
         except TensorMismatch as e:  # a weight of another dtype or shape: refused before any byte landed
             raise TensorMismatch(f"checkpoint {r.commit}: {e}") from None
         # each tensor is the model's own already (no copy); a module whose state_dict() hands out

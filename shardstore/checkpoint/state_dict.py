@@ -41,7 +41,7 @@ from .info import CommitInfo
 from .restore import read_plan
 from .slots import AUTO, save_slots
 
-__all__ = ["save_state_dict", "read_state_dict", "load_state_dict_into"]
+__all__ = ["save_state_dict", "read_state_dict", "open_state_dict", "StoredStateDict", "load_state_dict_into"]
 
 
 def save_state_dict(
@@ -118,6 +118,54 @@ def _tree(store: Store, lc: LoadedCommit) -> Any:
     return value
 
 
+class StoredStateDict:
+    """A state dict commit opened once (``open_state_dict``): its id, its checked manifests and its
+    tree, with each tensor a ``TensorRef`` (its entry name) until ``read`` reads them.
+
+    For a caller that decides what to read into from the tree (a framework's resume: which of the
+    stored weights its module holds) and then reads: the commit and its shard manifests are read
+    and checked, and the tree decoded, once for both (``read_state_dict(..., tensors=False)`` and
+    then ``read_state_dict(..., into=...)`` would do each twice). Opening reads no tensor bytes.
+    """
+
+    def __init__(self, store: Store, target: str = "main") -> None:
+        self.store = store
+        self._lc = load_commit(store, target)
+        self.tree: Any = _tree(store, self._lc)
+
+    @property
+    def commit(self) -> str:
+        """The commit's id (what ``target`` resolved to when it was opened)."""
+        return self._lc.id
+
+    def read(
+        self,
+        *,
+        map_location: str | torch.device | None = None,
+        threads: int = 8,
+        into: Mapping[Any, Any] | None = None,
+    ) -> Any:
+        """The state dict with its tensors read: ``read_state_dict``'s ``map_location``, ``threads`` and
+        ``into``, on the commit as opened; each call returns containers of its own (``fill_tree``
+        rebuilds them), so ``tree`` is left as it was."""
+        value = self.tree
+        entries = self._lc.entries()
+        dests: dict[str, torch.Tensor] = {}
+        if into is not None and _holds_tensor(into):
+            _match(into, value, "$", entries, dests, [], None)  # the caller's other values are not replaced
+        fresh = _read_all(self.store, entries, dests, _reads(entries, dests), threads)
+        if map_location is not None:
+            fresh = {n: t.to(map_location) for n, t in fresh.items()}
+        return fill_tree(value, {**fresh, **dests}.__getitem__)
+
+
+def open_state_dict(store: Store, target: str = "main") -> StoredStateDict:
+    """Open state dict commit ``target`` (``StoredStateDict``): its manifests read and checked and its
+    tree decoded, no tensor bytes read. A commit not made by ``save_state_dict`` is refused
+    (``StateMismatch``)."""
+    return StoredStateDict(store, target)
+
+
 def read_state_dict(
     store: Store,
     target: str = "main",
@@ -140,23 +188,16 @@ def read_state_dict(
     afterwards (``into``'s other values are not used; ``map_location`` moves only the fresh
     tensors). ``tensors=False``: nothing but the manifests and the tree is read (``into`` is
     not used), and each tensor stays a ``TensorRef`` (its entry name), for a caller deciding
-    what to read into. A corrupt object found part way (``CorruptObject``) leaves the caller's
+    what to read into (``open_state_dict`` does that and then reads, opening the commit once).
+    A corrupt object found part way (``CorruptObject``) leaves the caller's
     tensors read before it filled and the one it was read into holding unverified bytes: the
     load is to be repeated, those tensors never used.
     A commit not made by ``save_state_dict`` is refused (``StateMismatch``).
     """
-    lc = load_commit(store, target)
-    value = _tree(store, lc)
+    opened = open_state_dict(store, target)
     if not tensors:
-        return value
-    entries = lc.entries()
-    dests: dict[str, torch.Tensor] = {}
-    if into is not None and _holds_tensor(into):
-        _match(into, value, "$", entries, dests, [], None)  # the caller's other values are not replaced
-    fresh = _read_all(store, entries, dests, _reads(entries, dests), threads)
-    if map_location is not None:
-        fresh = {n: t.to(map_location) for n, t in fresh.items()}
-    return fill_tree(value, {**fresh, **dests}.__getitem__)
+        return opened.tree
+    return opened.read(map_location=map_location, threads=threads, into=into)
 
 
 def load_state_dict_into(

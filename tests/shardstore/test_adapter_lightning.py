@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.parsing import AttributeDict as PlAttributeDict
 
 import shardstore as ss
+from shardstore.checkpoint import state_dict as state_dict_module
 from shardstore.errors import InvalidName, ManifestError, StorageError, TargetNotFound, UnsupportedState
 from shardstore.format.names import check_ref_name
 from shardstore.lightning import TYPES_KEY, ShardstoreCheckpointIO, decode_segment, encode_segment
@@ -356,14 +357,18 @@ def resume(store: ss.Store, ckpt: Path, model: pl.LightningModule, epochs: int, 
 
 
 def test_with_module_a_resume_reads_the_weights_into_the_modules_own_tensors(
-    trained: SimpleNamespace, tmp_path: Path
+    trained: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     last = trained.dir / "last.ckpt"
     stored = trained.io.load_checkpoint(last)["state_dict"]
     model = Net()
     before = {k: (t.data_ptr(), t.clone()) for k, t in model.state_dict().items()}
     assert all(not torch.equal(t, stored[k]) for k, (_, t) in before.items())  # the bytes must land
+    opened: list[str] = []
+    load_commit = state_dict_module.load_commit
+    monkeypatch.setattr(state_dict_module, "load_commit", lambda st, t: (opened.append(t), load_commit(st, t))[1])
     trainer = resume(trained.store, last, model, EPOCHS, tmp_path, module=model)
+    assert len(opened) == 1  # the commit's manifests and tree read once: to choose what to read into, then to read
     (got,) = trainer.strategy.checkpoint_io.loaded
     live = model.state_dict()
     for k, (ptr, _) in before.items():

@@ -257,6 +257,33 @@ def test_read_state_dict_reads_the_callers_tensors_in_place_and_the_rest_fresh(t
     assert not reads and refs["epoch"] == 1 and refs["state_dict"]["0.weight"].name == "state_dict/0.weight"
 
 
+def test_an_opened_state_dict_reads_its_commit_once_however_often_it_is_read(tmp_path, monkeypatch):
+    """``open_state_dict``: the commit resolved, checked and its tree decoded once; each ``read`` then
+    reads tensors only (in place or fresh), returns containers of its own and leaves ``tree`` as it was."""
+    ck = lightning_checkpoint()
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, ck)
+    opened_commits: list[str] = []
+    load_commit = state_dict_module.load_commit
+    monkeypatch.setattr(
+        state_dict_module, "load_commit", lambda st, t: (opened_commits.append(t), load_commit(st, t))[1]
+    )
+    opened = shardstore.open_state_dict(store, "main")
+    assert opened.commit == cid and opened_commits == ["main"]
+    assert opened.tree["state_dict"]["0.weight"].name == "state_dict/0.weight"  # a TensorRef: nothing read yet
+    model = OrderedDict((k, torch.zeros_like(v)) for k, v in ck["state_dict"].items())
+    back = opened.read(into={"state_dict": model})
+    same(ck, back)
+    assert all(back["state_dict"][k] is model[k] for k in model)  # in place
+    fresh = opened.read()
+    same(ck, fresh)
+    assert fresh["state_dict"]["0.weight"] is not model["0.weight"] and fresh is not back
+    assert opened_commits == ["main"]  # two reads, one opening
+    assert opened.tree["state_dict"]["0.weight"].name == "state_dict/0.weight"  # the opened tree left alone
+    with pytest.raises(StateMismatch, match="holds no state dict tree"):
+        shardstore.open_state_dict(store, shardstore.save(store, {"w": torch.ones(2)}, step=0, rng=False, ref=None))
+
+
 def _load(how, store, cid, into, threads):
     if how == "read_state_dict":
         return shardstore.read_state_dict(store, cid, into=into, threads=threads)
