@@ -12,9 +12,9 @@ per rank (as ``bench_scale_sim.rank_rng``). Phases, every rank, each between bar
 
 - open: ``open_storage`` and ``Store`` (the config read) and the probe of the server's request
   conditions (once per process, at its first write);
-- commit 1, 2 and 3: ``save_distributed`` (RNG included, its default); the second after every
-  local value changed (a step's worth of new blocks, the ref moved from commit 1), the third
-  with nothing changed (every object already there: frozen tensors' cost);
+- commit 1, 2 and 3: ``save_distributed`` (RNG included, its default; a model config recorded);
+  the second after every local value changed (a step's worth of new blocks, the ref moved from
+  commit 1), the third with nothing changed (every object already there: frozen tensors' cost);
 - restore: ``agree_on_commit`` + ``restore`` of commit 3 into the same state under FSDP2 alone
   over all N ranks (dp only, as the simulation restores), checked value for value;
 - dcp save and dcp load: ``dcp.save`` through ``FsspecWriter`` (s3fs, block size ``--dcp-block``
@@ -175,16 +175,19 @@ def worker(rank: int, port: int, world: int, endpoint: str, args: argparse.Names
         store = ss.Store(storage, create=False)
         assert storage.conditional, storage.inner.conditional_reason
         watch_lost(fsspec.asyn.sync(storage.inner.fs.loop, storage.inner.fs.set_session), lost)
+        # a model config, as a trainer records one (the object every rank's shard manifest names)
+        config = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "model_type": "llama"}
         phase("commit 1")
-        ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=1))
+        ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=1, config=config))
         with torch.no_grad():  # a step's worth of change: every local value
             for t in db.locals_of(model, opt):
                 t.add_(1.0)
         want = [w + 1.0 for w in want]
         phase("commit 2")
-        cid = ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2))
+        cid = ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2, config=config))
         phase("commit 3")  # nothing changed: every object is already there
-        assert ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2)) != cid  # a new commit (its parent)
+        again = ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2, config=config))
+        assert again != cid  # a new commit (its parent)
         cid = store.ref("main")
         db.zero(dest, dest_opt)
         phase("restore")

@@ -137,6 +137,7 @@ from _s3_requests import (  # noqa: E402
     WRITE,
     Tally,
     dcp_writes,
+    listing_requests,
     requests_for,
 )
 
@@ -254,6 +255,7 @@ class CountingStorage:
         self.tally = Tally()
         self.read_bytes = 0
         self.written_bytes = 0
+        self._sorted: list[str] | None = None  # every key, sorted, for ``sizes`` (kept while nothing is added)
 
     def _size(self, key: str) -> int | None:
         return len(self.data[key]) if key in self.data else self.virtual.get(key)
@@ -262,6 +264,7 @@ class CountingStorage:
         """A tensor object its owner writes in the block exchange (a create-only write)."""
         self.tally.add(key, requests_for("write_once", size=size, found=key in self.virtual))
         self.virtual[key] = size
+        self._sorted = None
 
     def read(self, key: str, limit: int | None = None) -> bytes:
         if key in self.virtual:
@@ -302,6 +305,7 @@ class CountingStorage:
         if found:
             return False
         self.data[key] = bytes(data)
+        self._sorted = None
         self.written_bytes += len(self.data[key])
         return True
 
@@ -310,21 +314,39 @@ class CountingStorage:
         if self.data.get(key) != expected:
             raise ss.RefConflict(f"{key}: changed")
         self.data[key] = bytes(new)
+        self._sorted = None
 
     def delete(self, key: str) -> None:
         self.tally.add(key, requests_for("delete"))
         self.data.pop(key, None)
+        self._sorted = None
 
     def delete_if(self, key: str, expected: bytes) -> None:
         self.tally.add(key, requests_for("delete_if"))
         if self.data.get(key) != expected:
             raise ss.RefConflict(f"{key}: changed")
         del self.data[key]
+        self._sorted = None
 
     def list(self, prefix: str) -> Iterator[str]:
         keys = sorted(k for k in (*self.data, *self.virtual) if k.startswith(prefix.rstrip("/") + "/"))
         self.tally.add(prefix.rstrip("/") + "/", requests_for("list", keys=len(keys)))
         return iter(keys)
+
+    def sizes(self, keys: list[str]) -> dict[str, int]:
+        """``ListedSizes``, as S3Storage answers it (the store's presence checks of many objects:
+        the gc fence's, a restore's size check): the listing pages its walk would take over the
+        keys held here (``listing_requests``), tallied under the first key asked about."""
+        if self._sorted is None:
+            self._sorted = sorted({*self.data, *self.virtual})
+        if keys:
+            self.tally.add(min(keys), Counter(LIST=listing_requests(self._sorted, list(keys))))
+        return {k: n for k in keys if (n := self._size(k)) is not None}
+
+    def refresh(self, key: str, size: int) -> bool:
+        found = self._size(key) is not None
+        self.tally.add(key, requests_for("refresh", size=size, found=found))
+        return found
 
     def mtime(self, key: str) -> float | None:
         self.tally.add(key, requests_for("mtime"))
