@@ -105,7 +105,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardstore as ss
 from shardstore.checkpoint.distributed import acknowledge
-from shardstore.checkpoint.slots import write_commit, write_shard
+from shardstore.checkpoint.slots import put_config, write_commit, write_shard
 from shardstore.errors import ObjectNotFound
 from shardstore.format.grid import StoredPayload, grid, intersect, make_payload
 from shardstore.format.manifest import encode_config
@@ -628,6 +628,8 @@ def ss_save(
         ref_key("main"): "the ref",
         object_key(hash_bytes(encode_config(model.config()))): "the model config object",
     }
+    storage.tally.phase = "commit"  # commit_state's phase 1: the coordinator writes the model config, once
+    put_config(store, info)
     storage.tally.phase = "shard"
     for r in range(n):
         mine = sorted(recorded.get(r, []))
@@ -643,7 +645,7 @@ def ss_save(
             slices=make_slices((nm, b) for nm, shape, kind in param_boxes for b in boxes.of(shape, kind)[r]),
             rng=states,
         )
-        sid = write_shard(store, state, info=info, parent=None, slot=r, slots=n)
+        sid = write_shard(store, state, info=info, parent=None, slot=r, slots=n, write_config=False)
         write_s += time.process_time() - t
         shard_ids.append(sid)
         labels[object_key(sid)] = "a shard manifest"
@@ -653,7 +655,7 @@ def ss_save(
     before = storage.read_bytes
     t = time.process_time()
     store.ref("main"), store.ref("main")
-    cid = write_commit(store, shard_ids, info=info, parent=None)
+    cid = write_commit(store, shard_ids, info=info, parent=None, write_config=False)
     store.set_ref("main", cid, expected=None)
     fig.coordinator_s = time.process_time() - t
     objects = len(storage.virtual) + sum(1 for k in storage.data if k.startswith("objects/"))

@@ -4,6 +4,9 @@ Each rank is one slot. Phases, each closed by a collective so that every rank le
 any failure instead of hanging:
 
 1. the coordinator (rank 0) reads the ref's current commit, the parent, and broadcasts it;
+   it also writes the model config object, once for the commit: every rank names it in its
+   shard manifest by the id of the same bytes, without writing it (on S3, N ranks writing one
+   present key would cost 3 N requests on that key);
 2. every rank writes its objects and shard manifest and all ranks gather the shard ids;
 3. the coordinator writes the commit manifest and broadcasts its id;
 4. every rank reads the commit manifest back (not every shard manifest: the coordinator
@@ -32,7 +35,8 @@ from ..state.slot import SlotState, capture
 from ..store import Store
 from ..store.tensors import WRITE_THREADS
 from .info import CommitInfo
-from .slots import AUTO, write_commit, write_shard
+from .info import check_info
+from .slots import AUTO, put_config, write_commit, write_shard
 
 __all__ = ["save_distributed", "commit_state", "acknowledge", "agree_on_commit"]
 
@@ -164,6 +168,9 @@ def commit_state(
     coordinator = rank == 0
 
     def read_parent() -> str | None:
+        check_info(info)  # arguments before the first write (SPEC.md §19.2)
+        if put_config(store, info) is not None:  # once, before any shard manifest names it (SPEC.md §15)
+            store.sync()
         if parent is not AUTO:
             return parent
         return store.ref(ref) if ref is not None else None
@@ -191,7 +198,9 @@ def commit_state(
         mine.append(
             write_extras(store, capture_extras(extra), threads=threads)
         )  # made durable by write_shard's barrier
-        return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
+        return write_shard(
+            store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads, write_config=False
+        )
 
     got, _ = _phase(group, "write shard", begin("write shard", shard))
     shard_ids = [oid for _, oid in got]
@@ -202,7 +211,11 @@ def commit_state(
         "write commit",
         begin(
             "write commit",
-            (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0]))
+            (
+                lambda: write_commit(
+                    store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0], write_config=False
+                )
+            )
             if coordinator
             else (lambda: None),
         ),
