@@ -22,7 +22,9 @@ per rank (as ``bench_scale_sim.rank_rng``). Phases, every rank, each between bar
   checked.
 
 Each rank's store sits on a ``RecordingStorage``, which tallies every storage call as the
-requests ``_s3_requests.requests_for`` says S3Storage sends for it. The run fails unless the
+requests ``_s3_requests.requests_for`` says S3Storage sends for it, and answers the store's
+presence checks of many objects as S3Storage does (``ListedSizes``: listing pages, tallied as the
+pages the walk asked for), so the store takes the path it takes on S3. The run fails unless the
 server's count equals that prediction, method by method in every shardstore phase: the rule the
 extrapolation applies to storage calls it cannot send is the one the server confirmed. Retries
 are counted apart: moto's in-memory backend fails some concurrent CopyObject calls onto one key
@@ -33,9 +35,12 @@ requests whose answer the client lost (botocore's ``after-call-error``), which i
 simulated commit of each model at each N (its real write_shard, write_commit, ref move behind the
 gc fence, acknowledgements and restore on sampled ranks, over an in-memory storage; blocks written
 by their owners as create-only writes), with RNG objects, every storage call tallied by the same
-rule; layers extrapolated linearly, as there. DCP at the same N: a file per rank and the
-.metadata (``s3fs_write`` at s3fs's default 50 MiB block), plus the save's fixed requests fitted
-to the measured runs (a + b N); a restoring rank reads the .metadata whole and the byte ranges
+rule (presence checks of many objects as the listing pages ``listing_requests`` counts over the
+keys held; the owners' own presence listing of their blocks before writing them, which S3Storage
+sends, is not simulated: about one page per block where a rank's blocks are sparse in the store);
+layers extrapolated linearly, as there. DCP at the same N: a file per rank and the .metadata
+(``s3fs_write`` at s3fs's default 50 MiB block), plus the save's fixed requests fitted to the
+measured runs (a + b N); a restoring rank reads the .metadata whole and the byte ranges
 of its load plan through s3fs's read-ahead.
 
 S3's published rates (per partitioned prefix, per second): 3,500 PUT/COPY/POST/DELETE and 5,500

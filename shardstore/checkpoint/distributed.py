@@ -34,8 +34,7 @@ from ..state.extras import capture_extras, write_extras
 from ..state.slot import SlotState, capture
 from ..store import Store
 from ..store.tensors import WRITE_THREADS
-from .info import CommitInfo
-from .info import check_info
+from .info import CommitInfo, check_info
 from .slots import AUTO, put_config, write_commit, write_shard
 
 __all__ = ["save_distributed", "commit_state", "acknowledge", "agree_on_commit"]

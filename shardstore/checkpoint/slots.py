@@ -304,9 +304,7 @@ def write_commit(
 ) -> str:
     """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]) and ``extras`` (written, durable); return its id.
     ``write_config=False``: the model config object was written before the shard manifests (``put_config``)."""
-    return write_loaded_commit(
-        store, shard_ids, info=info, parent=parent, extras=extras, write_config=write_config
-    ).id
+    return write_loaded_commit(store, shard_ids, info=info, parent=parent, extras=extras, write_config=write_config).id
 
 
 def write_loaded_commit(
