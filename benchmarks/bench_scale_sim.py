@@ -631,6 +631,8 @@ def ss_save(
     storage.tally.phase = "commit"  # commit_state's phase 1: the coordinator writes the model config, once
     put_config(store, info)
     storage.tally.phase = "shard"
+    # commit_state's phase 2 begins with the coordinator writing its RNG objects and broadcasting their ids
+    shared = frozenset(store.put(v) for v in rank_rng(0).values()) if rng else frozenset()
     for r in range(n):
         mine = sorted(recorded.get(r, []))
         states = rank_rng(r) if rng else {}
@@ -645,7 +647,7 @@ def ss_save(
             slices=make_slices((nm, b) for nm, shape, kind in param_boxes for b in boxes.of(shape, kind)[r]),
             rng=states,
         )
-        sid = write_shard(store, state, info=info, parent=None, slot=r, slots=n, write_config=False)
+        sid = write_shard(store, state, info=info, parent=None, slot=r, slots=n, write_config=False, written=shared)
         write_s += time.process_time() - t
         shard_ids.append(sid)
         labels[object_key(sid)] = "a shard manifest"

@@ -103,11 +103,14 @@ def write_shard(
     slots: int,
     threads: int = WRITE_THREADS,
     write_config: bool = True,
+    written: frozenset[str] = frozenset(),
 ) -> str:
     """Write one slot's objects, then (after a durability barrier) its shard manifest; return its id.
 
     ``write_config=False``: the model config object is named, not written: the caller wrote it
-    (``put_config``) before this shard manifest, once for the whole commit (SPEC.md §15)."""
+    (``put_config``) before this shard manifest, once for the whole commit (SPEC.md §15).
+    ``written``: ids of objects another writer of this commit made durable before this call (the
+    coordinator's RNG objects): an RNG object of this slot with one of those ids is named, not written."""
     check_info(info)
     names = sorted(state.tensors)
     flat = slot_tensors(state)  # payloads in manifest order (torch-form state like parameters', format 3)
@@ -152,7 +155,7 @@ def write_shard(
                 state=torch_state,
             )
         )
-    rng = tuple(RngEntry(kind=k, object=store.put(v)) for k, v in sorted(state.rng.items()))
+    rng = tuple(RngEntry(kind=k, object=_rng_object(store, v, written)) for k, v in sorted(state.rng.items()))
     extras = write_extras(store, state.extra, threads=threads)
     config_id = _config_id(store, info.config, write=write_config)
     store.sync()  # objects are durable before any manifest names them
@@ -177,6 +180,15 @@ def write_shard(
     sid = store.put_manifest(shard)
     store.sync()
     return sid
+
+
+def _rng_object(store: Store, data: bytes | memoryview, written: frozenset[str]) -> str:
+    """The id of an RNG object, written (create-only) unless it is one of ``written``."""
+    if written:
+        oid = hash_bytes(data)
+        if oid in written:
+            return oid
+    return store.put(data)
 
 
 def _birth(name: str, po: ParamOpt, state: SlotState, info: CommitInfo) -> int:

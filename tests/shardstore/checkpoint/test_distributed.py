@@ -223,9 +223,10 @@ def test_acknowledging_reads_the_commit_manifest_not_every_shard_manifest():
 
 
 def _config_requests_body(rank: int, world: int, url: str, options: dict) -> dict:
-    """Three commits on S3: the first into a fresh store, the second with its config present, the
-    third with rank 2's config not rank 0's. Each rank counts the requests its storage sends for
-    the model config object's key, commit by commit."""
+    """Four commits on S3: the first into a fresh store, the second with its config present, the
+    third with rank 2's config not rank 0's, the fourth with RNG states. Each rank counts the
+    requests its storage sends for the model config object's key, commit by commit, and for its
+    RNG objects' keys in the fourth."""
     from collections import Counter
 
     from shardstore.format.manifest import encode_config
@@ -257,6 +258,33 @@ def _config_requests_body(rank: int, world: int, url: str, options: dict) -> dic
         out["differs"] = "saved"
     except ss.CommitProtocolError as e:
         out["differs"] = str(e)
+    out["after_differs"] = store.ref("main")
+    # RNG: torch's generator seeded alike on every rank (as DTensor needs), Python's and NumPy's per rank
+    import random
+
+    import numpy as np
+
+    from shardstore.format.rng import capture_rng
+
+    torch.manual_seed(0)
+    random.seed(rank)
+    np.random.seed(rank)
+    states = capture_rng()
+    rng_keys = {object_key(hash_bytes(v)): k for k, v in states.items()}
+    now[0] = "rng"
+    rng_counts: Counter[str] = Counter()
+
+    async def call_rng(method: str, k: str, **kw):
+        if k in rng_keys:
+            rng_counts[f"{rng_keys[k]} {method}"] += 1
+        return await real(method, k, **kw)
+
+    store.storage.transport.call = call_rng  # type: ignore[attr-defined]
+    out["rng"] = ss.save_distributed(store, mine, info=ss.CommitInfo(step=3, config=config))
+    shard = store.shard(store.commit(out["rng"]).layout[rank].shard)
+    out["rng_named"] = {e.kind: e.object for e in shard.rng}
+    out["rng_ids"] = {k: hash_bytes(v) for k, v in states.items()}
+    out["rng_counts"] = dict(rng_counts)
     out["counts"] = {k: dict(v) for k, v in counts.items()}
     out["key"] = key
     return out
@@ -267,7 +295,9 @@ def test_the_model_config_object_is_written_once_per_commit_not_by_every_rank(tm
     on S3 N ranks sent N PUTs to one key, each then answered 412 and followed by a HEAD and a
     CopyObject: 3 N requests on a key S3 cannot spread. The coordinator now writes it once, in
     the commit's first phase, before any shard manifest names it (SPEC.md §15); the other ranks
-    name it by id. A rank whose config differs still fails every rank, the ref unmoved."""
+    name it by id. A rank whose config differs still fails every rank, the ref unmoved. The same
+    for the torch RNG object every rank holds alike: the coordinator writes its RNG objects and
+    broadcasts their ids before the ranks write, and a rank names an object with one of them."""
     from gloo_group import run_group
 
     url = s3_server.url()
@@ -280,6 +310,16 @@ def test_the_model_config_object_is_written_once_per_commit_not_by_every_rank(tm
         assert "fresh" not in g["counts"] and "present" not in g["counts"], g["counts"]  # named, never written
     assert all("phase 'write commit' failed on rank(s) [0]" in g["differs"] for g in got), got
     store = ss.open_store(url, **s3_server.options)
-    assert store.ref("main") == got[0]["present"]  # the refused commit did not move it
-    assert store.commit(got[0]["present"]).config == got[0]["key"].rsplit("/", 1)[-1]
+    present = got[0]["present"]
+    assert all(g["after_differs"] == present for g in got)  # the refused commit did not move the ref
+    assert store.commit(present).config == got[0]["key"].rsplit("/", 1)[-1]
+    # the torch RNG object, the same on every rank, is written by the coordinator alone (before it
+    # broadcasts its id) and named by the others; each rank's own Python and NumPy objects by that rank
+    assert got[0]["rng"] == got[1]["rng"] == got[2]["rng"] == store.ref("main")
+    assert got[0]["rng_ids"]["torch"] == got[1]["rng_ids"]["torch"] == got[2]["rng_ids"]["torch"]
+    assert got[0]["rng_counts"] == {"python put_object": 1, "numpy put_object": 1, "torch put_object": 1}
+    for g in got[1:]:
+        assert g["rng_counts"] == {"python put_object": 1, "numpy put_object": 1}, g["rng_counts"]
+    for g in got:
+        assert g["rng_named"] == g["rng_ids"]  # each slot's manifest names its own states' objects
     assert ss.verify(store).ok
