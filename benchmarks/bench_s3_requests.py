@@ -36,8 +36,8 @@ simulated commit of each model at each N (its real write_shard, write_commit, re
 gc fence, acknowledgements and restore on sampled ranks, over an in-memory storage; blocks written
 by their owners as create-only writes), with RNG objects, every storage call tallied by the same
 rule (presence checks of many objects as the listing pages ``listing_requests`` counts over the
-keys held; the owners' own presence listing of their blocks before writing them, which S3Storage
-sends, is not simulated: about one page per block where a rank's blocks are sparse in the store);
+keys held, the owners' presence listing of their blocks before writing them included, as in a
+store already holding the commit's objects: about one page per block where they are sparse);
 layers extrapolated linearly, as there. DCP at the same N: a file per rank and the .metadata
 (``s3fs_write`` at s3fs's default 50 MiB block), plus the save's fixed requests fitted to the
 measured runs (a + b N); a restoring rank reads the .metadata whole and the byte ranges

@@ -590,12 +590,14 @@ def ss_save(
     for key, (_dtype, shape, _held) in sorted(union.items()):
         classes.setdefault((shape, kinds[key[0]]), []).append(key)
     pieces = 0
-    for keys in classes.values():
+    owners: dict[tuple, dict[int, int]] = {}  # class -> block index -> the rank that writes it
+    for cls, keys in classes.items():
         key = keys[0]
         t = time.process_time()
         planned = plan_union({key: union[key]}, n)
         plan_s += (time.process_time() - t) * len(keys)
         pieces += sum(1 + len(b.sends) for b in planned) * len(keys)
+        owners[cls] = {b.index: b.owner for b in planned}
     # 3. the exchange's stand-ins: would-be block ids (the canonical grid's), registered with their sizes
     storage = CountingStorage()
     storage.tally.phase = "create"
@@ -603,12 +605,21 @@ def ss_save(
     storage.tally.phase = "blocks"
     ids: dict[tuple[str, str], list[str]] = {}
     blocks = 0
+    written_by: dict[int, list[str]] = {}
     for (name, role), (dtype, shape, _held) in sorted(union.items()):
+        owner = owners[(shape, kinds[name])]
         for bi, box in enumerate(grid(dtype, shape)):
             oid = hash_bytes(f"{model.name}\0{name}\0{role}\0{bi}".encode())
             storage.register(object_key(oid), expected_nbytes(dtype, box[1]))
             ids.setdefault((name, role), []).append(oid)
+            written_by.setdefault(owner.get(bi, 0), []).append(object_key(oid))
             blocks += 1
+    # each owner's presence check of its blocks before writing them (``put_tensors`` on S3: listing
+    # pages), as in a store already holding this commit's objects (any commit after the first; the
+    # first, into an empty store, lists fewer pages)
+    held = sorted(storage.virtual)
+    for keys in written_by.values():
+        storage.tally.add(keys[0], Counter(LIST=listing_requests(held, keys)))
     shared = {(key, box): rs for key, (_d, _s, held) in plan.union.items() for box, rs in held.items() if len(rs) > 1}
     held_by: dict[int, dict[str, str]] = {}  # what each rank all-gathers in _replicas_agree: label -> BLAKE3 hex
     for ((name, role), box), rs in shared.items():
