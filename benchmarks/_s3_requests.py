@@ -13,7 +13,10 @@ the storage calls of its simulated commits into requests.
   DELETEs. Kept beside S3Storage's code by ``bench_s3_requests.py``, which fails when the
   server counts something else.
 - ``Tally``: requests by phase, method and key class, and per key and rate class (hot keys).
-- ``RecordingStorage``: a real backend whose every storage call is tallied with ``requests_for``.
+- ``RecordingStorage``: a real backend whose every storage call is tallied with ``requests_for``;
+  a presence check of many keys (``sizes``: listing pages, ``requests.listed_sizes``) is tallied
+  as the pages it asked for, and ``listing_requests`` says how many pages that walk takes over a
+  known set of keys (``bench_scale_sim``'s in-memory store).
 - ``CountingServer``: moto's S3 server behind a WSGI layer that tallies every request it
   answers, server side, under the phase a worker last named (``POST /__phase__/<name>``).
 - ``s3fs_write``, ``dcp_writes``: the requests s3fs makes to write one file, and the writes DCP's
@@ -47,6 +50,7 @@ __all__ = [
     "PUT_RATE",
     "GET_RATE",
     "requests_for",
+    "listing_requests",
     "key_class",
     "Tally",
     "RecordingStorage",
@@ -101,6 +105,9 @@ def requests_for(op: str, *, size: int = 0, found: bool = True, keys: int = 0, w
         c["GET"] += _reads(size) if found and (whole or op != "read_into") else 1
     elif op in ("size", "exists", "mtime"):
         c["HEAD"] += 1
+    elif op == "refresh":  # a key a listing found: the copy onto itself alone
+        if found and size <= MAX_COPY:
+            c["COPY"] += 1
     elif op == "touch":
         c["HEAD"] += 1
         if found and size <= MAX_COPY:
@@ -118,6 +125,44 @@ def requests_for(op: str, *, size: int = 0, found: bool = True, keys: int = 0, w
     else:
         raise ValueError(f"unknown storage call {op!r}")
     return c
+
+
+def listing_requests(present: list[str], asked: list[str], *, page: int = 1000, lane: int = 64, lanes: int = 16) -> int:
+    """The ``ListObjectsV2`` requests ``requests.listed_sizes`` sends to find which of ``asked``
+    are among ``present`` (both store keys; ``present`` sorted, every key the store holds under
+    the asked keys' common prefix), walking the same lanes and pages over the sorted keys: a
+    lane of the sorted asked keys asks for the page of ``page`` keys after its first unresolved
+    key less its last character, resolves every asked key up to the page's last key, and goes
+    on from the first after it; a page shorter than ``page`` ends the lane's walk.
+    ``lane``/``lanes``: ``requests.LANE_KEYS`` and the backend's concurrency."""
+    import bisect
+    import os
+
+    order = sorted(set(asked))
+    if not order:
+        return 0
+    prefix = os.path.commonprefix(order)
+    lo, hi = bisect.bisect_left(present, prefix), bisect.bisect_left(present, prefix + "\U0010ffff")
+    count = max(1, min(lanes, len(order) // lane))
+    step = -(-len(order) // count)
+    sent = 0
+    for at in range(0, len(order), step):
+        keys, i = order[at : at + step], 0
+        start = None  # None: from StartAfter of keys[i]; else the index a continuation resumes at
+        while i < len(keys):
+            begin = bisect.bisect_right(present, keys[i][:-1], lo, hi) if start is None else start
+            end = min(begin + page, hi)
+            sent += 1
+            if end - begin < page or end == hi:
+                break  # not truncated: every key after the start was seen
+            last = present[end - 1]
+            if last < keys[i]:
+                start = end  # a page wholly before the key asked about: paged on
+                continue
+            start = None
+            while i < len(keys) and keys[i] <= last:
+                i += 1
+    return sent
 
 
 def key_class(key: str) -> str:
@@ -268,8 +313,40 @@ class RecordingStorage:
         self._add(prefix.rstrip("/") + "/", "list", keys=len(keys))
         return iter(keys)
 
+    def sizes(self, keys: list[str]) -> dict[str, int]:
+        """S3Storage's ``sizes`` (``ListedSizes``: what the store uses on S3 for presence checks of
+        many objects), tallied as the listing pages it asked for: its walk runs here on a transport
+        that counts them (the pages depend on what the store holds, which only the server knows)."""
+        from shardstore.backends.s3.requests import listed_sizes
+
+        counted = _PageCounter(self.inner.transport)
+        found = self.inner.transport.run(listed_sizes, counted, list(keys))
+        if keys:
+            self.tally.add(sorted(keys)[0], Counter(LIST=counted.pages))
+        return found
+
+    def refresh(self, key: str, size: int) -> bool:
+        ok = self.inner.refresh(key, size)
+        self._add(key, "refresh", size=size, found=ok)
+        return ok
+
     def sync(self) -> None:
         self.inner.sync()
+
+
+class _PageCounter:
+    """An ``S3Transport`` that counts the listing pages sent through it (``RecordingStorage.sizes``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.pages = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def call(self, method: str, key: str, **kwargs: Any) -> Any:
+        if method == "list_objects_v2":
+            self.pages += 1  # one request answered (a retry of it is counted apart, as the server's error)
+        return await self.inner.call(method, key, **kwargs)
 
 
 def _method(environ: dict[str, Any]) -> str:

@@ -12,9 +12,9 @@ per rank (as ``bench_scale_sim.rank_rng``). Phases, every rank, each between bar
 
 - open: ``open_storage`` and ``Store`` (the config read) and the probe of the server's request
   conditions (once per process, at its first write);
-- commit 1, 2 and 3: ``save_distributed`` (RNG included, its default); the second after every
-  local value changed (a step's worth of new blocks, the ref moved from commit 1), the third
-  with nothing changed (every object already there: frozen tensors' cost);
+- commit 1, 2 and 3: ``save_distributed`` (RNG included, its default; a model config recorded);
+  the second after every local value changed (a step's worth of new blocks, the ref moved from
+  commit 1), the third with nothing changed (every object already there: frozen tensors' cost);
 - restore: ``agree_on_commit`` + ``restore`` of commit 3 into the same state under FSDP2 alone
   over all N ranks (dp only, as the simulation restores), checked value for value;
 - dcp save and dcp load: ``dcp.save`` through ``FsspecWriter`` (s3fs, block size ``--dcp-block``
@@ -22,7 +22,9 @@ per rank (as ``bench_scale_sim.rank_rng``). Phases, every rank, each between bar
   checked.
 
 Each rank's store sits on a ``RecordingStorage``, which tallies every storage call as the
-requests ``_s3_requests.requests_for`` says S3Storage sends for it. The run fails unless the
+requests ``_s3_requests.requests_for`` says S3Storage sends for it, and answers the store's
+presence checks of many objects as S3Storage does (``ListedSizes``: listing pages, tallied as the
+pages the walk asked for), so the store takes the path it takes on S3. The run fails unless the
 server's count equals that prediction, method by method in every shardstore phase: the rule the
 extrapolation applies to storage calls it cannot send is the one the server confirmed. Retries
 are counted apart: moto's in-memory backend fails some concurrent CopyObject calls onto one key
@@ -33,9 +35,12 @@ requests whose answer the client lost (botocore's ``after-call-error``), which i
 simulated commit of each model at each N (its real write_shard, write_commit, ref move behind the
 gc fence, acknowledgements and restore on sampled ranks, over an in-memory storage; blocks written
 by their owners as create-only writes), with RNG objects, every storage call tallied by the same
-rule; layers extrapolated linearly, as there. DCP at the same N: a file per rank and the
-.metadata (``s3fs_write`` at s3fs's default 50 MiB block), plus the save's fixed requests fitted
-to the measured runs (a + b N); a restoring rank reads the .metadata whole and the byte ranges
+rule (presence checks of many objects as the listing pages ``listing_requests`` counts over the
+keys held, the owners' presence listing of their blocks before writing them included, as in a
+store already holding the commit's objects: about one page per block where they are sparse);
+layers extrapolated linearly, as there. DCP at the same N: a file per rank and the .metadata
+(``s3fs_write`` at s3fs's default 50 MiB block), plus the save's fixed requests fitted to the
+measured runs (a + b N); a restoring rank reads the .metadata whole and the byte ranges
 of its load plan through s3fs's read-ahead.
 
 S3's published rates (per partitioned prefix, per second): 3,500 PUT/COPY/POST/DELETE and 5,500
@@ -175,16 +180,19 @@ def worker(rank: int, port: int, world: int, endpoint: str, args: argparse.Names
         store = ss.Store(storage, create=False)
         assert storage.conditional, storage.inner.conditional_reason
         watch_lost(fsspec.asyn.sync(storage.inner.fs.loop, storage.inner.fs.set_session), lost)
+        # a model config, as a trainer records one (the object every rank's shard manifest names)
+        config = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "model_type": "llama"}
         phase("commit 1")
-        ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=1))
+        ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=1, config=config))
         with torch.no_grad():  # a step's worth of change: every local value
             for t in db.locals_of(model, opt):
                 t.add_(1.0)
         want = [w + 1.0 for w in want]
         phase("commit 2")
-        cid = ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2))
+        cid = ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2, config=config))
         phase("commit 3")  # nothing changed: every object is already there
-        assert ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2)) != cid  # a new commit (its parent)
+        again = ss.save_distributed(store, model, opt, info=ss.CommitInfo(step=2, config=config))
+        assert again != cid  # a new commit (its parent)
         cid = store.ref("main")
         db.zero(dest, dest_opt)
         phase("restore")

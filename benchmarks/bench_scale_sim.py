@@ -105,7 +105,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardstore as ss
 from shardstore.checkpoint.distributed import acknowledge
-from shardstore.checkpoint.slots import write_commit, write_shard
+from shardstore.checkpoint.slots import put_config, write_commit, write_shard
 from shardstore.errors import ObjectNotFound
 from shardstore.format.grid import StoredPayload, grid, intersect, make_payload
 from shardstore.format.manifest import encode_config
@@ -137,6 +137,7 @@ from _s3_requests import (  # noqa: E402
     WRITE,
     Tally,
     dcp_writes,
+    listing_requests,
     requests_for,
 )
 
@@ -254,6 +255,7 @@ class CountingStorage:
         self.tally = Tally()
         self.read_bytes = 0
         self.written_bytes = 0
+        self._sorted: list[str] | None = None  # every key, sorted, for ``sizes`` (kept while nothing is added)
 
     def _size(self, key: str) -> int | None:
         return len(self.data[key]) if key in self.data else self.virtual.get(key)
@@ -262,6 +264,7 @@ class CountingStorage:
         """A tensor object its owner writes in the block exchange (a create-only write)."""
         self.tally.add(key, requests_for("write_once", size=size, found=key in self.virtual))
         self.virtual[key] = size
+        self._sorted = None
 
     def read(self, key: str, limit: int | None = None) -> bytes:
         if key in self.virtual:
@@ -302,6 +305,7 @@ class CountingStorage:
         if found:
             return False
         self.data[key] = bytes(data)
+        self._sorted = None
         self.written_bytes += len(self.data[key])
         return True
 
@@ -310,21 +314,39 @@ class CountingStorage:
         if self.data.get(key) != expected:
             raise ss.RefConflict(f"{key}: changed")
         self.data[key] = bytes(new)
+        self._sorted = None
 
     def delete(self, key: str) -> None:
         self.tally.add(key, requests_for("delete"))
         self.data.pop(key, None)
+        self._sorted = None
 
     def delete_if(self, key: str, expected: bytes) -> None:
         self.tally.add(key, requests_for("delete_if"))
         if self.data.get(key) != expected:
             raise ss.RefConflict(f"{key}: changed")
         del self.data[key]
+        self._sorted = None
 
     def list(self, prefix: str) -> Iterator[str]:
         keys = sorted(k for k in (*self.data, *self.virtual) if k.startswith(prefix.rstrip("/") + "/"))
         self.tally.add(prefix.rstrip("/") + "/", requests_for("list", keys=len(keys)))
         return iter(keys)
+
+    def sizes(self, keys: list[str]) -> dict[str, int]:
+        """``ListedSizes``, as S3Storage answers it (the store's presence checks of many objects:
+        the gc fence's, a restore's size check): the listing pages its walk would take over the
+        keys held here (``listing_requests``), tallied under the first key asked about."""
+        if self._sorted is None:
+            self._sorted = sorted({*self.data, *self.virtual})
+        if keys:
+            self.tally.add(min(keys), Counter(LIST=listing_requests(self._sorted, list(keys))))
+        return {k: n for k in keys if (n := self._size(k)) is not None}
+
+    def refresh(self, key: str, size: int) -> bool:
+        found = self._size(key) is not None
+        self.tally.add(key, requests_for("refresh", size=size, found=found))
+        return found
 
     def mtime(self, key: str) -> float | None:
         self.tally.add(key, requests_for("mtime"))
@@ -568,12 +590,14 @@ def ss_save(
     for key, (_dtype, shape, _held) in sorted(union.items()):
         classes.setdefault((shape, kinds[key[0]]), []).append(key)
     pieces = 0
-    for keys in classes.values():
+    owners: dict[tuple, dict[int, int]] = {}  # class -> block index -> the rank that writes it
+    for cls, keys in classes.items():
         key = keys[0]
         t = time.process_time()
         planned = plan_union({key: union[key]}, n)
         plan_s += (time.process_time() - t) * len(keys)
         pieces += sum(1 + len(b.sends) for b in planned) * len(keys)
+        owners[cls] = {b.index: b.owner for b in planned}
     # 3. the exchange's stand-ins: would-be block ids (the canonical grid's), registered with their sizes
     storage = CountingStorage()
     storage.tally.phase = "create"
@@ -581,12 +605,21 @@ def ss_save(
     storage.tally.phase = "blocks"
     ids: dict[tuple[str, str], list[str]] = {}
     blocks = 0
+    written_by: dict[int, list[str]] = {}
     for (name, role), (dtype, shape, _held) in sorted(union.items()):
+        owner = owners[(shape, kinds[name])]
         for bi, box in enumerate(grid(dtype, shape)):
             oid = hash_bytes(f"{model.name}\0{name}\0{role}\0{bi}".encode())
             storage.register(object_key(oid), expected_nbytes(dtype, box[1]))
             ids.setdefault((name, role), []).append(oid)
+            written_by.setdefault(owner.get(bi, 0), []).append(object_key(oid))
             blocks += 1
+    # each owner's presence check of its blocks before writing them (``put_tensors`` on S3: listing
+    # pages), as in a store already holding this commit's objects (any commit after the first; the
+    # first, into an empty store, lists fewer pages)
+    held = sorted(storage.virtual)
+    for keys in written_by.values():
+        storage.tally.add(keys[0], Counter(LIST=listing_requests(held, keys)))
     shared = {(key, box): rs for key, (_d, _s, held) in plan.union.items() for box, rs in held.items() if len(rs) > 1}
     held_by: dict[int, dict[str, str]] = {}  # what each rank all-gathers in _replicas_agree: label -> BLAKE3 hex
     for ((name, role), box), rs in shared.items():
@@ -606,7 +639,11 @@ def ss_save(
         ref_key("main"): "the ref",
         object_key(hash_bytes(encode_config(model.config()))): "the model config object",
     }
+    storage.tally.phase = "commit"  # commit_state's phase 1: the coordinator writes the model config, once
+    put_config(store, info)
     storage.tally.phase = "shard"
+    # commit_state's phase 2 begins with the coordinator writing its RNG objects and broadcasting their ids
+    shared = frozenset(store.put(v) for v in rank_rng(0).values()) if rng else frozenset()
     for r in range(n):
         mine = sorted(recorded.get(r, []))
         states = rank_rng(r) if rng else {}
@@ -621,7 +658,7 @@ def ss_save(
             slices=make_slices((nm, b) for nm, shape, kind in param_boxes for b in boxes.of(shape, kind)[r]),
             rng=states,
         )
-        sid = write_shard(store, state, info=info, parent=None, slot=r, slots=n)
+        sid = write_shard(store, state, info=info, parent=None, slot=r, slots=n, write_config=False, written=shared)
         write_s += time.process_time() - t
         shard_ids.append(sid)
         labels[object_key(sid)] = "a shard manifest"
@@ -631,7 +668,7 @@ def ss_save(
     before = storage.read_bytes
     t = time.process_time()
     store.ref("main"), store.ref("main")
-    cid = write_commit(store, shard_ids, info=info, parent=None)
+    cid = write_commit(store, shard_ids, info=info, parent=None, write_config=False)
     store.set_ref("main", cid, expected=None)
     fig.coordinator_s = time.process_time() - t
     objects = len(storage.virtual) + sum(1 for k in storage.data if k.startswith("objects/"))

@@ -4,7 +4,13 @@ Each rank is one slot. Phases, each closed by a collective so that every rank le
 any failure instead of hanging:
 
 1. the coordinator (rank 0) reads the ref's current commit, the parent, and broadcasts it;
-2. every rank writes its objects and shard manifest and all ranks gather the shard ids;
+   it also writes the model config object, once for the commit: every rank names it in its
+   shard manifest by the id of the same bytes, without writing it (on S3, N ranks writing one
+   present key would cost 3 N requests on that key);
+2. every rank writes its objects and shard manifest and all ranks gather the shard ids; first
+   the coordinator writes its RNG objects and broadcasts their ids, and a rank whose RNG object
+   has one of them names it without writing it (torch's generator is seeded alike on every rank
+   where DTensor is used, so its object is the same on every rank: one write, not N);
 3. the coordinator writes the commit manifest and broadcasts its id;
 4. every rank reads the commit manifest back (not every shard manifest: the coordinator
    checked those in phase 3), checks that its own slot names its own shard, and
@@ -31,12 +37,15 @@ from ..state.extras import capture_extras, write_extras
 from ..state.slot import SlotState, capture
 from ..store import Store
 from ..store.tensors import WRITE_THREADS
-from .info import CommitInfo
-from .slots import AUTO, write_commit, write_shard
+from .info import CommitInfo, check_info
+from .slots import AUTO, put_config, write_commit, write_shard
 
 __all__ = ["save_distributed", "commit_state", "acknowledge", "agree_on_commit"]
 
 _OK, _FAIL, _NONE = 1, 2, 3
+#: The most RNG object ids the coordinator shares (``_shared_rng``): python, numpy, torch and up to
+#: 13 CUDA devices' states; a slot's other RNG objects are written by the slot, as without sharing.
+_SHARED_RNG = 16
 #: The phases of ``save_distributed``; before "move ref" completes nobody has moved the ref.
 _COMMIT_PHASES = ("read parent", "write shard", "write commit", "acknowledge", "move ref")
 
@@ -108,6 +117,18 @@ def _phase(
     return got, err
 
 
+def _shared_rng(group: Any, ids: list[str]) -> frozenset[str]:
+    """Broadcast the coordinator's RNG object ids (at most ``_SHARED_RNG``; ``ids`` is read on the
+    coordinator only) as one fixed-size tensor of raw digests, never a pickled object; every rank
+    of ``group`` calls it, and every rank returns the coordinator's ids."""
+    raw = bytes([min(len(ids), _SHARED_RNG)]) + b"".join(bytes.fromhex(i) for i in ids[:_SHARED_RNG])
+    raw += bytes(1 + 32 * _SHARED_RNG - len(raw))
+    t = torch.tensor(list(raw), dtype=torch.uint8).to(_device(group))
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    got = bytes(t.cpu().numpy().tobytes())
+    return frozenset(got[1 + 32 * i : 33 + 32 * i].hex() for i in range(min(got[0], _SHARED_RNG)))
+
+
 def save_distributed(
     store: Store,
     model: torch.nn.Module | Mapping[str, torch.Tensor],
@@ -164,6 +185,9 @@ def commit_state(
     coordinator = rank == 0
 
     def read_parent() -> str | None:
+        check_info(info)  # arguments before the first write (SPEC.md §19.2)
+        if put_config(store, info) is not None:  # once, before any shard manifest names it (SPEC.md §15)
+            store.sync()
         if parent is not AUTO:
             return parent
         return store.ref(ref) if ref is not None else None
@@ -187,11 +211,30 @@ def commit_state(
             state, failure = state_fn(), None
         except Exception as e:  # noqa: BLE001 - still joins the block exchange below, then re-raised
             state, failure = None, e
+        ids: list[str] = []
+        if coordinator and state is not None:
+            try:  # the coordinator's RNG objects, durable before any rank learns their ids (SPEC.md §15)
+                kinds = sorted(state.rng, key=lambda k: (k.startswith("cuda:"), k))  # CUDA devices' last
+                ids = [store.put(state.rng[k]) for k in kinds][:_SHARED_RNG]
+                store.sync()
+            except Exception as e:  # noqa: BLE001 - still joins the collectives below, then re-raised
+                state, failure, ids = None, e, []
+        shared = _shared_rng(group, ids)  # a collective: every rank, whatever happened above
         state = write_dtensors(store, state, group=group, threads=threads, failure=failure)  # a collective
         mine.append(
             write_extras(store, capture_extras(extra), threads=threads)
         )  # made durable by write_shard's barrier
-        return write_shard(store, state, info=info, parent=chosen, slot=rank, slots=world, threads=threads)
+        return write_shard(
+            store,
+            state,
+            info=info,
+            parent=chosen,
+            slot=rank,
+            slots=world,
+            threads=threads,
+            write_config=False,
+            written=shared,
+        )
 
     got, _ = _phase(group, "write shard", begin("write shard", shard))
     shard_ids = [oid for _, oid in got]
@@ -202,7 +245,11 @@ def commit_state(
         "write commit",
         begin(
             "write commit",
-            (lambda: write_commit(store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0]))
+            (
+                lambda: write_commit(
+                    store, [s for s in shard_ids if s], info=info, parent=chosen, extras=mine[0], write_config=False
+                )
+            )
             if coordinator
             else (lambda: None),
         ),

@@ -65,6 +65,7 @@ __all__ = [
     "shard_entries_manifest",
     "write_commit",
     "write_loaded_commit",
+    "put_config",
     "save_slots",
     "save",
     "SaveCall",
@@ -75,8 +76,21 @@ AUTO: Any = "auto"
 """Sentinel: take the parent from the ref being moved."""
 
 
-def _config_id(store: Store, config: Mapping[str, Any] | None) -> str | None:
-    return None if config is None else store.put(encode_config(dict(config)))
+def _config_id(store: Store, config: Mapping[str, Any] | None, *, write: bool = True) -> str | None:
+    """The id of the model config object of ``config``, written (create-only) unless ``write`` is
+    False: a commit writes it once, before any manifest names it, and its other writers name it
+    by the id of the same canonical bytes (SPEC.md §15: on S3 each write of a present object is
+    a PUT answered 412, a HEAD and a CopyObject, all on one key)."""
+    if config is None:
+        return None
+    data = encode_config(dict(config))
+    return store.put(data) if write else hash_bytes(data)
+
+
+def put_config(store: Store, info: CommitInfo) -> str | None:
+    """Write the model config object of ``info`` (create-only; refreshed if present) and return its
+    id (None: no config): a commit's writers then name it with ``write_config=False`` (SPEC.md §15)."""
+    return _config_id(store, info.config)
 
 
 def write_shard(
@@ -88,8 +102,15 @@ def write_shard(
     slot: int,
     slots: int,
     threads: int = WRITE_THREADS,
+    write_config: bool = True,
+    written: frozenset[str] = frozenset(),
 ) -> str:
-    """Write one slot's objects, then (after a durability barrier) its shard manifest; return its id."""
+    """Write one slot's objects, then (after a durability barrier) its shard manifest; return its id.
+
+    ``write_config=False``: the model config object is named, not written: the caller wrote it
+    (``put_config``) before this shard manifest, once for the whole commit (SPEC.md §15).
+    ``written``: ids of objects another writer of this commit made durable before this call (the
+    coordinator's RNG objects): an RNG object of this slot with one of those ids is named, not written."""
     check_info(info)
     names = sorted(state.tensors)
     flat = slot_tensors(state)  # payloads in manifest order (torch-form state like parameters', format 3)
@@ -134,9 +155,9 @@ def write_shard(
                 state=torch_state,
             )
         )
-    rng = tuple(RngEntry(kind=k, object=store.put(v)) for k, v in sorted(state.rng.items()))
+    rng = tuple(RngEntry(kind=k, object=_rng_object(store, v, written)) for k, v in sorted(state.rng.items()))
     extras = write_extras(store, state.extra, threads=threads)
-    config_id = _config_id(store, info.config)
+    config_id = _config_id(store, info.config, write=write_config)
     store.sync()  # objects are durable before any manifest names them
     groups = tuple(group_spec(g, h) for g, h in sorted(state.optim.groups.items()))
     torch_opt = torch_spec(state.optim)
@@ -159,6 +180,15 @@ def write_shard(
     sid = store.put_manifest(shard)
     store.sync()
     return sid
+
+
+def _rng_object(store: Store, data: bytes | memoryview, written: frozenset[str]) -> str:
+    """The id of an RNG object, written (create-only) unless it is one of ``written``."""
+    if written:
+        oid = hash_bytes(data)
+        if oid in written:
+            return oid
+    return store.put(data)
 
 
 def _birth(name: str, po: ParamOpt, state: SlotState, info: CommitInfo) -> int:
@@ -276,14 +306,27 @@ def shard_entries_manifest(
 
 
 def write_commit(
-    store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()
+    store: Store,
+    shard_ids: list[str],
+    *,
+    info: CommitInfo,
+    parent: str | None,
+    extras: tuple[ExtraEntry, ...] = (),
+    write_config: bool = True,
 ) -> str:
-    """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]) and ``extras`` (written, durable); return its id."""
-    return write_loaded_commit(store, shard_ids, info=info, parent=parent, extras=extras).id
+    """Write the commit manifest binding ``shard_ids`` (slot i = shard_ids[i]) and ``extras`` (written, durable); return its id.
+    ``write_config=False``: the model config object was written before the shard manifests (``put_config``)."""
+    return write_loaded_commit(store, shard_ids, info=info, parent=parent, extras=extras, write_config=write_config).id
 
 
 def write_loaded_commit(
-    store: Store, shard_ids: list[str], *, info: CommitInfo, parent: str | None, extras: tuple[ExtraEntry, ...] = ()
+    store: Store,
+    shard_ids: list[str],
+    *,
+    info: CommitInfo,
+    parent: str | None,
+    extras: tuple[ExtraEntry, ...] = (),
+    write_config: bool = True,
 ) -> LoadedCommit:
     """``write_commit``, returning the commit as read back and checked (its closure is known
     without reading its manifests again: the ref move's gc fence checks it as it stands)."""
@@ -303,7 +346,7 @@ def write_loaded_commit(
     optimizer = OptimizerSpec(
         algorithm=algorithm, groups=tuple(groups[k] for k in sorted(groups)), torch_optimizer=torch_union(shards)
     )
-    config_id = _config_id(store, info.config)
+    config_id = _config_id(store, info.config, write=write_config)
     layout = tuple(
         SlotLayout(slot=i, shard=sid, tensors=tuple(e.name for e in s.entries))
         for i, (sid, s) in enumerate(zip(shard_ids, shards))
@@ -366,10 +409,12 @@ def save_slots(
     for s in states:  # a step below an Adam age is refused before the first object (SPEC.md §9, §19.2)
         check_cursors(s, info)
     extras = write_extras(store, capture_extras(extra), threads=threads)  # made durable by write_shard's barrier
+    put_config(store, info)  # once for the commit (SPEC.md §15), made durable by write_shard's barrier
     shard_ids = [
-        write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads) for i, s in enumerate(states)
+        write_shard(store, s, info=info, parent=parent, slot=i, slots=n, threads=threads, write_config=False)
+        for i, s in enumerate(states)
     ]
-    lc = write_loaded_commit(store, shard_ids, info=info, parent=parent, extras=extras)
+    lc = write_loaded_commit(store, shard_ids, info=info, parent=parent, extras=extras, write_config=False)
     cid = lc.id
     if ref is not None:  # the fence checks the closure just written and read back (no manifest read again)
         store.set_ref(ref, cid, expected=current, needs=commit_closure(lc).ids())

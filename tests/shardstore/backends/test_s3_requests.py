@@ -359,3 +359,45 @@ def test_a_save_to_s3_replaces_a_listed_tensor_object_of_the_wrong_size(s3_serve
     second = ss.save(store, state, step=1, rng=False)
     assert store.object_size(victim) == 64 * 4
     assert ss.verify(store, [second]).ok
+
+
+def _bench_requests() -> Any:
+    """``benchmarks/_s3_requests`` (the request model the budget benchmarks extrapolate with)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "_s3_requests.py"
+    spec = importlib.util.spec_from_file_location("_s3_requests_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmarks_listing_model_counts_the_pages_the_backend_sends(
+    s3_server: S3Server,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``listing_requests`` (what bench_scale_sim charges for a presence check of many objects at
+    16,384 ranks) is the number of listing pages ``listed_sizes`` really sends, for dense, sparse
+    and absent keys across pages and lanes (small pages and lanes, so that each case crosses them)."""
+    model = _bench_requests()
+    monkeypatch.setattr(s3_requests, "PAGE_KEYS", 4)
+    monkeypatch.setattr(s3_requests, "LANE_KEYS", 5)
+    storage = _storage(s3_server, concurrency=3)
+    keys = _keys(60)
+    present = [k for i, k in enumerate(keys) if i % 4 != 3]
+    for key in present:
+        storage.write_once(key, b"z")
+    cases = {
+        "dense": present[:40],
+        "sparse": present[::7],
+        "absent": [k for i, k in enumerate(keys) if i % 4 == 3] + ["objects/ff/absent"],
+        "one": present[5:6],
+        "mixed": keys[3:50:2],
+    }
+    for name, asked in cases.items():
+        counted = Counted(storage)
+        assert storage.sizes(asked) == {k: 1 for k in asked if k in present}, name
+        want = model.listing_requests(sorted(present), asked, page=4, lane=5, lanes=3)
+        assert counted.calls == {"list_objects_v2": want}, (name, want)

@@ -15,6 +15,11 @@ from gloo_group import free_port
 
 import shardstore as ss
 
+try:
+    from tests.s3_server import s3_server  # noqa: F401  (fixture)
+except ImportError:  # pragma: no cover
+    from s3_server import s3_server  # type: ignore[no-redef]  # noqa: F401
+
 
 def _owned(model: torch.nn.Module, rank: int) -> list[str]:
     names = [n for n, _ in model.named_parameters()]
@@ -215,3 +220,106 @@ def test_acknowledging_reads_the_commit_manifest_not_every_shard_manifest():
     assert object_key(cid) in read_at  # the commit manifest is read back
     assert object_key(shard) not in read_at  # its shard manifests are not (phase "write commit" checked them)
     assert object_key(shard) in {key for p, key in reads if p == "write commit"}
+
+
+def _config_requests_body(rank: int, world: int, url: str, options: dict) -> dict:
+    """Four commits on S3: the first into a fresh store, the second with its config present, the
+    third with rank 2's config not rank 0's, the fourth with RNG states. Each rank counts the
+    requests its storage sends for the model config object's key, commit by commit, and for its
+    RNG objects' keys in the fourth."""
+    from collections import Counter
+
+    from shardstore.format.manifest import encode_config
+    from shardstore.format.tensors import hash_bytes
+    from shardstore.store.keys import object_key
+
+    store = ss.open_store(url, **options)
+    config = {"hidden_size": 8, "model_type": "tiny"}
+    key = object_key(hash_bytes(encode_config(config)))
+    counts: dict[str, Counter[str]] = {}
+    real = store.storage.transport.call  # type: ignore[attr-defined]
+    now = [""]
+
+    async def call(method: str, k: str, **kw):
+        if k == key:
+            counts.setdefault(now[0], Counter())[method] += 1
+        return await real(method, k, **kw)
+
+    store.storage.transport.call = call  # type: ignore[attr-defined]
+    mine = {f"w{rank}": torch.full((4,), float(rank))}
+    out: dict = {}
+    for name in ("fresh", "present"):
+        now[0] = name
+        out[name] = ss.save_distributed(store, mine, info=ss.CommitInfo(step=1, config=config), rng=False)
+    now[0] = "differs"
+    other = dict(config, hidden_size=16) if rank == 2 else config
+    try:
+        ss.save_distributed(store, mine, info=ss.CommitInfo(step=2, config=other), rng=False)
+        out["differs"] = "saved"
+    except ss.CommitProtocolError as e:
+        out["differs"] = str(e)
+    out["after_differs"] = store.ref("main")
+    # RNG: torch's generator seeded alike on every rank (as DTensor needs), Python's and NumPy's per rank
+    import random
+
+    import numpy as np
+
+    from shardstore.format.rng import capture_rng
+
+    torch.manual_seed(0)
+    random.seed(rank)
+    np.random.seed(rank)
+    states = capture_rng()
+    rng_keys = {object_key(hash_bytes(v)): k for k, v in states.items()}
+    now[0] = "rng"
+    rng_counts: Counter[str] = Counter()
+
+    async def call_rng(method: str, k: str, **kw):
+        if k in rng_keys:
+            rng_counts[f"{rng_keys[k]} {method}"] += 1
+        return await real(method, k, **kw)
+
+    store.storage.transport.call = call_rng  # type: ignore[attr-defined]
+    out["rng"] = ss.save_distributed(store, mine, info=ss.CommitInfo(step=3, config=config))
+    shard = store.shard(store.commit(out["rng"]).layout[rank].shard)
+    out["rng_named"] = {e.kind: e.object for e in shard.rng}
+    out["rng_ids"] = {k: hash_bytes(v) for k, v in states.items()}
+    out["rng_counts"] = dict(rng_counts)
+    out["counts"] = {k: dict(v) for k, v in counts.items()}
+    out["key"] = key
+    return out
+
+
+def test_the_model_config_object_is_written_once_per_commit_not_by_every_rank(tmp_path, s3_server):  # noqa: F811
+    """Issue 33 item 2 (e): every rank's write_shard wrote the model config object create-only, so
+    on S3 N ranks sent N PUTs to one key, each then answered 412 and followed by a HEAD and a
+    CopyObject: 3 N requests on a key S3 cannot spread. The coordinator now writes it once, in
+    the commit's first phase, before any shard manifest names it (SPEC.md §15); the other ranks
+    name it by id. A rank whose config differs still fails every rank, the ref unmoved. The same
+    for the torch RNG object every rank holds alike: the coordinator writes its RNG objects and
+    broadcasts their ids before the ranks write, and a rank names an object with one of them."""
+    from gloo_group import run_group
+
+    url = s3_server.url()
+    ss.open_store(url, **s3_server.options)
+    got = run_group(_config_requests_body, 3, tmp_path, url, s3_server.options)
+    assert got[0]["fresh"] == got[1]["fresh"] == got[2]["fresh"]
+    assert got[0]["counts"]["fresh"] == {"put_object": 1}  # created once, by the coordinator
+    assert got[0]["counts"]["present"] == {"put_object": 1, "head_object": 1, "copy_object": 1}  # 412: refreshed
+    for g in got[1:]:
+        assert "fresh" not in g["counts"] and "present" not in g["counts"], g["counts"]  # named, never written
+    assert all("phase 'write commit' failed on rank(s) [0]" in g["differs"] for g in got), got
+    store = ss.open_store(url, **s3_server.options)
+    present = got[0]["present"]
+    assert all(g["after_differs"] == present for g in got)  # the refused commit did not move the ref
+    assert store.commit(present).config == got[0]["key"].rsplit("/", 1)[-1]
+    # the torch RNG object, the same on every rank, is written by the coordinator alone (before it
+    # broadcasts its id) and named by the others; each rank's own Python and NumPy objects by that rank
+    assert got[0]["rng"] == got[1]["rng"] == got[2]["rng"] == store.ref("main")
+    assert got[0]["rng_ids"]["torch"] == got[1]["rng_ids"]["torch"] == got[2]["rng_ids"]["torch"]
+    assert got[0]["rng_counts"] == {"python put_object": 1, "numpy put_object": 1, "torch put_object": 1}
+    for g in got[1:]:
+        assert g["rng_counts"] == {"python put_object": 1, "numpy put_object": 1}, g["rng_counts"]
+    for g in got:
+        assert g["rng_named"] == g["rng_ids"]  # each slot's manifest names its own states' objects
+    assert ss.verify(store).ok
