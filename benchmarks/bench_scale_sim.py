@@ -531,7 +531,7 @@ class Figures:
 
 
 def gathered(n: int, sizes: list[int]) -> int:
-    """What one rank receives from ``dtensor._all_gather_bytes`` of these ``n`` messages: each
+    """What one rank receives from ``dtensor.all_gather_bytes`` of these ``n`` messages: each
     rank's size (an int64), then every message padded to the largest."""
     return 8 * n + n * max(max(sizes), 1)
 

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..errors import StateMismatch, TensorMismatch
 from ..format.grid import check_stored_all, read_parts, staging
@@ -160,7 +161,7 @@ def read_state_dict(
 
 
 def load_state_dict_into(
-    store: Store, state_dict: MutableMapping[Any, Any], target: str = "main", *, threads: int = 8
+    store: Store, state_dict: MutableMapping[Any, Any], target: str = "main", *, threads: int = 8, group: Any = None
 ) -> str:
     """Load commit ``target`` into ``state_dict`` in place, as DCP's ``load`` does; return the commit id.
 
@@ -172,14 +173,26 @@ def load_state_dict_into(
     Everything is checked before the first byte is written (``StateMismatch`` /
     ``TensorMismatch``, naming the key path), the destinations as for ``read_state_dict``'s
     ``into``; a corrupt object found part way leaves what ``read_state_dict`` says it leaves.
+    ``group``: a process group whose ranks load together, each its own dict (collective, as
+    ``restore``'s ``group``): each block read once in the group (SPEC.md §16.2).
     """
-    lc = load_commit(store, target)
-    value = _tree(store, lc)
-    entries = lc.entries()
-    dests: dict[str, torch.Tensor] = {}
+    failure: Exception | None = None
+    plan = RestorePlan()
     sets: list[tuple[Any, Any, Any]] = []
-    _match(state_dict, value, "$", entries, dests, sets, None)
-    read_plan(store, _reads(entries, dests), threads)
+    lc = None
+    try:
+        lc = load_commit(store, target)
+        value = _tree(store, lc)
+        entries = lc.entries()
+        dests: dict[str, torch.Tensor] = {}
+        _match(state_dict, value, "$", entries, dests, sets, None)
+        plan = _reads(entries, dests)
+    except Exception as e:  # noqa: BLE001 - in a group: still take part, so every rank raises, none waits
+        if group is None or dist.get_world_size(group) == 1:
+            raise
+        failure = e
+    read_plan(store, plan, threads, group=group, failure=failure)
+    assert lc is not None  # read_plan raised the failure otherwise
     for container, key, v in sets:
         container[key] = v
     return lc.id
