@@ -1187,8 +1187,8 @@ def exchange_table(keys: list[str], ns: list[int]) -> list[str]:
         "",
         "| model | N → N/2 | tensor blocks (each: 1 GET + 1 HEAD, once per group) | blocks read per rank "
         "(min / mean / max) | tensor bytes read per rank, max | pieces sent per rank, max | pieces received per "
-        "rank, max | one rank's description / all-gathered per rank |",
-        "|---|---|---|---|---|---|---|---|",
+        "rank, max | pieces, all ranks | one rank's description / all-gathered per rank |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key in keys:
         model = MODELS[key]
@@ -1199,7 +1199,7 @@ def exchange_table(keys: list[str], ns: list[int]) -> list[str]:
             lo, mean_, hi = e["reads"]
             lines.append(
                 f"| {model.name} | {n:,} → {n // 2:,} | {e['blocks']:,} | {lo:,.0f} / {mean_:,.1f} / {hi:,.0f} | "
-                f"{human(e['bytes'][2])} | {e['sends'][2]:,.0f} | {e['received'][2]:,.0f} | "
+                f"{human(e['bytes'][2])} | {e['sends'][2]:,.0f} | {e['received'][2]:,.0f} | {e['pieces']:,} | "
                 f"{human(e['description_bytes'])} / {human(e['gathered_bytes'])} |"
             )
     return lines
