@@ -29,9 +29,9 @@ from gloo_group import run_group
 from read_counter import ReadCounter
 
 import shardstore as ss
-from shardstore.format.grid import payload_blocks
+from shardstore.format.grid import grid, payload_blocks
 from shardstore.format.manifest import state_payloads, tensor_payloads
-from shardstore.sharded.read_exchange import last_group_read
+from shardstore.sharded.read_exchange import TILES, Needed, last_group_read, plan_group_read
 from shardstore.store.keys import object_key
 
 
@@ -130,6 +130,11 @@ def _body(rank: int, world: int, root: str) -> dict:
     _train(m, opt, 2, seed=1)
     cid = ss.save_distributed(store, m, opt, info=ss.CommitInfo(step=2, job="read-exchange"), rng=False, ref="main")
     result: dict = {"four": _restore(store, cid, mesh, dist.group.WORLD)}
+    solos = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    m1 = _fsdp(mesh)
+    before = last_group_read()
+    one = ss.restore(store, cid, m1, _opt(m1), group=solos[rank])  # a group of one: the restore on its own
+    result["solo"] = {"untouched": last_group_read() is before, "bytes_read": one.bytes_read}
     if rank < 2:
         result["two"] = _restore(store, cid, DeviceMesh.from_group(pair, "cpu"), pair)
     dist.barrier()
@@ -179,6 +184,49 @@ def test_exchange_is_bitwise_the_restore_alone_and_reads_each_block_once(runs, w
     assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats) > 0
     per = [r["exchange_bytes_read"] for r in ranks]
     assert max(per) - min(per) <= max(sizes[k] for k in needed)
+
+
+def test_a_group_of_one_is_the_restore_on_its_own(runs):
+    _, results = runs
+    assert all(r["solo"]["untouched"] for r in results)
+    assert [r["solo"]["bytes_read"] for r in results] == [r["four"]["alone_bytes_read"] for r in results]
+
+
+def _needed(rank_rows: list[tuple[int, int]], shape: tuple[int, int]) -> list[list[Needed]]:
+    """Each rank's description of one float32 payload: rows [a, b) of it (an empty range: nothing)."""
+    return [
+        [Needed("k" * 64, TILES, "float32", shape, (((a, 0), (b - a, shape[1])),))] if b > a else []
+        for a, b in rank_rows
+    ]
+
+
+@pytest.mark.parametrize(
+    "shape, rows",
+    [
+        ((96, 262144), [(0, 30), (30, 31), (31, 64), (64, 64), (64, 96)]),  # 32 tiles of 96 x 8192: all rows each
+        ((4096, 1024), [(0, 1000), (1000, 1030), (1030, 2500), (2500, 2500), (2500, 4096)]),  # 4 bands of 1024 rows
+    ],
+)
+def test_the_assignment_reads_each_block_once_by_a_rank_needing_it(shape, rows):
+    """SPEC.md §16.2's rule, no processes: rows split unevenly over 5 ranks, one of which needs nothing."""
+    peers = _needed(rows, shape)
+    plan = plan_group_read(peers)
+    assert [p.index for p in plan] == list(range(len(grid("float32", shape))))  # every block, in grid order, once
+    loads = [0] * len(rows)
+    for p in plan:
+        lo, hi = p.box[0][0], p.box[0][0] + p.box[1][0]
+        needers = {r for r, (a, b) in enumerate(rows) if b > a and a < hi and lo < b}
+        assert {r for r, _, _ in p.pieces} == needers and p.reader in needers
+        assert p.reader == min(needers, key=lambda r: (loads[r], r))  # the fewest bytes so far, then the lowest rank
+        loads[p.reader] += p.n
+        for r, region, common in p.pieces:  # each piece: the block's rows that rank holds
+            a, b = rows[r]
+            assert region == ((a, 0), (b - a, shape[1]))
+            assert common == ((max(a, lo), p.box[0][1]), (min(b, hi) - max(a, lo), p.box[1][1]))
+    assert loads[3] == 0
+    if len(plan) > 4:  # every rank but 3 needs every block: balanced to within one block
+        assert max(loads) - min(x for x in loads if x) <= max(p.n for p in plan)
+    assert plan_group_read(peers) == plan  # deterministic
 
 
 def test_load_state_dict_into_by_exchange(runs):
