@@ -31,7 +31,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..errors import StateMismatch, TensorMismatch
 from ..format.grid import check_reads, read_parts, run_reads
@@ -39,7 +38,7 @@ from ..format.manifest import MAX_MANIFEST_BYTES, decode_config
 from ..format.rng import MAX_RNG_BYTES, check_rng, restore_rng
 from ..format.tensors import dtype_name
 from ..sharded.placement import part_views
-from ..sharded.read_exchange import read_group
+from ..sharded.read_exchange import grouped, read_group
 from ..state.extras import plan_extras_restore
 from ..state.module import named_state, unwrap_module
 from ..state.optim import plan_adam_restore
@@ -149,7 +148,7 @@ def restore(
             ]
         )
     except Exception as e:  # noqa: BLE001 - in a group: still take part, so every rank raises, none waits
-        if not _grouped(group):
+        if not grouped(group):
             raise
         failure, plan = e, RestorePlan()
     # 2. read: straight into the destinations, every byte hashed
@@ -190,7 +189,7 @@ def read_plan(
     ``sharded.read_exchange``): each block read once in the group, its pieces sent to the ranks
     needing them; the bytes returned are those this rank read. ``failure``: this rank could not
     plan (its plan is then ignored); it still takes part, and every rank raises it."""
-    if _grouped(group):
+    if grouped(group):
         items = []
         try:
             if failure is not None:
@@ -212,11 +211,6 @@ def read_plan(
     if not sizes_checked:
         check_reads(store, jobs, threads=max(threads, 16))  # a size query each (a HEAD on S3), before any byte lands
     return run_reads(jobs, threads=threads)
-
-
-def _grouped(group: Any) -> bool:
-    """Whether a restore runs by exchange: a process group of more than one process."""
-    return group is not None and dist.get_world_size(group) > 1
 
 
 def _match_tensors(lc: LoadedCommit, model: Any, slot: int | None, strict: bool) -> RestoreMatch:

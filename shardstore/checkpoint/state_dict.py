@@ -23,12 +23,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..errors import StateMismatch, TensorMismatch
 from ..format.grid import check_stored_all, read_parts, staging
 from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, TensorEntry
 from ..format.tensors import dtype_name, is_dtensor, torch_dtype
+from ..sharded.read_exchange import grouped
 from ..state.documents import TensorRef, encode_tree, fill_tree, read_tree, tensor_refs
 from ..state.extras import CapturedExtra
 from ..state.module import tensor_profile
@@ -188,7 +188,7 @@ def load_state_dict_into(
         _match(state_dict, value, "$", entries, dests, sets, None)
         plan = _reads(entries, dests)
     except Exception as e:  # noqa: BLE001 - in a group: still take part, so every rank raises, none waits
-        if group is None or dist.get_world_size(group) == 1:
+        if not grouped(group):
             raise
         failure = e
     read_plan(store, plan, threads, group=group, failure=failure)

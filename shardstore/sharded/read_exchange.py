@@ -57,7 +57,16 @@ from ..store import Store
 from .dtensor import all_gather_bytes, slices_near
 from .exchange import BATCH_BYTES
 
-__all__ = ["Needed", "GroupReadStats", "last_group_read", "payload_key", "plan_group_read", "read_group"]
+__all__ = [
+    "Needed",
+    "GroupReadStats",
+    "PlannedRead",
+    "grouped",
+    "last_group_read",
+    "payload_key",
+    "plan_group_read",
+    "read_group",
+]
 
 #: The grid a payload's blocks lie on, as a description names it: every rank holding the payload
 #: lists the same boxes from (kind, dtype, shape) alone (SPEC.md §5.1).
@@ -102,6 +111,12 @@ _LAST = GroupReadStats()
 def last_group_read() -> GroupReadStats:
     """Counts of this process's most recent restore by exchange."""
     return _LAST
+
+
+def grouped(group: Any) -> bool:
+    """Whether a read runs by exchange: a process group of more than one process (None, or a
+    group of one, reads on its own, unchanged)."""
+    return group is not None and dist.get_world_size(group) > 1
 
 
 def payload_key(payload: Payload, dtype: str, shape: Sequence[int]) -> str:

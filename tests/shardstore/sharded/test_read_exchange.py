@@ -149,6 +149,27 @@ def _body(rank: int, world: int, root: str) -> dict:
         torch.equal(p.to_local(), q.to_local()) for p, q in zip(m.parameters(), back.parameters())
     )
     result["state_dict_read"] = last_group_read().bytes_read
+    # DCP's load through StoreReader(group=): the state saved whole by rank 0 (dcp.save, one chunk per
+    # tensor), loaded into FSDP2 on all 4 ranks: every block of fc1.weight is needed by every rank
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore.dcp import StoreReader, StoreWriter
+
+    full = {k: v.full_tensor() for k, v in m.state_dict().items()}
+    if rank == 0:
+        dcp.save({"model": full}, storage_writer=StoreWriter(root, ref="dcp", step=2), no_dist=True)
+    dist.barrier()
+    back = _fsdp(mesh)
+    with torch.no_grad():
+        for p in back.parameters():
+            p.to_local().zero_()
+    reader = StoreReader(root, "dcp", group=dist.group.WORLD)
+    dcp.load({"model": back.state_dict()}, storage_reader=reader)
+    result["dcp_equal"] = all(
+        torch.equal(p.to_local(), q.to_local()) for p, q in zip(m.parameters(), back.parameters())
+    )
+    result["dcp"] = vars(last_group_read()).copy()
+    result["dcp_commit"] = reader.commit
     result["failures"] = _failures(rank, root, store, cid, mesh, dist.group.WORLD)
     return result
 
@@ -229,10 +250,17 @@ def test_the_assignment_reads_each_block_once_by_a_rank_needing_it(shape, rows):
     assert plan_group_read(peers) == plan  # deterministic
 
 
-def test_load_state_dict_into_by_exchange(runs):
+def test_load_state_dict_into_and_dcp_load_by_exchange(runs):
     _, results = runs
     assert all(r["state_dict_equal"] for r in results)
     assert all(r["state_dict_read"] > 0 for r in results)
+    assert all(r["dcp_equal"] for r in results)  # dcp.load through StoreReader(group=)
+    store = ss.open_store(runs[0], create=False)
+    stats = [r["dcp"] for r in results]
+    blocks = _blocks(store, results[0]["dcp_commit"])  # each read once in the group, pieces sent to the others
+    assert sum(s["bytes_read"] for s in stats) == sum(blocks.values())
+    assert sum(s["blocks_read"] for s in stats) == len(blocks)
+    assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats) > 0
 
 
 def test_a_failure_on_any_rank_fails_every_rank_by_type_naming_it(runs):
