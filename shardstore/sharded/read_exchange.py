@@ -258,7 +258,8 @@ def read_group(
     (collective: every rank of the group calls it with its own items); return the bytes this
     rank read from the store. ``items``: (payload, dtype, global shape, [(view, global origin)
     of each part], label). ``failure``: this rank could not plan its restore; it still takes
-    part in the description exchange and raises it, and every other rank raises it too."""
+    part in the description exchange and raises it, and every other rank raises it too.
+    ``group``'s backend must carry CPU tensors (Gloo), as the save's block exchange's does."""
     global _LAST
     stats = _LAST = GroupReadStats()
     t0 = time.perf_counter()
@@ -381,7 +382,7 @@ class _GroupRead:
         _agree(error, self.group, stats)
         t1 = time.perf_counter()
         g = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
-        works, strips = [], []
+        works, strips, keep = [], [], []  # keep: pieces copied out, alive until sent
         tag = 0  # the same count on every rank: every rank walks the same plan in order
         for k, p in enumerate(batch):
             for r, region, c in p.pieces:
@@ -392,6 +393,7 @@ class _GroupRead:
                     out = bufs[k][box_slices(c, p.box[0])]
                     if not out.is_contiguous():
                         out = out.contiguous()
+                        keep.append(out)
                     works.append(dist.isend(out, dst=g(r), group=self.group, tag=tag))
                     stats.bytes_sent += out.numel() * out.element_size()
                     stats.pieces_sent += 1

@@ -7,7 +7,11 @@ Then, each time against a fresh FSDP2 model and optimizer, its object reads coun
 
 - on 4 ranks and on 2 (ranks 0-1, a group of their own): the restore on its own, then by
   exchange (``restore(..., group=)``), whose local tensors must be bitwise those of the first;
-- ``load_state_dict_into(..., group=)`` of a state dict saved from the FSDP2 model's;
+- a group of one process: the restore on its own, unchanged;
+- ``load_state_dict_into(..., group=)`` of a state dict saved from the FSDP2 model's, and
+  ``dcp.load`` through ``StoreReader(group=)`` of the state saved whole by rank 0;
+- a 4096 x 1024 tensor saved whole (4 bands of rows) restored into ``Shard(1)``: one band read
+  by each rank, column strips sent;
 - a rank whose plan fails (a model of another shape): every rank raises its TensorMismatch;
 - one block removed: ObjectNotFound naming it on every rank, no destination touched on any;
 - one block overwritten with other bytes of its size: CorruptObject naming it on every rank.
@@ -170,6 +174,18 @@ def _body(rank: int, world: int, root: str) -> dict:
     )
     result["dcp"] = vars(last_group_read()).copy()
     result["dcp_commit"] = reader.commit
+    # columns out of row bands: 4096 x 1024 float32 saved whole (tiles: 4 bands of 1024 rows), restored
+    # into Shard(1) on 4 ranks; every piece is a column strip of its block (copied out to be sent)
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(3))
+    if rank == 0:
+        ss.save(store, {"cols": full}, step=0, job="read-exchange", rng=False, ref="cols", parent=None)
+    dist.barrier()
+    cols = {"cols": distribute_tensor(torch.zeros(4096, 1024), mesh, (Shard(1),), src_data_rank=None)}
+    ss.restore(store, "cols", cols, group=dist.group.WORLD)
+    result["cols_equal"] = torch.equal(cols["cols"].to_local(), full[:, rank * 256 : (rank + 1) * 256])
+    result["cols"] = vars(last_group_read()).copy()
     result["failures"] = _failures(rank, root, store, cid, mesh, dist.group.WORLD)
     return result
 
@@ -205,6 +221,15 @@ def test_exchange_is_bitwise_the_restore_alone_and_reads_each_block_once(runs, w
     assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats) > 0
     per = [r["exchange_bytes_read"] for r in ranks]
     assert max(per) - min(per) <= max(sizes[k] for k in needed)
+
+
+def test_column_strips_out_of_row_bands(runs):
+    _, results = runs
+    assert all(r["cols_equal"] for r in results)
+    stats = [r["cols"] for r in results]
+    assert [s["blocks_read"] for s in stats] == [1, 1, 1, 1]  # 4 bands, one each (every rank needs all 4)
+    assert [s["bytes_read"] for s in stats] == [4 << 20] * 4
+    assert [s["pieces_sent"] for s in stats] == [3] * 4 and [s["pieces_received"] for s in stats] == [3] * 4
 
 
 def test_a_group_of_one_is_the_restore_on_its_own(runs):
