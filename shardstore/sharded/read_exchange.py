@@ -16,7 +16,8 @@ sends its pieces to the ranks that need them, the mirror of the save's block exc
    (key order, then grid order), each read by the rank, of those whose boxes overlap it, with
    the fewest bytes assigned so far (ties: the lowest rank), so each needed block is read by
    exactly one rank that needs it and the reads are balanced by bytes; every other overlap is
-   a **piece** the reader sends;
+   a **piece** the reader sends (a rank keeps only the pieces it sends or receives: its plan
+   costs a step per block plus those, not the group's every piece);
 3. **check**: each rank checks the size of every block it reads (one query each; a ``HEAD`` on
    S3); a failure flag is all-reduced, so a missing or wrong-sized object is refused on every
    rank before any byte lands on any rank;
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -176,10 +178,15 @@ class PlannedRead:
     pieces: tuple[tuple[int, Box, Box], ...]  # (rank, that rank's box, common box), the reader's own included
 
 
-def plan_group_read(peers: Sequence[Sequence[Needed]]) -> list[PlannedRead]:
+def plan_group_read(peers: Sequence[Sequence[Needed]], rank: int | None = None) -> list[PlannedRead]:
     """Step 2: every block some rank needs, its reader and its pieces, from every rank's
     descriptions (``peers[r]``: rank r's); the same on every rank. Empty blocks are left out
-    (each rank reads those itself: nothing to share)."""
+    (each rank reads those itself: nothing to share).
+
+    ``rank``: the pieces only as that rank uses them — all of a block it reads, its own of a
+    block another rank reads, none of the rest — so that a rank's plan costs about one step per
+    block plus the pieces it takes part in, not the group's every piece (at thousands of ranks
+    a rank's rows meet hundreds of others' in every tile). Readers are the same either way."""
     union: dict[str, tuple[int, str, tuple[int, ...], dict[Box, list[int]]]] = {}
     for r, items in enumerate(peers):
         for it in items:
@@ -191,26 +198,48 @@ def plan_group_read(peers: Sequence[Sequence[Needed]]) -> list[PlannedRead]:
                 )
             for start, extent in it.boxes:
                 held.setdefault((tuple(start), tuple(extent)), []).append(r)
-    loads = [0] * len(peers)
+    loads = np.zeros(len(peers), dtype=np.int64)
     out: list[PlannedRead] = []
     for key in sorted(union):
         kind, dtype, shape, held = union[key]
         regions = sorted(held.items())
         near = slices_near(regions, len(shape))
+        lo = np.array([reg[0] for reg, _ in regions], dtype=np.int64).reshape(len(regions), len(shape))
+        hi = lo + np.array([reg[1] for reg, _ in regions], dtype=np.int64).reshape(len(regions), len(shape))
+        single = (
+            np.array([rs[0] for _, rs in regions], dtype=np.int64) if all(len(rs) == 1 for _, rs in regions) else None
+        )
+        mine = (
+            None if rank is None else np.array([ri for ri, (_, rs) in enumerate(regions) if rank in rs], dtype=np.int64)
+        )
         for bi, box in enumerate(_boxes(kind, dtype, shape)):
             if not math.prod(box[1]):
                 continue
-            pieces = []
-            for ri in near(box):
-                region, ranks = regions[ri]
-                common = intersect(box, region)
-                if common is not None:
-                    pieces += [(r, region, common) for r in ranks]
-            if not pieces:
+            cand = np.array(near(box), dtype=np.int64)
+            if not cand.size:
                 continue
+            b_lo = np.array(box[0], dtype=np.int64)
+            b_hi = b_lo + np.array(box[1], dtype=np.int64)
+            hit = cand[np.all((lo[cand] < b_hi) & (hi[cand] > b_lo), axis=1)]  # the regions sharing an element
+            if not hit.size:
+                continue
+            if single is not None:
+                needers = np.unique(single[hit])
+            else:  # replicas: a region held by several ranks
+                needers = np.array(sorted({r for i in hit.tolist() for r in regions[i][1]}), dtype=np.int64)
+            reader = int(needers[int(np.argmin(loads[needers]))])  # the fewest bytes so far; ties: the lowest rank
             n = expected_nbytes(dtype, box[1])
-            reader = min({r for r, _, _ in pieces}, key=lambda r: (loads[r], r))
             loads[reader] += n
+            if rank is None or rank == reader:
+                use = sorted(hit.tolist())
+            else:  # this rank's own regions among them (sorted), if any
+                use = np.intersect1d(hit, mine).tolist() if mine is not None and mine.size else []
+            pieces = []
+            for ri in use:
+                region, rs = regions[ri]
+                common = intersect(box, region)
+                assert common is not None  # hit: it shares an element with the block
+                pieces += [(r, region, common) for r in rs if rank is None or rank == reader or r == rank]
             out.append(PlannedRead(key, bi, box, n, dtype, reader, tuple(pieces)))
     return out
 
@@ -300,7 +329,7 @@ def read_group(
     error: BaseException | None = None
     plan: list[PlannedRead] = []
     try:  # the same on every rank, and so are its errors
-        plan = plan_group_read([_NEEDED.decode(g[1:]) for g in gathered])
+        plan = plan_group_read([_NEEDED.decode(g[1:]) for g in gathered], rank)
     except Exception as e:  # noqa: BLE001
         error = e
     stats.plan_s = time.perf_counter() - t0
@@ -383,13 +412,16 @@ class _GroupRead:
         t1 = time.perf_counter()
         g = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
         works, strips, keep = [], [], []  # keep: pieces copied out, alive until sent
-        tag = 0  # the same count on every rank: every rank walks the same plan in order
+        # tags: a count per pair of ranks, in plan order (block, then region): the reader numbers the
+        # pieces it sends to each rank, the receiver those it takes from each reader, alike
+        sent: dict[int, int] = {}
+        taken: dict[int, int] = {}
         for k, p in enumerate(batch):
             for r, region, c in p.pieces:
-                tag += 1
-                if r == p.reader or rank not in (r, p.reader):
+                if r == p.reader:
                     continue
                 if rank == p.reader:
+                    tag = sent[r] = sent.get(r, 0) + 1
                     out = bufs[k][box_slices(c, p.box[0])]
                     if not out.is_contiguous():
                         out = out.contiguous()
@@ -398,6 +430,9 @@ class _GroupRead:
                     stats.bytes_sent += out.numel() * out.element_size()
                     stats.pieces_sent += 1
                     continue
+                if r != rank:  # (a plan made for this rank holds no other rank's pieces of another's block)
+                    continue
+                tag = taken[p.reader] = taken.get(p.reader, 0) + 1
                 dests = [v[box_slices(c, o)] for v, o in self.locals_[p.key].dests[region]]
                 if len(dests) == 1 and dests[0].is_contiguous():
                     works.append(dist.irecv(dests[0], src=g(p.reader), group=self.group, tag=tag))

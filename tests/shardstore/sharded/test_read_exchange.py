@@ -174,6 +174,11 @@ def _body(rank: int, world: int, root: str) -> dict:
     )
     result["dcp"] = vars(last_group_read()).copy()
     result["dcp_commit"] = reader.commit
+    # a plain model on every rank: each block's one region held by all 4 (replicas), read once in the group
+    plain = Net()
+    ss.restore(store, cid, plain, _opt(plain), group=dist.group.WORLD)
+    result["plain_equal"] = all(torch.equal(p, q.full_tensor()) for p, q in zip(plain.parameters(), m.parameters()))
+    result["plain"] = vars(last_group_read()).copy()
     # columns out of row bands: 4096 x 1024 float32 saved whole (tiles: 4 bands of 1024 rows), restored
     # into Shard(1) on 4 ranks; every piece is a column strip of its block (copied out to be sent)
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -223,6 +228,16 @@ def test_exchange_is_bitwise_the_restore_alone_and_reads_each_block_once(runs, w
     assert max(per) - min(per) <= max(sizes[k] for k in needed)
 
 
+def test_replicas_each_block_read_once_for_all_of_them(runs):
+    root, results = runs
+    assert all(r["plain_equal"] for r in results)
+    store = ss.open_store(root, create=False)
+    blocks = _blocks(store, store.ref("main"))
+    stats = [r["plain"] for r in results]
+    assert sum(s["bytes_read"] for s in stats) == sum(blocks.values())
+    assert sum(s["bytes_received"] for s in stats) == 3 * sum(blocks.values())  # each block to the other 3
+
+
 def test_column_strips_out_of_row_bands(runs):
     _, results = runs
     assert all(r["cols_equal"] for r in results)
@@ -251,10 +266,12 @@ def _needed(rank_rows: list[tuple[int, int]], shape: tuple[int, int]) -> list[li
     [
         ((96, 262144), [(0, 30), (30, 31), (31, 64), (64, 64), (64, 96)]),  # 32 tiles of 96 x 8192: all rows each
         ((4096, 1024), [(0, 1000), (1000, 1030), (1030, 2500), (2500, 2500), (2500, 4096)]),  # 4 bands of 1024 rows
+        ((4096, 1024), [(0, 2048), (0, 2048), (2048, 4096), (1000, 3000), (4000, 4000)]),  # replicas and overlaps
     ],
 )
 def test_the_assignment_reads_each_block_once_by_a_rank_needing_it(shape, rows):
-    """SPEC.md §16.2's rule, no processes: rows split unevenly over 5 ranks, one of which needs nothing."""
+    """SPEC.md §16.2's rule, no processes: rows split unevenly over 5 ranks, one needing nothing; or
+    held by replicas and overlapping; and each rank's own plan (``rank=``) agrees with the whole one."""
     peers = _needed(rows, shape)
     plan = plan_group_read(peers)
     assert [p.index for p in plan] == list(range(len(grid("float32", shape))))  # every block, in grid order, once
@@ -269,10 +286,15 @@ def test_the_assignment_reads_each_block_once_by_a_rank_needing_it(shape, rows):
             a, b = rows[r]
             assert region == ((a, 0), (b - a, shape[1]))
             assert common == ((max(a, lo), p.box[0][1]), (min(b, hi) - max(a, lo), p.box[1][1]))
-    assert loads[3] == 0
+    assert all(load == 0 for load, (a, b) in zip(loads, rows) if a == b)
     if len(plan) > 4:  # every rank but 3 needs every block: balanced to within one block
         assert max(loads) - min(x for x in loads if x) <= max(p.n for p in plan)
     assert plan_group_read(peers) == plan  # deterministic
+    for r in range(len(rows)):  # a rank's own plan: the same readers; all pieces of its blocks, its own of others'
+        own = plan_group_read(peers, r)
+        assert [(p.index, p.reader, p.n) for p in own] == [(p.index, p.reader, p.n) for p in plan]
+        for mine, whole in zip(own, plan):
+            assert mine.pieces == (whole.pieces if whole.reader == r else tuple(x for x in whole.pieces if x[0] == r))
 
 
 def test_load_state_dict_into_and_dcp_load_by_exchange(runs):
