@@ -12,6 +12,13 @@ read (counted at the storage layer), its wall time between two barriers and its 
 time (all threads). The table: per method, the slowest rank's wall time (median over reps),
 the ranks' CPU time summed (median), and the bytes read per rank (min-max, MiB). The page cache
 is warm (the store was just written; nothing is dropped): this measures CPU and copies, not disk.
+
+    python benchmarks/bench_restore_exchange.py --plan 8B --ranks 32,256,2048
+
+``--plan``: no processes; one rank's planning alone, for a ``bench_scale_sim`` model restored into
+each N dp-only (float32 parameters and both moments, torch.chunk's rows): every rank's
+description built, encoded and decoded as the all-gather delivers it, then ``plan_group_read``
+for rank 0 (process CPU time of each).
 """
 
 from __future__ import annotations
@@ -75,6 +82,43 @@ def _worker(rank: int, port: int, world: int, root: str, out: str, args: dict) -
             json.dump(records, f)
 
 
+def plan_times(key: str, ns: list[int]) -> None:
+    """``--plan``: decode and plan CPU time of rank 0 for model ``key`` into each of ``ns`` ranks."""
+    import zlib
+
+    import bench_scale_sim as sim
+    import msgspec
+
+    from shardstore.sharded.read_exchange import TILES, Needed, plan_group_read
+
+    model = sim.MODELS[key]
+    print(f"{model.name}: one rank's restore-by-exchange plan (CPU seconds), load {os.getloadavg()[0]:.2f}")
+    print("| ranks | descriptions, each rank (KiB) | decode all | plan, rank 0 | blocks | rank 0's pieces |")
+    print("|---|---|---|---|---|---|")
+    for n in ns:
+        peers: list[list[Needed]] = [[] for _ in range(n)]
+        for name, shape, _ in model.tensors(model.layers):
+            for role in sim.ROLES:
+                k = format(zlib.crc32(f"{name}\0{role}".encode()), "064x")  # stands for the payload's digest
+                c = -(-shape[0] // n)
+                for r in range(n):
+                    if r * c >= shape[0]:
+                        break
+                    box = ((r * c,) + (0,) * (len(shape) - 1), (min(c, shape[0] - r * c), *shape[1:]))
+                    peers[r].append(Needed(k, TILES, "float32", shape, (box,)))
+        raw = [msgspec.json.encode(sorted(p, key=lambda x: x.key)) for p in peers]
+        dec = msgspec.json.Decoder(list[Needed])
+        t0 = time.process_time()
+        got = [dec.decode(x) for x in raw]
+        t1 = time.process_time()
+        plan = plan_group_read(got, 0)
+        t2 = time.process_time()
+        print(
+            f"| {n:,} | {len(raw[0]) / 1024:.1f} | {t1 - t0:.2f} s | {t2 - t1:.2f} s | {len(plan):,} | "
+            f"{sum(len(p.pieces) for p in plan):,} |"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=4)
@@ -83,7 +127,12 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=16384)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the store goes (default: a temporary directory)")
+    p.add_argument("--plan", default=None, help="a bench_scale_sim model (8B, 70B, 405B): time one rank's plan only")
+    p.add_argument("--ranks", default="32,256,2048", help="with --plan: the ranks restored into, comma-separated")
     a = p.parse_args()
+    if a.plan:
+        plan_times(a.plan, [int(x) for x in a.ranks.split(",")])
+        return
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         root, out = os.path.join(tmp, "store"), os.path.join(tmp, "result")
         ss.open_store(root)
