@@ -1,6 +1,6 @@
 """Restore by exchange: each block read once per process group (SPEC.md §16.2).
 
-A restore on its own (``checkpoint.restore_plan``'s reads, ``grid.read_parts``) has every rank
+A restore on its own (``checkpoint.restore.read_plan``, ``grid.read_parts``) has every rank
 read every block its local slices overlap, whole, since a block is verified whole: a rank
 holding 2 rows of a 16,384-row tensor reads its whole 1,024-row tile band. When the ranks of a
 process group restore together, this module reads each needed block once in the group and
@@ -30,10 +30,10 @@ sends its pieces to the ranks that need them, the mirror of the save's block exc
    copies of non-contiguous pieces sent and the buffers of pieces received, each at most a batch.
 
 A failure on any rank (a missing or corrupt object, a wrong size, a storage error, a plan that
-did not fit) is raised on every rank with its type and message (another rank's error naming that rank), never
-a wait for the group's timeout. As for a restore on its own (SPEC.md
-§16): a corrupt object is found while reading, so destinations may then hold restored or
-unverified bytes; a failed restore must be repeated, never trained from.
+did not fit) is raised on every rank with its type and message (another rank's error naming
+that rank), never a wait for the group's timeout. As for a restore on its own (SPEC.md §16): a
+corrupt object is found while reading, so destinations may then hold restored or unverified
+bytes; a failed restore must be repeated, never trained from.
 """
 
 from __future__ import annotations
