@@ -81,6 +81,7 @@ import random
 import subprocess
 import sys
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -553,7 +554,7 @@ class Figures:
 
 
 def gathered(n: int, sizes: list[int]) -> int:
-    """What one rank receives from ``dtensor._all_gather_bytes`` of these ``n`` messages: each
+    """What one rank receives from ``dtensor.all_gather_bytes`` of these ``n`` messages: each
     rank's size (an int64), then every message padded to the largest."""
     return 8 * n + n * max(max(sizes), 1)
 
@@ -1161,6 +1162,86 @@ def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def exchange_restore(model: Llama, n: int) -> dict[str, Any]:
+    """A computation, not a measurement: a restore by exchange (SPEC.md §16.2) of ``model``
+    (float32 parameters and both AdamW moments, every layer) into ``n`` ranks, dp only
+    (``Shard(0)``, torch.chunk's rows), by the SPEC's assignment rule: the blocks of each
+    payload (payloads in a fixed pseudo-random order standing for their keys' order, blocks in
+    grid order) read by the rank, of those whose rows cross the block, with the fewest bytes so
+    far (ties: the lowest rank). Returns, per rank (min, mean, max): blocks read (a GET each,
+    and a HEAD each for the size check), bytes read, pieces sent and received (point-to-point
+    messages); and the plan's size: blocks, pieces, one rank's description in bytes (JSON, as
+    all-gathered) and the bytes each rank receives in that all-gather."""
+    from shardstore.sharded.read_exchange import TILES, Needed
+
+    loads = np.zeros(n, dtype=np.int64)
+    reads = np.zeros(n, dtype=np.int64)
+    sends = np.zeros(n, dtype=np.int64)
+    crossed = np.zeros(n, dtype=np.int64)  # blocks each rank's rows cross (pieces it receives + blocks it reads)
+    payloads = [(name, shape, role) for name, shape, _ in model.tensors(model.layers) for role in ROLES]
+    payloads.sort(key=lambda x: zlib.crc32(f"{x[0]}\0{x[2]}".encode()))
+    blocks = pieces = 0
+    desc0: list[Needed] = []
+    for name, shape, role in payloads:
+        rows = shape[0]
+        c = -(-rows // n)  # torch.chunk's piece
+        holders = -(-rows // c)  # ranks holding at least one row
+        if rows > 0:
+            desc0.append(Needed("0" * 64, TILES, "float32", shape, (((0,) * len(shape), (min(c, rows), *shape[1:])),)))
+        for start, extent in grid("float32", shape):
+            lo, hi = start[0] // c, min((start[0] + extent[0] - 1) // c, holders - 1)
+            r = lo + int(np.argmin(loads[lo : hi + 1]))
+            nbytes = 4 * math.prod(extent)
+            loads[r] += nbytes
+            reads[r] += 1
+            sends[r] += hi - lo
+            crossed[lo : hi + 1] += 1
+            blocks += 1
+            pieces += hi - lo + 1
+    received = crossed - reads
+    one = len(msgspec.json.encode(desc0)) + 1
+
+    def spread(a: np.ndarray) -> tuple[float, float, float]:
+        return float(a.min()), float(a.mean()), float(a.max())
+
+    return {
+        "blocks": blocks,
+        "pieces": pieces,
+        "reads": spread(reads),
+        "bytes": spread(loads),
+        "sends": spread(sends),
+        "received": spread(received),
+        "description_bytes": one,
+        "gathered_bytes": one * n,
+    }
+
+
+def exchange_table(keys: list[str], ns: list[int]) -> list[str]:
+    """``exchange_restore`` for each model and N (restoring into N/2), as a table."""
+    lines = [
+        "**Computed: a restore by exchange into N/2 ranks, dp only** (SPEC.md §16.2's assignment, run here over "
+        "every block of every layer; no request sent, no byte read)",
+        "",
+        "| model | N → N/2 | tensor blocks (each: 1 GET + 1 HEAD, once per group) | blocks read per rank "
+        "(min / mean / max) | tensor bytes read per rank, max | pieces sent per rank, max | pieces received per "
+        "rank, max | pieces, all ranks | one rank's description / all-gathered per rank |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key in keys:
+        model = MODELS[key]
+        for n in ns:
+            t = time.time()
+            e = exchange_restore(model, n // 2)
+            print(f"{model.name} exchange model at {n // 2} ranks: {time.time() - t:.1f} s", file=sys.stderr)
+            lo, mean_, hi = e["reads"]
+            lines.append(
+                f"| {model.name} | {n:,} → {n // 2:,} | {e['blocks']:,} | {lo:,.0f} / {mean_:,.1f} / {hi:,.0f} | "
+                f"{human(e['bytes'][2])} | {e['sends'][2]:,.0f} | {e['received'][2]:,.0f} | {e['pieces']:,} | "
+                f"{human(e['description_bytes'])} / {human(e['gathered_bytes'])} |"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8B only, at 64 and 512 ranks, one layer set (<= 30 s)")
@@ -1168,7 +1249,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-layers", type=int, default=8, help="most decoder layers in one simulation")
     ap.add_argument("--models", default="8B,70B,405B")
     ap.add_argument("--results", default=None, help="write the tables into this RESULTS.md")
+    ap.add_argument(
+        "--exchange-restore",
+        action="store_true",
+        help="only compute a restore by exchange of --models into N/2 ranks (SPEC.md §16.2) and print its table",
+    )
+    ap.add_argument("--ranks", default=None, help="with --exchange-restore: the N, comma-separated")
     args = ap.parse_args(argv)
+    if args.exchange_restore:
+        ranks = [int(x) for x in args.ranks.split(",")] if args.ranks else list(RANKS)
+        print("\n".join(exchange_table(args.models.split(","), ranks)))
+        return 0
     started, loads0 = time.time(), load()
     ns = [64, 512] if args.quick else list(RANKS)
     keys = ["8B"] if args.quick else args.models.split(",")

@@ -219,6 +219,30 @@ def test_scale_sim_quick(tmp_path) -> None:
     assert "| Llama-3 8B | shardstore |" in text and "| Llama-3 8B | dcp |" in text  # the exponents' rows
 
 
+def test_scale_sim_exchange_restore_model() -> None:
+    """bench_scale_sim.py --exchange-restore: SPEC.md §16.2's assignment computed over Llama-3 8B's
+    blocks into 32 dp ranks; every block once, and the reads spread to within a few blocks."""
+    done = _run(["benchmarks/bench_scale_sim.py", "--exchange-restore", "--models", "8B", "--ranks", "64"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| Llama-3 8B | 64 → 32 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    lo, mean, hi = (float(x.replace(",", "")) for x in cells[3].split(" / "))
+    assert int(cells[2].replace(",", "")) > 0 and abs(mean * 32 - int(cells[2].replace(",", ""))) < 1
+    assert hi - lo <= 32
+
+
+@pytest.mark.long  # spawns 2 Gloo processes
+def test_restore_exchange_benchmark_smoke() -> None:
+    """bench_restore_exchange.py at tiny sizes: it checks every restored tensor bitwise (a mismatch
+    exits non-zero) and prints both methods' rows; by exchange each rank reads its share."""
+    done = _run(["benchmarks/bench_restore_exchange.py", "--world", "2", "--tensors", "1", "--rows", "8",
+                 "--cols", "262144", "--reps", "1"])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    read = {k: rows[k].split("|")[4].strip() for k in ("alone", "exchange")}
+    assert read == {"alone": "8.0–8.0", "exchange": "4.0–4.0"}, read  # 2 tiles of 4 MiB, each spanning both ranks' rows
+
+
 @pytest.mark.long
 def test_s3_request_budget_quick(tmp_path) -> None:
     """bench_s3_requests.py --quick: a save, a second save, a restore and DCP's save and load on 2

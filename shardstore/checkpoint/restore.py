@@ -17,7 +17,9 @@ A restore is three phases over one plan type (``state.plan``: a ``RestorePlan`` 
    before anything of the caller's is written.
 2. **read** (``read_plan``): every object's size is checked before the first byte lands, then
    each destination is filled from the blocks it overlaps (a DTensor: its local slices), every
-   block verified as it lands.
+   block verified as it lands. With ``group=`` (the ranks of a process group restoring
+   together) each block is read once in the group and its pieces sent to the ranks that need
+   them (``sharded.read_exchange``, SPEC.md §16.2).
 3. **install**: the plan's installs, in order: the optimizer state, the RNG, the extras.
 """
 
@@ -36,6 +38,7 @@ from ..format.manifest import MAX_MANIFEST_BYTES, decode_config
 from ..format.rng import MAX_RNG_BYTES, check_rng, restore_rng
 from ..format.tensors import dtype_name
 from ..sharded.placement import part_views
+from ..sharded.read_exchange import grouped, read_group
 from ..state.extras import plan_extras_restore
 from ..state.module import named_state, unwrap_module
 from ..state.optim import plan_adam_restore
@@ -62,7 +65,8 @@ class Restored:
     extras: list[str] = field(default_factory=list)  # commit-wide extras loaded
     slot_extras: list[str] = field(default_factory=list)  # the slot's own extras loaded
     bytes_read: int = 0
-    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5.1)."""
+    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5.1);
+    with ``group=``, the blocks this rank read for the group (§16.2)."""
     skipped: list[str] = field(default_factory=list)  # strict=False: commit tensors the model does not hold
     missing: list[str] = field(
         default_factory=list
@@ -82,6 +86,7 @@ def restore(
     threads: int = 8,
     extra: Mapping[str, Any] | None = None,
     slot_extra: Mapping[str, Any] | None = None,
+    group: Any = None,
 ) -> Restored:
     """Restore commit ``target`` into an already-built model (and optimizer), in place, by name.
 
@@ -105,27 +110,49 @@ def restore(
     before any byte is written. Only a hash can tell an object of the right size is corrupt: if
     one raises, tensors read before it hold restored values and it may hold unverified bytes,
     so a failed restore must be repeated or abandoned, never trained from.
+
+    ``group``: a process group whose ranks restore together, each calling this with its own
+    model (collective): each block any of them needs is read and verified once in the group,
+    by one rank that needs it, and its pieces sent to the others (SPEC.md §16.2), so a rank
+    reads about its share instead of every block its slices overlap. A rank whose plan fails
+    still takes part, and every rank raises (its type and message); a missing or wrong-sized
+    object is refused on every rank before a byte lands on any; a corrupt one fails every rank
+    part way, like a restore on its own (repeat it). ``Restored.bytes_read`` is then this
+    rank's share of the reads. None, or a group of one process: the restore on its own, above.
     """
     # 1. plan: everything this restore needs besides tensor bytes is read and checked first, so
     # that a bad config, RNG object or optimizer is refused before a byte lands in the caller's
     # tensors (SPEC.md §16, §19.2)
-    lc = load_commit(store, target)
-    model = unwrap_module(model)  # a data-parallel wrapper: the module it wraps (``state.module``)
-    matched = _match_tensors(lc, model, slot, strict)
-    names = sorted(matched.targets)
-    config = None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
-    rng_states = _rng_states(store, lc, rng, slot)
-    plan = RestorePlan.of(
-        [
-            _tensor_plan(lc, matched.targets, names),
-            *([] if optimizer is None else _optimizer_plans(store, lc, optimizer, matched.targets, names, group_names)),
-            plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}"),
-            _slot_extras_plan(store, lc, slot, slot_extra),
-            # last: an extra's load may draw random numbers (a restored loader makes its iterator, ``stateful``)
-            RestorePlan(installs=(partial(restore_rng, rng_states),) if rng_states else ()),
-        ]
-    )
-    nread = read_plan(store, plan, threads)  # 2. read: straight into the destinations, every byte hashed
+    failure: Exception | None = None
+    try:
+        lc = load_commit(store, target)
+        model = unwrap_module(model)  # a data-parallel wrapper: the module it wraps (``state.module``)
+        matched = _match_tensors(lc, model, slot, strict)
+        names = sorted(matched.targets)
+        config = (
+            None if lc.commit.config is None else decode_config(store.get(lc.commit.config, limit=MAX_MANIFEST_BYTES))
+        )
+        rng_states = _rng_states(store, lc, rng, slot)
+        plan = RestorePlan.of(
+            [
+                _tensor_plan(lc, matched.targets, names),
+                *(
+                    []
+                    if optimizer is None
+                    else _optimizer_plans(store, lc, optimizer, matched.targets, names, group_names)
+                ),
+                plan_extras_restore(store, lc.commit.extras, extra, f"commit {lc.id}"),
+                _slot_extras_plan(store, lc, slot, slot_extra),
+                # last: an extra's load may draw random numbers (a restored loader makes its iterator, ``stateful``)
+                RestorePlan(installs=(partial(restore_rng, rng_states),) if rng_states else ()),
+            ]
+        )
+    except Exception as e:  # noqa: BLE001 - in a group: still take part, so every rank raises, none waits
+        if not grouped(group):
+            raise
+        failure, plan = e, RestorePlan()
+    # 2. read: straight into the destinations, every byte hashed
+    nread = read_plan(store, plan, threads, group=group, failure=failure)
     plan.install()  # 3. install
     return Restored(
         lc.id,
@@ -142,13 +169,40 @@ def restore(
     )
 
 
-def read_plan(store: Store, plan: RestorePlan, threads: int, *, sizes_checked: bool = False) -> int:
+def read_plan(
+    store: Store,
+    plan: RestorePlan,
+    threads: int,
+    *,
+    sizes_checked: bool = False,
+    group: Any = None,
+    failure: BaseException | None = None,
+) -> int:
     """Fill each read item's destination (its local slice, for a DTensor) from the blocks its
     payload has there (a single object: all of it); return the bytes read. Every block's size
     is checked before the first is read (a wrong-sized one is refused with nothing written),
     and every block is verified as it lands. ``sizes_checked``: the caller has already checked
     the size of every object the plan reads (``check_stored_all``, before allocating fresh
-    destinations for them), so it is not asked again: one size query per object (a HEAD on S3)."""
+    destinations for them), so it is not asked again: one size query per object (a HEAD on S3).
+
+    ``group`` (of more than one process): collective, a restore by exchange (SPEC.md §16.2,
+    ``sharded.read_exchange``): each block read once in the group, its pieces sent to the ranks
+    needing them; the bytes returned are those this rank read. ``failure``: this rank could not
+    plan (its plan is then ignored); it still takes part, and every rank raises it."""
+    if grouped(group):
+        items = []
+        try:
+            if failure is not None:
+                raise failure
+            for item in plan.reads:
+                dtype = dtype_name(item.dest.dtype, item.what)
+                views = part_views(item.dest, item.what)
+                items.append((item.payload, dtype, tuple(item.dest.shape), views, item.what))
+        except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises
+            failure = e
+        return read_group(store, items, threads, group, failure=failure)
+    if failure is not None:
+        raise failure
     jobs = []
     for item in plan.reads:  # a DTensor's local tensor may be several boxes (SPEC.md §Slices on the grid)
         shape = tuple(item.dest.shape)

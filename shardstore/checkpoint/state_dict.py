@@ -28,6 +28,7 @@ from ..errors import StateMismatch, TensorMismatch
 from ..format.grid import check_stored_all, read_parts, staging
 from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, TensorEntry
 from ..format.tensors import dtype_name, is_dtensor, torch_dtype
+from ..sharded.read_exchange import grouped
 from ..state.documents import TensorRef, encode_tree, fill_tree, read_tree, tensor_refs
 from ..state.extras import CapturedExtra
 from ..state.module import tensor_profile
@@ -201,7 +202,7 @@ def read_state_dict(
 
 
 def load_state_dict_into(
-    store: Store, state_dict: MutableMapping[Any, Any], target: str = "main", *, threads: int = 8
+    store: Store, state_dict: MutableMapping[Any, Any], target: str = "main", *, threads: int = 8, group: Any = None
 ) -> str:
     """Load commit ``target`` into ``state_dict`` in place, as DCP's ``load`` does; return the commit id.
 
@@ -213,14 +214,26 @@ def load_state_dict_into(
     Everything is checked before the first byte is written (``StateMismatch`` /
     ``TensorMismatch``, naming the key path), the destinations as for ``read_state_dict``'s
     ``into``; a corrupt object found part way leaves what ``read_state_dict`` says it leaves.
+    ``group``: a process group whose ranks load together, each its own dict (collective, as
+    ``restore``'s ``group``): each block read once in the group (SPEC.md §16.2).
     """
-    lc = load_commit(store, target)
-    value = _tree(store, lc)
-    entries = lc.entries()
-    dests: dict[str, torch.Tensor] = {}
+    failure: Exception | None = None
+    plan = RestorePlan()
     sets: list[tuple[Any, Any, Any]] = []
-    _match(state_dict, value, "$", entries, dests, sets, None)
-    read_plan(store, _reads(entries, dests), threads)
+    lc = None
+    try:
+        lc = load_commit(store, target)
+        value = _tree(store, lc)
+        entries = lc.entries()
+        dests: dict[str, torch.Tensor] = {}
+        _match(state_dict, value, "$", entries, dests, sets, None)
+        plan = _reads(entries, dests)
+    except Exception as e:  # noqa: BLE001 - in a group: still take part, so every rank raises, none waits
+        if not grouped(group):
+            raise
+        failure = e
+    read_plan(store, plan, threads, group=group, failure=failure)
+    assert lc is not None  # read_plan raised the failure otherwise
     for container, key, v in sets:
         container[key] = v
     return lc.id

@@ -14,7 +14,9 @@ process). DCP calls, and what each does here (SPEC.md §9.4, §16):
    against its chunk and the sizes of the objects it needs; then reads only the blocks of each
    chunk its read items overlap (§5.1), each verified against its id as it lands, and hands
    bytes items to the planner as they are (DCP's planner ``torch.load``s them, in the caller's
-   process: shardstore never unpickles anything).
+   process: shardstore never unpickles anything). With ``group=`` (the process group
+   ``dcp.load`` runs over, every rank of which calls ``read_data``), each block is read once
+   in the group and its pieces sent to the ranks whose reads overlap it (§16.2).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..format.grid import BlockRead, check_reads, read_parts, run_reads
 from ..format.manifest import MAX_MANIFEST_BYTES, StateTensor, TensorEntry
 from ..format.names import check_oid_prefix, check_ref_name
 from ..format.tensors import torch_dtype
+from ..sharded.read_exchange import grouped, read_group
 from ..store import Store
 from ..verification.commits import load_commit
 from .handle import StoreHandle
@@ -52,7 +55,9 @@ class StoreReader(StorageReader):
     ``Store``. ``target``: a ref, a commit id or an id prefix, resolved once per load by each rank
     (the ranks must agree); a ``checkpoint_id`` passed to ``dcp.load`` replaces it from then on.
     ``thread_count``: objects read at once, each hashed as it lands. ``commit`` names the commit
-    the last ``read_metadata`` resolved.
+    the last ``read_metadata`` resolved. ``group``: the process group ``dcp.load`` runs over, to
+    read each block once in the group and exchange the pieces (SPEC.md §16.2; a collective: every
+    rank of it loads); None (the default), or a group of one, reads each rank's blocks itself.
     """
 
     def __init__(
@@ -62,8 +67,10 @@ class StoreReader(StorageReader):
         *,
         thread_count: int = 4,
         storage_options: Mapping[str, Any] | None = None,
+        group: Any = None,
     ) -> None:
         super().__init__()
+        self.group = group
         self.handle = StoreHandle(store_or_url, storage_options)
         self.target = str(target)
         self.thread_count = max(1, int(thread_count))
@@ -136,28 +143,43 @@ class StoreReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         store = self.handle.open(create=False)
         tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
+        exchange = grouped(self.group)
         jobs: list[BlockRead] = []
+        items: list[Any] = []  # by exchange: (payload, dtype, shape, parts, label) of each read
         done: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
-        for r in tensors:
-            e = self._check(r)  # every read item against its chunk, before any byte lands
-            target = planner.resolve_tensor(r).detach()
-            if tuple(target.shape) != tuple(r.lengths):
-                raise TensorMismatch(
-                    f"DCP tensor {r.dest_index.fqn!r}: the planner's target has shape {list(target.shape)} "
-                    f"for a read of {list(r.lengths)}"
-                )
-            direct = target.dtype == torch_dtype(e.dtype) and target.device.type == "cpu"
-            dest = target if direct else torch.empty(tuple(r.lengths), dtype=torch_dtype(e.dtype))
-            # only the blocks this read overlaps, each read whole, once (SPEC.md §5.1)
-            jobs += read_parts(
-                store, e.param, e.dtype, e.shape, [(dest, tuple(r.storage_offsets))], f"DCP chunk {e.name!r}"
-            )
-            done.append((r, target, None if direct else dest))
-        check_reads(store, jobs, threads=self.thread_count)  # every object these reads need, of its size
-        blobs = [(r, self._read_bytes(store, r)) for r in plan.items if r.type == LoadItemType.BYTE_IO]  # verified
+        blobs: list[tuple[ReadItem, bytes]] = []
+        failure: Exception | None = None
+        try:
+            for r in tensors:
+                e = self._check(r)  # every read item against its chunk, before any byte lands
+                target = planner.resolve_tensor(r).detach()
+                if tuple(target.shape) != tuple(r.lengths):
+                    raise TensorMismatch(
+                        f"DCP tensor {r.dest_index.fqn!r}: the planner's target has shape {list(target.shape)} "
+                        f"for a read of {list(r.lengths)}"
+                    )
+                direct = target.dtype == torch_dtype(e.dtype) and target.device.type == "cpu"
+                dest = target if direct else torch.empty(tuple(r.lengths), dtype=torch_dtype(e.dtype))
+                # only the blocks this read overlaps, each read whole, once (SPEC.md §5.1)
+                parts = [(dest, tuple(int(o) for o in r.storage_offsets))]
+                if exchange:
+                    items.append((e.param, e.dtype, tuple(e.shape), parts, f"DCP chunk {e.name!r}"))
+                else:
+                    jobs += read_parts(store, e.param, e.dtype, e.shape, parts, f"DCP chunk {e.name!r}")
+                done.append((r, target, None if direct else dest))
+            if not exchange:
+                check_reads(store, jobs, threads=self.thread_count)  # every object these reads need, of its size
+            blobs = [(r, self._read_bytes(store, r)) for r in plan.items if r.type == LoadItemType.BYTE_IO]  # verified
+        except Exception as e:  # noqa: BLE001 - by exchange: still take part, so every rank raises, none waits
+            if not exchange:
+                raise
+            failure = e
+        if exchange:  # sizes checked on every rank before any byte lands, each block read once (SPEC.md §16.2)
+            read_group(store, items, self.thread_count, self.group, failure=failure)
         for r, data in blobs:
             planner.load_bytes(r, io.BytesIO(data))
-        run_reads(jobs, threads=self.thread_count)  # each block verified as it lands (SPEC.md §16)
+        if not exchange:
+            run_reads(jobs, threads=self.thread_count)  # each block verified as it lands (SPEC.md §16)
         for r, target, staged in done:
             if staged is not None:
                 target.copy_(staged)  # another dtype or device: torch converts, as FileSystemReader's copy_ does

@@ -71,6 +71,8 @@ __all__ = [
     "write_dtensors",
     "entry_slot",
     "same_split",
+    "slices_near",
+    "all_gather_bytes",
 ]
 
 
@@ -148,7 +150,7 @@ def plan_blocks(
         used[ri] += 1
         return ranks[(turn + used[ri] - 1) % len(ranks)]
 
-    near = _slices_near(regions, len(shape))
+    near = slices_near(regions, len(shape))
     out = []
     for bi, box in enumerate(grid(dtype, shape, block_bytes=block_bytes)):
         pieces = [(ri, c) for ri in near(box) if (c := intersect(box, regions[ri][0])) is not None]
@@ -169,7 +171,7 @@ def plan_blocks(
     return out
 
 
-def _slices_near(regions: list[tuple[Box, list[int]]], ndim: int) -> Callable[[Box], list[int]]:
+def slices_near(regions: list[tuple[Box, list[int]]], ndim: int) -> Callable[[Box], list[int]]:
     """A lookup of the slices that may share an element with a box, in increasing index: those
     whose extent on one dim (the one with the most distinct starts) can reach the box's, found
     by bisection of their sorted starts. So a plan costs about one lookup per block and per
@@ -191,7 +193,9 @@ def _slices_near(regions: list[tuple[Box, list[int]]], ndim: int) -> Callable[[B
     return near
 
 
-def _all_gather_bytes(raw: bytes, group: Any) -> list[bytes]:
+def all_gather_bytes(raw: bytes, group: Any) -> list[bytes]:
+    """Every rank's ``raw`` (any lengths), in group rank order: the sizes all-gathered, then the
+    bytes padded to the longest (uint8 tensors; nothing pickled)."""
     world = dist.get_world_size(group)
     n = torch.tensor([len(raw)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -335,7 +339,7 @@ def write_dtensors(
         raw = encode_description(desc)
     except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
         failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
-    gathered = _all_gather_bytes(raw, group)
+    gathered = all_gather_bytes(raw, group)
     failed = [(r, g[1:].decode(errors="replace")) for r, g in enumerate(gathered) if g[:1] != b"\x00"]
     if failure is not None:
         raise failure
@@ -409,7 +413,7 @@ def _replicas_agree(
             h = new_hasher()
             h.update(tensor_bytes(local[box_slices(box, origin)].contiguous()))
             mine[f"{key[0]}\0{key[1]}\0{box}"] = h.hexdigest()
-    got = [_FINGERPRINTS.decode(raw) for raw in _all_gather_bytes(msgspec.json.encode(mine), group)]
+    got = [_FINGERPRINTS.decode(raw) for raw in all_gather_bytes(msgspec.json.encode(mine), group)]
     for ((n, role), box), rs in sorted(shared.items()):
         label = f"{n}\0{role}\0{box}"
         if len({got[r].get(label) for r in rs}) != 1:
@@ -427,7 +431,7 @@ def _replicated_plain(state: SlotState, replicated: dict[str, list[int]], rank: 
     if not replicated:
         return set()
     mine = {n: _fingerprint(state, n) for n, rs in replicated.items() if rank in rs}
-    got = [_FINGERPRINTS.decode(raw) for raw in _all_gather_bytes(msgspec.json.encode(mine), group)]
+    got = [_FINGERPRINTS.decode(raw) for raw in all_gather_bytes(msgspec.json.encode(mine), group)]
     drop = set()
     for n, rs in sorted(replicated.items()):
         if len({got[r].get(n) for r in rs}) != 1:
