@@ -323,3 +323,40 @@ def test_the_model_config_object_is_written_once_per_commit_not_by_every_rank(tm
     for g in got:
         assert g["rng_named"] == g["rng_ids"]  # each slot's manifest names its own states' objects
     assert ss.verify(store).ok
+
+
+def _tier_body(rank: int, world: int, root: str, tiers: str) -> dict:
+    """Each rank saves through a store with its own memory tier above it (write-through, as
+    shardtrain's committer writes), torch's generator alike on every rank, then reads the commit's
+    manifests through it (as the committer's ``landed`` does before it holds the commit)."""
+    import random
+
+    import numpy as np
+
+    from shardstore.backends.memory_tier import MemoryTier
+    from shardstore.backends.tiers import TieredStorage
+    from shardstore.format.closure import commit_closure
+
+    own = MemoryTier(os.path.join(tiers, f"host{rank}"), rank)
+    store = ss.Store(TieredStorage(ss.open_store(root).storage, [own], fill=own), create=False)
+    torch.manual_seed(0)
+    random.seed(rank)
+    np.random.seed(rank)
+    mine = {f"w{rank}": torch.full((4,), float(rank))}
+    cid = ss.save_distributed(store, mine, info=ss.CommitInfo(step=1, config={"hidden_size": 8}))
+    closure = commit_closure(ss.load_commit(store, cid), slot=rank)
+    return {"missing": sorted(closure.labels.get(o, o) for o in closure.ids() if not own.has(o))}
+
+
+def test_each_ranks_memory_tier_holds_its_slot_closure_with_objects_another_rank_wrote(tmp_path):
+    """The model config and the RNG objects alike on every rank are written by the coordinator alone
+    (SPEC.md §15); a rank naming them without writing them still holds its own copy in its memory
+    tier (SPEC.md §19.3), as when it wrote them: a tier lacking them never holds the commit
+    (``MemoryTier.holds``), so its buddies never hold the slot's replica and a replacement host
+    reads its slot from the store (tests/shardtrain/run/test_tier_recovery.py)."""
+    from gloo_group import run_group
+
+    root = str(tmp_path / "store")
+    ss.open_store(root)
+    got = run_group(_tier_body, 2, tmp_path, root, str(tmp_path / "tiers"))
+    assert [g["missing"] for g in got] == [[], []], got
