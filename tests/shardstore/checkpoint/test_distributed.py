@@ -360,3 +360,35 @@ def test_each_ranks_memory_tier_holds_its_slot_closure_with_objects_another_rank
     ss.open_store(root)
     got = run_group(_tier_body, 2, tmp_path, root, str(tmp_path / "tiers"))
     assert [g["missing"] for g in got] == [[], []], got
+
+
+def _on_phase_body(rank: int, world: int, root: str) -> dict:
+    from shardstore.checkpoint.distributed import commit_state
+    from shardstore.state.slot import capture
+
+    store = ss.open_store(root)
+    mine = {f"w{rank}": torch.full((3,), float(rank))}
+
+    def on_phase(name: str) -> None:
+        if rank == 1 and name == "write shard":
+            raise RuntimeError("injected on rank 1")
+
+    try:
+        commit_state(store, lambda: capture(mine), info=ss.CommitInfo(step=1), on_phase=on_phase)
+        return {"error": None, "ref": store.ref("main")}
+    except ss.CommitProtocolError as e:
+        return {"error": str(e), "ref": store.ref("main")}
+
+
+def test_an_on_phase_hook_failing_as_the_shards_are_written_fails_every_rank_none_waits(tmp_path):
+    """``on_phase`` raising on one rank fails that phase on every rank (its docstring): in "write
+    shard" the rank still joins the phase's own collectives (the coordinator's RNG ids, the block
+    exchange) before the phase's all-gather; skipping them left the peers in a collective it never
+    joined (Gloo aborted the process, or the group timed out)."""
+    from gloo_group import run_group
+
+    root = str(tmp_path / "store")
+    ss.open_store(root)
+    got = run_group(_on_phase_body, 2, tmp_path, root, timeout_s=30)
+    assert all("phase 'write shard' failed on rank(s) [1]" in (g["error"] or "") for g in got), got
+    assert got[1]["error"].endswith("injected on rank 1") and all(g["ref"] is None for g in got)
