@@ -26,7 +26,11 @@ hashing otherwise (the results are the same):
   durability barrier;
 - ``ListedSizes.sizes(keys) -> {key: size}``: which of many keys are present, and their
   sizes, in fewer requests than a ``size`` each (S3: listings instead of a HEAD per key), and
-  ``refresh(key, size)``: ``touch`` of a key found so, without asking its size again.
+  ``refresh(key, size)``: ``touch`` of a key found so, without asking its size again;
+- ``CachesWrites.keep_named(key, data)``: a backend with a write-through cache above it (a
+  memory tier, ``TieredStorage``) keeps an object its writer names without writing (another
+  writer of the same commit wrote it, SPEC.md §15) as if it had written it; nothing is sent
+  to the store.
 
 Backends (each its own module of this package; ``location.open_storage`` picks one by URL):
 - ``LocalStorage`` (``backends.local``): a directory, crash-safe; restores read straight into tensors.
@@ -44,6 +48,7 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = [
     "BatchedWrites",
     "Buffer",
+    "CachesWrites",
     "HashedReads",
     "HashedReadsInto",
     "ListedSizes",
@@ -192,6 +197,19 @@ class ListedSizes(Protocol):
     def refresh(self, key: str, size: int) -> bool:
         """``touch`` of a key ``sizes`` just found present with ``size`` bytes, without asking its
         size again; False if it is gone."""
+        ...
+
+
+@runtime_checkable
+class CachesWrites(Protocol):
+    """A backend with a cache of what its writer writes (write-through: ``TieredStorage``'s memory
+    tier), which must also hold the objects the writer names without writing them: those another
+    writer of the same commit wrote and made durable (SPEC.md §15, §19.3: the model config, RNG
+    objects alike on every slot), so that the cache holds its slot's closure whole."""
+
+    def keep_named(self, key: str, data: Buffer) -> None:
+        """Keep ``data`` (the bytes of the object at ``key``, hashed to its name by the caller) in
+        the cache as if written; no request to the store; a cache that cannot take it is no error."""
         ...
 
 

@@ -439,6 +439,14 @@ class TieredStorage:
             self._keep(oid, data)  # the store hashed it to name it: write-through
         return wrote
 
+    def keep_named(self, key: str, data: Buffer) -> None:
+        """An object another writer of the commit wrote, named by this one without writing it
+        (``base.CachesWrites``): kept in the fill tier as ``write_once`` keeps a write
+        (write-through); nothing reaches the durable backend."""
+        oid = _object_id(key)
+        if oid is not None:
+            self._keep(oid, data)
+
     def begin_write(self, key: str, data: Buffer) -> str | None:
         """The durable backend's batched write when it has one (a plain ``write_once`` otherwise),
         with the object kept in the fill tier now: ``data`` may be reused once this returns."""

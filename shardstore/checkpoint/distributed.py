@@ -208,6 +208,8 @@ def commit_state(
 
     def shard() -> str:  # capture inside the phase: a state one rank cannot store fails every rank, naming it
         try:
+            if on_phase is not None:  # here, not in ``begin``: a rank it fails still joins the collectives below
+                on_phase("write shard")
             state, failure = state_fn(), None
         except Exception as e:  # noqa: BLE001 - still joins the block exchange below, then re-raised
             state, failure = None, e
@@ -236,7 +238,7 @@ def commit_state(
             written=shared,
         )
 
-    got, _ = _phase(group, "write shard", begin("write shard", shard))
+    got, _ = _phase(group, "write shard", shard)  # calls on_phase itself
     shard_ids = [oid for _, oid in got]
     my_shard = shard_ids[rank]
 

@@ -84,7 +84,7 @@ def _config_id(store: Store, config: Mapping[str, Any] | None, *, write: bool = 
     if config is None:
         return None
     data = encode_config(dict(config))
-    return store.put(data) if write else hash_bytes(data)
+    return store.put(data) if write else store.name_written(hash_bytes(data), data)
 
 
 def put_config(store: Store, info: CommitInfo) -> str | None:
@@ -187,7 +187,7 @@ def _rng_object(store: Store, data: bytes | memoryview, written: frozenset[str])
     if written:
         oid = hash_bytes(data)
         if oid in written:
-            return oid
+            return store.name_written(oid, data)  # kept by a write-through tier as if written here
     return store.put(data)
 
 

@@ -121,7 +121,8 @@ def _tree(store: Store, lc: LoadedCommit) -> Any:
 
 class StoredStateDict:
     """A state dict commit opened once (``open_state_dict``): its id, its checked manifests and its
-    tree, with each tensor a ``TensorRef`` (its entry name) until ``read`` reads them.
+    tree, with each tensor a ``TensorRef`` (its entry name) until ``read`` reads them. ``tree`` is
+    the caller's copy: ``read`` reads the commit's own, whatever was done to it.
 
     For a caller that decides what to read into from the tree (a framework's resume: which of the
     stored weights its module holds) and then reads: the commit and its shard manifests are read
@@ -132,7 +133,8 @@ class StoredStateDict:
     def __init__(self, store: Store, target: str = "main") -> None:
         self.store = store
         self._lc = load_commit(store, target)
-        self.tree: Any = _tree(store, self._lc)
+        self._tree = _tree(store, self._lc)  # what ``read`` fills: the commit's, never handed out
+        self.tree: Any = fill_tree(self._tree, TensorRef)  # the caller's copy, to look at or change
 
     @property
     def commit(self) -> str:
@@ -148,8 +150,9 @@ class StoredStateDict:
     ) -> Any:
         """The state dict with its tensors read: ``read_state_dict``'s ``map_location``, ``threads`` and
         ``into``, on the commit as opened; each call returns containers of its own (``fill_tree``
-        rebuilds them), so ``tree`` is left as it was."""
-        value = self.tree
+        rebuilds them), so ``tree`` is left as it was, and what the caller did to ``tree`` (a copy)
+        changes nothing read."""
+        value = self._tree
         entries = self._lc.entries()
         dests: dict[str, torch.Tensor] = {}
         if into is not None and _holds_tensor(into):

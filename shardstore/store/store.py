@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..backends.base import BatchedWrites, Buffer, HashedReads, ListedSizes, Storage
+from ..backends.base import BatchedWrites, Buffer, CachesWrites, HashedReads, ListedSizes, Storage
 from ..backends.location import open_storage
 from ..errors import (
     CorruptObject,
@@ -99,6 +99,16 @@ class Store:
         """Store ``data`` as an object and return its id (a no-op if it exists)."""
         oid = hash_bytes(data)
         self.storage.write_once(object_key(oid), data)
+        return oid
+
+    def name_written(self, oid: str, data: Buffer) -> str:
+        """``oid``, the id of ``data`` (the caller hashed it): an object another writer of the same
+        commit wrote and made durable, which this writer names without writing it (SPEC.md §15: the
+        model config, RNG objects alike on every slot). Nothing is sent to the store; a
+        write-through cache above it (a memory tier, SPEC.md §19.3) keeps it as if written here,
+        so the cache holds this writer's slot closure whole (``CachesWrites``)."""
+        if isinstance(self.storage, CachesWrites):
+            self.storage.keep_named(object_key(oid), data)
         return oid
 
     def put_with_id(self, oid: str, data: Buffer, *, batch: tensors_io.WriteBatch | None = None) -> bool:

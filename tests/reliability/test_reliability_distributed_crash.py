@@ -14,7 +14,8 @@ protocol. Then:
   exactly c2 (what the killed save left behind never poisons a later one).
 
 CI runs the first Storage call of each kind on each rank (each kind of write, the parent
-and read-back reads, the ref move, the durability barrier) and seven collectives (about
+and read-back reads, the ref move, the durability barrier), seven collectives and the
+coordinator's RNG-id broadcast (rank 0 in the first save, rank 1 in the second) (about
 23 cases, 3 s each); ``SHARDSTORE_SLOW=1`` runs every Storage call and every collective of
 both ranks (138 cases) and recovers after every case.
 """
@@ -69,6 +70,16 @@ def _worker(rank: int, port: int, root: str, plan: dict[str, Any], out: str) -> 
             return real(*a, **kw)
 
         protocol._gather = gather
+    if victim and plan["kind"] == "rng":  # dies as it would join the coordinator's RNG-id broadcast (save k+1)
+        real_rng, saves = protocol._shared_rng, [0]
+
+        def shared_rng(*a: Any, **kw: Any) -> Any:
+            if saves[0] == plan["k"]:
+                die()
+            saves[0] += 1
+            return real_rng(*a, **kw)
+
+        protocol._shared_rng = shared_rng
     random.seed(rank)  # the RNG states are part of each commit: same seeds, same ids
     np.random.seed(rank)
     torch.manual_seed(rank)
@@ -155,6 +166,7 @@ def _cases(reference: dict[str, Any]) -> list[dict[str, Any]]:
     cases = [{"rank": r, "kind": "storage", "k": k} for r in (0, 1) for k in _kill_points(reference["ops"][r])]
     for r in (0, 1):
         cases += [{"rank": r, "kind": "collective", "k": k} for k in (range(10) if SLOW else _COLLECTIVES[r])]
+        cases += [{"rank": r, "kind": "rng", "k": k} for k in ((0, 1) if SLOW else (r,))]
     return cases
 
 

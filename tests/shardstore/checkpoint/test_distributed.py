@@ -323,3 +323,72 @@ def test_the_model_config_object_is_written_once_per_commit_not_by_every_rank(tm
     for g in got:
         assert g["rng_named"] == g["rng_ids"]  # each slot's manifest names its own states' objects
     assert ss.verify(store).ok
+
+
+def _tier_body(rank: int, world: int, root: str, tiers: str) -> dict:
+    """Each rank saves through a store with its own memory tier above it (write-through, as
+    shardtrain's committer writes), torch's generator alike on every rank, then reads the commit's
+    manifests through it (as the committer's ``landed`` does before it holds the commit)."""
+    import random
+
+    import numpy as np
+
+    from shardstore.backends.memory_tier import MemoryTier
+    from shardstore.backends.tiers import TieredStorage
+    from shardstore.format.closure import commit_closure
+
+    own = MemoryTier(os.path.join(tiers, f"host{rank}"), rank)
+    store = ss.Store(TieredStorage(ss.open_store(root).storage, [own], fill=own), create=False)
+    torch.manual_seed(0)
+    random.seed(rank)
+    np.random.seed(rank)
+    mine = {f"w{rank}": torch.full((4,), float(rank))}
+    cid = ss.save_distributed(store, mine, info=ss.CommitInfo(step=1, config={"hidden_size": 8}))
+    closure = commit_closure(ss.load_commit(store, cid), slot=rank)
+    return {"missing": sorted(closure.labels.get(o, o) for o in closure.ids() if not own.has(o))}
+
+
+def test_each_ranks_memory_tier_holds_its_slot_closure_with_objects_another_rank_wrote(tmp_path):
+    """The model config and the RNG objects alike on every rank are written by the coordinator alone
+    (SPEC.md §15); a rank naming them without writing them still holds its own copy in its memory
+    tier (SPEC.md §19.3), as when it wrote them: a tier lacking them never holds the commit
+    (``MemoryTier.holds``), so its buddies never hold the slot's replica and a replacement host
+    reads its slot from the store (tests/shardtrain/run/test_tier_recovery.py)."""
+    from gloo_group import run_group
+
+    root = str(tmp_path / "store")
+    ss.open_store(root)
+    got = run_group(_tier_body, 2, tmp_path, root, str(tmp_path / "tiers"))
+    assert [g["missing"] for g in got] == [[], []], got
+
+
+def _on_phase_body(rank: int, world: int, root: str) -> dict:
+    from shardstore.checkpoint.distributed import commit_state
+    from shardstore.state.slot import capture
+
+    store = ss.open_store(root)
+    mine = {f"w{rank}": torch.full((3,), float(rank))}
+
+    def on_phase(name: str) -> None:
+        if rank == 1 and name == "write shard":
+            raise RuntimeError("injected on rank 1")
+
+    try:
+        commit_state(store, lambda: capture(mine), info=ss.CommitInfo(step=1), on_phase=on_phase)
+        return {"error": None, "ref": store.ref("main")}
+    except ss.CommitProtocolError as e:
+        return {"error": str(e), "ref": store.ref("main")}
+
+
+def test_an_on_phase_hook_failing_as_the_shards_are_written_fails_every_rank_none_waits(tmp_path):
+    """``on_phase`` raising on one rank fails that phase on every rank (its docstring): in "write
+    shard" the rank still joins the phase's own collectives (the coordinator's RNG ids, the block
+    exchange) before the phase's all-gather; skipping them left the peers in a collective it never
+    joined (Gloo aborted the process, or the group timed out)."""
+    from gloo_group import run_group
+
+    root = str(tmp_path / "store")
+    ss.open_store(root)
+    got = run_group(_on_phase_body, 2, tmp_path, root, timeout_s=30)
+    assert all("phase 'write shard' failed on rank(s) [1]" in (g["error"] or "") for g in got), got
+    assert got[1]["error"].endswith("injected on rank 1") and all(g["ref"] is None for g in got)

@@ -284,6 +284,25 @@ def test_an_opened_state_dict_reads_its_commit_once_however_often_it_is_read(tmp
         shardstore.open_state_dict(store, shardstore.save(store, {"w": torch.ones(2)}, step=0, rng=False, ref=None))
 
 
+def test_an_opened_state_dicts_reads_are_its_commits_whatever_the_caller_did_to_its_tree(tmp_path):
+    """``StoredStateDict.tree`` is the caller's to look at and change (a resume picking what to
+    load); ``read`` reads the commit as opened: a value changed, a tensor dropped or re-pointed at
+    another entry in ``tree`` changes nothing it returns."""
+    ck = lightning_checkpoint()
+    store = shardstore.open_store(tmp_path / "s")
+    shardstore.save_state_dict(store, ck)
+    opened = shardstore.open_state_dict(store, "main")
+    tree = opened.tree
+    tree["epoch"] = -1
+    weights = tree["state_dict"]
+    first, second = list(weights)[:2]
+    weights[first] = weights.pop(second)  # the second weight's entry at the first's key path
+    tree["state_dict"] = {first: weights[first]}
+    same(ck, opened.read())
+    same(ck, opened.read(into={"state_dict": {first: torch.zeros_like(ck["state_dict"][first])}}))
+    assert opened.tree is tree and tree["epoch"] == -1  # the caller's changes stay the caller's
+
+
 def _load(how, store, cid, into, threads):
     if how == "read_state_dict":
         return shardstore.read_state_dict(store, cid, into=into, threads=threads)
