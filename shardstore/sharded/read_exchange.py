@@ -335,15 +335,18 @@ def read_group(
     stats.plan_s = time.perf_counter() - t0
     _agree(error, group, stats)
     run = _GroupRead(store, rank, group, threads, stats, locals_)
-    # 3. the sizes of every block this rank reads, before any byte lands on any rank
+    # 3. the sizes of every block this rank reads, before any byte lands on any rank; then the
+    # empty blocks (no byte lands), inside the same agreement: a read that fails on one rank
+    # fails every rank here, never leaves the others waiting in the first batch's all-reduce
     t1 = time.perf_counter()
+    nread = 0
     try:
         check_reads(store, [run.job(p) for p in plan if p.reader == rank] + empty, threads=max(threads, 16))
+        nread = sum(job() for job in empty)
     except Exception as e:  # noqa: BLE001 - every rank learns of it before a byte lands
         error = e
     stats.read_s += time.perf_counter() - t1
     _agree(error, group, stats)
-    nread = sum(job() for job in empty)
     i = 0
     while i < len(plan):  # 4. batches of at most BATCH_BYTES of blocks, the same on every rank
         j, size = i, 0

@@ -1,0 +1,206 @@
+"""Restore by exchange (SPEC.md §16.2), the cases the first tests left out, over one real
+Gloo group of 4 processes (a 2 x 2 mesh where one is needed):
+
+- DTensors of several parts per rank (``_StridedShard``, §15.4: runs of rows replicated over
+  one mesh dim, runs of columns with rows split on the other) and FSDP2 on TP: each needed block read once in the group, every local tensor bitwise
+  ``distribute_tensor``'s;
+- plain tensors each rank holds a different set of, read in batches of one block (the
+  batches' count and each rank's work in them uneven): a scalar, an empty tensor, a
+  destination that is not contiguous, two names of one payload (the same key: one
+  description, both filled), a tensor only some ranks hold;
+- a storage error on one rank reading an empty tensor's block (read by each rank needing
+  it): every rank raises, none waits for the group's timeout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dtensor_models import WIDE
+from gloo_group import run_group
+from read_counter import ReadCounter
+
+import shardstore as ss
+from shardstore.errors import StorageError
+from shardstore.format.grid import payload_blocks
+from shardstore.sharded import read_exchange
+from shardstore.sharded.placement import part_views
+from shardstore.store.keys import object_key
+
+#: The group's timeout: a rank left waiting fails the test in this long, not the suite's.
+TIMEOUT_S = 30
+
+
+class _FailingReads:
+    """A Storage whose reads of ``keys`` raise StorageError (one rank's disk or network)."""
+
+    def __init__(self, inner, keys) -> None:
+        self.inner, self.keys = inner, set(keys)
+
+    def _check(self, key: str) -> None:
+        if key in self.keys:
+            raise StorageError(f"injected: {key} could not be read")
+
+    def read(self, key, *args, **kwargs):
+        self._check(key)
+        return self.inner.read(key, *args, **kwargs)
+
+    def read_hashed(self, key, *args, **kwargs):
+        self._check(key)
+        return self.inner.read_hashed(key, *args, **kwargs)
+
+    def read_into(self, key, *args, **kwargs):
+        self._check(key)
+        return self.inner.read_into(key, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _keys(store: ss.Store, cid: str) -> dict[str, int]:
+    out = {}
+    for e in ss.load_commit(store, cid).entries().values():
+        out.update({object_key(o): n for o, _, n in payload_blocks(e.param, e.dtype, e.shape)})
+    return out
+
+
+def _strided(rank: int, store: ss.Store, mesh) -> dict:
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    g = torch.Generator().manual_seed(7)
+    full = {
+        "rows": torch.randn(10, WIDE, generator=g),  # 2 column tiles; each rank 2 runs of rows, replicated on dp
+        "fsdp_tp": torch.randn(12, WIDE, generator=g),  # FSDP2 on TP: a run of rows each, no replicas
+        "cols": torch.randn(12, WIDE, generator=g),  # 2 runs of columns each, rows split on the other dim
+    }
+    placements = {
+        "rows": (Replicate(), _StridedShard(0, split_factor=2)),
+        "fsdp_tp": (_StridedShard(0, split_factor=2), Shard(0)),
+        "cols": (_StridedShard(1, split_factor=2), Shard(0)),
+    }
+    if rank == 0:
+        ss.save(store, full, step=0, job="read-exchange-cases", rng=False, ref="strided", parent=None)
+    dist.barrier()
+    cid = store.ref("strided")
+    dests = {
+        k: distribute_tensor(torch.zeros_like(v), mesh, placements[k], src_data_rank=None) for k, v in full.items()
+    }
+    parts = {k: len(part_views(t)) for k, t in dests.items()}
+    counter = ReadCounter(store.storage)
+    r = ss.restore(ss.Store(counter, create=False), cid, dests, group=dist.group.WORLD)
+    want = {k: distribute_tensor(v, mesh, placements[k], src_data_rank=None) for k, v in full.items()}
+    return {
+        "parts": parts,
+        "equal": {k: torch.equal(dests[k].to_local(), want[k].to_local()) for k in full},
+        "keys": dict(counter.keys),
+        "bytes_read": r.bytes_read,
+        "blocks": _keys(store, cid),
+    }
+
+
+def _plain(rank: int, store: ss.Store) -> dict:
+    g = torch.Generator().manual_seed(8)
+    full = {
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "t": torch.randn(12, WIDE, generator=g),  # 2 tiles; restored into a transposed (non-contiguous) tensor
+        "a": torch.full((12, WIDE), 2.0),  # "a" and "b": one payload, one key
+        "b": torch.full((12, WIDE), 2.0),
+        "w": torch.randn(6, WIDE, generator=g),  # one block
+    }
+    if rank == 0:
+        ss.save(store, full, step=0, job="read-exchange-cases", rng=False, ref="plain", parent=None)
+    dist.barrier()
+    holds = {  # what each rank's destinations hold: uneven work, and rank 3 almost nothing
+        0: ["scalar", "empty", "t", "a"],
+        1: ["empty", "t", "b", "w"],
+        2: ["scalar", "a", "b", "w"],
+        3: ["scalar"],
+    }[rank]
+    dests = {}
+    for k in holds:
+        dests[k] = torch.zeros(WIDE, 12).T if k == "t" else torch.zeros_like(full[k])
+    old = read_exchange.BATCH_BYTES
+    read_exchange.BATCH_BYTES = 1  # every block a batch of its own
+    try:
+        ss.restore(store, "plain", dests, group=dist.group.WORLD)
+    finally:
+        read_exchange.BATCH_BYTES = old
+    stats = read_exchange.last_group_read()
+    return {
+        "equal": {k: torch.equal(dests[k], full[k]) for k in holds},
+        "t_contiguous": dests["t"].is_contiguous() if "t" in dests else None,
+        "batches": stats.batches,
+        "received": stats.pieces_received,
+    }
+
+
+def _empty_read_fails(rank: int, store: ss.Store) -> dict:
+    if rank == 0:
+        ss.save(
+            store, {"e": torch.zeros(0, 4), "w": torch.randn(8, 4)}, step=0, job="x", rng=False, ref="e", parent=None
+        )
+    dist.barrier()
+    e = ss.load_commit(store, "e").entries()["e"]
+    key = object_key(payload_blocks(e.param, e.dtype, e.shape)[0][0])
+    failing = ss.Store(_FailingReads(store.storage, [key] if rank == 1 else []), create=False)
+    t0 = time.monotonic()
+    try:
+        ss.restore(failing, "e", {"e": torch.zeros(0, 4), "w": torch.zeros(8, 4)}, group=dist.group.WORLD)
+        got = None
+    except Exception as ex:  # noqa: BLE001 - the test looks at the type
+        got = [type(ex).__name__, str(ex)]
+    return {"error": got, "s": time.monotonic() - t0}
+
+
+def _body(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = ss.open_store(root)
+    mesh = init_device_mesh("cpu", (2, 2))
+    out = {"strided": _strided(rank, store, mesh), "plain": _plain(rank, store)}
+    dist.barrier()
+    out["empty_read_fails"] = _empty_read_fails(rank, store)  # last: before its fix, it timed out
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("read_exchange_cases")
+    root = str(tmp / "store")
+    ss.open_store(root)
+    return run_group(_body, 4, tmp, root, timeout_s=TIMEOUT_S)
+
+
+def test_dtensors_of_several_parts_each_block_read_once(runs):
+    res = [r["strided"] for r in runs]
+    assert all(r["parts"]["rows"] == r["parts"]["cols"] == 2 for r in res), [r["parts"] for r in res]
+    assert all(all(r["equal"].values()) for r in res), [r["equal"] for r in res]
+    blocks = res[0]["blocks"]
+    read: dict[str, int] = {}
+    for r in res:
+        for k, n in r["keys"].items():
+            if k in blocks:
+                read[k] = read.get(k, 0) + n
+    assert read == dict.fromkeys(blocks, 1)  # every rank needs some of every block: each read once
+    assert sum(r["bytes_read"] for r in res) == sum(blocks.values())
+
+
+def test_plain_tensors_held_unevenly_in_batches_of_one_block(runs):
+    res = [r["plain"] for r in runs]
+    assert all(all(r["equal"].values()) for r in res), [r["equal"] for r in res]
+    assert res[0]["t_contiguous"] is False and res[1]["t_contiguous"] is False
+    assert len({r["batches"] for r in res}) == 1 and res[0]["batches"] > 2  # the same batches on every rank
+    assert sum(r["received"] for r in res) > 0
+
+
+def test_a_failed_empty_block_read_on_one_rank_fails_every_rank(runs):
+    res = [r["empty_read_fails"] for r in runs]
+    assert all(r["error"] is not None for r in res), res
+    assert all(r["error"][0] == "StorageError" and "injected" in r["error"][1] for r in res), res
+    assert all("rank 1" in r["error"][1] for i, r in enumerate(res) if i != 1), res
+    assert all(r["s"] < TIMEOUT_S / 2 for r in res), res  # raised, not a wait for the group's timeout
