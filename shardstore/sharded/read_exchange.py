@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -53,8 +53,8 @@ import torch.distributed as dist
 from .. import errors
 from ..errors import GridError, ShardstoreError
 from ..format.grid import BlockRead, Box, box_slices, check_reads, grid, intersect, payload_blocks, staging
-from ..format.manifest import Payload, is_chunked
-from ..format.tensors import expected_nbytes, new_hasher, torch_dtype
+from ..format.manifest import MAX_DIM, MAX_NDIM, Payload, is_chunked
+from ..format.tensors import ITEMSIZES, expected_nbytes, new_hasher, torch_dtype
 from ..store import Store
 from .dtensor import all_gather_bytes, slices_near
 from .exchange import BATCH_BYTES
@@ -63,6 +63,7 @@ __all__ = [
     "Needed",
     "GroupReadStats",
     "PlannedRead",
+    "decode_descriptions",
     "grouped",
     "last_group_read",
     "payload_key",
@@ -75,6 +76,10 @@ __all__ = [
 ONE, TILES, BANDS = 0, 1, 2
 
 
+#: A shape, start or extent as a description gives it: bounded as a manifest's are (decoded strictly).
+_Index = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)], ...], msgspec.Meta(max_length=MAX_NDIM)]
+
+
 class Needed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One payload as one rank reads it (step 1): its key, grid kind, dtype, global shape and the
     distinct boxes of the global tensor this rank's destinations hold (sorted)."""
@@ -82,8 +87,8 @@ class Needed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     key: str
     kind: int
     dtype: str
-    shape: tuple[int, ...]
-    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    shape: _Index
+    boxes: tuple[tuple[_Index, _Index], ...]
 
 
 _NEEDED = msgspec.json.Decoder(list[Needed])
@@ -178,6 +183,32 @@ class PlannedRead:
     pieces: tuple[tuple[int, Box, Box], ...]  # (rank, that rank's box, common box), the reader's own included
 
 
+def decode_descriptions(gathered: Sequence[bytes]) -> list[list[Needed]]:
+    """Step 1's descriptions as all-gathered (``gathered[r]``: rank r's, its status byte taken
+    off), decoded strictly; GridError naming a rank whose bytes are not a list of ``Needed``."""
+    out = []
+    for r, raw in enumerate(gathered):
+        try:
+            out.append(_NEEDED.decode(raw))
+        except msgspec.MsgspecError as e:
+            raise GridError(f"rank {r}'s description of the restore does not decode: {e} (SPEC.md §16.2)") from None
+    return out
+
+
+def _check_described(it: Needed, r: int) -> None:
+    """GridError naming rank ``r`` if it describes a payload no tensor can have (a grid kind,
+    dtype or shape out of range); its boxes are checked against the shape in ``plan_group_read``."""
+    if it.kind not in (ONE, TILES, BANDS):
+        problem = f"grid kind {it.kind}, not one of {ONE}, {TILES}, {BANDS}"
+    elif it.dtype not in ITEMSIZES:
+        problem = f"dtype {it.dtype!r}, not one shardstore stores"
+    elif len(it.shape) > MAX_NDIM or not all(0 <= d <= MAX_DIM for d in it.shape):
+        problem = f"shape {list(it.shape)}: at most {MAX_NDIM} dims, each of 0 to {MAX_DIM}"
+    else:
+        return
+    raise GridError(f"rank {r} describes payload {it.key} with {problem} (SPEC.md §16.2)")
+
+
 def plan_group_read(peers: Sequence[Sequence[Needed]], rank: int | None = None) -> list[PlannedRead]:
     """Step 2: every block some rank needs, its reader and its pieces, from every rank's
     descriptions (``peers[r]``: rank r's); the same on every rank. Empty blocks are left out
@@ -186,17 +217,29 @@ def plan_group_read(peers: Sequence[Sequence[Needed]], rank: int | None = None) 
     ``rank``: the pieces only as that rank uses them — all of a block it reads, its own of a
     block another rank reads, none of the rest — so that a rank's plan costs about one step per
     block plus the pieces it takes part in, not the group's every piece (at thousands of ranks
-    a rank's rows meet hundreds of others' in every tile). Readers are the same either way."""
+    a rank's rows meet hundreds of others' in every tile). Readers are the same either way.
+
+    A description is checked before it is used (GridError naming the rank): a grid kind, dtype
+    and shape a tensor can have, the same on every rank describing the payload, and boxes of
+    that many dims inside the shape."""
     union: dict[str, tuple[int, str, tuple[int, ...], dict[Box, list[int]]]] = {}
     for r, items in enumerate(peers):
         for it in items:
+            if it.key not in union:
+                _check_described(it, r)
             kind, dtype, shape, held = union.setdefault(it.key, (it.kind, it.dtype, tuple(it.shape), {}))
             if (kind, dtype, shape) != (it.kind, it.dtype, tuple(it.shape)):
                 raise GridError(
                     f"ranks describe payload {it.key} as different tensors: {dtype}{list(shape)} and "
                     f"{it.dtype}{list(it.shape)}"
                 )
+            nd = len(shape)
             for start, extent in it.boxes:
+                if len(start) != nd or len(extent) != nd:
+                    raise GridError(
+                        f"rank {r} describes payload {it.key} ({dtype}{list(shape)}) with the box "
+                        f"{list(start)} + {list(extent)} of other dims (SPEC.md §16.2)"
+                    )
                 held.setdefault((tuple(start), tuple(extent)), []).append(r)
     loads = np.zeros(len(peers), dtype=np.int64)
     out: list[PlannedRead] = []
@@ -205,7 +248,15 @@ def plan_group_read(peers: Sequence[Sequence[Needed]], rank: int | None = None) 
         regions = sorted(held.items())
         near = slices_near(regions, len(shape))
         lo = np.array([reg[0] for reg, _ in regions], dtype=np.int64).reshape(len(regions), len(shape))
-        hi = lo + np.array([reg[1] for reg, _ in regions], dtype=np.int64).reshape(len(regions), len(shape))
+        ext = np.array([reg[1] for reg, _ in regions], dtype=np.int64).reshape(len(regions), len(shape))
+        hi = lo + ext
+        outside = np.any((lo < 0) | (ext < 0) | (hi > np.array(shape, dtype=np.int64)), axis=1)
+        if outside.any():  # (decoded descriptions bound each value by MAX_DIM: no int64 overflows)
+            (start, extent), rs = regions[int(np.argmax(outside))]
+            raise GridError(
+                f"rank {rs[0]} describes payload {key} ({dtype}{list(shape)}) with the box {list(start)} + "
+                f"{list(extent)}, not inside it (SPEC.md §16.2)"
+            )
         single = (
             np.array([rs[0] for _, rs in regions], dtype=np.int64) if all(len(rs) == 1 for _, rs in regions) else None
         )
@@ -253,7 +304,10 @@ def _raise_peer(gathered: Sequence[bytes | None]) -> None:
     for r, raw in enumerate(gathered):
         if raw is None:
             continue
-        name, msg = _FAILURE.decode(raw)
+        try:
+            name, msg = _FAILURE.decode(raw)
+        except msgspec.MsgspecError:
+            name, msg = "ShardstoreError", f"a failure whose report does not decode ({len(raw)} bytes)"
         cls = getattr(errors, name, None)
         if not (isinstance(cls, type) and issubclass(cls, ShardstoreError)):
             cls = ShardstoreError
@@ -329,7 +383,7 @@ def read_group(
     error: BaseException | None = None
     plan: list[PlannedRead] = []
     try:  # the same on every rank, and so are its errors
-        plan = plan_group_read([_NEEDED.decode(g[1:]) for g in gathered], rank)
+        plan = plan_group_read(decode_descriptions([g[1:] for g in gathered]), rank)
     except Exception as e:  # noqa: BLE001
         error = e
     stats.plan_s = time.perf_counter() - t0

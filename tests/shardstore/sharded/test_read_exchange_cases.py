@@ -24,10 +24,11 @@ from gloo_group import run_group
 from read_counter import ReadCounter
 
 import shardstore as ss
-from shardstore.errors import StorageError
+from shardstore.errors import GridError, StorageError
 from shardstore.format.grid import payload_blocks
 from shardstore.sharded import read_exchange
 from shardstore.sharded.placement import part_views
+from shardstore.sharded.read_exchange import ONE, TILES, Needed, decode_descriptions, plan_group_read
 from shardstore.store.keys import object_key
 
 #: The group's timeout: a rank left waiting fails the test in this long, not the suite's.
@@ -204,3 +205,39 @@ def test_a_failed_empty_block_read_on_one_rank_fails_every_rank(runs):
     assert all(r["error"][0] == "StorageError" and "injected" in r["error"][1] for r in res), res
     assert all("rank 1" in r["error"][1] for i, r in enumerate(res) if i != 1), res
     assert all(r["s"] < TIMEOUT_S / 2 for r in res), res  # raised, not a wait for the group's timeout
+
+
+_K = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    "needed, says",
+    [
+        (Needed(_K, 7, "float32", (4, 4), (((0, 0), (4, 4)),)), "grid kind 7"),
+        (Needed(_K, TILES, "float33", (4096, 1024), (((0, 0), (10, 1024)),)), "dtype 'float33'"),
+        (Needed(_K, ONE, "float32", (-4, 4), (((0, 0), (4, 4)),)), "shape [-4, 4]"),
+        (Needed(_K, ONE, "float32", (4,) * 17, (((0,) * 17, (1,) * 17),)), "dims"),
+        (Needed(_K, TILES, "float32", (4096, 1024), (((0,), (10,)),)), "box"),
+        (Needed(_K, TILES, "float32", (4096, 1024), (((0, -5), (10, 1024)),)), "box"),
+        (Needed(_K, ONE, "float32", (4, 4), (((0, 0), (10**15, 4)),)), "box"),
+        (Needed(_K, TILES, "float32", (4096, 1024), (((0, 0), (10, 1024)), ((0,), (1,)))), "box"),
+    ],
+)
+def test_a_malformed_description_is_a_grid_error_naming_the_rank(needed, says):
+    """A rank is trusted, but what it describes is checked before the plan uses it: a typed
+    error naming the rank and what is wrong, on every rank alike (the plan is the same on each)."""
+    fine = Needed("cd" * 32, TILES, "float32", (4096, 1024), (((0, 0), (4096, 1024)),))
+    with pytest.raises(GridError, match=r"rank 1") as e:
+        plan_group_read([[fine], [needed]])
+    assert says in str(e.value)
+
+
+_BAD = b'[{"key": "k", "kind": 1, "dtype": "float32", "shape": [4], "boxes": [[[0], [%s]]]}]'
+
+
+@pytest.mark.parametrize(
+    "raw", [b"not json", b'[{"key": 1}]', b"[]" * 3, b'{"x": [1, 2]}', _BAD % b"-1", _BAD % str(2**64).encode()]
+)
+def test_a_description_that_does_not_decode_is_a_grid_error_naming_the_rank(raw):
+    with pytest.raises(GridError, match=r"rank 2"):
+        decode_descriptions([b"[]", b"[]", raw])
