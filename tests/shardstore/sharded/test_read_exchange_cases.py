@@ -8,13 +8,16 @@ Gloo group of 4 processes (a 2 x 2 mesh where one is needed):
   batches' count and each rank's work in them uneven): a scalar, an empty tensor, a
   destination that is not contiguous, two names of one payload (the same key: one
   description, both filled), a tensor only some ranks hold;
+- a version 2 commit's row bands restored into column strips;
 - a storage error on one rank reading an empty tensor's block (read by each rank needing
   it): every rank raises, none waits for the group's timeout.
 """
 
 from __future__ import annotations
 
+import tarfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +34,8 @@ from shardstore.sharded.placement import part_views
 from shardstore.sharded.read_exchange import ONE, TILES, Needed, decode_descriptions, plan_group_read
 from shardstore.store.keys import object_key
 
+#: A version 2 commit (row bands) of ``tests/data/v3_store.tar.gz`` (``test_legacy_store.py``'s ADAM).
+V2_COMMIT = "aa1b164db53e041efa7c76fd29d2b02b0b8ce2d496a605b7633cb0e436d5c60f"
 #: The group's timeout: a rank left waiting fails the test in this long, not the suite's.
 TIMEOUT_S = 30
 
@@ -140,6 +145,31 @@ def _plain(rank: int, store: ss.Store) -> dict:
     }
 
 
+def _bands(rank: int, root: str, mesh) -> dict:
+    """A version 2 commit's row bands (``tests/data/v3_store.tar.gz``: ``w`` is 3 x 524288 float32 in
+    bands of 2 rows and 1) restored into column strips (Shard(1) on 4 ranks), alone and by exchange."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if rank == 0:
+        with tarfile.open(Path(__file__).resolve().parents[2] / "data" / "v3_store.tar.gz") as tar:
+            tar.extractall(root, filter="data")
+    dist.barrier()
+    store = ss.open_store(root, create=False)
+    got = []
+    for group in (None, dist.group.WORLD):
+        dest = distribute_tensor(torch.full((3, 524288), 7.0), mesh, (Shard(1),), src_data_rank=None)
+        r = ss.restore(store, V2_COMMIT, {"w": dest}, group=group)
+        got.append((dest.to_local(), r.bytes_read))
+    stats = read_exchange.last_group_read()
+    return {
+        "equal": torch.equal(got[0][0], got[1][0]) and not bool((got[1][0] == 7.0).any()),
+        "alone": got[0][1],
+        "exchange": got[1][1],
+        "blocks_read": stats.blocks_read,
+        "received": stats.pieces_received,
+    }
+
+
 def _empty_read_fails(rank: int, store: ss.Store) -> dict:
     if rank == 0:
         ss.save(
@@ -164,6 +194,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     store = ss.open_store(root)
     mesh = init_device_mesh("cpu", (2, 2))
     out = {"strided": _strided(rank, store, mesh), "plain": _plain(rank, store)}
+    out["bands"] = _bands(rank, root + "-v2", init_device_mesh("cpu", (world,)))
     dist.barrier()
     out["empty_read_fails"] = _empty_read_fails(rank, store)  # last: before its fix, it timed out
     return out
@@ -197,6 +228,14 @@ def test_plain_tensors_held_unevenly_in_batches_of_one_block(runs):
     assert res[0]["t_contiguous"] is False and res[1]["t_contiguous"] is False
     assert len({r["batches"] for r in res}) == 1 and res[0]["batches"] > 2  # the same batches on every rank
     assert sum(r["received"] for r in res) > 0
+
+
+def test_row_bands_of_a_version_2_commit_into_column_strips(runs):
+    res = [r["bands"] for r in runs]
+    assert all(r["equal"] for r in res), res
+    assert sorted(r["blocks_read"] for r in res) == [0, 0, 1, 1]  # 2 bands, each read once in the group
+    assert sum(r["exchange"] for r in res) == res[0]["alone"] == 3 * 524288 * 4  # alone: both bands, each rank
+    assert sum(r["received"] for r in res) == 2 * 3  # each band's strip to the 3 ranks not reading it
 
 
 def test_a_failed_empty_block_read_on_one_rank_fails_every_rank(runs):
