@@ -468,7 +468,7 @@ class _GroupRead:
         _agree(error, self.group, stats)
         t1 = time.perf_counter()
         g = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
-        works, strips, keep = [], [], []  # keep: pieces copied out, alive until sent
+        works, strips, keep, direct = [], [], [], []  # keep: pieces copied out, alive until sent
         # tags: a count per pair of ranks, in plan order (block, then region): the reader numbers the
         # pieces it sends to each rank, the receiver those it takes from each reader, alike
         sent: dict[int, int] = {}
@@ -493,6 +493,7 @@ class _GroupRead:
                 dests = [v[box_slices(c, o)] for v, o in self.locals_[p.key].dests[region]]
                 if len(dests) == 1 and dests[0].is_contiguous():
                     works.append(dist.irecv(dests[0], src=g(p.reader), group=self.group, tag=tag))
+                    direct.append(dests[0])
                 else:
                     tmp = torch.empty(c[1], dtype=torch_dtype(p.dtype))
                     works.append(dist.irecv(tmp, src=g(p.reader), group=self.group, tag=tag))
@@ -504,6 +505,9 @@ class _GroupRead:
         with torch.no_grad():
             for d, tmp in strips:
                 d.copy_(tmp)
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        for d in direct if bump is not None else ():
+            bump(d)  # written in place, as a read or copy_ is: autograd refuses a graph that saved the old values
         stats.transfer_s += time.perf_counter() - t1
         return nread
 

@@ -170,6 +170,29 @@ def _bands(rank: int, root: str, mesh) -> dict:
     }
 
 
+def _versions(rank: int, store: ss.Store) -> dict:
+    """A parameter every rank holds whole (one block: rank 0 reads it, the others receive it straight
+    into theirs): its version counter moves on every rank, as a restore on its own moves it (an
+    in-place write), so autograd refuses a graph that saved the old values."""
+    full = torch.randn(4, WIDE, generator=torch.Generator().manual_seed(9))
+    if rank == 0:
+        ss.save(store, {"v": full}, step=0, job="read-exchange-cases", rng=False, ref="v", parent=None)
+    dist.barrier()
+    out = {}
+    for how, group in (("alone", None), ("exchange", dist.group.WORLD)):
+        v = torch.nn.Parameter(torch.zeros(4, WIDE))
+        y = (v * v).sum()  # saves v for its backward
+        before = v._version
+        ss.restore(store, "v", {"v": v}, group=group)
+        try:
+            y.backward()
+            refused = False
+        except RuntimeError as e:
+            refused = "modified by an inplace operation" in str(e)
+        out[how] = {"moved": v._version > before, "refused": refused, "equal": torch.equal(v.detach(), full)}
+    return out
+
+
 def _empty_read_fails(rank: int, store: ss.Store) -> dict:
     if rank == 0:
         ss.save(
@@ -194,6 +217,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     store = ss.open_store(root)
     mesh = init_device_mesh("cpu", (2, 2))
     out = {"strided": _strided(rank, store, mesh), "plain": _plain(rank, store)}
+    out["versions"] = _versions(rank, store)
     out["bands"] = _bands(rank, root + "-v2", init_device_mesh("cpu", (world,)))
     dist.barrier()
     out["empty_read_fails"] = _empty_read_fails(rank, store)  # last: before its fix, it timed out
@@ -236,6 +260,12 @@ def test_row_bands_of_a_version_2_commit_into_column_strips(runs):
     assert sorted(r["blocks_read"] for r in res) == [0, 0, 1, 1]  # 2 bands, each read once in the group
     assert sum(r["exchange"] for r in res) == res[0]["alone"] == 3 * 524288 * 4  # alone: both bands, each rank
     assert sum(r["received"] for r in res) == 2 * 3  # each band's strip to the 3 ranks not reading it
+
+
+def test_a_piece_received_in_place_moves_the_version_counter_as_a_read_does(runs):
+    res = [r["versions"] for r in runs]
+    assert all(r["alone"] == {"moved": True, "refused": True, "equal": True} for r in res), res
+    assert all(r["exchange"] == {"moved": True, "refused": True, "equal": True} for r in res), res
 
 
 def test_a_failed_empty_block_read_on_one_rank_fails_every_rank(runs):
