@@ -103,6 +103,7 @@ class GroupReadStats:
     bytes_read: int = 0
     bytes_sent: int = 0  # pieces of its blocks sent to other ranks
     bytes_received: int = 0  # pieces of other ranks' blocks received
+    bytes_copied_out: int = 0  # pieces not contiguous in their block, copied out to be sent (once each)
     pieces_sent: int = 0
     pieces_received: int = 0
     batches: int = 0
@@ -468,7 +469,10 @@ class _GroupRead:
         _agree(error, self.group, stats)
         t1 = time.perf_counter()
         g = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
-        works, strips, keep, direct = [], [], [], []  # keep: pieces copied out, alive until sent
+        works, strips, direct = [], [], []
+        # pieces copied out (not contiguous in their block), alive until sent: one copy per box, however
+        # many ranks hold it (replicas), so they stay within the batch's blocks
+        copies: dict[tuple[int, Box], torch.Tensor] = {}
         # tags: a count per pair of ranks, in plan order (block, then region): the reader numbers the
         # pieces it sends to each rank, the receiver those it takes from each reader, alike
         sent: dict[int, int] = {}
@@ -481,8 +485,11 @@ class _GroupRead:
                     tag = sent[r] = sent.get(r, 0) + 1
                     out = bufs[k][box_slices(c, p.box[0])]
                     if not out.is_contiguous():
-                        out = out.contiguous()
-                        keep.append(out)
+                        copy = copies.get((k, c))
+                        if copy is None:
+                            copy = copies[(k, c)] = out.contiguous()
+                            stats.bytes_copied_out += copy.numel() * copy.element_size()
+                        out = copy
                     works.append(dist.isend(out, dst=g(r), group=self.group, tag=tag))
                     stats.bytes_sent += out.numel() * out.element_size()
                     stats.pieces_sent += 1

@@ -170,6 +170,24 @@ def _bands(rank: int, root: str, mesh) -> dict:
     }
 
 
+def _replicated_strips(rank: int, store: ss.Store, mesh) -> dict:
+    """4096 x 1024 float32 (4 tiles of 1024 full rows) into (Replicate(), Shard(1)) on the 2 x 2 mesh:
+    each rank's strip of 512 columns is not contiguous in a tile and is held by 2 ranks; a tile's
+    reader sends the other strip to both of its holders, copied out once."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(10))
+    if rank == 0:
+        ss.save(store, {"s": full}, step=0, job="read-exchange-cases", rng=False, ref="strips", parent=None)
+    dist.barrier()
+    dest = distribute_tensor(torch.zeros(4096, 1024), mesh, (Replicate(), Shard(1)), src_data_rank=None)
+    ss.restore(store, "strips", {"s": dest}, group=dist.group.WORLD)
+    stats = read_exchange.last_group_read()
+    want = distribute_tensor(full, mesh, (Replicate(), Shard(1)), src_data_rank=None)
+    return {"equal": torch.equal(dest.to_local(), want.to_local()), "copied": stats.bytes_copied_out,
+            "sent": stats.bytes_sent, "blocks_read": stats.blocks_read}  # fmt: skip
+
+
 def _versions(rank: int, store: ss.Store) -> dict:
     """A parameter every rank holds whole (one block: rank 0 reads it, the others receive it straight
     into theirs): its version counter moves on every rank, as a restore on its own moves it (an
@@ -218,6 +236,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 2))
     out = {"strided": _strided(rank, store, mesh), "plain": _plain(rank, store)}
     out["versions"] = _versions(rank, store)
+    out["strips"] = _replicated_strips(rank, store, mesh)
     out["bands"] = _bands(rank, root + "-v2", init_device_mesh("cpu", (world,)))
     dist.barrier()
     out["empty_read_fails"] = _empty_read_fails(rank, store)  # last: before its fix, it timed out
@@ -266,6 +285,16 @@ def test_a_piece_received_in_place_moves_the_version_counter_as_a_read_does(runs
     res = [r["versions"] for r in runs]
     assert all(r["alone"] == {"moved": True, "refused": True, "equal": True} for r in res), res
     assert all(r["exchange"] == {"moved": True, "refused": True, "equal": True} for r in res), res
+
+
+def test_a_strip_sent_to_its_replicas_is_copied_out_once(runs):
+    res = [r["strips"] for r in runs]
+    assert all(r["equal"] for r in res), res
+    assert [r["blocks_read"] for r in res] == [1, 1, 1, 1]
+    strip = 1024 * 512 * 4
+    # each tile's reader sends its own strip to its replica (one copy) and the other strip to both
+    # of that strip's holders (one copy, sent twice): 2 copies, 3 sends per tile
+    assert [(r["copied"], r["sent"]) for r in res] == [(2 * strip, 3 * strip)] * 4, res
 
 
 def test_a_failed_empty_block_read_on_one_rank_fails_every_rank(runs):
