@@ -82,11 +82,13 @@ def _strided(rank: int, store: ss.Store, mesh) -> dict:
         "rows": torch.randn(10, WIDE, generator=g),  # 2 column tiles; each rank 2 runs of rows, replicated on dp
         "fsdp_tp": torch.randn(12, WIDE, generator=g),  # FSDP2 on TP: a run of rows each, no replicas
         "cols": torch.randn(12, WIDE, generator=g),  # 2 runs of columns each, rows split on the other dim
+        "few": torch.randn(3, WIDE, generator=g),  # rows 2, 1 on dp, then 1, 1 and 1, 0 on tp: one rank holds none
     }
     placements = {
         "rows": (Replicate(), _StridedShard(0, split_factor=2)),
         "fsdp_tp": (_StridedShard(0, split_factor=2), Shard(0)),
         "cols": (_StridedShard(1, split_factor=2), Shard(0)),
+        "few": (Shard(0), Shard(0)),
     }
     if rank == 0:
         ss.save(store, full, step=0, job="read-exchange-cases", rng=False, ref="strided", parent=None)
@@ -100,6 +102,7 @@ def _strided(rank: int, store: ss.Store, mesh) -> dict:
     r = ss.restore(ss.Store(counter, create=False), cid, dests, group=dist.group.WORLD)
     want = {k: distribute_tensor(v, mesh, placements[k], src_data_rank=None) for k, v in full.items()}
     return {
+        "few_rows": dests["few"].to_local().shape[0],
         "parts": parts,
         "equal": {k: torch.equal(dests[k].to_local(), want[k].to_local()) for k in full},
         "keys": dict(counter.keys),
@@ -254,6 +257,7 @@ def runs(tmp_path_factory):
 def test_dtensors_of_several_parts_each_block_read_once(runs):
     res = [r["strided"] for r in runs]
     assert all(r["parts"]["rows"] == r["parts"]["cols"] == 2 for r in res), [r["parts"] for r in res]
+    assert [r["few_rows"] for r in res] == [1, 1, 1, 0]
     assert all(all(r["equal"].values()) for r in res), [r["equal"] for r in res]
     blocks = res[0]["blocks"]
     read: dict[str, int] = {}
