@@ -343,7 +343,8 @@ def read_group(
     rank read from the store. ``items``: (payload, dtype, global shape, [(view, global origin)
     of each part], label). ``failure``: this rank could not plan its restore; it still takes
     part in the description exchange and raises it, and every other rank raises it too.
-    ``group``'s backend must carry CPU tensors (Gloo), as the save's block exchange's does."""
+    ``group``'s backend must carry CPU tensors (Gloo), as the save's block exchange's does; a
+    destination on another device (CUDA) receives its pieces through a CPU buffer."""
     global _LAST
     stats = _LAST = GroupReadStats()
     t0 = time.perf_counter()
@@ -498,7 +499,8 @@ class _GroupRead:
                     continue
                 tag = taken[p.reader] = taken.get(p.reader, 0) + 1
                 dests = [v[box_slices(c, o)] for v, o in self.locals_[p.key].dests[region]]
-                if len(dests) == 1 and dests[0].is_contiguous():
+                # Gloo receives into a tensor's raw pointer whatever its device: only CPU memory in place
+                if len(dests) == 1 and dests[0].is_contiguous() and dests[0].device.type == "cpu":
                     works.append(dist.irecv(dests[0], src=g(p.reader), group=self.group, tag=tag))
                     direct.append(dests[0])
                 else:
