@@ -23,8 +23,9 @@ sends its pieces to the ranks that need them, the mirror of the save's block exc
    rank before any byte lands on any rank;
 4. **read and send**, in batches of at most ``BATCH_BYTES`` of blocks: each rank reads its
    blocks, every one verified whole (a block only it needs goes straight into its destination
-   where it lies contiguously in one, ``grid.BlockRead``), copies its own overlaps, and the
-   failure flag is all-reduced again; then the pieces go point to point (contiguous pieces as
+   where it lies contiguously in one, ``grid.BlockRead``), copies its own overlaps, makes the
+   copies and buffers of the pieces it sends and receives, and the failure flag is all-reduced
+   again; then the pieces go point to point (contiguous pieces as
    views, others copied out), received straight into a contiguous destination or into a buffer
    copied into place. Memory beyond the destinations: the batch's blocks read for others, the
    copies of non-contiguous pieces sent and the buffers of pieces received, each at most a batch.
@@ -108,7 +109,7 @@ class GroupReadStats:
     pieces_received: int = 0
     batches: int = 0
     plan_s: float = 0.0  # describing, the all-gather and the assignment
-    read_s: float = 0.0  # size checks and reads (hashing included)
+    read_s: float = 0.0  # size checks and reads (hashing included), and the pieces' copies and buffers
     transfer_s: float = 0.0  # the pieces sent and received, and copied into place
     agree_s: float = 0.0  # the failure-flag all-reduces (includes waiting for slower ranks)
 
@@ -416,6 +417,16 @@ def read_group(
 
 
 @dataclass
+class _Moves:
+    """A batch's point-to-point transfers on one rank, made ready before its agreement."""
+
+    sends: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (piece, group rank, tag)
+    recvs: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (destination or buffer, reader, tag)
+    strips: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination view, buffer)
+    direct: list[torch.Tensor] = field(default_factory=list)  # destinations received in place
+
+
+@dataclass
 class _GroupRead:
     """One rank's run of the plan."""
 
@@ -441,19 +452,21 @@ class _GroupRead:
         return BlockRead(self.store, oid, p.box, hits, p.n, p.dtype, label)
 
     def batch(self, batch: list[PlannedRead]) -> int:
-        """Read this rank's blocks of the batch, agree, then send and receive the pieces."""
-        rank, stats = self.rank, self.stats
+        """Read this rank's blocks of the batch and make ready every piece it sends or receives,
+        agree, then send and receive the pieces."""
+        stats = self.stats
         stats.batches += 1
         error: BaseException | None = None
-        bufs: dict[int, torch.Tensor] = {}  # index in the batch -> the whole block, read for others
+        moves = _Moves()
         t0 = time.perf_counter()
         nread = 0
         try:
+            bufs: dict[int, torch.Tensor] = {}  # index in the batch -> the whole block, read for others
             jobs = []
             for k, p in enumerate(batch):
-                if p.reader != rank:
+                if p.reader != self.rank:
                     continue
-                if all(r == rank for r, _, _ in p.pieces):
+                if all(r == self.rank for r, _, _ in p.pieces):
                     jobs.append((None, self.job(p)))
                 else:
                     bufs[k] = buf = torch.empty(p.box[1], dtype=torch_dtype(p.dtype))
@@ -464,13 +477,39 @@ class _GroupRead:
                 for k, buf in bufs.items():  # verified: this rank's own overlaps copied out
                     for v, o, c in self.hits(batch[k]):
                         v[box_slices(c, o)].copy_(buf[box_slices(c, batch[k].box[0])])
+            # the pieces' copies and buffers too, so that a failure to make one (memory) fails every
+            # rank here, never leaves a peer waiting on a send or receive for the group's timeout
+            self._prepare(batch, bufs, moves)
         except Exception as e:  # noqa: BLE001 - every rank learns of it before a piece is sent
             error = e
         stats.read_s += time.perf_counter() - t0
         _agree(error, self.group, stats)
         t1 = time.perf_counter()
         g = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
-        works, strips, direct = [], [], []
+        works = [dist.isend(t, dst=g(r), group=self.group, tag=tag) for t, r, tag in moves.sends]
+        works += [dist.irecv(t, src=g(r), group=self.group, tag=tag) for t, r, tag in moves.recvs]
+        for t, _, _ in moves.sends:
+            stats.bytes_sent += t.numel() * t.element_size()
+        for t, _, _ in moves.recvs:
+            stats.bytes_received += t.numel() * t.element_size()
+        stats.pieces_sent += len(moves.sends)
+        stats.pieces_received += len(moves.recvs)
+        for w in works:
+            w.wait()
+        with torch.no_grad():
+            for d, tmp in moves.strips:
+                d.copy_(tmp)
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        for d in moves.direct if bump is not None else ():
+            bump(d)  # written in place, as a read or copy_ is: autograd refuses a graph that saved the old values
+        stats.transfer_s += time.perf_counter() - t1
+        return nread
+
+    def _prepare(self, batch: list[PlannedRead], bufs: dict[int, torch.Tensor], moves: _Moves) -> None:
+        """Every piece of the batch this rank sends (a view of its verified block, or a copy of a
+        piece not contiguous there) or receives (straight into a contiguous CPU destination, or into
+        a buffer copied into place afterwards), with its peer and tag."""
+        rank = self.rank
         # pieces copied out (not contiguous in their block), alive until sent: one copy per box, however
         # many ranks hold it (replicas), so they stay within the batch's blocks
         copies: dict[tuple[int, Box], torch.Tensor] = {}
@@ -489,11 +528,9 @@ class _GroupRead:
                         copy = copies.get((k, c))
                         if copy is None:
                             copy = copies[(k, c)] = out.contiguous()
-                            stats.bytes_copied_out += copy.numel() * copy.element_size()
+                            self.stats.bytes_copied_out += copy.numel() * copy.element_size()
                         out = copy
-                    works.append(dist.isend(out, dst=g(r), group=self.group, tag=tag))
-                    stats.bytes_sent += out.numel() * out.element_size()
-                    stats.pieces_sent += 1
+                    moves.sends.append((out, r, tag))
                     continue
                 if r != rank:  # (a plan made for this rank holds no other rank's pieces of another's block)
                     continue
@@ -501,24 +538,12 @@ class _GroupRead:
                 dests = [v[box_slices(c, o)] for v, o in self.locals_[p.key].dests[region]]
                 # Gloo receives into a tensor's raw pointer whatever its device: only CPU memory in place
                 if len(dests) == 1 and dests[0].is_contiguous() and dests[0].device.type == "cpu":
-                    works.append(dist.irecv(dests[0], src=g(p.reader), group=self.group, tag=tag))
-                    direct.append(dests[0])
+                    moves.recvs.append((dests[0], p.reader, tag))
+                    moves.direct.append(dests[0])
                 else:
                     tmp = torch.empty(c[1], dtype=torch_dtype(p.dtype))
-                    works.append(dist.irecv(tmp, src=g(p.reader), group=self.group, tag=tag))
-                    strips += [(d, tmp) for d in dests]
-                stats.bytes_received += expected_nbytes(p.dtype, c[1])
-                stats.pieces_received += 1
-        for w in works:
-            w.wait()
-        with torch.no_grad():
-            for d, tmp in strips:
-                d.copy_(tmp)
-        bump = getattr(torch.autograd.graph, "increment_version", None)
-        for d in direct if bump is not None else ():
-            bump(d)  # written in place, as a read or copy_ is: autograd refuses a graph that saved the old values
-        stats.transfer_s += time.perf_counter() - t1
-        return nread
+                    moves.recvs.append((tmp, p.reader, tag))
+                    moves.strips += [(d, tmp) for d in dests]
 
     def _run(self, jobs: list[tuple[int | None, BlockRead]]) -> int:
         """The batch's reads, ``threads`` at a time, each thread staging through one reused buffer."""

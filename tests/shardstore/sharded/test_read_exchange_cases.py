@@ -214,6 +214,32 @@ def _versions(rank: int, store: ss.Store) -> dict:
     return out
 
 
+def _buffer_fails(rank: int, store: ss.Store) -> dict:
+    """Rank 2 cannot allocate the buffer it receives a piece through (its destination is transposed;
+    the failure injected where the buffer's dtype is looked up): every rank raises, none waits."""
+    full = torch.randn(4, WIDE, generator=torch.Generator().manual_seed(12))
+    if rank == 0:
+        ss.save(store, {"v": full}, step=0, job="read-exchange-cases", rng=False, ref="buf", parent=None)
+    dist.barrier()
+    dest = torch.zeros(WIDE, 4).T if rank == 2 else torch.zeros(4, WIDE)
+    real = read_exchange.torch_dtype
+
+    def no_memory(name: str):
+        raise MemoryError("injected: no memory for a receive buffer")
+
+    if rank == 2:  # it reads nothing (rank 0 reads the one block): its only lookup is the buffer's
+        read_exchange.torch_dtype = no_memory
+    t0 = time.monotonic()
+    try:
+        ss.restore(store, "buf", {"v": dest}, group=dist.group.WORLD)
+        got = None
+    except Exception as ex:  # noqa: BLE001 - the test looks at the type
+        got = [type(ex).__name__, str(ex)]
+    finally:
+        read_exchange.torch_dtype = real
+    return {"error": got, "s": time.monotonic() - t0}
+
+
 def _empty_read_fails(rank: int, store: ss.Store) -> dict:
     if rank == 0:
         ss.save(
@@ -242,7 +268,10 @@ def _body(rank: int, world: int, root: str) -> dict:
     out["strips"] = _replicated_strips(rank, store, mesh)
     out["bands"] = _bands(rank, root + "-v2", init_device_mesh("cpu", (world,)))
     dist.barrier()
-    out["empty_read_fails"] = _empty_read_fails(rank, store)  # last: before its fix, it timed out
+    # last: before their fixes, these two left ranks waiting for the group's timeout
+    out["buffer_fails"] = _buffer_fails(rank, store)
+    dist.barrier()
+    out["empty_read_fails"] = _empty_read_fails(rank, store)
     return out
 
 
@@ -299,6 +328,14 @@ def test_a_strip_sent_to_its_replicas_is_copied_out_once(runs):
     # each tile's reader sends its own strip to its replica (one copy) and the other strip to both
     # of that strip's holders (one copy, sent twice): 2 copies, 3 sends per tile
     assert [(r["copied"], r["sent"]) for r in res] == [(2 * strip, 3 * strip)] * 4, res
+
+
+def test_a_receive_buffer_that_cannot_be_allocated_fails_every_rank(runs):
+    res = [r["buffer_fails"] for r in runs]
+    assert res[2]["error"] is not None and res[2]["error"][0] == "MemoryError", res
+    others = [r for i, r in enumerate(res) if i != 2]
+    assert all(r["error"] is not None and "injected" in r["error"][1] and "rank 2" in r["error"][1] for r in others)
+    assert all(r["s"] < TIMEOUT_S / 2 for r in res), res  # raised, not a wait for the group's timeout
 
 
 def test_a_failed_empty_block_read_on_one_rank_fails_every_rank(runs):
