@@ -23,8 +23,9 @@ sends its pieces to the ranks that need them, the mirror of the save's block exc
    rank before any byte lands on any rank;
 4. **read and send**, in batches of at most ``BATCH_BYTES`` of blocks: each rank reads its
    blocks, every one verified whole (a block only it needs goes straight into its destination
-   where it lies contiguously in one, ``grid.BlockRead``), copies its own overlaps, and the
-   failure flag is all-reduced again; then the pieces go point to point (contiguous pieces as
+   where it lies contiguously in one, ``grid.BlockRead``), copies its own overlaps, makes the
+   copies and buffers of the pieces it sends and receives, and the failure flag is all-reduced
+   again; then the pieces go point to point (contiguous pieces as
    views, others copied out), received straight into a contiguous destination or into a buffer
    copied into place. Memory beyond the destinations: the batch's blocks read for others, the
    copies of non-contiguous pieces sent and the buffers of pieces received, each at most a batch.
@@ -43,7 +44,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -53,8 +54,8 @@ import torch.distributed as dist
 from .. import errors
 from ..errors import GridError, ShardstoreError
 from ..format.grid import BlockRead, Box, box_slices, check_reads, grid, intersect, payload_blocks, staging
-from ..format.manifest import Payload, is_chunked
-from ..format.tensors import expected_nbytes, new_hasher, torch_dtype
+from ..format.manifest import MAX_DIM, MAX_NDIM, Payload, is_chunked
+from ..format.tensors import ITEMSIZES, expected_nbytes, new_hasher, torch_dtype
 from ..store import Store
 from .dtensor import all_gather_bytes, slices_near
 from .exchange import BATCH_BYTES
@@ -63,6 +64,7 @@ __all__ = [
     "Needed",
     "GroupReadStats",
     "PlannedRead",
+    "decode_descriptions",
     "grouped",
     "last_group_read",
     "payload_key",
@@ -75,6 +77,10 @@ __all__ = [
 ONE, TILES, BANDS = 0, 1, 2
 
 
+#: A shape, start or extent as a description gives it: bounded as a manifest's are (decoded strictly).
+_Index = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)], ...], msgspec.Meta(max_length=MAX_NDIM)]
+
+
 class Needed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One payload as one rank reads it (step 1): its key, grid kind, dtype, global shape and the
     distinct boxes of the global tensor this rank's destinations hold (sorted)."""
@@ -82,8 +88,8 @@ class Needed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     key: str
     kind: int
     dtype: str
-    shape: tuple[int, ...]
-    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    shape: _Index
+    boxes: tuple[tuple[_Index, _Index], ...]
 
 
 _NEEDED = msgspec.json.Decoder(list[Needed])
@@ -98,11 +104,12 @@ class GroupReadStats:
     bytes_read: int = 0
     bytes_sent: int = 0  # pieces of its blocks sent to other ranks
     bytes_received: int = 0  # pieces of other ranks' blocks received
+    bytes_copied_out: int = 0  # pieces not contiguous in their block, copied out to be sent (once each)
     pieces_sent: int = 0
     pieces_received: int = 0
     batches: int = 0
     plan_s: float = 0.0  # describing, the all-gather and the assignment
-    read_s: float = 0.0  # size checks and reads (hashing included)
+    read_s: float = 0.0  # size checks and reads (hashing included), and the pieces' copies and buffers
     transfer_s: float = 0.0  # the pieces sent and received, and copied into place
     agree_s: float = 0.0  # the failure-flag all-reduces (includes waiting for slower ranks)
 
@@ -178,6 +185,32 @@ class PlannedRead:
     pieces: tuple[tuple[int, Box, Box], ...]  # (rank, that rank's box, common box), the reader's own included
 
 
+def decode_descriptions(gathered: Sequence[bytes]) -> list[list[Needed]]:
+    """Step 1's descriptions as all-gathered (``gathered[r]``: rank r's, its status byte taken
+    off), decoded strictly; GridError naming a rank whose bytes are not a list of ``Needed``."""
+    out = []
+    for r, raw in enumerate(gathered):
+        try:
+            out.append(_NEEDED.decode(raw))
+        except msgspec.MsgspecError as e:
+            raise GridError(f"rank {r}'s description of the restore does not decode: {e} (SPEC.md §16.2)") from None
+    return out
+
+
+def _check_described(it: Needed, r: int) -> None:
+    """GridError naming rank ``r`` if it describes a payload no tensor can have (a grid kind,
+    dtype or shape out of range); its boxes are checked against the shape in ``plan_group_read``."""
+    if it.kind not in (ONE, TILES, BANDS):
+        problem = f"grid kind {it.kind}, not one of {ONE}, {TILES}, {BANDS}"
+    elif it.dtype not in ITEMSIZES:
+        problem = f"dtype {it.dtype!r}, not one shardstore stores"
+    elif len(it.shape) > MAX_NDIM or not all(0 <= d <= MAX_DIM for d in it.shape):
+        problem = f"shape {list(it.shape)}: at most {MAX_NDIM} dims, each of 0 to {MAX_DIM}"
+    else:
+        return
+    raise GridError(f"rank {r} describes payload {it.key} with {problem} (SPEC.md §16.2)")
+
+
 def plan_group_read(peers: Sequence[Sequence[Needed]], rank: int | None = None) -> list[PlannedRead]:
     """Step 2: every block some rank needs, its reader and its pieces, from every rank's
     descriptions (``peers[r]``: rank r's); the same on every rank. Empty blocks are left out
@@ -186,17 +219,29 @@ def plan_group_read(peers: Sequence[Sequence[Needed]], rank: int | None = None) 
     ``rank``: the pieces only as that rank uses them — all of a block it reads, its own of a
     block another rank reads, none of the rest — so that a rank's plan costs about one step per
     block plus the pieces it takes part in, not the group's every piece (at thousands of ranks
-    a rank's rows meet hundreds of others' in every tile). Readers are the same either way."""
+    a rank's rows meet hundreds of others' in every tile). Readers are the same either way.
+
+    A description is checked before it is used (GridError naming the rank): a grid kind, dtype
+    and shape a tensor can have, the same on every rank describing the payload, and boxes of
+    that many dims inside the shape."""
     union: dict[str, tuple[int, str, tuple[int, ...], dict[Box, list[int]]]] = {}
     for r, items in enumerate(peers):
         for it in items:
+            if it.key not in union:
+                _check_described(it, r)
             kind, dtype, shape, held = union.setdefault(it.key, (it.kind, it.dtype, tuple(it.shape), {}))
             if (kind, dtype, shape) != (it.kind, it.dtype, tuple(it.shape)):
                 raise GridError(
                     f"ranks describe payload {it.key} as different tensors: {dtype}{list(shape)} and "
                     f"{it.dtype}{list(it.shape)}"
                 )
+            nd = len(shape)
             for start, extent in it.boxes:
+                if len(start) != nd or len(extent) != nd:
+                    raise GridError(
+                        f"rank {r} describes payload {it.key} ({dtype}{list(shape)}) with the box "
+                        f"{list(start)} + {list(extent)} of other dims (SPEC.md §16.2)"
+                    )
                 held.setdefault((tuple(start), tuple(extent)), []).append(r)
     loads = np.zeros(len(peers), dtype=np.int64)
     out: list[PlannedRead] = []
@@ -205,7 +250,15 @@ def plan_group_read(peers: Sequence[Sequence[Needed]], rank: int | None = None) 
         regions = sorted(held.items())
         near = slices_near(regions, len(shape))
         lo = np.array([reg[0] for reg, _ in regions], dtype=np.int64).reshape(len(regions), len(shape))
-        hi = lo + np.array([reg[1] for reg, _ in regions], dtype=np.int64).reshape(len(regions), len(shape))
+        ext = np.array([reg[1] for reg, _ in regions], dtype=np.int64).reshape(len(regions), len(shape))
+        hi = lo + ext
+        outside = np.any((lo < 0) | (ext < 0) | (hi > np.array(shape, dtype=np.int64)), axis=1)
+        if outside.any():  # (decoded descriptions bound each value by MAX_DIM: no int64 overflows)
+            (start, extent), rs = regions[int(np.argmax(outside))]
+            raise GridError(
+                f"rank {rs[0]} describes payload {key} ({dtype}{list(shape)}) with the box {list(start)} + "
+                f"{list(extent)}, not inside it (SPEC.md §16.2)"
+            )
         single = (
             np.array([rs[0] for _, rs in regions], dtype=np.int64) if all(len(rs) == 1 for _, rs in regions) else None
         )
@@ -253,7 +306,10 @@ def _raise_peer(gathered: Sequence[bytes | None]) -> None:
     for r, raw in enumerate(gathered):
         if raw is None:
             continue
-        name, msg = _FAILURE.decode(raw)
+        try:
+            name, msg = _FAILURE.decode(raw)
+        except msgspec.MsgspecError:
+            name, msg = "ShardstoreError", f"a failure whose report does not decode ({len(raw)} bytes)"
         cls = getattr(errors, name, None)
         if not (isinstance(cls, type) and issubclass(cls, ShardstoreError)):
             cls = ShardstoreError
@@ -288,7 +344,8 @@ def read_group(
     rank read from the store. ``items``: (payload, dtype, global shape, [(view, global origin)
     of each part], label). ``failure``: this rank could not plan its restore; it still takes
     part in the description exchange and raises it, and every other rank raises it too.
-    ``group``'s backend must carry CPU tensors (Gloo), as the save's block exchange's does."""
+    ``group``'s backend must carry CPU tensors (Gloo), as the save's block exchange's does; a
+    destination on another device (CUDA) receives its pieces through a CPU buffer."""
     global _LAST
     stats = _LAST = GroupReadStats()
     t0 = time.perf_counter()
@@ -329,21 +386,24 @@ def read_group(
     error: BaseException | None = None
     plan: list[PlannedRead] = []
     try:  # the same on every rank, and so are its errors
-        plan = plan_group_read([_NEEDED.decode(g[1:]) for g in gathered], rank)
+        plan = plan_group_read(decode_descriptions([g[1:] for g in gathered]), rank)
     except Exception as e:  # noqa: BLE001
         error = e
     stats.plan_s = time.perf_counter() - t0
     _agree(error, group, stats)
     run = _GroupRead(store, rank, group, threads, stats, locals_)
-    # 3. the sizes of every block this rank reads, before any byte lands on any rank
+    # 3. the sizes of every block this rank reads, before any byte lands on any rank; then the
+    # empty blocks (no byte lands), inside the same agreement: a read that fails on one rank
+    # fails every rank here, never leaves the others waiting in the first batch's all-reduce
     t1 = time.perf_counter()
+    nread = 0
     try:
         check_reads(store, [run.job(p) for p in plan if p.reader == rank] + empty, threads=max(threads, 16))
+        nread = sum(job() for job in empty)
     except Exception as e:  # noqa: BLE001 - every rank learns of it before a byte lands
         error = e
     stats.read_s += time.perf_counter() - t1
     _agree(error, group, stats)
-    nread = sum(job() for job in empty)
     i = 0
     while i < len(plan):  # 4. batches of at most BATCH_BYTES of blocks, the same on every rank
         j, size = i, 0
@@ -354,6 +414,16 @@ def read_group(
         i = j
     stats.bytes_read = nread
     return nread
+
+
+@dataclass
+class _Moves:
+    """A batch's point-to-point transfers on one rank, made ready before its agreement."""
+
+    sends: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (piece, group rank, tag)
+    recvs: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (destination or buffer, reader, tag)
+    strips: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination view, buffer)
+    direct: list[torch.Tensor] = field(default_factory=list)  # destinations received in place
 
 
 @dataclass
@@ -382,19 +452,21 @@ class _GroupRead:
         return BlockRead(self.store, oid, p.box, hits, p.n, p.dtype, label)
 
     def batch(self, batch: list[PlannedRead]) -> int:
-        """Read this rank's blocks of the batch, agree, then send and receive the pieces."""
-        rank, stats = self.rank, self.stats
+        """Read this rank's blocks of the batch and make ready every piece it sends or receives,
+        agree, then send and receive the pieces."""
+        stats = self.stats
         stats.batches += 1
         error: BaseException | None = None
-        bufs: dict[int, torch.Tensor] = {}  # index in the batch -> the whole block, read for others
+        moves = _Moves()
         t0 = time.perf_counter()
         nread = 0
         try:
+            bufs: dict[int, torch.Tensor] = {}  # index in the batch -> the whole block, read for others
             jobs = []
             for k, p in enumerate(batch):
-                if p.reader != rank:
+                if p.reader != self.rank:
                     continue
-                if all(r == rank for r, _, _ in p.pieces):
+                if all(r == self.rank for r, _, _ in p.pieces):
                     jobs.append((None, self.job(p)))
                 else:
                     bufs[k] = buf = torch.empty(p.box[1], dtype=torch_dtype(p.dtype))
@@ -405,13 +477,42 @@ class _GroupRead:
                 for k, buf in bufs.items():  # verified: this rank's own overlaps copied out
                     for v, o, c in self.hits(batch[k]):
                         v[box_slices(c, o)].copy_(buf[box_slices(c, batch[k].box[0])])
+            # the pieces' copies and buffers too, so that a failure to make one (memory) fails every
+            # rank here, never leaves a peer waiting on a send or receive for the group's timeout
+            self._prepare(batch, bufs, moves)
         except Exception as e:  # noqa: BLE001 - every rank learns of it before a piece is sent
             error = e
         stats.read_s += time.perf_counter() - t0
         _agree(error, self.group, stats)
         t1 = time.perf_counter()
         g = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
-        works, strips, keep = [], [], []  # keep: pieces copied out, alive until sent
+        works = [dist.isend(t, dst=g(r), group=self.group, tag=tag) for t, r, tag in moves.sends]
+        works += [dist.irecv(t, src=g(r), group=self.group, tag=tag) for t, r, tag in moves.recvs]
+        for t, _, _ in moves.sends:
+            stats.bytes_sent += t.numel() * t.element_size()
+        for t, _, _ in moves.recvs:
+            stats.bytes_received += t.numel() * t.element_size()
+        stats.pieces_sent += len(moves.sends)
+        stats.pieces_received += len(moves.recvs)
+        for w in works:
+            w.wait()
+        with torch.no_grad():
+            for d, tmp in moves.strips:
+                d.copy_(tmp)
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        for d in moves.direct if bump is not None else ():
+            bump(d)  # written in place, as a read or copy_ is: autograd refuses a graph that saved the old values
+        stats.transfer_s += time.perf_counter() - t1
+        return nread
+
+    def _prepare(self, batch: list[PlannedRead], bufs: dict[int, torch.Tensor], moves: _Moves) -> None:
+        """Every piece of the batch this rank sends (a view of its verified block, or a copy of a
+        piece not contiguous there) or receives (straight into a contiguous CPU destination, or into
+        a buffer copied into place afterwards), with its peer and tag."""
+        rank = self.rank
+        # pieces copied out (not contiguous in their block), alive until sent: one copy per box, however
+        # many ranks hold it (replicas), so they stay within the batch's blocks
+        copies: dict[tuple[int, Box], torch.Tensor] = {}
         # tags: a count per pair of ranks, in plan order (block, then region): the reader numbers the
         # pieces it sends to each rank, the receiver those it takes from each reader, alike
         sent: dict[int, int] = {}
@@ -424,31 +525,25 @@ class _GroupRead:
                     tag = sent[r] = sent.get(r, 0) + 1
                     out = bufs[k][box_slices(c, p.box[0])]
                     if not out.is_contiguous():
-                        out = out.contiguous()
-                        keep.append(out)
-                    works.append(dist.isend(out, dst=g(r), group=self.group, tag=tag))
-                    stats.bytes_sent += out.numel() * out.element_size()
-                    stats.pieces_sent += 1
+                        copy = copies.get((k, c))
+                        if copy is None:
+                            copy = copies[(k, c)] = out.contiguous()
+                            self.stats.bytes_copied_out += copy.numel() * copy.element_size()
+                        out = copy
+                    moves.sends.append((out, r, tag))
                     continue
                 if r != rank:  # (a plan made for this rank holds no other rank's pieces of another's block)
                     continue
                 tag = taken[p.reader] = taken.get(p.reader, 0) + 1
                 dests = [v[box_slices(c, o)] for v, o in self.locals_[p.key].dests[region]]
-                if len(dests) == 1 and dests[0].is_contiguous():
-                    works.append(dist.irecv(dests[0], src=g(p.reader), group=self.group, tag=tag))
+                # Gloo receives into a tensor's raw pointer whatever its device: only CPU memory in place
+                if len(dests) == 1 and dests[0].is_contiguous() and dests[0].device.type == "cpu":
+                    moves.recvs.append((dests[0], p.reader, tag))
+                    moves.direct.append(dests[0])
                 else:
                     tmp = torch.empty(c[1], dtype=torch_dtype(p.dtype))
-                    works.append(dist.irecv(tmp, src=g(p.reader), group=self.group, tag=tag))
-                    strips += [(d, tmp) for d in dests]
-                stats.bytes_received += expected_nbytes(p.dtype, c[1])
-                stats.pieces_received += 1
-        for w in works:
-            w.wait()
-        with torch.no_grad():
-            for d, tmp in strips:
-                d.copy_(tmp)
-        stats.transfer_s += time.perf_counter() - t1
-        return nread
+                    moves.recvs.append((tmp, p.reader, tag))
+                    moves.strips += [(d, tmp) for d in dests]
 
     def _run(self, jobs: list[tuple[int | None, BlockRead]]) -> int:
         """The batch's reads, ``threads`` at a time, each thread staging through one reused buffer."""
