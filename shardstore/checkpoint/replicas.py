@@ -362,7 +362,7 @@ def fetch_replicas(
     the tier fills while the bytes travel), and the report (``rejected``: the copies refused,
     each naming its peer). Collective over ``group``."""
     need = own is None or own.holds(commit) is None
-    copies = PeerCopies()
+    copies = PeerCopies(keeps_in=own)
     return _fetch(group, need, copies, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
 
 
@@ -412,7 +412,7 @@ def start_fetch(
     that lacks them. Collective over ``group``, which nothing else may use until ``wait``."""
     need = own is None or own.holds(commit) is None
     cuda = _device(group)  # the caller's device: a new thread's current CUDA device is the first one
-    copies = PeerCopies(pending=need)  # its reads wait until the exchange has said what is coming
+    copies = PeerCopies(pending=need, keeps_in=own)  # its reads wait until the exchange has said what is coming
 
     def run() -> tuple[PeerCopies, ReplicaReport]:
         if cuda.type == "cuda":
@@ -473,6 +473,9 @@ def _fetch(
                     )
                     copies.refused(oid)  # a read waiting for it goes on to the store
                     return
+                # Verified: straight into the buffers of the restore's reads waiting for it (they go on
+                # at once), then kept, for any later read of it and for the tier.
+                copies.deliver(oid, data)
                 if own is None:
                     copies.add(oid, data, _peer, verified=True)  # its message buffer is this object's alone
                     return
