@@ -22,7 +22,9 @@ a buffer it is given (``StagedCopies``: the memory tier's files) reads it straig
 caller's buffer, hashing each chunk while it is in cache (one copy, no memory of its own); a
 copy that fails there is overwritten by the next tier's or the store's before the read
 returns, so none of its bytes is handed on. A copy this process verified as it arrived from a
-peer and kept unchanged since (``VerifiedReads``) is read into the caller's buffer unhashed.
+peer and kept unchanged since (``VerifiedReads``) is read into the caller's buffer unhashed;
+a read waiting for a peer's copy still on its way is handed it from the buffer it was verified
+in (``PeerCopies.deliver``).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class PeerCopies:
         self._coming: set[str] = set()
         self._order: dict[str, int] = {}  # each expected object's place in the order they are sent
         self._waiting: dict[str, list[_Waiting]] = {}  # reads waiting for a copy, with their buffers
+        self._handed: dict[str, int] = {}  # copies handed to waiting reads as they landed, and from which peer
         self.keeps_in = keeps_in
         self._arrival = threading.Condition()
         # pending: an exchange will say what is coming; every read waits until it has (or is over)
@@ -139,20 +142,23 @@ class PeerCopies:
         """``oid``'s place in the order the copies are sent (None: not expected); never waits."""
         return self._order.get(oid)
 
-    def deliver(self, oid: str, data: memoryview) -> int:
-        """The exchange has just hashed ``data`` to ``oid``: copy it into the buffer of each read
-        waiting for ``oid`` now (of ``len(data)`` bytes) and let that read return; the number of
-        reads served. Only verified bytes may be handed here."""
-        with self._arrival:
-            waiting = list(self._waiting.get(oid, ()))
+    def deliver(self, oid: str, data: memoryview, peer: int) -> int:
+        """The exchange has just hashed ``data`` (from ``peer``) to ``oid``: copy it into the
+        buffer of each read waiting for ``oid`` now (of ``len(data)`` bytes) and let those reads
+        return; the number of reads served. Only verified bytes may be handed here. A copy handed
+        over has landed: this tier keeps nothing of it (``data`` is the exchange's to reuse), and
+        each read it served keeps it in the fill tier from its own buffer, as it keeps a copy
+        read from the store (``TieredStorage``: ``kept_in`` is None for it)."""
         served = 0
-        for w in waiting:
-            if len(w.out) == len(data):
-                w.out[:] = data  # a waiting read's own buffer: nothing else writes it until it returns
-                w.filled = True
-                served += 1
-        if served:
-            with self._arrival:
+        with self._arrival:  # no read starts waiting for it meanwhile (one that comes later reads the tiers)
+            for w in self._waiting.get(oid, ()):
+                if len(w.out) == len(data):
+                    w.out[:] = data  # a waiting read's own buffer: nothing else writes it until it returns
+                    w.filled = True
+                    served += 1
+            if served:
+                self._handed[oid] = peer
+                self._coming.discard(oid)
                 self._arrival.notify_all()
         return served
 
@@ -185,7 +191,8 @@ class PeerCopies:
         got = self._kept.get(oid)
         if got is not None:
             return got[0]
-        return self.keeps_in if oid in self._order and oid not in self._objects else None
+        held = oid in self._objects or oid in self._handed
+        return self.keeps_in if oid in self._order and not held else None
 
     def __contains__(self, oid: str) -> bool:
         """Whether a copy of ``oid`` has landed (never waits)."""
@@ -257,6 +264,8 @@ class PeerCopies:
     def where(self, oid: str) -> str:
         if oid in self._objects:
             return f"peer slot {self._objects[oid][1]}"
+        if oid in self._handed:
+            return f"peer slot {self._handed[oid]}"
         return f"peer slot {self._kept[oid][2]}" if oid in self._kept else "a peer"
 
     def __len__(self) -> int:

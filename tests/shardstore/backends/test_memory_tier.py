@@ -295,8 +295,9 @@ def test_a_read_waiting_for_a_peer_copy_gets_the_verified_bytes_without_reading_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What ``fetch_replicas`` does with a copy a restore is waiting for: hashed in its receive
-    buffer, copied from there into the waiting read's tensor (``deliver``), then kept in the tier:
-    the restore neither hashes it again nor reads the tier's file back, nor writes it a second time."""
+    buffer and copied from there into the waiting read's tensor (``deliver``); the read writes it
+    to the tier from its tensor (read-allocate), once. The restore neither hashes it again nor
+    reads the tier's file back."""
     store = ss.open_store(str(tmp_path / "store"))
     cid = ss.save(store, TinyNet(), step=1)
     oid = ss.load_commit(store, cid).shards[0].entries[0].param
@@ -321,13 +322,11 @@ def test_a_read_waiting_for_a_peer_copy_gets_the_verified_bytes_without_reading_
     monkeypatch.setattr(_CountingBlake3, "hashed", 0)
     receive = memoryview(bytearray(data))  # the exchange's receive buffer
     assert ss.format.tensors.hash_bytes(receive) == oid  # the landing's one hash
-    assert peers.deliver(oid, receive) == 1
+    assert peers.deliver(oid, receive, 1) == 1
     t.join(5)
-    kept = tier.keep_verified(oid, receive)  # then the tier, from the same buffer
-    assert kept is not None
-    peers.add_kept(oid, tier, kept, peer=1)
+    assert not t.is_alive()
     assert _CountingBlake3.hashed == len(data)  # once, by the landing; the restore hashed nothing
-    assert calls == {"read_kept_into": 0, "put": 0, "fetch_into": 0}  # no tier read back, no second write
+    assert calls == {"read_kept_into": 0, "put": 1, "fetch_into": 0}  # written to the tier once, never read back
     assert counted_tiers.counts() == {"memory": 0, "peers": len(data), "store": 0}
     assert dest.numpy().tobytes() == data and tier.has(oid)
 
