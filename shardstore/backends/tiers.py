@@ -195,8 +195,8 @@ class PeerCopies:
         return self.keeps_in if oid in self._order and not held else None
 
     def __contains__(self, oid: str) -> bool:
-        """Whether a copy of ``oid`` has landed (never waits)."""
-        return oid in self._objects or oid in self._kept
+        """Whether a copy of ``oid`` has landed (held, or handed to the reads waiting for it; never waits)."""
+        return oid in self._objects or oid in self._kept or oid in self._handed
 
     def holds_or_expects(self, oid: str) -> bool:
         """Whether a copy of ``oid`` has landed or is on its way (never waits)."""
@@ -278,6 +278,8 @@ class PeerCopies:
         self.done()
         self._objects.clear()
         self._kept.clear()
+        self._handed.clear()
+        self._order.clear()
 
 
 class _Waiting:
