@@ -106,13 +106,14 @@ class PeerCopies:
     one of them waits until it has landed (``add``, ``add_kept``), was ``refused``, or the
     exchange is over (``done``); it then reads whatever the tiers have, the store last. A read
     waiting for a copy (``read_verified_into``) leaves its buffer here, and the exchange copies the
-    bytes it has just verified straight into it from its receive buffer (``deliver``), before
-    writing them anywhere else: the restore neither reads the copy back from the tier nor waits
-    for the tier's write. ``arrival`` says in which order the copies are coming, so that a restore
-    can ask for them in that order (``format.grid.run_reads``) and be waiting for each as it lands.
+    bytes it has just verified straight into it from its receive buffer (``deliver``) and keeps
+    nothing of them: the read writes them to its fill tier itself, and the restore never reads
+    such a copy back from the tier. ``arrival`` says in which order the copies are coming, so that
+    a restore can ask for them in that order (``format.grid.run_reads``) and be waiting for each
+    as it lands.
 
-    ``keeps_in``: the tier the exchange writes each verified copy to as it arrives (a reader
-    must not write it there a second time)."""
+    ``keeps_in``: the tier the exchange writes each verified copy no read was waiting for to, as
+    it arrives (a reader must not write such a copy there a second time)."""
 
     name = "peers"
 
@@ -401,17 +402,15 @@ class TieredStorage:
         return None
 
     def _ordered(self, oid: str) -> list[CopyTier]:
-        """The tiers to ask for ``oid``: one holding a copy this process verified as it arrived
-        first (the object's bytes, already checked, so the cheapest; and counted under the tier
-        they came from, although they were also written to the fill tier as they arrived), then
-        the rest in their order."""
+        """The tiers to ask for ``oid``: one holding a copy this process verified as it arrived, or
+        a peer tier with a copy on its way, first (the object's bytes, already checked, so the
+        cheapest; and counted under the tier they came from, although they were also written to
+        the fill tier as they arrived), then the rest in their order."""
         first = [
             t
             for t in self.tiers
-            if isinstance(t, PeerCopies)
-            and t.arrival(oid) is not None
-            or isinstance(t, VerifiedCopies)
-            and t.verified(oid)
+            if (isinstance(t, PeerCopies) and t.arrival(oid) is not None)  # coming or come: never waits
+            or (isinstance(t, VerifiedCopies) and t.verified(oid))
         ]
         return first + [t for t in self.tiers if t not in first] if first else self.tiers
 
