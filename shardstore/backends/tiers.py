@@ -22,7 +22,9 @@ a buffer it is given (``StagedCopies``: the memory tier's files) reads it straig
 caller's buffer, hashing each chunk while it is in cache (one copy, no memory of its own); a
 copy that fails there is overwritten by the next tier's or the store's before the read
 returns, so none of its bytes is handed on. A copy this process verified as it arrived from a
-peer and kept unchanged since (``VerifiedReads``) is read into the caller's buffer unhashed.
+peer and kept unchanged since (``VerifiedReads``) is read into the caller's buffer unhashed;
+a read waiting for a peer's copy still on its way is handed it from the buffer it was verified
+in (``PeerCopies.deliver``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import InvalidName, ShardstoreError
 from ..format.names import check_oid
 from ..format.tensors import hash_bytes, new_hasher
-from .base import BatchedWrites, Buffer, HashedReads, Storage, StreamedReads
+from .base import BatchedWrites, Buffer, HashedReads, ReadsAhead, Storage, StreamedReads
 from .memory_tier import Kept, MemoryTier
 
 __all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES", "VerifiedCopies", "VerifiedReads"]
@@ -102,14 +104,27 @@ class PeerCopies:
 
     A restore may run while the copies arrive: the objects ``expect``ed are coming, and a read of
     one of them waits until it has landed (``add``, ``add_kept``), was ``refused``, or the
-    exchange is over (``done``); it then reads whatever the tiers have, the store last."""
+    exchange is over (``done``); it then reads whatever the tiers have, the store last. A read
+    waiting for a copy (``read_verified_into``) leaves its buffer here, and the exchange copies the
+    bytes it has just verified straight into it from its receive buffer (``deliver``) and keeps
+    nothing of them: the read writes them to its fill tier itself, and the restore never reads
+    such a copy back from the tier. ``arrival`` says in which order the copies are coming, so that
+    a restore can ask for them in that order (``format.grid.run_reads``) and be waiting for each
+    as it lands.
+
+    ``keeps_in``: the tier the exchange writes each verified copy no read was waiting for to, as
+    it arrives (a reader must not write such a copy there a second time)."""
 
     name = "peers"
 
-    def __init__(self, *, pending: bool = False) -> None:
+    def __init__(self, *, pending: bool = False, keeps_in: MemoryTier | None = None) -> None:
         self._objects: dict[str, tuple[Buffer, int, bool]] = {}
         self._kept: dict[str, tuple[MemoryTier, Kept, int]] = {}
         self._coming: set[str] = set()
+        self._order: dict[str, int] = {}  # each expected object's place in the order they are sent
+        self._waiting: dict[str, list[_Waiting]] = {}  # reads waiting for a copy, with their buffers
+        self._handed: dict[str, int] = {}  # copies handed to waiting reads as they landed, and from which peer
+        self.keeps_in = keeps_in
         self._arrival = threading.Condition()
         # pending: an exchange will say what is coming; every read waits until it has (or is over)
         self._told = threading.Event()
@@ -117,10 +132,36 @@ class PeerCopies:
             self._told.set()
 
     def expect(self, oids: Iterable[str]) -> None:
-        """``oids`` are on their way: a read of one waits for it."""
+        """``oids`` are on their way, in this order: a read of one waits for it."""
         with self._arrival:
-            self._coming.update(oids)
+            for oid in oids:
+                self._coming.add(oid)
+                self._order.setdefault(oid, len(self._order))
         self._told.set()
+
+    def arrival(self, oid: str) -> int | None:
+        """``oid``'s place in the order the copies are sent (None: not expected); never waits."""
+        return self._order.get(oid)
+
+    def deliver(self, oid: str, data: memoryview, peer: int) -> int:
+        """The exchange has just hashed ``data`` (from ``peer``) to ``oid``: copy it into the
+        buffer of each read waiting for ``oid`` now (of ``len(data)`` bytes) and let those reads
+        return; the number of reads served. Only verified bytes may be handed here. A copy handed
+        over has landed: this tier keeps nothing of it (``data`` is the exchange's to reuse), and
+        each read it served keeps it in the fill tier from its own buffer, as it keeps a copy
+        read from the store (``TieredStorage``: ``kept_in`` is None for it)."""
+        served = 0
+        with self._arrival:  # no read starts waiting for it meanwhile (one that comes later reads the tiers)
+            for w in self._waiting.get(oid, ()):
+                if len(w.out) == len(data):
+                    w.out[:] = data  # a waiting read's own buffer: nothing else writes it until it returns
+                    w.filled = True
+                    served += 1
+            if served:
+                self._handed[oid] = peer
+                self._coming.discard(oid)
+                self._arrival.notify_all()
+        return served
 
     def _landed(self, oid: str) -> None:
         with self._arrival:
@@ -146,13 +187,21 @@ class PeerCopies:
                     self._arrival.wait()
 
     def kept_in(self, oid: str) -> MemoryTier | None:
-        """The tier ``oid``'s copy was written to as it arrived (None: it is held in memory)."""
+        """The tier ``oid``'s copy was (or, still on its way or being written, is to be) written to
+        as it arrived; None: it is held in memory, or not written anywhere."""
         got = self._kept.get(oid)
-        return None if got is None else got[0]
+        if got is not None:
+            return got[0]
+        held = oid in self._objects or oid in self._handed
+        return self.keeps_in if oid in self._order and not held else None
 
     def __contains__(self, oid: str) -> bool:
-        """Whether a copy of ``oid`` has landed (never waits)."""
-        return oid in self._objects or oid in self._kept
+        """Whether a copy of ``oid`` has landed (held, or handed to the reads waiting for it; never waits)."""
+        return oid in self._objects or oid in self._kept or oid in self._handed
+
+    def holds_or_expects(self, oid: str) -> bool:
+        """Whether a copy of ``oid`` has landed or is on its way (never waits)."""
+        return oid in self or oid in self._coming
 
     def add(self, oid: str, data: Buffer, peer: int, *, verified: bool = False) -> None:
         """Keep ``data`` as ``oid``'s copy from ``peer``; ``verified``: the caller hashed exactly
@@ -173,8 +222,24 @@ class PeerCopies:
 
     def read_verified_into(self, oid: str, out: memoryview) -> int | None:
         """``VerifiedReads``: a verified copy of ``oid`` put in ``out`` if it has ``len(out)``
-        bytes (a kept file only while it is still the file written, unchanged); None otherwise."""
-        self._wait(oid)
+        bytes (a kept file only while it is still the file written, unchanged); None otherwise. A
+        copy still on its way is waited for with ``out`` left here, which the exchange fills from
+        the bytes it verified (``deliver``) as soon as they have landed."""
+        self._told.wait()
+        if oid in self._coming:
+            w = _Waiting(out)
+            with self._arrival:
+                if oid in self._coming:
+                    self._waiting.setdefault(oid, []).append(w)
+                    try:
+                        while oid in self._coming and not w.filled:
+                            self._arrival.wait()
+                    finally:
+                        self._waiting[oid].remove(w)
+                        if not self._waiting[oid]:
+                            del self._waiting[oid]
+            if w.filled:
+                return len(out)
         got = self._objects.get(oid)
         if got is not None:
             if not got[2] or len(got[0]) != len(out):
@@ -200,6 +265,8 @@ class PeerCopies:
     def where(self, oid: str) -> str:
         if oid in self._objects:
             return f"peer slot {self._objects[oid][1]}"
+        if oid in self._handed:
+            return f"peer slot {self._handed[oid]}"
         return f"peer slot {self._kept[oid][2]}" if oid in self._kept else "a peer"
 
     def __len__(self) -> int:
@@ -212,6 +279,26 @@ class PeerCopies:
         self.done()
         self._objects.clear()
         self._kept.clear()
+        self._handed.clear()
+        self._order.clear()
+
+
+class _Waiting:
+    """A read waiting for a peer's copy: its buffer, and whether the exchange has filled it."""
+
+    __slots__ = ("out", "filled")
+
+    def __init__(self, out: memoryview) -> None:
+        self.out = out
+        self.filled = False
+
+
+def _serves(tier: CopyTier, oid: str) -> bool:
+    """Whether ``tier`` holds a copy of ``oid`` or has one on its way (never waits, never reads)."""
+    if isinstance(tier, PeerCopies):
+        return tier.holds_or_expects(oid)
+    has = getattr(tier, "has", None)
+    return bool(has is not None and has(oid))
 
 
 def _object_id(key: str) -> str | None:
@@ -271,7 +358,7 @@ class TieredStorage:
         """``_keep`` a copy ``tier`` served, unless it is in the fill tier already: its own, or a
         peer's copy written there as it arrived (a second write would only touch its time, and so
         end the file's standing as the very copy that was verified)."""
-        if tier is self.fill or (isinstance(tier, PeerCopies) and tier.kept_in(oid) is self.fill):
+        if tier is self.fill or (isinstance(tier, PeerCopies) and tier.kept_in(oid) is self.fill is not None):
             return
         self._keep(oid, data)
 
@@ -315,11 +402,16 @@ class TieredStorage:
         return None
 
     def _ordered(self, oid: str) -> list[CopyTier]:
-        """The tiers to ask for ``oid``: one holding a copy this process verified as it arrived
-        first (the object's bytes, already checked, so the cheapest; and counted under the tier
-        they came from, although they were also written to the fill tier as they arrived), then
-        the rest in their order."""
-        first = [t for t in self.tiers if isinstance(t, VerifiedCopies) and t.verified(oid)]
+        """The tiers to ask for ``oid``: one holding a copy this process verified as it arrived, or
+        a peer tier with a copy on its way, first (the object's bytes, already checked, so the
+        cheapest; and counted under the tier they came from, although they were also written to
+        the fill tier as they arrived), then the rest in their order."""
+        first = [
+            t
+            for t in self.tiers
+            if (isinstance(t, PeerCopies) and t.arrival(oid) is not None)  # coming or come: never waits
+            or (isinstance(t, VerifiedCopies) and t.verified(oid))
+        ]
         return first + [t for t in self.tiers if t not in first] if first else self.tiers
 
     def _copy_into(self, oid: str, out: memoryview) -> CopyTier | None:
@@ -423,6 +515,25 @@ class TieredStorage:
         if n == len(out) and consume is not None:
             consume(out)
         return n
+
+    def arrival(self, key: str) -> int | None:
+        """The object's place in the order a peer tier's copies are coming (``PeerCopies.arrival``);
+        None for any other key or object. Never waits."""
+        oid = _object_id(key)
+        if oid is None:
+            return None
+        places = [p for t in self.tiers if isinstance(t, PeerCopies) and (p := t.arrival(oid)) is not None]
+        return min(places) if places else None
+
+    def read_ahead(self, key: str) -> None:
+        """The durable backend's ``ReadsAhead`` for an object no tier can serve; nothing for one a
+        tier holds or a peer is sending (the store's copy will not be read: asking the disk for it
+        only cost the restore CPU and I/O). Advisory, as ever: a read still asks every tier in order."""
+        oid = _object_id(key)
+        if oid is not None and any(_serves(t, oid) for t in self.tiers):
+            return
+        if isinstance(self.durable, ReadsAhead):
+            self.durable.read_ahead(key)
 
     # -- everything else is the durable backend's -----------------------------------------
 

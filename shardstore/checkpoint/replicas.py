@@ -26,10 +26,13 @@ each id, and holds the commit there when every object is present. ``fetch_replic
 it at a restart, after the group agreed on the commit: a worker whose own tier does not hold
 the commit gets its slot's objects from its buddies into a ``PeerCopies`` tier, which the
 restore reads through ``TieredStorage``. Each object is verified against its id as it lands
-(hashed on the helper thread while the next message travels, and not again by the restore)
-and written to the worker's own tier there and then, so the tier fills while the bytes
-travel and the restore reads those files straight into its tensors; a wrong one is refused,
-named with the peer that sent it, and the restore reads it from the store instead.
+(hashed on the helper thread while the next message travels, and not again by the restore).
+A restore read already waiting for it gets it from the receive buffer there and then, copied
+into its tensor (``PeerCopies.deliver``), and writes it to the worker's own tier itself; any
+other is written to that tier by the helper, and the restore reads that file straight into its
+tensor. So the tier fills while the bytes travel, and the restore reads the tier back only for
+copies that landed before it asked for them (it asks in the order they are sent). A wrong one
+is refused, named with the peer that sent it, and the restore reads it from the store instead.
 ``start_fetch`` runs the same exchange on a thread of its own, so that a worker whose tier
 holds the commit restores from it while it sends its buddy's copies, and one that lacks it
 restores while they arrive: the sender offers the smallest objects first (the manifests a
@@ -362,7 +365,7 @@ def fetch_replicas(
     the tier fills while the bytes travel), and the report (``rejected``: the copies refused,
     each naming its peer). Collective over ``group``."""
     need = own is None or own.holds(commit) is None
-    copies = PeerCopies()
+    copies = PeerCopies(keeps_in=own)
     return _fetch(group, need, copies, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
 
 
@@ -412,7 +415,7 @@ def start_fetch(
     that lacks them. Collective over ``group``, which nothing else may use until ``wait``."""
     need = own is None or own.holds(commit) is None
     cuda = _device(group)  # the caller's device: a new thread's current CUDA device is the first one
-    copies = PeerCopies(pending=need)  # its reads wait until the exchange has said what is coming
+    copies = PeerCopies(pending=need, keeps_in=own)  # its reads wait until the exchange has said what is coming
 
     def run() -> tuple[PeerCopies, ReplicaReport]:
         if cuda.type == "cuda":
@@ -473,10 +476,15 @@ def _fetch(
                     )
                     copies.refused(oid)  # a read waiting for it goes on to the store
                     return
-                if own is None:
-                    copies.add(oid, data, _peer, verified=True)  # its message buffer is this object's alone
+                if own is None:  # its message buffer is this object's alone
+                    copies.deliver(oid, data, _peer)
+                    copies.add(oid, data, _peer, verified=True)
                     return
-                # The tier fills as copies arrive: the restore reads this file straight into its tensor.
+                # Verified: straight into the buffers of the restore's reads waiting for it, which go on
+                # at once and write it to the tier themselves (this thread lands the next copy meanwhile)
+                if copies.deliver(oid, data, _peer):
+                    return
+                # Not asked for yet: kept in the tier, whose file the restore reads straight into its tensor.
                 kept = _try_value(lambda: own.keep_verified(oid, data))
                 if kept is not None:
                     copies.add_kept(oid, own, kept, _peer)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -597,6 +597,7 @@ def run_reads(jobs: Sequence[BlockRead], *, threads: int, window: int | None = N
     stage = staging()
     if len(jobs) <= 1:
         return sum(job(stage) for job in jobs)
+    jobs = _in_arrival_order(jobs)
     if window is None:
         window = READ_AHEAD_BYTES if threads <= READ_AHEAD_THREADS else 0
     ahead = _ReadAhead(jobs, window) if window > 0 else None
@@ -610,6 +611,25 @@ def run_reads(jobs: Sequence[BlockRead], *, threads: int, window: int | None = N
         return sum(run(i) for i in range(len(jobs)))
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return sum(pool.map(run, range(len(jobs))))
+
+
+def _in_arrival_order(jobs: Sequence[BlockRead]) -> Sequence[BlockRead]:
+    """``jobs`` with those whose block a peer is sending (``Store.arrival``: a restore through peer
+    replicas, SPEC.md §19.3) last, in the order the blocks come, the others first as they were: the
+    reading threads then wait for each copy as it lands, and it is handed to them from the
+    buffer it was verified in. The order changes no byte a read returns, only when it runs."""
+    arrivals: dict[int, Callable[[str], int | None] | None] = {}
+    places = []
+    for job in jobs:
+        key = id(job.store)
+        if key not in arrivals:
+            arrivals[key] = getattr(job.store, "arrival", None)
+        arrival = arrivals[key]
+        places.append(None if arrival is None else arrival(job.oid))
+    if all(p is None for p in places):
+        return jobs
+    order = sorted(range(len(jobs)), key=lambda i: (-1, i) if places[i] is None else (places[i], i))
+    return [jobs[i] for i in order]
 
 
 def read_whole(store: BlockStore, payload: Payload, dtype: str, shape: Sequence[int], what: str) -> torch.Tensor:

@@ -278,6 +278,13 @@ class Store:
         data = self.storage.read(key)
         return hash_bytes(data, threads=threads), len(data)
 
+    def arrival(self, oid: str) -> int | None:
+        """Object ``oid``'s place in the order a peer is sending copies to this process (a backend
+        with ``arrival``: ``TieredStorage`` over ``PeerCopies``), None when none is coming: a
+        restore reads such objects in that order (``format.grid.run_reads``). Never waits."""
+        arrival = getattr(self.storage, "arrival", None)
+        return None if arrival is None else arrival(object_key(oid))
+
     def read_ahead(self, oid: str) -> None:
         """Start fetching object ``oid``, about to be read, without waiting (``store.tensors.read_ahead``)."""
         tensors_io.read_ahead(self.storage, oid)

@@ -5,6 +5,7 @@ memory → peers → store with every copy verified against its id and counted p
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -277,3 +278,111 @@ def test_a_named_pipe_planted_where_a_kept_copy_was_never_blocks_its_read(tmp_pa
         t.join(5)
         pytest.fail("read_kept_into blocked on a named pipe")
     assert got == [None]
+
+
+def _waiting_read(reader: ss.Store, oid: str, dest: torch.Tensor, peers: PeerCopies) -> threading.Thread:
+    """``reader.read_into(oid, dest)`` on a thread of its own, returned once it waits for ``oid``'s copy."""
+    t = threading.Thread(target=reader.read_into, args=(oid, dest))
+    t.start()
+    for _ in range(5000):  # until the read has left its buffer with the copies (at most 5 s)
+        if peers._waiting.get(oid):
+            return t
+        threading.Event().wait(0.001)
+    pytest.fail("the read never waited for the copy on its way")
+
+
+def test_a_read_waiting_for_a_peer_copy_gets_the_verified_bytes_without_reading_the_tier_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``fetch_replicas`` does with a copy a restore is waiting for: hashed in its receive
+    buffer and copied from there into the waiting read's tensor (``deliver``); the read writes it
+    to the tier from its tensor (read-allocate), once. The restore neither hashes it again nor
+    reads the tier's file back."""
+    store = ss.open_store(str(tmp_path / "store"))
+    cid = ss.save(store, TinyNet(), step=1)
+    oid = ss.load_commit(store, cid).shards[0].entries[0].param
+    data = bytes(store.get(oid))
+    tier = MemoryTier(str(tmp_path / "tier"), 0)
+    peers = PeerCopies(pending=True, keeps_in=tier)
+    peers.expect([oid])
+    calls = {"read_kept_into": 0, "put": 0, "fetch_into": 0}
+    for name in calls:
+        real = getattr(MemoryTier, name)
+
+        def counted(*a: object, _real: object = real, _name: str = name, **k: object) -> object:
+            calls[_name] += 1
+            return _real(*a, **k)  # type: ignore[operator]
+
+        monkeypatch.setattr(MemoryTier, name, counted)
+    reader, counted_tiers = _tiered(store, tier, peers, fill=tier)
+    dest = torch.zeros(len(data) // 4, dtype=torch.float32)
+    t = _waiting_read(reader, oid, dest, peers)
+    assert not dest.any()  # nothing lands before the copy is verified
+    monkeypatch.setattr(ss.format.tensors, "blake3", SimpleNamespace(blake3=_CountingBlake3))
+    monkeypatch.setattr(_CountingBlake3, "hashed", 0)
+    receive = memoryview(bytearray(data))  # the exchange's receive buffer
+    assert ss.format.tensors.hash_bytes(receive) == oid  # the landing's one hash
+    assert peers.deliver(oid, receive, 1) == 1
+    t.join(5)
+    assert not t.is_alive()
+    assert _CountingBlake3.hashed == len(data)  # once, by the landing; the restore hashed nothing
+    assert calls == {"read_kept_into": 0, "put": 1, "fetch_into": 0}  # written to the tier once, never read back
+    assert counted_tiers.counts() == {"memory": 0, "peers": len(data), "store": 0}
+    assert dest.numpy().tobytes() == data and tier.has(oid)
+
+
+def test_a_peer_copy_refused_as_it_lands_leaves_a_waiting_read_to_the_store(tmp_path: Path) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    cid = ss.save(store, TinyNet(), step=1)
+    oid = ss.load_commit(store, cid).shards[0].entries[0].param
+    data = bytes(store.get(oid))
+    peers = PeerCopies(pending=True)
+    peers.expect([oid])
+    reader, counted = _tiered(store, peers)
+    dest = torch.zeros(len(data) // 4, dtype=torch.float32)
+    t = _waiting_read(reader, oid, dest, peers)
+    assert not dest.any()
+    peers.refused(oid)  # its bytes did not hash to its id: nothing delivered
+    t.join(5)
+    assert dest.numpy().tobytes() == data and counted.counts() == {"memory": 0, "peers": 0, "store": len(data)}
+
+
+def test_a_restore_reads_the_peers_copies_in_the_order_they_come(tmp_path: Path) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    net = TinyNet()
+    cid = ss.save(store, net, step=1)
+    oids = [e.param for e in ss.load_commit(store, cid).shards[0].entries]
+    coming = list(reversed(oids[1:]))  # the first one held here, the rest coming last first
+    peers = PeerCopies(pending=True)
+    peers.expect(coming)
+    reader, _ = _tiered(store, peers)
+    order: list[str] = []
+    real = TieredStorage.read_into_hashed
+
+    def spy(self: TieredStorage, key: str, out: memoryview) -> tuple[int, str]:
+        order.append(key.rsplit("/", 1)[-1])
+        return real(self, key, out)
+
+    peers.done()  # nothing comes after all: every read goes on to the store, in the same order
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TieredStorage, "read_into_hashed", spy)
+        ss.restore(reader, cid, TinyNet(), threads=1)
+    assert [o for o in order if o in oids] == [oids[0], *coming]
+
+
+def test_no_read_ahead_from_the_store_for_an_object_a_tier_will_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ss.open_store(str(tmp_path / "store"))
+    cid = ss.save(store, TinyNet(), step=1)
+    a, b, c = (e.param for e in ss.load_commit(store, cid).shards[0].entries[:3])
+    tier = MemoryTier(str(tmp_path / "tier"), 0)
+    tier.put(a, store.get(a))
+    peers = PeerCopies(pending=True)
+    peers.expect([b])
+    asked: list[str] = []
+    monkeypatch.setattr(type(store.storage), "read_ahead", lambda self, key: asked.append(key.rsplit("/", 1)[-1]))
+    reader, _ = _tiered(store, tier, peers, fill=tier)
+    for oid in (a, b, c):
+        reader.read_ahead(oid)
+    assert asked == [c]  # only the one no tier holds or has coming

@@ -143,6 +143,24 @@ def _body(rank: int, world: int, home: str) -> dict:
         out["counts"] = reader.counts()
         out["rejected"] = report.rejected + reader.rejected  # refused as it landed, naming the peer
         out["bad"] = bad
+    # again in the background, the restore's reads into their buffers waiting for the copies: the
+    # good ones are handed over from the bytes verified as they landed, the corrupt one is refused
+    # before any of its bytes reaches a buffer, and read from the store
+    if rank == 1:
+        own = MemoryTier(os.path.join(home, "replacement1d"), 1)
+    fetching = start_fetch(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
+    if rank == 1:
+        reader = TieredStorage(store.storage, [own, fetching.copies], fill=own)
+        outs = {oid: bytearray(len(data)) for oid, data in second.items()}
+        got = [reader.read_into_hashed(f"objects/{oid[:2]}/{oid}", memoryview(into)) for oid, into in outs.items()]
+        out["waited_reads"] = [
+            got == [(len(d), o) for o, d in second.items()],
+            all(outs[o] == d for o, d in second.items()),
+        ]
+        out["waited_counts"] = reader.counts()
+    _, report = fetching.wait()
+    if rank == 1:
+        out["waited_rejected"] = report.rejected + reader.rejected
     return out
 
 
@@ -190,6 +208,18 @@ def test_a_buddy_sending_wrong_bytes_is_named_and_the_store_read_instead(ranks: 
     assert r["counts"]["peers"] == sum(len(d) for d in _objects(1, 4, version=1).values()) - r["counts"]["store"]
     assert len(r["rejected"]) == 1
     assert r["rejected"][0].startswith(f"object {bad}: the copy from peer slot 2 does not hash to its id")
+
+
+def test_reads_waiting_for_copies_get_the_verified_ones_and_the_store_for_a_corrupt_one(ranks: list[dict]) -> None:
+    r = ranks[1]
+    bad = r["bad"]
+    assert r["waited_reads"] == [True, True]
+    assert r["waited_counts"]["store"] == len(_objects(1, 4, version=1)[bad])
+    assert r["waited_counts"]["peers"] == sum(len(d) for d in _objects(1, 4, version=1).values()) - len(
+        _objects(1, 4, version=1)[bad]
+    )
+    assert len(r["waited_rejected"]) == 1
+    assert r["waited_rejected"][0].startswith(f"object {bad}: the copy from peer slot 2 does not hash to its id")
 
 
 def test_senders_read_objects_straight_into_the_messages(ranks: list[dict]) -> None:
