@@ -421,8 +421,9 @@ def load_commit(store: Store, target: str, *, group: Any = None) -> LoadedCommit
     all-gathered; every rank verifies every manifest's bytes against its id before decoding
     it and runs the same checks, so the result is the one each would have read on its own. A
     failure on any rank (a missing or corrupt manifest, bytes from a peer that do not hash to
-    their id, a problem of the commit) is raised on every rank, by type, naming it. None, or a
-    group of one process: the load on its own, above.
+    their id, a problem of the commit) is raised on every rank, by type, naming it. The group's
+    backend must carry CPU tensors (Gloo), as a restore by exchange's does. None, or a group of
+    one process: the load on its own, above.
     """
     if group is not None:
         from . import collective  # torch.distributed: imported only for a group
@@ -458,6 +459,8 @@ class _Read(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 _READS = msgspec.msgpack.Decoder(list[_Read])
+#: The most characters of a read error's message a rank sends for a shard manifest (UTF-8: at most 4 bytes each).
+_MESSAGE_CHARS = 2048
 #: A shard manifest's share of a rank's bytes beyond the manifest itself (its id, an error, framing).
 _READ_OVERHEAD = 16384
 
@@ -584,7 +587,9 @@ def _read_share(store: Store, oids: list[str]) -> list[_Read]:
     else:
         got = [_read_raw(store, o) for o in oids]
     return [
-        _Read(o, b"", (type(g).__name__, str(g))) if isinstance(g, ShardstoreError) else _Read(o, g)
+        _Read(o, b"", (type(g).__name__[:128], str(g)[:_MESSAGE_CHARS]))
+        if isinstance(g, ShardstoreError)
+        else _Read(o, g)
         for o, g in zip(oids, got)
     ]
 
