@@ -16,9 +16,11 @@ import msgspec
 from .. import errors
 from ..errors import (
     BindingError,
+    CommitProtocolError,
     CorruptObject,
     CursorError,
     GridError,
+    InvalidName,
     LayoutError,
     ManifestError,
     ObjectNotFound,
@@ -459,6 +461,8 @@ class _Read(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 _READS = msgspec.msgpack.Decoder(list[_Read])
+#: The most bytes of a target group rank 0 resolves for the group (a ref name is far shorter).
+_TARGET_BYTES = 4096
 #: The most characters of a read error's message a rank sends for a shard manifest (UTF-8: at most 4 bytes each).
 _MESSAGE_CHARS = 2048
 #: A shard manifest's share of a rank's bytes beyond the manifest itself (its id, an error, framing).
@@ -469,8 +473,8 @@ def _load_commit_grouped(store: Store, target: str, group: Any) -> LoadedCommit:
     """``load_commit`` with the manifests read once in ``group`` (SPEC.md §16.3; more than one rank).
 
     1. group rank 0 resolves ``target`` and reads the commit manifest (verified, bounded) and
-       broadcasts its id and bytes, or its failure;
-    2. every rank verifies those bytes against the id, decodes them and checks the layout names
+       broadcasts its id, the target and the bytes, or its failure;
+    2. every rank checks it names that target, verifies the bytes against the id, decodes them and checks the layout names
        no shard manifest twice; the distinct shard manifest ids, sorted, are split round robin
        (rank r reads the ids at r, r + world, ...), each read verified and bounded;
     3. the shares are all-gathered (each rank's length first, checked against its bound:
@@ -488,16 +492,22 @@ def _load_commit_grouped(store: Store, target: str, group: Any) -> LoadedCommit:
     failure: BaseException | None = None
     if rank == 0:
         try:
+            name = target.encode()
+            if len(name) > _TARGET_BYTES:
+                raise InvalidName(f"target {target[:64]!r}... is over {_TARGET_BYTES} bytes")
             cid, commit_raw = _resolve_read(store, target)
-            raw = b"\x00" + cid.encode() + commit_raw
+            raw = b"\x00" + cid.encode() + len(name).to_bytes(4, "big") + name + commit_raw
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised alike
             raw, failure = b"\x01" + collective.failure_report(e), e
-    got = collective.broadcast_from_first(raw, group, 65 + MAX_MANIFEST_BYTES, f"loading commit {target!r}")
+    got = collective.broadcast_from_first(
+        raw, group, 69 + _TARGET_BYTES + MAX_MANIFEST_BYTES, f"loading commit {target!r}"
+    )
     if got[:1] != b"\x00":
         if failure is not None:
             raise failure  # rank 0: its own error, with its traceback
         collective.raise_peer([got[1:]], f"loading commit {target!r}")
-    cid, commit_raw = got[1:65].decode(errors="replace"), got[65:]
+    cid, k = got[1:65].decode(errors="replace"), int.from_bytes(got[65:69], "big")
+    first, commit_raw = got[69 : 69 + k].decode(errors="replace"), got[69 + k :]
     named = f" (named by {target!r})" if target != cid else ""
     where = f"loading commit {cid}"
     error: BaseException | None = None
@@ -505,6 +515,11 @@ def _load_commit_grouped(store: Store, target: str, group: Any) -> LoadedCommit:
     commit: CommitManifest | None = None
     mine = b""
     try:
+        if first != target:
+            raise CommitProtocolError(
+                f"this rank loads target {target!r} and group rank 0 {first!r}: every rank of a group loading a "
+                "commit names the same target (SPEC.md §16.3)"
+            )
         if _FULL_ID.fullmatch(cid) is None:
             raise ManifestError(f"group rank 0 sends {cid!r} as the commit id {target!r} resolves to (SPEC.md §16.3)")
         h = hash_bytes(commit_raw)

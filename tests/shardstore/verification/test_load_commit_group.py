@@ -10,6 +10,7 @@ One Gloo group of 4 processes does everything. Each rank saves a slot of its own
 - ``restore(..., group=)`` of every rank's tensors on every rank: bitwise the restore on its own
   and the saved values, each manifest read once in the group;
 - a target that names nothing (rank 0 fails to resolve it): TargetNotFound on every rank;
+- rank 3 naming the commit by its id, the others by the ref: CommitProtocolError on every rank;
 - rank 1 sends one shard manifest's bytes with a byte flipped: CorruptObject naming that
   manifest and rank 1 on every rank;
 - a shard manifest removed from the store: ObjectNotFound naming it on every rank, through
@@ -92,6 +93,8 @@ def _body(rank: int, world: int, root: str) -> dict:
     )
     # rank 0 cannot resolve the target: every rank raises its error
     out["absent"] = _error(lambda: ss.load_commit(store, "absent", group=dist.group.WORLD))
+    # rank 3 names the commit by its id, the others by the ref: refused on every rank
+    out["other_target"] = _error(lambda: ss.load_commit(store, cid if rank == 3 else "main", group=dist.group.WORLD))
     # rank 1 sends one shard manifest's bytes with a byte flipped
     ids = sorted({lay.shard for lay in la.commit.layout})
     out["tampered"] = ids[1]  # rank 1's share: ids[1::4]
@@ -164,3 +167,7 @@ def test_a_failure_on_any_rank_fails_every_rank_naming_it(runs):
         assert kind == "ObjectNotFound" and r["gone"] in msg, msg
         assert r["missing_untouched"]
     assert all("rank 0" in r["absent"][1] for r in runs[1:])  # the others name the rank that failed
+    for r in runs:  # one rank naming another target than rank 0's
+        kind, msg = r["other_target"]
+        assert kind == "CommitProtocolError" and r["cid"] in msg and "'main'" in msg, msg
+    assert all("rank 3 of the group" in r["other_target"][1] for r in runs[:3])
