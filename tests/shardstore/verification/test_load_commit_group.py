@@ -6,7 +6,8 @@ One Gloo group of 4 processes does everything. Each rank saves a slot of its own
 
 - ``load_commit`` on its own on every rank, then with ``group=``: the same ``LoadedCommit``;
   in the group the ref is read by rank 0 alone and the commit manifest and each shard manifest
-  once in the group; a group of one reads as on its own;
+  once in the group (also by full id on a store answering sizes by listing, as on S3); a group
+  of one reads as on its own;
 - ``restore(..., group=)`` of every rank's tensors on every rank: bitwise the restore on its own
   and the saved values, each manifest read once in the group;
 - a target that names nothing (rank 0 fails to resolve it): TargetNotFound on every rank;
@@ -39,6 +40,17 @@ class _CountAll(ReadCounter):
         with self._lock:
             self.bytes += n
             self.keys[key] += 1
+
+
+class _Listed(_CountAll):
+    """Answers many sizes at once, as S3Storage does (``ListedSizes``): the store then takes the
+    paths where reads are round trips (a full id read as a commit at once, shares read in threads)."""
+
+    def sizes(self, keys: list[str]) -> dict[str, int]:
+        return {k: n for k in keys if (n := self.inner.size(k)) is not None}
+
+    def refresh(self, key: str, size: int) -> bool:
+        return self.inner.size(key) == size
 
 
 def _tensors(rank: int) -> dict[str, torch.Tensor]:
@@ -75,6 +87,10 @@ def _body(rank: int, world: int, root: str) -> dict:
     out["alone"] = {k: alone.keys[k] for k in keys} | {"ref": alone.keys["refs/main"]}
     out["grouped"] = {k: grouped.keys[k] for k in keys} | {"ref": grouped.keys["refs/main"]}
     out["grouped_other"] = sorted(set(grouped.keys) - set(keys) - {"refs/main", "config"})  # ("config": opening)
+    listed = _Listed(store.storage)
+    on_s3 = ss.Store(listed, create=False)
+    out["listed_same"] = on_s3.lists_sizes() and _same(la, ss.load_commit(on_s3, cid, group=dist.group.WORLD))
+    out["listed"] = {k: listed.keys[k] for k in keys}
     solos = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     solo = _CountAll(store.storage)
     out["solo_same"] = _same(la, ss.load_commit(ss.Store(solo, create=False), "main", group=solos[rank]))
@@ -148,6 +164,9 @@ def test_a_group_reads_each_manifest_once_and_loads_the_same_commit(runs):
     assert total == dict.fromkeys(runs[0]["grouped"], 1)  # once in the group: ref, commit, each shard manifest
     assert runs[0]["grouped"]["ref"] == 1  # rank 0 resolves the target
     assert [sum(r["grouped"].values()) for r in runs] == [3, 1, 1, 1]  # rank 0: ref, commit and its share
+    # the commit named by its full id on a store answering sizes by listing (S3's path): the same
+    assert all(r["listed_same"] for r in runs)
+    assert {k: sum(r["listed"][k] for r in runs) for k in runs[0]["listed"]} == dict.fromkeys(runs[0]["listed"], 1)
 
 
 def test_a_group_restore_reads_each_manifest_once_and_restores_the_same(runs):
