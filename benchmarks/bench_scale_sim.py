@@ -1162,7 +1162,7 @@ def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def exchange_restore(model: Llama, n: int) -> dict[str, Any]:
+def exchange_restore(model: Llama, n: int, saved: int | None = None) -> dict[str, Any]:
     """A computation, not a measurement: a restore by exchange (SPEC.md §16.2) of ``model``
     (float32 parameters and both AdamW moments, every layer) into ``n`` ranks, dp only
     (``Shard(0)``, torch.chunk's rows), by the SPEC's assignment rule: the blocks of each
@@ -1171,7 +1171,15 @@ def exchange_restore(model: Llama, n: int) -> dict[str, Any]:
     far (ties: the lowest rank). Returns, per rank (min, mean, max): blocks read (a GET each,
     and a HEAD each for the size check), bytes read, pieces sent and received (point-to-point
     messages); and the plan's size: blocks, pieces, one rank's description in bytes (JSON, as
-    all-gathered) and the bytes each rank receives in that all-gather."""
+    all-gathered) and the bytes each rank receives in that all-gather.
+
+    And the restore's reads besides tensor blocks, for a commit saved by ``saved`` ranks (one
+    shard manifest each; default 2n): on its own every rank reads the ref, the commit manifest,
+    every shard manifest and the model config object (``saved`` + 3 GETs); in the group
+    (SPEC.md §16.3) rank 0 reads the ref and the commit manifest, each shard manifest is read
+    once in the group (a rank reads at most ceil(saved / n)), and every rank still reads the
+    config (``restore`` reads it after ``load_commit``): 2 + ``saved`` + n GETs in all."""
+    saved = 2 * n if saved is None else saved
     from shardstore.sharded.read_exchange import TILES, Needed
 
     loads = np.zeros(n, dtype=np.int64)
@@ -1213,6 +1221,11 @@ def exchange_restore(model: Llama, n: int) -> dict[str, Any]:
         "received": spread(received),
         "description_bytes": one,
         "gathered_bytes": one * n,
+        "manifest_gets_alone": n * (saved + 3),
+        "manifest_gets_group": 2 + saved + n,
+        "shard_manifests_per_rank": -(-saved // n),
+        "read_class_alone_manifests": n * (saved + 3) + 2 * blocks,
+        "read_class": 2 + saved + n + 2 * blocks,
     }
 
 
@@ -1224,20 +1237,24 @@ def exchange_table(keys: list[str], ns: list[int]) -> list[str]:
         "",
         "| model | N → N/2 | tensor blocks (each: 1 GET + 1 HEAD, once per group) | blocks read per rank "
         "(min / mean / max) | tensor bytes read per rank, max | pieces sent per rank, max | pieces received per "
-        "rank, max | pieces, all ranks | one rank's description / all-gathered per rank |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "rank, max | pieces, all ranks | one rank's description / all-gathered per rank | manifest and config "
+        "GETs, all ranks: each rank on its own / the group's manifests once (SPEC.md §16.3) | shard manifests read "
+        "per rank, max | read-class requests, all ranks (blocks + manifests + config) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in keys:
         model = MODELS[key]
         for n in ns:
             t = time.time()
-            e = exchange_restore(model, n // 2)
+            e = exchange_restore(model, n // 2, n)  # saved by n ranks: n shard manifests
             print(f"{model.name} exchange model at {n // 2} ranks: {time.time() - t:.1f} s", file=sys.stderr)
             lo, mean_, hi = e["reads"]
             lines.append(
                 f"| {model.name} | {n:,} → {n // 2:,} | {e['blocks']:,} | {lo:,.0f} / {mean_:,.1f} / {hi:,.0f} | "
                 f"{human(e['bytes'][2])} | {e['sends'][2]:,.0f} | {e['received'][2]:,.0f} | {e['pieces']:,} | "
-                f"{human(e['description_bytes'])} / {human(e['gathered_bytes'])} |"
+                f"{human(e['description_bytes'])} / {human(e['gathered_bytes'])} | "
+                f"{e['manifest_gets_alone']:,} / {e['manifest_gets_group']:,} | {e['shard_manifests_per_rank']:,} | "
+                f"{e['read_class']:,} (was {e['read_class_alone_manifests']:,}) |"
             )
     return lines
 

@@ -229,6 +229,12 @@ def test_scale_sim_exchange_restore_model() -> None:
     lo, mean, hi = (float(x.replace(",", "")) for x in cells[3].split(" / "))
     assert int(cells[2].replace(",", "")) > 0 and abs(mean * 32 - int(cells[2].replace(",", ""))) < 1
     assert hi - lo <= 32
+    # SPEC.md §16.3's accounting: on its own each of 32 ranks reads the ref, the commit, the 64 shard
+    # manifests and the config; in the group rank 0 reads the ref and the commit, each shard manifest is
+    # read once (2 a rank), and each rank reads the config
+    blocks = int(cells[2].replace(",", ""))
+    assert cells[9] == f"{32 * 67:,} / {2 + 64 + 32:,}" and cells[10] == "2"
+    assert cells[11] == f"{2 + 64 + 32 + 2 * blocks:,} (was {32 * 67 + 2 * blocks:,})"
 
 
 @pytest.mark.long  # spawns 2 Gloo processes

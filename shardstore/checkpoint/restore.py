@@ -118,14 +118,16 @@ def restore(
     still takes part, and every rank raises (its type and message); a missing or wrong-sized
     object is refused on every rank before a byte lands on any; a corrupt one fails every rank
     part way, like a restore on its own (repeat it). ``Restored.bytes_read`` is then this
-    rank's share of the reads. None, or a group of one process: the restore on its own, above.
+    rank's share of the reads. The commit's manifests are read once in the group too, ``target``
+    resolved by group rank 0 (``load_commit``'s ``group``, SPEC.md §16.3). None, or a group of
+    one process: the restore on its own, above.
     """
     # 1. plan: everything this restore needs besides tensor bytes is read and checked first, so
     # that a bad config, RNG object or optimizer is refused before a byte lands in the caller's
     # tensors (SPEC.md §16, §19.2)
     failure: Exception | None = None
     try:
-        lc = load_commit(store, target)
+        lc = load_commit(store, target, group=group)  # in a group: its manifests read once in it (SPEC.md §16.3)
         model = unwrap_module(model)  # a data-parallel wrapper: the module it wraps (``state.module``)
         matched = _match_tensors(lc, model, slot, strict)
         names = sorted(matched.targets)

@@ -218,14 +218,15 @@ def load_state_dict_into(
     ``TensorMismatch``, naming the key path), the destinations as for ``read_state_dict``'s
     ``into``; a corrupt object found part way leaves what ``read_state_dict`` says it leaves.
     ``group``: a process group whose ranks load together, each its own dict (collective, as
-    ``restore``'s ``group``): each block read once in the group (SPEC.md §16.2).
+    ``restore``'s ``group``): each block read once in the group (SPEC.md §16.2), and the commit's
+    manifests too, ``target`` resolved by group rank 0 (§16.3).
     """
     failure: Exception | None = None
     plan = RestorePlan()
     sets: list[tuple[Any, Any, Any]] = []
     lc = None
     try:
-        lc = load_commit(store, target)
+        lc = load_commit(store, target, group=group)  # in a group: its manifests read once in it (SPEC.md §16.3)
         value = _tree(store, lc)
         entries = lc.entries()
         dests: dict[str, torch.Tensor] = {}

@@ -6,7 +6,9 @@ process). DCP calls, and what each does here (SPEC.md §9.4, §16):
 
 1. ``read_metadata`` (every rank): resolves ``target`` to a commit, reads and checks the commit,
    its shard manifests and its DCP document (structure, binding, learned-state root, the
-   document against the entries), and returns the document's ``Metadata``.
+   document against the entries), and returns the document's ``Metadata``. With ``group=``
+   (collective), group rank 0 resolves ``target`` and the manifests are read once in the group
+   (§16.3).
 2. ``prepare_local_plan`` / ``prepare_global_plan``: each rank's plan carries the commit id it
    resolved, and the coordinator refuses the load if two ranks resolved the target differently
    (a ref moved between their reads): every rank loads one commit or none.
@@ -97,7 +99,9 @@ class StoreReader(StorageReader):
 
     def read_metadata(self) -> Metadata:
         store = self.handle.open(create=False)
-        lc = load_commit(store, self.target)  # every structural rule, before anything else is read
+        # every structural rule, before anything else is read; with a group, its manifests read once in it
+        # (SPEC.md §16.3), the commit resolved by group rank 0 (so prepare_global_plan's check always agrees)
+        lc = load_commit(store, self.target, group=self.group)
         x = dcp_extra(lc.commit.extras)
         if x is None:
             raise StateMismatch(

@@ -9,14 +9,22 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
+import msgspec
+
+from .. import errors
 from ..errors import (
     BindingError,
+    CommitProtocolError,
+    CorruptObject,
     CursorError,
     GridError,
+    InvalidName,
     LayoutError,
     ManifestError,
     ObjectNotFound,
+    ObjectTooLarge,
     ShardstoreError,
     TensorMismatch,
 )
@@ -35,6 +43,7 @@ from ..format.manifest import (
 )
 from ..format.roots import learned_root
 from ..format.slices import commit_slice_problems, shard_slice_problems
+from ..format.tensors import hash_bytes
 from ..state.extras import extras_rules
 from ..store import Store
 from .rules import commit_rules, shard_rules, state_problems
@@ -305,7 +314,7 @@ def read_commit(
     found: list[Problem] | None,
     *,
     named: str = "",
-    shards_read: Mapping[str, ShardManifest] | None = None,
+    shards_read: Mapping[str, ShardManifest | ShardstoreError] | None = None,
     commit_read: CommitManifest | None = None,
     prefetch: Iterable[str] = (),
 ) -> LoadedCommit | None:
@@ -315,8 +324,9 @@ def read_commit(
     problem is appended to ``found`` and None returned when the commit cannot be read as a
     whole (``verify``). ``named`` says which refs or target name the commit, for messages.
     ``shards_read``: shard manifests the caller already read back from ``store`` (verified
-    against their ids), by id: checked here as they are, not read again; ``commit_read``: the
-    same for the commit. ``prefetch``: ids of shard manifests the commit is expected to name,
+    against their ids), by id, or the typed error reading one raised (reported as a read here
+    reports it): checked here as they are, not read again; ``commit_read``: the same for the
+    commit. ``prefetch``: ids of shard manifests the commit is expected to name,
     read together with it (on S3 one round trip for all instead of one after the other). The
     shard manifests still to be read after the commit are read together too.
     """
@@ -329,7 +339,7 @@ def read_commit(
             found.extend(problems)
         return bool(problems)
 
-    known: dict[str, ShardManifest] = dict(shards_read or {})
+    known: dict[str, ShardManifest | ShardstoreError] = dict(shards_read or {})
     early = [] if commit_read is not None else sorted(set(prefetch) - set(known))
     if early:
         read = _read_together(store, [cid], early)
@@ -397,14 +407,31 @@ def _read_together(
     return {oid: r for (oid, _), r in zip(jobs, results)}
 
 
-def load_commit(store: Store, target: str) -> LoadedCommit:
+def load_commit(store: Store, target: str, *, group: Any = None) -> LoadedCommit:
     """Resolve ``target``, read and structurally verify the commit and all its shard manifests.
 
     Raises the first problem found. Reads manifests only (never tensor payloads). A full commit
     id is looked up as a ref (a ref name wins, SPEC.md §14) and read as a commit at once, the
     reading kept only if no such ref exists: one round trip on S3 where there were three
     (where reads are round trips: ``Store.lists_sizes``).
+
+    ``group``: a process group whose ranks load the commit together (a collective: every rank of
+    it calls this with the same ``target``): the manifests are read once in the group, not once
+    per rank (SPEC.md §16.3). Group rank 0 resolves ``target`` and reads the commit manifest,
+    whose bytes every rank receives (so every rank loads the same commit, even if a ref moves
+    meanwhile); the shard manifests are split among the ranks, each reading its share, and
+    all-gathered; every rank verifies every manifest's bytes against its id before decoding
+    it and runs the same checks, so the result is the one each would have read on its own. A
+    failure on any rank (a missing or corrupt manifest, bytes from a peer that do not hash to
+    their id, a problem of the commit) is raised on every rank, by type, naming it. The group's
+    backend must carry CPU tensors (Gloo), as a restore by exchange's does. None, or a group of
+    one process: the load on its own, above.
     """
+    if group is not None:
+        from . import collective  # torch.distributed: imported only for a group
+
+        if collective.world(group) > 1:
+            return _load_commit_grouped(store, target, group)
     if _FULL_ID.fullmatch(target) is not None and store.lists_sizes():  # reads are round trips (S3)
         with ThreadPoolExecutor(max_workers=2) as pool:
             as_ref = pool.submit(store.ref, target)
@@ -422,6 +449,208 @@ def load_commit(store: Store, target: str) -> LoadedCommit:
 
 
 _FULL_ID = re.compile(r"[0-9a-f]{64}")
+
+
+class _Read(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One shard manifest as the rank assigned it sends it to the group: its bytes as read and
+    verified, or the type name and message of the error reading it raised."""
+
+    oid: str
+    data: bytes = b""
+    error: tuple[str, str] | None = None
+
+
+_READS = msgspec.msgpack.Decoder(list[_Read])
+#: The most bytes of a target group rank 0 resolves for the group (a ref name is far shorter).
+_TARGET_BYTES = 4096
+#: The most characters of a read error's message a rank sends for a shard manifest (UTF-8: at most 4 bytes each).
+_MESSAGE_CHARS = 2048
+#: A shard manifest's share of a rank's bytes beyond the manifest itself (its id, an error, framing).
+_READ_OVERHEAD = 16384
+
+
+def _load_commit_grouped(store: Store, target: str, group: Any) -> LoadedCommit:
+    """``load_commit`` with the manifests read once in ``group`` (SPEC.md §16.3; more than one rank).
+
+    1. group rank 0 resolves ``target`` and reads the commit manifest (verified, bounded) and
+       broadcasts its id, the target and the bytes, or its failure;
+    2. every rank checks it names that target, verifies the bytes against the id, decodes them and checks the layout names
+       no shard manifest twice; the distinct shard manifest ids, sorted, are split round robin
+       (rank r reads the ids at r, r + world, ...), each read verified and bounded;
+    3. the shares are all-gathered (each rank's length first, checked against its bound:
+       ``MAX_MANIFEST_BYTES`` and framing per manifest assigned to it), with every rank's failure
+       flag: a rank that failed in 1 or 2 fails every rank;
+    4. every rank verifies every manifest's bytes against its id (bytes from a peer are trusted
+       exactly as bytes from storage) and decodes it; an error a reader met, or bytes that do not
+       hash to their id, stands for that manifest as a failed read would; then ``read_commit``
+       runs every check on what was received, and a failure flag is agreed once more.
+    """
+    from . import collective
+
+    rank, size = collective.rank(group), collective.world(group)
+    raw = b""
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            name = target.encode()
+            if len(name) > _TARGET_BYTES:
+                raise InvalidName(f"target {target[:64]!r}... is over {_TARGET_BYTES} bytes")
+            cid, commit_raw = _resolve_read(store, target)
+            raw = b"\x00" + cid.encode() + len(name).to_bytes(4, "big") + name + commit_raw
+        except Exception as e:  # noqa: BLE001 - sent to every rank, raised alike
+            raw, failure = b"\x01" + collective.failure_report(e), e
+    got = collective.broadcast_from_first(
+        raw, group, 69 + _TARGET_BYTES + MAX_MANIFEST_BYTES, f"loading commit {target!r}"
+    )
+    if got[:1] != b"\x00":
+        if failure is not None:
+            raise failure  # rank 0: its own error, with its traceback
+        collective.raise_peer([got[1:]], f"loading commit {target!r}")
+    cid, k = got[1:65].decode(errors="replace"), int.from_bytes(got[65:69], "big")
+    first, commit_raw = got[69 : 69 + k].decode(errors="replace"), got[69 + k :]
+    named = f" (named by {target!r})" if target != cid else ""
+    where = f"loading commit {cid}"
+    error: BaseException | None = None
+    ids: list[str] = []
+    commit: CommitManifest | None = None
+    mine = b""
+    try:
+        if first != target:
+            raise CommitProtocolError(
+                f"this rank loads target {target!r} and group rank 0 {first!r}: every rank of a group loading a "
+                "commit names the same target (SPEC.md §16.3)"
+            )
+        if _FULL_ID.fullmatch(cid) is None:
+            raise ManifestError(f"group rank 0 sends {cid!r} as the commit id {target!r} resolves to (SPEC.md §16.3)")
+        h = hash_bytes(commit_raw)
+        if h != cid:
+            raise CorruptObject(
+                f"commit {cid}{named}: its manifest as group rank 0 sent it, {len(commit_raw)} bytes, hashes to {h} "
+                "(SPEC.md §16.3)"
+            )
+        try:
+            commit = decode_manifest(commit_raw, CommitManifest, what=f"object {cid}")
+        except ShardstoreError as e:
+            raise type(e)(f"commit {cid}{named}: {e}") from None
+        for problem in repeated_shards(commit, cid):
+            raise problem.error
+        ids = sorted({lay.shard for lay in commit.layout})
+        mine = msgspec.msgpack.encode(_read_share(store, ids[rank::size]))
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in the gather
+        error = e
+
+    def bound(r: int) -> int:
+        return len(ids[r::size]) * (MAX_MANIFEST_BYTES + _READ_OVERHEAD) + 16
+
+    shares = collective.gather(mine, error, group, bound, where)
+    assert commit is not None  # the gather raised otherwise
+    lc: LoadedCommit | None = None
+    try:
+        received: dict[str, ShardManifest | ShardstoreError] = {}
+        for r, share in enumerate(shares):
+            received.update(_received(share, ids[r::size], r, where))
+        lc = read_commit(store, cid, None, named=named, commit_read=commit, shards_read=received)
+    except Exception as e:  # noqa: BLE001 - agreed below: every rank raises if any failed
+        error = e
+    collective.gather(b"", error, group, lambda r: 0, where)
+    assert lc is not None  # with found=None every problem raises, and the gather raised it
+    return lc
+
+
+def _resolve_read(store: Store, target: str) -> tuple[str, bytes]:
+    """The commit id ``target`` resolves to and its manifest's bytes, verified and bounded: what
+    ``load_commit`` reads first, the same way (group rank 0, SPEC.md §16.3)."""
+    if _FULL_ID.fullmatch(target) is not None and store.lists_sizes():  # reads are round trips (S3)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            as_ref = pool.submit(store.ref, target)
+            as_id = pool.submit(_read_raw, store, target)
+            value = as_ref.result()  # a ref that does not parse raises, as resolve does
+            guess = as_id.result()
+        if value is None and isinstance(guess, bytes) and _decodes(guess, CommitManifest):
+            return target, guess
+    cid = store.resolve(target)  # a ref, a prefix, a suffix; or a full id that did not read as a commit
+    named = f" (named by {target!r})" if target != cid else ""
+    got = _read_raw(store, cid)
+    if isinstance(got, ShardstoreError):
+        raise type(got)(f"commit {cid}{named}: {got}") from None
+    return cid, got
+
+
+def _decodes(raw: bytes, kind: type[Any]) -> bool:
+    try:
+        decode_manifest(raw, kind)
+    except ShardstoreError:
+        return False
+    return True
+
+
+def _read_raw(store: Store, oid: str) -> bytes | ShardstoreError:
+    """The bytes of manifest ``oid``, verified against its id and at most ``MAX_MANIFEST_BYTES``
+    (refused before it is read), or the typed error reading it raised."""
+    try:
+        return bytes(store.get(oid, limit=MAX_MANIFEST_BYTES))
+    except ShardstoreError as e:
+        return e
+
+
+def _read_share(store: Store, oids: list[str]) -> list[_Read]:
+    """This rank's share of a group's shard manifests (SPEC.md §16.3), each read and verified, or
+    its error; several at once where reads are round trips (S3)."""
+    if len(oids) > 1 and store.lists_sizes():
+        with ThreadPoolExecutor(max_workers=min(_READ_THREADS, len(oids))) as pool:
+            got = list(pool.map(lambda o: _read_raw(store, o), oids))
+    else:
+        got = [_read_raw(store, o) for o in oids]
+    return [
+        _Read(o, b"", (type(g).__name__[:128], str(g)[:_MESSAGE_CHARS]))
+        if isinstance(g, ShardstoreError)
+        else _Read(o, g)
+        for o, g in zip(oids, got)
+    ]
+
+
+def _received(share: bytes, oids: list[str], r: int, where: str) -> dict[str, ShardManifest | ShardstoreError]:
+    """Rank ``r``'s share as every rank checks it: exactly the manifests assigned to it, in order,
+    each verified against its id and decoded (ManifestError naming the rank if the share is not
+    that); a read error it reports, or bytes that do not hash to their id, stands for the manifest."""
+    try:
+        reads = _READS.decode(share)
+    except msgspec.MsgspecError as e:
+        raise ManifestError(
+            f"rank {r} of the group {where}: its share of the shard manifests does not decode: {e}"
+        ) from None
+    if [x.oid for x in reads] != oids:
+        raise ManifestError(
+            f"rank {r} of the group {where} sends shard manifests {[x.oid for x in reads][:3]}, not the "
+            f"{len(oids)} assigned to it {oids[:3]} (SPEC.md §16.3)"
+        )
+    out: dict[str, ShardManifest | ShardstoreError] = {}
+    for x in reads:
+        if x.error is not None:
+            name, msg = x.error
+            cls = getattr(errors, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, ShardstoreError)):
+                cls = ShardstoreError
+            out[x.oid] = cls(f"{msg} (read by rank {r} of the group)")
+            continue
+        if len(x.data) > MAX_MANIFEST_BYTES:
+            out[x.oid] = ObjectTooLarge(
+                f"object {x.oid} as rank {r} of the group sent it is {len(x.data)} bytes, over this reader's "
+                f"limit of {MAX_MANIFEST_BYTES} (SPEC.md §Limits)"
+            )
+            continue
+        h = hash_bytes(x.data)
+        if h != x.oid:
+            out[x.oid] = CorruptObject(
+                f"object {x.oid} as rank {r} of the group sent it is corrupt: its {len(x.data)} bytes hash to {h} "
+                "(SPEC.md §16.3)"
+            )
+            continue
+        try:
+            out[x.oid] = decode_manifest(x.data, ShardManifest, what=f"object {x.oid}")
+        except ShardstoreError as e:
+            out[x.oid] = e
+    return out
 
 
 def _is_commit(store: Store, oid: str) -> bool | None:
