@@ -428,7 +428,8 @@ def _dtensor_tier_body(rank: int, world: int, root: str, tiers: str) -> dict:
         dist.group.WORLD, slot=rank, commit=cid, objects=closure.ids(), own=own,
         tier_for=lambda s: MemoryTier(host, s), replicas=1,
     )  # fmt: skip
-    return {"missing": missing, "holds": own.holds(cid) is not None, "holds_buddys": report.held}
+    kept = MemoryTier(host, (rank - 1) % world).objects()  # this host's copy of the other slot
+    return {"missing": missing, "holds": own.holds(cid) is not None, "holds_buddys": report.held, "kept": len(kept)}
 
 
 def test_a_memory_tier_keeps_the_dtensor_blocks_its_rank_holds_whole_that_another_rank_wrote(tmp_path):
@@ -448,3 +449,6 @@ def test_a_memory_tier_keeps_the_dtensor_blocks_its_rank_holds_whole_that_anothe
     # rank 1: the two one-block tensors rank 0 owns (half of each on rank 1) and the plain tensor rank 0 records
     assert got[1]["missing"] == ["tensor 'buf', parameter", "tensor 'odd', parameter", "tensor 'small', parameter"]
     assert not got[1]["holds"] and not got[0]["holds_buddys"], got
+    # an offer its buddy could never hold is not taken in part: a tier evicts only when it holds a
+    # commit, so the parts of every commit's offer piled up in its buddy's tier, never evicted
+    assert got[0]["kept"] == 0 and got[1]["kept"] > 0, got
