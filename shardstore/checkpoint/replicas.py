@@ -307,8 +307,8 @@ def replicate(
             return tiers[_peer]
 
         def lacks(got: Offer, oid: str) -> bool:
-            t = tier(got)
-            return t is not None and not t.has(oid)
+            t = tier(got)  # an incomplete offer is never held, so never evicted: none of it is taken
+            return t is not None and got.complete and not t.has(oid)
 
         def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
             t = tier(got)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CursorError, ObjectNotFound, StateMismatch, TensorMismatch
+from ..errors import CursorError, LayoutError, ObjectNotFound, StateMismatch, TensorMismatch
 from ..format.closure import commit_closure
 from ..format.grid import on_bands, payload_blocks, put_payloads
 from ..format.manifest import (
@@ -305,6 +305,12 @@ def shard_entries_manifest(
     return shard
 
 
+def _check_some_slots(n: int) -> None:
+    """LayoutError for a commit of no slots (its layout holds at least one, SPEC.md §13), before any write."""
+    if n == 0:
+        raise LayoutError("a commit needs at least one slot; no slots were given (SPEC.md §13)")
+
+
 def write_commit(
     store: Store,
     shard_ids: list[str],
@@ -330,6 +336,7 @@ def write_loaded_commit(
 ) -> LoadedCommit:
     """``write_commit``, returning the commit as read back and checked (its closure is known
     without reading its manifests again: the ref move's gc fence checks it as it stands)."""
+    _check_some_slots(len(shard_ids))
     check_parent(store, parent)
     shards = [store.shard(s) for s in shard_ids]
     groups: dict[str, Any] = {}
@@ -398,6 +405,7 @@ def save_slots(
 ) -> str:
     """Commit several slots' states (and commit-wide ``extra``) from one process and move ``ref`` (None: leave refs alone)."""
     started = time.time()
+    _check_some_slots(len(states))
     if ref is not None:
         check_ref_name(ref)
     check_info(info)

@@ -156,7 +156,7 @@ class StoredStateDict:
         entries = self._lc.entries()
         dests: dict[str, torch.Tensor] = {}
         if into is not None and _holds_tensor(into):
-            _match(into, value, "$", entries, dests, [], None)  # the caller's other values are not replaced
+            _match(into, value, "$", entries, dests, None, None)  # the caller's other values are not replaced
         fresh = _read_all(self.store, entries, dests, _reads(entries, dests), threads)
         if map_location is not None:
             fresh = {n: t.to(map_location) for n, t in fresh.items()}
@@ -190,7 +190,10 @@ def read_state_dict(
     memory of its own for every element): each is filled in place and is the returned dict's tensor at
     its path, so a model's weights land in the model instead of in a fresh tensor copied over
     afterwards (``into``'s other values are not used; ``map_location`` moves only the fresh
-    tensors). ``tensors=False``: nothing but the manifests and the tree is read (``into`` is
+    tensors). A ``TensorRef`` in ``into`` is no destination: that tensor is read fresh, so an
+    opened ``tree`` with some of its references replaced by the caller's tensors (or none) is an
+    ``into``; one where the commit holds another value is refused (``StateMismatch``, by key path).
+    ``tensors=False``: nothing but the manifests and the tree is read (``into`` is
     not used), and each tensor stays a ``TensorRef`` (its entry name), for a caller deciding
     what to read into (``open_state_dict`` does that and then reads, opening the commit once).
     A corrupt object found part way (``CorruptObject``) leaves the caller's
@@ -214,6 +217,7 @@ def load_state_dict_into(
     which must exist with its dtype and (global) shape; each of its other values is replaced
     by the stored value at that path, where the commit has one (an item of a tuple cannot be
     replaced: it must already be equal). Stored values the dict has no place for are left out.
+    A ``TensorRef`` (an opened tree's) has no memory to load into: refused by its key path.
     Everything is checked before the first byte is written (``StateMismatch`` /
     ``TensorMismatch``, naming the key path), the destinations as for ``read_state_dict``'s
     ``into``; a corrupt object found part way leaves what ``read_state_dict`` says it leaves.
@@ -375,17 +379,29 @@ def _match(
     path: str,
     entries: Mapping[str, TensorEntry],
     dests: dict[str, torch.Tensor],
-    sets: list[tuple[Any, Any, Any]],
+    sets: list[tuple[Any, Any, Any]] | None,
     place: tuple[Any, Any] | None,
 ) -> None:
     """Pair each of the caller's tensors with its stored tensor, and each of its other values
-    with the stored value replacing it (at ``place``: its container and key); raise before any write."""
+    with the stored value replacing it (at ``place``: its container and key); raise before any write.
+    ``sets`` None: a read's ``into``, whose other values are not replaced and whose ``TensorRef``s
+    (an opened tree's) are no destinations."""
     if not _holds_tensor(dst):
         if place is not None:
-            sets.append((*place, stored))
+            if sets is not None:
+                sets.append((*place, stored))
         elif dst != stored:
             raise StateMismatch(f"state dict at {path}: an item of a tuple differs from the commit's ({stored!r})")
         return
+    if isinstance(dst, TensorRef):
+        if sets is not None:
+            raise StateMismatch(
+                f"state dict at {path}: a TensorRef ({dst.name!r}), with no memory to load into in place; "
+                "put a tensor there, or read it fresh with read_state_dict"
+            )
+        if dst != stored:
+            raise StateMismatch(f"state dict at {path}: a TensorRef ({dst.name!r}), where the commit holds {stored!r}")
+        return  # no destination: read into a fresh tensor
     if isinstance(dst, torch.Tensor):
         if not isinstance(stored, TensorRef):
             raise StateMismatch(f"state dict at {path}: a tensor, where the commit holds a {type(stored).__name__}")

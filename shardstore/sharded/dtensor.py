@@ -39,6 +39,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from ..backends.base import CachesWrites
 from ..errors import TensorMismatch
 from ..format.grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
 from ..format.slices import Gap, Overlap, make_slices, tiling_defect
@@ -365,6 +366,7 @@ def write_dtensors(
     ids = run_plan(store, plan.blocks, locals_, rank, g, group, threads)
     if ids is None:  # another rank failed staging or writing its blocks: the commit protocol names it
         return _restate(state, {}, set())
+    _keep_held_blocks(store, plan.blocks, ids, locals_, rank)
     blocks: dict[tuple[str, str], list[str]] = {}
     for b, oid in zip(plan.blocks, ids):
         blocks.setdefault(b.key, []).append(oid)
@@ -373,6 +375,24 @@ def write_dtensors(
     }
     mine = {n for n, slot in plan.recorders().items() if slot == rank}
     return replace(_restate(state, payload, mine, drop), slices=slices)
+
+
+def _keep_held_blocks(
+    store: Store, blocks: list[PlannedBlock], ids: list[str], locals_: dict[tuple[str, str], Local], rank: int
+) -> None:
+    """A block another rank wrote that lies wholly inside one of this rank's parts (a replica's
+    turn, SPEC.md §15.2) is kept by a write-through memory tier from this rank's own bytes, as if
+    written here (``Store.name_written``, no store request; SPEC.md §19.3). The replicas' bytes
+    were compared by hash before the exchange, so they are the block's."""
+    if not isinstance(store.storage, CachesWrites):
+        return
+    for b, oid in zip(blocks, ids):
+        if b.owner == rank or b.key not in locals_:
+            continue
+        lt, parts = locals_[b.key]
+        origin = next((o for box, o in parts if intersect(b.box, box) == b.box), None)
+        if origin is not None:
+            store.name_written(oid, tensor_bytes(lt[box_slices(b.box, origin)]))
 
 
 def _fingerprint(state: SlotState, name: str) -> str:

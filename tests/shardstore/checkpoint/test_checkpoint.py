@@ -176,6 +176,16 @@ def test_cursor_rules_on_save(store, trained):
     assert store.ref("main") is None
 
 
+def test_a_commit_of_no_slots_is_refused_before_any_write(store):
+    # a layout holds at least one slot (SPEC.md §13): refused naming it, not max() of nothing
+    info = ss.CommitInfo(step=1, config={"d_model": 4})
+    with pytest.raises(ss.LayoutError, match="no slots"):
+        ss.save_slots(store, [], info=info)
+    with pytest.raises(ss.LayoutError, match="no slots"):
+        ss.write_commit(store, [], info=info, parent=None)
+    assert list(store.objects()) == [] and store.ref("main") is None
+
+
 def test_late_parameter_keeps_its_own_clock(store):
     model = TinyNet()
     opt = make_optimizer(model)

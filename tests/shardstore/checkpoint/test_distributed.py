@@ -392,3 +392,63 @@ def test_an_on_phase_hook_failing_as_the_shards_are_written_fails_every_rank_non
     got = run_group(_on_phase_body, 2, tmp_path, root, timeout_s=30)
     assert all("phase 'write shard' failed on rank(s) [1]" in (g["error"] or "") for g in got), got
     assert got[1]["error"].endswith("injected on rank 1") and all(g["ref"] is None for g in got)
+
+
+def _dtensor_tier_body(rank: int, world: int, root: str, tiers: str) -> dict:
+    """Each rank saves through its own write-through memory tier (dim-0 splits: one-block tensors
+    whose block straddles both ranks' rows, a four-block one whose blocks each lie in one rank's
+    rows; a replicated DTensor; a plain tensor both hold whole), holds the commit in that tier as
+    shardtrain's committer does (``SlotTiers.landed``) and replicates it to its buddy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shardstore.backends.memory_tier import MemoryTier
+    from shardstore.backends.tiers import TieredStorage
+    from shardstore.checkpoint.replicas import replicate
+    from shardstore.format.closure import commit_closure
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    full = {
+        "small": torch.randn(10, 8, generator=g),  # one block: owned by one rank, half of it on the other
+        "odd": torch.randn(3, 5, generator=g),
+        "big": torch.randn(3 * 1024, 1024, generator=g),  # 12 MiB: four tiles of 768 rows, two on each rank
+        "rep": torch.randn(6, generator=g),  # replicated: written by one replica, held whole by both
+    }
+    state = {n: distribute_tensor(t, mesh, [Replicate() if n == "rep" else Shard(0)]) for n, t in full.items()}
+    state["buf"] = torch.arange(4.0)  # a plain tensor both hold whole: one records it (SPEC.md §15.2 step 4)
+    host = os.path.join(tiers, f"host{rank}")
+    own = MemoryTier(host, rank)
+    store = ss.Store(TieredStorage(ss.open_store(root).storage, [own], fill=own), create=False)
+    cid = ss.save_distributed(store, state, info=ss.CommitInfo(step=1), rng=False)
+    closure = commit_closure(ss.load_commit(store, cid), slot=rank)
+    missing = sorted(closure.labels.get(o, o) for o in closure.ids() if not own.has(o))
+    own.hold(cid, closure.ids())
+    report = replicate(
+        dist.group.WORLD, slot=rank, commit=cid, objects=closure.ids(), own=own,
+        tier_for=lambda s: MemoryTier(host, s), replicas=1,
+    )  # fmt: skip
+    kept = MemoryTier(host, (rank - 1) % world).objects()  # this host's copy of the other slot
+    return {"missing": missing, "holds": own.holds(cid) is not None, "holds_buddys": report.held, "kept": len(kept)}
+
+
+def test_a_memory_tier_keeps_the_dtensor_blocks_its_rank_holds_whole_that_another_rank_wrote(tmp_path):
+    """SPEC.md §15.2, §19.3: a DTensor block is written by one owner rank, but it is in the slot
+    closure (§15.5) of every rank whose slices it overlaps. A replica's block another replica wrote
+    is kept in this rank's tier from its own bytes (it was missing: rank 0's tier never held its
+    commit, so its buddy never held its replica). What a rank holds only part of (a block that
+    straddles two ranks' slices) or holds whole without recording it (a plain tensor several ranks
+    hold) it cannot keep without the bytes or ids of another rank: its tier does not hold the
+    commit, and its buddy holds no replica of it (the limit SPEC.md §19.3 states)."""
+    from gloo_group import run_group
+
+    root = str(tmp_path / "store")
+    ss.open_store(root)
+    got = run_group(_dtensor_tier_body, 2, tmp_path, root, str(tmp_path / "tiers"))
+    assert got[0]["missing"] == [] and got[0]["holds"] and got[1]["holds_buddys"], got  # rank 1 keeps slot 0's
+    # rank 1: the two one-block tensors rank 0 owns (half of each on rank 1) and the plain tensor rank 0 records
+    assert got[1]["missing"] == ["tensor 'buf', parameter", "tensor 'odd', parameter", "tensor 'small', parameter"]
+    assert not got[1]["holds"] and not got[0]["holds_buddys"], got
+    # an offer its buddy could never hold is not taken in part: a tier evicts only when it holds a
+    # commit, so the parts of every commit's offer piled up in its buddy's tier, never evicted
+    assert got[0]["kept"] == 0 and got[1]["kept"] > 0, got

@@ -303,6 +303,38 @@ def test_an_opened_state_dicts_reads_are_its_commits_whatever_the_caller_did_to_
     assert opened.tree is tree and tree["epoch"] == -1  # the caller's changes stay the caller's
 
 
+def test_references_of_an_opened_tree_in_into_are_no_destinations(tmp_path):
+    """A ``TensorRef`` in ``into`` (the opened ``tree`` passed back, whole or with some references
+    replaced by the caller's tensors) raised an untyped TypeError. It is no destination: that tensor
+    is read fresh. One placed where the commit holds another value is refused by its key path
+    before any write; ``load_state_dict_into``, which has no fresh tensor to put there, refuses one."""
+    ck = lightning_checkpoint()
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, ck)
+    opened = shardstore.open_state_dict(store, cid)
+    same(ck, opened.read(into=opened.tree))
+    same(ck, shardstore.read_state_dict(store, cid, into=opened.tree))
+    into = shardstore.read_state_dict(store, cid, tensors=False)
+    mine = into["state_dict"]["0.weight"] = torch.zeros_like(ck["state_dict"]["0.weight"])
+    back = opened.read(into=into)
+    same(ck, back)
+    assert back["state_dict"]["0.weight"] is mine and back["state_dict"]["0.bias"] is not ck["state_dict"]["0.bias"]
+    moved = shardstore.read_state_dict(store, cid, tensors=False)
+    sd = moved["state_dict"]
+    sd["0.bias"], sd["2.bias"] = sd["2.bias"], torch.zeros_like(ck["state_dict"]["2.bias"])
+    with pytest.raises(StateMismatch, match=r"\$\.state_dict\.0\.bias: .*'state_dict/2\.bias'"):
+        opened.read(into=moved)
+    assert not sd["2.bias"].any(), "nothing written before the refusal"
+    with pytest.raises(StateMismatch, match=r"\$\.epoch: a TensorRef"):
+        shardstore.read_state_dict(store, cid, into={"epoch": sd["0.bias"]})
+    tree = opened.tree
+    with pytest.raises(StateMismatch, match=r"state dict at \$\..+: a TensorRef .*in place"):
+        shardstore.load_state_dict_into(store, tree, cid)
+    assert tree == shardstore.read_state_dict(store, cid, tensors=False)  # nothing replaced
+    with pytest.raises(StateMismatch, match=r"state dict at \$\.state_dict\.0\.bias: a TensorRef .*in place"):
+        shardstore.load_state_dict_into(store, {"state_dict": {"0.bias": tree["state_dict"]["0.bias"]}}, cid)
+
+
 def _load(how, store, cid, into, threads):
     if how == "read_state_dict":
         return shardstore.read_state_dict(store, cid, into=into, threads=threads)
