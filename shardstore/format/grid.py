@@ -545,7 +545,11 @@ READ_AHEAD_BYTES = 64 << 20
 #: flight themselves, and the kernel fills read-ahead pages in 4 KiB folios (a plain read's
 #: later windows use large ones), which cost more CPU to copy out: at 8 threads a restore used
 #: about a third more CPU with read-ahead and was no faster (benchmarks/RESULTS.md, "read-ahead").
-READ_AHEAD_THREADS = 2
+#: At 2 threads two reads in flight kept the device as busy as the advice did, and the advice's
+#: small folios cost CPU the ranks of a load share: ``bench_dcp`` on a quiet machine loaded at
+#: 1.03-1.08x FileSystemReader on 2 threads without it against 0.85-0.99x with it (RESULTS.md,
+#: "One reading thread reads ahead, two do not").
+READ_AHEAD_THREADS = 1
 
 
 @runtime_checkable

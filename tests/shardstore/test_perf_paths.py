@@ -21,7 +21,14 @@ from faults import FaultyOs, patch_local_os
 
 import shardstore as ss
 from shardstore.backends import local
-from shardstore.format.grid import READ_AHEAD_THREADS, payload_blocks, put_payloads, read_jobs, run_reads
+from shardstore.format.grid import (
+    READ_AHEAD_BYTES,
+    READ_AHEAD_THREADS,
+    payload_blocks,
+    put_payloads,
+    read_jobs,
+    run_reads,
+)
 from shardstore.format.tensors import dtype_name, hash_bytes, tensor_bytes
 from shardstore.store import object_key
 
@@ -397,7 +404,7 @@ def test_a_one_thread_read_asks_for_the_next_blocks_within_its_window(store: ss.
         assert [k for kind, k in events[:at] if kind == "ahead"] == keys[: min(10, i + 4)], i
 
 
-@pytest.mark.parametrize("threads", [2, READ_AHEAD_THREADS + 1])
+@pytest.mark.parametrize("threads", [READ_AHEAD_THREADS, READ_AHEAD_THREADS + 1])
 def test_reads_on_more_threads_ask_ahead_only_up_to_the_bound(store: ss.Store, monkeypatch, threads: int) -> None:
     """Up to ``READ_AHEAD_THREADS`` threads each block is asked for once, before its read; more
     threads read ahead themselves, and nothing is asked for (the kernel's read-ahead pages cost more
@@ -431,7 +438,8 @@ def test_on_two_threads_no_block_is_read_before_it_is_asked_for(store: ss.Store,
         spied(self, key)
 
     monkeypatch.setattr(local.LocalStorage, "read_ahead", slow_ahead)
-    assert run_reads(jobs, threads=2) == 6 * (64 << 10)
+    # a window given reads ahead on any number of threads (by default only up to READ_AHEAD_THREADS)
+    assert run_reads(jobs, threads=2, window=READ_AHEAD_BYTES) == 6 * (64 << 10)
     assert all(torch.equal(a, b) for a, b in zip(src, dest))
     keys = [object_key(job.oid) for job in jobs]
     assert sorted(k for kind, k in events if kind == "ahead") == sorted(keys)  # each once
