@@ -7,6 +7,10 @@ exit codes (SPEC.md §Exit codes); library code only raises.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import msgspec
+
 __all__ = [
     "ShardstoreError",
     "InvalidName",
@@ -124,3 +128,40 @@ class UnsupportedState(ShardstoreError):
 
 class CommitProtocolError(ShardstoreError):
     """Slots disagree during the commit protocol (different commit ids, steps, or failed peers)."""
+
+
+# An error crossing the ranks of a group (SPEC.md §16.2, §16.3): a rank that fails sends its
+# error's type name and message; every other rank raises the same type with the same message,
+# naming the rank, so that no rank of the group waits and each says what went wrong.
+
+#: The most bytes of a failure report (its type name and message, the message cut to fit).
+FAILURE_BYTES = 8192
+
+_REPORT = msgspec.json.Decoder(tuple[str, str])
+
+
+def failure_report(e: BaseException) -> bytes:
+    """``e``'s type name and message as JSON, at most ``FAILURE_BYTES``."""
+    msg = str(e).encode()[: FAILURE_BYTES - 256].decode(errors="ignore")
+    out = msgspec.json.encode((type(e).__name__[:128], msg))
+    while len(out) > FAILURE_BYTES:  # escapes lengthen a message: cut it until it fits
+        msg = msg[: len(msg) // 2]
+        out = msgspec.json.encode((type(e).__name__[:128], msg))
+    return out
+
+
+def raise_peer(reports: Sequence[bytes | None], where: str, section: str = "§16.3") -> None:
+    """Raise the first failed rank's error (``reports[r]``: rank r's report, None if it did not
+    fail), with its type where shardstore defines it, naming the rank, what the group was doing
+    (``where``) and the SPEC.md section whose failure rule applies."""
+    for r, raw in enumerate(reports):
+        if raw is None:
+            continue
+        try:
+            name, msg = _REPORT.decode(raw)
+        except msgspec.MsgspecError:
+            name, msg = "ShardstoreError", f"a failure whose report does not decode ({len(raw)} bytes)"
+        cls = globals().get(name) if name in __all__ else None
+        if not (isinstance(cls, type) and issubclass(cls, ShardstoreError)):
+            cls = ShardstoreError
+        raise cls(f"{msg} (on rank {r} of the group {where}; SPEC.md {section})")

@@ -51,8 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import errors
-from ..errors import GridError, ShardstoreError
+from ..errors import GridError, failure_report, raise_peer
 from ..format.grid import BlockRead, Box, box_slices, check_reads, grid, intersect, payload_blocks, staging
 from ..format.manifest import MAX_DIM, MAX_NDIM, Payload, is_chunked
 from ..format.tensors import ITEMSIZES, expected_nbytes, new_hasher, torch_dtype
@@ -93,7 +92,6 @@ class Needed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 _NEEDED = msgspec.json.Decoder(list[Needed])
-_FAILURE = msgspec.json.Decoder(tuple[str, str])
 
 
 @dataclass
@@ -297,23 +295,9 @@ def plan_group_read(peers: Sequence[Sequence[Needed]], rank: int | None = None) 
     return out
 
 
-def _encode_failure(e: BaseException) -> bytes:
-    return msgspec.json.encode((type(e).__name__, str(e)))
-
-
-def _raise_peer(gathered: Sequence[bytes | None]) -> None:
-    """Raise the first failed rank's error on this rank, with its type where shardstore defines it."""
-    for r, raw in enumerate(gathered):
-        if raw is None:
-            continue
-        try:
-            name, msg = _FAILURE.decode(raw)
-        except msgspec.MsgspecError:
-            name, msg = "ShardstoreError", f"a failure whose report does not decode ({len(raw)} bytes)"
-        cls = getattr(errors, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, ShardstoreError)):
-            cls = ShardstoreError
-        raise cls(f"{msg} (on rank {r} of the restore's group; no rank reads further, SPEC.md §16.2)")
+def _raise_peer(reports: Sequence[bytes | None]) -> None:
+    """Raise the first failed rank's error on this rank (``collective.raise_peer``)."""
+    raise_peer(reports, "restoring by exchange, where no rank reads further", "§16.2")
 
 
 def _agree(error: BaseException | None, group: Any, stats: GroupReadStats) -> None:
@@ -325,7 +309,7 @@ def _agree(error: BaseException | None, group: Any, stats: GroupReadStats) -> No
     stats.agree_s += time.perf_counter() - t0
     if not int(flag.item()):
         return
-    got = all_gather_bytes(b"" if error is None else _encode_failure(error), group)
+    got = all_gather_bytes(b"" if error is None else failure_report(error), group)
     if error is not None:
         raise error
     _raise_peer([g or None for g in got])
@@ -377,7 +361,7 @@ def read_group(
         ]
         raw = b"\x00" + msgspec.json.encode(desc)
     except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
-        failure, raw = e, b"\x01" + _encode_failure(e)
+        failure, raw = e, b"\x01" + failure_report(e)
     gathered = all_gather_bytes(raw, group)
     if failure is not None:
         raise failure

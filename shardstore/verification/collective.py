@@ -8,22 +8,15 @@ rank is left waiting in the next collective. Imported only when a group is given
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import torch
 import torch.distributed as dist
 
-from .. import errors
-from ..errors import ManifestError, ShardstoreError
+from ..errors import FAILURE_BYTES, ManifestError, ShardstoreError, failure_report, raise_peer
 
-__all__ = ["FAILURE_BYTES", "world", "rank", "failure_report", "broadcast_from_first", "gather", "raise_peer"]
-
-#: The most bytes of a failure report (its type name and message, the message cut to fit).
-FAILURE_BYTES = 8192
-
-_REPORT = msgspec.json.Decoder(tuple[str, str])
+__all__ = ["world", "rank", "broadcast_from_first", "gather"]
 
 
 def world(group: Any) -> int:
@@ -32,32 +25,6 @@ def world(group: Any) -> int:
 
 def rank(group: Any) -> int:
     return dist.get_rank(group)
-
-
-def failure_report(e: BaseException) -> bytes:
-    """``e``'s type name and message as JSON, at most ``FAILURE_BYTES``."""
-    msg = str(e).encode()[: FAILURE_BYTES - 256].decode(errors="ignore")
-    out = msgspec.json.encode((type(e).__name__[:128], msg))
-    while len(out) > FAILURE_BYTES:  # escapes lengthen a message: cut it until it fits
-        msg = msg[: len(msg) // 2]
-        out = msgspec.json.encode((type(e).__name__[:128], msg))
-    return out
-
-
-def raise_peer(reports: Sequence[bytes | None], where: str) -> None:
-    """Raise the first failed rank's error (``reports[r]``: rank r's report, None if it did not
-    fail), with its type where shardstore defines it, naming the rank."""
-    for r, raw in enumerate(reports):
-        if raw is None:
-            continue
-        try:
-            name, msg = _REPORT.decode(raw)
-        except msgspec.MsgspecError:
-            name, msg = "ShardstoreError", f"a failure whose report does not decode ({len(raw)} bytes)"
-        cls = getattr(errors, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, ShardstoreError)):
-            cls = ShardstoreError
-        raise cls(f"{msg} (on rank {r} of the group {where}; SPEC.md §16.3)")
 
 
 def broadcast_from_first(raw: bytes, group: Any, bound: int, what: str) -> bytes:

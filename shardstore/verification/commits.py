@@ -27,6 +27,8 @@ from ..errors import (
     ObjectTooLarge,
     ShardstoreError,
     TensorMismatch,
+    failure_report,
+    raise_peer,
 )
 from ..format.canonical import sorted_unique
 from ..format.grid import grid_problems, payload_blocks
@@ -498,14 +500,14 @@ def _load_commit_grouped(store: Store, target: str, group: Any) -> LoadedCommit:
             cid, commit_raw = _resolve_read(store, target)
             raw = b"\x00" + cid.encode() + len(name).to_bytes(4, "big") + name + commit_raw
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised alike
-            raw, failure = b"\x01" + collective.failure_report(e), e
+            raw, failure = b"\x01" + failure_report(e), e
     got = collective.broadcast_from_first(
         raw, group, 69 + _TARGET_BYTES + MAX_MANIFEST_BYTES, f"loading commit {target!r}"
     )
     if got[:1] != b"\x00":
         if failure is not None:
             raise failure  # rank 0: its own error, with its traceback
-        collective.raise_peer([got[1:]], f"loading commit {target!r}")
+        raise_peer([got[1:]], f"loading commit {target!r}")
     cid, k = got[1:65].decode(errors="replace"), int.from_bytes(got[65:69], "big")
     first, commit_raw = got[69 : 69 + k].decode(errors="replace"), got[69 + k :]
     named = f" (named by {target!r})" if target != cid else ""
