@@ -27,7 +27,8 @@ sends its pieces to the ranks that need them, the mirror of the save's block exc
    copies and buffers of the pieces it sends and receives, and the failure flag is all-reduced
    again; then the pieces go point to point (contiguous pieces as
    views, others copied out), received straight into a contiguous destination or into a buffer
-   copied into place. Memory beyond the destinations: the batch's blocks read for others, the
+   copied into place, every send and receive waited on whatever failed, and the failure flag is
+   all-reduced once more (a failed wait or copy fails every rank there). Memory beyond the destinations: the batch's blocks read for others, the
    copies of non-contiguous pieces sent and the buffers of pieces received, each at most a batch.
 
 A failure on any rank (a missing or corrupt object, a wrong size, a storage error, a plan that
@@ -402,7 +403,7 @@ def read_group(
 
 @dataclass
 class _Moves:
-    """A batch's point-to-point transfers on one rank, made ready before its agreement."""
+    """A batch's point-to-point transfers on one rank, made ready before its first agreement."""
 
     sends: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (piece, group rank, tag)
     recvs: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (destination or buffer, reader, tag)
@@ -437,7 +438,7 @@ class _GroupRead:
 
     def batch(self, batch: list[PlannedRead]) -> int:
         """Read this rank's blocks of the batch and make ready every piece it sends or receives,
-        agree, then send and receive the pieces."""
+        agree, then send and receive the pieces, and agree again."""
         stats = self.stats
         stats.batches += 1
         error: BaseException | None = None
@@ -469,9 +470,36 @@ class _GroupRead:
         stats.read_s += time.perf_counter() - t0
         _agree(error, self.group, stats)
         t1 = time.perf_counter()
+        error = self._transfer(moves)
+        stats.transfer_s += time.perf_counter() - t1
+        # the transfer's own agreement: a rank that failed there (a wait, a copy into place, memory)
+        # must not raise alone while the others go on to the next batch's all-reduce and wait for
+        # the group's timeout (SPEC.md §16.2, "Failures"); one more all-reduce per batch
+        _agree(error, self.group, stats)
+        return nread
+
+    def _transfer(self, moves: _Moves) -> BaseException | None:
+        """Send and receive the batch's pieces and copy those received through buffers into place;
+        return the first error instead of raising it (the caller agrees on it).
+
+        Every send and receive is posted and every one posted is waited on, whatever failed: a
+        Gloo send completes only when its receiver takes it, so a rank that stopped at its first
+        failure would leave its peers' sends and receives pending until the group's timeout, and
+        a send left pending (not waited, nor abortable on the peer's side) could later match a
+        receive of the same peer and tag (tags restart with each batch) and land stale bytes.
+        Every peer posts its matching operations unconditionally after the batch's agreement, so
+        these waits complete; only a send or receive whose posting itself failed (the transport
+        failing) leaves its peer waiting, for the group's timeout, as any collective would."""
+        stats = self.stats
+        error: BaseException | None = None
         g = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
-        works = [dist.isend(t, dst=g(r), group=self.group, tag=tag) for t, r, tag in moves.sends]
-        works += [dist.irecv(t, src=g(r), group=self.group, tag=tag) for t, r, tag in moves.recvs]
+        works = []
+        for post, peer, todo in ((dist.isend, "dst", moves.sends), (dist.irecv, "src", moves.recvs)):
+            for t, r, tag in todo:
+                try:
+                    works.append(post(t, **{peer: g(r)}, group=self.group, tag=tag))
+                except Exception as e:  # noqa: BLE001 - post the others still: their peers wait on them
+                    error = error or e
         for t, _, _ in moves.sends:
             stats.bytes_sent += t.numel() * t.element_size()
         for t, _, _ in moves.recvs:
@@ -479,15 +507,21 @@ class _GroupRead:
         stats.pieces_sent += len(moves.sends)
         stats.pieces_received += len(moves.recvs)
         for w in works:
-            w.wait()
-        with torch.no_grad():
-            for d, tmp in moves.strips:
-                d.copy_(tmp)
-        bump = getattr(torch.autograd.graph, "increment_version", None)
-        for d in moves.direct if bump is not None else ():
-            bump(d)  # written in place, as a read or copy_ is: autograd refuses a graph that saved the old values
-        stats.transfer_s += time.perf_counter() - t1
-        return nread
+            try:
+                w.wait()
+            except Exception as e:  # noqa: BLE001 - wait on the others still, as above
+                error = error or e
+        try:
+            bump = getattr(torch.autograd.graph, "increment_version", None)
+            for d in moves.direct if bump is not None else ():
+                bump(d)  # written in place, as a read or copy_ is: autograd refuses a graph that saved the old values
+            if error is None:  # a failed receive's buffer holds no verified bytes: nothing copied from it
+                with torch.no_grad():
+                    for d, tmp in moves.strips:
+                        d.copy_(tmp)
+        except Exception as e:  # noqa: BLE001 - the caller's agreement fails every rank with it
+            error = error or e
+        return error
 
     def _prepare(self, batch: list[PlannedRead], bufs: dict[int, torch.Tensor], moves: _Moves) -> None:
         """Every piece of the batch this rank sends (a view of its verified block, or a copy of a

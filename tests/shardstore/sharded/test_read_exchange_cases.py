@@ -10,7 +10,9 @@ Gloo group of 4 processes (a 2 x 2 mesh where one is needed):
   description, both filled), a tensor only some ranks hold;
 - a version 2 commit's row bands restored into column strips;
 - a storage error on one rank reading an empty tensor's block (read by each rank needing
-  it): every rank raises, none waits for the group's timeout.
+  it): every rank raises, none waits for the group's timeout;
+- a failure after a batch's agreement, in its transfer (a received piece's copy into its
+  destination, a receive's wait), on one rank, in a batch before others: every rank raises.
 """
 
 from __future__ import annotations
@@ -258,6 +260,60 @@ def _empty_read_fails(rank: int, store: ss.Store) -> dict:
     return {"error": got, "s": time.monotonic() - t0}
 
 
+def _transfer_fails(rank: int, store: ss.Store, how: str) -> dict:
+    """Three tensors of one block each, every one a batch of its own; rank 0 reads the first batch's
+    block (ties: the lowest rank) and the others receive it. Then one rank fails in that batch's
+    transfer, after its agreement, with two batches still to come:
+
+    - ``copy``: rank 2's destinations are inference tensors, transposed, so it receives through a
+      buffer and copying it into place raises (a RuntimeError of torch's, not one injected);
+    - ``wait``: rank 1's first receive completes, then its wait raises (injected).
+
+    Every rank must raise at once, the others naming the failed rank, none waiting for the group's
+    timeout in the next batch's collectives."""
+    g = torch.Generator().manual_seed(13)
+    full = {k: torch.randn(4, WIDE, generator=g) for k in ("x", "y", "z")}
+    if rank == 0:
+        ss.save(store, full, step=0, job="read-exchange-cases", rng=False, ref=how, parent=None)
+    dist.barrier()
+    if how == "copy" and rank == 2:
+        with torch.inference_mode():
+            dests = {k: torch.zeros(WIDE, 4).T for k in full}
+    else:
+        dests = {k: torch.zeros(4, WIDE) for k in full}
+    real_irecv = dist.irecv
+    failed = []
+
+    class _FailingWait:
+        def __init__(self, work) -> None:
+            self.work = work
+
+        def wait(self, *args, **kwargs):
+            self.work.wait(*args, **kwargs)  # the bytes arrived (the peer's send completes), then it fails
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("injected: a receive's wait failed")
+            return True
+
+    def irecv(*args, **kwargs):
+        return _FailingWait(real_irecv(*args, **kwargs))
+
+    if how == "wait" and rank == 1:
+        dist.irecv = irecv
+    old = read_exchange.BATCH_BYTES
+    read_exchange.BATCH_BYTES = 1  # every block a batch of its own
+    t0 = time.monotonic()
+    try:
+        ss.restore(store, how, dests, group=dist.group.WORLD)
+        got = None
+    except Exception as ex:  # noqa: BLE001 - the test looks at the type
+        got = [type(ex).__name__, str(ex)]
+    finally:
+        read_exchange.BATCH_BYTES = old
+        dist.irecv = real_irecv
+    return {"error": got, "s": time.monotonic() - t0, "batches": read_exchange.last_group_read().batches}
+
+
 def _body(rank: int, world: int, root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -268,10 +324,13 @@ def _body(rank: int, world: int, root: str) -> dict:
     out["strips"] = _replicated_strips(rank, store, mesh)
     out["bands"] = _bands(rank, root + "-v2", init_device_mesh("cpu", (world,)))
     dist.barrier()
-    # last: before their fixes, these two left ranks waiting for the group's timeout
+    # last: before their fixes, these left ranks waiting for the group's timeout
     out["buffer_fails"] = _buffer_fails(rank, store)
     dist.barrier()
     out["empty_read_fails"] = _empty_read_fails(rank, store)
+    for how in ("copy", "wait"):
+        dist.barrier()
+        out[f"{how}_fails"] = _transfer_fails(rank, store, how)
     return out
 
 
@@ -343,6 +402,23 @@ def test_a_failed_empty_block_read_on_one_rank_fails_every_rank(runs):
     assert all(r["error"] is not None for r in res), res
     assert all(r["error"][0] == "StorageError" and "injected" in r["error"][1] for r in res), res
     assert all("rank 1" in r["error"][1] for i, r in enumerate(res) if i != 1), res
+    assert all(r["s"] < TIMEOUT_S / 2 for r in res), res  # raised, not a wait for the group's timeout
+
+
+@pytest.mark.parametrize("how, failed, error", [("copy", 2, "RuntimeError"), ("wait", 1, "RuntimeError")])
+def test_a_failure_in_a_batch_transfer_on_one_rank_fails_every_rank(runs, how, failed, error):
+    """After a batch's agreement: a received piece's copy into place, or a receive's wait, fails on
+    one rank in the first of three batches; every rank raises there, none goes on to the next batch."""
+    res = [r[f"{how}_fails"] for r in runs]
+    assert res[failed]["error"] is not None and res[failed]["error"][0] == error, res
+    if how == "copy":
+        assert "inference tensor" in res[failed]["error"][1], res
+    else:
+        assert "injected" in res[failed]["error"][1], res
+    others = [r for i, r in enumerate(res) if i != failed]
+    assert all(r["error"] is not None and f"rank {failed}" in r["error"][1] for r in others), res
+    assert all(r["error"][1].startswith(res[failed]["error"][1][:30]) for r in others), res
+    assert [r["batches"] for r in res] == [1] * 4, res  # every rank stopped in the first batch
     assert all(r["s"] < TIMEOUT_S / 2 for r in res), res  # raised, not a wait for the group's timeout
 
 
