@@ -28,8 +28,9 @@ sends its pieces to the ranks that need them, the mirror of the save's block exc
    again; then the pieces go point to point (contiguous pieces as
    views, others copied out), received straight into a contiguous destination or into a buffer
    copied into place, every send and receive waited on whatever failed, and the failure flag is
-   all-reduced once more (a failed wait or copy fails every rank there). Memory beyond the destinations: the batch's blocks read for others, the
-   copies of non-contiguous pieces sent and the buffers of pieces received, each at most a batch.
+   all-reduced once more (a failed wait or copy fails every rank there). Memory beyond the
+   destinations: the batch's blocks read for others, the copies of non-contiguous pieces sent
+   and the buffers of pieces received, each at most a batch.
 
 A failure on any rank (a missing or corrupt object, a wrong size, a storage error, a plan that
 did not fit) is raised on every rank with its type and message (another rank's error naming
@@ -483,8 +484,8 @@ class _GroupRead:
         return the first error instead of raising it (the caller agrees on it).
 
         Every send and receive is posted and every one posted is waited on, whatever failed: a
-        Gloo send completes only when its receiver takes it, so a rank that stopped at its first
-        failure would leave its peers' sends and receives pending until the group's timeout, and
+        peer's send or receive need not complete until this rank posts and serves its match, so a
+        rank that stopped at its first failure could leave them pending for the group's timeout, and
         a send left pending (not waited, nor abortable on the peer's side) could later match a
         receive of the same peer and tag (tags restart with each batch) and land stale bytes.
         Every peer posts its matching operations unconditionally after the batch's agreement, so
@@ -515,7 +516,7 @@ class _GroupRead:
             bump = getattr(torch.autograd.graph, "increment_version", None)
             for d in moves.direct if bump is not None else ():
                 bump(d)  # written in place, as a read or copy_ is: autograd refuses a graph that saved the old values
-            if error is None:  # a failed receive's buffer holds no verified bytes: nothing copied from it
+            if error is None:  # after a failed wait a buffer may hold no piece: nothing copied from any
                 with torch.no_grad():
                     for d, tmp in moves.strips:
                         d.copy_(tmp)
