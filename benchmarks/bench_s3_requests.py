@@ -17,6 +17,11 @@ per rank (as ``bench_scale_sim.rank_rng``). Phases, every rank, each between bar
   commit 1), the third with nothing changed (every object already there: frozen tensors' cost);
 - restore: ``agree_on_commit`` + ``restore`` of commit 3 into the same state under FSDP2 alone
   over all N ranks (dp only, as the simulation restores), checked value for value;
+- restore (group): the same commit restored again by the same N ranks by exchange, ``restore(
+  store, "main", ..., group=)`` over the job's Gloo group (its manifests read once in the group,
+  the ref resolved by rank 0, each tensor block read once by one rank needing it: SPEC.md §16.2,
+  §16.3), checked bitwise against the restore on its own; each rank's tensor bytes read
+  (``Restored.bytes_read``) in both restores are tabled beside its share;
 - dcp save and dcp load: ``dcp.save`` through ``FsspecWriter`` (s3fs, block size ``--dcp-block``
   MiB, s3fs's default 50) and ``dcp.load`` through ``FsspecReader`` into the same dp-only state,
   checked.
@@ -101,7 +106,7 @@ BEGIN, END = "<!-- bench_s3_requests:begin -->", "<!-- bench_s3_requests:end -->
 SECTION = "## The S3 request budget: a commit and a restore, measured on moto and extrapolated to 16,384 ranks (bench_s3_requests)"
 BUCKET = "budget-{}"  # one per measured run: moto's backend is one per process, and blocks are the same at any N
 KEY = "budget"
-SS_PHASES = ("open", "commit 1", "commit 2", "commit 3", "restore")
+SS_PHASES = ("open", "commit 1", "commit 2", "commit 3", "restore", "restore (group)")
 DCP_PHASES = ("dcp save", "dcp load")
 METHODS = (*WRITE, *READ)
 MIB = 1 << 20
@@ -197,11 +202,23 @@ def worker(rank: int, port: int, world: int, endpoint: str, args: argparse.Names
         db.zero(dest, dest_opt)
         phase("restore")
         assert ss.agree_on_commit(store, "main") == cid
-        ss.restore(store, cid, dest, dest_opt, rng=False)
+        alone = ss.restore(store, cid, dest, dest_opt, rng=False)
         phase("check")
         bad = db.mismatches(dest, dest_opt, [w for w in want])
         if bad:
             raise SystemExit(f"rank {rank}: shardstore's restore differs in {bad[:5]}")
+        restored = [t.clone() for t in db.locals_of(dest, dest_opt)]
+        db.zero(dest, dest_opt)
+        phase("restore (group)")  # the manifests read once in the group, each block once (SPEC.md §16.2, §16.3)
+        grouped = ss.restore(store, "main", dest, dest_opt, rng=False, group=dist.group.WORLD)
+        phase("check (group)")
+        assert grouped.commit == cid, (grouped.commit, cid)
+        got = db.locals_of(dest, dest_opt)
+        bad = [i for i, (a, b) in enumerate(zip(got, restored, strict=True)) if not torch.equal(a, b)]
+        bad += db.mismatches(dest, dest_opt, want)  # the steps too
+        if bad:
+            raise SystemExit(f"rank {rank}: the restore by exchange differs from the restore on its own in {bad[:5]}")
+        read = {"restore": alone.bytes_read, "restore (group)": grouped.bytes_read}
         dcp_url = f"s3://{BUCKET.format(world)}/dcp"
         block = {"default_block_size": args.dcp_block * MIB}
         msd, osd = get_state_dict(model, opt)
@@ -220,7 +237,15 @@ def worker(rank: int, port: int, world: int, endpoint: str, args: argparse.Names
             raise SystemExit(f"rank {rank}: dcp.load differs in {bad[:5]}")
         with open(f"{out}.{rank}", "w") as f:
             json.dump(
-                {"tally": tally.to_json(), "lost": lost.to_json(), "share": db.share(model, opt), "chunks": chunks}, f
+                {
+                    "tally": tally.to_json(),
+                    "lost": lost.to_json(),
+                    "share": db.share(model, opt),
+                    "chunks": chunks,
+                    "read": read,
+                    "dest_share": db.share(dest, dest_opt),
+                },
+                f,
             )
         dist.barrier()
 
@@ -258,13 +283,15 @@ def measure(world: int, args: argparse.Namespace, work: str) -> dict[str, Any]:
         db.spawn(worker, world, (world, server.endpoint, args, out))
         mark(server.endpoint, "after")
         predicted, lost = Tally(), Tally()
-        shares, chunks = [], []
+        shares, chunks, reads, dest_shares = [], [], [], []
         for r in range(world):
             doc = json.load(open(f"{out}.{r}"))
             predicted.merge(Tally.from_json(doc["tally"]))
             lost.merge(Tally.from_json(doc["lost"]))
             shares.append(doc["share"])
             chunks.append(doc["chunks"])
+            reads.append(doc["read"])
+            dest_shares.append(doc["dest_share"])
         listed: dict[str, list[int]] = {}
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
             for o in page.get("Contents", []):
@@ -276,7 +303,7 @@ def measure(world: int, args: argparse.Namespace, work: str) -> dict[str, Any]:
             if o["Key"].endswith(".distcp")
         ]
         return {"world": world, "server": server.tally, "status": server.status, "predicted": predicted, "lost": lost, "listed": listed,
-                "dcp_files": dcp_files, "shares": shares, "chunks": chunks}  # fmt: skip
+                "dcp_files": dcp_files, "shares": shares, "chunks": chunks, "reads": reads, "dest_shares": dest_shares}  # fmt: skip
     finally:
         server.stop()
 
@@ -328,6 +355,13 @@ def measured_table(runs: list[dict[str, Any]]) -> list[str]:
                 f"| {run['world']} | {phase} | " + " | ".join(str(got[m]) for m in METHODS) + f" | {sum(got[m] for m in WRITE)} | "
                 f"{sum(got[m] for m in READ)} | {_key_words(hot)} ({sum(keys.get(hot, (0, 0)))}) | {same} |"
             )  # fmt: skip
+    lines += ["", "| N | tensor bytes read per rank, restore (MiB, min–max) | the same, restore (group) | "
+              "the rank's share: parameters and moments (MiB, min–max) |", "|---|---|---|---|"]  # fmt: skip
+    for run in runs:
+        lines.append(
+            f"| {run['world']} | {_mib_range([r['restore'] for r in run['reads']])} | "
+            f"{_mib_range([r['restore (group)'] for r in run['reads']])} | {_mib_range(run['dest_shares'])} |"
+        )
     lines += ["", "| N | objects in the store after the three commits | DCP's files after one save | DCP's data files (MiB each) |",
               "|---|---|---|---|"]  # fmt: skip
     for run in runs:
@@ -339,6 +373,11 @@ def measured_table(runs: list[dict[str, Any]]) -> list[str]:
             + " |"
         )
     return lines
+
+
+def _mib_range(values: list[int]) -> str:
+    lo, hi = min(values) / MIB, max(values) / MIB
+    return f"{lo:.1f}" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}–{hi:.1f}"
 
 
 def _key_words(key: str) -> str:
