@@ -271,6 +271,11 @@ def test_s3_request_budget_quick(tmp_path) -> None:
         r.split("|")[2].strip(): re.sub(r" \(\d+ retried\)$", "", r.rstrip().rsplit("|", 2)[1].strip()) for r in rows
     }
     assert got == want, rows
+    # each rank's tensor bytes read: by exchange never more than on its own, and about its share
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| N | tensor bytes read per rank"))
+    alone, grouped, share = (float(c.split("–")[-1]) for c in lines[head + 2].split("|")[2:5])
+    assert grouped <= alone and abs(grouped - share) <= 0.1 * share, lines[head + 2]
     assert any(line.startswith("| Llama-3 8B | 64 |") for line in text.splitlines())
     assert any(line.startswith("| Llama-3 8B | 64 → 32 |") for line in text.splitlines())
 
