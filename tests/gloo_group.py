@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import START_METHOD
 
-__all__ = ["free_port", "run_group"]
+__all__ = ["free_port", "run_group", "run_group_on_store"]
 
 
 def free_port() -> int:
@@ -63,3 +63,15 @@ def _entry(
         dist.barrier()  # nobody tears the group down while a peer still uses it
     finally:
         dist.destroy_process_group()
+
+
+def run_group_on_store(
+    body: Callable[..., dict], world: int, tmp: Path, *, timeout_s: float = 120
+) -> tuple[str, list[dict]]:
+    """``run_group`` with a fresh store at ``tmp/store`` (created here, before the ranks start):
+    ``body(rank, world, root)``; return the store's root and the ranks' results."""
+    import shardstore as ss
+
+    root = str(tmp / "store")
+    ss.open_store(root)
+    return root, run_group(body, world, tmp, root, timeout_s=timeout_s)

@@ -29,7 +29,7 @@ from dtensor_models import Net
 from dtensor_models import adamw as _opt
 from dtensor_models import fsdp as _fsdp
 from dtensor_models import train as _train
-from gloo_group import run_group
+from gloo_group import run_group_on_store
 from read_counter import ReadCounter
 
 import shardstore as ss
@@ -197,10 +197,7 @@ def _body(rank: int, world: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("read_exchange")
-    root = str(tmp / "store")
-    ss.open_store(root)
-    return root, run_group(_body, 4, tmp, root, timeout_s=90)
+    return run_group_on_store(_body, 4, tmp_path_factory.mktemp("read_exchange"), timeout_s=90)
 
 
 @pytest.mark.parametrize("which", ["four", "two"])

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dtensor_models import WIDE
-from gloo_group import run_group
+from gloo_group import run_group_on_store
 from read_counter import ReadCounter
 
 import shardstore as ss
@@ -336,10 +336,7 @@ def _body(rank: int, world: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("read_exchange_cases")
-    root = str(tmp / "store")
-    ss.open_store(root)
-    return run_group(_body, 4, tmp, root, timeout_s=TIMEOUT_S)
+    return run_group_on_store(_body, 4, tmp_path_factory.mktemp("read_exchange_cases"), timeout_s=TIMEOUT_S)[1]
 
 
 def test_dtensors_of_several_parts_each_block_read_once(runs):

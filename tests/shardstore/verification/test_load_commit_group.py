@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_group import run_group
+from gloo_group import run_group_on_store
 from read_counter import ReadCounter
 
 import shardstore as ss
@@ -148,10 +148,7 @@ def _body(rank: int, world: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("group_load")
-    root = str(tmp / "store")
-    ss.open_store(root)
-    return run_group(_body, 4, tmp, root, timeout_s=60)
+    return run_group_on_store(_body, 4, tmp_path_factory.mktemp("group_load"), timeout_s=60)[1]
 
 
 def test_a_group_reads_each_manifest_once_and_loads_the_same_commit(runs):
