@@ -345,7 +345,7 @@ def complete(group: Any, *, slot: int, commit: str, objects: Iterable[str], own:
     flags = torch.zeros(world, dtype=torch.int64)
     for d in range(1, world):
         there = (rank + d) % world
-        have = [(o, n) for o in lacking[there] if (n := own.size(o)) is not None]
+        have = [(o, n) for o in lacking[there] if (n := _size(own, o)) >= 0]
         if have:
             offers[d] = Offer(slot, commit, have)
             flags[d] = 1
@@ -469,7 +469,8 @@ def _copy_local(source: MemoryTier, into: MemoryTier, oid: str, size: int) -> bo
 
 
 def _size(tier: MemoryTier, oid: str) -> int:
-    n = tier.size(oid)
+    """``oid``'s size in ``tier``; -1 when it holds none (or cannot tell: an unreadable tier is no error)."""
+    n = _try_value(lambda: tier.size(oid))
     return -1 if n is None else n
 
 
