@@ -82,6 +82,7 @@ def _body(rank: int, world: int, root: str, home: str) -> dict:
         cid = ss.save_distributed(store, m, opt, info=ss.CommitInfo(step=step), rng=False, group=dist.group.WORLD)
         closure = commit_closure(ss.load_commit(store, cid), slot=rank)
         before = sorted(closure.labels.get(o, o) for o in closure.ids() if not own.has(o))
+        stats = sorted(v for o, v in closure.labels.items() if v.startswith("tensor '1.") and own.has(o))
         own.hold(cid, closure.ids())
         report = replicate(dist.group.WORLD, slot=rank, commit=cid, objects=closure.ids(), own=own, tier_for=tier_for)
         buddy_of = (rank - 1) % world  # the slot whose replica this host keeps
@@ -91,6 +92,7 @@ def _body(rank: int, world: int, root: str, home: str) -> dict:
         out["commits"].append(
             {
                 "lacked": before,
+                "stats": stats,
                 "filled": report.filled,
                 "received": report.received,
                 "local": report.local,
@@ -133,15 +135,19 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def test_each_slots_tier_gets_the_straddling_blocks_and_the_plain_tensors_another_slot_wrote(ranks) -> None:
-    """Before ``replicate``, each rank's tier lacks what the other wrote: the blocks (parameters and
-    moments) that straddle both ranks' slices that the other owns, and the BatchNorm statistics the
-    other records. ``complete`` fills
+    """After the save each rank's tier holds the BatchNorm statistics the other slot records (kept
+    from its own bytes, hashed) but lacks the blocks (parameters and moments) that straddle both
+    ranks' slices that the other owns. ``complete`` fills
     each from the other rank's tier (hashed to its id as it lands), so both tiers hold the commit
     and both buddies hold its replica, at every commit (SPEC.md §19.3; on the old code the rank
     lacking them never held its commit nor its buddy a replica)."""
     lacked = [r["commits"][0]["lacked"] for r in ranks]
-    # case (b): each BatchNorm statistic is recorded by one slot; the other lacked it
-    assert "tensor '1.running_var', parameter" in lacked[1] and "tensor '1.running_mean', parameter" in lacked[0]
+    # case (b): each BatchNorm statistic is recorded by one slot, yet both tiers hold all of them
+    # after the save (the other rank hashed its own equal copy), so neither lacked one
+    for r in ranks:
+        assert "tensor '1.running_mean', parameter" in r["commits"][0]["stats"], r["commits"][0]["stats"]
+        assert "tensor '1.running_var', parameter" in r["commits"][0]["stats"], r["commits"][0]["stats"]
+        assert not any(s.startswith("tensor '1.running") or "num_batches" in s for s in r["commits"][0]["lacked"])
     # case (a): a one-block tensor split in half, its block owned by one rank; the large weight's
     # column tiles each span both ranks' rows
     assert "tensor '3.bias', parameter" in lacked[0] and "tensor '3.bias', exp_avg" in lacked[1], lacked
@@ -155,9 +161,9 @@ def test_each_slots_tier_gets_the_straddling_blocks_and_the_plain_tensors_anothe
 
 def test_a_buddy_keeps_from_its_own_hosts_tier_what_it_holds_there_and_only_the_rest_moves(ranks) -> None:
     """On 2 ranks every block of a slot's closure that the slot lacked was written by its buddy,
-    whose host keeps it in its own slot's tier: ``replicate`` copies it from there (hashed), so the
-    only bytes that cross the network are those ``complete`` fills (each rank's share of the
-    straddling blocks and the statistics the other records), never a block sent back."""
+    whose host keeps it in its own slot's tier: ``replicate`` copies it from there (hashed) instead
+    of having it sent back. Here every block overlaps both ranks' slices (the two slot closures are
+    one), so the only bytes that cross the network are those ``complete`` fills."""
     for r in ranks:
         for c in r["commits"]:
             assert c["received"] == c["filled"] > 0 and c["local"] == c["replica_bytes"], c
