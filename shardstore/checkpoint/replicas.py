@@ -20,9 +20,13 @@ its restore reads the copies from them. A message travels as parts of at most ``
 all in flight at once.
 
 ``replicate`` runs it once a commit is durable (``shardtrain``'s committer calls it in its
-background thread, on the commit protocol's group): slot ``i`` offers its closure of the
-commit and the buddy keeps what it lacks in its host's tier for slot ``i``, verified against
-each id, and holds the commit there when every object is present. ``fetch_replicas`` runs
+background thread, on the commit protocol's group): first ``complete`` fills each slot's own tier
+with the objects of its closure another rank wrote (a DTensor block straddling its slices and
+another's, written by the block's owner; a tensor several ranks hold whole, recorded by one),
+sent from that rank's tier, so that every slot's tier holds its commit; then slot ``i`` offers its
+closure of the commit and the buddy keeps what it lacks in its host's tier for slot ``i``,
+verified against each id (an object its host's own tier already holds is copied from there,
+hashed, and not sent), and holds the commit there when every object is present. ``fetch_replicas`` runs
 it at a restart, after the group agreed on the commit: a worker whose own tier does not hold
 the commit gets its slot's objects from its buddies into a ``PeerCopies`` tier, which the
 restore reads through ``TieredStorage``. Each object is verified against its id as it lands
@@ -63,7 +67,17 @@ from ..errors import ShardstoreError
 from ..format.names import check_oid
 from ..format.tensors import hash_bytes
 
-__all__ = ["Offer", "PeerFetch", "ReplicaReport", "buddies", "shift", "replicate", "fetch_replicas", "start_fetch"]
+__all__ = [
+    "Offer",
+    "PeerFetch",
+    "ReplicaReport",
+    "buddies",
+    "shift",
+    "complete",
+    "replicate",
+    "fetch_replicas",
+    "start_fetch",
+]
 
 #: Bytes of object payload per point-to-point message (a larger object is a message of its own).
 MESSAGE_BYTES = 64 << 20
@@ -95,10 +109,12 @@ class Offer:
 class ReplicaReport:
     """What one exchange moved for this rank, and the copies it refused (naming the peer)."""
 
-    sent: int = 0  # bytes of objects this rank sent
-    received: int = 0  # bytes of objects it received
+    sent: int = 0  # bytes of objects this rank sent (to complete other slots' tiers included)
+    received: int = 0  # bytes of objects it received (``filled`` included)
     held: bool = False  # whether the received commit is now held whole by this host's tier
     rejected: list[str] = field(default_factory=list)
+    filled: int = 0  # bytes of objects of its own slot's closure it received from other slots' tiers (``complete``)
+    local: int = 0  # bytes of a replica kept from this host's own tier, not sent (``replicate``)
 
 
 def buddies(slot: int, world: int, replicas: int) -> list[int]:
@@ -278,6 +294,96 @@ def _pack(
     return out
 
 
+def _gather_ids(group: Any, ids: list[str]) -> list[list[str]]:
+    """Every rank's ``ids`` (32 raw bytes each), in group rank order: the counts all-gathered,
+    then the ids padded to the longest list (uint8 tensors on the group's device; nothing
+    pickled). A count over ``_MAX_OBJECTS`` is refused before anything is allocated for it."""
+    world, dev = dist.get_world_size(group), _device(group)
+    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([len(ids)], dtype=torch.int64, device=dev), group=group)
+    ns = [int(c.item()) for c in counts]
+    for r, n in enumerate(ns):
+        if not 0 <= n <= _MAX_OBJECTS:
+            raise ShardstoreError(f"rank {r} lacks {n} objects, over the limit of {_MAX_OBJECTS}")
+    top = max(ns)
+    if top == 0:
+        return [[] for _ in range(world)]
+    mine = torch.zeros(32 * top, dtype=torch.uint8)
+    if ids:
+        mine[: 32 * len(ids)] = _owned(b"".join(bytes.fromhex(o) for o in ids))
+    out = [torch.empty(32 * top, dtype=torch.uint8, device=dev) for _ in range(world)]
+    dist.all_gather(out, mine.to(dev), group=group)
+    got = []
+    for r, (t, n) in enumerate(zip(out, ns)):
+        raw = t.cpu().numpy().tobytes()
+        got.append([check_oid(raw[32 * i : 32 * i + 32].hex(), what=f"object id from rank {r}") for i in range(n)])
+    return got
+
+
+def complete(group: Any, *, slot: int, commit: str, objects: Iterable[str], own: MemoryTier) -> ReplicaReport:
+    """After ``commit`` is durable: fill this slot's tier ``own`` with the objects of its closure
+    ``objects`` it lacks from the tiers of the group's other ranks, which wrote them (SPEC.md
+    §19.3: a DTensor block that straddles this slot's slices and another's, written by its
+    owner; a tensor several slots hold whole, recorded by one; anything else of the closure
+    another rank wrote). Every rank says which objects it lacks (ids only, all-gathered); then,
+    at each distance ``d`` at which some rank's tier has what the rank ``d`` after it lacks, one
+    ``shift``: the holder offers those objects (ids and sizes), the lacking rank answers which
+    it still lacks, and only those bytes move, each hashed to its id by the receiver before it is
+    kept (one that does not is refused, naming the slot that sent it). A rank lacking nothing,
+    in a group where no rank lacks anything, costs one all-gather of counts. Collective over
+    ``group`` (every rank, the same ``commit``)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    report = ReplicaReport()
+    if world < 2:
+        return report
+    mine = sorted(o for o in set(objects) if not own.has(o))
+    lacking = _gather_ids(group, mine)
+    if not any(lacking):
+        return report
+    wanted = set(mine)
+    offers: dict[int, Offer] = {}
+    flags = torch.zeros(world, dtype=torch.int64)
+    for d in range(1, world):
+        there = (rank + d) % world
+        have = [(o, n) for o in lacking[there] if (n := _size(own, o)) >= 0]
+        if have:
+            offers[d] = Offer(slot, commit, have)
+            flags[d] = 1
+    dev = _device(group)
+    flags = flags.to(dev)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)  # the distances at which anything moves
+    for d in [d for d in range(1, world) if int(flags[d].item())]:
+        frm = (rank - d) % world
+
+        def lacks(got: Offer, oid: str) -> bool:
+            return got.commit == commit and oid in wanted and not own.has(oid)
+
+        def land(got: Offer, oid: str, data: memoryview, _frm: int = frm) -> None:
+            digest = hash_bytes(data)
+            if digest != oid:
+                report.rejected.append(
+                    f"object {oid}: the copy from slot {got.slot} (rank {_frm}) does not hash to its id "
+                    f"(its bytes hash to {digest}); not kept"
+                )
+                return
+            _try(lambda: own.put(oid, data))
+            report.filled += len(data)
+
+        _, sent, received = shift(
+            group,
+            offers.get(d, Offer(slot, commit, [])),
+            to=(rank + d) % world,
+            frm=frm,
+            fetch_into=own.fetch_into,
+            lacks=lacks,
+            land=land,
+            copies_out=True,  # land hashes each object and writes it to this slot's tier
+        )
+        report.sent += sent
+        report.received += received
+    return report
+
+
 def replicate(
     group: Any,
     *,
@@ -291,10 +397,13 @@ def replicate(
     """After ``commit`` is durable: offer this slot's closure ``objects`` (from its own tier
     ``own``) to its buddies, and keep what the slots before it offer in ``tier_for(their slot)``
     (this host's tier of that slot), each object verified; hold the commit there when whole.
-    Collective over ``group`` (every rank, the same ``commit``)."""
+    First ``complete``: this slot's tier gets what of ``objects`` it lacks from the tiers of the
+    ranks that wrote them, so that its offer is whole. Collective over ``group`` (every rank,
+    the same ``commit``)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    offer = Offer(slot, commit, [(o, _size(own, o)) for o in sorted(set(objects))])
-    report = ReplicaReport()
+    objects = sorted(set(objects))
+    report = complete(group, slot=slot, commit=commit, objects=objects, own=own)
+    offer = Offer(slot, commit, [(o, _size(own, o)) for o in objects])
     for d in range(1, min(replicas, world - 1) + 1):
         peer = (rank - d) % world  # the slot whose replica this rank keeps at distance d
         tiers: dict[int, MemoryTier | None] = {}
@@ -306,9 +415,19 @@ def replicate(
                 tiers[_peer] = _try_value(lambda: tier_for(_peer))
             return tiers[_peer]
 
-        def lacks(got: Offer, oid: str) -> bool:
+        sizes: dict[str, int] = {}  # the offer's sizes, by id
+
+        def lacks(got: Offer, oid: str, _sizes: dict[str, int] = sizes) -> bool:
             t = tier(got)  # an incomplete offer is never held, so never evicted: none of it is taken
-            return t is not None and got.complete and not t.has(oid)
+            if t is None or not got.complete or t.has(oid):
+                return False
+            if not _sizes:
+                _sizes.update(got.objects)
+            # one this host's own tier holds (a block this rank wrote) is copied here, not sent
+            if _copy_local(own, t, oid, _sizes.get(oid, -1)):
+                report.local += _sizes[oid]
+                return False
+            return True
 
         def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:
             t = tier(got)
@@ -336,8 +455,22 @@ def replicate(
     return report
 
 
+def _copy_local(source: MemoryTier, into: MemoryTier, oid: str, size: int) -> bool:
+    """Keep in ``into`` this host's copy of ``oid`` from another slot's tier ``source`` (a block
+    this rank wrote that its buddy's slot closure names too, SPEC.md §19.3), hashed to its id
+    before it is kept; whether it was (else the peer sends it). No byte crosses the network."""
+    if size < 0 or source is into or source.size(oid) != size:
+        return False
+    buf = bytearray(size)
+    if _try_value(lambda: source.fetch_into(oid, memoryview(buf))) != size or hash_bytes(buf) != oid:
+        return False
+    _try(lambda: into.put(oid, buf))
+    return into.has(oid)
+
+
 def _size(tier: MemoryTier, oid: str) -> int:
-    n = tier.size(oid)
+    """``oid``'s size in ``tier``; -1 when it holds none (or cannot tell: an unreadable tier is no error)."""
+    n = _try_value(lambda: tier.size(oid))
     return -1 if n is None else n
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "Box",
     "StoredPayload",
     "grid",
+    "block_views",
     "tile_shape",
     "block_count",
     "intersect",
@@ -396,6 +397,13 @@ def _block_views(t: torch.Tensor, dtype: str, bands: bool = False) -> list[torch
             view = flat[lo : lo + math.prod(extent)]
         out.append(view)
     return out
+
+
+def block_views(t: torch.Tensor) -> list[torch.Tensor]:
+    """Views of a whole tensor's canonical blocks (the tile grid), in payload order: what
+    ``put_payloads`` hashes and writes for it (``put_tensors`` gathers a strided view's bytes in C
+    order, as ``tensors.tensor_bytes`` does)."""
+    return _block_views(t, dtype_name(t.dtype))
 
 
 def put_payloads(

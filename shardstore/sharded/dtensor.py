@@ -41,9 +41,9 @@ import torch.distributed as dist
 
 from ..backends.base import CachesWrites
 from ..errors import TensorMismatch
-from ..format.grid import BLOCK_BYTES, Box, StoredPayload, box_slices, grid, intersect, make_payload
+from ..format.grid import BLOCK_BYTES, Box, StoredPayload, block_views, box_slices, grid, intersect, make_payload
 from ..format.slices import Gap, Overlap, make_slices, tiling_defect
-from ..format.tensors import dtype_name, is_dtensor, new_hasher, same_split, tensor_bytes, torch_dtype
+from ..format.tensors import dtype_name, hash_bytes, is_dtensor, new_hasher, same_split, tensor_bytes, torch_dtype
 from ..state.slot import SlotState
 from ..store import Store
 from ..store.tensors import WRITE_THREADS
@@ -352,6 +352,7 @@ def write_dtensors(
     _replicas_agree(locals_, union, rank, group)
     replicated = {n: rs for n, rs in plan.plain.items() if len(rs) > 1}
     drop = _replicated_plain(state, replicated, rank, group)
+    _keep_dropped_plain(store, state, drop)
     # what this slot held of tensors another slot may record (SPEC.md §Slices held): the boxes of
     # its DTensor parameters' local parts, and the whole box of each plain tensor several ranks hold
     boxes = [(n, box) for (n, role), (_lt, parts) in locals_.items() if role == "param" for box, _ in parts]
@@ -393,6 +394,29 @@ def _keep_held_blocks(
         origin = next((o for box, o in parts if intersect(b.box, box) == b.box), None)
         if origin is not None:
             store.name_written(oid, tensor_bytes(lt[box_slices(b.box, origin)]))
+
+
+def _keep_dropped_plain(store: Store, state: SlotState, drop: set[str]) -> None:
+    """A plain tensor several ranks hold whole that another slot records (SPEC.md §15.2 step 4)
+    is in this slot's closure too (§15.5): this rank hashes the canonical blocks of its own copy
+    (the tensor, its moments, its torch-form state: what the recording slot writes for its entry)
+    and a write-through memory tier keeps them under those ids, as if written here
+    (``Store.name_written``, no store request; SPEC.md §19.3). The holders' copies were compared by
+    hash first (``_replicated_plain``), so these are the recorder's bytes and ids; a tier that does
+    not get them here still gets them at the commit's completion (``checkpoint.replicas.complete``)."""
+    if not drop or not isinstance(store.storage, CachesWrites):
+        return
+    for n in sorted(drop):
+        po = state.optim.params.get(n)
+        tensors = [state.tensors[n]]
+        if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
+            tensors += [po.exp_avg, po.exp_avg_sq]
+        if po is not None and po.torch_state is not None:
+            tensors += [t for _, t in sorted(po.torch_state.tensors.items())]
+        for t in tensors:
+            for view in block_views(t):
+                data = tensor_bytes(view)
+                store.name_written(hash_bytes(data), data)
 
 
 def _fingerprint(state: SlotState, name: str) -> str:

@@ -161,7 +161,47 @@ def _body(rank: int, world: int, home: str) -> dict:
     _, report = fetching.wait()
     if rank == 1:
         out["waited_rejected"] = report.rejected + reader.rejected
+    out.update(_completion(rank, world, home))
     return out
+
+
+C3 = "c3" * 32
+
+
+def _written(r: int) -> dict[str, bytes]:
+    """The two objects slot ``r`` writes at commit 3: ``a`` (in slot r+1's closure too: a block
+    straddling their slices) and ``b`` (in slot r-1's: a tensor slot r records and r-1 holds)."""
+    return {"a": b"C3a" + bytes([r]) * 3000, "b": b"C3b" + bytes([r]) * 5000}
+
+
+def _completion(rank: int, world: int, home: str) -> dict:
+    """Commit 3, on fresh hosts: slot r's closure is its own two objects, slot r-1's ``a`` and slot
+    r+1's ``b`` (two distances: 1 and 2). Slot 1's tier copy of its ``a`` is corrupt, so slot 2
+    refuses it (completion and replica alike, naming the slot that sent it) and its tier does not
+    hold the commit, nor its buddy slot 0 a replica of it."""
+    host = os.path.join(home, f"c3host{rank}")
+    tier_for = lambda slot: MemoryTier(host, slot)  # noqa: E731 - this host's tier of a slot
+    own = tier_for(rank)
+    for data in _written(rank).values():
+        own.put(hash_bytes(data), data)
+    if rank == 1:  # a flipped byte in this tier's copy of slot 1's ``a``
+        oid = hash_bytes(_written(1)["a"])
+        path = Path(own.dir) / "objects" / oid[:2] / oid
+        os.chmod(path, 0o644)
+        path.write_bytes(b"X" + path.read_bytes()[1:])
+    closure = [hash_bytes(d) for d in _written(rank).values()]
+    closure += [hash_bytes(_written((rank - 1) % world)["a"]), hash_bytes(_written((rank + 1) % world)["b"])]
+    own.hold(C3, closure)
+    report = replicate(None, slot=rank, commit=C3, objects=closure, own=own, tier_for=tier_for)
+    return {
+        "c3": {
+            "filled": report.filled,
+            "local": report.local,
+            "holds": own.holds(C3) is not None,
+            "buddy_holds": report.held,
+            "rejected": report.rejected,
+        }
+    }
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +272,25 @@ def test_each_fetched_byte_is_hashed_once_as_it_lands_and_not_again_by_the_resto
     assert r["fetch_received"] > 0 and r["hashed_fetching"] == r["fetch_received"]
     assert r["hashed_restoring"] == 0 and r["restore_counts"]["peers"] == r["fetch_received"]
     assert ranks[0]["hashed_fetching"] == ranks[2]["hashed_fetching"] == 0  # senders hash nothing
+
+
+def test_each_slots_tier_is_completed_from_the_tiers_that_wrote_its_objects_each_copy_verified(ranks) -> None:
+    """``replicate`` first completes each slot's tier (SPEC.md §19.3): slot r gets slot r-1's ``a``
+    (distance 1) and slot r+1's ``b`` (distance 2) from their tiers; a buddy keeps from its host's
+    own tier, hashed, what it holds there (slot r+1's tier has slot r's ``a`` now) instead of having
+    it sent. Slot 1's corrupt copy of its ``a`` is refused by slot 2, completing and as a buddy,
+    naming slot 1: slot 2's tier lacks it, so it does not hold the commit and slot 0 holds no
+    replica of slot 2."""
+    size = {r: {k: len(d) for k, d in _written(r).items()} for r in range(3)}
+    got = [r["c3"] for r in ranks]
+    assert got[0]["filled"] == size[2]["a"] + size[1]["b"] and got[1]["filled"] == size[0]["a"] + size[2]["b"]
+    assert got[2]["filled"] == size[0]["b"]  # slot 1's ``a`` refused
+    assert got[0]["holds"] and got[1]["holds"] and not got[2]["holds"], got
+    # slot 0's buddy (rank 1) keeps from its own tier slot 0's ``a`` (completed there) and slot 1's ``b`` (written)
+    assert got[1]["buddy_holds"] and got[1]["local"] == size[0]["a"] + size[1]["b"], got
+    assert not got[0]["buddy_holds"] and not got[2]["buddy_holds"], got  # slot 2's offer incomplete; slot 1's copy bad
+    assert not got[0]["rejected"] and not got[1]["rejected"], got
+    bad = hash_bytes(_written(1)["a"])
+    completing, as_buddy = got[2]["rejected"]  # in that order: completion runs first
+    assert completing.startswith(f"object {bad}: the copy from slot 1 (rank 1) does not hash to its id"), completing
+    assert as_buddy.startswith(f"object {bad} from peer slot 1 does not hash to its id"), as_buddy
