@@ -14,6 +14,7 @@ a rank raising between collectives while its peers wait in the next one.
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,18 @@ def _faulty_tier_body(rank: int, world: int, home: str) -> dict:
             except Exception as e:  # noqa: BLE001 - a failed fetch: the restore reads the store
                 out["restart"] = {"error": f"{type(e).__name__}: {e}"}
             dist.barrier()
+        if commit == 2:  # a restart: rank 1's directory of its ``b`` is now a link out of its tier
+            outside = os.path.join(home, "outside")
+            if rank == 1:
+                os.makedirs(outside)
+                where = os.path.join(own.dir, "objects", hash_bytes(mine["b"])[:2])
+                shutil.rmtree(where)
+                os.symlink(outside, where)
+            copies, report = fetch_replicas(dist.group.WORLD, slot=rank, commit=cid, own=own, tier_for=tier_for)
+            out["relink"] = {"copies": len(copies), "rejected": report.rejected}
+            if rank == 1:
+                out["relink"]["outside"] = os.listdir(outside)
+            dist.barrier()
     return out
 
 
@@ -125,7 +138,9 @@ def test_a_tier_that_cannot_say_what_it_holds_fails_no_rank_and_leaves_none_wait
     from there as a buddy, so slot 1 sends it. Before, ``has`` and ``size`` raised on that rank
     alone, and the other rank waited in the exchange (the group timed out). At a restart after
     commit 1, rank 1's tier cannot say whether it holds it: it asks its buddy (which has nothing
-    to send) instead of raising before the exchange's first collective."""
+    to send) instead of raising before the exchange's first collective. At a restart after commit
+    2, rank 1's directory of an object is a symbolic link out of its tier: the copy its buddy
+    sends is kept in memory, not written through the link."""
     got = run_group(_faulty_tier_body, 2, tmp_path, str(tmp_path), timeout_s=30)
     assert all(g[how]["error"] is None for g in got for how in ("link", "file")), got
     assert got[0]["link"] == {"error": None, "holds": True, "buddy": False}, got
@@ -133,3 +148,7 @@ def test_a_tier_that_cannot_say_what_it_holds_fails_no_rank_and_leaves_none_wait
     assert all(g["file"] == {"error": None, "holds": True, "buddy": True} for g in got), got
     # the restart: rank 1 fetches what its tier may lack; rank 0's host holds no replica of slot 1
     assert all(g["restart"] == {"error": None, "copies": 0, "rejected": []} for g in got), got
+    # the second restart: rank 1 gets its ``b`` from rank 0's replica, kept in memory, never
+    # written through the link out of its tier
+    assert got[1]["relink"] == {"copies": 1, "rejected": [], "outside": []}, got
+    assert got[0]["relink"] == {"copies": 0, "rejected": []}, got
