@@ -157,8 +157,10 @@ class MemoryTier:
         ``oid`` and return the file's identity (``Kept``); None when a copy was there already (not
         this process's: a reader verifies it) or another writer linked one first. The file is made
         whole in ``tmp/`` and linked into place, never written in place afterwards (objects are
-        write-once; a deletion unlinks), so while its identity holds it holds these bytes."""
-        path = os.path.join(self.dir, self._key(oid))
+        write-once; a deletion unlinks), so while its identity holds it holds these bytes.
+        InvalidName if a directory on the way is a symbolic link (it could lead out of the tier;
+        ``LocalStorage`` refuses it the same way)."""
+        path = self.storage._path(self._key(oid))  # noqa: SLF001 - this tier's own LocalStorage
         if os.path.lexists(path):
             return None
         tmpdir = os.path.join(self.dir, "tmp")

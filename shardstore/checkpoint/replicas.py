@@ -336,7 +336,7 @@ def complete(group: Any, *, slot: int, commit: str, objects: Iterable[str], own:
     report = ReplicaReport()
     if world < 2:
         return report
-    mine = sorted(o for o in set(objects) if not own.has(o))
+    mine = sorted(o for o in set(objects) if not _has(own, o))
     lacking = _gather_ids(group, mine)
     if not any(lacking):
         return report
@@ -356,7 +356,7 @@ def complete(group: Any, *, slot: int, commit: str, objects: Iterable[str], own:
         frm = (rank - d) % world
 
         def lacks(got: Offer, oid: str) -> bool:
-            return got.commit == commit and oid in wanted and not own.has(oid)
+            return got.commit == commit and oid in wanted and not _has(own, oid)
 
         def land(got: Offer, oid: str, data: memoryview, _frm: int = frm) -> None:
             digest = hash_bytes(data)
@@ -419,7 +419,7 @@ def replicate(
 
         def lacks(got: Offer, oid: str, _sizes: dict[str, int] = sizes) -> bool:
             t = tier(got)  # an incomplete offer is never held, so never evicted: none of it is taken
-            if t is None or not got.complete or t.has(oid):
+            if t is None or not got.complete or _has(t, oid):
                 return False
             if not _sizes:
                 _sizes.update(got.objects)
@@ -449,7 +449,7 @@ def replicate(
         report.sent += sent
         report.received += received
         t = tier(got)
-        if t is not None and got.complete and all(t.has(o) for o, _ in got.objects):
+        if t is not None and got.complete and all(_has(t, o) for o, _ in got.objects):
             _try(lambda: t.hold(commit, [o for o, _ in got.objects]))
             report.held = True
     return report
@@ -459,19 +459,26 @@ def _copy_local(source: MemoryTier, into: MemoryTier, oid: str, size: int) -> bo
     """Keep in ``into`` this host's copy of ``oid`` from another slot's tier ``source`` (a block
     this rank wrote that its buddy's slot closure names too, SPEC.md §19.3), hashed to its id
     before it is kept; whether it was (else the peer sends it). No byte crosses the network."""
-    if size < 0 or source is into or source.size(oid) != size:
+    if size < 0 or source is into or _size(source, oid) != size:
         return False
     buf = bytearray(size)
     if _try_value(lambda: source.fetch_into(oid, memoryview(buf))) != size or hash_bytes(buf) != oid:
         return False
     _try(lambda: into.put(oid, buf))
-    return into.has(oid)
+    return _has(into, oid)
 
 
 def _size(tier: MemoryTier, oid: str) -> int:
     """``oid``'s size in ``tier``; -1 when it holds none (or cannot tell: an unreadable tier is no error)."""
     n = _try_value(lambda: tier.size(oid))
     return -1 if n is None else n
+
+
+def _has(tier: MemoryTier, oid: str) -> bool:
+    """Whether ``tier`` holds ``oid``; False when it cannot tell (a directory on the way that is a
+    symbolic link): an unreadable tier is no error, never an exception on one rank while the
+    others wait in the exchange."""
+    return bool(_try_value(lambda: tier.has(oid)))
 
 
 def _try(fn: Callable[[], object]) -> None:
@@ -497,7 +504,7 @@ def fetch_replicas(
     verified against its id as it landed (and, with ``own``, written to that tier as it landed:
     the tier fills while the bytes travel), and the report (``rejected``: the copies refused,
     each naming its peer). Collective over ``group``."""
-    need = own is None or own.holds(commit) is None
+    need = own is None or _try_value(lambda: own.holds(commit)) is None  # a tier that cannot say: ask
     copies = PeerCopies(keeps_in=own)
     return _fetch(group, need, copies, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
 
@@ -546,7 +553,7 @@ def start_fetch(
     """``fetch_replicas`` started on a thread of its own (``PeerFetch``), so that a worker whose
     own tier holds ``commit`` restores from it while it sends its buddies' copies to a worker
     that lacks them. Collective over ``group``, which nothing else may use until ``wait``."""
-    need = own is None or own.holds(commit) is None
+    need = own is None or _try_value(lambda: own.holds(commit)) is None  # a tier that cannot say: ask
     cuda = _device(group)  # the caller's device: a new thread's current CUDA device is the first one
     copies = PeerCopies(pending=need, keeps_in=own)  # its reads wait until the exchange has said what is coming
 
@@ -595,7 +602,7 @@ def _fetch(
             def lacks(got: Offer, oid: str) -> bool:
                 return (
                     need and got.commit == commit and got.slot == slot
-                    and (own is None or not own.has(oid)) and oid not in copies
+                    and (own is None or not _has(own, oid)) and oid not in copies
                 )  # fmt: skip
 
             def land(got: Offer, oid: str, data: memoryview, _peer: int = peer) -> None:

@@ -406,7 +406,7 @@ def _keep_dropped_plain(store: Store, state: SlotState, drop: set[str]) -> None:
     not get them here still gets them at the commit's completion (``checkpoint.replicas.complete``)."""
     if not drop or not isinstance(store.storage, CachesWrites):
         return
-    for n in sorted(drop):
+    for n in sorted(drop & state.tensors.keys()):  # ``drop`` names too what other ranks hold and this one does not
         po = state.optim.params.get(n)
         tensors = [state.tensors[n]]
         if po is not None and po.exp_avg is not None and po.exp_avg_sq is not None:
