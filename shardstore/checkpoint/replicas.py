@@ -366,8 +366,8 @@ def complete(group: Any, *, slot: int, commit: str, objects: Iterable[str], own:
                     f"(its bytes hash to {digest}); not kept"
                 )
                 return
-            _try(lambda: own.put(oid, data))
-            report.filled += len(data)
+            if _try(lambda: own.put(oid, data)):
+                report.filled += len(data)  # only what the tier now holds
 
         _, sent, received = shift(
             group,
@@ -481,12 +481,14 @@ def _has(tier: MemoryTier, oid: str) -> bool:
     return bool(_try_value(lambda: tier.has(oid)))
 
 
-def _try(fn: Callable[[], object]) -> None:
-    """A cache write that fails (a full tmpfs) leaves the cache short, never the run failed."""
+def _try(fn: Callable[[], object]) -> bool:
+    """A cache write that fails (a full tmpfs) leaves the cache short, never the run failed; True
+    if it was written."""
     try:
         fn()
     except (ShardstoreError, OSError):
-        pass
+        return False
+    return True
 
 
 def fetch_replicas(

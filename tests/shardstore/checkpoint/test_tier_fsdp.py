@@ -120,7 +120,7 @@ def _body(rank: int, world: int, root: str, home: str) -> dict:
     out["restore"] = reader.counts()
     out["restore_rejected"] = reader.rejected + report.rejected
     out["restored_equal"] = sorted(n for n in saved if not torch.equal(saved[n], got[n])) == []
-    out["restored_holds"] = own.holds(cid) is not None or rank == 1  # rank 1's tier is held by its restore
+    out["restored_holds"] = own.holds(cid) is not None  # the survivor's tier still holds it
     return out
 
 
@@ -190,3 +190,4 @@ def test_a_lost_rank_recovers_from_its_buddy_with_no_byte_from_the_store(ranks) 
     assert ranks[1]["restore"]["memory"] == 0, ranks[1]["restore"]
     for r in ranks:
         assert r["restored_equal"] and not r["restore_rejected"], r
+    assert ranks[0]["restored_holds"], ranks[0]  # the survivor's tier was not evicted by the restore
