@@ -160,7 +160,7 @@ class MemoryTier:
         write-once; a deletion unlinks), so while its identity holds it holds these bytes.
         InvalidName if a directory on the way is a symbolic link (it could lead out of the tier;
         ``LocalStorage`` refuses it the same way)."""
-        path = self.storage._path(self._key(oid))  # noqa: SLF001 - this tier's own LocalStorage
+        path = self.storage.file_path(self._key(oid))
         if os.path.lexists(path):
             return None
         tmpdir = os.path.join(self.dir, "tmp")
