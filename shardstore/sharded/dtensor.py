@@ -411,6 +411,25 @@ def _fingerprint(state: SlotState, name: str) -> str:
     return h.hexdigest()
 
 
+#: The prime the replicas' check sums over (2^31 - 1): eight words of a slice's hash, each a
+#: residue, so a sum over every rank's slices fits an int64 without wrapping.
+_CHECK_PRIME = (1 << 31) - 1
+_CHECK_WORDS = 8
+
+
+def _check_words(label: str, digest: bytes) -> list[int]:
+    """Eight residues modulo ``_CHECK_PRIME`` of BLAKE3(label, the slice's BLAKE3 digest)."""
+    h = new_hasher()
+    h.update(label.encode())
+    h.update(digest)
+    raw = h.digest()
+    return [int.from_bytes(raw[4 * i : 4 * i + 4], "little") % _CHECK_PRIME for i in range(_CHECK_WORDS)]
+
+
+def _shared_label(key: tuple[str, str], box: Box) -> str:
+    return f"{key[0]}\0{key[1]}\0{box}"
+
+
 def _replicas_agree(
     locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]],
     union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]],
@@ -421,21 +440,43 @@ def _replicas_agree(
     several meshes) is written once, split among its holders: they must hold the same bytes,
     else the commit would hold a tensor no rank held. Each holder hashes its copy; on a
     disagreement every rank raises TensorMismatch naming tensor, box and ranks (SPEC.md §Block
-    exchange). Boxes held by one rank (FSDP2, tensor parallelism) cost nothing here."""
-    shared = {(key, box): rs for key, (_d, _s, held) in union.items() for box, rs in held.items() if len(rs) > 1}
+    exchange). Boxes held by one rank (FSDP2, tensor parallelism) cost nothing here, and so do
+    empty boxes (thousands of ranks may hold the same empty slice: nothing to disagree on).
+
+    The holders agree when one sum is zero: for each shared box with holders ``rs``, the first
+    holder adds ``(len(rs) - 1) * H`` and every other holder ``-H`` of the words ``H`` of its
+    copy's hash, modulo ``_CHECK_PRIME`` (eight words; one int64 all-reduce of 64 bytes, whatever
+    the number of ranks and slices). Equal copies cancel exactly; a copy that differs leaves a
+    non-zero sum except with probability about 2^-248. Only then are the holders' hashes
+    all-gathered, to name the slice and its ranks."""
+    shared = {
+        (key, box): rs
+        for key, (_d, _s, held) in union.items()
+        for box, rs in held.items()
+        if len(rs) > 1 and math.prod(box[1]) > 0
+    }
     if not shared:  # the same answer on every rank: the union is
         return
-    mine = {}
+    mine: dict[str, str] = {}
+    total = [0] * _CHECK_WORDS
     for (key, box), rs in shared.items():
         if rank in rs:
             local, parts = locals_[key]
             origin = next(o for b, o in parts if b == box)
             h = new_hasher()
             h.update(tensor_bytes(local[box_slices(box, origin)].contiguous()))
-            mine[f"{key[0]}\0{key[1]}\0{box}"] = h.hexdigest()
+            digest = h.digest()
+            label = _shared_label(key, box)
+            mine[label] = digest.hex()
+            weight = len(rs) - 1 if rank == rs[0] else _CHECK_PRIME - 1
+            total = [(t + weight * w) % _CHECK_PRIME for t, w in zip(total, _check_words(label, digest))]
+    sums = torch.tensor(total, dtype=torch.int64)
+    dist.all_reduce(sums, group=group)
+    if all(int(v) % _CHECK_PRIME == 0 for v in sums.tolist()):  # the same answer on every rank: the sum is
+        return
     got = [_FINGERPRINTS.decode(raw) for raw in all_gather_bytes(msgspec.json.encode(mine), group)]
     for ((n, role), box), rs in sorted(shared.items()):
-        label = f"{n}\0{role}\0{box}"
+        label = _shared_label((n, role), box)
         if len({got[r].get(label) for r in rs}) != 1:
             raise TensorMismatch(
                 f"{role} of tensor {n!r}: ranks {rs} hold its slice at {list(box[0])} of extent {list(box[1])} with "
