@@ -9,8 +9,14 @@ whoever holds its bytes. Saving is a collective over the save's process group:
 
 1. every rank describes the DTensors it holds (name, role, dtype, global shape, the boxes
    of the global tensor its local tensor holds: one for Shard/Replicate layouts, maybe
-   several for strided ones, ``placement.py``) and all ranks exchange the descriptions
-   (msgspec JSON in uint8 tensors; nothing is pickled);
+   several for strided ones, ``placement.py``). The ranks first all-gather a 32-byte digest
+   of their **layout** (each DTensor's name, role, dtype, global shape, mesh and
+   placements; each plain tensor's name, dtype and shape: ``describe_layout``); when every
+   digest is the same, each rank works out every rank's boxes from its own DTensors'
+   meshes and placements (``derive_union``), so no description crosses the network (O(N)
+   bytes a rank, not O(N x tensors)). Otherwise the ranks all-gather the full descriptions
+   (msgspec JSON in uint8 tensors; nothing is pickled), and the errors naming ranks come
+   from them;
 2. from the union, every rank computes the same plan: the distinct slices must tile each
    tensor exactly; each block is owned by one rank of the slice holding most of it
    (replicas of a slice take turns, so a replicated tensor is written once, split among
@@ -49,7 +55,7 @@ from ..store import Store
 from ..store.tensors import WRITE_THREADS
 from .agreement import check_agreement, coverage_problem
 from .exchange import BATCH_BYTES, ExchangeStats, Local, PlannedBlock, last_exchange, run_plan
-from .placement import local_parts
+from .placement import local_parts, mesh_parts, placement_key
 
 __all__ = [
     "BATCH_BYTES",
@@ -63,6 +69,11 @@ __all__ = [
     "describe",
     "encode_description",
     "decode_description",
+    "Layout",
+    "describe_layout",
+    "make_layout",
+    "layouts_agree",
+    "derive_union",
     "PlannedBlock",
     "ExchangePlan",
     "SliceUnion",
@@ -255,6 +266,104 @@ SliceUnion = dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[in
 
 
 @dataclass(frozen=True)
+class Layout:
+    """What a rank's tensors are, without its boxes (step 1's digest; SPEC.md §Block exchange):
+    enough for any rank to work out every rank's boxes when all ranks' layouts are the same."""
+
+    digest: bytes
+    """BLAKE3 of the JSON ``[meshes, tensors, plain]`` below (placements as ``placement_key``)."""
+    meshes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    """Each distinct mesh: (its shape, its global ranks in C order)."""
+    tensors: list[tuple[str, str, str, tuple[int, ...], int, tuple[Any, ...]]]
+    """(name, role, dtype, global shape, mesh index, placements) of each DTensor, in description order."""
+    plain: list[tuple[str, str, tuple[int, ...]]]
+    """(name, dtype, shape) of each plain tensor."""
+
+
+def describe_layout(state: SlotState) -> Layout:
+    """This rank's layout: every DTensor's name, role, dtype, global shape, mesh and placements,
+    and every plain tensor's name, dtype and shape, in ``describe``'s order, and its digest."""
+    meshes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    index: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    tensors = []
+    for n, role, t in _items_of(state):
+        mesh = t.device_mesh  # type: ignore[attr-defined]
+        m = (tuple(int(d) for d in mesh.shape), tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()))
+        if m not in index:
+            index[m] = len(meshes)
+            meshes.append(m)
+        shape = tuple(int(d) for d in t.shape)
+        tensors.append((n, role, dtype_name(t.dtype, n), shape, index[m], tuple(t.placements)))  # type: ignore[attr-defined]
+    plain = [
+        (n, dtype_name(t.dtype, n), tuple(int(d) for d in t.shape))
+        for n, t in sorted(state.tensors.items())
+        if not is_dtensor(t)
+    ]
+    return make_layout(meshes, tensors, plain)
+
+
+def make_layout(
+    meshes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    tensors: list[tuple[str, str, str, tuple[int, ...], int, tuple[Any, ...]]],
+    plain: list[tuple[str, str, tuple[int, ...]]],
+) -> Layout:
+    """A ``Layout`` of these meshes, DTensors and plain tensors (``Layout``'s fields), with its digest."""
+    doc = [
+        [[list(sh), list(rs)] for sh, rs in meshes],
+        [[n, role, dt, list(sh), mi, [list(placement_key(p)) for p in pl]] for n, role, dt, sh, mi, pl in tensors],
+        [[n, dt, list(sh)] for n, dt, sh in plain],
+    ]
+    h = new_hasher()
+    h.update(msgspec.json.encode(doc))
+    return Layout(h.digest(), meshes, tensors, plain)
+
+
+def layouts_agree(gathered: Sequence[bytes]) -> bool:
+    """Whether every rank sent the same layout digest (status byte 0, then 32 bytes)."""
+    return all(len(raw) == 33 and raw == gathered[0] for raw in gathered)
+
+
+def derive_union(layout: Layout, world: int, g: Callable[[int], int]) -> tuple[SliceUnion, dict[str, list[int]]]:
+    """``gather_union``'s union and plain holders, worked out from this rank's ``layout`` when
+    every rank of the group (``world`` ranks; ``g``: group rank -> global rank) has the same
+    one: rank r's boxes of each DTensor are ``mesh_parts`` at r's coordinate in its mesh, boxes
+    listed in the same order and ranks in the same order as from the descriptions. The boxes
+    of one (shape, mesh, placements) are worked out once and shared by its tensors."""
+    coords: list[list[tuple[int, ...] | None]] = []
+    for shape, ranks in layout.meshes:
+        at = {r: k for k, r in enumerate(ranks)}
+        of_rank: list[tuple[int, ...] | None] = []
+        for r in range(world):
+            k = at.get(g(r))
+            if k is None:  # a rank not in the mesh holds none of its tensors
+                of_rank.append(None)
+                continue
+            c = []
+            for d in reversed(shape):
+                c.append(k % d)
+                k //= d
+            of_rank.append(tuple(reversed(c)))
+        coords.append(of_rank)
+    union: SliceUnion = {}
+    classes: dict[tuple, dict[Box, list[int]]] = {}
+    for n, role, dtype, shape, mi, placements in layout.tensors:
+        cls = (shape, mi, tuple(placement_key(p) for p in placements))
+        held = classes.get(cls)
+        if held is None:
+            held = classes[cls] = {}
+            mesh_shape = layout.meshes[mi][0]
+            for r, c in enumerate(coords[mi]):
+                if c is None:
+                    continue
+                _, parts = mesh_parts(shape, mesh_shape, c, placements, f"{role} of tensor {n!r}", check=False)
+                for box, _ in parts:
+                    held.setdefault(box, []).append(r)
+        union.setdefault((n, role), (dtype, shape, held))
+    plain = {n: list(range(world)) for n, _dt, _sh in layout.plain}
+    return union, plain
+
+
+@dataclass(frozen=True)
 class ExchangePlan:
     """What every rank computes alike from all ranks' descriptions (SPEC.md §Block exchange, step 2)."""
 
@@ -337,7 +446,8 @@ def write_dtensors(
         if failure is not None:
             raise failure
         locals_, desc = describe(state)
-        raw = encode_description(desc)
+        layout = describe_layout(state)
+        raw = b"\x00" + layout.digest
     except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
         failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
     gathered = all_gather_bytes(raw, group)
@@ -346,9 +456,13 @@ def write_dtensors(
         raise failure
     if failed:  # a peer's failure fails the commit (the protocol phase names that rank); no exchange
         return _restate(state, {}, set())
-    plan = plan_exchange([decode_description(g) for g in gathered])
-    union = plan.union
     g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    if layouts_agree(gathered):  # one layout everywhere: every rank's boxes worked out here
+        union, plain = derive_union(layout, len(gathered), g)
+        plan = ExchangePlan(union, plain, plan_union(union, len(gathered)))
+    else:  # the full descriptions, whose union names the ranks on each side of a disagreement
+        plan = plan_exchange([decode_description(d) for d in all_gather_bytes(encode_description(desc), group)])
+    union = plan.union
     _replicas_agree(locals_, union, rank, group)
     replicated = {n: rs for n, rs in plan.plain.items() if len(rs) > 1}
     drop = _replicated_plain(state, replicated, rank, group)
