@@ -12,13 +12,15 @@ into N/2 ranks, dp only (every tensor ``Shard(0)``). Rank r of a dp x tp mesh is
 
 **shardstore**, the real code of each step, with what stands in where bytes would be needed:
 
-1. describe: every rank's DTensor parts (``sharded.placement.mesh_parts``) and its description
-   (``sharded.dtensor.Described``, ``encode_description``: what it all-gathers); for the sampled
-   ranks the real ``describe`` of a slot of meta-device DTensors on a fake process group (one
-   per rank, ``torch.testing``'s ``FakeStore``), checked byte for byte against the generated one;
-2. plan: ``decode_description`` of all N descriptions, ``gather_union`` and ``plan_union`` (what
-   ``plan_exchange`` runs) — identical on every rank (every rank computes it), so computed once
-   and charged to every rank;
+1. describe: for the sampled ranks the real ``describe`` and ``describe_layout`` of a slot of
+   meta-device DTensors on a fake process group (one per rank, ``torch.testing``'s
+   ``FakeStore``), their descriptions checked byte for byte against ones generated from
+   ``sharded.placement.mesh_parts`` and their layout digests against the model's
+   (``make_layout``); every rank all-gathers its 33-byte digest (counted), and since they are
+   all the same no description is all-gathered (SPEC §15.2 step 1);
+2. plan: ``derive_union`` (every rank's boxes from the layout) and ``plan_union`` (what
+   ``write_dtensors`` runs when the digests agree) — identical on every rank (every rank
+   computes it), so computed once and charged to every rank;
 3. the exchange moves bytes: each block's id stands in as the hash of (model, tensor, role,
    block index), registered with its size in the counting storage; the id table every rank
    all-reduces (32 bytes a block) and the replicas' fingerprint all-gather are counted, not run;
@@ -116,10 +118,11 @@ from shardstore.format.tensors import expected_nbytes, hash_bytes, torch_dtype
 from shardstore.sharded.dtensor import (
     Described,
     ExchangePlan,
-    decode_description,
+    derive_union,
     describe,
+    describe_layout,
     encode_description,
-    gather_union,
+    make_layout,
     plan_union,
 )
 from shardstore.sharded.placement import mesh_parts
@@ -503,6 +506,7 @@ class Sampled:
     """What the sampled save ranks did for real: shardstore's description and DCP's local plan."""
 
     descriptions: dict[int, bytes] = field(default_factory=dict)
+    layouts: dict[int, bytes] = field(default_factory=dict)  # each sampled rank's layout digest
     describe_s: list[float] = field(default_factory=list)
     plans: dict[int, SavePlan] = field(default_factory=dict)
     local_plan_s: list[float] = field(default_factory=list)
@@ -521,6 +525,7 @@ def sample_saves(model: Llama, layers: int, mesh: Mesh) -> Sampled:
             state = SlotState({name: d["param"] for name, d in dts.items()}, OptimState("adamw", dict(HYPER), params))
             t = time.process_time()
             _, desc = describe(state)
+            out.layouts[r] = describe_layout(state).digest
             out.descriptions[r] = encode_description(desc)
             out.describe_s.append(time.process_time() - t)
             sd = dcp_state_dict(model, layers, dts)
@@ -567,23 +572,35 @@ def ss_save(
     default; off, as in the tables (DCP's state dict has none)."""
     tensors = model.tensors(layers)
     fig = Figures()
-    # 1. descriptions of every rank (generated), the sampled ranks' from real DTensors
+    # 1. the sampled ranks' descriptions (from real DTensors) against generated ones, and their
+    #    layout digests against the model's: every rank's digest is that one, so the all-gather
+    #    of 33-byte digests is all that crosses the network (SPEC §15.2 step 1)
     order = sorted((name, role, shape, kind) for name, shape, kind in tensors for role in ROLES)
-    raws = [
-        encode_description(
+    full_sizes = []
+    for r, raw in real.descriptions.items():
+        want = encode_description(
             [Described(name, role, "float32", shape, boxes.of(shape, kind)[r]) for name, role, shape, kind in order]
         )
-        for r in range(n)
-    ]
-    for r, raw in real.descriptions.items():
-        assert raw == raws[r], f"rank {r}: the generated description differs from describe()'s"
+        assert raw == want, f"rank {r}: the generated description differs from describe()'s"
+        full_sizes.append(len(raw))
+    mesh = boxes.mesh
+    layout = make_layout(
+        [(tuple(mesh.shape), tuple(range(n)))],
+        [
+            (name, role, "float32", shape, 0, placements(kind, model.tp, dp_only=mesh.dp_only))
+            for name, role, shape, kind in order
+        ],
+        [],
+    )
+    for r, digest in real.layouts.items():
+        assert digest == layout.digest, f"rank {r}: describe_layout's digest differs from the model's"
     describe_s = real.describe_s
-    # 2. the plan, identical on every rank: all N descriptions decoded and their union gathered
-    #    (timed whole); plan_union plans tensors independently, and the tensors of one class
-    #    (shape and placement: every layer's q_proj, all three roles) alike, so each class is
-    #    planned once, on one of its tensors, and charged to all of them
+    # 2. the plan, identical on every rank: every rank's boxes worked out from the layout (timed
+    #    whole); plan_union plans tensors independently, and the tensors of one class (shape and
+    #    placement: every layer's q_proj, all three roles) alike, so each class is planned once,
+    #    on one of its tensors, and charged to all of them
     t = time.process_time()
-    union, plain = gather_union([decode_description(raw) for raw in raws])
+    union, plain = derive_union(layout, n, lambda r: r)
     plan_s = time.process_time() - t
     plan = ExchangePlan(union, plain, [])  # the blocks' owners are timed by class below
     classes: dict[tuple, list[tuple[str, str]]] = {}
@@ -621,12 +638,11 @@ def ss_save(
     held = sorted(storage.virtual)
     for keys in written_by.values():
         storage.tally.add(keys[0], Counter(LIST=listing_requests(held, keys)))
-    shared = {(key, box): rs for key, (_d, _s, held) in plan.union.items() for box, rs in held.items() if len(rs) > 1}
-    held_by: dict[int, dict[str, str]] = {}  # what each rank all-gathers in _replicas_agree: label -> BLAKE3 hex
-    for ((name, role), box), rs in shared.items():
-        for r in rs:
-            held_by.setdefault(r, {})[f"{name}\0{role}\0{box}"] = "0" * 64  # the digest stands in (bytes)
-    fp_bytes = gathered(n, [len(msgspec.json.encode(held_by.get(r, {}))) for r in range(n)]) if shared else 0
+    # _replicas_agree: one all-reduce of 8 int64 sums when a non-empty slice has several holders
+    shared = any(
+        len(rs) > 1 and math.prod(box[1]) for _key, (_d, _s, held) in plan.union.items() for box, rs in held.items()
+    )
+    fp_bytes = 64 if shared else 0
     # 4. every rank's shard manifest
     info = ss.CommitInfo(step=STEP, job="scale-sim", profile="fp32", config=model.config(), data_cursor=STEP)
     payload = {key: StoredPayload(make_payload("float32", plan.union[key][1], ids[key]), torch.float32,
@@ -693,13 +709,14 @@ def ss_save(
     assert report.ok, [str(p) for p in report.problems[:3]]
     fig.stored = sum(shard_sizes) + commit_bytes
     fig.stored_rank = sum(shard_sizes) / n
-    desc_total = gathered(n, [len(r) for r in raws])
+    desc_total = gathered(n, [33] * n)  # the layout digests (status byte + 32)
     protocol = 6 * 33 * n  # the commit protocol's five 33-byte all-gathers, and agree_on_commit's on restore
     fig.exchanged_rank = desc_total + fp_bytes + 32 * blocks + protocol + commit_bytes
     fig.rank_s = mean(describe_s) + plan_s + write_s / n + mean(ack_s)
     fig.extra = {
         "describe_s": mean(describe_s), "plan_s": plan_s, "write_shard_s": write_s / n, "ack_s": mean(ack_s),
         "old_ack_s": old_ack_s[0], "verify_s": verify_s, "descriptions": desc_total, "blocks": blocks, "pieces": pieces,
+        "full_descriptions": gathered(n, [max(full_sizes)] * n),
         "commit_bytes": commit_bytes, "shard_max": max(shard_sizes), "s3_objects": objects,
     }  # fmt: skip
     return fig, {"store": store, "storage": storage, "cid": cid, "ids": ids, "labels": labels}
@@ -1089,13 +1106,13 @@ def tables(points: dict[tuple[str, int], tuple[dict[str, Figures], int]], ns: li
                                for a, _, _ in COLUMNS if a != "stored_rank")  # fmt: skip
             lines.append(f"| {MODELS[key].name} | {system} | {cells} |")
     lines += ["", "**shardstore's save path per rank, split** (CPU s; acknowledging before this branch: load_commit)", "",
-              "| model | N | describe | plan (every rank) | write_shard | acknowledge | acknowledge before | verify --no-deep (one process) | blocks | descriptions all-gathered |",
-              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| model | N | describe | plan (every rank) | write_shard | acknowledge | acknowledge before | verify --no-deep (one process) | blocks | layout digests all-gathered | full descriptions (all-gathered before layouts) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for (key, n), (figs, _k) in points.items():
         e = figs["shardstore"].extra
         lines.append(f"| {MODELS[key].name} | {n} | {secs(e['describe_s'])} | {secs(e['plan_s'])} | "
                      f"{secs(e['write_shard_s'])} | {secs(e['ack_s'])} | {secs(e['old_ack_s'])} | {secs(e['verify_s'])} | "
-                     f"{e['blocks']:.0f} | {human(e['descriptions'])} |")  # fmt: skip
+                     f"{e['blocks']:.0f} | {human(e['descriptions'])} | {human(e['full_descriptions'])} |")  # fmt: skip
     lines += ["", "**DCP's save path, split** (CPU s)", "",
               "| model | N | create_local_plan (per rank) | the Metadata broadcast, unpickled (per rank) | create_global_plan + prepare_global_plan | finish (storage_data, pickled for the file and the broadcast) | local plan pickled (per rank) | chunks in Metadata |",
               "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -1135,7 +1152,9 @@ def head(args: argparse.Namespace, loads: tuple[str, str], wall: float, check: s
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     cmd = "python benchmarks/bench_scale_sim.py" + (" --quick" if args.quick else "") + (
         f" --budget {args.budget}" if args.budget != DEFAULT_BUDGET else "") + (
-        f" --max-layers {args.max_layers}" if args.max_layers != 8 else "")  # fmt: skip
+        f" --max-layers {args.max_layers}" if args.max_layers != 8 else "") + (
+        f" --models {args.models}" if args.models != "8B,70B,405B" and not args.quick else "") + (
+        f" --ranks {args.ranks}" if args.ranks else "")  # fmt: skip
     return [
         f"`{cmd}`",
         "",
@@ -1146,7 +1165,7 @@ def head(args: argparse.Namespace, loads: tuple[str, str], wall: float, check: s
         "Times are CPU seconds of the process; per-rank save times are means over ranks 0, N/2+1 and N−1, "
         "restore times over the first and last of the N/2 ranks restored into (dp only); ≈0: a time "
         'extrapolated below zero (noise). "received per rank (save)": shardstore\'s all-gathered '
-        "descriptions, replica fingerprints, block-id table, protocol ids and the commit manifest read back; "
+        "layout digests, the replicas' check sums (an all-reduce), block-id table, protocol ids and the commit manifest read back; "
         "DCP's scattered global plan and the Metadata it broadcasts when the save ends (`_DistWrapper.all_reduce`). \"coordinator receives/reads\": shardstore's shard manifests read by "
         "write_commit (twice: once to build, once to check) and the protocol ids; DCP's gathered local plans "
         "and write results. Rows run on fewer layers than the model has are extrapolated linearly in layers.",
@@ -1271,14 +1290,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only compute a restore by exchange of --models into N/2 ranks (SPEC.md §16.2) and print its table",
     )
-    ap.add_argument("--ranks", default=None, help="with --exchange-restore: the N, comma-separated")
+    ap.add_argument("--ranks", default=None, help="the N, comma-separated (default 64,512,4096,16384)")
     args = ap.parse_args(argv)
     if args.exchange_restore:
         ranks = [int(x) for x in args.ranks.split(",")] if args.ranks else list(RANKS)
         print("\n".join(exchange_table(args.models.split(","), ranks)))
         return 0
     started, loads0 = time.time(), load()
-    ns = [64, 512] if args.quick else list(RANKS)
+    ns = [64, 512] if args.quick else [int(x) for x in args.ranks.split(",")] if args.ranks else list(RANKS)
     keys = ["8B"] if args.quick else args.models.split(",")
     budget = 1 if args.quick else args.budget
     points: dict[tuple[str, int], tuple[dict[str, Figures], int]] = {}
@@ -1288,7 +1307,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.time()
             points[(key, n)] = run_point(MODELS[key], n, budget, 1 if args.quick else args.max_layers)
             print(f"{MODELS[key].name} at {n} ranks: {time.time() - t:.1f} s", file=sys.stderr, flush=True)
-    check = extrapolation_check() if not args.quick else ""
+    check = extrapolation_check() if not args.quick and not args.ranks else ""
     lines = head(args, (loads0, load()), time.time() - started, check) + tables(points, ns) + targets(points, ns)
     text = "\n".join(lines)
     print(text)
