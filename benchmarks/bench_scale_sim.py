@@ -18,12 +18,13 @@ into N/2 ranks, dp only (every tensor ``Shard(0)``). Rank r of a dp x tp mesh is
    ``sharded.placement.mesh_parts`` and their layout digests against the model's
    (``make_layout``); every rank all-gathers its 33-byte digest (counted), and since they are
    all the same no description is all-gathered (SPEC §15.2 step 1);
-2. plan: ``derive_union`` (every rank's boxes from the layout) and ``plan_union`` (what
-   ``write_dtensors`` runs when the digests agree) — identical on every rank (every rank
-   computes it), so computed once and charged to every rank;
+2. plan: ``derive_union`` (every rank's boxes from the layout; identical on every rank, so
+   computed once and charged to every rank) and ``plan_local`` (the rank's own part of the
+   plan: what ``write_dtensors`` runs), on each sampled rank; beside it, for comparison, the
+   whole plan (``plan_union``) every rank computed before;
 3. the exchange moves bytes: each block's id stands in as the hash of (model, tensor, role,
    block index), registered with its size in the counting storage; the id table every rank
-   all-reduces (32 bytes a block) and the replicas' fingerprint all-gather are counted, not run;
+   all-reduces (32 bytes a block) and the replicas' check (one 64-byte all-reduce) are counted, not run;
 4. ``write_shard`` for every rank, from the ``StoredPayload`` entries ``ExchangePlan.recorders``
    gives it and the slices it held (``format.slices.make_slices``): real manifests, written;
 5. ``write_commit`` on the coordinator (reads every shard manifest, the learned-state root, the
@@ -59,11 +60,14 @@ per-rank x N where only a sample ran.
 **Layers.** A model is simulated twice, with 0 and with K of its L decoder layers (every layer
 has the same shapes and placements; K at most ``--max-layers``, and N x tensors at most
 ``--budget``, so K = 1 at 16,384 ranks), and each figure is extrapolated linearly in layers,
-v(L) = v(0) + (v(K) - v(0)) * L / K; rows say "0 and K of L". The per-tensor half of
-shardstore's plan (``plan_union``) is timed on one tensor of each shape and placement and
-charged to every tensor of it (tensors are planned independently). The run checks the layer
-extrapolation on 8B at 64 ranks (from 2 layers, against the whole model) and prints the
-difference.
+v(L) = v(0) + (v(K) - v(0)) * L / K; rows say "0 and K of L". But a rank's plan (``plan_local``)
+is not linear in layers: the tensors of one shape and placement share the work on their
+slices, so its cost for L layers is v(K) + (v(2K) - v(K)) * (L - K) / K, from a second plan of 2K
+layers (v(K) * L / K where 2K > L), added to the rank's time after the extrapolation. The whole
+plan every rank computed before (``plan_union``, shown beside it) is timed on one tensor of each
+shape and placement and charged to every tensor of it (tensors are planned independently). The
+run checks the layer extrapolation on 8B at 64 ranks (from 2 layers, against the whole model,
+the rank's time without its plan) and prints the difference.
 
     python benchmarks/bench_scale_sim.py [--results benchmarks/RESULTS.md]   # ~11 min CPU on 2 cores
     python benchmarks/bench_scale_sim.py --quick                             # ~10 s: 8B at 64 and 512 ranks
@@ -123,6 +127,7 @@ from shardstore.sharded.dtensor import (
     describe_layout,
     encode_description,
     make_layout,
+    plan_local,
     plan_union,
 )
 from shardstore.sharded.placement import mesh_parts
@@ -583,26 +588,25 @@ def ss_save(
         )
         assert raw == want, f"rank {r}: the generated description differs from describe()'s"
         full_sizes.append(len(raw))
-    mesh = boxes.mesh
-    layout = make_layout(
-        [(tuple(mesh.shape), tuple(range(n)))],
-        [
-            (name, role, "float32", shape, 0, placements(kind, model.tp, dp_only=mesh.dp_only))
-            for name, role, shape, kind in order
-        ],
-        [],
-    )
+    layout = model_layout(model, layers, boxes.mesh)
     for r, digest in real.layouts.items():
         assert digest == layout.digest, f"rank {r}: describe_layout's digest differs from the model's"
     describe_s = real.describe_s
-    # 2. the plan, identical on every rank: every rank's boxes worked out from the layout (timed
-    #    whole); plan_union plans tensors independently, and the tensors of one class (shape and
-    #    placement: every layer's q_proj, all three roles) alike, so each class is planned once,
-    #    on one of its tensors, and charged to all of them
-    t = time.process_time()
-    union, plain = derive_union(layout, n, lambda r: r)
-    plan_s = time.process_time() - t
-    plan = ExchangePlan(union, plain, [])  # the blocks' owners are timed by class below
+    # 2. the plan: every rank's boxes worked out from the layout (the same on every rank, timed
+    #    once), then each sampled rank's own part of the plan (plan_local, timed on each: the
+    #    mean is charged to every rank). For comparison, the whole plan every rank computed
+    #    before (plan_union): tensors are planned independently, and the tensors of one class
+    #    (shape and placement: every layer's q_proj, all three roles) alike, so each class is
+    #    planned once, on one of its tensors, and charged to all of them; its owners stand in
+    #    for every tensor's of the class in the storage tallies below
+    plan_s, union, plain = local_plan(layout, n)
+    fig.fixed["plan_s"] = plan_s
+    if 0 < layers < model.layers:  # what this rank's plan of all L layers costs (see local_plan)
+        more = local_plan(model_layout(model, 2 * layers, boxes.mesh), n)[0] if 2 * layers <= model.layers else None
+        per = max(0.0, more - plan_s if more is not None else plan_s) / layers  # else: all of it charged per layer
+        fig.fixed["plan_s"] = plan_s + per * (model.layers - layers)
+    whole_s = 0.0
+    plan = ExchangePlan(union, plain, [])
     classes: dict[tuple, list[tuple[str, str]]] = {}
     kinds = {name: kind for name, _shape, kind in tensors}
     for key, (_dtype, shape, _held) in sorted(union.items()):
@@ -613,7 +617,7 @@ def ss_save(
         key = keys[0]
         t = time.process_time()
         planned = plan_union({key: union[key]}, n)
-        plan_s += (time.process_time() - t) * len(keys)
+        whole_s += (time.process_time() - t) * len(keys)
         pieces += sum(1 + len(b.sends) for b in planned) * len(keys)
         owners[cls] = {b.index: b.owner for b in planned}
     # 3. the exchange's stand-ins: would-be block ids (the canonical grid's), registered with their sizes
@@ -712,14 +716,45 @@ def ss_save(
     desc_total = gathered(n, [33] * n)  # the layout digests (status byte + 32)
     protocol = 6 * 33 * n  # the commit protocol's five 33-byte all-gathers, and agree_on_commit's on restore
     fig.exchanged_rank = desc_total + fp_bytes + 32 * blocks + protocol + commit_bytes
-    fig.rank_s = mean(describe_s) + plan_s + write_s / n + mean(ack_s)
+    fig.rank_s = mean(describe_s) + write_s / n + mean(ack_s)  # + the plan: run_point adds fixed["plan_s"]
     fig.extra = {
-        "describe_s": mean(describe_s), "plan_s": plan_s, "write_shard_s": write_s / n, "ack_s": mean(ack_s),
+        "describe_s": mean(describe_s), "whole_plan_s": whole_s, "write_shard_s": write_s / n, "ack_s": mean(ack_s),
         "old_ack_s": old_ack_s[0], "verify_s": verify_s, "descriptions": desc_total, "blocks": blocks, "pieces": pieces,
         "full_descriptions": gathered(n, [max(full_sizes)] * n),
         "commit_bytes": commit_bytes, "shard_max": max(shard_sizes), "s3_objects": objects,
     }  # fmt: skip
     return fig, {"store": store, "storage": storage, "cid": cid, "ids": ids, "labels": labels}
+
+
+def model_layout(model: Llama, layers: int, mesh: Mesh) -> Any:
+    """The layout every rank of ``mesh`` has (``sharded.dtensor.make_layout``; what its ranks'
+    ``describe_layout`` gives: checked on the sampled ranks)."""
+    order = sorted((name, role, shape, kind) for name, shape, kind in model.tensors(layers) for role in ROLES)
+    return make_layout(
+        [(tuple(mesh.shape), tuple(range(mesh.size)))],
+        [
+            (name, role, "float32", shape, 0, placements(kind, model.tp, dp_only=mesh.dp_only))
+            for name, role, shape, kind in order
+        ],
+        [],
+    )
+
+
+def local_plan(layout: Any, n: int) -> tuple[float, Any, Any]:
+    """CPU seconds of one rank's plan (every rank's boxes from ``layout``, ``derive_union``: once,
+    the same on every rank; then ``plan_local``: on each sampled rank, the mean), the union and
+    the plain holders. Its cost is not linear in layers: the tensors of one class (every
+    layer's q_proj) share the work on their slices, so ``ss_save`` takes a layer's share as
+    the difference between K and 2K layers, not between 0 and K."""
+    t = time.process_time()
+    union, plain = derive_union(layout, n, lambda r: r)
+    derive_s = time.process_time() - t
+    local_s = []
+    for r in samples(n):
+        t = time.process_time()
+        plan_local(union, n, r)
+        local_s.append(time.process_time() - t)
+    return derive_s + mean(local_s), union, plain
 
 
 def rank_rng(rank: int) -> dict[str, bytes]:
@@ -1039,11 +1074,14 @@ def run_point(
     Returns the figures and K (= L when whole). ``requests``: see ``simulate``."""
     per_layer = 9
     if model.layers <= max_layers and n * (3 + per_layer * model.layers) <= budget:
-        return simulate(model, n, model.layers, requests=requests), model.layers
-    k = max(1, min(model.layers, max_layers, (budget // n - 3) // per_layer))
-    boxes = Boxes(model, save_mesh(n, model.tp))  # every rank's parts, shared by both runs
-    zero, some = simulate(model, n, 0, boxes, requests=requests), simulate(model, n, k, boxes, requests=requests)
-    return {s: extrapolate(zero[s], some[s], k, model.layers) for s in zero}, k
+        figs, k = simulate(model, n, model.layers, requests=requests), model.layers
+    else:
+        k = max(1, min(model.layers, max_layers, (budget // n - 3) // per_layer))
+        boxes = Boxes(model, save_mesh(n, model.tp))  # every rank's parts, shared by both runs
+        zero, some = simulate(model, n, 0, boxes, requests=requests), simulate(model, n, k, boxes, requests=requests)
+        figs = {s: extrapolate(zero[s], some[s], k, model.layers) for s in zero}
+    figs["shardstore"].rank_s += figs["shardstore"].fixed["plan_s"]  # the whole model's plan (ss_save)
+    return figs, k
 
 
 def slope(ns: list[int], values: list[float]) -> float:
@@ -1106,11 +1144,11 @@ def tables(points: dict[tuple[str, int], tuple[dict[str, Figures], int]], ns: li
                                for a, _, _ in COLUMNS if a != "stored_rank")  # fmt: skip
             lines.append(f"| {MODELS[key].name} | {system} | {cells} |")
     lines += ["", "**shardstore's save path per rank, split** (CPU s; acknowledging before this branch: load_commit)", "",
-              "| model | N | describe | plan (every rank) | write_shard | acknowledge | acknowledge before | verify --no-deep (one process) | blocks | layout digests all-gathered | full descriptions (all-gathered before layouts) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| model | N | describe | plan (this rank's part) | whole plan (every rank, before) | write_shard | acknowledge | acknowledge before | verify --no-deep (one process) | blocks | layout digests all-gathered | full descriptions (all-gathered before layouts) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for (key, n), (figs, _k) in points.items():
         e = figs["shardstore"].extra
-        lines.append(f"| {MODELS[key].name} | {n} | {secs(e['describe_s'])} | {secs(e['plan_s'])} | "
+        lines.append(f"| {MODELS[key].name} | {n} | {secs(e['describe_s'])} | {secs(figs['shardstore'].fixed['plan_s'])} | {secs(e['whole_plan_s'])} | "
                      f"{secs(e['write_shard_s'])} | {secs(e['ack_s'])} | {secs(e['old_ack_s'])} | {secs(e['verify_s'])} | "
                      f"{e['blocks']:.0f} | {human(e['descriptions'])} | {human(e['full_descriptions'])} |")  # fmt: skip
     lines += ["", "**DCP's save path, split** (CPU s)", "",

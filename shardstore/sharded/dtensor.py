@@ -21,7 +21,10 @@ whoever holds its bytes. Saving is a collective over the save's process group:
    tensor exactly; each block is owned by one rank of the slice holding most of it
    (replicas of a slice take turns, so a replicated tensor is written once, split among
    its replicas); every other slice the block overlaps sends its piece to the owner,
-   point to point, from one of its replicas, so each byte crosses the network once;
+   point to point, from one of its replicas, so each byte crosses the network once. Each
+   rank works out only its part of that plan (``plan_local``: the blocks it owns, the
+   pieces it sends), from the blocks its own slices overlap; ``plan_union`` is the whole
+   plan, the reference it is tested against;
 3. ``exchange.py`` carries the plan out in batches of at most ``BATCH_BYTES``: the owner
    hashes and writes each block (a block inside its own slice is a view of it, no copy),
    staging the rest in one reused arena;
@@ -54,7 +57,7 @@ from ..state.slot import SlotState
 from ..store import Store
 from ..store.tensors import WRITE_THREADS
 from .agreement import check_agreement, coverage_problem
-from .exchange import BATCH_BYTES, ExchangeStats, Local, PlannedBlock, last_exchange, run_plan
+from .exchange import BATCH_BYTES, NOT_MINE, ExchangeStats, Local, PlannedBlock, last_exchange, run_plan
 from .placement import local_parts, mesh_parts, placement_key
 
 __all__ = [
@@ -79,6 +82,7 @@ __all__ = [
     "SliceUnion",
     "gather_union",
     "plan_union",
+    "plan_local",
     "plan_exchange",
     "write_dtensors",
     "entry_slot",
@@ -365,14 +369,16 @@ def derive_union(layout: Layout, world: int, g: Callable[[int], int]) -> tuple[S
 
 @dataclass(frozen=True)
 class ExchangePlan:
-    """What every rank computes alike from all ranks' descriptions (SPEC.md §Block exchange, step 2)."""
+    """What every rank computes from all ranks' descriptions or the layout (SPEC.md §Block exchange, step 2)."""
 
     union: SliceUnion
     """(name, role) -> (dtype, global shape, {box: the ranks holding it})."""
     plain: dict[str, list[int]]
     """A plain tensor's name -> the ranks holding it whole."""
     blocks: list[PlannedBlock]
-    """Every canonical block of every DTensor, in (name, role) then block order."""
+    """Every canonical block of every DTensor, in (name, role) then block order: all planned
+    (``plan_union``, the same on every rank), or one rank's (``plan_local``: the blocks it has no
+    part in with owner ``NOT_MINE``)."""
 
     def recorders(self) -> dict[str, int]:
         """The slot whose shard manifest records each sharded parameter's entry (step 4)."""
@@ -413,6 +419,128 @@ def plan_union(union: SliceUnion, world: int) -> list[PlannedBlock]:
             raise TensorMismatch(coverage_problem(n, role, dtype, shape, held, world, str(e))) from None
         for bi, (box, owner, sends) in enumerate(plan_blocks(f"{n}\0{role}", dtype, shape, regions)):
             blocks.append(PlannedBlock((n, role), bi, box, owner, sends, dtype))
+    return blocks
+
+
+@dataclass
+class _Skeleton:
+    """What the plans of the tensors of one class (the same slices, dtype and shape: every layer's
+    q_proj, each role) share, worked out once: each block's pieces (the slices it overlaps) and
+    tied slices, and for each slice the blocks it is a piece of, numbered. Only the rotation
+    (a hash of name and role) differs between their plans."""
+
+    regions: list[tuple[Box, list[int]]]
+    boxes: list[Box]
+    pieces: list[list[tuple[int, Box]]]  # per block: (slice index, common box), as plan_blocks lists them
+    tied: list[list[int]]  # per block: the slices holding most of it
+    turn_of: list[dict[int, int]]  # per slice: block index -> how many earlier blocks it is a piece of
+    simple: bool  # no rank holds two slices of it that hold elements, and every block has a piece (or is the only one)
+    of_rank: dict[int, list[int]]  # rank -> the slices it holds that hold elements
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def of(regions: list[tuple[Box, list[int]]], dtype: str, shape: tuple[int, ...]) -> _Skeleton:
+        boxes = grid(dtype, shape)
+        near = slices_near(regions, len(shape))
+        pieces, tied = [], []
+        turn_of: list[dict[int, int]] = [{} for _ in regions]
+        for bi, box in enumerate(boxes):
+            ps = [(ri, c) for ri in near(box) if (c := intersect(box, regions[ri][0])) is not None]
+            pieces.append(ps)
+            most = max((math.prod(c[1]) for _, c in ps), default=0)
+            tied.append([ri for ri, c in ps if math.prod(c[1]) == most])
+            for ri, _ in ps:
+                turn_of[ri][bi] = len(turn_of[ri])
+        of_rank: dict[int, list[int]] = {}
+        for ri, (box, ranks) in enumerate(regions):
+            if math.prod(box[1]):
+                for r in ranks:
+                    of_rank.setdefault(r, []).append(ri)
+        simple = all(len(v) == 1 for v in of_rank.values()) and (len(boxes) == 1 or all(pieces))
+        return _Skeleton(regions, boxes, pieces, tied, turn_of, simple, of_rank, tuple(shape))
+
+    def planned(self, key: tuple[str, str], dtype: str, rank: int) -> list[PlannedBlock]:
+        """``plan_blocks``' plan of tensor ``key`` as ``rank`` needs it: every block; those it
+        owns with their pieces, those it sends a piece of with their owner and its own pieces,
+        the others with neither."""
+        n, role = key
+        if not self.simple:  # a rank holding several slices of it: the whole plan, filtered
+            full = plan_blocks(f"{n}\0{role}", dtype, self.shape, self.regions)
+            return [
+                _as_seen_by(rank, PlannedBlock(key, bi, box, o, sends, dtype))
+                for bi, (box, o, sends) in enumerate(full)
+            ]
+        turn = zlib.crc32(f"{n}\0{role}".encode())
+        regions, turn_of = self.regions, self.turn_of
+        held = self.of_rank.get(rank, [])
+        mine = {bi for ri in held for bi in turn_of[ri]}
+        out = []
+        for bi, box in enumerate(self.boxes):
+            ps = self.pieces[bi]
+            if not ps:  # an empty tensor's one block, written by a holder of the first slice
+                owner = regions[0][1][turn % len(regions[0][1])]
+                out.append(PlannedBlock(key, bi, box, owner if owner == rank else NOT_MINE, [], dtype))
+                continue
+            if bi not in mine:  # none of its pieces is this rank's: neither owner nor source
+                out.append(PlannedBlock(key, bi, box, NOT_MINE, [], dtype))
+                continue
+            # plan_blocks' rule: each slice takes its turn once for every block it is a piece of
+            # (as owner or as source: a rank holding one slice is never both), so a slice's
+            # replica for block bi is the one at its count of earlier blocks, from the rotation
+            tied = self.tied[bi]
+            best = tied[(turn + bi) % len(tied)]
+            holders = regions[best][1]
+            owner = holders[(turn + turn_of[best][bi]) % len(holders)]
+            if owner == rank:  # every piece, from the replica whose turn it is
+                sends = [
+                    (regions[ri][1][(turn + turn_of[ri][bi]) % len(regions[ri][1])], c) for ri, c in ps if ri != best
+                ]
+                out.append(PlannedBlock(key, bi, box, owner, sends, dtype))
+                continue
+            own = [
+                (rank, c)
+                for ri in held
+                if ri != best
+                and bi in turn_of[ri]
+                and regions[ri][1][(turn + turn_of[ri][bi]) % len(regions[ri][1])] == rank
+                and (c := intersect(box, regions[ri][0])) is not None
+            ]
+            out.append(PlannedBlock(key, bi, box, owner if own else NOT_MINE, own, dtype))
+        return out
+
+
+def _as_seen_by(rank: int, b: PlannedBlock) -> PlannedBlock:
+    """A block of the whole plan as ``rank``'s plan lists it: whole if it owns it; with its
+    own pieces if it sends some; else with owner ``NOT_MINE`` and no pieces."""
+    if b.owner == rank:
+        return b
+    own = [(src, c) for src, c in b.sends if src == rank]
+    return replace(b, sends=own) if own else replace(b, owner=NOT_MINE, sends=[])
+
+
+def plan_local(union: SliceUnion, world: int, rank: int) -> list[PlannedBlock]:
+    """Step 2, second half, as one rank needs it: ``plan_union``'s blocks, in its order and with
+    its errors, each as ``_as_seen_by(rank, ...)`` lists it: the blocks ``rank`` owns with all
+    their pieces, those it sends a piece of with their owner and its own pieces, the others
+    with owner ``NOT_MINE`` and no pieces (their sizes still batch the exchange alike on every
+    rank, and their ids come back in the all-reduce). The slices of tensors
+    that share one slice table (``derive_union`` shares it over a class) are checked and
+    intersected with the grid once, and each such tensor's plan costs about its blocks plus
+    the pieces of this rank's blocks, not every piece of every block."""
+    blocks: list[PlannedBlock] = []
+    regions_of: dict[tuple[int, tuple[int, ...]], list[tuple[Box, list[int]]]] = {}
+    skeletons: dict[tuple[int, tuple[int, ...], str], _Skeleton] = {}
+    for (n, role), (dtype, shape, held) in sorted(union.items()):
+        regions = regions_of.get((id(held), shape))
+        if regions is None:
+            try:
+                regions = regions_of[(id(held), shape)] = slice_regions(n, dtype, shape, held)
+            except TensorMismatch as e:
+                raise TensorMismatch(coverage_problem(n, role, dtype, shape, held, world, str(e))) from None
+        sk = skeletons.get((id(held), shape, dtype))
+        if sk is None:
+            sk = skeletons[(id(held), shape, dtype)] = _Skeleton.of(regions, dtype, shape)
+        blocks += sk.planned((n, role), dtype, rank)
     return blocks
 
 
@@ -459,10 +587,10 @@ def write_dtensors(
     g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     if layouts_agree(gathered):  # one layout everywhere: every rank's boxes worked out here
         union, plain = derive_union(layout, len(gathered), g)
-        plan = ExchangePlan(union, plain, plan_union(union, len(gathered)))
     else:  # the full descriptions, whose union names the ranks on each side of a disagreement
-        plan = plan_exchange([decode_description(d) for d in all_gather_bytes(encode_description(desc), group)])
-    union = plan.union
+        peers = [decode_description(d) for d in all_gather_bytes(encode_description(desc), group)]
+        union, plain = gather_union(peers)
+    plan = ExchangePlan(union, plain, plan_local(union, len(gathered), rank))  # this rank's blocks planned
     _replicas_agree(locals_, union, rank, group)
     replicated = {n: rs for n, rs in plan.plain.items() if len(rs) > 1}
     drop = _replicated_plain(state, replicated, rank, group)

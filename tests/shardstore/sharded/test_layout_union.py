@@ -23,8 +23,10 @@ from shardstore.sharded.dtensor import (
     gather_union,
     layouts_agree,
     plan_exchange,
+    plan_local,
     plan_union,
 )
+from shardstore.sharded.exchange import NOT_MINE
 from shardstore.sharded.placement import mesh_parts
 
 
@@ -36,9 +38,12 @@ def _llama_like(dp: int, tp: int) -> list[tuple[str, tuple[int, ...], tuple]]:
         ("attn.o", (24, 24), (Shard(0), Shard(1))),
         ("attn.q", (24, 24), col),
         ("embed", (50, 24), (Shard(0), Shard(1))),
+        ("empty", (0, 24), col),  # one empty block, written by a holder of the first slice
+        ("multi", (10, 24), (Replicate(), _StridedShard(0, split_factor=2))),  # two parts a rank, replicated
         ("mlp.up", (70, 24), col),  # uneven: 70 rows over tp, then dp
         ("norm", (24,), (Shard(0), Replicate())),  # replicated over tp
-        ("wide", (3, 300000), (Replicate(), Shard(1))),  # several blocks, a column split
+        ("long", (3_000_001,), (Shard(0), Replicate())),  # 3 blocks of slices replicated over tp, in turn
+        ("wide", (4, 1_200_000), (Replicate(), Shard(1))),  # 5 blocks, a column split replicated over dp
     ]
 
 
@@ -89,6 +94,62 @@ def _placements_for(mesh_shape: tuple[int, ...], tensors):
     if len(mesh_shape) == 1:
         return [(n, s, (Replicate(),) if n == "norm" else (Shard(0),)) for n, s, _ in tensors]
     return [(n, s, (Replicate(), *p)) for n, s, p in tensors]
+
+
+def _union_of(mesh_shape, global_ranks):
+    world = 1
+    for d in mesh_shape:
+        world *= d
+    ranks = global_ranks or tuple(range(world))
+    g = (lambda r: ranks[r]) if global_ranks else (lambda r: r)
+    tp = mesh_shape[-1] if len(mesh_shape) > 1 else 1
+    tensors = _placements_for(mesh_shape, _llama_like(mesh_shape[0], tp))
+    return derive_union(_layout(mesh_shape, ranks, tensors, ("exp_avg", "param"), []), world, g), world
+
+
+@pytest.mark.parametrize("mesh_shape, global_ranks", MESHES)
+def test_each_ranks_local_plan_is_its_part_of_the_whole_plan(mesh_shape, global_ranks):
+    """``plan_local``: every block in ``plan_union``'s order; those a rank owns with the whole
+    plan's pieces, those it sends a piece of with the whole plan's owner and the pieces it sends
+    there (the same sources, so the same bytes cross), the others with neither. Before, every
+    rank planned every piece of every block."""
+    (union, _), world = _union_of(mesh_shape, global_ranks)
+    whole = plan_union(union, world)
+    involved_somewhere = set()
+    for rank in range(world):
+        local = plan_local(union, world, rank)
+        assert [(b.key, b.index, b.box, b.dtype) for b in local] == [(b.key, b.index, b.box, b.dtype) for b in whole]
+        for mine, b in zip(local, whole):
+            if b.owner == rank:
+                assert mine == b, (rank, b.key, b.index)
+                involved_somewhere.add((b.key, b.index))
+            elif any(src == rank for src, _ in b.sends):
+                assert mine.owner == b.owner and mine.sends == [(s, c) for s, c in b.sends if s == rank]
+                involved_somewhere.add((b.key, b.index))
+            else:
+                assert (mine.owner, mine.sends) == (NOT_MINE, []), (rank, b.key, b.index)
+    assert involved_somewhere == {(b.key, b.index) for b in whole}  # every block is some rank's
+
+
+def test_a_local_plan_costs_this_ranks_pieces_not_every_piece(monkeypatch):
+    """Tensors sharing a slice table (every layer's q_proj, each role) are intersected with the
+    grid once, and a rank lists only its blocks' pieces: at 64 x 8 ranks a rank's plan of 24
+    such tensors lists under 3% of the whole plan's pieces."""
+    import shardstore.sharded.dtensor as sdt
+
+    mesh_shape, world = (64, 8), 512
+    col = (_StridedShard(0, split_factor=8), Shard(0))
+    tensors = [(f"layers.{i}.q", (4096, 1024), col) for i in range(12)]
+    layout = _layout(mesh_shape, tuple(range(world)), tensors, ("exp_avg", "param"), [])
+    union, _ = derive_union(layout, world, lambda r: r)
+    grids = []
+    real = sdt.grid
+    monkeypatch.setattr(sdt, "grid", lambda *a, **k: grids.append(a) or real(*a, **k))
+    local = plan_local(union, world, 3)
+    assert len(grids) == 1  # one skeleton for the 24 tensors
+    whole = plan_union(union, world)
+    listed = sum(len(b.sends) for b in local)
+    assert 0 < listed < 0.03 * sum(len(b.sends) for b in whole)
 
 
 @pytest.mark.parametrize("mesh_shape, global_ranks", MESHES)
