@@ -602,8 +602,15 @@ def ss_save(
     plan_s, union, plain = local_plan(layout, n)
     fig.fixed["plan_s"] = plan_s
     if 0 < layers < model.layers:  # what this rank's plan of all L layers costs (see local_plan)
-        more = local_plan(model_layout(model, 2 * layers, boxes.mesh), n)[0] if 2 * layers <= model.layers else None
-        per = max(0.0, more - plan_s if more is not None else plan_s) / layers  # else: all of it charged per layer
+        if 2 * layers <= model.layers:
+            # the difference is small and multiplied by (L - K) / K: each plan timed twice, the
+            # faster kept (another process's load only ever adds time)
+            plan_s = min(plan_s, local_plan(layout, n)[0])
+            twice = model_layout(model, 2 * layers, boxes.mesh)
+            more = min(local_plan(twice, n)[0], local_plan(twice, n)[0])
+            per = max(0.0, more - plan_s) / layers
+        else:  # all of it charged per layer
+            per = plan_s / layers
         fig.fixed["plan_s"] = plan_s + per * (model.layers - layers)
     whole_s = 0.0
     plan = ExchangePlan(union, plain, [])

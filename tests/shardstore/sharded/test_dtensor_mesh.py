@@ -87,10 +87,11 @@ def _model_checks(rank: int, store: ss.Store, mesh, pair, async_group) -> dict:
     c = ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref="main", parent=None)
     out["c2d"] = c
     # what the save all-gathers: one layout digest a rank (status byte + 32), nothing else; and the
-    # same state through the full descriptions' path (main's algorithm before layouts: every
-    # rank's boxes all-gathered, planned by plan_exchange) is the same commit
+    # same state through the full descriptions' path and the whole plan on every rank (the
+    # algorithm before layouts and local plans: every rank's boxes all-gathered, every block
+    # planned by plan_union) is the same commit
     sent: list[int] = []
-    gather, agree = sdt.all_gather_bytes, sdt.layouts_agree
+    gather, agree, local = sdt.all_gather_bytes, sdt.layouts_agree, sdt.plan_local
 
     def counting(raw, group):
         sent.append(len(raw))
@@ -102,10 +103,11 @@ def _model_checks(rank: int, store: ss.Store, mesh, pair, async_group) -> dict:
         out["gathered_by_layout"] = list(sent)
         sent.clear()
         sdt.layouts_agree = lambda gathered: False
+        sdt.plan_local = lambda union, world, rank: sdt.plan_union(union, world)
         out["by_descriptions"] = ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref=None, parent=None)
         out["gathered_by_descriptions"] = list(sent)
     finally:
-        sdt.all_gather_bytes, sdt.layouts_agree = gather, agree
+        sdt.all_gather_bytes, sdt.layouts_agree, sdt.plan_local = gather, agree, local
     saver = ss.AsyncSaver(store)  # the same state, snapshot (local tensors re-wrapped), saved in the background
     saver.save_distributed(m, opt, info=_info(2), group=async_group, rng=False, ref=None, parent=None)
     out["async"] = saver.close()
