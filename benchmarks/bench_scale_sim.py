@@ -62,8 +62,9 @@ has the same shapes and placements; K at most ``--max-layers``, and N x tensors 
 ``--budget``, so K = 1 at 16,384 ranks), and each figure is extrapolated linearly in layers,
 v(L) = v(0) + (v(K) - v(0)) * L / K; rows say "0 and K of L". But a rank's plan (``plan_local``)
 is not linear in layers: the tensors of one shape and placement share the work on their
-slices, so its cost for L layers is v(K) + (v(2K) - v(K)) * (L - K) / K, from a second plan of 2K
-layers (v(K) * L / K where 2K > L), added to the rank's time after the extrapolation. The whole
+slices, so it is timed on the whole model's layout (all L layers; the union of one class is
+shared, so this costs O(classes x N) memory) and added to the rank's time after the
+extrapolation. The whole
 plan every rank computed before (``plan_union``, shown beside it) is timed on one tensor of each
 shape and placement and charged to every tensor of it (tensors are planned independently). The
 run checks the layer extrapolation on 8B at 64 ranks (from 2 layers, against the whole model,
@@ -601,17 +602,8 @@ def ss_save(
     #    for every tensor's of the class in the storage tallies below
     plan_s, union, plain = local_plan(layout, n)
     fig.fixed["plan_s"] = plan_s
-    if 0 < layers < model.layers:  # what this rank's plan of all L layers costs (see local_plan)
-        if 2 * layers <= model.layers:
-            # the difference is small and multiplied by (L - K) / K: each plan timed twice, the
-            # faster kept (another process's load only ever adds time)
-            plan_s = min(plan_s, local_plan(layout, n)[0])
-            twice = model_layout(model, 2 * layers, boxes.mesh)
-            more = min(local_plan(twice, n)[0], local_plan(twice, n)[0])
-            per = max(0.0, more - plan_s) / layers
-        else:  # all of it charged per layer
-            per = plan_s / layers
-        fig.fixed["plan_s"] = plan_s + per * (model.layers - layers)
+    if 0 < layers < model.layers:  # this rank's plan of all L layers, timed (see local_plan)
+        fig.fixed["plan_s"] = local_plan(model_layout(model, model.layers, boxes.mesh), n)[0]
     whole_s = 0.0
     plan = ExchangePlan(union, plain, [])
     classes: dict[tuple, list[tuple[str, str]]] = {}
@@ -750,9 +742,9 @@ def model_layout(model: Llama, layers: int, mesh: Mesh) -> Any:
 def local_plan(layout: Any, n: int) -> tuple[float, Any, Any]:
     """CPU seconds of one rank's plan (every rank's boxes from ``layout``, ``derive_union``: once,
     the same on every rank; then ``plan_local``: on each sampled rank, the mean), the union and
-    the plain holders. Its cost is not linear in layers: the tensors of one class (every
-    layer's q_proj) share the work on their slices, so ``ss_save`` takes a layer's share as
-    the difference between K and 2K layers, not between 0 and K."""
+    the plain holders. Its cost is not linear in layers (the tensors of one class, every
+    layer's q_proj, share the work on their slices), and the layout of every layer costs
+    O(classes x N) memory, not O(layers x N): ``ss_save`` times it on the whole model."""
     t = time.process_time()
     union, plain = derive_union(layout, n, lambda r: r)
     derive_s = time.process_time() - t
