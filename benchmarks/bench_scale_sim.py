@@ -12,16 +12,19 @@ into N/2 ranks, dp only (every tensor ``Shard(0)``). Rank r of a dp x tp mesh is
 
 **shardstore**, the real code of each step, with what stands in where bytes would be needed:
 
-1. describe: every rank's DTensor parts (``sharded.placement.mesh_parts``) and its description
-   (``sharded.dtensor.Described``, ``encode_description``: what it all-gathers); for the sampled
-   ranks the real ``describe`` of a slot of meta-device DTensors on a fake process group (one
-   per rank, ``torch.testing``'s ``FakeStore``), checked byte for byte against the generated one;
-2. plan: ``decode_description`` of all N descriptions, ``gather_union`` and ``plan_union`` (what
-   ``plan_exchange`` runs) — identical on every rank (every rank computes it), so computed once
-   and charged to every rank;
+1. describe: for the sampled ranks the real ``describe`` and ``describe_layout`` of a slot of
+   meta-device DTensors on a fake process group (one per rank, ``torch.testing``'s
+   ``FakeStore``), their descriptions checked byte for byte against ones generated from
+   ``sharded.placement.mesh_parts`` and their layout digests against the model's
+   (``make_layout``); every rank all-gathers its 33-byte digest (counted), and since they are
+   all the same no description is all-gathered (SPEC §15.2 step 1);
+2. plan: ``derive_union`` (every rank's boxes from the layout; identical on every rank, so
+   computed once and charged to every rank) and ``plan_local`` (the rank's own part of the
+   plan: what ``write_dtensors`` runs), on each sampled rank; beside it, for comparison, the
+   whole plan (``plan_union``) every rank computed before;
 3. the exchange moves bytes: each block's id stands in as the hash of (model, tensor, role,
    block index), registered with its size in the counting storage; the id table every rank
-   all-reduces (32 bytes a block) and the replicas' fingerprint all-gather are counted, not run;
+   all-reduces (32 bytes a block) and the replicas' check (one 64-byte all-reduce) are counted, not run;
 4. ``write_shard`` for every rank, from the ``StoredPayload`` entries ``ExchangePlan.recorders``
    gives it and the slices it held (``format.slices.make_slices``): real manifests, written;
 5. ``write_commit`` on the coordinator (reads every shard manifest, the learned-state root, the
@@ -57,11 +60,15 @@ per-rank x N where only a sample ran.
 **Layers.** A model is simulated twice, with 0 and with K of its L decoder layers (every layer
 has the same shapes and placements; K at most ``--max-layers``, and N x tensors at most
 ``--budget``, so K = 1 at 16,384 ranks), and each figure is extrapolated linearly in layers,
-v(L) = v(0) + (v(K) - v(0)) * L / K; rows say "0 and K of L". The per-tensor half of
-shardstore's plan (``plan_union``) is timed on one tensor of each shape and placement and
-charged to every tensor of it (tensors are planned independently). The run checks the layer
-extrapolation on 8B at 64 ranks (from 2 layers, against the whole model) and prints the
-difference.
+v(L) = v(0) + (v(K) - v(0)) * L / K; rows say "0 and K of L". But a rank's plan (``plan_local``)
+is not linear in layers: the tensors of one shape and placement share the work on their
+slices, so it is timed on the whole model's layout (all L layers; the union of one class is
+shared, so this costs O(classes x N) memory) and added to the rank's time after the
+extrapolation. The whole
+plan every rank computed before (``plan_union``, shown beside it) is timed on one tensor of each
+shape and placement and charged to every tensor of it (tensors are planned independently). The
+run checks the layer extrapolation on 8B at 64 ranks (from 2 layers, against the whole model,
+the rank's time without its plan) and prints the difference.
 
     python benchmarks/bench_scale_sim.py [--results benchmarks/RESULTS.md]   # ~11 min CPU on 2 cores
     python benchmarks/bench_scale_sim.py --quick                             # ~10 s: 8B at 64 and 512 ranks
@@ -116,10 +123,12 @@ from shardstore.format.tensors import expected_nbytes, hash_bytes, torch_dtype
 from shardstore.sharded.dtensor import (
     Described,
     ExchangePlan,
-    decode_description,
+    derive_union,
     describe,
+    describe_layout,
     encode_description,
-    gather_union,
+    make_layout,
+    plan_local,
     plan_union,
 )
 from shardstore.sharded.placement import mesh_parts
@@ -503,6 +512,7 @@ class Sampled:
     """What the sampled save ranks did for real: shardstore's description and DCP's local plan."""
 
     descriptions: dict[int, bytes] = field(default_factory=dict)
+    layouts: dict[int, bytes] = field(default_factory=dict)  # each sampled rank's layout digest
     describe_s: list[float] = field(default_factory=list)
     plans: dict[int, SavePlan] = field(default_factory=dict)
     local_plan_s: list[float] = field(default_factory=list)
@@ -521,6 +531,7 @@ def sample_saves(model: Llama, layers: int, mesh: Mesh) -> Sampled:
             state = SlotState({name: d["param"] for name, d in dts.items()}, OptimState("adamw", dict(HYPER), params))
             t = time.process_time()
             _, desc = describe(state)
+            out.layouts[r] = describe_layout(state).digest
             out.descriptions[r] = encode_description(desc)
             out.describe_s.append(time.process_time() - t)
             sd = dcp_state_dict(model, layers, dts)
@@ -567,25 +578,34 @@ def ss_save(
     default; off, as in the tables (DCP's state dict has none)."""
     tensors = model.tensors(layers)
     fig = Figures()
-    # 1. descriptions of every rank (generated), the sampled ranks' from real DTensors
+    # 1. the sampled ranks' descriptions (from real DTensors) against generated ones, and their
+    #    layout digests against the model's: every rank's digest is that one, so the all-gather
+    #    of 33-byte digests is all that crosses the network (SPEC §15.2 step 1)
     order = sorted((name, role, shape, kind) for name, shape, kind in tensors for role in ROLES)
-    raws = [
-        encode_description(
+    full_sizes = []
+    for r, raw in real.descriptions.items():
+        want = encode_description(
             [Described(name, role, "float32", shape, boxes.of(shape, kind)[r]) for name, role, shape, kind in order]
         )
-        for r in range(n)
-    ]
-    for r, raw in real.descriptions.items():
-        assert raw == raws[r], f"rank {r}: the generated description differs from describe()'s"
+        assert raw == want, f"rank {r}: the generated description differs from describe()'s"
+        full_sizes.append(len(raw))
+    layout = model_layout(model, layers, boxes.mesh)
+    for r, digest in real.layouts.items():
+        assert digest == layout.digest, f"rank {r}: describe_layout's digest differs from the model's"
     describe_s = real.describe_s
-    # 2. the plan, identical on every rank: all N descriptions decoded and their union gathered
-    #    (timed whole); plan_union plans tensors independently, and the tensors of one class
+    # 2. the plan: every rank's boxes worked out from the layout (the same on every rank, timed
+    #    once), then each sampled rank's own part of the plan (plan_local, timed on each: the
+    #    mean is charged to every rank). For comparison, the whole plan every rank computed
+    #    before (plan_union): tensors are planned independently, and the tensors of one class
     #    (shape and placement: every layer's q_proj, all three roles) alike, so each class is
-    #    planned once, on one of its tensors, and charged to all of them
-    t = time.process_time()
-    union, plain = gather_union([decode_description(raw) for raw in raws])
-    plan_s = time.process_time() - t
-    plan = ExchangePlan(union, plain, [])  # the blocks' owners are timed by class below
+    #    planned once, on one of its tensors, and charged to all of them; its owners stand in
+    #    for every tensor's of the class in the storage tallies below
+    plan_s, union, plain = local_plan(layout, n)
+    fig.fixed["plan_s"] = plan_s
+    if 0 < layers < model.layers:  # this rank's plan of all L layers, timed (see local_plan)
+        fig.fixed["plan_s"] = local_plan(model_layout(model, model.layers, boxes.mesh), n)[0]
+    whole_s = 0.0
+    plan = ExchangePlan(union, plain, [])
     classes: dict[tuple, list[tuple[str, str]]] = {}
     kinds = {name: kind for name, _shape, kind in tensors}
     for key, (_dtype, shape, _held) in sorted(union.items()):
@@ -596,7 +616,7 @@ def ss_save(
         key = keys[0]
         t = time.process_time()
         planned = plan_union({key: union[key]}, n)
-        plan_s += (time.process_time() - t) * len(keys)
+        whole_s += (time.process_time() - t) * len(keys)
         pieces += sum(1 + len(b.sends) for b in planned) * len(keys)
         owners[cls] = {b.index: b.owner for b in planned}
     # 3. the exchange's stand-ins: would-be block ids (the canonical grid's), registered with their sizes
@@ -621,12 +641,11 @@ def ss_save(
     held = sorted(storage.virtual)
     for keys in written_by.values():
         storage.tally.add(keys[0], Counter(LIST=listing_requests(held, keys)))
-    shared = {(key, box): rs for key, (_d, _s, held) in plan.union.items() for box, rs in held.items() if len(rs) > 1}
-    held_by: dict[int, dict[str, str]] = {}  # what each rank all-gathers in _replicas_agree: label -> BLAKE3 hex
-    for ((name, role), box), rs in shared.items():
-        for r in rs:
-            held_by.setdefault(r, {})[f"{name}\0{role}\0{box}"] = "0" * 64  # the digest stands in (bytes)
-    fp_bytes = gathered(n, [len(msgspec.json.encode(held_by.get(r, {}))) for r in range(n)]) if shared else 0
+    # _replicas_agree: one all-reduce of 8 int64 sums when a non-empty slice has several holders
+    shared = any(
+        len(rs) > 1 and math.prod(box[1]) for _key, (_d, _s, held) in plan.union.items() for box, rs in held.items()
+    )
+    fp_bytes = 64 if shared else 0
     # 4. every rank's shard manifest
     info = ss.CommitInfo(step=STEP, job="scale-sim", profile="fp32", config=model.config(), data_cursor=STEP)
     payload = {key: StoredPayload(make_payload("float32", plan.union[key][1], ids[key]), torch.float32,
@@ -693,16 +712,48 @@ def ss_save(
     assert report.ok, [str(p) for p in report.problems[:3]]
     fig.stored = sum(shard_sizes) + commit_bytes
     fig.stored_rank = sum(shard_sizes) / n
-    desc_total = gathered(n, [len(r) for r in raws])
+    desc_total = gathered(n, [33] * n)  # the layout digests (status byte + 32)
     protocol = 6 * 33 * n  # the commit protocol's five 33-byte all-gathers, and agree_on_commit's on restore
     fig.exchanged_rank = desc_total + fp_bytes + 32 * blocks + protocol + commit_bytes
-    fig.rank_s = mean(describe_s) + plan_s + write_s / n + mean(ack_s)
+    fig.rank_s = mean(describe_s) + write_s / n + mean(ack_s)  # + the plan: run_point adds fixed["plan_s"]
     fig.extra = {
-        "describe_s": mean(describe_s), "plan_s": plan_s, "write_shard_s": write_s / n, "ack_s": mean(ack_s),
+        "describe_s": mean(describe_s), "whole_plan_s": whole_s, "write_shard_s": write_s / n, "ack_s": mean(ack_s),
         "old_ack_s": old_ack_s[0], "verify_s": verify_s, "descriptions": desc_total, "blocks": blocks, "pieces": pieces,
+        "full_descriptions": gathered(n, [max(full_sizes)] * n),
         "commit_bytes": commit_bytes, "shard_max": max(shard_sizes), "s3_objects": objects,
     }  # fmt: skip
     return fig, {"store": store, "storage": storage, "cid": cid, "ids": ids, "labels": labels}
+
+
+def model_layout(model: Llama, layers: int, mesh: Mesh) -> Any:
+    """The layout every rank of ``mesh`` has (``sharded.dtensor.make_layout``; what its ranks'
+    ``describe_layout`` gives: checked on the sampled ranks)."""
+    order = sorted((name, role, shape, kind) for name, shape, kind in model.tensors(layers) for role in ROLES)
+    return make_layout(
+        [(tuple(mesh.shape), tuple(range(mesh.size)))],
+        [
+            (name, role, "float32", shape, 0, placements(kind, model.tp, dp_only=mesh.dp_only))
+            for name, role, shape, kind in order
+        ],
+        [],
+    )
+
+
+def local_plan(layout: Any, n: int) -> tuple[float, Any, Any]:
+    """CPU seconds of one rank's plan (every rank's boxes from ``layout``, ``derive_union``: once,
+    the same on every rank; then ``plan_local``: on each sampled rank, the mean), the union and
+    the plain holders. Its cost is not linear in layers (the tensors of one class, every
+    layer's q_proj, share the work on their slices), and the layout of every layer costs
+    O(classes x N) memory, not O(layers x N): ``ss_save`` times it on the whole model."""
+    t = time.process_time()
+    union, plain = derive_union(layout, n, lambda r: r)
+    derive_s = time.process_time() - t
+    local_s = []
+    for r in samples(n):
+        t = time.process_time()
+        plan_local(union, n, r)
+        local_s.append(time.process_time() - t)
+    return derive_s + mean(local_s), union, plain
 
 
 def rank_rng(rank: int) -> dict[str, bytes]:
@@ -1022,11 +1073,14 @@ def run_point(
     Returns the figures and K (= L when whole). ``requests``: see ``simulate``."""
     per_layer = 9
     if model.layers <= max_layers and n * (3 + per_layer * model.layers) <= budget:
-        return simulate(model, n, model.layers, requests=requests), model.layers
-    k = max(1, min(model.layers, max_layers, (budget // n - 3) // per_layer))
-    boxes = Boxes(model, save_mesh(n, model.tp))  # every rank's parts, shared by both runs
-    zero, some = simulate(model, n, 0, boxes, requests=requests), simulate(model, n, k, boxes, requests=requests)
-    return {s: extrapolate(zero[s], some[s], k, model.layers) for s in zero}, k
+        figs, k = simulate(model, n, model.layers, requests=requests), model.layers
+    else:
+        k = max(1, min(model.layers, max_layers, (budget // n - 3) // per_layer))
+        boxes = Boxes(model, save_mesh(n, model.tp))  # every rank's parts, shared by both runs
+        zero, some = simulate(model, n, 0, boxes, requests=requests), simulate(model, n, k, boxes, requests=requests)
+        figs = {s: extrapolate(zero[s], some[s], k, model.layers) for s in zero}
+    figs["shardstore"].rank_s += figs["shardstore"].fixed["plan_s"]  # the whole model's plan (ss_save)
+    return figs, k
 
 
 def slope(ns: list[int], values: list[float]) -> float:
@@ -1089,13 +1143,13 @@ def tables(points: dict[tuple[str, int], tuple[dict[str, Figures], int]], ns: li
                                for a, _, _ in COLUMNS if a != "stored_rank")  # fmt: skip
             lines.append(f"| {MODELS[key].name} | {system} | {cells} |")
     lines += ["", "**shardstore's save path per rank, split** (CPU s; acknowledging before this branch: load_commit)", "",
-              "| model | N | describe | plan (every rank) | write_shard | acknowledge | acknowledge before | verify --no-deep (one process) | blocks | descriptions all-gathered |",
-              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| model | N | describe | plan (this rank's part) | whole plan (every rank, before) | write_shard | acknowledge | acknowledge before | verify --no-deep (one process) | blocks | layout digests all-gathered | full descriptions (all-gathered before layouts) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for (key, n), (figs, _k) in points.items():
         e = figs["shardstore"].extra
-        lines.append(f"| {MODELS[key].name} | {n} | {secs(e['describe_s'])} | {secs(e['plan_s'])} | "
+        lines.append(f"| {MODELS[key].name} | {n} | {secs(e['describe_s'])} | {secs(figs['shardstore'].fixed['plan_s'])} | {secs(e['whole_plan_s'])} | "
                      f"{secs(e['write_shard_s'])} | {secs(e['ack_s'])} | {secs(e['old_ack_s'])} | {secs(e['verify_s'])} | "
-                     f"{e['blocks']:.0f} | {human(e['descriptions'])} |")  # fmt: skip
+                     f"{e['blocks']:.0f} | {human(e['descriptions'])} | {human(e['full_descriptions'])} |")  # fmt: skip
     lines += ["", "**DCP's save path, split** (CPU s)", "",
               "| model | N | create_local_plan (per rank) | the Metadata broadcast, unpickled (per rank) | create_global_plan + prepare_global_plan | finish (storage_data, pickled for the file and the broadcast) | local plan pickled (per rank) | chunks in Metadata |",
               "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -1135,7 +1189,9 @@ def head(args: argparse.Namespace, loads: tuple[str, str], wall: float, check: s
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     cmd = "python benchmarks/bench_scale_sim.py" + (" --quick" if args.quick else "") + (
         f" --budget {args.budget}" if args.budget != DEFAULT_BUDGET else "") + (
-        f" --max-layers {args.max_layers}" if args.max_layers != 8 else "")  # fmt: skip
+        f" --max-layers {args.max_layers}" if args.max_layers != 8 else "") + (
+        f" --models {args.models}" if args.models != "8B,70B,405B" and not args.quick else "") + (
+        f" --ranks {args.ranks}" if args.ranks else "")  # fmt: skip
     return [
         f"`{cmd}`",
         "",
@@ -1146,7 +1202,7 @@ def head(args: argparse.Namespace, loads: tuple[str, str], wall: float, check: s
         "Times are CPU seconds of the process; per-rank save times are means over ranks 0, N/2+1 and N−1, "
         "restore times over the first and last of the N/2 ranks restored into (dp only); ≈0: a time "
         'extrapolated below zero (noise). "received per rank (save)": shardstore\'s all-gathered '
-        "descriptions, replica fingerprints, block-id table, protocol ids and the commit manifest read back; "
+        "layout digests, the replicas' check sums (an all-reduce), block-id table, protocol ids and the commit manifest read back; "
         "DCP's scattered global plan and the Metadata it broadcasts when the save ends (`_DistWrapper.all_reduce`). \"coordinator receives/reads\": shardstore's shard manifests read by "
         "write_commit (twice: once to build, once to check) and the protocol ids; DCP's gathered local plans "
         "and write results. Rows run on fewer layers than the model has are extrapolated linearly in layers.",
@@ -1271,14 +1327,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only compute a restore by exchange of --models into N/2 ranks (SPEC.md §16.2) and print its table",
     )
-    ap.add_argument("--ranks", default=None, help="with --exchange-restore: the N, comma-separated")
+    ap.add_argument("--ranks", default=None, help="the N, comma-separated (default 64,512,4096,16384)")
     args = ap.parse_args(argv)
     if args.exchange_restore:
         ranks = [int(x) for x in args.ranks.split(",")] if args.ranks else list(RANKS)
         print("\n".join(exchange_table(args.models.split(","), ranks)))
         return 0
     started, loads0 = time.time(), load()
-    ns = [64, 512] if args.quick else list(RANKS)
+    ns = [64, 512] if args.quick else [int(x) for x in args.ranks.split(",")] if args.ranks else list(RANKS)
     keys = ["8B"] if args.quick else args.models.split(",")
     budget = 1 if args.quick else args.budget
     points: dict[tuple[str, int], tuple[dict[str, Figures], int]] = {}
@@ -1288,7 +1344,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.time()
             points[(key, n)] = run_point(MODELS[key], n, budget, 1 if args.quick else args.max_layers)
             print(f"{MODELS[key].name} at {n} ranks: {time.time() - t:.1f} s", file=sys.stderr, flush=True)
-    check = extrapolation_check() if not args.quick else ""
+    check = extrapolation_check() if not args.quick and not args.ranks else ""
     lines = head(args, (loads0, load()), time.time() - started, check) + tables(points, ns) + targets(points, ns)
     text = "\n".join(lines)
     print(text)

@@ -9,13 +9,22 @@ whoever holds its bytes. Saving is a collective over the save's process group:
 
 1. every rank describes the DTensors it holds (name, role, dtype, global shape, the boxes
    of the global tensor its local tensor holds: one for Shard/Replicate layouts, maybe
-   several for strided ones, ``placement.py``) and all ranks exchange the descriptions
-   (msgspec JSON in uint8 tensors; nothing is pickled);
+   several for strided ones, ``placement.py``). The ranks first all-gather a 32-byte digest
+   of their **layout** (each DTensor's name, role, dtype, global shape, mesh and
+   placements; each plain tensor's name, dtype and shape: ``describe_layout``); when every
+   digest is the same, each rank works out every rank's boxes from its own DTensors'
+   meshes and placements (``derive_union``), so no description crosses the network (O(N)
+   bytes a rank, not O(N x tensors)). Otherwise the ranks all-gather the full descriptions
+   (msgspec JSON in uint8 tensors; nothing is pickled), and the errors naming ranks come
+   from them;
 2. from the union, every rank computes the same plan: the distinct slices must tile each
    tensor exactly; each block is owned by one rank of the slice holding most of it
    (replicas of a slice take turns, so a replicated tensor is written once, split among
    its replicas); every other slice the block overlaps sends its piece to the owner,
-   point to point, from one of its replicas, so each byte crosses the network once;
+   point to point, from one of its replicas, so each byte crosses the network once. Each
+   rank works out only its part of that plan (``plan_local``: the blocks it owns, the
+   pieces it sends), from the blocks its own slices overlap; ``plan_union`` is the whole
+   plan, the reference it is tested against;
 3. ``exchange.py`` carries the plan out in batches of at most ``BATCH_BYTES``: the owner
    hashes and writes each block (a block inside its own slice is a view of it, no copy),
    staging the rest in one reused arena;
@@ -48,8 +57,8 @@ from ..state.slot import SlotState
 from ..store import Store
 from ..store.tensors import WRITE_THREADS
 from .agreement import check_agreement, coverage_problem
-from .exchange import BATCH_BYTES, ExchangeStats, Local, PlannedBlock, last_exchange, run_plan
-from .placement import local_parts
+from .exchange import BATCH_BYTES, NOT_MINE, ExchangeStats, Local, PlannedBlock, last_exchange, run_plan
+from .placement import local_parts, mesh_parts, placement_key
 
 __all__ = [
     "BATCH_BYTES",
@@ -63,11 +72,17 @@ __all__ = [
     "describe",
     "encode_description",
     "decode_description",
+    "Layout",
+    "describe_layout",
+    "make_layout",
+    "layouts_agree",
+    "derive_union",
     "PlannedBlock",
     "ExchangePlan",
     "SliceUnion",
     "gather_union",
     "plan_union",
+    "plan_local",
     "plan_exchange",
     "write_dtensors",
     "entry_slot",
@@ -255,15 +270,115 @@ SliceUnion = dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[in
 
 
 @dataclass(frozen=True)
+class Layout:
+    """What a rank's tensors are, without its boxes (step 1's digest; SPEC.md §Block exchange):
+    enough for any rank to work out every rank's boxes when all ranks' layouts are the same."""
+
+    digest: bytes
+    """BLAKE3 of the JSON ``[meshes, tensors, plain]`` below (placements as ``placement_key``)."""
+    meshes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    """Each distinct mesh: (its shape, its global ranks in C order)."""
+    tensors: list[tuple[str, str, str, tuple[int, ...], int, tuple[Any, ...]]]
+    """(name, role, dtype, global shape, mesh index, placements) of each DTensor, in description order."""
+    plain: list[tuple[str, str, tuple[int, ...]]]
+    """(name, dtype, shape) of each plain tensor."""
+
+
+def describe_layout(state: SlotState) -> Layout:
+    """This rank's layout: every DTensor's name, role, dtype, global shape, mesh and placements,
+    and every plain tensor's name, dtype and shape, in ``describe``'s order, and its digest."""
+    meshes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    index: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    tensors = []
+    for n, role, t in _items_of(state):
+        mesh = t.device_mesh  # type: ignore[attr-defined]
+        m = (tuple(int(d) for d in mesh.shape), tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()))
+        if m not in index:
+            index[m] = len(meshes)
+            meshes.append(m)
+        shape = tuple(int(d) for d in t.shape)
+        tensors.append((n, role, dtype_name(t.dtype, n), shape, index[m], tuple(t.placements)))  # type: ignore[attr-defined]
+    plain = [
+        (n, dtype_name(t.dtype, n), tuple(int(d) for d in t.shape))
+        for n, t in sorted(state.tensors.items())
+        if not is_dtensor(t)
+    ]
+    return make_layout(meshes, tensors, plain)
+
+
+def make_layout(
+    meshes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    tensors: list[tuple[str, str, str, tuple[int, ...], int, tuple[Any, ...]]],
+    plain: list[tuple[str, str, tuple[int, ...]]],
+) -> Layout:
+    """A ``Layout`` of these meshes, DTensors and plain tensors (``Layout``'s fields), with its digest."""
+    doc = [
+        [[list(sh), list(rs)] for sh, rs in meshes],
+        [[n, role, dt, list(sh), mi, [list(placement_key(p)) for p in pl]] for n, role, dt, sh, mi, pl in tensors],
+        [[n, dt, list(sh)] for n, dt, sh in plain],
+    ]
+    h = new_hasher()
+    h.update(msgspec.json.encode(doc))
+    return Layout(h.digest(), meshes, tensors, plain)
+
+
+def layouts_agree(gathered: Sequence[bytes]) -> bool:
+    """Whether every rank sent the same layout digest (status byte 0, then 32 bytes)."""
+    return all(len(raw) == 33 and raw == gathered[0] for raw in gathered)
+
+
+def derive_union(layout: Layout, world: int, g: Callable[[int], int]) -> tuple[SliceUnion, dict[str, list[int]]]:
+    """``gather_union``'s union and plain holders, worked out from this rank's ``layout`` when
+    every rank of the group (``world`` ranks; ``g``: group rank -> global rank) has the same
+    one: rank r's boxes of each DTensor are ``mesh_parts`` at r's coordinate in its mesh, boxes
+    listed in the same order and ranks in the same order as from the descriptions. The boxes
+    of one (shape, mesh, placements) are worked out once and shared by its tensors."""
+    coords: list[list[tuple[int, ...] | None]] = []
+    for shape, ranks in layout.meshes:
+        at = {r: k for k, r in enumerate(ranks)}
+        of_rank: list[tuple[int, ...] | None] = []
+        for r in range(world):
+            k = at.get(g(r))
+            if k is None:  # a rank not in the mesh holds none of its tensors
+                of_rank.append(None)
+                continue
+            c = []
+            for d in reversed(shape):
+                c.append(k % d)
+                k //= d
+            of_rank.append(tuple(reversed(c)))
+        coords.append(of_rank)
+    union: SliceUnion = {}
+    classes: dict[tuple, dict[Box, list[int]]] = {}
+    for n, role, dtype, shape, mi, placements in layout.tensors:
+        cls = (shape, mi, tuple(placement_key(p) for p in placements))
+        held = classes.get(cls)
+        if held is None:
+            held = classes[cls] = {}
+            mesh_shape = layout.meshes[mi][0]
+            for r, c in enumerate(coords[mi]):
+                if c is None:
+                    continue
+                _, parts = mesh_parts(shape, mesh_shape, c, placements, f"{role} of tensor {n!r}", check=False)
+                for box, _ in parts:
+                    held.setdefault(box, []).append(r)
+        union.setdefault((n, role), (dtype, shape, held))
+    plain = {n: list(range(world)) for n, _dt, _sh in layout.plain}
+    return union, plain
+
+
+@dataclass(frozen=True)
 class ExchangePlan:
-    """What every rank computes alike from all ranks' descriptions (SPEC.md §Block exchange, step 2)."""
+    """What every rank computes from all ranks' descriptions or the layout (SPEC.md §Block exchange, step 2)."""
 
     union: SliceUnion
     """(name, role) -> (dtype, global shape, {box: the ranks holding it})."""
     plain: dict[str, list[int]]
     """A plain tensor's name -> the ranks holding it whole."""
     blocks: list[PlannedBlock]
-    """Every canonical block of every DTensor, in (name, role) then block order."""
+    """Every canonical block of every DTensor, in (name, role) then block order: all planned
+    (``plan_union``, the same on every rank), or one rank's (``plan_local``: the blocks it has no
+    part in with owner ``NOT_MINE``)."""
 
     def recorders(self) -> dict[str, int]:
         """The slot whose shard manifest records each sharded parameter's entry (step 4)."""
@@ -307,6 +422,128 @@ def plan_union(union: SliceUnion, world: int) -> list[PlannedBlock]:
     return blocks
 
 
+@dataclass
+class _Skeleton:
+    """What the plans of the tensors of one class (the same slices, dtype and shape: every layer's
+    q_proj, each role) share, worked out once: each block's pieces (the slices it overlaps) and
+    tied slices, and for each slice the blocks it is a piece of, numbered. Only the rotation
+    (a hash of name and role) differs between their plans."""
+
+    regions: list[tuple[Box, list[int]]]
+    boxes: list[Box]
+    pieces: list[list[tuple[int, Box]]]  # per block: (slice index, common box), as plan_blocks lists them
+    tied: list[list[int]]  # per block: the slices holding most of it
+    turn_of: list[dict[int, int]]  # per slice: block index -> how many earlier blocks it is a piece of
+    simple: bool  # no rank holds two slices of it that hold elements, and every block has a piece (or is the only one)
+    of_rank: dict[int, list[int]]  # rank -> the slices it holds that hold elements
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def of(regions: list[tuple[Box, list[int]]], dtype: str, shape: tuple[int, ...]) -> _Skeleton:
+        boxes = grid(dtype, shape)
+        near = slices_near(regions, len(shape))
+        pieces, tied = [], []
+        turn_of: list[dict[int, int]] = [{} for _ in regions]
+        for bi, box in enumerate(boxes):
+            ps = [(ri, c) for ri in near(box) if (c := intersect(box, regions[ri][0])) is not None]
+            pieces.append(ps)
+            most = max((math.prod(c[1]) for _, c in ps), default=0)
+            tied.append([ri for ri, c in ps if math.prod(c[1]) == most])
+            for ri, _ in ps:
+                turn_of[ri][bi] = len(turn_of[ri])
+        of_rank: dict[int, list[int]] = {}
+        for ri, (box, ranks) in enumerate(regions):
+            if math.prod(box[1]):
+                for r in ranks:
+                    of_rank.setdefault(r, []).append(ri)
+        simple = all(len(v) == 1 for v in of_rank.values()) and (len(boxes) == 1 or all(pieces))
+        return _Skeleton(regions, boxes, pieces, tied, turn_of, simple, of_rank, tuple(shape))
+
+    def planned(self, key: tuple[str, str], dtype: str, rank: int) -> list[PlannedBlock]:
+        """``plan_blocks``' plan of tensor ``key`` as ``rank`` needs it: every block; those it
+        owns with their pieces, those it sends a piece of with their owner and its own pieces,
+        the others with neither."""
+        n, role = key
+        if not self.simple:  # a rank holding several slices of it: the whole plan, filtered
+            full = plan_blocks(f"{n}\0{role}", dtype, self.shape, self.regions)
+            return [
+                _as_seen_by(rank, PlannedBlock(key, bi, box, o, sends, dtype))
+                for bi, (box, o, sends) in enumerate(full)
+            ]
+        turn = zlib.crc32(f"{n}\0{role}".encode())
+        regions, turn_of = self.regions, self.turn_of
+        held = self.of_rank.get(rank, [])
+        mine = {bi for ri in held for bi in turn_of[ri]}
+        out = []
+        for bi, box in enumerate(self.boxes):
+            ps = self.pieces[bi]
+            if not ps:  # an empty tensor's one block, written by a holder of the first slice
+                owner = regions[0][1][turn % len(regions[0][1])]
+                out.append(PlannedBlock(key, bi, box, owner if owner == rank else NOT_MINE, [], dtype))
+                continue
+            if bi not in mine:  # none of its pieces is this rank's: neither owner nor source
+                out.append(PlannedBlock(key, bi, box, NOT_MINE, [], dtype))
+                continue
+            # plan_blocks' rule: each slice takes its turn once for every block it is a piece of
+            # (as owner or as source: a rank holding one slice is never both), so a slice's
+            # replica for block bi is the one at its count of earlier blocks, from the rotation
+            tied = self.tied[bi]
+            best = tied[(turn + bi) % len(tied)]
+            holders = regions[best][1]
+            owner = holders[(turn + turn_of[best][bi]) % len(holders)]
+            if owner == rank:  # every piece, from the replica whose turn it is
+                sends = [
+                    (regions[ri][1][(turn + turn_of[ri][bi]) % len(regions[ri][1])], c) for ri, c in ps if ri != best
+                ]
+                out.append(PlannedBlock(key, bi, box, owner, sends, dtype))
+                continue
+            own = [
+                (rank, c)
+                for ri in held
+                if ri != best
+                and bi in turn_of[ri]
+                and regions[ri][1][(turn + turn_of[ri][bi]) % len(regions[ri][1])] == rank
+                and (c := intersect(box, regions[ri][0])) is not None
+            ]
+            out.append(PlannedBlock(key, bi, box, owner if own else NOT_MINE, own, dtype))
+        return out
+
+
+def _as_seen_by(rank: int, b: PlannedBlock) -> PlannedBlock:
+    """A block of the whole plan as ``rank``'s plan lists it: whole if it owns it; with its
+    own pieces if it sends some; else with owner ``NOT_MINE`` and no pieces."""
+    if b.owner == rank:
+        return b
+    own = [(src, c) for src, c in b.sends if src == rank]
+    return replace(b, sends=own) if own else replace(b, owner=NOT_MINE, sends=[])
+
+
+def plan_local(union: SliceUnion, world: int, rank: int) -> list[PlannedBlock]:
+    """Step 2, second half, as one rank needs it: ``plan_union``'s blocks, in its order and with
+    its errors, each as ``_as_seen_by(rank, ...)`` lists it: the blocks ``rank`` owns with all
+    their pieces, those it sends a piece of with their owner and its own pieces, the others
+    with owner ``NOT_MINE`` and no pieces (their sizes still batch the exchange alike on every
+    rank, and their ids come back in the all-reduce). The slices of tensors
+    that share one slice table (``derive_union`` shares it over a class) are checked and
+    intersected with the grid once, and each such tensor's plan costs about its blocks plus
+    the pieces of this rank's blocks, not every piece of every block."""
+    blocks: list[PlannedBlock] = []
+    regions_of: dict[tuple[int, tuple[int, ...]], list[tuple[Box, list[int]]]] = {}
+    skeletons: dict[tuple[int, tuple[int, ...], str], _Skeleton] = {}
+    for (n, role), (dtype, shape, held) in sorted(union.items()):
+        regions = regions_of.get((id(held), shape))
+        if regions is None:
+            try:
+                regions = regions_of[(id(held), shape)] = slice_regions(n, dtype, shape, held)
+            except TensorMismatch as e:
+                raise TensorMismatch(coverage_problem(n, role, dtype, shape, held, world, str(e))) from None
+        sk = skeletons.get((id(held), shape, dtype))
+        if sk is None:
+            sk = skeletons[(id(held), shape, dtype)] = _Skeleton.of(regions, dtype, shape)
+        blocks += sk.planned((n, role), dtype, rank)
+    return blocks
+
+
 def plan_exchange(peers: Sequence[Sequence[Described]]) -> ExchangePlan:
     """Step 2: the plan from every rank's descriptions (``gather_union``, then ``plan_union``).
     The same on every rank, and so are its errors."""
@@ -337,7 +574,8 @@ def write_dtensors(
         if failure is not None:
             raise failure
         locals_, desc = describe(state)
-        raw = encode_description(desc)
+        layout = describe_layout(state)
+        raw = b"\x00" + layout.digest
     except Exception as e:  # noqa: BLE001 - still take part in the exchange, so every rank raises, none waits
         failure, raw = e, b"\x01" + f"{type(e).__name__}: {e}".encode()
     gathered = all_gather_bytes(raw, group)
@@ -346,9 +584,13 @@ def write_dtensors(
         raise failure
     if failed:  # a peer's failure fails the commit (the protocol phase names that rank); no exchange
         return _restate(state, {}, set())
-    plan = plan_exchange([decode_description(g) for g in gathered])
-    union = plan.union
     g = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    if layouts_agree(gathered):  # one layout everywhere: every rank's boxes worked out here
+        union, plain = derive_union(layout, len(gathered), g)
+    else:  # the full descriptions, whose union names the ranks on each side of a disagreement
+        peers = [decode_description(d) for d in all_gather_bytes(encode_description(desc), group)]
+        union, plain = gather_union(peers)
+    plan = ExchangePlan(union, plain, plan_local(union, len(gathered), rank))  # this rank's blocks planned
     _replicas_agree(locals_, union, rank, group)
     replicated = {n: rs for n, rs in plan.plain.items() if len(rs) > 1}
     drop = _replicated_plain(state, replicated, rank, group)
@@ -435,6 +677,25 @@ def _fingerprint(state: SlotState, name: str) -> str:
     return h.hexdigest()
 
 
+#: The prime the replicas' check sums over (2^31 - 1): eight words of a slice's hash, each a
+#: residue, so a sum over every rank's slices fits an int64 without wrapping.
+_CHECK_PRIME = (1 << 31) - 1
+_CHECK_WORDS = 8
+
+
+def _check_words(label: str, digest: bytes) -> list[int]:
+    """Eight residues modulo ``_CHECK_PRIME`` of BLAKE3(label, the slice's BLAKE3 digest)."""
+    h = new_hasher()
+    h.update(label.encode())
+    h.update(digest)
+    raw = h.digest()
+    return [int.from_bytes(raw[4 * i : 4 * i + 4], "little") % _CHECK_PRIME for i in range(_CHECK_WORDS)]
+
+
+def _shared_label(key: tuple[str, str], box: Box) -> str:
+    return f"{key[0]}\0{key[1]}\0{box}"
+
+
 def _replicas_agree(
     locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]],
     union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]],
@@ -445,21 +706,43 @@ def _replicas_agree(
     several meshes) is written once, split among its holders: they must hold the same bytes,
     else the commit would hold a tensor no rank held. Each holder hashes its copy; on a
     disagreement every rank raises TensorMismatch naming tensor, box and ranks (SPEC.md §Block
-    exchange). Boxes held by one rank (FSDP2, tensor parallelism) cost nothing here."""
-    shared = {(key, box): rs for key, (_d, _s, held) in union.items() for box, rs in held.items() if len(rs) > 1}
+    exchange). Boxes held by one rank (FSDP2, tensor parallelism) cost nothing here, and so do
+    empty boxes (thousands of ranks may hold the same empty slice: nothing to disagree on).
+
+    The holders agree when one sum is zero: for each shared box with holders ``rs``, the first
+    holder adds ``(len(rs) - 1) * H`` and every other holder ``-H`` of the words ``H`` of its
+    copy's hash, modulo ``_CHECK_PRIME`` (eight words; one int64 all-reduce of 64 bytes, whatever
+    the number of ranks and slices). Equal copies cancel exactly; a copy that differs leaves a
+    non-zero sum except with probability about 2^-248. Only then are the holders' hashes
+    all-gathered, to name the slice and its ranks."""
+    shared = {
+        (key, box): rs
+        for key, (_d, _s, held) in union.items()
+        for box, rs in held.items()
+        if len(rs) > 1 and math.prod(box[1]) > 0
+    }
     if not shared:  # the same answer on every rank: the union is
         return
-    mine = {}
+    mine: dict[str, str] = {}
+    total = [0] * _CHECK_WORDS
     for (key, box), rs in shared.items():
         if rank in rs:
             local, parts = locals_[key]
             origin = next(o for b, o in parts if b == box)
             h = new_hasher()
             h.update(tensor_bytes(local[box_slices(box, origin)].contiguous()))
-            mine[f"{key[0]}\0{key[1]}\0{box}"] = h.hexdigest()
+            digest = h.digest()
+            label = _shared_label(key, box)
+            mine[label] = digest.hex()
+            weight = len(rs) - 1 if rank == rs[0] else _CHECK_PRIME - 1
+            total = [(t + weight * w) % _CHECK_PRIME for t, w in zip(total, _check_words(label, digest))]
+    sums = torch.tensor(total, dtype=torch.int64)
+    dist.all_reduce(sums, group=group)
+    if all(int(v) % _CHECK_PRIME == 0 for v in sums.tolist()):  # the same answer on every rank: the sum is
+        return
     got = [_FINGERPRINTS.decode(raw) for raw in all_gather_bytes(msgspec.json.encode(mine), group)]
     for ((n, role), box), rs in sorted(shared.items()):
-        label = f"{n}\0{role}\0{box}"
+        label = _shared_label((n, role), box)
         if len({got[r].get(label) for r in rs}) != 1:
             raise TensorMismatch(
                 f"{role} of tensor {n!r}: ranks {rs} hold its slice at {list(box[0])} of extent {list(box[1])} with "

@@ -1,7 +1,8 @@
 """The block exchange: running a save's block plan, batch by batch (SPEC.md §Block exchange).
 
-``dtensor.write_dtensors`` computes, on every rank alike, a plan: for each canonical block
-its owner and the pieces other ranks send it. This module carries the plan out. Blocks
+``dtensor.write_dtensors`` computes a plan: for each canonical block its owner and the
+pieces other ranks send it, each rank only its own part (the blocks it owns, the pieces it
+sends, every block's size). This module carries the plan out. Blocks
 are taken in batches of at most ``BATCH_BYTES``; in each batch every rank
 
 1. works out what it must stage: a block it owns that is not one contiguous box of its
@@ -39,7 +40,7 @@ from ..format.tensors import expected_nbytes, torch_dtype
 from ..store import Store
 from ..store.tensors import WriteBatch
 
-__all__ = ["BATCH_BYTES", "ExchangeStats", "Local", "PlannedBlock", "last_exchange", "run_plan"]
+__all__ = ["BATCH_BYTES", "NOT_MINE", "ExchangeStats", "Local", "PlannedBlock", "last_exchange", "run_plan"]
 
 #: Most bytes of blocks one batch of the exchange assembles (a rank stages at most twice
 #: this beyond its own slices while saving).
@@ -51,9 +52,15 @@ _ALIGN = 64  # each staged buffer starts on a 64-byte boundary of the arena (any
 Local = tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]
 
 
+#: The owner of a block in a rank's plan that the rank neither owns nor sends a piece of
+#: (``dtensor.plan_local``: its owner and pieces are not worked out there).
+NOT_MINE = -1
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedBlock:
-    """One canonical block of the plan, the same on every rank (``dtensor.plan_union``)."""
+    """One canonical block of the plan (``dtensor.plan_union``; ``dtensor.plan_local``: as one
+    rank needs it, the blocks it has no part in with owner ``NOT_MINE`` and no pieces)."""
 
     key: tuple[str, str]  # (tensor name, role)
     index: int  # the block's index on its tensor's grid
@@ -263,7 +270,11 @@ class _Exchange:
         owned: list[_Owned] = []
         sending: list[_Send] = []
         need = 0
-        tag = 0  # the same count on every rank: every rank walks the same plans and sends in order
+        # tags: a count per pair of ranks, in plan order (block, then piece): the source numbers the
+        # pieces it sends to each owner, the owner those it takes from each source, alike; so a rank
+        # needs no other rank's pieces (a plan_local plan lists only its own blocks' pieces)
+        sent: dict[int, int] = {}
+        taken: dict[int, int] = {}
         rank = self.rank
         for k, b in enumerate(batch, start=first):
             dtype = torch_dtype(b.dtype)
@@ -279,10 +290,10 @@ class _Exchange:
                     need += _round(math.prod(b.box[1]) * item)
                 arriving = []
                 for src, piece in b.sends:
-                    tag += 1
                     if src == rank:  # a slice the owner holds too: copied from its own parts
                         continue
-                    arriving.append((tag - 1, src, piece))
+                    taken[src] = taken.get(src, 0) + 1
+                    arriving.append((taken[src], src, piece))
                     if not _contiguous_in(b.box[1], piece):
                         need += _round(math.prod(piece[1]) * item)
                 covered = sum(math.prod(c[1]) for c, _ in own) + sum(math.prod(p[1]) for _, _, p in arriving)
@@ -290,14 +301,14 @@ class _Exchange:
                 owned.append(_Owned(k, b.box, dtype, local, view, arriving))
             else:
                 for src, piece in b.sends:
-                    tag += 1
                     if src != rank:
                         continue
+                    sent[b.owner] = sent.get(b.owner, 0) + 1
                     lt, parts = self.locals_[b.key]
                     view = lt[box_slices(piece, _origin_of(parts, piece))]
                     if not view.is_contiguous():
                         need += _round(view.numel() * item)
-                    sending.append(_Send(tag - 1, b.owner, view))
+                    sending.append(_Send(sent[b.owner], b.owner, view))
         self.arena.reset(need)
         return owned, sending, need
 

@@ -36,7 +36,17 @@ import torch
 from ..errors import TensorMismatch
 from ..format.tensors import is_dtensor
 
-__all__ = ["MAX_PARTS", "Part", "dim_indices", "index_runs", "parts_of", "mesh_parts", "local_parts", "part_views"]
+__all__ = [
+    "MAX_PARTS",
+    "Part",
+    "dim_indices",
+    "index_runs",
+    "parts_of",
+    "mesh_parts",
+    "local_parts",
+    "part_views",
+    "placement_key",
+]
 
 #: Most parts one rank's local tensor of one tensor may be cut into (a placement that
 #: fragments it further is refused rather than planned block by block).
@@ -60,6 +70,20 @@ def _kind(p: Any) -> str:
     if type(p) is Replicate:
         return "replicate"
     return "other"
+
+
+def placement_key(p: Any) -> tuple[Any, ...]:
+    """A placement as plain values, what its split depends on: ``("shard", dim)``,
+    ``("strided", dim, split_factor)`` or ``("replicate",)``; ``("other", repr)`` for a placement
+    that is not supported (``dim_indices`` refuses it)."""
+    kind = _kind(p)
+    if kind == "shard":
+        return (kind, int(p.dim))
+    if kind == "strided":
+        return (kind, int(p.dim), int(p.split_factor))
+    if kind == "replicate":
+        return (kind,)
+    return (kind, repr(p))
 
 
 def dim_indices(

@@ -105,6 +105,30 @@ def _body(rank: int, world: int, root: str) -> dict:
         result["disagreeing_replicas"] = sorted(set(back["rep"].tolist()))
     except ss.ShardstoreError as e:
         result["disagreeing_replicas"] = f"{type(e).__name__}: {e}"
+    # replicas that agree and an empty slice two ranks hold (rows 1.. of a 1-row tensor): the
+    # replicas are compared by one 64-byte all-reduce, with no all-gather of their hashes
+    import shardstore.sharded.dtensor as sdt
+
+    sent: list[int] = []
+    real_gather = sdt.all_gather_bytes
+
+    def counting(raw, group):
+        sent.append(len(raw))
+        return real_gather(raw, group)
+
+    agree = {
+        "rep": distribute_tensor(torch.arange(1048577.0), mesh, [Replicate()]),
+        "row": distribute_tensor(torch.ones(1, 4), mesh, [Shard(0)]),
+    }
+    sdt.all_gather_bytes = counting
+    try:
+        cid = ss.save_distributed(store, agree, info=info, rng=False, ref=None, parent=None)
+    finally:
+        sdt.all_gather_bytes = real_gather
+    back = {"rep": torch.empty(1048577), "row": torch.empty(1, 4)}
+    ss.restore(store, cid, back)
+    result["agreeing_equal"] = torch.equal(back["rep"], torch.arange(1048577.0)) and bool((back["row"] == 1).all())
+    result["agreeing_gathers"] = sent
     # two tensors of one name, each a DTensor on a 1-rank mesh of its own (ranks 0 and 1)
     alone = [dist.new_group([0]), dist.new_group([1])]
     named = {}
@@ -233,6 +257,17 @@ def test_a_storage_failure_on_one_rank_fails_every_rank_naming_it(group_run):
         assert r["tmp_left"] == [], r["tmp_left"]
     assert "fsync failed on rank 1" in results[1]["failing_fsync"]
     assert results[1]["batches"] > 1  # rank 1 wrote blocks in several batches before its fsync failed
+
+
+def test_replicas_that_agree_are_compared_without_gathering_their_hashes(group_run):
+    """Agreeing replicas (a Replicate DTensor) and an empty slice two ranks hold: before, every
+    holder's hash of every shared slice, empty ones included, was all-gathered to every rank
+    (a second all-gather in the save); now one 64-byte all-reduce of sums that cancel settles
+    it, and the hashes are gathered only when it does not (the case below)."""
+    _, results = group_run
+    for r in results:
+        assert r["agreeing_equal"]
+        assert len(r["agreeing_gathers"]) == 1, r["agreeing_gathers"]  # the descriptions' only
 
 
 def test_dtensor_replicas_that_disagree_are_refused(group_run):

@@ -86,6 +86,28 @@ def _model_checks(rank: int, store: ss.Store, mesh, pair, async_group) -> dict:
     out["placements"] = {n: str(p.placements) for n, p in m.named_parameters()}
     c = ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref="main", parent=None)
     out["c2d"] = c
+    # what the save all-gathers: one layout digest a rank (status byte + 32), nothing else; and the
+    # same state through the full descriptions' path and the whole plan on every rank (the
+    # algorithm before layouts and local plans: every rank's boxes all-gathered, every block
+    # planned by plan_union) is the same commit
+    sent: list[int] = []
+    gather, agree, local = sdt.all_gather_bytes, sdt.layouts_agree, sdt.plan_local
+
+    def counting(raw, group):
+        sent.append(len(raw))
+        return gather(raw, group)
+
+    sdt.all_gather_bytes = counting
+    try:
+        out["by_layout"] = ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref=None, parent=None)
+        out["gathered_by_layout"] = list(sent)
+        sent.clear()
+        sdt.layouts_agree = lambda gathered: False
+        sdt.plan_local = lambda union, world, rank: sdt.plan_union(union, world)
+        out["by_descriptions"] = ss.save_distributed(store, m, opt, info=_info(2), rng=False, ref=None, parent=None)
+        out["gathered_by_descriptions"] = list(sent)
+    finally:
+        sdt.all_gather_bytes, sdt.layouts_agree, sdt.plan_local = gather, agree, local
     saver = ss.AsyncSaver(store)  # the same state, snapshot (local tensors re-wrapped), saved in the background
     saver.save_distributed(m, opt, info=_info(2), group=async_group, rng=False, ref=None, parent=None)
     out["async"] = saver.close()
@@ -281,6 +303,11 @@ def test_fsdp2_on_tensor_parallel_restores_into_any_mesh_bitwise(runs):
     assert model[0]["placements"]["fc2.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert len({m["c2d"] for m in model}) == 1
     assert all(m["async"] == m["c2d"] for m in model)  # AsyncSaver.save_distributed: the same commit
+    # the layout's digest alone crosses the network (33 bytes; the replicated fc2.bias is compared
+    # by an all-reduce), and the plan from it is the descriptions' plan: the same commit
+    assert all(m["by_layout"] == m["by_descriptions"] == m["c2d"] for m in model)
+    assert all(m["gathered_by_layout"] == [33] for m in model), [m["gathered_by_layout"] for m in model]
+    assert all(m["gathered_by_descriptions"][0] == 33 and m["gathered_by_descriptions"][1] > 1000 for m in model)
     assert all(m["plain_equal"] for m in model)  # (c) a plain model on every rank
     assert all(m["same_mesh_equal"] for m in model)  # (a) the same 2-D mesh, local tensor by local tensor
     assert all(m["same_mesh_resave"] == m["c2d"] for m in model)  # ... and saving it again is the same commit
