@@ -526,6 +526,8 @@ class _TmpWrite:
             raise self.storage._io("write", self.key, e) from None
 
     def restart(self) -> None:
+        if self.size == 0:
+            return  # nothing written yet (the first attempt): no system call
         try:
             os.ftruncate(self.fd, 0)
             os.lseek(self.fd, 0, os.SEEK_SET)
