@@ -1,6 +1,7 @@
 """Upload and download throughput of a commit through the S3 backend, against plain s3fs.
 
-Not a test. Starts a moto S3 server on 127.0.0.1 (the same server the tests use), saves
+Not a test. Starts a moto S3 server on 127.0.0.1 (the same server the tests use) in a process
+of its own (``_moto_process``), saves
 one commit of float32 tensors (a mix of 1, 4 and 16 MiB tensors; the 16 MiB ones are
 stored as 4 MiB blocks, SPEC.md §5.1) to a local store, then measures, on the same bytes
 and in the same run:
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import logging
 import os
 import platform
 import shutil
@@ -56,6 +56,7 @@ from typing import Any
 
 import s3fs
 import torch
+from _moto_process import MotoProcess
 
 import shardstore as ss
 from shardstore.ops.transfer import copy_commit
@@ -81,8 +82,9 @@ def make_state(total_mib: int) -> dict[str, torch.Tensor]:
 class Requests:
     """HTTP requests a botocore client sends, by operation (its ``before-send`` event: one per attempt)."""
 
-    def __init__(self) -> None:
+    def __init__(self, server: MotoProcess) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
+        self.server = server
 
     def attach(self, client: Any) -> None:
         client.meta.events.register("before-send.s3", self._count)
@@ -91,13 +93,17 @@ class Requests:
         op = str(kwargs.get("event_name", "")).rsplit(".", 1)[-1]
         self.counts[op] += 1
 
-    def during(self, fn: Callable[[], None]) -> tuple[float, float, collections.Counter[str]]:
-        """(seconds, CPU seconds of this whole process: both clients' threads and the server's, requests)."""
+    def during(self, fn: Callable[[], None]) -> tuple[float, float, float, collections.Counter[str], int]:
+        """(seconds, CPU seconds of this client process (the side's threads; the other side is
+        idle), CPU seconds of the server process, requests sent, requests the server answered)."""
         before = collections.Counter(self.counts)
+        server_cpu, server_seen = self.server.stat()
         t, c = time.perf_counter(), time.process_time()
         fn()
         took, cpu = time.perf_counter() - t, time.process_time() - c
-        return took, cpu, self.counts - before
+        server_cpu_after, server_seen_after = self.server.stat()
+        answered = sum((server_seen_after - server_seen).values())
+        return took, cpu, server_cpu_after - server_cpu, self.counts - before, answered
 
 
 def _client(fs: Any) -> Any:
@@ -112,8 +118,11 @@ def _load() -> str:
     return f"{one:.2f}/{five:.2f}"
 
 
-def _show(counts: collections.Counter[str]) -> str:
-    return f"{sum(counts.values())} (" + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ")"
+def _show(counts: collections.Counter[str], answered: int) -> str:
+    """Requests a client sent, by operation, and how many the server answered meanwhile."""
+    sent = sum(counts.values())
+    seen = "" if answered == sent else f"; the server answered {answered}"
+    return f"{sent} (" + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + seen + ")"
 
 
 def main() -> None:
@@ -124,20 +133,17 @@ def main() -> None:
     ap.add_argument("--results", help="write the table into this RESULTS.md (its bench_s3 block)")
     args = ap.parse_args()
 
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = MotoProcess()  # the same server for both sides, in a process of its own
     work = tempfile.mkdtemp(prefix="bench-s3-")
     load_before = _load()
     times: dict[str, list[float]] = collections.defaultdict(list)
     cpus: dict[str, list[float]] = collections.defaultdict(list)
+    server_cpus: dict[str, list[float]] = collections.defaultdict(list)
     requests: dict[str, collections.Counter[str]] = {}
+    answered: dict[str, int] = {}
     try:
-        host, port = server.get_host_and_port()
         opts: dict[str, Any] = {
-            "endpoint_url": f"http://{host}:{port}",
+            "endpoint_url": server.endpoint,
             "key": "bench",
             "secret": "bench",
             "client_kwargs": {"region_name": "us-east-1"},
@@ -145,7 +151,7 @@ def main() -> None:
         ss_opts = {**opts, "concurrency": args.threads}
         fs = s3fs.S3FileSystem(**opts)
         fs.call_s3("create_bucket", Bucket=BUCKET)
-        fs_count, ss_count = Requests(), Requests()
+        fs_count, ss_count = Requests(server), Requests(server)
         fs_count.attach(_client(fs))
 
         local = ss.open_store(os.path.join(work, "src"))
@@ -220,10 +226,12 @@ def main() -> None:
             peer = sides[1][0]
             for i in range(args.repeat):
                 for who, counter, fn in sides if i % 2 == 0 else sides[::-1]:
-                    took, cpu, sent = counter.during(fn)
+                    took, cpu, server_cpu, sent, seen = counter.during(fn)
                     times[f"{op} {who} vs {peer}"].append(took)
                     cpus[f"{op} {who} vs {peer}"].append(cpu)
+                    server_cpus[f"{op} {who} vs {peer}"].append(server_cpu)
                     requests[f"{op} {who}"] = sent
+                    answered[f"{op} {who}"] = seen
                 drop_copies()
 
         # not timed: the round trip is whole (every object re-hashed from a fresh local copy)
@@ -237,41 +245,51 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     mb = nbytes / 1e6
+    server_pid = server.pid
     lines = [
         f"`python benchmarks/bench_s3.py --mib {args.mib} --repeat {args.repeat} --threads {args.threads}`",
         "",
         f"commit {_commit()}; {n_objects} objects, {nbytes / MiB:.1f} MiB; moto {_version('moto')} on 127.0.0.1 "
-        f"(in process), s3fs {s3fs.__version__}, aiobotocore {_version('aiobotocore')}, python "
+        f"(a process of its own, pid {server_pid}), s3fs {s3fs.__version__}, aiobotocore {_version('aiobotocore')}, python "
         f"{platform.python_version()}, {os.cpu_count()} cpus; load average (1/5 min) {load_before} at the start, "
         f"{_load()} at the end; {args.repeat} interleaved repetitions, {args.threads} objects in flight on each side.",
         "",
         "| operation | shardstore MB/s (median) | s3fs MB/s (median) | speed ratio, median (min–max) "
-        "| CPU ratio, median (min–max) | requests: shardstore | requests: s3fs |",
-        "|---|---|---|---|---|---|---|",
+        "| client CPU ratio, median (min–max) | client CPU s: shardstore / s3fs (medians) "
+        "| server CPU s: shardstore / s3fs (medians) | requests: shardstore | requests: s3fs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for op, peer, label in (
         ("upload", "s3fs", "upload"),
         ("download", "s3fs", "download"),
         ("download", "s3fs + fsync", "download vs s3fs get + fsync of each file"),
     ):
-        a, b = times[f"{op} shardstore vs {peer}"], times[f"{op} {peer} vs {peer}"]
+        mine, theirs = f"{op} shardstore vs {peer}", f"{op} {peer} vs {peer}"
+        a, b = times[mine], times[theirs]
         ratios = [y / x for x, y in zip(a, b)]
-        work = [y / x for x, y in zip(cpus[f"{op} shardstore vs {peer}"], cpus[f"{op} {peer} vs {peer}"])]
+        work = [y / x for x, y in zip(cpus[mine], cpus[theirs])]
         lines.append(
             f"| {label} | {mb / statistics.median(a):.1f} | {mb / statistics.median(b):.1f} | "
             f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) | "
             f"{statistics.median(work):.2f} ({min(work):.2f}–{max(work):.2f}) | "
-            f"{_show(requests[f'{op} shardstore'])} | {_show(requests[f'{op} {peer}'])} |"
+            f"{statistics.median(cpus[mine]):.3f} / {statistics.median(cpus[theirs]):.3f} | "
+            f"{statistics.median(server_cpus[mine]):.3f} / {statistics.median(server_cpus[theirs]):.3f} | "
+            f"{_show(requests[f'{op} shardstore'], answered[f'{op} shardstore'])} | "
+            f"{_show(requests[f'{op} {peer}'], answered[f'{op} {peer}'])} |"
         )
     lines += [
         "",
         "Ratios are s3fs's time over shardstore's in the same repetition (above 1: shardstore faster); the "
-        "CPU ratio is the same for the CPU time of the whole process (both clients and the in-process server), "
-        "which a loaded machine disturbs less than wall time. The last row is a reference, not the target: a "
+        "client CPU ratio is the same for the CPU time of the benchmark's process (the clients; the server runs "
+        "in a process of its own, as S3 is never in its client's process), which a loaded machine disturbs less "
+        "than wall time. Server CPU: the moto process's CPU time during each operation. Requests: as each client "
+        "sent them (one per attempt), checked against the requests the server answered in the same interval (named "
+        "only where the two differ). The last row is a reference, not the target: a "
         "download into a store makes every object durable (fsync) before a manifest names it, plain s3fs get "
         "does not. What each repetition wrote is removed after it, untimed, on both sides.",
     ]
     text = "\n".join(lines)
+    print(f"# shardstore imported from {os.path.dirname(ss.__file__)}")
     print(text)
     if args.results:
         from _results import write_block

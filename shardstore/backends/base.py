@@ -24,6 +24,11 @@ hashing otherwise (the results are the same):
   the next ones' bytes on their way; advisory only, it never fails;
 - ``BatchedWrites.begin_write`` / ``end_writes``: batched create-only writes with one
   durability barrier;
+- ``PipedReads.read_piped(key, start) -> size``: hand an object's bytes to a consumer piece by
+  piece as they arrive, never holding it whole (S3: each response body as it streams in);
+- ``StreamedWrites.open_write(key) -> PendingWrite | None``: a ``BatchedWrites`` object written
+  piece by piece into its temporary file (a copy from a ``PipedReads`` source, hashed on the
+  way), then handed to ``end_writes`` like ``begin_write``'s;
 - ``ListedSizes.sizes(keys) -> {key: size}``: which of many keys are present, and their
   sizes, in fewer requests than a ``size`` each (S3: listings instead of a HEAD per key), and
   ``refresh(key, size)``: ``touch`` of a key found so, without asking its size again;
@@ -52,9 +57,12 @@ __all__ = [
     "HashedReads",
     "HashedReadsInto",
     "ListedSizes",
+    "PendingWrite",
+    "PipedReads",
     "ReadsAhead",
     "Storage",
     "StreamedReads",
+    "StreamedWrites",
     "show_ref_value",
 ]
 
@@ -180,6 +188,55 @@ class BatchedWrites(Protocol):
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
         """Make the (key, temporary path) files durable, then link each into place, and make
         the links durable too (``threads`` waits at a time); per key, True if this batch created it."""
+        ...
+
+
+@runtime_checkable
+class PipedReads(Protocol):
+    """A backend's optional fast path for copies: an object's bytes go to a consumer piece by
+    piece as they arrive, never held whole (S3: each response body as it streams in, so that a
+    copy hashes and writes each piece while it is still in the core's cache)."""
+
+    def read_piped(self, key: str, start: Callable[[int], Callable[[Buffer], None]]) -> int:
+        """Hand the bytes at ``key`` to a consumer, in order; return their size. ``start(size)`` is
+        called once the object's size is known and returns the consumer; it is called again if a
+        failed attempt is retried from the beginning (the caller then starts over: what the last
+        consumer was given is void). The consumer may run on the backend's event loop: it must
+        be short (hash, write to a local file) and never wait on that loop."""
+        ...
+
+
+class PendingWrite(Protocol):
+    """An object being written piece by piece to a temporary file (``StreamedWrites.open_write``),
+    not visible under its key until the batch it joins is made durable and linked."""
+
+    def write(self, piece: Buffer) -> None:
+        """Append ``piece`` (StorageError if the file system refuses it)."""
+        ...
+
+    def restart(self) -> None:
+        """Drop everything written so far (a retried read starts again from its first byte)."""
+        ...
+
+    def close(self) -> str:
+        """Finish the file (writeback started, not waited for) and return its temporary path,
+        for ``BatchedWrites.end_writes``."""
+        ...
+
+    def discard(self) -> None:
+        """Close and remove the temporary file; nothing of it is ever visible."""
+        ...
+
+
+@runtime_checkable
+class StreamedWrites(Protocol):
+    """A ``BatchedWrites`` backend that also takes an object piece by piece (local files): a copy
+    from a ``PipedReads`` source writes each piece as it arrives instead of the whole object
+    once it has arrived in memory."""
+
+    def open_write(self, key: str) -> PendingWrite | None:
+        """A new temporary file for ``key``'s bytes; None if ``key`` exists (refreshed, as by
+        ``begin_write``)."""
         ...
 
 

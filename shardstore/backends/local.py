@@ -5,7 +5,8 @@ fsync, no create-only link and no mmap. Objects are written to ``tmp/`` (writeba
 started per chunk), fsynced as a batch, then hard-linked into place (``link`` fails if the
 name exists, which makes writes create-only and concurrent writers of one object safe),
 and the batch's directories fsynced; a single ``write_once``'s directories are fsynced in
-``sync()``. A write that finds its object present refreshes the
+``sync()``. A copy writes an object it receives piece by piece into its tmp file as the pieces
+arrive (``open_write``: ``_TmpWrite``), to be linked by the same ``end_writes``. A write that finds its object present refreshes the
 object's modification time, so gc's grace period protects objects a save in progress
 deduplicated against. Refs move by a lock file (``ref_locks``) renamed over the ref. No path
 component under the root may be a symbolic link. Reads land in memory of their own, hashed
@@ -167,22 +168,10 @@ class LocalStorage:
     def begin_write(self, key: str, data: Buffer) -> str | None:
         """First half of a batched ``write_once``: write ``data`` to a tmp file, not yet durable
         or visible. Returns the tmp path to hand to ``end_writes``, or None if ``key`` exists."""
-        path = self._path(key)
-        if os.path.lexists(path):
-            freshen(path)
+        opened = self._new_tmp(key)
+        if opened is None:
             return None
-        tmpdir = self._dir("tmp")
-        tmp = os.path.join(tmpdir, secrets.token_hex(16))
-        try:  # ``tmp`` made only when missing (a mkdir of an existing directory still locks it); the object's at the link
-            fd = _create(tmp)
-        except FileNotFoundError:
-            try:
-                os.makedirs(tmpdir, exist_ok=True)
-                fd = _create(tmp)
-            except OSError as e:
-                raise self._io("write", key, e) from None
-        except OSError as e:
-            raise self._io("write", key, e) from None
+        tmp, fd = opened
         try:
             view = memoryview(data).cast("B")
             off = 0
@@ -202,6 +191,33 @@ class LocalStorage:
             unlink_quietly(tmp)
             raise self._io("write", key, e) from None
         return tmp
+
+    def _new_tmp(self, key: str) -> tuple[str, int] | None:
+        """(path, descriptor) of a new tmp file for ``key``'s bytes; None if ``key`` exists (refreshed)."""
+        path = self._path(key)
+        if os.path.lexists(path):
+            freshen(path)
+            return None
+        tmpdir = self._dir("tmp")
+        tmp = os.path.join(tmpdir, secrets.token_hex(16))
+        try:  # ``tmp`` made only when missing (a mkdir of an existing directory still locks it); the object's at the link
+            return tmp, _create(tmp)
+        except FileNotFoundError:
+            try:
+                os.makedirs(tmpdir, exist_ok=True)
+                return tmp, _create(tmp)
+            except OSError as e:
+                raise self._io("write", key, e) from None
+        except OSError as e:
+            raise self._io("write", key, e) from None
+
+    def open_write(self, key: str) -> _TmpWrite | None:
+        """``begin_write`` for bytes that arrive piece by piece (a copy's, hashed on the way): the
+        tmp file to write them into, its path to hand to ``end_writes`` once closed; None if
+        ``key`` exists (refreshed). Writeback starts at ``close``, from the caller's thread:
+        pieces may be written on an event loop, which must not wait for the device."""
+        opened = self._new_tmp(key)
+        return None if opened is None else _TmpWrite(self, key, *opened)
 
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
         """Second half: fsync every tmp file of ``pending`` ((key, tmp path) pairs), link each
@@ -496,6 +512,49 @@ class LocalStorage:
             with self._lock:
                 self._dirty.update(d for d in dirs if d not in done)
             raise
+
+
+class _TmpWrite:
+    """An object's tmp file being written piece by piece (``LocalStorage.open_write``)."""
+
+    def __init__(self, storage: LocalStorage, key: str, tmp: str, fd: int) -> None:
+        self.storage, self.key, self.tmp, self.fd, self.size = storage, key, tmp, fd, 0
+
+    def write(self, piece: Buffer) -> None:
+        view = memoryview(piece).cast("B")
+        try:
+            while view:
+                n = os.write(self.fd, view[: 1 << 30])
+                view = view[n:]
+                self.size += n
+        except OSError as e:
+            raise self.storage._io("write", self.key, e) from None
+
+    def restart(self) -> None:
+        if self.size == 0:
+            return  # nothing written yet (the first attempt): no system call
+        try:
+            os.ftruncate(self.fd, 0)
+            os.lseek(self.fd, 0, os.SEEK_SET)
+        except OSError as e:
+            raise self.storage._io("write", self.key, e) from None
+        self.size = 0
+
+    def close(self) -> str:
+        fd, self.fd = self.fd, -1
+        start_writeback(fd, 0, self.size)  # the whole file at once: it is written by now
+        try:
+            os.close(fd)
+        except OSError as e:
+            unlink_quietly(self.tmp)
+            raise self.storage._io("write", self.key, e) from None
+        return self.tmp
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            close_quietly(self.fd)
+            self.fd = -1
+        unlink_quietly(self.tmp)
 
 
 def _create(path: str) -> int:

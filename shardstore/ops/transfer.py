@@ -17,7 +17,11 @@ bounds its own requests further). Each request to S3 is a round trip, so a copy 
 the presence of a whole batch in one set of listings (an object it lacks costs its write
 alone), writes the manifests it already read and hashed without reading them again, and reads
 the commit back together with the ref it then moves; into a local store, a batch's objects are
-written without an fsync each and made durable together at the batch's barrier.
+written without an fsync each and made durable together at the batch's barrier. From S3 into a
+local store, each object goes into its temporary file piece by piece as the response streams
+in, hashed on the way (``Store.receive``), rather than joined into one buffer first: a piece is
+hashed and written while it is still in the core's cache, and the object is linked under its
+id at the barrier only if it hashed to it.
 """
 
 from __future__ import annotations
@@ -160,6 +164,18 @@ def _fetch_and_put(
     batch: WriteBatch | None = None,
     known: bytes | None = None,
 ) -> tuple[bool, int]:
+    if known is None and have is None and batch is not None:
+        piped = dst.receive(src, oid, batch=batch, size=size)  # None: no piped path here, or present now
+        if piped is not None:
+            got, n = piped
+            if got != oid:
+                raise CorruptObject(
+                    f"{what} object {oid} read from {src.url} is corrupt: its {n} bytes hash to {got}; "
+                    f"nothing was written to {dst.url} (SPEC.md §Objects)"
+                )
+            if size is not None and n != size:
+                raise TensorMismatch(f"{what} object {oid} in {src.url} holds {n} bytes, its entry needs {size}")
+            return True, n
     data, got = (known, oid) if known is not None else src.read_hashed(oid)  # hashed as it arrives when streamed
     if got != oid:
         raise CorruptObject(

@@ -17,11 +17,20 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..backends.base import BatchedWrites, Buffer, CachesWrites, HashedReads, ListedSizes, Storage
+from ..backends.base import (
+    BatchedWrites,
+    Buffer,
+    CachesWrites,
+    HashedReads,
+    ListedSizes,
+    PipedReads,
+    Storage,
+    StreamedWrites,
+)
 from ..backends.location import open_storage
 from ..errors import (
     CorruptObject,
@@ -125,6 +134,52 @@ class Store:
         with batch.lock:
             batch.pending.append((key, tmp))
         return True
+
+    def receive(
+        self, src: Store, oid: str, *, batch: tensors_io.WriteBatch, size: int | None = None
+    ) -> tuple[str, int] | None:
+        """Copy object ``oid`` from ``src`` into ``batch`` piece by piece as it arrives, hashing each
+        piece on its way into the object's temporary file (a ``PipedReads`` source, a
+        ``StreamedWrites`` destination: S3 into a local store), never holding it whole.
+
+        Returns (the digest the bytes had, their size); the object joins ``batch`` (durable and
+        visible at ``batch.finish``) only if the digest is ``oid`` and, where given, the size is
+        ``size``: otherwise its temporary file is removed, for the caller to say what was wrong.
+        None, with nothing read, where either backend lacks the path or the object is already
+        here (refreshed): the caller reads and writes it the usual way (``read_hashed``,
+        ``put_with_id``)."""
+        key = object_key(oid)
+        if not isinstance(src.storage, PipedReads) or not isinstance(self.storage, StreamedWrites):
+            return None
+        pending = self.storage.open_write(key)
+        if pending is None:
+            return None
+        hashers: list[Any] = []
+
+        def start(total: int) -> Callable[[Buffer], None]:
+            pending.restart()  # a retried read starts again from its first byte
+            h = new_hasher()
+            hashers[:] = [h]
+
+            def consume(piece: Buffer) -> None:
+                h.update(piece)
+                pending.write(piece)
+
+            return consume
+
+        try:
+            n = src.storage.read_piped(key, start)
+            got = str(hashers[0].hexdigest()) if hashers else hash_bytes(b"")
+            if got != oid or (size is not None and n != size):
+                pending.discard()
+                return got, n
+            tmp = pending.close()
+        except BaseException:
+            pending.discard()
+            raise
+        with batch.lock:
+            batch.pending.append((key, tmp))
+        return got, n
 
     def ensure(self, oid: str, *, listed: int | None = None) -> int | None:
         """The size of object ``oid`` if present (None if absent), made young again first.

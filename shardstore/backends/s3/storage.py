@@ -38,8 +38,10 @@ Objects larger than ``multipart_threshold`` (default 4 parts) upload as concurre
 ``part_size`` parts, and objects larger than ``part_size`` download as concurrent ranged
 GETs (``concurrency`` ranges ahead of the one being handled). Downloads are hashed as they stream: ranges are hashed
 in order as they arrive, so verifying a download costs no second pass; ``read_into``
-lands the ranges straight in the caller's buffer (a tensor on restore) and
-``hash_object`` (deep verify) holds at most ``concurrency`` + 1 ranges of an object at once.
+lands the ranges straight in the caller's buffer (a tensor on restore),
+``hash_object`` (deep verify) holds at most ``concurrency`` + 1 ranges of an object at once,
+and ``read_piped`` (a copy to a local store) hands the first range to its consumer piece by
+piece as the response streams in, never joining it into one buffer.
 """
 
 from __future__ import annotations
@@ -217,6 +219,56 @@ class S3Storage:
         object's size; when that differs from ``len(out)`` only the first range is fetched."""
         return self.transport.run(self._stream, key, out, consume)
 
+    def read_piped(self, key: str, start: Callable[[int], Callable[[Buffer], None]]) -> int:
+        """Hand the bytes at ``key`` to the consumer ``start(size)`` returns, in order; return their
+        size (``PipedReads``). The first range goes to the consumer piece by piece as its body
+        streams in, on the event loop (``start`` too: again if that GET is retried); the ranges
+        after it (an object over ``part_size``) as each lands, in order (``_rest``)."""
+        return self.transport.run(self._piped, key, start)
+
+    async def _piped(self, key: str, start: Callable[[int], Callable[[Buffer], None]]) -> int:
+        began: list[Any] = []  # (object size, consumer) of the latest attempt
+
+        def begin(resp: dict[str, Any]) -> Callable[[bytes], None]:
+            total = self._size_of(key, resp, None)
+            consume = start(total)
+            began[:] = [total, consume]
+            return consume
+
+        try:
+            resp, n = await self.transport.call(
+                "get_object",
+                key,
+                pipe=begin,
+                Key=self.transport.key(key),
+                Range=f"bytes=0-{self.part_size - 1}",
+                **self._checksum(key),
+            )
+        except S3Error as e:
+            if e.status == 404:
+                raise ObjectNotFound(f"{key} is missing from store {self.url}") from None
+            if e.status == 416:  # a range of an empty object
+                start(0)
+                return 0
+            raise self.transport.fail("read", key, e) from None
+        total, consume = began
+        if n > total:
+            raise StorageError(f"read {key!r} in store {self.url}: {n} bytes arrived of a {total}-byte object")
+        if n < total:
+            await self._rest(key, resp, b"", total, None, consume, offset=n)
+        return total
+
+    def _size_of(self, key: str, resp: dict[str, Any], received: int | None) -> int:
+        """The object's size, from a (ranged) GET's answer: its Content-Range; for a server that
+        ignored the range, the whole body (``received`` bytes, or its Content-Length)."""
+        rng = str(resp.get("ContentRange") or "")
+        status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if "/" in rng:
+            return int(rng.rsplit("/", 1)[1])
+        if status == 206:  # partial content that does not say of what: never guess the size
+            raise StorageError(f"read {key!r} in store {self.url}: a ranged GET answered 206 without a Content-Range")
+        return received if received is not None else int(resp.get("ContentLength") or 0)
+
     async def _read(self, key: str, consume: Callable[[memoryview], None] | None, limit: int | None = None) -> Buffer:
         data, whole = await self._read_parts(key, consume, limit)
         if whole:
@@ -265,14 +317,7 @@ class S3Storage:
                 resp, first = {}, b""
             else:
                 raise self.transport.fail("read", key, e) from None
-        rng = str(resp.get("ContentRange") or "")
-        status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        if "/" in rng:
-            total = int(rng.rsplit("/", 1)[1])
-        elif status == 206:  # partial content that does not say of what: never guess the size
-            raise StorageError(f"read {key!r} in store {self.url}: a ranged GET answered 206 without a Content-Range")
-        else:
-            total = len(first)  # the server sent the whole object (it ignored the range)
+        total = self._size_of(key, resp, len(first))  # a server that ignored the range sent the whole object
         if len(first) > total:
             raise StorageError(f"read {key!r} in store {self.url}: {len(first)} bytes arrived of a {total}-byte object")
         return resp, first, total
@@ -295,8 +340,10 @@ class S3Storage:
         total: int,
         dest: memoryview | None,
         consume: Callable[[memoryview], None] | None,
+        offset: int | None = None,
     ) -> None:
-        """The object's ranges after ``first``, at most ``concurrency`` in flight, handled in order.
+        """The object's ranges after ``first`` (or from ``offset``, bytes already handled by the
+        caller), at most ``concurrency`` in flight, handled in order.
 
         ``dest`` (``total`` bytes): where the bytes go, each range copied in as soon as it
         arrives; None: ranges are only passed to ``consume``, and at most ``concurrency`` wait
@@ -326,7 +373,7 @@ class S3Storage:
             dest[start:end] = data  # landed now; only the in-order hashing waits
             return dest[start:end]
 
-        starts = iter(range(len(first), total, self.part_size))
+        starts = iter(range(len(first) if offset is None else offset, total, self.part_size))
         ahead: deque[asyncio.Future[memoryview]] = deque()
         try:
             for start in itertools.islice(starts, self.concurrency):

@@ -3,7 +3,7 @@
 ``S3Transport`` is the whole surface that ``S3Storage`` and the request layer (``requests``:
 the multipart upload, the probe of request conditions) use to reach the server: a store
 key's full object key under the prefix (``key``), one request by aiobotocore method name
-(``call``), a coroutine run on s3fs's event loop from any thread (``run``), and the
+(``call``; a ``get_object`` whose body is piped to a consumer as it streams in, ``pipe``), a coroutine run on s3fs's event loop from any thread (``run``), and the
 StorageError that names a refused request (``fail``). The storage holds one.
 
 Retries are ours and bounded: 500/502/503/504, SlowDown, 409 ConditionalRequestConflict and
@@ -32,6 +32,9 @@ __all__ = ["S3Error", "S3Transport", "transient_errors"]
 T = TypeVar("T")
 
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
+#: The most a piped body hands its consumer at once: what one socket read delivers (asyncio's
+#: 256 KiB), so that a piece is normally handed on as it was received, never joined or cut.
+PIPE_PIECE = 256 * 1024
 _RETRY_CODES = frozenset(
     {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"}
 )
@@ -94,9 +97,19 @@ class S3Transport:
         """The StorageError of request ``op`` on ``key`` answered ``e``."""
         return StorageError(f"{op} {key!r} in store {self.url}: server answered {e}")
 
-    async def call(self, method: str, key: str, **kwargs: Any) -> Any:
+    async def call(
+        self,
+        method: str,
+        key: str,
+        *,
+        pipe: Callable[[dict[str, Any]], Callable[[bytes], None]] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """One request (aiobotocore's ``method``, on this bucket; ``key`` names it in errors) with
-        bounded retries of transient failures. ``get_object`` returns (response, body)."""
+        bounded retries of transient failures. ``get_object`` returns (response, body); with
+        ``pipe``, (response, bytes received): ``pipe(response)`` is called when the answer's
+        headers arrive (again for a retried attempt) and returns the consumer of the body, handed
+        each piece in order as it arrives, on the event loop, and never holding the body whole."""
         if self._sem is None:  # created on the loop thread, the only thread that touches it
             self._sem = asyncio.Semaphore(self.concurrency)
         client = await self._client()
@@ -109,7 +122,9 @@ class S3Transport:
                     resp = await getattr(client, method)(Bucket=self.bucket, **kwargs)
                     if method == "get_object":
                         try:
-                            return resp, await resp["Body"].read()
+                            if pipe is None:
+                                return resp, await resp["Body"].read()
+                            return resp, await _pipe(resp, pipe(resp))
                         finally:
                             resp["Body"].close()
                     return resp
@@ -145,3 +160,13 @@ class S3Transport:
                 f"cannot open store {self.url!r}: no S3 client can be made from its storage options: "
                 f"{type(e).__name__}: {text}"
             ) from None
+
+
+async def _pipe(resp: dict[str, Any], consume: Callable[[bytes], None]) -> int:
+    """Hand ``resp``'s body to ``consume`` piece by piece as it arrives; the bytes received (the
+    body checks them against the Content-Length it was sent with as it ends)."""
+    body, n = resp["Body"], 0
+    while piece := await body.read(PIPE_PIECE):
+        consume(piece)
+        n += len(piece)
+    return n

@@ -300,3 +300,73 @@ def test_copy_bounds_the_bytes_its_threads_hold() -> None:
         t.join(10)
     assert peak[0] <= 250 and budget.used == 0
     assert not any(t.is_alive() for t in threads)
+
+
+def test_a_copy_from_s3_streams_each_object_into_its_file(tmp_path: Any, s3_store: ss.Store, monkeypatch: Any) -> None:
+    """Into a local store, a copy from S3 writes each object into its temporary file piece by piece
+    as it arrives, hashed on the way (``Store.receive``): no object is read whole into memory,
+    the copy restores bitwise and leaves no temporary file; a corrupt object is refused and
+    nothing of it stays (its temporary file removed)."""
+    model, opt = two_slot_model(5)
+    local = ss.open_store(str(tmp_path / "a"))
+    cid = save_two_slots(local, model, opt)
+    copy_commit(local, s3_store, cid, ref="main")
+    whole: list[str] = []
+    real = type(s3_store.storage).read_hashed
+
+    def read_hashed(self: Any, key: str, *a: Any, **k: Any) -> Any:
+        whole.append(key)
+        return real(self, key, *a, **k)
+
+    monkeypatch.setattr(type(s3_store.storage), "read_hashed", read_hashed)
+    fresh = ss.open_store(str(tmp_path / "b"))
+    done = copy_commit(s3_store, fresh, cid)
+    data = set(commit_closure(ss.load_commit(local, cid), None).data)
+    assert done.objects_copied == len(set(local.objects())) and data
+    assert not [k for k in whole if k.rsplit("/", 1)[-1] in data]  # no data object was read whole
+    assert set(fresh.objects()) == set(local.objects()) and ss.verify(fresh).ok
+    assert not os.listdir(tmp_path / "b" / "tmp")
+    back, _ = two_slot_model(9)
+    ss.restore(fresh, cid, back)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+
+    victim = ss.load_commit(local, cid).shards[0].entries[0].param
+    s3_store.storage.delete(object_key(victim))
+    s3_store.storage.write_once(object_key(victim), b"not the bytes of " + victim.encode())
+    other = ss.open_store(str(tmp_path / "c"))
+    with pytest.raises(CorruptObject, match=f"{victim} read from .* is corrupt"):
+        copy_commit(s3_store, other, cid)
+    assert not other.has(victim) and not os.listdir(tmp_path / "c" / "tmp")
+
+
+def test_a_received_object_starts_over_when_its_read_does(tmp_path: Any) -> None:
+    """``Store.receive``: a source whose read starts over (a retried request) has what the first
+    attempt delivered dropped, so the object written is the second attempt's bytes alone; a
+    source that hands over bytes of another id has its temporary file removed."""
+    from shardstore.backends.local import LocalStorage
+    from shardstore.format.tensors import hash_bytes
+
+    class Restarting(LocalStorage):
+        def read_piped(self, key: str, start: Any) -> int:
+            data = bytes(self.read(key))
+            start(len(data))(b"half of an attempt that failed")  # then the retry, from the first byte
+            consume = start(len(data))
+            for i in range(0, len(data), 7):
+                consume(data[i : i + 7])
+            return len(data)
+
+    src = ss.Store(Restarting(str(tmp_path / "src")))
+    blob = bytes(range(200)) * 3
+    oid = src.put(blob)
+    dst = ss.open_store(str(tmp_path / "dst"))
+    batch = dst.write_batch()
+    assert dst.receive(src, oid, batch=batch) == (oid, len(blob))
+    batch.finish(dst.storage)
+    assert bytes(dst.get(oid)) == blob
+    assert dst.receive(src, oid, batch=dst.write_batch()) is None  # present: nothing read
+
+    bad = hash_bytes(b"other")
+    src.storage.write_once(object_key(bad), blob)  # bytes that do not hash to their name
+    batch = dst.write_batch()
+    assert dst.receive(src, bad, batch=batch) == (oid, len(blob))
+    assert batch.pending == [] and not dst.has(bad) and not os.listdir(tmp_path / "dst" / "tmp")
