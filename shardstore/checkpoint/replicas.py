@@ -9,7 +9,7 @@ directions are one exchange, ``shift``: every rank of the group sends one offer 
 1. a header: the commit, the slot whose objects are offered, how many objects;
 2. the offered objects' ids and byte sizes (content addressing: ids, not bytes, first);
 3. the receiver's answer: which of them it lacks;
-4. only those objects' bytes, packed into messages of at most 64 MiB.
+4. only those objects' bytes, packed into messages of at most 16 MiB (``MESSAGE_BYTES``).
 
 The bytes phase keeps the transport busy and the memory still: the sender reads each object
 from its tier straight into one of two message buffers it reuses (while one travels, the other
@@ -80,7 +80,11 @@ __all__ = [
 ]
 
 #: Bytes of object payload per point-to-point message (a larger object is a message of its own).
-MESSAGE_BYTES = 64 << 20
+#: Small, because each end's two message buffers are memory the exchange touches for the first
+#: time: on the 2-core VM of benchmarks/RESULTS.md, first-touch page faults on 2 x 64 MiB took
+#: about 0.085 s of CPU at each end of a 553 MB transfer, against 0.009 s with 2 x 8.4 MB
+#: (``perf``), and the first message leaves, and the last one lands, sooner.
+MESSAGE_BYTES = 16 << 20
 #: A message travels as parts of at most this many bytes, all in flight at once: on loopback
 #: Gloo, 16 concurrent 4 MiB messages moved about twice the bytes per second of one of 64 MiB.
 PART_BYTES = 4 << 20

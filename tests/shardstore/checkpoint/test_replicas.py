@@ -70,6 +70,22 @@ def _body(rank: int, world: int, home: str) -> dict:
         return fetch(self, oid)
 
     MemoryTier.fetch = counted_fetch  # type: ignore[method-assign]  # this spawned process only
+    # Count the message buffers each exchange allocates (fresh memory, whose first touch costs CPU):
+    # at most two to pack into and two to receive into, each of at most one message.
+    boxes: list[list[int]] = []
+    box, shift = replicas._box, replicas.shift
+
+    def counted_box(old: object, n: int) -> object:
+        new = box(old, n)  # type: ignore[arg-type]
+        if new is not old:
+            boxes[-1].append(new.numel())
+        return new
+
+    def counted_shift(*args: object, **kwargs: object) -> object:
+        boxes.append([])
+        return shift(*args, **kwargs)  # type: ignore[arg-type]
+
+    replicas._box, replicas.shift = counted_box, counted_shift  # type: ignore[assignment]
     roots = {r: os.path.join(home, f"host{r}") for r in range(world)}
     own = MemoryTier(roots[rank], rank)
     tier_for = lambda slot: MemoryTier(roots[rank], slot)  # noqa: E731 - this host's tier of a slot
@@ -133,6 +149,24 @@ def _body(rank: int, world: int, home: str) -> dict:
         own = MemoryTier(os.path.join(home, "replacement1b"), 1)
     copies, report = fetch_replicas(None, slot=rank, commit=C2, own=own, tier_for=tier_for)
     out["whole_reads"] = whole_reads[0]
+    # an exchange of many messages (12 objects of 1000 bytes, four to a message, each way)
+    many = {hash_bytes(bytes([rank, i]) * 500): bytes([rank, i]) * 500 for i in range(12)}
+    landed: dict[str, bytes] = {}
+
+    def fetch_into(oid: str, into: memoryview) -> int:
+        into[:] = many[oid]
+        return len(many[oid])
+
+    def land(_: object, oid: str, data: memoryview) -> None:
+        landed[oid] = bytes(data)
+
+    offer = replicas.Offer(rank, C2, [(oid, len(d)) for oid, d in many.items()])
+    replicas.shift(
+        None, offer, to=(rank + 1) % world, frm=(rank - 1) % world, fetch_into=fetch_into,
+        lacks=lambda got, oid: True, land=land, copies_out=True,
+    )  # fmt: skip
+    out["many"] = [len(landed), all(hash_bytes(d) == o for o, d in landed.items()), boxes[-1]]
+    out["boxes"] = boxes
     if rank == 1:
         store = open_store(os.path.join(home, "store1"))  # the durable copy, for the rejected object
         for data in second.values():
@@ -265,6 +299,15 @@ def test_reads_waiting_for_copies_get_the_verified_ones_and_the_store_for_a_corr
 def test_senders_read_objects_straight_into_the_messages(ranks: list[dict]) -> None:
     assert [r["whole_reads"] for r in ranks] == [0, 0, 0]
     assert all(r["first"][0] > 0 for r in ranks) and ranks[1]["fetch_received"] > 0  # bytes did move
+
+
+def test_each_exchange_allocates_at_most_two_message_buffers_each_way(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert r["many"][:2] == [12, True]  # three messages each way moved, every byte intact
+        assert sorted(r["many"][2]) == [4000] * 4  # two buffers to pack into, two to receive into
+        for allocated in r["boxes"]:  # two to pack into, two to receive into, however many messages
+            assert len(allocated) <= 4 and all(n <= 4096 for n in allocated)
+    assert replicas.MESSAGE_BYTES <= 16 << 20  # so at most 64 MiB of fresh buffers per exchange
 
 
 def test_each_fetched_byte_is_hashed_once_as_it_lands_and_not_again_by_the_restore(ranks: list[dict]) -> None:
