@@ -96,14 +96,19 @@ def _placements_for(mesh_shape: tuple[int, ...], tensors):
     return [(n, s, (Replicate(), *p)) for n, s, p in tensors]
 
 
-def _union_of(mesh_shape, global_ranks):
+def _mesh_case(mesh_shape, global_ranks):
+    """The group's size, the mesh's ranks, group rank -> global rank, and the Llama-like tensors."""
     world = 1
     for d in mesh_shape:
         world *= d
     ranks = global_ranks or tuple(range(world))
     g = (lambda r: ranks[r]) if global_ranks else (lambda r: r)
     tp = mesh_shape[-1] if len(mesh_shape) > 1 else 1
-    tensors = _placements_for(mesh_shape, _llama_like(mesh_shape[0], tp))
+    return world, ranks, g, _placements_for(mesh_shape, _llama_like(mesh_shape[0], tp))
+
+
+def _union_of(mesh_shape, global_ranks):
+    world, ranks, g, tensors = _mesh_case(mesh_shape, global_ranks)
     return derive_union(_layout(mesh_shape, ranks, tensors, ("exp_avg", "param"), []), world, g), world
 
 
@@ -154,13 +159,7 @@ def test_a_local_plan_costs_this_ranks_pieces_not_every_piece(monkeypatch):
 
 @pytest.mark.parametrize("mesh_shape, global_ranks", MESHES)
 def test_the_union_worked_out_from_the_layout_is_the_descriptions_union(mesh_shape, global_ranks):
-    world = 1
-    for d in mesh_shape:
-        world *= d
-    ranks = global_ranks or tuple(range(world))
-    g = (lambda r: ranks[r]) if global_ranks else (lambda r: r)
-    tp = mesh_shape[-1] if len(mesh_shape) > 1 else 1
-    tensors = _placements_for(mesh_shape, _llama_like(mesh_shape[0], tp))
+    world, ranks, g, tensors = _mesh_case(mesh_shape, global_ranks)
     roles = ("exp_avg", "param")
     plain = [("buf", "float32", (3,))]
     reference = plan_exchange(_peers(mesh_shape, ranks, world, g, tensors, roles, plain))
