@@ -641,10 +641,11 @@ def ss_save(
     held = sorted(storage.virtual)
     for keys in written_by.values():
         storage.tally.add(keys[0], Counter(LIST=listing_requests(held, keys)))
-    # _replicas_agree: one all-reduce of 8 int64 sums when a non-empty slice has several holders
+    # _copies_agree: one all-reduce of 8 int64 sums when a non-empty slice or a plain tensor has
+    # several holders (no all-gather unless a copy differs)
     shared = any(
         len(rs) > 1 and math.prod(box[1]) for _key, (_d, _s, held) in plan.union.items() for box, rs in held.items()
-    )
+    ) or any(len(rs) > 1 for rs in plan.plain.values())
     fp_bytes = 64 if shared else 0
     # 4. every rank's shard manifest
     info = ss.CommitInfo(step=STEP, job="scale-sim", profile="fp32", config=model.config(), data_cursor=STEP)

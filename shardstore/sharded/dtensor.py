@@ -117,7 +117,7 @@ class Described(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 _DESCRIBED = msgspec.json.Decoder(list[Described])
-_FINGERPRINTS = msgspec.json.Decoder(dict[str, str])
+_COPIES = msgspec.json.Decoder(tuple[dict[str, str], dict[str, str]])
 
 
 def slice_regions(
@@ -591,9 +591,8 @@ def write_dtensors(
         peers = [decode_description(d) for d in all_gather_bytes(encode_description(desc), group)]
         union, plain = gather_union(peers)
     plan = ExchangePlan(union, plain, plan_local(union, len(gathered), rank))  # this rank's blocks planned
-    _replicas_agree(locals_, union, rank, group)
     replicated = {n: rs for n, rs in plan.plain.items() if len(rs) > 1}
-    drop = _replicated_plain(state, replicated, rank, group)
+    drop = _copies_agree(locals_, union, state, replicated, rank, group)
     _keep_dropped_plain(store, state, drop)
     # what this slot held of tensors another slot may record (SPEC.md §Slices held): the boxes of
     # its DTensor parameters' local parts, and the whole box of each plain tensor several ranks hold
@@ -644,7 +643,7 @@ def _keep_dropped_plain(store: Store, state: SlotState, drop: set[str]) -> None:
     (the tensor, its moments, its torch-form state: what the recording slot writes for its entry)
     and a write-through memory tier keeps them under those ids, as if written here
     (``Store.name_written``, no store request; SPEC.md §19.3). The holders' copies were compared by
-    hash first (``_replicated_plain``), so these are the recorder's bytes and ids; a tier that does
+    hash first (``_copies_agree``), so these are the recorder's bytes and ids; a tier that does
     not get them here still gets them at the commit's completion (``checkpoint.replicas.complete``)."""
     if not drop or not isinstance(store.storage, CachesWrites):
         return
@@ -661,7 +660,7 @@ def _keep_dropped_plain(store: Store, state: SlotState, drop: set[str]) -> None:
                 store.name_written(hash_bytes(data), data)
 
 
-def _fingerprint(state: SlotState, name: str) -> str:
+def _fingerprint(state: SlotState, name: str) -> bytes:
     """BLAKE3 over a plain tensor's bytes, dtype and shape and its optimizer state (group, age, state tensors)."""
     h = new_hasher()
     parts = [state.tensors[name]]
@@ -674,7 +673,7 @@ def _fingerprint(state: SlotState, name: str) -> str:
     for t in parts:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(tensor_bytes(t))
-    return h.hexdigest()
+    return h.digest()
 
 
 #: The prime the replicas' check sums over (2^31 - 1): eight words of a slice's hash, each a
@@ -696,34 +695,56 @@ def _shared_label(key: tuple[str, str], box: Box) -> str:
     return f"{key[0]}\0{key[1]}\0{box}"
 
 
-def _replicas_agree(
+def _plain_label(name: str) -> str:
+    return f"{name}\0plain"
+
+
+def _add_check(total: list[int], label: str, digest: bytes, holders: list[int], rank: int) -> list[int]:
+    """``total`` plus this holder's term of one shared copy: ``(len(holders) - 1) * H`` for the
+    first holder, ``-H`` (``(p - 1) * H``) for every other, modulo ``_CHECK_PRIME``."""
+    weight = len(holders) - 1 if rank == holders[0] else _CHECK_PRIME - 1
+    return [(t + weight * w) % _CHECK_PRIME for t, w in zip(total, _check_words(label, digest))]
+
+
+def _copies_agree(
     locals_: dict[tuple[str, str], tuple[torch.Tensor, list[tuple[Box, tuple[int, ...]]]]],
     union: dict[tuple[str, str], tuple[str, tuple[int, ...], dict[Box, list[int]]]],
+    state: SlotState,
+    replicated: dict[str, list[int]],
     rank: int,
     group: Any,
-) -> None:
-    """A box of a DTensor that several ranks hold (a ``Replicate`` placement, or one name on
-    several meshes) is written once, split among its holders: they must hold the same bytes,
-    else the commit would hold a tensor no rank held. Each holder hashes its copy; on a
-    disagreement every rank raises TensorMismatch naming tensor, box and ranks (SPEC.md §Block
-    exchange). Boxes held by one rank (FSDP2, tensor parallelism) cost nothing here, and so do
-    empty boxes (thousands of ranks may hold the same empty slice: nothing to disagree on).
+) -> set[str]:
+    """Every copy several ranks hold must be equal, else the commit would hold a tensor no rank
+    held (SPEC.md §Block exchange, step 2 and step 4). Returns the plain tensors this rank drops
+    (another holder records them). Two kinds of copies are compared, in one collective:
 
-    The holders agree when one sum is zero: for each shared box with holders ``rs``, the first
+    - A box of a DTensor that several ranks hold (a ``Replicate`` placement, or one name on
+      several meshes) is written once, split among its holders. Each holder hashes its copy.
+      Boxes held by one rank (FSDP2, tensor parallelism) cost nothing here, and so do empty
+      boxes (thousands of ranks may hold the same empty slice: nothing to disagree on).
+    - A plain tensor several ranks hold whole (``replicated``: name -> its holders; FSDP2 leaves
+      buffers such as BatchNorm's statistics whole on every rank) is recorded by one of them
+      (``entry_slot``). Each holder hashes its bytes, dtype, shape and optimizer state
+      (``_fingerprint``).
+
+    The holders agree when one sum is zero: for each shared copy with holders ``rs``, the first
     holder adds ``(len(rs) - 1) * H`` and every other holder ``-H`` of the words ``H`` of its
     copy's hash, modulo ``_CHECK_PRIME`` (eight words; one int64 all-reduce of 64 bytes, whatever
-    the number of ranks and slices). Equal copies cancel exactly; a copy that differs leaves a
-    non-zero sum except with probability about 2^-248. Only then are the holders' hashes
-    all-gathered, to name the slice and its ranks."""
+    the number of ranks, slices and plain tensors). Equal copies cancel exactly; a copy that
+    differs leaves a non-zero sum except with probability about 2^-248. Only then are the
+    holders' hashes all-gathered, to name the copy and its ranks: every rank raises
+    TensorMismatch for the first DTensor slice, in sorted order, whose holders differ, else for
+    the first such plain tensor by name."""
     shared = {
         (key, box): rs
         for key, (_d, _s, held) in union.items()
         for box, rs in held.items()
         if len(rs) > 1 and math.prod(box[1]) > 0
     }
-    if not shared:  # the same answer on every rank: the union is
-        return
-    mine: dict[str, str] = {}
+    if not shared and not replicated:  # the same answer on every rank: the union and the plain holders are
+        return set()
+    slices: dict[str, str] = {}
+    plain: dict[str, str] = {}
     total = [0] * _CHECK_WORDS
     for (key, box), rs in shared.items():
         if rank in rs:
@@ -733,42 +754,33 @@ def _replicas_agree(
             h.update(tensor_bytes(local[box_slices(box, origin)].contiguous()))
             digest = h.digest()
             label = _shared_label(key, box)
-            mine[label] = digest.hex()
-            weight = len(rs) - 1 if rank == rs[0] else _CHECK_PRIME - 1
-            total = [(t + weight * w) % _CHECK_PRIME for t, w in zip(total, _check_words(label, digest))]
+            slices[label] = digest.hex()
+            total = _add_check(total, label, digest, rs, rank)
+    for n, rs in sorted(replicated.items()):
+        if rank in rs:
+            digest = _fingerprint(state, n)
+            plain[n] = digest.hex()
+            total = _add_check(total, _plain_label(n), digest, rs, rank)
     sums = torch.tensor(total, dtype=torch.int64)
     dist.all_reduce(sums, group=group)
-    if all(int(v) % _CHECK_PRIME == 0 for v in sums.tolist()):  # the same answer on every rank: the sum is
-        return
-    got = [_FINGERPRINTS.decode(raw) for raw in all_gather_bytes(msgspec.json.encode(mine), group)]
-    for ((n, role), box), rs in sorted(shared.items()):
-        label = _shared_label((n, role), box)
-        if len({got[r].get(label) for r in rs}) != 1:
-            raise TensorMismatch(
-                f"{role} of tensor {n!r}: ranks {rs} hold its slice at {list(box[0])} of extent {list(box[1])} with "
-                "different values; replicas of a slice (a Replicate placement, or one name on several meshes) must be "
-                "equal, since the slice is written once (SPEC.md §Block exchange)"
-            )
-
-
-def _replicated_plain(state: SlotState, replicated: dict[str, list[int]], rank: int, group: Any) -> set[str]:
-    """Plain tensors several ranks hold (FSDP2 leaves buffers whole on every rank): they
-    must be equal everywhere (values and optimizer state, compared by hash), else
-    TensorMismatch on every rank; one holder records each. Returns the names this rank drops."""
-    if not replicated:
-        return set()
-    mine = {n: _fingerprint(state, n) for n, rs in replicated.items() if rank in rs}
-    got = [_FINGERPRINTS.decode(raw) for raw in all_gather_bytes(msgspec.json.encode(mine), group)]
-    drop = set()
-    for n, rs in sorted(replicated.items()):
-        if len({got[r].get(n) for r in rs}) != 1:
-            raise TensorMismatch(
-                f"tensor {n!r}: ranks {rs} hold it as a plain (not DTensor) tensor with different values or optimizer "
-                "state; a tensor several ranks hold whole must be equal on all of them (SPEC.md §Block exchange)"
-            )
-        if entry_slot(n, rs) != rank:
-            drop.add(n)
-    return drop
+    if any(int(v) % _CHECK_PRIME != 0 for v in sums.tolist()):  # the same answer on every rank: the sum is
+        got = [_COPIES.decode(raw) for raw in all_gather_bytes(msgspec.json.encode((slices, plain)), group)]
+        for ((n, role), box), rs in sorted(shared.items()):
+            label = _shared_label((n, role), box)
+            if len({got[r][0].get(label) for r in rs}) != 1:
+                raise TensorMismatch(
+                    f"{role} of tensor {n!r}: ranks {rs} hold its slice at {list(box[0])} of extent {list(box[1])} "
+                    "with different values; replicas of a slice (a Replicate placement, or one name on several "
+                    "meshes) must be equal, since the slice is written once (SPEC.md §Block exchange)"
+                )
+        for n, rs in sorted(replicated.items()):
+            if len({got[r][1].get(n) for r in rs}) != 1:
+                raise TensorMismatch(
+                    f"tensor {n!r}: ranks {rs} hold it as a plain (not DTensor) tensor with different values or "
+                    "optimizer state; a tensor several ranks hold whole must be equal on all of them (SPEC.md §Block "
+                    "exchange)"
+                )
+    return {n for n, rs in replicated.items() if entry_slot(n, rs) != rank}
 
 
 def _restate(

@@ -128,17 +128,17 @@ def test_agreeing_layouts_give_the_descriptions_commit_and_the_values(three):
     assert all(r["equal"] for r in three)
     assert len({r["agree"] for r in three}) == 1
     assert all(r["agree"] == r["before"] for r in three)  # descriptions + whole plan: the same commit
-    # the layout digest (33 bytes), then the plain tensor's fingerprints (``_replicated_plain``, still
-    # all-gathered: one JSON map a rank); no description, no DTensor replica's hash
-    assert all(len(r["agree_gathered"]) == 2 and r["agree_gathered"][0] == 33 for r in three), three
+    # the layout digest (33 bytes) only: no description, no DTensor replica's hash, no plain tensor's
+    # fingerprint (both compared by ``_copies_agree``'s one all-reduce)
+    assert all(r["agree_gathered"] == [33] for r in three), three
     assert three[0]["agree"] == BEFORE_AGREE  # the tree before the change wrote this commit
 
 
 def test_a_layout_differing_in_one_tensor_takes_the_descriptions_path_to_the_same_commit(three):
     for r in three:
         assert r["differ"] == r["agree"]
-        # the digest, then the descriptions (longer), then the plain tensor's fingerprints
-        assert len(r["differ_gathered"]) == 3 and r["differ_gathered"][0] == 33 < r["differ_gathered"][1]
+        # the digest, then the descriptions (longer); the plain tensor's fingerprint is not gathered
+        assert len(r["differ_gathered"]) == 2 and r["differ_gathered"][0] == 33 < r["differ_gathered"][1]
 
 
 def test_a_replica_differing_in_one_element_is_refused_naming_its_holders(three):
