@@ -53,6 +53,19 @@ def _owned(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if n in mine}
 
 
+def _die_at_call(module: Any, name: str, k: int) -> None:
+    """This process dies as it makes call ``k`` (from 0) of ``module.name``, before the call runs."""
+    real, seen = getattr(module, name), [0]
+
+    def dying(*a: Any, **kw: Any) -> Any:
+        if seen[0] == k:
+            die()
+        seen[0] += 1
+        return real(*a, **kw)
+
+    setattr(module, name, dying)
+
+
 def _worker(rank: int, port: int, root: str, plan: dict[str, Any], out: str) -> None:
     """One rank: (kill plan) save step 1 and step 2 unless the ref already has them."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -61,25 +74,9 @@ def _worker(rank: int, port: int, root: str, plan: dict[str, Any], out: str) -> 
     log = OpLog(LocalStorage(root), kill_at(plan["k"]) if victim and plan["kind"] == "storage" else None)
     store = ss.Store(log, create=False)
     if victim and plan["kind"] == "collective":
-        real, seen = protocol._gather, [0]
-
-        def gather(*a: Any, **kw: Any) -> Any:
-            if seen[0] == plan["k"]:
-                die()
-            seen[0] += 1
-            return real(*a, **kw)
-
-        protocol._gather = gather
+        _die_at_call(protocol, "_gather", plan["k"])
     if victim and plan["kind"] == "rng":  # dies as it would join the coordinator's RNG-id broadcast (save k+1)
-        real_rng, saves = protocol._shared_rng, [0]
-
-        def shared_rng(*a: Any, **kw: Any) -> Any:
-            if saves[0] == plan["k"]:
-                die()
-            saves[0] += 1
-            return real_rng(*a, **kw)
-
-        protocol._shared_rng = shared_rng
+        _die_at_call(protocol, "_shared_rng", plan["k"])
     random.seed(rank)  # the RNG states are part of each commit: same seeds, same ids
     np.random.seed(rank)
     torch.manual_seed(rank)
