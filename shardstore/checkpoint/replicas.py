@@ -279,6 +279,28 @@ def shift(
     return got, sent, received
 
 
+def _shift_tiers(
+    group: Any,
+    report: ReplicaReport,
+    offer: Offer,
+    *,
+    to: int,
+    frm: int,
+    own: MemoryTier,
+    lacks: Callable[[Offer, str], bool],
+    land: Callable[[Offer, str, memoryview], None],
+) -> Offer:
+    """``shift`` between two ranks' tiers (``complete``, ``replicate``): this rank's objects read from
+    ``own``, each one received handed to ``land`` (which hashes it and writes it to a tier: buffers
+    reused); the bytes moved added to ``report``; returns the offer received."""
+    got, sent, received = shift(
+        group, offer, to=to, frm=frm, fetch_into=own.fetch_into, lacks=lacks, land=land, copies_out=True
+    )
+    report.sent += sent
+    report.received += received
+    return got
+
+
 def _box(box: torch.Tensor | None, n: int) -> torch.Tensor:
     """``box`` if it holds ``n`` bytes, else a buffer that does (a message is at most
     ``MESSAGE_BYTES`` unless one object is larger, so a box is allocated about once)."""
@@ -373,18 +395,16 @@ def complete(group: Any, *, slot: int, commit: str, objects: Iterable[str], own:
             if _try(lambda: own.put(oid, data)):
                 report.filled += len(data)  # only what the tier now holds
 
-        _, sent, received = shift(
+        _shift_tiers(
             group,
+            report,
             offers.get(d, Offer(slot, commit, [])),
             to=(rank + d) % world,
             frm=frm,
-            fetch_into=own.fetch_into,
+            own=own,
             lacks=lacks,
             land=land,
-            copies_out=True,  # land hashes each object and writes it to this slot's tier
         )
-        report.sent += sent
-        report.received += received
     return report
 
 
@@ -440,18 +460,7 @@ def replicate(
             elif t is not None:
                 _try(lambda: t.put(oid, data))
 
-        got, sent, received = shift(
-            group,
-            offer,
-            to=(rank + d) % world,
-            frm=peer,
-            fetch_into=own.fetch_into,
-            lacks=lacks,
-            land=land,
-            copies_out=True,  # land hashes each object and writes it to this host's tier
-        )
-        report.sent += sent
-        report.received += received
+        got = _shift_tiers(group, report, offer, to=(rank + d) % world, frm=peer, own=own, lacks=lacks, land=land)
         t = tier(got)
         if t is not None and got.complete and all(_has(t, o) for o, _ in got.objects):
             _try(lambda: t.hold(commit, [o for o, _ in got.objects]))
