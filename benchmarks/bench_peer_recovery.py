@@ -305,8 +305,8 @@ def table(runs: dict[int, list[dict]], args: argparse.Namespace, loads: tuple[st
         + (f"; the first update leaves {args.frozen:.0%} of the parameters unchanged" if args.frozen else "")
         + ":",
         "",
-        "| workers | restore CPU s | first update CPU s | first commit s | first commit CPU s | "
-        "lost worker's tier after the restore | peers' copies held at most |",
+        "| workers | restore CPU s (lost worker's) | first update CPU s | first commit s | "
+        "first commit CPU s (lost worker's) | lost worker's tier after the restore | peers' copies held at most |",
         "|---|---|---|---|---|---|---|",
     ]
     for world, results in runs.items():
@@ -316,11 +316,13 @@ def table(runs: dict[int, list[dict]], args: argparse.Namespace, loads: tuple[st
 
         commits = [max(r["commit"][i][0] for r in results) for i in range(len(results[0]["commit"]))]
         commit_cpu = [sum(r["commit"][i][1] for r in results) for i in range(len(results[0]["commit"]))]
+        lost_restore = _median(results[-1]["cpu"]["peers"])
+        lost_commit = _median([c[1] for c in results[-1]["commit"]])
         held = [h for h in results[-1]["held_peak"] if h is not None]
         lines.append(
-            f"| {world} | {summed('peers'):.2f} | {summed('peers + first update'):.2f} | {_median(commits):.2f} | "
-            f"{_median(commit_cpu):.2f} | {max(results[-1]['tier_after']):,} B | "
-            + (f"{max(held):,} B |" if held else "n/a |")
+            f"| {world} | {summed('peers'):.2f} ({lost_restore:.2f}) | {summed('peers + first update'):.2f} | "
+            f"{_median(commits):.2f} | {_median(commit_cpu):.2f} ({lost_commit:.2f}) | "
+            f"{max(results[-1]['tier_after']):,} B | " + (f"{max(held):,} B |" if held else "n/a |")
         )
     lines += ["", "**targets** (issue 32, item 5)", "", "| target | figure | met |", "|---|---|---|"]
     for world, speedup, stored in verdicts:
