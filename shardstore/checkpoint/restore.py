@@ -65,8 +65,9 @@ class Restored:
     extras: list[str] = field(default_factory=list)  # commit-wide extras loaded
     slot_extras: list[str] = field(default_factory=list)  # the slot's own extras loaded
     bytes_read: int = 0
-    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5.1);
-    with ``group=``, the blocks this rank read for the group (§16.2)."""
+    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5.1),
+    an object several blocks or tensors name read once; with ``group=``, the blocks this rank read
+    for the group (§16.2)."""
     skipped: list[str] = field(default_factory=list)  # strict=False: commit tensors the model does not hold
     missing: list[str] = field(
         default_factory=list
