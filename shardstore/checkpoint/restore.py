@@ -213,7 +213,9 @@ def read_plan(
         jobs += read_parts(store, item.payload, dtype, shape, part_views(item.dest, item.what), item.what)
     if not sizes_checked:
         check_reads(store, jobs, threads=max(threads, 16))  # a size query each (a HEAD on S3), before any byte lands
-    return run_reads(jobs, threads=threads)
+    # each object once, however many blocks or tensors name it: a peer's copy is handed to one
+    # read and let go (SPEC.md §19.3), so a second read of it would go to the store
+    return run_reads(jobs, threads=threads, once_per_object=True)
 
 
 def _match_tensors(lc: LoadedCommit, model: Any, slot: int | None, strict: bool) -> RestoreMatch:

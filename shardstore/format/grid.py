@@ -601,15 +601,19 @@ def staging() -> Staging:
     return Staging(STAGING_BYTES)
 
 
-def run_reads(jobs: Sequence[BlockRead], *, threads: int, window: int | None = None) -> int:
+def run_reads(
+    jobs: Sequence[BlockRead], *, threads: int, window: int | None = None, once_per_object: bool = False
+) -> int:
     """Run ``jobs`` (already checked: ``check_reads``), ``threads`` at a time, each thread
     staging through one reused buffer, with ``window`` bytes of blocks asked for ahead of them
     (``ReadAheadStore``; None: ``READ_AHEAD_BYTES`` on up to ``READ_AHEAD_THREADS`` threads, else
-    none; 0: none); return the bytes read. The first failure is raised."""
+    none; 0: none); return the bytes read. ``once_per_object``: jobs reading the same object as
+    the same block are merged, so that it is read once (``_once_per_object``). The first failure
+    is raised."""
     stage = staging()
     if len(jobs) <= 1:
         return sum(job(stage) for job in jobs)
-    jobs = _in_arrival_order(_once_per_object(jobs))
+    jobs = _in_arrival_order(_once_per_object(jobs) if once_per_object else jobs)
     if window is None:
         window = READ_AHEAD_BYTES if threads <= READ_AHEAD_THREADS else 0
     ahead = _ReadAhead(jobs, window) if window > 0 else None

@@ -469,6 +469,6 @@ def test_blocks_of_the_same_object_are_read_once_and_fill_every_destination():
     jobs = read_jobs(counting, payload, "float32", shape, a, (0, 0), "a")
     jobs += read_jobs(counting, payload, "float32", shape, b, (1, 2), "b")
     assert len(jobs) == 8
-    assert run_reads(jobs, threads=4) == 2 * 4 * 4  # the bytes read: one 2 x 4 float32 block
+    assert run_reads(jobs, threads=4, once_per_object=True) == 2 * 4 * 4  # the bytes read: one 2 x 4 float32 block
     assert counting.read == [ids[0]]
     assert torch.equal(a, whole) and torch.equal(b, whole[1:4, 2:7])
