@@ -10,9 +10,10 @@ asked, so a corrupt copy costs a read from the store, never a wrong byte. Object
 and objects read from the durable store and verified, are also kept in the ``fill`` tier
 (write-through, read-allocate), so that the first tier holds what this process last wrote or
 read from the store; a copy a peer sent is never kept there (its buddy's tier holds it
-already, and the slot's next commit writes its own bytes through: SPEC.md §19.3). ``read_bytes`` counts the bytes of objects read from each tier (``memory``,
-``peers``, ``store``), each object once, under the tier that first served it: after a restore
-the three add up to the bytes of the distinct objects it needed.
+already, and the slot's next commit writes its own bytes through: SPEC.md §19.3).
+``read_bytes`` counts the bytes of objects read from each tier (``memory``, ``peers``,
+``store``), each object once, under the tier that first served it: after a restore the three
+add up to the bytes of the distinct objects it needed.
 
 Every byte is hashed exactly once on its way into a caller's tensor: ``read_into_hashed``
 (the ``HashedReadsInto`` fast path the store uses for restores) hashes a tier's copy before
