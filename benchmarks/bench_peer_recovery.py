@@ -20,11 +20,16 @@ for a host: its memory tier is a directory of its own under /dev/shm), it:
    - **local disk**: every worker restores from the local-disk store, page cache dropped
      first (as root; said in the output when it cannot be);
    - **S3**: every worker restores from the S3 store;
-   then each worker takes one AdamW step (its first resumed update).
+   then each worker takes one AdamW step (its first resumed update); after the peers recovery
+   the group then commits that step as shardtrain's committer does (through each worker's
+   tier, held, replicated), timed and its CPU counted, and the starting commit is put back in
+   every tier (untimed) for the next repetition.
 
 It reports per method the group's restore time (the slowest worker's, between barriers), the
 time to the first resumed update, the lost worker's restore time, and the tensor bytes read
-from the durable store; and the per-hop rate of the buddy's transfer (the lost slot's bytes
+from the durable store; for the peers path, the CPU time of the restore, of the first update and
+of the first commit after it (every thread of every process), that commit's time, and what the
+lost worker's tier held after the restore; and the per-hop rate of the buddy's transfer (the lost slot's bytes
 over the exchange's time), from which it works out, on paper, a recovery from peers
 against a recovery from storage for the seed's 1.7 B model and for a 70 B model. Every
 restore is checked bitwise against the state committed.
@@ -32,7 +37,8 @@ restore is checked bitwise against the state committed.
 Numbers against moto measure a Python HTTP server on loopback, not S3; a one-machine Gloo
 "hop" is loopback TCP, not a network. Both are stand-ins, said in the table's header.
 
-    python benchmarks/bench_peer_recovery.py [--mib 1024] [--reps 3] [--workers 2,3] [--results benchmarks/RESULTS.md]
+    python benchmarks/bench_peer_recovery.py [--mib 1024] [--reps 3] [--workers 2,3] [--frozen 0]
+        [--results benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -105,8 +111,11 @@ def _zero(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
             t.zero_()
 
 
-def _first_update(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    for p in model.parameters():
+def _first_update(model: torch.nn.Module, opt: torch.optim.Optimizer, frozen: float = 0.0) -> None:
+    """One AdamW step; the first ``frozen`` fraction of the parameters get no gradient (AdamW
+    leaves them and their moments unchanged: the next commit's unchanged objects)."""
+    params = list(model.parameters())
+    for p in params[int(len(params) * frozen) :]:
         p.grad = torch.ones_like(p)
     opt.step()
     for p in model.parameters():
@@ -146,7 +155,55 @@ def worker(rank: int, port: int, world: int, args: argparse.Namespace, work: str
             dist.barrier()
 
         timer = Timer()
-        record: dict[str, Any] = {"rank": rank, "share": share, "restore": {}, "store_bytes": {}, "fetch": []}
+        record: dict[str, Any] = {
+            "rank": rank,
+            "share": share,
+            "restore": {},
+            "store_bytes": {},
+            "fetch": [],
+            "cpu": {},  # CPU seconds of this process (all threads) per phase
+            "commit": [],  # the first commit after the peers recovery: wall s, CPU s
+            "tier_after": [],  # bytes of this worker's own tier right after the peers restore
+            "held_peak": [],  # the most bytes of peers' copies held in memory during the restore
+        }
+
+        def cpu(name: str, fn: Any) -> Any:
+            c0 = time.process_time()
+            out = fn()
+            record["cpu"].setdefault(name, []).append(time.process_time() - c0)
+            return out
+
+        def commit_after() -> None:
+            """The first commit after the peers recovery, as shardtrain's committer makes it (in
+            the foreground here: timed between barriers), then the starting commit put back in
+            every tier (untimed): restored from the store, committed through the tier again (the
+            same id: no ref moved, no parent), held and replicated."""
+            own = tier(rank)
+            writer = ss.Store(TieredStorage(local.storage, [own], fill=own), create=False)
+
+            def run() -> None:
+                c2 = ss.save_distributed(
+                    writer, model, opt, info=ss.CommitInfo(step=2), rng=False, ref=None, parent=cid
+                )
+                ids2 = commit_closure(ss.load_commit(writer, c2), slot=rank).ids()
+                own.hold(c2, ids2)
+                replicate(None, slot=rank, commit=c2, objects=ids2, own=own, tier_for=tier, replicas=1)
+
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            run()
+            wall, used = time.perf_counter() - t0, time.process_time() - c0
+            dist.barrier()
+            record["commit"].append([wall, used])
+            _zero(model, opt)
+            ss.restore(local, cid, model, opt, slot=rank, rng=False)
+            again = ss.save_distributed(
+                writer, model, opt, info=ss.CommitInfo(step=1), rng=False, ref=None, parent=None
+            )
+            assert again == cid, "the starting commit put back under another id"
+            own.hold(cid, ids)
+            replicate(None, slot=rank, commit=cid, objects=ids, own=own, tier_for=tier, replicas=1)
+            dist.barrier()
 
         def restore_from(method: str) -> None:
             t0 = time.perf_counter()
@@ -160,10 +217,12 @@ def worker(rank: int, port: int, world: int, args: argparse.Namespace, work: str
                 fetching = start_fetch(None, slot=rank, commit=cid, own=mine, tier_for=tier, replicas=1)
                 reader = TieredStorage(local.storage, [mine, fetching.copies], fill=mine)
                 ss.restore(ss.Store(reader, create=False), cid, model, opt, slot=rank, rng=False)
-                _, report = fetching.wait()
+                copies, report = fetching.wait()
                 if report.received:
                     record["fetch"].append((report.received, time.perf_counter() - f0))
                 store_bytes = reader.counts()["store"]
+                record["tier_after"].append(mine.nbytes())
+                record["held_peak"].append(getattr(copies, "held_peak", None))
             else:
                 src, counter = counted(local if method == "local disk" else remote)
                 ss.restore(src, cid, model, opt, slot=rank, rng=False)
@@ -177,10 +236,15 @@ def worker(rank: int, port: int, world: int, args: argparse.Namespace, work: str
                 lose()
                 _zero(model, opt)
                 drop(rank, drop_ok and method == "local disk")
-                timer(method, lambda m=method: restore_from(m))
+                timer(method, lambda m=method: cpu(m, lambda: restore_from(m)))
                 if _digests(model, opt) != want:
                     raise SystemExit(f"rank {rank}: {method} restored other bytes than were committed")
-                timer(f"{method} + first update", lambda: _first_update(model, opt))
+                timer(
+                    f"{method} + first update",
+                    lambda m=method: cpu(f"{m} + first update", lambda: _first_update(model, opt, args.frozen)),
+                )
+                if method == "peers":
+                    commit_after()
         record["times"] = timer.times
         record["dropped"] = drop_ok
         with open(os.path.join(work, f"result.{rank}"), "w") as f:
@@ -233,6 +297,33 @@ def table(runs: dict[int, list[dict]], args: argparse.Namespace, loads: tuple[st
         verdicts.append((world, s3 / peers, peers_store))
         for n, s in results[-1]["fetch"]:
             rates.append(n / s)
+    lines += [
+        "",
+        "The peers path's CPU (every thread of every process of the group, `time.process_time`; medians) and the "
+        "first commit after the recovery (its wall time between barriers, run in the foreground here, where "
+        "shardtrain runs it in the background; through each worker's tier, held, replicated)"
+        + (f"; the first update leaves {args.frozen:.0%} of the parameters unchanged" if args.frozen else "")
+        + ":",
+        "",
+        "| workers | restore CPU s (lost worker's) | first update CPU s | first commit s | "
+        "first commit CPU s (lost worker's) | lost worker's tier after the restore | peers' copies held at most |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for world, results in runs.items():
+
+        def summed(name: str, rs: list[dict] = results) -> float:
+            return _median([sum(r["cpu"][name][i] for r in rs) for i in range(len(rs[0]["cpu"][name]))])
+
+        commits = [max(r["commit"][i][0] for r in results) for i in range(len(results[0]["commit"]))]
+        commit_cpu = [sum(r["commit"][i][1] for r in results) for i in range(len(results[0]["commit"]))]
+        lost_restore = _median(results[-1]["cpu"]["peers"])
+        lost_commit = _median([c[1] for c in results[-1]["commit"]])
+        held = [h for h in results[-1]["held_peak"] if h is not None]
+        lines.append(
+            f"| {world} | {summed('peers'):.2f} ({lost_restore:.2f}) | {summed('peers + first update'):.2f} | "
+            f"{_median(commits):.2f} | {_median(commit_cpu):.2f} ({lost_commit:.2f}) | "
+            f"{max(results[-1]['tier_after']):,} B | " + (f"{max(held):,} B |" if held else "n/a |")
+        )
     lines += ["", "**targets** (issue 32, item 5)", "", "| target | figure | met |", "|---|---|---|"]
     for world, speedup, stored in verdicts:
         lines.append(
@@ -278,6 +369,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workers", default="2,3", help="group sizes to run, e.g. 2,3")
     ap.add_argument("--warm", action="store_true", help="never drop the page cache (smoke runs)")
+    ap.add_argument(
+        "--frozen", type=float, default=0.0, help="fraction of the parameters the first update leaves unchanged"
+    )
     ap.add_argument("--results", default=None, help="write the table into this RESULTS.md")
     args = ap.parse_args()
     from moto.server import ThreadedMotoServer

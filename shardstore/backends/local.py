@@ -75,11 +75,6 @@ class LocalStorage:
                 raise InvalidName(f"{key}: {path} in store {self.root} is a symbolic link; refusing to follow it")
         return os.path.join(path, parts[-1])
 
-    def file_path(self, key: str) -> str:
-        """The file path ``key`` has in this store, checked as ``_path`` checks it (for a cache
-        that writes into a store of its own: ``MemoryTier.keep_verified``)."""
-        return self._path(key)
-
     def _dir(self, key: str) -> str:
         """``_path`` for a directory the store itself walks or writes into (``tmp``, a listing's root)."""
         path = self._path(key)

@@ -24,7 +24,6 @@ import secrets
 import stat
 import tempfile
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
 import msgspec
 
@@ -34,9 +33,8 @@ from ..format.names import check_oid
 from ..format.tensors import hash_bytes
 from .base import Buffer
 from .local import LocalStorage
-from .posix import READ_FLAGS, close_quietly, read_exact, unlink_quietly
 
-__all__ = ["TIER_ROOT_ENV", "HeldCommit", "Kept", "MemoryTier", "default_tier_root"]
+__all__ = ["TIER_ROOT_ENV", "HeldCommit", "MemoryTier", "default_tier_root"]
 
 #: Overrides where default tier roots are made (``/dev/shm`` when it exists, else the temp dir).
 TIER_ROOT_ENV = "SHARDSTORE_TIER_ROOT"
@@ -56,17 +54,6 @@ class HeldCommit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class _Index(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
     commits: tuple[HeldCommit, ...]
-
-
-class Kept(NamedTuple):
-    """The file a process wrote into a tier from bytes it had hashed to their id itself
-    (``MemoryTier.keep_verified``): which inode, its size and modification time, so that a later
-    read by the same process knows it reads that very file, unchanged since."""
-
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
 
 
 def default_tier_root(store_url: str) -> str:
@@ -151,56 +138,6 @@ class MemoryTier:
     def put(self, oid: str, data: Buffer) -> None:
         """Keep ``data`` as ``oid`` (the caller knows it hashes to ``oid``); a no-op if present."""
         self.storage.write_once(self._key(oid), data)
-
-    def keep_verified(self, oid: str, data: Buffer) -> Kept | None:
-        """Write ``data`` (the caller hashed exactly these bytes to ``oid``) as this tier's copy of
-        ``oid`` and return the file's identity (``Kept``); None when a copy was there already (not
-        this process's: a reader verifies it) or another writer linked one first. The file is made
-        whole in ``tmp/`` and linked into place, never written in place afterwards (objects are
-        write-once; a deletion unlinks), so while its identity holds it holds these bytes.
-        InvalidName if a directory on the way is a symbolic link (it could lead out of the tier;
-        ``LocalStorage`` refuses it the same way)."""
-        path = self.storage.file_path(self._key(oid))
-        if os.path.lexists(path):
-            return None
-        tmpdir = os.path.join(self.dir, "tmp")
-        os.makedirs(tmpdir, mode=0o700, exist_ok=True)
-        tmp = os.path.join(tmpdir, secrets.token_hex(16))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        try:
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view[: 1 << 30]) :]
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return None
-            finally:
-                unlink_quietly(tmp)
-            st = os.fstat(fd)  # after the link and the unlink, which change only its inode's times
-        finally:
-            close_quietly(fd)
-        return Kept(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-    def read_kept_into(self, oid: str, kept: Kept, out: memoryview) -> int | None:
-        """Read the copy of ``oid`` this process wrote (``keep_verified`` returned ``kept``) into
-        ``out``, if the file at its place is still that file, unchanged, of ``len(out)`` bytes;
-        its size, or None (another file, changed, gone, unreadable: nothing usable was read)."""
-        try:
-            fd = os.open(os.path.join(self.dir, self._key(oid)), READ_FLAGS)  # a planted named pipe: no wait
-        except (OSError, InvalidName):
-            return None
-        try:
-            st = os.fstat(fd)
-            if Kept(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != kept or st.st_size != len(out):
-                return None
-            n = read_exact(fd, out, None)
-            return n if n == len(out) else None
-        except OSError:
-            return None
-        finally:
-            close_quietly(fd)
 
     def discard(self, oid: str) -> None:
         """Drop this tier's copy of ``oid`` (a reader found it corrupt: the next fill replaces it)."""

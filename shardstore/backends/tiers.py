@@ -7,11 +7,13 @@ object read asks each tier in order (``MemoryTier``: this host's copy; ``PeerCop
 copies a peer sent) before the durable backend. A tier's copy is used only if it hashes to
 the object's id; one that does not is set aside, named (``rejected``), and the next tier
 asked, so a corrupt copy costs a read from the store, never a wrong byte. Objects written,
-and objects read from below the first tier and verified, are also kept in the ``fill`` tier
-(write-through, read-allocate), so that the first tier holds what this process last wrote
-or read. ``read_bytes`` counts the bytes of objects read from each tier (``memory``,
-``peers``, ``store``), each object once, under the tier that first served it: after a restore
-the three add up to the bytes of the distinct objects it needed.
+and objects read from the durable store and verified, are also kept in the ``fill`` tier
+(write-through, read-allocate), so that the first tier holds what this process last wrote or
+read from the store; a copy a peer sent is never kept there (its buddy's tier holds it
+already, and the slot's next commit writes its own bytes through: SPEC.md §19.3).
+``read_bytes`` counts the bytes of objects read from each tier (``memory``, ``peers``,
+``store``), each object once, under the tier that first served it: after a restore the three
+add up to the bytes of the distinct objects it needed.
 
 Every byte is hashed exactly once on its way into a caller's tensor: ``read_into_hashed``
 (the ``HashedReadsInto`` fast path the store uses for restores) hashes a tier's copy before
@@ -22,9 +24,9 @@ a buffer it is given (``StagedCopies``: the memory tier's files) reads it straig
 caller's buffer, hashing each chunk while it is in cache (one copy, no memory of its own); a
 copy that fails there is overwritten by the next tier's or the store's before the read
 returns, so none of its bytes is handed on. A copy this process verified as it arrived from a
-peer and kept unchanged since (``VerifiedReads``) is read into the caller's buffer unhashed;
-a read waiting for a peer's copy still on its way is handed it from the buffer it was verified
-in (``PeerCopies.deliver``).
+peer and has held in its own memory since (``VerifiedReads``) is read into the caller's buffer
+unhashed; a read waiting for a peer's copy still on its way is handed it from the buffer it was
+verified in (``PeerCopies.deliver``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from ..errors import InvalidName, ShardstoreError
 from ..format.names import check_oid
 from ..format.tensors import hash_bytes, new_hasher
 from .base import BatchedWrites, Buffer, HashedReads, ReadsAhead, Storage, StreamedReads
-from .memory_tier import Kept, MemoryTier
 
 __all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES", "VerifiedCopies", "VerifiedReads"]
 
@@ -94,37 +95,34 @@ class StagedCopies(Protocol):
 
 
 class PeerCopies:
-    """Objects a peer sent (``checkpoint.replicas``), kept until the restore that asked for them
-    is done; each remembers the slot that sent it, and whether it was verified against its id as
-    it arrived (``fetch_replicas`` hashes each object while the next message travels, so the
-    restore only copies it). A verified copy is held either in this process's memory (``add``)
-    or in the file this process wrote from those bytes into its memory tier (``add_kept``: the
-    tier fills as copies arrive, and the restore reads that file straight into its tensor, as
-    long as it is still the file written, unchanged).
+    """Objects a peer sent (``checkpoint.replicas``), held in this process's memory until the
+    restore that asked for them has read them (or is done); each remembers the slot that sent it,
+    and whether it was verified against its id as it arrived (``fetch_replicas`` hashes each
+    object while the next message travels, so the restore only copies it). None of them is
+    written to a memory tier (SPEC.md §19.3: its buddy's tier holds it, and the slot's next commit
+    writes its own bytes through).
 
     A restore may run while the copies arrive: the objects ``expect``ed are coming, and a read of
-    one of them waits until it has landed (``add``, ``add_kept``), was ``refused``, or the
-    exchange is over (``done``); it then reads whatever the tiers have, the store last. A read
-    waiting for a copy (``read_verified_into``) leaves its buffer here, and the exchange copies the
-    bytes it has just verified straight into it from its receive buffer (``deliver``) and keeps
-    nothing of them: the read writes them to its fill tier itself, and the restore never reads
-    such a copy back from the tier. ``arrival`` says in which order the copies are coming, so that
-    a restore can ask for them in that order (``format.grid.run_reads``) and be waiting for each
-    as it lands.
-
-    ``keeps_in``: the tier the exchange writes each verified copy no read was waiting for to, as
-    it arrives (a reader must not write such a copy there a second time)."""
+    one of them waits until it has landed (``add``), was ``refused``, or the exchange is over
+    (``done``); it then reads whatever the tiers have, the store last. A read waiting for a copy
+    (``read_verified_into``) leaves its buffer here, and the exchange copies the bytes it has just
+    verified straight into it from its receive buffer (``deliver``) and keeps nothing of them. A
+    verified copy no read was waiting for is held here until a read copies it into its buffer
+    (``read_verified_into``), then let go: the memory held is what landed ahead of the restore's
+    reads, not the slot. ``arrival`` says in which order the copies are coming, so that a restore
+    can ask for them in that order (``format.grid.run_reads``) and be waiting for each as it
+    lands."""
 
     name = "peers"
 
-    def __init__(self, *, pending: bool = False, keeps_in: MemoryTier | None = None) -> None:
+    def __init__(self, *, pending: bool = False) -> None:
         self._objects: dict[str, tuple[Buffer, int, bool]] = {}
-        self._kept: dict[str, tuple[MemoryTier, Kept, int]] = {}
         self._coming: set[str] = set()
         self._order: dict[str, int] = {}  # each expected object's place in the order they are sent
         self._waiting: dict[str, list[_Waiting]] = {}  # reads waiting for a copy, with their buffers
-        self._handed: dict[str, int] = {}  # copies handed to waiting reads as they landed, and from which peer
-        self.keeps_in = keeps_in
+        self._handed: dict[str, int] = {}  # copies handed to reads (and let go), and from which peer
+        self.held_peak = 0  # the most bytes of verified copies held here at once (landed before a read asked)
+        self._held = 0
         self._arrival = threading.Condition()
         # pending: an exchange will say what is coming; every read waits until it has (or is over)
         self._told = threading.Event()
@@ -148,8 +146,7 @@ class PeerCopies:
         buffer of each read waiting for ``oid`` now (of ``len(data)`` bytes) and let those reads
         return; the number of reads served. Only verified bytes may be handed here. A copy handed
         over has landed: this tier keeps nothing of it (``data`` is the exchange's to reuse), and
-        each read it served keeps it in the fill tier from its own buffer, as it keeps a copy
-        read from the store (``TieredStorage``: ``kept_in`` is None for it)."""
+        no tier keeps it either (``TieredStorage`` never keeps a peer's copy)."""
         served = 0
         with self._arrival:  # no read starts waiting for it meanwhile (one that comes later reads the tiers)
             for w in self._waiting.get(oid, ()):
@@ -186,18 +183,9 @@ class PeerCopies:
                 while oid in self._coming:
                     self._arrival.wait()
 
-    def kept_in(self, oid: str) -> MemoryTier | None:
-        """The tier ``oid``'s copy was (or, still on its way or being written, is to be) written to
-        as it arrived; None: it is held in memory, or not written anywhere."""
-        got = self._kept.get(oid)
-        if got is not None:
-            return got[0]
-        held = oid in self._objects or oid in self._handed
-        return self.keeps_in if oid in self._order and not held else None
-
     def __contains__(self, oid: str) -> bool:
-        """Whether a copy of ``oid`` has landed (held, or handed to the reads waiting for it; never waits)."""
-        return oid in self._objects or oid in self._kept or oid in self._handed
+        """Whether a copy of ``oid`` has landed (held, or handed to the reads it served; never waits)."""
+        return oid in self._objects or oid in self._handed
 
     def holds_or_expects(self, oid: str) -> bool:
         """Whether a copy of ``oid`` has landed or is on its way (never waits)."""
@@ -205,26 +193,25 @@ class PeerCopies:
 
     def add(self, oid: str, data: Buffer, peer: int, *, verified: bool = False) -> None:
         """Keep ``data`` as ``oid``'s copy from ``peer``; ``verified``: the caller hashed exactly
-        these bytes to ``oid`` and hands over the only reference to them."""
-        self._objects[check_oid(oid)] = (data, peer, verified)
-        self._landed(oid)
-
-    def add_kept(self, oid: str, tier: MemoryTier, kept: Kept, peer: int) -> None:
-        """``oid``'s copy from ``peer`` is the file ``tier.keep_verified`` wrote (``kept``) from
-        bytes this process hashed to ``oid``."""
-        self._kept[check_oid(oid)] = (tier, kept, peer)
+        these bytes to ``oid`` and hands over the only reference to them (held until a read
+        copies it into its buffer)."""
+        with self._arrival:
+            self._objects[check_oid(oid)] = (data, peer, verified)
+            self._held += len(data) if verified else 0
+            self.held_peak = max(self.held_peak, self._held)
         self._landed(oid)
 
     def verified(self, oid: str) -> bool:
         self._wait(oid)
         got = self._objects.get(oid)
-        return oid in self._kept if got is None else got[2]
+        return got is not None and got[2]
 
     def read_verified_into(self, oid: str, out: memoryview) -> int | None:
         """``VerifiedReads``: a verified copy of ``oid`` put in ``out`` if it has ``len(out)``
-        bytes (a kept file only while it is still the file written, unchanged); None otherwise. A
-        copy still on its way is waited for with ``out`` left here, which the exchange fills from
-        the bytes it verified (``deliver``) as soon as they have landed."""
+        bytes, and then let go (a restore reads each object into its buffer once:
+        ``format.grid.run_reads`` reads the blocks of one object once); None otherwise. A copy
+        still on its way is waited for with ``out`` left here, which the exchange fills from the
+        bytes it verified (``deliver``) as soon as they have landed."""
         self._told.wait()
         if oid in self._coming:
             w = _Waiting(out)
@@ -241,44 +228,40 @@ class PeerCopies:
             if w.filled:
                 return len(out)
         got = self._objects.get(oid)
-        if got is not None:
-            if not got[2] or len(got[0]) != len(out):
-                return None
-            out[:] = memoryview(got[0]).cast("B")
-            return len(out)
-        kept = self._kept.get(oid)
-        return None if kept is None else kept[0].read_kept_into(oid, kept[1], out)
+        if got is None or not got[2] or len(got[0]) != len(out):
+            return None
+        out[:] = memoryview(got[0]).cast("B")
+        with self._arrival:
+            if self._objects.pop(oid, None) is not None:
+                self._held -= len(got[0])
+                self._handed[oid] = got[1]
+        return len(out)
 
     def fetch(self, oid: str) -> Buffer | None:
-        """The copy of ``oid``: in memory, or read from its kept file (only while that is still the
-        file written, unchanged: what ``verified`` vouches for), else None."""
+        """The copy of ``oid`` held in memory (kept: a manifest is read more than once), else None."""
         self._wait(oid)
         got = self._objects.get(oid)
-        if got is not None:
-            return got[0]
-        kept = self._kept.get(oid)
-        if kept is None:
-            return None
-        buf = bytearray(kept[1].size)
-        return buf if kept[0].read_kept_into(oid, kept[1], memoryview(buf)) == len(buf) else None
+        return None if got is None else got[0]
 
     def where(self, oid: str) -> str:
         if oid in self._objects:
             return f"peer slot {self._objects[oid][1]}"
         if oid in self._handed:
             return f"peer slot {self._handed[oid]}"
-        return f"peer slot {self._kept[oid][2]}" if oid in self._kept else "a peer"
+        return "a peer"
 
     def __len__(self) -> int:
-        return len(self._objects) + len(self._kept)
+        return len(self._objects)
 
     def nbytes(self) -> int:
-        return sum(len(d) for d, _, _ in self._objects.values()) + sum(k.size for _, k, _ in self._kept.values())
+        """Bytes of the copies held now."""
+        return sum(len(d) for d, _, _ in self._objects.values())
 
     def clear(self) -> None:
         self.done()
-        self._objects.clear()
-        self._kept.clear()
+        with self._arrival:
+            self._objects.clear()
+            self._held = 0
         self._handed.clear()
         self._order.clear()
 
@@ -355,10 +338,12 @@ class TieredStorage:
             discard(oid)
 
     def _keep_from(self, tier: CopyTier, oid: str, data: Buffer) -> None:
-        """``_keep`` a copy ``tier`` served, unless it is in the fill tier already: its own, or a
-        peer's copy written there as it arrived (a second write would only touch its time, and so
-        end the file's standing as the very copy that was verified)."""
-        if tier is self.fill or (isinstance(tier, PeerCopies) and tier.kept_in(oid) is self.fill is not None):
+        """``_keep`` a copy ``tier`` served, unless it is the fill tier's own or a peer's: a memory
+        tier on another host (its buddy's replica) holds a peer's copy already, and the slot's next
+        commit writes every object of its closure through from its own bytes (SPEC.md §19.3), so a
+        copy kept here would be written to fresh memory on the restore's path only to be replaced
+        by that commit."""
+        if tier is self.fill or isinstance(tier, PeerCopies):
             return
         self._keep(oid, data)
 
@@ -404,8 +389,7 @@ class TieredStorage:
     def _ordered(self, oid: str) -> list[CopyTier]:
         """The tiers to ask for ``oid``: one holding a copy this process verified as it arrived, or
         a peer tier with a copy on its way, first (the object's bytes, already checked, so the
-        cheapest; and counted under the tier they came from, although they were also written to
-        the fill tier as they arrived), then the rest in their order."""
+        cheapest), then the rest in their order."""
         first = [
             t
             for t in self.tiers

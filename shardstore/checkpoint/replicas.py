@@ -32,11 +32,12 @@ the commit gets its slot's objects from its buddies into a ``PeerCopies`` tier, 
 restore reads through ``TieredStorage``. Each object is verified against its id as it lands
 (hashed on the helper thread while the next message travels, and not again by the restore).
 A restore read already waiting for it gets it from the receive buffer there and then, copied
-into its tensor (``PeerCopies.deliver``), and writes it to the worker's own tier itself; any
-other is written to that tier by the helper, and the restore reads that file straight into its
-tensor. So the tier fills while the bytes travel, and the restore reads the tier back only for
-copies that landed before it asked for them (it asks in the order they are sent). A wrong one
-is refused, named with the peer that sent it, and the restore reads it from the store instead.
+into its tensor (``PeerCopies.deliver``); any other is copied out of the receive buffer and held
+in memory until the restore copies it into its tensor (it asks for the copies in the order they
+are sent, so it is waiting for most of them). No copy is written to the worker's own tier: its
+buddy's tier holds it, and the slot's next commit writes its closure through from its own bytes
+(SPEC.md §19.3). A wrong one is refused, named with the peer that sent it, and the restore reads
+it from the store instead.
 ``start_fetch`` runs the same exchange on a thread of its own, so that a worker whose tier
 holds the commit restores from it while it sends its buddy's copies, and one that lacks it
 restores while they arrive: the sender offers the smallest objects first (the manifests a
@@ -516,11 +517,10 @@ def fetch_replicas(
     """At a restart, after the group agreed on ``commit``: every rank whose own tier does not
     hold ``commit`` for its slot gets the objects it lacks from its buddies (slot + 1, ...),
     each buddy offering its host's tier of that slot (``tier_for``). Returns the copies, each
-    verified against its id as it landed (and, with ``own``, written to that tier as it landed:
-    the tier fills while the bytes travel), and the report (``rejected``: the copies refused,
-    each naming its peer). Collective over ``group``."""
+    verified against its id as it landed and held in memory (never written to ``own``), and the
+    report (``rejected``: the copies refused, each naming its peer). Collective over ``group``."""
     need = own is None or _try_value(lambda: own.holds(commit)) is None  # a tier that cannot say: ask
-    copies = PeerCopies(keeps_in=own)
+    copies = PeerCopies()
     return _fetch(group, need, copies, slot=slot, commit=commit, own=own, tier_for=tier_for, replicas=replicas)
 
 
@@ -570,7 +570,7 @@ def start_fetch(
     that lacks them. Collective over ``group``, which nothing else may use until ``wait``."""
     need = own is None or _try_value(lambda: own.holds(commit)) is None  # a tier that cannot say: ask
     cuda = _device(group)  # the caller's device: a new thread's current CUDA device is the first one
-    copies = PeerCopies(pending=need, keeps_in=own)  # its reads wait until the exchange has said what is coming
+    copies = PeerCopies(pending=need)  # its reads wait until the exchange has said what is coming
 
     def run() -> tuple[PeerCopies, ReplicaReport]:
         if cuda.type == "cuda":
@@ -636,15 +636,12 @@ def _fetch(
                     copies.add(oid, data, _peer, verified=True)
                     return
                 # Verified: straight into the buffers of the restore's reads waiting for it, which go on
-                # at once and write it to the tier themselves (this thread lands the next copy meanwhile)
+                # at once (this thread lands the next copy meanwhile); no tier keeps it (SPEC.md §19.3)
                 if copies.deliver(oid, data, _peer):
                     return
-                # Not asked for yet: kept in the tier, whose file the restore reads straight into its tensor.
-                kept = _try_value(lambda: own.keep_verified(oid, data))
-                if kept is not None:
-                    copies.add_kept(oid, own, kept, _peer)
-                else:  # the tier could not take it: a copy in memory of its own (the message buffer is reused)
-                    copies.add(oid, bytearray(data), _peer, verified=True)
+                # Not asked for yet: held in memory of its own (the message buffer is reused) until a
+                # read copies it into its tensor, then let go
+                copies.add(oid, bytearray(data), _peer, verified=True)
 
             got, sent, received = shift(
                 group,
@@ -654,7 +651,7 @@ def _fetch(
                 fetch_into=source.fetch_into if source is not None else (lambda oid, out: None),
                 lacks=lacks,
                 land=land,
-                copies_out=own is not None,  # land writes each copy to this worker's tier: buffers reused
+                copies_out=own is not None,  # land copies out what it keeps: buffers reused
                 coming=copies.expect,  # a read of one of them waits for it (the restore runs meanwhile)
             )
             report.sent += sent

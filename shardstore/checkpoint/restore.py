@@ -65,8 +65,9 @@ class Restored:
     extras: list[str] = field(default_factory=list)  # commit-wide extras loaded
     slot_extras: list[str] = field(default_factory=list)  # the slot's own extras loaded
     bytes_read: int = 0
-    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5.1);
-    with ``group=``, the blocks this rank read for the group (§16.2)."""
+    """Tensor bytes read (and verified): whole blocks overlapping this process's slices (SPEC.md §5.1),
+    an object several blocks or tensors name read once; with ``group=``, the blocks this rank read
+    for the group (§16.2)."""
     skipped: list[str] = field(default_factory=list)  # strict=False: commit tensors the model does not hold
     missing: list[str] = field(
         default_factory=list
@@ -212,7 +213,9 @@ def read_plan(
         jobs += read_parts(store, item.payload, dtype, shape, part_views(item.dest, item.what), item.what)
     if not sizes_checked:
         check_reads(store, jobs, threads=max(threads, 16))  # a size query each (a HEAD on S3), before any byte lands
-    return run_reads(jobs, threads=threads)
+    # each object once, however many blocks or tensors name it: a peer's copy is handed to one
+    # read and let go (SPEC.md §19.3), so a second read of it would go to the store
+    return run_reads(jobs, threads=threads, once_per_object=True)
 
 
 def _match_tensors(lc: LoadedCommit, model: Any, slot: int | None, strict: bool) -> RestoreMatch:

@@ -601,15 +601,19 @@ def staging() -> Staging:
     return Staging(STAGING_BYTES)
 
 
-def run_reads(jobs: Sequence[BlockRead], *, threads: int, window: int | None = None) -> int:
+def run_reads(
+    jobs: Sequence[BlockRead], *, threads: int, window: int | None = None, once_per_object: bool = False
+) -> int:
     """Run ``jobs`` (already checked: ``check_reads``), ``threads`` at a time, each thread
     staging through one reused buffer, with ``window`` bytes of blocks asked for ahead of them
     (``ReadAheadStore``; None: ``READ_AHEAD_BYTES`` on up to ``READ_AHEAD_THREADS`` threads, else
-    none; 0: none); return the bytes read. The first failure is raised."""
+    none; 0: none); return the bytes read. ``once_per_object``: jobs reading the same object as
+    the same block are merged, so that it is read once (``_once_per_object``). The first failure
+    is raised."""
     stage = staging()
     if len(jobs) <= 1:
         return sum(job(stage) for job in jobs)
-    jobs = _in_arrival_order(jobs)
+    jobs = _in_arrival_order(_once_per_object(jobs) if once_per_object else jobs)
     if window is None:
         window = READ_AHEAD_BYTES if threads <= READ_AHEAD_THREADS else 0
     ahead = _ReadAhead(jobs, window) if window > 0 else None
@@ -623,6 +627,37 @@ def run_reads(jobs: Sequence[BlockRead], *, threads: int, window: int | None = N
         return sum(run(i) for i in range(len(jobs)))
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return sum(pool.map(run, range(len(jobs))))
+
+
+def _once_per_object(jobs: Sequence[BlockRead]) -> Sequence[BlockRead]:
+    """``jobs`` with those that read the same object as the same block (the same store, object,
+    dtype and block shape: equal tensors, such as two zero-filled moments or two norm weights of
+    ones) merged into one job that reads it once and fills every destination of each. A peer's
+    copy is handed to one read and let go (SPEC.md §19.3: no tier keeps it), so a second read of
+    the same object would go to the store; and a store is asked once instead of once per tensor."""
+    first: dict[tuple[int, str, str, tuple[int, ...]], int] = {}
+    merged: list[BlockRead] = []
+    for job in jobs:
+        key = (id(job.store), job.oid, job.dtype, tuple(job.box[1]))
+        i = first.get(key)
+        if i is None:
+            first[key] = len(merged)
+            merged.append(job)
+            continue
+        lead = merged[i]
+        # the follower's hits in the leader's block coordinates: the same destination slices,
+        # the block's bytes taken at the same place within it
+        shift = [a - b for a, b in zip(lead.box[0], job.box[0])]
+        moved = tuple(
+            (
+                local,
+                tuple(o + d for o, d in zip(origin, shift)),
+                (tuple(c + d for c, d in zip(common[0], shift)), common[1]),
+            )
+            for local, origin, common in job.hits
+        )
+        merged[i] = BlockRead(lead.store, lead.oid, lead.box, lead.hits + moved, lead.n, lead.dtype, lead.what)
+    return merged if len(merged) < len(jobs) else jobs
 
 
 def _in_arrival_order(jobs: Sequence[BlockRead]) -> Sequence[BlockRead]:

@@ -145,8 +145,9 @@ class SlotTiers:
 
     def reader(self, durable: Store) -> Store:
         """``durable`` with this worker's tiers above it (memory, then peers), every object
-        read from the store kept in its own tier; a read of a copy its buddies are still sending
-        waits for that copy alone."""
+        read from the store kept in its own tier (a copy its buddies sent is not: their tier
+        holds it, and its next commit writes it through; SPEC.md §19.3); a read of a copy its
+        buddies are still sending waits for that copy alone."""
         if self._fetching is not None:
             self.peers = self._fetching.copies
         tiers = [] if self.own is None else [self.own, self.peers]  # no tier: the store's bytes still counted
@@ -154,9 +155,11 @@ class SlotTiers:
         return Store(self._reader, create=False)
 
     def restored(self, lc: LoadedCommit | None, same_layout: bool) -> RestoreBytes:
-        """After the restore of ``lc``: hold it in the tier (its slot's closure is there now),
-        drop the peers' copies, and return the bytes read from each tier (after the start's
-        exchange with its buddies is over)."""
+        """After the restore of ``lc``: hold it in the tier if every object of its slot's
+        closure is there (a restore from the tier, or from the store, which fills it; not one
+        that read peers' copies, which no tier keeps: its first commit fills the tier), drop the
+        peers' copies, and return the bytes read from each tier (after the start's exchange with
+        its buddies is over)."""
         self._fetched()
         got = RestoreBytes() if self._reader is None else RestoreBytes(**self._reader.counts())
         if self._reader is not None:
@@ -165,7 +168,10 @@ class SlotTiers:
         self.peers.clear()
         if lc is not None and same_layout and self.own is not None:
             try:
-                self.own.hold(lc.id, commit_closure(lc, slot=self.slot).ids())
+                ids = commit_closure(lc, slot=self.slot).ids()
+                own = self.own
+                if all(own.has(o) for o in ids):  # held only whole: held.json names no commit the tier lacks
+                    own.hold(lc.id, ids)
             except (ShardstoreError, OSError) as e:
                 self.errors.append(f"holding commit {lc.id[:12]} in {self.own.dir}: {e}")
         return got

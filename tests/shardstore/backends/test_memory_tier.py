@@ -110,7 +110,8 @@ def test_a_peer_copy_is_used_only_if_it_hashes_to_its_id_and_the_peer_is_named(t
         f"object {bad}: the copy from peer slot 2 does not hash to its id (its bytes hash to "
         f"{ss.format.tensors.hash_bytes(bytes(wrong))}); not used"
     ]
-    assert empty.has(good) and empty.has(bad)  # both verified copies now kept in memory
+    # the store's copy is kept in the tier (read-allocate), the peer's is not: its buddy's tier holds it (SPEC.md §19.3)
+    assert not empty.has(good) and empty.has(bad)
 
 
 def test_a_tier_copy_of_the_wrong_size_is_refused_before_it_lands(tmp_path: Path) -> None:
@@ -167,7 +168,9 @@ def test_each_byte_read_through_the_tiers_is_hashed_exactly_once(
     assert _CountingBlake3.hashed == dest.numel() * 4  # verified once on its way in, not once per layer
     assert counted.counts()[source] == dest.numel() * 4 and not counted.rejected
     assert torch.equal(dest.view(torch.uint8), torch.frombuffer(bytearray(store.get(oid)), dtype=torch.uint8))
-    assert tier.has(oid)  # a copy from below the memory tier was kept there (read-allocate)
+    # a copy from the store is kept in the memory tier (read-allocate); a peer's is not, its
+    # buddy's tier holds it and the next commit writes it through (SPEC.md §19.3)
+    assert tier.has(oid) == (source != "peers")
 
 
 def test_every_write_goes_to_the_store_and_objects_also_to_the_tier(tmp_path: Path) -> None:
@@ -225,59 +228,35 @@ def test_the_default_root_is_named_for_the_store_and_the_user(monkeypatch: pytes
     assert default_tier_root("/data/store-a").startswith("/dev/shm/" if os.path.isdir("/dev/shm") else "/")
 
 
-def test_a_peer_copy_kept_in_the_tier_as_it_arrived_is_read_unhashed_only_while_unchanged(
+def test_a_peer_copy_that_landed_before_its_read_is_held_in_memory_read_unhashed_once_and_let_go(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """What ``fetch_replicas`` does with a copy no read is waiting for yet: verified as it lands and
+    held in this process's memory (no tier file); the read copies it into its tensor unhashed,
+    after which it is let go (the memory held is what landed ahead of the reads), and the tier
+    never gets it."""
     store = ss.open_store(str(tmp_path / "store"))
     cid = ss.save(store, TinyNet(), step=1)
     entries = ss.load_commit(store, cid).shards[0].entries
     a, b = entries[0].param, entries[1].param
     tier = MemoryTier(str(tmp_path / "tier"), 0)
     peers = PeerCopies()
-    for oid in (a, b):  # as fetch_replicas lands them: hashed in its buffer, written to the tier
-        kept = tier.keep_verified(oid, store.get(oid))
-        assert kept is not None and tier.has(oid)
-        peers.add_kept(oid, tier, kept, peer=1)
-    assert tier.keep_verified(a, store.get(a)) is None  # a copy there already is not this call's
-    _flip(tier, b)  # changed in place after it was kept: no longer vouched for
+    for oid in (a, b):  # as fetch_replicas lands them: hashed in its buffer, copied out of it
+        peers.add(oid, bytearray(store.get(oid)), peer=1, verified=True)
+    held = store.object_size(a) + store.object_size(b)
+    assert peers.nbytes() == held == peers.held_peak
     monkeypatch.setattr(ss.format.tensors, "blake3", SimpleNamespace(blake3=_CountingBlake3))
     monkeypatch.setattr(_CountingBlake3, "hashed", 0)
     reader, counted = _tiered(store, tier, peers, fill=tier)  # the tier first, as a worker reads
     dest_a = torch.empty(store.object_size(a) // 4, dtype=torch.float32)
     reader.read_into(a, dest_a)
-    assert _CountingBlake3.hashed == 0  # verified as it arrived; read straight into the tensor
+    assert _CountingBlake3.hashed == 0  # verified as it arrived; copied straight into the tensor
     assert counted.counts() == {"memory": 0, "peers": dest_a.numel() * 4, "store": 0}
-    dest_b = torch.empty(store.object_size(b) // 4, dtype=torch.float32)
-    reader.read_into(b, dest_b)  # the changed file is hashed, refused, and read from the store
-    assert counted.counts()["store"] == dest_b.numel() * 4
-    assert len(counted.rejected) == 1 and b in counted.rejected[0] and "does not hash to its id" in counted.rejected[0]
-    for oid, dest in ((a, dest_a), (b, dest_b)):
-        assert torch.equal(dest.view(torch.uint8), torch.frombuffer(bytearray(store.get(oid)), dtype=torch.uint8))
-
-
-def test_a_named_pipe_planted_where_a_kept_copy_was_never_blocks_its_read(tmp_path: Path) -> None:
-    """A kept copy replaced by a named pipe is another file: ``read_kept_into`` says so at once
-    (opened without waiting for a writer, as the store's own reads are) instead of blocking."""
-    import threading
-
-    store = ss.open_store(str(tmp_path / "store"))
-    cid = ss.save(store, TinyNet(), step=1)
-    oid = ss.load_commit(store, cid).shards[0].entries[0].param
-    tier = MemoryTier(str(tmp_path / "tier"), 0)
-    kept = tier.keep_verified(oid, store.get(oid))
-    assert kept is not None
-    path = os.path.join(tier.dir, tier._key(oid))
-    os.unlink(path)
-    os.mkfifo(path)
-    got: list[object] = []
-    t = threading.Thread(target=lambda: got.append(tier.read_kept_into(oid, kept, memoryview(bytearray(kept.size)))))
-    t.start()
-    t.join(5)
-    if t.is_alive():  # release the blocked open before failing
-        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-        t.join(5)
-        pytest.fail("read_kept_into blocked on a named pipe")
-    assert got == [None]
+    assert peers.nbytes() == store.object_size(b) and a in peers  # let go once read; b still held
+    assert not tier.has(a) and tier.objects() == []  # no tier keeps a peer's copy (SPEC.md §19.3)
+    assert torch.equal(dest_a.view(torch.uint8), torch.frombuffer(bytearray(store.get(a)), dtype=torch.uint8))
+    peers.clear()
+    assert peers.nbytes() == 0 and peers.held_peak == held
 
 
 def _waiting_read(reader: ss.Store, oid: str, dest: torch.Tensor, peers: PeerCopies) -> threading.Thread:
@@ -295,17 +274,16 @@ def test_a_read_waiting_for_a_peer_copy_gets_the_verified_bytes_without_reading_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What ``fetch_replicas`` does with a copy a restore is waiting for: hashed in its receive
-    buffer and copied from there into the waiting read's tensor (``deliver``); the read writes it
-    to the tier from its tensor (read-allocate), once. The restore neither hashes it again nor
-    reads the tier's file back."""
+    buffer and copied from there into the waiting read's tensor (``deliver``). The restore neither
+    hashes it again nor writes it to its tier (its buddy's tier holds it: SPEC.md §19.3)."""
     store = ss.open_store(str(tmp_path / "store"))
     cid = ss.save(store, TinyNet(), step=1)
     oid = ss.load_commit(store, cid).shards[0].entries[0].param
     data = bytes(store.get(oid))
     tier = MemoryTier(str(tmp_path / "tier"), 0)
-    peers = PeerCopies(pending=True, keeps_in=tier)
+    peers = PeerCopies(pending=True)
     peers.expect([oid])
-    calls = {"read_kept_into": 0, "put": 0, "fetch_into": 0}
+    calls = {"put": 0, "fetch_into": 0}
     for name in calls:
         real = getattr(MemoryTier, name)
 
@@ -326,9 +304,9 @@ def test_a_read_waiting_for_a_peer_copy_gets_the_verified_bytes_without_reading_
     t.join(5)
     assert not t.is_alive()
     assert _CountingBlake3.hashed == len(data)  # once, by the landing; the restore hashed nothing
-    assert calls == {"read_kept_into": 0, "put": 1, "fetch_into": 0}  # written to the tier once, never read back
+    assert calls == {"put": 0, "fetch_into": 0}  # neither written to the tier nor read from it
     assert counted_tiers.counts() == {"memory": 0, "peers": len(data), "store": 0}
-    assert dest.numpy().tobytes() == data and tier.has(oid)
+    assert dest.numpy().tobytes() == data and not tier.has(oid) and len(peers) == 0
 
 
 def test_a_peer_copy_refused_as_it_lands_leaves_a_waiting_read_to_the_store(tmp_path: Path) -> None:

@@ -125,7 +125,7 @@ def _body(rank: int, world: int, home: str) -> dict:
             assert into == data
         out["hashed_restoring"] = hashed[0]
         out["restore_counts"] = reader.counts()
-        out["tier_filled"] = sorted(o for o in second if own.has(o))  # written as each copy arrived
+        out["tier_filled"] = sorted(o for o in second if own.has(o))  # none: a peer's copy is not kept
     # the same exchange in the background: a worker whose tier holds the commit need not wait for it
     if rank == 1:
         own = MemoryTier(os.path.join(home, "replacement1c"), 1)
@@ -263,7 +263,8 @@ def test_a_replacement_with_an_empty_tier_gets_its_slot_from_its_buddy(ranks: li
     assert ranks[1]["fetched"] == sorted(_objects(1, 4, version=1))
     assert ranks[1]["fetch_received"] == sum(len(d) for d in _objects(1, 4, version=1).values())
     assert ranks[0]["fetched"] == ranks[2]["fetched"] == []  # their own tiers hold the commit
-    assert ranks[1]["tier_filled"] == ranks[1]["fetched"]  # its tier filled as the copies arrived
+    # no tier keeps a peer's copy (SPEC.md §19.3): its buddy's tier holds it, its next commit writes it through
+    assert ranks[1]["tier_filled"] == []
 
 
 def test_the_exchange_in_the_background_says_who_must_wait_and_brings_the_same_copies(ranks: list[dict]) -> None:

@@ -447,3 +447,28 @@ def test_metadata_only_repartition_of_a_chunked_commit_writes_no_tensor_bytes(ch
     assert store.commit(new).learned_root == lc.commit.learned_root and store.commit(new).version == 4
     assert set(store.objects()) - before == {new, *sids}  # manifests only
     assert ss.verify(store, [new]).ok
+
+
+def test_blocks_of_the_same_object_are_read_once_and_fill_every_destination():
+    """``run_reads`` reads an object once however many blocks name it (equal tiles of one tensor,
+    equal tensors): a peer's copy is handed to one read and let go (SPEC.md §19.3), so a second
+    read of it would go to the store. Each destination still gets the block's bytes at its place."""
+    from shardstore.format.grid import run_reads
+
+    shape, bound = (4, 8), 32  # four 2 x 4 tiles
+    tile = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    whole = tile.repeat(2, 2)  # every tile the same bytes: one object
+    store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
+    boxes = grid("float32", shape, block_bytes=bound)
+    ids = [store.put_tensor(whole[box_slices(b, (0, 0))].contiguous()) for b in boxes]
+    assert len(set(ids)) == 1 and len(ids) == 4
+    payload = make_payload("float32", shape, ids, block_bytes=bound)
+    counting = CountingStore(store)
+    a = torch.zeros(shape)  # a whole tensor
+    b = torch.zeros(3, 5)  # another one's slice, from (1, 2): across all four tiles
+    jobs = read_jobs(counting, payload, "float32", shape, a, (0, 0), "a")
+    jobs += read_jobs(counting, payload, "float32", shape, b, (1, 2), "b")
+    assert len(jobs) == 8
+    assert run_reads(jobs, threads=4, once_per_object=True) == 2 * 4 * 4  # the bytes read: one 2 x 4 float32 block
+    assert counting.read == [ids[0]]
+    assert torch.equal(a, whole) and torch.equal(b, whole[1:4, 2:7])

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 import shardstore
+from shardstore.backends.memory_tier import MemoryTier
 from shardstore_cli.shardtrain_cli import main as shardtrain_main
 from shardtrain.errors import RunAborted
 from shardtrain.job.default_job import prepare_default
@@ -186,6 +187,10 @@ def test_a_replacement_host_restores_from_its_buddy_with_no_store_read(two: Simp
     assert r0.restore.store == 0 and r0.restore.peers == 0
     assert r1.restore.store == 0 and r1.restore.peers > 0, r1.restore
     assert not r1.restore_rejected
+    # no tier keeps a peer's copy, so the restored commit was never recorded in the replacement's
+    # tier; its first commit (step 4) wrote its closure through and is the one commit held (SPEC.md §19.3)
+    tier = MemoryTier(two.tiers[1], 1, keep=2)
+    assert [h.commit for h in tier.held()] == [two.commits[4]] and tier.holds(two.commits[4]) is not None
 
 
 @pytest.mark.long
