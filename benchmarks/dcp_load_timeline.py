@@ -16,9 +16,11 @@ the reads; the end of ``dcp.load`` and of ``set_state_dict``) and every object r
 (``read_exact``: one block's ``readv``s and hashing). Printed per load: its wall time (first
 rank's start to last rank's end), when the device first and last read, the bytes it read, its
 busy time (``io_ticks``), the average request size and the mean number of requests in flight,
-and the share of samples with none in flight; per rank: its CPU time (``time.process_time``),
-each phase's start in ms from the load's start, and the time between object reads (the reading
-thread's work outside ``read_exact``: copies, read-ahead calls, bookkeeping).
+and the share of samples with none in flight; per rank: its CPU time (``os.times``: user +
+system, and the system part), each phase's start in ms from the load's start, and the time
+between object reads (the reading thread's work outside ``read_exact``: copies, read-ahead calls,
+bookkeeping). To compare two trees, run it from each (another checkout's ``shardstore`` first on
+``PYTHONPATH``), alternating.
 
 The probes (wrapped methods and the sampler) cost CPU of their own: compare loads within one run.
 
@@ -135,7 +137,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str)
                 db.drop(rank, True)
                 dist.barrier()
                 MARKS.clear()
-                c0, t0 = time.process_time(), time.monotonic()
+                c0, t0 = os.times(), time.monotonic()
                 sd = state(*dest)
                 if name == "fs":
                     storage: dcp.StorageReader = dcp.FileSystemReader(fs_dir)
@@ -145,9 +147,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, work: str, out: str)
                 mark("load>")
                 set_state_dict(*dest, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
                 mark("set>")
-                t1, c1 = time.monotonic(), time.process_time()
+                t1, c1 = time.monotonic(), os.times()
                 dist.barrier()
-                runs.append({"name": name, "t0": t0, "t1": t1, "cpu": c1 - c0, "marks": list(MARKS)})
+                user, system = c1.user - c0.user, c1.system - c0.system
+                runs.append({"name": name, "t0": t0, "t1": t1, "user": user, "sys": system, "marks": list(MARKS)})
                 bad = db.mismatches(*dest, want)
                 if bad:
                     raise SystemExit(f"rank {rank}, {name}: loaded state differs in {bad[:5]}")
@@ -191,7 +194,8 @@ def _report(ranks: list[list[dict]], samples: list[list[float]]) -> list[str]:
             gaps = [s[0][0] - p[1][0] for p, s in zip(spans, spans[1:])]
             phases = " ".join(f"{k}{first_at[k]:.0f}" for k in PHASES if k in first_at)
             between = f" | {len(spans)} reads, {sum(gaps):.0f} ms between them" if spans else ""
-            lines.append(f"    cpu {1000 * r['cpu']:.0f} ms  {phases}{between}")
+            cpu = f"cpu {1000 * (r['user'] + r['sys']):.0f} ms (sys {1000 * r['sys']:.0f})"
+            lines.append(f"    {cpu}  {phases}{between}")
     return lines
 
 

@@ -396,7 +396,7 @@ def test_dcp_load_timeline_report(monkeypatch) -> None:
         ("load>", 100.4),
         ("set>", 100.45),
     ]
-    run = {"name": "ss1", "t0": 100.0, "t1": 100.5, "cpu": 0.3, "marks": marks}
+    run = {"name": "ss1", "t0": 100.0, "t1": 100.5, "user": 0.2, "sys": 0.1, "marks": marks}
     lines = tl._report([[run], [dict(run, t1=100.45)]], samples)
     assert lines[0] == (
         "ss1  wall   500 ms | device: reads +100..+400 ms, 21 MB, busy 350 ms, requests 1024 KiB, "
@@ -406,7 +406,7 @@ def test_dcp_load_timeline_report(monkeypatch) -> None:
         lines[1]
         == lines[2]
         == (
-            "    cpu 300 ms  ss.meta<2 ss.plan<10 ss.data<20 ss.check<21 ss.check>30 ss.run<31 ss.data>310 "
+            "    cpu 300 ms (sys 100)  ss.meta<2 ss.plan<10 ss.data<20 ss.check<21 ss.check>30 ss.run<31 ss.data>310 "
             "load>400 set>450 | 2 reads, 50 ms between them"
         )
     )
