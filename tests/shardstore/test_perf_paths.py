@@ -698,6 +698,9 @@ def test_read_ahead_reads_a_whole_object_into_the_page_cache(tmp_path) -> None:
     path = tmp_path / "object"
     size = 4 << 20
     path.write_bytes(os.urandom(size))
+    dev = path.stat().st_dev
+    if not os.path.exists(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"):
+        pytest.skip("no readahead figure for this file system's device: the marks would be guessed")
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
