@@ -363,3 +363,50 @@ def test_adapters_benchmark_smoke(tmp_path) -> None:
     for framework in ("Lightning", "Hugging Face Trainer"):
         row = next(r for r in text.splitlines() if r.startswith(f"| {framework}: the second save writes"))
         assert row.rstrip().endswith("| yes |"), row
+
+
+def test_dcp_load_timeline_report(monkeypatch) -> None:
+    """The timeline's report (dcp_load_timeline.py; the runs themselves need root to drop the page
+    cache): the device line from /sys/block stat samples around a load, the rank line from its marks."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import dcp_load_timeline as tl
+
+    # time, read I/Os, merges, sectors read, read ticks, 4 write fields, in flight, io_ticks
+    samples = [
+        [t, reads, 0, sectors, 0, 0, 0, 0, 0, flight, ticks]
+        for t, reads, sectors, flight, ticks in (
+            (99.99, 0, 0, 0, 0),
+            (100.1, 10, 20480, 4, 100),
+            (100.4, 20, 40960, 2, 350),
+            (100.6, 20, 40960, 0, 350),
+        )
+    ]
+    marks = [
+        ("ss.meta<", 100.002),
+        ("ss.plan<", 100.01),
+        ("ss.data<", 100.02),
+        ("ss.check<", 100.021),
+        ("ss.check>", 100.03),
+        ("ss.run<", 100.031),
+        ("blk<", 100.032),
+        ("blk>", 100.1),
+        ("blk<", 100.15),
+        ("blk>", 100.3),
+        ("ss.data>", 100.31),
+        ("load>", 100.4),
+        ("set>", 100.45),
+    ]
+    run = {"name": "ss1", "t0": 100.0, "t1": 100.5, "user": 0.2, "sys": 0.1, "marks": marks}
+    lines = tl._report([[run], [dict(run, t1=100.45)]], samples)
+    assert lines[0] == (
+        "ss1  wall   500 ms | device: reads +100..+400 ms, 21 MB, busy 350 ms, requests 1024 KiB, "
+        "in flight mean 1.5, none 0.50"
+    )
+    assert (
+        lines[1]
+        == lines[2]
+        == (
+            "    cpu 300 ms (sys 100)  ss.meta<2 ss.plan<10 ss.data<20 ss.check<21 ss.check>30 ss.run<31 ss.data>310 "
+            "load>400 set>450 | 2 reads, 50 ms between them"
+        )
+    )

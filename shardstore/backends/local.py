@@ -35,10 +35,10 @@ from .posix import (
     close_quietly,
     freshen,
     fsync_dir,
+    read_ahead,
     read_exact,
     start_writeback,
     unlink_quietly,
-    will_need,
 )
 from .ref_locks import break_lock, take_lock
 
@@ -283,15 +283,16 @@ class LocalStorage:
             os.close(fd)
 
     def read_ahead(self, key: str) -> None:
-        """Have the kernel start reading the object at ``key`` into the page cache (``will_need``)
-        and return at once; nothing for a key that cannot be opened (the read that follows names
-        the failure). The bytes a read returns are still the file's, read and hashed as ever."""
+        """Have the kernel start reading the object at ``key`` into the page cache (``read_ahead``:
+        its own readahead windows, started without waiting) and return at once; nothing for a key
+        that cannot be opened or is not a regular file (the read that follows names the failure).
+        The bytes a read returns are still the file's, read and hashed as ever."""
         try:
             fd = os.open(self._path(key), READ_FLAGS)  # a planted named pipe: returns at once too
         except (OSError, InvalidName):
             return
         try:
-            will_need(fd)
+            read_ahead(fd)
         finally:
             close_quietly(fd)
 

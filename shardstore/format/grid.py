@@ -556,7 +556,9 @@ READ_AHEAD_BYTES = 64 << 20
 #: At 2 threads two reads in flight kept the device as busy as the advice did, and the advice's
 #: small folios cost CPU the ranks of a load share: ``bench_dcp`` on a quiet machine loaded at
 #: 1.03-1.08x FileSystemReader on 2 threads without it against 0.85-0.99x with it (RESULTS.md,
-#: "One reading thread reads ahead, two do not").
+#: "One reading thread reads ahead, two do not"). (Those runs advised with WILLNEED; the local
+#: backend now starts the kernel's own windows, large folios, ``backends.posix.read_ahead``: the
+#: bound was not measured again.)
 READ_AHEAD_THREADS = 1
 
 
@@ -586,7 +588,7 @@ class _ReadAhead:
         # the calls inside the lock: a thread starting a job another thread has just claimed waits
         # until it has been asked for (outside, that thread read it first; on a busy machine most
         # of a 2-thread read came before its advice). At most a window's worth of calls (open +
-        # fadvise + close each) at the first job, about one per job after it.
+        # a few one-page reads + close each) at the first job, about one per job after it.
         with self.lock:
             limit = self.starts[i] + self.window
             while self.next < len(self.jobs) and self.starts[self.next] < limit:

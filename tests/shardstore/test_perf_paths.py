@@ -9,6 +9,9 @@ loses an error.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 import shutil
 import threading
@@ -20,7 +23,7 @@ from conftest import TinyNet, make_optimizer, train_steps
 from faults import FaultyOs, patch_local_os
 
 import shardstore as ss
-from shardstore.backends import local
+from shardstore.backends import local, posix
 from shardstore.format.grid import (
     READ_AHEAD_BYTES,
     READ_AHEAD_THREADS,
@@ -367,6 +370,28 @@ def _spy_reads(monkeypatch) -> list[tuple[str, str]]:
     return events
 
 
+def _spy_kernel_ahead(monkeypatch) -> list[tuple[int, str, int]]:
+    """The read-ahead's calls into the kernel, recorded as (inode, kind, offset): ``nowait``, a
+    one-page ``preadv`` with ``RWF_NOWAIT`` (``posix.read_ahead``), or ``willneed``, its
+    ``posix_fadvise`` fallback; both still run."""
+    calls: list[tuple[int, str, int]] = []
+    preadv, fadvise = os.preadv, os.posix_fadvise
+
+    def spy_preadv(fd: int, buffers, offset: int, flags: int = 0) -> int:
+        if flags & getattr(os, "RWF_NOWAIT", 0):
+            calls.append((os.fstat(fd).st_ino, "nowait", offset))
+        return preadv(fd, buffers, offset, flags)
+
+    def spy_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            calls.append((os.fstat(fd).st_ino, "willneed", offset))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "preadv", spy_preadv)
+    monkeypatch.setattr(os, "posix_fadvise", spy_fadvise)
+    return calls
+
+
 def _blocks(store: ss.Store, n: int) -> tuple[list[torch.Tensor], list, list[torch.Tensor]]:
     """``n`` different 64 KiB tensors stored (one object each), their read jobs into zeroed copies, and the copies."""
     g = torch.Generator().manual_seed(3)
@@ -382,23 +407,20 @@ def _blocks(store: ss.Store, n: int) -> tuple[list[torch.Tensor], list, list[tor
 
 
 def test_a_one_thread_read_asks_for_the_next_blocks_within_its_window(store: ss.Store, monkeypatch) -> None:
-    """On one thread every block is asked for ahead (the kernel's readahead: ``posix_fadvise``
-    WILLNEED) before it is read, in order, and never more than the window beyond the block being
-    read: with a window of three blocks and a bit, the read of block i finds blocks 0..i+3 asked for."""
+    """On one thread every block is asked for ahead (the kernel's readahead, started by one-page
+    ``RWF_NOWAIT`` reads at its marks) before it is read, in order, and never more than the window
+    beyond the block being read: with a window of three blocks and a bit, the read of block i finds
+    blocks 0..i+3 asked for."""
     src, jobs, dest = _blocks(store, 10)
     keys = [object_key(job.oid) for job in jobs]
     events = _spy_reads(monkeypatch)
-    advised: list[int] = []
-    real = os.posix_fadvise
-
-    def spy_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
-        advised.append(advice)
-        real(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", spy_fadvise)
+    kernel = _spy_kernel_ahead(monkeypatch)
     assert run_reads(jobs, threads=1, window=3 * (64 << 10) + 1) == 10 * (64 << 10)
     assert all(torch.equal(a, b) for a, b in zip(src, dest))
-    assert [k for kind, k in events if kind == "ahead"] == keys and advised == [os.POSIX_FADV_WILLNEED] * 10
+    assert [k for kind, k in events if kind == "ahead"] == keys
+    inodes = [os.stat(os.path.join(store.storage.root, *k.split("/"))).st_ino for k in keys]
+    marks = posix.readahead_marks(16, posix._readahead_pages(os.stat(store.storage.root).st_dev))  # 64 KiB
+    assert kernel == [(ino, "nowait", m * posix.PAGE) for ino in inodes for m in marks]
     for i, key in enumerate(keys):
         at = events.index(("read", key))
         assert [k for kind, k in events[:at] if kind == "ahead"] == keys[: min(10, i + 4)], i
@@ -464,7 +486,15 @@ def test_a_read_ahead_that_fails_changes_nothing(store: ss.Store, trained, monke
     def refuse(fd: int, offset: int, length: int, advice: int) -> None:
         raise OSError(5, "Input/output error")
 
+    preadv = os.preadv
+
+    def refuse_nowait(fd: int, buffers, offset: int, flags: int = 0) -> int:
+        if flags:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return preadv(fd, buffers, offset, flags)
+
     monkeypatch.setattr(os, "posix_fadvise", refuse)
+    monkeypatch.setattr(os, "preadv", refuse_nowait)
     fresh = TinyNet(seed=1)
     fresh_opt = make_optimizer(fresh)
     ss.restore(store, cid, fresh, fresh_opt, threads=1)
@@ -484,20 +514,14 @@ def test_a_read_ahead_never_opens_an_object_through_a_symbolic_link(store: ss.St
     os.chmod(victim, 0o644)
     os.unlink(victim)
     os.symlink(outside, victim)
-    advised: list[int] = []
-    real = os.posix_fadvise
-
-    def spy_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
-        advised.append(os.fstat(fd).st_ino)
-        real(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", spy_fadvise)
-    assert store.read_ahead(jobs[1].oid) is None and advised == []
+    kernel = _spy_kernel_ahead(monkeypatch)
+    assert store.read_ahead(jobs[1].oid) is None and kernel == []
     store.read_ahead(jobs[0].oid)
-    assert advised == [os.stat(os.path.join(store.storage.root, *object_key(jobs[0].oid).split("/"))).st_ino]
+    first = os.stat(os.path.join(store.storage.root, *object_key(jobs[0].oid).split("/"))).st_ino
+    assert kernel and {ino for ino, _, _ in kernel} == {first}
     with pytest.raises(ss.InvalidName, match="symbolic link"):
         run_reads(jobs, threads=1)
-    assert outside.stat().st_ino not in advised
+    assert outside.stat().st_ino not in {ino for ino, _, _ in kernel}
     with pytest.raises(ss.InvalidName):
         store.read_ahead("../" * 3 + "etc/passwd")  # an id is checked before it becomes a path
 
@@ -583,6 +607,116 @@ def test_a_read_ahead_on_a_store_in_memory_is_a_no_op(monkeypatch) -> None:
 
 def test_a_read_ahead_on_s3_is_a_no_op(s3_server: S3Server, monkeypatch) -> None:  # noqa: F811
     _no_op_read_ahead(ss.open_store(s3_server.url(), **s3_server.options), monkeypatch)
+
+
+def test_readahead_marks_follow_the_kernels_windows() -> None:
+    """The pages ``posix.read_ahead`` reads one at a time so that Linux reads a whole file ahead:
+    page 0 (the first window, 4 pages for a one-page read), then each window's mark (the first
+    window's second page, each later window's first page), while the next window starts in the
+    file; windows grow 4x below ra_pages/16, 2x up to ra_pages (mm/readahead.c)."""
+    assert posix.readahead_marks(1024, 2048) == [0, 1, 4, 20, 84, 340]  # 4 MiB, 8 MiB readahead
+    assert posix.readahead_marks(1024, 32)[:7] == [0, 1, 4, 12, 28, 60, 92]  # 128 KiB: then 32 a window
+    assert posix.readahead_marks(100, 2048) == [0, 1, 4, 20]  # the window from 84 ends the file
+    assert posix.readahead_marks(4, 2048) == [0] and posix.readahead_marks(5, 2048) == [0, 1]
+    assert posix.readahead_marks(0, 2048) == [] and posix.readahead_marks(1024, 1) == [0]
+    assert posix.readahead_marks(1024, 4)[:4] == [0, 1, 2, 6]  # a first window of 2 pages, then 4
+
+
+def test_read_ahead_falls_back_to_the_kernels_advice(tmp_path, monkeypatch) -> None:
+    """Where ``RWF_NOWAIT`` is refused (a file system without it) or missing, and where the walk
+    would take more than ``MAX_MARKS`` reads, ``read_ahead`` asks with ``posix_fadvise(WILLNEED)``
+    instead; a file that is not regular gets neither. Nothing is read into anything a caller holds."""
+    path = tmp_path / "object"
+    data = os.urandom(256 << 10)
+    path.write_bytes(data)
+    ino = path.stat().st_ino
+    kernel = _spy_kernel_ahead(monkeypatch)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        posix.read_ahead(fd)
+        assert kernel and all(kind == "nowait" for _, kind, _ in kernel)
+        kernel.clear()
+        monkeypatch.setattr(posix, "_readahead_pages", lambda dev: 1)  # one-page windows: none after the first
+        posix.read_ahead(fd)
+        assert kernel == [(ino, "willneed", 0)]
+        kernel.clear()
+        monkeypatch.setattr(posix, "_readahead_pages", lambda dev: 2048)
+        monkeypatch.setattr(posix, "MAX_MARKS", 2)  # 64 pages take 4 marks
+        posix.read_ahead(fd)
+        assert kernel == [(ino, "willneed", 0)]
+        monkeypatch.undo()
+        kernel = _spy_kernel_ahead(monkeypatch)
+        spied = os.preadv
+
+        def refuse(fd: int, buffers, offset: int, flags: int = 0) -> int:
+            spied(fd, buffers, offset, flags)  # recorded
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+        monkeypatch.setattr(os, "preadv", refuse)
+        posix.read_ahead(fd)
+        assert kernel == [(ino, "nowait", 0), (ino, "willneed", 0)]
+        kernel.clear()
+        monkeypatch.delattr(os, "RWF_NOWAIT")
+        posix.read_ahead(fd)
+        assert kernel == [(ino, "willneed", 0)]
+    finally:
+        os.close(fd)
+    kernel.clear()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        posix.read_ahead(fd)
+    finally:
+        os.close(fd)
+    assert kernel == []
+    assert path.read_bytes() == data
+
+
+def _resident_pages(fd: int, size: int) -> list[bool]:
+    """Which pages of the file are in the page cache (``mincore`` on a private mapping of it),
+    asked without reading any."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    try:
+        anchor = ctypes.c_char.from_buffer(m)
+        vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
+        del anchor
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        return [bool(v & 1) for v in vec]
+    finally:
+        m.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="RWF_NOWAIT: Linux only")
+def test_read_ahead_reads_a_whole_object_into_the_page_cache(tmp_path) -> None:
+    """On this kernel the walk of ``readahead_marks`` brings a whole 4 MiB object into the page
+    cache without waiting for it: its pages dropped from the cache first (the file's own, with
+    ``POSIX_FADV_DONTNEED``), every page is cached soon after ``read_ahead`` returns. Where the
+    marks were wrong, the windows would stop part way and the last pages never come."""
+    path = tmp_path / "object"
+    size = 4 << 20
+    path.write_bytes(os.urandom(size))
+    dev = path.stat().st_dev
+    if not os.path.exists(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"):
+        pytest.skip("no readahead figure for this file system's device: the marks would be guessed")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if any(_resident_pages(fd, size)):
+            pytest.skip("this file system keeps the pages (tmpfs) or did not drop them")
+        t0 = time.monotonic()
+        posix.read_ahead(fd)
+        returned = time.monotonic() - t0
+        while not all(_resident_pages(fd, size)) and time.monotonic() < t0 + 5:
+            time.sleep(0.01)
+        resident = _resident_pages(fd, size)
+        assert all(resident), f"{resident.count(False)} of {len(resident)} pages not read ahead"
+        assert returned < 1.0  # it started the reads, it did not wait for them
+    finally:
+        os.close(fd)
 
 
 # -- async save ----------------------------------------------------------------------------
