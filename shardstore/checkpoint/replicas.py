@@ -546,6 +546,10 @@ class PeerFetch:
             self._result = run()
         except BaseException as e:  # noqa: BLE001 - re-raised in the waiting thread
             self._error = e
+        finally:
+            # ``_fetch`` says so itself once it has begun; a failure before it (setting the
+            # thread's CUDA device) must not leave the restore's reads waiting for copies forever
+            self.copies.done()
 
     def wait(self) -> tuple[PeerCopies, ReplicaReport]:
         """The copies and the report, once the exchange is over (its error, if it failed)."""

@@ -515,20 +515,30 @@ class BlockRead:
 
     def __call__(self, stage: Staging | None = None) -> int:
         """Read the block; ``stage`` (``staging()``): the calling thread's buffer for a block that
-        cannot land in place, reused from block to block (None: memory of its own each time)."""
-        store, oid, box, what = self.store, self.oid, self.box, self.what
+        cannot land in place, reused from block to block (None: memory of its own each time).
+        The object is read once, by ``read_into``, whatever the destination: into it in place
+        when it is the whole block in contiguous CPU memory, else into a CPU buffer copied out
+        from (a read that went through ``get_tensor`` would leave a peer's copy held by its
+        tier, ``backends.tiers.PeerCopies``, where ``read_into`` takes it and lets it go)."""
+        if len(self.hits) == 1:
+            local, origin, common = self.hits[0]
+            dest = local[box_slices(common, origin)]
+            if common == self.box and dest.is_contiguous() and dest.device.type == "cpu":
+                self.read(dest)
+                return self.n
+        buf = stage.take(self.dtype, self.box[1]) if stage is not None else None
+        if buf is None:
+            buf = torch.empty(self.box[1], dtype=torch_dtype(self.dtype))
+        self.read(buf)  # verified (or raised) before any byte is copied out
+        self.fill(buf)
+        return self.n
+
+    def read(self, out: torch.Tensor) -> None:
+        """Read the block's object into ``out`` (its size in bytes), verified against its id;
+        a missing or corrupt object is named by tensor and block."""
+        store, oid, what = self.store, self.oid, self.what
         try:
-            if len(self.hits) == 1:
-                local, origin, common = self.hits[0]
-                dest = local[box_slices(common, origin)]
-                if common == box and dest.is_contiguous():
-                    store.read_into(oid, dest, what=what)
-                    return self.n
-            buf = stage.take(self.dtype, box[1]) if stage is not None else None
-            if buf is not None:
-                store.read_into(oid, buf, what=what)  # verified (or raised) before any byte is copied out
-            else:
-                buf = store.get_tensor(oid, self.dtype, box[1], what=what)
+            store.read_into(oid, out, what=what)
         except ObjectNotFound as e:  # a partial store (copy --shard K) lacks it: say which tensor and block
             raise ObjectNotFound(
                 f"{what}: object {oid} is not in the store ({str(e).removeprefix(what + ': ')}) (SPEC.md §Slices held)"
@@ -537,11 +547,52 @@ class BlockRead:
             if what in str(e):
                 raise
             raise CorruptObject(f"{what}: {e}") from None
+
+    def fill(self, buf: torch.Tensor) -> None:
+        """Copy the block ``buf`` (already verified, in this block's dtype and shape) into every destination."""
+        box = self.box
         with torch.no_grad():
             for local, origin, common in self.hits:
                 local[box_slices(common, origin)].copy_(buf[box_slices(common, box[0])])
-        return self.n
 
+
+@dataclass(frozen=True, eq=False)  # holds destination tensors: compared by identity
+class _OneObject:
+    """Blocks that name one object as different dtypes or block shapes (the same bytes read as
+    float32 here and int32 there, or as a 2 x 4 block and an 8-element one), read as one job:
+    the object is read once into a byte buffer, verified, and each block is filled from a view
+    of it in its own dtype and shape (``_once_per_object``). Stands in for a ``BlockRead`` in
+    ``run_reads``: ``store``, ``oid`` and ``n`` are the object's."""
+
+    jobs: tuple[BlockRead, ...]
+
+    @property
+    def store(self) -> BlockStore:
+        return self.jobs[0].store
+
+    @property
+    def oid(self) -> str:
+        return self.jobs[0].oid
+
+    @property
+    def n(self) -> int:
+        return self.jobs[0].n
+
+    def __call__(self, stage: Staging | None = None) -> int:
+        lead = self.jobs[0]
+        raw = torch.empty(lead.n, dtype=torch.uint8)
+        lead.read(raw)
+        for job in self.jobs:
+            if job.n != lead.n:  # one object, one size: manifests that disagree are not read past
+                raise CorruptObject(
+                    f"{job.what}: object {job.oid} is named as {job.n} bytes and as {lead.n} ({lead.what}) (SPEC.md §Objects)"
+                )
+            job.fill(raw.view(torch_dtype(job.dtype)).view(job.box[1]))
+        return lead.n
+
+
+#: A job ``run_reads`` runs: a block, or one object read once for blocks of several dtypes or shapes.
+_Read = BlockRead | _OneObject
 
 #: Bytes of blocks ``run_reads`` asks the store for ahead of the block each job starts on, when
 #: it reads on at most ``READ_AHEAD_THREADS`` threads. The device then reads the next blocks
@@ -575,7 +626,7 @@ class _ReadAhead:
     starts, every job starting less than ``window`` bytes after it has been asked for (jobs
     start in order, whatever the thread count)."""
 
-    def __init__(self, jobs: Sequence[BlockRead], window: int) -> None:
+    def __init__(self, jobs: Sequence[_Read], window: int) -> None:
         self.jobs = jobs
         self.starts = list(itertools.accumulate((job.n for job in jobs), initial=0))
         self.window = window
@@ -609,34 +660,36 @@ def run_reads(
     """Run ``jobs`` (already checked: ``check_reads``), ``threads`` at a time, each thread
     staging through one reused buffer, with ``window`` bytes of blocks asked for ahead of them
     (``ReadAheadStore``; None: ``READ_AHEAD_BYTES`` on up to ``READ_AHEAD_THREADS`` threads, else
-    none; 0: none); return the bytes read. ``once_per_object``: jobs reading the same object as
-    the same block are merged, so that it is read once (``_once_per_object``). The first failure
-    is raised."""
+    none; 0: none); return the bytes read. ``once_per_object``: jobs reading the same object (as
+    any dtype and block shape) are merged, so that it is read once (``_once_per_object``). The
+    first failure is raised."""
     stage = staging()
     if len(jobs) <= 1:
         return sum(job(stage) for job in jobs)
-    jobs = _in_arrival_order(_once_per_object(jobs) if once_per_object else jobs)
+    order = _in_arrival_order(_once_per_object(jobs) if once_per_object else jobs)
     if window is None:
         window = READ_AHEAD_BYTES if threads <= READ_AHEAD_THREADS else 0
-    ahead = _ReadAhead(jobs, window) if window > 0 else None
+    ahead = _ReadAhead(order, window) if window > 0 else None
 
     def run(i: int) -> int:
         if ahead is not None:
             ahead(i)
-        return jobs[i](stage)
+        return order[i](stage)
 
     if threads <= 1:
-        return sum(run(i) for i in range(len(jobs)))
+        return sum(run(i) for i in range(len(order)))
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return sum(pool.map(run, range(len(jobs))))
+        return sum(pool.map(run, range(len(order))))
 
 
-def _once_per_object(jobs: Sequence[BlockRead]) -> Sequence[BlockRead]:
-    """``jobs`` with those that read the same object as the same block (the same store, object,
-    dtype and block shape: equal tensors, such as two zero-filled moments or two norm weights of
-    ones) merged into one job that reads it once and fills every destination of each. A peer's
-    copy is handed to one read and let go (SPEC.md §19.3: no tier keeps it), so a second read of
-    the same object would go to the store; and a store is asked once instead of once per tensor."""
+def _once_per_object(jobs: Sequence[BlockRead]) -> Sequence[_Read]:
+    """``jobs`` with those that read the same object merged, so that it is read once. Blocks of
+    the same dtype and block shape (equal tensors, such as two zero-filled moments or two norm
+    weights of ones, or equal tiles of one) become one ``BlockRead`` that fills every
+    destination of each; an object also named as another dtype or block shape is read by one
+    ``_OneObject`` job. A peer's copy is handed to one read and let go (SPEC.md §19.3: no tier
+    keeps it), so a second read of the same object would go to the store; and a store is asked
+    once instead of once per tensor."""
     first: dict[tuple[int, str, str, tuple[int, ...]], int] = {}
     merged: list[BlockRead] = []
     for job in jobs:
@@ -659,10 +712,21 @@ def _once_per_object(jobs: Sequence[BlockRead]) -> Sequence[BlockRead]:
             for local, origin, common in job.hits
         )
         merged[i] = BlockRead(lead.store, lead.oid, lead.box, lead.hits + moved, lead.n, lead.dtype, lead.what)
-    return merged if len(merged) < len(jobs) else jobs
+    # one object under several dtypes or block shapes: one job reads it for all of them
+    views: dict[tuple[int, str], list[BlockRead]] = {}
+    for job in merged:
+        views.setdefault((id(job.store), job.oid), []).append(job)
+    if all(len(group) == 1 for group in views.values()):
+        return merged if len(merged) < len(jobs) else jobs
+    out: list[_Read] = []
+    for job in merged:
+        group = views.pop((id(job.store), job.oid), None)
+        if group is not None:  # at the first job's place
+            out.append(group[0] if len(group) == 1 else _OneObject(tuple(group)))
+    return out
 
 
-def _in_arrival_order(jobs: Sequence[BlockRead]) -> Sequence[BlockRead]:
+def _in_arrival_order(jobs: Sequence[_Read]) -> Sequence[_Read]:
     """``jobs`` with those whose block a peer is sending (``Store.arrival``: a restore through peer
     replicas, SPEC.md §19.3) last, in the order the blocks come, the others first as they were: the
     reading threads then wait for each copy as it lands, and it is handed to them from the

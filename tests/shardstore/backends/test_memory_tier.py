@@ -127,6 +127,45 @@ def test_a_tier_copy_of_the_wrong_size_is_refused_before_it_lands(tmp_path: Path
     assert "has " in counted.rejected[0] and "not the" in counted.rejected[0]
 
 
+def test_a_peer_copy_read_into_another_device_is_staged_and_let_go(tmp_path: Path) -> None:
+    """A block whose destination is not in CPU memory (here the meta device, standing in for a
+    GPU) is read into a CPU buffer and copied out: the read takes the verified peer copy
+    (``read_verified_into``) and lets it go, where a read that went through ``get_tensor`` would
+    leave it held by ``PeerCopies`` for the rest of the restore."""
+    from shardstore.format.grid import read_jobs, run_reads
+
+    store = ss.open_store(str(tmp_path / "store"))
+    x = torch.arange(64, dtype=torch.float32)
+    oid = store.put_tensor(x)
+    peers = PeerCopies()
+    peers.add(oid, bytearray(store.get(oid)), peer=1, verified=True)
+    reader, counted = _tiered(store, peers)
+    dest = torch.empty(64, device="meta")
+    assert run_reads(read_jobs(reader, oid, "float32", (64,), dest, (0,), "w"), threads=1) == 256
+    assert counted.counts() == {"memory": 0, "peers": 256, "store": 0}
+    assert len(peers) == 0 and peers.nbytes() == 0  # handed to the read and let go
+
+
+def test_an_object_named_as_two_dtypes_is_taken_from_its_peer_once(tmp_path: Path) -> None:
+    """One peer copy of an object that two tensors name as different dtypes: read once, both
+    filled from it; none of it from the store (a second read would find the copy let go)."""
+    from shardstore.format.grid import read_jobs, run_reads
+
+    store = ss.open_store(str(tmp_path / "store"))
+    x = torch.linspace(-1, 1, 64)
+    oid = store.put_tensor(x)
+    peers = PeerCopies()
+    peers.add(oid, bytearray(store.get(oid)), peer=1, verified=True)
+    reader, counted = _tiered(store, peers)
+    a, b = torch.zeros(64), torch.zeros(8, 8, dtype=torch.int32)
+    jobs = read_jobs(reader, oid, "float32", (64,), a, (0,), "a") + read_jobs(
+        reader, oid, "int32", (8, 8), b, (0, 0), "b"
+    )
+    assert run_reads(jobs, threads=2, once_per_object=True) == 256
+    assert counted.counts() == {"memory": 0, "peers": 256, "store": 0}
+    assert torch.equal(a, x) and torch.equal(b, x.view(torch.int32).reshape(8, 8))
+
+
 class _CountingBlake3:
     """BLAKE3 with the bytes it is fed counted (class-wide ``hashed``): shardstore's one hasher."""
 

@@ -338,3 +338,26 @@ def test_each_slots_tier_is_completed_from_the_tiers_that_wrote_its_objects_each
     completing, as_buddy = got[2]["rejected"]  # in that order: completion runs first
     assert completing.startswith(f"object {bad}: the copy from slot 1 (rank 1) does not hash to its id"), completing
     assert as_buddy.startswith(f"object {bad} from peer slot 1 does not hash to its id"), as_buddy
+
+
+def test_a_fetch_that_fails_before_its_exchange_lets_the_waiting_reads_go_on() -> None:
+    """The fetch thread can fail before ``_fetch`` starts (setting its CUDA device): the reads
+    waiting for copies (``PeerCopies(pending=True)``) go on to the store, and ``wait`` raises
+    the failure, instead of a restore that waits forever."""
+    import threading
+
+    from shardstore.backends.tiers import PeerCopies
+
+    def fails() -> tuple[PeerCopies, replicas.ReplicaReport]:
+        raise RuntimeError("no such CUDA device")
+
+    fetching = replicas.PeerFetch(True, PeerCopies(pending=True), fails)
+    answer: list[object] = []
+    reader = threading.Thread(
+        target=lambda: answer.append(fetching.copies.read_verified_into("ab" * 32, memoryview(bytearray(4))))
+    )
+    reader.start()
+    reader.join(timeout=30)
+    assert not reader.is_alive() and answer == [None]  # nothing came: the read goes on to the next tier
+    with pytest.raises(RuntimeError, match="no such CUDA device"):
+        fetching.wait()

@@ -472,3 +472,25 @@ def test_blocks_of_the_same_object_are_read_once_and_fill_every_destination():
     assert run_reads(jobs, threads=4, once_per_object=True) == 2 * 4 * 4  # the bytes read: one 2 x 4 float32 block
     assert counting.read == [ids[0]]
     assert torch.equal(a, whole) and torch.equal(b, whole[1:4, 2:7])
+
+
+def test_one_object_named_as_two_dtypes_and_block_shapes_is_read_once():
+    """The same bytes may be one tensor's float32 block, another's int32 one and a third's
+    flat block (equal content, one id): ``run_reads`` reads the object once for all three
+    (``_OneObject``) and fills each from a view in its own dtype and shape."""
+    from shardstore.format.grid import run_reads
+
+    x = torch.arange(8, dtype=torch.float32).reshape(2, 4) + 0.5
+    store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
+    oid = store.put_tensor(x)
+    assert store.put_tensor(x.view(torch.int32)) == oid and store.put_tensor(x.reshape(8)) == oid
+    counting = CountingStore(store)
+    a, b, c, d = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.int32), torch.zeros(8), torch.zeros(2, 4)
+    jobs = read_jobs(counting, oid, "float32", (2, 4), a, (0, 0), "a")
+    jobs += read_jobs(counting, oid, "int32", (2, 4), b, (0, 0), "b")
+    jobs += read_jobs(counting, oid, "float32", (8,), c, (0,), "c")
+    jobs += read_jobs(counting, oid, "float32", (2, 4), d, (0, 0), "d")
+    assert run_reads(jobs, threads=2, once_per_object=True) == 32
+    assert counting.read == [oid]
+    assert torch.equal(a, x) and torch.equal(d, x)
+    assert torch.equal(b, x.view(torch.int32)) and torch.equal(c, x.reshape(8))
