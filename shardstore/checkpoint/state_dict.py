@@ -18,6 +18,7 @@ by entry name, every other value by key path) and is collected like any other::
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import StateMismatch, TensorMismatch
-from ..format.grid import check_stored_all, read_parts, staging
+from ..format.grid import Box, check_stored_all, payload_blocks, read_parts, staging
 from ..format.manifest import MAX_MANIFEST_BYTES, TREE_KEY, TensorEntry
 from ..format.tensors import dtype_name, is_dtensor, torch_dtype
 from ..sharded.read_exchange import grouped
@@ -269,8 +270,15 @@ def _read_all(
         read_plan(store, _reads(entries, fresh) + plan, threads, sizes_checked=True)  # sizes just checked
         return fresh
     fresh: dict[str, torch.Tensor] = {}
+    late: dict[str, torch.Tensor] = {}  # fresh tensors read with the plan (``shared``)
     queued: list[Future[int]] = []
     stage = staging()
+    # an object more than one block names (equal tensors or tiles: zeros, ones) is read once, by
+    # read_plan's run_reads (once_per_object) after every check: a peer's copy is handed to one read
+    # and let go (SPEC.md §19.3), so a second read of it, queued here on its own, went to the store
+    named = Counter(b[0] for n in names if n not in dests for b in payload_blocks(*checks[n][:3]))
+    named.update(b[0] for item in plan.reads for b in _blocks(item))
+    shared = {oid for oid, k in named.items() if k > 1}
     with ThreadPoolExecutor(16) as checker, ThreadPoolExecutor(threads) as reader:
         try:
             checked: dict[Any, Future[None]] = {}  # (payload, dtype, shape): its check, asked once however many entries
@@ -286,9 +294,13 @@ def _read_all(
                 # measured twice the CPU time)
                 e = entries[n]
                 t = fresh[n] = _empty(e)
+                if shared and any(b[0] in shared for b in payload_blocks(*checks[n][:3])):
+                    late[n] = t
+                    continue
                 jobs = read_parts(store, e.param, e.dtype, e.shape, [(t, (0,) * t.ndim)], f"tensor {n!r}")
                 queued += [reader.submit(job, stage) for job in jobs]
-            read_plan(store, plan, threads, sizes_checked=True)  # all checked: the caller's now
+            # all checked: the caller's now, with the fresh tensors of objects named more than once
+            read_plan(store, _reads(entries, late) + plan if late else plan, threads, sizes_checked=True)
             for f in queued:
                 f.result()
         except BaseException:
@@ -296,6 +308,11 @@ def _read_all(
                 f.cancel()
             raise
     return fresh
+
+
+def _blocks(item: ReadItem) -> list[tuple[str, Box, int]]:
+    """``payload_blocks`` of a read item (its destination's dtype and global shape, as ``read_plan`` reads it)."""
+    return payload_blocks(item.payload, dtype_name(item.dest.dtype, item.what), tuple(item.dest.shape))
 
 
 def _empty(e: TensorEntry) -> torch.Tensor:

@@ -580,13 +580,22 @@ class _OneObject:
 
     def __call__(self, stage: Staging | None = None) -> int:
         lead = self.jobs[0]
-        raw = torch.empty(lead.n, dtype=torch.uint8)
-        lead.read(raw)
+        # the thread's reused buffer where it fits, as a ``BlockRead`` stages (no fresh pages each block)
+        raw = stage.take("uint8", (lead.n,)) if stage is not None else None
+        if raw is None:
+            raw = torch.empty(lead.n, dtype=torch.uint8)
+        # read as the lead's block: an object of another size is refused naming its dtype and
+        # shape, as ``BlockRead`` alone names them (not the byte buffer it is read into)
+        lead.read(raw.view(torch_dtype(lead.dtype)).view(lead.box[1]))
+        # the object has lead.n bytes (verified): a block needing another size is refused as
+        # ``check_reads`` refuses it, before any destination is filled (the object is not corrupt)
         for job in self.jobs:
-            if job.n != lead.n:  # one object, one size: manifests that disagree are not read past
-                raise CorruptObject(
-                    f"{job.what}: object {job.oid} is named as {job.n} bytes and as {lead.n} ({lead.what}) (SPEC.md §Objects)"
+            if job.n != lead.n:
+                raise TensorMismatch(
+                    f"{job.what}: object {job.oid} holds {lead.n} bytes, but {job.dtype}{list(job.box[1])} "
+                    f"needs {job.n} (SPEC.md §Tensor objects)"
                 )
+        for job in self.jobs:
             job.fill(raw.view(torch_dtype(job.dtype)).view(job.box[1]))
         return lead.n
 

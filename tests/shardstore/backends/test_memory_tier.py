@@ -403,3 +403,37 @@ def test_no_read_ahead_from_the_store_for_an_object_a_tier_will_serve(
     for oid in (a, b, c):
         reader.read_ahead(oid)
     assert asked == [c]  # only the one no tier holds or has coming
+
+
+def test_read_state_dict_on_threads_takes_an_object_several_tensors_name_from_its_peer_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_state_dict`` into fresh tensors on several threads (checks and reads overlapped):
+    equal tensors (one object, named as two dtypes and shapes here) are read once, as the restore
+    reads them (``run_reads(once_per_object=True)``), so the peer's copy, handed to one read and
+    let go, serves all of them and none is read from the store."""
+    from shardstore.backends.local import LocalStorage
+
+    store = ss.open_store(str(tmp_path / "store"))
+    sd = {
+        "a": torch.zeros(1000),
+        "b": torch.zeros(1000),
+        "c": torch.zeros(10, 100, dtype=torch.int32),
+        "d": torch.ones(5),
+    }
+    cid = ss.save_state_dict(store, sd)
+    peers = PeerCopies()
+    for oid in store.objects():
+        peers.add(oid, bytearray(store.get(oid)), peer=1, verified=True)
+    reader, _ = _tiered(store, peers)
+    durable: list[str] = []
+    real = LocalStorage.read_into
+
+    def counted(self: LocalStorage, key: str, *a: object, **k: object) -> int:
+        durable.append(key)
+        return real(self, key, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LocalStorage, "read_into", counted)
+    got = ss.read_state_dict(reader, cid, threads=4)
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    assert durable == []  # every tensor from the peer's copies, each taken once

@@ -361,3 +361,52 @@ def test_a_fetch_that_fails_before_its_exchange_lets_the_waiting_reads_go_on() -
     assert not reader.is_alive() and answer == [None]  # nothing came: the read goes on to the next tier
     with pytest.raises(RuntimeError, match="no such CUDA device"):
         fetching.wait()
+
+
+def _own_none_body(rank: int, world: int, home: str) -> dict:
+    """Rank 0's host holds slot 1's replica; rank 1 has no tier of its own (``own=None``) and
+    restores while the copies travel, asking for each before it lands (rank 0 sends slowly), so
+    that copies are handed to the reads waiting for them (``deliver``)."""
+    import time
+
+    replicas.MESSAGE_BYTES = 4096  # two objects a message: several messages
+    host = os.path.join(home, f"nonehost{rank}")
+    tier_for = lambda slot: MemoryTier(host, slot)  # noqa: E731 - this host's tier of a slot
+    mine, theirs = _objects(rank, 6), _objects(1, 6)
+    if rank == 0:
+        own = tier_for(0)
+        for oid, data in mine.items():
+            own.put(oid, data)
+        own.hold(C1, mine)
+        buddy = tier_for(1)  # slot 1's replica on this host
+        for oid, data in theirs.items():
+            buddy.put(oid, data)
+        buddy.hold(C1, theirs)
+        fetch_into = MemoryTier.fetch_into
+
+        def slow(self: MemoryTier, *a: object, **k: object) -> int | None:
+            time.sleep(0.1)  # rank 1's reads wait for the copies
+            return fetch_into(self, *a, **k)  # type: ignore[arg-type]
+
+        MemoryTier.fetch_into = slow  # type: ignore[method-assign]  # this spawned process only
+        fetching = start_fetch(None, slot=0, commit=C1, own=own, tier_for=tier_for)
+        fetching.wait()
+        return {}
+    fetching = start_fetch(None, slot=1, commit=C1, own=None, tier_for=tier_for)
+    reader = TieredStorage(open_store(os.path.join(home, "noneempty")).storage, [fetching.copies])
+    served = []
+    for oid, data in sorted(theirs.items(), key=lambda kv: (len(kv[1]), kv[0])):  # in the order they come
+        into = bytearray(len(data))
+        got = reader.read_into_hashed(f"objects/{oid[:2]}/{oid}", memoryview(into))
+        served.append(got == (len(data), oid) and into == data)
+    copies, _ = fetching.wait()
+    return {"served": all(served), "counts": reader.counts(), "held": [len(copies), copies.nbytes()]}
+
+
+def test_a_worker_without_a_tier_keeps_no_copy_it_handed_to_a_waiting_read(tmp_path: Path) -> None:
+    """``own=None`` (no memory tier on the replacement): a copy delivered to the restore's read
+    waiting for it is let go as it is with a tier (SPEC.md §19.3, ``PeerCopies.deliver``: a copy
+    handed over is kept by no tier), not also held for the rest of the run."""
+    _, got = run_group(_own_none_body, 2, tmp_path, str(tmp_path))
+    assert got["served"] and got["counts"]["store"] == 0, got
+    assert got["held"] == [0, 0], got

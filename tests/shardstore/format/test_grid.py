@@ -494,3 +494,29 @@ def test_one_object_named_as_two_dtypes_and_block_shapes_is_read_once():
     assert counting.read == [oid]
     assert torch.equal(a, x) and torch.equal(d, x)
     assert torch.equal(b, x.view(torch.int32)) and torch.equal(c, x.reshape(8))
+
+
+def test_blocks_naming_one_object_as_different_sizes_are_refused_as_read_alone_with_nothing_filled():
+    """``_OneObject`` (one object read once for blocks of several dtypes or shapes) refuses as each
+    block read alone does: an object of another size than a block's dtype and shape is a
+    ``TensorMismatch`` naming that block's own dtype and shape (not the byte buffer it is read
+    into), and a block that needs another size than the object has is refused before any
+    destination is filled (the object itself is not corrupt: it hashed to its id)."""
+    from shardstore.format.grid import run_reads
+
+    x = torch.arange(8, dtype=torch.float32)
+    store = ss.open_store(f"memory://grid-{uuid.uuid4().hex}")
+    oid = store.put_tensor(x)
+    # every block wrong: the object has 32 bytes, each names 48 (run_reads without check_reads)
+    a, b = torch.zeros(12), torch.zeros(12, dtype=torch.int32)
+    jobs = read_jobs(store, oid, "float32", (12,), a, (0,), "tensor 'a'")
+    jobs += read_jobs(store, oid, "int32", (4, 3), b, (0, 0), "tensor 'b'")
+    with pytest.raises(ss.TensorMismatch, match=r"tensor 'a'.*float32\[12\] needs 48"):
+        run_reads(jobs, threads=1, once_per_object=True)
+    # the first block right, the second wrong: refused, naming the second, nothing filled
+    a, b = torch.zeros(8), torch.zeros(12, dtype=torch.int32)
+    jobs = read_jobs(store, oid, "float32", (8,), a, (0,), "tensor 'a'")
+    jobs += read_jobs(store, oid, "int32", (12,), b, (0,), "tensor 'b'")
+    with pytest.raises(ss.TensorMismatch, match=r"tensor 'b'.*holds 32 bytes.*int32\[12\] needs 48"):
+        run_reads(jobs, threads=1, once_per_object=True)
+    assert not a.any() and not b.any()
