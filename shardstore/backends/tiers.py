@@ -42,6 +42,14 @@ from .base import BatchedWrites, Buffer, HashedReads, ReadsAhead, Storage, Strea
 
 __all__ = ["CopyTier", "PeerCopies", "StagedCopies", "TieredStorage", "TIER_NAMES", "VerifiedCopies", "VerifiedReads"]
 
+#: The most bytes of peers' copies ``PeerCopies`` holds at once that no read has asked for yet
+#: (they landed ahead of the restore's reads). The restore reads copies in the order they are
+#: sent (``format.grid.run_reads``), so few land ahead: 48 MiB at most in
+#: ``bench_peer_recovery`` (a 512 MiB slot). A restore that reads other objects first (its own
+#: tier's, the store's) could otherwise find its whole slot held in memory; past this bound a
+#: copy is not kept, and its read goes on to the store (counted there).
+MAX_HELD_BYTES = 256 << 20
+
 #: The tiers a read is counted under, in the order they are asked.
 TIER_NAMES = ("memory", "peers", "store")
 
@@ -111,17 +119,20 @@ class PeerCopies:
     (``read_verified_into``), then let go: the memory held is what landed ahead of the restore's
     reads, not the slot. ``arrival`` says in which order the copies are coming, so that a restore
     can ask for them in that order (``format.grid.run_reads``) and be waiting for each as it
-    lands."""
+    lands. At most ``max_held`` bytes of verified copies are held ahead of their reads
+    (``MAX_HELD_BYTES``): one past it is not kept (``add``), and its read goes to the store."""
 
     name = "peers"
 
-    def __init__(self, *, pending: bool = False) -> None:
+    def __init__(self, *, pending: bool = False, max_held: int = MAX_HELD_BYTES) -> None:
         self._objects: dict[str, tuple[Buffer, int, bool]] = {}
         self._coming: set[str] = set()
         self._order: dict[str, int] = {}  # each expected object's place in the order they are sent
         self._waiting: dict[str, list[_Waiting]] = {}  # reads waiting for a copy, with their buffers
         self._handed: dict[str, int] = {}  # copies handed to reads (and let go), and from which peer
         self.held_peak = 0  # the most bytes of verified copies held here at once (landed before a read asked)
+        self.max_held = max_held
+        self.dropped = 0  # bytes of verified copies not kept: holding them would have passed ``max_held``
         self._held = 0
         self._arrival = threading.Condition()
         # pending: an exchange will say what is coming; every read waits until it has (or is over)
@@ -191,15 +202,23 @@ class PeerCopies:
         """Whether a copy of ``oid`` has landed or is on its way (never waits)."""
         return oid in self or oid in self._coming
 
-    def add(self, oid: str, data: Buffer, peer: int, *, verified: bool = False) -> None:
+    def add(self, oid: str, data: Buffer, peer: int, *, verified: bool = False, copy: bool = False) -> bool:
         """Keep ``data`` as ``oid``'s copy from ``peer``; ``verified``: the caller hashed exactly
         these bytes to ``oid`` and hands over the only reference to them (held until a read
-        copies it into its buffer)."""
+        copies it into its buffer); ``copy``: keep a copy of them instead (``data`` is the
+        caller's to reuse). False, keeping nothing, when a verified copy would take the bytes
+        held past ``max_held``: the read of ``oid`` then goes on to the next tier."""
+        check_oid(oid)
         with self._arrival:
-            self._objects[check_oid(oid)] = (data, peer, verified)
-            self._held += len(data) if verified else 0
-            self.held_peak = max(self.held_peak, self._held)
+            kept = not verified or self._held + len(data) <= self.max_held
+            if kept:
+                self._objects[oid] = (bytearray(data) if copy else data, peer, verified)
+                self._held += len(data) if verified else 0
+                self.held_peak = max(self.held_peak, self._held)
+            else:
+                self.dropped += len(data)
         self._landed(oid)
+        return kept
 
     def verified(self, oid: str) -> bool:
         self._wait(oid)

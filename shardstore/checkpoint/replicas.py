@@ -646,8 +646,9 @@ def _fetch(
                 if copies.deliver(oid, data, _peer):
                     return
                 # Not asked for yet: held in memory of its own (the message buffer is reused) until a
-                # read copies it into its tensor, then let go
-                copies.add(oid, bytearray(data), _peer, verified=True)
+                # read copies it into its tensor, then let go; past the copies' bound not kept, and
+                # its read goes to the store (``PeerCopies.max_held``)
+                copies.add(oid, data, _peer, verified=True, copy=True)
 
             got, sent, received = shift(
                 group,

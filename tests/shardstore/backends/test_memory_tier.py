@@ -166,6 +166,26 @@ def test_an_object_named_as_two_dtypes_is_taken_from_its_peer_once(tmp_path: Pat
     assert torch.equal(a, x) and torch.equal(b, x.view(torch.int32).reshape(8, 8))
 
 
+def test_peer_copies_held_ahead_of_their_reads_stay_within_their_bound(tmp_path: Path) -> None:
+    """Copies that land before any read asks for them are held up to ``max_held`` bytes: one
+    past the bound is not kept (counted as dropped), its read goes to the store, and the copies
+    held are still handed to their reads."""
+    store = ss.open_store(str(tmp_path / "store"))
+    xs = [torch.full((64,), float(i)) for i in range(3)]  # 256 bytes each
+    oids = [store.put_tensor(x) for x in xs]
+    peers = PeerCopies(max_held=600)
+    kept = [peers.add(oid, memoryview(bytes(store.get(oid))), peer=1, verified=True, copy=True) for oid in oids]
+    assert kept == [True, True, False]  # the third would hold 768 bytes
+    assert peers.held_peak == 512 and peers.dropped == 256 and len(peers) == 2
+    reader, counted = _tiered(store, peers)
+    dests = [torch.empty(64) for _ in xs]
+    for oid, dest in zip(oids, dests):
+        reader.read_into(oid, dest)
+    assert counted.counts() == {"memory": 0, "peers": 512, "store": 256}
+    assert all(torch.equal(d, x) for d, x in zip(dests, xs))
+    assert len(peers) == 0 and peers.nbytes() == 0  # each held copy let go once read
+
+
 class _CountingBlake3:
     """BLAKE3 with the bytes it is fed counted (class-wide ``hashed``): shardstore's one hasher."""
 
