@@ -158,17 +158,21 @@ class PeerCopies:
         return; the number of reads served. Only verified bytes may be handed here. A copy handed
         over has landed: this tier keeps nothing of it (``data`` is the exchange's to reuse), and
         no tier keeps it either (``TieredStorage`` never keeps a peer's copy)."""
-        served = 0
         with self._arrival:  # no read starts waiting for it meanwhile (one that comes later reads the tiers)
-            for w in self._waiting.get(oid, ()):
-                if len(w.out) == len(data):
-                    w.out[:] = data  # a waiting read's own buffer: nothing else writes it until it returns
-                    w.filled = True
-                    served += 1
-            if served:
-                self._handed[oid] = peer
-                self._coming.discard(oid)
-                self._arrival.notify_all()
+            return self._serve(oid, data, peer)
+
+    def _serve(self, oid: str, data: Buffer, peer: int) -> int:
+        """``deliver``'s work, with ``_arrival`` held by the caller."""
+        served = 0
+        for w in self._waiting.get(oid, ()):
+            if len(w.out) == len(data):
+                w.out[:] = data  # a waiting read's own buffer: nothing else writes it until it returns
+                w.filled = True
+                served += 1
+        if served:
+            self._handed[oid] = peer
+            self._coming.discard(oid)
+            self._arrival.notify_all()
         return served
 
     def _landed(self, oid: str) -> None:
@@ -206,10 +210,16 @@ class PeerCopies:
         """Keep ``data`` as ``oid``'s copy from ``peer``; ``verified``: the caller hashed exactly
         these bytes to ``oid`` and hands over the only reference to them (held until a read
         copies it into its buffer); ``copy``: keep a copy of them instead (``data`` is the
-        caller's to reuse). False, keeping nothing, when a verified copy would take the bytes
-        held past ``max_held``: the read of ``oid`` then goes on to the next tier."""
+        caller's to reuse). A verified copy a read is waiting for is handed to it (``deliver``)
+        and not held. False, keeping nothing, when a verified copy no read waits for would take
+        the bytes held past ``max_held``: the read of ``oid`` then goes on to the next tier."""
         check_oid(oid)
         with self._arrival:
+            # a read may have begun waiting since the caller's ``deliver`` found none: it takes the
+            # copy now, under the same lock, rather than find it dropped (past the bound) and go to
+            # the store for bytes verified here, or wake to copy it out of a held copy
+            if verified and self._serve(oid, data, peer):
+                return True
             kept = not verified or self._held + len(data) <= self.max_held
             if kept:
                 self._objects[oid] = (bytearray(data) if copy else data, peer, verified)

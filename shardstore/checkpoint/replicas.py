@@ -635,11 +635,14 @@ def _fetch(
                     )
                     copies.refused(oid)  # a read waiting for it goes on to the store
                     return
-                if own is None:  # its message buffer is this object's alone: held as it is, if at all
+                if own is None:  # its message buffer is not reused: held as it is, if at all
                     # handed to the reads waiting for it and let go, as with a tier below: a copy kept
                     # after its read would stay in memory for the run (no read asks for it again)
                     if not copies.deliver(oid, data, _peer):
-                        copies.add(oid, data, _peer, verified=True)
+                        # a view of a message holding other objects too would keep the whole message
+                        # alive, which max_held counts as this object's bytes alone: copied out then
+                        alone = data.obj is None or memoryview(data.obj).nbytes == data.nbytes
+                        copies.add(oid, data, _peer, verified=True, copy=not alone)
                     return
                 # Verified: straight into the buffers of the restore's reads waiting for it, which go on
                 # at once (this thread lands the next copy meanwhile); no tier keeps it (SPEC.md §19.3)

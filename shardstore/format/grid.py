@@ -700,19 +700,23 @@ def _once_per_object(jobs: Sequence[BlockRead]) -> Sequence[_Read]:
     keeps it), so a second read of the same object would go to the store; and a store is asked
     once instead of once per tensor."""
     first: dict[tuple[int, str, str, tuple[int, ...]], int] = {}
-    merged: list[BlockRead] = []
+    leads: list[BlockRead] = []
+    # each lead's followers' hits, gathered and joined to it once at the end: a new BlockRead at
+    # every merge copied all the hits so far (quadratic in the blocks: thousands of equal tensors)
+    more: list[list[tuple[torch.Tensor, tuple[int, ...], Box]]] = []
     for job in jobs:
         key = (id(job.store), job.oid, job.dtype, tuple(job.box[1]))
         i = first.get(key)
         if i is None:
-            first[key] = len(merged)
-            merged.append(job)
+            first[key] = len(leads)
+            leads.append(job)
+            more.append([])
             continue
-        lead = merged[i]
+        lead = leads[i]
         # the follower's hits in the leader's block coordinates: the same destination slices,
         # the block's bytes taken at the same place within it
         shift = [a - b for a, b in zip(lead.box[0], job.box[0])]
-        moved = tuple(
+        more[i] += (
             (
                 local,
                 tuple(o + d for o, d in zip(origin, shift)),
@@ -720,7 +724,12 @@ def _once_per_object(jobs: Sequence[BlockRead]) -> Sequence[_Read]:
             )
             for local, origin, common in job.hits
         )
-        merged[i] = BlockRead(lead.store, lead.oid, lead.box, lead.hits + moved, lead.n, lead.dtype, lead.what)
+    merged = [
+        BlockRead(lead.store, lead.oid, lead.box, lead.hits + tuple(hits), lead.n, lead.dtype, lead.what)
+        if hits
+        else lead
+        for lead, hits in zip(leads, more)
+    ]
     # one object under several dtypes or block shapes: one job reads it for all of them
     views: dict[tuple[int, str], list[BlockRead]] = {}
     for job in merged:

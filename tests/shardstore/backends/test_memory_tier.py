@@ -186,6 +186,29 @@ def test_peer_copies_held_ahead_of_their_reads_stay_within_their_bound(tmp_path:
     assert len(peers) == 0 and peers.nbytes() == 0  # each held copy let go once read
 
 
+def test_a_copy_past_the_bound_goes_to_a_read_that_began_waiting_after_deliver_found_none(tmp_path: Path) -> None:
+    """``fetch_replicas`` lands a verified copy with ``deliver`` (no read waiting yet) and then
+    ``add``; a read that starts waiting for it between the two must get the copy even when
+    holding it would pass ``max_held``: the copy is not held ahead of a read (one is waiting for
+    it), and dropping it sent that read to the store for bytes already verified in hand."""
+    store = ss.open_store(str(tmp_path / "store"))
+    x = torch.arange(64, dtype=torch.float32)
+    oid = store.put_tensor(x)
+    data = bytes(store.get(oid))
+    peers = PeerCopies(pending=True, max_held=0)  # nothing may be held ahead of its read
+    peers.expect([oid])
+    receive = memoryview(bytearray(data))  # the exchange's receive buffer, just hashed to oid
+    assert peers.deliver(oid, receive, 1) == 0  # no read waiting yet
+    reader, counted = _tiered(store, peers)
+    dest = torch.zeros(64)
+    t = _waiting_read(reader, oid, dest, peers)  # the restore asks for it now
+    assert peers.add(oid, receive, 1, verified=True, copy=True)  # handed to that read, not dropped
+    t.join(5)
+    assert not t.is_alive()
+    assert torch.equal(dest, x) and counted.counts() == {"memory": 0, "peers": len(data), "store": 0}
+    assert peers.dropped == 0 and peers.held_peak == 0 and len(peers) == 0 and peers._held == 0
+
+
 class _CountingBlake3:
     """BLAKE3 with the bytes it is fed counted (class-wide ``hashed``): shardstore's one hasher."""
 

@@ -410,3 +410,43 @@ def test_a_worker_without_a_tier_keeps_no_copy_it_handed_to_a_waiting_read(tmp_p
     _, got = run_group(_own_none_body, 2, tmp_path, str(tmp_path))
     assert got["served"] and got["counts"]["store"] == 0, got
     assert got["held"] == [0, 0], got
+
+
+def _own_none_held_body(rank: int, world: int, home: str) -> dict:
+    """As ``_own_none_body``, but rank 1 asks for nothing while the copies travel, so every copy
+    lands ahead of its read and is held; it then reads the first object of each message and
+    says how many bytes the copies still held keep alive (each distinct buffer under them)."""
+    replicas.MESSAGE_BYTES = 4096  # two objects a message: several messages
+    host = os.path.join(home, f"heldhost{rank}")
+    tier_for = lambda slot: MemoryTier(host, slot)  # noqa: E731 - this host's tier of a slot
+    mine, theirs = _objects(rank, 6), _objects(1, 6)
+    if rank == 0:
+        own = tier_for(0)
+        for oid, data in mine.items():
+            own.put(oid, data)
+        own.hold(C1, mine)
+        buddy = tier_for(1)  # slot 1's replica on this host
+        for oid, data in theirs.items():
+            buddy.put(oid, data)
+        buddy.hold(C1, theirs)
+        start_fetch(None, slot=0, commit=C1, own=own, tier_for=tier_for).wait()
+        return {}
+    copies, _ = start_fetch(None, slot=1, commit=C1, own=None, tier_for=tier_for).wait()
+    order = sorted(theirs.items(), key=lambda kv: (len(kv[1]), kv[0]))  # the order they came: 2 a message
+    for oid, data in order[::2]:
+        into = bytearray(len(data))
+        assert copies.read_verified_into(oid, memoryview(into)) == len(data) and into == data
+    bases = {}
+    for held, _, _ in copies._objects.values():
+        base = held.obj if isinstance(held, memoryview) else held
+        bases[id(base)] = memoryview(base).nbytes
+    return {"held": copies._held, "nbytes": copies.nbytes(), "alive": sum(bases.values())}
+
+
+def test_a_worker_without_a_tier_holds_no_more_than_the_bytes_of_the_copies_it_holds(tmp_path: Path) -> None:
+    """``own=None``: a copy landed ahead of its read is held, counted against ``max_held`` by its
+    own size (SPEC.md §19.3), so it must not keep alive the rest of the message it came in (other
+    objects, already read and let go): the bound would count a fraction of the memory held."""
+    _, got = run_group(_own_none_held_body, 2, tmp_path, str(tmp_path))
+    assert got["held"] == got["nbytes"] > 0, got
+    assert got["alive"] == got["held"], got
