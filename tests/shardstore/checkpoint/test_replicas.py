@@ -6,6 +6,7 @@ caught by the reader's verification and named."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -363,25 +364,31 @@ def test_a_fetch_that_fails_before_its_exchange_lets_the_waiting_reads_go_on() -
         fetching.wait()
 
 
+def _buddy_host(rank: int, host: str) -> tuple[Callable[[int], MemoryTier], MemoryTier | None, dict[str, bytes]]:
+    """Two ranks exchanging 4 KiB messages (two objects each: several messages). Rank 0's host
+    holds its own slot's commit ``C1`` and slot 1's replica of it; rank 1's tier is left empty.
+    Returns this host's ``tier_for``, rank 0's own tier (None on rank 1) and slot 1's objects."""
+    replicas.MESSAGE_BYTES = 4096
+    tier_for = lambda slot: MemoryTier(host, slot)  # noqa: E731 - this host's tier of a slot
+    theirs = _objects(1, 6)
+    if rank != 0:
+        return tier_for, None, theirs
+    for slot, objects in ((0, _objects(0, 6)), (1, theirs)):  # its own slot, then its buddy's replica
+        tier = tier_for(slot)
+        for oid, data in objects.items():
+            tier.put(oid, data)
+        tier.hold(C1, objects)
+    return tier_for, tier_for(0), theirs
+
+
 def _own_none_body(rank: int, world: int, home: str) -> dict:
     """Rank 0's host holds slot 1's replica; rank 1 has no tier of its own (``own=None``) and
     restores while the copies travel, asking for each before it lands (rank 0 sends slowly), so
     that copies are handed to the reads waiting for them (``deliver``)."""
     import time
 
-    replicas.MESSAGE_BYTES = 4096  # two objects a message: several messages
-    host = os.path.join(home, f"nonehost{rank}")
-    tier_for = lambda slot: MemoryTier(host, slot)  # noqa: E731 - this host's tier of a slot
-    mine, theirs = _objects(rank, 6), _objects(1, 6)
+    tier_for, own, theirs = _buddy_host(rank, os.path.join(home, f"nonehost{rank}"))
     if rank == 0:
-        own = tier_for(0)
-        for oid, data in mine.items():
-            own.put(oid, data)
-        own.hold(C1, mine)
-        buddy = tier_for(1)  # slot 1's replica on this host
-        for oid, data in theirs.items():
-            buddy.put(oid, data)
-        buddy.hold(C1, theirs)
         fetch_into = MemoryTier.fetch_into
 
         def slow(self: MemoryTier, *a: object, **k: object) -> int | None:
@@ -416,19 +423,8 @@ def _own_none_held_body(rank: int, world: int, home: str) -> dict:
     """As ``_own_none_body``, but rank 1 asks for nothing while the copies travel, so every copy
     lands ahead of its read and is held; it then reads the first object of each message and
     says how many bytes the copies still held keep alive (each distinct buffer under them)."""
-    replicas.MESSAGE_BYTES = 4096  # two objects a message: several messages
-    host = os.path.join(home, f"heldhost{rank}")
-    tier_for = lambda slot: MemoryTier(host, slot)  # noqa: E731 - this host's tier of a slot
-    mine, theirs = _objects(rank, 6), _objects(1, 6)
+    tier_for, own, theirs = _buddy_host(rank, os.path.join(home, f"heldhost{rank}"))
     if rank == 0:
-        own = tier_for(0)
-        for oid, data in mine.items():
-            own.put(oid, data)
-        own.hold(C1, mine)
-        buddy = tier_for(1)  # slot 1's replica on this host
-        for oid, data in theirs.items():
-            buddy.put(oid, data)
-        buddy.hold(C1, theirs)
         start_fetch(None, slot=0, commit=C1, own=own, tier_for=tier_for).wait()
         return {}
     copies, _ = start_fetch(None, slot=1, commit=C1, own=None, tier_for=tier_for).wait()
