@@ -635,23 +635,15 @@ def _fetch(
                     )
                     copies.refused(oid)  # a read waiting for it goes on to the store
                     return
-                if own is None:  # its message buffer is not reused: held as it is, if at all
-                    # handed to the reads waiting for it and let go, as with a tier below: a copy kept
-                    # after its read would stay in memory for the run (no read asks for it again)
-                    if not copies.deliver(oid, data, _peer):
-                        # a view of a message holding other objects too would keep the whole message
-                        # alive, which max_held counts as this object's bytes alone: copied out then
-                        alone = data.obj is None or memoryview(data.obj).nbytes == data.nbytes
-                        copies.add(oid, data, _peer, verified=True, copy=not alone)
-                    return
                 # Verified: straight into the buffers of the restore's reads waiting for it, which go on
-                # at once (this thread lands the next copy meanwhile); no tier keeps it (SPEC.md §19.3)
-                if copies.deliver(oid, data, _peer):
-                    return
-                # Not asked for yet: held in memory of its own (the message buffer is reused) until a
-                # read copies it into its tensor, then let go; past the copies' bound not kept, and
-                # its read goes to the store (``PeerCopies.max_held``)
-                copies.add(oid, data, _peer, verified=True, copy=True)
+                # at once (this thread lands the next copy meanwhile); no tier keeps it (SPEC.md §19.3).
+                # Not asked for yet: held in memory until a read copies it into its tensor, then let
+                # go; past the copies' bound not kept, and its read goes to the store (``PeerCopies.add``).
+                # Held as it is only when the message buffer is this object's alone and not reused
+                # (no tier of its own: ``copies_out`` off); a view of a message holding other objects
+                # would keep the whole message alive, which ``max_held`` counts as this object's bytes
+                alone = own is None and (data.obj is None or memoryview(data.obj).nbytes == data.nbytes)
+                copies.add(oid, data, _peer, verified=True, copy=not alone)
 
             got, sent, received = shift(
                 group,
