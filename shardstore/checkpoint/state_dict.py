@@ -276,7 +276,8 @@ def _read_all(
     # an object more than one block names (equal tensors or tiles: zeros, ones) is read once, by
     # read_plan's run_reads (once_per_object) after every check: a peer's copy is handed to one read
     # and let go (SPEC.md §19.3), so a second read of it, queued here on its own, went to the store
-    named = Counter(b[0] for n in names if n not in dests for b in payload_blocks(*checks[n][:3]))
+    objects = {n: [b[0] for b in payload_blocks(*checks[n][:3])] for n in names if n not in dests}
+    named = Counter(oid for ids in objects.values() for oid in ids)
     named.update(b[0] for item in plan.reads for b in _blocks(item))
     shared = {oid for oid, k in named.items() if k > 1}
     with ThreadPoolExecutor(16) as checker, ThreadPoolExecutor(threads) as reader:
@@ -294,7 +295,7 @@ def _read_all(
                 # measured twice the CPU time)
                 e = entries[n]
                 t = fresh[n] = _empty(e)
-                if shared and any(b[0] in shared for b in payload_blocks(*checks[n][:3])):
+                if shared and any(oid in shared for oid in objects[n]):
                     late[n] = t
                     continue
                 jobs = read_parts(store, e.param, e.dtype, e.shape, [(t, (0,) * t.ndim)], f"tensor {n!r}")
