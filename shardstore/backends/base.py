@@ -182,12 +182,19 @@ class BatchedWrites(Protocol):
     barrier and then linked into place, the crash ordering of ``write_once`` + ``sync``."""
 
     def begin_write(self, key: str, data: Buffer) -> str | None:
-        """Write ``data`` for ``key`` to a temporary file; its path, or None if ``key`` exists."""
+        """Write ``data`` for ``key`` to a temporary file; its path (or a token standing for an
+        unnamed one, held open until ``end_writes`` or ``discard_writes``), or None if ``key`` exists."""
         ...
 
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
         """Make the (key, temporary path) files durable, then link each into place, and make
-        the links durable too (``threads`` waits at a time); per key, True if this batch created it."""
+        the links durable too (``threads`` waits at a time); per key, True if this batch created
+        it. Every temporary file of ``pending`` is gone when this returns or raises."""
+        ...
+
+    def discard_writes(self, pending: list[tuple[str, str]]) -> None:
+        """Remove the temporary files of ``pending`` unlinked (a failed batch): nothing of them
+        is ever visible, and an unnamed one's descriptor is closed."""
         ...
 
 
@@ -219,8 +226,8 @@ class PendingWrite(Protocol):
         ...
 
     def close(self) -> str:
-        """Finish the file (writeback started, not waited for) and return its temporary path,
-        for ``BatchedWrites.end_writes``."""
+        """Finish the file (writeback started, not waited for) and return its temporary path
+        (or token), for ``BatchedWrites.end_writes``."""
         ...
 
     def discard(self) -> None:

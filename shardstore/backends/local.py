@@ -4,7 +4,9 @@
 fsync, no create-only link and no mmap. Objects are written to ``tmp/`` (writeback
 started per chunk), fsynced as a batch, then hard-linked into place (``link`` fails if the
 name exists, which makes writes create-only and concurrent writers of one object safe),
-and the batch's directories fsynced; a single ``write_once``'s directories are fsynced in
+and the batch's directories fsynced. A batched write's tmp file is unnamed (``O_TMPFILE``,
+linked through its descriptor) where the file system has them, up to ``_UnnamedFiles``'
+bound of open descriptors, else a named file in ``tmp/``; a single ``write_once``'s directories are fsynced in
 ``sync()``. A copy writes an object it receives piece by piece into its tmp file as the pieces
 arrive (``open_write``: ``_TmpWrite``), to be linked by the same ``end_writes``. A write that finds its object present refreshes the
 object's modification time, so gc's grace period protects objects a save in progress
@@ -52,6 +54,109 @@ _PARALLEL_CHUNK = 16 << 20  # one multi-threaded hasher's read: enough for both 
 _SYNC_THREADS = 8
 #: Per-thread reusable buffers for ``hash_object`` (bounded: one chunk per thread).
 _tls = threading.local()
+#: The start of the token that stands for an unnamed tmp file in a batch's pending list (never a
+#: file name: ``secrets.token_hex`` names are hex digits only).
+_UNNAMED = ".unnamed-"
+
+
+class _UnnamedFiles:
+    """The unnamed tmp files (``O_TMPFILE``) of this process's batched writes, from their write to
+    their batch's link or discard: token -> open descriptor.
+
+    An unnamed file has no entry in ``tmp/``: creating it and letting it go are no operations on
+    that directory (which every writer of the store shares, one lock for all), its fsync and its
+    link go through the descriptor (no path lookups), and an interrupted write leaves nothing
+    behind. It costs a descriptor held until the batch ends, so at most ``cap`` are open at
+    once, in the whole process (a quarter of its descriptor limit, at most 1024); past that a
+    write takes a named tmp file, as in a ``tmp/`` where unnamed files cannot be made or linked
+    (found once per directory by a probe: NFS has none, a ``/proc`` that hides descriptors
+    cannot link them)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: dict[str, int] = {}
+        self.serial = 0
+        self.cap = _descriptor_share() if hasattr(os, "O_TMPFILE") else 0
+        self.usable: dict[str, bool] = {}  # tmp directory -> whether unnamed files work there
+
+    def create(self, tmpdir: str) -> tuple[str, int] | None:
+        """(token, descriptor) of a new unnamed file in ``tmpdir``; None when at the bound or
+        where they do not work. FileNotFoundError if ``tmpdir`` is missing, as for a named file."""
+        with self.lock:
+            if len(self.open) >= self.cap or self.usable.get(tmpdir) is False:
+                return None
+            self.serial += 1
+            token = os.path.join(tmpdir, f"{_UNNAMED}{self.serial}")
+            self.open[token] = -1  # its place under the bound, taken before the open
+        try:
+            if tmpdir not in self.usable:
+                usable = _unnamed_work(tmpdir)
+                with self.lock:
+                    self.usable[tmpdir] = usable
+                if not usable:
+                    with self.lock:
+                        del self.open[token]
+                    return None
+            fd = os.open(tmpdir, os.O_WRONLY | os.O_TMPFILE, 0o644)
+        except BaseException:
+            with self.lock:
+                del self.open[token]
+            raise
+        with self.lock:
+            self.open[token] = fd
+        return token, fd
+
+    def fd(self, tmp: str) -> int | None:
+        """The descriptor of unnamed file ``tmp``; None for a named tmp file."""
+        with self.lock:
+            return self.open.get(tmp)
+
+    def drop(self, tmp: str) -> bool:
+        """Let unnamed file ``tmp`` go (closed: nothing of it stays); False if ``tmp`` is not one."""
+        with self.lock:
+            fd = self.open.pop(tmp, None)
+        if fd is None:
+            return False
+        if fd >= 0:
+            close_quietly(fd)
+        return True
+
+
+def _unnamed_work(tmpdir: str) -> bool:
+    """Whether an unnamed file made in ``tmpdir`` can be linked there (a probe, its name removed at
+    once); FileNotFoundError if ``tmpdir`` is missing."""
+    try:
+        fd = os.open(tmpdir, os.O_WRONLY | os.O_TMPFILE, 0o644)
+    except FileNotFoundError:
+        raise
+    except OSError:  # EOPNOTSUPP (NFS, older kernels: EISDIR), EINVAL: none here
+        return False
+    probe = os.path.join(tmpdir, secrets.token_hex(16))
+    try:
+        _link(probe, probe, fd)
+    except OSError:
+        return False
+    finally:
+        close_quietly(fd)
+    unlink_quietly(probe)
+    return True
+
+
+def _descriptor_share() -> int:
+    """How many unnamed tmp files may be open at once: a quarter of the soft limit on this
+    process's descriptors, at most 1024 (0 where the limit cannot be read)."""
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return 0
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(0, min(1024, soft // 4))
+
+
+_unnamed = _UnnamedFiles()
 
 
 class LocalStorage:
@@ -163,10 +268,11 @@ class LocalStorage:
     def begin_write(self, key: str, data: Buffer) -> str | None:
         """First half of a batched ``write_once``: write ``data`` to a tmp file, not yet durable
         or visible. Returns the tmp path to hand to ``end_writes``, or None if ``key`` exists."""
-        opened = self._new_tmp(key)
+        opened = self._new_tmp(key, unnamed=True)
         if opened is None:
             return None
         tmp, fd = opened
+        named = _unnamed.fd(tmp) is None  # an unnamed file stays open until its batch ends
         try:
             view = memoryview(data).cast("B")
             off = 0
@@ -175,43 +281,66 @@ class LocalStorage:
                 start_writeback(fd, off, n)
                 off += n
         except BaseException as e:
-            os.close(fd)
-            os.unlink(tmp)
+            if named:
+                close_quietly(fd)
+            self._drop_tmp(tmp)
             if isinstance(e, OSError):
                 raise self._io("write", key, e) from None
             raise
-        try:
-            os.close(fd)
-        except OSError as e:
-            unlink_quietly(tmp)
-            raise self._io("write", key, e) from None
+        if named:
+            try:
+                os.close(fd)
+            except OSError as e:
+                unlink_quietly(tmp)
+                raise self._io("write", key, e) from None
         return tmp
 
-    def _new_tmp(self, key: str) -> tuple[str, int] | None:
-        """(path, descriptor) of a new tmp file for ``key``'s bytes; None if ``key`` exists (refreshed)."""
+    def _new_tmp(self, key: str, *, unnamed: bool) -> tuple[str, int] | None:
+        """(path or token, descriptor) of a new tmp file for ``key``'s bytes; None if ``key``
+        exists (refreshed). ``unnamed``: an unnamed file where one can be had (``_UnnamedFiles``),
+        for a caller that keeps the descriptor until its batch ends."""
         path = self._path(key)
         if os.path.lexists(path):
             freshen(path)
             return None
         tmpdir = self._dir("tmp")
-        tmp = os.path.join(tmpdir, secrets.token_hex(16))
         try:  # ``tmp`` made only when missing (a mkdir of an existing directory still locks it); the object's at the link
-            return tmp, _create(tmp)
+            return self._open_tmp(tmpdir, unnamed)
         except FileNotFoundError:
             try:
                 os.makedirs(tmpdir, exist_ok=True)
-                return tmp, _create(tmp)
+                return self._open_tmp(tmpdir, unnamed)
             except OSError as e:
                 raise self._io("write", key, e) from None
         except OSError as e:
             raise self._io("write", key, e) from None
+
+    @staticmethod
+    def _open_tmp(tmpdir: str, unnamed: bool) -> tuple[str, int]:
+        made = _unnamed.create(tmpdir) if unnamed else None
+        if made is not None:
+            return made
+        tmp = os.path.join(tmpdir, secrets.token_hex(16))
+        return tmp, _create(tmp)
+
+    @staticmethod
+    def _drop_tmp(tmp: str) -> None:
+        """Remove a tmp file of a batched write: close an unnamed one, unlink a named one."""
+        if not _unnamed.drop(tmp):
+            unlink_quietly(tmp)
+
+    def discard_writes(self, pending: list[tuple[str, str]]) -> None:
+        """Remove the tmp files of ``pending`` ((key, tmp) pairs a ``begin_write`` or an
+        ``open_write`` returned) without linking any: nothing of them is ever visible."""
+        for _key, tmp in pending:
+            self._drop_tmp(tmp)
 
     def open_write(self, key: str) -> _TmpWrite | None:
         """``begin_write`` for bytes that arrive piece by piece (a copy's, hashed on the way): the
         tmp file to write them into, its path to hand to ``end_writes`` once closed; None if
         ``key`` exists (refreshed). Writeback starts at ``close``, from the caller's thread:
         pieces may be written on an event loop, which must not wait for the device."""
-        opened = self._new_tmp(key)
+        opened = self._new_tmp(key, unnamed=True)
         return None if opened is None else _TmpWrite(self, key, *opened)
 
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:
@@ -224,6 +353,10 @@ class LocalStorage:
         def fsync(item: tuple[str, str]) -> None:
             key, tmp = item
             try:
+                fd = _unnamed.fd(tmp)
+                if fd is not None:
+                    os.fsync(fd)
+                    return
                 fd = os.open(tmp, os.O_RDONLY)
                 try:
                     os.fsync(fd)
@@ -239,7 +372,7 @@ class LocalStorage:
             for key, tmp in pending:
                 path = self._path(key)
                 try:
-                    _link(tmp, path)
+                    _link(tmp, path, _unnamed.fd(tmp))
                     written.append(True)
                 except FileExistsError:
                     freshen(path)
@@ -252,8 +385,7 @@ class LocalStorage:
                 self._dirty.update(dirs)  # names linked before the failure: durable at the next sync()
             raise
         finally:
-            for _key, tmp in pending:
-                unlink_quietly(tmp)
+            self.discard_writes(pending)  # the tmp names (an unnamed file: its descriptor) go, linked or not
         self._sync_dirs(sorted(dirs, key=len, reverse=True), threads)
         return written
 
@@ -515,6 +647,7 @@ class _TmpWrite:
 
     def __init__(self, storage: LocalStorage, key: str, tmp: str, fd: int) -> None:
         self.storage, self.key, self.tmp, self.fd, self.size = storage, key, tmp, fd, 0
+        self.named = _unnamed.fd(tmp) is None  # an unnamed file's descriptor stays open until its batch ends
 
     def write(self, piece: Buffer) -> None:
         view = memoryview(piece).cast("B")
@@ -539,18 +672,19 @@ class _TmpWrite:
     def close(self) -> str:
         fd, self.fd = self.fd, -1
         start_writeback(fd, 0, self.size)  # the whole file at once: it is written by now
-        try:
-            os.close(fd)
-        except OSError as e:
-            unlink_quietly(self.tmp)
-            raise self.storage._io("write", self.key, e) from None
+        if self.named:
+            try:
+                os.close(fd)
+            except OSError as e:
+                unlink_quietly(self.tmp)
+                raise self.storage._io("write", self.key, e) from None
         return self.tmp
 
     def discard(self) -> None:
-        if self.fd >= 0:
+        if self.fd >= 0 and self.named:
             close_quietly(self.fd)
-            self.fd = -1
-        unlink_quietly(self.tmp)
+        self.fd = -1
+        self.storage._drop_tmp(self.tmp)
 
 
 def _create(path: str) -> int:
@@ -558,15 +692,25 @@ def _create(path: str) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
 
-def _link(tmp: str, path: str) -> None:
-    """Link ``tmp`` at ``path``, create-only (FileExistsError if taken), making its directory if missing."""
+def _link(tmp: str, path: str, fd: int | None = None) -> None:
+    """Link ``tmp`` at ``path``, create-only (FileExistsError if taken), making its directory if
+    missing; ``fd``: the descriptor of an unnamed tmp file, linked through it instead."""
+    if fd is None:
+        src, link = tmp, os.link
+    else:  # linkat(2) with AT_SYMLINK_FOLLOW of the descriptor's /proc entry (unprivileged, unlike AT_EMPTY_PATH);
+        # os.link makes that call only when given a source directory descriptor, which an absolute path ignores
+        src = f"/proc/self/fd/{fd}"
+
+        def link(src: str, path: str) -> None:
+            os.link(src, path, src_dir_fd=fd, follow_symlinks=True)
+
     try:
-        os.link(tmp, path)
+        link(src, path)
     except FileNotFoundError:
-        if not os.path.exists(tmp):
+        if not os.path.exists(src):
             raise
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.link(tmp, path)
+        link(src, path)
 
 
 def _each(fn: Callable[[Any], None], items: Sequence[Any], threads: int) -> None:

@@ -587,6 +587,10 @@ class TieredStorage:
             return []
         return self.durable.end_writes(pending, threads=threads)
 
+    def discard_writes(self, pending: list[tuple[str, str]]) -> None:
+        if isinstance(self.durable, BatchedWrites):
+            self.durable.discard_writes(pending)
+
     def swap(self, key: str, expected: bytes | None, new: bytes) -> None:
         self.durable.swap(key, expected, new)
 

@@ -218,7 +218,7 @@ class StoreWriter(StorageWriter):
             )
             writes.finish(store.storage, threads=self.thread_count)
         finally:
-            writes.abandon()  # a failed write leaves no tmp file behind (nothing once finished)
+            writes.abandon(store.storage)  # a failed write leaves no tmp file behind (nothing once finished)
         store.sync()  # every object durable before write_data reports it (SPEC.md §15)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

@@ -322,7 +322,7 @@ def copy_commit(
             done = pool_map(one, jobs, threads)
             wb.finish(dst.storage, threads=min(threads, _FSYNC_THREADS))
         except BaseException:
-            wb.abandon()
+            wb.abandon(dst.storage)
             raise
         for copied, n in done:
             result._add(copied, n)

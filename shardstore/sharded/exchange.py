@@ -222,7 +222,7 @@ def run_plan(
         if _any_failed(error, group):
             return None
     finally:
-        run.writes.abandon()  # a failed exchange leaves no tmp file behind (nothing once finished)
+        run.writes.abandon(store.storage)  # a failed exchange leaves no tmp file behind (nothing once finished)
     table = torch.zeros((len(plans), 32), dtype=torch.uint8)
     for k, raw in enumerate(ids):
         if raw is not None:

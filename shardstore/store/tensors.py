@@ -55,7 +55,7 @@ class WriteBatch:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.claimed: set[str] = set()  # ids written (or being written) in this batch: one write each
-        self.pending: list[tuple[str, str]] = []  # (key, tmp path) awaiting end_writes
+        self.pending: list[tuple[str, str]] = []  # (key, tmp path or token) awaiting end_writes
 
     def finish(self, storage: Storage, *, threads: int = WRITE_THREADS) -> None:
         """fsync every pending tmp file, link it into place and fsync the directories the links
@@ -65,14 +65,13 @@ class WriteBatch:
             storage.end_writes(self.pending, threads=max(1, threads))
         self.pending = []  # on failure they stay, for abandon
 
-    def abandon(self) -> None:
-        """Remove every pending tmp file (a failed save: nothing of it becomes visible)."""
+    def abandon(self, storage: Storage) -> None:
+        """Remove every pending tmp file (a failed save: nothing of it becomes visible) through
+        ``storage``'s ``discard_writes``, which closes an unnamed one's descriptor."""
         pending, self.pending = self.pending, []
-        for _key, tmp in pending:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        if pending:  # only a batched backend leaves writes pending
+            assert isinstance(storage, BatchedWrites)
+            storage.discard_writes(pending)
 
 
 def put_tensors(
@@ -122,7 +121,7 @@ def put_tensors(
     try:
         ids = _map(one, tensors, share)
     except BaseException:
-        wb.abandon()
+        wb.abandon(storage)
         raise
     if own:
         wb.finish(storage, threads=share)

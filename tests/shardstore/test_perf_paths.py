@@ -139,6 +139,7 @@ def test_a_batch_is_durable_when_it_ends_its_directories_fsynced_at_once(store: 
 
 def test_a_failed_fsync_publishes_nothing_and_cleans_up(store: ss.Store, monkeypatch) -> None:
     ts = [torch.randn(1000) for _ in range(4)]
+    before = _open_descriptors()
 
     def broken(fd: int) -> None:
         raise OSError(5, "Input/output error")
@@ -149,6 +150,113 @@ def test_a_failed_fsync_publishes_nothing_and_cleans_up(store: ss.Store, monkeyp
     monkeypatch.undo()
     assert not any(store.has(hash_bytes(tensor_bytes(t))) for t in ts)
     assert list(store.storage.list("tmp")) == []
+    assert _open_descriptors() == before  # the unnamed tmp files' descriptors closed with the batch
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _pending(store: ss.Store, n: int) -> tuple[list[bytes], list[tuple[str, str]]]:
+    datas = [os.urandom(5000 + i) for i in range(n)]
+    pending = []
+    for d in datas:
+        key = object_key(hash_bytes(d))
+        tmp = store.storage.begin_write(key, d)
+        assert tmp is not None
+        pending.append((key, tmp))
+    return datas, pending
+
+
+@pytest.fixture
+def unnamed(store: ss.Store) -> str:
+    """The store's tmp/, where unnamed tmp files work (skipped on a file system without them)."""
+    tmpdir = os.path.join(store.storage.root, "tmp")
+    os.makedirs(tmpdir, exist_ok=True)
+    if local._unnamed.cap == 0 or not local._unnamed_work(tmpdir):
+        pytest.skip("no unnamed tmp files (O_TMPFILE linked through /proc) on this file system")
+    assert os.listdir(tmpdir) == []  # the probe leaves no name behind
+    return tmpdir
+
+
+def test_batched_writes_use_unnamed_tmp_files_and_let_their_descriptors_go(store: ss.Store, unnamed: str) -> None:
+    """A batched write's tmp file is unnamed (O_TMPFILE, linked through its descriptor at the
+    barrier): nothing appears in tmp/ while the batch is open, a linked object has its bytes,
+    and every descriptor is closed when the batch ends, linked or discarded."""
+    before = _open_descriptors()
+    datas, pending = _pending(store, 5)
+    assert os.listdir(unnamed) == [] and _open_descriptors() == before + 5
+    assert all(local._unnamed.fd(tmp) is not None for _key, tmp in pending)
+    assert store.storage.end_writes(pending[:3]) == [True] * 3
+    store.storage.discard_writes(pending[3:])
+    assert _open_descriptors() == before and os.listdir(unnamed) == []
+    assert [store.has(hash_bytes(d)) for d in datas] == [True] * 3 + [False] * 2
+    for d in datas[:3]:
+        assert bytes(store.get(hash_bytes(d))) == d
+    store.storage.discard_writes(pending)  # a batch abandoned after its end: nothing left to close, no error
+    assert _open_descriptors() == before
+
+
+def test_past_the_descriptor_bound_writes_take_named_tmp_files(store: ss.Store, unnamed: str, monkeypatch) -> None:
+    """At most ``cap`` unnamed files are open at once in the process; the writes past it take
+    named tmp files, and one batch links both kinds."""
+    monkeypatch.setattr(local._unnamed, "cap", len(local._unnamed.open) + 2)
+    before = _open_descriptors()
+    datas, pending = _pending(store, 5)
+    assert len(os.listdir(unnamed)) == 3 and _open_descriptors() == before + 2
+    assert store.storage.end_writes(pending) == [True] * 5
+    assert os.listdir(unnamed) == [] and _open_descriptors() == before
+    for d in datas:
+        assert bytes(store.get(hash_bytes(d))) == d
+
+
+def test_where_unnamed_files_cannot_be_linked_writes_take_named_ones(
+    store: ss.Store, unnamed: str, monkeypatch
+) -> None:
+    """The probe finds a tmp/ whose unnamed files cannot be linked (here: the link through /proc
+    refused, as a /proc that hides descriptors refuses it) once, and every write there takes a
+    named tmp file instead of failing at the barrier."""
+    real = local._link
+
+    def no_proc(tmp: str, path: str, fd: int | None = None) -> None:
+        if fd is not None:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        real(tmp, path)
+
+    monkeypatch.setattr(local, "_link", no_proc)
+    assert not local._unnamed_work(unnamed) and os.listdir(unnamed) == []
+    monkeypatch.setattr(local._unnamed, "usable", {})
+    datas, pending = _pending(store, 3)
+    assert len(os.listdir(unnamed)) == 3 and local._unnamed.usable == {unnamed: False}
+    assert store.storage.end_writes(pending) == [True] * 3
+    for d in datas:
+        assert bytes(store.get(hash_bytes(d))) == d
+
+
+def test_a_streamed_write_into_an_unnamed_file_is_linked_or_discarded_whole(store: ss.Store, unnamed: str) -> None:
+    """``open_write`` (a copy's piped object) takes an unnamed file too: restarted, it holds only
+    what follows; closed, it waits for its batch with its descriptor open; discarded, nothing
+    of it remains, descriptor included."""
+    before = _open_descriptors()
+    data = os.urandom(3000)
+    key = object_key(hash_bytes(data))
+    w = store.storage.open_write(key)
+    assert w is not None and not w.named
+    w.write(b"wrong bytes")
+    w.restart()
+    w.write(data[:1000])
+    w.write(data[1000:])
+    tmp = w.close()
+    assert _open_descriptors() == before + 1 and os.listdir(unnamed) == []
+    assert store.storage.end_writes([(key, tmp)]) == [True]
+    assert bytes(store.get(hash_bytes(data))) == data and _open_descriptors() == before
+    other = os.urandom(100)
+    w = store.storage.open_write(object_key(hash_bytes(other)))
+    assert w is not None
+    w.write(other)
+    w.close()
+    w.discard()
+    assert _open_descriptors() == before and not store.has(hash_bytes(other))
 
 
 def test_a_save_makes_each_directory_once(store: ss.Store, monkeypatch) -> None:
