@@ -83,20 +83,21 @@ class _UnnamedFiles:
         """(token, descriptor) of a new unnamed file in ``tmpdir``; None when at the bound or
         where they do not work. FileNotFoundError if ``tmpdir`` is missing, as for a named file."""
         with self.lock:
-            if len(self.open) >= self.cap or self.usable.get(tmpdir) is False:
+            usable = self.usable.get(tmpdir)  # read once, with the place taken: the answer this write follows
+            if len(self.open) >= self.cap or usable is False:
                 return None
             self.serial += 1
             token = os.path.join(tmpdir, f"{_UNNAMED}{self.serial}")
             self.open[token] = -1  # its place under the bound, taken before the open
         try:
-            if tmpdir not in self.usable:
+            if usable is None:  # not probed when the place was taken (another writer may be probing): probe
                 usable = _unnamed_work(tmpdir)
                 with self.lock:
                     self.usable[tmpdir] = usable
-                if not usable:
-                    with self.lock:
-                        del self.open[token]
-                    return None
+            if not usable:
+                with self.lock:
+                    del self.open[token]
+                return None
             fd = os.open(tmpdir, os.O_WRONLY | os.O_TMPFILE, 0o644)
         except BaseException:
             with self.lock:

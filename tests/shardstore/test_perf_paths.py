@@ -233,6 +233,98 @@ def test_where_unnamed_files_cannot_be_linked_writes_take_named_ones(
         assert bytes(store.get(hash_bytes(d))) == d
 
 
+class _NoTmpfile:
+    """The local backend's ``os`` on a file system without unnamed files (NFS): an ``O_TMPFILE``
+    open is refused with EOPNOTSUPP, everything else passes through."""
+
+    def open(self, path: str, flags: int, mode: int = 0o777, **kw) -> int:
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return os.open(path, flags, mode, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+
+@pytest.mark.parametrize("refused", ["open", "link"])
+def test_a_write_racing_the_probe_takes_a_named_file_where_unnamed_ones_do_not_work(
+    store: ss.Store, unnamed: str, monkeypatch, refused: str
+) -> None:
+    """Two writers reach a tmp/ not yet probed at once: the first probes it; the second took its
+    place under the bound before the first recorded the answer (unnamed files cannot be made
+    there, or cannot be linked) and looks after. It must follow the answer and take a named
+    file. Failed before: it saw the directory probed and skipped the answer, so its O_TMPFILE
+    open failed the write (NFS), or its unnamed file failed the batch at the link."""
+    if refused == "open":
+        monkeypatch.setattr(local, "os", _NoTmpfile())
+    else:
+        real = local._link
+
+        def no_proc(tmp: str, path: str, fd: int | None = None) -> None:
+            if fd is not None:
+                raise PermissionError(errno.EPERM, "Operation not permitted")
+            real(tmp, path)
+
+        monkeypatch.setattr(local, "_link", no_proc)
+    monkeypatch.setattr(local._unnamed, "usable", {})
+    probing, reserved = threading.Event(), threading.Event()
+    real_probe = local._unnamed_work
+
+    def probe(tmpdir: str) -> bool | None:
+        first = not probing.is_set()
+        probing.set()
+        if first:  # the first writer's probe ends once the second has its place under the bound
+            assert reserved.wait(10)
+        return real_probe(tmpdir)
+
+    monkeypatch.setattr(local, "_unnamed_work", probe)
+    second: list[threading.Thread] = []
+
+    class Gate:
+        """``_unnamed.lock``: the second writer, once out of its first hold, waits for the answer."""
+
+        def __init__(self) -> None:
+            self.real, self.seen = threading.Lock(), False
+
+        def __enter__(self) -> None:
+            self.real.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.real.release()
+            if second and threading.current_thread() is second[0] and not self.seen:
+                self.seen = True
+                reserved.set()
+                deadline = time.monotonic() + 10
+                while unnamed not in local._unnamed.usable and time.monotonic() < deadline:
+                    time.sleep(0.001)
+
+    monkeypatch.setattr(local._unnamed, "lock", Gate())
+    datas = [os.urandom(4000), os.urandom(5000)]
+    keys = [object_key(hash_bytes(d)) for d in datas]
+    got: list[object] = [None, None]
+
+    def write(i: int) -> None:
+        try:
+            got[i] = store.storage.begin_write(keys[i], datas[i])
+        except BaseException as e:  # noqa: BLE001 - checked below
+            got[i] = e
+
+    first = threading.Thread(target=write, args=(0,))
+    first.start()
+    assert probing.wait(10)
+    second.append(threading.Thread(target=write, args=(1,)))
+    second[0].start()
+    first.join(10)
+    second[0].join(10)
+    assert all(isinstance(t, str) for t in got), got
+    named = len(os.listdir(unnamed))
+    assert store.storage.end_writes(list(zip(keys, got))) == [True, True]
+    assert named == 2 and local._unnamed.usable == {unnamed: False}
+    for d in datas:
+        assert bytes(store.get(hash_bytes(d))) == d
+    assert os.listdir(unnamed) == []
+
+
 def test_a_streamed_write_into_an_unnamed_file_is_linked_or_discarded_whole(store: ss.Store, unnamed: str) -> None:
     """``open_write`` (a copy's piped object) takes an unnamed file too: restarted, it holds only
     what follows; closed, it waits for its batch with its descriptor open; discarded, nothing
