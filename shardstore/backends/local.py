@@ -92,8 +92,9 @@ class _UnnamedFiles:
         try:
             if usable is None:  # not probed when the place was taken (another writer may be probing): probe
                 usable = _unnamed_work(tmpdir)
-                with self.lock:
-                    self.usable[tmpdir] = usable
+                if usable is not None:  # an answer of the file system's, not a passing error
+                    with self.lock:
+                        self.usable[tmpdir] = usable
             if not usable:
                 with self.lock:
                     del self.open[token]
@@ -123,20 +124,28 @@ class _UnnamedFiles:
         return True
 
 
-def _unnamed_work(tmpdir: str) -> bool:
+#: Errors a probe may meet that say nothing of unnamed files (a named file would meet them too, and
+#: they pass): no answer, the next write probes again.
+_PASSING = frozenset(
+    (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EINTR, errno.EAGAIN)
+)
+
+
+def _unnamed_work(tmpdir: str) -> bool | None:
     """Whether an unnamed file made in ``tmpdir`` can be linked there (a probe, its name removed at
-    once); FileNotFoundError if ``tmpdir`` is missing."""
+    once); None where the probe met a passing error (``_PASSING``: no descriptor free, a full disk),
+    which decides nothing. FileNotFoundError if ``tmpdir`` is missing."""
     try:
         fd = os.open(tmpdir, os.O_WRONLY | os.O_TMPFILE, 0o644)
     except FileNotFoundError:
         raise
-    except OSError:  # EOPNOTSUPP (NFS, older kernels: EISDIR), EINVAL: none here
-        return False
+    except OSError as e:  # EOPNOTSUPP (NFS, older kernels: EISDIR), EINVAL: none here
+        return None if e.errno in _PASSING else False
     probe = os.path.join(tmpdir, secrets.token_hex(16))
     try:
         _link(probe, probe, fd)
-    except OSError:
-        return False
+    except OSError as e:  # EPERM, EACCES, ENOENT, EXDEV: a /proc that cannot link descriptors
+        return None if e.errno in _PASSING else False
     finally:
         close_quietly(fd)
     unlink_quietly(probe)

@@ -233,6 +233,33 @@ def test_where_unnamed_files_cannot_be_linked_writes_take_named_ones(
         assert bytes(store.get(hash_bytes(d))) == d
 
 
+def test_a_probe_that_meets_a_passing_error_decides_nothing(store: ss.Store, unnamed: str, monkeypatch) -> None:
+    """The probe's O_TMPFILE open fails for want of a descriptor (EMFILE: the process is at its
+    limit for a moment; a full disk is the same): the write fails as a named one would, and the
+    next write, the limit back, probes again and takes an unnamed file. Failed before: the error
+    was taken for "no unnamed files here", kept for the life of the process."""
+    import resource
+
+    monkeypatch.setattr(local._unnamed, "usable", {})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = os.dup(0)  # the lowest free descriptor: a limit there refuses every open
+    os.close(lowest)
+    datas = [os.urandom(3000), os.urandom(3001)]
+    keys = [object_key(hash_bytes(d)) for d in datas]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+    try:
+        with pytest.raises(ss.StorageError, match="Too many open files"):
+            store.storage.begin_write(keys[0], datas[0])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert local._unnamed.usable == {}  # nothing decided: the next write probes again
+    tmp = store.storage.begin_write(keys[1], datas[1])
+    assert tmp is not None and local._unnamed.fd(tmp) is not None  # unnamed: the probe found they work
+    assert local._unnamed.usable == {unnamed: True} and os.listdir(unnamed) == []
+    assert store.storage.end_writes([(keys[1], tmp)]) == [True]
+    assert bytes(store.get(hash_bytes(datas[1]))) == datas[1]
+
+
 class _NoTmpfile:
     """The local backend's ``os`` on a file system without unnamed files (NFS): an ``O_TMPFILE``
     open is refused with EOPNOTSUPP, everything else passes through."""
