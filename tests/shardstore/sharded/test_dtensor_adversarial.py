@@ -203,6 +203,9 @@ def _body(rank: int, world: int, root: str) -> dict:
     dist.barrier()
     tmp = os.path.join(root, "tmp")
     result["tmp_left"] = sorted(os.listdir(tmp)) if os.path.isdir(tmp) else []
+    import shardstore.backends.local as slocal
+
+    result["unnamed_left"] = len(slocal._unnamed.open)  # unnamed tmp files leave no name in tmp/: their descriptors
     return result
 
 
@@ -254,7 +257,7 @@ def test_a_storage_failure_on_one_rank_fails_every_rank_naming_it(group_run):
         assert r["failing_fsync"].startswith("CommitProtocolError") and "rank(s) [1]" in r["failing_fsync"], r[
             "failing_fsync"
         ]
-        assert r["tmp_left"] == [], r["tmp_left"]
+        assert r["tmp_left"] == [] and r["unnamed_left"] == 0, (r["tmp_left"], r["unnamed_left"])
     assert "fsync failed on rank 1" in results[1]["failing_fsync"]
     assert results[1]["batches"] > 1  # rank 1 wrote blocks in several batches before its fsync failed
 
