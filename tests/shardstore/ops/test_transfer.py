@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import shardstore as ss
+import shardstore.backends.local as local_backend
 from shardstore import CorruptObject, ObjectNotFound, RefConflict, TargetNotFound
 from shardstore.ops.transfer import commit_closure, copy_commit
 from shardstore.store import object_key
@@ -337,6 +338,7 @@ def test_a_copy_from_s3_streams_each_object_into_its_file(tmp_path: Any, s3_stor
     with pytest.raises(CorruptObject, match=f"{victim} read from .* is corrupt"):
         copy_commit(s3_store, other, cid)
     assert not other.has(victim) and not os.listdir(tmp_path / "c" / "tmp")
+    assert local_backend._unnamed.open == {}  # nor an unnamed one (no name in tmp/): its descriptor closed
 
 
 def test_a_received_object_starts_over_when_its_read_does(tmp_path: Any) -> None:
@@ -370,3 +372,4 @@ def test_a_received_object_starts_over_when_its_read_does(tmp_path: Any) -> None
     batch = dst.write_batch()
     assert dst.receive(src, bad, batch=batch) == (oid, len(blob))
     assert batch.pending == [] and not dst.has(bad) and not os.listdir(tmp_path / "dst" / "tmp")
+    assert local_backend._unnamed.open == {}  # an unnamed tmp file has no name in tmp/: its descriptor closed
