@@ -169,6 +169,26 @@ def _descriptor_share() -> int:
 _unnamed = _UnnamedFiles()
 
 
+def _forget_unnamed_in_child() -> None:
+    """In a child forked while a batch was open (a data loader's worker forked while a background
+    save writes): the parent's unnamed files are the parent's to link or drop. The child closes
+    its copies of their descriptors, so that a file the parent drops is freed when the parent
+    closes it rather than when the child exits, and starts with an empty registry and a fresh
+    lock (the parent's may have been held by another thread at the fork)."""
+    global _unnamed
+    inherited = list(_unnamed.open.values())
+    usable, cap = dict(_unnamed.usable), _unnamed.cap
+    _unnamed = _UnnamedFiles()
+    _unnamed.usable, _unnamed.cap = usable, cap
+    for fd in inherited:
+        if fd >= 0:
+            close_quietly(fd)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_unnamed_in_child)
+
+
 class LocalStorage:
     """A store on a local directory, crash-safe, reading only bytes it hashed (see module docstring)."""
 

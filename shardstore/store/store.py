@@ -318,7 +318,9 @@ class Store:
         return tensors_io.put_tensors(self.storage, datas, threads=threads)
 
     def write_batch(self) -> tensors_io.WriteBatch:
-        """A batch of object writes made durable together (``store.tensors.WriteBatch``)."""
+        """A batch of object writes made durable together (``store.tensors.WriteBatch``). End it
+        with ``finish`` or, on failure, ``abandon``: on a local store its objects are unnamed tmp
+        files until then, each holding a descriptor (and its disk space) until the batch ends."""
         return tensors_io.WriteBatch()
 
     def hash_object(self, oid: str, *, threads: int = 1) -> tuple[str, int]:

@@ -1079,3 +1079,49 @@ def test_async_staging_is_reused_and_bounded(any_store: ss.Store, trained) -> No
     ss.restore(any_store, cid, fresh, fresh_opt)
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_child_forked_mid_batch_lets_the_parents_unnamed_files_go(store: ss.Store, unnamed: str) -> None:
+    """A child forked while a batch holds unnamed files (a data loader's worker forked during a
+    background save) closes its copies of their descriptors and starts with an empty registry and
+    a fresh lock, even if the parent held the lock at the fork; the parent's batch links as ever."""
+    datas, pending = _pending(store, 3)
+    fds = [local._unnamed.fd(tmp) for _key, tmp in pending]
+    r, w = os.pipe()
+    with local._unnamed.lock:  # held across the fork: the child must not inherit it held
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe and exits at once
+            code = 1
+            try:
+                closed = []
+                for fd in fds:
+                    try:
+                        os.fstat(fd)
+                        closed.append(False)
+                    except OSError:
+                        closed.append(True)
+                mine = os.urandom(777)
+                key = object_key(hash_bytes(mine))
+                tmp = store.storage.begin_write(key, mine)  # takes the (fresh) lock
+                ok = all(closed) and local._unnamed.fd(tmp) is not None and len(local._unnamed.open) == 1
+                ok = ok and store.storage.end_writes([(key, tmp)]) == [True] and not local._unnamed.open
+                os.write(w, b"ok" if ok else repr(closed).encode())
+                code = 0
+            finally:
+                os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:  # a child stuck on an inherited lock: killed, failed
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung (the registry's lock inherited held?)")
+        time.sleep(0.01)
+    status = done[1]
+    said = os.read(r, 100)
+    os.close(r)
+    assert os.waitstatus_to_exitcode(status) == 0 and said == b"ok", said
+    assert store.storage.end_writes(pending) == [True] * 3
+    for d in datas:
+        assert bytes(store.get(hash_bytes(d))) == d
+    assert not local._unnamed.open
