@@ -297,8 +297,9 @@ class LocalStorage:
 
     def begin_write(self, key: str, data: Buffer) -> str | None:
         """First half of a batched ``write_once``: write ``data`` to a tmp file, not yet durable
-        or visible. Returns the tmp path to hand to ``end_writes``, or None if ``key`` exists."""
-        opened = self._new_tmp(key, unnamed=True)
+        or visible. Returns the tmp path (an unnamed file's token) to hand to ``end_writes``, or
+        None if ``key`` exists."""
+        opened = self._new_tmp(key)
         if opened is None:
             return None
         tmp, fd = opened
@@ -325,29 +326,29 @@ class LocalStorage:
                 raise self._io("write", key, e) from None
         return tmp
 
-    def _new_tmp(self, key: str, *, unnamed: bool) -> tuple[str, int] | None:
-        """(path or token, descriptor) of a new tmp file for ``key``'s bytes; None if ``key``
-        exists (refreshed). ``unnamed``: an unnamed file where one can be had (``_UnnamedFiles``),
-        for a caller that keeps the descriptor until its batch ends."""
+    def _new_tmp(self, key: str) -> tuple[str, int] | None:
+        """(path or token, descriptor) of a new tmp file for ``key``'s bytes, unnamed where one
+        can be had (``_UnnamedFiles``: its descriptor stays open until its batch ends); None if
+        ``key`` exists (refreshed)."""
         path = self._path(key)
         if os.path.lexists(path):
             freshen(path)
             return None
         tmpdir = self._dir("tmp")
         try:  # ``tmp`` made only when missing (a mkdir of an existing directory still locks it); the object's at the link
-            return self._open_tmp(tmpdir, unnamed)
+            return self._open_tmp(tmpdir)
         except FileNotFoundError:
             try:
                 os.makedirs(tmpdir, exist_ok=True)
-                return self._open_tmp(tmpdir, unnamed)
+                return self._open_tmp(tmpdir)
             except OSError as e:
                 raise self._io("write", key, e) from None
         except OSError as e:
             raise self._io("write", key, e) from None
 
     @staticmethod
-    def _open_tmp(tmpdir: str, unnamed: bool) -> tuple[str, int]:
-        made = _unnamed.create(tmpdir) if unnamed else None
+    def _open_tmp(tmpdir: str) -> tuple[str, int]:
+        made = _unnamed.create(tmpdir)
         if made is not None:
             return made
         tmp = os.path.join(tmpdir, secrets.token_hex(16))
@@ -370,7 +371,7 @@ class LocalStorage:
         tmp file to write them into, its path to hand to ``end_writes`` once closed; None if
         ``key`` exists (refreshed). Writeback starts at ``close``, from the caller's thread:
         pieces may be written on an event loop, which must not wait for the device."""
-        opened = self._new_tmp(key, unnamed=True)
+        opened = self._new_tmp(key)
         return None if opened is None else _TmpWrite(self, key, *opened)
 
     def end_writes(self, pending: list[tuple[str, str]], *, threads: int = 2) -> list[bool]:

@@ -59,11 +59,18 @@ class WriteBatch:
 
     def finish(self, storage: Storage, *, threads: int = WRITE_THREADS) -> None:
         """fsync every pending tmp file, link it into place and fsync the directories the links
-        went into (the backend's ``end_writes``, ``threads`` at a time)."""
+        went into (the backend's ``end_writes``, ``threads`` at a time). On failure every tmp file
+        still pending is discarded before the error propagates (``abandon``): a caller that
+        abandons the batch after a failed ``finish`` finds nothing left, and one that does not
+        (``put_tensors`` with its own batch) leaves no unnamed file's descriptor open."""
         if self.pending:  # only a batched backend (begin_write / end_writes) leaves writes pending
             assert isinstance(storage, BatchedWrites)
-            storage.end_writes(self.pending, threads=max(1, threads))
-        self.pending = []  # on failure they stay, for abandon
+            try:
+                storage.end_writes(self.pending, threads=max(1, threads))
+            except BaseException:
+                self.abandon(storage)  # a backend's end_writes drops them itself; a wrapper's may not
+                raise
+        self.pending = []
 
     def abandon(self, storage: Storage) -> None:
         """Remove every pending tmp file (a failed save: nothing of it becomes visible) through
