@@ -174,12 +174,14 @@ def _forget_unnamed_in_child() -> None:
     save writes): the parent's unnamed files are the parent's to link or drop. The child closes
     its copies of their descriptors, so that a file the parent drops is freed when the parent
     closes it rather than when the child exits, and starts with an empty registry and a fresh
-    lock (the parent's may have been held by another thread at the fork)."""
+    lock (the parent's may have been held by another thread at the fork). Its serial goes on from
+    the parent's: a token of the parent's still in the child's memory (a batch open at the fork)
+    must never name a file of the child's, which a link through it would put under the parent's key."""
     global _unnamed
     inherited = list(_unnamed.open.values())
-    usable, cap = dict(_unnamed.usable), _unnamed.cap
+    usable, cap, serial = dict(_unnamed.usable), _unnamed.cap, _unnamed.serial
     _unnamed = _UnnamedFiles()
-    _unnamed.usable, _unnamed.cap = usable, cap
+    _unnamed.usable, _unnamed.cap, _unnamed.serial = usable, cap, serial
     for fd in inherited:
         if fd >= 0:
             close_quietly(fd)

@@ -1126,3 +1126,57 @@ def test_a_child_forked_mid_batch_lets_the_parents_unnamed_files_go(store: ss.St
     for d in datas:
         assert bytes(store.get(hash_bytes(d))) == d
     assert not local._unnamed.open
+
+
+def _in_child(body) -> bytes:
+    """Run ``body()`` (returning bytes, b"ok" for success) in a forked child; what it returned.
+    A child that hangs is killed after 60 s and the test fails."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe and exits at once
+        try:
+            os.write(w, body())
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            os.write(w, repr(e).encode()[:1000])
+        finally:
+            os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.01)
+    said = os.read(r, 2000)
+    os.close(r)
+    return said
+
+
+def test_a_forked_childs_tokens_never_name_the_parents_unnamed_files(store: ss.Store, unnamed: str) -> None:
+    """A child's fresh registry goes on from the parent's serial: a token of the parent's in the
+    child's memory (a batch open at the fork, finished or abandoned there) names no file of the
+    child's. Were the serial restarted, the child's n-th write would take the parent's token
+    ``.unnamed-n``, and finishing the inherited batch would link the child's bytes under the
+    parent's key (a corrupt object), abandoning it would drop the child's own file."""
+    datas, pending = _pending(store, 2)
+    theirs = {tmp for _key, tmp in pending}
+    top = max(int(tmp.rsplit("-", 1)[1]) for tmp in theirs)
+
+    def child() -> bytes:
+        for i in range(top + 1):  # each write's file let go at once: only its token matters
+            mine = os.urandom(100) + i.to_bytes(8, "little")
+            tmp = store.storage.begin_write(object_key(hash_bytes(mine)), mine)
+            assert tmp is not None
+            if tmp in theirs:
+                return f"the child's write {i} took the parent's token {tmp}".encode()
+            store.storage.discard_writes([(object_key(hash_bytes(mine)), tmp)])
+        with pytest.raises(ss.StorageError):  # the parent's files are not the child's to link
+            store.storage.end_writes(pending)
+        return b"ok"
+
+    assert _in_child(child) == b"ok"
+    assert store.storage.end_writes(pending) == [True] * 2
+    for d in datas:
+        assert bytes(store.get(hash_bytes(d))) == d
+    assert not local._unnamed.open
