@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..backends.base import BatchedWrites, Buffer, HashedReadsInto, ListedSizes, ReadsAhead, Storage, StreamedReads
-from ..errors import CorruptObject
+from ..errors import CorruptObject, StorageError
 from ..format.grid import staging
 from ..format.lazy import torch
 from ..format.tensors import Staging, check_storable, dtype_name, hash_bytes, new_hasher, tensor_bytes
@@ -56,18 +56,27 @@ class WriteBatch:
         self.lock = threading.Lock()
         self.claimed: set[str] = set()  # ids written (or being written) in this batch: one write each
         self.pending: list[tuple[str, str]] = []  # (key, tmp path or token) awaiting end_writes
+        self.failed = False  # a finish failed: its writes were discarded, a later finish must not report success
 
     def finish(self, storage: Storage, *, threads: int = WRITE_THREADS) -> None:
         """fsync every pending tmp file, link it into place and fsync the directories the links
         went into (the backend's ``end_writes``, ``threads`` at a time). On failure every tmp file
         still pending is discarded before the error propagates (``abandon``): a caller that
         abandons the batch after a failed ``finish`` finds nothing left, and one that does not
-        (``put_tensors`` with its own batch) leaves no unnamed file's descriptor open."""
+        (``put_tensors`` with its own batch) leaves no unnamed file's descriptor open. A batch whose
+        ``finish`` failed cannot be finished again (StorageError): its objects were discarded, and a
+        retry that returned would report them durable and visible."""
+        if self.failed:
+            raise StorageError(
+                "this write batch's barrier failed earlier and its writes were discarded: nothing of it is "
+                "durable or visible; write its objects again in a new batch"
+            )
         if self.pending:  # only a batched backend (begin_write / end_writes) leaves writes pending
             assert isinstance(storage, BatchedWrites)
             try:
                 storage.end_writes(self.pending, threads=max(1, threads))
             except BaseException:
+                self.failed = True
                 self.abandon(storage)  # a backend's end_writes drops them itself; a wrapper's may not
                 raise
         self.pending = []

@@ -1180,3 +1180,32 @@ def test_a_forked_childs_tokens_never_name_the_parents_unnamed_files(store: ss.S
     for d in datas:
         assert bytes(store.get(hash_bytes(d))) == d
     assert not local._unnamed.open
+
+
+def test_a_batch_whose_barrier_failed_cannot_be_finished_again(store: ss.Store, monkeypatch) -> None:
+    """A failed ``finish`` discards the batch's tmp files (a200b9e): a second ``finish`` (a retry
+    after a passing error) must fail, not return as if the batch were durable and visible while
+    none of its objects was written; a batch begun afresh writes them."""
+    datas = [os.urandom(3000 + i) for i in range(3)]
+    real, calls = store.storage.end_writes, []
+
+    def once(*a, **k):  # a passing error at the barrier (a wrapper's, say), then the real one
+        calls.append(1)
+        if len(calls) == 1:
+            raise ss.StorageError("interrupted")
+        return real(*a, **k)
+
+    monkeypatch.setattr(store.storage, "end_writes", once)
+    wb = store.write_batch()
+    ids = store.put_tensors(datas, batch=wb)
+    with pytest.raises(ss.StorageError, match="interrupted"):
+        wb.finish(store.storage)
+    with pytest.raises(ss.StorageError, match="discarded"):
+        wb.finish(store.storage)
+    assert not any(store.has(oid) for oid in ids)
+    wb.abandon(store.storage)  # still allowed, nothing left
+    again = store.write_batch()
+    assert store.put_tensors(datas, batch=again) == ids
+    again.finish(store.storage)
+    assert [bytes(store.get(oid)) for oid in ids] == datas
+    assert not local._unnamed.open
