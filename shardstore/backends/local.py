@@ -89,6 +89,7 @@ class _UnnamedFiles:
             self.serial += 1
             token = os.path.join(tmpdir, f"{_UNNAMED}{self.serial}")
             self.open[token] = -1  # its place under the bound, taken before the open
+        fd = -1
         try:
             if usable is None:  # not probed when the place was taken (another writer may be probing): probe
                 usable = _unnamed_work(tmpdir)
@@ -100,12 +101,14 @@ class _UnnamedFiles:
                     del self.open[token]
                 return None
             fd = os.open(tmpdir, os.O_WRONLY | os.O_TMPFILE, 0o644)
+            with self.lock:  # inside the try: an interrupt before it lands must not keep the place or the descriptor
+                self.open[token] = fd
         except BaseException:
             with self.lock:
-                del self.open[token]
+                self.open.pop(token, None)
+            if fd >= 0:
+                close_quietly(fd)
             raise
-        with self.lock:
-            self.open[token] = fd
         return token, fd
 
     def fd(self, tmp: str) -> int | None:

@@ -1209,3 +1209,34 @@ def test_a_batch_whose_barrier_failed_cannot_be_finished_again(store: ss.Store, 
     again.finish(store.storage)
     assert [bytes(store.get(oid)) for oid in ids] == datas
     assert not local._unnamed.open
+
+
+def test_an_interrupt_before_an_unnamed_file_is_registered_leaks_nothing(
+    store: ss.Store, unnamed: str, monkeypatch
+) -> None:
+    """A KeyboardInterrupt that lands after the O_TMPFILE open, as the descriptor is being
+    registered, closes the descriptor and gives back the file's place under the bound: neither
+    outlives the interrupted write (before, the place stayed taken for the process's life)."""
+    store.put_tensors([os.urandom(100)])  # tmp/ probed: the next write takes the lock twice
+    real = local._unnamed.lock
+
+    class Interrupting:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def __enter__(self):
+            self.n += 1
+            if self.n == 2:  # the second hold: registering the descriptor just opened
+                raise KeyboardInterrupt
+            return real.__enter__()
+
+        def __exit__(self, *exc):
+            return real.__exit__(*exc)
+
+    monkeypatch.setattr(local._unnamed, "lock", Interrupting())
+    before = _open_descriptors()
+    data = os.urandom(2000)
+    with pytest.raises(KeyboardInterrupt):
+        store.storage.begin_write(object_key(hash_bytes(data)), data)
+    monkeypatch.undo()
+    assert local._unnamed.open == {} and _open_descriptors() == before
