@@ -210,12 +210,9 @@ def test_past_the_descriptor_bound_writes_take_named_tmp_files(store: ss.Store, 
         assert bytes(store.get(hash_bytes(d))) == d
 
 
-def test_where_unnamed_files_cannot_be_linked_writes_take_named_ones(
-    store: ss.Store, unnamed: str, monkeypatch
-) -> None:
-    """The probe finds a tmp/ whose unnamed files cannot be linked (here: the link through /proc
-    refused, as a /proc that hides descriptors refuses it) once, and every write there takes a
-    named tmp file instead of failing at the barrier."""
+def _refuse_links_through_proc(monkeypatch) -> None:
+    """Links of unnamed files refused, as a ``/proc`` that hides descriptors refuses them; named
+    tmp files link as ever."""
     real = local._link
 
     def no_proc(tmp: str, path: str, fd: int | None = None) -> None:
@@ -224,6 +221,15 @@ def test_where_unnamed_files_cannot_be_linked_writes_take_named_ones(
         real(tmp, path)
 
     monkeypatch.setattr(local, "_link", no_proc)
+
+
+def test_where_unnamed_files_cannot_be_linked_writes_take_named_ones(
+    store: ss.Store, unnamed: str, monkeypatch
+) -> None:
+    """The probe finds a tmp/ whose unnamed files cannot be linked (here: the link through /proc
+    refused, as a /proc that hides descriptors refuses it) once, and every write there takes a
+    named tmp file instead of failing at the barrier."""
+    _refuse_links_through_proc(monkeypatch)
     assert not local._unnamed_work(unnamed) and os.listdir(unnamed) == []
     monkeypatch.setattr(local._unnamed, "usable", {})
     datas, pending = _pending(store, 3)
@@ -285,14 +291,7 @@ def test_a_write_racing_the_probe_takes_a_named_file_where_unnamed_ones_do_not_w
     if refused == "open":
         monkeypatch.setattr(local, "os", _NoTmpfile())
     else:
-        real = local._link
-
-        def no_proc(tmp: str, path: str, fd: int | None = None) -> None:
-            if fd is not None:
-                raise PermissionError(errno.EPERM, "Operation not permitted")
-            real(tmp, path)
-
-        monkeypatch.setattr(local, "_link", no_proc)
+        _refuse_links_through_proc(monkeypatch)
     monkeypatch.setattr(local._unnamed, "usable", {})
     probing, reserved = threading.Event(), threading.Event()
     real_probe = local._unnamed_work
