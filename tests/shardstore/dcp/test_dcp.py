@@ -25,7 +25,7 @@ from write_counter import WriteCounter
 import shardstore as ss
 from shardstore.backends.local import LocalStorage
 from shardstore.dcp import StoreReader, StoreWriter
-from shardstore.format.dcp import DCP_EXTRA, chunk_entry_name, dcp_extra, decode_document
+from shardstore.format.dcp import DCP_EXTRA, chunk_entry_name, dcp_extra, decode_document, encode_document
 from shardstore.format.manifest import ExtraEntry
 from shardstore.ops.interchange import export_commit
 from shardstore_cli import shardstore_cli
@@ -445,6 +445,39 @@ def test_the_document_decodes_strictly():
     with pytest.raises(BaseException, match="UnsupportedState.*'tensor:0' starts with a prefix"):
         dcp.save({"tensor:0": {"x": 1}, "w": torch.ones(1)}, storage_writer=StoreWriter(store))
     assert list(store.objects()) == []  # refused while planning, before any write
+
+
+def _nested(depth: int, leaf):
+    """``leaf`` under ``depth - 1`` dicts: DCP flattens it to a key path of ``depth`` parts."""
+    for _ in range(depth - 1):
+        leaf = {"k": leaf}
+    return {"w": leaf}
+
+
+def test_a_value_nested_deeper_than_the_document_holds_is_refused_before_anything_is_written(tmp_path):
+    """The DCP document holds key paths of at most 64 parts, and every reader (``read_metadata``,
+    ``verify``) refuses a longer one: a save of a value nested deeper is refused while planning,
+    never committed as a checkpoint no load can read (SPEC.md §9.4, §Limits)."""
+    root = str(tmp_path / "store")
+    store = ss.open_store(root)
+    with pytest.raises(BaseException, match="UnsupportedState.*nested 65 levels deep"):
+        dcp.save(_nested(65, torch.ones(2)), storage_writer=StoreWriter(root))
+    assert list(store.objects()) == [] and store.refs() == {}
+    dcp.save(_nested(64, torch.ones(2)), storage_writer=StoreWriter(root))  # the limit itself: saved and loaded
+    got = _nested(64, torch.zeros(2))
+    dcp.load(got, storage_reader=StoreReader(root))
+    assert torch.equal(_leaf(got), torch.ones(2)) and ss.verify(store).ok
+    # whatever else the encoder would write and the decoder refuse is refused by the encoder too
+    doc = decode_document(_canonical(_VECTOR_DOC), "vector")
+    with pytest.raises(ss.UnsupportedState, match="over a limit of the DCP document"):
+        encode_document(msgspec.structs.replace(doc, planner_data={"b": ("k",) * 65, "w": ("w",)}))
+
+
+def _leaf(sd: dict):
+    x = sd["w"]
+    while isinstance(x, dict):
+        x = x["k"]
+    return x
 
 
 def test_shardstore_never_unpickles_a_bytes_item(tmp_path, monkeypatch, capsys):
