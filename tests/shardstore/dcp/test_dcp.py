@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from read_counter import ReadCounter
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 from write_counter import WriteCounter
@@ -371,6 +372,35 @@ def test_what_cannot_be_stored_is_refused_before_anything_is_written(tmp_path):
         StoreWriter(root, ref="../escape")
     with pytest.raises(ss.ManifestError, match="job"):
         StoreWriter(root, job="bad job!")
+
+
+class _ResolvesBytesTo(DefaultSavePlanner):
+    """DCP's own planner, but resolving each bytes item to ``value`` (a planner's ``transform_object``)."""
+
+    def __init__(self, value) -> None:
+        super().__init__()
+        self.value = value
+
+    def transform_object(self, write_item, object):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return self.value
+        return super().transform_object(write_item, object)
+
+
+def test_a_bytes_item_a_planner_resolves_to_anything_but_bytes_is_refused(tmp_path):
+    """``bytes(5)`` is five zero bytes: a bytes item resolved to an int (or a one-element tensor)
+    is refused naming its key, never committed as zeros; bytes as such are stored as they are."""
+    root = str(tmp_path / "store")
+    store = ss.open_store(root)
+    for value in (5, torch.tensor([3])):
+        with pytest.raises(BaseException, match="UnsupportedState.*bytes item 'n'.*resolved it to a"):
+            dcp.save({"w": torch.ones(2), "n": 3}, storage_writer=StoreWriter(root), planner=_ResolvesBytesTo(value))
+        assert store.refs() == {}
+    raw = b"\x00not a pickle\xff"
+    writer = StoreWriter(root)
+    dcp.save({"w": torch.ones(2), "n": 3}, storage_writer=writer, planner=_ResolvesBytesTo(bytearray(raw)))
+    x = dcp_extra(ss.load_commit(store, writer.last_commit).commit.extras)
+    assert bytes(store.get(x.tensors[0].object)) == raw
 
 
 def _tensor_item(fqn: str, offsets: list[int], sizes: list[int], size: list[int]) -> WriteItem:
