@@ -27,6 +27,7 @@ returns DCP's bytes as they are.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import socket
 import time
@@ -307,7 +308,15 @@ class StoreWriter(StorageWriter):
         blobs = []
         for item in items:
             data = planner.resolve_data(item)
-            raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+            if isinstance(data, io.BytesIO):
+                raw = data.getvalue()
+            elif isinstance(data, (bytes, bytearray, memoryview)):
+                raw = bytes(data)
+            else:  # bytes() of an int, or of a 1-element tensor, is that many zero bytes: never stored
+                raise UnsupportedState(
+                    f"DCP bytes item {item.index.fqn!r}: the planner resolved it to a {type(data).__name__}, "
+                    "not io.BytesIO or bytes"
+                )
             blobs.append(
                 torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             )

@@ -115,8 +115,11 @@ class StorageMetaDoc(Base):
     modules: Annotated[tuple[str, ...], Meta(max_length=MAX_ENTRIES)]
 
 
+#: The most keys and indices one flattened key's path holds (a value nested 64 levels deep).
+MAX_PATH = 64
+
 #: A flattened state dict's key → the path of keys (strings) and list indices (ints) it came from.
-PlannerData = dict[str, Annotated[tuple[Union[str, int], ...], Meta(max_length=64)]]
+PlannerData = dict[str, Annotated[tuple[Union[str, int], ...], Meta(max_length=MAX_PATH)]]
 
 
 class DcpDocument(Base, tag="dcp-metadata", tag_field="type"):
@@ -179,8 +182,14 @@ def _refuse_reserved(where: str, value: str) -> None:
 
 def check_planner_strings(planner_data: Mapping[str, Sequence[str | int]]) -> None:
     """UnsupportedState for a key path of a flattening map (a ``SavePlan``'s ``planner_data``)
-    that the document could not hold: checked while planning, before anything is written."""
+    that the document could not hold (a reserved string, more than ``MAX_PATH`` parts): checked
+    while planning, before anything is written."""
     for fqn, path in planner_data.items():
+        if len(path) > MAX_PATH:
+            raise UnsupportedState(
+                f"DCP key {fqn[:64]!r}: its value is nested {len(path)} levels deep; the DCP document holds "
+                f"key paths of at most {MAX_PATH} (SPEC.md §9.4, §Limits)"
+            )
         for i, part in enumerate(path):
             if isinstance(part, str):
                 _refuse_reserved(f"planner_data[{fqn!r}][{i}]", part)
@@ -188,14 +197,23 @@ def check_planner_strings(planner_data: Mapping[str, Sequence[str | int]]) -> No
 
 def encode_document(doc: DcpDocument) -> bytes:
     """The canonical bytes of ``doc`` (a valid §9.3 state document); UnsupportedState naming the
-    field for a string it cannot hold, ObjectTooLarge past the manifest limit."""
+    field for a string it cannot hold or for anything else ``decode_document`` would refuse (the
+    encoder does not apply the schema's limits: a document every reader refuses is never
+    written), ObjectTooLarge past the manifest limit."""
     for where, value in _user_strings(doc):
         _refuse_reserved(where, value)
     try:
         raw = _ENCODER.encode(doc)
     except (msgspec.EncodeError, UnicodeEncodeError) as e:
         raise UnsupportedState(f"DCP metadata cannot be encoded: {e}") from None
-    return check_writable(raw, "DCP metadata document")
+    check_writable(raw, "DCP metadata document")
+    try:
+        _DECODER.decode(raw)
+    except msgspec.ValidationError as e:
+        raise UnsupportedState(
+            f"DCP metadata is over a limit of the DCP document: {e} (SPEC.md §9.4, §Limits)"
+        ) from None
+    return raw
 
 
 def decode_document(raw: bytes | memoryview, what: str) -> DcpDocument:

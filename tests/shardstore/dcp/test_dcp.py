@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from read_counter import ReadCounter
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 from write_counter import WriteCounter
@@ -25,7 +26,7 @@ from write_counter import WriteCounter
 import shardstore as ss
 from shardstore.backends.local import LocalStorage
 from shardstore.dcp import StoreReader, StoreWriter
-from shardstore.format.dcp import DCP_EXTRA, chunk_entry_name, dcp_extra, decode_document
+from shardstore.format.dcp import DCP_EXTRA, chunk_entry_name, dcp_extra, decode_document, encode_document
 from shardstore.format.manifest import ExtraEntry
 from shardstore.ops.interchange import export_commit
 from shardstore_cli import shardstore_cli
@@ -373,6 +374,35 @@ def test_what_cannot_be_stored_is_refused_before_anything_is_written(tmp_path):
         StoreWriter(root, job="bad job!")
 
 
+class _ResolvesBytesTo(DefaultSavePlanner):
+    """DCP's own planner, but resolving each bytes item to ``value`` (a planner's ``transform_object``)."""
+
+    def __init__(self, value) -> None:
+        super().__init__()
+        self.value = value
+
+    def transform_object(self, write_item, object):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return self.value
+        return super().transform_object(write_item, object)
+
+
+def test_a_bytes_item_a_planner_resolves_to_anything_but_bytes_is_refused(tmp_path):
+    """``bytes(5)`` is five zero bytes: a bytes item resolved to an int (or a one-element tensor)
+    is refused naming its key, never committed as zeros; bytes as such are stored as they are."""
+    root = str(tmp_path / "store")
+    store = ss.open_store(root)
+    for value in (5, torch.tensor([3])):
+        with pytest.raises(BaseException, match="UnsupportedState.*bytes item 'n'.*resolved it to a"):
+            dcp.save({"w": torch.ones(2), "n": 3}, storage_writer=StoreWriter(root), planner=_ResolvesBytesTo(value))
+        assert store.refs() == {}
+    raw = b"\x00not a pickle\xff"
+    writer = StoreWriter(root)
+    dcp.save({"w": torch.ones(2), "n": 3}, storage_writer=writer, planner=_ResolvesBytesTo(bytearray(raw)))
+    x = dcp_extra(ss.load_commit(store, writer.last_commit).commit.extras)
+    assert bytes(store.get(x.tensors[0].object)) == raw
+
+
 def _tensor_item(fqn: str, offsets: list[int], sizes: list[int], size: list[int]) -> WriteItem:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData
@@ -445,6 +475,39 @@ def test_the_document_decodes_strictly():
     with pytest.raises(BaseException, match="UnsupportedState.*'tensor:0' starts with a prefix"):
         dcp.save({"tensor:0": {"x": 1}, "w": torch.ones(1)}, storage_writer=StoreWriter(store))
     assert list(store.objects()) == []  # refused while planning, before any write
+
+
+def _nested(depth: int, leaf):
+    """``leaf`` under ``depth - 1`` dicts: DCP flattens it to a key path of ``depth`` parts."""
+    for _ in range(depth - 1):
+        leaf = {"k": leaf}
+    return {"w": leaf}
+
+
+def test_a_value_nested_deeper_than_the_document_holds_is_refused_before_anything_is_written(tmp_path):
+    """The DCP document holds key paths of at most 64 parts, and every reader (``read_metadata``,
+    ``verify``) refuses a longer one: a save of a value nested deeper is refused while planning,
+    never committed as a checkpoint no load can read (SPEC.md §9.4, §Limits)."""
+    root = str(tmp_path / "store")
+    store = ss.open_store(root)
+    with pytest.raises(BaseException, match="UnsupportedState.*nested 65 levels deep"):
+        dcp.save(_nested(65, torch.ones(2)), storage_writer=StoreWriter(root))
+    assert list(store.objects()) == [] and store.refs() == {}
+    dcp.save(_nested(64, torch.ones(2)), storage_writer=StoreWriter(root))  # the limit itself: saved and loaded
+    got = _nested(64, torch.zeros(2))
+    dcp.load(got, storage_reader=StoreReader(root))
+    assert torch.equal(_leaf(got), torch.ones(2)) and ss.verify(store).ok
+    # whatever else the encoder would write and the decoder refuse is refused by the encoder too
+    doc = decode_document(_canonical(_VECTOR_DOC), "vector")
+    with pytest.raises(ss.UnsupportedState, match="over a limit of the DCP document"):
+        encode_document(msgspec.structs.replace(doc, planner_data={"b": ("k",) * 65, "w": ("w",)}))
+
+
+def _leaf(sd: dict):
+    x = sd["w"]
+    while isinstance(x, dict):
+        x = x["k"]
+    return x
 
 
 def test_shardstore_never_unpickles_a_bytes_item(tmp_path, monkeypatch, capsys):
