@@ -9,8 +9,10 @@ attribute paths: ``{"generators": {"generator": {...}, "sampler.generator": {...
 or batch sampler with state of its own is stored beside them, by its attribute path, under
 ``samplers`` (absent when it has none): one with ``state_dict()`` / ``load_state_dict()``
 through those, a ``DistributedSampler`` as its epoch (``{"epoch": 7}``, set back with
-``set_epoch``). A loader's position *within* an epoch lives in its iterator, not in the loader,
-and is not captured: a loader with ``state_dict()`` (torchdata's ``StatefulDataLoader``) is stored
+``set_epoch``). A dataset with ``state_dict()`` is stored under ``dataset`` (with
+``num_workers=0``; with workers its state lives in their copies, and the save is refused). A
+loader's position *within* an epoch lives in its iterator, not in the loader, and is not
+captured: a loader with ``state_dict()`` (torchdata's ``StatefulDataLoader``) is stored
 through it instead, position included.
 
 accelerate's prepared loaders (``DataLoaderShard``, ``DataLoaderDispatcher``: a loader in
@@ -155,6 +157,9 @@ class LoaderState:
         self.loader = loader
         self.parts = {p: GeneratorState(g, f"DataLoader.{p}") for p, g in _generators(loader).items()}
         self.samplers = _samplers(loader)
+        dataset = getattr(loader, "dataset", None)
+        has = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+        self.dataset = dataset if has else None
         # accelerate's loaders count epochs in ``iteration`` and hand it to the sampler's set_epoch
         self.epochs = isinstance(getattr(loader, "iteration", None), int)
 
@@ -171,12 +176,22 @@ class LoaderState:
             out["iteration"] = self.loader.iteration
         if self.samplers:  # absent without any: the document of a loader without them is as it was
             out["samplers"] = {p: s.state_dict() for p, s in self.samplers.items()}
+        if self.dataset is not None:
+            if getattr(self.loader, "num_workers", 0):
+                raise UnsupportedState(
+                    f"{_label(self.loader)}: its dataset (a {_label(self.dataset)}) has a state_dict(), but with "
+                    "num_workers > 0 its state lives in the workers' copies, which this process cannot read; build "
+                    "the loader as torchdata's StatefulDataLoader, or use num_workers=0 (SPEC.md §9.3)"
+                )
+            out["dataset"] = self.dataset.state_dict()
         return out
 
     def check(self, sd: Any) -> None:
         keys = {"generators", "iteration"} if self.epochs else {"generators"}
         if self.samplers:
             keys.add("samplers")
+        if self.dataset is not None:
+            keys.add("dataset")
         stored = sd.get("generators") if isinstance(sd, dict) and set(sd) == keys else None
         if not isinstance(stored, dict):
             raise StateMismatch(f"DataLoader: the stored state is not this loader's ({sorted(keys)} expected)")
@@ -203,6 +218,8 @@ class LoaderState:
             self.loader.iteration = sd["iteration"]
         for p, s in self.samplers.items():
             s.load_state_dict(sd["samplers"][p])
+        if self.dataset is not None:
+            self.dataset.load_state_dict(sd["dataset"])
 
 
 def _label(obj: Any) -> str:

@@ -216,6 +216,43 @@ def test_a_loaders_samplers_with_state_of_their_own_are_stored_with_it() -> None
     assert stateful(plain).state_dict().keys() == {"generators"}
 
 
+class _Counting(torch.utils.data.IterableDataset):
+    """An iterable dataset that says how far it has gone (``state_dict()``)."""
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def __iter__(self):
+        while self.i < 8:
+            self.i += 1
+            yield self.i - 1
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.i = sd["i"]
+
+
+def test_a_loaders_dataset_with_state_of_its_own_is_stored_or_refused() -> None:
+    """A plain DataLoader over a dataset with ``state_dict()`` was saved without it: the restored
+    loader started the data over. Without workers it is stored; with workers (whose copies hold the
+    state) the save is refused."""
+    from torch.utils.data import DataLoader
+
+    store, data = _store(), _Counting()
+    loader = DataLoader(data, batch_size=2)
+    it = iter(loader)
+    next(it), next(it)
+    cid = ss.save(store, _net(0), step=0, extra={"loader": loader})
+    data2 = _Counting()
+    ss.restore(store, cid, _net(1), extra={"loader": DataLoader(data2, batch_size=2)})
+    assert data2.i == 4 and [b.tolist() for b in DataLoader(data2, batch_size=2)] == [[4, 5], [6, 7]]
+    with pytest.raises(ss.UnsupportedState, match="num_workers > 0"):
+        ss.save(store, _net(0), step=1, extra={"loader": DataLoader(_Counting(), batch_size=2, num_workers=1)})
+    assert store.ref("main") == cid
+
+
 def test_profile_reflects_what_the_commit_holds_unless_a_trainer_names_one(capsys: pytest.CaptureFixture[str]) -> None:
     from shardstore_cli.shardstore_cli import main
 
