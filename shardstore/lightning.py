@@ -94,7 +94,7 @@ from .errors import (
     UnsupportedState,
 )
 from .format.names import MAX_REF_DEPTH, check_oid, check_ref_name
-from .state.documents import MAX_DEPTH, TensorRef
+from .state.documents import MAX_DEPTH, TensorRef, fill_tree
 from .store import Store
 
 __all__ = ["ShardstoreCheckpointIO", "encode_segment", "decode_segment", "TYPES_KEY", "MARKER_BYTES"]
@@ -328,6 +328,8 @@ class ShardstoreCheckpointIO(CheckpointIO):
         opened = open_state_dict(self.store, commit)  # manifests and tree read once, for the choice and the read
         into = self._into(opened, map_location) if into_module else None
         if into is not None:
+            # the types list is checked before any byte lands in the module (a copy of the tree: nothing read)
+            _from_tree(fill_tree(opened.tree, TensorRef), commit)
             try:
                 return _from_tree(opened.read(threads=self.read_threads, into=into), commit)
             except (TensorMismatch, StateMismatch):

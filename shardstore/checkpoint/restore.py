@@ -274,6 +274,7 @@ def _optimizer_plans(
     """The optimizer's restore, checked before any read: a wrapper's optimizers each get
     their own groups (``g0``, ``g1``, ... counted across them) and parameters (SPEC.md §9.5)."""
     inner = inner_optimizers(optimizer)
+    _check_state_held(lc, inner, targets, names)
     plans = []
     for o, gn in zip(inner, split_group_names(inner, group_names)):
         own = names
@@ -286,6 +287,31 @@ def _optimizer_plans(
         else:
             plans.append(plan_adam_restore(lc, own, o, own_targets, gn))
     return plans
+
+
+def _check_state_held(lc: LoadedCommit, inner: list[Any], targets: dict[str, torch.Tensor], names: list[str]) -> None:
+    """StateMismatch if the commit holds optimizer state of a tensor this restore fills that none of
+    the torch optimizers holds (a param group added after they were built, say): each plan covers
+    the tensors its optimizer holds, so that state would be dropped, or (Adam's install, by name)
+    put into ``optimizer.state`` for a tensor in none of its groups, which breaks its ``state_dict()``.
+    torch's ``load_state_dict`` refuses this too. A tensor the commit holds no state of (a frozen
+    one) is not refused; an optimizer with ``state_import`` takes what it holds by name."""
+    if not all(isinstance(o, torch.optim.Optimizer) for o in inner):
+        return
+    held = {id(p) for o in inner for g in o.param_groups for p in g["params"]}
+    entries = lc.entries()
+    for n in names:
+        e = entries[n]
+        has = (e.optim is not None and (e.optim.exp_avg is not None or e.optim.age > 0)) or (
+            e.state is not None and bool(e.state.tensors or e.state.scalars)
+        )
+        if has and id(targets[n]) not in held:
+            group = e.optim.group if e.optim is not None else e.state.group  # type: ignore[union-attr]
+            raise StateMismatch(
+                f"commit {lc.id} holds optimizer state of tensor {n!r} (group {group!r}), which the optimizer does "
+                "not hold in any param group: restoring would drop it; build the optimizer with the saving run's "
+                "param groups (add_param_group), or restore with optimizer=None"
+            )
 
 
 def _slot(lc: LoadedCommit, slot: int | None, what: str) -> int:

@@ -217,7 +217,9 @@ def load_state_dict_into(
     at the same key path (a DTensor: only its local share, from the blocks that overlaps),
     which must exist with its dtype and (global) shape; each of its other values is replaced
     by the stored value at that path, where the commit has one (an item of a tuple cannot be
-    replaced: it must already be equal). Stored values the dict has no place for are left out.
+    replaced: it must already be equal; a stored tensor is loaded into a tensor only, so a value of
+    another kind where the commit holds tensors is refused). Stored values the dict has no place for
+    are left out.
     A ``TensorRef`` (an opened tree's) has no memory to load into: refused by its key path.
     Everything is checked before the first byte is written (``StateMismatch`` /
     ``TensorMismatch``, naming the key path), the destinations as for ``read_state_dict``'s
@@ -404,9 +406,16 @@ def _match(
     with the stored value replacing it (at ``place``: its container and key); raise before any write.
     ``sets`` None: a read's ``into``, whose other values are not replaced and whose ``TensorRef``s
     (an opened tree's) are no destinations."""
-    if not _holds_tensor(dst):
+    if not _holds_tensor(dst) and not (place is None and isinstance(dst, Mapping)):
         if place is not None:
             if sets is not None:
+                if _holds_tensor(stored):  # a TensorRef: a name, no bytes; in place, a tensor loads into a tensor
+                    raise StateMismatch(
+                        f"state dict at {path}: a {type(dst).__name__}, where the commit holds tensors "
+                        f"({', '.join(repr(n) for n in tensor_refs(stored)[:3])}); load_state_dict_into fills "
+                        "tensors in place: put a tensor of the stored dtype and shape there, or read it fresh "
+                        "with read_state_dict"
+                    )
                 sets.append((*place, stored))
         elif dst != stored:
             raise StateMismatch(f"state dict at {path}: an item of a tuple differs from the commit's ({stored!r})")

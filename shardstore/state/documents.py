@@ -4,7 +4,9 @@ inlined (SPEC.md §9.3, §9.6). One walk writes and reads both grammars:
 - an **extra's state** (§9.3, ``encode_state`` / ``read_state``): string keys; null, booleans,
   64-bit integers, strings, lists and objects; reals as ``"f64:" + F64``; tensors as
   ``"tensor:<i>"`` into the extra's own tensor list. Tuples come back as lists and NumPy
-  scalars as Python numbers; strings starting ``f64:`` or ``tensor:`` are refused.
+  scalars as Python numbers (one wider than 64 bits, ``np.longdouble``, is refused: ``float``
+  would round it); a subclass of a scalar type (an ``IntEnum``) is refused, as it would come
+  back as its base type; strings starting ``f64:`` or ``tensor:`` are refused.
 - a **state dict's tree** (§9.6, ``encode_tree`` / ``read_tree``): the same, plus *typed
   values* that come back as exactly what they were, each a list whose first item is a tag
   string ``"type:<kind>"`` (a user's string never is one: strings starting with a reserved
@@ -120,7 +122,8 @@ class _Encoder:
         np_value = _numpy_scalar(v)
         if np_value is not None:
             return self.value(np_value, path, keys, depth)
-        if v is None or isinstance(v, (bool, int, float, str)):
+        # exactly these types: a subclass (an IntEnum, a str Enum) would come back as its base, not itself
+        if v is None or type(v) in (bool, int, float, str):
             return encode_scalar(v, f"{self.label} at {path}", UnsupportedState, reserved=(REAL_PREFIX, TENSOR))
         raise self.fail(
             path,
@@ -202,7 +205,9 @@ def _key_order(k: Any) -> tuple[int, Any]:
     return (0, k, b"") if type(k) is int else (1, 0, k.encode())
 
 
-def _numpy_scalar(value: Any) -> bool | int | float | None:
+def _numpy_scalar(value: Any) -> bool | int | float | str | None:
+    """A NumPy scalar as the Python value equal to it; None for anything else, and for a real wider
+    than 64 bits (``np.longdouble``), which ``float`` would round (refused, never rounded)."""
     try:
         import numpy as np
     except ImportError:  # pragma: no cover
@@ -212,7 +217,9 @@ def _numpy_scalar(value: Any) -> bool | int | float | None:
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.floating):
-        return float(value)
+        return float(value) if value.dtype.itemsize <= 8 else None
+    if isinstance(value, np.str_):
+        return str(value)
     return None
 
 

@@ -5,7 +5,12 @@ it is stored like any extra's tensor, without pickle, as the state document
 ``{"device": "cpu", "state": "tensor:0"}``. A ``torch.utils.data.DataLoader`` has no
 ``state_dict()``; what decides the order of its next epoch is the generators it and its
 sampler hold (``DataLoader(generator=g)``, ``RandomSampler(generator=g)``), stored by their
-attribute paths: ``{"generators": {"generator": {...}, "sampler.generator": {...}}}``. A
+attribute paths: ``{"generators": {"generator": {...}, "sampler.generator": {...}}}``. A sampler
+or batch sampler with state of its own is stored beside them, by its attribute path, under
+``samplers`` (absent when it has none): one with ``state_dict()`` / ``load_state_dict()``
+through those, a ``DistributedSampler`` as its epoch (``{"epoch": 7}``, set back with
+``set_epoch``). A dataset with ``state_dict()`` is stored under ``dataset`` (with
+``num_workers=0``; with workers its state lives in their copies, and the save is refused). A
 loader's position *within* an epoch lives in its iterator, not in the loader, and is not
 captured: a loader with ``state_dict()`` (torchdata's ``StatefulDataLoader``) is stored
 through it instead, position included.
@@ -98,12 +103,63 @@ def _generators(loader: Any) -> dict[str, torch.Generator]:
     return out
 
 
+#: Attribute paths of a DataLoader where a sampler or batch sampler with state of its own may live.
+_SAMPLER_PATHS = (
+    "sampler",
+    "batch_sampler",
+    "batch_sampler.sampler",
+    "batch_sampler.batch_sampler",
+    "batch_sampler.batch_sampler.sampler",
+)
+
+
+class _EpochState:
+    """A ``DistributedSampler``'s epoch (``set_epoch``), which with its seed decides its order."""
+
+    def __init__(self, sampler: Any, where: str) -> None:
+        self.sampler, self.where = sampler, where
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.sampler.epoch}
+
+    def load_state_dict(self, sd: Any) -> None:
+        epoch = sd.get("epoch") if isinstance(sd, dict) and set(sd) == {"epoch"} else None
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise StateMismatch(f"{self.where}: the stored state is not a DistributedSampler's ({{'epoch': int}})")
+        self.sampler.set_epoch(epoch)
+
+
+def _samplers(loader: Any) -> dict[str, Any]:
+    """Each distinct sampler or batch sampler of ``loader`` that holds state of its own, under the first
+    path it is found at: one with ``state_dict()`` / ``load_state_dict()`` as itself, a
+    ``DistributedSampler`` as its epoch (``_EpochState``); samplers without state are left out."""
+    out: dict[str, Any] = {}
+    seen: list[Any] = []
+    for path in _SAMPLER_PATHS:
+        obj: Any = loader
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+        if obj is None or any(obj is s for s in seen):
+            continue
+        seen.append(obj)
+        if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+            out[path] = obj
+        elif isinstance(obj, torch.utils.data.distributed.DistributedSampler):
+            out[path] = _EpochState(obj, f"DataLoader.{path}")
+    return out
+
+
 class LoaderState:
-    """A ``DataLoader`` without ``state_dict()`` as an extra: the states of the generators that decide its order."""
+    """A ``DataLoader`` without ``state_dict()`` as an extra: the states of the generators that decide its
+    order, and (under ``samplers``, when it has any) those of its samplers that hold state of their own."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.parts = {p: GeneratorState(g, f"DataLoader.{p}") for p, g in _generators(loader).items()}
+        self.samplers = _samplers(loader)
+        dataset = getattr(loader, "dataset", None)
+        has = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+        self.dataset = dataset if has else None
         # accelerate's loaders count epochs in ``iteration`` and hand it to the sampler's set_epoch
         self.epochs = isinstance(getattr(loader, "iteration", None), int)
 
@@ -118,10 +174,24 @@ class LoaderState:
         out: dict[str, Any] = {"generators": {p: g.state_dict() for p, g in self.parts.items()}}
         if self.epochs:
             out["iteration"] = self.loader.iteration
+        if self.samplers:  # absent without any: the document of a loader without them is as it was
+            out["samplers"] = {p: s.state_dict() for p, s in self.samplers.items()}
+        if self.dataset is not None:
+            if getattr(self.loader, "num_workers", 0):
+                raise UnsupportedState(
+                    f"{_label(self.loader)}: its dataset (a {_label(self.dataset)}) has a state_dict(), but with "
+                    "num_workers > 0 its state lives in the workers' copies, which this process cannot read; build "
+                    "the loader as torchdata's StatefulDataLoader, or use num_workers=0 (SPEC.md §9.3)"
+                )
+            out["dataset"] = self.dataset.state_dict()
         return out
 
     def check(self, sd: Any) -> None:
         keys = {"generators", "iteration"} if self.epochs else {"generators"}
+        if self.samplers:
+            keys.add("samplers")
+        if self.dataset is not None:
+            keys.add("dataset")
         stored = sd.get("generators") if isinstance(sd, dict) and set(sd) == keys else None
         if not isinstance(stored, dict):
             raise StateMismatch(f"DataLoader: the stored state is not this loader's ({sorted(keys)} expected)")
@@ -133,6 +203,12 @@ class LoaderState:
             )
         for p, g in self.parts.items():
             g.check(stored[p])
+        samplers = sd.get("samplers", {})
+        if not isinstance(samplers, dict) or sorted(samplers) != sorted(self.samplers):
+            raise StateMismatch(
+                f"DataLoader: stored sampler states at {sorted(samplers) if isinstance(samplers, dict) else samplers!r}, "
+                f"this loader has samplers with state at {sorted(self.samplers)}"
+            )
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.check(sd)
@@ -140,6 +216,10 @@ class LoaderState:
             g.generator.set_state(sd["generators"][p]["state"])
         if self.epochs:
             self.loader.iteration = sd["iteration"]
+        for p, s in self.samplers.items():
+            s.load_state_dict(sd["samplers"][p])
+        if self.dataset is not None:
+            self.dataset.load_state_dict(sd["dataset"])
 
 
 def _label(obj: Any) -> str:

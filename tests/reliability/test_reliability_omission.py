@@ -125,3 +125,55 @@ def test_select_refuses_ids_it_could_not_read_back():
     with pytest.raises(RoleError, match="64 hex"):
         roles.select(store, "job-1", "a" * 64)
     assert roles.selection(store, "job-1") is None and not store.pin_names()
+
+
+def _two_layers() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.AdamW(ps, lr=0.1)]
+)
+def test_optimizer_state_of_a_tensor_the_live_optimizer_does_not_hold_is_refused_not_dropped(make):
+    # Saved with a second param group (add_param_group), restored into an optimizer without it:
+    # restore returned normally, the momentum of that group's parameters silently dropped (SGD), or
+    # installed into optimizer.state for tensors in none of its groups (AdamW), after which the
+    # optimizer's own state_dict() raised KeyError. torch's load_state_dict refuses this.
+    model = _two_layers()
+    opt = make(list(model[0].parameters()))
+    opt.add_param_group({"params": list(model[1].parameters())})
+    model(torch.ones(3, 2)).sum().backward()
+    opt.step()
+    store = _store()
+    cid = ss.save(store, model, opt, step=1)
+    model2 = _two_layers()
+    opt2 = make(list(model2[0].parameters()))
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(ss.StateMismatch, match="0.weight|1.weight|1.bias"):
+        ss.restore(store, cid, model2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))  # refused before any write
+    assert not opt2.state
+    opt2.state_dict()
+    # the same setup takes it
+    opt2.add_param_group({"params": list(model2[1].parameters())})
+    ss.restore(store, cid, model2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert len(opt2.state_dict()["state"]) == 4
+
+
+def test_a_frozen_parameter_without_optimizer_state_still_restores():
+    # the refusal above is of state that would be lost, not of a parameter the optimizer never held
+    model = _two_layers()
+    model[1].requires_grad_(False)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(3, 2)).sum().backward()
+    opt.step()
+    store = _store()
+    cid = ss.save(store, model, opt, step=1)
+    model2 = _two_layers()
+    opt2 = torch.optim.SGD(model2[0].parameters(), lr=0.1, momentum=0.9)
+    ss.restore(store, cid, model2, opt2)
+    assert torch.equal(
+        opt2.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"]
+    )

@@ -573,6 +573,27 @@ def test_a_forged_types_list_is_refused_on_load(tmp_path: Path) -> None:
             io.load_checkpoint(f"lightning/forged{i}")
 
 
+def test_with_module_a_forged_types_list_is_refused_before_a_byte_lands_in_the_module(tmp_path: Path) -> None:
+    # The types list was checked after the weights were read into the attached module: the resume
+    # was refused (ManifestError) with the module already holding the commit's weights.
+    model = Net()
+    io = ShardstoreCheckpointIO(tmp_path / "store", module=model)
+    stored = {k: t + 1 for k, t in model.state_dict().items()}
+    ss.save_state_dict(io.store, {"state_dict": stored, TYPES_KEY: [["namespace", ["nope"]]]}, ref="lightning/forged")
+    before = {k: t.clone() for k, t in model.state_dict().items()}
+    trainer = pl.Trainer(
+        max_epochs=1,
+        plugins=[io],
+        enable_checkpointing=False,
+        logger=False,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(ManifestError, match=r"names \$\[.nope.\], which the state dict does not hold"):
+        trainer.fit(model, loader(), ckpt_path="lightning/forged")
+    same(model.state_dict(), OrderedDict(before))
+
+
 # -- resolving, removing ----------------------------------------------------------------------------
 
 

@@ -226,6 +226,25 @@ def test_in_place_load_fills_the_callers_tensors_after_checking_everything(tmp_p
     same({k: ck["callbacks"][key][k] for k in target["callbacks"][key]}, target["callbacks"][key])
 
 
+def test_in_place_load_refuses_a_non_tensor_where_the_commit_holds_a_tensor(tmp_path):
+    # The caller's value was replaced by the tree's TensorRef (a name, no bytes) and the tensor
+    # never read; a dict holding no tensor at all was refused as "an item of a tuple".
+    store = shardstore.open_store(tmp_path / "s")
+    cid = shardstore.save_state_dict(store, {"w": torch.ones(2), "step": 3, "sub": {"t": torch.zeros(1)}})
+    for target, where in (
+        ({"w": None, "step": 0, "sub": {"t": torch.full((1,), 7.0)}}, r"\$\.w: a NoneType"),
+        ({"w": torch.full((2,), 7.0), "step": 0, "sub": {}}, r"\$\.sub: a dict.*'sub/t'"),
+        ({"w": torch.full((2,), 7.0), "step": 0, "sub": None}, r"\$\.sub: a NoneType"),
+    ):
+        before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in target.items()}
+        with pytest.raises(StateMismatch, match=where):
+            shardstore.load_state_dict_into(store, target, cid)
+        assert target.keys() == before.keys() and target["step"] == 0  # nothing written, nothing replaced
+        assert all(torch.equal(v, before[k]) for k, v in target.items() if isinstance(v, torch.Tensor))
+    only_values = {"step": 0}  # no tensor to fill: its values are still loaded
+    assert shardstore.load_state_dict_into(store, only_values, cid) == cid and only_values == {"step": 3}
+
+
 def test_read_state_dict_reads_the_callers_tensors_in_place_and_the_rest_fresh(tmp_path, monkeypatch):
     """``into``: a model's own tensors receive their bytes (a tied weight read once) and stand in the
     dict returned; everything else comes back fresh; a wrong destination is refused before any write."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import shardstore as ss
+from shardstore.state.stateful import stateful
 
 
 def _store() -> ss.Store:
@@ -163,6 +164,93 @@ def test_a_generator_and_a_loader_holding_one_are_extras_without_pickle() -> Non
     plain = DataLoader(TensorDataset(torch.arange(10)), batch_size=3)  # no generator: nothing decides its order
     with pytest.raises(ss.StateMismatch, match=r"stored generators at \['generator'\], this loader has them at \[\]"):
         ss.restore(store, cid, _net(1), extra={"loader": plain})
+
+
+class _ResumableSampler(torch.utils.data.Sampler):
+    """A sampler that says where it stands (``state_dict()``), as a resumable sampler does."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos = n, 0
+
+    def __iter__(self):
+        return iter(range(self.pos, self.n))
+
+    def __len__(self) -> int:
+        return self.n - self.pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+def test_a_loaders_samplers_with_state_of_their_own_are_stored_with_it() -> None:
+    """A plain DataLoader's sampler with ``state_dict()``, or a DistributedSampler's epoch, was
+    silently left out of the loader's extra: save and restore both succeeded, and the restored
+    loader started its sampler over (position 0, epoch 0)."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    store, data = _store(), list(range(8))
+    sampler = _ResumableSampler(8)
+    sampler.pos = 5
+    dist = DistributedSampler(data, num_replicas=2, rank=0, seed=3)
+    dist.set_epoch(7)
+    cid = ss.save(
+        store,
+        _net(0),
+        step=0,
+        extra={"a": DataLoader(data, sampler=sampler), "b": DataLoader(data, sampler=dist, batch_size=2)},
+    )
+    sampler2, dist2 = _ResumableSampler(8), DistributedSampler(data, num_replicas=2, rank=0, seed=3)
+    loader_a, loader_b = DataLoader(data, sampler=sampler2), DataLoader(data, sampler=dist2, batch_size=2)
+    ss.restore(store, cid, _net(1), extra={"a": loader_a, "b": loader_b})
+    assert sampler2.pos == 5 and [int(x) for x in loader_a] == [5, 6, 7]
+    assert dist2.epoch == 7 and list(dist2) == list(dist)
+    # a loader without such a sampler cannot take that state: refused before anything is written
+    with pytest.raises(ss.StateMismatch, match="not this loader.s"):
+        ss.restore(store, cid, _net(1), extra={"a": DataLoader(data)})
+    # one without any keeps the document it had (same commit ids as before)
+    plain = DataLoader(data, shuffle=True, generator=torch.Generator().manual_seed(3))
+    assert stateful(plain).state_dict().keys() == {"generators"}
+
+
+class _Counting(torch.utils.data.IterableDataset):
+    """An iterable dataset that says how far it has gone (``state_dict()``)."""
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def __iter__(self):
+        while self.i < 8:
+            self.i += 1
+            yield self.i - 1
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.i = sd["i"]
+
+
+def test_a_loaders_dataset_with_state_of_its_own_is_stored_or_refused() -> None:
+    """A plain DataLoader over a dataset with ``state_dict()`` was saved without it: the restored
+    loader started the data over. Without workers it is stored; with workers (whose copies hold the
+    state) the save is refused."""
+    from torch.utils.data import DataLoader
+
+    store, data = _store(), _Counting()
+    loader = DataLoader(data, batch_size=2)
+    it = iter(loader)
+    next(it), next(it)
+    cid = ss.save(store, _net(0), step=0, extra={"loader": loader})
+    data2 = _Counting()
+    ss.restore(store, cid, _net(1), extra={"loader": DataLoader(data2, batch_size=2)})
+    assert data2.i == 4 and [b.tolist() for b in DataLoader(data2, batch_size=2)] == [[4, 5], [6, 7]]
+    with pytest.raises(ss.UnsupportedState, match="num_workers > 0"):
+        ss.save(store, _net(0), step=1, extra={"loader": DataLoader(_Counting(), batch_size=2, num_workers=1)})
+    assert store.ref("main") == cid
 
 
 def test_profile_reflects_what_the_commit_holds_unless_a_trainer_names_one(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,14 +7,20 @@ buffers, optimizer state and every extra's state must match bitwise.
 
 from __future__ import annotations
 
+import enum
 import uuid
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import shardstore as ss
 from shardstore.store import object_key
+
+
+class _Mode(enum.IntEnum):
+    TRAIN = 1
 
 
 class Counter:
@@ -210,6 +216,9 @@ def test_tied_weights_are_saved_once():
         ({"deep": [{"obj": Counter()}]}, r"\$\.deep\[0\]\.obj"),
         ({"gen": (i for i in range(2))}, r"\$\.gen"),
         ({1: "int key"}, r"key 1"),
+        # these came back as something else: 1/3 rounded to a float64, an IntEnum as a plain int
+        ({"x": [np.longdouble(1) / 3]}, r"\$\.x\[0\]"),
+        ({"mode": _Mode.TRAIN}, r"\$\.mode: a .*_Mode"),
     ],
 )
 def test_extras_that_pickle_would_need_are_refused_by_key_path(bad, path):
