@@ -188,13 +188,17 @@ class LoaderState:
 
     def check(self, sd: Any) -> None:
         keys = {"generators", "iteration"} if self.epochs else {"generators"}
-        if self.samplers:
-            keys.add("samplers")
-        if self.dataset is not None:
-            keys.add("dataset")
-        stored = sd.get("generators") if isinstance(sd, dict) and set(sd) == keys else None
+        # ``samplers`` and ``dataset`` are optional in the stored document: one without them (a commit from
+        # before they were stored, or a loader that had none) restores the generators and leaves this
+        # loader's samplers and dataset as they are; one with them needs a loader that can take them
+        optional = ({"samplers"} if self.samplers else set()) | ({"dataset"} if self.dataset is not None else set())
+        fits = isinstance(sd, dict) and keys <= set(sd) <= keys | optional
+        stored = sd.get("generators") if fits else None
         if not isinstance(stored, dict):
-            raise StateMismatch(f"DataLoader: the stored state is not this loader's ({sorted(keys)} expected)")
+            raise StateMismatch(
+                f"DataLoader: the stored state is not this loader's ({sorted(keys)} expected"
+                + (f", and optionally {sorted(optional)})" if optional else ")")
+            )
         if self.epochs and (isinstance(sd["iteration"], bool) or not isinstance(sd["iteration"], int)):
             raise StateMismatch("DataLoader: the stored iteration is not an integer")
         if sorted(stored) != sorted(self.parts):
@@ -203,7 +207,7 @@ class LoaderState:
             )
         for p, g in self.parts.items():
             g.check(stored[p])
-        samplers = sd.get("samplers", {})
+        samplers = sd.get("samplers", self.samplers)
         if not isinstance(samplers, dict) or sorted(samplers) != sorted(self.samplers):
             raise StateMismatch(
                 f"DataLoader: stored sampler states at {sorted(samplers) if isinstance(samplers, dict) else samplers!r}, "
@@ -216,9 +220,10 @@ class LoaderState:
             g.generator.set_state(sd["generators"][p]["state"])
         if self.epochs:
             self.loader.iteration = sd["iteration"]
-        for p, s in self.samplers.items():
+        for p, s in self.samplers.items() if "samplers" in sd else ():
             s.load_state_dict(sd["samplers"][p])
-        if self.dataset is not None:
+        if "dataset" in sd:
+            assert self.dataset is not None  # checked: a stored dataset state needs a dataset to take it
             self.dataset.load_state_dict(sd["dataset"])
 
 

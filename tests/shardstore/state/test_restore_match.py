@@ -216,6 +216,27 @@ def test_a_loaders_samplers_with_state_of_their_own_are_stored_with_it() -> None
     assert stateful(plain).state_dict().keys() == {"generators"}
 
 
+def test_a_loader_document_from_before_samplers_were_stored_still_restores() -> None:
+    """A commit written before a loader's samplers and dataset were stored has a document of its
+    generators alone: restoring it into a loader with a DistributedSampler and a dataset with state
+    restores the generators and leaves those as they are, as the code that wrote it did, rather
+    than refusing every resume of such a commit."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    store, data = _store(), list(range(8))
+    g = torch.Generator().manual_seed(5)
+    cid = ss.save(store, _net(0), step=0, extra={"loader": DataLoader(data, shuffle=True, generator=g)})
+    want = g.get_state()
+    g.manual_seed(9)  # moved on: the restore must put it back
+    dist = DistributedSampler(data, num_replicas=2, rank=0, seed=3)
+    dist.set_epoch(4)
+    older = DataLoader(data, sampler=dist, generator=g)
+    ss.restore(store, cid, _net(1), extra={"loader": older})
+    assert torch.equal(g.get_state(), want) and dist.epoch == 4
+    # a document that has them still needs a loader that can take them (test above)
+
+
 class _Counting(torch.utils.data.IterableDataset):
     """An iterable dataset that says how far it has gone (``state_dict()``)."""
 
