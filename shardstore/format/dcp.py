@@ -61,6 +61,8 @@ __all__ = [
     "chunk_entry_name",
     "encode_document",
     "check_planner_strings",
+    "list_items_problem",
+    "MAX_LIST_ITEMS",
     "decode_document",
     "dcp_extra",
     "document_problems",
@@ -180,10 +182,40 @@ def _refuse_reserved(where: str, value: str) -> None:
         )
 
 
+#: List items a document's flattening map may have a load make: DCP's load grows each list a key path
+#: indexes to the largest index it is given (filling the rest with None), so a forged index would
+#: drive an allocation. Counted per list (its largest index + 1) and summed; a save beyond it is refused.
+MAX_LIST_ITEMS = MAX_ENTRIES
+
+
+def list_items_problem(planner_data: Mapping[str, Sequence[str | int]]) -> str | None:
+    """What keeps the lists of a flattening map within ``MAX_LIST_ITEMS`` (None: they are): a
+    negative index, or more list items in all than the limit. Arithmetic on the paths alone."""
+    largest: dict[tuple[str | int, ...], int] = {}
+    for fqn, path in planner_data.items():
+        for i, part in enumerate(path):
+            if type(part) is not int:
+                continue
+            if part < 0:
+                return f"planner_data[{fqn[:64]!r}][{i}]: list index {part} is negative"
+            if part >= MAX_LIST_ITEMS:
+                return f"planner_data[{fqn[:64]!r}][{i}]: list index {part} is over the limit of {MAX_LIST_ITEMS} list items"
+            key = tuple(path[:i])
+            if part > largest.get(key, -1):
+                largest[key] = part
+    items = sum(n + 1 for n in largest.values())
+    if items > MAX_LIST_ITEMS:
+        return f"planner_data's lists hold {items} items on load, over the limit of {MAX_LIST_ITEMS}"
+    return None
+
+
 def check_planner_strings(planner_data: Mapping[str, Sequence[str | int]]) -> None:
     """UnsupportedState for a key path of a flattening map (a ``SavePlan``'s ``planner_data``)
-    that the document could not hold (a reserved string, more than ``MAX_PATH`` parts): checked
-    while planning, before anything is written."""
+    that the document could not hold (a reserved string, more than ``MAX_PATH`` parts, lists of more
+    than ``MAX_LIST_ITEMS`` items): checked while planning, before anything is written."""
+    problem = list_items_problem(planner_data)
+    if problem is not None:
+        raise UnsupportedState(f"DCP state dict: {problem} (SPEC.md §9.4, §Limits)")
     for fqn, path in planner_data.items():
         if len(path) > MAX_PATH:
             raise UnsupportedState(
@@ -243,7 +275,8 @@ def document_problems(
     """What ties ``doc`` to its commit and does not hold (empty: all of it holds): its bytes
     items are the extra's ``tensors`` in order, each a 1-d ``uint8`` tensor; every chunk lies
     in its tensor and names an entry of the chunk's dtype and shape with no optimizer state;
-    every entry of the commit is named by exactly one chunk; no user string is reserved."""
+    every entry of the commit is named by exactly one chunk; no user string is reserved; the flattening
+    map's lists stay within ``MAX_LIST_ITEMS``."""
     out: list[str] = []
     refs = [(fqn, item.object) for fqn, item in sorted(doc.items.items()) if isinstance(item, BytesItem)]
     for i, (fqn, ref) in enumerate(refs):
@@ -256,6 +289,9 @@ def document_problems(
             out.append(f"tensor {t.key} of the extra is {t.dtype}{list(t.shape)}, not the 1-d uint8 bytes of an item")
     out += [f"{where}: string {value[:24]!r} starts with a reserved prefix" for where, value in _user_strings(doc)
             if value.startswith(_RESERVED)]  # fmt: skip
+    listed = list_items_problem(doc.planner_data or {})
+    if listed is not None:
+        out.append(listed)
     named: dict[str, str] = {}
     for fqn, item in sorted(doc.items.items()):
         if isinstance(item, TensorItem):

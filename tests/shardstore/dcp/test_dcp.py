@@ -612,3 +612,43 @@ def test_vector(tmp_path):
         "8eda9d89b70474cef7735b8d312688fe78131031beee7cda4f022b4f1e9c4559",
         "2289f11e7346cf789fa7f35974d30ed0420e97ec8527c2314adee1030be1fef4",
     )
+
+
+def test_a_forged_list_index_in_the_flattening_map_is_refused_before_dcp_grows_the_list(tmp_path):
+    """DCP's load grows each list of the flattening map to the largest index the map gives it: a
+    forged index of 20,000,000 made a load allocate and fill that many slots (minutes, gigabytes)
+    while ``verify`` called the commit sound. The document's lists are bounded (SPEC.md §9.4,
+    §Limits): verify and the reader refuse it before DCP sees it, and a save beyond it is refused
+    while planning."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    root = str(tmp_path / "store")
+    dcp.save({"l": [torch.ones(2), torch.zeros(1)]}, storage_writer=StoreWriter(root))
+    store = ss.open_store(root, create=False)
+    lc = ss.load_commit(store, "main")
+    doc = json.loads(bytes(store.get(dcp_extra(lc.commit.extras).state)))
+    assert doc["planner_data"]["l.1"] == ["l", 1]
+    commits = {}
+    for index, said in ((20_000_000, "list index 20000000 is over the limit"), (-3, "list index -3 is negative")):
+        doc["planner_data"]["l.1"] = ["l", index]
+        forged = store.put(_canonical(doc))
+        commits[index] = cid = ss.write_commit(
+            store,
+            [lc.shard_ids[0]],
+            info=ss.CommitInfo(step=0, profile="fp32"),
+            parent=None,
+            extras=(ExtraEntry(key=DCP_EXTRA, state=forged, tensors=()),),
+        )
+        report = ss.verify(store, [cid])
+        assert [p.kind for p in report.problems] == ["ManifestError"] and said in str(report.problems[0])
+        with pytest.raises(BaseException, match=said):  # DCP wraps the reader's ManifestError, by message
+            _load_state_dict_from_keys(storage_reader=StoreReader(root, cid))
+    # many lists, each within the limit, over it together
+    with pytest.raises(BaseException, match="UnsupportedState.*lists hold 1000002 items on load"):
+        dcp.save(
+            {"a": [{}] * 500_000 + [torch.ones(1)], "b": [{}] * 500_000 + [torch.ones(1)]},
+            storage_writer=StoreWriter(root, ref="big"),
+        )
+    assert store.ref("big") is None
+    got = _load_state_dict_from_keys(storage_reader=StoreReader(root, "main"))  # the sound commit still loads
+    assert torch.equal(got["l"][0], torch.ones(2)) and torch.equal(got["l"][1], torch.zeros(1))
