@@ -31,7 +31,12 @@ What a commit holds, by where accelerate keeps it (``save_state``'s own list):
 Anything the commit holds that the accelerator cannot take back (a scheduler saved, none
 prepared now) is refused before a byte is written (``StateMismatch``), and so is a run of
 several processes: each rank's RNG and loader position would need a slot of its own
-(``save_distributed``), which this recipe does not build.
+(``save_distributed``), which this recipe does not build. So are hooks given to
+``register_save_state_pre_hook`` (at save) and ``register_load_state_pre_hook`` (at load):
+``save_state`` runs them on its output directory, where they write files of their own (an EMA
+model that was never prepared, say), and this recipe has no directory to run them on, so what they
+would save would be silently missing (``UnsupportedState`` naming them: hand such objects over as
+``extra=`` or to ``register_for_checkpointing`` instead, and remove the hook).
 
 ``shardstore.save`` / ``restore`` take the same prepared objects one by one; this module only
 gathers them from the accelerator (the attributes its ``save_state`` reads), and imports
@@ -92,6 +97,20 @@ class AcceleratorObjects:
     slot_extra: dict[str, Any]
 
 
+def _refuse_state_hooks(accelerator: Any, kind: str) -> None:
+    """UnsupportedState if ``accelerator`` holds hooks ``save_state`` (``kind`` "save") or ``load_state``
+    ("load") would run on its directory: what they write or read there would be missing (module docstring)."""
+    hooks = getattr(accelerator, f"_{kind}_model_state_pre_hook", None) or {}
+    if hooks:
+        names = [getattr(h, "__qualname__", type(h).__name__) for h in hooks.values()]
+        raise UnsupportedState(
+            f"shardstore.accelerate: the accelerator holds register_{kind}_state_pre_hook hooks {names}; "
+            f"accelerate's {kind}_state runs them on its output directory and this recipe has none, so what they "
+            f"{'write' if kind == 'save' else 'read'} there would be silently missing: pass such objects as extra= "
+            "or to register_for_checkpointing, and remove the hook (the handle's remove())"
+        )
+
+
 def accelerator_objects(accelerator: Any, extra: Mapping[str, Any] | None = None) -> AcceleratorObjects:
     """The prepared models, optimizers, schedulers, scaler, registered objects, counters and loaders of
     ``accelerator`` as ``save``/``restore`` take them (keys as the module docstring lists), with the
@@ -138,6 +157,7 @@ def save_accelerator_state(
     ``step``: the number of optimizer steps taken (the commit's global step, at least every
     parameter's Adam age); ``extra``: the caller's own commit-wide objects with ``state_dict()``.
     """
+    _refuse_state_hooks(accelerator, "save")
     objs = accelerator_objects(accelerator, extra)
     return save(
         store,
@@ -168,6 +188,7 @@ def load_accelerator_state(
     this before the training loop; ``Restored.step`` is the saved step. A commit whose extras are
     not exactly the accelerator's (and ``extra``'s) is refused before anything is written.
     """
+    _refuse_state_hooks(accelerator, "load")
     objs = accelerator_objects(accelerator, extra)
     lc = load_commit(store, target)
     held = {x.key for x in lc.commit.extras}

@@ -372,6 +372,35 @@ def test_a_commit_that_does_not_fit_the_accelerator_is_refused(tmp_path, prepare
     assert all(torch.equal(a, p) for a, p in zip(weights, (p for m in acc._models for p in m.parameters())))
 
 
+def test_state_hooks_the_recipe_cannot_run_are_refused_not_skipped(tmp_path, prepared):
+    """accelerate's ``save_state`` runs ``register_save_state_pre_hook`` hooks on its output directory
+    (a training script's EMA model, never prepared, is saved by one); the recipe has no directory and
+    skipped them without a word, so the EMA model was silently not in the commit. Such hooks are
+    refused by name, at save and at load, before anything is written or read."""
+    from shardstore.accelerate import load_accelerator_state, save_accelerator_state
+
+    acc, *_ = prepared()
+    store = shardstore.open_store(tmp_path / "s")
+    ema = torch.nn.Linear(3, 1)
+
+    def save_ema(models, weights, output_dir):
+        torch.save(ema.state_dict(), os.path.join(output_dir, "ema.pt"))
+
+    handle = acc.register_save_state_pre_hook(save_ema)
+    with pytest.raises(UnsupportedState, match=r"register_save_state_pre_hook hooks \[.*save_ema'\]"):
+        save_accelerator_state(acc, store, step=0)
+    assert list(store.objects()) == [] and store.refs() == {}
+    handle.remove()
+    cid = save_accelerator_state(acc, store, step=0, extra={"ema": ema})  # the object handed over instead
+    handle = acc.register_load_state_pre_hook(lambda models, input_dir: None)
+    weights = [p.detach().clone() for m in acc._models for p in m.parameters()]
+    with pytest.raises(UnsupportedState, match="register_load_state_pre_hook hooks"):
+        load_accelerator_state(acc, store, cid, extra={"ema": ema})
+    assert all(torch.equal(a, p) for a, p in zip(weights, (p for m in acc._models for p in m.parameters())))
+    handle.remove()
+    assert load_accelerator_state(acc, store, cid, extra={"ema": ema}).step == 0
+
+
 # -- packaging: no framework import; the README example runs --------------------------------------
 
 
