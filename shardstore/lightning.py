@@ -3,7 +3,12 @@
 ``Trainer(plugins=[ShardstoreCheckpointIO(url)])`` sends every checkpoint Lightning writes
 (``ModelCheckpoint``, ``trainer.save_checkpoint``, ``OnExceptionCheckpoint``) to a store, and
 every checkpoint it reads (``fit(ckpt_path=...)``, ``validate``/``test``/``predict``) back from
-it. Importing ``shardstore`` never imports Lightning; importing this module does.
+it. Importing ``shardstore`` never imports Lightning; importing this module does. Strategies
+that save through paths of their own never call a ``CheckpointIO`` plugin, and their checkpoints
+do not reach the store: ``FSDPStrategy(state_dict_type="sharded")`` writes a directory through
+``torch.distributed.checkpoint`` itself, DeepSpeed through its engine. For sharded FSDP state, use
+``FSDPStrategy(state_dict_type="full")`` with this plugin, or ``shardstore.dcp.StoreWriter`` /
+``StoreReader`` with ``torch.distributed.checkpoint`` in a loop of your own.
 
 **What a save stores.** Lightning hands ``save_checkpoint`` one dict — weights, optimizer and
 scheduler ``state_dict()``s, loops' progress, callbacks' state, epoch, global step,
