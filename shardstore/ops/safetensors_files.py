@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import json
 import os
+import stat
 import struct
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +55,17 @@ class Item:
 
 
 def open_safetensors(path: str) -> Any:
-    """``safe_open`` with its errors as ManifestError naming the file."""
+    """``safe_open`` with its errors as ManifestError naming the file; only a regular file.
+
+    safetensors opens the file with a blocking ``open`` while holding the GIL: a FIFO (or a
+    link to one) would stall the whole process, a device be mapped. Both are refused first,
+    as ``read_regular_file`` refuses them for ``config.json``."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise ManifestError(f"{path}: not a readable safetensors file ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        raise ManifestError(f"{path} is not a regular file (a device, FIFO or directory); refusing to read it")
     try:
         return safe_open(path, framework="pt")
     except (SafetensorError, OSError) as e:
