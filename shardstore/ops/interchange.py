@@ -136,7 +136,8 @@ def export_commit(
 ) -> ExportResult:
     """Write commit ``target`` as a Hugging Face style directory (see the module docstring).
 
-    Refuses (StorageError) to replace existing files unless ``overwrite``. A commit without a
+    Refuses (StorageError) to replace existing files unless ``overwrite``, which removes them
+    all before writing the first (a failed export leaves no earlier export's files beside its own). A commit without a
     model config is refused (StateMismatch) before anything is written: without ``config.json``
     the directory is not one transformers can load; ``weights_only`` writes its safetensors
     files (and, with ``with_optimizer``, the optimizer's) all the same. A DCP commit's tensors are
@@ -189,8 +190,14 @@ def export_commit(
     clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))] + stale
     if clash and not overwrite:
         raise StorageError(f"{out_dir} already holds {sorted(clash)[:3]}; refusing to overwrite")
-    for n in stale:
-        os.unlink(os.path.join(out_dir, n))
+    # Every file this export replaces goes before the first is written: an export that fails
+    # part way then leaves no config.json (written last) beside new weights, never a
+    # directory that mixes this commit's files with an earlier export's and looks complete.
+    for n in clash:
+        try:
+            os.unlink(os.path.join(out_dir, n))
+        except OSError as e:
+            raise StorageError(f"{out_dir}: cannot remove {n} to overwrite it: {e.strerror or e}") from None
     total = sum(it.nbytes for its in files.values() for it in its)
 
     def tick(it: _Item) -> None:

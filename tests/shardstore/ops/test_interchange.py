@@ -260,3 +260,27 @@ def test_a_copied_commit_without_its_history_seeds_a_job(copied_child, tmp_path)
     job = tmp_path / "job"
     assert shardtrain_main(["prepare", "--out", str(job), "--seed-store", dst, "--seed-commit", child, "--quiet"]) == 0
     assert json.loads((job / "job.json").read_text())["seed"]["commit"] == child
+
+
+def test_a_failed_overwrite_leaves_no_mixed_export(store, trained, tmp_path):
+    # An export over an earlier one (overwrite=True) that fails part way must not leave a
+    # directory that looks complete: the new model.safetensors beside the old config.json and
+    # optimizer files would load as a model that never existed.
+    from conftest import train_steps
+
+    from shardstore.store import object_key
+
+    model, opt = trained
+    out = tmp_path / "out"
+    ss.save(store, model, opt, step=3, config={"hidden": 8})
+    export_commit(store, "main", str(out), with_optimizer=True)
+    train_steps(model, opt, 2, seed=7)
+    cid = ss.save(store, model, opt, step=5, config={"hidden": 16})
+    lc = ss.load_commit(store, cid)
+    lost = lc.entries()["mid.weight"].optim.exp_avg
+    os.unlink(os.path.join(store.url, object_key(lost)))
+    with pytest.raises(ss.ShardstoreError, match=lost):
+        export_commit(store, cid, str(out), with_optimizer=True, overwrite=True)
+    left = set(os.listdir(out))
+    assert "config.json" not in left and "optimizer.json" not in left, left
+    assert not {n for n in left if n.startswith("optimizer.")}, left  # the old moments are not the new model's
