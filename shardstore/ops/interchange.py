@@ -162,6 +162,12 @@ def export_commit(
                 if e.optim is not None and e.optim.moment_dtype is not None and getattr(e.optim, role) is not None
             ]
         sets.update(_state_sets(lc, entries))
+    for prefix, items in sets.items():  # as for a DCP commit's keys (_dcp_items), before anything is created
+        if any(it.name == "__metadata__" for it in items):
+            raise StateMismatch(
+                f"tensor '__metadata__' of commit {lc.id} cannot be exported to {prefix}.safetensors: safetensors "
+                "reserves the key for its header (SPEC.md §19.2); nothing was written"
+            )
     files: dict[str, list[_Item]] = {}
     docs: dict[str, bytes] = {}
     for prefix, items in sets.items():

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import shardstore as ss
-from shardstore.errors import InvalidName, LayoutError, ManifestError, StorageError
+from shardstore.errors import InvalidName, LayoutError, ManifestError, StateMismatch, StorageError
 from shardstore.ops.interchange import export_commit, import_directory, split_layers
 
 transformers = pytest.importorskip("transformers")
@@ -284,3 +284,13 @@ def test_a_failed_overwrite_leaves_no_mixed_export(store, trained, tmp_path):
     left = set(os.listdir(out))
     assert "config.json" not in left and "optimizer.json" not in left, left
     assert not {n for n in left if n.startswith("optimizer.")}, left  # the old moments are not the new model's
+
+
+def test_export_refuses_a_tensor_named_like_the_safetensors_header_before_writing(store, tmp_path):
+    # "__metadata__" is a valid tensor name (SPEC.md §6) but safetensors' header key: the file
+    # was written whole, then its read-back failed with a JSON error naming a temporary file.
+    ss.save(store, {"__metadata__": torch.ones(3), "w": torch.zeros(2)}, step=0, config={"a": 1}, rng=False)
+    out = tmp_path / "out"
+    with pytest.raises(StateMismatch, match="'__metadata__'.*reserves the key"):
+        export_commit(store, "main", str(out))
+    assert not out.exists() or os.listdir(out) == []
