@@ -40,7 +40,7 @@ from ..format.names import check_ref_name
 from ..format.tensors import hash_bytes
 from ..store import Store, object_key
 from ..store.tensors import WriteBatch
-from ..verification.commits import LoadedCommit, load_commit, read_commit
+from ..verification.commits import LoadedCommit, load_commit, pinned_commits, read_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit", "pool_map"]
 
@@ -265,7 +265,8 @@ def copy_commit(
     ``ref``: afterwards, move that ref in ``dst`` to the commit (compare-and-swap against
     the value read just before). ``pins``: also copy these pins of ``src`` and the objects
     they name (e.g. shardtrain's ``jobs/<job id>``); each is set in ``dst``, last, to the
-    union of what it held there and in ``src``. ``progress`` is called with the byte size
+    union of what it held there and in ``src``; a commit a pin names is copied whole first, as
+    with ``with_deps`` (a pin keeps a commit's closure, SPEC.md §14.1). ``progress`` is called with the byte size
     of each object as it is copied or found present. ``with_deps``: also the commits the
     commit's job depends on (SPEC.md §14.1): the pins ``jobs/<job>`` and ``references/<job>``
     of its job, where ``src`` has them, and the whole closure of every other commit the
@@ -280,6 +281,9 @@ def copy_commit(
             if ids is not None:
                 pinned[n] = ids
         deps = [c for c in src.pinned(named[1]) or () if c != lc.id]
+    # A pinned commit keeps its whole closure (SPEC.md §14.1), and the pin's presence check at
+    # the destination asks for it: each one a copied pin names lands whole first, as a dependency.
+    deps += [c for c in pinned_commits(src, pinned) if c != lc.id and c not in deps]
     closure = commit_closure(lc, slot)
     result = CopyResult(lc.id, slot)
     for dep in deps:  # each lands whole (and durable) before the commit that needs it

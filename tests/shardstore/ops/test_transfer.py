@@ -273,6 +273,23 @@ def test_pins_travel_with_a_commit_when_asked(tmp_path: Any, capsys: Any) -> Non
     assert ss.open_store(fresh).pinned("jobs/j") == tuple(sorted({job, asset}))
 
 
+def test_a_pinned_commit_travels_whole_with_its_pin(tmp_path: Any) -> None:
+    # A pin naming a commit keeps its whole closure (SPEC.md §14.1); `copy --pin` copied only
+    # the commit manifest, then the pin's presence check refused with a GcRace blaming a gc
+    # (after the ref had moved), however often the copy was run again.
+    model, opt = two_slot_model(3)
+    src = ss.open_store(str(tmp_path / "a"))
+    cid = save_two_slots(src, model, opt)
+    seed = ss.save(src, {"w": torch.arange(5.0)}, step=0, rng=False, ref=None)
+    src.pin("keep/seed", [seed], expected=None)
+    dst = ss.open_store(str(tmp_path / "b"))
+    result = copy_commit(src, dst, "main", pins=["keep/seed"], ref="main")
+    assert result.pins == ["keep/seed"] and seed in result.dependencies
+    assert dst.pinned("keep/seed") == (seed,) and dst.ref("main") == cid
+    assert commit_closure(ss.load_commit(dst, seed)).ids() <= set(dst.objects())
+    assert ss.verify(dst).ok
+
+
 def test_copy_bounds_the_bytes_its_threads_hold() -> None:
     """Copy reads each object into memory of its own (issue 12, item 6), so its threads are
     admitted by bytes: under the limit together, one larger object alone."""
