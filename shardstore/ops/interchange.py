@@ -57,6 +57,7 @@ from ..verification.commits import load_commit
 from .assets import ASSET_FILES, commit_assets, put_assets, read_asset_files
 from .safetensors_files import FROM_ST as _FROM_ST
 from .safetensors_files import Item as _Item
+from .safetensors_files import duplicate_keys as _duplicate_keys
 from .safetensors_files import open_safetensors as _open
 from .safetensors_files import write_file as _write_file
 from .safetensors_files import write_safetensors as _write_safetensors
@@ -337,7 +338,13 @@ def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     files, weight_map = _source_files(src_dir)
     out: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for fname in files:
-        with _open(os.path.join(src_dir, fname)) as f:
+        path = os.path.join(src_dir, fname)
+        with _open(path) as f:
+            dups = _duplicate_keys(path)
+            if dups:
+                raise ManifestError(
+                    f"{path}: its header holds {dups[0]!r} more than once; safetensors would read only the last"
+                )
             for name in f.keys():
                 check_tensor_name(name)
                 sl = f.get_slice(name)

@@ -31,7 +31,17 @@ from ..format.manifest import Payload
 from ..format.tensors import expected_nbytes
 from ..store import Store
 
-__all__ = ["TO_ST", "FROM_ST", "Item", "open_safetensors", "replacing", "write_file", "write_safetensors", "itemsize"]
+__all__ = [
+    "TO_ST",
+    "FROM_ST",
+    "Item",
+    "duplicate_keys",
+    "open_safetensors",
+    "replacing",
+    "write_file",
+    "write_safetensors",
+    "itemsize",
+]
 
 TO_ST = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
@@ -70,6 +80,36 @@ def open_safetensors(path: str) -> Any:
         return safe_open(path, framework="pt")
     except (SafetensorError, OSError) as e:
         raise ManifestError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+#: safetensors' own limit on a header (``MAX_HEADER_SIZE``): it refuses a file with a larger one.
+_MAX_HEADER = 100_000_000
+
+
+def duplicate_keys(path: str) -> list[str]:
+    """The keys a safetensors file's header holds more than once, in order (a regular file
+    ``safe_open`` already accepted: its header is JSON of at most ``_MAX_HEADER`` bytes).
+
+    safetensors reads the header's top level into a map and keeps the last of two entries of
+    one name without a word; the other interpretation of the file would be lost on import."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            raw = f.read(min(n, _MAX_HEADER))
+    except (OSError, struct.error) as e:
+        raise ManifestError(f"{path}: not a readable safetensors file ({e})") from None
+    seen: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        seen.extend(k for i, k in enumerate(keys) if k in keys[:i])
+        return dict(items)
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs)
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{path}: not a readable safetensors header ({e})") from None
+    return seen
 
 
 def _header(items: Sequence[Item]) -> bytes:

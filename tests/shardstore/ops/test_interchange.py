@@ -294,3 +294,18 @@ def test_export_refuses_a_tensor_named_like_the_safetensors_header_before_writin
     with pytest.raises(StateMismatch, match="'__metadata__'.*reserves the key"):
         export_commit(store, "main", str(out))
     assert not out.exists() or os.listdir(out) == []
+
+
+def test_import_refuses_a_header_naming_a_tensor_twice(store, tmp_path):
+    # safetensors keeps the last of two header entries of one name without a word: this file's
+    # bytes are float32 [1.0, 2.0] under the first entry, and were imported as int32.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    entry = '"a":{{"dtype":"{}","shape":[2],"data_offsets":[0,8]}}'
+    header = ("{" + entry.format("F32") + "," + entry.format("I32") + "}").encode()
+    header += b" " * (-len(header) % 8)
+    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + struct.pack("<2f", 1.0, 2.0))
+    with pytest.raises(ManifestError, match="holds 'a' more than once"):
+        import_directory(store, str(src))
+    assert store.refs() == {} and list(store.objects()) == []
