@@ -213,7 +213,9 @@ def export_commit(
 
     for fname, items in files.items():
         _write_safetensors(store, os.path.join(out_dir, fname), items, tick)
-    for fname, raw in docs.items():
+    # config.json last: it is what makes the directory loadable, so it is there only once every
+    # other file is (an export that fails, or is stopped, before it leaves none).
+    for fname, raw in sorted(docs.items(), key=lambda d: d[0] == "config.json"):
         _write_file(os.path.join(out_dir, fname), raw)
     return ExportResult(lc.id, out_dir, tuple(names), len(sets["model"]), total, len(files) > len(sets))
 

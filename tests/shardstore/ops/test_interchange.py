@@ -309,3 +309,25 @@ def test_import_refuses_a_header_naming_a_tensor_twice(store, tmp_path):
     with pytest.raises(ManifestError, match="holds 'a' more than once"):
         import_directory(store, str(src))
     assert store.refs() == {} and list(store.objects()) == []
+
+
+def test_config_json_is_written_last(store, trained, tmp_path, monkeypatch):
+    # config.json makes a directory loadable: an export that fails writing any other file (a full
+    # disk at optimizer.json, simulated here) must not leave it beside an incomplete set.
+    import shardstore.ops.interchange as interchange
+
+    model, opt = trained
+    ss.save(store, model, opt, step=3, config={"hidden": 8})
+    written = []
+    real = interchange._write_file
+
+    def write_file(path, raw):
+        if os.path.basename(path) == "optimizer.json":
+            raise StorageError(f"writing {path}: No space left on device")
+        real(path, raw)
+        written.append(os.path.basename(path))
+
+    monkeypatch.setattr(interchange, "_write_file", write_file)
+    with pytest.raises(StorageError, match="No space left"):
+        export_commit(store, "main", str(tmp_path / "out"), with_optimizer=True)
+    assert "config.json" not in os.listdir(tmp_path / "out"), written
