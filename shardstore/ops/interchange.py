@@ -39,7 +39,9 @@ from ..format.bounded import check_json_nesting, read_regular_file
 from ..format.dcp import TensorItem, dcp_extra, decode_document, document_problems, tiling_problem, whole_payload
 from ..format.grid import payload_blocks, put_payloads
 from ..format.manifest import (
+    MAX_DIM,
     MAX_MANIFEST_BYTES,
+    MAX_NDIM,
     Payload,
     ShardManifest,
     TensorEntry,
@@ -357,7 +359,13 @@ def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
                     )
                 if name in out:
                     raise ManifestError(f"tensor {name!r} is in both {out[name][0]} and {fname}")
-                out[name] = (fname, _FROM_ST[st], tuple(int(d) for d in sl.get_shape()))
+                shape = tuple(int(d) for d in sl.get_shape())
+                if len(shape) > MAX_NDIM or any(d > MAX_DIM for d in shape):  # no manifest could hold it
+                    raise TensorMismatch(
+                        f"tensor {name!r} in {fname}: shape {list(shape)} is over the limits of {MAX_NDIM} dims "
+                        f"of at most {MAX_DIM} (SPEC.md §Limits)"
+                    )
+                out[name] = (fname, _FROM_ST[st], shape)
     if weight_map is not None:
         wrong = sorted(n for n in set(out) | set(weight_map) if weight_map.get(n) != out.get(n, ("",))[0])
         if wrong:

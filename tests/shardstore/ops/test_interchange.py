@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import shardstore as ss
-from shardstore.errors import InvalidName, LayoutError, ManifestError, StateMismatch, StorageError
+from shardstore.errors import InvalidName, LayoutError, ManifestError, StateMismatch, StorageError, TensorMismatch
 from shardstore.ops.interchange import export_commit, import_directory, split_layers
 
 transformers = pytest.importorskip("transformers")
@@ -331,3 +331,15 @@ def test_config_json_is_written_last(store, trained, tmp_path, monkeypatch):
     with pytest.raises(StorageError, match="No space left"):
         export_commit(store, "main", str(tmp_path / "out"), with_optimizer=True)
     assert "config.json" not in os.listdir(tmp_path / "out"), written
+
+
+def test_import_refuses_a_tensor_no_manifest_can_hold_before_writing(store, tmp_path):
+    # 17 dims (the format holds 16): the tensors were stored, then a shard manifest no reader
+    # decodes was written, and the import failed reading it back, naming neither tensor nor file.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"a": torch.zeros([1] * 17), "b": torch.ones(3)}, str(src / "model.safetensors"))
+    with pytest.raises(TensorMismatch, match="tensor 'a' in model.safetensors: shape"):
+        import_directory(store, str(src))
+    assert store.refs() == {} and list(store.objects()) == []
