@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
+from ..errors import CorruptObject, RefConflict, StateMismatch, TargetNotFound, TensorMismatch
 from ..format.closure import Closure, commit_closure
 from ..format.manifest import encode
 from ..format.names import check_ref_name
@@ -244,7 +244,21 @@ def check_copy(
         if ids is None:
             raise TargetNotFound(f"no pin {name!r} in {src.url}")
         pinned[name] = ids
+    if slot is not None and pinned:
+        _check_slot_pins(src, lc, slot, pinned_commits(src, pinned))
     return lc, pinned
+
+
+def _check_slot_pins(src: Store, lc: LoadedCommit, slot: int, held: dict[str, list[str]]) -> None:
+    """A pin naming the commit keeps its whole closure (SPEC.md §14.1), which a copy of one slot
+    does not bring: the pin's presence check at the destination would refuse after the copy.
+    StateMismatch before anything is written."""
+    if lc.id in held:
+        raise StateMismatch(
+            f"pin(s) {', '.join(map(repr, held[lc.id]))} in {src.url} name commit {lc.id}, and a pinned commit "
+            f"keeps its whole closure (SPEC.md §14.1), which a copy of slot {slot} does not bring: copy the "
+            "whole commit, or leave those pins out; nothing was written"
+        )
 
 
 def copy_commit(
@@ -283,7 +297,10 @@ def copy_commit(
         deps = [c for c in src.pinned(named[1]) or () if c != lc.id]
     # A pinned commit keeps its whole closure (SPEC.md §14.1), and the pin's presence check at
     # the destination asks for it: each one a copied pin names lands whole first, as a dependency.
-    deps += [c for c in pinned_commits(src, pinned) if c != lc.id and c not in deps]
+    held = pinned_commits(src, pinned)
+    if slot is not None:
+        _check_slot_pins(src, lc, slot, held)  # again: with_deps may have added pins
+    deps += [c for c in held if c != lc.id and c not in deps]
     closure = commit_closure(lc, slot)
     result = CopyResult(lc.id, slot)
     for dep in deps:  # each lands whole (and durable) before the commit that needs it

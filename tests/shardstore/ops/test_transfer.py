@@ -290,6 +290,23 @@ def test_a_pinned_commit_travels_whole_with_its_pin(tmp_path: Any) -> None:
     assert ss.verify(dst).ok
 
 
+def test_a_slot_copy_refuses_a_pin_naming_its_commit_before_writing(tmp_path: Any) -> None:
+    # The pin keeps the commit's whole closure (SPEC.md §14.1), a slot copy brings one slot's:
+    # the copy wrote slot 1's objects, moved the ref, then failed with a GcRace blaming a gc.
+    model, opt = two_slot_model(5)
+    src = ss.open_store(str(tmp_path / "a"))
+    cid = save_two_slots(src, model, opt)
+    src.pin("keep/x", [cid], expected=None)
+    dst = ss.open_store(str(tmp_path / "b"))
+    with pytest.raises(ss.StateMismatch, match="keep/x"):
+        copy_commit(src, dst, "main", slot=1, pins=["keep/x"], ref="main")
+    assert dst.refs() == {} and dst.pins() == {} and list(dst.objects()) == []
+    fresh = str(tmp_path / "c")
+    assert run_cli(["copy", src.url, fresh, "main", "--slot", "1", "--pin", "keep/x"]) == 5
+    assert not os.path.exists(fresh)  # refused before the destination store was created
+    assert copy_commit(src, dst, "main", pins=["keep/x"], ref="main").pins == ["keep/x"]  # whole: fine
+
+
 def test_copy_bounds_the_bytes_its_threads_hold() -> None:
     """Copy reads each object into memory of its own (issue 12, item 6), so its threads are
     admitted by bytes: under the limit together, one larger object alone."""
