@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..errors import CorruptObject, RefConflict, StateMismatch, TargetNotFound, TensorMismatch
+from ..errors import CorruptObject, InvalidName, RefConflict, StateMismatch, TargetNotFound, TensorMismatch
 from ..format.closure import Closure, commit_closure
 from ..format.manifest import encode
 from ..format.names import check_ref_name
@@ -227,6 +227,16 @@ def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], current: str | No
             time.sleep(0.005 * (attempt + 1))  # the same value under another writer's lock: wait for it
 
 
+def _pin_name(name: str) -> bool:
+    """Whether ``name`` is a valid pin name: a job id may hold ``:`` and 128 characters, a
+    pin's segment neither (SPEC.md §6), so such a job has no ``jobs/<job>`` pin."""
+    try:
+        check_ref_name(name)
+    except InvalidName:
+        return False
+    return True
+
+
 def check_copy(
     src: Store, target: str, *, slot: int | None = None, ref: str | None = None, pins: Sequence[str] = ()
 ) -> tuple[LoadedCommit, dict[str, tuple[str, ...]]]:
@@ -291,10 +301,10 @@ def copy_commit(
     if with_deps:  # the job's pins, and the commits its references pin names
         named = [f"{kind}/{lc.commit.job}" for kind in ("jobs", "references")]
         for n in named:
-            ids = src.pinned(n) if n not in pinned else None
+            ids = src.pinned(n) if n not in pinned and _pin_name(n) else None  # a job id no pin can name has none
             if ids is not None:
                 pinned[n] = ids
-        deps = [c for c in src.pinned(named[1]) or () if c != lc.id]
+        deps = [c for c in pinned.get(named[1], ()) if c != lc.id]
     # A pinned commit keeps its whole closure (SPEC.md §14.1), and the pin's presence check at
     # the destination asks for it: each one a copied pin names lands whole first, as a dependency.
     held = pinned_commits(src, pinned)

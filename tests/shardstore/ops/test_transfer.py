@@ -307,6 +307,17 @@ def test_a_slot_copy_refuses_a_pin_naming_its_commit_before_writing(tmp_path: An
     assert copy_commit(src, dst, "main", pins=["keep/x"], ref="main").pins == ["keep/x"]  # whole: fine
 
 
+@pytest.mark.parametrize("job", ["run:1", "j" * 100])
+def test_copy_with_deps_of_a_job_no_pin_can_be_named_for(tmp_path: Any, job: str) -> None:
+    # A valid job id (':' and up to 128 characters) that is no valid pin segment (SPEC.md §6): no
+    # jobs/<job> or references/<job> pin can exist, yet the copy failed with InvalidName.
+    src = ss.open_store(str(tmp_path / "a"))
+    cid = ss.save(src, {"w": torch.ones(2)}, step=0, rng=False, job=job)
+    dst = ss.open_store(str(tmp_path / "b"))
+    result = copy_commit(src, dst, "main", with_deps=True, ref="main")
+    assert result.dependencies == [] and result.pins == [] and dst.ref("main") == cid and ss.verify(dst).ok
+
+
 def test_copy_bounds_the_bytes_its_threads_hold() -> None:
     """Copy reads each object into memory of its own (issue 12, item 6), so its threads are
     admitted by bytes: under the limit together, one larger object alone."""
