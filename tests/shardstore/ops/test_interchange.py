@@ -343,3 +343,28 @@ def test_import_refuses_a_tensor_no_manifest_can_hold_before_writing(store, tmp_
     with pytest.raises(TensorMismatch, match="tensor 'a' in model.safetensors: shape"):
         import_directory(store, str(src))
     assert store.refs() == {} and list(store.objects()) == []
+
+
+def test_a_second_tokenizer_set_for_the_same_commit_is_refused_not_mixed(store, tmp_path):
+    # The same weights and config imported under another ref (no parent either time) is the same
+    # commit id, and the asset pin took the union of both sets: export then gave the files of
+    # whichever asset index sorted first, here the first import's template for the second ref.
+    from shardstore.ops.assets import assets_pin, commit_assets
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(src / "model.safetensors"))
+    (src / "chat_template.jinja").write_text("template 0")
+    cid = import_directory(store, str(src), ref="r0")
+    assert import_directory(store, str(src), ref="again") == cid  # the same set again: fine
+    (src / "chat_template.jinja").write_text("template 1")
+    with pytest.raises(StateMismatch, match="chat_template.jinja"):
+        import_directory(store, str(src), ref="r1")
+    assert store.ref("r1") is None and commit_assets(store, cid) == {"chat_template.jinja": b"template 0"}
+    assert len(store.pinned(assets_pin(cid))) == 2  # the index and the one file: nothing added
+    other = import_directory(store, str(src), ref="r1", step=1)  # the remedy: a commit of its own
+    assert commit_assets(store, other) == {"chat_template.jinja": b"template 1"}
+    store.add_to_pin(assets_pin(cid), store.pinned(assets_pin(other)))  # two sets, as a union of pins leaves
+    with pytest.raises(ManifestError, match="2 asset indexes"):
+        commit_assets(store, cid)
