@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -230,18 +231,26 @@ def cmd_log(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+#: Journal times ``log --oneline`` shows: seconds since the epoch before the year 10000 (UTC).
+_TIME_LIMIT = 253_402_300_800
+
+
 def _journal_note(store: ss.Store, cid: str) -> dict[str, Any]:
     """A commit's journal note (``journal/<id>.json``), or {} if it has none or it does not parse (it is advisory)."""
     try:
         note = json.loads(bytes(store.storage.read(f"journal/{cid}.json", limit=1 << 20)))
-    except (ShardstoreError, OSError, ValueError):
+    except (ShardstoreError, OSError, ValueError, RecursionError):  # RecursionError: nested past the parser
         return {}
     if not isinstance(note, dict):
         return {}
-    return {
+    return {  # numbers only, finite (NaN is no JSON for --json), a time gmtime can show (years 1970-9999)
         k: v
         for k, v in note.items()
-        if k in ("time", "loss") and isinstance(v, (int, float)) and not isinstance(v, bool)
+        if k in ("time", "loss")
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and (k != "time" or 0 <= v < _TIME_LIMIT)
     }
 
 

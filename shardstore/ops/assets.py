@@ -23,9 +23,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from ..errors import ManifestError, ObjectNotFound, ObjectTooLarge
+from ..errors import ManifestError, ObjectNotFound, ObjectTooLarge, StateMismatch
 from ..format.bounded import read_regular_file
 from ..format.names import check_oid
+from ..format.tensors import hash_bytes
 from ..store import Store
 
 __all__ = ["ASSET_FILES", "AssetFile", "AssetIndex", "read_asset_files", "put_assets", "commit_assets", "assets_pin"]
@@ -82,6 +83,17 @@ def put_assets(store: Store, commit: str, files: Mapping[str, bytes]) -> str:
     unknown = sorted(set(files) - set(ASSET_FILES))
     if unknown:
         raise ManifestError(f"not tokenizer asset file names: {unknown} (known: {list(ASSET_FILES)})")
+    held = store.pinned(assets_pin(commit))
+    if held is not None:  # one set a commit: a second index would make its readers pick one of two
+        have = {e.name: e.object for e in _index_of(store, commit, held).files}
+        want = {n: hash_bytes(bytes(files[n])) for n in files}
+        if have != want:
+            differ = sorted(n for n in set(have) | set(want) if have.get(n) != want.get(n))
+            raise StateMismatch(
+                f"commit {commit} already carries a tokenizer asset set (pin {assets_pin(commit)}) that differs "
+                f"in {differ}: a set is bound to the commit id, which tokenizer files do not change; import "
+                "with another --step or --job for a commit of its own (the commit is unchanged, no ref moved)"
+            )
     entries = tuple(AssetFile(name=n, object=store.put(bytes(files[n])), size=len(files[n])) for n in sorted(files))
     index = store.put(_ENC.encode(AssetIndex(version=1, files=entries)))
     store.sync()  # durable before the pin names them
@@ -90,6 +102,7 @@ def put_assets(store: Store, commit: str, files: Mapping[str, bytes]) -> str:
 
 
 def _index_of(store: Store, commit: str, ids: tuple[str, ...]) -> AssetIndex:
+    found: list[tuple[str, AssetIndex]] = []
     for oid in ids:
         try:
             index = _DEC.decode(bytes(store.get(oid, limit=_MAX_INDEX_BYTES)))
@@ -99,7 +112,14 @@ def _index_of(store: Store, commit: str, ids: tuple[str, ...]) -> AssetIndex:
             raise ManifestError(f"asset index {oid} of commit {commit}: version {index.version} is not supported")
         if not {e.object for e in index.files} <= set(ids):
             raise ManifestError(f"pin {assets_pin(commit)}: its index {oid} names files the pin does not keep")
-        return index
+        found.append((oid, index))
+    if len(found) > 1:  # two sets (a union of two pins): which one is the commit's is unknown
+        raise ManifestError(
+            f"pin {assets_pin(commit)} holds {len(found)} asset indexes ({', '.join(o for o, _ in found)}), "
+            "not one: the commit's tokenizer set is ambiguous; unpin it and import again"
+        )
+    if found:
+        return found[0][1]
     raise ManifestError(f"pin {assets_pin(commit)} holds no asset index")
 
 

@@ -210,7 +210,7 @@ def gc(
     is read and deleted after the last delete; a dry run writes nothing (it deletes nothing).
     ``progress(n)``: called as unreachable objects are examined, and again as they are deleted."""
     tick = progress or (lambda n: None)
-    if grace_seconds < 0:
+    if not grace_seconds >= 0:  # NaN too: it compares as no grace at all
         raise ValueError(f"grace_seconds must be >= 0, not {grace_seconds}")
     marker = None if dry_run else GcMarker(store)
     try:

@@ -39,7 +39,9 @@ from ..format.bounded import check_json_nesting, read_regular_file
 from ..format.dcp import TensorItem, dcp_extra, decode_document, document_problems, tiling_problem, whole_payload
 from ..format.grid import payload_blocks, put_payloads
 from ..format.manifest import (
+    MAX_DIM,
     MAX_MANIFEST_BYTES,
+    MAX_NDIM,
     Payload,
     ShardManifest,
     TensorEntry,
@@ -57,6 +59,7 @@ from ..verification.commits import load_commit
 from .assets import ASSET_FILES, commit_assets, put_assets, read_asset_files
 from .safetensors_files import FROM_ST as _FROM_ST
 from .safetensors_files import Item as _Item
+from .safetensors_files import duplicate_keys as _duplicate_keys
 from .safetensors_files import open_safetensors as _open
 from .safetensors_files import write_file as _write_file
 from .safetensors_files import write_safetensors as _write_safetensors
@@ -136,7 +139,8 @@ def export_commit(
 ) -> ExportResult:
     """Write commit ``target`` as a Hugging Face style directory (see the module docstring).
 
-    Refuses (StorageError) to replace existing files unless ``overwrite``. A commit without a
+    Refuses (StorageError) to replace existing files unless ``overwrite``, which removes them
+    all before writing the first (a failed export leaves no earlier export's files beside its own). A commit without a
     model config is refused (StateMismatch) before anything is written: without ``config.json``
     the directory is not one transformers can load; ``weights_only`` writes its safetensors
     files (and, with ``with_optimizer``, the optimizer's) all the same. A DCP commit's tensors are
@@ -161,6 +165,12 @@ def export_commit(
                 if e.optim is not None and e.optim.moment_dtype is not None and getattr(e.optim, role) is not None
             ]
         sets.update(_state_sets(lc, entries))
+    for prefix, items in sets.items():  # as for a DCP commit's keys (_dcp_items), before anything is created
+        if any(it.name == "__metadata__" for it in items):
+            raise StateMismatch(
+                f"tensor '__metadata__' of commit {lc.id} cannot be exported to {prefix}.safetensors: safetensors "
+                "reserves the key for its header (SPEC.md §19.2); nothing was written"
+            )
     files: dict[str, list[_Item]] = {}
     docs: dict[str, bytes] = {}
     for prefix, items in sets.items():
@@ -189,8 +199,14 @@ def export_commit(
     clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))] + stale
     if clash and not overwrite:
         raise StorageError(f"{out_dir} already holds {sorted(clash)[:3]}; refusing to overwrite")
-    for n in stale:
-        os.unlink(os.path.join(out_dir, n))
+    # Every file this export replaces goes before the first is written: an export that fails
+    # part way then leaves no config.json (written last) beside new weights, never a
+    # directory that mixes this commit's files with an earlier export's and looks complete.
+    for n in clash:
+        try:
+            os.unlink(os.path.join(out_dir, n))
+        except OSError as e:
+            raise StorageError(f"{out_dir}: cannot remove {n} to overwrite it: {e.strerror or e}") from None
     total = sum(it.nbytes for its in files.values() for it in its)
 
     def tick(it: _Item) -> None:
@@ -199,7 +215,9 @@ def export_commit(
 
     for fname, items in files.items():
         _write_safetensors(store, os.path.join(out_dir, fname), items, tick)
-    for fname, raw in docs.items():
+    # config.json last: it is what makes the directory loadable, so it is there only once every
+    # other file is (an export that fails, or is stopped, before it leaves none).
+    for fname, raw in sorted(docs.items(), key=lambda d: d[0] == "config.json"):
         _write_file(os.path.join(out_dir, fname), raw)
     return ExportResult(lc.id, out_dir, tuple(names), len(sets["model"]), total, len(files) > len(sets))
 
@@ -324,7 +342,13 @@ def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     files, weight_map = _source_files(src_dir)
     out: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for fname in files:
-        with _open(os.path.join(src_dir, fname)) as f:
+        path = os.path.join(src_dir, fname)
+        with _open(path) as f:
+            dups = _duplicate_keys(path)
+            if dups:
+                raise ManifestError(
+                    f"{path}: its header holds {dups[0]!r} more than once; safetensors would read only the last"
+                )
             for name in f.keys():
                 check_tensor_name(name)
                 sl = f.get_slice(name)
@@ -335,7 +359,13 @@ def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
                     )
                 if name in out:
                     raise ManifestError(f"tensor {name!r} is in both {out[name][0]} and {fname}")
-                out[name] = (fname, _FROM_ST[st], tuple(int(d) for d in sl.get_shape()))
+                shape = tuple(int(d) for d in sl.get_shape())
+                if len(shape) > MAX_NDIM or any(d > MAX_DIM for d in shape):  # no manifest could hold it
+                    raise TensorMismatch(
+                        f"tensor {name!r} in {fname}: shape {list(shape)} is over the limits of {MAX_NDIM} dims "
+                        f"of at most {MAX_DIM} (SPEC.md §Limits)"
+                    )
+                out[name] = (fname, _FROM_ST[st], shape)
     if weight_map is not None:
         wrong = sorted(n for n in set(out) | set(weight_map) if weight_map.get(n) != out.get(n, ("",))[0])
         if wrong:

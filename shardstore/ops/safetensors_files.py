@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import json
 import os
+import stat
 import struct
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,17 @@ from ..format.manifest import Payload
 from ..format.tensors import expected_nbytes
 from ..store import Store
 
-__all__ = ["TO_ST", "FROM_ST", "Item", "open_safetensors", "replacing", "write_file", "write_safetensors", "itemsize"]
+__all__ = [
+    "TO_ST",
+    "FROM_ST",
+    "Item",
+    "duplicate_keys",
+    "open_safetensors",
+    "replacing",
+    "write_file",
+    "write_safetensors",
+    "itemsize",
+]
 
 TO_ST = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
@@ -54,11 +65,51 @@ class Item:
 
 
 def open_safetensors(path: str) -> Any:
-    """``safe_open`` with its errors as ManifestError naming the file."""
+    """``safe_open`` with its errors as ManifestError naming the file; only a regular file.
+
+    safetensors opens the file with a blocking ``open`` while holding the GIL: a FIFO (or a
+    link to one) would stall the whole process, a device be mapped. Both are refused first,
+    as ``read_regular_file`` refuses them for ``config.json``."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise ManifestError(f"{path}: not a readable safetensors file ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        raise ManifestError(f"{path} is not a regular file (a device, FIFO or directory); refusing to read it")
     try:
         return safe_open(path, framework="pt")
     except (SafetensorError, OSError) as e:
         raise ManifestError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+#: safetensors' own limit on a header (``MAX_HEADER_SIZE``): it refuses a file with a larger one.
+_MAX_HEADER = 100_000_000
+
+
+def duplicate_keys(path: str) -> list[str]:
+    """The keys a safetensors file's header holds more than once, in order (a regular file
+    ``safe_open`` already accepted: its header is JSON of at most ``_MAX_HEADER`` bytes).
+
+    safetensors reads the header's top level into a map and keeps the last of two entries of
+    one name without a word; the other interpretation of the file would be lost on import."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            raw = f.read(min(n, _MAX_HEADER))
+    except (OSError, struct.error) as e:
+        raise ManifestError(f"{path}: not a readable safetensors file ({e})") from None
+    seen: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        seen.extend(k for i, k in enumerate(keys) if k in keys[:i])
+        return dict(items)
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs)
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{path}: not a readable safetensors header ({e})") from None
+    return seen
 
 
 def _header(items: Sequence[Item]) -> bytes:

@@ -33,14 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..errors import CorruptObject, RefConflict, TargetNotFound, TensorMismatch
+from ..errors import CorruptObject, InvalidName, RefConflict, StateMismatch, TargetNotFound, TensorMismatch
 from ..format.closure import Closure, commit_closure
 from ..format.manifest import encode
 from ..format.names import check_ref_name
 from ..format.tensors import hash_bytes
 from ..store import Store, object_key
 from ..store.tensors import WriteBatch
-from ..verification.commits import LoadedCommit, load_commit, read_commit
+from ..verification.commits import LoadedCommit, load_commit, pinned_commits, read_commit
 
 __all__ = ["DEFAULT_THREADS", "Closure", "CopyResult", "commit_closure", "copy_commit", "pool_map"]
 
@@ -227,6 +227,16 @@ def _move_ref(dst: Store, ref: str, cid: str, needs: set[str], current: str | No
             time.sleep(0.005 * (attempt + 1))  # the same value under another writer's lock: wait for it
 
 
+def _pin_name(name: str) -> bool:
+    """Whether ``name`` is a valid pin name: a job id may hold ``:`` and 128 characters, a
+    pin's segment neither (SPEC.md §6), so such a job has no ``jobs/<job>`` pin."""
+    try:
+        check_ref_name(name)
+    except InvalidName:
+        return False
+    return True
+
+
 def check_copy(
     src: Store, target: str, *, slot: int | None = None, ref: str | None = None, pins: Sequence[str] = ()
 ) -> tuple[LoadedCommit, dict[str, tuple[str, ...]]]:
@@ -244,7 +254,21 @@ def check_copy(
         if ids is None:
             raise TargetNotFound(f"no pin {name!r} in {src.url}")
         pinned[name] = ids
+    if slot is not None and pinned:
+        _check_slot_pins(src, lc, slot, pinned_commits(src, pinned))
     return lc, pinned
+
+
+def _check_slot_pins(src: Store, lc: LoadedCommit, slot: int, held: dict[str, list[str]]) -> None:
+    """A pin naming the commit keeps its whole closure (SPEC.md §14.1), which a copy of one slot
+    does not bring: the pin's presence check at the destination would refuse after the copy.
+    StateMismatch before anything is written."""
+    if lc.id in held:
+        raise StateMismatch(
+            f"pin(s) {', '.join(map(repr, held[lc.id]))} in {src.url} name commit {lc.id}, and a pinned commit "
+            f"keeps its whole closure (SPEC.md §14.1), which a copy of slot {slot} does not bring: copy the "
+            "whole commit, or leave those pins out; nothing was written"
+        )
 
 
 def copy_commit(
@@ -265,7 +289,8 @@ def copy_commit(
     ``ref``: afterwards, move that ref in ``dst`` to the commit (compare-and-swap against
     the value read just before). ``pins``: also copy these pins of ``src`` and the objects
     they name (e.g. shardtrain's ``jobs/<job id>``); each is set in ``dst``, last, to the
-    union of what it held there and in ``src``. ``progress`` is called with the byte size
+    union of what it held there and in ``src``; a commit a pin names is copied whole first, as
+    with ``with_deps`` (a pin keeps a commit's closure, SPEC.md §14.1). ``progress`` is called with the byte size
     of each object as it is copied or found present. ``with_deps``: also the commits the
     commit's job depends on (SPEC.md §14.1): the pins ``jobs/<job>`` and ``references/<job>``
     of its job, where ``src`` has them, and the whole closure of every other commit the
@@ -276,10 +301,16 @@ def copy_commit(
     if with_deps:  # the job's pins, and the commits its references pin names
         named = [f"{kind}/{lc.commit.job}" for kind in ("jobs", "references")]
         for n in named:
-            ids = src.pinned(n) if n not in pinned else None
+            ids = src.pinned(n) if n not in pinned and _pin_name(n) else None  # a job id no pin can name has none
             if ids is not None:
                 pinned[n] = ids
-        deps = [c for c in src.pinned(named[1]) or () if c != lc.id]
+        deps = [c for c in pinned.get(named[1], ()) if c != lc.id]
+    # A pinned commit keeps its whole closure (SPEC.md §14.1), and the pin's presence check at
+    # the destination asks for it: each one a copied pin names lands whole first, as a dependency.
+    held = pinned_commits(src, pinned)
+    if slot is not None:
+        _check_slot_pins(src, lc, slot, held)  # again: with_deps may have added pins
+    deps += [c for c in held if c != lc.id and c not in deps]
     closure = commit_closure(lc, slot)
     result = CopyResult(lc.id, slot)
     for dep in deps:  # each lands whole (and durable) before the commit that needs it

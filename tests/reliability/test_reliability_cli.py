@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -91,6 +92,24 @@ def test_a_failing_journal_does_not_fail_a_save(tmp_path: Any) -> None:
     os.symlink(str(tmp_path), os.path.join(store.url, "journal"))  # refused as a link: InvalidName
     cid = ss.save(store, {"w": torch.ones(3)}, step=0, rng=False)  # before the fix: InvalidName after the ref moved
     assert store.ref("main") == cid and ss.verify(store).ok
+
+
+@pytest.mark.parametrize(
+    "note",
+    [b"[" * 200_000 + b"]" * 200_000, b'{"time": NaN, "loss": NaN}', b'{"time": 1e308, "loss": -Infinity}'],
+    ids=["deep", "nan", "out-of-range"],
+)
+def test_log_oneline_shows_nothing_for_a_journal_note_it_cannot_show(one: Any, capsys: Any, note: bytes) -> None:
+    # The journal is advisory (SPEC.md §19.2): a note nested past the parser's recursion limit,
+    # or holding a time gmtime cannot take, ended `log --oneline` with a traceback or an error.
+    store, cid = one
+    with open(os.path.join(store.url, "journal", f"{cid}.json"), "wb") as f:
+        f.write(note)
+    code, out, err = _main(capsys, "log", store.url, "--oneline")
+    assert code == 0 and err == "" and out.startswith(f"{cid[:12]}  step      0  "), (out, err)
+    code, out, err = _main(capsys, "log", store.url, "--oneline", "--json")
+    assert code == 0 and err == "", err
+    assert json.loads(out)["commits"][0]["time"] is None  # valid JSON: no NaN
 
 
 # -- item 16 --------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -78,6 +80,29 @@ def test_import_refuses_a_config_json_that_is_a_device_or_a_fifo(tmp_path: Any, 
         t.join(5)
         pytest.fail("import waited on a FIFO")
     assert done == [1]
+
+
+def test_import_refuses_a_weight_file_that_is_a_fifo_or_a_device(tmp_path: Any) -> None:
+    # safetensors opens a weight file with a blocking open() and holds the GIL meanwhile: a FIFO
+    # named model.safetensors stalled the whole process, so the import runs in a child here.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(b"{}")
+    store = str(tmp_path / "store")
+    for make in (lambda p: os.mkfifo(p), lambda p: os.symlink("/dev/zero", p)):
+        make(src / "model.safetensors")
+        code = "import sys; from shardstore_cli import shardstore_cli; sys.exit(shardstore_cli.main(sys.argv[1:]))"
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", code, "import", store, str(src)], capture_output=True, text=True, timeout=30
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("import waited on a FIFO named model.safetensors")
+        assert proc.returncode == 1, proc.stderr
+        assert "not a regular file" in proc.stderr and "model.safetensors" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        os.unlink(src / "model.safetensors")
+    assert not os.path.exists(store) or list(ss.open_store(store).objects()) == []
 
 
 # -- item 11 --------------------------------------------------------------------------------------

@@ -114,6 +114,17 @@ def test_grace_keeps_young_garbage_and_deletes_old(tmp_path: Any) -> None:
     assert store.has(young) and not store.has(old)
 
 
+@pytest.mark.parametrize("grace", [float("nan"), -1.0])
+def test_a_grace_period_that_is_no_duration_is_refused_before_anything(tmp_path: Any, grace: float) -> None:
+    # NaN passed the `< 0` check and then compared as no grace at all: a save in progress
+    # (written, no ref yet) was deleted, without the warning `--grace 0` gives.
+    store = ss.open_store(str(tmp_path / "s"))
+    young = store.put(b"a save in progress")
+    with pytest.raises(ValueError, match="grace_seconds"):
+        gc(store, grace_seconds=grace, dry_run=False)
+    assert store.has(young) and list(store.storage.list("gc")) == []
+
+
 def test_young_manifest_protects_old_object_it_deduplicated(tmp_path: Any) -> None:
     store = ss.open_store(str(tmp_path / "s"))
     model, opt = model_and_opt(4)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import shardstore as ss
-from shardstore.errors import InvalidName, LayoutError, ManifestError, StorageError
+from shardstore.errors import InvalidName, LayoutError, ManifestError, StateMismatch, StorageError, TensorMismatch
 from shardstore.ops.interchange import export_commit, import_directory, split_layers
 
 transformers = pytest.importorskip("transformers")
@@ -260,3 +260,111 @@ def test_a_copied_commit_without_its_history_seeds_a_job(copied_child, tmp_path)
     job = tmp_path / "job"
     assert shardtrain_main(["prepare", "--out", str(job), "--seed-store", dst, "--seed-commit", child, "--quiet"]) == 0
     assert json.loads((job / "job.json").read_text())["seed"]["commit"] == child
+
+
+def test_a_failed_overwrite_leaves_no_mixed_export(store, trained, tmp_path):
+    # An export over an earlier one (overwrite=True) that fails part way must not leave a
+    # directory that looks complete: the new model.safetensors beside the old config.json and
+    # optimizer files would load as a model that never existed.
+    from conftest import train_steps
+
+    from shardstore.store import object_key
+
+    model, opt = trained
+    out = tmp_path / "out"
+    ss.save(store, model, opt, step=3, config={"hidden": 8})
+    export_commit(store, "main", str(out), with_optimizer=True)
+    train_steps(model, opt, 2, seed=7)
+    cid = ss.save(store, model, opt, step=5, config={"hidden": 16})
+    lc = ss.load_commit(store, cid)
+    lost = lc.entries()["mid.weight"].optim.exp_avg
+    os.unlink(os.path.join(store.url, object_key(lost)))
+    with pytest.raises(ss.ShardstoreError, match=lost):
+        export_commit(store, cid, str(out), with_optimizer=True, overwrite=True)
+    left = set(os.listdir(out))
+    assert "config.json" not in left and "optimizer.json" not in left, left
+    assert not {n for n in left if n.startswith("optimizer.")}, left  # the old moments are not the new model's
+
+
+def test_export_refuses_a_tensor_named_like_the_safetensors_header_before_writing(store, tmp_path):
+    # "__metadata__" is a valid tensor name (SPEC.md §6) but safetensors' header key: the file
+    # was written whole, then its read-back failed with a JSON error naming a temporary file.
+    ss.save(store, {"__metadata__": torch.ones(3), "w": torch.zeros(2)}, step=0, config={"a": 1}, rng=False)
+    out = tmp_path / "out"
+    with pytest.raises(StateMismatch, match="'__metadata__'.*reserves the key"):
+        export_commit(store, "main", str(out))
+    assert not out.exists() or os.listdir(out) == []
+
+
+def test_import_refuses_a_header_naming_a_tensor_twice(store, tmp_path):
+    # safetensors keeps the last of two header entries of one name without a word: this file's
+    # bytes are float32 [1.0, 2.0] under the first entry, and were imported as int32.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    entry = '"a":{{"dtype":"{}","shape":[2],"data_offsets":[0,8]}}'
+    header = ("{" + entry.format("F32") + "," + entry.format("I32") + "}").encode()
+    header += b" " * (-len(header) % 8)
+    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + struct.pack("<2f", 1.0, 2.0))
+    with pytest.raises(ManifestError, match="holds 'a' more than once"):
+        import_directory(store, str(src))
+    assert store.refs() == {} and list(store.objects()) == []
+
+
+def test_config_json_is_written_last(store, trained, tmp_path, monkeypatch):
+    # config.json makes a directory loadable: an export that fails writing any other file (a full
+    # disk at optimizer.json, simulated here) must not leave it beside an incomplete set.
+    import shardstore.ops.interchange as interchange
+
+    model, opt = trained
+    ss.save(store, model, opt, step=3, config={"hidden": 8})
+    written = []
+    real = interchange._write_file
+
+    def write_file(path, raw):
+        if os.path.basename(path) == "optimizer.json":
+            raise StorageError(f"writing {path}: No space left on device")
+        real(path, raw)
+        written.append(os.path.basename(path))
+
+    monkeypatch.setattr(interchange, "_write_file", write_file)
+    with pytest.raises(StorageError, match="No space left"):
+        export_commit(store, "main", str(tmp_path / "out"), with_optimizer=True)
+    assert "config.json" not in os.listdir(tmp_path / "out"), written
+
+
+def test_import_refuses_a_tensor_no_manifest_can_hold_before_writing(store, tmp_path):
+    # 17 dims (the format holds 16): the tensors were stored, then a shard manifest no reader
+    # decodes was written, and the import failed reading it back, naming neither tensor nor file.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"a": torch.zeros([1] * 17), "b": torch.ones(3)}, str(src / "model.safetensors"))
+    with pytest.raises(TensorMismatch, match="tensor 'a' in model.safetensors: shape"):
+        import_directory(store, str(src))
+    assert store.refs() == {} and list(store.objects()) == []
+
+
+def test_a_second_tokenizer_set_for_the_same_commit_is_refused_not_mixed(store, tmp_path):
+    # The same weights and config imported under another ref (no parent either time) is the same
+    # commit id, and the asset pin took the union of both sets: export then gave the files of
+    # whichever asset index sorted first, here the first import's template for the second ref.
+    from shardstore.ops.assets import assets_pin, commit_assets
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(src / "model.safetensors"))
+    (src / "chat_template.jinja").write_text("template 0")
+    cid = import_directory(store, str(src), ref="r0")
+    assert import_directory(store, str(src), ref="again") == cid  # the same set again: fine
+    (src / "chat_template.jinja").write_text("template 1")
+    with pytest.raises(StateMismatch, match="chat_template.jinja"):
+        import_directory(store, str(src), ref="r1")
+    assert store.ref("r1") is None and commit_assets(store, cid) == {"chat_template.jinja": b"template 0"}
+    assert len(store.pinned(assets_pin(cid))) == 2  # the index and the one file: nothing added
+    other = import_directory(store, str(src), ref="r1", step=1)  # the remedy: a commit of its own
+    assert commit_assets(store, other) == {"chat_template.jinja": b"template 1"}
+    store.add_to_pin(assets_pin(cid), store.pinned(assets_pin(other)))  # two sets, as a union of pins leaves
+    with pytest.raises(ManifestError, match="2 asset indexes"):
+        commit_assets(store, cid)

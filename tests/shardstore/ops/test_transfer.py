@@ -273,6 +273,51 @@ def test_pins_travel_with_a_commit_when_asked(tmp_path: Any, capsys: Any) -> Non
     assert ss.open_store(fresh).pinned("jobs/j") == tuple(sorted({job, asset}))
 
 
+def test_a_pinned_commit_travels_whole_with_its_pin(tmp_path: Any) -> None:
+    # A pin naming a commit keeps its whole closure (SPEC.md §14.1); `copy --pin` copied only
+    # the commit manifest, then the pin's presence check refused with a GcRace blaming a gc
+    # (after the ref had moved), however often the copy was run again.
+    model, opt = two_slot_model(3)
+    src = ss.open_store(str(tmp_path / "a"))
+    cid = save_two_slots(src, model, opt)
+    seed = ss.save(src, {"w": torch.arange(5.0)}, step=0, rng=False, ref=None)
+    src.pin("keep/seed", [seed], expected=None)
+    dst = ss.open_store(str(tmp_path / "b"))
+    result = copy_commit(src, dst, "main", pins=["keep/seed"], ref="main")
+    assert result.pins == ["keep/seed"] and seed in result.dependencies
+    assert dst.pinned("keep/seed") == (seed,) and dst.ref("main") == cid
+    assert commit_closure(ss.load_commit(dst, seed)).ids() <= set(dst.objects())
+    assert ss.verify(dst).ok
+
+
+def test_a_slot_copy_refuses_a_pin_naming_its_commit_before_writing(tmp_path: Any) -> None:
+    # The pin keeps the commit's whole closure (SPEC.md §14.1), a slot copy brings one slot's:
+    # the copy wrote slot 1's objects, moved the ref, then failed with a GcRace blaming a gc.
+    model, opt = two_slot_model(5)
+    src = ss.open_store(str(tmp_path / "a"))
+    cid = save_two_slots(src, model, opt)
+    src.pin("keep/x", [cid], expected=None)
+    dst = ss.open_store(str(tmp_path / "b"))
+    with pytest.raises(ss.StateMismatch, match="keep/x"):
+        copy_commit(src, dst, "main", slot=1, pins=["keep/x"], ref="main")
+    assert dst.refs() == {} and dst.pins() == {} and list(dst.objects()) == []
+    fresh = str(tmp_path / "c")
+    assert run_cli(["copy", src.url, fresh, "main", "--slot", "1", "--pin", "keep/x"]) == 5
+    assert not os.path.exists(fresh)  # refused before the destination store was created
+    assert copy_commit(src, dst, "main", pins=["keep/x"], ref="main").pins == ["keep/x"]  # whole: fine
+
+
+@pytest.mark.parametrize("job", ["run:1", "j" * 100])
+def test_copy_with_deps_of_a_job_no_pin_can_be_named_for(tmp_path: Any, job: str) -> None:
+    # A valid job id (':' and up to 128 characters) that is no valid pin segment (SPEC.md §6): no
+    # jobs/<job> or references/<job> pin can exist, yet the copy failed with InvalidName.
+    src = ss.open_store(str(tmp_path / "a"))
+    cid = ss.save(src, {"w": torch.ones(2)}, step=0, rng=False, job=job)
+    dst = ss.open_store(str(tmp_path / "b"))
+    result = copy_commit(src, dst, "main", with_deps=True, ref="main")
+    assert result.dependencies == [] and result.pins == [] and dst.ref("main") == cid and ss.verify(dst).ok
+
+
 def test_copy_bounds_the_bytes_its_threads_hold() -> None:
     """Copy reads each object into memory of its own (issue 12, item 6), so its threads are
     admitted by bytes: under the limit together, one larger object alone."""
