@@ -626,8 +626,9 @@ def test_streamed_restore_still_rejects_damaged_objects(store: ss.Store, trained
     with open(path, "wb") as f:
         f.write(raw)
     # a truncated object is refused by its size before any byte is read (SPEC.md §16); a flipped one by its hash
+    fresh = TinyNet(seed=1)  # its own optimizer: one over another module's tensors is refused before any read
     with pytest.raises(ss.CorruptObject if damage == "flip" else ss.TensorMismatch, match=oid):
-        ss.restore(store, cid, TinyNet(seed=1), make_optimizer(TinyNet(seed=1)), threads=threads)
+        ss.restore(store, cid, fresh, make_optimizer(fresh), threads=threads)
     report = ss.verify(store, [cid])
     assert [p.object for p in report.problems] == [oid]
 
