@@ -54,9 +54,9 @@ from ..format.dcp import (
     encode_document,
 )
 from ..format.grid import put_payloads
-from ..format.manifest import MAX_DIM, MAX_NDIM, Block, ExtraEntry, Payload, StateTensor, TensorEntry
+from ..format.manifest import Block, ExtraEntry, Payload, StateTensor, TensorEntry
 from ..format.names import check_ref_name
-from ..format.tensors import check_storable, dtype_name
+from ..format.tensors import check_shape, check_storable, dtype_name
 from ..state.module import tensor_profile
 from ..store import Store, manifest_bytes
 from ..store.tensors import WriteBatch
@@ -175,8 +175,7 @@ class StoreWriter(StorageWriter):
             dtype_name(td.properties.dtype, what)  # a dtype outside SPEC.md §5's list: refused now
             if td.properties.layout != torch.strided:
                 raise UnsupportedState(f"{what}: layout {td.properties.layout} is not strided")
-            if len(td.size) > MAX_NDIM or any(d > MAX_DIM for d in td.size):
-                raise TensorMismatch(f"{what}: shape {list(td.size)} is over the limits (SPEC.md §Limits)")
+            check_shape(td.size, what)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

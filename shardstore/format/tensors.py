@@ -31,6 +31,9 @@ __all__ = [
     "is_dtensor",
     "same_split",
     "Staging",
+    "MAX_NDIM",
+    "MAX_DIM",
+    "check_shape",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
@@ -76,9 +79,26 @@ def dtype_name(dtype: torch.dtype, what: str = "tensor") -> str:
         ) from None
 
 
+#: The most dims a stored tensor has, and the largest size of one (SPEC.md §Limits): no manifest holds more.
+MAX_NDIM = 16
+MAX_DIM = 2**48
+
+
+def check_shape(shape: Any, what: str = "tensor") -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, or TensorMismatch naming ``what`` for one no manifest can hold
+    (over ``MAX_NDIM`` dims, or a dim over ``MAX_DIM``): refused before anything of it is written."""
+    dims = tuple(int(d) for d in shape)
+    if len(dims) > MAX_NDIM or any(d > MAX_DIM for d in dims):
+        raise TensorMismatch(
+            f"{what}: shape {list(dims)} is over the limits of {MAX_NDIM} dims of at most {MAX_DIM} (SPEC.md §Limits)"
+        )
+    return dims
+
+
 def check_storable(t: torch.Tensor, what: str = "tensor") -> str:
-    """``dtype_name`` of a tensor that has bytes to store: strided (dense) and not on ``meta``;
-    TensorMismatch naming it for a sparse, quantized or nested tensor or one with no data."""
+    """``dtype_name`` of a tensor that has bytes to store: strided (dense), not on ``meta``, of a shape
+    a manifest can hold; TensorMismatch naming it for a sparse, quantized or nested tensor, one with
+    no data, or one of too many or too large dims (``check_shape``)."""
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
         kind = (
             "a meta"
@@ -88,6 +108,7 @@ def check_storable(t: torch.Tensor, what: str = "tensor") -> str:
         raise TensorMismatch(
             f"{what}: {kind} tensor has no dense bytes to store; only dense tensors are stored (SPEC.md §Tensor objects)"
         )
+    check_shape(t.shape, what)
     return dtype_name(t.dtype, what)
 
 

@@ -39,9 +39,7 @@ from ..format.bounded import check_json_nesting, read_regular_file
 from ..format.dcp import TensorItem, dcp_extra, decode_document, document_problems, tiling_problem, whole_payload
 from ..format.grid import payload_blocks, put_payloads
 from ..format.manifest import (
-    MAX_DIM,
     MAX_MANIFEST_BYTES,
-    MAX_NDIM,
     Payload,
     ShardManifest,
     TensorEntry,
@@ -50,7 +48,7 @@ from ..format.manifest import (
     shard_version,
 )
 from ..format.names import check_ref_name, check_tensor_name
-from ..format.tensors import expected_nbytes
+from ..format.tensors import check_shape, expected_nbytes
 from ..state.module import tensor_profile
 from ..state.optim import hyper_of
 from ..state.torch_optim import decode_value
@@ -359,12 +357,9 @@ def _scan(src_dir: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
                     )
                 if name in out:
                     raise ManifestError(f"tensor {name!r} is in both {out[name][0]} and {fname}")
-                shape = tuple(int(d) for d in sl.get_shape())
-                if len(shape) > MAX_NDIM or any(d > MAX_DIM for d in shape):  # no manifest could hold it
-                    raise TensorMismatch(
-                        f"tensor {name!r} in {fname}: shape {list(shape)} is over the limits of {MAX_NDIM} dims "
-                        f"of at most {MAX_DIM} (SPEC.md §Limits)"
-                    )
+                shape = check_shape(
+                    sl.get_shape(), f"tensor {name!r} in {fname}"
+                )  # one no manifest could hold: refused
                 out[name] = (fname, _FROM_ST[st], shape)
     if weight_map is not None:
         wrong = sorted(n for n in set(out) | set(weight_map) if weight_map.get(n) != out.get(n, ("",))[0])

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import StateMismatch, UnsupportedState
 from ..format.names import check_tensor_name
+from ..format.tensors import check_shape
 from .restore_match import canonical_name
 
 __all__ = ["unwrap_module", "named_state", "check_held", "tensor_profile"]
@@ -53,7 +54,7 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
     """
     model = unwrap_module(model)
     if not isinstance(model, torch.nn.Module):
-        return {check_tensor_name(n): t for n, t in model.items() if t.device.type != "meta"}, set()
+        return {check_tensor_name(n): _shaped(n, t) for n, t in model.items() if t.device.type != "meta"}, set()
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     known = {id(t) for t in (*params.values(), *buffers.values())}
@@ -61,7 +62,7 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
     kinds: set[str] = set()
     for name, t in params.items():
         if t.device.type != "meta":
-            out[check_tensor_name(canonical_name(name))] = t
+            out[check_tensor_name(canonical_name(name))] = _shaped(name, t)
     if len(out) != sum(
         t.device.type != "meta" for t in params.values()
     ):  # two names, one without _orig_mod: never merge them
@@ -73,7 +74,7 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
             continue
         if name in buffers and isinstance(value, torch.Tensor) and value is buffers[name]:
             if value.device.type != "meta":
-                out[check_tensor_name(canonical_name(name))] = value
+                out[check_tensor_name(canonical_name(name))] = _shaped(name, value)
                 kinds.add(canonical_name(name))
             continue
         if isinstance(value, torch.Tensor) and id(value) in known:
@@ -83,6 +84,12 @@ def named_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> tuple[di
             "shardstore saves parameters and buffers only, and refuses rather than drop it (SPEC.md §Buffers)"
         )
     return out, kinds
+
+
+def _shaped(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``, whose shape a manifest can hold (TensorMismatch naming it before anything is written)."""
+    check_shape(t.shape, f"tensor {name!r}")
+    return t
 
 
 def check_held(optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -173,3 +173,44 @@ def test_a_manifest_over_the_readers_limit_is_refused_before_it_is_written(
         if store.get(o)[:1] == b"{" and (store.object_size(o) > limit or b'"type":"shard"' in store.get(o))
     ] == []
     assert store.ref("main") == cid
+
+
+class _Seventeen(torch.nn.Module):
+    """A module whose one buffer has 17 dims: one more than any manifest holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ok = torch.nn.Parameter(torch.ones(2))
+        self.register_buffer("deep", torch.ones([1] * 17))
+
+
+class _Holds:
+    """An extra whose state is one tensor."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t = sd["t"]
+
+
+def test_a_tensor_of_more_dims_than_a_manifest_holds_is_refused_by_name_before_anything_is_written() -> None:
+    """``save`` of a 17-dim tensor (SPEC.md §Limits: 16) wrote its objects, then a shard manifest
+    its own decode check refused, naming only that manifest's object id: a typed error naming the
+    tensor now comes before any write, for a model, a mapping and an extra alike."""
+    store = ss.open_store(f"memory://limits-{uuid.uuid4().hex}")
+    deep = torch.ones([1] * 17)
+    cases = [
+        (lambda: ss.save(store, {"w": deep, "v": torch.ones(2)}, step=0, rng=False), "tensor 'w'"),
+        (lambda: ss.save(store, _Seventeen(), step=0, rng=False), "tensor 'deep'"),
+        (lambda: ss.save(store, {"v": torch.ones(2)}, step=0, rng=False, extra={"x": _Holds(deep)}), "'x'"),
+    ]
+    for save, named in cases:
+        with pytest.raises(ss.TensorMismatch, match=f"{named}.*shape \\[1(, 1){{16}}\\] is over the limits of 16 dims"):
+            save()
+        assert list(store.objects()) == [] and store.refs() == {}
+    ss.save(store, {"w": torch.ones([1] * 16)}, step=0, rng=False)  # the limit itself is stored
+    assert ss.verify(store).ok

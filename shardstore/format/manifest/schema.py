@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from ..names import GROUP_NAME_PATTERN, JOB_ID_PATTERN, OID_PATTERN, TENSOR_NAME_PATTERN
+from ..tensors import MAX_DIM, MAX_NDIM
 
 #: The base format version: the store config, pins, and every shard manifest, commit and
 #: learned-state document without a chunked payload. A manifest carries the lowest version
@@ -41,8 +42,6 @@ MAX_BLOCKS = 1 << 20
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_ENTRIES = 1_000_000
 MAX_SLOTS = 65_536
-MAX_NDIM = 16
-MAX_DIM = 2**48
 
 DTYPE_NAMES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 TRANSITIONS = ("init", "train", "repartition", "grow", "import")
