@@ -19,7 +19,7 @@ from ..format.rng import capture_rng
 from .extras import CapturedExtra, capture_extras
 from .module import check_held, named_state
 from .optim import ExportsState, OptimState, from_export, from_torch
-from .torch_optim import capture_torch, is_adam_form
+from .torch_optim import capture_torch, custom_group_keys, is_adam_form
 from .wrapped import check_captured, inner_optimizers, split_group_names
 
 __all__ = ["SlotState", "capture", "slot_tensors"]
@@ -85,7 +85,9 @@ def _capture_one(optimizer: Any, tensors: dict[str, torch.Tensor], group_names: 
     if isinstance(optimizer, ExportsState):
         return from_export(optimizer)
     by_tensor = {t: n for n, t in tensors.items()}
-    if isinstance(optimizer, torch.optim.Optimizer) and not is_adam_form(optimizer):
+    # an Adam with group keys its form does not hold is saved in the torch form; restored as any commit
+    # is, by the form the commit holds (use_torch_form), so older Adam-form commits still restore into it
+    if isinstance(optimizer, torch.optim.Optimizer) and (not is_adam_form(optimizer) or custom_group_keys(optimizer)):
         state = capture_torch(optimizer, by_tensor, group_names=group_names)
     else:
         state = from_torch(optimizer, by_tensor, group_names=group_names)

@@ -2,7 +2,8 @@
 
 Adam and AdamW keep their own canonical form (``optim.py``: groups of five F64
 hyperparameters, Adam age, two moments), unchanged. Every other ``torch.optim.Optimizer``
-(SGD with momentum, Adam with AMSGrad, Adagrad, RMSprop, Adafactor, ...) is held in the
+(SGD with momentum, Adam with AMSGrad, Adagrad, RMSprop, Adafactor, an Adam whose param groups
+hold keys of their own: ``custom_group_keys``, ...) is held in the
 *torch form*, algorithm ``torch``:
 
 - the optimizer's class (``module.qualname``), so that state is never installed into an
@@ -62,6 +63,7 @@ __all__ = [
     "REAL_PREFIX",
     "class_name",
     "is_adam_form",
+    "custom_group_keys",
     "capture_torch",
     "plan_torch_restore",
     "decode_value",
@@ -85,6 +87,20 @@ def class_name(optimizer: Any) -> str:
             f"optimizer class {name!r} is not a label (SPEC.md §Names); define it at module level"
         )
     return name
+
+
+#: Param group keys torch's LR schedulers add (their constructors set them again on a resume).
+_SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr"})
+
+
+def custom_group_keys(optimizer: Any) -> list[str]:
+    """Keys of a torch optimizer's param groups the Adam form would leave out and nothing sets again:
+    all but its own (``defaults``: the five numbers the form holds and the flags its construction
+    sets), ``params``, ``param_names``, the group's ``name`` and the LR schedulers' keys. An Adam or
+    AdamW with any (a user's ``lr_mult``, timm's ``lr_scale``) is saved in the torch form, which holds
+    every key: the Adam form would drop the value (SPEC.md §9)."""
+    known = set(getattr(optimizer, "defaults", {})) | {"params", "param_names", "name"} | _SCHEDULER_KEYS
+    return sorted({k for g in optimizer.param_groups for k in g} - known)
 
 
 def is_adam_form(optimizer: Any) -> bool:

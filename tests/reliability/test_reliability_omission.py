@@ -177,3 +177,39 @@ def test_a_frozen_parameter_without_optimizer_state_still_restores():
     assert torch.equal(
         opt2.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"]
     )
+
+
+def _stepped(lr_mult: float) -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW([{"params": model.parameters(), "lr_mult": lr_mult}], lr=0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_an_adam_group_key_of_its_own_is_kept_not_dropped() -> None:
+    """An AdamW param group's own key (a user's ``lr_mult``, timm's ``lr_scale``) was dropped by the
+    Adam form, which holds five numbers a group: saved as 0.25, restored as the live 0.5, without a
+    word. Such an optimizer is now held in the torch form, which holds every key (SPEC.md §9); one
+    whose extra keys are torch's and its schedulers' own keeps the Adam form and its ids; and an
+    Adam-form commit restores into an optimizer with such a key, leaving the key as it is."""
+    store = _store()
+    model, opt = _stepped(0.25)
+    cid = ss.save(store, model, opt, step=1, rng=False)
+    assert ss.load_commit(store, cid).commit.optimizer.algorithm == "torch"
+    model2, opt2 = _stepped(0.5)
+    ss.restore(store, cid, model2, opt2, rng=False)
+    assert opt2.param_groups[0]["lr_mult"] == 0.25
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+    plain = torch.nn.Linear(3, 2)
+    adamw = torch.optim.AdamW(plain.named_parameters(), lr=0.5)  # param_names: torch's own key
+    torch.optim.lr_scheduler.OneCycleLR(adamw, max_lr=1.0, total_steps=10)  # initial_lr, max_lr, ...: the scheduler's
+    old = ss.save(store, plain, adamw, step=0, rng=False)
+    assert ss.load_commit(store, old).commit.optimizer.algorithm == "adamw"
+    model3, opt3 = _stepped(0.5)
+    ss.restore(store, old, model3, opt3, rng=False)  # an Adam-form commit, into an optimizer with lr_mult
+    assert opt3.param_groups[0]["lr_mult"] == 0.5 and opt3.param_groups[0]["lr"] == adamw.param_groups[0]["lr"]
