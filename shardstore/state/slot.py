@@ -70,7 +70,12 @@ def capture(
         tensors = {n: tensors[n] for n in names}
     optim = OptimState()
     if inner:
-        full = _merge([_capture_one(o, tensors, g) for o, g in zip(inner, split_group_names(inner, group_names))])
+        # one Adam with group keys of its own puts every wrapped torch optimizer in the torch form: a commit
+        # holds one form, and the Adam form would drop that key (``_capture_one``)
+        torch_form = any(isinstance(o, torch.optim.Optimizer) and custom_group_keys(o) for o in inner)
+        full = _merge(
+            [_capture_one(o, tensors, g, torch_form) for o, g in zip(inner, split_group_names(inner, group_names))]
+        )
         params = {n: full.params[n] for n in tensors if n in full.params}
         used = {p.group for p in params.values()}
         groups, torch_groups = ({g: h for g, h in d.items() if g in used} for d in (full.groups, full.torch_groups))
@@ -80,14 +85,16 @@ def capture(
     )
 
 
-def _capture_one(optimizer: Any, tensors: dict[str, torch.Tensor], group_names: list[str] | None) -> OptimState:
+def _capture_one(
+    optimizer: Any, tensors: dict[str, torch.Tensor], group_names: list[str] | None, torch_form: bool = False
+) -> OptimState:
     """One (inner) optimizer's state for ``tensors``, held to its own ``state_dict()`` (``check_captured``)."""
     if isinstance(optimizer, ExportsState):
         return from_export(optimizer)
     by_tensor = {t: n for n, t in tensors.items()}
-    # an Adam with group keys its form does not hold is saved in the torch form; restored as any commit
+    # an Adam with group keys its form does not hold (torch_form: in it or beside it) is saved in the torch form; restored as any commit
     # is, by the form the commit holds (use_torch_form), so older Adam-form commits still restore into it
-    if isinstance(optimizer, torch.optim.Optimizer) and (not is_adam_form(optimizer) or custom_group_keys(optimizer)):
+    if isinstance(optimizer, torch.optim.Optimizer) and (not is_adam_form(optimizer) or torch_form):
         state = capture_torch(optimizer, by_tensor, group_names=group_names)
     else:
         state = from_torch(optimizer, by_tensor, group_names=group_names)
