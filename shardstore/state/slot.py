@@ -22,7 +22,7 @@ from .optim import ExportsState, OptimState, from_export, from_torch
 from .torch_optim import capture_torch, custom_group_keys, is_adam_form
 from .wrapped import check_captured, inner_optimizers, split_group_names
 
-__all__ = ["SlotState", "capture", "slot_tensors"]
+__all__ = ["SlotState", "capture", "slot_tensors", "wants_torch_form"]
 
 
 @dataclass
@@ -49,8 +49,12 @@ def capture(
     group_names: list[str] | None = None,
     births: dict[str, int] | None = None,
     extra: Mapping[str, Any] | None = None,
+    torch_form: bool = False,
 ) -> SlotState:
     """Reference (not copy) the named parameters, buffers and optimizer state one slot owns.
+
+    ``torch_form``: hold a torch Adam in the torch form even without group keys of its own (another
+    slot's Adam has some, ``wants_torch_form``: a commit holds one form).
 
     ``model`` is a module (its non-meta parameters and persistent buffers) or a name → tensor
     mapping; ``names`` restricts to a subset (to split one process's state into several
@@ -72,7 +76,7 @@ def capture(
     if inner:
         # one Adam with group keys of its own puts every wrapped torch optimizer in the torch form: a commit
         # holds one form, and the Adam form would drop that key (``_capture_one``)
-        torch_form = any(isinstance(o, torch.optim.Optimizer) and custom_group_keys(o) for o in inner)
+        torch_form = torch_form or any(isinstance(o, torch.optim.Optimizer) and custom_group_keys(o) for o in inner)
         full = _merge(
             [_capture_one(o, tensors, g, torch_form) for o, g in zip(inner, split_group_names(inner, group_names))]
         )
@@ -83,6 +87,16 @@ def capture(
     return SlotState(
         tensors, optim, capture_rng() if rng else {}, births, buffers & set(tensors), capture_extras(extra)
     )
+
+
+def wants_torch_form(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or one it wraps) is a torch optimizer with param group keys of its own,
+    which the Adam form would drop (``custom_group_keys``); False if it is not one ``capture`` takes."""
+    try:
+        inner = inner_optimizers(optimizer) if optimizer is not None else []
+        return any(isinstance(o, torch.optim.Optimizer) and bool(custom_group_keys(o)) for o in inner)
+    except Exception:  # noqa: BLE001 - capture raises it, naming it, where it is handled
+        return False
 
 
 def _capture_one(
