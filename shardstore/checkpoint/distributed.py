@@ -92,7 +92,12 @@ def torch_form_anywhere(group: Any, optimizer: Any) -> bool:
     stage whose Adam has such a key and one whose Adam has none would otherwise write slots of two
     forms, refused when the commit is written. One int each, every rank of ``group`` calls it."""
     t = torch.tensor([int(wants_torch_form(optimizer))], dtype=torch.int32).to(_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    except Exception as e:  # a peer died or the group timed out: as the protocol's phases report it
+        raise CommitProtocolError(
+            f"before the commit protocol: lost the process group ({type(e).__name__}: {e}); nothing was written"
+        ) from e
     return bool(t.item())
 
 
