@@ -122,11 +122,15 @@ class _EpochState:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.sampler.epoch}
 
-    def load_state_dict(self, sd: Any) -> None:
+    def check(self, sd: Any) -> None:
+        """StateMismatch unless ``sd`` is a DistributedSampler's epoch (before anything is written)."""
         epoch = sd.get("epoch") if isinstance(sd, dict) and set(sd) == {"epoch"} else None
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise StateMismatch(f"{self.where}: the stored state is not a DistributedSampler's ({{'epoch': int}})")
-        self.sampler.set_epoch(epoch)
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.check(sd)
+        self.sampler.set_epoch(sd["epoch"])
 
 
 def _samplers(loader: Any) -> dict[str, Any]:
@@ -213,6 +217,9 @@ class LoaderState:
                 f"DataLoader: stored sampler states at {sorted(samplers) if isinstance(samplers, dict) else samplers!r}, "
                 f"this loader has samplers with state at {sorted(self.samplers)}"
             )
+        for p, s in self.samplers.items() if "samplers" in sd else ():
+            if isinstance(s, _EpochState):  # a DistributedSampler's epoch: checked here, before the model's tensors
+                s.check(samplers[p])
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.check(sd)

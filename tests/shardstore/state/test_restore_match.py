@@ -7,6 +7,7 @@ name, and RNG is restored when the commit holds it (``shardstore/state/restore_m
 
 from __future__ import annotations
 
+import copy
 import random
 import re
 import uuid
@@ -214,6 +215,25 @@ def test_a_loaders_samplers_with_state_of_their_own_are_stored_with_it() -> None
     # one without any keeps the document it had (same commit ids as before)
     plain = DataLoader(data, shuffle=True, generator=torch.Generator().manual_seed(3))
     assert stateful(plain).state_dict().keys() == {"generators"}
+
+
+def test_a_stored_sampler_state_a_distributed_sampler_cannot_take_is_refused_before_any_write() -> None:
+    """A loader saved with a resumable sampler and restored into one with a DistributedSampler at
+    the same place: the stored state was found not to be an epoch only when the loader's state was
+    installed, after the model's tensors had been read into it."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    store, data = _store(), list(range(8))
+    sampler = _ResumableSampler(8)
+    sampler.pos = 5
+    cid = ss.save(store, _net(0), step=0, extra={"a": DataLoader(data, sampler=sampler)}, rng=False)
+    model = _net(1)
+    before = copy.deepcopy(model)
+    dist = DistributedSampler(data, num_replicas=2, rank=0, seed=3)
+    with pytest.raises(ss.StateMismatch, match=r"DataLoader.sampler: the stored state is not a DistributedSampler"):
+        ss.restore(store, cid, model, extra={"a": DataLoader(data, sampler=dist)}, rng=False)
+    assert _same(model, before) and dist.epoch == 0
 
 
 def test_a_loader_document_from_before_samplers_were_stored_still_restores() -> None:
