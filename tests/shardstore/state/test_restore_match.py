@@ -294,6 +294,34 @@ def test_a_loaders_dataset_with_state_of_its_own_is_stored_or_refused() -> None:
     assert store.ref("main") == cid
 
 
+def test_a_dataset_inside_accelerates_iterable_dataset_shard_has_its_state_stored() -> None:
+    """accelerate's ``prepare`` for several processes puts an iterable dataset inside an
+    ``IterableDatasetShard``, which has no ``state_dict()`` of its own: the dataset's state (its
+    position) was silently left out of the loader's extra, and the resumed loader started the data over."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    def prepared() -> tuple[_Counting, DataLoader]:
+        data = _Counting()
+        loader = prepare_data_loader(
+            DataLoader(data, batch_size=2),
+            num_processes=2,
+            process_index=0,
+            put_on_device=False,
+            dispatch_batches=False,
+        )
+        return data, loader
+
+    store = _store()
+    data, loader = prepared()
+    assert type(loader.dataset).__name__ == "IterableDatasetShard"
+    data.i = 4
+    cid = ss.save(store, _net(0), step=0, extra={"loader": loader}, rng=False)
+    data2, loader2 = prepared()
+    ss.restore(store, cid, _net(1), extra={"loader": loader2}, rng=False)
+    assert data2.i == 4
+
+
 def test_profile_reflects_what_the_commit_holds_unless_a_trainer_names_one(capsys: pytest.CaptureFixture[str]) -> None:
     from shardstore_cli.shardstore_cli import main
 
