@@ -51,7 +51,7 @@ from ..state.optim import ParamOpt
 from ..state.slot import SlotState, capture, slot_tensors
 from ..store import Store
 from ..store.tensors import WRITE_THREADS
-from .distributed import commit_state
+from .distributed import commit_state, torch_form_anywhere
 from .info import CommitInfo
 from .slots import AUTO, SaveCall, save_slots
 
@@ -227,7 +227,8 @@ class AsyncSaver:
                 "AsyncSaver.save_distributed needs a process group of its own (dist.new_group), not the default group"
             )
         self._collect()
-        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names))
+        torch_form = torch_form_anywhere(group, optimizer)  # every rank's Adam in one form
+        snap = self._snapshot(capture(model, optimizer, rng=rng, group_names=group_names, torch_form=torch_form))
 
         def run() -> str:
             cid = commit_state(

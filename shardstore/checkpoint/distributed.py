@@ -34,7 +34,7 @@ from ..errors import CommitProtocolError
 from ..format.manifest import ExtraEntry
 from ..sharded.dtensor import write_dtensors
 from ..state.extras import capture_extras, write_extras
-from ..state.slot import SlotState, capture
+from ..state.slot import SlotState, capture, wants_torch_form
 from ..store import Store
 from ..store.tensors import WRITE_THREADS
 from .info import CommitInfo, check_info
@@ -84,6 +84,21 @@ def _broadcast(group: Any, status: int, oid: str | None) -> tuple[int, str | Non
     t = _pack(status, oid).to(dev)
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return _unpack(t)
+
+
+def torch_form_anywhere(group: Any, optimizer: Any) -> bool:
+    """Whether any rank's optimizer is an Adam with param group keys of its own (``wants_torch_form``),
+    so that every rank holds its Adam in the torch form: a commit holds one optimizer form, and a
+    stage whose Adam has such a key and one whose Adam has none would otherwise write slots of two
+    forms, refused when the commit is written. One int each, every rank of ``group`` calls it."""
+    t = torch.tensor([int(wants_torch_form(optimizer))], dtype=torch.int32).to(_device(group))
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    except Exception as e:  # a peer died or the group timed out: as the protocol's phases report it
+        raise CommitProtocolError(
+            f"before the commit protocol: lost the process group ({type(e).__name__}: {e}); nothing was written"
+        ) from e
+    return bool(t.item())
 
 
 def _phase(
@@ -155,9 +170,10 @@ def save_distributed(
     blocks by the block exchange (``dtensor.write_dtensors``, SPEC.md §Block exchange):
     never gathered, each block hashed and written by one rank.
     """
+    torch_form = torch_form_anywhere(group, optimizer)
     return commit_state(
         store,
-        lambda: capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra),
+        lambda: capture(model, optimizer, rng=rng, group_names=group_names, extra=slot_extra, torch_form=torch_form),
         info=info, group=group, ref=ref, parent=parent, threads=threads, extra=extra,
     )  # fmt: skip
 

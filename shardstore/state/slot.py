@@ -22,7 +22,7 @@ from .optim import ExportsState, OptimState, from_export, from_torch
 from .torch_optim import capture_torch, custom_group_keys, is_adam_form
 from .wrapped import check_captured, inner_optimizers, split_group_names
 
-__all__ = ["SlotState", "capture", "slot_tensors"]
+__all__ = ["SlotState", "capture", "slot_tensors", "wants_torch_form"]
 
 
 @dataclass
@@ -49,8 +49,12 @@ def capture(
     group_names: list[str] | None = None,
     births: dict[str, int] | None = None,
     extra: Mapping[str, Any] | None = None,
+    torch_form: bool = False,
 ) -> SlotState:
     """Reference (not copy) the named parameters, buffers and optimizer state one slot owns.
+
+    ``torch_form``: hold a torch Adam in the torch form even without group keys of its own (another
+    slot's Adam has some, ``wants_torch_form``: a commit holds one form).
 
     ``model`` is a module (its non-meta parameters and persistent buffers) or a name → tensor
     mapping; ``names`` restricts to a subset (to split one process's state into several
@@ -70,7 +74,12 @@ def capture(
         tensors = {n: tensors[n] for n in names}
     optim = OptimState()
     if inner:
-        full = _merge([_capture_one(o, tensors, g) for o, g in zip(inner, split_group_names(inner, group_names))])
+        # one Adam with group keys of its own puts every wrapped torch optimizer in the torch form: a commit
+        # holds one form, and the Adam form would drop that key (``_capture_one``)
+        torch_form = torch_form or any(isinstance(o, torch.optim.Optimizer) and custom_group_keys(o) for o in inner)
+        full = _merge(
+            [_capture_one(o, tensors, g, torch_form) for o, g in zip(inner, split_group_names(inner, group_names))]
+        )
         params = {n: full.params[n] for n in tensors if n in full.params}
         used = {p.group for p in params.values()}
         groups, torch_groups = ({g: h for g, h in d.items() if g in used} for d in (full.groups, full.torch_groups))
@@ -80,14 +89,26 @@ def capture(
     )
 
 
-def _capture_one(optimizer: Any, tensors: dict[str, torch.Tensor], group_names: list[str] | None) -> OptimState:
+def wants_torch_form(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or one it wraps) is a torch optimizer with param group keys of its own,
+    which the Adam form would drop (``custom_group_keys``); False if it is not one ``capture`` takes."""
+    try:
+        inner = inner_optimizers(optimizer) if optimizer is not None else []
+        return any(isinstance(o, torch.optim.Optimizer) and bool(custom_group_keys(o)) for o in inner)
+    except Exception:  # noqa: BLE001 - capture raises it, naming it, where it is handled
+        return False
+
+
+def _capture_one(
+    optimizer: Any, tensors: dict[str, torch.Tensor], group_names: list[str] | None, torch_form: bool = False
+) -> OptimState:
     """One (inner) optimizer's state for ``tensors``, held to its own ``state_dict()`` (``check_captured``)."""
     if isinstance(optimizer, ExportsState):
         return from_export(optimizer)
     by_tensor = {t: n for n, t in tensors.items()}
-    # an Adam with group keys its form does not hold is saved in the torch form; restored as any commit
+    # an Adam with group keys its form does not hold (torch_form: in it or beside it) is saved in the torch form; restored as any commit
     # is, by the form the commit holds (use_torch_form), so older Adam-form commits still restore into it
-    if isinstance(optimizer, torch.optim.Optimizer) and (not is_adam_form(optimizer) or custom_group_keys(optimizer)):
+    if isinstance(optimizer, torch.optim.Optimizer) and (not is_adam_form(optimizer) or torch_form):
         state = capture_torch(optimizer, by_tensor, group_names=group_names)
     else:
         state = from_torch(optimizer, by_tensor, group_names=group_names)

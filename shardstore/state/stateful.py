@@ -42,6 +42,7 @@ else one of the adapters below, else the object (which the caller then refuses).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -122,11 +123,15 @@ class _EpochState:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.sampler.epoch}
 
-    def load_state_dict(self, sd: Any) -> None:
+    def check(self, sd: Any) -> None:
+        """StateMismatch unless ``sd`` is a DistributedSampler's epoch (before anything is written)."""
         epoch = sd.get("epoch") if isinstance(sd, dict) and set(sd) == {"epoch"} else None
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise StateMismatch(f"{self.where}: the stored state is not a DistributedSampler's ({{'epoch': int}})")
-        self.sampler.set_epoch(epoch)
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.check(sd)
+        self.sampler.set_epoch(sd["epoch"])
 
 
 def _samplers(loader: Any) -> dict[str, Any]:
@@ -157,7 +162,7 @@ class LoaderState:
         self.loader = loader
         self.parts = {p: GeneratorState(g, f"DataLoader.{p}") for p, g in _generators(loader).items()}
         self.samplers = _samplers(loader)
-        dataset = getattr(loader, "dataset", None)
+        dataset = _unsharded(getattr(loader, "dataset", None))
         has = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
         self.dataset = dataset if has else None
         # accelerate's loaders count epochs in ``iteration`` and hand it to the sampler's set_epoch
@@ -213,6 +218,9 @@ class LoaderState:
                 f"DataLoader: stored sampler states at {sorted(samplers) if isinstance(samplers, dict) else samplers!r}, "
                 f"this loader has samplers with state at {sorted(self.samplers)}"
             )
+        for p, s in self.samplers.items() if "samplers" in sd else ():
+            if isinstance(s, _EpochState):  # a DistributedSampler's epoch: checked here, before the model's tensors
+                s.check(samplers[p])
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.check(sd)
@@ -225,6 +233,17 @@ class LoaderState:
         if "dataset" in sd:
             assert self.dataset is not None  # checked: a stored dataset state needs a dataset to take it
             self.dataset.load_state_dict(sd["dataset"])
+
+
+def _unsharded(dataset: Any) -> Any:
+    """The dataset whose state a loader's position is: accelerate's ``IterableDatasetShard`` (what
+    ``prepare`` puts around an iterable dataset for several processes) holds none of its own, and
+    iterates the dataset it wraps, whose state it is."""
+    shards = sys.modules.get("accelerate.data_loader")
+    shard_type = getattr(shards, "IterableDatasetShard", None)
+    if isinstance(shard_type, type) and isinstance(dataset, shard_type):
+        return getattr(dataset, "dataset", None)
+    return dataset
 
 
 def _label(obj: Any) -> str:

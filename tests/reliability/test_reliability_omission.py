@@ -213,3 +213,38 @@ def test_an_adam_group_key_of_its_own_is_kept_not_dropped() -> None:
     model3, opt3 = _stepped(0.5)
     ss.restore(store, old, model3, opt3, rng=False)  # an Adam-form commit, into an optimizer with lr_mult
     assert opt3.param_groups[0]["lr_mult"] == 0.5 and opt3.param_groups[0]["lr"] == adamw.param_groups[0]["lr"]
+
+
+class _Optimizers:
+    """A container of optimizers (the shape of torchtitan's ``OptimizersContainer``)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+
+def _two_adamw(lr_mult: float) -> tuple[torch.nn.Sequential, _Optimizers]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    backbone = torch.optim.AdamW([{"params": model[0].parameters(), "lr_mult": lr_mult}], lr=0.5)
+    head = torch.optim.AdamW(model[1].parameters(), lr=0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    backbone.step()
+    head.step()
+    return model, _Optimizers([backbone, head])
+
+
+def test_a_wrapper_of_adams_one_with_a_group_key_of_its_own_is_saved_whole() -> None:
+    """Two AdamW in one wrapper, one with a group key of its own (``lr_mult``): that one went to the
+    torch form and the other to the Adam form, and the save was refused as optimizers "of different
+    kinds", where it had saved before. Both are held in the torch form, and restore as they were."""
+    store = _store()
+    model, opts = _two_adamw(0.25)
+    cid = ss.save(store, model, opts, step=1, rng=False)
+    assert ss.load_commit(store, cid).commit.optimizer.algorithm == "torch"
+    model2, opts2 = _two_adamw(0.5)
+    ss.restore(store, cid, model2, opts2, rng=False)
+    assert opts2.optimizers[0].param_groups[0]["lr_mult"] == 0.25
+    for o, o2 in zip(opts.optimizers, opts2.optimizers):
+        for p, q in zip(o.param_groups[0]["params"], o2.param_groups[0]["params"]):
+            assert torch.equal(p, q)
+            assert all(torch.equal(o.state[p][k], o2.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))

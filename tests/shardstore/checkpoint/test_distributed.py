@@ -89,6 +89,15 @@ def _worker(rank: int, world: int, port: int, root: str, scenario: str, out: str
                 ss.save_distributed(store, mine, opt, info=ss.CommitInfo(step=2))
             elif scenario == "disagree":
                 ss.agree_on_commit(store, "a" if rank == 0 else "b")
+            elif scenario == "group_key":  # one stage's AdamW has a group key of its own, the other's has none
+                params = [p for n, p in model.named_parameters() if n in mine]
+                adamw = torch.optim.AdamW([{"params": params, **({"lr_mult": 0.25} if rank == 0 else {})}], lr=0.5)
+                model(torch.ones(1, 4)).sum().backward()
+                adamw.step()
+                stage = [f"stage{rank}"]  # each stage names its group
+                result["commit"] = ss.save_distributed(
+                    store, mine, adamw, info=ss.CommitInfo(step=1), rng=False, group_names=stage
+                )
         except ss.ShardstoreError as e:
             result["error"] = type(e).__name__
             result["message"] = str(e)
@@ -451,3 +460,21 @@ def test_a_memory_tier_keeps_the_dtensor_blocks_its_rank_holds_whole_that_anothe
     # tensor rank 0 records it kept from its own bytes, hashed
     assert got[1]["missing"] == ["tensor 'odd', parameter", "tensor 'small', parameter"]
     assert all(g["holds"] and g["holds_buddys"] and g["kept"] > 0 for g in got), got
+
+
+def test_ranks_whose_adams_differ_in_a_group_key_of_their_own_commit_it(tmp_path):
+    """Pipeline stages whose AdamW groups differ in a key of their own (``lr_mult`` on one stage):
+    that rank saved the torch form, the other the Adam form, and every rank's save was refused
+    (slots of different algorithms), where it had committed before. Every rank saves the torch
+    form, and each stage's key and state restore."""
+    root, results = _run(tmp_path, "group_key")
+    assert "error" not in results[0], results[0]
+    cid = results[0]["commit"]
+    assert results[1]["commit"] == cid
+    store = ss.open_store(root)
+    assert ss.load_commit(store, cid).commit.optimizer.algorithm == "torch"
+    model = TinyNet()
+    stage0 = {n: p for n, p in model.named_parameters() if n in _owned(model, 0)}  # rank 0's stage, as saved
+    adamw = torch.optim.AdamW([{"params": list(stage0.values()), "lr_mult": 0.5}], lr=0.5)
+    ss.restore(store, cid, stage0, adamw, slot=0, rng=False, group_names=["stage0"])
+    assert adamw.param_groups[0]["lr_mult"] == 0.25 and len(adamw.state) == len(stage0)

@@ -7,6 +7,7 @@ name, and RNG is restored when the commit holds it (``shardstore/state/restore_m
 
 from __future__ import annotations
 
+import copy
 import random
 import re
 import uuid
@@ -216,6 +217,25 @@ def test_a_loaders_samplers_with_state_of_their_own_are_stored_with_it() -> None
     assert stateful(plain).state_dict().keys() == {"generators"}
 
 
+def test_a_stored_sampler_state_a_distributed_sampler_cannot_take_is_refused_before_any_write() -> None:
+    """A loader saved with a resumable sampler and restored into one with a DistributedSampler at
+    the same place: the stored state was found not to be an epoch only when the loader's state was
+    installed, after the model's tensors had been read into it."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    store, data = _store(), list(range(8))
+    sampler = _ResumableSampler(8)
+    sampler.pos = 5
+    cid = ss.save(store, _net(0), step=0, extra={"a": DataLoader(data, sampler=sampler)}, rng=False)
+    model = _net(1)
+    before = copy.deepcopy(model)
+    dist = DistributedSampler(data, num_replicas=2, rank=0, seed=3)
+    with pytest.raises(ss.StateMismatch, match=r"DataLoader.sampler: the stored state is not a DistributedSampler"):
+        ss.restore(store, cid, model, extra={"a": DataLoader(data, sampler=dist)}, rng=False)
+    assert _same(model, before) and dist.epoch == 0
+
+
 def test_a_loader_document_from_before_samplers_were_stored_still_restores() -> None:
     """A commit written before a loader's samplers and dataset were stored has a document of its
     generators alone: restoring it into a loader with a DistributedSampler and a dataset with state
@@ -272,6 +292,34 @@ def test_a_loaders_dataset_with_state_of_its_own_is_stored_or_refused() -> None:
     with pytest.raises(ss.UnsupportedState, match="num_workers > 0"):
         ss.save(store, _net(0), step=1, extra={"loader": DataLoader(_Counting(), batch_size=2, num_workers=1)})
     assert store.ref("main") == cid
+
+
+def test_a_dataset_inside_accelerates_iterable_dataset_shard_has_its_state_stored() -> None:
+    """accelerate's ``prepare`` for several processes puts an iterable dataset inside an
+    ``IterableDatasetShard``, which has no ``state_dict()`` of its own: the dataset's state (its
+    position) was silently left out of the loader's extra, and the resumed loader started the data over."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    def prepared() -> tuple[_Counting, DataLoader]:
+        data = _Counting()
+        loader = prepare_data_loader(
+            DataLoader(data, batch_size=2),
+            num_processes=2,
+            process_index=0,
+            put_on_device=False,
+            dispatch_batches=False,
+        )
+        return data, loader
+
+    store = _store()
+    data, loader = prepared()
+    assert type(loader.dataset).__name__ == "IterableDatasetShard"
+    data.i = 4
+    cid = ss.save(store, _net(0), step=0, extra={"loader": loader}, rng=False)
+    data2, loader2 = prepared()
+    ss.restore(store, cid, _net(1), extra={"loader": loader2}, rng=False)
+    assert data2.i == 4
 
 
 def test_profile_reflects_what_the_commit_holds_unless_a_trainer_names_one(capsys: pytest.CaptureFixture[str]) -> None:
