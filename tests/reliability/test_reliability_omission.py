@@ -188,6 +188,13 @@ def _stepped(lr_mult: float) -> tuple[torch.nn.Module, torch.optim.AdamW]:
     return model, opt
 
 
+def _same_adam(opt, opt2, params, params2) -> None:
+    """Each parameter of ``params2`` equals its counterpart of ``params``, and so does its Adam state."""
+    for p, q in zip(params, params2):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
 def test_an_adam_group_key_of_its_own_is_kept_not_dropped() -> None:
     """An AdamW param group's own key (a user's ``lr_mult``, timm's ``lr_scale``) was dropped by the
     Adam form, which holds five numbers a group: saved as 0.25, restored as the live 0.5, without a
@@ -201,9 +208,7 @@ def test_an_adam_group_key_of_its_own_is_kept_not_dropped() -> None:
     model2, opt2 = _stepped(0.5)
     ss.restore(store, cid, model2, opt2, rng=False)
     assert opt2.param_groups[0]["lr_mult"] == 0.25
-    for p, q in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(p, q)
-        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    _same_adam(opt, opt2, model.parameters(), model2.parameters())
 
     plain = torch.nn.Linear(3, 2)
     adamw = torch.optim.AdamW(plain.named_parameters(), lr=0.5)  # param_names: torch's own key
@@ -245,6 +250,4 @@ def test_a_wrapper_of_adams_one_with_a_group_key_of_its_own_is_saved_whole() -> 
     ss.restore(store, cid, model2, opts2, rng=False)
     assert opts2.optimizers[0].param_groups[0]["lr_mult"] == 0.25
     for o, o2 in zip(opts.optimizers, opts2.optimizers):
-        for p, q in zip(o.param_groups[0]["params"], o2.param_groups[0]["params"]):
-            assert torch.equal(p, q)
-            assert all(torch.equal(o.state[p][k], o2.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+        _same_adam(o, o2, o.param_groups[0]["params"], o2.param_groups[0]["params"])
