@@ -75,6 +75,19 @@ def any_store(request, tmp_path) -> ss.Store:
     return ss.open_store(f"memory://shardstore-tests/{uuid.uuid4().hex}")
 
 
+class TensorHolder:
+    """An extra (``state_dict()`` / ``load_state_dict()``) whose state is one tensor."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t = sd["t"]
+
+
 class TinyNet(torch.nn.Module):
     """A few layers with 1-D and 2-D parameters, enough for two optimizer groups."""
 

@@ -94,9 +94,10 @@ def torch_form_anywhere(group: Any, optimizer: Any) -> bool:
     t = torch.tensor([int(wants_torch_form(optimizer))], dtype=torch.int32).to(_device(group))
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    except Exception as e:  # a peer died or the group timed out: as the protocol's phases report it
+    except Exception as e:  # a peer died or the group timed out: reported as the protocol's phases report it
         raise CommitProtocolError(
-            f"before the commit protocol: lost the process group ({type(e).__name__}: {e}); nothing was written"
+            f"commit protocol phase 'agree on the optimizer form' (before 'read parent'): lost the process group "
+            f"({type(e).__name__}: {e}); nothing was written and the ref was not moved"
         ) from e
     return bool(t.item())
 

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from conftest import TensorHolder
 
 import shardstore as ss
 from shardstore.format.manifest import ExtraEntry, StateScalar
@@ -184,19 +185,6 @@ class _Seventeen(torch.nn.Module):
         self.register_buffer("deep", torch.ones([1] * 17))
 
 
-class _Holds:
-    """An extra whose state is one tensor."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def state_dict(self) -> dict:
-        return {"t": self.t}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.t = sd["t"]
-
-
 def test_a_tensor_of_more_dims_than_a_manifest_holds_is_refused_by_name_before_anything_is_written() -> None:
     """``save`` of a 17-dim tensor (SPEC.md §Limits: 16) wrote its objects, then a shard manifest
     its own decode check refused, naming only that manifest's object id: a typed error naming the
@@ -206,7 +194,7 @@ def test_a_tensor_of_more_dims_than_a_manifest_holds_is_refused_by_name_before_a
     cases = [
         (lambda: ss.save(store, {"w": deep, "v": torch.ones(2)}, step=0, rng=False), "tensor 'w'"),
         (lambda: ss.save(store, _Seventeen(), step=0, rng=False), "tensor 'deep'"),
-        (lambda: ss.save(store, {"v": torch.ones(2)}, step=0, rng=False, extra={"x": _Holds(deep)}), "'x'"),
+        (lambda: ss.save(store, {"v": torch.ones(2)}, step=0, rng=False, extra={"x": TensorHolder(deep)}), "'x'"),
     ]
     for save, named in cases:
         with pytest.raises(ss.TensorMismatch, match=f"{named}.*shape \\[1(, 1){{16}}\\] is over the limits of 16 dims"):

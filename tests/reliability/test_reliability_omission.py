@@ -188,22 +188,34 @@ def _stepped(lr_mult: float) -> tuple[torch.nn.Module, torch.optim.AdamW]:
     return model, opt
 
 
+def _same_adam(opt, opt2, params, params2) -> None:
+    """Each parameter of ``params2`` equals its counterpart of ``params``, and so does its Adam state."""
+    for p, q in zip(params, params2):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def _round_trip(build):
+    """(the store, what ``build(0.25)`` made and was saved, what ``build(0.5)`` made and the commit was
+    restored into): a model and optimizer whose group key ``lr_mult`` is held in the torch form."""
+    store = _store()
+    saved = build(0.25)
+    cid = ss.save(store, *saved, step=1, rng=False)
+    assert ss.load_commit(store, cid).commit.optimizer.algorithm == "torch"
+    into = build(0.5)
+    ss.restore(store, cid, *into, rng=False)
+    return store, saved, into
+
+
 def test_an_adam_group_key_of_its_own_is_kept_not_dropped() -> None:
     """An AdamW param group's own key (a user's ``lr_mult``, timm's ``lr_scale``) was dropped by the
     Adam form, which holds five numbers a group: saved as 0.25, restored as the live 0.5, without a
     word. Such an optimizer is now held in the torch form, which holds every key (SPEC.md §9); one
     whose extra keys are torch's and its schedulers' own keeps the Adam form and its ids; and an
     Adam-form commit restores into an optimizer with such a key, leaving the key as it is."""
-    store = _store()
-    model, opt = _stepped(0.25)
-    cid = ss.save(store, model, opt, step=1, rng=False)
-    assert ss.load_commit(store, cid).commit.optimizer.algorithm == "torch"
-    model2, opt2 = _stepped(0.5)
-    ss.restore(store, cid, model2, opt2, rng=False)
+    store, (model, opt), (model2, opt2) = _round_trip(_stepped)
     assert opt2.param_groups[0]["lr_mult"] == 0.25
-    for p, q in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(p, q)
-        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    _same_adam(opt, opt2, model.parameters(), model2.parameters())
 
     plain = torch.nn.Linear(3, 2)
     adamw = torch.optim.AdamW(plain.named_parameters(), lr=0.5)  # param_names: torch's own key
@@ -237,14 +249,7 @@ def test_a_wrapper_of_adams_one_with_a_group_key_of_its_own_is_saved_whole() -> 
     """Two AdamW in one wrapper, one with a group key of its own (``lr_mult``): that one went to the
     torch form and the other to the Adam form, and the save was refused as optimizers "of different
     kinds", where it had saved before. Both are held in the torch form, and restore as they were."""
-    store = _store()
-    model, opts = _two_adamw(0.25)
-    cid = ss.save(store, model, opts, step=1, rng=False)
-    assert ss.load_commit(store, cid).commit.optimizer.algorithm == "torch"
-    model2, opts2 = _two_adamw(0.5)
-    ss.restore(store, cid, model2, opts2, rng=False)
+    _, (model, opts), (model2, opts2) = _round_trip(_two_adamw)
     assert opts2.optimizers[0].param_groups[0]["lr_mult"] == 0.25
     for o, o2 in zip(opts.optimizers, opts2.optimizers):
-        for p, q in zip(o.param_groups[0]["params"], o2.param_groups[0]["params"]):
-            assert torch.equal(p, q)
-            assert all(torch.equal(o.state[p][k], o2.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+        _same_adam(o, o2, o.param_groups[0]["params"], o2.param_groups[0]["params"])

@@ -20,6 +20,7 @@ from chunk_vectors import (
     saved,
     slot_state,
 )
+from conftest import TensorHolder
 
 import shardstore as ss
 from shardstore.format.manifest import encode
@@ -115,32 +116,19 @@ def test_forged_state_payloads_are_refused_naming_tensor_and_state_key():
     assert "optimizer state 'momentum_buffer' block 1" in str(report.problems[0])
 
 
-class Holder:
-    """An extra whose state is one tensor bigger than a block."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def state_dict(self) -> dict:
-        return {"t": self.t}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.t = sd["t"]
-
-
 def test_a_large_extra_tensor_is_one_object_and_a_large_buffer_is_chunked():
     store = ss.open_store(f"memory://state-{uuid.uuid4().hex}")
     model = torch.nn.Linear(4, 2)
     model.register_buffer("table", torch.arange(3 * COLS, dtype=torch.float32).reshape(3, COLS))  # 6 MiB
-    big = torch.arange(2 * COLS * 3, dtype=torch.float32)  # 12 MiB
-    cid = ss.save(store, model, step=0, rng=False, extra={"holder": Holder(big)})
+    big = torch.arange(2 * COLS * 3, dtype=torch.float32)  # 12 MiB: an extra's one tensor bigger than a block
+    cid = ss.save(store, model, step=0, rng=False, extra={"holder": TensorHolder(big)})
     lc = ss.load_commit(store, cid)
     assert lc.entries()["table"].kind == "buffer" and len(lc.entries()["table"].param) == 2
     (x,) = lc.commit.extras
     assert (
         isinstance(x.tensors[0].object, str) and lc.commit.version == 4
     )  # extras' tensors are one object; the buffer is on tiles
-    back, holder = torch.nn.Linear(4, 2), Holder(torch.empty(0))
+    back, holder = torch.nn.Linear(4, 2), TensorHolder(torch.empty(0))
     back.register_buffer("table", torch.zeros(3, COLS))
     ss.restore(store, cid, back, extra={"holder": holder})
     assert torch.equal(back.table, model.table) and torch.equal(holder.t, big)
