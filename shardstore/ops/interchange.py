@@ -163,7 +163,7 @@ def export_commit(
                 if e.optim is not None and e.optim.moment_dtype is not None and getattr(e.optim, role) is not None
             ]
         sets.update(_state_sets(lc, entries))
-    for prefix, items in sets.items():  # as for a DCP commit's keys (_dcp_items), before anything is created
+    for prefix, items in sets.items():  # every set's, a DCP commit's keys too, before anything is created
         if any(it.name == "__metadata__" for it in items):
             raise StateMismatch(
                 f"tensor '__metadata__' of commit {lc.id} cannot be exported to {prefix}.safetensors: safetensors "
@@ -237,7 +237,7 @@ def _dcp_items(store: Store, lc: Any) -> list[_Item]:
         raise ManifestError(f"{what}: {problems[0]} (SPEC.md §9.4)")
     items = sorted((fqn, item) for fqn, item in doc.items.items() if isinstance(item, TensorItem))
     for fqn, item in items:
-        problem = "safetensors reserves the key for its header" if fqn == "__metadata__" else tiling_problem(item)
+        problem = tiling_problem(item)  # a key named __metadata__ is refused with every other set's (export_commit)
         if problem is not None:
             raise StateMismatch(
                 f"DCP tensor {fqn!r} of commit {lc.id} cannot be exported whole: {problem} (SPEC.md §19.2); "
