@@ -76,7 +76,7 @@ def capture(
     if inner:
         # one Adam with group keys of its own puts every wrapped torch optimizer in the torch form: a commit
         # holds one form, and the Adam form would drop that key (``_capture_one``)
-        torch_form = torch_form or any(isinstance(o, torch.optim.Optimizer) and custom_group_keys(o) for o in inner)
+        torch_form = torch_form or _has_custom_keys(inner)
         full = _merge(
             [_capture_one(o, tensors, g, torch_form) for o, g in zip(inner, split_group_names(inner, group_names))]
         )
@@ -93,10 +93,14 @@ def wants_torch_form(optimizer: Any) -> bool:
     """Whether ``optimizer`` (or one it wraps) is a torch optimizer with param group keys of its own,
     which the Adam form would drop (``custom_group_keys``); False if it is not one ``capture`` takes."""
     try:
-        inner = inner_optimizers(optimizer) if optimizer is not None else []
-        return any(isinstance(o, torch.optim.Optimizer) and bool(custom_group_keys(o)) for o in inner)
+        return _has_custom_keys(inner_optimizers(optimizer) if optimizer is not None else [])
     except Exception:  # noqa: BLE001 - capture raises it, naming it, where it is handled
         return False
+
+
+def _has_custom_keys(inner: list[Any]) -> bool:
+    """Whether one of these (inner) optimizers is a torch optimizer with group keys of its own."""
+    return any(isinstance(o, torch.optim.Optimizer) and bool(custom_group_keys(o)) for o in inner)
 
 
 def _capture_one(
@@ -106,8 +110,8 @@ def _capture_one(
     if isinstance(optimizer, ExportsState):
         return from_export(optimizer)
     by_tensor = {t: n for n, t in tensors.items()}
-    # an Adam with group keys its form does not hold (torch_form: in it or beside it) is saved in the torch form; restored as any commit
-    # is, by the form the commit holds (use_torch_form), so older Adam-form commits still restore into it
+    # an Adam with group keys its form does not hold (torch_form: in it or beside it) is saved in the torch
+    # form; a commit restores by the form it holds (use_torch_form), so older Adam-form commits still do
     if isinstance(optimizer, torch.optim.Optimizer) and (not is_adam_form(optimizer) or torch_form):
         state = capture_torch(optimizer, by_tensor, group_names=group_names)
     else:
