@@ -91,14 +91,22 @@ class GeneratorState:
         self.generator.set_state(sd["state"])
 
 
+def _at_paths(loader: Any, paths: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(path, the object at that dotted attribute path of ``loader``, None where it has none) for each path."""
+    out = []
+    for path in paths:
+        obj: Any = loader
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+        out.append((path, obj))
+    return out
+
+
 def _generators(loader: Any) -> dict[str, torch.Generator]:
     """Each distinct generator of ``loader`` under the first path it is found at (``DataLoader(shuffle=True,
     generator=g)`` hands ``g`` to its ``RandomSampler``: one generator, stored once, as ``generator``)."""
     out: dict[str, torch.Generator] = {}
-    for path in _LOADER_PATHS:
-        obj: Any = loader
-        for attr in path.split("."):
-            obj = getattr(obj, attr, None)
+    for path, obj in _at_paths(loader, _LOADER_PATHS):
         if isinstance(obj, torch.Generator) and all(obj is not g for g in out.values()):
             out[path] = obj
     return out
@@ -140,10 +148,7 @@ def _samplers(loader: Any) -> dict[str, Any]:
     ``DistributedSampler`` as its epoch (``_EpochState``); samplers without state are left out."""
     out: dict[str, Any] = {}
     seen: list[Any] = []
-    for path in _SAMPLER_PATHS:
-        obj: Any = loader
-        for attr in path.split("."):
-            obj = getattr(obj, attr, None)
+    for path, obj in _at_paths(loader, _SAMPLER_PATHS):
         if obj is None or any(obj is s for s in seen):
             continue
         seen.append(obj)
